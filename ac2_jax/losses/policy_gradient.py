@@ -1,0 +1,64 @@
+"""Group advantages and the clipped policy-gradient loss (pure, jit-able)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def group_advantages(rewards: jax.Array, group_ids: jax.Array,
+                     normalize_std: bool = False, eps: float = 1e-6) -> jax.Array:
+    """A = R - mean(R of the group) [/ std of the group].
+
+    rewards: [B] float; group_ids: [B] int in [0, B). Returns [B].
+    """
+    rewards = rewards.astype(jnp.float32)
+    n = rewards.shape[0]
+    counts = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_segments=n)
+    means = jax.ops.segment_sum(rewards, group_ids, num_segments=n) / jnp.maximum(counts, 1.0)
+    centered = rewards - means[group_ids]
+    if not normalize_std:
+        return centered
+    var = jax.ops.segment_sum(centered**2, group_ids, num_segments=n) / jnp.maximum(counts, 1.0)
+    return centered / (jnp.sqrt(var)[group_ids] + eps)
+
+
+def _clip_range(clip_eps):
+    if isinstance(clip_eps, (tuple, list)):
+        low, high = clip_eps
+    else:
+        low = high = clip_eps
+    return 1.0 - low, 1.0 + high
+
+
+def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, sampler_logp: jax.Array,
+                         advantages: jax.Array, mask: jax.Array,
+                         clip_eps: float | tuple[float, float] = 0.2,
+                         tis_cap: float | None = 2.0) -> jax.Array:
+    """Per-token PPO-clip loss with truncated importance weights.
+
+    l_t = -min(r_t A_t, clip(r_t, 1-eps_lo, 1+eps_hi) A_t) * w_t, with
+    r_t = exp(logp - old_logp) and w_t = min(exp(old_logp - sampler_logp), tis_cap)
+    (no gradient; corrects sampler/learner mismatch; tis_cap=None disables).
+    All inputs [..., L]; `clip_eps` may be (low, high). Returns [..., L],
+    zero where mask == 0 (aggregate with `aggregate_loss`).
+    """
+    lo, hi = _clip_range(clip_eps)
+    ratio = jnp.exp(logp - old_logp)
+    loss = -jnp.minimum(ratio * advantages, jnp.clip(ratio, lo, hi) * advantages)
+    if tis_cap is not None:
+        w = jnp.minimum(jnp.exp(old_logp - sampler_logp), tis_cap)
+        loss = loss * jax.lax.stop_gradient(w)
+    return jnp.where(mask > 0, loss, 0.0)
+
+
+def policy_gradient_metrics(logp, old_logp, sampler_logp, mask, clip_eps=0.2) -> dict:
+    """Token-mean diagnostics: clip fraction and KL(sampler || learner) estimate."""
+    lo, hi = _clip_range(clip_eps)
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+    ratio = jnp.exp(logp - old_logp)
+    clipped = ((ratio < lo) | (ratio > hi)).astype(jnp.float32)
+    log_r = logp - sampler_logp  # k3 estimator of KL(sampler || learner)
+    k3 = jnp.exp(log_r) - 1.0 - log_r
+    return {"clip_frac": (clipped * m).sum() / n, "kl_to_sampler": (k3 * m).sum() / n}

@@ -1,0 +1,136 @@
+"""Packing segments into fixed-shape rows (first-fit decreasing).
+
+Everything here is host numpy; the result is a pytree the learner ships to
+devices. Per-token arrays are aligned with *predictions*: position p holds
+the input token `tokens[p]` and what the model predicts there, `targets[p]`
+(the next token of the same segment). `loss_mask[p]` is the weight of that
+prediction: the segment's weight where `targets[p]` is an agent token, else 0.
+So `logits[p]` is scored against `targets[p]` with no shifting downstream.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from flax import struct
+
+from ac2_jax.segments.segments import Segment
+
+
+@struct.dataclass
+class PackedBatch:
+    """A packed batch; every array is [rows, seq_len].
+
+    tokens, targets, positions (reset per segment), segment_ids (1.. within a
+    row, 0 = padding): int32. loss_mask, advantages, sampler_logprobs: float32,
+    aligned with targets. task_ids: int32 index into `task_names` (the loss's
+    per-task groups). segment_index: int32 global segment number (for
+    `segment_mean`). subtree_end: int32, only for tree layouts (token k is seen
+    by queries k..subtree_end[k]); None for flat packing.
+    """
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    sampler_logprobs: np.ndarray
+    task_ids: np.ndarray
+    segment_index: np.ndarray
+    subtree_end: np.ndarray | None = None
+    num_tasks: int = struct.field(pytree_node=False, default=0)
+    num_segments: int = struct.field(pytree_node=False, default=0)
+    task_names: tuple = struct.field(pytree_node=False, default=())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int((np.asarray(self.segment_ids) > 0).sum())
+
+
+def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for r, space in enumerate(free):
+            if lengths[i] <= space:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - lengths[i])
+    return rows
+
+
+def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    z = lambda dt: np.zeros((rows, seq_len), dt)  # noqa: E731
+    return dict(tokens=z(np.int32), targets=z(np.int32), positions=z(np.int32),
+                segment_ids=z(np.int32), loss_mask=z(np.float32),
+                advantages=z(np.float32), sampler_logprobs=z(np.float32),
+                task_ids=z(np.int32), segment_index=z(np.int32))
+
+
+def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
+    rows = max(rows, min_rows, 1)
+    return -(-rows // rows_multiple) * rows_multiple
+
+
+def pack_segments(segments: Sequence[Segment], seq_len: int, *,
+                  truncate: bool = False, min_rows: int = 0,
+                  rows_multiple: int = 1, layout: str = "flat") -> PackedBatch:
+    """Packs segments into rows of `seq_len` tokens.
+
+    A segment longer than `seq_len` is an error unless `truncate=True`, which
+    keeps its first `seq_len` tokens (the cut tokens leave the loss). Rows are
+    padded up to `min_rows` and to a multiple of `rows_multiple` (e.g. the
+    data-parallel device count). `layout="tree"` shares common prefixes (see
+    `ac2_jax.segments.tree`).
+    """
+    if layout == "tree":
+        from ac2_jax.segments.tree import pack_segment_tree
+        return pack_segment_tree(segments, seq_len, truncate=truncate,
+                                 min_rows=min_rows, rows_multiple=rows_multiple)
+    if layout != "flat":
+        raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
+    if not segments:
+        raise ValueError("pack_segments: no segments to pack")
+    lengths = []
+    for i, s in enumerate(segments):
+        if len(s) == 0:
+            raise ValueError(f"pack_segments: segment {i} ({s.task!r}) is empty")
+        if len(s) > seq_len and not truncate:
+            raise ValueError(
+                f"pack_segments: segment {i} ({s.task!r}) has {len(s)} tokens, "
+                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
+        lengths.append(min(len(s), seq_len))
+
+    task_names = tuple(sorted({s.task for s in segments}))
+    task_index = {name: i for i, name in enumerate(task_names)}
+    bins = _first_fit_decreasing(lengths, seq_len)
+    n_rows = pad_rows(len(bins), min_rows, rows_multiple)
+    out = empty_batch(n_rows, seq_len)
+    for r, members in enumerate(bins):
+        start = 0
+        for local_id, i in enumerate(sorted(members), start=1):
+            s, n = segments[i], lengths[i]
+            sl = slice(start, start + n)
+            toks = s.tokens[:n]
+            out["tokens"][r, sl] = toks
+            out["targets"][r, start:start + n - 1] = toks[1:]
+            out["positions"][r, sl] = np.arange(n)
+            out["segment_ids"][r, sl] = local_id
+            out["loss_mask"][r, start:start + n - 1] = s.loss_mask[1:n] * s.weight
+            out["sampler_logprobs"][r, start:start + n - 1] = s.sampler_logprobs[1:n]
+            out["advantages"][r, sl] = s.advantage
+            out["task_ids"][r, sl] = task_index[s.task]
+            out["segment_index"][r, sl] = i
+            start += n
+    return PackedBatch(**out, num_tasks=len(task_names),
+                       num_segments=len(segments), task_names=task_names)

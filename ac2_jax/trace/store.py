@@ -1,0 +1,101 @@
+"""TraceStore: append-only JSONL of traces on disk.
+
+One trace per line, `{"schema": 1, "trace": {...}}`. Each append is flushed
+and fsynced, so a crash loses at most the line being written. Reading
+streams line by line; a corrupt or truncated line raises `TraceStoreError`
+naming the file and line, or is skipped with a warning when
+`on_error="skip"`. Valid lines are never lost. JSON only, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from typing import Iterator
+
+from ac2_jax.trace.types import Trace
+
+SCHEMA_VERSION = 1
+
+
+class TraceStoreError(ValueError):
+    """A line of a trace store could not be read."""
+
+
+class TraceStore:
+    """Append-only JSONL file of `Trace`s."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+
+    def append(self, trace: Trace) -> None:
+        """Writes one trace as one line, flushed and fsynced."""
+        line = json.dumps({"schema": SCHEMA_VERSION, "trace": trace.to_dict()},
+                          separators=(",", ":"), allow_nan=False)
+        with self._lock:
+            # A previous writer may have died mid-line; never glue onto it.
+            needs_newline = False
+            if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    needs_newline = f.read(1) != b"\n"
+            with open(self.path, "a", encoding="utf-8") as f:
+                if needs_newline:
+                    f.write("\n")
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def extend(self, traces) -> None:
+        for t in traces:
+            self.append(t)
+
+    def __iter__(self) -> Iterator[Trace]:
+        return self.read()
+
+    def read(self, on_error: str = "raise") -> Iterator[Trace]:
+        """Streams traces. on_error: "raise" (default) or "skip" (warn)."""
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, "r", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    trace = _parse_line(line)
+                except Exception as e:  # noqa: BLE001 - reported with location
+                    msg = f"{self.path}:{lineno}: unreadable trace line ({e})"
+                    if on_error == "raise":
+                        raise TraceStoreError(msg) from e
+                    warnings.warn(msg + "; skipped", stacklevel=2)
+                    continue
+                yield trace
+
+    def load(self, on_error: str = "raise") -> list[Trace]:
+        return list(self.read(on_error=on_error))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.read(on_error="skip"))
+
+
+def _parse_line(line: str) -> Trace:
+    if not line.endswith("\n"):
+        # Could still be valid JSON, but only a completed write ends in newline.
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"truncated line: {e}") from None
+    record = json.loads(line)
+    if not isinstance(record, dict) or "trace" not in record:
+        raise ValueError("not a trace record (missing 'trace')")
+    schema = record.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema version {schema!r} (expected {SCHEMA_VERSION})")
+    return Trace.from_dict(record["trace"])

@@ -1,0 +1,158 @@
+"""The core data objects: Message, Completion, Episode, Trace.
+
+Plain dataclasses with exact JSON round-trips (`to_dict` / `from_dict`), so a
+trace stored on disk reads back equal to the one in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Message:
+    """One OpenAI chat message."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Message":
+        return cls(
+            role=d["role"],
+            content=d.get("content"),
+            tool_calls=d.get("tool_calls"),
+            tool_call_id=d.get("tool_call_id"),
+            name=d.get("name"),
+        )
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request to the model: the tokens it saw and the tokens it sampled.
+
+    `output_logprobs[i]` is the sampler's log-prob of `output_ids[i]`.
+    `cached_tokens` is how many prompt tokens the sampler reused from cache.
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    policy_version: int = 0
+    finish_reason: str = "stop"
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    cached_tokens: int = 0
+    messages: list[dict[str, Any]] | None = None  # the request, for viewers
+
+    def __post_init__(self):
+        if len(self.output_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"Completion: output_logprobs has {len(self.output_logprobs)} entries "
+                f"but output_ids has {len(self.output_ids)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Completion":
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class Episode:
+    """An append-only token sequence of one agent conversation.
+
+    `loss_mask[i]` is 1 exactly on tokens the agent generated;
+    `sampler_logprobs[i]` is the sampler's log-prob there (0 elsewhere).
+    """
+
+    agent: str
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    sampler_logprobs: list[float] = dataclasses.field(default_factory=list)
+    completions: list[Completion] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_agent_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "agent": self.agent,
+            "token_ids": list(self.token_ids),
+            "loss_mask": list(self.loss_mask),
+            "sampler_logprobs": list(self.sampler_logprobs),
+            "completions": [c.to_dict() for c in self.completions],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Episode":
+        return cls(
+            agent=d["agent"],
+            token_ids=list(d["token_ids"]),
+            loss_mask=list(d["loss_mask"]),
+            sampler_logprobs=list(d["sampler_logprobs"]),
+            completions=[Completion.from_dict(c) for c in d.get("completions", [])],
+        )
+
+
+TRACE_STATUSES = ("running", "finished", "failed", "timed_out")
+
+
+@dataclasses.dataclass
+class Trace:
+    """One attempt at one task: all its episodes and one task-level outcome."""
+
+    task_id: str
+    attempt_id: str = "0"
+    group_id: str | None = None
+    episodes: list[Episode] = dataclasses.field(default_factory=list)
+    reward: float | None = None
+    hints: list[str] = dataclasses.field(default_factory=list)
+    status: str = "running"
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Unique name of this attempt (the loss's 'task' index groups by it)."""
+        return f"{self.task_id}/{self.attempt_id}"
+
+    @property
+    def num_agent_tokens(self) -> int:
+        return sum(e.num_agent_tokens for e in self.episodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "attempt_id": self.attempt_id,
+            "group_id": self.group_id,
+            "episodes": [e.to_dict() for e in self.episodes],
+            "reward": self.reward,
+            "hints": list(self.hints),
+            "status": self.status,
+            "metrics": dict(self.metrics),
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        return cls(
+            task_id=d["task_id"],
+            attempt_id=d.get("attempt_id", "0"),
+            group_id=d.get("group_id"),
+            episodes=[Episode.from_dict(e) for e in d.get("episodes", [])],
+            reward=d.get("reward"),
+            hints=list(d.get("hints", [])),
+            status=d.get("status", "running"),
+            metrics=dict(d.get("metrics", {})),
+            metadata=dict(d.get("metadata", {})),
+        )
