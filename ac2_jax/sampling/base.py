@@ -1,0 +1,186 @@
+"""The Sampler protocol: token ids in, token ids + log-probs out.
+
+Everything above this layer (the OpenAI endpoint, orchestrators, trainers)
+sees a sampler only through this small contract, so the embedded JaxSampler
+and the SGLangSampler are interchangeable.
+
+Contract
+--------
+``await sampler.generate(prompt_ids, params) -> SampleResult``
+    One continuation of one prompt. Safe to call concurrently from one event
+    loop (a sampler may batch concurrent calls). For ``n`` samples call it
+    ``n`` times (with seeds ``seed + i`` when a seed is given).
+
+    * ``output_ids`` are exactly the sampled tokens, including the stop token
+      that ended generation (EOS or one of ``params.stop_token_ids``), since
+      that token was sampled and is trained on.
+    * ``output_logprobs[i]`` is ``log_softmax(logits)[output_ids[i]]`` of the
+      model's raw logits (temperature 1, before top-k/top-p), in fp32: what a
+      learner forward pass on ``prompt_ids + output_ids`` gives.
+    * ``finish_reason`` is ``"stop"`` (a stop token or stop string ended it) or
+      ``"length"`` (``max_tokens`` reached, or ``max_context`` total tokens).
+    * ``policy_version`` is the version of the weights that sampled *every*
+      token of this result (a weight update never splits one result).
+    * ``params.stop`` (strings) may be honoured by samplers that decode text
+      (SGLang); samplers without a tokenizer may ignore it. Callers that need
+      stop strings apply ``truncate_at_stop`` afterwards (the serving layer
+      always does), which is a no-op when the sampler already stopped there.
+    * Raises ``ContextLengthError`` when ``len(prompt_ids) >= max_context``
+      and ``ValueError`` for an empty prompt or ids outside the vocabulary.
+
+``sampler.policy_version: int``
+    Version of the weights new calls will use; 0 for the initial weights,
+    otherwise the published step that ``load_weights`` loaded.
+
+``sampler.load_weights(step: int | None = None) -> int``
+    Loads the weights published with ``ac2_jax.models.publish_weights``
+    (``step=None``: the latest), sets ``policy_version = step`` and returns it.
+    Synchronous; callable from any thread while ``generate`` calls run. Calls
+    in flight finish on the old weights; calls starting after it returns use
+    the new ones.
+
+``sampler.max_context: int``
+    Most tokens (prompt + output) one sequence may hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+FINISH_REASONS = ("stop", "length")
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit in the sampler's context."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one continuation.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those
+    filters. top_logprobs > 0 asks for that many (token_id, logprob) pairs per
+    output position in `SampleResult.top_logprobs`.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        # Accept lists for convenience, store tuples so params stay hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if int(self.max_tokens) < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if int(self.top_logprobs) < 0:
+            raise ValueError(f"SamplingParams.top_logprobs must be >= 0, got {self.top_logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass
+class SampleResult:
+    """One sampled continuation; see the module docstring for the meaning.
+
+    top_logprobs[i] lists (token_id, logprob) pairs, best first, for output
+    position i (None unless asked for).
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    cached_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def __post_init__(self):
+        if len(self.output_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"SampleResult: {len(self.output_logprobs)} logprobs for "
+                f"{len(self.output_ids)} output ids")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"SampleResult.finish_reason must be one of {FINISH_REASONS}, "
+                f"got {self.finish_reason!r}")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"SampleResult: top_logprobs has {len(self.top_logprobs)} rows for "
+                f"{len(self.output_ids)} output ids")
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Token ids in, token ids + log-probs out. See the module docstring."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult: ...
+
+    def load_weights(self, step: int | None = None) -> int: ...
+
+
+def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> None:
+    """Raises the protocol's errors for a prompt a sampler cannot take."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty; a sampler needs at least one prompt token")
+    if len(prompt_ids) >= max_context:
+        raise ContextLengthError(
+            f"prompt has {len(prompt_ids)} tokens but the sampler's context holds "
+            f"{max_context} (prompt + at least one output token)")
+    if vocab_size is not None:
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def truncate_at_stop(
+    result: SampleResult, stop: Sequence[str], decode: Callable[[list[int]], str]
+) -> tuple[SampleResult, str | None]:
+    """Cuts `result` after the token whose text completes the first stop string.
+
+    Returns (result, matched stop string or None). Tokens after the one that
+    completed the earliest stop string are dropped (as if sampling had stopped
+    there) and finish_reason becomes "stop". A no-op when nothing matches.
+    """
+    if not stop or not result.output_ids:
+        return result, None
+    full = decode(result.output_ids)
+    hits = [(full.find(s) + len(s), s) for s in stop if s in full]  # (end, stop)
+    if not hits:
+        return result, None
+    _, matched = min(hits)
+    # Smallest token prefix whose text contains the stop string (monotone in k).
+    lo, hi = 1, len(result.output_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if matched in decode(result.output_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    keep = lo
+    top = result.top_logprobs[:keep] if result.top_logprobs is not None else None
+    return dataclasses.replace(
+        result,
+        output_ids=list(result.output_ids[:keep]),
+        output_logprobs=list(result.output_logprobs[:keep]),
+        finish_reason="stop",
+        top_logprobs=top,
+    ), matched
