@@ -1,0 +1,58 @@
+"""pack_segments: first-fit decreasing, alignment, truncation, errors."""
+
+import numpy as np
+import pytest
+
+from ac2_jax.segments import Segment, pack_segments
+
+
+def _seg(n, task, start=1, adv=1.0):
+    toks = np.arange(start, start + n)
+    mask = (np.arange(n) >= n // 2).astype(np.float32)
+    return Segment(toks, mask, -0.1 * mask, task=task, advantage=adv)
+
+
+def test_first_fit_decreasing_and_alignment():
+    segs = [_seg(5, "a"), _seg(3, "b", 100), _seg(4, "a", 200), _seg(6, "c", 300)]
+    b = pack_segments(segs, seq_len=8)
+    # FFD: 6 -> row0, 5 -> row1, 4 -> row2, 3 -> row1 (5+3=8).
+    assert b.shape == (3, 8)
+    assert b.num_tasks == 3 and b.task_names == ("a", "b", "c")
+    row1 = b.tokens[1]
+    np.testing.assert_array_equal(row1, [1, 2, 3, 4, 5, 100, 101, 102])
+    np.testing.assert_array_equal(b.segment_ids[1], [1, 1, 1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(b.positions[1], [0, 1, 2, 3, 4, 0, 1, 2])
+    # targets are the next token of the same segment; 0 at a segment's end.
+    np.testing.assert_array_equal(b.targets[1], [2, 3, 4, 5, 0, 101, 102, 0])
+    # loss_mask[p] is the mask of targets[p]: a (n=5) masks tokens 2..4, b (n=3) 1..2.
+    np.testing.assert_array_equal(b.loss_mask[1], [0, 1, 1, 1, 0, 1, 1, 0])
+    np.testing.assert_allclose(b.sampler_logprobs[1], [0, -.1, -.1, -.1, 0, -.1, -.1, 0], atol=1e-7)
+    np.testing.assert_array_equal(b.task_ids[1], [0, 0, 0, 0, 0, 1, 1, 1])
+    # Padding row content: row 2 holds 4 tokens then padding.
+    np.testing.assert_array_equal(b.segment_ids[2], [1, 1, 1, 1, 0, 0, 0, 0])
+    assert b.num_real_tokens == 18
+
+
+def test_row_padding_for_devices():
+    b = pack_segments([_seg(3, "a")], seq_len=4, rows_multiple=8)
+    assert b.shape == (8, 4)
+    assert b.loss_mask[1:].sum() == 0
+
+
+def test_too_long_is_error_or_truncated():
+    s = _seg(10, "a")
+    with pytest.raises(ValueError, match="10 tokens.*seq_len=6"):
+        pack_segments([s], seq_len=6)
+    b = pack_segments([s], seq_len=6, truncate=True)
+    np.testing.assert_array_equal(b.tokens[0], [1, 2, 3, 4, 5, 6])
+    # Token 7 was cut: the last kept position predicts nothing.
+    np.testing.assert_array_equal(b.loss_mask[0], [0, 0, 0, 0, 1, 0])
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no segments"):
+        pack_segments([], seq_len=4)
+    with pytest.raises(ValueError, match="empty"):
+        pack_segments([Segment([], [], [], task="x")], seq_len=4)
+    with pytest.raises(ValueError, match="layout"):
+        pack_segments([_seg(3, "a")], seq_len=4, layout="zigzag")

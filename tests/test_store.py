@@ -1,0 +1,60 @@
+"""TraceStore: exact round trips, corrupt lines reported, nothing valid lost."""
+
+import json
+
+import pytest
+
+from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore, TraceStoreError
+
+
+def _trace(i):
+    t = Trace(task_id=f"task{i}", attempt_id=str(i), group_id="g", reward=0.5 * i,
+              hints=["use the tool"], status="finished", metrics={"steps": i},
+              metadata={"domain": "calc"})
+    rec = TraceRecorder(t)
+    rec.record("main", Completion([1, 2, 3], [4, 5], [-0.25, -1.5], policy_version=i,
+                                  timings={"sample_s": 0.01}, cached_tokens=2))
+    rec.record("compactor", Completion([9], [8], [-0.125]))
+    return t
+
+
+def test_round_trip_exact(tmp_path):
+    store = TraceStore(tmp_path / "traces.jsonl")
+    traces = [_trace(i) for i in range(3)]
+    store.extend(traces)
+    loaded = store.load()
+    assert [t.to_dict() for t in loaded] == [t.to_dict() for t in traces]
+    assert loaded[1] == traces[1]
+    assert len(store) == 3
+
+
+def test_truncated_and_garbage_lines_reported(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    store = TraceStore(path)
+    store.append(_trace(0))
+    with open(path, "a") as f:
+        f.write("this is not json\n")
+        f.write(json.dumps({"schema": 99, "trace": {}}) + "\n")
+    store.append(_trace(1))
+    full = json.dumps({"schema": 1, "trace": _trace(2).to_dict()})
+    with open(path, "a") as f:
+        f.write(full[: len(full) // 2])  # a writer died mid-line
+    with pytest.raises(TraceStoreError, match=r"traces\.jsonl:2"):
+        store.load()
+    with pytest.warns(UserWarning) as record:
+        ok = store.load(on_error="skip")
+    assert [t.task_id for t in ok] == ["task0", "task1"]
+    messages = " ".join(str(w.message) for w in record)
+    for lineno in (2, 3, 5):
+        assert f"traces.jsonl:{lineno}" in messages
+    assert "schema" in messages and "truncated" in messages
+    # Appending after a torn line never glues onto it; earlier traces survive.
+    store.append(_trace(3))
+    with pytest.warns(UserWarning):
+        ok = store.load(on_error="skip")
+    assert [t.task_id for t in ok] == ["task0", "task1", "task3"]
+
+
+def test_bad_on_error_value(tmp_path):
+    with pytest.raises(ValueError, match="on_error"):
+        list(TraceStore(tmp_path / "x.jsonl").read(on_error="ignore"))
