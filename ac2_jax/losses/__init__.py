@@ -1,12 +1,29 @@
-"""Pure JAX loss pieces: log-probs, masks, aggregation, policy gradient."""
+"""Pure JAX loss pieces: log-probs, masks, aggregation, policy gradient, distill, relevance."""
 
 from ac2_jax.losses.aggregation import MODES, aggregate_loss
+from ac2_jax.losses.distill import (DISTILL_KINDS, distill_loss, forward_kl, generalized_jsd,
+                                    reverse_kl, sampled_token_advantage, sampled_token_loss)
 from ac2_jax.losses.logprobs import token_entropy, token_logprobs
 from ac2_jax.losses.masks import attention_mask, segment_attention_mask, tree_attention_mask
 from ac2_jax.losses.policy_gradient import (group_advantages, policy_gradient_loss,
                                             policy_gradient_metrics)
+from ac2_jax.losses.relevance import (candidate_mask, masked_token_mean, ranked_positions,
+                                      relevance_loss, relevance_mask, selection_mask)
 
 __all__ = [
+    "DISTILL_KINDS",
+    "candidate_mask",
+    "distill_loss",
+    "forward_kl",
+    "generalized_jsd",
+    "masked_token_mean",
+    "ranked_positions",
+    "relevance_loss",
+    "relevance_mask",
+    "reverse_kl",
+    "sampled_token_advantage",
+    "sampled_token_loss",
+    "selection_mask",
     "MODES",
     "aggregate_loss",
     "attention_mask",

@@ -1,0 +1,174 @@
+"""Teacher-student divergences for on-policy self-distillation (pure, jit-able).
+
+Student and teacher logits are both [..., L, V] and aligned with `targets`
+[..., L] (the student's own response tokens): position p of both holds the
+prediction of `targets[p]`, the student with its context, the teacher with the
+hint inserted before the response. Gathering the response positions of the
+two forward passes into this alignment is the caller's job.
+
+Every function returns a per-position value [..., L]; aggregate it with
+`ac2_jax.losses.aggregate_loss`. Teacher gradients are always stopped.
+
+Options shared by all kinds:
+- `temperature` T > 0 divides both logits before the softmax (no T^2 factor).
+- `top_k` k restricts both distributions to the teacher's k most likely tokens
+  at that position and renormalizes each over those k tokens (full-vocabulary
+  kinds only). `top_k >= V` equals the full vocabulary.
+
+Generalized JSD follows Eq. (1) of the GKD paper (Agarwal et al. 2023,
+arXiv:2306.13649), with P the teacher and Q the student:
+  JSD(beta) = beta KL(P || M) + (1 - beta) KL(Q || M),  M = beta P + (1 - beta) Q.
+beta = 0.5 is the symmetric JSD. The interior formula vanishes at both ends,
+so the KLs appear only after rescaling:
+  JSD(beta) / beta       -> KL(teacher || student)  (forward KL) as beta -> 0,
+  JSD(beta) / (1 - beta) -> KL(student || teacher)  (reverse KL) as beta -> 1.
+Hence `beta` must lie strictly in (0, 1); use kind="forward_kl" or
+"reverse_kl" for the endpoints.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from ac2_jax.losses.logprobs import token_logprobs
+
+DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd", "sampled")
+
+
+def _check_logits(student_logits, teacher_logits):
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"distill: student_logits {student_logits.shape} and teacher_logits "
+                         f"{teacher_logits.shape} must have the same [..., L, V] shape")
+    if student_logits.ndim < 2:
+        raise ValueError(f"distill: logits must be [..., L, V], got shape {student_logits.shape}")
+
+
+def _check_temperature(temperature):
+    if isinstance(temperature, numbers.Number) and not temperature > 0:
+        raise ValueError(f"distill: temperature must be > 0, got {temperature}")
+
+
+def _log_probs(student_logits, teacher_logits, temperature=1.0, top_k=None):
+    """Student and teacher log-probs [..., L, V'] with V' = min(top_k, V) or V."""
+    _check_logits(student_logits, teacher_logits)
+    _check_temperature(temperature)
+    s = student_logits.astype(jnp.float32) / temperature
+    t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
+    if top_k is not None:
+        if not isinstance(top_k, numbers.Integral) or top_k < 1:
+            raise ValueError(f"distill: top_k must be a positive int or None, got {top_k!r}")
+        k = min(int(top_k), t.shape[-1])
+        _, idx = jax.lax.top_k(t, k)  # [..., L, k], ties: lower token id first
+        t = jnp.take_along_axis(t, idx, axis=-1)
+        s = jnp.take_along_axis(s, idx, axis=-1)
+    return jax.nn.log_softmax(s, axis=-1), jax.nn.log_softmax(t, axis=-1)
+
+
+def _kl(logp, logq):
+    """KL(p || q) over the last axis, 0 log 0 = 0. [..., V] -> [...]."""
+    p = jnp.exp(logp)
+    diff = jnp.where(p > 0, logp - logq, 0.0)
+    return jnp.sum(p * diff, axis=-1)
+
+
+def reverse_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
+               temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+    """KL(student || teacher) per position (mode-seeking; the default).
+
+    student_logits, teacher_logits: [..., L, V]. Returns [..., L] >= 0.
+    """
+    ls, lt = _log_probs(student_logits, teacher_logits, temperature, top_k)
+    return _kl(ls, lt)
+
+
+def forward_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
+               temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+    """KL(teacher || student) per position (mode-covering).
+
+    student_logits, teacher_logits: [..., L, V]. Returns [..., L] >= 0.
+    """
+    ls, lt = _log_probs(student_logits, teacher_logits, temperature, top_k)
+    return _kl(lt, ls)
+
+
+def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, *,
+                    beta: float = 0.5, temperature: float = 1.0,
+                    top_k: int | None = None) -> jax.Array:
+    """GKD's JSD(beta) per position (see the module docstring for the limits).
+
+    student_logits, teacher_logits: [..., L, V]; 0 < beta < 1. Returns [..., L] >= 0.
+    """
+    if isinstance(beta, numbers.Number) and not 0.0 < beta < 1.0:
+        raise ValueError(f"generalized_jsd: beta must be in (0, 1), got {beta}; use "
+                         "kind='forward_kl' (beta -> 0) or 'reverse_kl' (beta -> 1) for the ends")
+    ls, lt = _log_probs(student_logits, teacher_logits, temperature, top_k)
+    beta = jnp.asarray(beta, jnp.float32)
+    log_m = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
+    return beta * _kl(lt, log_m) + (1.0 - beta) * _kl(ls, log_m)
+
+
+def sampled_token_advantage(student_logits: jax.Array, teacher_logits: jax.Array,
+                            targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+    """Per-token advantage log p_t(y_t) - log p_s(y_t), gradient stopped.
+
+    logits: [..., L, V]; targets: [..., L] int (the sampled tokens y). Returns [..., L].
+    """
+    _check_logits(student_logits, teacher_logits)
+    _check_temperature(temperature)
+    lp_s = token_logprobs(student_logits.astype(jnp.float32) / temperature, targets)
+    lp_t = token_logprobs(teacher_logits.astype(jnp.float32) / temperature, targets)
+    return jax.lax.stop_gradient(lp_t - lp_s)
+
+
+def sampled_token_loss(student_logits: jax.Array, teacher_logits: jax.Array,
+                       targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+    """-stop_grad(adv) * log p_s(y_t): a policy-gradient estimate of reverse KL.
+
+    On tokens sampled from the student, E[grad] = grad KL(student || teacher).
+    logits: [..., L, V]; targets: [..., L] int. Returns [..., L].
+    """
+    adv = sampled_token_advantage(student_logits, teacher_logits, targets,
+                                  temperature=temperature)
+    lp_s = token_logprobs(student_logits.astype(jnp.float32) / temperature, targets)
+    return -adv * lp_s
+
+
+def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array,
+                 targets: jax.Array | None = None, *, kind: str = "reverse_kl",
+                 beta: float = 0.5, top_k: int | None = None, temperature: float = 1.0,
+                 mask: jax.Array | None = None) -> jax.Array:
+    """Per-token self-distillation loss of one of DISTILL_KINDS.
+
+    student_logits, teacher_logits: [..., L, V]; targets: [..., L] int (needed
+    for kind="sampled", shape-checked otherwise); mask: optional [..., L]
+    weights, the loss is 0 where mask == 0. `beta` is used by "jsd" only;
+    `top_k` by the full-vocabulary kinds only. Returns [..., L].
+    """
+    _check_logits(student_logits, teacher_logits)
+    lead = student_logits.shape[:-1]
+    if targets is not None and tuple(targets.shape) != tuple(lead):
+        raise ValueError(f"distill_loss: targets {targets.shape} must be logits.shape[:-1] = {lead}")
+    if mask is not None and tuple(mask.shape) != tuple(lead):
+        raise ValueError(f"distill_loss: mask {mask.shape} must be logits.shape[:-1] = {lead}")
+    if kind == "reverse_kl":
+        loss = reverse_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
+    elif kind == "forward_kl":
+        loss = forward_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
+    elif kind == "jsd":
+        loss = generalized_jsd(student_logits, teacher_logits, beta=beta,
+                               temperature=temperature, top_k=top_k)
+    elif kind == "sampled":
+        if targets is None:
+            raise ValueError("distill_loss: kind='sampled' needs targets (the sampled tokens)")
+        if top_k is not None:
+            raise ValueError("distill_loss: top_k applies to full-vocabulary kinds, not 'sampled'")
+        loss = sampled_token_loss(student_logits, teacher_logits, targets,
+                                  temperature=temperature)
+    else:
+        raise ValueError(f"distill_loss: kind must be one of {DISTILL_KINDS}, got {kind!r}")
+    if mask is not None:
+        loss = jnp.where(mask > 0, loss, 0.0)
+    return loss
