@@ -1,0 +1,173 @@
+"""DecoderConfig: the shape of a Qwen3 / Llama style decoder, and its HF form.
+
+`to_hf_config` / `from_hf_config` map to the `config.json` of
+`Qwen3ForCausalLM` and `LlamaForCausalLM`, so checkpoints move both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("qwen3", "llama")
+_ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' / 'bfloat16' / 'float16' for a jnp dtype (or its name)."""
+    name = jnp.dtype(dtype).name
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Hyper-parameters of the decoder.
+
+    `dtype` is the compute dtype (activations, KV cache), `param_dtype` the
+    storage dtype of the weights; logits are always fp32. `qk_norm` applies a
+    per-head RMSNorm to q and k before RoPE (Qwen3). `rope_scaling` is None or
+    an HF rope dict of type "llama3". `remat` recomputes each layer in the
+    backward pass (saves activation memory when training).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool = True
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    family: str = "qwen3"
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    initializer_range: float = 0.02
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"DecoderConfig.family must be one of {FAMILIES}, got {self.family!r}")
+        if self.attention_bias:
+            raise ValueError("DecoderConfig.attention_bias=True is not supported")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"DecoderConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("default", "llama3"):
+                raise ValueError(f"DecoderConfig.rope_scaling: rope_type {kind!r} is not "
+                                 "supported (only 'default' and 'llama3')")
+        dtype_name(self.dtype), dtype_name(self.param_dtype)
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, **overrides) -> "DecoderConfig":
+        """A few-thousand-parameter model for tests and CPU demos (GQA, qk_norm)."""
+        kw = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=10000.0,
+                  tie_embeddings=True, max_position_embeddings=2048)
+        kw.update(overrides)
+        return cls(**kw)
+
+    def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
+        return hash(repr(sorted((f.name, repr(getattr(self, f.name)))
+                                for f in dataclasses.fields(self))))
+
+    def replace(self, **changes) -> "DecoderConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF `config.json` dict (Qwen3ForCausalLM or LlamaForCausalLM)."""
+        rope = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        if self.rope_scaling is not None:
+            rope = {**self.rope_scaling, "rope_theta": float(self.rope_theta)}
+        cfg = {
+            "architectures": [_ARCH[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": float(self.rope_theta),
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": self.initializer_range,
+            "torch_dtype": dtype_name(self.param_dtype),
+            "dtype": dtype_name(self.param_dtype),
+            "use_cache": True,
+        }
+        if self.family == "qwen3":
+            cfg.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=self.num_layers)
+        else:
+            cfg.update(mlp_bias=False, pretraining_tp=1)
+        return cfg
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], dtype: Any = jnp.float32,
+                       param_dtype: Any = None) -> "DecoderConfig":
+        """Reads an HF `config.json` dict of a Qwen3 or Llama causal LM."""
+        model_type = hf.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"from_hf_config: model_type must be one of {FAMILIES}, "
+                             f"got {model_type!r}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"from_hf_config: hidden_act {hf['hidden_act']!r} is not supported")
+        if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+            raise ValueError("from_hf_config: attention_bias / mlp_bias are not supported")
+        if hf.get("use_sliding_window", False):
+            raise ValueError("from_hf_config: sliding-window attention is not supported")
+        rope = hf.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+            if scaling.get("rope_type", scaling.get("type")) == "default":
+                scaling = None
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            qk_norm=model_type == "qwen3",
+            rope_theta=float(theta),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            dtype=dtype,
+            param_dtype=dtype if param_dtype is None else param_dtype,
+            family=model_type,
+            rope_scaling=scaling,
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+        )
