@@ -41,6 +41,9 @@ def aggregate_loss(per_token: jax.Array, batch, mode: str = "task_mean", *,
     if mode == "task_mean":
         return _grouped_mean(weighted, mask, batch.task_ids, batch.num_tasks, axis_name)
     if mode == "segment_mean":
+        if getattr(batch, "subtree_end", None) is not None:
+            raise ValueError("aggregate_loss: segment_mean is undefined on tree-packed batches "
+                             "(shared tokens belong to several segments); use task_mean")
         return _grouped_mean(weighted, mask, batch.segment_index, batch.num_segments, axis_name)
     total, count = weighted.sum(), mask.sum()
     if axis_name is not None:

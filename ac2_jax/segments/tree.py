@@ -1,0 +1,143 @@
+"""Shared-prefix tree packing: a prompt shared by many segments is computed once.
+
+Segments that share a prefix (a GRPO group's prompt, earlier turns before a
+fork, n responses to one request) are merged into a token trie, laid out
+depth-first in one row. Each token keeps its depth as position; token k is
+visible to queries k..subtree_end[k] (its DFS subtree), i.e. every token sees
+exactly its ancestors (`ac2_jax.losses.tree_attention_mask`).
+
+Trie nodes are keyed by (token, next token, loss key), not by token alone, so
+every node has exactly one prediction target and the batch keeps the flat
+layout's `targets` convention. The loss key is None when the prediction is not
+trained, else (task, advantage, sampler log-prob): trained tokens merge only
+when their loss terms are identical, and a merged node carries the sum of the
+paths' weights, so `task_mean`, `token_mean` and `constant` losses equal the
+flat layout's. (`segment_mean` is not defined on merged tokens.)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ac2_jax.segments.packing import PackedBatch, empty_batch, pad_rows
+from ac2_jax.segments.segments import Segment
+
+
+class _Node:
+    __slots__ = ("key", "children", "segment", "weight")
+
+    def __init__(self, key, segment):
+        self.key = key
+        self.children: dict = {}
+        self.segment = segment  # first segment through this node
+        self.weight = 0.0
+
+
+def _path_keys(s: Segment, n: int) -> list[tuple]:
+    keys = []
+    for i in range(n):
+        if i + 1 < n:
+            m = float(s.loss_mask[i + 1])
+            loss_key = (s.task, float(s.advantage), float(s.sampler_logprobs[i + 1])) if m > 0 else None
+            keys.append((int(s.tokens[i]), int(s.tokens[i + 1]), loss_key))
+        else:
+            keys.append((int(s.tokens[i]), None, None))
+    return keys
+
+
+def _shared_length(root: _Node, keys: list[tuple]) -> int:
+    node, depth = root, 0
+    for k in keys:
+        node = node.children.get(k)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+def _insert(root: _Node, keys: list[tuple], s: Segment, index: int) -> None:
+    node = root
+    for i, k in enumerate(keys):
+        child = node.children.get(k)
+        if child is None:
+            child = node.children[k] = _Node(k, index)
+        if k[2] is not None:
+            child.weight += float(s.loss_mask[i + 1]) * s.weight
+        node = child
+
+
+def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
+    """Writes the forest under `root` depth-first (preorder) into row r."""
+    pos = 0
+    # Entries: ("open", node, depth, tree_id) or ("close", index): a node's
+    # subtree ends where the DFS is when its close entry comes off the stack.
+    stack = [("open", c, 0, t) for t, c in enumerate(root.children.values(), start=1)][::-1]
+    while stack:
+        entry = stack.pop()
+        if entry[0] == "close":
+            row["subtree_end"][r, entry[1]] = pos - 1
+            continue
+        _, node, depth, tree_id = entry
+        tok, target, loss_key = node.key
+        s = segments[node.segment]
+        row["tokens"][r, pos] = tok
+        row["targets"][r, pos] = 0 if target is None else target
+        row["positions"][r, pos] = depth
+        row["segment_ids"][r, pos] = tree_id
+        row["segment_index"][r, pos] = node.segment
+        row["task_ids"][r, pos] = task_index[s.task if loss_key is None else loss_key[0]]
+        row["advantages"][r, pos] = s.advantage if loss_key is None else loss_key[1]
+        if loss_key is not None:
+            row["loss_mask"][r, pos] = node.weight
+            row["sampler_logprobs"][r, pos] = loss_key[2]
+        stack.append(("close", pos))
+        stack.extend(("open", c, depth + 1, tree_id) for c in reversed(list(node.children.values())))
+        pos += 1
+
+
+def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bool = False,
+                      min_rows: int = 0, rows_multiple: int = 1) -> PackedBatch:
+    """Packs segments as prefix tries, one forest per row of `seq_len` tokens.
+
+    Segments are sorted by content so that shared prefixes meet, then added
+    to the current row while its trie fits. Same arguments and errors as
+    `pack_segments`; the result also has `subtree_end`.
+    """
+    if not segments:
+        raise ValueError("pack_segment_tree: no segments to pack")
+    lengths = []
+    for i, s in enumerate(segments):
+        if len(s) == 0:
+            raise ValueError(f"pack_segment_tree: segment {i} ({s.task!r}) is empty")
+        if len(s) > seq_len and not truncate:
+            raise ValueError(
+                f"pack_segment_tree: segment {i} ({s.task!r}) has {len(s)} tokens, "
+                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
+        lengths.append(min(len(s), seq_len))
+    task_names = tuple(sorted({s.task for s in segments}))
+    task_index = {name: i for i, name in enumerate(task_names)}
+
+    order = sorted(range(len(segments)), key=lambda i: (segments[i].tokens[:lengths[i]].tolist(), i))
+    rows: list[tuple[_Node, int]] = []  # (root, used tokens)
+    root, used = _Node(None, -1), 0
+    for i in order:
+        keys = _path_keys(segments[i], lengths[i])
+        extra = len(keys) - _shared_length(root, keys)
+        if used + extra > seq_len:
+            rows.append((root, used))
+            root, used = _Node(None, -1), 0
+            extra = len(keys)
+        _insert(root, keys, segments[i], i)
+        used += extra
+    rows.append((root, used))
+
+    n_rows = pad_rows(len(rows), min_rows, rows_multiple)
+    out = empty_batch(n_rows, seq_len)
+    # Padding tokens see only themselves.
+    out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
+    for r, (root, _) in enumerate(rows):
+        _layout(root, out, r, task_index, segments)
+    return PackedBatch(**out, num_tasks=len(task_names), num_segments=len(segments),
+                       task_names=task_names)

@@ -1,0 +1,115 @@
+"""Shared-prefix tree packing: structure, weights, and loss equal to flat packing."""
+
+import numpy as np
+import pytest
+
+from ac2_jax.losses import aggregate_loss, tree_attention_mask
+from ac2_jax.segments import Segment, pack_segments
+
+
+def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
+    """A GRPO-like group: one shared prompt, n sampled responses, one task each."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, 40, prompt_len).tolist()
+    segs = []
+    for a in range(n_attempts):
+        resp = [41 + a] + rng.integers(1, 40, resp_len - 1).tolist()
+        lp = (-rng.random(resp_len)).tolist()
+        segs.append(Segment(prompt + resp, [0] * prompt_len + [1] * resp_len,
+                            [0.0] * prompt_len + lp, task=f"t/{a}", advantage=float(a) - 1.5))
+    return segs
+
+
+def fork_segments(seed=1):
+    """Multi-response fork: a shared history with an earlier agent turn, then 3 branches."""
+    rng = np.random.default_rng(seed)
+    hist = rng.integers(1, 40, 10).tolist()
+    hist_mask = [0] * 4 + [1] * 3 + [0] * 3
+    hist_lp = [0.0] * 4 + [-0.3, -0.2, -0.1] + [0.0] * 3
+    segs = []
+    for b in range(3):
+        resp = rng.integers(1, 40, 4).tolist()
+        segs.append(Segment(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
+                            task="fork/0", advantage=0.5))
+    return segs
+
+
+def path_rows(batch, tokens, loss_mask=None):
+    """(row, indices) of `tokens`' path in a tree batch (depth-first search)."""
+    def children(r, parent, d):
+        lo = 0 if parent is None else parent + 1
+        hi = batch.shape[1] - 1 if parent is None else batch.subtree_end[r, parent]
+        nxt = tokens[d + 1] if d + 1 < len(tokens) else 0
+        return [c for c in range(lo, hi + 1)
+                if batch.segment_ids[r, c] > 0 and batch.positions[r, c] == d
+                and batch.tokens[r, c] == tokens[d] and batch.targets[r, c] == nxt
+                and (loss_mask is None or d + 1 >= len(tokens)
+                     or (batch.loss_mask[r, c] > 0) == (loss_mask[d + 1] > 0))]
+
+    def search(r, parent, d):
+        if d == len(tokens):
+            return []
+        for c in children(r, parent, d):
+            rest = search(r, c, d + 1)
+            if rest is not None:
+                return [c] + rest
+        return None
+
+    for r in range(batch.shape[0]):
+        found = search(r, None, 0)
+        if found is not None:
+            return r, found
+    raise AssertionError("path not found in tree batch")
+
+
+def fake_per_token(batch):
+    # Depends only on (token, target, position): equal in both layouts.
+    return np.cos(batch.tokens * 0.3 + batch.targets * 0.7 + batch.positions * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("make", [group_segments, fork_segments])
+def test_tree_loss_equals_flat(make):
+    segs = make()
+    flat = pack_segments(segs, seq_len=64)
+    tree = pack_segments(segs, seq_len=64, layout="tree")
+    assert tree.num_real_tokens < flat.num_real_tokens
+    assert tree.loss_mask.sum() == pytest.approx(flat.loss_mask.sum())
+    for mode in ("task_mean", "token_mean", "constant"):
+        a = float(aggregate_loss(fake_per_token(flat), flat, mode, normalizer=50.0))
+        b = float(aggregate_loss(fake_per_token(tree), tree, mode, normalizer=50.0))
+        assert b == pytest.approx(a, rel=1e-6), mode
+
+
+def test_group_layout_shares_the_prompt_once():
+    segs = group_segments(n_attempts=8, prompt_len=20, resp_len=6)
+    tree = pack_segments(segs, seq_len=128, layout="tree")
+    # 19 shared prompt tokens + per attempt: its copy of the last prompt token
+    # (it predicts a different first response token) + 6 response tokens.
+    assert tree.num_real_tokens == 19 + 8 * 7
+    for s in segs:
+        r, idx = path_rows(tree, s.tokens.tolist(), s.loss_mask)
+        mask = np.asarray(tree_attention_mask(tree.subtree_end[r], tree.segment_ids[r]))
+        last = idx[-1]
+        assert sorted(np.nonzero(mask[last])[0].tolist()) == sorted(idx)
+        np.testing.assert_allclose(tree.loss_mask[r, idx[:-1]], s.loss_mask[1:])
+        np.testing.assert_allclose(tree.sampler_logprobs[r, idx[:-1]], s.sampler_logprobs[1:])
+        np.testing.assert_allclose(tree.advantages[r, idx[:-1]][s.loss_mask[1:] > 0], s.advantage)
+
+
+def test_shared_agent_tokens_sum_their_weights():
+    segs = fork_segments()
+    tree = pack_segments(segs, seq_len=64, layout="tree")
+    r, idx = path_rows(tree, segs[0].tokens.tolist())
+    # The history's agent tokens (targets at indices 3..5) are shared by 3 branches.
+    np.testing.assert_allclose(tree.loss_mask[r, idx[3:6]], 3.0)
+
+
+def test_rows_split_when_full_and_errors():
+    segs = group_segments(n_attempts=6, prompt_len=10, resp_len=5)
+    tree = pack_segments(segs, seq_len=25, layout="tree", rows_multiple=4)
+    assert tree.shape == (4, 25)
+    assert tree.loss_mask.sum() == pytest.approx(6 * 5)
+    with pytest.raises(ValueError, match="segment_mean"):
+        aggregate_loss(fake_per_token(tree), tree, "segment_mean")
+    with pytest.raises(ValueError, match="seq_len=8"):
+        pack_segments(segs, seq_len=8, layout="tree")
