@@ -1,1 +1,8 @@
-"""envs layer."""
+"""Environments: tasks, tools, verifiers, domain mixing."""
+
+from ac2_jax.envs.base import Env, Task, Tool, run_tool
+from ac2_jax.envs.calculator import CalculatorEnv, StepwiseCalculatorEnv, safe_eval
+from ac2_jax.envs.mixer import DomainMixer
+
+__all__ = ["CalculatorEnv", "DomainMixer", "Env", "StepwiseCalculatorEnv", "Task", "Tool",
+           "run_tool", "safe_eval"]

@@ -1,0 +1,92 @@
+"""The environment interface: tasks, tools, and a verifier that gives a reward.
+
+An `Env` is what an orchestrator works in and what RL samples from. Tools run
+with a timeout, and any tool failure comes back as text for the model (a tool
+message), never as an exception in the loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import inspect
+import json
+from typing import Any, Awaitable, Callable
+
+
+@dataclasses.dataclass
+class Task:
+    """One task: what the user asks, and what the verifier checks against."""
+
+    task_id: str
+    prompt: str
+    answer: Any = None
+    domain: str = "default"
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Tool:
+    """A function the model may call, with its OpenAI JSON schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., Any] | Callable[..., Awaitable[Any]]
+    timeout_s: float = 10.0
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI `tools` entry for this tool."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
+    """Runs `tool` on JSON `arguments`; returns (text for the model, ok).
+
+    Bad JSON, a wrong argument, an exception or a timeout give ok=False and an
+    error text naming what went wrong.
+    """
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+        if not isinstance(args, dict):
+            raise ValueError("arguments must be a JSON object")
+    except (json.JSONDecodeError, ValueError, TypeError) as e:
+        return f"error: {tool.name}: bad arguments ({e})", False
+    try:
+        if inspect.iscoroutinefunction(tool.fn):
+            result = await asyncio.wait_for(tool.fn(**args), tool.timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **args), tool.timeout_s)
+    except asyncio.TimeoutError:
+        return f"error: {tool.name} timed out after {tool.timeout_s:g}s", False
+    except Exception as e:  # noqa: BLE001 - the model sees the error, the loop goes on
+        return f"error: {tool.name}: {type(e).__name__}: {e}", False
+    return str(result), True
+
+
+class Env(abc.ABC):
+    """Tasks + tools + verifier. Subclasses fill in the three."""
+
+    name: str = "env"
+    system_prompt: str | None = None
+
+    @abc.abstractmethod
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        """n tasks, deterministic in (seed, split); splits never overlap."""
+
+    @property
+    def tools(self) -> list[Tool]:
+        return []
+
+    def tool(self, name: str) -> Tool | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+    @abc.abstractmethod
+    def verify(self, task: Task, answer: str | None) -> float:
+        """Reward of a final answer text (None: no answer was given)."""
+
+    def initial_messages(self, task: Task) -> list[dict[str, Any]]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return msgs + [{"role": "user", "content": task.prompt}]

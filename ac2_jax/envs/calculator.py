@@ -1,0 +1,104 @@
+"""The demo environment: arithmetic tasks with a calculator tool.
+
+`CalculatorEnv` asks "What is 47*38+12?"; the `calculator` tool evaluates an
+arithmetic expression; the verifier checks the last integer of the answer
+exactly. `StepwiseCalculatorEnv` is the harder variant: its tool takes one
+operation at a time (`a op b`), so a task needs several calls, and a small
+context budget makes compaction kick in.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from ac2_jax.envs.base import Env, Task, Tool
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_INT_RE = re.compile(r"-?\d+")
+
+
+def safe_eval(expression: str, max_ops: int | None = None) -> int:
+    """Evaluates an integer expression of + - * and parentheses, nothing else."""
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    tree = ast.parse(expression.strip(), mode="eval")
+    count = 0
+
+    def ev(node):
+        nonlocal count
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            count += 1
+            if max_ops is not None and count > max_ops:
+                raise ValueError(f"at most {max_ops} operation(s) per call")
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"unsupported expression element: {ast.dump(node)[:40]}")
+
+    return ev(tree.body)
+
+
+def last_integer(text: str | None) -> int | None:
+    found = _INT_RE.findall(text or "")
+    return int(found[-1]) if found else None
+
+
+class CalculatorEnv(Env):
+    """a*b+c style tasks; reward 1 for the exact result, else 0."""
+
+    name = "calculator"
+    system_prompt = "Use the calculator tool, then give the answer."
+    max_ops_per_call: int | None = None
+
+    def __init__(self, num_range: tuple[int, int] = (2, 99), templates=("{a}*{b}+{c}",)):
+        self.num_range = num_range
+        self.templates = tuple(templates)
+
+    def _expression(self, rng: random.Random) -> str:
+        lo, hi = self.num_range
+        tpl = rng.choice(self.templates)
+        return tpl.format(**{k: rng.randint(lo, hi) for k in "abcd"})
+
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        # Train and eval draw from disjoint halves of the expression space
+        # (parity of a hash of the expression), so held-out tasks are unseen.
+        want = 0 if split == "train" else 1
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        tasks = []
+        while len(tasks) < n:
+            expr = self._expression(rng)
+            if sum(map(ord, expr)) % 2 != want:
+                continue
+            tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}",
+                              prompt=f"What is {expr}?", answer=safe_eval(expr),
+                              domain=self.name, metadata={"expression": expr}))
+        return tasks
+
+    @property
+    def tools(self) -> list[Tool]:
+        return [Tool(
+            name="calculator",
+            description="Evaluate an integer arithmetic expression (+ - * and parentheses).",
+            parameters={"type": "object", "properties": {"expression": {"type": "string"}},
+                        "required": ["expression"]},
+            fn=lambda expression: str(safe_eval(expression, self.max_ops_per_call)),
+            timeout_s=5.0)]
+
+    def verify(self, task: Task, answer: str | None) -> float:
+        return float(last_integer(answer) == task.answer)
+
+
+class StepwiseCalculatorEnv(CalculatorEnv):
+    """Harder: the tool does one operation per call, tasks need several."""
+
+    name = "stepwise_calculator"
+    system_prompt = "Use the calculator for one operation at a time, then give the answer."
+    max_ops_per_call = 1
+
+    def __init__(self, num_range=(2, 30), templates=("({a}*{b}+{c})*{d}", "{a}*{b}+{c}*{d}")):
+        super().__init__(num_range, templates)

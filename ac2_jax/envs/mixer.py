@@ -1,0 +1,40 @@
+"""Domain mixing: draw tasks from several envs with fixed weights."""
+
+from __future__ import annotations
+
+import random
+
+from ac2_jax.envs.base import Env, Task
+
+
+class DomainMixer:
+    """Samples tasks across envs by weight; `env_for(task)` finds a task's env."""
+
+    def __init__(self, envs: dict[str, Env], weights: dict[str, float] | None = None):
+        if not envs:
+            raise ValueError("DomainMixer needs at least one env")
+        self.envs = dict(envs)
+        weights = weights or {name: 1.0 for name in envs}
+        unknown = set(weights) - set(envs)
+        if unknown:
+            raise ValueError(f"DomainMixer: weights for unknown envs {sorted(unknown)}")
+        if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+            raise ValueError(f"DomainMixer: weights must be >= 0 with a positive sum: {weights}")
+        self.weights = {name: float(weights.get(name, 0.0)) for name in envs}
+
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        rng = random.Random(f"mix:{split}:{seed}")
+        names = list(self.envs)
+        picks = rng.choices(names, weights=[self.weights[k] for k in names], k=n)
+        tasks = []
+        for name in names:
+            k = picks.count(name)
+            if k:
+                for t in self.envs[name].sample_tasks(k, seed, split):
+                    t.domain = name
+                    tasks.append(t)
+        rng.shuffle(tasks)
+        return tasks
+
+    def env_for(self, task: Task) -> Env:
+        return self.envs[task.domain]

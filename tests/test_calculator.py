@@ -1,0 +1,42 @@
+"""Calculator envs: safe evaluation, verifier, disjoint splits."""
+
+import asyncio
+
+import pytest
+
+from ac2_jax.envs import CalculatorEnv, StepwiseCalculatorEnv, run_tool, safe_eval
+
+
+def test_safe_eval():
+    assert safe_eval("47*38+12") == 47 * 38 + 12
+    assert safe_eval("(3+4)*-2") == -14
+    for bad in ("__import__('os')", "2**10", "1/2", "a+1"):
+        with pytest.raises(ValueError):
+            safe_eval(bad)
+    with pytest.raises(ValueError, match="at most 1"):
+        safe_eval("1+2+3", max_ops=1)
+
+
+def test_tasks_verify_and_splits():
+    env = CalculatorEnv()
+    train = env.sample_tasks(50, seed=0)
+    assert train == env.sample_tasks(50, seed=0)  # deterministic
+    evals = env.sample_tasks(50, seed=0, split="eval")
+    assert not {t.prompt for t in train} & {t.prompt for t in evals}
+    t = train[0]
+    assert env.verify(t, f"The answer is {t.answer}.") == 1.0
+    assert env.verify(t, f"The answer is {t.answer + 1}.") == 0.0
+    assert env.verify(t, None) == 0.0
+    text, ok = asyncio.run(run_tool(env.tool("calculator"),
+                                    {"expression": t.metadata["expression"]}))
+    assert ok and int(text) == t.answer
+
+
+def test_stepwise_tool_takes_one_operation():
+    env = StepwiseCalculatorEnv()
+    tool = env.tool("calculator")
+    assert asyncio.run(run_tool(tool, {"expression": "6*7"})) == ("42", True)
+    text, ok = asyncio.run(run_tool(tool, {"expression": "6*7+1"}))
+    assert not ok and "at most 1" in text
+    task = env.sample_tasks(1, seed=3)[0]
+    assert task.answer == safe_eval(task.metadata["expression"])
