@@ -1,0 +1,269 @@
+"""Relevance judges for RMSD: which candidate positions matter for the hint.
+
+A judge sees one `JudgeExample` (the trace text, the response tokens, the
+hint and the numbered candidate positions, i.e. the high-divergence positions
+from `ac2_jax.losses.candidate_mask`) and returns the positions it selects, a
+subset of the candidates, at most `top_s` of them. Positions index
+`response_tokens`; `ac2_jax.losses.selection_mask` turns them into a [.., L]
+mask. Results are cached per example (key = hash of the example's content).
+
+`RuleJudge` is deterministic (hint keywords, regexes, teacher/response diff),
+for tests and offline runs. `LLMJudge` asks any OpenAI-compatible endpoint
+through an `openai.OpenAI`-like client passed in.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any, Sequence
+
+_STOPWORDS = frozenset(
+    "a an and are as at be but by for from has have in is it its of on or that the this to "
+    "was were will with you your not should would could which when what".split())
+
+
+class JudgeError(RuntimeError):
+    """A judge could not produce a valid selection (LLMJudge with on_error='raise')."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeExample:
+    """What a judge sees for one response.
+
+    `candidates` are positions into `response_tokens`, in priority order
+    (largest divergence first). `teacher_tokens[i]`, if given, is the
+    hint-conditioned teacher's argmax token at response position i (for the
+    diff rule).
+    """
+
+    prompt: str
+    response: str
+    response_tokens: tuple[str, ...]
+    hint: str
+    candidates: tuple[int, ...]
+    teacher_tokens: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "response_tokens", tuple(str(t) for t in self.response_tokens))
+        object.__setattr__(self, "candidates", tuple(int(c) for c in self.candidates))
+        n = len(self.response_tokens)
+        bad = [c for c in self.candidates if not 0 <= c < n]
+        if bad:
+            raise ValueError(f"JudgeExample: candidate positions {bad} are outside the "
+                             f"{n} response tokens")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"JudgeExample: duplicate candidate positions in {self.candidates}")
+        if self.teacher_tokens is not None:
+            object.__setattr__(self, "teacher_tokens", tuple(str(t) for t in self.teacher_tokens))
+            if len(self.teacher_tokens) != n:
+                raise ValueError(f"JudgeExample: teacher_tokens has {len(self.teacher_tokens)} "
+                                 f"entries, response_tokens has {n}")
+
+    def key(self) -> str:
+        """sha256 of the content (the judge cache key)."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class Judge(abc.ABC):
+    """Selects the candidate positions relevant to the hint; caches per example.
+
+    `stats` counts: examples (select calls), cache_hits, selected (positions
+    returned); subclasses add their own counters.
+    """
+
+    def __init__(self, top_s: int | None = None):
+        if top_s is not None and (not isinstance(top_s, int) or top_s < 1):
+            raise ValueError(f"{type(self).__name__}: top_s must be a positive int or None, got {top_s!r}")
+        self.top_s = top_s
+        self.stats: dict[str, int] = {"examples": 0, "cache_hits": 0, "selected": 0}
+        self._cache: dict[str, list[int]] = {}
+
+    def select(self, example: JudgeExample) -> list[int]:
+        """Selected positions (subset of example.candidates, at most top_s)."""
+        self.stats["examples"] += 1
+        key = example.key()
+        if key in self._cache:
+            self.stats["cache_hits"] += 1
+            return list(self._cache[key])
+        picked = self._select(example)
+        if picked is None:  # skipped after errors: not cached, a later call may succeed
+            return []
+        out = list(dict.fromkeys(int(p) for p in picked))
+        if self.top_s is not None:
+            out = out[:self.top_s]
+        self._cache[key] = out
+        self.stats["selected"] += len(out)
+        return list(out)
+
+    @abc.abstractmethod
+    def _select(self, example: JudgeExample) -> list[int] | None:
+        """Positions in priority order, or None to skip (not cached)."""
+
+
+def hint_keywords(hint: str, min_len: int = 4) -> set[str]:
+    """Lower-cased words of the hint with at least `min_len` chars, minus stopwords."""
+    return {w for w in re.findall(r"[^\W_]+", hint.lower()) if len(w) >= min_len and w not in _STOPWORDS}
+
+
+class RuleJudge(Judge):
+    """Deterministic judge: the union of three rules, restricted to candidates.
+
+    - patterns: regexes; a token matches if `re.search` finds one in its text.
+    - use_hint_keywords: the token's word characters (lower-cased, >= 3 chars)
+      are a substring of a hint keyword (see `hint_keywords`) or contain one,
+      so sub-word pieces of hint words match.
+    - diff: the hint-conditioned teacher's argmax differs from the response
+      token there (needs example.teacher_tokens).
+    Selections come in candidate order.
+    """
+
+    def __init__(self, patterns: Sequence[str] = (), use_hint_keywords: bool = True,
+                 diff: bool = False, min_keyword_len: int = 4, top_s: int | None = None):
+        super().__init__(top_s)
+        self.patterns = [re.compile(p) for p in patterns]
+        self.use_hint_keywords = use_hint_keywords
+        self.diff = diff
+        self.min_keyword_len = min_keyword_len
+        if not (self.patterns or use_hint_keywords or diff):
+            raise ValueError("RuleJudge: enable at least one rule (patterns, use_hint_keywords, diff)")
+
+    def _matches(self, example: JudgeExample, pos: int, keywords: set[str]) -> bool:
+        text = example.response_tokens[pos]
+        if any(p.search(text) for p in self.patterns):
+            return True
+        if keywords:
+            word = "".join(re.findall(r"[^\W_]+", text.lower()))
+            if len(word) >= 3 and word not in _STOPWORDS and any(
+                    word in kw or kw in word for kw in keywords):
+                return True
+        return self.diff and example.teacher_tokens[pos] != text
+
+    def _select(self, example: JudgeExample) -> list[int]:
+        if self.diff and example.teacher_tokens is None:
+            raise ValueError("RuleJudge(diff=True): the example has no teacher_tokens")
+        keywords = hint_keywords(example.hint, self.min_keyword_len) if self.use_hint_keywords else set()
+        return [c for c in example.candidates if self._matches(example, c, keywords)]
+
+
+_SYSTEM = (
+    "You review an AI agent's response after feedback (a hint) about it. Some response tokens "
+    "are numbered candidates. Decide which candidate tokens are relevant to the hint: tokens "
+    "the hint is about, where the response went wrong or should change. Reply with JSON only, "
+    'exactly {"relevant": [positions]}, most relevant first, using only candidate positions.')
+
+
+class LLMJudge(Judge):
+    """Judge backed by an OpenAI-compatible chat endpoint.
+
+    client: an `openai.OpenAI`-like object (`client.chat.completions.create`).
+    A reply must be JSON {"relevant": [int, ...]} naming only candidate
+    positions. A bad reply (malformed JSON, wrong shape, out-of-range or
+    non-candidate positions) or a failed request is retried up to
+    `max_retries` times with the error fed back; then on_error="skip" returns
+    [] (uncached, counted in stats["skipped"]) and on_error="raise" raises
+    JudgeError. `context_tokens` response tokens either side are shown with
+    each candidate.
+    """
+
+    def __init__(self, client: Any, model: str, max_retries: int = 2, on_error: str = "skip",
+                 top_s: int | None = None, temperature: float = 0.0, max_tokens: int = 256,
+                 context_tokens: int = 6, max_prompt_chars: int = 8000):
+        super().__init__(top_s)
+        if on_error not in ("skip", "raise"):
+            raise ValueError(f"LLMJudge: on_error must be 'skip' or 'raise', got {on_error!r}")
+        if max_retries < 0:
+            raise ValueError(f"LLMJudge: max_retries must be >= 0, got {max_retries}")
+        self.client, self.model = client, model
+        self.max_retries, self.on_error = max_retries, on_error
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.context_tokens, self.max_prompt_chars = context_tokens, max_prompt_chars
+        self.stats.update(requests=0, request_errors=0, invalid_replies=0, retries=0, skipped=0)
+
+    def messages(self, example: JudgeExample) -> list[dict[str, str]]:
+        """The chat request for one example (trace text, hint, numbered candidates)."""
+        toks, k = example.response_tokens, self.context_tokens
+        lines = []
+        for c in example.candidates:
+            left, right = "".join(toks[max(0, c - k):c]), "".join(toks[c + 1:c + 1 + k])
+            lines.append(f"{c}: {json.dumps(toks[c])}   context: ...{left}[[{toks[c]}]]{right}...")
+        prompt = example.prompt
+        if len(prompt) > self.max_prompt_chars:
+            prompt = "...(earlier text cut)..." + prompt[-self.max_prompt_chars:]
+        cap = f" Select at most {self.top_s}." if self.top_s else ""
+        user = (f"## Trace (context before the response)\n{prompt}\n\n## Response\n{example.response}\n\n"
+                f"## Hint\n{example.hint}\n\n## Candidate tokens (position: token)\n" + "\n".join(lines)
+                + f"\n\nWhich candidate positions are relevant to the hint?{cap} "
+                  'Answer with JSON only: {"relevant": [positions]}.')
+        return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
+
+    def _select(self, example: JudgeExample) -> list[int] | None:
+        messages = self.messages(example)
+        reason = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+            self.stats["requests"] += 1
+            try:
+                resp = self.client.chat.completions.create(
+                    model=self.model, messages=messages, temperature=self.temperature,
+                    max_tokens=self.max_tokens)
+                text = resp.choices[0].message.content or ""
+            except Exception as e:  # endpoint down, HTTP error, ...: retried like a bad reply
+                self.stats["request_errors"] += 1
+                reason = f"request failed: {type(e).__name__}: {e}"
+                continue
+            try:
+                return parse_judge_reply(text, example)
+            except ValueError as e:
+                self.stats["invalid_replies"] += 1
+                reason = str(e)
+                messages = messages + [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"Invalid reply: {reason}. Reply again with JSON only: "
+                                                '{"relevant": [positions]} using only candidate positions.'}]
+        if self.on_error == "raise":
+            raise JudgeError(f"LLMJudge({self.model}): no valid reply after {self.max_retries + 1} "
+                             f"attempts for example {example.key()[:12]}: {reason}")
+        self.stats["skipped"] += 1
+        return None
+
+
+def _extract_json(text: str):
+    body = text.strip()
+    fence = re.match(r"^```(?:json)?\s*(.*?)\s*```$", body, re.DOTALL)
+    if fence:
+        body = fence.group(1)
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        pass
+    match = re.search(r"\{.*\}", body, re.DOTALL)
+    if match:
+        try:
+            return json.loads(match.group(0))
+        except json.JSONDecodeError:
+            pass
+    raise ValueError(f"malformed JSON: {text[:200]!r}")
+
+
+def parse_judge_reply(text: str, example: JudgeExample) -> list[int]:
+    """Validated positions from a reply {"relevant": [...]}; ValueError says what is wrong."""
+    data = _extract_json(text)
+    if not isinstance(data, dict) or not isinstance(data.get("relevant"), list):
+        raise ValueError(f'expected an object {{"relevant": [positions]}}, got {json.dumps(data)[:200]}')
+    n, cands = len(example.response_tokens), set(example.candidates)
+    out = []
+    for p in data["relevant"]:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise ValueError(f"position {p!r} is not an integer")
+        if not 0 <= p < n:
+            raise ValueError(f"position {p} is out of range [0, {n})")
+        if p not in cands:
+            raise ValueError(f"position {p} is not a candidate (candidates: {sorted(cands)})")
+        out.append(p)
+    return out
