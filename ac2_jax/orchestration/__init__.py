@@ -1,1 +1,12 @@
-"""orchestration layer."""
+"""Orchestrators: the one loop that runs every harness shape."""
+
+from ac2_jax.orchestration.base import (AGENT_HEADER, ConversationTrace, Orchestrator, ScriptedUser,
+                                        SingleTaskUser, User, run_task)
+from ac2_jax.orchestration.default import (CompactionOrchestrator, DefaultOrchestrator,
+                                           MultiResponseOrchestrator, SubagentOrchestrator)
+from ac2_jax.orchestration.rollouts import LifecycleClient, LifecycleError, run_rollout
+
+__all__ = ["AGENT_HEADER", "CompactionOrchestrator", "ConversationTrace", "DefaultOrchestrator",
+           "LifecycleClient", "LifecycleError", "MultiResponseOrchestrator", "Orchestrator",
+           "ScriptedUser", "SingleTaskUser", "SubagentOrchestrator", "User", "run_rollout",
+           "run_task"]

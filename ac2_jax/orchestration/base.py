@@ -1,0 +1,125 @@
+"""The general loop: a User and an Orchestrator, talking through an OpenAI client.
+
+    turn_input = await user.respond(orchestrator.env, orchestrator.trace)
+    while turn_input is not None:
+        await orchestrator.run(turn_input)
+        turn_input = await user.respond(orchestrator.env, orchestrator.trace)
+
+Orchestrators reach the model only through an OpenAI-compatible client (in
+training: the endpoint with a rollout's key), so the production code path is
+the training one. Token-level episodes are recorded by the endpoint; the
+orchestrator keeps the conversation as it saw it (`ConversationTrace`) and
+its process metrics.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any
+
+from ac2_jax.envs.base import Env, Task
+
+AGENT_HEADER = "X-Agent"
+
+
+@dataclasses.dataclass
+class ConversationTrace:
+    """What an orchestrator saw: its main history, the answer, and metrics."""
+
+    task: Task
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    answer: str | None = None
+    status: str = "running"  # running | finished | step_limit | token_limit | failed
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    metrics: dict[str, float] = dataclasses.field(default_factory=lambda: {
+        "steps": 0, "tool_calls": 0, "tool_errors": 0, "prompt_tokens": 0,
+        "output_tokens": 0, "cached_tokens": 0, "wall_time_s": 0.0})
+
+    def count_usage(self, usage) -> None:
+        if usage is None:
+            return
+        self.metrics["prompt_tokens"] += usage.prompt_tokens or 0
+        self.metrics["output_tokens"] += usage.completion_tokens or 0
+        details = getattr(usage, "prompt_tokens_details", None)
+        self.metrics["cached_tokens"] += (getattr(details, "cached_tokens", 0) or 0) if details else 0
+
+
+class Orchestrator(abc.ABC):
+    """Runs turns of one task against a model client. Subclasses shape the harness."""
+
+    def __init__(self, env: Env, task: Task, client, model: str, *, max_steps: int = 8,
+                 max_total_tokens: int = 100_000, sampling: dict[str, Any] | None = None):
+        self.env = env
+        self.client = client  # openai.AsyncOpenAI (or compatible)
+        self.model = model
+        self.max_steps = max_steps
+        self.max_total_tokens = max_total_tokens
+        self.sampling = dict(sampling or {})
+        self.trace = ConversationTrace(task=task, messages=list(env.initial_messages(task)[:-1]))
+
+    @abc.abstractmethod
+    async def run(self, turn_input: str) -> None:
+        """Handles one user turn (until the agent answers or a limit hits)."""
+
+    async def complete(self, messages, *, agent: str = "main", tools=None, n: int = 1, **kw):
+        """One chat completion request, labelled with the agent's name."""
+        params = {**self.sampling, **kw}
+        if tools:
+            params["tools"] = tools
+        if n != 1:
+            params["n"] = n
+        t0 = time.perf_counter()
+        resp = await self.client.chat.completions.create(
+            model=self.model, messages=messages, extra_headers={AGENT_HEADER: agent}, **params)
+        self.trace.count_usage(resp.usage)
+        self.trace.events.append({"agent": agent, "kind": "completion",
+                                  "latency_s": time.perf_counter() - t0})
+        return resp
+
+
+class User(abc.ABC):
+    """Decides the next turn input from the env and what happened so far."""
+
+    @abc.abstractmethod
+    async def respond(self, env: Env, trace: ConversationTrace) -> str | None:
+        """The next user message, or None to end the task."""
+
+
+class SingleTaskUser(User):
+    """Asks the task once; ends after the agent's answer (or a limit)."""
+
+    def __init__(self):
+        self._asked = False
+
+    async def respond(self, env, trace):
+        if self._asked:
+            return None
+        self._asked = True
+        return trace.task.prompt
+
+
+class ScriptedUser(User):
+    """Says the given messages in order, one per turn, then ends."""
+
+    def __init__(self, messages: list[str]):
+        self._messages = list(messages)
+
+    async def respond(self, env, trace):
+        if trace.status not in ("running", "finished") or not self._messages:
+            return None
+        return self._messages.pop(0)
+
+
+async def run_task(orchestrator: Orchestrator, user: User) -> ConversationTrace:
+    """The general loop. Returns the orchestrator's trace with wall time."""
+    t0 = time.perf_counter()
+    try:
+        turn_input = await user.respond(orchestrator.env, orchestrator.trace)
+        while turn_input is not None:
+            await orchestrator.run(turn_input)
+            turn_input = await user.respond(orchestrator.env, orchestrator.trace)
+    finally:
+        orchestrator.trace.metrics["wall_time_s"] = time.perf_counter() - t0
+    return orchestrator.trace

@@ -1,0 +1,96 @@
+"""Running one task attempt as a rollout of the lifecycle API.
+
+`LifecycleClient` speaks the endpoint's rollout routes over HTTP (admin key):
+create a rollout (getting its own base_url and api_key), finish it with a
+reward, fetch its token-level trace. `run_rollout` is one attempt end to end:
+create, run the orchestrator loop with an OpenAI client bound to the rollout
+key, verify, finish. This is how RL collects traces, and how any harness can.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import httpx
+import openai
+
+from ac2_jax.envs.base import Env, Task
+from ac2_jax.orchestration.base import ConversationTrace, Orchestrator, SingleTaskUser, run_task
+from ac2_jax.trace.types import Trace
+
+
+class LifecycleError(RuntimeError):
+    """The endpoint refused a lifecycle call."""
+
+
+class LifecycleClient:
+    """Async client for /v1/rollouts (create, get, finish, trace)."""
+
+    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
+                                       headers={"Authorization": f"Bearer {admin_key}"})
+
+    async def _call(self, method: str, path: str, **kw) -> dict[str, Any]:
+        r = await self._http.request(method, path, **kw)
+        if r.status_code >= 400:
+            raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    async def create(self, task_id: str, group_id: str | None = None,
+                     metadata: dict | None = None) -> dict[str, Any]:
+        return await self._call("POST", "/v1/rollouts", json={
+            "task_id": task_id, "group_id": group_id, "metadata": metadata or {}})
+
+    async def get(self, rollout_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/rollouts/{rollout_id}")
+
+    async def finish(self, rollout_id: str, *, reward: float | None = None,
+                     artifacts: dict | None = None, status: str | None = None) -> dict[str, Any]:
+        body = {k: v for k, v in (("reward", reward), ("artifacts", artifacts),
+                                  ("status", status)) if v is not None}
+        return await self._call("POST", f"/v1/rollouts/{rollout_id}/finish", json=body)
+
+    async def trace(self, rollout_id: str) -> Trace:
+        data = await self._call("GET", f"/v1/rollouts/{rollout_id}/trace")
+        return Trace.from_dict(data.get("trace", data))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+OrchestratorFactory = Callable[[Env, Task, Any, str], Orchestrator]
+
+
+async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
+                      make_orchestrator: OrchestratorFactory, model: str, *,
+                      group_id: str | None = None, attempt: int = 0,
+                      metadata: dict | None = None) -> tuple[Trace, ConversationTrace]:
+    """One attempt: create rollout -> run loop -> verify -> finish -> trace.
+
+    A crashed orchestrator finishes the rollout as "failed" (reward 0) rather
+    than leaking it; the error is kept in the trace metadata.
+    """
+    info = await lifecycle.create(task.task_id, group_id=group_id,
+                                  metadata={"attempt": attempt, "domain": task.domain,
+                                            **(metadata or {})})
+    client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                                max_retries=0, timeout=600.0)
+    conv = None
+    try:
+        orch = make_orchestrator(env, task, client, model)
+        conv = await run_task(orch, SingleTaskUser())
+        reward = env.verify(task, conv.answer)
+        await lifecycle.finish(info["rollout_id"], reward=reward, status="finished", artifacts={
+            "answer": conv.answer, "orchestrator_status": conv.status,
+            "metrics": conv.metrics})
+    except Exception as e:  # noqa: BLE001 - recorded as a failed rollout
+        await lifecycle.finish(info["rollout_id"], reward=0.0, status="failed",
+                               artifacts={"error": f"{type(e).__name__}: {e}"})
+        if conv is None:
+            conv = ConversationTrace(task=task, status="failed")
+    finally:
+        await client.close()
+    trace = await lifecycle.trace(info["rollout_id"])
+    trace.metrics.update({k: v for k, v in conv.metrics.items()})
+    return trace, conv
