@@ -1,0 +1,134 @@
+"""Train state and optimizer: a functional (graphdef, TrainState) pair.
+
+The model is split once into a static `graphdef`, its trainable `params`
+(every `nnx.Param`) and the `rest` of its state. `TrainState` is a plain
+pytree, so one step function compiles under `jax.jit` (with NamedSharding),
+`jax.pmap` and Orbax alike; `nnx.merge(graphdef, params, rest)` rebuilds the
+module inside the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warmup + constant/cosine schedule.
+
+    Warmup is linear and reaches `learning_rate` at step `warmup_steps` (step 0
+    already trains at lr / warmup_steps, never at 0). `cosine` decays to
+    `end_lr_ratio * learning_rate` at `total_steps`. Weight decay applies to
+    params with ndim >= `decay_min_ndim` (matrices, not norms or biases).
+    """
+
+    learning_rate: float = 3e-4
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decay_min_ndim: int = 2
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, "
+                             f"got {self.schedule!r}")
+        if self.learning_rate < 0:
+            raise ValueError(f"OptimizerConfig.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule == "cosine" and (self.total_steps is None
+                                          or self.total_steps <= self.warmup_steps):
+            raise ValueError("OptimizerConfig: schedule='cosine' needs total_steps > "
+                             f"warmup_steps, got total_steps={self.total_steps}, "
+                             f"warmup_steps={self.warmup_steps}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ValueError(f"OptimizerConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
+
+    def lr_schedule(self) -> optax.Schedule:
+        """step (int array) -> learning rate (fp32)."""
+        lr, warm = self.learning_rate, self.warmup_steps
+
+        def schedule(step):
+            step = jnp.asarray(step, jnp.float32)
+            scale = jnp.minimum(1.0, (step + 1.0) / warm) if warm > 0 else jnp.float32(1.0)
+            if self.schedule == "cosine":
+                frac = jnp.clip((step - warm) / (self.total_steps - warm), 0.0, 1.0)
+                cos = 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+                scale = scale * (self.end_lr_ratio + (1.0 - self.end_lr_ratio) * cos)
+            return lr * scale
+
+        return schedule
+
+    def build(self) -> optax.GradientTransformation:
+        """The optax transformation (clip -> AdamW). Deterministic: build it anywhere."""
+        min_ndim = self.decay_min_ndim
+        adamw = optax.adamw(self.lr_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
+                            weight_decay=self.weight_decay,
+                            mask=lambda params: jax.tree.map(lambda p: p.ndim >= min_ndim, params))
+        if self.clip_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes: step (int32 []), params (nnx.State of Params),
+    opt_state (optax), rng (uint32 [2] raw key), rest (non-Param model state)."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+    rest: nnx.State
+
+    def model(self, graphdef: nnx.GraphDef) -> nnx.Module:
+        """The module with these params (a copy; use inside or outside jit)."""
+        return nnx.merge(graphdef, self.params, self.rest, copy=True)
+
+
+def as_transform(optimizer) -> optax.GradientTransformation:
+    """OptimizerConfig or optax transformation -> optax transformation."""
+    if isinstance(optimizer, OptimizerConfig):
+        return optimizer.build()
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    raise TypeError("optimizer must be an OptimizerConfig or an optax.GradientTransformation, "
+                    f"got {type(optimizer).__name__}")
+
+
+def create_train_state(model: nnx.Module, optimizer, rng: int | jax.Array = 0
+                       ) -> tuple[nnx.GraphDef, TrainState]:
+    """Splits `model` and initializes the optimizer. Returns (graphdef, state).
+
+    `rng` is an int seed or a raw uint32[2] key (typed keys are unwrapped so the
+    state stays checkpointable as a plain array).
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if not jax.tree.leaves(params):
+        raise ValueError("create_train_state: the model has no nnx.Param to train")
+    if isinstance(rng, int):
+        rng = jax.random.PRNGKey(rng)
+    elif jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    opt_state = as_transform(optimizer).init(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                       rng=jnp.asarray(rng, jnp.uint32), rest=rest)
+    return graphdef, state
+
+
+def num_params(params) -> int:
+    """Total number of scalars in a params tree."""
+    return int(sum(x.size for x in jax.tree.leaves(params)))

@@ -1,0 +1,213 @@
+"""The train step: one pure function, compiled three ways.
+
+* mode="jit", mesh=None: one device (or whatever jit picks).
+* mode="jit", mesh=Mesh(('data','fsdp','tensor')): params and optimizer state
+  sharded by the model's partition specs, batch rows over ('data','fsdp');
+  GSPMD inserts the collectives.
+* mode="pmap": state replicated, rows split over devices, gradients psummed.
+
+The loss is always the *global* batch loss (e.g. the token-weighted task_mean
+over all rows of all devices): per-token weights come from the full batch
+(`objectives.loss_weights`), each device/micro-batch adds `sum(w * l)` and its
+gradient, and the sums are the exact full-batch loss and gradient. So pmap,
+mesh, single device and grad_accum=k give the same update (up to fp32
+reduction order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ac2_jax.losses import token_logprobs
+from ac2_jax.training.objectives import LossFn, loss_weights
+from ac2_jax.training.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
+                                       merge_rows, replicate, split_rows, state_shardings,
+                                       unreplicate)
+from ac2_jax.training.state import OptimizerConfig, TrainState, as_transform
+
+MODES = ("jit", "pmap")
+AXIS = "batch"
+
+
+def forward(graphdef, params, rest, batch) -> jax.Array:
+    """Logits [R, L, V] of a packed batch under (params, rest)."""
+    model = nnx.merge(graphdef, params, rest)
+    return model(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+
+
+def _micro(x, k: int, constrain):
+    """[R, ...] -> [k, R / k, ...]; micro-batch i takes rows i, i + k, ... so each
+    device's rows split evenly (no resharding under a mesh)."""
+    y = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+    return constrain(y)
+
+
+def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weights,
+                   grad_accum: int = 1, constrain=lambda y: y):
+    """(sum(w * l), metric sums, grads) over the given rows, in `grad_accum` pieces.
+
+    weights [R, L] from `loss_weights` (of the full batch). Grads are
+    accumulated in fp32 and returned in the params' dtype.
+    """
+    def f(p, b, e, w):
+        per_token, sums = loss_fn(forward(graphdef, p, rest, b), b, e)
+        return (w * per_token).sum(), sums
+
+    vg = jax.value_and_grad(f, has_aux=True)
+    if grad_accum == 1:
+        (loss, sums), grads = vg(params, batch, extras, weights)
+        return loss, sums, grads
+    xs = jax.tree.map(lambda x: _micro(x, grad_accum, constrain), (batch, extras, weights))
+    first = jax.tree.map(lambda x: x[0], xs)
+    _, sums_shape = jax.eval_shape(f, params, *first)
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+    init = (jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def body(carry, mb):
+        (loss, sums), grads = vg(params, *mb)
+        return jax.tree.map(jnp.add, carry, (f32(loss), f32(sums), f32(grads))), None
+
+    (loss, sums, grads), _ = jax.lax.scan(body, init, xs)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, sums, grads
+
+
+def _counts(batch):
+    m = batch.loss_mask.astype(jnp.float32)
+    return {"tokens": (batch.segment_ids > 0).sum().astype(jnp.float32),
+            "loss_tokens": (m > 0).sum().astype(jnp.float32), "_mask": m.sum()}
+
+
+class TrainStep:
+    """`step(state, batch, extras=None) -> (state, metrics)`; see `make_train_step`."""
+
+    def __init__(self, graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
+                 grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
+        if mode == "pmap" and mesh is not None:
+            raise ValueError("make_train_step: mode='pmap' takes devices=, not mesh=")
+        if int(grad_accum) < 1:
+            raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
+        self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
+        self.grad_accum, self.donate = int(grad_accum), donate
+        self.tx = as_transform(optimizer)
+        if lr_schedule is None and isinstance(optimizer, OptimizerConfig):
+            lr_schedule = optimizer.lr_schedule()
+        self.lr_schedule = lr_schedule
+        self.devices = list(jax.local_devices() if devices is None else devices)
+        self.state_sharding = None
+        self._step = self._logprobs = None
+
+    # -- the pure step
+
+    def _update(self, state: TrainState, batch, extras, axis_name):
+        constrain = lambda y: y  # noqa: E731
+        if self.mesh is not None:
+            row = NamedSharding(self.mesh, P(None, tuple(a for a in BATCH_AXES
+                                                         if a in self.mesh.shape)))
+            constrain = lambda y: jax.lax.with_sharding_constraint(y, row)  # noqa: E731
+        weights = loss_weights(batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer,
+                               axis_name=axis_name)
+        loss, sums, grads = loss_and_grads(self.graphdef, self.loss_fn, state.params, state.rest,
+                                           batch, extras, weights, self.grad_accum, constrain)
+        counts = _counts(batch)
+        if axis_name is not None:
+            loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            rng=jax.random.split(state.rng)[0])
+        denom = jnp.maximum(counts.pop("_mask"), 1e-8)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **counts,
+                   **{k: v / denom for k, v in sums.items()}}
+        if self.lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(self.lr_schedule(state.step), jnp.float32)
+        return new, metrics
+
+    # -- compilation
+
+    def _build(self, state):
+        donate = (0,) if self.donate else ()
+        if self.mode == "pmap":
+            self._step = jax.pmap(lambda s, b, e: self._update(s, b, e, AXIS), axis_name=AXIS,
+                                  devices=self.devices, donate_argnums=donate)
+            return
+        out = None
+        if self.mesh is not None:
+            self.state_sharding = state_shardings(state, self.mesh)
+            out = (self.state_sharding, NamedSharding(self.mesh, P()))
+        self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
+                             donate_argnums=donate)
+
+    def place(self, state: TrainState) -> TrainState:
+        """Puts a (host / unreplicated) state where this step wants it."""
+        if self.mode == "pmap":
+            return replicate(state, self.devices)
+        if self.mesh is not None:
+            if self.state_sharding is None:
+                self.state_sharding = state_shardings(state, self.mesh)
+            return jax.device_put(state, self.state_sharding)
+        return jax.device_put(state)
+
+    def host_state(self, state: TrainState) -> TrainState:
+        """The global (unreplicated) state, e.g. for checkpoints and publishing."""
+        return unreplicate(state) if self.mode == "pmap" else state
+
+    def _place_rows(self, tree):
+        rows = jax.tree.leaves(tree)[0].shape[0]
+        if self.mode == "pmap":
+            check_rows(rows, len(self.devices), self.grad_accum, "train step (pmap)")
+            return split_rows(tree, len(self.devices))
+        if self.mesh is not None:
+            check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
+            return jax.device_put(tree, batch_sharding(self.mesh))
+        check_rows(rows, 1, self.grad_accum, "train step")
+        return tree
+
+    def __call__(self, state: TrainState, batch, extras: dict | None = None):
+        if self._step is None:
+            self._build(self.host_state(state) if self.mode == "pmap" else state)
+        batch, extras = self._place_rows((batch, extras))
+        if self.mesh is not None:
+            state = jax.device_put(state, self.state_sharding)
+        state, metrics = self._step(state, batch, extras)
+        if self.mode == "pmap":
+            metrics = unreplicate(metrics)
+        return state, metrics
+
+    def logprobs(self, state: TrainState, batch) -> jax.Array:
+        """Learner log-probs of batch.targets [R, L] (e.g. PPO old log-probs)."""
+        def f(s, b):
+            return token_logprobs(forward(self.graphdef, s.params, s.rest, b), b.targets)
+
+        if self._logprobs is None:
+            self._logprobs = (jax.pmap(f, devices=self.devices) if self.mode == "pmap"
+                              else jax.jit(f))
+        out = self._logprobs(state, self._place_rows(batch))
+        return merge_rows(out) if self.mode == "pmap" else out
+
+
+def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
+                    grad_accum: int = 1, lr_schedule=None, devices=None,
+                    donate: bool = True) -> TrainStep:
+    """A compiled train step: `step(state, batch, extras=None) -> (state, metrics)`.
+
+    optimizer: OptimizerConfig or optax transformation (the one the state was
+    created with). loss_fn: e.g. `SFTLoss()` / `PolicyGradientLoss()`.
+    Batch rows must split into grad_accum micro-batches of a multiple of the
+    data-parallel shard count. `step.place(state)` puts a fresh or restored
+    state on the mesh / replicas; `step.host_state(state)` gives the global
+    state back. The input state is donated (donate=False keeps it).
+    metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr and the
+    loss's token-mean metrics (entropy, clip_frac, kl_to_sampler).
+    """
+    return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
+                     lr_schedule=lr_schedule, devices=devices, donate=donate)
