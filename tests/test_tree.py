@@ -113,3 +113,63 @@ def test_rows_split_when_full_and_errors():
         aggregate_loss(fake_per_token(tree), tree, "segment_mean")
     with pytest.raises(ValueError, match="seq_len=8"):
         pack_segments(segs, seq_len=8, layout="tree")
+
+
+# -- with the real model: log-probs, loss and gradients equal flat packing ----
+
+def _model():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, dtype=jnp.float32)
+    return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+def _pg_loss_fn(graphdef, batch):
+    import jax
+    from flax import nnx
+
+    from ac2_jax.losses import policy_gradient_loss, token_logprobs
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+        lp = token_logprobs(logits, batch.targets)
+        per_tok = policy_gradient_loss(lp, jax.lax.stop_gradient(lp), batch.sampler_logprobs,
+                                       batch.advantages, batch.loss_mask, tis_cap=2.0)
+        return aggregate_loss(per_tok, batch, "task_mean")
+    return loss
+
+
+@pytest.mark.parametrize("make", [group_segments, fork_segments])
+def test_model_logprobs_loss_and_grads_equal_flat(make):
+    import jax
+    from flax import nnx
+
+    from ac2_jax.losses import token_logprobs
+    model = _model()
+    segs = make()
+    flat = pack_segments(segs, seq_len=24)
+    tree = pack_segments(segs, seq_len=64, layout="tree")
+    lp_flat = np.asarray(token_logprobs(model(flat.tokens, flat.positions, flat.segment_ids),
+                                        flat.targets))
+    lp_tree = np.asarray(token_logprobs(
+        model(tree.tokens, tree.positions, tree.segment_ids, tree.subtree_end), tree.targets))
+    for i, s in enumerate(segs):
+        r_t, idx_t = path_rows(tree, s.tokens.tolist(), s.loss_mask)
+        r_f = int(np.nonzero((flat.segment_index == i) & (flat.segment_ids > 0))[0][0])
+        cols = np.nonzero((flat.segment_index[r_f] == i) & (flat.segment_ids[r_f] > 0))[0]
+        # Every token's log-prob of its next token, along the whole path (fp32, 1e-5).
+        np.testing.assert_allclose(lp_tree[r_t, idx_t[:-1]], lp_flat[r_f, cols[:-1]], atol=1e-5)
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    l_flat, g_flat = jax.value_and_grad(_pg_loss_fn(graphdef, flat))(params)
+    l_tree, g_tree = jax.value_and_grad(_pg_loss_fn(graphdef, tree))(params)
+    np.testing.assert_allclose(float(l_tree), float(l_flat), rtol=1e-5)
+    gf, gt = jax.tree.leaves(g_flat), jax.tree.leaves(g_tree)
+    for a, b in zip(gf, gt):
+        a, b = np.asarray(a), np.asarray(b)
+        # Relative to the gradient's scale (fp32, 1e-5).
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-8)
