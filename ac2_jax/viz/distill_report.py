@@ -1,0 +1,143 @@
+"""Self-distillation report: where the hint-conditioned teacher and the student
+disagree, and which of those positions the judge kept.
+
+A standalone HTML page (inline CSS/JS, images base64-embedded, no server or
+CDN): the student's context, the teacher's context with the inserted hint
+highlighted (`mark.hint`), the response as a divergence heatmap (each token a
+`span.tok` with data-pos / data-div; candidates (top-T) have class `cand`,
+judge selections (top-S) class `sel`), radio toggles all / top-T / top-S, the
+ranked candidate table, training curves (target metric, retention metric,
+loss) and optionally the full trace.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pathlib
+from typing import Any, Sequence
+
+from ac2_jax.viz.curves import plot_curves
+from ac2_jax.viz.trace_html import esc, kv_table, page, token_texts, trace_section
+
+DEFAULT_CURVES = {"target metric": "target", "retention metric": "retention", "loss": "loss"}
+
+_CSS = """
+pre.ctx{white-space:pre-wrap;word-break:break-word;border:1px solid #ddd;padding:.6em;
+border-radius:4px;background:#fafafa;font-size:.9em}
+mark.hint{background:#ffe066;outline:1px solid #e0a800;padding:0 2px}
+#response .tok{background:rgba(214,39,40,calc(var(--h,0)*0.85))}
+#response .tok.cand{outline:1px dashed #b22}
+#response .tok.sel{outline:2px solid #1a7f37;font-weight:bold}
+#response[data-view="topT"] .tok:not(.cand),#response[data-view="topS"] .tok:not(.sel){
+background:transparent;opacity:.35;outline:none}
+.toggles label{margin-right:1.2em}
+table.cands{border-collapse:collapse} table.cands td,table.cands th{border:1px solid #ccc;
+padding:2px 8px;font-family:monospace;font-size:.9em}
+tr.sel td{background:#dff5e3}
+img.curves{max-width:100%;border:1px solid #ddd}
+"""
+
+_JS = """
+(function(){
+  var resp = document.getElementById('response');
+  document.querySelectorAll('input[name="view"]').forEach(function(el){
+    el.addEventListener('change', function(){ if (el.checked) resp.setAttribute('data-view', el.value); });
+  });
+})();
+"""
+
+
+def _positions(name: str, positions: Sequence[int], n: int) -> list[int]:
+    out = [int(p) for p in positions]
+    bad = [p for p in out if not 0 <= p < n]
+    if bad:
+        raise ValueError(f"distill_report_html: {name} positions {bad} are outside the {n} response tokens")
+    return out
+
+
+def _teacher_context(prompt: str, hint: str, teacher_prompt: str | None) -> str:
+    mark = f'<mark class="hint">{esc(hint)}</mark>'
+    if teacher_prompt is None:  # the hint goes right before the response
+        return esc(prompt) + mark
+    if hint not in teacher_prompt:
+        raise ValueError("distill_report_html: the hint does not occur in teacher_prompt")
+    return mark.join(esc(part) for part in teacher_prompt.split(hint))
+
+
+def _response(tokens: list[str], div: list[float], cands: set[int], sel: set[int]) -> str:
+    finite = [d for d in div if math.isfinite(d)]
+    top = max(finite) if finite and max(finite) > 0 else 1.0
+    spans = []
+    for i, (text, d) in enumerate(zip(tokens, div)):
+        h = min(max(d / top, 0.0), 1.0) if math.isfinite(d) else 0.0
+        cls = "tok" + (" cand" if i in cands else "") + (" sel" if i in sel else "")
+        spans.append(f'<span class="{cls}" data-pos="{i}" data-div="{d:.6g}" style="--h:{h:.3f}" '
+                     f'title="pos {i} · divergence {d:.4g}">{esc(text)}</span>')
+    return "".join(spans)
+
+
+def _candidate_table(tokens, div, cands: list[int], sel: set[int]) -> str:
+    rows = "".join(
+        f'<tr class="{"sel" if p in sel else "cand"}"><td>{rank}</td><td>{p}</td>'
+        f"<td>{esc(repr(tokens[p]))}</td><td>{div[p]:.4g}</td><td>{'yes' if p in sel else ''}</td></tr>"
+        for rank, p in enumerate(sorted(cands, key=lambda q: (-div[q], q))))
+    return ('<table class="cands"><tr><th>rank</th><th>pos</th><th>token</th><th>divergence</th>'
+            f"<th>judge selected</th></tr>{rows}</table>")
+
+
+def distill_report_html(*, prompt: str, hint: str, response_tokens: Sequence, divergence: Sequence[float],
+                        candidates: Sequence[int] = (), selected: Sequence[int] = (),
+                        teacher_prompt: str | None = None, tokenizer=None, metrics=None,
+                        curves: dict[str, str] | None = None, trace=None,
+                        info: dict[str, Any] | None = None,
+                        title: str = "Self-distillation report") -> str:
+    """The report page as a string.
+
+    prompt: the student's context (trace text). hint: the inserted hint;
+    teacher_prompt: the teacher's context containing it (default: prompt +
+    hint). response_tokens: [n] token strings (or ids with `tokenizer`);
+    divergence: [n] per-position teacher-student divergence; candidates /
+    selected: response positions (top-T, judge top-S). metrics: anything
+    `plot_curves` reads; curves: {label: metric key}, default DEFAULT_CURVES.
+    trace: optional Trace appended as in `trace_html`; info: a key/value table.
+    """
+    if not hint:
+        raise ValueError("distill_report_html: hint is empty")
+    tokens = list(response_tokens)
+    if tokens and not isinstance(tokens[0], str):
+        tokens = token_texts(tokens, tokenizer)
+    div = [float(d) for d in divergence]
+    if len(div) != len(tokens):
+        raise ValueError(f"distill_report_html: {len(div)} divergences for {len(tokens)} response tokens")
+    cands = _positions("candidate", candidates, len(tokens))
+    sel = set(_positions("selected", selected, len(tokens)))
+    n_t, n_s = len(cands), len(sel)
+    body = [f"<h1>{esc(title)}</h1>", kv_table(info) if info else "",
+            "<h2>Student context (trace / prompt)</h2>", f'<pre class="ctx" id="student">{esc(prompt)}</pre>',
+            "<h2>Teacher context (hint inserted)</h2>",
+            f'<pre class="ctx" id="teacher">{_teacher_context(prompt, hint, teacher_prompt)}</pre>',
+            "<h2>Response: teacher-student divergence</h2>",
+            '<p class="toggles">'
+            '<label><input type="radio" name="view" id="view-all" value="all" checked> all tokens</label>'
+            f'<label><input type="radio" name="view" id="view-topT" value="topT"> top-T candidates ({n_t})</label>'
+            f'<label><input type="radio" name="view" id="view-topS" value="topS"> judge top-S ({n_s})</label></p>',
+            f'<div class="tokens" id="response" data-view="all">{_response(tokens, div, set(cands), sel)}</div>',
+            "<h2>Candidates by divergence</h2>", _candidate_table(tokens, div, cands, sel)]
+    if metrics is not None:
+        curves = DEFAULT_CURVES if curves is None else curves
+        png = plot_curves(metrics, keys=list(curves.values()), labels=list(curves.keys()))
+        body += ["<h2>Training curves</h2>",
+                 f'<img class="curves" alt="training curves: {esc(", ".join(curves))}" '
+                 f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">']
+    if trace is not None:
+        body += ["<h2>Full trace</h2>", trace_section(trace, tokenizer)]
+    return page(title, "".join(body), css=_CSS, script=_JS)
+
+
+def write_distill_report(path: str | pathlib.Path, **kwargs) -> pathlib.Path:
+    """Writes `distill_report_html(**kwargs)` to `path`; returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(distill_report_html(**kwargs), encoding="utf-8")
+    return path
