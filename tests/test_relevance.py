@@ -126,6 +126,13 @@ def test_masked_token_mean_and_relevance_loss_hand_formula():
     np.testing.assert_allclose(loss_m, hand_tok, rtol=1e-6)
     np.testing.assert_array_equal(kept_m, kept)
 
+    # relevance_loss (task_mean over kept positions) under jit, pmap (psum) and the mesh.
+    task_mean = float(np.mean(per_task))
+    rl = lambda pt, b, k, axis_name=None: relevance_loss(pt, b, k, axis_name=axis_name)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(rl)(per_token, batch, kept), task_mean, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(run_pmap_rows(rl, per_token, batch, kept)), task_mean, rtol=1e-6)
+    np.testing.assert_allclose(run_mesh_rows(rl, per_token, batch, kept)[0], task_mean, rtol=1e-6)
+
 
 def test_masks_equal_under_jit_pmap_and_mesh():
     div, mask, judge, seg = _inputs(4)
