@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import Segment, pack_segments, task_names
 
 
 def _seg(n, task, start=1, adv=1.0):
@@ -17,7 +17,8 @@ def test_first_fit_decreasing_and_alignment():
     b = pack_segments(segs, seq_len=8)
     # FFD: 6 -> row0, 5 -> row1, 4 -> row2, 3 -> row1 (5+3=8).
     assert b.shape == (3, 8)
-    assert b.num_tasks == 3 and b.task_names == ("a", "b", "c")
+    assert task_names(segs) == ("a", "b", "c")
+    assert b.num_tasks == 4 and b.num_segments == 4  # power-of-two capacities
     row1 = b.tokens[1]
     np.testing.assert_array_equal(row1, [1, 2, 3, 4, 5, 100, 101, 102])
     np.testing.assert_array_equal(b.segment_ids[1], [1, 1, 1, 1, 1, 2, 2, 2])

@@ -24,10 +24,14 @@ class PackedBatch:
 
     tokens, targets, positions (reset per segment), segment_ids (1.. within a
     row, 0 = padding): int32. loss_mask, advantages, sampler_logprobs: float32,
-    aligned with targets. task_ids: int32 index into `task_names` (the loss's
-    per-task groups). segment_index: int32 global segment number (for
-    `segment_mean`). subtree_end: int32, only for tree layouts (token k is seen
-    by queries k..subtree_end[k]); None for flat packing.
+    aligned with targets. task_ids: int32 index of the token's task in
+    `task_names(segments)` (the loss's per-task groups). segment_index: int32
+    global segment number (for `segment_mean`). subtree_end: int32, only for
+    tree layouts (token k is seen by queries k..subtree_end[k]); None for flat.
+
+    num_tasks / num_segments are static capacities (the next power of two of
+    the real counts; unused ids hold no tokens), so batches of similar size
+    share one compiled train step.
     """
 
     tokens: np.ndarray
@@ -42,7 +46,6 @@ class PackedBatch:
     subtree_end: np.ndarray | None = None
     num_tasks: int = struct.field(pytree_node=False, default=0)
     num_segments: int = struct.field(pytree_node=False, default=0)
-    task_names: tuple = struct.field(pytree_node=False, default=())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,6 +70,16 @@ def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int
             rows.append([i])
             free.append(seq_len - lengths[i])
     return rows
+
+
+def task_names(segments: Sequence[Segment]) -> tuple[str, ...]:
+    """The tasks of `segments` in task-id order (the batch's `task_ids`)."""
+    return tuple(sorted({s.task for s in segments}))
+
+
+def capacity(n: int) -> int:
+    """Next power of two >= n (static group counts that rarely change)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -111,8 +124,7 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
                 f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
         lengths.append(min(len(s), seq_len))
 
-    task_names = tuple(sorted({s.task for s in segments}))
-    task_index = {name: i for i, name in enumerate(task_names)}
+    task_index = {name: i for i, name in enumerate(task_names(segments))}
     bins = _first_fit_decreasing(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
     out = empty_batch(n_rows, seq_len)
@@ -132,5 +144,5 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
             out["task_ids"][r, sl] = task_index[s.task]
             out["segment_index"][r, sl] = i
             start += n
-    return PackedBatch(**out, num_tasks=len(task_names),
-                       num_segments=len(segments), task_names=task_names)
+    return PackedBatch(**out, num_tasks=capacity(len(task_index)),
+                       num_segments=capacity(len(segments)))

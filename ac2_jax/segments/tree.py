@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.packing import PackedBatch, empty_batch, pad_rows
+from ac2_jax.segments.packing import PackedBatch, capacity, empty_batch, pad_rows, task_names
 from ac2_jax.segments.segments import Segment
 
 
@@ -116,8 +116,7 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
                 f"pack_segment_tree: segment {i} ({s.task!r}) has {len(s)} tokens, "
                 f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
         lengths.append(min(len(s), seq_len))
-    task_names = tuple(sorted({s.task for s in segments}))
-    task_index = {name: i for i, name in enumerate(task_names)}
+    task_index = {name: i for i, name in enumerate(task_names(segments))}
 
     order = sorted(range(len(segments)), key=lambda i: (segments[i].tokens[:lengths[i]].tolist(), i))
     rows: list[tuple[_Node, int]] = []  # (root, used tokens)
@@ -139,5 +138,5 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):
         _layout(root, out, r, task_index, segments)
-    return PackedBatch(**out, num_tasks=len(task_names), num_segments=len(segments),
-                       task_names=task_names)
+    return PackedBatch(**out, num_tasks=capacity(len(task_index)),
+                       num_segments=capacity(len(segments)))
