@@ -1,0 +1,221 @@
+"""Task-level RL: rollouts through the endpoint -> rewards -> one update -> publish.
+
+    tasks (domain mix) -> G attempts each through orchestrators over the
+    endpoint, concurrently -> verifier rewards -> group advantages ->
+    segments -> packed batch -> PPO-clip loss, task_mean -> update ->
+    publish weights (Orbax) -> the sampler reloads.
+
+mode="sync" collects step s with the weights of update s. mode="async"
+collects step s+1 while step s trains, so sampling and training overlap;
+traces lagging more than `max_staleness` versions are dropped or
+down-weighted and truncated importance weights correct the rest. Every
+collected rollout is appended to `workdir/rollouts.jsonl` as it finishes, and
+a checkpoint records the last trained step, so a killed run resumes at the
+next step without repeating or losing rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from ac2_jax.envs.base import Env
+from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
+from ac2_jax.trace.store import TraceStore
+from ac2_jax.trace.types import Trace
+from ac2_jax.training.checkpoints import Checkpointer, publish
+from ac2_jax.training.metrics_log import MetricsLogger
+from ac2_jax.training.objectives import PolicyGradientLoss
+from ac2_jax.training.rl_data import BatchConfig, build_batch, trace_rewards
+from ac2_jax.training.state import OptimizerConfig, create_train_state
+from ac2_jax.training.train_step import make_train_step
+
+RL_MODES = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    steps: int = 10
+    tasks_per_step: int = 8
+    attempts_per_task: int = 8
+    mode: str = "sync"
+    seed: int = 0
+    concurrency: int = 64
+    batch: BatchConfig = BatchConfig()
+    loss: PolicyGradientLoss = PolicyGradientLoss()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        if self.mode not in RL_MODES:
+            raise ValueError(f"RLConfig.mode must be one of {RL_MODES}, got {self.mode!r}")
+        for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Collector(Protocol):
+    """Where a step's traces come from."""
+
+    async def collect(self, rl_step: int) -> list[Trace]: ...
+
+
+class EndpointCollector:
+    """G attempts of each step's tasks through the endpoint, concurrently.
+
+    Every finished rollout goes to `store` tagged with (rl_step, task, attempt);
+    attempts already in the store are reused, not run again (resume).
+    """
+
+    def __init__(self, lifecycle: LifecycleClient, env: Env, make_orchestrator: OrchestratorFactory,
+                 model_name: str, store: TraceStore, *, tasks_per_step: int,
+                 attempts_per_task: int, seed: int = 0, concurrency: int = 64):
+        self.lifecycle, self.env, self.make = lifecycle, env, make_orchestrator
+        self.model_name, self.store = model_name, store
+        self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
+        self.seed, self.sem = seed, asyncio.Semaphore(concurrency)
+
+    def tasks(self, rl_step: int):
+        return self.env.sample_tasks(self.tasks_per_step, seed=self.seed * 1_000_003 + rl_step,
+                                     split="train")
+
+    async def collect(self, rl_step: int) -> list[Trace]:
+        done = {(t.task_id, t.metadata.get("attempt")): t
+                for t in self.store.read(on_error="skip") if t.metadata.get("rl_step") == rl_step}
+
+        async def one(task, attempt):
+            key = (task.task_id, attempt)
+            if key in done:
+                return done[key]
+            env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
+            async with self.sem:
+                trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
+                                             group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
+                                             metadata={"rl_step": rl_step})
+            trace.attempt_id = str(attempt)
+            trace.group_id = f"{rl_step}:{task.task_id}"
+            trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain)
+            self.store.append(trace)
+            return trace
+
+        jobs = [one(task, a) for task in self.tasks(rl_step) for a in range(self.attempts)]
+        return list(await asyncio.gather(*jobs))
+
+
+class ReplayCollector:
+    """Replays stored traces by their `rl_step` tag (offline RL, tests)."""
+
+    def __init__(self, traces: Sequence[Trace]):
+        self.by_step: dict[int, list[Trace]] = {}
+        for t in traces:
+            self.by_step.setdefault(int(t.metadata.get("rl_step", 0)), []).append(t)
+
+    async def collect(self, rl_step: int) -> list[Trace]:
+        return list(self.by_step.get(rl_step, []))
+
+
+class RLTrainer:
+    """The RL loop around a model. `on_publish(version)` makes the sampler reload."""
+
+    def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
+                 on_publish: Callable[[int], Any] | None = None, train_mode: str = "jit",
+                 mesh=None, logger: MetricsLogger | None = None):
+        self.config, self.collector, self.on_publish = config, collector, on_publish
+        self.workdir = os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.publish_dir = os.path.join(self.workdir, "published")
+        self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
+        self.step_fn = make_train_step(self.graphdef, config.loss, config.optimizer,
+                                       mode=train_mode, mesh=mesh)
+        self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                 max_to_keep=config.keep_checkpoints)
+        self.start_step = 0
+        if self.ckpt.latest_step() is not None:
+            state, data, _ = self.ckpt.restore(state)
+            self.start_step = int(data["rl_step"]) + 1
+        self.state = self.step_fn.place(state)
+        self.logger = logger
+        self._published: int | None = None
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def version(self) -> int:
+        """Policy version of the learner = number of updates done."""
+        return int(jax.device_get(self.step_fn.host_state(self.state).step))
+
+    def model(self):
+        return self.step_fn.host_state(self.state).model(self.graphdef)
+
+    def update(self, traces: Sequence[Trace]) -> dict[str, Any]:
+        """One update from traces (the same in sync and async mode)."""
+        version = self.version
+        batch, stats, adv = build_batch(traces, version, self.config.batch)
+        rewards = trace_rewards(traces)
+        m: dict[str, Any] = {
+            "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+            "pass_rate": float((rewards >= 1.0).mean()) if len(rewards) else 0.0,
+            "adv_mean": float(adv.mean()) if len(adv) else 0.0,
+            "adv_std": float(adv.std()) if len(adv) else 0.0,
+            "adv_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+            "episodes_per_trace": float(np.mean([len(t.episodes) for t in traces])) if traces else 0.0,
+            "agent_tokens": float(sum(t.num_agent_tokens for t in traces)),
+            **{k: float(v) for k, v in dataclasses.asdict(stats).items()},
+        }
+        if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
+            m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
+            return m
+        self.state, step_m = self.step_fn(self.state, batch)
+        m.update({k: float(v) for k, v in jax.device_get(step_m).items()})
+        m["skipped_update"] = 0.0
+        return m
+
+    def publish(self) -> int:
+        """Writes the learner's weights for the sampler and tells it to reload."""
+        version = self._published = self.version
+        publish(self.graphdef, self.step_fn.host_state(self.state), self.publish_dir, version)
+        if self.on_publish is not None:
+            self.on_publish(version)
+        return version
+
+    async def run(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        if self.start_step >= cfg.steps:
+            return self.history
+        if self.start_step > 0:
+            self.publish()  # the sampler serves the restored weights
+        pending = asyncio.ensure_future(self.collector.collect(self.start_step))
+        for s in range(self.start_step, cfg.steps):
+            t0 = time.perf_counter()
+            traces = await pending
+            t_sample = time.perf_counter() - t0
+            if cfg.mode == "async" and s + 1 < cfg.steps:
+                pending = asyncio.ensure_future(self.collector.collect(s + 1))
+            t1 = time.perf_counter()
+            m = await asyncio.to_thread(self.update, traces)
+            t2 = time.perf_counter()
+            m["policy_version"] = self.version
+            if m["policy_version"] != self._published:
+                self.publish()
+            self.ckpt.save(s, self.step_fn.host_state(self.state), data={"rl_step": s},
+                           force=True)
+            t3 = time.perf_counter()
+            if cfg.mode == "sync" and s + 1 < cfg.steps:
+                pending = asyncio.ensure_future(self.collector.collect(s + 1))
+            m.update(rl_step=s, time_sampling_s=t_sample, time_training_s=t2 - t1,
+                     time_publishing_s=t3 - t2, time_step_s=time.perf_counter() - t0)
+            self.history.append(m)
+            if self.logger is not None:
+                self.logger.log(s, m)
+        self.ckpt.wait()
+        return self.history
+
+    def close(self) -> None:
+        self.ckpt.close()
+        if self.logger is not None:
+            self.logger.close()
