@@ -1,0 +1,78 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the endpoint reports (bad JSON, auth, unknown model or route,
+context overflow, validation) goes through `APIError`, so clients such as
+the official `openai` package raise the matching exception class
+(BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
+ConflictError, ...) with our message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error",
+          503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI JSON with `status`."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg = f"Unknown route: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        return APIError(exc.status_code, msg, code=f"http_{exc.status_code}").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return APIError(400, f"Invalid request: {loc or 'body'}: {first.get('msg', 'invalid')}",
+                        param=loc or None, code="invalid_request").response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, exc: Exception):
+        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                        code="internal_error").response()

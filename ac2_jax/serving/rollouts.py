@@ -1,0 +1,269 @@
+"""Rollout lifecycle: one task attempt = one API key = one recorded Trace.
+
+An orchestrator creates a rollout (admin key) and hands its `base_url` and
+`api_key` to an unmodified harness. Every completion made with that key is
+recorded into the rollout's `TraceRecorder` under an agent label; finishing
+the rollout (reward, artifacts, status) writes the trace to the TraceStore
+and kills the key. A rollout past its timeout is finished as `timed_out`.
+All state changes happen under one lock, and a request either changes
+everything it should or nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import math
+import secrets
+import threading
+import time
+from typing import Any
+
+from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
+from ac2_jax.serving.errors import APIError, bad_request
+from ac2_jax.serving.splice import TurnMemory
+
+END_STATUSES = ("finished", "failed", "timed_out")
+
+
+class Rollout:
+    """One task attempt: its key, trace, recorder and assistant-turn memory."""
+
+    def __init__(self, rollout_id: str, api_key: str, trace: Trace, timeout_s: float | None):
+        self.rollout_id = rollout_id
+        self.api_key = api_key
+        self.trace = trace
+        self.recorder = TraceRecorder(trace)
+        self.memory = TurnMemory()
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.deadline = None if timeout_s is None else self.started + timeout_s
+        self.completions: list[dict[str, Any]] = []
+        self.wall_time_s: float | None = None
+
+    @property
+    def status(self) -> str:
+        return self.trace.status
+
+    @property
+    def running(self) -> bool:
+        return self.trace.status == "running"
+
+    def summary(self) -> dict[str, Any]:
+        """Status, completions so far, token counts and policy versions."""
+        t = self.trace
+        return {
+            "rollout_id": self.rollout_id, "task_id": t.task_id, "attempt_id": t.attempt_id,
+            "group_id": t.group_id, "status": t.status, "reward": t.reward,
+            "num_completions": len(self.completions), "completions": list(self.completions),
+            "num_episodes": len(t.episodes),
+            "agents": sorted({e.agent for e in t.episodes}),
+            "prompt_tokens": sum(c["prompt_tokens"] for c in self.completions),
+            "completion_tokens": sum(c["completion_tokens"] for c in self.completions),
+            "agent_tokens": t.num_agent_tokens,
+            "policy_versions": sorted({c["policy_version"] for c in self.completions}),
+            "wall_time_s": (self.wall_time_s if self.wall_time_s is not None
+                            else time.monotonic() - self.started),
+            "metadata": t.metadata,
+        }
+
+
+class RolloutRegistry:
+    """All rollouts of one server. Thread-safe."""
+
+    def __init__(self, trace_store: TraceStore | None = None,
+                 default_timeout_s: float | None = None, max_finished: int = 10_000):
+        self.trace_store = trace_store
+        self.default_timeout_s = default_timeout_s
+        self._lock = threading.RLock()
+        self._by_id: dict[str, Rollout] = {}
+        self._by_key: dict[str, Rollout] = {}
+        self._dead_keys: dict[str, Rollout] = {}
+        self._finished: collections.deque[str] = collections.deque()
+        self._max_finished = max_finished
+
+    # -- creation and lookup
+
+    def create(self, task_id: str, group_id: str | None = None, attempt_id: str | None = None,
+               metadata: dict | None = None, timeout_s: float | None = None) -> Rollout:
+        rollout_id = "ro-" + secrets.token_hex(8)
+        api_key = "sk-rollout-" + secrets.token_urlsafe(24)
+        trace = Trace(task_id=task_id, attempt_id=attempt_id or rollout_id, group_id=group_id,
+                      metadata=dict(metadata or {}))
+        trace.metadata.setdefault("rollout_id", rollout_id)
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        rollout = Rollout(rollout_id, api_key, trace, timeout)
+        with self._lock:
+            self._by_id[rollout_id] = rollout
+            self._by_key[api_key] = rollout
+        return rollout
+
+    def get(self, rollout_id: str) -> Rollout:
+        self.sweep()
+        with self._lock:
+            rollout = self._by_id.get(rollout_id)
+        if rollout is None:
+            raise APIError(404, f"No rollout with id {rollout_id!r}", code="rollout_not_found")
+        return rollout
+
+    def by_key(self, api_key: str) -> Rollout | None:
+        """The running rollout of `api_key`; 401 if the key belonged to a finished one."""
+        self.sweep()
+        with self._lock:
+            rollout = self._by_key.get(api_key)
+            dead = self._dead_keys.get(api_key)
+        if dead is not None:
+            raise APIError(401, f"This API key belonged to rollout {dead.rollout_id}, which is "
+                           f"{dead.status}; its key no longer works", code="rollout_finished")
+        return rollout
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def summary(self, rollout: Rollout) -> dict[str, Any]:
+        with self._lock:  # a consistent view while completions are being recorded
+            return rollout.summary()
+
+    def trace_dict(self, rollout: Rollout) -> dict[str, Any]:
+        with self._lock:
+            return rollout.trace.to_dict()
+
+    # -- recording
+
+    def record(self, rollout: Rollout, agent: str, completions: list[Completion],
+               turns: list[tuple[str | None, list[dict], list[int]]]) -> list[int]:
+        """Records the completions of one request and remembers its turns.
+
+        Returns the index of the episode each completion went to. 409 if the
+        rollout finished while the request ran (then nothing is recorded).
+        """
+        with self._lock:
+            if not rollout.running:
+                raise APIError(409, f"Rollout {rollout.rollout_id} is {rollout.status}; the "
+                               "completion was not recorded", code="rollout_finished")
+            episodes = []
+            for comp in completions:
+                ep = rollout.recorder.record(agent, comp)
+                episodes.append(next(i for i, e in enumerate(rollout.trace.episodes) if e is ep))
+                rollout.completions.append({
+                    "agent": agent, "episode": episodes[-1],
+                    "prompt_tokens": len(comp.prompt_ids),
+                    "completion_tokens": len(comp.output_ids),
+                    "policy_version": comp.policy_version,
+                    "finish_reason": comp.finish_reason})
+            for content, calls, ids in turns:
+                rollout.memory.remember(content, calls, ids)
+            return episodes
+
+    # -- finishing
+
+    def finish(self, rollout: Rollout, status: str = "finished", reward: float | None = None,
+               artifacts: dict | None = None, hints: list[str] | None = None,
+               metrics: dict | None = None) -> Rollout:
+        """Ends the rollout, stores its trace and kills its key (409 if already ended)."""
+        if status not in END_STATUSES:
+            raise bad_request(f"'status' must be one of {list(END_STATUSES)}, got {status!r}",
+                              param="status")
+        with self._lock:
+            if not rollout.running:
+                raise APIError(409, f"Rollout {rollout.rollout_id} is already {rollout.status}",
+                               code="rollout_finished")
+            t = rollout.trace
+            new_metadata = dict(t.metadata)
+            if artifacts is not None:
+                new_metadata["artifacts"] = artifacts
+            wall = time.monotonic() - rollout.started
+            new_metrics = {**t.metrics, "num_completions": len(rollout.completions),
+                           "num_episodes": len(t.episodes), "agent_tokens": t.num_agent_tokens,
+                           "prompt_tokens": sum(c["prompt_tokens"] for c in rollout.completions),
+                           "completion_tokens": sum(c["completion_tokens"]
+                                                    for c in rollout.completions),
+                           "policy_versions": sorted({c["policy_version"]
+                                                      for c in rollout.completions}),
+                           "wall_time_s": wall, **(metrics or {})}
+            old = (t.status, t.reward, t.metadata, t.metrics, list(t.hints))
+            t.status, t.reward, t.metadata, t.metrics = status, reward, new_metadata, new_metrics
+            t.hints = list(t.hints) + list(hints or [])
+            if self.trace_store is not None:
+                try:
+                    self.trace_store.append(t)
+                except Exception:
+                    t.status, t.reward, t.metadata, t.metrics, t.hints = old
+                    raise
+            rollout.wall_time_s = wall
+            self._by_key.pop(rollout.api_key, None)
+            self._dead_keys[rollout.api_key] = rollout
+            self._finished.append(rollout.rollout_id)
+            while len(self._finished) > self._max_finished:
+                old_id = self._finished.popleft()
+                gone = self._by_id.pop(old_id, None)
+                if gone is not None:
+                    self._dead_keys.pop(gone.api_key, None)
+        return rollout
+
+    def sweep(self, now: float | None = None) -> list[Rollout]:
+        """Finishes every running rollout past its deadline as `timed_out`."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [r for r in self._by_key.values()
+                    if r.deadline is not None and now >= r.deadline]
+            for r in late:
+                if r.running:
+                    try:
+                        self.finish(r, status="timed_out")
+                    except Exception:  # noqa: BLE001 - a store failure must not break requests
+                        logging.exception("could not store timed-out rollout %s", r.rollout_id)
+        return late
+
+
+def parse_create(body: Any) -> dict[str, Any]:
+    """Validated arguments of `RolloutRegistry.create` from a JSON body."""
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    task_id = body.get("task_id")
+    if not isinstance(task_id, str) or not task_id:
+        raise bad_request("'task_id' is required (a non-empty string)", param="task_id")
+    out: dict[str, Any] = {"task_id": task_id}
+    for key in ("group_id", "attempt_id"):
+        if body.get(key) is not None:
+            if not isinstance(body[key], (str, int)) or isinstance(body[key], bool):
+                raise bad_request(f"'{key}' must be a string", param=key)
+            out[key] = str(body[key])
+    if body.get("metadata") is not None:
+        if not isinstance(body["metadata"], dict):
+            raise bad_request("'metadata' must be an object", param="metadata")
+        out["metadata"] = body["metadata"]
+    if body.get("timeout_s") is not None:
+        t = body["timeout_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise bad_request("'timeout_s' must be a number > 0", param="timeout_s")
+        out["timeout_s"] = float(t)
+    return out
+
+
+def parse_finish(body: Any) -> dict[str, Any]:
+    """Validated arguments of `RolloutRegistry.finish` from a JSON body."""
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    out: dict[str, Any] = {"status": body.get("status") or "finished"}
+    reward = body.get("reward")
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(
+                reward):
+            raise bad_request("'reward' must be a finite number", param="reward")
+        out["reward"] = float(reward)
+    for key, typ, what in (("artifacts", dict, "an object"), ("metrics", dict, "an object"),
+                           ("hints", list, "a list of strings")):
+        if body.get(key) is not None:
+            if not isinstance(body[key], typ):
+                raise bad_request(f"'{key}' must be {what}", param=key)
+            out[key] = body[key]
+    if "hints" in out and not all(isinstance(h, str) for h in out["hints"]):
+        raise bad_request("'hints' must be a list of strings", param="hints")
+    return out
+
+
+def keys_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
