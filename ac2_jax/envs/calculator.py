@@ -102,3 +102,26 @@ class StepwiseCalculatorEnv(CalculatorEnv):
 
     def __init__(self, num_range=(2, 30), templates=("({a}*{b}+{c})*{d}", "{a}*{b}+{c}*{d}")):
         super().__init__(num_range, templates)
+
+
+def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
+                  skip_tool_prob: float = 0.5) -> list[dict]:
+    """A synthetic demo conversation for SFT warm starts, deliberately imperfect.
+
+    With probability `skip_tool_prob` the demo answers without the tool and
+    guesses (a near miss, so usually wrong); otherwise it calls the calculator
+    with the task's expression and reports the result. A model fit to these
+    starts well under 100% and RL can improve it by calling the tool.
+    """
+    expr = task.metadata["expression"]
+    msgs = env.initial_messages(task)
+    if rng.random() < skip_tool_prob:
+        guess = task.answer + rng.choice([-1, 1]) * rng.randint(1, 30)
+        return msgs + [{"role": "assistant", "content": f"The answer is {guess}."}]
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}
+    return msgs + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": str(task.answer)},
+        {"role": "assistant", "content": f"The answer is {task.answer}."},
+    ]
