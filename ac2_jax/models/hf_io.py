@@ -1,0 +1,150 @@
+"""HF checkpoint I/O: Qwen3 / Llama `config.json` + safetensors <-> Decoder.
+
+Reads and writes with the `safetensors` numpy API (no torch). Our matrices
+are [in, out]; HF's are [out, in], so 2-D weights other than the embedding
+are transposed on the way. Tied models carry no `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.decoder import Decoder
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _hf_name(path: tuple) -> str:
+    name = ".".join(str(p) for p in path)
+    if name == "lm_head":
+        return "lm_head.weight"
+    if name == "embed_tokens":
+        return "model.embed_tokens.weight"
+    return "model." + (name if name.endswith(".weight") else name + ".weight")
+
+
+def _transposed(path: tuple, ndim: int) -> bool:
+    return ndim == 2 and path[-1] != "embed_tokens"
+
+
+def _abstract(config: DecoderConfig):
+    return nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+
+
+def _read_tensors(path: str) -> dict[str, Any]:
+    """name -> lazy reader over all safetensors files of an HF directory."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"load_hf_checkpoint: no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    readers = {}
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="np") as f:
+            for key in f.keys():
+                readers[key] = os.path.join(path, fname)
+    return readers
+
+
+def load_hf_checkpoint(path: str, dtype: Any = jnp.float32,
+                       param_dtype: Any = None) -> tuple[Decoder, DecoderConfig]:
+    """Builds a Decoder from a local HF directory (config.json + safetensors).
+
+    `dtype` is the compute dtype; weights are stored in `param_dtype`
+    (default: `dtype`). Sharded checkpoints (with an index) are read too.
+    """
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
+    with open(cfg_path) as f:
+        config = DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype)
+    where = _read_tensors(path)
+    graphdef, state = _abstract(config)
+    flat = nnx.to_flat_state(state)
+    handles: dict[str, Any] = {}
+    leaves = []
+    try:
+        for key, var in flat:
+            name = _hf_name(key)
+            if name not in where:
+                raise KeyError(f"load_hf_checkpoint: tensor {name!r} missing from {path}")
+            fname = where[name]
+            if fname not in handles:
+                handles[fname] = safe_open(fname, framework="np").__enter__()
+            arr = handles[fname].get_tensor(name)
+            if _transposed(key, arr.ndim):
+                arr = arr.T
+            if arr.shape != var.shape:
+                raise ValueError(f"load_hf_checkpoint: {name} has shape {arr.shape}, "
+                                 f"config expects {var.shape}")
+            leaves.append((key, var.replace(jnp.asarray(arr, dtype=var.dtype))))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    return model, config
+
+
+def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
+    """HF-named numpy weights of `model` (in its param dtype, [out, in] layout)."""
+    out = {}
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        arr = np.asarray(jax.device_get(var[...]))
+        out[_hf_name(key)] = np.ascontiguousarray(arr.T if _transposed(key, arr.ndim) else arr)
+    return out
+
+
+def save_hf_checkpoint(model: Decoder, path: str, max_shard_bytes: int | None = None) -> None:
+    """Writes config.json + safetensors that `AutoModelForCausalLM.from_pretrained` loads.
+
+    With `max_shard_bytes`, tensors are split over `model-0000i-of-0000n`
+    files plus `model.safetensors.index.json` (one tensor per file at least).
+    """
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_config(), f, indent=2)
+    tensors = hf_state_dict(model)
+    meta = {"format": "pt"}
+    for stale in os.listdir(path):  # an earlier save's files would confuse loaders
+        if stale in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(stale):
+            os.remove(os.path.join(path, stale))
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, SINGLE_FILE), metadata=meta)
+        return
+    if max_shard_bytes <= 0:
+        raise ValueError(f"save_hf_checkpoint: max_shard_bytes must be > 0, got {max_shard_bytes}")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].nbytes
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += n
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+             "weight_map": weight_map}
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
