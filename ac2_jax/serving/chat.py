@@ -204,8 +204,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     else:
         raise bad_request("'prompt' must be a non-empty string or list of token ids "
                           "(batches of several prompts are not supported)", param="prompt")
-    for key in ("echo", "suffix", "best_of"):
-        if body.get(key) not in (None, False, 1):
+    unsupported = {"echo": bool(body.get("echo")), "suffix": bool(body.get("suffix")),
+                   "best_of": body.get("best_of") is not None and body.get("best_of") != 1
+                   or isinstance(body.get("best_of"), bool)}
+    for key, used in unsupported.items():
+        if used:
             raise bad_request(f"'{key}' is not supported", param=key)
     return req
 

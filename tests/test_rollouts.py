@@ -1,0 +1,115 @@
+"""RolloutRegistry: keys, recording, finishing, timeouts, all-or-nothing changes."""
+
+import pytest
+
+from ac2_jax.serving.errors import APIError
+from ac2_jax.serving.rollouts import RolloutRegistry, parse_create, parse_finish
+from ac2_jax.trace import Completion, TraceStore
+
+
+def comp(prompt, out, version=0):
+    return Completion(prompt_ids=prompt, output_ids=out, output_logprobs=[-0.5] * len(out),
+                      policy_version=version)
+
+
+def test_create_gives_unique_ids_keys_and_attempts():
+    reg = RolloutRegistry()
+    a = reg.create("task", group_id="g", metadata={"x": 1})
+    b = reg.create("task", group_id="g")
+    assert a.rollout_id != b.rollout_id and a.api_key != b.api_key
+    assert a.trace.attempt_id != b.trace.attempt_id  # distinct Trace.key per attempt
+    assert a.trace.metadata == {"x": 1, "rollout_id": a.rollout_id}
+    assert reg.by_key(a.api_key) is a and reg.get(b.rollout_id) is b
+    assert reg.by_key("nope") is None
+    with pytest.raises(APIError, match="No rollout") as e:
+        reg.get("ro-missing")
+    assert e.value.status == 404
+    assert reg.create("t", attempt_id="7").trace.key == "t/7"
+
+
+def test_record_appends_episodes_and_remembers_turns():
+    reg = RolloutRegistry()
+    r = reg.create("t")
+    assert reg.record(r, "main", [comp([1, 2], [3, 4])], [("hi", [], [3, 4])]) == [0]
+    assert reg.record(r, "main", [comp([1, 2, 3, 4, 5], [6], version=2)], []) == [0]
+    assert reg.record(r, "compactor", [comp([9], [8])], []) == [1]
+    assert reg.record(r, "main", [comp([1, 7], [8])], []) == [2]  # rewritten history
+    s = reg.summary(r)
+    assert s["num_completions"] == 4 and s["num_episodes"] == 3
+    assert s["agents"] == ["compactor", "main"] and s["policy_versions"] == [0, 2]
+    assert s["completion_tokens"] == 5 and s["agent_tokens"] == 5
+    ep = r.trace.episodes[0]
+    assert ep.token_ids == [1, 2, 3, 4, 5, 6] and ep.loss_mask == [0, 0, 1, 1, 0, 1]
+    assert r.memory.lookup({"role": "assistant", "content": "hi"}) == [3, 4]
+
+
+def test_finish_stores_the_trace_and_kills_the_key(tmp_path):
+    store = TraceStore(str(tmp_path / "traces.jsonl"))
+    reg = RolloutRegistry(store)
+    r = reg.create("t", group_id="g")
+    reg.record(r, "main", [comp([1], [2])], [])
+    reg.finish(r, reward=1.5, artifacts={"answer": "42"}, hints=["h"], metrics={"m": 1})
+    (stored,) = store.load()
+    assert stored.to_dict() == r.trace.to_dict()
+    assert stored.status == "finished" and stored.reward == 1.5 and stored.hints == ["h"]
+    assert stored.metadata["artifacts"] == {"answer": "42"}
+    assert stored.metrics["m"] == 1 and stored.metrics["num_completions"] == 1
+    with pytest.raises(APIError, match="no longer works") as e:
+        reg.by_key(r.api_key)
+    assert e.value.status == 401
+    with pytest.raises(APIError, match="already finished") as e:
+        reg.finish(r, reward=0.0)
+    assert e.value.status == 409
+    with pytest.raises(APIError, match="not recorded") as e:
+        reg.record(r, "main", [comp([1, 2], [3])], [])
+    assert e.value.status == 409
+    assert len(store.load()) == 1 and r.trace.reward == 1.5 and len(r.completions) == 1
+
+
+def test_failed_store_changes_nothing(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    store = TraceStore(str(tmp_path / "ok.jsonl"))
+    store.path = str(blocker / "traces.jsonl")  # appending there fails
+    reg = RolloutRegistry(store)
+    r = reg.create("t")
+    before = r.trace.to_dict()
+    with pytest.raises(OSError):
+        reg.finish(r, reward=1.0, artifacts={"a": 1})
+    assert r.trace.to_dict() == before and r.running
+    assert reg.by_key(r.api_key) is r
+
+
+def test_timeout_sweep_finishes_as_timed_out(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store, default_timeout_s=10.0)
+    late = reg.create("t")
+    fresh = reg.create("t", timeout_s=1000.0)
+    assert reg.sweep(now=late.started + 5) == []
+    assert reg.sweep(now=late.started + 11) == [late]
+    assert late.status == "timed_out" and fresh.running
+    assert [t.status for t in store.load()] == ["timed_out"]
+    with pytest.raises(APIError, match="timed_out"):
+        reg.by_key(late.api_key)
+
+
+def test_bad_status_is_rejected_without_change():
+    reg = RolloutRegistry()
+    r = reg.create("t")
+    with pytest.raises(APIError, match="status"):
+        reg.finish(r, status="done")
+    assert r.running
+
+
+def test_parse_create_and_finish():
+    assert parse_create({"task_id": "t", "group_id": 3, "timeout_s": 2}) == {
+        "task_id": "t", "group_id": "3", "timeout_s": 2.0}
+    assert parse_finish({"reward": 1}) == {"status": "finished", "reward": 1.0}
+    for bad in ({}, {"task_id": ""}, {"task_id": "t", "metadata": []},
+                {"task_id": "t", "timeout_s": 0}, {"task_id": "t", "group_id": True}):
+        with pytest.raises(APIError):
+            parse_create(bad)
+    for bad in ([], {"reward": "1"}, {"reward": float("nan")}, {"reward": True},
+                {"artifacts": 1}, {"hints": [1]}):
+        with pytest.raises(APIError):
+            parse_finish(bad)
