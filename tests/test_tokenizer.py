@@ -159,3 +159,16 @@ def test_errors_are_clear(tiny, tmp_path):
     import jinja2
     with pytest.raises(jinja2.TemplateError, match="unknown message role"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_individual_digits_option_matches_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ac2_jax.models.tokenizer import build_tiny_tokenizer
+    tok = build_tiny_tokenizer(str(tmp_path / "digits"), individual_digits=True)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "digits"))
+    text = "What is 47*38+12? The answer is 1798."
+    ids = tok.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    digits = [tok.id_to_token(i) for i in ids if tok.id_to_token(i).lstrip("Ġ").isdigit()]
+    assert all(len(d.lstrip("Ġ")) == 1 for d in digits) and len(digits) == 13

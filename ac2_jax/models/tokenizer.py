@@ -331,11 +331,18 @@ def tiny_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(path: str, extra_corpus: Iterable[str] = (), vocab_size: int = 768
-                         ) -> Tokenizer:
-    """Trains a byte-level BPE tokenizer offline and saves it in HF format at `path`."""
+def build_tiny_tokenizer(path: str, extra_corpus: Iterable[str] = (), vocab_size: int = 768,
+                         individual_digits: bool = False) -> Tokenizer:
+    """Trains a byte-level BPE tokenizer offline and saves it in HF format at `path`.
+
+    individual_digits=True splits every digit into its own token (numbers then
+    tokenize the same wherever they appear, which makes copying them easy).
+    """
     hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 byte_level])
+                        if individual_digits else byte_level)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   special_tokens=list(TINY_SPECIAL_TOKENS),
