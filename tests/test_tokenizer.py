@@ -171,4 +171,4 @@ def test_individual_digits_option_matches_autotokenizer(tmp_path):
     ids = tok.encode(text)
     assert ids == hf.encode(text, add_special_tokens=False)
     digits = [tok.id_to_token(i) for i in ids if tok.id_to_token(i).lstrip("Ġ").isdigit()]
-    assert all(len(d.lstrip("Ġ")) == 1 for d in digits) and len(digits) == 13
+    assert all(len(d.lstrip("Ġ")) == 1 for d in digits) and len(digits) == 10
