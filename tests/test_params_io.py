@@ -1,0 +1,83 @@
+"""Orbax params I/O and the publish protocol, on real files in tmp dirs."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.models import (Decoder, DecoderConfig, latest_published, load_published,
+                            publish_weights, restore_params, save_params)
+
+CONFIG = DecoderConfig.tiny(32, num_layers=1, tie_embeddings=False)
+
+
+def params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def assert_same(a, b):
+    pa, pb = params(a), params(b)
+    assert len(pa) == len(pb)
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return [Decoder(CONFIG, rngs=nnx.Rngs(seed)) for seed in range(3)]
+
+
+def test_save_restore_round_trip_exact(models, tmp_path):
+    a, b, _ = models
+    assert any(np.any(x != y) for x, y in zip(params(a), params(b)))
+    target = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    nnx.update(target, nnx.state(b, nnx.Param))
+    save_params(a, str(tmp_path / "ckpt"))
+    restore_params(target, str(tmp_path / "ckpt"))
+    assert_same(target, a)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save_params(b, str(tmp_path / "ckpt"))
+    save_params(b, str(tmp_path / "ckpt"), overwrite=True)
+    restore_params(target, str(tmp_path / "ckpt"))
+    assert_same(target, b)
+
+
+def test_restore_errors(models, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        restore_params(models[0], str(tmp_path / "missing"))
+    save_params(models[0], str(tmp_path / "ckpt"))
+    other = Decoder(CONFIG.replace(hidden_size=16), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError):
+        restore_params(other, str(tmp_path / "ckpt"))
+
+
+def test_publish_latest_and_prune(models, tmp_path):
+    pub = str(tmp_path / "pub")
+    target = Decoder(CONFIG, rngs=nnx.Rngs(9))
+    assert latest_published(pub) is None
+    with pytest.raises(FileNotFoundError, match="nothing published"):
+        load_published(target, pub)
+
+    publish_weights(models[0], pub, step=10, keep=2)
+    assert latest_published(pub) == 10
+    publish_weights(models[1], pub, step=20, keep=2)
+    assert latest_published(pub) == 20
+    with open(os.path.join(pub, "LATEST")) as f:
+        assert json.load(f) == {"step": 20, "path": "20"}
+    assert load_published(target, pub) == 20
+    assert_same(target, models[1])
+    assert load_published(target, pub, step=10) == 10
+    assert_same(target, models[0])
+
+    publish_weights(models[2], pub, step=30, keep=2)  # keep=2 prunes step 10
+    assert sorted(n for n in os.listdir(pub) if n.isdigit()) == ["20", "30"]
+    assert not [n for n in os.listdir(pub) if n.endswith(".tmp")]
+    assert load_published(target, pub) == 30
+    assert_same(target, models[2])
+    with pytest.raises(FileNotFoundError, match="step 10"):
+        load_published(target, pub, step=10)
+    with pytest.raises(ValueError, match="step"):
+        publish_weights(models[0], pub, step=-1)
