@@ -31,6 +31,7 @@ class SFTConfig:
     seed: int = 0
     shuffle: bool = True
     truncate: bool = False
+    layout: str = "flat"  # "tree": shared prefixes (system prompt, tools) computed once
     mode: str = "task_mean"
     grad_accum: int = 1
     save_every: int = 0
@@ -45,10 +46,11 @@ class SFTData:
     """Random-access batches: `batch(i)` is the i-th training batch [batch_rows, seq_len]."""
 
     def __init__(self, segments: Sequence[Segment], seq_len: int, batch_rows: int, *,
-                 seed: int = 0, shuffle: bool = True, truncate: bool = False):
+                 seed: int = 0, shuffle: bool = True, truncate: bool = False,
+                 layout: str = "flat"):
         if not any(s.num_agent_tokens for s in segments):
             raise ValueError("SFTData: no segment has a loss-mask token to train on")
-        self.packed = pack_segments(segments, seq_len, truncate=truncate,
+        self.packed = pack_segments(segments, seq_len, truncate=truncate, layout=layout,
                                     rows_multiple=batch_rows)
         self.batch_rows, self.seed, self.shuffle = batch_rows, seed, shuffle
         self.batches_per_epoch = self.packed.shape[0] // batch_rows
@@ -83,7 +85,7 @@ def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = 
     at the end. Returns the final state and one metrics dict per step taken.
     """
     data = SFTData(segments, config.seq_len, config.batch_rows, seed=config.seed,
-                   shuffle=config.shuffle, truncate=config.truncate)
+                   shuffle=config.shuffle, truncate=config.truncate, layout=config.layout)
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
     step_fn = make_train_step(graphdef, SFTLoss(mode=config.mode), optimizer, mode=mode,
                               mesh=mesh, grad_accum=config.grad_accum)
