@@ -49,3 +49,51 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0,
         thread.join(timeout=30)
 
     return f"http://{url_host}:{bound}", stop
+
+
+def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = None,
+                publish_dir: str | None = None, sglang_url: str | None = None,
+                export_dir: str | None = None, max_batch: int = 16, seed: int = 0,
+                tokenizer_dir: str | None = None):
+    """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
+
+    "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
+    randomly initialised tiny Decoder: a smoke-test policy, not a useful one.
+    sampler: "jax" (embedded JaxSampler) or "sglang" (SGLangSampler at
+    `sglang_url`, serving the same weights; `export_dir` receives exports).
+    """
+    import os
+    import tempfile
+
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.models.tokenizer import Tokenizer, build_tiny_tokenizer
+
+    if model == "tiny":
+        tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
+        decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size),
+                          rngs=nnx.Rngs(seed))
+        name = "tiny"
+    elif os.path.isdir(model):
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model)
+        decoder, _ = load_hf_checkpoint(model)
+        name = os.path.basename(os.path.normpath(model))
+    else:
+        raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
+    context = max_context or min(decoder.config.max_position_embeddings,
+                                 tokenizer.model_max_length or 1 << 30)
+    if sampler == "jax":
+        from ac2_jax.sampling.jax_sampler import JaxSampler
+        return (JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
+                           max_batch=max_batch, eos_token_ids=tokenizer.stop_token_ids,
+                           tokenizer=tokenizer, seed=seed), tokenizer, name)
+    if sampler == "sglang":
+        from ac2_jax.sampling.sglang import SGLangSampler
+        if not sglang_url:
+            raise ValueError("--sampler=sglang needs --sglang_url")
+        return (SGLangSampler(sglang_url, max_context=context, model=decoder,
+                              publish_dir=publish_dir, export_dir=export_dir,
+                              vocab_size=tokenizer.vocab_size), tokenizer, name)
+    raise ValueError(f"--sampler must be 'jax' or 'sglang', got {sampler!r}")

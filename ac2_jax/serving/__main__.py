@@ -1,0 +1,48 @@
+"""`python -m ac2_jax.serving --model=tiny --port=8000 --admin_key=...`
+
+Serves the OpenAI-compatible endpoint and the rollout lifecycle API.
+"""
+
+import secrets
+
+import uvicorn
+from absl import app, flags, logging
+
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import load_policy
+
+flags.DEFINE_string("model", "tiny", "'tiny' or a local HF model directory.")
+flags.DEFINE_string("model_name", None, "Name clients pass as `model` (default: from --model).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+flags.DEFINE_integer("port", 8000, "Port to bind.")
+flags.DEFINE_string("admin_key", None, "Admin API key (default: a random one, logged).")
+flags.DEFINE_string("trace_store", None, "JSONL file that receives finished traces.")
+flags.DEFINE_enum("sampler", "jax", ["jax", "sglang"], "Sampler backend.")
+flags.DEFINE_string("sglang_url", None, "SGLang server URL (--sampler=sglang).")
+flags.DEFINE_string("publish_dir", None, "Orbax publish dir read by load_weights.")
+flags.DEFINE_string("export_dir", None, "Where SGLang weight exports are written.")
+flags.DEFINE_integer("max_context", None, "Tokens per sequence (default: the model's).")
+flags.DEFINE_integer("max_batch", 16, "Rows decoded together by the JaxSampler.")
+flags.DEFINE_integer("max_tokens", None, "Default max_tokens of a request.")
+flags.DEFINE_float("rollout_timeout_s", None, "Default rollout timeout in seconds.")
+flags.DEFINE_integer("seed", 0, "Seed of the tiny model and of unseeded requests.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    sampler, tokenizer, name = load_policy(
+        FLAGS.model, sampler=FLAGS.sampler, max_context=FLAGS.max_context,
+        publish_dir=FLAGS.publish_dir, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
+        max_batch=FLAGS.max_batch, seed=FLAGS.seed)
+    admin_key = FLAGS.admin_key or "sk-admin-" + secrets.token_urlsafe(16)
+    if not FLAGS.admin_key:
+        logging.warning("no --admin_key given; using %s", admin_key)
+    api = build_app(sampler, tokenizer, admin_key=admin_key, trace_store=FLAGS.trace_store,
+                    model_name=FLAGS.model_name or name, rollout_timeout_s=FLAGS.rollout_timeout_s,
+                    default_max_tokens=FLAGS.max_tokens)
+    uvicorn.run(api, host=FLAGS.host, port=FLAGS.port, log_level="info")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,137 @@
+"""Shared by the serving tests: a tiny real model fitted to a scripted
+3-turn tool-calling conversation, so greedy decoding reproduces the calls.
+
+The training sequence is built exactly as the endpoint builds prompts
+(`build_prompt_ids` with the scripted outputs remembered), so the fitted
+model sees at test time the same tokens it was fitted on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.tokenizer import Tokenizer, parse_tool_calls
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]
+SYSTEM = {"role": "system", "content": "You are a calculator agent."}
+USER = {"role": "user", "content": "What is 3 + 4 + 10?"}
+# What the model should emit at each turn, and what the tool answers.
+TURNS = [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "7"),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 10}}\n</tool_call>', "17"),
+    ("The answer is 17.", None),
+]
+
+
+def add_tool(arguments: str) -> str:
+    args = json.loads(arguments)
+    return str(args["a"] + args["b"])
+
+
+def scripted_sequence(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """(tokens, loss mask) of the whole scripted conversation, as served."""
+    memory = TurnMemory()
+    messages = [SYSTEM, USER]
+    tokens: list[int] = []
+    mask: list[int] = []
+    for text, tool_result in TURNS:
+        prompt, _ = build_prompt_ids(tok, messages, TOOLS, memory)
+        assert prompt[:len(tokens)] == tokens, "the script is not append-only"
+        out = tok.encode(text) + [tok.eos_token_id]
+        mask += [0] * (len(prompt) - len(tokens)) + [1] * len(out)
+        tokens = prompt + out
+        content, calls = parse_tool_calls(text)
+        memory.remember(content, calls, out)
+        messages = messages + [{"role": "assistant", "content": content or None,
+                                "tool_calls": calls or None}]
+        for call in calls:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result})
+    return tokens, mask
+
+
+def tiny_config(tok: Tokenizer) -> DecoderConfig:
+    return DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                              num_heads=4, num_kv_heads=2, head_dim=16,
+                              max_position_embeddings=1024)
+
+
+@nnx.jit
+def _train_step(model, opt, tokens, positions, segs, targets, weights):
+    def loss_fn(m):
+        logits = m(tokens, positions, segs)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(ce * weights) / jnp.sum(weights)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+
+@nnx.jit
+def _reproduces(model, tokens, positions, segs, targets, weights):
+    greedy = jnp.argmax(model(tokens, positions, segs), -1)
+    return jnp.all((greedy == targets) | (weights == 0))
+
+
+def fit_tiny_model(tok: Tokenizer, max_steps: int = 300, seed: int = 0, lr: float = 3e-3,
+                   extra: list[tuple[list[int], list[int]]] = ()) -> Decoder:
+    """A tiny Decoder fitted (Adam) until greedy decoding reproduces the script.
+
+    extra: more (tokens, mask) sequences to fit at the same time.
+    """
+    seqs = [scripted_sequence(tok)] + list(extra)
+    L = max(len(t) for t, _ in seqs)
+    tokens = np.zeros((len(seqs), L), np.int32)
+    weights = np.zeros((len(seqs), L), np.float32)
+    segs = np.zeros((len(seqs), L), np.int32)
+    for i, (t, m) in enumerate(seqs):
+        tokens[i, :len(t)] = t
+        segs[i, :len(t)] = 1
+        weights[i, :len(t) - 1] = m[1:]  # the prediction at p scores token p + 1
+    data = (tokens, np.broadcast_to(np.arange(L, dtype=np.int32), tokens.shape).copy(), segs,
+            np.roll(tokens, -1, axis=1), weights)
+    model = Decoder(tiny_config(tok), rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+    for i in range(1, max_steps + 1):
+        loss = _train_step(model, opt, *data)
+        if i % 10 == 0 and bool(_reproduces(model, *data)):
+            return model
+    raise AssertionError(f"fit_tiny_model: greedy decoding does not reproduce the script "
+                         f"(loss {float(loss):.4f} after {max_steps} steps)")
+
+
+@nnx.jit
+def _token_logprobs(model, tokens, positions, segs):
+    logits = model(tokens, positions, segs)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def forward_logprobs(model: Decoder, tokens: list[int], bucket: int = 128) -> np.ndarray:
+    """log p(tokens[p] | tokens[:p]) for p >= 1 (index 0 is 0), fp32, by one forward pass.
+
+    Padded to a multiple of `bucket` (padding is its own segment, so it is
+    never attended to) to reuse one compile across lengths.
+    """
+    n = len(tokens)
+    L = -(-n // bucket) * bucket
+    t = np.zeros((1, L), np.int32)
+    t[0, :n] = tokens
+    segs = np.zeros((1, L), np.int32)
+    segs[0, :n] = 1
+    pos = np.arange(L, dtype=np.int32)[None]
+    out = np.zeros(n, np.float32)
+    out[1:] = np.asarray(_token_logprobs(model, t, pos, segs))[0, :n - 1]
+    return out
