@@ -1,6 +1,7 @@
-"""One train step is the same update on 1 device, a (data, fsdp[, tensor]) mesh,
-pmap over 8 devices, and with gradient accumulation (fp32; params rtol 1e-5,
-atol 1e-6; loss rtol 1e-5)."""
+"""One train step is the same update on 1 device, a (data=4, fsdp=2) mesh, pmap
+over 8 devices, and with gradient accumulation (fp32; params rtol 1e-5, atol
+1e-6; loss and grad norm rtol 1e-5). The RL loss (PPO-clip with TIS, task_mean)
+is used: it exercises every part of the SFT path plus the ratio terms."""
 
 import functools
 
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.losses import aggregate_loss, token_logprobs
+from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments
 from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, create_train_state,
@@ -22,10 +23,9 @@ CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
 # AdamW's first update is lr * g / (|g| + eps) ~ lr * sign(g): it turns fp32 reduction-order
 # noise in near-zero (cancelling) gradient entries into O(lr) parameter differences. A
 # larger eps keeps the update a smooth function of the gradient, so parameters can be
-# compared at atol 1e-6; moments (which are the gradients) are compared as well.
+# compared at atol 1e-6; the moments (i.e. the gradients) are compared as well.
 OPT = OptimizerConfig(learning_rate=1e-3, warmup_steps=2, weight_decay=0.1, eps=1e-3)
-
-
+LOSS = PolicyGradientLoss(old_logprobs="sampler", clip_eps=0.2, tis_cap=2.0)
 _BASE = []
 
 
@@ -37,26 +37,30 @@ def fresh():
     return _BASE[0], jax.tree.map(jnp.asarray, _BASE[1])
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def learner_logprobs(graphdef, state, batch):
+    return token_logprobs(forward(graphdef, state.params, state.rest, batch), batch.targets)
+
+
 @pytest.fixture(scope="module")
 def batch():
+    """16 rows of 5 tasks; sampler log-probs near the learner's, so some ratios clip."""
     rng = np.random.default_rng(0)
     segs = []
     for t in range(5):
         for _ in range(int(rng.integers(1, 5))):
             n = int(rng.integers(4, 16))
             segs.append(Segment(rng.integers(0, 48, n), (rng.random(n) > 0.4).astype(np.float32),
-                                -rng.random(n), task=f"t{t}", advantage=float(rng.normal())))
-    return pack_segments(segs, 16, rows_multiple=16)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def learner_logprobs(graphdef, state, batch):
-    return token_logprobs(forward(graphdef, state.params, state.rest, batch), batch.targets)
-
-
-def run_step(batch, loss=SFTLoss(), **kw):
+                                np.zeros(n), task=f"t{t}", advantage=float(rng.normal())))
+    b = pack_segments(segs, 16, rows_multiple=16)
     graphdef, state = fresh()
-    step = make_train_step(graphdef, loss, OPT, **kw)
+    noise = rng.normal(0, 0.3, b.shape).astype(np.float32)
+    return b.replace(sampler_logprobs=np.asarray(learner_logprobs(graphdef, state, b)) + noise)
+
+
+def run_step(batch, **kw):
+    graphdef, state = fresh()
+    step = make_train_step(graphdef, LOSS, OPT, **kw)
     state, metrics = step(step.place(state), batch)
     return jax.device_get(step.host_state(state)), jax.device_get(metrics)
 
@@ -68,8 +72,8 @@ def reference(batch):
 
 def assert_same_update(ref, got):
     (s_ref, m_ref), (s_got, m_got) = ref, got
-    np.testing.assert_allclose(m_got["loss"], m_ref["loss"], rtol=1e-5)
-    np.testing.assert_allclose(m_got["grad_norm"], m_ref["grad_norm"], rtol=1e-5)
+    for k in ("loss", "grad_norm", "clip_frac", "kl_to_sampler", "entropy"):
+        np.testing.assert_allclose(m_got[k], m_ref[k], rtol=1e-5, err_msg=k)
     for a, b in zip(jax.tree.leaves(s_ref.params), jax.tree.leaves(s_got.params)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(s_ref.opt_state), jax.tree.leaves(s_got.opt_state)):
@@ -81,12 +85,16 @@ def assert_same_update(ref, got):
 def test_single_device_step_loss_and_metrics(batch, reference):
     state, metrics = reference
     graphdef, init = fresh()
-    want = aggregate_loss(-learner_logprobs(graphdef, init, batch), batch, "task_mean")
+    logp = learner_logprobs(graphdef, init, batch)
+    per_token = policy_gradient_loss(logp, batch.sampler_logprobs, batch.sampler_logprobs,
+                                     batch.advantages, batch.loss_mask, clip_eps=0.2)
+    want = aggregate_loss(per_token, batch, "task_mean")
     np.testing.assert_allclose(metrics["loss"], float(want), rtol=1e-5)
     assert metrics["tokens"] == batch.num_real_tokens
     assert metrics["loss_tokens"] == int((batch.loss_mask > 0).sum())
     np.testing.assert_allclose(metrics["lr"], 0.5e-3, rtol=1e-6)  # warmup: step 0 -> lr / 2
     assert metrics["grad_norm"] > 0 and 0 < metrics["entropy"] <= np.log(48) + 1e-4
+    assert 0 < metrics["clip_frac"] < 1 and metrics["kl_to_sampler"] > 0
     moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(state.params),
                                                   jax.tree.leaves(init.params))]
     assert min(moved) > 0
@@ -95,13 +103,14 @@ def test_single_device_step_loss_and_metrics(batch, reference):
 def test_mesh_data4_fsdp2_equals_single_device(batch, reference):
     mesh = make_mesh(data=4, fsdp=2)
     graphdef, state = fresh()
-    step = make_train_step(graphdef, SFTLoss(), OPT, mode="jit", mesh=mesh)
+    step = make_train_step(graphdef, LOSS, OPT, mode="jit", mesh=mesh)
     placed = step.place(state)
-    assert placed.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec == P("fsdp", "tensor")
+    spec = P("fsdp", "tensor")  # the model's names for up_proj [hidden, intermediate]
+    assert placed.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec == spec
     mu = placed.opt_state[1][0].mu["layers"][0]["mlp"]["up_proj"][...]
-    assert mu.sharding.spec == P("fsdp", "tensor")  # moments follow their param
+    assert mu.sharding.spec == spec  # moments follow their param
     new, metrics = step(placed, batch)
-    assert new.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec == P("fsdp", "tensor")
+    assert new.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec == spec
     assert_same_update(reference, (jax.device_get(new), jax.device_get(metrics)))
 
 
@@ -113,35 +122,31 @@ def test_grad_accum_2_equals_full_batch(batch, reference):
     assert_same_update(reference, run_step(batch, grad_accum=2))
 
 
-def test_policy_gradient_on_tensor_mesh_with_accum_equals_single_device(batch):
-    graphdef, state = fresh()
-    noise = np.random.default_rng(1).normal(0, 0.3, batch.shape).astype(np.float32)
-    batch = batch.replace(sampler_logprobs=np.asarray(learner_logprobs(graphdef, state, batch))
-                          + noise)
-    loss = PolicyGradientLoss(old_logprobs="sampler", clip_eps=0.2)
-    ref = run_step(batch, loss=loss)
-    got = run_step(batch, loss=loss, mesh=make_mesh(data=2, fsdp=2, tensor=2), grad_accum=2)
-    assert_same_update(ref, got)
-    for k in ("clip_frac", "kl_to_sampler", "entropy"):
-        np.testing.assert_allclose(got[1][k], ref[1][k], rtol=1e-5)
-    assert 0 < ref[1]["clip_frac"] < 1
-
-
 def test_logprobs_under_pmap_match_the_model(batch):
     graphdef, state = fresh()
     step = make_train_step(graphdef, SFTLoss(), OPT, mode="pmap", devices=jax.devices()[:8])
     got = step.logprobs(step.place(state), batch)
-    np.testing.assert_allclose(got, learner_logprobs(graphdef, state, batch), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, learner_logprobs(graphdef, state, batch), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_equal_configurations_share_one_compiled_step(batch):
+    graphdef, _ = fresh()
+    a = make_train_step(graphdef, LOSS, OPT, grad_accum=2)
+    b = make_train_step(graphdef, LOSS, OPT, grad_accum=2)
+    a(a.place(fresh()[1]), batch)
+    b(b.place(fresh()[1]), batch)
+    assert a._step is b._step
 
 
 def test_bad_configuration_is_named(batch):
     graphdef, state = fresh()
     with pytest.raises(ValueError, match="mode must be one of"):
-        make_train_step(graphdef, SFTLoss(), OPT, mode="vmap")
+        make_train_step(graphdef, LOSS, OPT, mode="vmap")
     with pytest.raises(ValueError, match="grad_accum"):
-        make_train_step(graphdef, SFTLoss(), OPT, grad_accum=0)
+        make_train_step(graphdef, LOSS, OPT, grad_accum=0)
     with pytest.raises(TypeError, match="OptimizerConfig"):
-        make_train_step(graphdef, SFTLoss(), "adam")
-    step = make_train_step(graphdef, SFTLoss(), OPT, mesh=make_mesh(data=4, fsdp=2), grad_accum=4)
+        make_train_step(graphdef, LOSS, "adam")
+    step = make_train_step(graphdef, LOSS, OPT, mesh=make_mesh(data=4, fsdp=2), grad_accum=4)
     with pytest.raises(ValueError, match="rows_multiple=32"):
         step(step.place(state), batch)  # 16 rows cannot make 4 micro-batches over 8 shards

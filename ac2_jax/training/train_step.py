@@ -31,6 +31,7 @@ from ac2_jax.training.state import OptimizerConfig, TrainState, as_transform
 
 MODES = ("jit", "pmap")
 AXIS = "batch"
+_COMPILED: dict = {}  # steps with equal configuration share one compiled function
 
 
 def forward(graphdef, params, rest, batch) -> jax.Array:
@@ -97,7 +98,8 @@ class TrainStep:
             raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
         self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
         self.grad_accum, self.donate = int(grad_accum), donate
-        self.tx = as_transform(optimizer)
+        self.tx, self._optimizer = as_transform(optimizer), optimizer
+        self._lr_key = lr_schedule
         if lr_schedule is None and isinstance(optimizer, OptimizerConfig):
             lr_schedule = optimizer.lr_schedule()
         self.lr_schedule = lr_schedule
@@ -134,18 +136,37 @@ class TrainStep:
 
     # -- compilation
 
+    def _cache_key(self, state):
+        """Everything the compiled step depends on, or None if not hashable."""
+        key = (self.graphdef, self.loss_fn, self._optimizer, self._lr_key, self.mode, self.mesh,
+               tuple(self.devices) if self.mode == "pmap" else None, self.grad_accum,
+               self.donate, jax.tree.structure(state))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
     def _build(self, state):
+        key = self._cache_key(state)
+        if key is not None and key in _COMPILED:
+            self._step, self.state_sharding = _COMPILED[key]
+            return
         donate = (0,) if self.donate else ()
         if self.mode == "pmap":
             self._step = jax.pmap(lambda s, b, e: self._update(s, b, e, AXIS), axis_name=AXIS,
                                   devices=self.devices, donate_argnums=donate)
-            return
-        out = None
-        if self.mesh is not None:
-            self.state_sharding = state_shardings(state, self.mesh)
-            out = (self.state_sharding, NamedSharding(self.mesh, P()))
-        self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
-                             donate_argnums=donate)
+        else:
+            out = None
+            if self.mesh is not None:
+                self.state_sharding = state_shardings(state, self.mesh)
+                out = (self.state_sharding, NamedSharding(self.mesh, P()))
+            self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
+                                 donate_argnums=donate)
+        if key is not None:
+            if len(_COMPILED) >= 16:  # bounded: drop the oldest
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[key] = (self._step, self.state_sharding)
 
     def place(self, state: TrainState) -> TrainState:
         """Puts a (host / unreplicated) state where this step wants it."""
