@@ -8,8 +8,11 @@ from ac2_jax.sampling.base import (
     check_prompt,
     truncate_at_stop,
 )
+from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
 
 __all__ = [
+    "JaxSampler",
+    "SamplerStats",
     "ContextLengthError",
     "SampleResult",
     "Sampler",

@@ -1,0 +1,157 @@
+"""Host-side bookkeeping of the JaxSampler's cache rows (no JAX compute here).
+
+`SlotTable` knows which request owns which of the B cache rows, holds the
+per-row decode state as numpy arrays (sent to the device once per decode
+chunk, read back after it), and remembers the tokens whose keys/values a
+free row still holds, so a later prompt that starts with them can skip that
+part of its prefill (prefix reuse).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from ac2_jax.sampling.base import SamplingParams
+from ac2_jax.sampling.decode_loop import Rows
+
+
+def pow2_bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at hi (static shapes, few compiles)."""
+    b = max(int(lo), 1)
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generate() call on its way through the sampler."""
+
+    prompt: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    seed: int                # 64-bit; drawn by the sampler when params.seed is None
+    stop_ids: tuple[int, ...]
+    max_out: int             # min(max_tokens, max_context - len(prompt))
+    version: int = 0         # weights version that samples every token
+    cached: int = 0          # prompt tokens whose prefill was skipped
+    gen: list[int] = dataclasses.field(default_factory=list)       # every sampled token
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    tops: list | None = None
+
+
+_FIELDS = {"token": np.int32, "pos": np.int32, "active": np.bool_, "n_out": np.int32,
+           "max_out": np.int32, "temperature": np.float32, "top_p": np.float32,
+           "top_k": np.int32, "seed_lo": np.uint32, "seed_hi": np.uint32}
+
+
+class SlotTable:
+    """B cache rows: owner request, numpy decode state, cached token history."""
+
+    def __init__(self):
+        self.B = 0
+        self.req: list[Request | None] = []
+        self.hist: list[np.ndarray] = []   # tokens held in slots 0.. of a free row
+        self.used: list[int] = []          # tick of last use (free rows: LRU reuse)
+        self.arr = {k: np.zeros(0, t) for k, t in _FIELDS.items()}
+        self.tick = 0
+
+    # -- queries
+
+    def active_rows(self) -> list[int]:
+        return [i for i in range(self.B) if self.req[i] is not None]
+
+    def free_rows(self) -> list[int]:
+        return [i for i in range(self.B) if self.req[i] is None]
+
+    def clear_history(self) -> None:
+        """Forget cached prefixes (their keys/values came from other weights)."""
+        self.hist = [np.zeros(0, np.int32) for _ in range(self.B)]
+
+    # -- layout
+
+    def relayout(self, old_rows: list[int], new_B: int) -> np.ndarray:
+        """Row i of the new table is old row old_rows[i] (missing: empty).
+
+        Returns the gather index [new_B] for `resize_cache` (B = empty row).
+        """
+        idx = np.full(new_B, self.B, np.int32)
+        idx[:len(old_rows)] = old_rows
+        keep = lambda lst, empty: [lst[o] for o in old_rows] + [  # noqa: E731
+            empty() for _ in range(new_B - len(old_rows))]
+        self.req = keep(self.req, lambda: None)
+        self.hist = keep(self.hist, lambda: np.zeros(0, np.int32))
+        self.used = keep(self.used, lambda: -1)
+        for k, a in self.arr.items():
+            new = np.zeros(new_B, a.dtype)
+            new[:len(old_rows)] = a[old_rows]
+            self.arr[k] = new
+        self.B = new_B
+        return idx
+
+    def pick_row(self, prompt: np.ndarray, taken: set[int]) -> tuple[int, int]:
+        """(free row, reusable prefix length) for a prompt; prefers the longest
+        cached prefix, then the least recently used row. At most len-1 tokens
+        are reused (the last prompt token is fed by the first decode step)."""
+        best = None
+        for r in self.free_rows():
+            if r in taken:
+                continue
+            h = self.hist[r]
+            n = min(len(h), len(prompt) - 1)
+            same = h[:n] == prompt[:n]
+            lcp = int(n if same.all() else np.argmin(same))
+            key = (lcp, -self.used[r])
+            if best is None or key > best[0]:
+                best = (key, r, lcp)
+        if best is None:
+            raise RuntimeError("SlotTable.pick_row: no free row")
+        return best[1], best[2]
+
+    # -- rows
+
+    def assign(self, row: int, req: Request) -> None:
+        """Puts `req` in `row`, ready for its first decode step."""
+        p = req.params
+        a = self.arr
+        a["token"][row] = req.prompt[-1]
+        a["pos"][row] = len(req.prompt) - 1
+        a["active"][row] = True
+        a["n_out"][row] = 0
+        a["max_out"][row] = req.max_out
+        a["temperature"][row] = p.temperature
+        a["top_p"][row] = p.top_p
+        a["top_k"][row] = p.top_k
+        a["seed_lo"][row] = req.seed & 0xFFFFFFFF
+        a["seed_hi"][row] = (req.seed >> 32) & 0xFFFFFFFF
+        self.req[row] = req
+        self.hist[row] = np.zeros(0, np.int32)
+
+    def release(self, row: int) -> Request:
+        """Frees `row`; its slots keep the keys/values of prompt + fed outputs."""
+        req = self.req[row]
+        seq = np.asarray(req.prompt + req.gen, np.int32)
+        self.hist[row] = seq[:int(self.arr["pos"][row])]
+        self.req[row] = None
+        self.arr["active"][row] = False
+        self.tick += 1
+        self.used[row] = self.tick
+        return req
+
+    def rows(self) -> Rows:
+        """The numpy state as a `Rows` pytree (stop ids padded with -1)."""
+        reqs = [r for r in self.req if r is not None]
+        ns = pow2_bucket(max([len(r.stop_ids) for r in reqs], default=1), 4, 1 << 30)
+        stop = np.full((self.B, ns), -1, np.int32)
+        for i, r in enumerate(self.req):
+            if r is not None and r.stop_ids:
+                stop[i, :len(r.stop_ids)] = r.stop_ids
+        return Rows(**{k: a.copy() for k, a in self.arr.items()}, stop_ids=stop)
+
+    def update(self, rows: Rows) -> None:
+        """Takes back the decode state after a chunk."""
+        for k in ("token", "pos", "active", "n_out"):
+            self.arr[k] = np.array(getattr(rows, k), dtype=_FIELDS[k])

@@ -1,0 +1,153 @@
+"""Jitted pieces of the JaxSampler: token sampling, prefill, multi-step decode.
+
+All functions work on a fixed set of `B` cache rows ("slots") so shapes stay
+static; the host (`batching.SlotTable`) decides which request lives in which
+row. Per-row sampling state travels as `Rows`, a pytree of [B] arrays.
+
+A row's next input is `Rows.token` at position `Rows.pos` (not yet in the
+cache). Every decode step writes that token into the cache, samples the next
+one from its logits and advances `pos`; rows with `active == False` write
+nothing (position -1) and keep their state. Sampling noise for output token i
+of a row comes from `fold_in(key(seed), i)`, so a seeded request draws the
+same tokens whatever rows share its batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from ac2_jax.models.decoder import KVCache
+
+
+@struct.dataclass
+class Rows:
+    """Per-row decode state, every field [B] (stop_ids [B, NS], -1 = unused)."""
+
+    token: jax.Array        # int32: next input token (last prompt token, then last sample)
+    pos: jax.Array          # int32: its position / cache slot
+    active: jax.Array       # bool: still generating
+    n_out: jax.Array        # int32: output tokens sampled so far
+    max_out: jax.Array      # int32: stop after this many output tokens
+    temperature: jax.Array  # float32: 0 = greedy
+    top_p: jax.Array        # float32: 1 = off
+    top_k: jax.Array        # int32: <= 0 = off
+    seed_lo: jax.Array      # uint32
+    seed_hi: jax.Array      # uint32
+    stop_ids: jax.Array     # int32 [B, NS]
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p (nucleus) filtering; removed entries become -inf.
+
+    logits [B, V] (already divided by the temperature); top_k [B] int (<= 0:
+    off); top_p [B] float (>= 1: off). A row with both off is returned as is.
+    Ties with the last kept logit are kept.
+    """
+    V = logits.shape[-1]
+    srt = -jnp.sort(-logits, axis=-1)  # descending
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    in_k = rank < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, srt, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank == 0)
+    n_keep = jnp.sum(in_k & in_p, axis=-1)
+    threshold = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Array:
+    """PRNG keys [B] for output token `index` [B] of rows seeded (seed_lo, seed_hi) [B]."""
+    def one(lo, hi, i):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), i)
+    return jax.vmap(one)(seed_lo, seed_hi, index)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One token per row [B] from fp32 logits [B, V]; temperature 0 rows take the argmax."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    scaled = jax.lax.cond(needs_filter, filter_logits, lambda x, *_: x, scaled, top_k, top_p)
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_steps", "n_top"),
+                   donate_argnames=("cache",))
+def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Array, *,
+                 n_steps: int, n_top: int):
+    """Up to `n_steps` decode steps for all rows; stops early once no row is active.
+
+    Returns (cache, rows, out) with out = (tokens [n, B] int32, -1 where the row
+    emitted nothing; logprobs [n, B] fp32 of raw log_softmax; top_ids, top_lps
+    [n, B, n_top], zeros unless `want_top`).
+    """
+    B = rows.token.shape[0]
+    out0 = (jnp.full((n_steps, B), -1, jnp.int32), jnp.zeros((n_steps, B), jnp.float32),
+            jnp.zeros((n_steps, B, n_top), jnp.int32), jnp.zeros((n_steps, B, n_top), jnp.float32))
+
+    def cond(carry):
+        i, _, r, _ = carry
+        return (i < n_steps) & jnp.any(r.active)
+
+    def body(carry):
+        i, cache, r, (o_tok, o_lp, o_tid, o_tlp) = carry
+        model = nnx.merge(graphdef, state)
+        pos = jnp.where(r.active, r.pos, -1)
+        logits, cache = model.decode(r.token[:, None], pos[:, None], cache)
+        logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+        keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
+        tok = sample_tokens(logits[:, 0], keys, r.temperature, r.top_k, r.top_p)
+        lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+        if n_top:
+            t_lp, t_id = jax.lax.cond(
+                want_top, lambda x: tuple(jax.lax.top_k(x, n_top)),
+                lambda x: (jnp.zeros((B, n_top), x.dtype), jnp.zeros((B, n_top), jnp.int32)),
+                logp)
+            o_tid, o_tlp = o_tid.at[i].set(t_id.astype(jnp.int32)), o_tlp.at[i].set(t_lp)
+        emit = r.active
+        n_out = r.n_out + emit.astype(jnp.int32)
+        hit_stop = jnp.any(tok[:, None] == r.stop_ids, axis=-1)
+        active = emit & ~hit_stop & (n_out < r.max_out)
+        r = r.replace(token=jnp.where(emit, tok, r.token), pos=r.pos + emit.astype(jnp.int32),
+                      n_out=n_out, active=active)
+        o_tok = o_tok.at[i].set(jnp.where(emit, tok, -1))
+        o_lp = o_lp.at[i].set(jnp.where(emit, lp, 0.0))
+        return i + 1, cache, r, (o_tok, o_lp, o_tid, o_tlp)
+
+    _, cache, rows, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, out0))
+    return cache, rows, out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill_rows(graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: jax.Array,
+                 positions: jax.Array) -> KVCache:
+    """Writes prompt tokens into cache rows `row_idx` [b] (index >= B: padding).
+
+    tokens, positions [b, T]; position -1 marks padding. Only the keys and
+    values are kept; the logits of the prompt are not needed (the last prompt
+    token is fed by the first decode step, which samples from it).
+    """
+    model = nnx.merge(graphdef, state)
+    take = lambda x: jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    sub = jax.tree.map(take, cache)
+    _, sub = model.decode(tokens, positions, sub, logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+    return jax.tree.map(lambda full, part: full.at[row_idx].set(part, mode="drop"), cache, sub)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len",))
+def resize_cache(cache: KVCache, row_idx: jax.Array, *, max_len: int) -> KVCache:
+    """New cache whose row i is old row `row_idx[i]` (out of range: empty), `max_len` slots."""
+    def one(x):
+        x = jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0)
+        S = x.shape[1]
+        if max_len >= S:
+            return jnp.pad(x, ((0, 0), (0, max_len - S), (0, 0), (0, 0)))
+        return x[:, :max_len]
+    return jax.tree.map(one, cache)

@@ -1,0 +1,425 @@
+"""JaxSampler: the embedded sampler; the Flax decoder with a KV cache, batched.
+
+A worker thread owns the device work. `generate()` queues a request and awaits
+its future; the worker gathers queued requests into free cache rows
+(continuous batching: a request joins the running batch at the next decode
+chunk, it never waits for the batch to finish), prefills only the part of the
+prompt a free row does not already hold (prefix reuse), and runs jitted
+multi-step decode chunks (`decode_loop.decode_chunk`) until every row is done.
+Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
+handful of compiles serve all traffic; a decode step costs O(1) in the sequence
+length apart from attention over the cache.
+
+Weights: `load_weights` loads a published Orbax step into the model and hands
+a snapshot to the worker, which swaps it in once the running rows drain (new
+requests wait meanwhile), so one result never mixes two weight versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ac2_jax.models import Decoder, load_published
+from ac2_jax.sampling.base import SampleResult, SamplingParams, check_prompt, truncate_at_stop
+from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket
+from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
+
+_WAKE = object()
+_STOP = object()
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    """Counters for tests and benchmarks (read-only for callers)."""
+
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_chunks: int = 0
+    decode_steps: int = 0
+    output_tokens: int = 0
+    max_active: int = 0
+    active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    resizes: int = 0
+    weight_swaps: int = 0
+
+
+class JaxSampler:
+    """`Sampler` over a `Decoder` (see `ac2_jax.sampling.base` for the contract).
+
+    max_context: most tokens per sequence (default: the model's
+    max_position_embeddings). max_batch: most rows decoded together; the row
+    count is a power of two >= min_batch (min_batch = max_batch: one shape).
+    eos_token_ids: always stop tokens (plus each request's stop_token_ids).
+    tokenizer: anything with `.decode(ids) -> str`; enables stop strings here.
+    steps_per_sync: decode steps per device call (host checks stops between).
+    prefill_chunk: most prompt tokens per row per prefill call (longer prompts
+    take several). min_prefill_rows: smallest row bucket of a prefill call
+    (larger: fewer compiles, more padded compute).
+    max_top_logprobs: largest `top_logprobs` a request may ask for.
+    seed: draws the seeds of requests that give none.
+    """
+
+    def __init__(self, model: Decoder, *, publish_dir: str | None = None,
+                 max_context: int | None = None, max_batch: int = 16, min_batch: int = 1,
+                 eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
+                 steps_per_sync: int = 8, min_cache_len: int = 64, prefill_chunk: int = 512,
+                 min_prefill_rows: int = 1,
+                 max_top_logprobs: int = 20, cache_dtype: Any = None, seed: int | None = None,
+                 batch_wait_s: float = 0.002, prefix_reuse: bool = True):
+        if not isinstance(model, Decoder):
+            raise TypeError(f"JaxSampler: model must be an ac2_jax.models.Decoder, "
+                            f"got {type(model).__name__}")
+        cfg = model.config
+        self._max_context = int(max_context or cfg.max_position_embeddings)
+        for name, v, lo in (("max_context", self._max_context, 2), ("max_batch", max_batch, 1),
+                            ("min_batch", min_batch, 1),
+                            ("steps_per_sync", steps_per_sync, 1),
+                            ("min_cache_len", min_cache_len, 1),
+                            ("prefill_chunk", prefill_chunk, 1),
+                            ("min_prefill_rows", min_prefill_rows, 1),
+                            ("max_top_logprobs", max_top_logprobs, 0)):
+            if int(v) < lo:
+                raise ValueError(f"JaxSampler: {name} must be >= {lo}, got {v}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError("JaxSampler: tokenizer must have a .decode(ids) method")
+        self._vocab = cfg.vocab_size
+        self._eos = tuple(int(t) for t in eos_token_ids)
+        bad = [t for t in self._eos if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(f"JaxSampler: eos_token_ids outside the vocabulary: {bad}")
+        self._model, self._publish_dir, self._tokenizer = model, publish_dir, tokenizer
+        if min_batch > max_batch:
+            raise ValueError(f"JaxSampler: min_batch ({min_batch}) > max_batch ({max_batch})")
+        self._max_batch, self._min_batch = int(max_batch), int(min_batch)
+        self._steps = int(steps_per_sync)
+        self._min_cache, self._prefill_chunk = int(min_cache_len), int(prefill_chunk)
+        self._min_prefill_rows = int(min_prefill_rows)
+        self._n_top, self._cache_dtype = int(max_top_logprobs), cache_dtype
+        self._batch_wait, self._prefix_reuse = float(batch_wait_s), bool(prefix_reuse)
+        self._rng = np.random.default_rng(seed)
+
+        self._graphdef, self._state = self._snapshot()
+        self._version = 0          # weights the worker runs now
+        self._latest = 0           # weights new calls will use (policy_version)
+        self._pending = None       # (state, version) waiting for the rows to drain
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+
+        self.stats = SamplerStats()
+        self._table = SlotTable()
+        self._cache = None
+        self._S = 0
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._admitting: list[Request] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="JaxSampler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def policy_version(self) -> int:
+        return self._latest
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    async def generate(self, prompt_ids: Sequence[int],
+                       params: SamplingParams | None = None) -> SampleResult:
+        """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`."""
+        req = self._make_request(prompt_ids, params)
+        return await asyncio.wrap_future(req.future)
+
+    def load_weights(self, step: int | None = None) -> int:
+        """Loads a published step (None: latest); running rows finish on the old weights."""
+        if self._publish_dir is None:
+            raise ValueError("JaxSampler.load_weights: the sampler was built without publish_dir")
+        with self._load_lock:
+            got = int(load_published(self._model, self._publish_dir, step))
+            _, state = self._snapshot()
+            with self._lock:
+                self._pending = (state, got)
+                self._latest = got
+        self._queue.put(_WAKE)
+        return got
+
+    def close(self) -> None:
+        """Stops the worker; queued and running calls fail with RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    # ------------------------------------------------------------------ requests
+
+    def _snapshot(self):
+        """(graphdef, state) detached from the model, so in-place loads don't leak in.
+
+        Arrays are committed to their own sharding: freshly built and
+        Orbax-restored params then hit the same compiled functions."""
+        graphdef, state = nnx.split(self._model)
+        return graphdef, jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
+
+    def _make_request(self, prompt_ids, params) -> Request:
+        if self._closed:
+            raise RuntimeError("JaxSampler is closed")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"generate: params must be SamplingParams, got {type(params).__name__}")
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generate: prompt_ids must be a sequence of ints ({e})") from None
+        check_prompt(prompt, self._max_context, self._vocab)
+        if params.top_logprobs > self._n_top:
+            raise ValueError(f"generate: top_logprobs={params.top_logprobs} exceeds this "
+                             f"sampler's max_top_logprobs={self._n_top}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(f"generate: stop_token_ids outside the vocabulary: {bad}")
+        seed = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
+        stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
+        req = Request(prompt=prompt, params=params, future=concurrent.futures.Future(),
+                      seed=seed & (2**64 - 1), stop_ids=stop_ids,
+                      max_out=min(params.max_tokens, self._max_context - len(prompt)))
+        self._queue.put(req)
+        return req
+
+    # ------------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        try:
+            while self._pull():
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - the callers get it, the loop lives
+                    self._fail_running(e)
+        finally:
+            err = RuntimeError("JaxSampler was closed before this request finished")
+            self._fail_running(err)
+            for req in self._waiting:
+                _resolve(req, exc=err)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Request):
+                    _resolve(item, exc=err)
+
+    def _pull(self) -> bool:
+        """Moves queued requests to `_waiting`; blocks when idle. False on close."""
+        busy = self._waiting or self._table.active_rows() or self._pending is not None
+        items = []
+        if not busy:
+            items.append(self._queue.get())
+            if self._batch_wait > 0:
+                time.sleep(self._batch_wait)  # let concurrent callers join this batch
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item is _STOP:
+                return False
+            if isinstance(item, Request):
+                self._waiting.append(item)
+        return True
+
+    def _iteration(self) -> None:
+        t = self._table
+        for row in t.active_rows():
+            if t.req[row].future.cancelled():
+                t.release(row)
+        self._waiting = collections.deque(r for r in self._waiting if not r.future.cancelled())
+        with self._lock:
+            pending = self._pending
+            if pending is not None and not t.active_rows():
+                (self._state, self._version), self._pending = pending, None
+                t.clear_history()
+                self.stats.weight_swaps += 1
+                pending = None
+        if pending is None and self._waiting:
+            self._admit()
+        if t.active_rows():
+            self._decode()
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """Fails every admitted request and drops the cache (it may be half-donated)."""
+        t = self._table
+        for req in self._admitting + [r for r in t.req if r is not None]:
+            _resolve(req, exc=exc)
+        self._admitting = []
+        self._table, self._cache, self._S = SlotTable(), None, 0
+
+    # ------------------------------------------------------------------ device steps
+
+    def _layout(self, rows: list[int], B: int, S: int) -> None:
+        """Re-lays the cache: new row i = old row rows[i]; S slots per row."""
+        if self._cache is None:
+            self._table.relayout([], B)
+            self._cache = self._model.init_cache(B, S, dtype=self._cache_dtype)
+        else:
+            idx = self._table.relayout(rows, B)
+            self._cache = resize_cache(self._cache, idx, max_len=S)
+            self.stats.resizes += 1
+        self._S = S
+
+    def _need_len(self, steps: int) -> int:
+        """Cache slots the active rows need for the next `steps` decode steps."""
+        t, need = self._table, 1
+        for r in t.active_rows():
+            last = len(t.req[r].prompt) + t.req[r].max_out - 1  # last position ever written
+            need = max(need, min(int(t.arr["pos"][r]) + steps, last))
+        return pow2_bucket(need, self._min_cache, self._max_context)
+
+    def _admit(self) -> None:
+        t = self._table
+        n_active = len(t.active_rows())
+        n = min(len(self._waiting), self._max_batch - n_active)
+        if n <= 0:
+            return
+        self._admitting = [self._waiting.popleft() for _ in range(n)]
+        if self._cache is None or n > len(t.free_rows()):
+            B = pow2_bucket(n_active + n, self._min_batch, self._max_batch)
+            self._layout(list(range(t.B)), max(B, t.B), max(self._S, self._min_cache))
+        jobs, taken = [], set()
+        for req in self._admitting:
+            prompt = np.asarray(req.prompt, np.int32)
+            row, reuse = t.pick_row(prompt, taken) if self._prefix_reuse else (
+                next(r for r in t.free_rows() if r not in taken), 0)
+            taken.add(row)
+            req.version, req.cached = self._version, reuse
+            t.assign(row, req)
+            jobs.append((row, prompt, reuse))
+        S = self._need_len(self._steps)
+        if S > self._S:
+            self._layout(list(range(t.B)), t.B, S)
+        self._prefill(jobs)
+        self._admitting = []
+        self.stats.cached_tokens += sum(r for _, _, r in jobs)
+
+    def _prefill(self, jobs) -> None:
+        """Writes prompt[reuse:-1] of each job into its row, in chunks of <= prefill_chunk."""
+        jobs = [(row, p, reuse) for row, p, reuse in jobs if len(p) - 1 > reuse]
+        if not jobs:
+            return
+        t = self._table
+        b = pow2_bucket(len(jobs), min(self._min_prefill_rows, t.B), t.B)
+        longest = max(len(p) - 1 - reuse for _, p, reuse in jobs)
+        T = pow2_bucket(longest, min(16, self._prefill_chunk), self._prefill_chunk)
+        for start in range(0, longest, T):
+            idx = np.full(b, t.B, np.int32)
+            tok = np.zeros((b, T), np.int32)
+            pos = np.full((b, T), -1, np.int32)
+            for i, (row, p, reuse) in enumerate(jobs):
+                lo, hi = reuse + start, min(reuse + start + T, len(p) - 1)
+                idx[i] = row
+                if hi > lo:
+                    tok[i, :hi - lo] = p[lo:hi]
+                    pos[i, :hi - lo] = np.arange(lo, hi)
+            self._cache = prefill_rows(self._graphdef, self._state, self._cache, idx, tok, pos)
+            self.stats.prefill_calls += 1
+        self.stats.prefill_rows += len(jobs)
+        self.stats.prefill_tokens += sum(len(p) - 1 - reuse for _, p, reuse in jobs)
+
+    def _decode(self) -> None:
+        t = self._table
+        active = t.active_rows()
+        if not self._waiting and t.B > self._min_batch and len(active) <= t.B // 4:
+            # Few rows left: compact, keeping the most recently used free rows' prefixes.
+            B = pow2_bucket(len(active), self._min_batch, self._max_batch)
+            spare = sorted(t.free_rows(), key=lambda r: -t.used[r])[:B - len(active)]
+            self._layout(active + spare, B, self._S)
+            active = t.active_rows()
+        S = self._need_len(self._steps)
+        if S > self._S:
+            self._layout(list(range(t.B)), t.B, S)
+        want_top = any(t.req[r].params.top_logprobs > 0 for r in active)
+        self._cache, rows, out = decode_chunk(
+            self._graphdef, self._state, self._cache, t.rows(), np.bool_(want_top),
+            n_steps=self._steps, n_top=self._n_top)
+        rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
+        t.update(rows)
+        steps = int((toks >= 0).any(axis=1).sum())
+        st = self.stats
+        st.decode_chunks += 1
+        st.decode_steps += steps
+        st.active_rows[len(active)] += steps
+        st.max_active = max(st.max_active, len(active))
+        for r in active:
+            req = t.req[r]
+            got = toks[:, r] >= 0
+            new = toks[got, r].tolist()
+            req.gen += new
+            req.logprobs += lps[got, r].tolist()
+            st.output_tokens += len(new)
+            k = req.params.top_logprobs
+            if k:
+                req.tops = (req.tops or []) + [
+                    list(zip(i.tolist(), lp.tolist())) for i, lp in zip(tids[got, r, :k],
+                                                                        tlps[got, r, :k])]
+            self._maybe_finish(r, bool(t.arr["active"][r]))
+
+    def _maybe_finish(self, row: int, still_active: bool) -> None:
+        t = self._table
+        req = t.req[row]
+        check_stop = bool(req.params.stop) and self._tokenizer is not None and bool(req.gen)
+        if still_active and not check_stop:
+            return
+        res = SampleResult(
+            output_ids=list(req.gen), output_logprobs=list(req.logprobs),
+            finish_reason="stop" if req.gen and req.gen[-1] in req.stop_ids else "length",
+            policy_version=req.version, cached_tokens=req.cached,
+            top_logprobs=None if req.tops is None else list(req.tops))
+        matched = None
+        if check_stop:
+            res, matched = truncate_at_stop(res, req.params.stop, self._tokenizer.decode)
+        if still_active and matched is None:
+            return
+        t.release(row)
+        _resolve(req, result=res)
+
+
+def _resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
+    """Completes a request's future unless the caller already gave up on it."""
+    try:
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass

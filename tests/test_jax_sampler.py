@@ -1,0 +1,282 @@
+"""JaxSampler on a tiny random fp32 decoder: numerics against the learner's
+full forward pass, sampling controls, batching, weight loads, errors.
+
+One sampler per module with a single row count and cache length keeps the
+compiles few (they dominate the run time on CPU).
+"""
+
+import asyncio
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.losses import token_logprobs
+from ac2_jax.models import Decoder, DecoderConfig, publish_weights
+from ac2_jax.sampling import ContextLengthError, Sampler, SamplingParams, truncate_at_stop
+from ac2_jax.sampling.jax_sampler import JaxSampler
+
+CTX = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# A larger init than the default makes the random model's outputs varied.
+CONFIG = DecoderConfig.tiny(vocab_size=256, initializer_range=0.5)
+
+
+def _model(seed=0):
+    return Decoder(CONFIG, rngs=nnx.Rngs(seed))
+
+
+def _sampler(model, **kw):
+    kw = {"max_context": CTX, "max_batch": 16, "min_batch": 8, "min_cache_len": CTX,
+          "steps_per_sync": 4, "max_top_logprobs": 4, "seed": 0, "prefill_chunk": 16,
+          "min_prefill_rows": 8, **kw}
+    return JaxSampler(model, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    s = _sampler(model)
+    yield s
+    s.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def gen(sampler, prompt, params=GREEDY):
+    return run(sampler.generate(prompt, params))
+
+
+def gen_many(sampler, reqs):
+    async def go():
+        return await asyncio.gather(*[sampler.generate(p, sp) for p, sp in reqs])
+    return run(go())
+
+
+def prompt_of(i, n=6):
+    return [(7 * i + 3 * j + 1) % 256 for j in range(n)]
+
+
+@jax.jit
+def _learner_forward(graphdef, state, tokens, positions, segs, targets):
+    logits = nnx.merge(graphdef, state)(tokens, positions, segs)
+    return logits[0], token_logprobs(logits, targets)[0]
+
+
+def learner(model, seqs, row_len=128):
+    """The learner's view: one packed row holding all `seqs` (PackedBatch layout,
+    targets[p] = tokens[p + 1] within a segment). Per seq: (logits [L, V],
+    logprobs [L] of the next token, the last one meaningless)."""
+    tokens, positions, segs, targets = (np.zeros((1, row_len), np.int32) for _ in range(4))
+    start = 0
+    for i, s in enumerate(seqs):
+        sl = slice(start, start + len(s))
+        tokens[0, sl], positions[0, sl], segs[0, sl] = s, np.arange(len(s)), i + 1
+        targets[0, start:start + len(s) - 1] = s[1:]
+        start += len(s)
+    assert start <= row_len
+    logits, lps = jax.device_get(_learner_forward(*nnx.split(model), tokens, positions, segs,
+                                                  targets))
+    out, start = [], 0
+    for s in seqs:
+        out.append((logits[start:start + len(s)], lps[start:start + len(s)]))
+        start += len(s)
+    return out
+
+
+def test_is_a_sampler(sampler):
+    assert isinstance(sampler, Sampler)
+    assert sampler.max_context == CTX and sampler.policy_version == 0
+
+
+def test_logprobs_equal_learner_forward(sampler, model):
+    reqs = [(prompt_of(0), GREEDY),
+            (prompt_of(1, 9), SamplingParams(temperature=1.0, max_tokens=15, seed=1)),
+            (prompt_of(2, 3), SamplingParams(temperature=0.7, top_p=0.8, max_tokens=10, seed=2)),
+            (prompt_of(3, 12), SamplingParams(temperature=1.3, top_k=5, max_tokens=20, seed=3))]
+    results = gen_many(sampler, reqs)
+    seqs = [p + r.output_ids for (p, _), r in zip(reqs, results)]
+    for (p, sp), r, (_, lps) in zip(reqs, results, learner(model, seqs)):
+        assert len(r.output_ids) == sp.max_tokens and r.finish_reason == "length"
+        np.testing.assert_allclose(r.output_logprobs, lps[len(p) - 1:-1], atol=1e-4, rtol=0)
+
+
+def test_greedy_is_argmax_of_full_forward(sampler, model):
+    p = prompt_of(4)
+    r = gen(sampler, p, GREEDY.replace(max_tokens=20))
+    ((lg, _),) = learner(model, [p + r.output_ids])
+    np.testing.assert_array_equal(np.argmax(lg[len(p) - 1:-1], -1), r.output_ids)
+    assert len(set(r.output_ids)) > 3  # the model is not degenerate
+
+
+def test_top_logprobs_match_forward(sampler, model):
+    p = prompt_of(5)
+    r = gen(sampler, p, SamplingParams(temperature=1.0, max_tokens=6, seed=5, top_logprobs=3))
+    ((lg, _),) = learner(model, [p + r.output_ids])
+    logp = lg[len(p) - 1:-1] - np.log(np.exp(lg[len(p) - 1:-1]).sum(-1, keepdims=True))
+    assert len(r.top_logprobs) == len(r.output_ids)
+    for row, lp in zip(r.top_logprobs, logp):
+        ids = [i for i, _ in row]
+        np.testing.assert_array_equal(ids, np.argsort(-lp)[:3])
+        np.testing.assert_allclose([v for _, v in row], lp[ids], atol=1e-4)
+
+
+def test_same_seed_same_sample_alone_and_in_batch(sampler):
+    p, sp = prompt_of(6), SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+    alone = gen(sampler, p, sp)
+    others = [(prompt_of(10 + i, 4 + i), SamplingParams(temperature=0.9, top_p=0.9,
+                                                      max_tokens=8 + i, seed=i))
+              for i in range(7)]
+    batch = gen_many(sampler, others[:3] + [(p, sp)] + others[3:])
+    assert batch[3].output_ids == alone.output_ids
+    np.testing.assert_allclose(batch[3].output_logprobs, alone.output_logprobs, atol=1e-5)
+    other_seed = gen(sampler, p, sp.replace(seed=99))
+    assert other_seed.output_ids != alone.output_ids
+
+
+def test_top_k_one_is_greedy(sampler):
+    p = prompt_of(7)
+    greedy = gen(sampler, p)
+    topk1 = gen(sampler, p, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, seed=3))
+    assert topk1.output_ids == greedy.output_ids
+
+
+def test_max_tokens_and_stop_tokens(sampler):
+    p = prompt_of(8)
+    full = gen(sampler, p, GREEDY.replace(max_tokens=10))
+    assert full.finish_reason == "length" and len(full.output_ids) == 10
+    k = next(i for i in range(2, 10) if full.output_ids[i] not in full.output_ids[:i])
+    stop = full.output_ids[k]
+    r = gen(sampler, p, GREEDY.replace(max_tokens=10, stop_token_ids=(stop,)))
+    assert r.finish_reason == "stop" and r.output_ids == full.output_ids[:k + 1]
+    assert r.output_logprobs == pytest.approx(full.output_logprobs[:k + 1], abs=1e-5)
+
+
+def test_eos_and_stop_strings(model, sampler):
+    class ByteTokenizer:  # a real (byte-level) tokenizer for a 256-token vocabulary
+        def decode(self, ids):
+            return bytes(ids).decode("latin-1")
+
+    p = prompt_of(9)
+    full = gen(sampler, p, GREEDY.replace(max_tokens=12))
+    out = full.output_ids
+    k = next(i for i in range(2, 12) if out[i] not in out[:i])
+    with _sampler(model, eos_token_ids=(out[k],), tokenizer=ByteTokenizer()) as s:
+        r = gen(s, p, GREEDY.replace(max_tokens=12))
+        assert r.finish_reason == "stop" and r.output_ids == out[:k + 1]
+        text = ByteTokenizer().decode(out[1:3])
+        r = gen(s, p, GREEDY.replace(max_tokens=12, stop=(text,)))
+        want, matched = truncate_at_stop(full, (text,), ByteTokenizer().decode)
+        assert matched == text and r.finish_reason == "stop"
+        assert r.output_ids == want.output_ids == out[:3]
+
+
+def test_sixteen_concurrent_requests_are_batched(sampler):
+    reqs = [(prompt_of(20 + i, 2 + i % 9), GREEDY.replace(max_tokens=6 + i % 7))
+            for i in range(16)]
+    solo = [gen(sampler, p, sp) for p, sp in reqs]
+    before = sampler.stats.active_rows[16]
+    batched = gen_many(sampler, reqs)
+    assert sampler.stats.active_rows[16] > before  # decode steps ran with all 16 rows
+    for a, b in zip(solo, batched):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+
+
+def test_prefix_reuse(sampler, model):
+    p = prompt_of(40, 10)
+    first = gen(sampler, p)
+    turn2 = p + first.output_ids + [5, 6, 7]
+    r = gen(sampler, turn2)
+    assert r.cached_tokens == len(p) + len(first.output_ids) - 1
+    ((lg, lps),) = learner(model, [turn2 + r.output_ids])
+    np.testing.assert_allclose(r.output_logprobs, lps[len(turn2) - 1:-1], atol=1e-4)
+    np.testing.assert_array_equal(np.argmax(lg[len(turn2) - 1:-1], -1), r.output_ids)
+
+
+def test_continuous_batching_grows_and_compacts(sampler):
+    """Rows join a running batch, the cache grows and compacts, results stay exact."""
+    long = [(prompt_of(60 + i, 3 + i % 3), GREEDY.replace(max_tokens=28 - i)) for i in range(6)]
+    short = [(prompt_of(70 + i, 6 + i), GREEDY.replace(max_tokens=8 - i)) for i in range(5)]
+    solo = [gen(sampler, p, sp) for p, sp in long + short]
+    resizes = sampler.stats.resizes
+
+    async def join_running_batch():
+        first = [asyncio.ensure_future(sampler.generate(p, sp)) for p, sp in long]
+        chunks = sampler.stats.decode_chunks
+        while sampler.stats.decode_chunks == chunks:
+            await asyncio.sleep(0.0005)
+        rest = [asyncio.ensure_future(sampler.generate(p, sp)) for p, sp in short]
+        return await asyncio.gather(*first, *rest)
+
+    got = run(join_running_batch())
+    assert sampler.stats.resizes >= resizes + 2  # grew to 16 rows, compacted back to 8
+    for a, b in zip(solo, got):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+
+
+def test_context_limits_and_errors(sampler):
+    with pytest.raises(ContextLengthError):
+        gen(sampler, list(range(1, CTX + 1)))
+    with pytest.raises(ContextLengthError):
+        gen(sampler, list(range(1, CTX)) + [1])
+    with pytest.raises(ValueError, match="empty"):
+        gen(sampler, [])
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen(sampler, [1, 2, 256])
+    with pytest.raises(ValueError, match="top_logprobs"):
+        gen(sampler, [1, 2], SamplingParams(top_logprobs=5))
+    r = gen(sampler, list(range(1, CTX - 2)), GREEDY.replace(max_tokens=10))
+    assert r.finish_reason == "length" and len(r.output_ids) == 3  # context is full
+    assert gen(sampler, [1, 2, 3]).finish_reason == "length"  # the loop survived
+
+
+def test_cancelled_call_frees_its_row(sampler):
+    async def go():
+        t = asyncio.ensure_future(sampler.generate(prompt_of(70), GREEDY.replace(max_tokens=50)))
+        await asyncio.sleep(0.01)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return await sampler.generate(prompt_of(71), GREEDY)
+    assert len(run(go()).output_ids) == GREEDY.max_tokens
+
+
+def test_load_weights_swaps_between_results(tmp_path):
+    model = _model(0)
+    p, sp = prompt_of(80), GREEDY.replace(max_tokens=40)
+    with _sampler(model, publish_dir=str(tmp_path)) as s:
+        old = gen(s, p, sp)
+        publish_weights(_model(1), str(tmp_path), 7)
+
+        async def swap_mid_generation():
+            t = asyncio.ensure_future(s.generate(p, sp))
+            while s.stats.decode_chunks == chunks0:
+                await asyncio.sleep(0.001)
+            step = await asyncio.to_thread(s.load_weights)
+            after = await s.generate(p, sp)
+            return await t, step, after
+
+        chunks0 = s.stats.decode_chunks
+        inflight, step, new = run(swap_mid_generation())
+        assert step == 7 and s.policy_version == 7
+        assert inflight.policy_version == 0 and inflight.output_ids == old.output_ids
+        assert new.policy_version == 7 and new.output_ids != old.output_ids
+    with _sampler(_model(1)) as ref:
+        assert gen(ref, p, sp).output_ids == new.output_ids
+
+
+def test_close_fails_new_calls(model):
+    s = _sampler(model)
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gen(s, [1, 2, 3])
