@@ -136,12 +136,16 @@ class Checkpointer:
         self.close()
 
 
-def publish(graphdef, state, publish_dir: str | os.PathLike, step: int | None = None):
-    """Writes the state's weights for the sampler (`ac2_jax.models.publish_weights`).
+def publish(graphdef, state, publish_dir: str | os.PathLike, step: int | None = None,
+            keep: int = 3) -> str:
+    """Writes the state's weights as the sampler's next policy; returns the path.
 
-    step defaults to state.step. Pass the global state (pmap: host_state).
+    Uses `ac2_jax.models.params_io.publish_weights` (atomic LATEST, newest
+    `keep` kept). step defaults to state.step. Pass the global state (pmap:
+    `TrainStep.host_state`).
     """
     from ac2_jax.models import params_io
 
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    return params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step)
+    return params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step,
+                                     keep=keep)

@@ -169,14 +169,18 @@ class TrainStep:
             _COMPILED[key] = (self._step, self.state_sharding)
 
     def place(self, state: TrainState) -> TrainState:
-        """Puts a (host / unreplicated) state where this step wants it."""
+        """A copy of a (host / unreplicated) state where this step wants it.
+
+        Always new buffers, so donating them never deletes the arrays of the
+        model or state it came from.
+        """
         if self.mode == "pmap":
             return replicate(state, self.devices)
         if self.mesh is not None:
             if self.state_sharding is None:
                 self.state_sharding = state_shardings(state, self.mesh)
-            return jax.device_put(state, self.state_sharding)
-        return jax.device_put(state)
+            return jax.device_put(state, self.state_sharding, may_alias=False)
+        return jax.device_put(state, self.devices[0], may_alias=False)
 
     def host_state(self, state: TrainState) -> TrainState:
         """The global (unreplicated) state, e.g. for checkpoints and publishing."""

@@ -1,0 +1,89 @@
+"""Meshes, param / optimizer-state shardings from the model's names, pmap helpers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.training.sharding import (batch_sharding, fit_spec, make_mesh, merge_rows,
+                                       param_shardings, replicate, shard_batch, shard_state,
+                                       split_rows, state_shardings, unreplicate)
+from ac2_jax.training.state import OptimizerConfig, create_train_state
+
+
+class Named(nnx.Module):
+    """Params annotated with mesh axis names, as ac2_jax.models.Decoder does."""
+
+    def __init__(self, vocab=48):
+        self.embed = nnx.Param(jnp.arange(vocab * 8, dtype=jnp.float32).reshape(vocab, 8),
+                               out_sharding=("tensor", "fsdp"), eager_sharding=False)
+        self.up = nnx.Param(jnp.ones((8, 12)), out_sharding=("fsdp", "tensor"),
+                            eager_sharding=False)
+        self.norm = nnx.Param(jnp.ones((8,)))
+
+
+def test_make_mesh_axes_and_errors():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.devices.shape == (2, 2, 2)
+    assert make_mesh().devices.size == 1
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(data=16)
+    with pytest.raises(ValueError, match=">= 1"):
+        make_mesh(data=0)
+
+
+def test_fit_spec_drops_axes_that_do_not_divide():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    assert fit_spec(P("tensor", "fsdp"), (6, 8), mesh) == P("tensor", "fsdp")
+    assert fit_spec(P("tensor", "fsdp"), (5, 8), mesh) == P(None, "fsdp")
+    assert fit_spec(P(("fsdp", "tensor")), (8, 3), mesh) == P(("fsdp", "tensor"), None)
+    assert fit_spec(P(("fsdp", "tensor")), (6, 3), mesh) == P(None, None)
+    with pytest.raises(ValueError, match="'expert'"):
+        fit_spec(P("expert"), (8,), mesh)
+
+
+def test_state_shardings_follow_the_model_names():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    _, state = create_train_state(Named(vocab=45), OptimizerConfig(weight_decay=0.1))
+    sh = state_shardings(state, mesh)
+    spec = lambda var: var.get_value().spec  # noqa: E731  (a Param holding a sharding)
+    assert spec(sh.params["embed"]) == P(None, "fsdp")  # 45 rows do not split over tensor
+    assert spec(sh.params["up"]) == P("fsdp", "tensor")
+    assert spec(sh.params["norm"]) == P(None)
+    adam = sh.opt_state[1][0]
+    assert spec(adam.mu["up"]) == spec(adam.nu["up"]) == P("fsdp", "tensor")
+    assert adam.count.spec == P() and sh.step.spec == P() and sh.rng.spec == P()
+    placed = shard_state(state, mesh)
+    up = placed.params["up"][...]
+    assert up.sharding.spec == P("fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape == (4, 6)
+    np.testing.assert_array_equal(np.asarray(placed.params["embed"][...]),
+                                  np.asarray(state.params["embed"][...]))
+    assert spec(param_shardings(state.params, mesh)["up"]) == P("fsdp", "tensor")
+
+
+def test_batch_rows_split_over_data_and_fsdp():
+    segs = [Segment(np.arange(5), np.ones(5), np.zeros(5), task=f"t{i}") for i in range(8)]
+    batch = pack_segments(segs, 10, rows_multiple=8)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    placed = shard_batch(batch, mesh)
+    assert placed.tokens.sharding == batch_sharding(mesh)
+    assert placed.tokens.addressable_shards[0].data.shape == (batch.shape[0] // 4, 10)
+    with pytest.raises(ValueError, match="rows_multiple=8"):
+        shard_batch(jax.tree.map(lambda x: x[:6], batch), make_mesh(data=8))
+
+
+def test_replicate_split_and_merge_round_trip():
+    tree = {"a": np.arange(6.0), "b": np.ones((2, 3), np.int32)}
+    rep = replicate(tree, jax.devices()[:4])
+    assert rep["a"].shape == (4, 6) and len(rep["a"].sharding.device_set) == 4
+    np.testing.assert_array_equal(unreplicate(rep)["a"], tree["a"])
+    rows = {"x": np.arange(24).reshape(8, 3)}
+    split = split_rows(rows, 4)
+    assert split["x"].shape == (4, 2, 3)
+    np.testing.assert_array_equal(merge_rows(split)["x"], rows["x"])
+    with pytest.raises(ValueError, match="do not split over 3 devices"):
+        split_rows(rows, 3)
