@@ -11,6 +11,6 @@ mkdir -p "$OUT"
 for b in roofline merge_savings packing train_step sampler endpoint weight_publish tree_packing; do
   if [ -f "benchmarks/bench_$b.py" ]; then
     echo "== bench_$b"
-    python "benchmarks/bench_$b.py" --out "$OUT/$b.json"
+    python -m "benchmarks.bench_$b" --out "$OUT/$b.json"
   fi
 done

@@ -1,0 +1,58 @@
+"""Shared helpers for the side-by-side benchmarks: timing, tables, JSON out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=None, help="write results as JSON here")
+    p.add_argument("--repeats", type=int, default=5)
+    return p
+
+
+def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median / min wall seconds of fn() (fn must block until done)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times)}
+
+
+def machine() -> dict[str, object]:
+    import jax
+    return {"machine": platform.machine(), "cpus": os.cpu_count(),
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"machine": machine(), **payload}, f, indent=2)
