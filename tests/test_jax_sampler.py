@@ -251,28 +251,47 @@ def test_cancelled_call_frees_its_row(sampler):
     assert len(run(go()).output_ids) == GREEDY.max_tokens
 
 
+class GatedBytes:
+    """Byte-level decode that blocks its first call until released: it pauses
+    the sampler's worker between two decode chunks of a running request."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def decode(self, ids):
+        self.entered.set()
+        assert self.release.wait(timeout=60)
+        return bytes(ids).decode("latin-1")
+
+
 def test_load_weights_swaps_between_results(tmp_path):
-    model = _model(0)
-    p, sp = prompt_of(80), GREEDY.replace(max_tokens=40)
-    with _sampler(model, publish_dir=str(tmp_path)) as s:
+    model, gate = _model(0), GatedBytes()
+    p, sp = prompt_of(80), GREEDY.replace(max_tokens=20)
+    with _sampler(model, publish_dir=str(tmp_path), tokenizer=gate) as s:
+        with pytest.raises(FileNotFoundError):
+            s.load_weights()  # nothing published yet
         old = gen(s, p, sp)
         publish_weights(_model(1), str(tmp_path), 7)
 
         async def swap_mid_generation():
-            t = asyncio.ensure_future(s.generate(p, sp))
-            while s.stats.decode_chunks == chunks0:
-                await asyncio.sleep(0.001)
+            # The stop string never matches; checking it pauses the worker mid-request.
+            inflight = asyncio.ensure_future(s.generate(p, sp.replace(stop=("\xff\xfe\xfd",))))
+            await asyncio.to_thread(gate.entered.wait, 60)
             step = await asyncio.to_thread(s.load_weights)
-            after = await s.generate(p, sp)
-            return await t, step, after
+            after = asyncio.ensure_future(s.generate(p, sp))
+            await asyncio.sleep(0.01)
+            gate.release.set()
+            return await inflight, step, await after
 
-        chunks0 = s.stats.decode_chunks
         inflight, step, new = run(swap_mid_generation())
-        assert step == 7 and s.policy_version == 7
+        assert step == 7 and s.policy_version == 7 and s.stats.weight_swaps == 1
         assert inflight.policy_version == 0 and inflight.output_ids == old.output_ids
+        np.testing.assert_allclose(inflight.output_logprobs, old.output_logprobs, atol=1e-5)
         assert new.policy_version == 7 and new.output_ids != old.output_ids
     with _sampler(_model(1)) as ref:
-        assert gen(ref, p, sp).output_ids == new.output_ids
+        want = gen(ref, p, sp)
+    assert new.output_ids == want.output_ids
+    np.testing.assert_allclose(new.output_logprobs, want.output_logprobs, atol=1e-5)
 
 
 def test_close_fails_new_calls(model):

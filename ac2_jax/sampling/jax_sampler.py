@@ -160,10 +160,11 @@ class JaxSampler:
 
     def close(self) -> None:
         """Stops the worker; queued and running calls fail with RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+        with self._lock:  # no request can be queued behind _STOP
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -193,8 +194,6 @@ class JaxSampler:
         return graphdef, jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
     def _make_request(self, prompt_ids, params) -> Request:
-        if self._closed:
-            raise RuntimeError("JaxSampler is closed")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"generate: params must be SamplingParams, got {type(params).__name__}")
@@ -214,7 +213,10 @@ class JaxSampler:
         req = Request(prompt=prompt, params=params, future=concurrent.futures.Future(),
                       seed=seed & (2**64 - 1), stop_ids=stop_ids,
                       max_out=min(params.max_tokens, self._max_context - len(prompt)))
-        self._queue.put(req)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("JaxSampler is closed")
+            self._queue.put(req)
         return req
 
     # ------------------------------------------------------------------ worker
