@@ -50,8 +50,11 @@ def test_restore_errors(models, tmp_path):
         restore_params(models[0], str(tmp_path / "missing"))
     save_params(models[0], str(tmp_path / "ckpt"))
     other = Decoder(CONFIG.replace(hidden_size=16), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shape"):
         restore_params(other, str(tmp_path / "ckpt"))
+    tied = Decoder(CONFIG.replace(tie_embeddings=True), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="lm_head.*missing from the model"):
+        restore_params(tied, str(tmp_path / "ckpt"))
 
 
 def test_publish_latest_and_prune(models, tmp_path):

@@ -210,7 +210,10 @@ class KVCache:
 
 
 class Decoder(nnx.Module):
-    """Embeddings -> num_layers x (RMSNorm, GQA attention, RMSNorm, SwiGLU) -> RMSNorm -> lm_head."""
+    """Embeddings, num_layers x (RMSNorm, GQA attention, RMSNorm, SwiGLU), RMSNorm, lm_head.
+
+    With `tie_embeddings` the lm_head is the embedding matrix.
+    """
 
     def __init__(self, config: DecoderConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs

@@ -50,13 +50,31 @@ def restore_params(model: nnx.Module, path: str) -> None:
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         nnx.to_pure_dict(state))
-    try:
-        restored = _checkpointer().restore(path, target)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"restore_params: checkpoint at {path} does not match the model: "
-                         f"{e}") from e
+    ckpt = _checkpointer()
+    meta = ckpt.metadata(path)
+    meta = getattr(meta, "item_metadata", meta)  # StepMetadata wraps the TreeMetadata
+    _check_matches(meta.tree, target, path)
+    restored = ckpt.restore(path, target)
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(model, state)
+
+
+def _check_matches(saved, target, path: str) -> None:
+    """Names the first param whose presence or shape differs (before reading any data)."""
+    def flat(tree):  # int layer keys in the model are str keys on disk
+        return {".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in k): v
+                for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    flat_saved, flat_target = flat(saved), flat(target)
+    for name in sorted(set(flat_saved) | set(flat_target)):
+        if name not in flat_saved or name not in flat_target:
+            where = "checkpoint" if name not in flat_saved else "model"
+            raise ValueError(f"restore_params: param {name} is missing from the {where} "
+                             f"(checkpoint at {path})")
+        if tuple(flat_saved[name].shape) != tuple(flat_target[name].shape):
+            raise ValueError(f"restore_params: param {name} has shape "
+                             f"{tuple(flat_saved[name].shape)} in {path}, the model has "
+                             f"{tuple(flat_target[name].shape)}")
 
 
 def _steps(publish_dir: str) -> list[int]:
