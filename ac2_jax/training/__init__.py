@@ -11,12 +11,14 @@ from ac2_jax.training.objectives import LossFn, PolicyGradientLoss, SFTLoss, los
 from ac2_jax.training.sft import SFTConfig, SFTData, SFTResult, run_sft
 from ac2_jax.training.sharding import (AXES, make_mesh, replicate, shard_batch, shard_state,
                                        state_shardings, unreplicate)
-from ac2_jax.training.state import OptimizerConfig, TrainState, create_train_state, num_params
+from ac2_jax.training.state import (OptimizerConfig, TrainState, abstract_train_state,
+                                    create_train_state, num_params)
 from ac2_jax.training.train_step import TrainStep, make_train_step
 
 __all__ = [
     "AXES", "Checkpointer", "LossFn", "OptimizerConfig", "PolicyGradientLoss", "SFTConfig",
-    "SFTData", "SFTLoss", "SFTResult", "TrainState", "TrainStep", "create_train_state",
+    "SFTData", "SFTLoss", "SFTResult", "TrainState", "TrainStep", "abstract_train_state",
+    "create_train_state",
     "loss_weights", "make_mesh", "make_train_step", "num_params", "publish", "replicate",
     "run_sft", "shard_batch", "shard_state", "state_shardings", "unreplicate",
 ]

@@ -118,8 +118,12 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
         abstract = to_nested(abstract_target(target, shardings))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        except ValueError as e:
+            raise ValueError(f"Checkpointer.restore: step {step} in {self.directory} does not "
+                             f"match the target state (model or optimizer differ?): {e}") from e
         return from_nested(out["state"], target), dict(out["data"] or {}), step
 
     def wait(self) -> None:

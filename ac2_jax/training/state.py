@@ -129,6 +129,20 @@ def create_train_state(model: nnx.Module, optimizer, rng: int | jax.Array = 0
     return graphdef, state
 
 
+def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, state of ShapeDtypeStructs) without computing or storing any weights.
+
+    make_model: () -> nnx.Module. The abstract state is a restore target (see
+    `Checkpointer.restore`) and a source of shardings for models too big to
+    initialize just to be overwritten.
+    """
+    graphdef, params, rest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    opt_state = jax.eval_shape(as_transform(optimizer).init, params)
+    return graphdef, TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                                opt_state=opt_state, rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+                                rest=rest)
+
+
 def num_params(params) -> int:
     """Total number of scalars in a params tree."""
     return int(sum(x.size for x in jax.tree.leaves(params)))
