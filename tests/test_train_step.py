@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, create_train_state,
-                              make_mesh, make_train_step)
+from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
+                              create_train_state, make_mesh, make_train_step)
 from ac2_jax.training.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
@@ -150,3 +150,14 @@ def test_bad_configuration_is_named(batch):
     step = make_train_step(graphdef, LOSS, OPT, mesh=make_mesh(data=4, fsdp=2), grad_accum=4)
     with pytest.raises(ValueError, match="rows_multiple=32"):
         step(step.place(state), batch)  # 16 rows cannot make 4 micro-batches over 8 shards
+
+
+def test_benchmark_flop_count_matches_the_model():
+    from benchmarks import bench_train_step as bench
+
+    for name in bench.SIZES:
+        c = bench.config_of(name)
+        _, abstract = abstract_train_state(lambda: Decoder(c), OPT)  # noqa: B023
+        leaves = jax.tree.leaves(abstract.params)
+        matrices = sum(x.size for x in leaves if len(x.shape) == 2)
+        assert bench.matmul_params(c) == matrices  # tied embeddings: the lm head, once
