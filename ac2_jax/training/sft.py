@@ -17,6 +17,7 @@ from flax import nnx
 
 from ac2_jax.segments import PackedBatch, Segment, pack_segments
 from ac2_jax.training.objectives import SFTLoss
+from ac2_jax.training.sharding import state_shardings
 from ac2_jax.training.state import OptimizerConfig, TrainState, create_train_state
 from ac2_jax.training.train_step import make_train_step
 
@@ -91,8 +92,8 @@ def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = 
                               mesh=mesh, grad_accum=config.grad_accum)
     start = 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
-        target = step_fn.place(state) if mode != "pmap" else state
-        state, position, _ = checkpointer.restore(target)
+        shardings = state_shardings(state, mesh) if mesh is not None else None
+        state, position, _ = checkpointer.restore(state, shardings=shardings)
         start = int(position.get("batches", 0))
     state = step_fn.place(state)
     history = []
