@@ -1,0 +1,228 @@
+"""Orchestrators through the real endpoint (FastAPI over HTTP, JaxSampler, tiny model).
+
+The tiny model is fitted to scripted conversations (tests/serving_helpers.py
+plus a delegation and a transient-message script below), so greedy decoding
+takes the paths each orchestrator must handle. Episodes are recorded by the
+endpoint; each orchestrator must yield the episode structure of its shape.
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import openai
+import pytest
+
+from ac2_jax.envs import Env, Task, Tool
+from ac2_jax.models.tokenizer import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.orchestration import (CompactionOrchestrator, DefaultOrchestrator, LifecycleClient,
+                                   MultiResponseOrchestrator, SubagentOrchestrator,
+                                   run_rollout)
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from serving_helpers import SYSTEM, TOOLS, TURNS, USER, fit_tiny_model
+
+ADMIN = "sk-admin-orch"
+GREEDY = {"temperature": 0, "max_tokens": 64}
+DELEGATE = "Delegate: " + USER["content"]
+SPAWN_CALL = ('<tool_call>\n{"name": "spawn_subagent", "arguments": {"name": "helper", '
+              f'"task": "{USER["content"]}"}}}}\n</tool_call>')
+REMINDER = {"role": "user", "content": "Reminder: add the numbers one call at a time."}
+
+
+def _add(a: int, b: int) -> str:
+    return str(a + b)
+
+
+class AddEnv(Env):
+    """The scripted task: add 3 + 4 + 10 with an `add` tool (schema = serving_helpers.TOOLS)."""
+
+    system_prompt = SYSTEM["content"]
+
+    def sample_tasks(self, n, seed, split="train"):
+        return [Task(task_id=f"add-{i}", prompt=USER["content"], answer=17) for i in range(n)]
+
+    @property
+    def tools(self):
+        fn = TOOLS[0]["function"]
+        return [Tool(fn["name"], fn["description"], fn["parameters"], _add)]
+
+    def verify(self, task, answer):
+        return float(answer is not None and "17" in answer)
+
+
+def script(tok, messages, tools, turns):
+    """(tokens, mask) of a conversation as the endpoint builds it; turns = [(text, tool result)]."""
+    memory, tokens, mask = TurnMemory(), [], []
+    messages = list(messages)
+    for text, result in turns:
+        prompt, _ = build_prompt_ids(tok, messages, tools, memory)
+        assert prompt[:len(tokens)] == tokens
+        out = tok.encode(text) + [tok.eos_token_id]
+        mask += [0] * (len(prompt) - len(tokens)) + [1] * len(out)
+        tokens = prompt + out
+        content, calls = parse_tool_calls(text)
+        memory.remember(content, calls, out)
+        messages.append({"role": "assistant", "content": content or None,
+                         "tool_calls": calls or None})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls]
+    return tokens, mask
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("orch")
+    tok = build_tiny_tokenizer(str(tmp / "tok"))
+    env = AddEnv()
+    spawn_spec = SubagentOrchestrator(env, env.sample_tasks(1, 0)[0], None, "tiny").tools[-1].spec()
+    delegation = script(tok, [SYSTEM, {"role": "user", "content": DELEGATE}], TOOLS + [spawn_spec],
+                        [(SPAWN_CALL, TURNS[-1][0]), (TURNS[-1][0], None)])
+    # With a reminder shown (transiently) after the first tool result, the model
+    # still makes the second call; without it the script's third turn follows.
+    first = parse_tool_calls(TURNS[0][0])[1]
+    transient = script(tok, [SYSTEM, USER, {"role": "assistant", "content": None,
+                                            "tool_calls": first},
+                             {"role": "tool", "tool_call_id": first[0]["id"], "content": "7"},
+                             REMINDER], TOOLS, [(TURNS[1][0], "17")])
+    model = fit_tiny_model(tok, extra=[delegation, transient], max_steps=600)
+    sampler = JaxSampler(model, max_context=768, max_batch=8, min_batch=8, min_cache_len=768,
+                         prefill_chunk=64, eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
+    app = build_app(sampler, tok, admin_key=ADMIN, model_name="tiny",
+                    trace_store=str(tmp / "traces.jsonl"))
+    url, stop = serve_in_thread(app)
+    yield dict(url=url, env=env, tok=tok)
+    stop()
+    sampler.close()
+
+
+def run(endpoint, make, task=None):
+    async def go():
+        lc = LifecycleClient(endpoint["url"], ADMIN)
+        try:
+            t = task or endpoint["env"].sample_tasks(1, 0)[0]
+            return await run_rollout(lc, endpoint["env"], t, make, "tiny")
+        finally:
+            await lc.aclose()
+    return asyncio.run(go())
+
+
+def test_tool_loop_is_one_main_episode_with_metrics(endpoint):
+    trace, conv = run(endpoint, lambda e, t, c, m: DefaultOrchestrator(e, t, c, m, sampling=GREEDY))
+    assert conv.status == "finished" and "17" in conv.answer
+    assert trace.reward == 1.0 and trace.status == "finished"
+    assert [e.agent for e in trace.episodes] == ["main"]
+    assert len(trace.episodes[0].completions) == 3
+    m = conv.metrics
+    assert m["steps"] == 3 and m["tool_calls"] == 2 and m["tool_errors"] == 0
+    outputs = sum(len(c.output_ids) for c in trace.episodes[0].completions)
+    assert m["output_tokens"] == outputs and m["prompt_tokens"] > 3 * 100
+    assert m["wall_time_s"] > 0 and "cached_tokens" in m
+    assert trace.metrics["steps"] == 3  # merged into the lifecycle trace
+
+
+def test_compaction_starts_new_main_episode_after_compactor(endpoint):
+    orchs = []
+
+    def make(e, t, c, m):
+        orchs.append(CompactionOrchestrator(e, t, c, m, context_budget=50, max_steps=3,
+                                            sampling=GREEDY))
+        return orchs[-1]
+
+    trace, conv = run(endpoint, make)
+    agents = [e.agent for e in trace.episodes]
+    assert agents[:3] == ["main", "compactor", "main"], agents
+    assert orchs[0].compactions >= 1
+    restarted = endpoint["tok"].decode(trace.episodes[2].token_ids)
+    assert "Progress so far:" in restarted
+    # Compactor tokens are agent tokens and are trained too.
+    assert trace.episodes[1].num_agent_tokens > 0
+
+
+def test_subagent_gets_its_own_labelled_episode(endpoint):
+    task = Task(task_id="delegate", prompt=DELEGATE, answer=17)
+    trace, conv = run(endpoint, lambda e, t, c, m: SubagentOrchestrator(e, t, c, m,
+                                                                         sampling=GREEDY), task)
+    agents = [e.agent for e in trace.episodes]
+    assert agents == ["main", "subagent:helper"], agents
+    assert len(trace.episodes[1].completions) == 3  # the subagent ran the tool loop
+    assert "17" in conv.answer and conv.metrics["tool_calls"] == 3  # 1 spawn + 2 adds
+
+
+def test_multi_response_branches(endpoint):
+    orchs = []
+
+    def make(e, t, c, m):
+        orchs.append(MultiResponseOrchestrator(e, t, c, m, n=2, sampling=GREEDY))
+        return orchs[-1]
+
+    trace, conv = run(endpoint, make)
+    steps = conv.metrics["steps"]
+    assert all(len(r) == 2 for r in orchs[0].collected)
+    # n responses to one prompt are n branches. Greedy makes both responses
+    # identical, so the next request extends both branches: each of the two
+    # episodes gets one completion per request.
+    assert [e.agent for e in trace.episodes] == ["main", "main"]
+    assert [len(e.completions) for e in trace.episodes] == [steps, steps]
+    assert trace.episodes[0].token_ids == trace.episodes[1].token_ids
+
+
+def test_transient_message_starts_a_new_episode(endpoint):
+    def make(e, t, c, m):
+        return DefaultOrchestrator(e, t, c, m, sampling=GREEDY,
+                                   transient=lambda step, msgs: [REMINDER] if step == 1 else None)
+
+    trace, conv = run(endpoint, make)
+    assert conv.status == "finished" and "17" in conv.answer
+    assert [e.agent for e in trace.episodes] == ["main", "main"]
+    # The reminder was shown once and never kept in the history.
+    assert not any(m.get("content") == REMINDER["content"] for m in conv.messages)
+    assert REMINDER["content"] in endpoint["tok"].decode(trace.episodes[0].token_ids)
+
+
+HARNESS = textwrap.dedent('''
+    import json, os, sys
+    from openai import OpenAI
+    client = OpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
+    tools = json.loads(os.environ["TOOLS"])
+    messages = json.loads(os.environ["MESSAGES"])
+    for _ in range(4):
+        msg = client.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                             temperature=0, max_tokens=64).choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(args["a"] + args["b"])})
+    print(json.dumps({"answer": msg.content,
+                      "imports_ac2_jax": any(m.startswith("ac2_jax") for m in sys.modules)}))
+''')
+
+
+def test_harness_with_only_the_openai_client(endpoint, tmp_path):
+    admin = httpx.Client(base_url=endpoint["url"], headers={"Authorization": f"Bearer {ADMIN}"})
+    info = admin.post("/v1/rollouts", json={"task_id": "harness"}).json()
+    script_path = tmp_path / "harness.py"
+    script_path.write_text(HARNESS)
+    env = {**os.environ, "OPENAI_BASE_URL": info["base_url"], "OPENAI_API_KEY": info["api_key"],
+           "TOOLS": json.dumps(TOOLS), "MESSAGES": json.dumps([SYSTEM, USER])}
+    out = subprocess.run([sys.executable, str(script_path)], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["imports_ac2_jax"] is False and "17" in result["answer"]
+    done = admin.post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 1.0})
+    assert done.status_code == 200, done.text
+    trace = admin.get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+    trace = trace.get("trace", trace)
+    assert trace["reward"] == 1.0 and len(trace["episodes"]) == 1
+    assert len(trace["episodes"][0]["completions"]) == 3
+    admin.close()
+    assert openai  # the harness used the same client library
