@@ -65,7 +65,13 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
     import os
     import tempfile
 
-    from flax import nnx
+    if sampler not in ("jax", "sglang"):
+        raise ValueError(f"--sampler must be 'jax' or 'sglang', got {sampler!r}")
+    if sampler == "sglang" and not sglang_url:
+        raise ValueError("--sampler=sglang needs --sglang_url")
+    if model != "tiny" and not os.path.isdir(model):
+        raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
+    from flax import nnx  # heavy imports only once the arguments are known to be good
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.hf_io import load_hf_checkpoint
@@ -76,12 +82,10 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
         decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size),
                           rngs=nnx.Rngs(seed))
         name = "tiny"
-    elif os.path.isdir(model):
+    else:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model)
         decoder, _ = load_hf_checkpoint(model)
         name = os.path.basename(os.path.normpath(model))
-    else:
-        raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
     context = max_context or min(decoder.config.max_position_embeddings,
                                  tokenizer.model_max_length or 1 << 30)
     if sampler == "jax":
@@ -89,11 +93,7 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
         return (JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
                            max_batch=max_batch, eos_token_ids=tokenizer.stop_token_ids,
                            tokenizer=tokenizer, seed=seed), tokenizer, name)
-    if sampler == "sglang":
-        from ac2_jax.sampling.sglang import SGLangSampler
-        if not sglang_url:
-            raise ValueError("--sampler=sglang needs --sglang_url")
-        return (SGLangSampler(sglang_url, max_context=context, model=decoder,
-                              publish_dir=publish_dir, export_dir=export_dir,
-                              vocab_size=tokenizer.vocab_size), tokenizer, name)
-    raise ValueError(f"--sampler must be 'jax' or 'sglang', got {sampler!r}")
+    from ac2_jax.sampling.sglang import SGLangSampler
+    return (SGLangSampler(sglang_url, max_context=context, model=decoder,
+                          publish_dir=publish_dir, export_dir=export_dir,
+                          vocab_size=tokenizer.vocab_size), tokenizer, name)

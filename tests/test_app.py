@@ -1,0 +1,313 @@
+"""The endpoint over real HTTP with the official `openai` client.
+
+The sampler is the real JaxSampler over a tiny Decoder fitted to a scripted
+3-turn tool conversation (tests/serving_helpers.py), so greedy decoding
+holds the conversation and the recorded traces can be checked token by token.
+"""
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+
+from ac2_jax.models import Decoder
+from ac2_jax.models.params_io import publish_weights
+from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.sampling import Sampler
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.trace import TraceStore
+from serving_helpers import (SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model,
+                             forward_logprobs, scripted_sequence, tiny_config)
+
+ADMIN = "sk-admin-test"
+MAX_CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("app")
+    tok = build_tiny_tokenizer(str(tmp / "tok"))
+    fitted = fit_tiny_model(tok)
+    live = nnx.clone(fitted)  # load_weights writes into the sampler's model
+    # One row count, one cache length, small prefill chunks: few compiles.
+    sampler = JaxSampler(live, publish_dir=str(tmp / "publish"), max_context=MAX_CONTEXT,
+                         max_batch=16, min_batch=16, min_cache_len=MAX_CONTEXT,
+                         prefill_chunk=32, min_prefill_rows=16,
+                         eos_token_ids=tok.stop_token_ids, tokenizer=tok)
+    store = TraceStore(str(tmp / "traces.jsonl"))
+    app = build_app(sampler, tok, admin_key=ADMIN, trace_store=store, model_name="tiny")
+    url, stop = serve_in_thread(app)
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
+    yield dict(tok=tok, model=fitted, sampler=sampler, store=store, url=url, admin=admin,
+               tmp=tmp, app=app)
+    admin.close()
+    stop()
+    sampler.close()
+
+
+def create(env, task_id="task", **kw):
+    r = env["admin"].post("/v1/rollouts", json={"task_id": task_id, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def client_for(info, async_=False):
+    cls = openai.AsyncOpenAI if async_ else openai.OpenAI
+    return cls(base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=300)
+
+
+def run_tool_conversation(client, turns=3, **kw):
+    """The scripted conversation through the openai client; returns the responses."""
+    messages = [SYSTEM, USER]
+    responses = []
+    for _ in range(turns):
+        resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                              temperature=0, max_tokens=64, logprobs=True, **kw)
+        responses.append(resp)
+        msg = resp.choices[0].message
+        messages.append(msg)
+        for call in msg.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": add_tool(call.function.arguments)})
+    return responses, messages
+
+
+def check_episode(env, episode, model=None):
+    """Mask is 1 exactly on sampled tokens; logprobs match a forward pass (fp32, 1e-4)."""
+    tokens, mask = episode["token_ids"], episode["loss_mask"]
+    sampled = [t for c in episode["completions"] for t in c["output_ids"]]
+    assert [t for t, m in zip(tokens, mask) if m] == sampled
+    last = episode["completions"][-1]
+    assert tokens == last["prompt_ids"] + last["output_ids"]
+    lp = np.asarray(episode["sampler_logprobs"])
+    assert np.all(lp[np.asarray(mask) == 0] == 0)
+    ref = forward_logprobs(model or env["model"], tokens)
+    np.testing.assert_allclose(lp[np.asarray(mask) == 1], ref[np.asarray(mask) == 1], atol=1e-4)
+
+
+def test_jax_sampler_is_a_sampler(env):
+    assert isinstance(env["sampler"], Sampler)
+
+
+def test_three_turn_tool_conversation_is_one_episode(env):
+    info = create(env, "calc-1", group_id="g1", metadata={"source": "test"})
+    responses, _ = run_tool_conversation(client_for(info))
+    for resp, (text, result) in zip(responses, TURNS):
+        choice = resp.choices[0]
+        if result is not None:  # a tool call, parsed
+            assert choice.finish_reason == "tool_calls"
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "add" and call.type == "function"
+            assert json.loads(call.function.arguments) == json.loads(
+                text.split("\n")[1])["arguments"]
+        else:
+            assert choice.finish_reason == "stop" and choice.message.content == text
+        assert resp.policy_version == 0 and resp.system_fingerprint == "policy-0"
+
+    status = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
+    assert status["status"] == "running" and status["num_completions"] == 3
+    assert status["num_episodes"] == 1 and status["policy_versions"] == [0]
+    done = env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish",
+                             json={"reward": 1.0, "artifacts": {"answer": "17"}}).json()
+    assert done["status"] == "finished"
+
+    trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+    assert (trace["task_id"], trace["group_id"], trace["reward"]) == ("calc-1", "g1", 1.0)
+    assert trace["metadata"]["artifacts"] == {"answer": "17"}
+    (episode,) = trace["episodes"]
+    assert episode["agent"] == "main" and len(episode["completions"]) == 3
+    check_episode(env, episode)
+    tokens, mask = scripted_sequence(env["tok"])
+    assert episode["token_ids"] == tokens and episode["loss_mask"] == mask
+    # What the client saw is what was recorded.
+    seen = [e.logprob for r in responses for e in r.choices[0].logprobs.content]
+    np.testing.assert_allclose(seen, [x for x, m in zip(episode["sampler_logprobs"], mask) if m])
+    stored = [t for t in env["store"].load() if t.metadata["rollout_id"] == info["rollout_id"]]
+    assert len(stored) == 1 and stored[0].to_dict() == trace
+
+
+def test_rewritten_history_and_other_agents_get_their_own_episodes(env):
+    info = create(env, "calc-2")
+    client = client_for(info)
+    _, messages = run_tool_conversation(client, turns=1)
+    transcript = "\n".join(str(m.get("content") if isinstance(m, dict) else m.content)
+                           for m in messages)
+    client.chat.completions.create(  # the compactor, labelled by header
+        model="tiny", max_tokens=4, temperature=0, extra_headers={"X-Agent": "compactor"},
+        messages=[{"role": "system", "content": "Summarize."},
+                  {"role": "user", "content": transcript}])
+    summary = [SYSTEM, {"role": "user", "content": "3 + 4 = 7 so far. What is 7 + 10?"}]
+    client.chat.completions.create(model="tiny", messages=summary, tools=TOOLS, temperature=0,
+                                   max_tokens=4)
+    client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3, temperature=0,
+                                   user="subagent:calc")
+    client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3, temperature=0,
+                                   metadata={"agent": "subagent:calc"})
+    env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
+    trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+    agents = [e["agent"] for e in trace["episodes"]]
+    assert agents == ["main", "compactor", "main", "subagent:calc", "subagent:calc"]
+    assert [len(e["completions"]) for e in trace["episodes"]] == [1, 1, 1, 1, 1]
+    for episode in trace["episodes"]:
+        check_episode(env, episode)
+
+
+def test_32_concurrent_rollouts_give_32_separate_traces(env):
+    infos = [create(env, f"conc-{i}", group_id="conc") for i in range(32)]
+
+    async def one(i, info):
+        client = client_for(info, async_=True)
+        messages = [{"role": "user", "content": f"task number {i:02d} please"}]
+        for turn in range(2):
+            resp = await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=6, temperature=1.0, seed=100 * i + turn)
+            messages += [resp.choices[0].message, {"role": "user", "content": "go on"}]
+        await client.close()
+
+    async def all_of_them():
+        await asyncio.gather(*(one(i, info) for i, info in enumerate(infos)))
+
+    asyncio.run(all_of_them())
+    before = len(env["store"].load())
+    for i, info in enumerate(infos):
+        r = env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": i})
+        assert r.status_code == 200
+    stored = {t.task_id: t for t in env["store"].load()[before:]}
+    assert sorted(stored) == sorted(f"conc-{i}" for i in range(32))
+    for i, info in enumerate(infos):
+        trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+        assert trace["task_id"] == f"conc-{i}" and trace["reward"] == i
+        (episode,) = trace["episodes"]
+        assert len(episode["completions"]) == 2
+        text = env["tok"].decode(episode["token_ids"])
+        assert f"number {i:02d} " in text
+        assert sum(f"number {j:02d} " in text for j in range(32)) == 1
+        check_episode(env, episode)
+        assert stored[f"conc-{i}"].to_dict() == trace
+
+
+def api_error(response):
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return response.status_code, body["error"]
+
+
+def test_bad_requests_are_4xx_and_change_nothing(env):
+    a, b, c = create(env, "err-a"), create(env, "err-b"), create(env, "err-c")
+    client_a = client_for(a)
+    client_a.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    env["admin"].post(f"/v1/rollouts/{c['rollout_id']}/finish", json={"status": "failed"})
+    admin = env["admin"]
+
+    def snapshot():
+        return ([admin.get(f"/v1/rollouts/{x['rollout_id']}/trace").json() for x in (a, b, c)],
+                len(env["store"].load()), len(env["app"].state.registry))
+
+    before = snapshot()
+    url = env["url"]
+    chat = {"model": "tiny", "messages": [USER], "max_tokens": 2}
+
+    def post(path, key=None, **kw):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url + path, headers=headers, timeout=300, **kw)
+
+    status, err = api_error(post("/v1/chat/completions", json=chat))
+    assert status == 401 and "Missing API key" in err["message"]
+    status, err = api_error(post("/v1/chat/completions", "sk-wrong", json=chat))
+    assert status == 401 and err["code"] == "invalid_api_key"
+    status, err = api_error(post("/v1/chat/completions", c["api_key"], json=chat))
+    assert status == 401 and "no longer works" in err["message"]
+    status, err = api_error(post(f"/v1/rollouts/{a['rollout_id']}/finish", b["api_key"],
+                                 json={"reward": 1.0}))
+    assert status == 403 and a["rollout_id"] in err["message"]
+    status, err = api_error(httpx.get(url + f"/v1/rollouts/{a['rollout_id']}/trace",
+                                      headers={"Authorization": f"Bearer {b['api_key']}"}))
+    assert status == 403
+    status, err = api_error(post("/v1/chat/completions", a["api_key"], content=b'{"model": "ti'))
+    assert status == 400 and err["code"] == "invalid_json" and "Malformed JSON" in err["message"]
+    status, err = api_error(post("/v1/rollouts", a["api_key"], json={"task_id": "x"}))
+    assert status == 403
+    status, err = api_error(post(f"/v1/rollouts/{a['rollout_id']}/finish", ADMIN,
+                                 json={"reward": "high"}))
+    assert status == 400 and err["param"] == "reward"
+    status, err = api_error(post("/v1/rollouts/ro-nope/finish", ADMIN, json={}))
+    assert status == 404
+    status, err = api_error(post(f"/v1/rollouts/{c['rollout_id']}/finish", ADMIN, json={}))
+    assert status == 409
+    status, err = api_error(post("/v1/nowhere", ADMIN, json={}))
+    assert status == 404 and "Unknown route" in err["message"]
+
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:
+        client_a.chat.completions.create(model="gpt-9", messages=[USER])
+    assert e.value.code == "model_not_found"
+    long = [{"role": "user", "content": "word " * MAX_CONTEXT}]
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512") as e:
+        client_a.chat.completions.create(model="tiny", messages=long)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client_a.chat.completions.create(model="tiny", messages=[{"role": "x", "content": "y"}])
+    with pytest.raises(openai.AuthenticationError, match="no longer works"):
+        client_for(c).chat.completions.create(model="tiny", messages=[USER])
+
+    assert snapshot() == before
+    assert admin.get(f"/v1/rollouts/{a['rollout_id']}").json()["num_completions"] == 1
+
+
+def test_streaming_text_completions_and_models(env):
+    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    messages = [SYSTEM, USER]
+    plain = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                           temperature=0, max_tokens=64)
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                            temperature=0, max_tokens=64, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert [tc.function.arguments for tc in calls] == [
+        tc.function.arguments for tc in plain.choices[0].message.tool_calls]
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == [
+        "tool_calls"]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+    prompt = env["tok"].apply_chat_template(messages, tools=TOOLS)
+    text = client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0,
+                                     logprobs=1)
+    assert text.choices[0].text == TURNS[0][0]
+    ids = client.completions.create(model="tiny", prompt=env["tok"].encode(prompt),
+                                    max_tokens=64, temperature=0)
+    assert ids.choices[0].text == TURNS[0][0]
+    n3 = client.chat.completions.create(model="tiny", messages=[USER], n=3, max_tokens=4,
+                                        temperature=1.0, seed=1)
+    assert [c.index for c in n3.choices] == [0, 1, 2]
+
+
+def test_published_weights_give_new_policy_version(env):
+    sampler, tok = env["sampler"], env["tok"]
+    publish_dir = str(env["tmp"] / "publish")
+    info = create(env, "weights")
+    client = client_for(info)
+    first = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3)
+    assert first.policy_version == sampler.policy_version
+    other = Decoder(tiny_config(tok), rngs=nnx.Rngs(42))
+    step = sampler.policy_version + 7
+    publish_weights(other, publish_dir, step)
+    try:
+        assert sampler.load_weights() == step and sampler.policy_version == step
+        second = client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3)
+        assert second.policy_version == step and second.system_fingerprint == f"policy-{step}"
+        env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0})
+        trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+        versions = [c["policy_version"] for e in trace["episodes"] for c in e["completions"]]
+        assert versions == [first.policy_version, step]
+        check_episode(env, trace["episodes"][-1], model=other)  # sampled by the new weights
+        assert trace["metrics"]["policy_versions"] == sorted({first.policy_version, step})
+    finally:  # put the fitted weights back for the other tests
+        publish_weights(env["model"], publish_dir, step + 1)
+        sampler.load_weights()
