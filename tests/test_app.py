@@ -7,6 +7,7 @@ holds the conversation and the recorded traces can be checked token by token.
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
@@ -311,3 +312,18 @@ def test_published_weights_give_new_policy_version(env):
     finally:  # put the fitted weights back for the other tests
         publish_weights(env["model"], publish_dir, step + 1)
         sampler.load_weights()
+
+
+def test_rollout_timeout_finishes_as_timed_out(env):
+    info = create(env, "slow", timeout_s=0.2)
+    client = client_for(info)
+    deadline = time.monotonic() + 60
+    while env["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    status = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
+    assert status["status"] == "timed_out" and status["num_completions"] == 0
+    with pytest.raises(openai.AuthenticationError, match="timed_out"):
+        client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    stored = [t for t in env["store"].load() if t.metadata["rollout_id"] == info["rollout_id"]]
+    assert [t.status for t in stored] == ["timed_out"]
