@@ -22,7 +22,7 @@ from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.trace import TraceStore
+from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.rl import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl_data import BatchConfig
@@ -157,19 +157,20 @@ def test_stale_traces_are_dropped_in_the_loop(served):
     traces = TraceStore(os.path.join(str(served["tmp"] / "run"), "rollouts.jsonl")).load()
     if not traces:
         pytest.skip("needs the rollouts of test_two_step_smoke_and_resume")
-    step1 = [t for t in traces if t.metadata["rl_step"] == 1]
-    for t in step1:  # replay step 1's traces at step 0 of a fresh run...
-        t.metadata["rl_step"] = 0
-    config = RLConfig(steps=1, tasks_per_step=2, attempts_per_task=4,
-                      batch=BatchConfig(seq_len=128, rows=8, max_staleness=0))
-    # ...where the learner is at version 0 and the traces claim version 1: a
-    # trace from the future has lag 0; make them old instead.
-    for t in step1:
-        for e in t.episodes:
-            for c in e.completions:
-                c.policy_version = -2
-    trainer = RLTrainer(_model(served["tok"].vocab_size), ReplayCollector(step1), config,
-                        str(served["tmp"] / "stale"))
-    history = asyncio.run(trainer.run())
-    trainer.close()
-    assert history[0]["dropped_stale"] == len(step1) and history[0]["skipped_update"] == 1.0
+    step0 = [t for t in traces if t.metadata["rl_step"] == 0]  # sampled at version 0
+    # Replay step 0's traces again at step 1, when the learner is at version 1:
+    # lag 1 > max_staleness 0, so the loop must drop them (or down-weight them).
+    replay = step0 + [Trace.from_dict({**t.to_dict(), "metadata": {**t.metadata, "rl_step": 1}})
+                      for t in step0]
+    for stale, check in (("drop", lambda h: h["dropped_stale"] == len(step0)
+                          and h["skipped_update"] == 1.0),
+                         ("downweight", lambda h: h["downweighted"] == len(step0)
+                          and h["skipped_update"] == 0.0)):
+        config = RLConfig(steps=2, tasks_per_step=2, attempts_per_task=4,
+                          batch=BatchConfig(seq_len=128, rows=8, max_staleness=0, stale=stale))
+        trainer = RLTrainer(_model(served["tok"].vocab_size), ReplayCollector(replay), config,
+                            str(served["tmp"] / f"stale_{stale}"))
+        history = asyncio.run(trainer.run())
+        trainer.close()
+        assert history[0]["dropped_stale"] == 0 and history[0]["skipped_update"] == 0.0
+        assert history[1]["staleness_max"] == 1 and check(history[1]), history[1]
