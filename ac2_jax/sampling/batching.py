@@ -9,6 +9,7 @@ part of its prefill (prefix reuse).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 
@@ -41,6 +42,36 @@ class Request:
     gen: list[int] = dataclasses.field(default_factory=list)       # every sampled token
     logprobs: list[float] = dataclasses.field(default_factory=list)
     tops: list | None = None
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    """Counters for tests and benchmarks (read-only for callers)."""
+
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_chunks: int = 0
+    decode_steps: int = 0
+    output_tokens: int = 0
+    max_active: int = 0
+    active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    resizes: int = 0
+    weight_swaps: int = 0
+    decode_s: float = 0.0   # wall time in decode chunks (device call + read back)
+    prefill_s: float = 0.0  # wall time in prefill calls (dispatch until the next sync)
+
+
+def resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
+    """Completes a request's future unless the caller already gave up on it."""
+    try:
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 _FIELDS = {"token": np.int32, "pos": np.int32, "active": np.bool_, "n_out": np.int32,

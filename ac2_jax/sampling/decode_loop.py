@@ -71,11 +71,16 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
                   top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """One token per row [B] from fp32 logits [B, V]; temperature 0 rows take the argmax."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    scaled = jax.lax.cond(needs_filter, filter_logits, lambda x, *_: x, scaled, top_k, top_p)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+
+    def sample(logits):
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+        scaled = jax.lax.cond(needs_filter, filter_logits, lambda x, *_: x, scaled, top_k, top_p)
+        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    # An all-greedy batch skips the noise and the filters.
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, logits)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "n_steps", "n_top"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import queue
 import threading
 import time
@@ -32,28 +31,11 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
 from ac2_jax.sampling.base import SampleResult, SamplingParams, check_prompt, truncate_at_stop
-from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket
+from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
 
 _WAKE = object()
 _STOP = object()
-
-
-@dataclasses.dataclass
-class SamplerStats:
-    """Counters for tests and benchmarks (read-only for callers)."""
-
-    prefill_calls: int = 0
-    prefill_rows: int = 0
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    decode_chunks: int = 0
-    decode_steps: int = 0
-    output_tokens: int = 0
-    max_active: int = 0
-    active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    resizes: int = 0
-    weight_swaps: int = 0
 
 
 class JaxSampler:
@@ -232,14 +214,14 @@ class JaxSampler:
             err = RuntimeError("JaxSampler was closed before this request finished")
             self._fail_running(err)
             for req in self._waiting:
-                _resolve(req, exc=err)
+                resolve(req, exc=err)
             while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(item, Request):
-                    _resolve(item, exc=err)
+                    resolve(item, exc=err)
 
     def _pull(self) -> bool:
         """Moves queued requests to `_waiting`; blocks when idle. False on close."""
@@ -283,7 +265,7 @@ class JaxSampler:
         """Fails every admitted request and drops the cache (it may be half-donated)."""
         t = self._table
         for req in self._admitting + [r for r in t.req if r is not None]:
-            _resolve(req, exc=exc)
+            resolve(req, exc=exc)
         self._admitting = []
         self._table, self._cache, self._S = SlotTable(), None, 0
 
@@ -343,6 +325,7 @@ class JaxSampler:
         b = pow2_bucket(len(jobs), min(self._min_prefill_rows, t.B), t.B)
         longest = max(len(p) - 1 - reuse for _, p, reuse in jobs)
         T = pow2_bucket(longest, min(16, self._prefill_chunk), self._prefill_chunk)
+        t0 = time.perf_counter()
         for start in range(0, longest, T):
             idx = np.full(b, t.B, np.int32)
             tok = np.zeros((b, T), np.int32)
@@ -355,6 +338,8 @@ class JaxSampler:
                     pos[i, :hi - lo] = np.arange(lo, hi)
             self._cache = prefill_rows(self._graphdef, self._state, self._cache, idx, tok, pos)
             self.stats.prefill_calls += 1
+        jax.block_until_ready(self._cache)
+        self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_rows += len(jobs)
         self.stats.prefill_tokens += sum(len(p) - 1 - reuse for _, p, reuse in jobs)
 
@@ -371,10 +356,12 @@ class JaxSampler:
         if S > self._S:
             self._layout(list(range(t.B)), t.B, S)
         want_top = any(t.req[r].params.top_logprobs > 0 for r in active)
+        t0 = time.perf_counter()
         self._cache, rows, out = decode_chunk(
             self._graphdef, self._state, self._cache, t.rows(), np.bool_(want_top),
             n_steps=self._steps, n_top=self._n_top)
         rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
+        self.stats.decode_s += time.perf_counter() - t0
         t.update(rows)
         steps = int((toks >= 0).any(axis=1).sum())
         st = self.stats
@@ -413,15 +400,4 @@ class JaxSampler:
         if still_active and matched is None:
             return
         t.release(row)
-        _resolve(req, result=res)
-
-
-def _resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
-    """Completes a request's future unless the caller already gave up on it."""
-    try:
-        if exc is not None:
-            req.future.set_exception(exc)
-        else:
-            req.future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
+        resolve(req, result=res)
