@@ -9,10 +9,13 @@ from ac2_jax.sampling.base import (
     truncate_at_stop,
 )
 from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
+from ac2_jax.sampling.sglang import SGLangError, SGLangSampler
 
 __all__ = [
     "JaxSampler",
     "SamplerStats",
+    "SGLangError",
+    "SGLangSampler",
     "ContextLengthError",
     "SampleResult",
     "Sampler",

@@ -1,1 +1,15 @@
-"""serving layer."""
+"""Serving: the OpenAI-compatible endpoint and the rollout lifecycle API.
+
+`build_app(sampler, tokenizer, admin_key=...)` makes the FastAPI app (see
+`app` for the routes); `serve_in_thread(app)` runs it on 127.0.0.1 for tests
+and notebooks; `python -m ac2_jax.serving` runs it as a process.
+"""
+
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.errors import APIError
+from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
+from ac2_jax.serving.server import load_policy, serve_in_thread
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+
+__all__ = ["APIError", "Rollout", "RolloutRegistry", "TurnMemory", "build_app",
+           "build_prompt_ids", "load_policy", "serve_in_thread"]
