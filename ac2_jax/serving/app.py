@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -61,19 +62,23 @@ class _Principal:
 def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
               trace_store: TraceStore | str | None = None, model_name: str = "ac2-policy",
               rollout_timeout_s: float | None = None, default_max_tokens: int | None = None,
-              sweep_interval_s: float = 1.0) -> FastAPI:
+              sweep_interval_s: float = 1.0, max_finished_rollouts: int = 10_000) -> FastAPI:
     """The endpoint app. `app.state.registry` holds the rollouts.
 
     trace_store: a TraceStore or a JSONL path; finished traces are appended.
     rollout_timeout_s: default timeout of a rollout (None = none).
     default_max_tokens: used when a request sets no max_tokens (None = the
     rest of the context).
+    sweep_interval_s: how often running rollouts are checked for timeouts.
+    max_finished_rollouts: finished rollouts kept in memory for GET (oldest
+    dropped first; their traces stay in the store).
     """
     if not admin_key:
         raise ValueError("build_app: admin_key must be a non-empty string")
     if isinstance(trace_store, str):
         trace_store = TraceStore(trace_store)
-    registry = RolloutRegistry(trace_store, default_timeout_s=rollout_timeout_s)
+    registry = RolloutRegistry(trace_store, default_timeout_s=rollout_timeout_s,
+                               max_finished=max_finished_rollouts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -183,7 +188,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         memory = principal.rollout.memory if principal.rollout else None
         try:
             prompt_ids, _ = build_prompt_ids(tokenizer, req.messages, req.tools, memory)
-        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
             raise bad_request(f"Could not render the chat template: {e}",
                               param="messages") from None
         results, elapsed = await sample(prompt_ids, req)
