@@ -1,0 +1,76 @@
+"""Host bookkeeping of the JaxSampler's cache rows: buckets, layout, prefix reuse."""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from ac2_jax.sampling import SamplingParams
+from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket, resolve
+
+
+def _req(prompt, **kw):
+    return Request(prompt=list(prompt), params=SamplingParams(**kw),
+                   future=concurrent.futures.Future(), seed=(5 << 32) + 7, stop_ids=(2,),
+                   max_out=kw.get("max_tokens", 8))
+
+
+def test_pow2_bucket():
+    assert [pow2_bucket(n, 1, 16) for n in (1, 2, 3, 5, 16, 40)] == [1, 2, 4, 8, 16, 16]
+    assert pow2_bucket(3, 8, 64) == 8 and pow2_bucket(100, 16, 96) == 96
+
+
+def test_assign_release_and_prefix_reuse():
+    t = SlotTable()
+    t.relayout([], 4)
+    a = _req([10, 11, 12, 13], temperature=0.5)
+    row, reuse = t.pick_row(np.array(a.prompt), set())
+    assert reuse == 0
+    t.assign(row, a)
+    assert t.arr["token"][row] == 13 and t.arr["pos"][row] == 3 and t.arr["active"][row]
+    assert (t.arr["seed_lo"][row], t.arr["seed_hi"][row]) == (7, 5)
+    rows = t.rows()
+    assert rows.stop_ids.shape == (4, 4) and rows.stop_ids[row, 0] == 2
+    # Two tokens generated; the last one was never fed, so 4 + 1 slots hold keys.
+    a.gen = [20, 21]
+    t.arr["pos"][row] = 5
+    assert t.release(row) is a and t.active_rows() == []
+    np.testing.assert_array_equal(t.hist[row], [10, 11, 12, 13, 20])
+    # The next turn extends that sequence: its row and 5 reusable tokens are found.
+    assert t.pick_row(np.array([10, 11, 12, 13, 20, 21, 30]), set()) == (row, 5)
+    # Reuse stops one short of the prompt's end and at the first difference.
+    assert t.pick_row(np.array([10, 11, 12]), set()) == (row, 2)
+    assert t.pick_row(np.array([10, 99, 12, 13]), set())[1] == 1
+    # A taken row is skipped; unused rows are preferred over recently used ones.
+    other, reuse = t.pick_row(np.array([10, 11, 12, 13, 20, 21]), {row})
+    assert other != row and reuse == 0
+    t.clear_history()
+    assert t.pick_row(np.array([10, 11, 12, 13, 20, 21]), set())[1] == 0
+
+
+def test_relayout_moves_rows():
+    t = SlotTable()
+    t.relayout([], 4)
+    reqs = [_req([i + 1, i + 2]) for i in range(4)]
+    for i, r in enumerate(reqs):
+        t.assign(i, r)
+    t.release(1)
+    t.release(2)
+    idx = t.relayout([3, 0], 2)  # compact to the two running rows
+    np.testing.assert_array_equal(idx, [3, 0])
+    assert t.req == [reqs[3], reqs[0]] and t.arr["token"].tolist() == [5, 2]
+    idx = t.relayout([0, 1], 4)  # grow: new rows are empty
+    np.testing.assert_array_equal(idx, [0, 1, 2, 2])
+    assert t.req[2:] == [None, None] and t.free_rows() == [2, 3]
+
+
+def test_resolve_ignores_callers_that_gave_up():
+    r = _req([1, 2])
+    r.future.cancel()
+    resolve(r, result="x")  # no InvalidStateError
+    r = _req([1, 2])
+    resolve(r, exc=ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        r.future.result()
+    with pytest.raises(RuntimeError):
+        SlotTable().pick_row(np.array([1, 2]), set())

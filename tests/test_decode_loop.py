@@ -1,0 +1,61 @@
+"""Sampling pieces of the JaxSampler's decode loop: filters, keys, draws."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ac2_jax.sampling.decode_loop import filter_logits, row_keys, sample_tokens
+
+LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
+
+
+def _filter(logits, top_k, top_p):
+    B = logits.shape[0]
+    return np.asarray(jax.jit(filter_logits)(
+        jnp.asarray(logits), jnp.full((B,), top_k, jnp.int32), jnp.full((B,), top_p)))
+
+
+def test_filter_top_k_and_top_p():
+    x = LOGITS[None]
+    np.testing.assert_array_equal(_filter(x, -1, 1.0), x)  # both off: unchanged
+    kept = lambda f: np.flatnonzero(np.isfinite(f[0])).tolist()  # noqa: E731
+    assert kept(_filter(x, 2, 1.0)) == [0, 1]
+    # Nucleus: the smallest prefix whose mass reaches top_p (0.4 + 0.25 + 0.15 >= 0.7).
+    assert kept(_filter(x, -1, 0.7)) == [0, 1, 2]
+    assert kept(_filter(x, -1, 0.65)) == [0, 1]
+    assert kept(_filter(x, -1, 0.01)) == [0]
+    assert kept(_filter(x, 2, 0.9)) == [0, 1]  # top-k first, then top-p within it
+    # Order in the vocabulary does not matter.
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    assert kept(_filter(x[:, perm], -1, 0.7)) == sorted(np.flatnonzero(np.isin(perm, [0, 1, 2])))
+
+
+def test_keys_depend_only_on_seed_and_index():
+    k1 = row_keys(jnp.array([1, 2], jnp.uint32), jnp.array([0, 0], jnp.uint32), jnp.array([5, 5]))
+    k2 = row_keys(jnp.array([2], jnp.uint32), jnp.array([0], jnp.uint32), jnp.array([5]))
+    np.testing.assert_array_equal(jax.random.key_data(k1[1]), jax.random.key_data(k2[0]))
+    assert not np.array_equal(jax.random.key_data(k1[0]), jax.random.key_data(k1[1]))
+
+
+def test_sample_frequencies_follow_the_filtered_distribution():
+    n = 20000
+    logits = jnp.tile(jnp.asarray(LOGITS), (n, 1))
+    keys = row_keys(jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.int32))
+    draw = jax.jit(sample_tokens)
+
+    def freq(temperature, top_k, top_p):
+        t = draw(logits, keys, jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
+                 jnp.full((n,), top_p))
+        return np.bincount(np.asarray(t), minlength=6) / n
+
+    p = np.exp(LOGITS)
+    np.testing.assert_allclose(freq(1.0, -1, 1.0), p, atol=0.015)
+    nucleus = np.where(np.arange(6) < 3, p, 0) / p[:3].sum()
+    np.testing.assert_allclose(freq(1.0, -1, 0.7), nucleus, atol=0.015)
+    hot = p ** 2 / (p ** 2).sum()  # temperature 0.5 squares the probabilities
+    np.testing.assert_allclose(freq(0.5, -1, 1.0), hot, atol=0.015)
+    np.testing.assert_array_equal(freq(0.0, -1, 1.0), np.eye(6)[0])  # greedy
+    # A greedy row stays greedy when it shares the batch with sampled rows.
+    mixed = draw(logits[:4], keys[:4], jnp.array([0.0, 1.0, 0.0, 1.0]),
+                 jnp.full((4,), -1, jnp.int32), jnp.ones(4))
+    assert int(mixed[0]) == int(mixed[2]) == 0
