@@ -150,11 +150,13 @@ def test_rewritten_history_and_other_agents_get_their_own_episodes(env):
                                    user="subagent:calc")
     client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3, temperature=0,
                                    metadata={"agent": "subagent:calc"})
+    client.completions.create(model="tiny", prompt="3 + 4 =", max_tokens=2, temperature=0,
+                              extra_headers={"X-Agent": "raw"})
     env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
     trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
     agents = [e["agent"] for e in trace["episodes"]]
-    assert agents == ["main", "compactor", "main", "subagent:calc", "subagent:calc"]
-    assert [len(e["completions"]) for e in trace["episodes"]] == [1, 1, 1, 1, 1]
+    assert agents == ["main", "compactor", "main", "subagent:calc", "subagent:calc", "raw"]
+    assert [len(e["completions"]) for e in trace["episodes"]] == [1] * 6
     for episode in trace["episodes"]:
         check_episode(env, episode)
 
