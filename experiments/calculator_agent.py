@@ -1,0 +1,190 @@
+"""The main job, end to end: SFT warm start -> eval -> task-level RL -> eval -> report.
+
+Every rollout goes through the production path: an OpenAI client with a
+rollout key -> the endpoint (FastAPI, real HTTP on 127.0.0.1) -> the
+embedded JaxSampler; the learner publishes Orbax weights after each update
+and the sampler reloads them. `run(config)` returns the report dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import time
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ac2_jax.envs import CalculatorEnv, demonstration
+from ac2_jax.evals import evaluate, paired_difference
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.hf_io import save_hf_checkpoint
+from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.segments import task_names  # noqa: F401  (re-exported for notebooks)
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.trace import TraceStore
+from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, SFTConfig, run_sft
+from ac2_jax.training.demos import demo_segment
+from ac2_jax.training.metrics_log import MetricsLogger, read_metrics
+from ac2_jax.training.rl import EndpointCollector, RLConfig, RLTrainer
+from ac2_jax.training.rl_data import BatchConfig
+from ac2_jax.viz import plot_curves, write_trace_html
+
+MODEL_NAME = "ac2-calculator"
+
+
+def build_env(cfg) -> CalculatorEnv:
+    return CalculatorEnv(num_range=(cfg.env.num_low, cfg.env.num_high))
+
+
+def build_tokenizer(cfg, path: str, env: CalculatorEnv):
+    rng = random.Random(cfg.seed)
+    tools = [t.spec() for t in env.tools]
+    corpus = []
+    for task in env.sample_tasks(200, seed=cfg.seed + 7, split="train"):
+        msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
+        corpus.append(_render_for_corpus(msgs, tools))
+    return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
+                                individual_digits=True)
+
+
+def _render_for_corpus(msgs, tools) -> str:
+    return "\n".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "")
+                     for m in msgs) + json.dumps(tools)
+
+
+def build_model(cfg, vocab_size: int) -> Decoder:
+    m = cfg.model
+    config = DecoderConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                           intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                           head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
+                           tie_embeddings=True, dtype=jnp.float32)
+    return Decoder(config, rngs=nnx.Rngs(cfg.seed))
+
+
+def sft_warm_start(cfg, model, tokenizer, env, log=print):
+    rng = random.Random(cfg.seed)
+    tools = [t.spec() for t in env.tools]
+    tasks = env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed, split="train")
+    segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.sft.skip_tool_prob),
+                             tools, task=t.task_id) for t in tasks]
+    sft_cfg = SFTConfig(seq_len=cfg.sft.seq_len, batch_rows=cfg.sft.batch_rows,
+                        steps=cfg.sft.steps, seed=cfg.seed, mode="token_mean",
+                        layout=cfg.sft.layout)
+    opt = OptimizerConfig(learning_rate=cfg.sft.learning_rate,
+                          warmup_steps=min(cfg.sft.warmup_steps, cfg.sft.steps - 1),
+                          schedule="cosine", total_steps=cfg.sft.steps)
+    every = max(1, cfg.sft.steps // 10)
+    result = run_sft(model, segments, sft_cfg, opt,
+                     log=lambda i, m: log(f"sft step {i}: loss={m['loss']:.4f}")
+                     if i % every == 0 else None)
+    return result.model(), result.history
+
+
+def orchestrator_factory(cfg_sampling: dict, max_steps: int):
+    def make(env, task, client, model_name):
+        return DefaultOrchestrator(env, task, client, model_name, max_steps=max_steps,
+                                   sampling=dict(cfg_sampling))
+    return make
+
+
+async def _pipeline(cfg, log=print) -> dict:
+    t_start = time.perf_counter()
+    workdir = os.path.abspath(cfg.workdir)
+    report_dir = os.path.join(workdir, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    env = build_env(cfg)
+    tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), env)
+    model = build_model(cfg, tokenizer.vocab_size)
+    log(f"model: {sum(x.size for x in __import__('jax').tree.leaves(nnx.state(model, nnx.Param)))} "
+        f"params, vocab {tokenizer.vocab_size}")
+
+    t0 = time.perf_counter()
+    model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log)
+    t_sft = time.perf_counter() - t0
+
+    rl_dir = os.path.join(workdir, "rl")
+    eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+    sampler = JaxSampler(model, publish_dir=os.path.join(rl_dir, "published"),
+                         max_context=cfg.model.max_position_embeddings,
+                         max_batch=cfg.rl.concurrency, eos_token_ids=eos, tokenizer=tokenizer,
+                         seed=cfg.seed)
+    admin_key = secrets.token_hex(16)
+    app = build_app(sampler, tokenizer, admin_key=admin_key, model_name=MODEL_NAME,
+                    trace_store=os.path.join(workdir, "served_traces.jsonl"))
+    base_url, stop = serve_in_thread(app)
+    lifecycle = LifecycleClient(base_url, admin_key)
+    try:
+        eval_tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
+        eval_make = orchestrator_factory({"temperature": cfg.eval.temperature,
+                                          "max_tokens": cfg.rl.max_tokens}, cfg.rl.max_steps)
+        t0 = time.perf_counter()
+        before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
+                                concurrency=cfg.eval.concurrency)
+        t_eval = time.perf_counter() - t0
+        log(f"before RL (SFT): pass rate {before.pass_rate}")
+
+        rl = cfg.rl
+        store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
+        collector = EndpointCollector(
+            lifecycle, env, orchestrator_factory({"temperature": rl.temperature,
+                                                  "max_tokens": rl.max_tokens}, rl.max_steps),
+            MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
+            attempts_per_task=rl.attempts_per_task, seed=cfg.seed, concurrency=rl.concurrency)
+        rl_config = RLConfig(
+            steps=rl.steps, tasks_per_step=rl.tasks_per_step, attempts_per_task=rl.attempts_per_task,
+            mode=rl.mode, seed=cfg.seed, concurrency=rl.concurrency,
+            batch=BatchConfig(seq_len=rl.seq_len, rows=rl.rows, layout=rl.layout,
+                              normalize_std=rl.normalize_std, max_staleness=rl.max_staleness),
+            loss=PolicyGradientLoss(mode=rl.aggregate, clip_eps=rl.clip_eps, tis_cap=rl.tis_cap),
+            optimizer=OptimizerConfig(learning_rate=rl.learning_rate))
+        trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,
+                            logger=MetricsLogger(os.path.join(report_dir, "metrics")))
+        t0 = time.perf_counter()
+        history = await trainer.run()
+        t_rl = time.perf_counter() - t0
+
+        after = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="rl",
+                               concurrency=cfg.eval.concurrency)
+        log(f"after RL: pass rate {after.pass_rate}")
+        final_model = trainer.model()
+        trainer.close()
+    finally:
+        await lifecycle.aclose()
+        stop()
+        sampler.close()
+
+    diff = paired_difference(after.rewards, before.rewards)
+    save_hf_checkpoint(final_model, os.path.join(report_dir, "final_hf"))
+    tokenizer.save_pretrained(os.path.join(report_dir, "final_hf"))
+    metrics_path = os.path.join(report_dir, "metrics", "metrics.jsonl")
+    logged = set().union(*(r.keys() for r in read_metrics(metrics_path)))
+    plot_curves(metrics_path, os.path.join(report_dir, "learning_curve.png"),
+                keys=[k for k in ("reward_mean", "pass_rate", "loss") if k in logged])
+    samples = [t for t in store.read(on_error="skip")][-cfg.report.num_sample_traces:]
+    for i, tr in enumerate(samples):
+        write_trace_html(os.path.join(report_dir, f"trace_{i}.html"), tr, tokenizer=tokenizer)
+    report = {
+        "sft_pass_rate": before.to_dict(), "rl_pass_rate": after.to_dict(),
+        "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high],
+                        "excludes_zero": diff.excludes_zero()},
+        "rl_steps": len(history), "times_s": {"sft": t_sft, "eval": t_eval, "rl": t_rl,
+                                              "total": time.perf_counter() - t_start},
+        "orbax_checkpoints": os.path.join(rl_dir, "checkpoints"),
+        "hf_export": os.path.join(report_dir, "final_hf"),
+        "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,
+    }
+    with open(os.path.join(report_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def run(cfg, log=print) -> dict:
+    return asyncio.run(_pipeline(cfg, log))

@@ -1,0 +1,28 @@
+"""Train an agent with task-level RL (the main job).
+
+    python experiments/train_agent.py --config=experiments/configs/calculator.py \
+        --config.rl.learning_rate=5e-4 --config.workdir=runs/calc
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import calculator_agent  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/calculator.py")
+
+
+def main(argv):
+    del argv
+    report = calculator_agent.run(_CONFIG.value)
+    print(json.dumps(report, indent=2))
+    print(f"report: {_CONFIG.value.workdir}/report")
+
+
+if __name__ == "__main__":
+    app.run(main)
