@@ -378,26 +378,26 @@ class JaxSampler:
             st.output_tokens += len(new)
             k = req.params.top_logprobs
             if k:
-                req.tops = (req.tops or []) + [
-                    list(zip(i.tolist(), lp.tolist())) for i, lp in zip(tids[got, r, :k],
-                                                                        tlps[got, r, :k])]
+                req.tops = req.tops or []
+                req.tops.extend(list(zip(i.tolist(), lp.tolist()))
+                                for i, lp in zip(tids[got, r, :k], tlps[got, r, :k]))
             self._maybe_finish(r, bool(t.arr["active"][r]))
 
     def _maybe_finish(self, row: int, still_active: bool) -> None:
         t = self._table
         req = t.req[row]
-        check_stop = bool(req.params.stop) and self._tokenizer is not None and bool(req.gen)
-        if still_active and not check_stop:
+        stop = req.params.stop if self._tokenizer is not None and req.gen else ()
+        if stop and still_active:
+            text = self._tokenizer.decode(req.gen)
+            stop = tuple(x for x in stop if x in text)
+        if still_active and not stop:
             return
         res = SampleResult(
             output_ids=list(req.gen), output_logprobs=list(req.logprobs),
             finish_reason="stop" if req.gen and req.gen[-1] in req.stop_ids else "length",
             policy_version=req.version, cached_tokens=req.cached,
             top_logprobs=None if req.tops is None else list(req.tops))
-        matched = None
-        if check_stop:
-            res, matched = truncate_at_stop(res, req.params.stop, self._tokenizer.decode)
-        if still_active and matched is None:
-            return
+        if stop:
+            res, _ = truncate_at_stop(res, stop, self._tokenizer.decode)
         t.release(row)
         resolve(req, result=res)
