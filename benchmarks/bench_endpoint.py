@@ -1,0 +1,229 @@
+"""Endpoint overhead: openai client -> FastAPI (127.0.0.1) -> JaxSampler vs a direct
+`await sampler.generate(...)`, same tiny model, prompt and greedy params, one run.
+
+Latency: one request at a time, HTTP and direct calls interleaved (so machine
+load hits both alike); p50 / p99 of each and of the paired difference
+(HTTP minus the direct call next to it). Two HTTP rows: the admin key (nothing
+recorded) and a rollout key (each completion recorded into the rollout's
+trace, as in RL). Throughput: C concurrent clients (asyncio tasks; HTTP: one
+AsyncOpenAI client and one rollout per task), each sending requests back to
+back; requests/s and output tokens/s. The server runs in a thread of this
+process (`serve_in_thread`), so client, server and sampler share the CPUs.
+
+    python -m benchmarks.bench_endpoint --out bench_results/endpoint.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import httpx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import openai  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
+from ac2_jax.models.tokenizer import build_tiny_tokenizer  # noqa: E402
+from ac2_jax.sampling import SamplingParams  # noqa: E402
+from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from ac2_jax.serving.app import build_app  # noqa: E402
+from ac2_jax.serving.server import serve_in_thread  # noqa: E402
+from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402
+from benchmarks.common import parser, print_table, write_json  # noqa: E402
+
+ADMIN = "sk-bench-admin"
+MODEL = "tiny"
+MESSAGES = [{"role": "system", "content": "You are a calculator agent."},
+            {"role": "user", "content": "What is 3 + 4 + 10?"}]
+
+
+_COMPILES = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _d, **_kw: _COMPILES.__setitem__(0, _COMPILES[0] + (
+        event == "/jax/core/compile/backend_compile_duration")))
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, np.float64), q))
+
+
+def build(max_tokens: int, max_batch: int, tmp: str):
+    """Tokenizer, sampler and the prompt ids / params the endpoint will also use.
+
+    Tries model seeds until greedy decoding runs the full max_tokens without a
+    stop token, so every request outputs exactly max_tokens tokens."""
+    tok = build_tiny_tokenizer(os.path.join(tmp, "tok"))
+    prompt_ids, _ = build_prompt_ids(tok, MESSAGES)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            stop_token_ids=tok.stop_token_ids)
+    for seed in range(20):
+        cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                                 num_heads=4, num_kv_heads=2, head_dim=16,
+                                 max_position_embeddings=256)
+        small = min(8, max_batch)  # row buckets 8..max_batch: fewer shapes to compile
+        sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(seed)), max_context=256,
+                             max_batch=max_batch, min_batch=small, min_prefill_rows=small,
+                             min_cache_len=256, max_top_logprobs=0,
+                             eos_token_ids=tok.stop_token_ids, tokenizer=tok)
+        out = asyncio.run(sampler.generate(prompt_ids, params))
+        if len(out.output_ids) == max_tokens:
+            return tok, sampler, prompt_ids, params, seed
+        sampler.close()
+    raise RuntimeError("no model seed in 0..19 decodes max_tokens tokens without a stop token")
+
+
+class Bench:
+    def __init__(self, url: str, sampler: JaxSampler, prompt_ids, params, max_tokens: int):
+        self.url, self.sampler = url, sampler
+        self.prompt_ids, self.params, self.max_tokens = prompt_ids, params, max_tokens
+        self.admin_http = httpx.AsyncClient(base_url=url, timeout=600,
+                                            headers={"Authorization": f"Bearer {ADMIN}"})
+
+    async def rollout_client(self, task_id: str) -> openai.AsyncOpenAI:
+        r = await self.admin_http.post("/v1/rollouts", json={"task_id": task_id})
+        r.raise_for_status()
+        info = r.json()
+        return openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                                  max_retries=0, timeout=600)
+
+    def admin_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=ADMIN, max_retries=0,
+                                  timeout=600)
+
+    async def direct(self) -> int:
+        r = await self.sampler.generate(self.prompt_ids, self.params)
+        return len(r.output_ids)
+
+    async def http(self, client: openai.AsyncOpenAI) -> int:
+        resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                    temperature=0, max_tokens=self.max_tokens)
+        return resp.usage.completion_tokens
+
+    async def latency(self, n: int) -> dict[str, list[float]]:
+        """n rounds of (direct, http admin, http rollout), in rotating order."""
+        admin, rollout = self.admin_client(), await self.rollout_client("latency")
+        calls = {"direct": self.direct, "http_admin": lambda: self.http(admin),
+                 "http_rollout": lambda: self.http(rollout)}
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        names = list(calls)
+        for i in range(n):
+            for name in names[i % 3:] + names[:i % 3]:
+                t0 = time.perf_counter()
+                got = await calls[name]()
+                times[name].append(time.perf_counter() - t0)
+                if got != self.max_tokens:
+                    raise RuntimeError(f"{name} returned {got} tokens, expected {self.max_tokens}")
+        await admin.close()
+        await rollout.close()
+        return times
+
+    async def throughput(self, kind: str, clients: int, per_client: int) -> dict:
+        if kind == "direct":
+            fns = [self.direct] * clients
+            closers = []
+        else:
+            cs = await asyncio.gather(*(self.rollout_client(f"tp-{clients}-{i}")
+                                        for i in range(clients)))
+            fns = [(lambda c=c: self.http(c)) for c in cs]
+            closers = cs
+
+        async def worker(fn):
+            return sum([await fn() for _ in range(per_client)])
+
+        c0, t0 = _COMPILES[0], time.perf_counter()
+        tokens = sum(await asyncio.gather(*(worker(f) for f in fns)))
+        wall = time.perf_counter() - t0
+        for c in closers:
+            await c.close()
+        n = clients * per_client
+        return {"impl": kind, "clients": clients, "requests": n, "wall_s": wall,
+                "req_per_s": n / wall, "out_tok_per_s": tokens / wall,
+                "compiles": _COMPILES[0] - c0}
+
+
+def summarize(times: dict[str, list[float]]) -> list[dict]:
+    rows = []
+    d = times["direct"]
+    for name, xs in times.items():
+        row = {"impl": name, "n": len(xs), "p50_ms": 1e3 * pct(xs, 50), "p99_ms": 1e3 * pct(xs, 99),
+               "mean_ms": 1e3 * statistics.mean(xs)}
+        if name != "direct":
+            diff = [a - b for a, b in zip(xs, d)]
+            row.update(diff_p50_ms=1e3 * pct(diff, 50), diff_p99_ms=1e3 * pct(diff, 99))
+        rows.append(row)
+    return rows
+
+
+async def warm(fn, rounds: int = 8) -> None:
+    for _ in range(rounds):
+        c0 = _COMPILES[0]
+        await fn()
+        if _COMPILES[0] == c0:
+            return
+
+
+async def run(args, url, sampler, prompt_ids, params) -> tuple[list[dict], list[dict]]:
+    b = Bench(url, sampler, prompt_ids, params, args.max_tokens)
+    clients = [int(c) for c in args.clients.split(",")]
+    # Warm-up: repeat each setting until a round compiles nothing new (arrival
+    # order decides the row / prefill shapes, so one round does not cover them).
+    await warm(lambda: b.latency(3))
+    for c in clients:
+        for kind in ("direct", "http"):
+            await warm(lambda: b.throughput(kind, c, max(1, args.throughput_requests // c // 2)))
+    c0 = _COMPILES[0]
+    lat = summarize(await b.latency(args.latency_requests))
+    print(f"compiles during the latency rounds: {_COMPILES[0] - c0}")
+    tp = []
+    for c in clients:
+        per = max(1, args.throughput_requests // c)
+        for kind in ("direct", "http"):
+            tp.append(await b.throughput(kind, c, per))
+            print(tp[-1], flush=True)
+    await b.admin_http.aclose()
+    return lat, tp
+
+
+def main(argv=None):
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--max_tokens", type=int, default=16)
+    p.add_argument("--latency_requests", type=int, default=150,
+                   help="sequential rounds (each: one direct, one admin HTTP, one rollout HTTP)")
+    p.add_argument("--clients", default="1,8,32,64")
+    p.add_argument("--throughput_requests", type=int, default=256,
+                   help="requests per throughput row (split over the clients)")
+    args = p.parse_args(argv)
+    max_batch = max(int(c) for c in args.clients.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench_endpoint_") as tmp:
+        tok, sampler, prompt_ids, params, seed = build(args.max_tokens, max_batch, tmp)
+        app = build_app(sampler, tok, admin_key=ADMIN, model_name=MODEL)
+        url, stop = serve_in_thread(app)
+        try:
+            lat, tp = asyncio.run(run(args, url, sampler, prompt_ids, params))
+        finally:
+            stop()
+            sampler.close()
+    load = os.getloadavg()
+    print(f"\ntiny model (hidden 64, 2 layers, vocab {tok.vocab_size}, seed {seed}), prompt "
+          f"{len(prompt_ids)} tokens, greedy, max_tokens {args.max_tokens}; cpus {os.cpu_count()}, "
+          f"load average {load[0]:.1f}")
+    print("\nlatency, one request at a time (diff = HTTP minus the paired direct call)")
+    print_table(lat, ["impl", "n", "p50_ms", "p99_ms", "mean_ms", "diff_p50_ms", "diff_p99_ms"])
+    print("\nthroughput, C concurrent clients")
+    print_table(tp, ["impl", "clients", "requests", "wall_s", "req_per_s", "out_tok_per_s",
+                     "compiles"])
+    write_json(args.out, {"benchmark": "endpoint", "config": vars(args), "model_seed": seed,
+                          "prompt_tokens": len(prompt_ids), "load_average": load,
+                          "latency": lat, "throughput": tp})
+    return lat, tp
+
+
+if __name__ == "__main__":
+    main()
