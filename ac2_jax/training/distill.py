@@ -1,0 +1,266 @@
+"""Self-distillation training: OPSD, RMSD and the SFT-on-hinted-outputs baseline.
+
+One update on a list of `DistillExample`s (see `distill_data`):
+
+1. `pack_pairs` lays student (prompt ++ y) and teacher (prompt + hint ++ y)
+   sequences out with the same rows and segments.
+2. A jitted teacher forward (teacher params, gradient stopped) gathers the
+   teacher logits at the response positions into the student layout:
+   `extras["teacher_logits"]` [R, L, V].
+3. RMSD only: a student forward gives the per-position divergence; the
+   candidates (top-T per example and/or >= threshold) go to the judge, and
+   the batch's loss_mask becomes `relevance_mask` (candidates ∩ selections).
+4. `make_train_step(DistillLoss)` takes the step: `distill_loss` per
+   position, token-weighted over the kept positions (task_mean by default).
+
+Teacher weights: "live" (the current params), "fixed" (a copy of the
+initial params) or "ema" (updated after every step:
+`ema <- decay * ema + (1 - decay) * params`).
+Method "sft" instead trains the student (no hint) on the examples'
+responses with plain SFT: the baseline with teacher-sampled responses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ac2_jax.envs.judges import Judge, JudgeExample
+from ac2_jax.losses import (DISTILL_KINDS, MODES, candidate_mask, distill_loss, ranked_positions,
+                            relevance_mask, reverse_kl, token_logprobs)
+from ac2_jax.segments import pack_segments
+from ac2_jax.segments.packing import capacity
+from ac2_jax.training.distill_data import DistillExample, PairedBatch, pack_pairs, sft_segments
+from ac2_jax.training.objectives import SFTLoss
+from ac2_jax.training.train_step import TrainStep, forward, make_train_step
+
+METHODS = ("opsd", "rmsd", "sft")
+TEACHERS = ("live", "fixed", "ema")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLoss:
+    """LossFn: `distill_loss(logits, extras['teacher_logits'], targets)` per position.
+
+    extras["teacher_logits"]: [R, L, V] aligned with the batch (teacher
+    prediction of targets[r, p] at [r, p]). Metrics: kl (reverse KL,
+    student || teacher), student_logp, teacher_logp of the targets.
+    """
+
+    kind: str = "reverse_kl"
+    beta: float = 0.5
+    top_k: int | None = None
+    temperature: float = 1.0
+    mode: str = "task_mean"
+    normalizer: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in DISTILL_KINDS:
+            raise ValueError(f"DistillLoss.kind must be one of {DISTILL_KINDS}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
+
+    def __call__(self, logits, batch, extras=None):
+        if not extras or "teacher_logits" not in extras:
+            raise ValueError("DistillLoss needs extras={'teacher_logits': [rows, seq_len, vocab]}")
+        teacher = jax.lax.stop_gradient(extras["teacher_logits"])
+        m = batch.loss_mask.astype(jnp.float32)
+        per_token = distill_loss(logits, teacher, batch.targets, kind=self.kind, beta=self.beta,
+                                 top_k=self.top_k, temperature=self.temperature, mask=m)
+        s = jax.lax.stop_gradient(logits)
+        sums = {"kl": (reverse_kl(s, teacher) * m).sum(),
+                "student_logp": (token_logprobs(s, batch.targets) * m).sum(),
+                "teacher_logp": (token_logprobs(teacher, batch.targets) * m).sum()}
+        return per_token, sums
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def teacher_logits(graphdef, params, rest, teacher_batch, teacher_index) -> jax.Array:
+    """Teacher logits gathered into the student layout: [R, L, V], gradient stopped."""
+    logits = forward(graphdef, params, rest, teacher_batch)
+    return jax.lax.stop_gradient(jnp.take_along_axis(logits, teacher_index[..., None], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kind", "beta", "top_k", "temperature"))
+def divergence(graphdef, params, rest, student_batch, t_logits, *, kind="reverse_kl", beta=0.5,
+               top_k=None, temperature=1.0) -> jax.Array:
+    """Per-position teacher-student divergence [R, L] (0 off the loss mask)."""
+    s = forward(graphdef, params, rest, student_batch)
+    if kind == "sampled":  # rank by |log p_t(y) - log p_s(y)|
+        d = jnp.abs(token_logprobs(t_logits, student_batch.targets)
+                    - token_logprobs(s, student_batch.targets))
+        return jnp.where(student_batch.loss_mask > 0, d, 0.0)
+    return distill_loss(s, t_logits, student_batch.targets, kind=kind, beta=beta, top_k=top_k,
+                        temperature=temperature, mask=student_batch.loss_mask)
+
+
+@jax.jit
+def _ema(ema, params, decay):
+    return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Method and loss knobs. top_t / threshold pick RMSD candidates (per example).
+
+    Batches are packed into at least `rows` rows of `seq_len`; `groups` is the
+    least static task/segment capacity (batches of up to that many examples
+    reuse one compiled step). skip_empty: no optimizer step when RMSD keeps
+    no position (zero gradient, but Adam's moments would still move params).
+    """
+
+    method: str = "opsd"
+    kind: str = "reverse_kl"
+    beta: float = 0.5
+    top_k: int | None = None
+    temperature: float = 1.0
+    mode: str = "task_mean"
+    teacher: str = "live"
+    ema_decay: float = 0.99
+    top_t: int | None = 4
+    threshold: float | None = None
+    seq_len: int = 256
+    rows: int = 1
+    groups: int = 8
+    skip_empty: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"DistillConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"DistillConfig.teacher must be one of {TEACHERS}, "
+                             f"got {self.teacher!r}")
+        if not 0.0 <= self.ema_decay <= 1.0:
+            raise ValueError(f"DistillConfig.ema_decay must be in [0, 1], got {self.ema_decay}")
+        DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode)
+
+    def loss(self) -> DistillLoss:
+        return DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode)
+
+
+@dataclasses.dataclass
+class Relevance:
+    """What RMSD kept in one update, per example (response positions)."""
+
+    divergence: list[np.ndarray]
+    candidates: list[list[int]]
+    selected: list[list[int]]
+    teacher_argmax: list[np.ndarray]
+
+
+class SelfDistiller:
+    """Holds the train state and the teacher; `update(examples)` takes one step.
+
+    graphdef/state from `create_train_state`. judge: needed for method
+    "rmsd" (with a tokenizer to show it text). mode "jit" (optionally with a
+    mesh); the teacher forward is a separate jitted call before the step.
+    """
+
+    def __init__(self, graphdef, state, config: DistillConfig, optimizer, *,
+                 judge: Judge | None = None, tokenizer=None, mesh=None, donate: bool = True,
+                 step_fn: TrainStep | None = None):
+        if config.method == "rmsd" and (judge is None or tokenizer is None):
+            raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
+        self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
+        loss = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
+        if step_fn is None:
+            step_fn = make_train_step(graphdef, loss, optimizer, mode="jit", mesh=mesh,
+                                      donate=donate)
+        elif step_fn.loss_fn != loss or step_fn.mode != "jit":
+            raise ValueError(f"SelfDistiller: step_fn has loss {step_fn.loss_fn} (mode "
+                             f"{step_fn.mode!r}); this config needs {loss} under jit")
+        self.step_fn = step_fn  # reuse one across runs to compile once
+        if mesh is None:  # commit to one device: same placement every run, no recompiles
+            state = jax.device_put(state, jax.local_devices()[0])
+        self.state = self.step_fn.place(state)
+        # A copy (new buffers, same placement as the state) survives the step's donation.
+        self.teacher_params = (jax.tree.map(jnp.copy, self.state.params)
+                               if config.teacher != "live" else None)
+        self.last_relevance: Relevance | None = None
+
+    # -- teacher
+
+    def current_teacher_params(self):
+        return self.state.params if self.config.teacher == "live" else self.teacher_params
+
+    def teacher_logits(self, paired: PairedBatch) -> jax.Array:
+        return teacher_logits(self.graphdef, self.current_teacher_params(), self.state.rest,
+                              paired.teacher, paired.teacher_index)
+
+    # -- RMSD
+
+    def _judge_mask(self, paired: PairedBatch, div, cand, t_logits) -> tuple[np.ndarray, Relevance]:
+        div, cand = np.asarray(div), np.asarray(cand)
+        tmax = np.asarray(jnp.argmax(t_logits, axis=-1))
+        jm = np.zeros(div.shape, np.float32)
+        rel = Relevance([], [], [], [])
+        tok = self.tokenizer
+        for i, e in enumerate(paired.examples):
+            r, c, _, n = paired.spans[i]
+            d, cm, tm = div[r, c:c + n], cand[r, c:c + n], tmax[r, c:c + n]
+            ranked = ranked_positions(cm, d)
+            picked = []
+            if ranked:
+                ex = JudgeExample(
+                    prompt=tok.decode(e.student_prompt), response=tok.decode(e.response),
+                    response_tokens=[tok.decode([t]) for t in e.response], hint=e.hint,
+                    candidates=ranked, teacher_tokens=[tok.decode([int(t)]) for t in tm])
+                picked = [p for p in self.judge.select(ex) if p in set(ranked)]
+            jm[r, [c + p for p in picked]] = 1.0
+            rel.divergence.append(d)
+            rel.candidates.append(ranked)
+            rel.selected.append(picked)
+            rel.teacher_argmax.append(tm)
+        return jm, rel
+
+    def relevance(self, paired: PairedBatch, t_logits) -> tuple[np.ndarray, Relevance]:
+        """(kept mask [R, L], per-example details) at the current student params."""
+        cfg, b = self.config, paired.student
+        div = divergence(self.graphdef, self.state.params, self.state.rest, b, t_logits,
+                         kind=cfg.kind, beta=cfg.beta, top_k=cfg.top_k,
+                         temperature=cfg.temperature)
+        cand = candidate_mask(div, b.loss_mask, cfg.top_t, cfg.threshold, b.segment_ids)
+        jm, rel = self._judge_mask(paired, div, cand, t_logits)
+        kept = relevance_mask(div, b.loss_mask, jm, cfg.top_t, cfg.threshold, b.segment_ids)
+        return np.asarray(kept), rel
+
+    # -- one update
+
+    def prepare(self, examples: Sequence[DistillExample]):
+        """(batch, extras) for the step; for "sft" extras is None."""
+        cfg = self.config
+        if cfg.method == "sft":
+            b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
+            cap = capacity(cfg.groups)
+            return b.replace(num_tasks=max(b.num_tasks, cap),
+                             num_segments=max(b.num_segments, cap)), None
+        paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
+        t_logits = self.teacher_logits(paired)
+        batch = paired.student
+        self.last_relevance = None
+        if cfg.method == "rmsd":
+            kept, self.last_relevance = self.relevance(paired, t_logits)
+            batch = batch.replace(loss_mask=kept)
+        return batch, {"teacher_logits": t_logits}
+
+    def update(self, examples: Sequence[DistillExample]) -> dict[str, float]:
+        """One optimizer step on `examples` (skipped when no position is kept)."""
+        if not examples:
+            return {"skipped": 1.0, "kept_tokens": 0.0}
+        batch, extras = self.prepare(examples)
+        kept = float(np.asarray(batch.loss_mask).astype(bool).sum())
+        if kept == 0 and self.config.skip_empty:
+            return {"skipped": 1.0, "kept_tokens": 0.0}
+        self.state, metrics = self.step_fn(self.state, batch, extras)
+        if self.config.teacher == "ema":
+            self.teacher_params = _ema(self.teacher_params, self.state.params,
+                                       jnp.float32(self.config.ema_decay))
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out.update(skipped=0.0, kept_tokens=kept,
+                   response_tokens=float(sum(len(e.response) for e in examples)))
+        return out

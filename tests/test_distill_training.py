@@ -1,0 +1,276 @@
+"""Self-distillation training (ac2_jax.training.distill, distill_data, distill_sources).
+
+Equivalences are numeric in fp32: losses to 1e-5 (absolute), params to 1e-6.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ac2_jax.envs.judges import RuleJudge
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.trace.types import Completion, Episode, Trace
+from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
+from ac2_jax.training.demos import demo_segment
+from ac2_jax.training.distill import DistillConfig, DistillLoss, SelfDistiller
+from ac2_jax.training.distill_data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
+                                          hinted_messages, insert_hint, make_example, pack_pairs)
+from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
+                                              resample_examples, rollout_and_grade)
+from ac2_jax.training.train_step import make_train_step
+
+HINT = "Say blue."
+MSGS = [{"role": "user", "content": "Pick a color."}]
+OPT = OptimizerConfig(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")),
+                                extra_corpus=["Pick a color. red blue Say blue."] * 20)
+
+
+@pytest.fixture(scope="module")
+def model_state(tok):
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(3))
+    return create_train_state(model, OPT, rng=0)
+
+
+@pytest.fixture(scope="module")
+def step_fn(model_state):
+    """One compiled distill step (no donation) shared by the tests."""
+    return make_train_step(model_state[0], DistillLoss(), OPT, donate=False)
+
+
+def _examples(tok):
+    rng = np.random.default_rng(0)
+    msgs2 = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "What is 2 + 3? Answer now."}]
+    return [make_example(tok, MSGS, rng.integers(10, 300, 6).tolist(), HINT, "task/a"),
+            make_example(tok, msgs2, rng.integers(10, 300, 9).tolist(), "Use digits.", "task/b",
+                         HintConfig(placement="after_user"))]
+
+
+def _copy(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("placement", HINT_PLACEMENTS)
+@pytest.mark.parametrize("system", [False, True])
+def test_insert_hint_is_one_contiguous_run(tok, placement, system):
+    msgs = ([{"role": "system", "content": "Be brief."}] if system else []) + MSGS
+    student, teacher, (a, b) = insert_hint(tok, msgs, HINT, HintConfig(placement=placement))
+    assert student == tok.apply_chat_template(msgs, tokenize=True)
+    assert teacher == student[:a] + teacher[a:b] + student[a:]
+    assert HINT in tok.decode(teacher[a:b])
+    assert tok.decode(teacher) == tok.apply_chat_template(
+        hinted_messages(msgs, HINT, HintConfig(placement=placement)))
+
+
+def test_insert_hint_bad_input(tok):
+    with pytest.raises(ValueError, match="placement"):
+        HintConfig(placement="middle")
+    with pytest.raises(ValueError, match="hint is empty"):
+        insert_hint(tok, MSGS, "")
+    with pytest.raises(ValueError, match="do not decode"):
+        insert_hint(tok, MSGS, HINT, prompt_ids=[1, 2, 3])
+
+
+def test_examples_from_traces_keep_stored_ids(tok):
+    canon = tok.apply_chat_template(MSGS, tokenize=True)
+    # A spliced prompt: same text, but the user content in single-character tokens.
+    text = tok.apply_chat_template(MSGS)
+    start = text.index("Pick")
+    head = tok.encode(text[:start])
+    body = [t for ch in "Pick a color." for t in tok.encode(ch)]
+    tail = tok.encode(text[start + len("Pick a color."):])
+    stored = head + body + tail
+    assert stored != canon and tok.decode(stored) == text
+    comp = Completion(prompt_ids=stored, output_ids=[5, 6, 7], output_logprobs=[-1.0] * 3,
+                      messages=MSGS)
+    ep = Episode("main", token_ids=stored + [5, 6, 7], loss_mask=[0] * len(stored) + [1] * 3,
+                 sampler_logprobs=[0.0] * len(stored) + [-1.0] * 3, completions=[comp])
+    traces = [Trace("t1", episodes=[ep], hints=[HINT]), Trace("t2", episodes=[ep])]
+    (ex,) = examples_from_traces(traces, tok)
+    a, b = ex.hint_span
+    assert ex.student_prompt == stored and ex.response == [5, 6, 7] and ex.task == "t1/0"
+    assert ex.teacher_prompt == stored[:a] + ex.teacher_prompt[a:b] + stored[a:]
+    assert HINT in tok.decode(ex.teacher_prompt[a:b])
+
+
+def test_pack_pairs_aligns_response_positions(tok):
+    exs = _examples(tok) + [make_example(tok, MSGS, [40, 41], HINT, "task/c",
+                                         HintConfig(placement="system"))]
+    paired = pack_pairs(exs, seq_len=96, min_rows=3)
+    s, t, idx = paired.student, paired.teacher, paired.teacher_index
+    assert s.shape == t.shape == idx.shape and s.shape[0] == 3
+    assert len({r for r, *_ in paired.spans}) < len(exs)  # some row holds two examples
+    for e, (r, c, ct, n) in zip(exs, paired.spans):
+        assert n == len(e.response)
+        assert s.targets[r, c:c + n].tolist() == e.response
+        assert t.targets[r, idx[r, c:c + n]].tolist() == e.response
+        assert idx[r, c:c + n].tolist() == list(range(ct, ct + n))
+        seg = t.tokens[r][t.segment_ids[r] == t.segment_ids[r, ct]]
+        assert e.hint in tok.decode(seg[:len(e.teacher_prompt)].tolist())
+        assert e.hint not in tok.decode(s.tokens[r][s.segment_ids[r] == s.segment_ids[r, c]])
+    assert s.loss_mask.sum() == sum(len(e.response) for e in exs)
+    assert (idx[s.loss_mask == 0] == 0).all()
+    with pytest.raises(ValueError, match="seq_len"):
+        pack_pairs(exs, seq_len=16)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _forward(g, st, ids):
+    """Logits [n, V] (float64) of one unpacked sequence, right-padded to 64 for one compile
+    (causal attention: the padding after it changes nothing)."""
+    if g not in _JIT:
+        _JIT[g] = jax.jit(lambda st, t, seg: st.model(g)(t, jnp.arange(64)[None], seg)[0])
+    n = len(ids)
+    tokens, seg = np.zeros((1, 64), np.int32), np.zeros((1, 64), np.int32)
+    tokens[0, :n], seg[0, :n] = ids, 1
+    return np.asarray(_JIT[g](st, tokens, seg), np.float64)[:n]
+
+
+_JIT = {}
+
+
+def _log_softmax(x):
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _direct_rkl(model_state, exs):
+    """Per example: reverse KL(student || teacher) per response token, float64, no packing."""
+    g, st = model_state
+    out = []
+    for e in exs:
+        ls, lt = (_log_softmax(_forward(g, st, prompt + e.response)[
+            len(prompt) - 1:len(prompt) - 1 + len(e.response)])
+            for prompt in (e.student_prompt, e.teacher_prompt))
+        out.append((np.exp(ls) * (ls - lt)).sum(-1))
+    return out
+
+
+def test_opsd_loss_equals_direct_formula(tok, model_state, step_fn):
+    exs = _examples(tok)
+    d = SelfDistiller(model_state[0], _copy(model_state[1]), DistillConfig(method="opsd", rows=2),
+                      OPT, step_fn=step_fn)
+    m = d.update(exs)
+    want = np.mean([k.mean() for k in _direct_rkl(model_state, exs)])  # task_mean
+    assert m["kept_tokens"] == 15 and m["skipped"] == 0
+    np.testing.assert_allclose(m["loss"], want, atol=1e-5)
+    np.testing.assert_allclose(m["kl"], np.mean(np.concatenate(_direct_rkl(model_state, exs))),
+                               atol=1e-5)
+
+
+def test_rmsd_judge_selects_nothing_gives_zero(tok, model_state, step_fn):
+    exs = _examples(tok)
+    never = RuleJudge(patterns=["(?!)"], use_hint_keywords=False)
+    cfg = DistillConfig(method="rmsd", top_t=3, rows=2, skip_empty=False)
+    d = SelfDistiller(model_state[0], _copy(model_state[1]), cfg, OPT, judge=never,
+                      tokenizer=tok, step_fn=step_fn)
+    m = d.update(exs)
+    assert m["kept_tokens"] == 0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert d.last_relevance.candidates[0] and not any(d.last_relevance.selected)
+    skip = SelfDistiller(model_state[0], _copy(model_state[1]),
+                         DistillConfig(method="rmsd", top_t=3, rows=2), OPT, judge=never,
+                         tokenizer=tok, step_fn=step_fn)
+    assert skip.update(exs)["skipped"] == 1.0
+
+
+def test_rmsd_select_all_equals_opsd_on_candidates(tok, model_state, step_fn):
+    exs = _examples(tok)
+    always = RuleJudge(patterns=[""], use_hint_keywords=False)
+    d = SelfDistiller(model_state[0], _copy(model_state[1]),
+                      DistillConfig(method="rmsd", top_t=2, rows=2), OPT, judge=always,
+                      tokenizer=tok, step_fn=step_fn)
+    m = d.update(exs)
+    direct = _direct_rkl(model_state, exs)
+    want = np.mean([np.sort(k)[-2:].mean() for k in direct])
+    assert m["kept_tokens"] == 4
+    np.testing.assert_allclose(m["loss"], want, atol=1e-5)
+    for k, cands, sel in zip(direct, d.last_relevance.candidates, d.last_relevance.selected):
+        assert sorted(cands) == sorted(np.argsort(-k)[:2].tolist()) and sel == cands
+
+
+# ----------------------------------------------------------------------------- teachers
+
+
+def _params_close(a, b, atol=0.0):
+    return all(np.allclose(x, y, atol=atol, rtol=0) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_teacher_modes(tok, model_state, step_fn):
+    exs = _examples(tok)
+    g, init = model_state
+    paired = pack_pairs(exs, 256, min_rows=2)
+    runs = {}
+    for mode in ("live", "fixed", "ema"):
+        d = SelfDistiller(g, _copy(init), DistillConfig(teacher=mode, ema_decay=0.5, rows=2), OPT,
+                          step_fn=step_fn)
+        if mode == "live":
+            before = np.asarray(d.teacher_logits(paired))  # the initial params
+        for _ in range(3):
+            prev = jax.device_get(d.teacher_params)
+            d.update(exs)
+            if mode == "ema":
+                want = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * np.asarray(p), prev,
+                                    d.state.params)
+                assert _params_close(d.teacher_params, want, atol=1e-6)
+                assert not _params_close(d.teacher_params, prev)
+        runs[mode] = d
+        assert not _params_close(d.state.params, init.params)
+    assert runs["live"].current_teacher_params() is runs["live"].state.params
+    assert _params_close(runs["fixed"].teacher_params, init.params)
+    np.testing.assert_array_equal(runs["fixed"].teacher_logits(paired), before)
+    assert not np.allclose(runs["live"].teacher_logits(paired), before, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn):
+    """A model that says "red" plainly and "blue" when hinted learns "blue" from OPSD alone."""
+    g, init = model_state
+    hinted = hinted_messages(MSGS, HINT)
+    segs = [demo_segment(tok, MSGS + [{"role": "assistant", "content": "red"}], task="plain"),
+            demo_segment(tok, hinted + [{"role": "assistant", "content": "blue"}], task="hint")]
+    base = run_sft(init.model(g), segs, SFTConfig(seq_len=64, batch_rows=2, steps=40), OPT).state
+    base = jax.device_put(base, jax.local_devices()[0])  # placed like SelfDistiller's state
+    prompts = PromptCache(tok)
+    task = HintTask("pick", tuple(MSGS), hint=HINT)
+    student, teacher, _ = prompts(task, HINT)
+    blue = tok.encode("blue")[0]
+
+    def p_blue(state, prompt):
+        return float(jax.nn.softmax(_forward(g, state, prompt)[-1])[blue])
+
+    assert p_blue(base, teacher) > 0.8 and p_blue(base, student) < 0.2
+    (out, _), = generate(g, base.params, base.rest, [student], max_new_tokens=4,
+                         stop_token_ids=tok.stop_token_ids)
+    assert tok.decode(out).startswith("red")
+
+    _, fresh = create_train_state(base.model(g), OPT)  # new optimizer moments
+    d = SelfDistiller(g, fresh, DistillConfig(rows=2), OPT, step_fn=step_fn)
+    grader = lambda t, text: None if text.startswith("blue") else HINT  # noqa: E731
+    for i in range(8):
+        exs, graded = rollout_and_grade(g, d.state.params, d.state.rest, [task], grader, prompts,
+                                        SampleConfig(max_new_tokens=4, temperature=0.0), seed=i)
+        if not exs:
+            break
+        assert exs[0].student_prompt == student and exs[0].teacher_prompt == teacher
+        d.update(exs)
+    assert p_blue(d.state, student) > 0.5
+    # resampling from the teacher context gives the hinted answer (the SFT baseline's data)
+    (ex,) = resample_examples(g, base.params, base.rest, [task], prompts,
+                              SampleConfig(max_new_tokens=4, temperature=0.0), source="teacher")
+    assert tok.decode(ex.response).startswith("blue")
