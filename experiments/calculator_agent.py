@@ -40,7 +40,8 @@ MODEL_NAME = "ac2-calculator"
 
 
 def build_env(cfg) -> CalculatorEnv:
-    return CalculatorEnv(num_range=(cfg.env.num_low, cfg.env.num_high))
+    return CalculatorEnv(num_range=(cfg.env.num_low, cfg.env.num_high),
+                         answer_digits=cfg.env.answer_digits)
 
 
 def build_tokenizer(cfg, path: str, env: CalculatorEnv):

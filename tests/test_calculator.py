@@ -40,3 +40,10 @@ def test_stepwise_tool_takes_one_operation():
     assert not ok and "at most 1" in text
     task = env.sample_tasks(1, seed=3)[0]
     assert task.answer == safe_eval(task.metadata["expression"])
+
+
+def test_fixed_answer_width():
+    env = CalculatorEnv(num_range=(10, 99), answer_digits=4)
+    tasks = env.sample_tasks(50, seed=1)
+    assert all(1000 <= t.answer <= 9999 for t in tasks)
+    assert len({len(t.prompt) for t in tasks}) == 1

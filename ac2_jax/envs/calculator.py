@@ -55,9 +55,13 @@ class CalculatorEnv(Env):
     system_prompt = "Use the calculator tool, then give the answer."
     max_ops_per_call: int | None = None
 
-    def __init__(self, num_range: tuple[int, int] = (2, 99), templates=("{a}*{b}+{c}",)):
+    def __init__(self, num_range: tuple[int, int] = (2, 99), templates=("{a}*{b}+{c}",),
+                 answer_digits: int | None = None):
         self.num_range = num_range
         self.templates = tuple(templates)
+        # Fixed-width numbers and answers give every task the same token layout
+        # (a tiny model then copies digits by relative position, which it learns fast).
+        self.answer_digits = answer_digits
 
     def _expression(self, rng: random.Random) -> str:
         lo, hi = self.num_range
@@ -73,6 +77,8 @@ class CalculatorEnv(Env):
         while len(tasks) < n:
             expr = self._expression(rng)
             if sum(map(ord, expr)) % 2 != want:
+                continue
+            if self.answer_digits and len(str(abs(safe_eval(expr)))) != self.answer_digits:
                 continue
             tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}",
                               prompt=f"What is {expr}?", answer=safe_eval(expr),

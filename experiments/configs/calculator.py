@@ -13,7 +13,8 @@ def get_config() -> ml_collections.ConfigDict:
         hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=32, max_position_embeddings=512))
 
-    c.env = ml_collections.ConfigDict(dict(name="calculator", num_low=2, num_high=99))
+    c.env = ml_collections.ConfigDict(dict(name="calculator", num_low=10, num_high=99,
+                                            answer_digits=4))
 
     # SFT warm start on deliberately imperfect demos: half skip the tool and guess.
     c.sft = ml_collections.ConfigDict(dict(
