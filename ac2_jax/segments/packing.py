@@ -82,6 +82,23 @@ def capacity(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
+                   who: str) -> list[int]:
+    """Each segment's length in the batch; errors name the segment at fault."""
+    if not segments:
+        raise ValueError(f"{who}: no segments to pack")
+    lengths = []
+    for i, s in enumerate(segments):
+        if len(s) == 0:
+            raise ValueError(f"{who}: segment {i} ({s.task!r}) is empty")
+        if len(s) > seq_len and not truncate:
+            raise ValueError(
+                f"{who}: segment {i} ({s.task!r}) has {len(s)} tokens, "
+                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
+        lengths.append(min(len(s), seq_len))
+    return lengths
+
+
 def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     z = lambda dt: np.zeros((rows, seq_len), dt)  # noqa: E731
     return dict(tokens=z(np.int32), targets=z(np.int32), positions=z(np.int32),
@@ -112,17 +129,7 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
                                  min_rows=min_rows, rows_multiple=rows_multiple)
     if layout != "flat":
         raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
-    if not segments:
-        raise ValueError("pack_segments: no segments to pack")
-    lengths = []
-    for i, s in enumerate(segments):
-        if len(s) == 0:
-            raise ValueError(f"pack_segments: segment {i} ({s.task!r}) is empty")
-        if len(s) > seq_len and not truncate:
-            raise ValueError(
-                f"pack_segments: segment {i} ({s.task!r}) has {len(s)} tokens, "
-                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
-        lengths.append(min(len(s), seq_len))
+    lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
 
     task_index = {name: i for i, name in enumerate(task_names(segments))}
     bins = _first_fit_decreasing(lengths, seq_len)

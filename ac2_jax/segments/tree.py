@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.packing import PackedBatch, capacity, empty_batch, pad_rows, task_names
+from ac2_jax.segments.packing import (PackedBatch, capacity, empty_batch, packed_lengths, pad_rows,
+                                      task_names)
 from ac2_jax.segments.segments import Segment
 
 
@@ -105,17 +106,7 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     to the current row while its trie fits. Same arguments and errors as
     `pack_segments`; the result also has `subtree_end`.
     """
-    if not segments:
-        raise ValueError("pack_segment_tree: no segments to pack")
-    lengths = []
-    for i, s in enumerate(segments):
-        if len(s) == 0:
-            raise ValueError(f"pack_segment_tree: segment {i} ({s.task!r}) is empty")
-        if len(s) > seq_len and not truncate:
-            raise ValueError(
-                f"pack_segment_tree: segment {i} ({s.task!r}) has {len(s)} tokens, "
-                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
-        lengths.append(min(len(s), seq_len))
+    lengths = packed_lengths(segments, seq_len, truncate, "pack_segment_tree")
     task_index = {name: i for i, name in enumerate(task_names(segments))}
 
     order = sorted(range(len(segments)), key=lambda i: (segments[i].tokens[:lengths[i]].tolist(), i))
