@@ -12,7 +12,8 @@ snapshot for the worker) -> the first `generate` whose result carries
 `policy_version == step` (weights swap in, one prefill + one decode chunk; the
 sampler runs without prefix reuse so the same call on old weights costs the
 same; the next call, `second_s`, is the baseline). `compiles` counts XLA
-compiles during the timed hand-offs (0: no recompile after a swap). Sampling time: the batch's prompts
+compiles during the timed hand-offs (0: no recompile after a swap).
+Sampling time: the batch's prompts
 (`--segments` x seg_len/2 tokens) sampled concurrently for seg_len/2 new
 tokens (greedy, no stop), i.e. the rollout side of the same RL step.
 `share_of_train` = (publish + load + first) / train step; `share_of_rl_step`
@@ -161,7 +162,7 @@ def main(argv=None):
     p.add_argument("--sizes", default="tiny,small,medium")
     p.add_argument("--segments", type=int, default=64)
     p.add_argument("--seg_len", type=int, default=256)
-    p.add_argument("--train_steps", type=int, default=2, help="timed steps (after 1 warm-up)")
+    p.add_argument("--train_steps", type=int, default=1, help="timed steps (after 1 warm-up)")
     p.add_argument("--no_sampling", action="store_true", help="skip the sampling-time column")
     args = p.parse_args(argv)
     rows = []

@@ -52,7 +52,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="default 8 (smoke: 2)")
     p.add_argument("--seq_len", type=int, default=None, help="default 2048 (smoke: 128)")
     p.add_argument("--per_row", type=int, default=4, help="segments packed into each row")
-    p.add_argument("--steps", type=int, default=None, help="timed train steps; default 10 (smoke 2)")
+    p.add_argument("--steps", type=int, default=None, 
+                   help="timed train steps; default 10 (smoke 2)")
     p.add_argument("--no_remat", action="store_true")
     p.add_argument("--prompt_len", type=int, default=None, help="default 128 (smoke: 16)")
     p.add_argument("--new_tokens", type=int, default=None, help="default 128 (smoke: 16)")
@@ -235,7 +236,8 @@ def bench_decode(a, s: dict) -> list[dict]:
         dec = statistics.median(r[1] for r in runs)
         n = b * a.new_tokens
         rows.append({"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-                     "wall_s": wall, "tok_per_s": n / wall, "ms_per_step": 1e3 * wall / a.new_tokens,
+                     "wall_s": wall, "tok_per_s": n / wall,
+                     "ms_per_step": 1e3 * wall / a.new_tokens,
                      "decode_tok_per_s": n / dec, "decode_ms_per_step": 1e3 * dec / a.new_tokens,
                      "first_run_s": first})
         print(rows[-1], flush=True)
