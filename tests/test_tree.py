@@ -153,10 +153,15 @@ def test_model_logprobs_loss_and_grads_equal_flat(make):
     segs = make()
     flat = pack_segments(segs, seq_len=24)
     tree = pack_segments(segs, seq_len=64, layout="tree")
-    lp_flat = np.asarray(token_logprobs(model(flat.tokens, flat.positions, flat.segment_ids),
-                                        flat.targets))
-    lp_tree = np.asarray(token_logprobs(
-        model(tree.tokens, tree.positions, tree.segment_ids, tree.subtree_end), tree.targets))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def logprobs(params, b):
+        logits = nnx.merge(graphdef, params)(b.tokens, b.positions, b.segment_ids, b.subtree_end)
+        return token_logprobs(logits, b.targets)
+
+    lp_flat = np.asarray(logprobs(params, flat))
+    lp_tree = np.asarray(logprobs(params, tree))
     for i, s in enumerate(segs):
         r_t, idx_t = path_rows(tree, s.tokens.tolist(), s.loss_mask)
         r_f = int(np.nonzero((flat.segment_index == i) & (flat.segment_ids > 0))[0][0])
@@ -164,12 +169,12 @@ def test_model_logprobs_loss_and_grads_equal_flat(make):
         # Every token's log-prob of its next token, along the whole path (fp32, 1e-5).
         np.testing.assert_allclose(lp_tree[r_t, idx_t[:-1]], lp_flat[r_f, cols[:-1]], atol=1e-5)
 
-    graphdef, params = nnx.split(model, nnx.Param)
-    l_flat, g_flat = jax.value_and_grad(_pg_loss_fn(graphdef, flat))(params)
-    l_tree, g_tree = jax.value_and_grad(_pg_loss_fn(graphdef, tree))(params)
+    l_flat, g_flat = jax.jit(jax.value_and_grad(_pg_loss_fn(graphdef, flat)))(params)
+    l_tree, g_tree = jax.jit(jax.value_and_grad(_pg_loss_fn(graphdef, tree)))(params)
     np.testing.assert_allclose(float(l_tree), float(l_flat), rtol=1e-5)
     gf, gt = jax.tree.leaves(g_flat), jax.tree.leaves(g_tree)
     for a, b in zip(gf, gt):
         a, b = np.asarray(a), np.asarray(b)
         # Relative to the gradient's scale (fp32, 1e-5).
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-8)
+
