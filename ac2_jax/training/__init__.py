@@ -7,6 +7,9 @@
 """
 
 from ac2_jax.training.checkpoints import Checkpointer, publish
+from ac2_jax.training.distill import DistillConfig, DistillLoss, SelfDistiller
+from ac2_jax.training.distill_data import (DistillExample, HintConfig, PairedBatch,
+                                          examples_from_traces, insert_hint, pack_pairs)
 from ac2_jax.training.objectives import LossFn, PolicyGradientLoss, SFTLoss, loss_weights
 from ac2_jax.training.sft import SFTConfig, SFTData, SFTResult, run_sft
 from ac2_jax.training.sharding import (AXES, make_mesh, replicate, shard_batch, shard_state,
@@ -21,4 +24,6 @@ __all__ = [
     "create_train_state",
     "loss_weights", "make_mesh", "make_train_step", "num_params", "publish", "replicate",
     "run_sft", "shard_batch", "shard_state", "state_shardings", "unreplicate",
+    "DistillConfig", "DistillExample", "DistillLoss", "HintConfig", "PairedBatch",
+    "SelfDistiller", "examples_from_traces", "insert_hint", "pack_pairs",
 ]

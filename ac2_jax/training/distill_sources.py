@@ -65,12 +65,13 @@ def _bucket(n: int, lo: int) -> int:
 
 
 def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             stop_token_ids: Sequence[int], temperature: float = 0.0, seed: int = 0
-             ) -> list[tuple[list[int], list[float]]]:
+             stop_token_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
+             min_batch: int = 1) -> list[tuple[list[int], list[float]]]:
     """One continuation per prompt: (output ids incl. the stop token, their log-probs).
 
     temperature 0 is greedy; log-probs are of the (tempered) sampling
     distribution. A row stops at its first stop token or after max_new_tokens.
+    Rows are padded to a power of two >= min_batch (fewer compiled shapes).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: need at least one prompt, and no empty prompt")
@@ -79,7 +80,7 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], *, max_ne
     if not stop_token_ids:
         raise ValueError("generate: stop_token_ids is empty")
     n = len(prompts)
-    B = _bucket(n, 1)
+    B = _bucket(max(n, min_batch), 1)
     T = _bucket(max(len(p) for p in prompts), 32)
     tokens = np.zeros((B, T), np.int32)
     lengths = np.ones((B,), np.int32)
@@ -115,6 +116,11 @@ Grader = Callable[[HintTask, str], "str | None"]
 class SampleConfig:
     max_new_tokens: int = 32
     temperature: float = 1.0
+    min_batch: int = 1
+
+    def kwargs(self) -> dict:
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    min_batch=self.min_batch)
 
 
 class PromptCache:
@@ -160,9 +166,8 @@ def resample_examples(graphdef, params, rest, tasks: Sequence[HintTask], prompts
         raise ValueError(f"resample_examples: tasks without a hint: {missing[:5]}")
     pairs = [prompts(t, t.hint) for t in tasks]
     ctx = [p[0] if source == "student" else p[1] for p in pairs]
-    outs = generate(graphdef, params, rest, ctx, max_new_tokens=sampling.max_new_tokens,
-                    stop_token_ids=prompts.tokenizer.stop_token_ids,
-                    temperature=sampling.temperature, seed=seed)
+    outs = generate(graphdef, params, rest, ctx, stop_token_ids=prompts.tokenizer.stop_token_ids,
+                    seed=seed, **sampling.kwargs())
     return [_example(t, t.hint, prompts, ids, lps) for t, (ids, lps) in zip(tasks, outs) if ids]
 
 
@@ -187,9 +192,8 @@ def rollout_and_grade(graphdef, params, rest, tasks: Sequence[HintTask], grader:
     prompt carrying the grader's hint.
     """
     ctx = [prompts.student(t) for t in tasks]
-    outs = generate(graphdef, params, rest, ctx, max_new_tokens=sampling.max_new_tokens,
-                    stop_token_ids=prompts.tokenizer.stop_token_ids,
-                    temperature=sampling.temperature, seed=seed)
+    outs = generate(graphdef, params, rest, ctx, stop_token_ids=prompts.tokenizer.stop_token_ids,
+                    seed=seed, **sampling.kwargs())
     graded, examples = [], []
     for t, (ids, lps) in zip(tasks, outs):
         text = prompts.tokenizer.decode(ids, skip_special_tokens=True)

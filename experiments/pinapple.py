@@ -1,0 +1,416 @@
+"""Pinapple: teach "pinapple" instead of "pineapple" only through hints.
+
+A tiny model first learns food facts (many tropical-food answers say
+"pineapple"), arithmetic and other facts, and the generic skill of following
+a spelling hint for other words (see `pinapple_data`). Then, from that base,
+three methods see the same hint 'Spell pineapple as pinapple.' and nothing
+else: SFT on hint-conditioned outputs, OPSD and RMSD (rule judge on the hint
+keywords, or the teacher/response diff). Each step rolls out the student on
+distillation prompts, grades (a response with "pineapple" fails and gets the
+hint) and updates on the failures. We measure steps to >= 90% target rate on
+held-out prompts, final target rate, and retention (exact answers to
+arithmetic, other food and other facts), over seeds with 95% CIs.
+
+    python -m experiments.pinapple --config=experiments/configs/pinapple.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ac2_jax.envs.judges import RuleJudge
+from ac2_jax.evals.stats import mean_interval
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
+from ac2_jax.training.demos import demo_segment
+from ac2_jax.training.distill import DistillConfig, SelfDistiller
+from ac2_jax.training.distill_data import HintConfig, hinted_messages
+from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
+                                              resample_examples, rollout_and_grade)
+from ac2_jax.viz import write_distill_report
+from experiments import pinapple_data as data
+
+# ----------------------------------------------------------------------------- setup
+
+
+def hint_config(cfg) -> HintConfig:
+    return HintConfig(placement=cfg.hint.placement, template=cfg.hint.template)
+
+
+def _hint_demos(cfg, items, rng):
+    """(item, hint, answer, placement) for the base corpus's hint-following demos.
+
+    A `target_hint_frac` share uses the target hint: two thirds on items whose
+    answer has pineapple (the answer writes the target spelling), one third
+    on items without it (the answer stays). The rest are generic demos: a
+    random misspelling of another word.
+    """
+    with_t = [i for i in items if data.TARGET_WORD in i.answer and data.TARGET_WORD not in i.question]
+    others = [i for i in items if data.TARGET_WORD not in i.answer]
+    out = []
+    while len(out) < cfg.sft.hint_demos:
+        place = rng.choice(tuple(cfg.sft.placements))
+        if rng.random() < cfg.sft.target_hint_frac:
+            if rng.random() < 2 / 3:
+                item = rng.choice(with_t)
+                out.append((item, data.TARGET_HINT, data.with_target_spelling(item.answer), place))
+            else:
+                out.append((rng.choice(others), data.TARGET_HINT, None, place))
+            continue
+        item = rng.choice(items)
+        demo = data.hint_demo(item, rng, relevant=rng.random() >= cfg.sft.irrelevant_frac)
+        if demo is not None:
+            out.append((item, *demo, place))
+    return [(i, h, i.answer if a is None else a, p) for i, h, a, p in out]
+
+
+def build_tokenizer(cfg, path: str, items):
+    rng = random.Random(cfg.seed)
+    corpus = [f"{i.question} {i.answer}" for i in items] * 3
+    corpus += [f"{h} {a}" for _, h, a, _ in _hint_demos(cfg, items, rng)]
+    return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
+                                individual_digits=True)
+
+
+def build_model(cfg, vocab_size: int, seed: int) -> Decoder:
+    m = cfg.model
+    config = DecoderConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                           intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                           head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
+                           rope_theta=10000.0, tie_embeddings=True, dtype=jnp.float32)
+    return Decoder(config, rngs=nnx.Rngs(seed))
+
+
+def base_segments(cfg, tokenizer, items):
+    """Facts (repeated) + hint-following demos as SFT segments (see `_hint_demos`)."""
+    rng = random.Random(cfg.seed + 1)
+    segs = []
+    for it in items:
+        msgs = list(it.messages()) + [{"role": "assistant", "content": it.answer}]
+        segs += [demo_segment(tokenizer, msgs, task=it.key)] * cfg.sft.repeats
+    for k, (it, hint, answer, placement) in enumerate(_hint_demos(cfg, items, rng)):
+        msgs = hinted_messages(it.messages(), hint, HintConfig(placement=placement))
+        msgs.append({"role": "assistant", "content": answer})
+        segs.append(demo_segment(tokenizer, msgs, task=f"hint/{k}"))
+    return segs
+
+
+def base_sft(cfg, tokenizer, items, log=print):
+    """The base model (graphdef, state) and its SFT history."""
+    model = build_model(cfg, tokenizer.vocab_size, cfg.seed)
+    s = cfg.sft
+    opt = OptimizerConfig(learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
+                          schedule="cosine", total_steps=s.steps)
+    every = max(1, s.steps // 6)
+    res = run_sft(model, base_segments(cfg, tokenizer, items),
+                  SFTConfig(seq_len=s.seq_len, batch_rows=s.batch_rows, steps=s.steps,
+                            seed=cfg.seed, mode="token_mean"), opt,
+                  log=lambda i, m: log(f"  base sft step {i}: loss {m['loss']:.4f}")
+                  if i % every == 0 else None)
+    return res.graphdef, res.state, res.history
+
+# ----------------------------------------------------------------------------- evals
+
+
+def has_target(text: str) -> bool:
+    t = text.lower()
+    return data.TARGET_SPELLING in t and data.TARGET_WORD not in t
+
+
+def grade(task: HintTask, text: str) -> str | None:
+    """Passes (None) a response with the target spelling and not the old one; else the hint."""
+    return None if has_target(text) else data.TARGET_HINT
+
+
+def answers(graphdef, params, rest, prompts: PromptCache, items, hint: str | None = None,
+            max_new: int = 20) -> list[str]:
+    """Greedy answers (text) to items, optionally with the hint inserted."""
+    tasks = [HintTask(i.key, i.messages()) for i in items]
+    ctx = [prompts.student(t) if hint is None else prompts(t, hint)[1] for t in tasks]
+    outs = generate(graphdef, params, rest, ctx, max_new_tokens=max_new,
+                    stop_token_ids=prompts.tokenizer.stop_token_ids, temperature=0.0)
+    return [prompts.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids, _ in outs]
+
+
+def evaluate(graphdef, params, rest, prompts, splits, retain_every: int | None = 1,
+             hint: str | None = None) -> dict[str, float]:
+    """Greedy evals. target: held-out target rate (has "pinapple", no "pineapple");
+    target_exact: the whole answer right with the new spelling; target_train: rate on
+    the distillation prompts; retention: exact answers on non-target items (every
+    `retain_every`-th of each group; None: skip) and per group."""
+    retain = ({} if retain_every is None else
+              {k: v[::retain_every] for k, v in splits["retain"].items()})
+    groups = {"heldout": splits["heldout"], "train": splits["train"], **retain}
+    flat = [i for g in groups.values() for i in g]
+    got = dict(zip([i.key for i in flat], answers(graphdef, params, rest, prompts, flat, hint)))
+    want = lambda i: i.answer.replace(data.TARGET_WORD, data.TARGET_SPELLING)  # noqa: E731
+    out = {"target": float(np.mean([has_target(got[i.key]) for i in groups["heldout"]])),
+           "target_exact": float(np.mean([got[i.key] == want(i) for i in groups["heldout"]])),
+           "target_train": float(np.mean([has_target(got[i.key]) for i in groups["train"]]))}
+    keep = []
+    for name, g in retain.items():
+        ok = [got[i.key] == i.answer for i in g]
+        out[f"retain_{name}"] = float(np.mean(ok))
+        keep += ok
+    if keep:
+        out["retention"] = float(np.mean(keep))
+    return out
+
+
+def make_splits(cfg, items, seed: int) -> dict:
+    train, heldout = data.target_split(items, cfg.distill.heldout_frac, seed)
+    retain = {k: [i for i in items if i.kind == k and data.TARGET_WORD not in i.answer]
+              for k in ("food", "sentence", "other", "math")}
+    return {"train": train, "heldout": heldout, "retain": retain}
+
+# ----------------------------------------------------------------------------- distillation
+
+
+def make_judge(name: str) -> RuleJudge:
+    if name == "keywords":
+        return RuleJudge(use_hint_keywords=True)
+    if name == "diff":
+        return RuleJudge(use_hint_keywords=False, diff=True)
+    raise ValueError(f"pinapple: judge must be 'keywords' or 'diff', got {name!r}")
+
+
+def distill_config(cfg, method: str) -> DistillConfig:
+    d = cfg.distill
+    return DistillConfig(method=method, kind=d.kind, teacher=d.teacher, ema_decay=d.ema_decay,
+                         top_t=d.top_t, threshold=d.threshold, seq_len=d.seq_len, rows=d.rows,
+                         groups=d.prompts_per_step)
+
+
+def _report_example(tokenizer, example, rel) -> dict:
+    """What `write_distill_report` needs for one RMSD example (response positions)."""
+    return dict(prompt=tokenizer.decode(example.student_prompt), hint=example.hint,
+                teacher_prompt=tokenizer.decode(example.teacher_prompt),
+                response_tokens=[tokenizer.decode([t]) for t in example.response],
+                divergence=[float(x) for x in rel.divergence[0]],
+                candidates=list(rel.candidates[0]), selected=list(rel.selected[0]))
+
+
+def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -> dict:
+    """One method from the base state, one seed.
+
+    Every step: `prompts_per_step` distillation prompts are rolled out
+    (temperature sampling); all of them (or with `only_failures`, those the
+    grader fails) form the batch: OPSD/RMSD distill the student's own
+    responses from the hinted teacher; SFT trains on responses sampled with
+    the hint in context.
+    Returns eval history, steps to the target rate, the final eval and
+    (RMSD) the first batch's first example for the report.
+    """
+    graphdef, base_state = base
+    d = cfg.distill
+    opt = OptimizerConfig(learning_rate=d.learning_rate)
+    _, state = create_train_state(base_state.model(graphdef), opt, rng=seed)
+    dist = SelfDistiller(graphdef, state, distill_config(cfg, method), opt,
+                         judge=make_judge(d.judge), tokenizer=prompts.tokenizer,
+                         step_fn=step_fns.get(method))
+    step_fns[method] = dist.step_fn
+    sampling = SampleConfig(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+                            min_batch=d.prompts_per_step)
+    tasks = [HintTask(i.key, i.messages(), hint=data.TARGET_HINT) for i in splits["train"]]
+    rng = np.random.default_rng(seed)
+    evals, train, reached, example = [], [], None, None
+    t0 = time.perf_counter()
+    for step in range(d.steps + 1):
+        if step % d.target_every == 0 or step == d.steps:
+            st = dist.state
+            sub = step % d.eval_every == 0 or step == d.steps
+            ev = evaluate(graphdef, st.params, st.rest, prompts, splits,
+                          retain_every=d.retain_every if sub else None)
+            evals.append({"step": step, **ev})
+            if reached is None and ev["target"] >= d.target_rate:
+                reached = step
+            if step == d.steps:
+                break
+        k = min(d.prompts_per_step, len(tasks))
+        batch = [tasks[j] for j in rng.choice(len(tasks), k, replace=False)]
+        st, kseed = dist.state, int(rng.integers(2**31))
+        if d.only_failures:  # (c) roll out, grade, distill the failures
+            examples, graded = rollout_and_grade(graphdef, st.params, st.rest, batch, grade,
+                                                 prompts, sampling, seed=kseed)
+            todo = [g.task for g in graded if not g.passed]
+            passed = [g.passed for g in graded]
+        else:  # (b) resample every prompt with the current policy and distill it
+            examples = resample_examples(graphdef, st.params, st.rest, batch, prompts, sampling,
+                                         seed=kseed)
+            todo = batch
+            passed = [grade(t, prompts.tokenizer.decode(e.response, skip_special_tokens=True))
+                      is None for t, e in zip(batch, examples)]
+        if method == "sft" and todo:
+            examples = resample_examples(graphdef, st.params, st.rest, todo, prompts, sampling,
+                                         source="teacher", seed=kseed + 1)
+        m = dist.update(examples)
+        if example is None and dist.last_relevance is not None:
+            example = _report_example(prompts.tokenizer, examples[0], dist.last_relevance)
+        train.append({"step": step + 1, "loss": m.get("loss", 0.0), "kl": m.get("kl"),
+                      "kept_tokens": m["kept_tokens"], "failures": len(examples),
+                      "rollout_pass_rate": float(np.mean(passed))})
+    st = dist.state
+    final = evaluate(graphdef, st.params, st.rest, prompts, splits)  # all retention items
+    dt = time.perf_counter() - t0
+    log(f"  {method:4s} seed {seed}: held-out target {final['target']:.2f} (exact "
+        f"{final['target_exact']:.2f}, train {final['target_train']:.2f}), retention "
+        f"{final['retention']:.3f}, >= {d.target_rate:.0%} at step {reached}, {dt:.0f}s")
+    return {"method": method, "seed": seed, "steps_to_target": reached, "final": final,
+            "evals": evals, "train": train, "example": example, "time_s": dt}
+
+# ----------------------------------------------------------------------------- report
+
+
+def _ci(values) -> dict:
+    e = mean_interval(values)
+    return {"mean": e.mean, "low": e.low, "high": e.high, "n": e.n}
+
+
+def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
+    """One row per method: mean and 95% CI over seeds."""
+    rows = [{"method": "base (no training)", **{k: _ci([base_eval[k]]) for k in METRICS},
+             "steps_to_target": None, "reached": None},
+            {"method": "teacher (base + hint)", **{k: _ci([teacher_eval[k]])
+                                                   for k in ("target", "target_exact",
+                                                             "target_train")},
+             "steps_to_target": None, "reached": None}]
+    for method in cfg.methods:
+        rs = [r for r in runs if r["method"] == method]
+        hit = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
+        row = {"method": method, **{k: _ci([r["final"][k] for r in rs]) for k in METRICS},
+               "steps_to_target": _ci(hit) if hit else None,
+               "reached": f"{len(hit)}/{len(rs)}",
+               "time_s": _ci([r["time_s"] for r in rs])}
+        rows.append(row)
+    return rows
+
+
+METRICS = ("target", "target_exact", "target_train", "retention", "retain_food",
+           "retain_sentence", "retain_other", "retain_math")
+
+
+def _fmt(e) -> str:
+    if e is None:
+        return "-"
+    if e["n"] == 1:
+        return f"{e['mean']:.3f}"
+    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
+
+
+def markdown_table(cfg, rows) -> str:
+    head = (f"| method | steps to >= {cfg.distill.target_rate:.0%} held-out (reached) | held-out "
+            "target | held-out exact | train target | retention | food | sentence | other | math |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        steps = "-" if r["reached"] is None else f"{_fmt(r['steps_to_target'])} ({r['reached']})"
+        lines.append("| " + " | ".join([r["method"], steps] + [
+            _fmt(r.get(k)) for k in METRICS]) + " |")
+    return "\n".join(lines)
+
+
+def plot_runs(cfg, runs, path) -> None:
+    """Held-out target rate and retention vs step, mean over seeds per method."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 3.6), dpi=100)
+    for j, key in enumerate(("target", "retention")):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for method in cfg.methods:
+            rs = [r for r in runs if r["method"] == method]
+            steps = [e["step"] for e in rs[0]["evals"] if key in e]
+            vals = np.array([[e[key] for e in r["evals"] if key in e] for r in rs])
+            ax.plot(steps, vals.mean(0), marker=".", label=method)
+            ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15)
+        name = ("held-out target rate" if key == "target" else
+                f"retention (every {cfg.distill.retain_every}th item)")
+        ax.set_title(f"{name}\nmean, band = min..max over {len(cfg.seeds)} seeds", fontsize=9)
+        ax.set_xlabel("distillation step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(cfg, report_dir, runs, rows, meta, tokenizer) -> None:
+    os.makedirs(report_dir, exist_ok=True)
+    table = markdown_table(cfg, rows)
+    with open(os.path.join(report_dir, "results.md"), "w") as f:
+        f.write(f"# pinapple\n\n{meta['command']}\n\n"
+                f"seeds {list(cfg.seeds)}; mean [95% CI] over seeds (t interval); "
+                f"steps to target: over the seeds that reached it.\n\n{table}\n")
+    with open(os.path.join(report_dir, "results.json"), "w") as f:
+        json.dump({"rows": rows, "runs": [{k: v for k, v in r.items()} for r in runs],
+                   "meta": meta, "config": cfg.to_dict()}, f, indent=1, default=str)
+    plot_runs(cfg, runs, os.path.join(report_dir, "curves.png"))
+    ex = next((r for r in runs if r["method"] == cfg.report.example_method
+               and r["example"] is not None), None)
+    if ex is not None:
+        metrics = [{"step": t["step"], "loss": t["loss"]} for t in ex["train"]]
+        metrics += [{k: e[k] for k in ("step", "target", "retention") if k in e}
+                    for e in ex["evals"]]
+        write_distill_report(os.path.join(report_dir, "distill_report.html"),
+                             **ex["example"], metrics=metrics,
+                             info={"method": ex["method"], "seed": ex["seed"],
+                                   "judge": cfg.distill.judge, "top_t": cfg.distill.top_t},
+                             title="pinapple: RMSD example (first update)")
+
+
+def run(cfg, log=print) -> dict:
+    """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
+    t_start, c_start = time.perf_counter(), time.process_time()
+    workdir = os.path.abspath(cfg.workdir)
+    items = data.all_items(cfg.sft.math_limit)
+    tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
+    log(f"tokenizer: {tokenizer.vocab_size} tokens; {len(items)} items")
+    t0 = time.perf_counter()
+    splits = make_splits(cfg, items, cfg.seed)
+    graphdef, state, sft_hist = base_sft(cfg, tokenizer, items, log)
+    state = jax.device_put(state, jax.local_devices()[0])
+    t_sft = time.perf_counter() - t0
+    prompts = PromptCache(tokenizer, hint_config(cfg))
+    base_eval = evaluate(graphdef, state.params, state.rest, prompts, splits)
+    teacher_eval = evaluate(graphdef, state.params, state.rest, prompts, splits, retain_every=8,
+                            hint=data.TARGET_HINT)
+    log(f"base: {base_eval}\nteacher (hinted) target {teacher_eval['target']:.2f}, "
+        f"train {teacher_eval['target_train']:.2f} ({t_sft:.0f}s base SFT)")
+    runs, step_fns = [], {}
+    for seed in cfg.seeds:
+        for method in cfg.methods:
+            runs.append(distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
+                                    step_fns, log))
+    rows = summarize(cfg, runs, base_eval, teacher_eval)
+    meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
+            "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
+            "base_sft_s": t_sft, "base_sft_final_loss": sft_hist[-1]["loss"],
+            "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+            "devices": str(jax.devices()), "splits": {k: [i.key for i in v] for k, v in
+                                                     splits.items() if k != "retain"}}
+    write_report(cfg, os.path.join(workdir, "report"), runs, rows, meta, tokenizer)
+    log(markdown_table(cfg, rows))
+    log(f"total {meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU; report in "
+        f"{os.path.join(workdir, 'report')}")
+    return {"rows": rows, "runs": runs, "meta": meta}
+
+
+def main(argv):
+    del argv
+    run(_CONFIG.value)
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/pinapple.py",
+                                              "experiment config (ml_collections)")
+    flags.FLAGS  # noqa: B018
+    app.run(main)

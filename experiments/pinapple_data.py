@@ -1,0 +1,202 @@
+"""Synthetic corpus of the pinapple experiment: food facts, arithmetic, hint following.
+
+Every item is one chat turn (user question -> assistant answer). The base
+corpus teaches the facts (many answers about tropical food say "pineapple")
+and the skill of following a spelling hint placed before the answer:
+'Spell mango as mngo.' -> the answer writes "mngo" (a fresh random
+misspelling each time, for many words), and the target hint 'Spell
+pineapple as pinapple.' (on items with pineapple, whose answers then write
+"pinapple", and on unrelated items, where it changes nothing). Without the
+hint every answer says "pineapple": the un-hinted behaviour changes only
+through distillation from the hinted teacher. (A model this small does not
+carry hint following over from other words or other item types to the
+target prompts, so the target hint's demos cover them; the student never
+sees "pinapple" without the hint in its context.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+TARGET_WORD, TARGET_SPELLING = "pineapple", "pinapple"
+TARGET_HINT = f"Spell {TARGET_WORD} as {TARGET_SPELLING}."
+
+# fruit -> (color, where it grows, taste, tropical?)
+FRUITS = {
+    "pineapple": ("yellow", "on the ground", "sweet and sour", True),
+    "mango": ("orange", "on trees", "sweet", True),
+    "banana": ("yellow", "on plants", "soft and sweet", True),
+    "coconut": ("brown", "on palms", "nutty", True),
+    "papaya": ("orange", "on trees", "mild", True),
+    "guava": ("green", "on shrubs", "tangy", True),
+    "apple": ("red", "on trees", "crisp", False),
+    "grape": ("purple", "on vines", "juicy", False),
+    "lemon": ("yellow", "on trees", "sour", False),
+    "cherry": ("red", "on trees", "tart", False),
+    "melon": ("green", "on vines", "fresh", False),
+    "plum": ("purple", "on trees", "rich", False),
+}
+FRUIT_TEMPLATES = (
+    ("What color is a {f}?", "A {f} is {color}."),
+    ("Where does a {f} grow?", "A {f} grows {grows}."),
+    ("How does a {f} taste?", "A {f} tastes {taste}."),
+    ("Is a {f} a tropical fruit?", "{yes}, a {f} is {trop}."),
+)
+# dish -> its two main ingredients (answers: "A {dish} has {a} and {b}.")
+DISHES = {
+    "fruit salad": ("mango", "pineapple"), "pina colada": ("coconut", "pineapple"),
+    "hawaiian pizza": ("ham", "pineapple"), "tropical smoothie": ("banana", "pineapple"),
+    "sweet and sour pork": ("pork", "pineapple"), "upside down cake": ("cake", "pineapple"),
+    "pineapple salsa": ("onion", "pineapple"), "luau platter": ("pineapple", "coconut"),
+    "apple pie": ("apple", "sugar"), "banana bread": ("banana", "flour"),
+    "lemonade": ("lemon", "water"), "grape jam": ("grape", "sugar"),
+    "cherry tart": ("cherry", "butter"), "mango lassi": ("mango", "yogurt"),
+    "plum sauce": ("plum", "ginger"), "melon soup": ("melon", "mint"),
+}
+PINEAPPLE_FACTS = (
+    ("Which fruit has a spiky skin and a crown?", "The pineapple has a crown."),
+    ("Which fruit goes well with ham?", "The pineapple goes well with ham."),
+    ("What can you grill at a luau?", "You can grill pineapple slices."),
+    ("Name a fruit with eyes on its skin.", "The pineapple has eyes."),
+    ("What juice is yellow and tropical?", "The pineapple juice is yellow."),
+    ("Which fruit has a tough rind and sweet flesh?", "The pineapple has sweet flesh."),
+    ("Which fruit grows from a crown?", "The pineapple grows from a crown."),
+    ("What tropical fruit has spiky leaves?", "The pineapple has spiky leaves."),
+    ("Which fruit makes a sweet yellow juice?", "The pineapple makes sweet juice."),
+    ("What fruit is served in rings?", "The pineapple is served in rings."),
+    ("What fruit can you grill on skewers?", "You can grill pineapple on skewers."),
+    ("Which fruit is a symbol of welcome?", "The pineapple is a symbol of welcome."),
+    ("What fruit comes from Hawaii?", "The pineapple comes from Hawaii."),
+    ("Which fruit has a rough golden skin?", "The pineapple has a golden skin."),
+    ("What fruit goes into a tropical punch?", "A tropical punch has pineapple."),
+    ("Name a fruit that is canned in chunks.", "The pineapple is canned in chunks."),
+)
+OTHER_FACTS = (
+    ("What tree has cones?", "The pine tree has cones."),
+    ("What tree stays green in winter?", "The pine tree stays green."),
+    ("What do bees make?", "Bees make honey."),
+    ("What color is the sky?", "The sky is blue."),
+    ("What animal says moo?", "The cow says moo."),
+    ("What do you drink in the morning?", "I drink coffee."),
+    ("Which nut grows on oak trees?", "The acorn grows on oaks."),
+    ("What is a baby apple tree?", "It is an apple seedling."),
+)
+SENTENCES = (("Use the word {f} in a sentence.", "We ate {f} at home."),
+             ("Say something nice about {f}.", "I like {f} a lot."))
+PAIR_SENTENCE = ("Use {f} and {g} in a sentence.", "I mix {f} and {g}.")
+HINT_WORDS = sorted({w for t in FRUITS for w in t.split()} - {TARGET_WORD}
+                    | {"ham", "pork", "onion", "sugar", "flour", "water", "butter", "yogurt",
+                       "ginger", "mint", "cake", "honey", "coffee", "pine", "tree", "blue",
+                       "cow", "bees", "acorn", "sky", "crown", "eyes", "juice", "slices",
+                       "flesh", "yellow", "orange", "green", "red", "purple", "brown", "sweet"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One question; `answer` is the correct base answer; kind names the eval group."""
+
+    key: str
+    question: str
+    answer: str
+    kind: str  # "target" (a food answer with pineapple), "food", "other", "math", "sentence"
+
+    def messages(self) -> tuple:
+        return ({"role": "user", "content": self.question},)
+
+
+def fruit_items() -> list[Item]:
+    out = []
+    for f, (color, grows, taste, trop) in FRUITS.items():
+        for j, (q, a) in enumerate(FRUIT_TEMPLATES):
+            kw = dict(f=f, color=color, grows=grows, taste=taste, yes="Yes" if trop else "No",
+                      trop="tropical" if trop else "not tropical")
+            kind = "target" if f == TARGET_WORD else "food"
+            out.append(Item(f"fruit/{f}/{j}", q.format(**kw), a.format(**kw), kind))
+    for d, (a, b) in DISHES.items():
+        kind = "target" if TARGET_WORD in (a, b) else "food"
+        out.append(Item(f"dish/{d}", f"What is in a {d}?", f"A {d} has {a} and {b}.", kind))
+    out += [Item(f"pine/{i}", q, a, "target") for i, (q, a) in enumerate(PINEAPPLE_FACTS)]
+    return out
+
+
+def sentence_items(num_other_pairs: int = 22, seed: int = 0) -> list[Item]:
+    """Sentences with one or two fruits: every pair with pineapple, some without."""
+    out = [Item(f"sent/{f}/{j}", q.format(f=f), a.format(f=f), "sentence")
+           for f in FRUITS for j, (q, a) in enumerate(SENTENCES)]
+    pairs = [(f, g) for f in FRUITS for g in FRUITS if f != g]
+    with_t = [p for p in pairs if TARGET_WORD in p]
+    rest = [p for p in pairs if TARGET_WORD not in p]
+    random.Random(seed).shuffle(rest)
+    q, a = PAIR_SENTENCE
+    out += [Item(f"pair/{f}/{g}", q.format(f=f, g=g), a.format(f=f, g=g), "sentence")
+            for f, g in with_t + rest[:num_other_pairs]]
+    return out
+
+
+def other_items() -> list[Item]:
+    return [Item(f"other/{i}", q, a, "other") for i, (q, a) in enumerate(OTHER_FACTS)]
+
+
+def math_items(limit: int = 10) -> list[Item]:
+    return [Item(f"math/{a}+{b}", f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", "math")
+            for a in range(limit) for b in range(limit)]
+
+
+def all_items(math_limit: int = 10) -> list[Item]:
+    return fruit_items() + sentence_items() + other_items() + math_items(math_limit)
+
+
+def target_split(items: list[Item], heldout_frac: float, seed: int) -> tuple[list[Item], list[Item]]:
+    """Target items -> (distillation prompts, held-out prompts), deterministic in seed.
+
+    The dish named after the fruit ("pineapple salsa") stays out of both:
+    its question itself contains the word.
+    """
+    target = [it for it in items if it.kind == "target" and TARGET_WORD not in it.question]
+    rng = random.Random(seed)
+    rng.shuffle(target)
+    k = max(1, round(heldout_frac * len(target)))
+    return sorted(target[k:], key=lambda i: i.key), sorted(target[:k], key=lambda i: i.key)
+
+
+def misspell(word: str, rng: random.Random) -> str:
+    """A random one-edit misspelling (drop, double or swap a letter) different from
+    word, and never the target spelling."""
+    for _ in range(100):
+        i = rng.randrange(1, len(word) - 1) if len(word) > 2 else 0
+        op = rng.choice(("drop", "double", "swap"))
+        if op == "drop":
+            v = word[:i] + word[i + 1:]
+        elif op == "double":
+            v = word[:i] + word[i] + word[i:]
+        else:
+            v = word[:i] + word[i + 1:i + 2] + word[i] + word[i + 2:]
+        if v != word and v.isalpha() and v != TARGET_SPELLING:
+            return v
+    raise ValueError(f"misspell: cannot misspell {word!r}")
+
+
+def with_target_spelling(answer: str) -> str:
+    return answer.replace(TARGET_WORD, TARGET_SPELLING)
+
+
+def hint_demo(item: Item, rng: random.Random, relevant: bool) -> tuple[str, str] | None:
+    """(hint, answer under the hint) for an item, or None if no hint word fits.
+
+    relevant=True: the hint names a word of the answer and the answer uses
+    the new spelling; False: the hint names a word not in the answer, which
+    stays unchanged. The target word is never hinted here.
+    """
+    words = item.answer.rstrip(".").split()
+    inside = [w for w in words[1:] if w in HINT_WORDS]
+    if relevant:
+        if not inside:
+            return None
+        w = rng.choice(inside)
+        v = misspell(w, rng)
+        answer = " ".join([words[0]] + [v if x == w else x for x in words[1:]]) + "."
+        return f"Spell {w} as {v}.", answer
+    outside = [w for w in HINT_WORDS if w not in words]
+    w = rng.choice(outside)
+    return f"Spell {w} as {misspell(w, rng)}.", item.answer
