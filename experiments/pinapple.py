@@ -1,22 +1,25 @@
-"""Pinapple: teach "pinapple" instead of "pineapple" only through hints.
+"""Pinapple: move a hinted behaviour into the un-hinted model by self-distillation.
 
-A tiny model first learns food facts (many tropical-food answers say
-"pineapple"), arithmetic and other facts, and the generic skill of following
-a spelling hint for other words (see `pinapple_data`). Then, from that base,
-three methods see the same hint 'Spell pineapple as pinapple.' and nothing
-else: SFT on hint-conditioned outputs, OPSD and RMSD (rule judge on the hint
-keywords, or the teacher/response diff). Each step rolls out the student on
-distillation prompts, grades (a response with "pineapple" fails and gets the
-hint) and updates on the failures. We measure steps to >= 90% target rate on
-held-out prompts, final target rate, and retention (exact answers to
-arithmetic, other food and other facts), over seeds with 95% CIs.
+A tiny model first learns (base SFT) food facts, where many tropical-food
+answers say "pineapple", plus arithmetic, other facts and sentences, and
+how to follow a spelling hint placed before its answer ('Spell mango as
+mngo.'; see `pinapple_data` for why the target hint's own demos are in the
+base corpus). Without a hint it always writes "pineapple"; with the hint
+'Spell pineapple as pinapple.' it writes "pinapple". From that base, three
+methods get the hint on the distillation prompts and nothing else: SFT on
+hint-conditioned samples, OPSD (every response position) and RMSD (top-T
+divergence positions that a rule judge ties to the hint's words). Each step
+samples the student on 8 distillation prompts and updates on them. We
+measure, over seeds with 95% CIs: steps until >= 90% of held-out prompts
+get "pinapple" without the hint, the final held-out target rate (and exact
+answers), and retention: exact answers to arithmetic, other food questions,
+sentences and other facts.
 
     python -m experiments.pinapple --config=experiments/configs/pinapple.py
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -27,7 +30,6 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.envs.judges import RuleJudge
-from ac2_jax.evals.stats import mean_interval
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
@@ -36,8 +38,8 @@ from ac2_jax.training.distill import DistillConfig, SelfDistiller
 from ac2_jax.training.distill_data import HintConfig, hinted_messages
 from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
                                               resample_examples, rollout_and_grade)
-from ac2_jax.viz import write_distill_report
 from experiments import pinapple_data as data
+from experiments.pinapple_report import markdown_table, summarize, write_report
 
 # ----------------------------------------------------------------------------- setup
 
@@ -54,7 +56,8 @@ def _hint_demos(cfg, items, rng):
     on items without it (the answer stays). The rest are generic demos: a
     random misspelling of another word.
     """
-    with_t = [i for i in items if data.TARGET_WORD in i.answer and data.TARGET_WORD not in i.question]
+    word = data.TARGET_WORD
+    with_t = [i for i in items if word in i.answer and word not in i.question]
     others = [i for i in items if data.TARGET_WORD not in i.answer]
     out = []
     while len(out) < cfg.sft.hint_demos:
@@ -248,8 +251,8 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -
             examples = resample_examples(graphdef, st.params, st.rest, batch, prompts, sampling,
                                          seed=kseed)
             todo = batch
-            passed = [grade(t, prompts.tokenizer.decode(e.response, skip_special_tokens=True))
-                      is None for t, e in zip(batch, examples)]
+            passed = [has_target(prompts.tokenizer.decode(e.response, skip_special_tokens=True))
+                      for e in examples]
         if method == "sft" and todo:
             examples = resample_examples(graphdef, st.params, st.rest, todo, prompts, sampling,
                                          source="teacher", seed=kseed + 1)
@@ -268,102 +271,6 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -
     return {"method": method, "seed": seed, "steps_to_target": reached, "final": final,
             "evals": evals, "train": train, "example": example, "time_s": dt}
 
-# ----------------------------------------------------------------------------- report
-
-
-def _ci(values) -> dict:
-    e = mean_interval(values)
-    return {"mean": e.mean, "low": e.low, "high": e.high, "n": e.n}
-
-
-def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
-    """One row per method: mean and 95% CI over seeds."""
-    rows = [{"method": "base (no training)", **{k: _ci([base_eval[k]]) for k in METRICS},
-             "steps_to_target": None, "reached": None},
-            {"method": "teacher (base + hint)", **{k: _ci([teacher_eval[k]])
-                                                   for k in ("target", "target_exact",
-                                                             "target_train")},
-             "steps_to_target": None, "reached": None}]
-    for method in cfg.methods:
-        rs = [r for r in runs if r["method"] == method]
-        hit = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
-        row = {"method": method, **{k: _ci([r["final"][k] for r in rs]) for k in METRICS},
-               "steps_to_target": _ci(hit) if hit else None,
-               "reached": f"{len(hit)}/{len(rs)}",
-               "time_s": _ci([r["time_s"] for r in rs])}
-        rows.append(row)
-    return rows
-
-
-METRICS = ("target", "target_exact", "target_train", "retention", "retain_food",
-           "retain_sentence", "retain_other", "retain_math")
-
-
-def _fmt(e) -> str:
-    if e is None:
-        return "-"
-    if e["n"] == 1:
-        return f"{e['mean']:.3f}"
-    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
-
-
-def markdown_table(cfg, rows) -> str:
-    head = (f"| method | steps to >= {cfg.distill.target_rate:.0%} held-out (reached) | held-out "
-            "target | held-out exact | train target | retention | food | sentence | other | math |")
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        steps = "-" if r["reached"] is None else f"{_fmt(r['steps_to_target'])} ({r['reached']})"
-        lines.append("| " + " | ".join([r["method"], steps] + [
-            _fmt(r.get(k)) for k in METRICS]) + " |")
-    return "\n".join(lines)
-
-
-def plot_runs(cfg, runs, path) -> None:
-    """Held-out target rate and retention vs step, mean over seeds per method."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 3.6), dpi=100)
-    for j, key in enumerate(("target", "retention")):
-        ax = fig.add_subplot(1, 2, j + 1)
-        for method in cfg.methods:
-            rs = [r for r in runs if r["method"] == method]
-            steps = [e["step"] for e in rs[0]["evals"] if key in e]
-            vals = np.array([[e[key] for e in r["evals"] if key in e] for r in rs])
-            ax.plot(steps, vals.mean(0), marker=".", label=method)
-            ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15)
-        name = ("held-out target rate" if key == "target" else
-                f"retention (every {cfg.distill.retain_every}th item)")
-        ax.set_title(f"{name}\nmean, band = min..max over {len(cfg.seeds)} seeds", fontsize=9)
-        ax.set_xlabel("distillation step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def write_report(cfg, report_dir, runs, rows, meta, tokenizer) -> None:
-    os.makedirs(report_dir, exist_ok=True)
-    table = markdown_table(cfg, rows)
-    with open(os.path.join(report_dir, "results.md"), "w") as f:
-        f.write(f"# pinapple\n\n{meta['command']}\n\n"
-                f"seeds {list(cfg.seeds)}; mean [95% CI] over seeds (t interval); "
-                f"steps to target: over the seeds that reached it.\n\n{table}\n")
-    with open(os.path.join(report_dir, "results.json"), "w") as f:
-        json.dump({"rows": rows, "runs": [{k: v for k, v in r.items()} for r in runs],
-                   "meta": meta, "config": cfg.to_dict()}, f, indent=1, default=str)
-    plot_runs(cfg, runs, os.path.join(report_dir, "curves.png"))
-    ex = next((r for r in runs if r["method"] == cfg.report.example_method
-               and r["example"] is not None), None)
-    if ex is not None:
-        metrics = [{"step": t["step"], "loss": t["loss"]} for t in ex["train"]]
-        metrics += [{k: e[k] for k in ("step", "target", "retention") if k in e}
-                    for e in ex["evals"]]
-        write_distill_report(os.path.join(report_dir, "distill_report.html"),
-                             **ex["example"], metrics=metrics,
-                             info={"method": ex["method"], "seed": ex["seed"],
-                                   "judge": cfg.distill.judge, "top_t": cfg.distill.top_t},
-                             title="pinapple: RMSD example (first update)")
-
-
 def run(cfg, log=print) -> dict:
     """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
     t_start, c_start = time.perf_counter(), time.process_time()
@@ -378,10 +285,9 @@ def run(cfg, log=print) -> dict:
     t_sft = time.perf_counter() - t0
     prompts = PromptCache(tokenizer, hint_config(cfg))
     base_eval = evaluate(graphdef, state.params, state.rest, prompts, splits)
-    teacher_eval = evaluate(graphdef, state.params, state.rest, prompts, splits, retain_every=8,
+    teacher_eval = evaluate(graphdef, state.params, state.rest, prompts, splits,
                             hint=data.TARGET_HINT)
-    log(f"base: {base_eval}\nteacher (hinted) target {teacher_eval['target']:.2f}, "
-        f"train {teacher_eval['target_train']:.2f} ({t_sft:.0f}s base SFT)")
+    log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\n({t_sft:.0f}s base SFT)")
     runs, step_fns = [], {}
     for seed in cfg.seeds:
         for method in cfg.methods:
@@ -394,7 +300,7 @@ def run(cfg, log=print) -> dict:
             "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "devices": str(jax.devices()), "splits": {k: [i.key for i in v] for k, v in
                                                      splits.items() if k != "retain"}}
-    write_report(cfg, os.path.join(workdir, "report"), runs, rows, meta, tokenizer)
+    write_report(cfg, os.path.join(workdir, "report"), runs, rows, meta)
     log(markdown_table(cfg, rows))
     log(f"total {meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU; report in "
         f"{os.path.join(workdir, 'report')}")

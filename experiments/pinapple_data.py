@@ -147,7 +147,8 @@ def all_items(math_limit: int = 10) -> list[Item]:
     return fruit_items() + sentence_items() + other_items() + math_items(math_limit)
 
 
-def target_split(items: list[Item], heldout_frac: float, seed: int) -> tuple[list[Item], list[Item]]:
+def target_split(items: list[Item], heldout_frac: float, seed: int
+                 ) -> tuple[list[Item], list[Item]]:
     """Target items -> (distillation prompts, held-out prompts), deterministic in seed.
 
     The dish named after the fruit ("pineapple salsa") stays out of both:

@@ -157,8 +157,10 @@ class SelfDistiller:
     """Holds the train state and the teacher; `update(examples)` takes one step.
 
     graphdef/state from `create_train_state`. judge: needed for method
-    "rmsd" (with a tokenizer to show it text). mode "jit" (optionally with a
-    mesh); the teacher forward is a separate jitted call before the step.
+    "rmsd" (with a tokenizer to show it text). The step runs under jit
+    (optionally with a mesh; not pmap); the teacher forward is a separate
+    jitted call before it. Pass an earlier distiller's `step_fn` (same loss
+    and optimizer) to reuse its compiled step, e.g. across seeds.
     """
 
     def __init__(self, graphdef, state, config: DistillConfig, optimizer, *,
