@@ -22,6 +22,7 @@ from ac2_jax.envs import CalculatorEnv, demonstration
 from ac2_jax.evals import evaluate, paired_difference
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.hf_io import save_hf_checkpoint
+from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
@@ -108,7 +109,14 @@ async def _pipeline(cfg, log=print) -> dict:
         f"params, vocab {tokenizer.vocab_size}")
 
     t0 = time.perf_counter()
-    model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log)
+    sft_dir = os.path.join(workdir, "sft_params")
+    if os.path.exists(sft_dir):  # a finished warm start is reused (resume)
+        restore_params(model, sft_dir)
+        sft_history = []
+        log(f"SFT warm start restored from {sft_dir}")
+    else:
+        model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log)
+        save_params(model, sft_dir)
     t_sft = time.perf_counter() - t0
 
     rl_dir = os.path.join(workdir, "rl")

@@ -5,10 +5,12 @@
 """
 
 import json
+import logging
 import os
 import sys
 
 from absl import app
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,6 +21,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/calcula
 
 def main(argv):
     del argv
+    absl_logging.set_verbosity(absl_logging.WARNING)   # Orbax logs every save at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request
     report = calculator_agent.run(_CONFIG.value)
     print(json.dumps(report, indent=2))
     print(f"report: {_CONFIG.value.workdir}/report")
