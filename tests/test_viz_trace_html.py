@@ -3,52 +3,12 @@ token with the right class / data attributes, text is escaped, ids without a
 tokenizer; write_trace_html writes the same page.
 """
 
-from html.parser import HTMLParser
-
 import pytest
 
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace
 from ac2_jax.viz import trace_html, write_trace_html
-
-VOID = {"meta", "img", "input", "br", "link", "hr"}
-
-
-class Dom(HTMLParser):
-    """Flat list of elements: {"tag", "attrs", "text", "parents"}."""
-
-    def __init__(self, text):
-        super().__init__(convert_charrefs=True)
-        self.elements, self.stack = [], []
-        self.feed(text)
-        self.close()
-        assert not self.stack, f"unclosed tags: {[e['tag'] for e in self.stack]}"
-
-    def handle_starttag(self, tag, attrs):
-        el = {"tag": tag, "attrs": dict(attrs), "text": "", "parents": list(self.stack)}
-        self.elements.append(el)
-        if tag not in VOID:
-            self.stack.append(el)
-
-    def handle_endtag(self, tag):
-        assert self.stack and self.stack[-1]["tag"] == tag, f"mismatched </{tag}>"
-        self.stack.pop()
-
-    def handle_data(self, data):
-        for el in self.stack:
-            el["text"] += data
-
-    def find(self, tag=None, cls=None, within=None):
-        out = []
-        for el in self.elements:
-            if tag and el["tag"] != tag:
-                continue
-            if cls and cls not in el["attrs"].get("class", "").split():
-                continue
-            if within is not None and not any(p is within for p in el["parents"]):
-                continue
-            out.append(el)
-        return out
+from html_dom import Dom
 
 
 @pytest.fixture(scope="module")
