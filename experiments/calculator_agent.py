@@ -15,6 +15,7 @@ import random
 import secrets
 import time
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,7 +27,6 @@ from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.segments import task_names  # noqa: F401  (re-exported for notebooks)
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
@@ -105,8 +105,8 @@ async def _pipeline(cfg, log=print) -> dict:
     env = build_env(cfg)
     tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), env)
     model = build_model(cfg, tokenizer.vocab_size)
-    log(f"model: {sum(x.size for x in __import__('jax').tree.leaves(nnx.state(model, nnx.Param)))} "
-        f"params, vocab {tokenizer.vocab_size}")
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    log(f"model: {n_params} params, vocab {tokenizer.vocab_size}")
 
     t0 = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft_params")

@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses import group_advantages, policy_gradient_loss, policy_gradient_metrics

@@ -9,7 +9,6 @@ import asyncio
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
