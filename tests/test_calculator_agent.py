@@ -1,0 +1,33 @@
+"""The main job's pipeline at toy size: every stage runs and the report is complete."""
+
+import json
+import os
+
+from ac2_jax.models.hf_io import load_hf_checkpoint
+from experiments import calculator_agent
+from experiments.configs.calculator import get_config
+
+
+def test_pipeline_writes_a_complete_report(tmp_path):
+    cfg = get_config()
+    cfg.workdir = str(tmp_path / "run")
+    cfg.sft.update(num_demos=16, steps=3, batch_rows=2, warmup_steps=1)
+    cfg.rl.update(steps=1, tasks_per_step=2, attempts_per_task=2, concurrency=8, rows=2)
+    cfg.eval.update(num_tasks=4, concurrency=8)
+    cfg.report.num_sample_traces = 2
+    report = calculator_agent.run(cfg, log=lambda *a: None)
+
+    out = os.path.join(cfg.workdir, "report")
+    assert json.load(open(os.path.join(out, "report.json"))) == json.loads(json.dumps(report))
+    for name in ("sft_pass_rate", "rl_pass_rate"):
+        r = report[name]
+        assert r["n"] == 4 and r["pass_rate_ci95"][0] <= r["pass_rate"] <= r["pass_rate_ci95"][1]
+    assert report["rl_steps"] == 1
+    assert os.path.getsize(os.path.join(out, "learning_curve.png")) > 0
+    assert os.path.exists(os.path.join(out, "trace_1.html"))
+    assert os.listdir(os.path.join(cfg.workdir, "rl", "checkpoints"))
+    model, config = load_hf_checkpoint(os.path.join(out, "final_hf"))
+    assert config.num_layers == cfg.model.num_layers
+    # The rollouts were collected through the endpoint and stored with their step.
+    lines = open(os.path.join(cfg.workdir, "rl", "rollouts.jsonl")).read().splitlines()
+    assert len(lines) == 2 * 2
