@@ -173,3 +173,45 @@ def test_stale_traces_are_dropped_in_the_loop(served):
         trainer.close()
         assert history[0]["dropped_stale"] == 0 and history[0]["skipped_update"] == 0.0
         assert history[1]["staleness_max"] == 1 and check(history[1]), history[1]
+
+
+def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
+    """SIGKILL a real RL process mid-collection of step 1, restart it, check the rollouts."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = os.path.join(os.path.dirname(__file__), "rl_kill_worker.py")
+    workdir = str(tmp_path / "run")
+    store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
+    proc = subprocess.Popen([sys.executable, worker, workdir, "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    deadline = time.time() + 300
+    try:  # wait until step 0 is trained and step 1 is being collected (one rollout at a time)
+        while time.time() < deadline:
+            done = [t for t in store.read(on_error="skip") if t.metadata.get("rl_step") == 1]
+            if 1 <= len(done) < 8 and os.path.exists(os.path.join(workdir, "checkpoints", "0")):
+                break
+            assert proc.poll() is None, "the worker ended before it could be killed"
+            time.sleep(0.2)
+        else:
+            raise AssertionError("step 1 never started")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before_kill = store.load(on_error="skip")
+    out = subprocess.run([sys.executable, worker, workdir, "2"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "start_step=1" in out.stdout and "trained rl_step=1" in out.stdout
+    assert "trained rl_step=0" not in out.stdout  # step 0 was not trained again
+    after = store.load(on_error="skip")
+    keys = [(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]) for t in after]
+    assert len(keys) == len(set(keys)) == 2 * 2 * 4  # nothing repeated, nothing lost
+    # Rollouts finished before the kill were kept as they were, not collected again.
+    kept = {(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]): t.metadata["rollout_id"]
+            for t in before_kill}
+    assert 8 < len(kept) < 16
+    again = [k for k, t in zip(keys, after) if k in kept and t.metadata["rollout_id"] != kept[k]]
+    assert not again, f"collected again after the restart: {again}"

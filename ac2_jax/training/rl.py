@@ -98,6 +98,7 @@ class EndpointCollector:
                 trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
                                              group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
                                              metadata={"rl_step": rl_step})
+            trace.metadata["rollout_id"] = trace.attempt_id  # the endpoint's id for it
             trace.attempt_id = str(attempt)
             trace.group_id = f"{rl_step}:{task.task_id}"
             trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain)

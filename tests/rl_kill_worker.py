@@ -1,0 +1,45 @@
+"""A whole RL run in one process (endpoint + sampler + learner), for the kill test.
+
+    python tests/rl_kill_worker.py WORKDIR STEPS
+"""
+
+import asyncio
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ac2_jax.models.tokenizer import build_tiny_tokenizer  # noqa: E402
+from ac2_jax.orchestration import LifecycleClient  # noqa: E402
+from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from ac2_jax.serving.app import build_app  # noqa: E402
+from ac2_jax.serving.server import serve_in_thread  # noqa: E402
+from ac2_jax.trace import TraceStore  # noqa: E402
+from ac2_jax.training.rl import EndpointCollector, RLTrainer  # noqa: E402
+from test_rl import ADMIN, ParityEnv, _config, _make, _model  # noqa: E402
+
+
+async def main(workdir: str, steps: int) -> None:
+    tok = build_tiny_tokenizer(os.path.join(workdir, "tok"))
+    sampler = JaxSampler(_model(tok.vocab_size), publish_dir=os.path.join(workdir, "published"),
+                         max_context=256, max_batch=8, min_batch=8, min_cache_len=256,
+                         eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
+    url, stop = serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
+    lc = LifecycleClient(url, ADMIN)
+    store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
+    collector = EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=2,
+                                  attempts_per_task=4, seed=0, concurrency=1)
+    trainer = RLTrainer(_model(tok.vocab_size), collector, _config(steps), workdir,
+                        on_publish=sampler.load_weights)
+    print(f"start_step={trainer.start_step}", flush=True)
+    for h in await trainer.run():
+        print(f"trained rl_step={h['rl_step']} version={h['policy_version']}", flush=True)
+    trainer.close()
+    await lc.aclose()
+    stop()
+    sampler.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
