@@ -80,14 +80,19 @@ class EndpointCollector:
         self.model_name, self.store = model_name, store
         self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
         self.seed, self.sem = seed, asyncio.Semaphore(concurrency)
+        # Rollouts a previous (killed) run already stored, read once; each step
+        # takes its own out when it is collected.
+        self._stored: dict[int, dict[tuple, Trace]] = {}
+        for t in store.read(on_error="skip"):
+            key = (t.task_id, t.metadata.get("attempt"))
+            self._stored.setdefault(t.metadata.get("rl_step"), {})[key] = t
 
     def tasks(self, rl_step: int):
         return self.env.sample_tasks(self.tasks_per_step, seed=self.seed * 1_000_003 + rl_step,
                                      split="train")
 
     async def collect(self, rl_step: int) -> list[Trace]:
-        done = {(t.task_id, t.metadata.get("attempt")): t
-                for t in self.store.read(on_error="skip") if t.metadata.get("rl_step") == rl_step}
+        done = self._stored.pop(rl_step, {})
 
         async def one(task, attempt):
             key = (task.task_id, attempt)
