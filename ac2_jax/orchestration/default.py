@@ -31,6 +31,7 @@ class DefaultOrchestrator(Orchestrator):
     """Tool loop. `transient(step, messages)` may add messages for one request only."""
 
     agent = "main"
+    n = 1  # responses per request
 
     def __init__(self, *args, transient: Callable[[int, list], list | None] | None = None, **kw):
         super().__init__(*args, **kw)
@@ -54,7 +55,7 @@ class DefaultOrchestrator(Orchestrator):
         """One request: returns the chosen choice's message."""
         extra = self.transient(self.trace.metrics["steps"], messages) if self.transient else None
         request = messages + list(extra or [])
-        resp = await self.complete(request, agent=self.agent,
+        resp = await self.complete(request, agent=self.agent, n=self.n,
                                    tools=[t.spec() for t in self.tools] or None)
         self.trace.metrics["steps"] += 1
         return self.choose(resp.choices).message
@@ -161,10 +162,6 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
         self.n = n
         self.collected: list[list[str | None]] = []
 
-    async def step(self, messages):
-        extra = self.transient(self.trace.metrics["steps"], messages) if self.transient else None
-        resp = await self.complete(messages + list(extra or []), agent=self.agent, n=self.n,
-                                   tools=[t.spec() for t in self.tools] or None)
-        self.trace.metrics["steps"] += 1
-        self.collected.append([c.message.content for c in resp.choices])
-        return self.choose(resp.choices).message
+    def choose(self, choices):
+        self.collected.append([c.message.content for c in choices])
+        return super().choose(choices)
