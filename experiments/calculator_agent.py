@@ -146,12 +146,15 @@ async def _pipeline(cfg, log=print) -> dict:
             lifecycle, env, orchestrator_factory({"temperature": rl.temperature,
                                                   "max_tokens": rl.max_tokens}, rl.max_steps),
             MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
-            attempts_per_task=rl.attempts_per_task, seed=cfg.seed, concurrency=rl.concurrency)
+            attempts_per_task=rl.attempts_per_task, seed=cfg.seed, concurrency=rl.concurrency,
+            infra_retries=rl.infra_retries)
         rl_config = RLConfig(
             steps=rl.steps, tasks_per_step=rl.tasks_per_step, attempts_per_task=rl.attempts_per_task,
             mode=rl.mode, seed=cfg.seed, concurrency=rl.concurrency,
             batch=BatchConfig(seq_len=rl.seq_len, rows=rl.rows, layout=rl.layout,
-                              normalize_std=rl.normalize_std, max_staleness=rl.max_staleness),
+                              normalize_std=rl.normalize_std, max_staleness=rl.max_staleness,
+                              agent_error_reward=rl.agent_error_reward,
+                              timed_out_reward=rl.timed_out_reward),
             loss=PolicyGradientLoss(mode=rl.aggregate, clip_eps=rl.clip_eps, tis_cap=rl.tis_cap),
             optimizer=OptimizerConfig(learning_rate=rl.learning_rate))
         trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,

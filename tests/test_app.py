@@ -329,3 +329,38 @@ def test_rollout_timeout_finishes_as_timed_out(env):
         client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
     stored = [t for t in env["store"].load() if t.metadata["rollout_id"] == info["rollout_id"]]
     assert [t.status for t in stored] == ["timed_out"]
+
+
+def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
+    """A sampler that fails (here: SGLang unreachable) is our fault: 500, and the
+    rollout ends as infra_error (stored, key spent), so it is never trained."""
+    import socket
+
+    from ac2_jax.sampling.sglang import SGLangSampler
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    store = TraceStore(str(tmp_path / "traces.jsonl"))
+    app = build_app(SGLangSampler(dead, max_context=MAX_CONTEXT), tok, admin_key=ADMIN,
+                    trace_store=store, model_name="tiny")
+    url, stop = serve_in_thread(app)
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    try:
+        info = admin.post("/v1/rollouts", json={"task_id": "sampler-down"}).json()
+        with pytest.raises(openai.InternalServerError, match="SGLang") as e:
+            client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+        assert e.value.status_code == 500
+        trace = admin.get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+        assert trace["status"] == "infra_error" and trace["reward"] is None
+        assert "SGLangError" in trace["metadata"]["artifacts"]["error"]
+        assert [t.status for t in store.load()] == ["infra_error"]
+        with pytest.raises(openai.AuthenticationError, match="infra_error"):
+            client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+        # The admin's own requests belong to no rollout: a 500, nothing to end.
+        r = admin.post("/v1/chat/completions", json={"model": "tiny", "messages": [USER]})
+        assert r.status_code == 500 and len(store.load()) == 1
+    finally:
+        admin.close()
+        stop()

@@ -6,7 +6,9 @@ updates. Rollouts go openai client -> FastAPI endpoint -> JaxSampler.
 """
 
 import asyncio
+import collections
 import os
+import socket
 
 import jax
 import numpy as np
@@ -19,12 +21,13 @@ from ac2_jax.models.params_io import latest_published
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.rl import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
-from ac2_jax.training.rl_data import BatchConfig
+from ac2_jax.training.rl_data import BatchConfig, select_traces
 
 ADMIN = "sk-admin-rl"
 
@@ -173,6 +176,110 @@ def test_stale_traces_are_dropped_in_the_loop(served):
         trainer.close()
         assert history[0]["dropped_stale"] == 0 and history[0]["skipped_update"] == 0.0
         assert history[1]["staleness_max"] == 1 and check(history[1]), history[1]
+
+
+class CrashingOrchestrator(DefaultOrchestrator):
+    """A harness whose sandbox dies after the first model call (our fault)."""
+
+    async def run(self, turn_input):
+        self.trace.messages.append({"role": "user", "content": turn_input})
+        await self.step(self.trace.messages)
+        raise RuntimeError("sandbox crashed")
+
+
+def _learner(served, tmp):
+    config = RLConfig(steps=1, tasks_per_step=2, attempts_per_task=2,
+                      batch=BatchConfig(seq_len=128, rows=4))
+    return RLTrainer(_model(served["tok"].vocab_size), ReplayCollector([]), config, str(tmp))
+
+
+def test_collector_retries_infra_errors_and_they_never_reach_a_batch(served):
+    """Task 0's harness always crashes mid-rollout; task 1's crashes on its first two runs."""
+    runs = collections.Counter()
+
+    def flaky(env, task, client, model):
+        runs[task.task_id] += 1
+        if task.task_id.endswith("-0") or runs[task.task_id] <= 2:
+            return CrashingOrchestrator(env, task, client, model, max_steps=1,
+                                        sampling={"temperature": 1.0, "max_tokens": 6})
+        return _make(env, task, client, model)
+
+    store = TraceStore(str(served["tmp"] / "flaky" / "rollouts.jsonl"))
+
+    async def go():
+        lc = LifecycleClient(served["url"], ADMIN)
+        try:
+            return await EndpointCollector(lc, ParityEnv(), flaky, "tiny", store,
+                                           tasks_per_step=2, attempts_per_task=2,
+                                           infra_retries=2).collect(0)
+        finally:
+            await lc.aclose()
+
+    traces = asyncio.run(go())
+    task0, task1 = sorted(runs)
+    assert runs == {task0: 2 * 3, task1: 2 + 2}  # 1 try + 2 retries each; 2 crashes then fine
+    status = {(t.task_id, t.attempt_id): t.status for t in traces}
+    assert status == {(task0, "0"): "infra_error", (task0, "1"): "infra_error",
+                      (task1, "0"): "finished", (task1, "1"): "finished"}
+    assert all(t.metadata["artifacts"]["error"] == "RuntimeError: sandbox crashed"
+               for t in traces if t.task_id == task0)
+    # The store holds the last run of each attempt, tagged with its retries.
+    stored = {(t.task_id, t.attempt_id): (t.status, t.metadata["infra_retries"])
+              for t in store.load()}
+    assert len(store.load()) == 4 and {k: v[0] for k, v in stored.items()} == status
+    assert sum(v[1] for v in stored.values()) == 2 * 2 + 2
+    trainer = _learner(served, served["tmp"] / "flaky_learner")
+    m = trainer.update(traces)
+    trainer.close()
+    assert m["infra_retries"] == 2 * 2 + 2 and m["infra_errors"] == 2 and m["finished"] == 2
+    kept, _, _ = select_traces(traces, 0, trainer.config.batch)
+    assert {t.task_id for t in kept} == {task1}  # the crashed rollouts never reach the batch
+
+
+@pytest.mark.parametrize("failure", ["sampler_down", "trace_store_500", "endpoint_down"])
+def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_path, failure):
+    """A failing sampler (the endpoint answers 500 and ends the rollout), an HTTP 500
+    on finish (the endpoint's trace store is broken: run_rollout raises), an
+    unreachable endpoint: every rollout ends infra_error, the step goes on."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    stop = None
+    if failure == "endpoint_down":
+        url = dead
+    else:
+        sampler, store = served["sampler"], None
+        if failure == "sampler_down":
+            sampler = SGLangSampler(dead, max_context=256)
+        else:
+            (tmp_path / "blocker").write_text("x")  # appending under a file fails
+            store = TraceStore(str(tmp_path / "ok.jsonl"))
+            store.path = str(tmp_path / "blocker" / "traces.jsonl")
+        url, stop = serve_in_thread(build_app(sampler, served["tok"], admin_key=ADMIN,
+                                              model_name="tiny", trace_store=store))
+
+    async def go():
+        lc = LifecycleClient(url, ADMIN)
+        try:
+            return await EndpointCollector(
+                lc, ParityEnv(), _make, "tiny", TraceStore(str(tmp_path / "rollouts.jsonl")),
+                tasks_per_step=2, attempts_per_task=2, infra_retries=1).collect(0)
+        finally:
+            await lc.aclose()
+
+    try:
+        traces = asyncio.run(go())
+    finally:
+        if stop is not None:
+            stop()
+    assert len(traces) == 4 and all(t.status == "infra_error" for t in traces)
+    expected = {"sampler_down": "SGLangError", "trace_store_500": "HTTP 500",
+                "endpoint_down": "ConnectError"}[failure]
+    assert all(expected in t.metadata["artifacts"]["error"] for t in traces), traces[0].metadata
+    trainer = _learner(served, tmp_path / "learner")
+    m = trainer.update(traces)
+    trainer.close()
+    assert m["infra_retries"] == 4 and m["infra_errors"] == 4 and m["skipped_update"] == 1.0
 
 
 def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):

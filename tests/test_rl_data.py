@@ -1,4 +1,4 @@
-"""Traces -> RL batch: failure and staleness rules, group advantages, packing."""
+"""Traces -> RL batch: failure taxonomy and staleness rules, group advantages, packing."""
 
 import numpy as np
 import pytest
@@ -21,13 +21,37 @@ def test_advantages_per_group():
     np.testing.assert_allclose(trace_advantages(traces), [0.5, -0.5, 0.0, 0.0])
 
 
-def test_failed_rollouts_zero_or_drop():
-    traces = [_trace("a", 0, 1.0), _trace("a", 1, None, status="failed")]
-    kept, w, stats = select_traces(traces, 0, BatchConfig(failed="zero"))
-    assert len(kept) == 2 and stats.failed == 1 and stats.dropped_failed == 0
-    np.testing.assert_allclose(trace_advantages(kept), [0.5, -0.5])
-    kept, w, stats = select_traces(traces, 0, BatchConfig(failed="drop"))
-    assert len(kept) == 1 and stats.failed == 1 and stats.dropped_failed == 1
+def test_failure_taxonomy():
+    """finished trains (wrong answers too), agent_error trains, timed_out is configurable,
+    infra_error (and anything not ended) never trains; every skip is counted."""
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0),  # right and wrong: both finished
+              _trace("a", 2, 0.0, status="agent_error"), _trace("a", 3, None, status="timed_out"),
+              _trace("a", 4, 1.0, status="infra_error"), _trace("a", 5, None, status="running"),
+              _trace("a", 6, None)]  # finished, but nobody gave a reward
+    kept, _, stats = select_traces(traces, 0, BatchConfig())
+    assert [t.attempt_id for t in kept] == ["0", "1", "2"]
+    assert (stats.finished, stats.agent_errors, stats.timed_out, stats.dropped_timed_out,
+            stats.infra_errors, stats.dropped_no_reward) == (3, 1, 1, 1, 2, 1)
+    np.testing.assert_allclose(trace_advantages(kept), [2 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+
+    config = BatchConfig(agent_error_reward=-1.0, timed_out_reward=0.0)
+    kept, _, stats = select_traces(traces, 0, config)
+    assert [(t.attempt_id, t.reward) for t in kept] == [("0", 1.0), ("1", 0.0), ("2", -1.0),
+                                                        ("3", 0.0)]
+    assert stats.dropped_timed_out == 0 and stats.infra_errors == 2
+    assert traces[2].reward == 0.0 and traces[3].reward is None  # the inputs are unchanged
+
+
+def test_wrong_answer_trains_with_negative_advantage_and_infra_error_never_does():
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0, n_out=4),
+              _trace("a", 2, 1.0, status="infra_error", n_out=5)]
+    batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=3))
+    np.testing.assert_allclose(adv, [0.5, -0.5])
+    assert batch.loss_mask.sum() == 3 + 4 and stats.infra_errors == 1
+    agent_adv = np.round(batch.advantages[batch.loss_mask > 0], 6)
+    assert sorted(agent_adv.tolist()) == [-0.5] * 4 + [0.5] * 3
+    none, stats, _ = build_batch(traces[2:], 0, BatchConfig(seq_len=16))
+    assert none is None and stats.infra_errors == 1
 
 
 def test_staleness_drop_and_downweight():
@@ -54,13 +78,13 @@ def test_build_batch_shapes_and_advantages():
     assert set(np.round(batch.advantages[batch.loss_mask > 0], 6)) == {-0.5, 0.5}
     tree, _, _ = build_batch(traces, 0, BatchConfig(seq_len=64, rows=1, layout="tree"))
     assert tree.subtree_end is not None and tree.num_real_tokens < batch.num_real_tokens
-    none, stats, _ = build_batch([_trace("a", 0, None, status="failed")], 0,
-                                 BatchConfig(failed="drop"))
-    assert none is None and stats.dropped_failed == 1
 
 
 def test_bad_policies():
-    with pytest.raises(ValueError, match="failed"):
-        BatchConfig(failed="retry")
+    for old in ("zero", "drop"):  # the old failure switch: a clear error, not a silent change
+        with pytest.raises(ValueError, match="agent_error_reward.*timed_out_reward"):
+            BatchConfig(failed=old)
+    with pytest.raises(ValueError, match="timed_out_reward"):
+        BatchConfig(timed_out_reward=float("nan"))
     with pytest.raises(ValueError, match="stale"):
         BatchConfig(stale="ignore")

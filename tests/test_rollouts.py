@@ -113,3 +113,15 @@ def test_parse_create_and_finish():
                 {"artifacts": 1}, {"hints": [1]}):
         with pytest.raises(APIError):
             parse_finish(bad)
+
+
+def test_end_statuses_are_the_failure_taxonomy_and_failed_means_infra_error(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store)
+    for status in ("finished", "agent_error", "timed_out", "infra_error"):
+        reg.finish(reg.create("t"), status=status)
+    reg.finish(reg.create("t"), status="failed")  # what older harnesses send: our fault
+    assert [t.status for t in store.load()] == ["finished", "agent_error", "timed_out",
+                                                "infra_error", "infra_error"]
+    with pytest.raises(APIError, match="infra_error"):
+        reg.finish(reg.create("t"), status="crashed")

@@ -1,8 +1,8 @@
 """Environments: tasks, tools, verifiers, domain mixing."""
 
-from ac2_jax.envs.base import Env, Task, Tool, run_tool
+from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool
 from ac2_jax.envs.calculator import CalculatorEnv, StepwiseCalculatorEnv, demonstration, safe_eval
 from ac2_jax.envs.mixer import DomainMixer
 
-__all__ = ["CalculatorEnv", "DomainMixer", "Env", "StepwiseCalculatorEnv", "Task", "Tool", "demonstration",
-           "run_tool", "safe_eval"]
+__all__ = ["AgentError", "CalculatorEnv", "DomainMixer", "Env", "StepwiseCalculatorEnv", "Task",
+           "Tool", "demonstration", "run_tool", "safe_eval"]

@@ -15,6 +15,15 @@ import json
 from typing import Any, Awaitable, Callable
 
 
+class AgentError(Exception):
+    """The agent's own fault, e.g. a reply a harness or verifier cannot use.
+
+    Raised by a harness (orchestrator) or `Env.verify`, it ends the rollout
+    as `agent_error`, which is trained. Any other exception during a rollout
+    ends it as `infra_error` (our fault), which never is.
+    """
+
+
 @dataclasses.dataclass
 class Task:
     """One task: what the user asks, and what the verifier checks against."""

@@ -4,9 +4,10 @@ from ac2_jax.orchestration.base import (AGENT_HEADER, ConversationTrace, Orchest
                                         SingleTaskUser, User, run_task)
 from ac2_jax.orchestration.default import (CompactionOrchestrator, DefaultOrchestrator,
                                            MultiResponseOrchestrator, SubagentOrchestrator)
-from ac2_jax.orchestration.rollouts import LifecycleClient, LifecycleError, run_rollout
+from ac2_jax.orchestration.rollouts import (LifecycleClient, LifecycleError, classify_error,
+                                           run_rollout)
 
 __all__ = ["AGENT_HEADER", "CompactionOrchestrator", "ConversationTrace", "DefaultOrchestrator",
            "LifecycleClient", "LifecycleError", "MultiResponseOrchestrator", "Orchestrator",
-           "ScriptedUser", "SingleTaskUser", "SubagentOrchestrator", "User", "run_rollout",
-           "run_task"]
+           "ScriptedUser", "SingleTaskUser", "SubagentOrchestrator", "User", "classify_error",
+           "run_rollout", "run_task"]

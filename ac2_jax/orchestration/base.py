@@ -31,7 +31,8 @@ class ConversationTrace:
     task: Task
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     answer: str | None = None
-    status: str = "running"  # running | finished | step_limit | token_limit | failed
+    # running | finished | step_limit | token_limit | agent_error | infra_error
+    status: str = "running"
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     metrics: dict[str, float] = dataclasses.field(default_factory=lambda: {
         "steps": 0, "tool_calls": 0, "tool_errors": 0, "prompt_tokens": 0,

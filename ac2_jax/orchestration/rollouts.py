@@ -5,6 +5,7 @@ create a rollout (getting its own base_url and api_key), finish it with a
 reward, fetch its token-level trace. `run_rollout` is one attempt end to end:
 create, run the orchestrator loop with an OpenAI client bound to the rollout
 key, verify, finish. This is how RL collects traces, and how any harness can.
+`classify_error` says whose fault a failed attempt was (DESIGN.md "Failures").
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from typing import Any, Callable
 import httpx
 import openai
 
-from ac2_jax.envs.base import Env, Task
+from ac2_jax.envs.base import AgentError, Env, Task
 from ac2_jax.orchestration.base import ConversationTrace, Orchestrator, SingleTaskUser, run_task
 from ac2_jax.trace.types import Trace
 
 
 class LifecycleError(RuntimeError):
-    """The endpoint refused a lifecycle call."""
+    """The endpoint refused a lifecycle call (`status_code`: its HTTP status)."""
+
+    def __init__(self, message: str, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class LifecycleClient:
@@ -34,7 +39,8 @@ class LifecycleClient:
     async def _call(self, method: str, path: str, **kw) -> dict[str, Any]:
         r = await self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+            raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}",
+                                 r.status_code)
         return r.json()
 
     async def create(self, task_id: str, group_id: str | None = None,
@@ -62,35 +68,63 @@ class LifecycleClient:
 OrchestratorFactory = Callable[[Env, Task, Any, str], Orchestrator]
 
 
+def classify_error(exc: BaseException) -> str:
+    """The trace status of an attempt that raised `exc`: whose fault was it?
+
+    "agent_error" (trained): the agent's own, i.e. a harness or verifier raised
+    `AgentError`, or the agent's conversation outgrew the model's context
+    (HTTP 400 context_length_exceeded). "infra_error" (never trained): ours,
+    i.e. everything else: network and connection errors, HTTP 5xx, sampler
+    errors, harness or sandbox crashes, and any error not known to be the
+    agent's, so that no outage of ours can punish the policy.
+    """
+    if isinstance(exc, AgentError):
+        return "agent_error"
+    if isinstance(exc, openai.BadRequestError) and exc.code == "context_length_exceeded":
+        return "agent_error"
+    return "infra_error"
+
+
 async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
                       make_orchestrator: OrchestratorFactory, model: str, *,
                       group_id: str | None = None, attempt: int = 0,
                       metadata: dict | None = None) -> tuple[Trace, ConversationTrace]:
     """One attempt: create rollout -> run loop -> verify -> finish -> trace.
 
-    A crashed orchestrator finishes the rollout as "failed" (reward 0) rather
-    than leaking it; the error is kept in the trace metadata.
+    The attempt ends "finished" when the agent answered (the verifier's reward,
+    a wrong answer included), "agent_error" when it did not answer within its
+    step or token budget (the verifier's reward for no answer), and otherwise
+    as `classify_error` says of the exception (no reward; the error is kept
+    in the trace's `metadata["artifacts"]["error"]`). A rollout the endpoint
+    ended first (timed_out, or infra_error after a server failure) keeps that
+    status. Errors of the lifecycle calls themselves propagate.
     """
     info = await lifecycle.create(task.task_id, group_id=group_id,
                                   metadata={"attempt": attempt, "domain": task.domain,
                                             **(metadata or {})})
     client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
                                 max_retries=0, timeout=600.0)
-    conv = None
+    orch = None
     try:
         orch = make_orchestrator(env, task, client, model)
         conv = await run_task(orch, SingleTaskUser())
         reward = env.verify(task, conv.answer)
-        await lifecycle.finish(info["rollout_id"], reward=reward, status="finished", artifacts={
-            "answer": conv.answer, "orchestrator_status": conv.status,
-            "metrics": conv.metrics})
-    except Exception as e:  # noqa: BLE001 - recorded as a failed rollout
-        await lifecycle.finish(info["rollout_id"], reward=0.0, status="failed",
-                               artifacts={"error": f"{type(e).__name__}: {e}"})
-        if conv is None:
-            conv = ConversationTrace(task=task, status="failed")
+        status = "finished" if conv.status == "finished" else "agent_error"
+        artifacts = {"answer": conv.answer, "orchestrator_status": conv.status,
+                     "metrics": conv.metrics}
+    except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
+        status, reward = classify_error(e), None
+        conv = orch.trace if orch is not None else ConversationTrace(task=task)
+        conv.status = status
+        artifacts = {"error": f"{type(e).__name__}: {e}", "orchestrator_status": status}
     finally:
         await client.close()
+    try:
+        await lifecycle.finish(info["rollout_id"], reward=reward, status=status,
+                               artifacts=artifacts)
+    except LifecycleError as e:
+        if e.status_code != 409:  # 409: the endpoint ended it first; its status stands
+            raise
     trace = await lifecycle.trace(info["rollout_id"])
-    trace.metrics.update({k: v for k, v in conv.metrics.items()})
+    trace.metrics.update(conv.metrics)
     return trace, conv

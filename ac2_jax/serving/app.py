@@ -98,7 +98,19 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
     app.state.model_name = model_name
-    install_error_handlers(app)
+    def end_as_infra_error(request: Request, exc: Exception) -> None:
+        """A crash while serving a rollout's request (sampler, server) is our fault:
+        the rollout ends as infra_error, so it is never trained."""
+        rollout = getattr(request.state, "rollout", None)
+        if rollout is None or not rollout.running:
+            return
+        try:
+            registry.finish(rollout, status="infra_error",
+                            artifacts={"error": f"{type(exc).__name__}: {exc}"})
+        except Exception:  # noqa: BLE001 - e.g. it ended meanwhile; the 500 goes out anyway
+            logging.exception("could not end rollout %s as infra_error", rollout.rollout_id)
+
+    install_error_handlers(app, on_crash=end_as_infra_error)
 
     def authenticate(request: Request) -> _Principal:
         header = request.headers.get("authorization", "")
@@ -112,6 +124,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         rollout = registry.by_key(key)
         if rollout is None:
             raise APIError(401, "Invalid API key", code="invalid_api_key")
+        request.state.rollout = rollout  # for end_as_infra_error
         return _Principal(rollout)
 
     def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:

@@ -9,7 +9,7 @@ ConflictError, ...) with our message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,8 +47,12 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped."""
+def install_error_handlers(app: FastAPI,
+                           on_crash: Callable[[Request, Exception], None] | None = None) -> None:
+    """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped.
+
+    on_crash(request, exc) runs first on an unexpected exception (a 500).
+    """
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError):
@@ -73,6 +77,8 @@ def install_error_handlers(app: FastAPI) -> None:
                         param=loc or None, code="invalid_request").response()
 
     @app.exception_handler(Exception)
-    async def _crash(_request: Request, exc: Exception):
+    async def _crash(request: Request, exc: Exception):
+        if on_crash is not None:
+            on_crash(request, exc)
         return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
                         code="internal_error").response()

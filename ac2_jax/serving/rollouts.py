@@ -21,10 +21,13 @@ import time
 from typing import Any
 
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
+from ac2_jax.trace.types import LEGACY_STATUSES, TRACE_STATUSES
 from ac2_jax.serving.errors import APIError, bad_request
 from ac2_jax.serving.splice import TurnMemory
 
-END_STATUSES = ("finished", "failed", "timed_out")
+# How a rollout may end (the failure taxonomy of `Trace.status`); an old "failed"
+# is taken as "infra_error" (our fault, never trained).
+END_STATUSES = tuple(s for s in TRACE_STATUSES if s != "running")
 
 
 class Rollout:
@@ -163,6 +166,7 @@ class RolloutRegistry:
                artifacts: dict | None = None, hints: list[str] | None = None,
                metrics: dict | None = None) -> Rollout:
         """Ends the rollout, stores its trace and kills its key (409 if already ended)."""
+        status = LEGACY_STATUSES.get(status, status)
         if status not in END_STATUSES:
             raise bad_request(f"'status' must be one of {list(END_STATUSES)}, got {status!r}",
                               param="status")

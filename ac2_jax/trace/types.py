@@ -104,7 +104,16 @@ class Episode:
         )
 
 
-TRACE_STATUSES = ("running", "finished", "failed", "timed_out")
+# How an attempt ended (DESIGN.md "Failures"). "finished": the verifier's reward,
+# wrong answers included (trained). "agent_error": the agent's own fault, e.g.
+# no answer within its step budget (trained, with the verifier's or a configured
+# reward). "timed_out": the endpoint's deadline passed (trained or dropped, by
+# config). "infra_error": our fault, e.g. a sampler, network or harness crash
+# (never trained). "running" until then.
+TRACE_STATUSES = ("running", "finished", "agent_error", "timed_out", "infra_error")
+# Statuses older stores wrote, read as today's. "failed" was written for any
+# exception during a rollout, mostly our outages: it must never be trained.
+LEGACY_STATUSES = {"failed": "infra_error"}
 
 
 @dataclasses.dataclass
@@ -145,6 +154,7 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        status = d.get("status", "running")
         return cls(
             task_id=d["task_id"],
             attempt_id=d.get("attempt_id", "0"),
@@ -152,7 +162,7 @@ class Trace:
             episodes=[Episode.from_dict(e) for e in d.get("episodes", [])],
             reward=d.get("reward"),
             hints=list(d.get("hints", [])),
-            status=d.get("status", "running"),
+            status=LEGACY_STATUSES.get(status, status),
             metrics=dict(d.get("metrics", {})),
             metadata=dict(d.get("metadata", {})),
         )

@@ -11,13 +11,15 @@ traces lagging more than `max_staleness` versions are dropped or
 down-weighted and truncated importance weights correct the rest. Every
 collected rollout is appended to `workdir/rollouts.jsonl` as it finishes, and
 a checkpoint records the last trained step, so a killed run resumes at the
-next step without repeating or losing rollouts.
+next step without repeating or losing rollouts. Rollouts that end infra_error
+(our fault) are retried, counted in the step metrics, and never trained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -69,17 +71,25 @@ class Collector(Protocol):
 class EndpointCollector:
     """G attempts of each step's tasks through the endpoint, concurrently.
 
-    Every finished rollout goes to `store` tagged with (rl_step, task, attempt);
-    attempts already in the store are reused, not run again (resume).
+    An attempt that ends infra_error (our fault: sampler, network, harness
+    crash, or any exception out of `run_rollout`) is run again, up to
+    `infra_retries` more times. The last run of every attempt goes to `store`
+    tagged with (rl_step, task, attempt) and `infra_retries` (how many runs
+    it took, less one); attempts already in the store are reused, not run
+    again (resume).
     """
 
     def __init__(self, lifecycle: LifecycleClient, env: Env, make_orchestrator: OrchestratorFactory,
                  model_name: str, store: TraceStore, *, tasks_per_step: int,
-                 attempts_per_task: int, seed: int = 0, concurrency: int = 64):
+                 attempts_per_task: int, seed: int = 0, concurrency: int = 64,
+                 infra_retries: int = 2):
+        if infra_retries < 0:
+            raise ValueError(f"EndpointCollector: infra_retries must be >= 0, got {infra_retries}")
         self.lifecycle, self.env, self.make = lifecycle, env, make_orchestrator
         self.model_name, self.store = model_name, store
         self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
         self.seed, self.sem = seed, asyncio.Semaphore(concurrency)
+        self.infra_retries = infra_retries
         # Rollouts a previous (killed) run already stored, read once; each step
         # takes its own out when it is collected.
         self._stored: dict[int, dict[tuple, Trace]] = {}
@@ -98,20 +108,37 @@ class EndpointCollector:
             key = (task.task_id, attempt)
             if key in done:
                 return done[key]
-            env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
-            async with self.sem:
-                trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
-                                             group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
-                                             metadata={"rl_step": rl_step})
-            trace.metadata["rollout_id"] = trace.attempt_id  # the endpoint's id for it
+            for retries in range(self.infra_retries + 1):
+                trace = await self._run(task, attempt, rl_step)
+                if trace.status != "infra_error":
+                    break
+                error = trace.metadata.get("artifacts", {}).get("error")
+                logging.warning("rl_step %d, %s attempt %d: infra_error (%s); %s", rl_step,
+                                task.task_id, attempt, error,
+                                "retrying" if retries < self.infra_retries else "giving up")
             trace.attempt_id = str(attempt)
             trace.group_id = f"{rl_step}:{task.task_id}"
-            trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain)
+            trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain,
+                                  infra_retries=retries)
             self.store.append(trace)
             return trace
 
         jobs = [one(task, a) for task in self.tasks(rl_step) for a in range(self.attempts)]
         return list(await asyncio.gather(*jobs))
+
+    async def _run(self, task, attempt: int, rl_step: int) -> Trace:
+        """One run of an attempt; an exception out of it is an infra_error trace."""
+        env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
+        try:
+            async with self.sem:
+                trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
+                                             group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
+                                             metadata={"rl_step": rl_step})
+        except Exception as e:  # noqa: BLE001 - e.g. the endpoint is down: ours, counted
+            return Trace(task_id=task.task_id, status="infra_error",
+                         metadata={"artifacts": {"error": f"{type(e).__name__}: {e}"}})
+        trace.metadata["rollout_id"] = trace.attempt_id  # the endpoint's id for it
+        return trace
 
 
 class ReplayCollector:
@@ -162,7 +189,8 @@ class RLTrainer:
         """One update from traces (the same in sync and async mode)."""
         version = self.version
         batch, stats, adv = build_batch(traces, version, self.config.batch)
-        rewards = trace_rewards(traces)
+        # Rewards of the traces with a verdict (infra_error ones have none).
+        rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {
             "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
             "pass_rate": float((rewards >= 1.0).mean()) if len(rewards) else 0.0,
@@ -172,6 +200,7 @@ class RLTrainer:
             "episodes_per_trace": float(np.mean([len(t.episodes) for t in traces])) if traces else 0.0,
             "agent_tokens": float(sum(t.num_agent_tokens for t in traces)),
             **{k: float(v) for k, v in dataclasses.asdict(stats).items()},
+            "infra_retries": float(sum(t.metadata.get("infra_retries", 0) for t in traces)),
         }
         if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)

@@ -1,4 +1,4 @@
-"""Traces -> an RL batch: failures, staleness, group advantages, packing.
+"""Traces -> an RL batch: failure taxonomy, staleness, group advantages, packing.
 
 Pure host-side functions, shared by the sync and async loops so both build
 identical batches from identical traces.
@@ -7,6 +7,7 @@ identical batches from identical traces.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -15,7 +16,6 @@ from ac2_jax.losses import group_advantages
 from ac2_jax.segments import PackedBatch, pack_segments, segments_from_trace
 from ac2_jax.trace.types import Trace
 
-FAILED_POLICIES = ("zero", "drop")
 STALE_POLICIES = ("drop", "downweight")
 
 
@@ -29,14 +29,27 @@ class BatchConfig:
     segment_mode: str = "episode"
     layout: str = "flat"
     normalize_std: bool = False
-    failed: str = "zero"            # failed/timed-out rollouts: reward 0, or dropped
+    # How ended traces train (DESIGN.md "Failures"): "finished" with the verifier's
+    # reward, wrong answers included; "infra_error" never (no setting changes that).
+    agent_error_reward: float | None = None  # None: the verifier's reward (0 if none)
+    timed_out_reward: float | None = None    # None: timed-out traces are dropped
+    failed: str | None = None       # removed (was "zero" | "drop"); setting it is an error
     max_staleness: int = 1          # policy versions a trace may lag the learner
     stale: str = "drop"             # older traces: dropped, or down-weighted
     stale_weight: float = 0.5
 
     def __post_init__(self):
-        if self.failed not in FAILED_POLICIES:
-            raise ValueError(f"BatchConfig.failed must be one of {FAILED_POLICIES}, got {self.failed!r}")
+        if self.failed is not None:
+            raise ValueError(
+                f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
+                "finished, agent_error, timed_out or infra_error, and infra_error (our fault) "
+                "is never trained. Remove `failed` and set agent_error_reward (None = the "
+                "verifier's reward) and timed_out_reward (None = drop); the old 'zero' was "
+                "agent_error_reward=0.0, timed_out_reward=0.0")
+        for name in ("agent_error_reward", "timed_out_reward"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
         if self.stale not in STALE_POLICIES:
             raise ValueError(f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}")
 
@@ -49,9 +62,15 @@ def trace_version(trace: Trace) -> int:
 
 @dataclasses.dataclass
 class BatchStats:
+    """What `select_traces` saw and skipped (every skip is counted)."""
+
     traces: int = 0
-    failed: int = 0
-    dropped_failed: int = 0
+    finished: int = 0
+    agent_errors: int = 0
+    timed_out: int = 0
+    dropped_timed_out: int = 0      # with timed_out_reward=None
+    infra_errors: int = 0           # never trained (also: traces that never ended)
+    dropped_no_reward: int = 0      # finished, but no reward was given
     dropped_stale: int = 0
     downweighted: int = 0
     empty: int = 0
@@ -61,15 +80,19 @@ class BatchStats:
 
 def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchConfig
                   ) -> tuple[list[Trace], list[float], BatchStats]:
-    """Applies the failure and staleness rules. Returns (kept, weights, stats)."""
+    """Applies the failure and staleness rules. Returns (kept, weights, stats).
+
+    Kept traces carry the reward they train with (a copy when the config
+    replaced it); the inputs are not changed.
+    """
     stats = BatchStats(traces=len(traces))
     kept, weights, lags = [], [], []
     for t in traces:
-        if t.status != "finished" or t.reward is None:
-            stats.failed += 1
-            if config.failed == "drop":
-                stats.dropped_failed += 1
-                continue
+        reward = _trained_reward(t, config, stats)
+        if reward is None:
+            continue
+        if reward != t.reward:
+            t = dataclasses.replace(t, reward=reward)
         lag = max(0, learner_version - trace_version(t))
         lags.append(lag)
         w = 1.0
@@ -88,10 +111,33 @@ def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchCo
     return kept, weights, stats
 
 
+def _trained_reward(t: Trace, config: BatchConfig, stats: BatchStats) -> float | None:
+    """The reward `t` trains with, or None when it is dropped (counted in `stats`)."""
+    if t.status == "finished":
+        stats.finished += 1
+        if t.reward is None:
+            stats.dropped_no_reward += 1
+            return None
+        return float(t.reward)
+    if t.status == "agent_error":
+        stats.agent_errors += 1
+        if config.agent_error_reward is not None:
+            return float(config.agent_error_reward)
+        return float(t.reward or 0.0)
+    if t.status == "timed_out":
+        stats.timed_out += 1
+        if config.timed_out_reward is None:
+            stats.dropped_timed_out += 1
+            return None
+        return float(config.timed_out_reward)
+    stats.infra_errors += 1  # our fault, or never ended: nothing to learn about the agent
+    return None
+
+
 def trace_rewards(traces: Sequence[Trace]) -> np.ndarray:
-    """Rewards, with failed / missing ones as 0."""
-    return np.array([float(t.reward) if (t.status == "finished" and t.reward is not None)
-                     else 0.0 for t in traces], np.float32)
+    """Each trace's reward, 0 when it has none (`select_traces` has already put
+    the configured reward on the traces it keeps)."""
+    return np.array([float(t.reward or 0.0) for t in traces], np.float32)
 
 
 def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np.ndarray:

@@ -29,7 +29,8 @@ line-height:1.6;border:1px solid #ddd;padding:.6em;border-radius:4px;background:
 .tokens.ids .tok{margin-right:.35em}
 .legend span{padding:0 .4em;margin-right:.6em;border-radius:2px}
 .badge{display:inline-block;padding:0 .5em;border-radius:3px;background:#eee;margin-right:.4em}
-.status-finished{background:#d4f5d4} .status-failed,.status-timed_out{background:#f8d0d0}
+.status-finished{background:#d4f5d4} .status-agent_error,.status-timed_out{background:#f8d0d0}
+.status-infra_error{background:#e0e0e0}
 """
 
 

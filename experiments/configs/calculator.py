@@ -1,6 +1,7 @@
 """The main job: a tiny agent learns to use a calculator tool (CPU, minutes)."""
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -25,7 +26,11 @@ def get_config() -> ml_collections.ConfigDict:
         steps=12, tasks_per_step=8, attempts_per_task=8, mode="sync", learning_rate=1e-4,
         temperature=0.3, max_tokens=48, max_steps=3, seq_len=512, rows=8, layout="tree",
         aggregate="task_mean", clip_eps=0.2, tis_cap=2.0, max_staleness=1,
-        normalize_std=False, concurrency=64))
+        normalize_std=False, concurrency=64,
+        # Failures (DESIGN.md): infra_error is retried, then never trained; agent_error
+        # trains with the verifier's reward (None) or this one; timed_out is dropped (None).
+        infra_retries=2, agent_error_reward=config_dict.placeholder(float),
+        timed_out_reward=config_dict.placeholder(float)))
 
     c.eval = ml_collections.ConfigDict(dict(num_tasks=200, temperature=0.3, concurrency=64))
     c.report = ml_collections.ConfigDict(dict(num_sample_traces=4))

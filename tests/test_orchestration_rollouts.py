@@ -1,0 +1,180 @@
+"""run_rollout over the real endpoint: how an attempt ends, and whose fault a failure is.
+
+A tiny random model behind the FastAPI endpoint (JaxSampler), the official
+openai client, real HTTP. Our failures (a crashed harness, a failing sampler,
+an HTTP 5xx) end as `infra_error` and never reach a batch; the agent's own
+faults end as `agent_error`; a wrong answer is `finished` with reward 0 and
+is trained.
+"""
+
+import asyncio
+import dataclasses
+import socket
+
+import numpy as np
+import openai
+import pytest
+from fastapi import FastAPI
+from flax import nnx
+
+from ac2_jax.envs import AgentError, Env, Task
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, run_rollout
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.sglang import SGLangSampler
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.errors import install_error_handlers
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.training.rl_data import BatchConfig, build_batch
+
+ADMIN = "sk-admin-rollouts"
+SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}
+
+
+class ExactEnv(Env):
+    """Reward 1 when the answer is exactly the task's answer."""
+
+    def sample_tasks(self, n, seed, split="train"):
+        return [Task(task_id=f"say-{i}", prompt="Say something.", answer="17") for i in range(n)]
+
+    def verify(self, task, answer):
+        return float((answer or "").strip() == task.answer)
+
+
+class CrashingOrchestrator(DefaultOrchestrator):
+    """A harness whose sandbox dies after the first model call (our fault)."""
+
+    async def run(self, turn_input):
+        self.trace.messages.append({"role": "user", "content": turn_input})
+        await self.step(self.trace.messages)
+        raise RuntimeError("sandbox crashed")
+
+
+class GivingUpOrchestrator(DefaultOrchestrator):
+    """A harness that finds the agent's reply unusable (the agent's fault)."""
+
+    async def run(self, turn_input):
+        self.trace.messages.append({"role": "user", "content": turn_input})
+        await self.step(self.trace.messages)
+        raise AgentError("the reply is not a parsable answer")
+
+
+def make(cls=DefaultOrchestrator, **kw):
+    return lambda e, t, c, m: cls(e, t, c, m, sampling=SAMPLING, **{"max_steps": 1, **kw})
+
+
+def _serve(sampler, tok):
+    return serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rollouts")
+    tok = build_tiny_tokenizer(str(tmp / "tok"))
+    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=256, max_batch=8,
+                         min_batch=8, min_cache_len=256, eos_token_ids=tok.stop_token_ids,
+                         tokenizer=tok, seed=0)
+    url, stop = _serve(sampler, tok)
+    yield dict(url=url, tok=tok, env=ExactEnv())
+    stop()
+    sampler.close()
+
+
+def run(url, env, make_orchestrator, task=None, group_id="g"):
+    async def go():
+        lc = LifecycleClient(url, ADMIN)
+        try:
+            return await run_rollout(lc, env, task or env.sample_tasks(1, 0)[0],
+                                     make_orchestrator, "tiny", group_id=group_id)
+        finally:
+            await lc.aclose()
+    return asyncio.run(go())
+
+
+def never_trained(trace):
+    batch, stats, _ = build_batch([trace], 0, BatchConfig(seq_len=128, rows=1))
+    return batch is None and stats.infra_errors == 1
+
+
+def test_harness_crash_mid_rollout_is_infra_error(endpoint):
+    trace, conv = run(endpoint["url"], endpoint["env"], make(CrashingOrchestrator))
+    assert trace.status == "infra_error" and trace.reward is None
+    assert trace.metadata["artifacts"]["error"] == "RuntimeError: sandbox crashed"
+    assert len(trace.episodes[0].completions) == 1 and conv.metrics["steps"] == 1  # mid-rollout
+    assert conv.status == "infra_error" and never_trained(trace)
+
+
+def test_sampler_error_is_infra_error(endpoint):
+    with socket.socket() as s:  # SGLang "down": a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url, stop = _serve(SGLangSampler(dead, max_context=256), endpoint["tok"])
+    try:
+        trace, conv = run(url, endpoint["env"], make())
+    finally:
+        stop()
+    # The endpoint ended the rollout itself; run_rollout keeps that status.
+    assert trace.status == "infra_error" and "SGLangError" in trace.metadata["artifacts"]["error"]
+    assert conv.status == "infra_error" and never_trained(trace)
+
+
+def test_http_500_is_infra_error(endpoint):
+    """The harness's model calls go through a gateway that answers 500: our outage."""
+    gateway = FastAPI()
+    install_error_handlers(gateway)
+
+    @gateway.post("/v1/chat/completions")
+    async def broken():
+        raise RuntimeError("upstream overloaded")
+
+    gw_url, stop = serve_in_thread(gateway)
+
+    def via_gateway(e, t, c, m):
+        client = openai.AsyncOpenAI(base_url=gw_url + "/v1", api_key="k", max_retries=0)
+        return DefaultOrchestrator(e, t, client, m, sampling=SAMPLING)
+
+    try:
+        trace, conv = run(endpoint["url"], endpoint["env"], via_gateway)
+    finally:
+        stop()
+    assert trace.status == "infra_error" and not trace.episodes
+    assert trace.metadata["artifacts"]["error"].startswith("InternalServerError")
+    assert never_trained(trace)
+
+
+def test_agent_faults_are_agent_error_and_trained(endpoint):
+    url, env = endpoint["url"], endpoint["env"]
+    gave_up, conv = run(url, env, make(GivingUpOrchestrator))
+    assert gave_up.status == "agent_error" and conv.status == "agent_error"
+    assert "not a parsable answer" in gave_up.metadata["artifacts"]["error"]
+    out_of_steps, conv = run(url, env, make(max_steps=0))
+    assert out_of_steps.status == "agent_error" and out_of_steps.reward == 0.0
+    assert out_of_steps.metadata["artifacts"]["orchestrator_status"] == "step_limit"
+    long_task = Task(task_id="long", prompt="word " * 300, answer="17")  # > 256 tokens
+    overflow, conv = run(url, env, make(), task=long_task)
+    assert overflow.status == "agent_error" and "context length" in overflow.metadata[
+        "artifacts"]["error"]
+    batch, stats, adv = build_batch([gave_up], 0, BatchConfig(seq_len=128, rows=1,
+                                                               agent_error_reward=-1.0))
+    assert stats.agent_errors == 1 and batch.loss_mask.sum() == gave_up.num_agent_tokens > 0
+
+
+def test_wrong_answer_is_finished_with_reward_0_and_trained(endpoint):
+    url, env = endpoint["url"], endpoint["env"]
+    task = env.sample_tasks(1, 0)[0]  # expects "17", which the tiny random policy never says
+    wrong, conv = run(url, env, make(), task)
+    assert wrong.status == "finished" and wrong.reward == 0.0
+    # Same prompt, same seed: the same answer, which this task's verifier accepts.
+    right_task = dataclasses.replace(task, answer=(conv.answer or "").strip())
+    right, _ = run(url, env, make(), right_task)
+    assert right.status == "finished" and right.reward == 1.0
+    crashed, _ = run(url, env, make(CrashingOrchestrator), task)  # same group, our fault
+    batch, stats, adv = build_batch([wrong, right, crashed], 0, BatchConfig(seq_len=128, rows=2))
+    np.testing.assert_allclose(adv, [-0.5, 0.5])
+    assert stats.finished == 2 and stats.infra_errors == 1
+    agent_adv = batch.advantages[batch.loss_mask > 0]
+    assert batch.loss_mask.sum() == wrong.num_agent_tokens + right.num_agent_tokens
+    assert (agent_adv < 0).sum() == wrong.num_agent_tokens > 0
