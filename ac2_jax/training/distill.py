@@ -11,7 +11,9 @@ One update on a list of `DistillExample`s (see `distill_data`):
    candidates (top-T per example and/or >= threshold) go to the judge, and
    the batch's loss_mask becomes `relevance_mask` (candidates ∩ selections).
 4. `make_train_step(DistillLoss)` takes the step: `distill_loss` per
-   position, token-weighted over the kept positions (task_mean by default).
+   position, token-weighted over the kept positions (task_mean by default:
+   all examples of one trace are one task), times each example's `weight`
+   (the batch's `loss_weight`; it never changes the normalising counts).
 
 Teacher weights: "live" (the current params), "fixed" (a copy of the
 initial params) or "ema" (updated after every step:
@@ -264,5 +266,5 @@ class SelfDistiller:
                                        jnp.float32(self.config.ema_decay))
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out.update(skipped=0.0, kept_tokens=kept,
-                   response_tokens=float(sum(len(e.response) for e in examples)))
+                   response_tokens=float(sum(e.num_trained for e in examples)))
         return out

@@ -9,8 +9,16 @@ student and teacher sequences with the same row/segment layout and gives, for
 every student column, the teacher column that predicts the same response
 token (`teacher_index`); the response positions then line up exactly.
 
+A DistillExample's `response` may hold several output spans of one
+append-only episode (`response_mask` 1 on each, 0 on the tool results and
+other context between them): one forward pass then trains every turn.
+`loss_mask` of the packed batch COUNTS trained predictions (1 each; it
+defines the task_mean normaliser); the example's `weight` goes to
+`loss_weight`, which multiplies the loss.
+
 Data sources (each returns `DistillExample`s):
-(a) `examples_from_traces`: stored traces + their hints (offline);
+(a) `examples_from_traces`: stored traces + their hints (offline), every
+    completion of every episode (main, compactor, subagents) by default;
 (b)/(c) `ac2_jax.training.distill_sources`: resample a turn with the current
 policy, or roll out, grade and distill the failures with generated hints.
 """
@@ -18,7 +26,9 @@ policy, or roll out, grade and distill the failures with generated hints.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import difflib
+import os
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -101,15 +111,59 @@ def _pick_split(tokenizer, tt, p, n, text) -> int:
     return next((q for q in holds if tt[q] in special), holds[0])
 
 
+def _anchor(student_text: str, stored_text: str, chars: int) -> int | None:
+    """Offset in `stored_text` of offset `chars` of `student_text`, or None.
+
+    The stored prompt can render more than the messages (tool schemas, which
+    `Completion.messages` does not hold) and spliced turns can differ from
+    the template's text. The hint goes where the same text precedes it
+    (common prefix), else where the same text follows it (common suffix),
+    else inside a block both texts share (a diff of the rest).
+    """
+    s, d = student_text, stored_text
+    cp = len(os.path.commonprefix([s, d]))
+    if chars <= cp:
+        return chars
+    n = min(len(s), len(d)) - cp
+    cs = len(os.path.commonprefix([s[::-1][:n], d[::-1][:n]]))
+    if chars >= len(s) - cs:
+        return len(d) - (len(s) - chars)
+    a, b, x = s[cp:len(s) - cs], d[cp:len(d) - cs], chars - cp
+    for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal" and i1 <= x <= i2:
+            return cp + j1 + (x - i1)
+    return None
+
+
+def _token_boundary(tokenizer, ids: list[int], text: str, chars: int) -> int | None:
+    """k with decode(ids[:k]) == text[:chars] (text = decode(ids)), or None."""
+    lo, hi = 0, len(ids)
+    while lo < hi:  # smallest k whose decoded prefix reaches `chars`
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid])) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if tokenizer.decode(ids[:lo]) == text[:chars] else None
+
+
+def _contents(messages: Sequence[dict]) -> list[str]:
+    return [m["content"].strip() for m in messages
+            if isinstance(m.get("content"), str) and m["content"].strip()]
+
+
 def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
                 config: HintConfig = HintConfig(), prompt_ids: Sequence[int] | None = None
                 ) -> tuple[list[int], list[int], tuple[int, int]]:
     """(student ids, teacher ids, (start, end)): teacher = student with ids inserted at start.
 
     Both prompts end with the generation prompt. `prompt_ids` (e.g. a stored
-    completion's, possibly spliced) default to the template rendering of
-    `messages`; they must decode to that rendering. Raises ValueError when the
-    hint cannot enter as one contiguous token run.
+    completion's, possibly spliced, possibly rendered with tool schemas)
+    default to the template rendering of `messages`; they must decode to a
+    text holding every message's content. The inserted ids are those the
+    template gives for the hint; they enter the stored ids where the
+    rendering of `messages` puts them (see `_anchor`). Raises ValueError when
+    the hint cannot enter as one contiguous token run.
     """
     student_text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
     teacher_text = tokenizer.apply_chat_template(hinted_messages(messages, hint, config),
@@ -126,13 +180,18 @@ def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
     if prompt_ids is None or list(prompt_ids) == canon:
         return list(canon), list(tt), (p, p + len(ins))
     ids = [int(t) for t in prompt_ids]
-    if tokenizer.decode(ids) != student_text:
-        raise ValueError("insert_hint: prompt_ids do not decode to the chat rendering of "
-                         "messages; pass the messages of that request")
-    chars = len(tokenizer.decode(canon[:p]))
-    k = next((k for k in range(len(ids) + 1) if len(tokenizer.decode(ids[:k])) >= chars), None)
-    if k is None or tokenizer.decode(ids[:k]) != student_text[:chars]:
-        raise ValueError("insert_hint: prompt_ids have no token boundary where the hint goes")
+    stored = tokenizer.decode(ids)
+    pos = 0
+    for c in _contents(messages):
+        pos = stored.find(c, pos)
+        if pos < 0:
+            raise ValueError("insert_hint: prompt_ids do not decode to a rendering of messages "
+                             f"(no {c[:40]!r}); pass the messages of that request")
+    at = _anchor(student_text, stored, len(tokenizer.decode(canon[:p])))
+    k = None if at is None else _token_boundary(tokenizer, ids, stored, at)
+    if k is None:
+        raise ValueError("insert_hint: prompt_ids have no token boundary where the hint goes "
+                         f"(placement {config.placement!r})")
     return ids, ids[:k] + ins + ids[k:], (k, k + len(ins))
 
 
@@ -140,8 +199,17 @@ def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
 class DistillExample:
     """One response y with its student and teacher prompts (int id lists).
 
-    `task` groups examples in the token-weighted task loss (one task attempt);
-    `hint_span` is the inserted run [start, end) in teacher_prompt.
+    `task` groups examples in the token-weighted task loss (one task attempt:
+    every example of a trace shares the trace key); `hint_span` is the
+    inserted run [start, end) in teacher_prompt. `response_mask` (None: all
+    1) is 1 on the response tokens that are trained and 0 on context inside
+    the response (the tool results between the turns of a merged episode).
+    `weight` multiplies the example's loss (the batch's `loss_weight`); it
+    does not change the token counts that normalise it. `agent` is the
+    episode's label. `temperature` / `top_k` / `top_p`: the sampling
+    parameters `response_logprobs` were recorded under (the log-probs of the
+    distribution sampled from; temperature 0 = greedy, raw log-probs;
+    temperature None = not recorded; top_k <= 0 / top_p >= 1 = off).
     """
 
     student_prompt: list[int]
@@ -153,6 +221,11 @@ class DistillExample:
     response_logprobs: list[float] | None = None
     weight: float = 1.0
     messages: list[dict] | None = None
+    response_mask: list[float] | None = None
+    agent: str | None = None
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self):
         if not self.response:
@@ -162,6 +235,23 @@ class DistillExample:
         if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response):
             raise ValueError(f"DistillExample({self.task!r}): {len(self.response_logprobs)} "
                              f"response_logprobs for {len(self.response)} response tokens")
+        if self.response_mask is not None and (len(self.response_mask) != len(self.response)
+                                               or not sum(self.response_mask) > 0):
+            raise ValueError(f"DistillExample({self.task!r}): response_mask needs one entry per "
+                             f"response token ({len(self.response)}) and at least one > 0")
+        if not self.weight >= 0:
+            raise ValueError(f"DistillExample({self.task!r}): weight must be >= 0, "
+                             f"got {self.weight}")
+
+    def trained_mask(self) -> np.ndarray:
+        """[len(response)] float32: 1 where a response token is trained (the count)."""
+        if self.response_mask is None:
+            return np.ones(len(self.response), np.float32)
+        return np.asarray(self.response_mask, np.float32)
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.trained_mask().sum())
 
 
 def make_example(tokenizer, messages: Sequence[dict], response: Sequence[int], hint: str,
@@ -208,16 +298,23 @@ def _ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
-def _put(out, r, start, tokens, prompt_len, weight, task_id, seg_id, seg_index, logprobs):
+def _put(out, r, start, tokens, e: DistillExample, prompt_len, task_id, seg_id, seg_index):
     n = len(tokens)
     sl = slice(start, start + n)
+    pred = slice(start + prompt_len - 1, start + n - 1)  # predictions of the response tokens
     out["tokens"][r, sl] = tokens
     out["targets"][r, start:start + n - 1] = tokens[1:]
     out["positions"][r, sl] = np.arange(n)
     out["segment_ids"][r, sl] = seg_id
-    out["loss_mask"][r, start + prompt_len - 1:start + n - 1] = weight
-    if logprobs is not None:
-        out["sampler_logprobs"][r, start + prompt_len - 1:start + n - 1] = logprobs
+    out["loss_mask"][r, pred] = e.trained_mask()  # a count; the weight multiplies the loss
+    if "loss_weight" in out:
+        out["loss_weight"][r, sl] = e.weight
+    if e.response_logprobs is not None:
+        out["sampler_logprobs"][r, pred] = e.response_logprobs
+    if e.temperature is not None and "temperature" in out:
+        out["temperature"][r, pred] = e.temperature
+        out["top_k"][r, pred] = e.top_k
+        out["top_p"][r, pred] = e.top_p
     out["task_ids"][r, sl] = task_id
     out["segment_index"][r, sl] = seg_index
 
@@ -228,7 +325,8 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
 
     Example i is segment i of both batches, in the same row; its response
     predictions sit at student columns c..c+n-1 and teacher columns
-    c'..c'+n-1. A pair longer than seq_len is an error. The static task /
+    c'..c'+n-1. loss_mask is the example's `trained_mask` there (a count),
+    loss_weight its `weight`. A pair longer than seq_len is an error. The static task /
     segment capacities are at least `min_capacity`, so batches with up to
     that many examples share one compiled step.
     """
@@ -252,12 +350,12 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
         for seg_id, i in enumerate(members, start=1):
             e = examples[i]
             y = np.asarray(e.response, np.int32)
-            lp = None if e.response_logprobs is None else np.asarray(e.response_logprobs)
             for out, prompt, start in ((stu, e.student_prompt, s0), (tea, e.teacher_prompt, t0)):
                 toks = np.concatenate([np.asarray(prompt, np.int32), y])
-                _put(out, r, start, toks, len(prompt), e.weight, tasks[e.task], seg_id, i, lp)
+                _put(out, r, start, toks, e, len(prompt), tasks[e.task], seg_id, i)
             cs, ct = s0 + len(e.student_prompt) - 1, t0 + len(e.teacher_prompt) - 1
-            index[r, cs:cs + len(y)] = np.arange(ct, ct + len(y))
+            index[r, cs:cs + len(y)] = np.where(e.trained_mask() > 0,
+                                                np.arange(ct, ct + len(y)), 0)
             spans[i] = (r, cs, ct, len(y))
             s0 += len(e.student_prompt) + len(y)
             t0 += len(e.teacher_prompt) + len(y)
@@ -268,40 +366,135 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
 
 
 def sft_segments(examples: Sequence[DistillExample]) -> list[Segment]:
-    """Student prompt ++ response, loss on the response (SFT on e.g. teacher samples)."""
+    """Student prompt ++ response, loss on the trained response tokens (SFT baseline)."""
     segs = []
     for e in examples:
         toks = list(e.student_prompt) + list(e.response)
-        mask = [0.0] * len(e.student_prompt) + [1.0] * len(e.response)
+        mask = [0.0] * len(e.student_prompt) + e.trained_mask().tolist()
         segs.append(Segment(toks, mask, np.zeros(len(toks)), task=e.task, weight=e.weight))
     return segs
 
 
-def examples_from_traces(traces: Sequence[Trace], tokenizer, config: HintConfig = HintConfig(),
-                         agent: str = "main", hint_join: str = "\n") -> list[DistillExample]:
-    """(a) Offline: one example per hinted trace, from its `agent` episode's last completion.
+def _agent_matches(agent: str, pattern: str) -> bool:
+    """`pattern` names `agent` exactly, or is a prefix: "subagent" / "subagent:" match
+    "subagent:search"."""
+    return agent == pattern or agent.startswith(pattern if pattern.endswith(":")
+                                                else pattern + ":")
 
-    The student prompt is that completion's prompt_ids, the response its
-    output_ids; the teacher prompt inserts the trace's hints (joined) into
-    the request's messages (`Completion.messages`, recorded by the endpoint).
-    Traces without hints are skipped.
+
+def select_agent(agent: str, agents: str | Sequence[str] | None) -> bool:
+    """Whether an episode labelled `agent` passes the filter (None: every agent)."""
+    if agents is None:
+        return True
+    return any(_agent_matches(agent, p) for p in ((agents,) if isinstance(agents, str)
+                                                   else agents))
+
+
+def hint_config_for(config: HintConfig | Mapping[str, HintConfig], agent: str) -> HintConfig:
+    """One HintConfig for all agents, or the most specific key of a mapping
+    (exact label, then the longest matching prefix, then "*")."""
+    if isinstance(config, HintConfig):
+        return config
+    keys = [k for k in config if k != "*" and _agent_matches(agent, k)]
+    if keys:
+        return config[max(keys, key=len)]
+    if "*" in config:
+        return config["*"]
+    raise ValueError(f"examples_from_traces: no HintConfig for agent {agent!r} (keys "
+                     f"{sorted(config)}); add it, a prefix of it, or '*'")
+
+
+def _sampling(c) -> tuple:
+    return (getattr(c, "temperature", None), getattr(c, "top_k", 0), getattr(c, "top_p", 1.0))
+
+
+def _mergeable(run: list, item: tuple) -> bool:
+    """`item` continues the run's example: its prompt extends the previous prompt +
+    output, and the hint enters at the same place with the same ids."""
+    (first, teacher0, (a, b)), (prev, _, _), (c, teacher, span) = run[0], run[-1], item
+    done = list(prev.prompt_ids) + list(prev.output_ids)
+    return (list(c.prompt_ids[:len(done)]) == done and span == (a, b)
+            and teacher[a:b] == teacher0[a:b] and _sampling(c) == _sampling(first))
+
+
+def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
+    first, teacher, span = run[0]
+    last = run[-1][0]
+    p0 = len(first.prompt_ids)
+    response = list(last.prompt_ids[p0:]) + list(last.output_ids)
+    mask, lps = np.zeros(len(response)), np.zeros(len(response))
+    for c, _, _ in run:
+        lo = len(c.prompt_ids) - p0
+        mask[lo:lo + len(c.output_ids)] = 1.0
+        lps[lo:lo + len(c.output_ids)] = c.output_logprobs
+    temperature, top_k, top_p = _sampling(first)
+    return DistillExample(list(first.prompt_ids), teacher, response, hint, task, hint_span=span,
+                          response_logprobs=lps.tolist(), messages=list(first.messages),
+                          response_mask=None if len(run) == 1 else mask.tolist(), agent=agent,
+                          temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+COUNTS = ("traces", "traces_without_hints", "completions", "empty_outputs", "examples")
+
+
+def examples_from_traces(traces: Sequence[Trace], tokenizer,
+                         config: HintConfig | Mapping[str, HintConfig] = HintConfig(),
+                         agents: str | Sequence[str] | None = None, hint_join: str = "\n",
+                         merge: bool = True, counts: dict | None = None) -> list[DistillExample]:
+    """(a) Offline: every completion of every selected episode of each hinted trace.
+
+    agents: None (main, compactor, subagents: every episode) or labels /
+    prefixes ("main", "subagent" = every "subagent:<name>"). config: one
+    HintConfig, or one per agent label / prefix (see `hint_config_for`).
+    For each completion the student prompt is its prompt_ids, the response
+    its output_ids, and the teacher prompt its own request (`messages`,
+    recorded by the endpoint) with the trace's hints (joined) inserted. All
+    examples of a trace share its key as task (one group in task_mean).
+
+    merge: consecutive completions of an append-only episode whose hint
+    enters at the same token position with the same ids (e.g. placement
+    "system", or "after_user" with one user message) become one example with
+    response_mask 1 on each output span, equal to the per-request examples
+    (causal attention) in one forward pass. Otherwise ("before_turn" moves
+    with each request) each completion is its own example. Either way every
+    output token is trained exactly once.
+
+    Traces without hints and completions with no output give no example;
+    `counts` (a dict, if given) adds up those skips and the examples made.
     """
+    counts = {} if counts is None else counts
+    for k in COUNTS:
+        counts.setdefault(k, 0)
     out = []
     for tr in traces:
+        counts["traces"] += 1
         if not tr.hints:
-            continue
-        eps = [ep for ep in tr.episodes if ep.agent == agent and ep.completions]
-        if not eps:
-            raise ValueError(f"examples_from_traces: trace {tr.key!r} has no {agent!r} completion")
-        c = eps[-1].completions[-1]
-        if c.messages is None:
-            raise ValueError(f"examples_from_traces: trace {tr.key!r}: the last completion has no "
-                             "messages (needed to place the hint)")
-        if not c.output_ids:
+            counts["traces_without_hints"] += 1
             continue
         hint = hint_join.join(tr.hints)
-        student, teacher, span = insert_hint(tokenizer, c.messages, hint, config, c.prompt_ids)
-        out.append(DistillExample(student, teacher, list(c.output_ids), hint, tr.key,
-                                  hint_span=span, response_logprobs=list(c.output_logprobs),
-                                  messages=list(c.messages)))
+        for ep in tr.episodes:
+            if not select_agent(ep.agent, agents):
+                continue
+            cfg = hint_config_for(config, ep.agent)
+            run: list = []
+            for c in ep.completions:
+                counts["completions"] += 1
+                if not c.output_ids:
+                    counts["empty_outputs"] += 1
+                    continue
+                if c.messages is None:
+                    raise ValueError(f"examples_from_traces: trace {tr.key!r}, agent "
+                                     f"{ep.agent!r}: a completion has no messages (needed to "
+                                     "place the hint)")
+                _, teacher, span = insert_hint(tokenizer, c.messages, hint, cfg, c.prompt_ids)
+                item = (c, teacher, span)
+                if run and merge and _mergeable(run, item):
+                    run.append(item)
+                    continue
+                if run:
+                    out.append(_run_example(run, hint, tr.key, ep.agent))
+                run = [item]
+            if run:
+                out.append(_run_example(run, hint, tr.key, ep.agent))
+    counts["examples"] += len(out)
     return out

@@ -1,9 +1,16 @@
 """On-policy data for self-distillation: sample a turn, or roll out and grade.
 
 `generate` is a plain jitted batch decode over the model's KV cache (greedy
-or temperature sampling), enough for single-turn resampling inside a
-training loop without a sampler service. Prompt rows and lengths are
-bucketed (powers of two) so a few compiles serve a run.
+or temperature sampling, no top-k / top-p), enough for single-turn
+resampling inside a training loop without a sampler service. Prompt rows and
+lengths are bucketed (powers of two) so a few compiles serve a run.
+
+Log-probs follow the Sampler contract (`ac2_jax.sampling.base`): each
+recorded log-prob is that of the distribution the token was sampled from,
+`log_softmax(logits / temperature)`; greedy decoding (temperature 0) records
+the raw `log_softmax(logits)`. The examples carry the parameters
+(`DistillExample.temperature`, `top_k` = 0 and `top_p` = 1: off), as a
+Completion does.
 
 (b) `resample_examples`: sample one response per prompt from the current
 policy (source="student": on-policy OPSD/RMSD data; source="teacher": the
@@ -69,8 +76,10 @@ def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], *, max_ne
              min_batch: int = 1) -> list[tuple[list[int], list[float]]]:
     """One continuation per prompt: (output ids incl. the stop token, their log-probs).
 
-    temperature 0 is greedy; log-probs are of the (tempered) sampling
-    distribution. A row stops at its first stop token or after max_new_tokens.
+    temperature 0 is greedy and records the raw log_softmax(logits); T > 0
+    samples from and records log_softmax(logits / T), the distribution
+    sampled (no top-k / top-p here). A row stops at its first stop token or
+    after max_new_tokens.
     Rows are padded to a power of two >= min_batch (fewer compiled shapes).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -114,6 +123,8 @@ Grader = Callable[[HintTask, str], "str | None"]
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
+    """How `resample_examples` / `rollout_and_grade` sample (temperature 0: greedy)."""
+
     max_new_tokens: int = 32
     temperature: float = 1.0
     min_batch: int = 1
@@ -144,10 +155,11 @@ class PromptCache:
         return self._memo[key]
 
 
-def _example(task, hint, prompts, response, logprobs):
+def _example(task, hint, prompts, response, logprobs, sampling: "SampleConfig"):
     student, teacher, span = prompts(task, hint)
     return DistillExample(student, teacher, response, hint, task.task_id, hint_span=span,
-                          response_logprobs=logprobs, messages=list(task.messages))
+                          response_logprobs=logprobs, messages=list(task.messages),
+                          temperature=float(sampling.temperature), top_k=0, top_p=1.0)
 
 
 def resample_examples(graphdef, params, rest, tasks: Sequence[HintTask], prompts: PromptCache,
@@ -168,7 +180,8 @@ def resample_examples(graphdef, params, rest, tasks: Sequence[HintTask], prompts
     ctx = [p[0] if source == "student" else p[1] for p in pairs]
     outs = generate(graphdef, params, rest, ctx, stop_token_ids=prompts.tokenizer.stop_token_ids,
                     seed=seed, **sampling.kwargs())
-    return [_example(t, t.hint, prompts, ids, lps) for t, (ids, lps) in zip(tasks, outs) if ids]
+    return [_example(t, t.hint, prompts, ids, lps, sampling)
+            for t, (ids, lps) in zip(tasks, outs) if ids]
 
 
 @dataclasses.dataclass
@@ -200,5 +213,5 @@ def rollout_and_grade(graphdef, params, rest, tasks: Sequence[HintTask], grader:
         hint = grader(t, text)
         graded.append(Graded(t, ids, text, hint))
         if hint is not None and ids:
-            examples.append(_example(t, hint, prompts, ids, lps))
+            examples.append(_example(t, hint, prompts, ids, lps, sampling))
     return examples, graded

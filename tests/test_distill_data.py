@@ -1,0 +1,255 @@
+"""distill_data: examples from every completion of a trace, agent filters, per-agent
+hint placement, merged append-only episodes, and example weights that scale the loss.
+
+The trace is built as the endpoint builds one (real tiny tokenizer, `build_prompt_ids`
+with spliced turns and tool schemas, `TraceRecorder`): a main agent that calls tools,
+a compactor, main again after compaction, and a subagent.
+
+Tolerances (fp32): losses 1e-5 absolute; weight scaling: loss rtol 1e-5, every gradient
+leaf rtol 1e-5 with atol 1e-5 x the leaf's largest entry (fp32 rounding of the backward
+sums; a weight that cancelled out would be off by |w - 1| x the gradient).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.tokenizer import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.trace.recorder import TraceRecorder
+from ac2_jax.trace.types import Completion, Trace
+from ac2_jax.training import OptimizerConfig, create_train_state
+from ac2_jax.training.distill import DistillConfig, DistillLoss, SelfDistiller, divergence
+from ac2_jax.training.distill_data import (HintConfig, examples_from_traces, insert_hint,
+                                          make_example, pack_pairs)
+from ac2_jax.training.train_step import make_train_step
+from serving_helpers import SYSTEM, TOOLS, TURNS, USER
+
+HINT = "Add all three numbers before answering."
+AGENTS = ("main", "compactor", "subagent:helper")
+SEQ = 768
+OPT = OptimizerConfig(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")),
+                                extra_corpus=[HINT, "Summarize the work so far."] * 20)
+
+
+@pytest.fixture(scope="module")
+def model_state(tok):
+    """A fresh tiny model is near-uniform (KL ~1e-5); params x3 make the hint matter."""
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(5))
+    g, st = create_train_state(model, OPT, rng=0)
+    return g, st.replace(params=jax.tree.map(lambda x: 3.0 * x, st.params))
+
+
+@pytest.fixture(scope="module")
+def step_fn(model_state):
+    return make_train_step(model_state[0], DistillLoss(), OPT, donate=False)
+
+
+def _agent_trace(tok) -> Trace:
+    """main (2 tool turns) | compactor | main after compaction (2 turns) | subagent:helper (2)."""
+    trace = Trace("add", attempt_id="0", hints=[HINT], status="finished")
+    rec, memory = TraceRecorder(trace), TurnMemory()
+    lp = iter(np.linspace(-0.1, -2.0, 500).tolist())
+
+    def turn(agent, messages, tools, text, result=None):
+        prompt, _ = build_prompt_ids(tok, messages, tools, memory)
+        out = tok.encode(text) + [tok.eos_token_id]
+        rec.record(agent, Completion(prompt, out, [next(lp) for _ in out],
+                                     messages=[dict(m) for m in messages]))
+        content, calls = parse_tool_calls(text)
+        memory.remember(content, calls, out)
+        messages = messages + [{"role": "assistant", "content": content or None,
+                                "tool_calls": calls or None}]
+        return messages + [{"role": "tool", "tool_call_id": c["id"], "content": result}
+                           for c in calls]
+
+    m = turn("main", [SYSTEM, USER], TOOLS, TURNS[0][0], TURNS[0][1])
+    turn("main", m, TOOLS, TURNS[1][0], TURNS[1][1])
+    turn("compactor", [{"role": "system", "content": "Summarize the work so far."},
+                       {"role": "user", "content": "The agent added 3 and 4 and got 7."}], None,
+         "Added 3 and 4: 7.")
+    m = turn("main", [SYSTEM, {"role": "user", "content": USER["content"] + " Memo: 3 + 4 = 7."}],
+             TOOLS, TURNS[1][0], TURNS[1][1])
+    turn("main", m, TOOLS, TURNS[2][0])
+    s = turn("subagent:helper", [SYSTEM, USER], TOOLS, TURNS[0][0], TURNS[0][1])
+    turn("subagent:helper", s, TOOLS, TURNS[1][0], TURNS[1][1])
+    assert [e.agent for e in trace.episodes] == ["main", "compactor", "main", "subagent:helper"]
+    return trace
+
+
+@pytest.fixture(scope="module")
+def trace(tok):
+    return _agent_trace(tok)
+
+
+def _output_tokens(trace, agent=None):
+    return sum(len(c.output_ids) for e in trace.episodes if agent in (None, e.agent)
+               for c in e.completions)
+
+
+def _per_token_opsd(model_state, paired):
+    """The OPSD per-position loss (reverse KL) at the initial params [R, L]."""
+    g, st = model_state
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), DistillConfig(seq_len=SEQ), OPT)
+    return np.asarray(divergence(g, d.state.params, d.state.rest, paired.student,
+                                 d.teacher_logits(paired)))
+
+
+# ----------------------------------------------------------------------------- every completion
+
+
+def test_opsd_trains_main_compactor_and_subagent_tokens(tok, model_state, step_fn, trace):
+    exs = examples_from_traces([trace], tok)
+    assert {e.agent for e in exs} == set(AGENTS)
+    assert {e.task for e in exs} == {"add/0"}  # one task: one group in task_mean
+    paired = pack_pairs(exs, SEQ)
+    s = paired.student
+    # every agent token of the trace is trained exactly once (loss_mask counts)
+    assert s.loss_mask.sum() == trace.num_agent_tokens == _output_tokens(trace)
+    per_token = _per_token_opsd(model_state, paired)
+    for agent in AGENTS:
+        idx = [i for i, e in enumerate(exs) if e.agent == agent]
+        mask = np.concatenate([paired.gather_response(s.loss_mask, i) for i in idx])
+        loss = np.concatenate([paired.gather_response(per_token, i) for i in idx])
+        assert mask.sum() == _output_tokens(trace, agent)
+        assert (loss[mask > 0] > 1e-3).all(), agent
+    # every response token is the completion's own output, taught with its own prompt + hint
+    requests = [(c.prompt_ids, c.output_ids) for ep in trace.episodes for c in ep.completions]
+    assert [(e.student_prompt, e.response) for e in exs] == requests  # before_turn: per request
+    for e in exs:
+        a, b = e.hint_span
+        assert HINT in tok.decode(e.teacher_prompt[a:b])
+        assert e.teacher_prompt[:a] + e.teacher_prompt[b:] == e.student_prompt
+    d = SelfDistiller(model_state[0], jax.tree.map(jnp.copy, model_state[1]),
+                      DistillConfig(seq_len=SEQ), OPT, step_fn=step_fn)
+    m = d.update(exs)
+    assert m["kept_tokens"] == trace.num_agent_tokens and m["skipped"] == 0
+    want = (per_token * s.loss_mask).sum() / s.loss_mask.sum()  # one task: token mean
+    np.testing.assert_allclose(m["loss"], want, atol=1e-5)
+
+
+def test_agent_filter(tok, trace):
+    def agents(**kw):
+        return [e.agent for e in examples_from_traces([trace], tok, **kw)]
+
+    assert agents(agents="main") == ["main"] * 4  # both main episodes, every request
+    assert agents(agents=("subagent",)) == ["subagent:helper"] * 2  # prefix: any subagent
+    assert agents(agents="subagent:helper") == ["subagent:helper"] * 2
+    assert agents(agents=("compactor", "subagent:")) == ["compactor"] + ["subagent:helper"] * 2
+    assert agents(agents="subagent:other") == [] and agents(agents="mai") == []
+    assert sorted(agents()) == sorted(agents(agents=AGENTS))
+    counts = {}
+    examples_from_traces([trace, Trace("nohint", episodes=trace.episodes)], tok,
+                         agents="main", counts=counts)
+    assert counts["traces_without_hints"] == 1 and counts["examples"] == 4
+
+
+def test_hint_config_per_agent(tok, trace):
+    cfg = {"main": HintConfig(placement="system"), "compactor": HintConfig(placement="after_user"),
+           "subagent": HintConfig(placement="before_turn", role="user")}
+    exs = examples_from_traces([trace], tok, config=cfg, merge=False)
+    assert sorted({e.agent for e in exs}) == sorted(AGENTS)
+    for e in exs:
+        a, b = e.hint_span
+        before, hint = tok.decode(e.teacher_prompt[:a]), tok.decode(e.teacher_prompt[a:b])
+        after = tok.decode(e.teacher_prompt[b:])
+        assert HINT in hint
+        if e.agent == "main":  # inside the first system message
+            assert "<|im_end|>" not in before and before.endswith(SYSTEM["content"])
+        elif e.agent == "compactor":  # appended to the last user message
+            assert before.endswith("got 7.") and after.startswith("<|im_end|>")
+        else:  # a new user message right before the response
+            assert hint.startswith("<|im_start|>user") and after == "<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="compactor"):
+        examples_from_traces([trace], tok, config={"main": HintConfig()})
+
+
+def test_merged_episodes_equal_per_request_examples(tok, model_state, trace):
+    """With the hint in the system message, each append-only episode is one example (mask 1
+    on each output span) and gives the per-request examples' per-token losses."""
+    cfg = HintConfig(placement="system")
+    merged = examples_from_traces([trace], tok, config=cfg)
+    single = examples_from_traces([trace], tok, config=cfg, merge=False)
+    assert [e.agent for e in merged] == ["main", "compactor", "main", "subagent:helper"]
+    assert len(single) == 7
+    for e, ep in zip(merged, trace.episodes):
+        mask = np.asarray(e.response_mask if e.response_mask is not None else [1] * len(e.response))
+        assert e.student_prompt + e.response == ep.token_ids
+        assert mask.tolist() == ep.loss_mask[len(e.student_prompt):]
+        lps = np.asarray(e.response_logprobs)
+        np.testing.assert_array_equal(lps, ep.sampler_logprobs[len(e.student_prompt):])
+    pm, ps = pack_pairs(merged, SEQ), pack_pairs(single, SEQ)
+    lm, ls = _per_token_opsd(model_state, pm), _per_token_opsd(model_state, ps)
+    assert pm.student.loss_mask.sum() == ps.student.loss_mask.sum() == trace.num_agent_tokens
+
+
+    def trained(paired, per_token):  # per-token losses of the trained tokens, in trace order
+        return np.concatenate([paired.gather_response(per_token, i)[e.trained_mask() > 0]
+                               for i, e in enumerate(paired.examples)])
+
+    np.testing.assert_allclose(trained(pm, lm), trained(ps, ls), atol=1e-5)
+    assert trained(pm, lm).min() > 1e-3
+    assert (pm.teacher_index[pm.student.loss_mask == 0] == 0).all()
+    # tool results inside a merged response are context (mask 0), not trained
+    assert all(0 in e.response_mask for e in merged if e.agent != "compactor")
+
+
+def test_insert_hint_into_stored_prompt_with_tools(tok, trace):
+    """Recorded prompts carry tool schemas that `messages` alone do not render; the hint
+    still enters as one run at a token boundary of the stored ids."""
+    c = trace.episodes[0].completions[1]
+    assert tok.decode(c.prompt_ids) != tok.apply_chat_template(c.messages,
+                                                               add_generation_prompt=True)
+    for placement in ("system", "after_user", "before_turn"):
+        ids, teacher, (a, b) = insert_hint(tok, c.messages, HINT, HintConfig(placement=placement),
+                                           c.prompt_ids)
+        assert ids == c.prompt_ids and teacher == ids[:a] + teacher[a:b] + ids[a:]
+        assert HINT in tok.decode(teacher[a:b])
+    with pytest.raises(ValueError, match="do not decode"):
+        insert_hint(tok, c.messages, HINT, HintConfig(placement="system"), [1, 2, 3])
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _grad_capture():
+    """An optax transform whose state is the last gradient (params stay put)."""
+    return optax.GradientTransformation(
+        lambda p: jax.tree.map(jnp.zeros_like, p),
+        lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def test_example_weight_scales_loss_and_gradient(tok, model_state):
+    msgs = [{"role": "user", "content": "What is 3 + 4?"}]
+    g, st = model_state
+    opt = _grad_capture()
+    step = make_train_step(g, DistillLoss(), opt, donate=False)
+    out = {}
+    for w in (1.0, 2.5, 0.25):
+        ex = make_example(tok, msgs, tok.encode("It is 7.") + [tok.eos_token_id], HINT, "t",
+                          weight=w)
+        paired = pack_pairs([ex], 64)
+        r, c, _, n = paired.spans[0]
+        assert paired.student.loss_mask[r, c:c + n].tolist() == [1.0] * n  # a count
+        assert paired.student.loss_weight[r, c:c + n].tolist() == [w] * n
+        _, fresh = create_train_state(nnx.merge(g, st.params, st.rest), opt)
+        d = SelfDistiller(g, fresh, DistillConfig(seq_len=64), opt, step_fn=step)
+        m = d.update([ex])
+        out[w] = (m["loss"], jax.device_get(d.state.opt_state))
+    l1, g1 = out[1.0]
+    assert l1 > 0 and any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(g1))
+    for w in (2.5, 0.25):
+        lw, gw = out[w]
+        np.testing.assert_allclose(lw, w * l1, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(gw)):
+            want = w * np.asarray(a)
+            np.testing.assert_allclose(b, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
