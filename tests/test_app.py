@@ -331,6 +331,106 @@ def test_rollout_timeout_finishes_as_timed_out(env):
     assert [t.status for t in stored] == ["timed_out"]
 
 
+def key_client(env, info):
+    """Plain HTTP with a rollout's own key (what a harness, so often the policy, holds)."""
+    return httpx.Client(base_url=env["url"], timeout=300,
+                        headers={"Authorization": f"Bearer {info['api_key']}"})
+
+
+def test_rollout_key_cannot_grade_its_own_rollout_and_refusals_change_nothing(env):
+    info = create(env, "self-grade", metadata={"expected": "secret-answer-17"})
+    rid, admin = info["rollout_id"], env["admin"]
+    client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+
+    def snapshot():
+        return (admin.get(f"/v1/rollouts/{rid}/trace").json(), len(env["store"].load()))
+
+    before = snapshot()
+    refused = [({"reward": 1.0}, "reward"), ({"reward": 0}, "reward"),
+               ({"status": "finished", "reward": 1.0}, "reward"),
+               ({"metrics": {"accuracy": 1.0}}, "metrics"),
+               ({"status": "failed"}, "status"), ({"status": "timed_out"}, "status"),
+               ({"hints": ["the answer is 17"]}, "hints"),
+               ({"artifacts": {"answer": "17"}}, "artifacts")]
+    with key_client(env, info) as own:
+        for body, field in refused:
+            status, err = api_error(own.post(f"/v1/rollouts/{rid}/finish", json=body))
+            assert status == 403, (body, err)
+            assert err["type"] == "permission_error" and err["code"] == "admin_only"
+            assert err["param"] == field, (body, err)
+            assert f"only the admin key may set '{field}'" in err["message"].lower(), err
+            assert "admin key" in err["message"].split(";", 1)[1], err  # how to fix it
+    # The official client sees the same refusal as its PermissionDeniedError.
+    with pytest.raises(openai.PermissionDeniedError, match="may set 'reward'"):
+        client_for(info).post(f"/rollouts/{rid}/finish", body={"reward": 1.0}, cast_to=object)
+
+    assert snapshot() == before  # nothing stored, the trace unchanged
+    status = admin.get(f"/v1/rollouts/{rid}").json()
+    assert status["status"] == "running" and status["reward"] is None
+    assert status["num_completions"] == 1
+    # The key still works, and the admin can still grade the rollout.
+    client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    done = admin.post(f"/v1/rollouts/{rid}/finish",
+                      json={"reward": 1.0, "metrics": {"accuracy": 1.0}, "hints": ["h"]})
+    assert done.status_code == 200, done.text
+    assert done.json()["status"] == "finished" and done.json()["reward"] == 1.0
+    (stored,) = [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]
+    assert stored.reward == 1.0 and stored.metrics["accuracy"] == 1.0 and stored.hints == ["h"]
+    assert stored.metrics["num_completions"] == 2
+
+
+@pytest.mark.parametrize("body", [{}, {"status": "finished"}])
+def test_rollout_key_reads_its_own_rollout_without_admin_metadata_and_can_end_it(env, body):
+    info = create(env, "own-view", group_id="gv", metadata={"expected": "secret-answer-17"})
+    rid, admin = info["rollout_id"], env["admin"]
+    client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    admin_summary = admin.get(f"/v1/rollouts/{rid}").json()
+    admin_trace = admin.get(f"/v1/rollouts/{rid}/trace").json()
+    assert admin_summary["metadata"]["expected"] == "secret-answer-17"
+    assert admin_trace["metadata"]["expected"] == "secret-answer-17"
+    hidden = {"metadata", "hints", "metrics"}
+    with key_client(env, info) as own:
+        summary = own.get(f"/v1/rollouts/{rid}")
+        trace = own.get(f"/v1/rollouts/{rid}/trace")
+        assert summary.status_code == 200 and trace.status_code == 200
+        summary, trace = summary.json(), trace.json()
+        assert "secret-answer" not in json.dumps(summary) + json.dumps(trace)
+        assert hidden.isdisjoint(summary) and hidden.isdisjoint(trace)
+        assert summary["status"] == "running" and summary["num_completions"] == 1
+        assert summary["task_id"] == "own-view" and summary["group_id"] == "gv"
+        # Everything else of its own trace, token for token.
+        assert trace == {k: v for k, v in admin_trace.items() if k not in hidden}
+        check_episode(env, trace["episodes"][0])
+
+        done = own.post(f"/v1/rollouts/{rid}/finish", json=body)
+        assert done.status_code == 200, done.text
+        assert done.json()["status"] == "finished" and done.json()["reward"] is None
+        assert "metadata" not in done.json()
+        status, err = api_error(own.get(f"/v1/rollouts/{rid}"))  # the key is spent
+        assert status == 401 and "no longer works" in err["message"]
+    (stored,) = [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]
+    assert stored.status == "finished" and stored.reward is None and stored.hints == []
+    assert stored.metadata["expected"] == "secret-answer-17"
+
+
+def test_rollout_key_on_another_id_gets_the_same_answer_whether_it_exists(env):
+    a, b = create(env, "leak-a"), create(env, "leak-b")
+    missing = "ro-0123456789abcdef"
+    with key_client(env, a) as own:
+        for method, suffix, body in (("GET", "", None), ("GET", "/trace", None),
+                                     ("POST", "/finish", {}), ("POST", "/finish",
+                                                               {"reward": 1.0})):
+            answers = []
+            for rid in (b["rollout_id"], missing):
+                status, err = api_error(own.request(method, f"/v1/rollouts/{rid}{suffix}",
+                                                    json=body))
+                answers.append((status, err["type"], err["code"], err["param"],
+                                err["message"].replace(rid, "<id>")))
+            assert answers[0] == answers[1] and answers[0][0] == 403, answers
+    assert env["admin"].get(f"/v1/rollouts/{b['rollout_id']}").json()["status"] == "running"
+    assert env["admin"].get(f"/v1/rollouts/{a['rollout_id']}").json()["status"] == "running"
+
+
 def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     """A sampler that fails (here: SGLang unreachable) is our fault: 500, and the
     rollout ends as infra_error (stored, key spent), so it is never trained."""

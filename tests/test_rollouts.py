@@ -3,7 +3,8 @@
 import pytest
 
 from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollouts import RolloutRegistry, parse_create, parse_finish
+from ac2_jax.serving.rollouts import (RolloutRegistry, check_rollout_key_finish, parse_create,
+                                      parse_finish, rollout_key_view)
 from ac2_jax.trace import Completion, TraceStore
 
 
@@ -113,6 +114,33 @@ def test_parse_create_and_finish():
                 {"artifacts": 1}, {"hints": [1]}):
         with pytest.raises(APIError):
             parse_finish(bad)
+
+
+def test_a_rollout_key_may_only_end_its_rollout_as_finished():
+    check_rollout_key_finish(parse_finish({}))
+    check_rollout_key_finish(parse_finish({"status": "finished"}))
+    for body, field in (({"reward": 1}, "reward"), ({"reward": 0.0}, "reward"),
+                        ({"status": "failed"}, "status"), ({"metrics": {"m": 1}}, "metrics"),
+                        ({"hints": ["h"]}, "hints"), ({"artifacts": {"a": 1}}, "artifacts"),
+                        ({"status": "timed_out", "metrics": {}}, "status")):
+        with pytest.raises(APIError, match=f"Only the admin key may set '{field}'") as e:
+            check_rollout_key_finish(parse_finish(body))
+        assert (e.value.status, e.value.param, e.value.code) == (403, field, "admin_only")
+    with pytest.raises(APIError, match="'reward', 'status' to 'failed'"):
+        check_rollout_key_finish(parse_finish({"status": "failed", "reward": 1}))
+
+
+def test_rollout_key_view_hides_what_the_admin_writes():
+    reg = RolloutRegistry()
+    r = reg.create("t", metadata={"expected": "42"})
+    reg.record(r, "main", [comp([1], [2])], [])
+    trace, summary = reg.trace_dict(r), reg.summary(r)
+    for full in (trace, summary):
+        view = rollout_key_view(full)
+        assert "metadata" not in view and "hints" not in view and "metrics" not in view
+        assert view == {k: v for k, v in full.items() if k not in ("metadata", "hints",
+                                                                   "metrics")}
+    assert trace["metadata"]["expected"] == "42"  # the admin's view is untouched
 
 
 def test_end_statuses_are_the_failure_taxonomy_and_failed_means_infra_error(tmp_path):

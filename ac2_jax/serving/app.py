@@ -9,14 +9,19 @@ Routes
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
                                     metadata?, timeout_s?} -> {rollout_id, base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
-  POST /v1/rollouts/{id}/finish     {reward?, artifacts?, status?, hints?, metrics?}
+  POST /v1/rollouts/{id}/finish     (admin) {reward?, artifacts?, status?, hints?, metrics?};
+                                    (rollout key) {} or {status: "finished"} only
   GET  /v1/rollouts/{id}/trace      the trace JSON (`Trace.to_dict()`)
 
 Auth is `Authorization: Bearer <key>`. The admin key reaches everything and
 its completions are not recorded. A rollout key reaches only its own rollout;
 its completions are recorded under the agent label from the `X-Agent` header,
-else the request's `metadata.agent` or `user`, else "main". Every error is an
-OpenAI error object and leaves stored state unchanged.
+else the request's `metadata.agent` or `user`, else "main". The harness (so
+often the policy) holds that key, so it may end its rollout but not grade it:
+reward, other statuses, metrics, hints and artifacts are admin-only (403), and
+it reads its rollout and trace without the metadata, hints and metrics. A
+rollout key gets the same 403 for any other rollout id, existing or not. Every
+error is an OpenAI error object and leaves stored state unchanged.
 
 Streaming sends the finished result as SSE chunks: the Sampler protocol
 returns whole results, so chunks arrive once sampling is done.
@@ -39,8 +44,8 @@ from ac2_jax.models.tokenizer import Tokenizer
 from ac2_jax.sampling import ContextLengthError, Sampler, SamplingParams, truncate_at_stop
 from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving.errors import APIError, bad_request, install_error_handlers
-from ac2_jax.serving.rollouts import (Rollout, RolloutRegistry, keys_equal, parse_create,
-                                      parse_finish)
+from ac2_jax.serving.rollouts import (Rollout, RolloutRegistry, check_rollout_key_finish,
+                                      keys_equal, parse_create, parse_finish, rollout_key_view)
 from ac2_jax.serving.splice import build_prompt_ids
 from ac2_jax.trace import Completion, TraceStore
 
@@ -128,11 +133,14 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         return _Principal(rollout)
 
     def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
-        rollout = registry.get(rollout_id)
-        if not principal.is_admin and principal.rollout is not rollout:
+        # Checked before the lookup: another id is refused alike whether it exists or not.
+        if not principal.is_admin and principal.rollout.rollout_id != rollout_id:
             raise APIError(403, f"This API key belongs to rollout {principal.rollout.rollout_id}"
                            f" and cannot access rollout {rollout_id}", code="wrong_rollout")
-        return rollout
+        return registry.get(rollout_id)
+
+    def view(principal: _Principal, data: dict[str, Any]) -> dict[str, Any]:
+        return data if principal.is_admin else rollout_key_view(data)
 
     async def read_json(request: Request) -> Any:
         raw = await request.body()
@@ -268,12 +276,16 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout_status(rollout_id: str, request: Request):
-        return registry.summary(owned_rollout(authenticate(request), rollout_id))
+        principal = authenticate(request)
+        return view(principal, registry.summary(owned_rollout(principal, rollout_id)))
 
     @app.post("/v1/rollouts/{rollout_id}/finish")
     async def finish_rollout(rollout_id: str, request: Request):
-        rollout = owned_rollout(authenticate(request), rollout_id)
+        principal = authenticate(request)
+        rollout = owned_rollout(principal, rollout_id)
         args = parse_finish(await read_json(request))
+        if not principal.is_admin:
+            check_rollout_key_finish(args)
         try:
             registry.finish(rollout, **args)
         except APIError:
@@ -282,10 +294,11 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             logging.exception("finishing rollout %s failed", rollout_id)
             raise APIError(500, f"Could not store the trace of {rollout_id}: {e}",
                            code="trace_store_error") from None
-        return registry.summary(rollout)
+        return view(principal, registry.summary(rollout))
 
     @app.get("/v1/rollouts/{rollout_id}/trace")
     async def rollout_trace(rollout_id: str, request: Request):
-        return registry.trace_dict(owned_rollout(authenticate(request), rollout_id))
+        principal = authenticate(request)
+        return view(principal, registry.trace_dict(owned_rollout(principal, rollout_id)))
 
     return app

@@ -5,6 +5,9 @@ An orchestrator creates a rollout (admin key) and hands its `base_url` and
 recorded into the rollout's `TraceRecorder` under an agent label; finishing
 the rollout (reward, artifacts, status) writes the trace to the TraceStore
 and kills the key. A rollout past its timeout is finished as `timed_out`.
+Grading is the admin's: a rollout key (held by the harness, so often by the
+policy) may only end its rollout as "finished" (`check_rollout_key_finish`)
+and reads it without the admin's fields (`rollout_key_view`).
 All state changes happen under one lock, and a request either changes
 everything it should or nothing.
 """
@@ -28,6 +31,10 @@ from ac2_jax.serving.splice import TurnMemory
 # How a rollout may end (the failure taxonomy of `Trace.status`); an old "failed"
 # is taken as "infra_error" (our fault, never trained).
 END_STATUSES = tuple(s for s in TRACE_STATUSES if s != "running")
+# What only the admin may write when finishing (a rollout key may only end its
+# rollout as "finished"), and so what a rollout key is never shown.
+ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
+ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
 
 
 class Rollout:
@@ -267,6 +274,30 @@ def parse_finish(body: Any) -> dict[str, Any]:
     if "hints" in out and not all(isinstance(h, str) for h in out["hints"]):
         raise bad_request("'hints' must be a list of strings", param="hints")
     return out
+
+
+def check_rollout_key_finish(args: dict[str, Any]) -> None:
+    """403 unless `args` (from `parse_finish`) only end the rollout as "finished".
+
+    A rollout key is held by the harness, so often by the policy being
+    trained: it may end its own rollout, never grade it. The reward, another
+    status, metrics, hints and artifacts come from the admin key.
+    """
+    refused = [f for f in ADMIN_ONLY_FINISH_FIELDS
+               if (args.get("status") != "finished" if f == "status" else f in args)]
+    if refused:
+        what = ", ".join(f"'status' to {args['status']!r}" if f == "status" else f"'{f}'"
+                         for f in refused)
+        raise APIError(403, f"Only the admin key may set {what}; a rollout key may only end "
+                       "its own rollout, with an empty body or {\"status\": \"finished\"}. "
+                       "Send the reward, status, metrics, hints and artifacts with the admin "
+                       "key", param=refused[0], code="admin_only")
+
+
+def rollout_key_view(data: dict[str, Any]) -> dict[str, Any]:
+    """A summary or trace dict as its rollout key sees it: without the metadata
+    (the admin's, artifacts included), hints and metrics."""
+    return {k: v for k, v in data.items() if k not in ADMIN_ONLY_VIEW_FIELDS}
 
 
 def keys_equal(a: str, b: str) -> bool:
