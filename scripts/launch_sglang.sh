@@ -16,15 +16,16 @@
 #   API_KEY         --api-key (clients then send Authorization: Bearer $API_KEY)
 #   DETERMINISTIC   1 = --enable-deterministic-inference (needed for per-request seeds)
 #
-# SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang return log-probs of the raw
-# logits (temperature 1, no top-k/top-p), which is what the ac2_jax Sampler
-# protocol and the RL losses expect. Point ac2_jax at it with
+# SGLang's default log-probs are log_softmax(logits / temperature): the
+# behaviour log-probs the ac2_jax Sampler protocol and the RL losses expect
+# (SGLangSampler refuses top-k / top-p, which SGLang applies after them).
+# SGLANG_RETURN_ORIGINAL_LOGPROB is therefore unset here. Point ac2_jax at it with
 #   SGLangSampler("http://$HOST:$PORT", max_context=..., model=..., publish_dir=..., export_dir=...)
 # (export_dir must be readable by this server: weights reach it through
 # /update_weights_from_disk).
 set -euo pipefail
 : "${MODEL_PATH:?set MODEL_PATH to an HF model directory}"
-export SGLANG_RETURN_ORIGINAL_LOGPROB="${SGLANG_RETURN_ORIGINAL_LOGPROB:-1}"
+unset SGLANG_RETURN_ORIGINAL_LOGPROB
 args=(--model-path "$MODEL_PATH"
       --tokenizer-path "${TOKENIZER_PATH:-$MODEL_PATH}"
       --host "${HOST:-127.0.0.1}" --port "${PORT:-30000}"

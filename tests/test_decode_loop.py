@@ -4,15 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ac2_jax.sampling.decode_loop import filter_logits, row_keys, sample_tokens
+from ac2_jax.losses.logprobs import sampling_logits
+from ac2_jax.sampling.decode_loop import row_keys, sample_tokens
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 
 
 def _filter(logits, top_k, top_p):
     B = logits.shape[0]
-    return np.asarray(jax.jit(filter_logits)(
-        jnp.asarray(logits), jnp.full((B,), top_k, jnp.int32), jnp.full((B,), top_p)))
+    return np.asarray(jax.jit(sampling_logits)(
+        jnp.asarray(logits), 1.0, jnp.full((B,), top_k, jnp.int32), jnp.full((B,), top_p)))
 
 
 def test_filter_top_k_and_top_p():
@@ -41,7 +42,7 @@ def test_sample_frequencies_follow_the_filtered_distribution():
     n = 20000
     logits = jnp.tile(jnp.asarray(LOGITS), (n, 1))
     keys = row_keys(jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.int32))
-    draw = jax.jit(sample_tokens)
+    draw = jax.jit(lambda *a: sample_tokens(*a)[0])
 
     def freq(temperature, top_k, top_p):
         t = draw(logits, keys, jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
@@ -59,3 +60,24 @@ def test_sample_frequencies_follow_the_filtered_distribution():
     mixed = draw(logits[:4], keys[:4], jnp.array([0.0, 1.0, 0.0, 1.0]),
                  jnp.full((4,), -1, jnp.int32), jnp.ones(4))
     assert int(mixed[0]) == int(mixed[2]) == 0
+
+
+def test_recorded_logprobs_are_those_of_the_sampling_distribution():
+    """The log-probs returned with a draw are log_softmax(logits / T) after top-k/top-p."""
+    logits = jnp.tile(jnp.asarray(LOGITS), (3, 1))
+    keys = row_keys(jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3, jnp.uint32), jnp.zeros(3, jnp.int32))
+    tok, logp = jax.jit(sample_tokens)(logits, keys, jnp.array([0.3, 1.0, 0.5]),
+                                       jnp.array([2, -1, -1], jnp.int32), jnp.array([1.0, 1.0, 0.7]))
+    p = np.exp(LOGITS.astype(np.float64))
+    cold = p[:2] ** (1 / 0.3) / (p[:2] ** (1 / 0.3)).sum()       # T=0.3, top-2
+    np.testing.assert_allclose(np.exp(np.asarray(logp[0, :2])), cold, rtol=1e-5)
+    assert np.all(np.isneginf(np.asarray(logp[0, 2:])))
+    np.testing.assert_allclose(np.asarray(logp[1]), np.log(p), atol=1e-6)  # T=1, no filter
+    # T=0.5, then the nucleus: the smallest prefix of q whose mass reaches 0.7.
+    kept = np.isfinite(np.asarray(logp[2]))
+    q = p ** 2 / (p ** 2).sum()
+    n_keep = int(np.searchsorted(np.cumsum(q), 0.7) + 1)
+    assert kept.sum() == n_keep
+    np.testing.assert_allclose(np.exp(np.asarray(logp[2, :n_keep])), q[:n_keep] / q[:n_keep].sum(),
+                               rtol=1e-5)
+    assert int(tok[0]) in (0, 1)

@@ -96,7 +96,7 @@ def test_examples_from_traces_keep_stored_ids(tok):
                       messages=MSGS)
     ep = Episode("main", token_ids=stored + [5, 6, 7], loss_mask=[0] * len(stored) + [1] * 3,
                  sampler_logprobs=[0.0] * len(stored) + [-1.0] * 3, completions=[comp])
-    traces = [Trace("t1", episodes=[ep], hints=[HINT]), Trace("t2", episodes=[ep])]
+    traces = [Trace("t1", "0", episodes=[ep], hints=[HINT]), Trace("t2", episodes=[ep])]
     (ex,) = examples_from_traces(traces, tok)
     a, b = ex.hint_span
     assert ex.student_prompt == stored and ex.response == [5, 6, 7] and ex.task == "t1/0"

@@ -104,9 +104,44 @@ def test_logprobs_equal_learner_forward(sampler, model):
             (prompt_of(3, 12), SamplingParams(temperature=1.3, top_k=5, max_tokens=20, seed=3))]
     results = gen_many(sampler, reqs)
     seqs = [p + r.output_ids for (p, _), r in zip(reqs, results)]
-    for (p, sp), r, (_, lps) in zip(reqs, results, learner(model, seqs)):
+    for (p, sp), r, (logits, _) in zip(reqs, results, learner(model, seqs)):
         assert len(r.output_ids) == sp.max_tokens and r.finish_reason == "length"
-        np.testing.assert_allclose(r.output_logprobs, lps[len(p) - 1:-1], atol=1e-4, rtol=0)
+        # The behaviour distribution: temperature, top-k, top-p (greedy: raw logits).
+        want = token_logprobs(logits[len(p) - 1:-1], np.asarray(r.output_ids),
+                              temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
+        np.testing.assert_allclose(r.output_logprobs, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.3, 20, 0.9), (1.0, -1, 1.0)])
+def test_on_policy_ratio_and_tis_are_one_through_the_training_batch(sampler, model, temperature,
+                                                                   top_k, top_p):
+    """Sampled tokens -> Completion -> trace -> packed batch -> the PG loss's learner log-probs
+    equal the recorded behaviour log-probs to 1e-5 (fp32), so ratio and TIS weight are 1."""
+    from ac2_jax.segments import pack_segments, segments_from_trace
+    from ac2_jax.trace.recorder import TraceRecorder
+    from ac2_jax.trace.types import Completion, Trace
+    from ac2_jax.training.objectives import behaviour_logprobs
+    from ac2_jax.training.train_step import forward
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=10)
+    reqs = [(prompt_of(20 + i, 5 + i), params.replace(seed=i)) for i in range(6)]
+    trace = Trace(task_id="t")
+    rec = TraceRecorder(trace)
+    for (p, sp), r in zip(reqs, gen_many(sampler, reqs)):
+        rec.record(f"agent{len(trace.episodes)}", Completion(
+            p, r.output_ids, r.output_logprobs, temperature=sp.temperature, top_k=sp.top_k,
+            top_p=sp.top_p))
+    batch = pack_segments(segments_from_trace(trace), seq_len=64)
+    logits = jax.jit(forward, static_argnums=0)(*nnx.split(model, nnx.Param, ...), batch)
+    logp = np.asarray(behaviour_logprobs(logits, batch))
+    m = batch.loss_mask > 0
+    assert m.sum() == 60
+    np.testing.assert_allclose(logp[m], batch.sampler_logprobs[m], atol=1e-5, rtol=0)
+    ratio_to_sampler = np.exp(logp[m] - batch.sampler_logprobs[m])
+    np.testing.assert_allclose(ratio_to_sampler, 1.0, atol=2e-5)
+    if top_k > 0:  # the raw distribution would be far off: the old bug
+        raw = np.asarray(token_logprobs(logits, batch.targets))
+        assert np.abs(raw[m] - batch.sampler_logprobs[m]).max() > 0.1
 
 
 def test_greedy_is_argmax_of_full_forward(sampler, model):
@@ -243,7 +278,7 @@ def test_context_limits_and_errors(sampler):
 def test_cancelled_call_frees_its_row(sampler):
     async def go():
         t = asyncio.ensure_future(sampler.generate(prompt_of(70), GREEDY.replace(max_tokens=50)))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # submitted, not finished (a timed sleep raced a fast machine)
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t

@@ -40,12 +40,14 @@ def test_weights_under_pmap_sum_to_the_global_loss(mode):
     per_token = np.random.default_rng(3).normal(size=batch.shape).astype(np.float32)
     split = lambda x: np.asarray(x).reshape(N_DEV, -1, *np.shape(x)[1:])  # noqa: E731
 
+    norm = 7.0 if mode == "constant" else None
+
     def local(pt, b):
-        return jax.lax.psum((loss_weights(b, mode, axis_name="d") * pt).sum(), "d")
+        return jax.lax.psum((loss_weights(b, mode, normalizer=norm, axis_name="d") * pt).sum(), "d")
 
     got = jax.pmap(local, axis_name="d", devices=jax.devices()[:N_DEV])(
         split(per_token), jax.tree.map(split, batch))
-    want = aggregate_loss(jnp.asarray(per_token), batch, mode)
+    want = aggregate_loss(jnp.asarray(per_token), batch, mode, normalizer=norm)
     np.testing.assert_allclose(np.asarray(got), float(want), rtol=1e-6)
 
 
@@ -81,7 +83,8 @@ def test_policy_gradient_loss_sources_of_old_logprobs(old):
     want = policy_gradient_loss(logp, old_lp, batch.sampler_logprobs, batch.advantages,
                                 batch.loss_mask, clip_eps=0.1)
     np.testing.assert_allclose(per_token, want, rtol=1e-6, atol=1e-7)
-    means = policy_gradient_metrics(logp, old_lp, batch.sampler_logprobs, batch.loss_mask, 0.1)
+    means = policy_gradient_metrics(logp, old_lp, batch.sampler_logprobs, batch.loss_mask,
+                                    batch.advantages, 0.1)
     n = float(batch.loss_mask.sum())
     for k in ("clip_frac", "kl_to_sampler"):
         np.testing.assert_allclose(float(sums[k]) / n, float(means[k]), rtol=1e-5)

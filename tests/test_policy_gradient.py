@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses import group_advantages, policy_gradient_loss, policy_gradient_metrics
@@ -55,12 +56,24 @@ def test_on_policy_gradient_is_advantage_times_score():
 
 
 def test_metrics():
-    logp, old, samp, _, mask = _inputs(2)
-    m = policy_gradient_metrics(logp, old, samp, mask, clip_eps=0.2)
+    logp, old, samp, adv, mask = _inputs(2)
+    m = policy_gradient_metrics(logp, old, samp, mask, adv, clip_eps=0.2)
     r = np.exp(logp - old)
-    frac = (((r < 0.8) | (r > 1.2)) * mask).sum() / mask.sum()
+    # Only the side of the clip that removes gradient counts: r > 1.2 with A > 0, r < 0.8 with A < 0.
+    frac = ((((r > 1.2) & (adv > 0)) | ((r < 0.8) & (adv < 0))) * mask).sum() / mask.sum()
     np.testing.assert_allclose(m["clip_frac"], frac, rtol=1e-6)
     assert float(m["kl_to_sampler"]) >= 0.0
+
+
+def test_clip_frac_ignores_the_side_without_effect():
+    """r = 1.5 with A < 0 and r = 0.5 with A > 0 are not clipped by the min: the gradient flows."""
+    logp = jnp.log(jnp.array([1.5, 0.5, 1.5, 0.5]))
+    old = jnp.zeros(4)
+    adv = jnp.array([-1.0, 1.0, 1.0, -1.0])
+    m = policy_gradient_metrics(logp, old, old, jnp.ones(4), adv, clip_eps=0.2)
+    np.testing.assert_allclose(float(m["clip_frac"]), 0.5, rtol=1e-6)
+    g = jax.grad(lambda lp: policy_gradient_loss(lp, old, old, adv, jnp.ones(4), tis_cap=None).sum())(logp)
+    assert np.all(np.asarray(g[:2]) != 0) and np.all(np.asarray(g[2:]) == 0)
 
 
 def test_equal_under_jit_pmap_and_mesh():

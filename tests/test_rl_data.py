@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from ac2_jax.losses import aggregate_loss
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training.rl_data import (BatchConfig, build_batch, select_traces, trace_advantages,
                                       trace_version)
@@ -66,8 +67,80 @@ def test_staleness_drop_and_downweight():
     assert len(kept) == 3 and w == [1.0, 1.0, 0.25] and stats.downweighted == 1
     batch, _, _ = build_batch(traces, 5, BatchConfig(seq_len=16, max_staleness=1,
                                                       stale="downweight", stale_weight=0.5))
-    # The down-weighted trace's agent tokens carry its weight in the loss mask.
-    assert sorted(set(batch.loss_mask[batch.loss_mask > 0].tolist())) == [0.25, 1.0]
+    # Counts stay 1; the down-weighted trace's agent tokens carry its weight in loss_weight.
+    assert set(batch.loss_mask[batch.loss_mask > 0].tolist()) == {1.0}
+    assert sorted(set(batch.loss_weight[batch.loss_mask > 0].tolist())) == [0.25, 1.0]
+
+
+def test_a_stale_trace_trains_with_w_times_the_loss():
+    """Weights used to be folded into the count and cancelled in task_mean."""
+    fresh, _, _ = build_batch([_trace("a", 0, 1.0, version=5)], 5, BatchConfig(seq_len=16))
+    stale, stats, _ = build_batch([_trace("a", 0, 1.0, version=2)], 5,
+                                  BatchConfig(seq_len=16, stale="downweight", stale_weight=0.5))
+    assert stats.downweighted == 1
+    per_token = np.linspace(0.5, 2.0, fresh.loss_mask.size, dtype=np.float32).reshape(fresh.shape)
+    np.testing.assert_allclose(float(aggregate_loss(per_token, stale)),
+                               0.25 * float(aggregate_loss(per_token, fresh)), rtol=1e-6)
+
+
+def _long_episode_trace(n_requests=5, n_out=6, prompt=8):
+    """One append-only episode of `n_requests` requests (each re-sends all before it)."""
+    t = Trace(task_id="long", attempt_id="0", group_id="g:long", reward=1.0, status="finished")
+    rec, ids = TraceRecorder(t), list(range(1, prompt + 1))
+    for k in range(n_requests):
+        out = [100 + 10 * k + i for i in range(n_out)]
+        rec.record("main", Completion(list(ids), out, [-0.1 * (k + 1)] * n_out))
+        ids = ids + out + [50 + k, 51 + k]  # a tool result before the next request
+    return t
+
+
+def test_a_long_episode_keeps_every_agent_token_in_a_grown_row():
+    """Packing used truncate=True: the last turns (the answer) silently left the loss."""
+    t = _long_episode_trace()
+    assert len(t.episodes) == 1 and len(t.episodes[0].token_ids) == 8 + 5 * 6 + 4 * 2  # 46
+    batch, stats, _ = build_batch([t, _trace("long", 1, 0.0)], 0, BatchConfig(seq_len=16, rows=1))
+    assert batch.shape[1] == stats.row_len == 64 and stats.long_segments == 1
+    assert stats.truncated_agent_tokens == 0
+    from_long = (batch.loss_mask > 0) & (batch.advantages > 0)
+    assert from_long.sum() == t.num_agent_tokens == 30
+    assert sorted(batch.targets[from_long].tolist()) == sorted(
+        x for c in t.episodes[0].completions for x in c.output_ids)
+    np.testing.assert_allclose(sorted(batch.sampler_logprobs[from_long].tolist()),
+                               sorted(-0.1 * (k + 1) for k in range(5) for _ in range(6)), rtol=1e-6)
+
+
+def test_past_max_seq_len_the_end_is_cut_and_counted():
+    t = _long_episode_trace()
+    batch, stats, _ = build_batch([t], 0, BatchConfig(seq_len=16, max_seq_len=32, rows=1))
+    # Tokens 32..45 leave the loss: the outputs of requests 4 (at 32..37) and 5 (40..45).
+    assert stats.row_len == 32 and stats.truncated_segments == 1
+    assert stats.truncated_agent_tokens == 12
+    assert batch.loss_mask.sum() == t.num_agent_tokens - 12
+
+
+def test_greedy_rollouts_are_refused_for_rl():
+    t = _trace("a", 0, 1.0)
+    t.episodes[0].completions[0].temperature = 0.0
+    with pytest.raises(ValueError, match="temperature > 0"):
+        build_batch([t, _trace("a", 1, 0.0)], 0, BatchConfig(seq_len=16))
+
+
+def test_two_traces_with_one_key_are_refused():
+    with pytest.raises(ValueError, match="share the key"):
+        build_batch([_trace("a", 0, 1.0), _trace("a", 0, 0.0)], 0, BatchConfig(seq_len=16))
+
+
+def test_sampling_params_reach_the_batch():
+    t = _trace("a", 0, 1.0)
+    c = t.episodes[0].completions[0]
+    c.temperature, c.top_k, c.top_p = 0.3, 20, 0.9
+    for layout in ("flat", "tree"):
+        batch, _, _ = build_batch([t, _trace("a", 1, 0.0)], 0, BatchConfig(seq_len=16, layout=layout))
+        first = (batch.loss_mask > 0) & (batch.advantages > 0)
+        assert first.sum() == 3
+        np.testing.assert_allclose(batch.temperature[first], 0.3, rtol=1e-6)
+        assert (batch.top_k[first] == 20).all()
+        np.testing.assert_allclose(batch.top_p[first], 0.9, rtol=1e-6)
 
 
 def test_build_batch_shapes_and_advantages():

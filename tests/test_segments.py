@@ -39,5 +39,5 @@ def test_request_mode_one_segment_per_request():
 def test_bad_mode_and_lengths():
     with pytest.raises(ValueError, match="mode"):
         segments_from_trace(_trace(), mode="turn")
-    with pytest.raises(ValueError, match="equal lengths"):
+    with pytest.raises(ValueError, match="length of tokens"):
         Segment([1, 2], [0], [0.0, 0.0], task="x")

@@ -117,6 +117,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def test_top_k_and_top_p_are_refused_before_any_request(server, tok):
+    """SGLang's log-probs come before its top-k/top-p filters: not behaviour log-probs."""
+    fake, url = server
+    s = SGLangSampler(url, max_context=MAX_CONTEXT, vocab_size=tok.vocab_size)
+    n = len(fake.log)
+    for params in (SamplingParams(top_k=20), SamplingParams(top_p=0.9)):
+        with pytest.raises(ValueError, match="top_k=-1 and top_p=1"):
+            run(s.generate(tok.encode("hi"), params))
+    assert len(fake.log) == n  # nothing reached the server
+
+
 def test_generate_sends_native_json_and_reads_logprobs(server, tok):
     fake, url = server
     s = SGLangSampler(url, max_context=MAX_CONTEXT, vocab_size=tok.vocab_size)

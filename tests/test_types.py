@@ -2,7 +2,7 @@
 
 import json
 
-from ac2_jax.trace import Trace, TraceStore
+from ac2_jax.trace import Completion, Trace, TraceStore
 from ac2_jax.trace.types import TRACE_STATUSES
 
 
@@ -22,3 +22,19 @@ def test_old_failed_traces_load_as_infra_error(tmp_path):
     (loaded,) = TraceStore(str(path)).load()
     assert loaded.status == "infra_error" and loaded.reward == 0.0
     assert loaded.metadata == {"rl_step": 2}
+
+
+def test_default_attempt_ids_keep_attempts_apart():
+    """With attempt_id defaulting to "0", two attempts at one task merged into one loss group."""
+    a, b = Trace("t"), Trace("t")
+    assert a.key != b.key
+    assert Trace.from_dict(a.to_dict()).key == a.key  # a stored id is kept
+    assert Trace.from_dict({"task_id": "t"}).key != Trace.from_dict({"task_id": "t"}).key
+
+
+def test_completion_records_its_sampling_params():
+    c = Completion([1, 2], [3], [-0.2], temperature=0.3, top_k=20, top_p=0.9)
+    back = Completion.from_dict(c.to_dict())
+    assert (back.temperature, back.top_k, back.top_p) == (0.3, 20, 0.9)
+    old = {k: v for k, v in c.to_dict().items() if k not in ("temperature", "top_k", "top_p")}
+    assert (Completion.from_dict(old).temperature, Completion.from_dict(old).top_k) == (1.0, 0)

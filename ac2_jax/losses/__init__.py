@@ -1,9 +1,9 @@
 """Pure JAX loss pieces: log-probs, masks, aggregation, policy gradient, distill, relevance."""
 
-from ac2_jax.losses.aggregation import MODES, aggregate_loss
+from ac2_jax.losses.aggregation import MODES, aggregate_loss, loss_weights
 from ac2_jax.losses.distill import (DISTILL_KINDS, distill_loss, forward_kl, generalized_jsd,
                                     reverse_kl, sampled_token_advantage, sampled_token_loss)
-from ac2_jax.losses.logprobs import token_entropy, token_logprobs
+from ac2_jax.losses.logprobs import sampling_logits, token_entropy, token_logprobs
 from ac2_jax.losses.masks import attention_mask, segment_attention_mask, tree_attention_mask
 from ac2_jax.losses.policy_gradient import (group_advantages, policy_gradient_loss,
                                             policy_gradient_metrics)
@@ -26,6 +26,8 @@ __all__ = [
     "selection_mask",
     "MODES",
     "aggregate_loss",
+    "loss_weights",
+    "sampling_logits",
     "attention_mask",
     "group_advantages",
     "policy_gradient_loss",

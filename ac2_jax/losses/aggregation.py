@@ -1,10 +1,20 @@
-"""Turning per-token losses into one batch loss (pure, jit-able).
+"""Turning per-token losses into one batch loss: the one normaliser (pure, jit-able).
 
+Counts and weights are different arrays of the batch:
+  loss_mask m_t   the COUNT of trained predictions at t (1 per agent token; the
+                  tree-merge multiplicity where tokens are shared). It defines
+                  the normalisers N_task, N_segment, N_batch.
+  loss_weight w_t what multiplies the loss (segment weight: staleness
+                  down-weighting, example weights); None means 1.
 `task_mean` (default) is the design's token-weighted task loss:
-  L_task = sum_{s,t in task} m_t l_t / N_task,   loss = mean over tasks.
-Per-task sums come from `jax.ops.segment_sum` over the batch's `task_ids`, so
-any packing of the same segments gives the same value. Under `pmap` pass
-`axis_name` and the per-task sums are summed across devices first.
+  L_task = sum_{t in task} w_t m_t l_t / N_task,  N_task = sum_{t in task} m_t,
+  loss = mean of L_task over the tasks present.
+A weight therefore scales its tokens' loss; it never cancels out.
+
+`loss_weights` returns per-token factors c [R, L] with loss = sum(c * l). They
+depend only on the batch (never on params), so the loss is linear in l over
+any split of the rows: micro-batches add up, pmap devices psum (pass
+`axis_name`: counts are summed across devices first).
 """
 
 from __future__ import annotations
@@ -15,46 +25,55 @@ import jax.numpy as jnp
 MODES = ("task_mean", "token_mean", "segment_mean", "constant")
 
 
-def _grouped_mean(weighted, mask, group_ids, num_groups, axis_name):
-    sums = jax.ops.segment_sum(weighted.ravel(), group_ids.ravel(), num_segments=num_groups)
-    counts = jax.ops.segment_sum(mask.ravel(), group_ids.ravel(), num_segments=num_groups)
-    if axis_name is not None:
-        sums = jax.lax.psum(sums, axis_name)
-        counts = jax.lax.psum(counts, axis_name)
+def _psum(x, axis_name):
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _per_group(mask, group_ids, num_groups, axis_name):
+    """1 / (count of the token's group) / (number of groups present), per token."""
+    counts = _psum(jax.ops.segment_sum(mask.ravel(), group_ids.ravel(), num_segments=num_groups),
+                   axis_name)
     present = counts > 0
-    per_group = jnp.where(present, sums / jnp.where(present, counts, 1.0), 0.0)
-    return per_group.sum() / jnp.maximum(present.sum(), 1)
+    inv = jnp.where(present, 1.0 / jnp.where(present, counts, 1.0), 0.0)
+    return inv[group_ids] / jnp.maximum(present.sum(), 1)
+
+
+def loss_weights(batch, mode: str = "task_mean", *, normalizer: float | None = None,
+                 axis_name: str | None = None) -> jax.Array:
+    """Per-token factors c [R, L] with batch loss = sum(c * per_token).
+
+    batch: a `PackedBatch` (loss_mask, loss_weight, task_ids, segment_index,
+    num_tasks, num_segments). Modes: task_mean (default), token_mean (all
+    trained tokens of the batch), segment_mean (mean of L_s; undefined on tree
+    batches, where a shared token belongs to several segments), constant
+    (sum / `normalizer`, Dr.GRPO style: the normaliser must be given, e.g. the
+    max generation length, so the loss scale never depends on padding).
+    """
+    if mode not in MODES:
+        raise ValueError(f"loss_weights: mode must be one of {MODES}, got {mode!r}")
+    count = batch.loss_mask.astype(jnp.float32)
+    weight = getattr(batch, "loss_weight", None)
+    weighted = count if weight is None else count * weight.astype(jnp.float32)
+    if mode == "task_mean":
+        return weighted * _per_group(count, batch.task_ids, batch.num_tasks, axis_name)
+    if mode == "segment_mean":
+        if getattr(batch, "subtree_end", None) is not None:
+            raise ValueError("segment_mean is undefined on tree-packed batches (shared tokens "
+                             "belong to several segments); use task_mean or layout='flat'")
+        return weighted * _per_group(count, batch.segment_index, batch.num_segments, axis_name)
+    if mode == "token_mean":
+        return weighted / jnp.maximum(_psum(count.sum(), axis_name), 1e-8)
+    if normalizer is None or not normalizer > 0:
+        raise ValueError(f"mode='constant' needs normalizer > 0 (e.g. the max tokens a task may "
+                         f"generate), got {normalizer!r}")
+    return weighted / normalizer
 
 
 def aggregate_loss(per_token: jax.Array, batch, mode: str = "task_mean", *,
                    normalizer: float | None = None, axis_name: str | None = None) -> jax.Array:
-    """Batch loss from per-token losses.
+    """Batch loss from per-token losses [R, L]: sum(loss_weights(batch) * per_token).
 
-    per_token: [R, L] loss of predicting `batch.targets`. `batch` supplies
-    loss_mask [R, L] (weights), task_ids / segment_index [R, L] and the static
-    num_tasks / num_segments (a `PackedBatch`). Modes: task_mean (default),
-    token_mean (all agent tokens of the batch), segment_mean (mean of L_s),
-    constant (sum / `normalizer`, Dr.GRPO style; default R*L). Returns a scalar.
+    Under pmap (`axis_name`) every device gets the global loss. Returns a scalar.
     """
-    mask = batch.loss_mask.astype(jnp.float32)
-    weighted = per_token.astype(jnp.float32) * mask
-    if mode == "task_mean":
-        return _grouped_mean(weighted, mask, batch.task_ids, batch.num_tasks, axis_name)
-    if mode == "segment_mean":
-        if getattr(batch, "subtree_end", None) is not None:
-            raise ValueError("aggregate_loss: segment_mean is undefined on tree-packed batches "
-                             "(shared tokens belong to several segments); use task_mean")
-        return _grouped_mean(weighted, mask, batch.segment_index, batch.num_segments, axis_name)
-    total, count = weighted.sum(), mask.sum()
-    if axis_name is not None:
-        total = jax.lax.psum(total, axis_name)
-        count = jax.lax.psum(count, axis_name)
-    if mode == "token_mean":
-        return total / jnp.maximum(count, 1e-8)
-    if mode == "constant":
-        if normalizer is None:
-            normalizer = float(mask.size)
-            if axis_name is not None:
-                normalizer = normalizer * jax.lax.psum(1, axis_name)
-        return total / normalizer
-    raise ValueError(f"aggregate_loss: mode must be one of {MODES}, got {mode!r}")
+    c = loss_weights(batch, mode, normalizer=normalizer, axis_name=axis_name)
+    return _psum((c * per_token.astype(jnp.float32)).sum(), axis_name)

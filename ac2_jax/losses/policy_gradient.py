@@ -52,13 +52,19 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, sampler_logp: jax
     return jnp.where(mask > 0, loss, 0.0)
 
 
-def policy_gradient_metrics(logp, old_logp, sampler_logp, mask, clip_eps=0.2) -> dict:
-    """Token-mean diagnostics: clip fraction and KL(sampler || learner) estimate."""
+def policy_gradient_metrics(logp, old_logp, sampler_logp, mask, advantages, clip_eps=0.2) -> dict:
+    """Token-mean diagnostics: clip fraction and KL(sampler || learner) estimate.
+
+    clip_frac counts tokens whose gradient the clip removes: ratio > 1 + eps_hi
+    with A > 0, or ratio < 1 - eps_lo with A < 0 (the other side of the clip
+    has no effect under the min).
+    """
     lo, hi = _clip_range(clip_eps)
     m = mask.astype(jnp.float32)
     n = jnp.maximum(m.sum(), 1.0)
     ratio = jnp.exp(logp - old_logp)
-    clipped = ((ratio < lo) | (ratio > hi)).astype(jnp.float32)
+    clipped = (((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
+               ).astype(jnp.float32)
     log_r = logp - sampler_logp  # k3 estimator of KL(sampler || learner)
     k3 = jnp.exp(log_r) - 1.0 - log_r
     return {"clip_frac": (clipped * m).sum() / n, "kl_to_sampler": (k3 * m).sum() / n}

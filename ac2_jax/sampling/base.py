@@ -14,9 +14,13 @@ Contract
     * ``output_ids`` are exactly the sampled tokens, including the stop token
       that ended generation (EOS or one of ``params.stop_token_ids``), since
       that token was sampled and is trained on.
-    * ``output_logprobs[i]`` is ``log_softmax(logits)[output_ids[i]]`` of the
-      model's raw logits (temperature 1, before top-k/top-p), in fp32: what a
-      learner forward pass on ``prompt_ids + output_ids`` gives.
+    * ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the
+      distribution it was sampled from, in fp32: ``log_softmax`` of
+      ``ac2_jax.losses.sampling_logits(logits, temperature, top_k, top_p)``,
+      what a learner forward pass on ``prompt_ids + output_ids`` gives when it
+      applies the same parameters (``token_logprobs(..., temperature=, top_k=,
+      top_p=)``). Greedy (temperature 0) results carry the log-probs with no
+      temperature (there is no behaviour distribution to record).
     * ``finish_reason`` is ``"stop"`` (a stop token or stop string ended it) or
       ``"length"`` (``max_tokens`` reached, or ``max_context`` total tokens).
     * ``policy_version`` is the version of the weights that sampled *every*

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ac2_jax.losses.logprobs import sampling_logits
 from ac2_jax.models.decoder import KVCache
 
 
@@ -40,26 +41,6 @@ class Rows:
     stop_ids: jax.Array     # int32 [B, NS]
 
 
-def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Top-k then top-p (nucleus) filtering; removed entries become -inf.
-
-    logits [B, V] (already divided by the temperature); top_k [B] int (<= 0:
-    off); top_p [B] float (>= 1: off). A row with both off is returned as is.
-    Ties with the last kept logit are kept.
-    """
-    V = logits.shape[-1]
-    srt = -jnp.sort(-logits, axis=-1)  # descending
-    rank = jnp.arange(V)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    in_k = rank < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_k, srt, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank == 0)
-    n_keep = jnp.sum(in_k & in_p, axis=-1)
-    threshold = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
-
-
 def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Array:
     """PRNG keys [B] for output token `index` [B] of rows seeded (seed_lo, seed_hi) [B]."""
     def one(lo, hi, i):
@@ -68,19 +49,26 @@ def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Ar
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
-                  top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """One token per row [B] from fp32 logits [B, V]; temperature 0 rows take the argmax."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                  top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row from fp32 logits [B, V], and the log-probs it was drawn from.
 
-    def sample(logits):
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, filter_logits, lambda x, *_: x, scaled, top_k, top_p)
+    Returns (tokens [B] int32, logp [B, V]): logp is log_softmax of
+    `sampling_logits` (temperature, top-k, top-p), the behaviour distribution
+    a learner re-scores with the same parameters. Temperature 0 rows take the
+    argmax (their logp has no temperature applied; greedy is not a
+    distribution RL can train on).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = sampling_logits(logits, temperature, top_k, top_p)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+
+    def sample(_):
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(temperature > 0, sampled, greedy)
 
-    # An all-greedy batch skips the noise and the filters.
-    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, logits)
+    # An all-greedy batch skips the noise.
+    tok = jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
+    return tok, logp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "n_steps", "n_top"),
@@ -90,7 +78,8 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
     """Up to `n_steps` decode steps for all rows; stops early once no row is active.
 
     Returns (cache, rows, out) with out = (tokens [n, B] int32, -1 where the row
-    emitted nothing; logprobs [n, B] fp32 of raw log_softmax; top_ids, top_lps
+    emitted nothing; logprobs [n, B] fp32 under the sampling distribution
+    (`sample_tokens`); top_ids, top_lps
     [n, B, n_top], zeros unless `want_top`).
     """
     B = rows.token.shape[0]
@@ -106,13 +95,14 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
         model = nnx.merge(graphdef, state)
         pos = jnp.where(r.active, r.pos, -1)
         logits, cache = model.decode(r.token[:, None], pos[:, None], cache)
-        logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
         keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
-        tok = sample_tokens(logits[:, 0], keys, r.temperature, r.top_k, r.top_p)
+        tok, logp = sample_tokens(logits[:, 0].astype(jnp.float32), keys, r.temperature,
+                                  r.top_k, r.top_p)
         lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         if n_top:
+            # Filtered-out candidates are reported at -9999 (finite, JSON-safe).
             t_lp, t_id = jax.lax.cond(
-                want_top, lambda x: tuple(jax.lax.top_k(x, n_top)),
+                want_top, lambda x: tuple(jax.lax.top_k(jnp.maximum(x, -9999.0), n_top)),
                 lambda x: (jnp.zeros((B, n_top), x.dtype), jnp.zeros((B, n_top), jnp.int32)),
                 logp)
             o_tid, o_tlp = o_tid.at[i].set(t_id.astype(jnp.int32)), o_tlp.at[i].set(t_lp)

@@ -13,9 +13,11 @@ top log-probs from `meta_info.output_top_logprobs`, the finish reason from
 `meta_info.cached_tokens`, and the weight version from
 `meta_info.weight_version` when the server reports one.
 
-Log-probs: SGLang returns `log_softmax(logits / temperature)` unless the
-server runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (the launch script sets
-it), which gives the raw-logit log-probs the protocol promises. Seeds are
+Log-probs: SGLang returns `log_softmax(logits / temperature)` (unless the
+server runs with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which the launch script
+unsets): the behaviour log-probs the protocol promises for temperature
+sampling. Its top-k / top-p filters act after that, so `generate` refuses
+them (ValueError; the endpoint answers 400). Seeds are
 honoured only with `--enable-deterministic-inference`.
 
 Weights: `load_weights(step)` loads the published Orbax step into a Decoder
@@ -115,6 +117,14 @@ class SGLangSampler:
         return body
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> SampleResult:
+        if params.top_k > 0 or params.top_p < 1.0:
+            # SGLang reports log_softmax(logits / T), before its top-k / top-p
+            # filters: those would not be the log-probs of what was sampled.
+            raise ValueError(
+                f"top_k={params.top_k} / top_p={params.top_p}: SGLang reports log-probs "
+                "before top-k/top-p filtering, so they would not be the behaviour "
+                "log-probs RL needs; use top_k=-1 and top_p=1 with the SGLang sampler "
+                "(temperature is fine)")
         prompt = [int(t) for t in prompt_ids]
         check_prompt(prompt, self._max_context, self._vocab)
         if not self._ready.is_set():

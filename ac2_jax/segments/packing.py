@@ -3,9 +3,11 @@
 Everything here is host numpy; the result is a pytree the learner ships to
 devices. Per-token arrays are aligned with *predictions*: position p holds
 the input token `tokens[p]` and what the model predicts there, `targets[p]`
-(the next token of the same segment). `loss_mask[p]` is the weight of that
-prediction: the segment's weight where `targets[p]` is an agent token, else 0.
-So `logits[p]` is scored against `targets[p]` with no shifting downstream.
+(the next token of the same segment). `loss_mask[p]` COUNTS that prediction
+(1 where `targets[p]` is an agent token, else 0; the merge multiplicity in a
+tree) and `loss_weight[p]` is the factor its loss is multiplied by (the
+segment's weight). So `logits[p]` is scored against `targets[p]` with no
+shifting downstream.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ class PackedBatch:
     """A packed batch; every array is [rows, seq_len].
 
     tokens, targets, positions (reset per segment), segment_ids (1.. within a
-    row, 0 = padding): int32. loss_mask, advantages, sampler_logprobs: float32,
-    aligned with targets. task_ids: int32 index of the token's task in
+    row, 0 = padding): int32. loss_mask (the count of trained predictions,
+    defines N_task), loss_weight (multiplies the loss), advantages,
+    sampler_logprobs: float32, aligned with targets. temperature, top_p
+    (float32), top_k (int32): the sampling parameters the target was drawn
+    with; the policy-gradient loss re-scores targets under them (1 / 0 / 1 =
+    the raw distribution). task_ids: int32 index of the token's task in
     `task_names(segments)` (the loss's per-task groups). segment_index: int32
     global segment number (for `segment_mean`). subtree_end: int32, only for
     tree layouts (token k is seen by queries k..subtree_end[k]); None for flat.
@@ -43,6 +49,10 @@ class PackedBatch:
     sampler_logprobs: np.ndarray
     task_ids: np.ndarray
     segment_index: np.ndarray
+    loss_weight: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
     subtree_end: np.ndarray | None = None
     num_tasks: int = struct.field(pytree_node=False, default=0)
     num_segments: int = struct.field(pytree_node=False, default=0)
@@ -101,10 +111,12 @@ def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
 
 def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     z = lambda dt: np.zeros((rows, seq_len), dt)  # noqa: E731
+    one = lambda: np.ones((rows, seq_len), np.float32)  # noqa: E731
     return dict(tokens=z(np.int32), targets=z(np.int32), positions=z(np.int32),
                 segment_ids=z(np.int32), loss_mask=z(np.float32),
                 advantages=z(np.float32), sampler_logprobs=z(np.float32),
-                task_ids=z(np.int32), segment_index=z(np.int32))
+                task_ids=z(np.int32), segment_index=z(np.int32), loss_weight=one(),
+                temperature=one(), top_k=z(np.int32), top_p=one())
 
 
 def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
@@ -145,8 +157,12 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
             out["targets"][r, start:start + n - 1] = toks[1:]
             out["positions"][r, sl] = np.arange(n)
             out["segment_ids"][r, sl] = local_id
-            out["loss_mask"][r, start:start + n - 1] = s.loss_mask[1:n] * s.weight
-            out["sampler_logprobs"][r, start:start + n - 1] = s.sampler_logprobs[1:n]
+            pred = slice(start, start + n - 1)  # predictions of tokens 1..n-1
+            out["loss_mask"][r, pred] = s.loss_mask[1:n]
+            out["loss_weight"][r, sl] = s.weight
+            out["sampler_logprobs"][r, pred] = s.sampler_logprobs[1:n]
+            for k in ("temperature", "top_k", "top_p"):
+                out[k][r, pred] = getattr(s, k)[1:n]
             out["advantages"][r, sl] = s.advantage
             out["task_ids"][r, sl] = task_index[s.task]
             out["segment_index"][r, sl] = i

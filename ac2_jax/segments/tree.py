@@ -9,10 +9,12 @@ exactly its ancestors (`ac2_jax.losses.tree_attention_mask`).
 Trie nodes are keyed by (token, next token, loss key), not by token alone, so
 every node has exactly one prediction target and the batch keeps the flat
 layout's `targets` convention. The loss key is None when the prediction is not
-trained, else (task, advantage, sampler log-prob): trained tokens merge only
-when their loss terms are identical, and a merged node carries the sum of the
-paths' weights, so `task_mean`, `token_mean` and `constant` losses equal the
-flat layout's. (`segment_mean` is not defined on merged tokens.)
+trained, else (task, advantage, sampler log-prob, sampling params): trained
+tokens merge only when their loss terms are identical. A merged node's
+`loss_mask` is the number of paths through it (the count) and its
+`loss_weight` their mean weight, so count x weight is the sum of the paths'
+weights and `task_mean`, `token_mean` and `constant` losses equal the flat
+layout's. (`segment_mean` is not defined on merged tokens.)
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from ac2_jax.segments.segments import Segment
 
 
 class _Node:
-    __slots__ = ("key", "children", "segment", "weight")
+    __slots__ = ("key", "children", "segment", "count", "weighted")
 
     def __init__(self, key, segment):
         self.key = key
         self.children: dict = {}
         self.segment = segment  # first segment through this node
-        self.weight = 0.0
+        self.count = 0.0     # sum of the paths' loss-mask counts
+        self.weighted = 0.0  # sum of count x segment weight
 
 
 def _path_keys(s: Segment, n: int) -> list[tuple]:
@@ -41,7 +44,10 @@ def _path_keys(s: Segment, n: int) -> list[tuple]:
     for i in range(n):
         if i + 1 < n:
             m = float(s.loss_mask[i + 1])
-            loss_key = (s.task, float(s.advantage), float(s.sampler_logprobs[i + 1])) if m > 0 else None
+            j = i + 1
+            loss_key = ((s.task, float(s.advantage), float(s.sampler_logprobs[j]),
+                         float(s.temperature[j]), int(s.top_k[j]), float(s.top_p[j]))
+                        if m > 0 else None)
             keys.append((int(s.tokens[i]), int(s.tokens[i + 1]), loss_key))
         else:
             keys.append((int(s.tokens[i]), None, None))
@@ -65,7 +71,8 @@ def _insert(root: _Node, keys: list[tuple], s: Segment, index: int) -> None:
         if child is None:
             child = node.children[k] = _Node(k, index)
         if k[2] is not None:
-            child.weight += float(s.loss_mask[i + 1]) * s.weight
+            child.count += float(s.loss_mask[i + 1])
+            child.weighted += float(s.loss_mask[i + 1]) * s.weight
         node = child
 
 
@@ -91,8 +98,10 @@ def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
         row["task_ids"][r, pos] = task_index[s.task if loss_key is None else loss_key[0]]
         row["advantages"][r, pos] = s.advantage if loss_key is None else loss_key[1]
         if loss_key is not None:
-            row["loss_mask"][r, pos] = node.weight
-            row["sampler_logprobs"][r, pos] = loss_key[2]
+            row["loss_mask"][r, pos] = node.count
+            row["loss_weight"][r, pos] = node.weighted / node.count if node.count else 0.0
+            (row["sampler_logprobs"][r, pos], row["temperature"][r, pos], row["top_k"][r, pos],
+             row["top_p"][r, pos]) = loss_key[2:]
         stack.append(("close", pos))
         stack.extend(("open", c, depth + 1, tree_id) for c in reversed(list(node.children.values())))
         pos += 1

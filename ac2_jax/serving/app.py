@@ -103,6 +103,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
     app.state.model_name = model_name
+
     def end_as_infra_error(request: Request, exc: Exception) -> None:
         """A crash while serving a rollout's request (sampler, server) is our fault:
         the rollout ends as infra_error, so it is never trained."""
@@ -196,7 +197,9 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
                             output_logprobs=[float(x) for x in c.result.output_logprobs],
                             policy_version=int(c.result.policy_version),
                             finish_reason=c.finish_reason, timings={"sample_s": elapsed},
-                            cached_tokens=int(c.result.cached_tokens), messages=messages)
+                            cached_tokens=int(c.result.cached_tokens), messages=messages,
+                            temperature=float(req.temperature), top_k=int(req.top_k),
+                            top_p=float(req.top_p))
                  for c in choices]
         registry.record(principal.rollout, agent_label(request, req), comps, list(turns))
 

@@ -7,7 +7,13 @@ trace stored on disk reads back equal to the one in memory.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
+
+
+def new_attempt_id() -> str:
+    """A fresh attempt id: two attempts never share a `Trace.key` by default."""
+    return uuid.uuid4().hex[:12]
 
 
 @dataclasses.dataclass
@@ -38,8 +44,12 @@ class Message:
 class Completion:
     """One request to the model: the tokens it saw and the tokens it sampled.
 
-    `output_logprobs[i]` is the sampler's log-prob of `output_ids[i]`.
-    `cached_tokens` is how many prompt tokens the sampler reused from cache.
+    `output_logprobs[i]` is the sampler's log-prob of `output_ids[i]` under the
+    distribution it sampled from: the logits after `temperature`, `top_k` and
+    `top_p` (`ac2_jax.losses.sampling_logits`); the learner applies the same
+    parameters when it re-scores these tokens. temperature 0 means greedy (no
+    behaviour distribution: RL refuses such tokens). top_k <= 0 / top_p >= 1
+    mean off. `cached_tokens` is how many prompt tokens the sampler reused.
     """
 
     prompt_ids: list[int]
@@ -50,6 +60,9 @@ class Completion:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     cached_tokens: int = 0
     messages: list[dict[str, Any]] | None = None  # the request, for viewers
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -121,7 +134,7 @@ class Trace:
     """One attempt at one task: all its episodes and one task-level outcome."""
 
     task_id: str
-    attempt_id: str = "0"
+    attempt_id: str = dataclasses.field(default_factory=new_attempt_id)
     group_id: str | None = None
     episodes: list[Episode] = dataclasses.field(default_factory=list)
     reward: float | None = None
@@ -157,7 +170,7 @@ class Trace:
         status = d.get("status", "running")
         return cls(
             task_id=d["task_id"],
-            attempt_id=d.get("attempt_id", "0"),
+            attempt_id=d.get("attempt_id") or new_attempt_id(),
             group_id=d.get("group_id"),
             episodes=[Episode.from_dict(e) for e in d.get("episodes", [])],
             reward=d.get("reward"),

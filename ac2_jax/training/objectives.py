@@ -1,12 +1,13 @@
 """Loss functions for the train step, and the token weights that make them exact
 under sharding, pmap and gradient accumulation.
 
-Every aggregation of `ac2_jax.losses.aggregate_loss` is linear in the per-token
-losses once its normalizers (per-task / per-segment / total token counts) are
-fixed, and those depend only on the loss mask, never on the params. So the
-step computes `w = loss_weights(full batch)` once and the loss is
-`sum(w * per_token)` over any split of the rows: micro-batches add up, pmap
-devices psum, and no gradient ever flows through a collective.
+The normaliser is `ac2_jax.losses.loss_weights` (re-exported here): every
+aggregation is linear in the per-token losses once its normalizers (per-task /
+per-segment / total token counts) are fixed, and those depend only on the
+batch, never on the params. So the step computes `w = loss_weights(full
+batch)` once and the loss is `sum(w * per_token)` over any split of the rows:
+micro-batches add up, pmap devices psum, and no gradient ever flows through a
+collective.
 
 A LossFn maps (logits [R, L, V], batch, extras) to (per_token [R, L],
 metric_sums): each metric sum is `sum(loss_mask * value)` over the given rows;
@@ -21,46 +22,17 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.losses import (MODES, policy_gradient_loss, policy_gradient_metrics, token_entropy,
-                            token_logprobs)
+from ac2_jax.losses import (MODES, loss_weights, policy_gradient_loss, policy_gradient_metrics,
+                            token_entropy, token_logprobs)
 
 OLD_LOGPROBS = ("detached", "sampler", "extras")
 
 
-def _group_weights(mask, group_ids, num_groups, axis_name):
-    counts = jax.ops.segment_sum(mask.ravel(), group_ids.ravel(), num_segments=num_groups)
-    if axis_name is not None:
-        counts = jax.lax.psum(counts, axis_name)
-    present = counts > 0
-    inv = jnp.where(present, 1.0 / jnp.where(present, counts, 1.0), 0.0)
-    return mask * inv[group_ids] / jnp.maximum(present.sum(), 1)
-
-
-def loss_weights(batch, mode: str = "task_mean", *, normalizer: float | None = None,
-                 axis_name: str | None = None) -> jax.Array:
-    """Per-token weights w [R, L] with sum(w * l) == aggregate_loss(l, batch, mode).
-
-    Under pmap (`axis_name`) the equality holds for the psum over devices of
-    each device's sum(w * l). Depends only on loss_mask / task_ids /
-    segment_index, so it carries no gradient.
-    """
-    if mode not in MODES:
-        raise ValueError(f"loss_weights: mode must be one of {MODES}, got {mode!r}")
-    mask = batch.loss_mask.astype(jnp.float32)
-    if mode == "task_mean":
-        return _group_weights(mask, batch.task_ids, batch.num_tasks, axis_name)
-    if mode == "segment_mean":
-        return _group_weights(mask, batch.segment_index, batch.num_segments, axis_name)
-    if mode == "token_mean":
-        count = mask.sum()
-        if axis_name is not None:
-            count = jax.lax.psum(count, axis_name)
-        return mask / jnp.maximum(count, 1e-8)
-    if normalizer is None:
-        normalizer = float(mask.size)
-        if axis_name is not None:
-            normalizer = normalizer * jax.lax.psum(1, axis_name)
-    return mask / normalizer
+def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
+    """Learner log-probs [R, L] of batch.targets under the distribution the sampler drew
+    them from (the batch's temperature / top_k / top_p), comparable to sampler_logprobs."""
+    return token_logprobs(logits, batch.targets, temperature=batch.temperature,
+                          top_k=batch.top_k, top_p=batch.top_p)
 
 
 class LossFn(Protocol):
@@ -125,7 +97,7 @@ class PolicyGradientLoss:
 
     def __call__(self, logits, batch, extras=None):
         m = batch.loss_mask.astype(jnp.float32)
-        logp = token_logprobs(logits, batch.targets)
+        logp = behaviour_logprobs(logits, batch)
         if self.old_logprobs == "detached":
             old = jax.lax.stop_gradient(logp)
         elif self.old_logprobs == "sampler":
@@ -139,7 +111,7 @@ class PolicyGradientLoss:
                                          clip_eps=self.clip_eps, tis_cap=self.tis_cap)
         # policy_gradient_metrics returns sum(m x) / max(sum m, 1); undo the division.
         means = policy_gradient_metrics(jax.lax.stop_gradient(logp), old, batch.sampler_logprobs,
-                                        m, clip_eps=self.clip_eps)
+                                        m, batch.advantages, clip_eps=self.clip_eps)
         n = jnp.maximum(m.sum(), 1.0)
         sums = {k: v * n for k, v in means.items()}
         if self.entropy:

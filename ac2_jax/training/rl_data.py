@@ -14,6 +14,8 @@ import numpy as np
 
 from ac2_jax.losses import group_advantages
 from ac2_jax.segments import PackedBatch, pack_segments, segments_from_trace
+from ac2_jax.segments.packing import capacity
+from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
@@ -37,6 +39,9 @@ class BatchConfig:
     max_staleness: int = 1          # policy versions a trace may lag the learner
     stale: str = "drop"             # older traces: dropped, or down-weighted
     stale_weight: float = 0.5
+    # Rows grow (seq_len x 2^k) up to this many tokens to hold a longer segment
+    # whole; only past it is a segment's end cut (counted). None: 4 x seq_len.
+    max_seq_len: int | None = None
 
     def __post_init__(self):
         if self.failed is not None:
@@ -52,6 +57,17 @@ class BatchConfig:
                 raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
         if self.stale not in STALE_POLICIES:
             raise ValueError(f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}")
+        if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
+            raise ValueError(f"BatchConfig.max_seq_len ({self.max_seq_len}) must be >= seq_len "
+                             f"({self.seq_len}), or None for 4 x seq_len")
+
+    def row_len(self, longest: int) -> int:
+        """Row length for a batch whose longest segment has `longest` tokens:
+        seq_len, else seq_len x 2^k (few distinct shapes) up to max_seq_len."""
+        if longest <= self.seq_len:
+            return self.seq_len
+        limit = self.max_seq_len or 4 * self.seq_len
+        return min(self.seq_len * capacity(-(-longest // self.seq_len)), limit)
 
 
 def trace_version(trace: Trace) -> int:
@@ -74,6 +90,10 @@ class BatchStats:
     dropped_stale: int = 0
     downweighted: int = 0
     empty: int = 0
+    row_len: int = 0                # the batch's row length (> seq_len when it grew)
+    long_segments: int = 0          # segments over seq_len, kept whole in grown rows
+    truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
+    truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
     staleness_mean: float = 0.0
     staleness_max: int = 0
 
@@ -148,16 +168,39 @@ def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np
     return np.asarray(group_advantages(trace_rewards(traces), groups, normalize_std))
 
 
+def check_sampled(trace: Trace) -> None:
+    """Raises if any completion of `trace` was decoded greedily (temperature 0):
+    there is no behaviour distribution to take an importance ratio against."""
+    for ep in trace.episodes:
+        for c in ep.completions:
+            if c.output_ids and not c.temperature > 0:
+                raise ValueError(
+                    f"trace {trace.key!r} ({ep.agent!r}) was sampled with temperature "
+                    f"{c.temperature}: greedy tokens have no behaviour distribution, so RL "
+                    "cannot train on them; collect RL rollouts with temperature > 0")
+
+
 def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig
                 ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
     """Traces -> (packed batch or None when nothing trainable, stats, advantages).
 
     Advantages come from every selected trace's group; each trace's one
-    advantage goes to all of its segments (the whole trace is one unit).
+    advantage goes to all of its segments (the whole trace is one unit) and
+    its staleness weight multiplies their loss. A segment longer than
+    `config.seq_len` makes the batch's rows grow (`BatchConfig.row_len`) so it
+    stays whole; only past `max_seq_len` is its end cut. Both are counted in
+    the stats. Greedy traces and two traces with one `Trace.key` are errors.
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
     if not kept:
         return None, stats, np.zeros(0, np.float32)
+    seen: set[str] = set()
+    for t in kept:
+        if t.key in seen:
+            raise ValueError(f"build_batch: two traces share the key {t.key!r} (task_id/attempt_id)"
+                             "; give every attempt its own attempt_id, or their losses merge")
+        seen.add(t.key)
+        check_sampled(t)
     adv = trace_advantages(kept, config.normalize_std)
     segments = []
     for t, a, w in zip(kept, adv, weights):
@@ -167,6 +210,12 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
                 segments.append(s)
     if not segments:
         return None, stats, adv
-    batch = pack_segments(segments, config.seq_len, truncate=True, min_rows=config.rows,
+    row_len = config.row_len(max(len(s) for s in segments))
+    stats.row_len = row_len
+    stats.long_segments = sum(config.seq_len < len(s) <= row_len for s in segments)
+    segments, cut = fit_segments(segments, row_len)
+    stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
+                                                              cut.truncated_agent_tokens)
+    batch = pack_segments(segments, row_len, min_rows=config.rows,
                           rows_multiple=max(config.rows_multiple, 1), layout=config.layout)
     return batch, stats, adv

@@ -22,8 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ac2_jax.losses import token_logprobs
-from ac2_jax.training.objectives import LossFn, loss_weights
+from ac2_jax.training.objectives import LossFn, behaviour_logprobs, loss_weights
 from ac2_jax.training.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
                                        merge_rows, replicate, split_rows, state_shardings,
                                        unreplicate)
@@ -209,9 +208,10 @@ class TrainStep:
         return state, metrics
 
     def logprobs(self, state: TrainState, batch) -> jax.Array:
-        """Learner log-probs of batch.targets [R, L] (e.g. PPO old log-probs)."""
+        """Learner log-probs of batch.targets [R, L] under the batch's sampling
+        parameters (`behaviour_logprobs`: e.g. PPO old log-probs)."""
         def f(s, b):
-            return token_logprobs(forward(self.graphdef, s.params, s.rest, b), b.targets)
+            return behaviour_logprobs(forward(self.graphdef, s.params, s.rest, b), b)
 
         if self._logprobs is None:
             self._logprobs = (jax.pmap(f, devices=self.devices) if self.mode == "pmap"
