@@ -77,10 +77,29 @@ def test_batches_are_a_pure_function_of_the_index():
     assert a.batches_per_epoch == 3
     for i in range(6):
         np.testing.assert_array_equal(a.batch(i).tokens, b.batch(i).tokens)
-    for epoch in range(2):  # every row exactly once per epoch
+    for epoch in range(2):  # every segment exactly once per epoch
         rows = np.concatenate([a.batch(epoch * 3 + k).tokens for k in range(3)])
-        assert sorted(map(tuple, rows)) == sorted(map(tuple, a.packed.tokens))
+        assert sorted(tuple(r[:12]) for r in rows) == sorted(tuple(s.tokens) for s in segs)
     assert not np.array_equal(a.batch(0).tokens, SFTData(segs, 16, 2, seed=6).batch(0).tokens)
+
+
+def test_a_task_is_never_split_across_steps():
+    """Packing once and batching rows put one task's segments into different steps, each
+    normalised as if it were the whole task."""
+    rng = np.random.default_rng(7)
+    segs = [Segment(rng.integers(1, 32, 9), [0] + [1] * 8, np.zeros(9), task=f"t{i // 3}")
+            for i in range(12)]  # 4 tasks x 3 segments; a row of 16 holds one segment
+    data = SFTData(segs, 16, 4, seed=1)
+    seen = []
+    for i in range(2 * data.batches_per_epoch):
+        b = data.batch(i)
+        assert b.shape == (4, 16)
+        tasks = {int(t) for t in np.unique(b.task_ids[b.loss_mask > 0])}
+        assert b.loss_mask.sum() == 8 * 3 * len(tasks)  # all 3 segments of each task present
+        seen.append(len(tasks))
+    assert sum(seen) == 8  # every task once per epoch, 2 epochs
+    with pytest.raises(ValueError, match="needs more than batch_rows=2"):
+        SFTData(segs, 16, 2)
 
 
 def test_bad_input_is_named():

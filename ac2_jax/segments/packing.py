@@ -66,7 +66,7 @@ class PackedBatch:
         return int((np.asarray(self.segment_ids) > 0).sum())
 
 
-def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -144,7 +144,7 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
 
     task_index = {name: i for i, name in enumerate(task_names(segments))}
-    bins = _first_fit_decreasing(lengths, seq_len)
+    bins = first_fit_decreasing(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
     out = empty_batch(n_rows, seq_len)
     for r, members in enumerate(bins):

@@ -1,9 +1,11 @@
 """Supervised fine-tuning on segments (traces or demonstrations), for warm starts.
 
-Segments are packed once into rows of `seq_len`; each step takes `batch_rows`
-rows in a per-epoch shuffled order that depends only on (seed, epoch), so
-batch i is a pure function of i: the data position in a checkpoint is just
-the number of batches consumed, and a resumed run sees the same batches.
+Each step trains whole tasks: every epoch shuffles the tasks (by (seed,
+epoch) only) and fills batches of `batch_rows` rows of `seq_len` with as many
+whole tasks as fit, so a task's segments are never split across steps (each
+step normalises every task it holds as the whole task). Batch i is a pure
+function of i: the data position in a checkpoint is just the number of
+batches consumed, and a resumed run sees the same batches.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.segments import PackedBatch, Segment, pack_segments
+from ac2_jax.segments.packing import first_fit_decreasing, packed_lengths
 from ac2_jax.training.objectives import SFTLoss
 from ac2_jax.training.sharding import state_shardings
 from ac2_jax.training.state import OptimizerConfig, TrainState, create_train_state
@@ -51,18 +54,52 @@ class SFTData:
                  layout: str = "flat"):
         if not any(s.num_agent_tokens for s in segments):
             raise ValueError("SFTData: no segment has a loss-mask token to train on")
-        self.packed = pack_segments(segments, seq_len, truncate=truncate, layout=layout,
-                                    rows_multiple=batch_rows)
-        self.batch_rows, self.seed, self.shuffle = batch_rows, seed, shuffle
-        self.batches_per_epoch = self.packed.shape[0] // batch_rows
+        self.segments, self.seq_len, self.batch_rows = list(segments), seq_len, batch_rows
+        self.seed, self.shuffle, self.truncate, self.layout = seed, shuffle, truncate, layout
+        lengths = packed_lengths(self.segments, seq_len, truncate, "SFTData")
+        by_task: dict[str, list[int]] = {}
+        for i, s in enumerate(self.segments):
+            by_task.setdefault(s.task, []).append(i)
+        self.tasks = [by_task[t] for t in sorted(by_task)]
+        self._lengths = lengths
+        for t in self.tasks:
+            if not self._fits(t):
+                raise ValueError(f"SFTData: task {self.segments[t[0]].task!r} needs more than "
+                                 f"batch_rows={batch_rows} rows of {seq_len} tokens; raise "
+                                 "batch_rows or seq_len")
+        self._epochs: list[list[list[int]]] = []  # per epoch: batches of segment indices
+
+    def _fits(self, members: list[int]) -> bool:
+        rows = first_fit_decreasing([self._lengths[i] for i in members], self.seq_len)
+        return len(rows) <= self.batch_rows
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        while len(self._epochs) <= epoch:
+            e = len(self._epochs)
+            order = (np.random.default_rng([self.seed, e]).permutation(len(self.tasks))
+                     if self.shuffle else np.arange(len(self.tasks)))
+            batches, cur = [], []
+            for t in order:
+                if cur and not self._fits(cur + self.tasks[t]):
+                    batches.append(cur)
+                    cur = []
+                cur = cur + self.tasks[t]
+            batches.append(cur)
+            self._epochs.append(batches)
+        return self._epochs[epoch]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self._plan(0))
 
     def batch(self, i: int) -> PackedBatch:
-        epoch, k = divmod(int(i), self.batches_per_epoch)
-        rows = self.packed.shape[0]
-        order = (np.random.default_rng([self.seed, epoch]).permutation(rows) if self.shuffle
-                 else np.arange(rows))
-        idx = np.sort(order[k * self.batch_rows:(k + 1) * self.batch_rows])
-        return jax.tree.map(lambda x: x[idx], self.packed)
+        epoch, k = 0, int(i)
+        while k >= len(self._plan(epoch)):
+            k -= len(self._plan(epoch))
+            epoch += 1
+        members = sorted(self._plan(epoch)[k])
+        return pack_segments([self.segments[j] for j in members], self.seq_len,
+                             truncate=self.truncate, layout=self.layout, min_rows=self.batch_rows)
 
 
 @dataclasses.dataclass
