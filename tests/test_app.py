@@ -405,11 +405,14 @@ def test_rollout_key_reads_its_own_rollout_without_admin_metadata_and_can_end_it
         done = own.post(f"/v1/rollouts/{rid}/finish", json=body)
         assert done.status_code == 200, done.text
         assert done.json()["status"] == "finished" and done.json()["reward"] is None
-        assert "metadata" not in done.json()
+        assert "metadata" not in done.json() and not done.json()["final"]
         status, err = api_error(own.get(f"/v1/rollouts/{rid}"))  # the key is spent
         assert status == 401 and "no longer works" in err["message"]
+    # Not final: nothing stored until the admin grades it (tests/test_rollouts.py).
+    assert not [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]
+    assert admin.post(f"/v1/rollouts/{rid}/finish", json={"reward": 0.0}).status_code == 200
     (stored,) = [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]
-    assert stored.status == "finished" and stored.reward is None and stored.hints == []
+    assert stored.status == "finished" and stored.reward == 0.0 and stored.hints == []
     assert stored.metadata["expected"] == "secret-answer-17"
 
 

@@ -26,6 +26,7 @@ from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl_data import BatchConfig, build_batch
 
 ADMIN = "sk-admin-rollouts"
@@ -60,12 +61,38 @@ class GivingUpOrchestrator(DefaultOrchestrator):
         raise AgentError("the reply is not a parsable answer")
 
 
+class QuittingOrchestrator(DefaultOrchestrator):
+    """A policy that, after its (wrong) answer, ends its own rollout with its key,
+    hoping to escape its grade; `then_ask`: and the harness then asks it once more."""
+
+    rollout_id: str | None = None
+    then_ask = False
+
+    async def run(self, turn_input):
+        await super().run(turn_input)
+        await self.client.post(f"/rollouts/{self.rollout_id}/finish", body={}, cast_to=object)
+        if self.then_ask:
+            await self.step(self.trace.messages)
+
+
+class RecordingLifecycle(LifecycleClient):
+    """Remembers the rollouts it creates (so a test harness can learn its id)."""
+
+    created: list[dict] = []
+
+    async def create(self, *args, **kw):
+        info = await super().create(*args, **kw)
+        self.created = self.created + [info]
+        return info
+
+
 def make(cls=DefaultOrchestrator, **kw):
     return lambda e, t, c, m: cls(e, t, c, m, sampling=SAMPLING, **{"max_steps": 1, **kw})
 
 
-def _serve(sampler, tok):
-    return serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
+def _serve(sampler, tok, trace_store=None):
+    return serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny",
+                                     trace_store=trace_store))
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +104,9 @@ def endpoint(tmp_path_factory):
     sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=256, max_batch=8,
                          min_batch=8, min_cache_len=256, eos_token_ids=tok.stop_token_ids,
                          tokenizer=tok, seed=0)
-    url, stop = _serve(sampler, tok)
-    yield dict(url=url, tok=tok, env=ExactEnv())
+    store = TraceStore(str(tmp / "traces.jsonl"))
+    url, stop = _serve(sampler, tok, store)
+    yield dict(url=url, tok=tok, env=ExactEnv(), store=store)
     stop()
     sampler.close()
 
@@ -178,3 +206,42 @@ def test_wrong_answer_is_finished_with_reward_0_and_trained(endpoint):
     agent_adv = batch.advantages[batch.loss_mask > 0]
     assert batch.loss_mask.sum() == wrong.num_agent_tokens + right.num_agent_tokens
     assert (agent_adv < 0).sum() == wrong.num_agent_tokens > 0
+
+
+@pytest.mark.parametrize("then_ask", [False, True])
+def test_a_policy_that_ends_its_own_rollout_is_still_graded(endpoint, then_ask):
+    """Ending its rollout early (its key's empty finish) does not escape the grade:
+    run_rollout's finish still sets the verifier's reward, the stored trace has it
+    and trains. A harness that asks the policy again after that gets a 401 that is
+    the agent's doing (agent_error, trained), not an outage (infra_error, dropped)."""
+    url, env, store = endpoint["url"], endpoint["env"], endpoint["store"]
+    task = env.sample_tasks(1, 0)[0]  # expects "17", which the tiny random policy never says
+
+    async def go():
+        lc = RecordingLifecycle(url, ADMIN)
+
+        def make_quitter(e, t, c, m):
+            orch = QuittingOrchestrator(e, t, c, m, sampling=SAMPLING, max_steps=1)
+            orch.rollout_id, orch.then_ask = lc.created[-1]["rollout_id"], then_ask
+            return orch
+        try:
+            return await run_rollout(lc, env, task, make_quitter, "tiny", group_id="quit"), lc
+        finally:
+            await lc.aclose()
+
+    (trace, conv), lc = asyncio.run(go())
+    rid = lc.created[-1]["rollout_id"]
+    (stored,) = [t for t in store.load() if t.metadata["rollout_id"] == rid]
+    assert stored.to_dict() == trace.to_dict() | {"metrics": stored.metrics}
+    assert len(stored.episodes[0].completions) == 1
+    if then_ask:
+        assert stored.status == "agent_error" and conv.status == "agent_error"
+        assert "ended its own rollout" in stored.metadata["artifacts"]["error"]
+        _, stats, _ = build_batch([stored], 0, BatchConfig(seq_len=128, rows=1))
+        assert stats.agent_errors == 1 and stats.infra_errors == 0
+    else:
+        assert stored.status == "finished" and stored.reward == 0.0  # the verifier's reward
+        assert stored.metadata["artifacts"]["orchestrator_status"] == "finished"
+        batch, stats, _ = build_batch([stored], 0, BatchConfig(seq_len=128, rows=1))
+        assert stats.finished == 1 and stats.dropped_no_reward == 0
+        assert batch.loss_mask.sum() == stored.num_agent_tokens > 0

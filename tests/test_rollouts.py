@@ -153,3 +153,148 @@ def test_end_statuses_are_the_failure_taxonomy_and_failed_means_infra_error(tmp_
                                                 "infra_error", "infra_error"]
     with pytest.raises(APIError, match="infra_error"):
         reg.finish(reg.create("t"), status="crashed")
+
+
+# -- A rollout ended by its own key (issue 12 item 6 follow-up): the key stops
+# sampling, the admin still grades it once; only that grade (or the server's own
+# end: timeout, infra error) is final and stored.
+
+def key_end(reg, r, body=None):
+    """What the finish route does for a rollout key."""
+    args = parse_finish(body or {})
+    check_rollout_key_finish(args)
+    return reg.finish(r, **args)
+
+
+def test_a_rollout_ended_by_its_key_stops_sampling_and_the_admin_grades_it_once(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store)
+    r = reg.create("t", group_id="g")
+    reg.record(r, "main", [comp([1], [2])], [])
+    key_end(reg, r)
+    assert r.status == "finished" and r.trace.reward is None and not r.final
+    assert store.load() == []  # not graded yet: nothing stored
+    s = reg.summary(r)
+    assert s["ended_by_key"] and not s["final"] and s["reward"] is None
+    with pytest.raises(APIError, match="ended its own rollout") as e:
+        reg.by_key(r.api_key)
+    assert (e.value.status, e.value.code) == (401, "rollout_ended_by_key")
+    with pytest.raises(APIError, match="ended by its own key") as e:  # a request in flight
+        reg.record(r, "main", [comp([1, 2], [3])], [])
+    assert (e.value.status, e.value.code) == (409, "rollout_ended_by_key")
+    with pytest.raises(APIError) as e:  # ended once is enough
+        key_end(reg, r)
+    assert e.value.status == 409
+
+    reg.finish(r, reward=0.0, metrics={"accuracy": 0.0}, hints=["h"])
+    (stored,) = store.load()
+    assert stored.to_dict() == r.trace.to_dict() and r.final
+    assert stored.status == "finished" and stored.reward == 0.0 and stored.hints == ["h"]
+    assert stored.metrics["accuracy"] == 0.0 and stored.metrics["num_completions"] == 1
+    assert stored.metrics["ended_by_key_s"] <= stored.metrics["wall_time_s"]
+    before = r.trace.to_dict()
+    with pytest.raises(APIError, match="already finished") as e:
+        reg.finish(r, reward=1.0)
+    assert e.value.status == 409
+    assert r.trace.to_dict() == before and len(store.load()) == 1
+    with pytest.raises(APIError, match="no longer works"):
+        reg.by_key(r.api_key)
+
+
+def test_a_failed_store_leaves_a_key_ended_rollout_gradeable(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    store = TraceStore(str(tmp_path / "ok.jsonl"))
+    reg = RolloutRegistry(store)
+    r = reg.create("t")
+    key_end(reg, r)
+    before = r.trace.to_dict()
+    store.path = str(blocker / "traces.jsonl")
+    with pytest.raises(OSError):
+        reg.finish(r, reward=0.0)
+    assert r.trace.to_dict() == before and not r.final
+    store.path = str(tmp_path / "ok.jsonl")
+    reg.finish(r, reward=0.0)
+    assert [t.reward for t in store.load()] == [0.0]
+
+
+def test_a_key_ended_rollout_nobody_grades_times_out(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store, default_timeout_s=10.0)
+    r = reg.create("t")
+    key_end(reg, r)
+    assert reg.sweep(now=r.started + 5) == [] and store.load() == []
+    assert reg.sweep(now=r.started + 11) == [r]
+    assert r.final and [(t.status, t.reward) for t in store.load()] == [("timed_out", None)]
+    with pytest.raises(APIError, match="already timed_out"):
+        reg.finish(r, reward=1.0)
+    assert len(store.load()) == 1
+
+
+def test_over_http_a_policy_that_ends_its_rollout_early_is_still_graded(tmp_path):
+    """Real FastAPI over HTTP, the official openai client with the rollout key."""
+    import httpx
+    import openai
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.tokenizer import build_tiny_tokenizer
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.serving.app import build_app
+    from ac2_jax.serving.server import serve_in_thread
+
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=16,
+                             max_position_embeddings=128)
+    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=128, max_batch=4,
+                         min_batch=4, min_cache_len=128, eos_token_ids=tok.stop_token_ids,
+                         tokenizer=tok, seed=0)
+    store = TraceStore(str(tmp_path / "traces.jsonl"))
+    url, stop = serve_in_thread(build_app(sampler, tok, admin_key="sk-admin", model_name="tiny",
+                                          trace_store=store))
+    admin = httpx.Client(base_url=url, headers={"Authorization": "Bearer sk-admin"}, timeout=120)
+    try:
+        info = admin.post("/v1/rollouts", json={"task_id": "quits", "group_id": "g"}).json()
+        rid = info["rollout_id"]
+        policy = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                               max_retries=0, timeout=120)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "Say 17."}],
+                   max_tokens=3, temperature=1.0)
+        policy.chat.completions.create(**ask)
+
+        # The policy ends its own rollout early, hoping to escape its grade.
+        ended = policy.post(f"/rollouts/{rid}/finish", body={}, cast_to=object)
+        assert ended["status"] == "finished" and ended["reward"] is None
+        assert ended["ended_by_key"] and not ended["final"]
+        assert store.load() == []
+        # Its key can no longer sample, nor end the rollout again: a clear 401.
+        with pytest.raises(openai.AuthenticationError, match="ended its own rollout") as e:
+            policy.chat.completions.create(**ask)
+        assert e.value.status_code == 401 and e.value.code == "rollout_ended_by_key"
+        assert "admin" in str(e.value)  # says what happens next: the admin grades it
+        with pytest.raises(openai.AuthenticationError):
+            policy.post(f"/rollouts/{rid}/finish", body={}, cast_to=object)
+        s = admin.get(f"/v1/rollouts/{rid}").json()
+        assert s["num_completions"] == 1 and not s["final"] and s["reward"] is None
+
+        # The admin grades it with the verifier's reward, once.
+        graded = admin.post(f"/v1/rollouts/{rid}/finish",
+                            json={"reward": 0.0, "artifacts": {"answer": "nope"}})
+        assert graded.status_code == 200, graded.text
+        assert graded.json()["status"] == "finished" and graded.json()["reward"] == 0.0
+        assert graded.json()["final"]
+        trace = admin.get(f"/v1/rollouts/{rid}/trace").json()
+        assert trace["status"] == "finished" and trace["reward"] == 0.0
+        (stored,) = store.load()
+        assert stored.to_dict() == trace and stored.metadata["artifacts"] == {"answer": "nope"}
+        assert len(stored.episodes[0].completions) == 1
+
+        again = admin.post(f"/v1/rollouts/{rid}/finish", json={"reward": 1.0})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "rollout_finished"
+        assert admin.get(f"/v1/rollouts/{rid}/trace").json() == trace
+        assert [t.to_dict() for t in store.load()] == [trace]
+    finally:
+        admin.close()
+        stop()
+        sampler.close()

@@ -72,8 +72,10 @@ def classify_error(exc: BaseException) -> str:
     """The trace status of an attempt that raised `exc`: whose fault was it?
 
     "agent_error" (trained): the agent's own, i.e. a harness or verifier raised
-    `AgentError`, or the agent's conversation outgrew the model's context
-    (HTTP 400 context_length_exceeded). "infra_error" (never trained): ours,
+    `AgentError`, the agent's conversation outgrew the model's context
+    (HTTP 400 context_length_exceeded), or a model call was refused because the
+    rollout's own key had ended the rollout (code rollout_ended_by_key: a policy
+    must not escape its grade by ending early). "infra_error" (never trained): ours,
     i.e. everything else: network and connection errors, HTTP 5xx, sampler
     errors, harness or sandbox crashes, and any error not known to be the
     agent's, so that no outage of ours can punish the policy.
@@ -81,6 +83,8 @@ def classify_error(exc: BaseException) -> str:
     if isinstance(exc, AgentError):
         return "agent_error"
     if isinstance(exc, openai.BadRequestError) and exc.code == "context_length_exceeded":
+        return "agent_error"
+    if isinstance(exc, openai.APIStatusError) and exc.code == "rollout_ended_by_key":
         return "agent_error"
     return "infra_error"
 
@@ -97,7 +101,9 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     as `classify_error` says of the exception (no reward; the error is kept
     in the trace's `metadata["artifacts"]["error"]`). A rollout the endpoint
     ended first (timed_out, or infra_error after a server failure) keeps that
-    status. Errors of the lifecycle calls themselves propagate.
+    status. One the harness or policy ended with the rollout key is not final:
+    this finish still grades it (the verifier's reward). Errors of the
+    lifecycle calls themselves propagate.
     """
     info = await lifecycle.create(task.task_id, group_id=group_id,
                                   metadata={"attempt": attempt, "domain": task.domain,

@@ -8,6 +8,15 @@ and kills the key. A rollout past its timeout is finished as `timed_out`.
 Grading is the admin's: a rollout key (held by the harness, so often by the
 policy) may only end its rollout as "finished" (`check_rollout_key_finish`)
 and reads it without the admin's fields (`rollout_key_view`).
+Ending it with its own key stops it (the key is spent: no more completions)
+but does not make it final: it shows "finished" with no reward, is not stored,
+and awaits the admin's finish, which grades it as usual (once). Only the
+admin's finish or the server's own end (timeout, infra error) is final, and
+only a final trace goes to the TraceStore, so each attempt is stored once,
+graded. A key-ended rollout nobody grades is stored `timed_out` at its deadline
+(never, if it has none). Otherwise a failing policy could end its rollout
+early, get the admin's grade refused and be stored "finished" with no reward,
+which RL drops.
 All state changes happen under one lock, and a request either changes
 everything it should or nothing.
 """
@@ -51,6 +60,12 @@ class Rollout:
         self.deadline = None if timeout_s is None else self.started + timeout_s
         self.completions: list[dict[str, Any]] = []
         self.wall_time_s: float | None = None
+        self.ended_by_key_s: float | None = None  # when its own key ended it
+        self.final = False  # ended by the admin or the server: graded, stored
+
+    @property
+    def ended_by_key(self) -> bool:
+        return self.ended_by_key_s is not None
 
     @property
     def status(self) -> str:
@@ -75,6 +90,7 @@ class Rollout:
             "policy_versions": sorted({c["policy_version"] for c in self.completions}),
             "wall_time_s": (self.wall_time_s if self.wall_time_s is not None
                             else time.monotonic() - self.started),
+            "ended_by_key": self.ended_by_key, "final": self.final,
             "metadata": t.metadata,
         }
 
@@ -90,6 +106,7 @@ class RolloutRegistry:
         self._by_id: dict[str, Rollout] = {}
         self._by_key: dict[str, Rollout] = {}
         self._dead_keys: dict[str, Rollout] = {}
+        self._ungraded: dict[str, Rollout] = {}  # ended by their key, not yet final
         self._finished: collections.deque[str] = collections.deque()
         self._max_finished = max_finished
 
@@ -118,11 +135,15 @@ class RolloutRegistry:
         return rollout
 
     def by_key(self, api_key: str) -> Rollout | None:
-        """The running rollout of `api_key`; 401 if the key belonged to a finished one."""
+        """The running rollout of `api_key`; 401 if the key belonged to an ended one."""
         self.sweep()
         with self._lock:
             rollout = self._by_key.get(api_key)
             dead = self._dead_keys.get(api_key)
+        if dead is not None and dead.ended_by_key:
+            raise APIError(401, f"This API key ended its own rollout {dead.rollout_id}, so it "
+                           "no longer works: no more completions or changes with it. The "
+                           "admin still grades the rollout", code="rollout_ended_by_key")
         if dead is not None:
             raise APIError(401, f"This API key belonged to rollout {dead.rollout_id}, which is "
                            f"{dead.status}; its key no longer works", code="rollout_finished")
@@ -150,6 +171,9 @@ class RolloutRegistry:
         rollout finished while the request ran (then nothing is recorded).
         """
         with self._lock:
+            if rollout.ended_by_key and not rollout.final:
+                raise APIError(409, f"Rollout {rollout.rollout_id} was ended by its own key; "
+                               "the completion was not recorded", code="rollout_ended_by_key")
             if not rollout.running:
                 raise APIError(409, f"Rollout {rollout.rollout_id} is {rollout.status}; the "
                                "completion was not recorded", code="rollout_finished")
@@ -171,14 +195,25 @@ class RolloutRegistry:
 
     def finish(self, rollout: Rollout, status: str = "finished", reward: float | None = None,
                artifacts: dict | None = None, hints: list[str] | None = None,
-               metrics: dict | None = None) -> Rollout:
-        """Ends the rollout, stores its trace and kills its key (409 if already ended)."""
+               metrics: dict | None = None, by_rollout_key: bool = False) -> Rollout:
+        """Ends the rollout for good: grades it, stores its trace and kills its key
+        (409 if already final). A rollout its own key ended is graded here as usual.
+
+        by_rollout_key: the rollout's own key ends it (only as "finished", nothing
+        else set): it stops recording and its key dies, but it is neither final
+        nor stored; the admin's finish (or the timeout) still ends it.
+        """
         status = LEGACY_STATUSES.get(status, status)
         if status not in END_STATUSES:
             raise bad_request(f"'status' must be one of {list(END_STATUSES)}, got {status!r}",
                               param="status")
+        if by_rollout_key:
+            check_rollout_key_finish({k: v for k, v in (
+                ("status", status), ("reward", reward), ("artifacts", artifacts),
+                ("hints", hints), ("metrics", metrics)) if v is not None})
+            return self._end_by_key(rollout)
         with self._lock:
-            if not rollout.running:
+            if rollout.final:
                 raise APIError(409, f"Rollout {rollout.rollout_id} is already {rollout.status}",
                                code="rollout_finished")
             t = rollout.trace
@@ -194,6 +229,8 @@ class RolloutRegistry:
                            "policy_versions": sorted({c["policy_version"]
                                                       for c in rollout.completions}),
                            "wall_time_s": wall, **(metrics or {})}
+            if rollout.ended_by_key:
+                new_metrics["ended_by_key_s"] = rollout.ended_by_key_s
             old = (t.status, t.reward, t.metadata, t.metrics, list(t.hints))
             t.status, t.reward, t.metadata, t.metrics = status, reward, new_metadata, new_metrics
             t.hints = list(t.hints) + list(hints or [])
@@ -204,7 +241,9 @@ class RolloutRegistry:
                     t.status, t.reward, t.metadata, t.metrics, t.hints = old
                     raise
             rollout.wall_time_s = wall
+            rollout.final = True
             self._by_key.pop(rollout.api_key, None)
+            self._ungraded.pop(rollout.rollout_id, None)
             self._dead_keys[rollout.api_key] = rollout
             self._finished.append(rollout.rollout_id)
             while len(self._finished) > self._max_finished:
@@ -214,14 +253,28 @@ class RolloutRegistry:
                     self._dead_keys.pop(gone.api_key, None)
         return rollout
 
+    def _end_by_key(self, rollout: Rollout) -> Rollout:
+        """Stops the rollout at its key's request (see `finish`); 409 unless running."""
+        with self._lock:
+            if not rollout.running:
+                raise APIError(409, f"Rollout {rollout.rollout_id} is already {rollout.status}",
+                               code="rollout_finished")
+            rollout.trace.status = "finished"
+            rollout.ended_by_key_s = time.monotonic() - rollout.started
+            self._by_key.pop(rollout.api_key, None)
+            self._dead_keys[rollout.api_key] = rollout
+            self._ungraded[rollout.rollout_id] = rollout
+        return rollout
+
     def sweep(self, now: float | None = None) -> list[Rollout]:
-        """Finishes every running rollout past its deadline as `timed_out`."""
+        """Finishes every rollout that is not final (running, or ended by its key and
+        not graded) past its deadline as `timed_out`."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            late = [r for r in self._by_key.values()
+            late = [r for r in (*self._by_key.values(), *self._ungraded.values())
                     if r.deadline is not None and now >= r.deadline]
             for r in late:
-                if r.running:
+                if not r.final:
                     try:
                         self.finish(r, status="timed_out")
                     except Exception:  # noqa: BLE001 - a store failure must not break requests
@@ -277,11 +330,13 @@ def parse_finish(body: Any) -> dict[str, Any]:
 
 
 def check_rollout_key_finish(args: dict[str, Any]) -> None:
-    """403 unless `args` (from `parse_finish`) only end the rollout as "finished".
+    """403 unless `args` (from `parse_finish`) only end the rollout as "finished";
+    if they do, marks them `by_rollout_key` for `RolloutRegistry.finish`.
 
     A rollout key is held by the harness, so often by the policy being
     trained: it may end its own rollout, never grade it. The reward, another
-    status, metrics, hints and artifacts come from the admin key.
+    status, metrics, hints and artifacts come from the admin key, whose finish
+    still grades a rollout its key ended.
     """
     refused = [f for f in ADMIN_ONLY_FINISH_FIELDS
                if (args.get("status") != "finished" if f == "status" else f in args)]
@@ -292,6 +347,7 @@ def check_rollout_key_finish(args: dict[str, Any]) -> None:
                        "its own rollout, with an empty body or {\"status\": \"finished\"}. "
                        "Send the reward, status, metrics, hints and artifacts with the admin "
                        "key", param=refused[0], code="admin_only")
+    args["by_rollout_key"] = True
 
 
 def rollout_key_view(data: dict[str, Any]) -> dict[str, Any]:
