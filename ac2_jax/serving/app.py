@@ -10,7 +10,9 @@ Routes
                                     metadata?, timeout_s?} -> {rollout_id, base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
   POST /v1/rollouts/{id}/finish     (admin) {reward?, artifacts?, status?, hints?, metrics?};
-                                    (rollout key) {} or {status: "finished"} only: stops the rollout (key spent) but the admin still grades it; stored once, when final
+                                    (rollout key) {} or {status: "finished"} only: stops
+                                    the rollout (key spent); the admin still grades it and
+                                    it is stored once, when final
   GET  /v1/rollouts/{id}/trace      the trace JSON (`Trace.to_dict()`)
 
 Auth is `Authorization: Bearer <key>`. The admin key reaches everything and
