@@ -70,21 +70,33 @@ class SFTData:
         self._epochs: list[list[list[int]]] = []  # per epoch: batches of segment indices
 
     def _fits(self, members: list[int]) -> bool:
-        rows = first_fit_decreasing([self._lengths[i] for i in members], self.seq_len)
-        return len(rows) <= self.batch_rows
+        """Whether these segments pack into batch_rows rows (in this layout)."""
+        if self.layout == "tree":  # shared prefixes take less room than their flat lengths
+            rows = pack_segments([self.segments[i] for i in members], self.seq_len,
+                                 truncate=self.truncate, layout="tree").shape[0]
+        else:
+            rows = len(first_fit_decreasing([self._lengths[i] for i in members], self.seq_len))
+        return rows <= self.batch_rows
 
     def _plan(self, epoch: int) -> list[list[int]]:
+        """The batches of `epoch`: consecutive runs of its task order, each as long as fits
+        (found by doubling then bisection, so a batch costs O(log n) packings)."""
         while len(self._epochs) <= epoch:
             e = len(self._epochs)
             order = (np.random.default_rng([self.seed, e]).permutation(len(self.tasks))
                      if self.shuffle else np.arange(len(self.tasks)))
-            batches, cur = [], []
-            for t in order:
-                if cur and not self._fits(cur + self.tasks[t]):
-                    batches.append(cur)
-                    cur = []
-                cur = cur + self.tasks[t]
-            batches.append(cur)
+            take = lambda a, b: [i for t in order[a:b] for i in self.tasks[t]]  # noqa: E731
+            batches, a, n = [], 0, len(order)
+            while a < n:
+                lo, step = a + 1, 1  # tasks[a:lo] fits (every task fits alone)
+                while lo + step <= n and self._fits(take(a, lo + step)):
+                    lo, step = lo + step, step * 2
+                hi = min(lo + step, n + 1)  # tasks[a:hi] does not fit (or hi = n + 1)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if self._fits(take(a, mid)) else (lo, mid)
+                batches.append(take(a, lo))
+                a = lo
             self._epochs.append(batches)
         return self._epochs[epoch]
 
