@@ -118,6 +118,13 @@ def test_past_max_seq_len_the_end_is_cut_and_counted():
     assert batch.loss_mask.sum() == t.num_agent_tokens - 12
 
 
+def test_bad_weights_and_lengths_are_refused():
+    with pytest.raises(ValueError, match="stale_weight"):
+        BatchConfig(stale_weight=-0.5)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        BatchConfig(seq_len=64, max_seq_len=32)
+
+
 def test_greedy_rollouts_are_refused_for_rl():
     t = _trace("a", 0, 1.0)
     t.episodes[0].completions[0].temperature = 0.0

@@ -57,6 +57,9 @@ class BatchConfig:
                 raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
         if self.stale not in STALE_POLICIES:
             raise ValueError(f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}")
+        if not 0.0 <= self.stale_weight <= 1.0:
+            raise ValueError(f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
+                             f"loss of stale traces), got {self.stale_weight!r}")
         if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
             raise ValueError(f"BatchConfig.max_seq_len ({self.max_seq_len}) must be >= seq_len "
                              f"({self.seq_len}), or None for 4 x seq_len")
