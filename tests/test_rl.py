@@ -135,6 +135,20 @@ def test_two_step_smoke_and_resume(served):
     assert versions == {1}
     assert all(t.status == "finished" and t.reward in (0.0, 1.0) for t in stored)
 
+    async def rerun_after_the_end():
+        # A rerun once every step is trained must still publish the trained weights.
+        lc, collector = _collector(served, store)
+        published = []
+        trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(2), workdir,
+                            on_publish=published.append)
+        history = await trainer.run()
+        trainer.close()
+        await lc.aclose()
+        return history, published
+
+    history, published = asyncio.run(rerun_after_the_end())
+    assert history == [] and published == [2]
+
 
 def test_sync_and_async_first_updates_are_identical(served):
     traces = TraceStore(os.path.join(str(served["tmp"] / "run"), "rollouts.jsonl")).load()

@@ -221,6 +221,9 @@ class RLTrainer:
     async def run(self) -> list[dict[str, Any]]:
         cfg = self.config
         if self.start_step >= cfg.steps:
+            # Nothing left to train, but the sampler must serve the trained
+            # weights (a rerun would otherwise evaluate whatever it had loaded).
+            self.publish()
             return self.history
         if self.start_step > 0:
             self.publish()  # the sampler serves the restored weights
