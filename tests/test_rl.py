@@ -336,3 +336,11 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     assert 8 < len(kept) < 16
     again = [k for k, t in zip(keys, after) if k in kept and t.metadata["rollout_id"] != kept[k]]
     assert not again, f"collected again after the restart: {again}"
+
+
+def test_async_with_zero_staleness_and_drop_is_refused():
+    """Async traces lag one version: max_staleness=0 with stale='drop' silently dropped steps."""
+    with pytest.raises(ValueError, match="max_staleness >= 1"):
+        RLConfig(mode="async", batch=BatchConfig(max_staleness=0, stale="drop"))
+    RLConfig(mode="async", batch=BatchConfig(max_staleness=0, stale="downweight"))  # allowed
+    RLConfig(mode="sync", batch=BatchConfig(max_staleness=0))

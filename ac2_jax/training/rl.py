@@ -60,6 +60,14 @@ class RLConfig:
         for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if (self.mode == "async" and self.batch.max_staleness < 1
+                and self.batch.stale == "drop"):
+            # Async collects step s+1 with the weights of update s - 1: every trace lags
+            # one version, so max_staleness=0 with stale="drop" drops every batch.
+            raise ValueError("RLConfig: mode='async' needs batch.max_staleness >= 1 (its traces "
+                             "lag one version) or batch.stale='downweight'; with "
+                             f"max_staleness={self.batch.max_staleness} and stale='drop' "
+                             "every step would be dropped")
 
 
 class Collector(Protocol):
