@@ -344,3 +344,22 @@ def test_async_with_zero_staleness_and_drop_is_refused():
         RLConfig(mode="async", batch=BatchConfig(max_staleness=0, stale="drop"))
     RLConfig(mode="async", batch=BatchConfig(max_staleness=0, stale="downweight"))  # allowed
     RLConfig(mode="sync", batch=BatchConfig(max_staleness=0))
+
+
+def test_publish_runs_off_the_event_loop(served, tmp_path):
+    """Orbax save + sampler reload used to run on the event loop, stalling every rollout."""
+    import threading
+
+    released, seen = threading.Event(), []
+    trainer = _learner(served, tmp_path)
+    trainer.on_publish = lambda version: seen.append(released.wait(10))
+
+    async def go():
+        async def release():  # can only run while publish waits if the loop is free
+            await asyncio.sleep(0.2)
+            released.set()
+        await asyncio.gather(trainer.run(), release())
+
+    asyncio.run(go())
+    trainer.close()
+    assert seen == [True]

@@ -231,10 +231,10 @@ class RLTrainer:
         if self.start_step >= cfg.steps:
             # Nothing left to train, but the sampler must serve the trained
             # weights (a rerun would otherwise evaluate whatever it had loaded).
-            self.publish()
+            await asyncio.to_thread(self.publish)
             return self.history
         if self.start_step > 0:
-            self.publish()  # the sampler serves the restored weights
+            await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
@@ -247,7 +247,8 @@ class RLTrainer:
             t2 = time.perf_counter()
             m["policy_version"] = self.version
             if m["policy_version"] != self._published:
-                self.publish()
+                # Off the event loop: rollouts of the next step keep streaming meanwhile.
+                await asyncio.to_thread(self.publish)
             self.ckpt.save(s, self.step_fn.host_state(self.state), data={"rl_step": s},
                            force=True)
             t3 = time.perf_counter()
