@@ -71,10 +71,19 @@ def build_model(cfg, vocab_size: int) -> Decoder:
     return Decoder(config, rngs=nnx.Rngs(cfg.seed))
 
 
+# RL step k draws its tasks with seed `seed * 1_000_003 + k` (EndpointCollector); the SFT
+# demonstrations use another stream, so RL's first tasks are not the first demos.
+SFT_SEED_OFFSET = 104_729
+
+
+def sft_tasks(cfg, env):
+    return env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed + SFT_SEED_OFFSET, split="train")
+
+
 def sft_warm_start(cfg, model, tokenizer, env, log=print):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
-    tasks = env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed, split="train")
+    tasks = sft_tasks(cfg, env)
     segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.sft.skip_tool_prob),
                              tools, task=t.task_id) for t in tasks]
     sft_cfg = SFTConfig(seq_len=cfg.sft.seq_len, batch_rows=cfg.sft.batch_rows,

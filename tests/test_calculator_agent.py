@@ -31,3 +31,14 @@ def test_pipeline_writes_a_complete_report(tmp_path):
     # The rollouts were collected through the endpoint and stored with their step.
     lines = open(os.path.join(cfg.workdir, "rl", "rollouts.jsonl")).read().splitlines()
     assert len(lines) == 2 * 2
+
+
+def test_rl_first_tasks_are_not_the_sft_demonstrations():
+    """Both used seed 0: RL step 0 trained on exactly the first SFT demo tasks."""
+    cfg = get_config()
+    env = calculator_agent.build_env(cfg)
+    demos = {t.task_id for t in calculator_agent.sft_tasks(cfg, env)}
+    collector_seed = cfg.seed * 1_000_003 + 0  # EndpointCollector.tasks(0)
+    step0 = {t.task_id for t in env.sample_tasks(cfg.rl.tasks_per_step, seed=collector_seed,
+                                                 split="train")}
+    assert len(step0 & demos) <= 1, step0 & demos
