@@ -208,6 +208,16 @@ def test_wrong_answer_is_finished_with_reward_0_and_trained(endpoint):
     assert (agent_adv < 0).sum() == wrong.num_agent_tokens > 0
 
 
+def test_a_mixed_domain_task_is_verified_by_its_own_env(endpoint):
+    """evaluate() given a DomainMixer used to score every rollout 0 (the mixer has no verify)."""
+    from ac2_jax.envs.mixer import DomainMixer
+
+    mixer = DomainMixer({"say": endpoint["env"]})
+    task = mixer.sample_tasks(1, 0)[0]
+    trace, _ = run(endpoint["url"], mixer, make(), task)
+    assert trace.status == "finished" and trace.reward == 0.0
+
+
 @pytest.mark.parametrize("then_ask", [False, True])
 def test_a_policy_that_ends_its_own_rollout_is_still_graded(endpoint, then_ask):
     """Ending its rollout early (its key's empty finish) does not escape the grade:

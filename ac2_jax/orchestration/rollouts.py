@@ -105,6 +105,8 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     this finish still grades it (the verifier's reward). Errors of the
     lifecycle calls themselves propagate.
     """
+    if hasattr(env, "env_for"):  # a DomainMixer: the task's own env runs and verifies it
+        env = env.env_for(task)
     info = await lifecycle.create(task.task_id, group_id=group_id,
                                   metadata={"attempt": attempt, "domain": task.domain,
                                             **(metadata or {})})
