@@ -226,3 +226,111 @@ def test_harness_with_only_the_openai_client(endpoint, tmp_path):
     assert len(trace["episodes"][0]["completions"]) == 3
     admin.close()
     assert openai  # the harness used the same client library
+
+
+# ------------------------------------------------------------ budgets and format errors
+# Issue 20. A: per-agent step budgets. B: context / generated-token bounds.
+# C: malformed or truncated tool calls are answered with an error, not taken as the answer.
+
+def test_subagent_steps_do_not_use_the_main_step_budget(endpoint):
+    task = Task(task_id="delegate-budget", prompt=DELEGATE, answer=17)
+    trace, conv = run(endpoint, lambda e, t, c, m: SubagentOrchestrator(
+        e, t, c, m, max_steps=2, subagent_max_steps=3, sampling=GREEDY), task)
+    # The main agent made 2 requests (spawn, answer); the subagent its own 3.
+    assert conv.status == "finished" and "17" in conv.answer, conv.status
+    assert conv.metrics["steps_by_agent"] == {"main": 2, "subagent:helper": 3}
+    assert conv.metrics["steps"] == 5  # the total stays
+    assert trace.metrics["steps_by_agent"] == {"main": 2, "subagent:helper": 3}
+
+
+def test_subagent_step_budget_defaults_to_max_steps():
+    env = AddEnv()
+    orch = SubagentOrchestrator(env, env.sample_tasks(1, 0)[0], None, "tiny", max_steps=7)
+    assert orch.subagent_max_steps == 7
+
+
+class ScriptedClient:
+    """An AsyncOpenAI stand-in: answers requests from a script as real openai ChatCompletions.
+
+    Each script item is (content, finish_reason, prompt_tokens, completion_tokens)."""
+
+    def __init__(self, items):
+        self.items, self.requests = list(items), []
+        self.chat = self
+        self.completions = self
+
+    async def create(self, *, model, messages, **kw):
+        self.requests.append([dict(m) for m in messages])
+        content, finish, prompt, out = self.items.pop(0)
+        calls = None
+        if content.startswith("CALL "):
+            calls = [{"id": f"call_{len(self.requests)}", "type": "function",
+                      "function": {"name": "add", "arguments": content[5:]}}]
+            content = None
+        return openai.types.chat.ChatCompletion.model_validate({
+            "id": "x", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
+                         "message": {"role": "assistant", "content": content,
+                                     "tool_calls": calls}}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": out,
+                      "total_tokens": prompt + out}})
+
+
+def run_scripted(items, **kw):
+    env = AddEnv()
+    client = ScriptedClient(items)
+    orch = DefaultOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny", **kw)
+    from ac2_jax.orchestration.base import SingleTaskUser, run_task
+    return asyncio.run(run_task(orch, SingleTaskUser())), client
+
+
+ADD34 = ("CALL " + json.dumps({"a": 3, "b": 4}), "tool_calls")
+ADD710 = ("CALL " + json.dumps({"a": 7, "b": 10}), "tool_calls")
+ANSWER = ("The answer is 17.", "stop")
+
+
+def test_context_bound_is_per_request_not_a_sum():
+    # Three requests of 100 + 10 tokens: the sum (330) is past 150, no request is.
+    conv, _ = run_scripted([(*ADD34, 100, 10), (*ADD710, 100, 10), (*ANSWER, 100, 10)],
+                           max_context_tokens=150)
+    assert conv.status == "finished" and "17" in conv.answer
+    assert conv.metrics["max_context_tokens"] == 110
+
+
+def test_context_bound_stops_at_a_request_past_it():
+    conv, client = run_scripted([(*ADD34, 100, 10), (*ADD710, 200, 10), (*ANSWER, 100, 10)],
+                                max_context_tokens=150)
+    assert conv.status == "token_limit" and len(client.requests) == 2
+
+
+def test_generated_tokens_bound():
+    conv, client = run_scripted([(*ADD34, 100, 10), (*ADD710, 100, 10), (*ANSWER, 100, 10)],
+                                max_generated_tokens=15)
+    assert conv.status == "token_limit" and len(client.requests) == 2
+
+
+def test_old_max_total_tokens_name_is_a_clear_error():
+    env = AddEnv()
+    with pytest.raises(TypeError, match="max_context_tokens.*max_generated_tokens"):
+        DefaultOrchestrator(env, env.sample_tasks(1, 0)[0], None, "tiny", max_total_tokens=100)
+
+
+@pytest.mark.parametrize("bad,finish,what", [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": }}\n</tool_call>', "stop", "JSON"),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 3', "length", "truncated"),
+])
+def test_malformed_tool_call_is_answered_with_an_error(bad, finish, what):
+    conv, client = run_scripted([(bad, finish, 50, 10), (*ADD34, 50, 10), (*ADD710, 50, 10),
+                                 (*ANSWER, 50, 10)])
+    assert conv.status == "finished" and "17" in conv.answer
+    assert conv.metrics["tool_format_errors"] == 1 and conv.metrics["tool_calls"] == 2
+    feedback = client.requests[1][-1]
+    assert feedback["role"] == "user" and feedback["content"].startswith("error:")
+    assert what in feedback["content"] and "<tool_call>" in feedback["content"]
+
+
+def test_malformed_tool_calls_are_bounded_by_the_step_budget():
+    bad = ('<tool_call>{"name": add}</tool_call>', "stop", 50, 10)
+    conv, client = run_scripted([bad] * 3, max_steps=3)
+    assert conv.status == "step_limit" and conv.answer is None
+    assert conv.metrics["tool_format_errors"] == 3 and len(client.requests) == 3

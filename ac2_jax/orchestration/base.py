@@ -34,35 +34,76 @@ class ConversationTrace:
     # running | finished | step_limit | token_limit | agent_error | infra_error
     status: str = "running"
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    metrics: dict[str, float] = dataclasses.field(default_factory=lambda: {
-        "steps": 0, "tool_calls": 0, "tool_errors": 0, "prompt_tokens": 0,
-        "output_tokens": 0, "cached_tokens": 0, "wall_time_s": 0.0})
+    # steps: requests of all agents; steps_by_agent: per agent label.
+    # max_context_tokens: the largest prompt + output of any single request.
+    # tool_format_errors: malformed or truncated tool calls answered with an error.
+    metrics: dict[str, Any] = dataclasses.field(default_factory=lambda: {
+        "steps": 0, "steps_by_agent": {}, "tool_calls": 0, "tool_errors": 0,
+        "tool_format_errors": 0, "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
+        "max_context_tokens": 0, "wall_time_s": 0.0})
 
-    def count_usage(self, usage) -> None:
+    def count_step(self, agent: str, n: int = 1) -> None:
+        self.metrics["steps"] += n
+        by = self.metrics["steps_by_agent"]
+        by[agent] = by.get(agent, 0) + n
+
+    def steps_of(self, agent: str) -> int:
+        return self.metrics["steps_by_agent"].get(agent, 0)
+
+    def count_usage(self, usage) -> int | None:
+        """Adds one request's usage; returns its context (prompt + output) or None."""
         if usage is None:
-            return
+            return None
+        context = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+        self.metrics["max_context_tokens"] = max(self.metrics["max_context_tokens"], context)
         self.metrics["prompt_tokens"] += usage.prompt_tokens or 0
         self.metrics["output_tokens"] += usage.completion_tokens or 0
         details = getattr(usage, "prompt_tokens_details", None)
         self.metrics["cached_tokens"] += (getattr(details, "cached_tokens", 0) or 0) if details else 0
+        return context
 
 
 class Orchestrator(abc.ABC):
-    """Runs turns of one task against a model client. Subclasses shape the harness."""
+    """Runs turns of one task against a model client. Subclasses shape the harness.
+
+    Budgets: `max_steps` counts this orchestrator's own agent's requests only
+    (subagents get their own budget); `max_context_tokens` bounds the
+    prompt + output of each single request; `max_generated_tokens` bounds the
+    output tokens of all requests together (None: unbounded).
+    """
 
     def __init__(self, env: Env, task: Task, client, model: str, *, max_steps: int = 8,
-                 max_total_tokens: int = 100_000, sampling: dict[str, Any] | None = None):
+                 max_context_tokens: int | None = 100_000,
+                 max_generated_tokens: int | None = None,
+                 sampling: dict[str, Any] | None = None, **kw):
+        if "max_total_tokens" in kw:
+            raise TypeError(
+                "max_total_tokens was removed (it summed prompt tokens over requests): use "
+                "max_context_tokens (bound on prompt + output of each request) and/or "
+                "max_generated_tokens (bound on output tokens of all requests together)")
+        if kw:
+            raise TypeError(f"unexpected keyword arguments: {sorted(kw)}")
         self.env = env
         self.client = client  # openai.AsyncOpenAI (or compatible)
         self.model = model
         self.max_steps = max_steps
-        self.max_total_tokens = max_total_tokens
+        self.max_context_tokens = max_context_tokens
+        self.max_generated_tokens = max_generated_tokens
+        self.last_context: int | None = None  # prompt + output of the latest request
         self.sampling = dict(sampling or {})
         self.trace = ConversationTrace(task=task, messages=list(env.initial_messages(task)[:-1]))
 
     @abc.abstractmethod
     async def run(self, turn_input: str) -> None:
         """Handles one user turn (until the agent answers or a limit hits)."""
+
+    def over_token_budget(self) -> bool:
+        """Whether the latest request passed the context bound, or all output the generated one."""
+        if (self.max_context_tokens is not None and self.last_context is not None
+                and self.last_context > self.max_context_tokens):
+            return True
+        return (self.max_generated_tokens is not None
+                and self.trace.metrics["output_tokens"] >= self.max_generated_tokens)
 
     async def complete(self, messages, *, agent: str = "main", tools=None, n: int = 1, **kw):
         """One chat completion request, labelled with the agent's name."""
@@ -74,7 +115,7 @@ class Orchestrator(abc.ABC):
         t0 = time.perf_counter()
         resp = await self.client.chat.completions.create(
             model=self.model, messages=messages, extra_headers={AGENT_HEADER: agent}, **params)
-        self.trace.count_usage(resp.usage)
+        self.last_context = self.trace.count_usage(resp.usage)
         self.trace.events.append({"agent": agent, "kind": "completion",
                                   "latency_s": time.perf_counter() - t0})
         return resp
