@@ -47,3 +47,19 @@ def test_fixed_answer_width():
     tasks = env.sample_tasks(50, seed=1)
     assert all(1000 <= t.answer <= 9999 for t in tasks)
     assert len({len(t.prompt) for t in tasks}) == 1
+
+
+def test_verifier_parses_separators_and_integral_decimals():
+    """Issue 20: "1,798" was read as 798 and "1798.0" as 0."""
+    env = CalculatorEnv()
+    t = env.sample_tasks(1, seed=0)[0]
+    t.answer = 1798
+    for good in ("The answer is 1,798.", "1798.0", "The answer is 1798.00", "= 1,798.0",
+                 "The answer is 1798", "**1798**"):
+        assert env.verify(t, good) == 1.0, good
+    for bad in ("1798.5", "The answer is 1,797.", "798", "17,98", "no number", ""):
+        assert env.verify(t, bad) == 0.0, bad
+    t.answer = -1798
+    assert env.verify(t, "It is -1,798.0.") == 1.0
+    t.answer = 12
+    assert env.verify(t, "Step 1: 3*4 = 12. So the answer is 12.") == 1.0

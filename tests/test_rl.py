@@ -363,3 +363,59 @@ def test_publish_runs_off_the_event_loop(served, tmp_path):
     asyncio.run(go())
     trainer.close()
     assert seen == [True]
+
+
+class _FakeRunCollector(EndpointCollector):
+    """Runs no model: each trace records the domain that actually ran it."""
+
+    async def _run(self, task, attempt, rl_step):
+        self.ran.append((task.domain, task.task_id, attempt))
+        return Trace(task_id=task.task_id, status="done", reward=1.0,
+                     metadata={"ran_domain": task.domain, "prompt": task.prompt})
+
+
+def _mixed_collector(store, ran):
+    from ac2_jax.envs import CalculatorEnv, DomainMixer
+    mix = DomainMixer({"a": CalculatorEnv(), "b": CalculatorEnv()})
+    c = _FakeRunCollector(None, mix, _make, "tiny", store, tasks_per_step=16,
+                          attempts_per_task=2, seed=0)
+    c.ran = ran
+    return c
+
+
+def test_mixed_domains_of_one_env_class_group_and_resume_apart(tmp_path):
+    """Issue 20: same-class domains shared task ids, so groups and resumed traces crossed."""
+    store = TraceStore(str(tmp_path / "rollouts.jsonl"))
+    ran = []
+    c = _mixed_collector(store, ran)
+    assert {t.domain for t in c.tasks(0)} == {"a", "b"}
+    traces = asyncio.run(c.collect(0))
+    groups = collections.defaultdict(set)
+    for t in traces:
+        groups[t.group_id].add(t.metadata["domain"])
+        assert t.metadata["ran_domain"] == t.metadata["domain"]
+    assert len(groups) == 16 and all(len(d) == 1 for d in groups.values())
+    # Resume: a new collector on the same store reuses each domain's own traces.
+    ran2 = []
+    c2 = _mixed_collector(store, ran2)
+    again = asyncio.run(c2.collect(0))
+    assert ran2 == []
+    for t in again:
+        assert t.metadata["ran_domain"] == t.metadata["domain"] == t.task_id.split("/")[0]
+    assert sorted((t.task_id, t.attempt_id) for t in again) == sorted(
+        (t.task_id, t.attempt_id) for t in traces)
+    by_id = {(t.task_id, t.attempt_id): t.metadata["prompt"] for t in traces}
+    assert all(by_id[(t.task_id, t.attempt_id)] == t.metadata["prompt"] for t in again)
+
+
+def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
+    class DupEnv(ParityEnv):
+        def sample_tasks(self, n, seed, split="train"):
+            return [Task(task_id="same", prompt=f"p{i}") for i in range(n)]
+
+    c = _FakeRunCollector(None, DupEnv(), _make, "tiny", TraceStore(str(tmp_path / "r.jsonl")),
+                          tasks_per_step=2, attempts_per_task=2, seed=0)
+    c.ran = []
+    with pytest.raises(ValueError, match="duplicate task id"):
+        asyncio.run(c.collect(0))
+    assert c.ran == []

@@ -1,10 +1,10 @@
 """The demo environment: arithmetic tasks with a calculator tool.
 
 `CalculatorEnv` asks "What is 47*38+12?"; the `calculator` tool evaluates an
-arithmetic expression; the verifier checks the last integer of the answer
-exactly. `StepwiseCalculatorEnv` is the harder variant: its tool takes one
-operation at a time (`a op b`), so a task needs several calls, and a small
-context budget makes compaction kick in.
+arithmetic expression; the verifier checks the last number of the answer
+exactly ("1,798" and "1798.0" read as 1798). `StepwiseCalculatorEnv` is the
+harder variant: its tool takes one operation at a time (`a op b`), so a task
+needs several calls, and a small context budget makes compaction kick in.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import re
 from ac2_jax.envs.base import Env, Task, Tool
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-_INT_RE = re.compile(r"-?\d+")
+# A number: optional sign, digits with or without thousands separators ("1,798"),
+# optional decimal part ("1798.0"). Grouped form needs exactly 3 digits per group.
+_NUM_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 
 def safe_eval(expression: str, max_ops: int | None = None) -> int:
@@ -44,8 +46,18 @@ def safe_eval(expression: str, max_ops: int | None = None) -> int:
 
 
 def last_integer(text: str | None) -> int | None:
-    found = _INT_RE.findall(text or "")
-    return int(found[-1]) if found else None
+    """The last number in `text` as an int: "1,798" and "1798.0" give 1798.
+
+    None when there is no number or the last one is not an integer ("1798.5").
+    """
+    found = _NUM_RE.findall(text or "")
+    if not found:
+        return None
+    number = found[-1].replace(",", "")
+    whole, _, frac = number.partition(".")
+    if frac.strip("0"):
+        return None
+    return int(whole)
 
 
 class CalculatorEnv(Env):

@@ -1,10 +1,23 @@
-"""Domain mixing: draw tasks from several envs with fixed weights."""
+"""Domain mixing: draw tasks from several envs with fixed weights.
+
+Each domain samples with its own seed (derived from the mixer seed and the
+domain name) and its task ids are prefixed "<domain>/", so two domains built
+from the same env class never share tasks or task ids (ids key groups and
+resume).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 from ac2_jax.envs.base import Env, Task
+
+
+def domain_seed(seed: int, domain: str) -> int:
+    """A domain's seed: a fixed hash of (mixer seed, domain), stable across runs."""
+    digest = hashlib.sha256(f"domain-seed:{seed}:{domain}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # non-negative 63-bit int
 
 
 class DomainMixer:
@@ -30,8 +43,9 @@ class DomainMixer:
         for name in names:
             k = picks.count(name)
             if k:
-                for t in self.envs[name].sample_tasks(k, seed, split):
+                for t in self.envs[name].sample_tasks(k, domain_seed(seed, name), split):
                     t.domain = name
+                    t.task_id = f"{name}/{t.task_id}"
                     tasks.append(t)
         rng.shuffle(tasks)
         return tasks

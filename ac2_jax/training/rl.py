@@ -18,6 +18,7 @@ next step without repeating or losing rollouts. Rollouts that end infra_error
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -131,7 +132,13 @@ class EndpointCollector:
             self.store.append(trace)
             return trace
 
-        jobs = [one(task, a) for task in self.tasks(rl_step) for a in range(self.attempts)]
+        tasks = self.tasks(rl_step)
+        dup = sorted(k for k, n in collections.Counter(t.task_id for t in tasks).items() if n > 1)
+        if dup:  # ids key groups and resume: duplicates would merge unrelated tasks
+            raise ValueError(f"EndpointCollector: rl_step {rl_step} has duplicate task ids "
+                             f"{dup[:5]}; task ids must be unique within a step (a DomainMixer "
+                             "prefixes them with the domain)")
+        jobs = [one(task, a) for task in tasks for a in range(self.attempts)]
         return list(await asyncio.gather(*jobs))
 
     async def _run(self, task, attempt: int, rl_step: int) -> Trace:
