@@ -34,3 +34,30 @@ def test_timeouts_sync_and_async():
 
     text, ok = asyncio.run(run_tool(_tool(aslow, timeout_s=0.1), {}))
     assert not ok and "timed out" in text
+
+
+def test_hung_sync_tools_do_not_block_the_default_executor():
+    """Sync tools run on their own bounded pool: hung ones (more than the
+    default executor has threads) time out as errors, and asyncio.to_thread
+    work (what RLTrainer.update uses) still runs."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    hung = _tool(lambda: release.wait(30), timeout_s=0.05)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))
+        results = await asyncio.gather(*(run_tool(hung, {}) for _ in range(4)))
+        done = threading.Event()
+        # Would wait for a hung tool's thread if tools shared the default executor.
+        await asyncio.wait_for(asyncio.to_thread(done.set), 10)
+        return results, done.is_set()
+
+    try:
+        results, ran = asyncio.run(main())
+    finally:
+        release.set()
+    assert ran
+    assert all(not ok and "timed out" in text for text, ok in results)

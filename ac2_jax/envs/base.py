@@ -12,7 +12,39 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
+
+# Sync tools run on this bounded pool, never on the event loop's default
+# executor: a timed-out sync tool's thread cannot be stopped and keeps running,
+# and on the default executor it would hold a thread that asyncio.to_thread
+# (e.g. RLTrainer.update) needs. Size: AC2_TOOL_THREADS or set_tool_threads().
+_TOOL_THREADS = int(os.environ.get("AC2_TOOL_THREADS", "32"))
+_tool_pool: ThreadPoolExecutor | None = None
+_tool_pool_lock = threading.Lock()
+
+
+def set_tool_threads(n: int) -> None:
+    """Sets the size of the sync-tool thread pool (takes effect for a new pool)."""
+    global _TOOL_THREADS, _tool_pool
+    if n < 1:
+        raise ValueError(f"set_tool_threads: need at least 1 thread, got {n}")
+    with _tool_pool_lock:
+        _TOOL_THREADS = n
+        old, _tool_pool = _tool_pool, None
+    if old is not None:
+        old.shutdown(wait=False)
+
+
+def tool_executor() -> ThreadPoolExecutor:
+    """The bounded pool sync tools run on (hung tools only ever fill this one)."""
+    global _tool_pool
+    with _tool_pool_lock:
+        if _tool_pool is None:
+            _tool_pool = ThreadPoolExecutor(_TOOL_THREADS, thread_name_prefix="ac2-tool")
+        return _tool_pool
 
 
 class AgentError(Exception):
@@ -55,7 +87,8 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
     """Runs `tool` on JSON `arguments`; returns (text for the model, ok).
 
     Bad JSON, a wrong argument, an exception or a timeout give ok=False and an
-    error text naming what went wrong.
+    error text naming what went wrong. Sync tools run on `tool_executor()`, not
+    the default executor; a timed-out one's thread runs on there until it returns.
     """
     try:
         args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
@@ -67,7 +100,9 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
         if inspect.iscoroutinefunction(tool.fn):
             result = await asyncio.wait_for(tool.fn(**args), tool.timeout_s)
         else:
-            result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **args), tool.timeout_s)
+            loop = asyncio.get_running_loop()
+            call = loop.run_in_executor(tool_executor(), lambda: tool.fn(**args))
+            result = await asyncio.wait_for(call, tool.timeout_s)
     except asyncio.TimeoutError:
         return f"error: {tool.name} timed out after {tool.timeout_s:g}s", False
     except Exception as e:  # noqa: BLE001 - the model sees the error, the loop goes on
