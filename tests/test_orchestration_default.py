@@ -334,3 +334,93 @@ def test_malformed_tool_calls_are_bounded_by_the_step_budget():
     conv, client = run_scripted([bad] * 3, max_steps=3)
     assert conv.status == "step_limit" and conv.answer is None
     assert conv.metrics["tool_format_errors"] == 3 and len(client.requests) == 3
+
+
+class AgentClient(ScriptedClient):
+    """ScriptedClient with one script per agent label (X-Agent); records (agent, messages)."""
+
+    def __init__(self, by_agent):
+        super().__init__([])
+        self.by_agent = {a: list(items) for a, items in by_agent.items()}
+        self.calls = []
+
+    async def create(self, *, model, messages, extra_headers=None, **kw):
+        agent = (extra_headers or {}).get("X-Agent", "main")
+        self.calls.append((agent, [dict(m) for m in messages]))
+        self.items = [self.by_agent[agent].pop(0)]
+        return await super().create(model=model, messages=messages, **kw)
+
+
+def run_compaction(by_agent, user=None, **kw):
+    from ac2_jax.orchestration.base import SingleTaskUser, run_task
+    env = AddEnv()
+    client = AgentClient(by_agent)
+    orch = CompactionOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny", **kw)
+    return asyncio.run(run_task(orch, user or SingleTaskUser())), client, orch
+
+
+MEMO = ("memo: 3 + 4 was added.", "stop")
+
+
+def test_compaction_keeps_the_latest_tool_exchange_for_the_main_agent():
+    # The first request (90 + 20) is past the budget: the compactor runs before the
+    # next main request, and that request still shows the tool call and its result.
+    conv, client, orch = run_compaction(
+        {"main": [(*ADD34, 90, 20), (*ADD710, 60, 10), (*ANSWER, 80, 10)],
+         "compactor": [(*MEMO, 50, 10)]}, context_budget=100, sampling=GREEDY)
+    assert conv.status == "finished" and "17" in conv.answer, conv.events
+    assert [a for a, _ in client.calls] == ["main", "compactor", "main", "main"]
+    after = client.calls[2][1]
+    assert after[0] == {"role": "system", "content": AddEnv.system_prompt}
+    assert any("Progress so far:" in (m.get("content") or "") and "memo: 3 + 4" in m["content"]
+               for m in after)
+    assert {"role": "user", "content": USER["content"]} in after  # the turn's input, verbatim
+    assert after[-2]["role"] == "assistant" and after[-2]["tool_calls"]
+    assert after[-1]["role"] == "tool" and after[-1]["content"] == "7"
+    assert orch.compactions == 1
+
+
+def test_compactor_is_its_own_agent_with_its_own_system_prompt():
+    conv, client, orch = run_compaction(
+        {"main": [(*ADD34, 90, 20), (*ADD710, 60, 10), (*ANSWER, 80, 10)],
+         "compactor": [(*MEMO, 50, 10)]}, context_budget=100)
+    agent, request = client.calls[1]
+    assert agent == "compactor"
+    assert request[0]["role"] == "system"
+    assert request[0]["content"] == CompactionOrchestrator.COMPACTOR_SYSTEM_PROMPT
+    assert request[0]["content"] != AddEnv.system_prompt
+    assert not any(m["role"] == "system" and m["content"] == AddEnv.system_prompt for m in request)
+    assert conv.metrics["steps_by_agent"]["compactor"] == 1
+
+
+def test_too_large_task_ends_after_the_compaction_cap():
+    # Every main request is past the budget however much is compacted.
+    conv, client, orch = run_compaction(
+        {"main": [(*ADD34, 500, 10)] * 8, "compactor": [(*MEMO, 50, 10)] * 8},
+        context_budget=100, max_steps=8, max_consecutive_compactions=2)
+    assert conv.status == "agent_error", conv.status
+    assert orch.compactions <= 2
+    assert conv.metrics["steps_by_agent"]["main"] < 8
+    reasons = [e["reason"] for e in conv.events if e.get("kind") == "compaction_error"]
+    assert reasons and "compaction" in reasons[0]
+
+
+def test_compaction_at_a_turn_boundary_keeps_the_new_user_turn():
+    from ac2_jax.orchestration.base import ScriptedUser
+    second = "Now add 1 and 2."
+    conv, client, orch = run_compaction(
+        {"main": [(*ANSWER, 90, 20), ("3", "stop", 40, 5)], "compactor": [(*MEMO, 50, 10)]},
+        user=ScriptedUser([USER["content"], second]), context_budget=100)
+    assert [a for a, _ in client.calls] == ["main", "compactor", "main"]
+    after = client.calls[2][1]
+    assert after[-1] == {"role": "user", "content": second}
+    assert conv.status == "finished" and conv.answer == "3"
+
+
+def test_compaction_that_does_not_shrink_the_context_is_an_agent_error():
+    conv, client, orch = run_compaction(
+        {"main": [(*ADD34, 90, 20), (*ADD710, 95, 20), (*ANSWER, 80, 10)],
+         "compactor": [(*MEMO, 50, 10)]}, context_budget=100, max_consecutive_compactions=5)
+    assert conv.status == "agent_error" and orch.compactions == 1
+    reasons = [e["reason"] for e in conv.events if e.get("kind") == "compaction_error"]
+    assert reasons and "did not shrink" in reasons[0]

@@ -3,7 +3,7 @@
 DefaultOrchestrator: completions + tool calls answered by the env's tools,
 until an answer message, within step and token limits.
 CompactionOrchestrator: past a context budget, a compactor agent writes a
-memo and the main agent restarts from task + memo (a new episode).
+memo and the main agent restarts from memo + current turn + latest tool exchange.
 SubagentOrchestrator: a `spawn_subagent` tool runs a labelled subagent.
 MultiResponseOrchestrator: n responses per request, one branch continues.
 Transient messages: shown for one request, never kept in history.
@@ -120,6 +120,8 @@ class DefaultOrchestrator(Orchestrator):
             if self.over_token_budget():
                 self.trace.status = "token_limit"
                 return
+            if not await self.before_step():
+                return  # the hook ended the attempt (it set trace.status)
             msg = await self.step(msgs)
             msgs.append(_assistant_message(msg))
             if (self.max_context_tokens is not None and self.last_context is not None
@@ -147,40 +149,135 @@ class DefaultOrchestrator(Orchestrator):
                 msgs.append(format_error_message(format_error))
             await self.after_turn()
 
+    async def before_step(self) -> bool:
+        """Hook run before each request of this agent (compaction lives here); False ends."""
+        return True
+
     async def after_turn(self) -> None:
-        """Hook run after each model turn (compaction lives here)."""
+        """Hook run after each model turn."""
 
 
 class CompactionOrchestrator(DefaultOrchestrator):
-    """Compacts the history into a memo when the context passes `context_budget` tokens."""
+    """Compacts the history into a memo when the next main request would pass `context_budget`.
 
+    Checked before each main request, so at turn boundaries (a new user turn)
+    and mid-turn (after tool results): the estimate is the latest main
+    request's prompt + output plus ~len/4 tokens of messages added since. The
+    compactor is its own agent ("compactor", own system prompt) and sees the
+    history as a transcript. The main agent restarts (a new episode) from its
+    system prompt, the memo, the current turn's user input and the latest tool
+    exchange, all verbatim, so it always sees the latest tool result. The next
+    main request must be smaller than the one before compaction and under the
+    budget; after `max_consecutive_compactions` compactions without a main
+    request under the budget (or one that did not shrink), the attempt ends as
+    agent_error with the reason in a "compaction_error" event.
+    """
+
+    COMPACTOR_SYSTEM_PROMPT = (
+        "You are a compactor. You are shown the transcript of an agent working on a task. "
+        "Write one short memo of the progress so far: what was asked, what was done, "
+        "results obtained, and what remains. Reply with the memo only.")
     COMPACT_PROMPT = "Summarize the progress so far in one short memo."
 
-    def __init__(self, *args, context_budget: int = 256, **kw):
+    def __init__(self, *args, context_budget: int = 256, max_consecutive_compactions: int = 2,
+                 **kw):
         super().__init__(*args, **kw)
         self.context_budget = context_budget
-        self._last_context = 0
+        self.max_consecutive_compactions = max_consecutive_compactions
         self.compactions = 0
+        self._consecutive = 0
+        self._main_context: int | None = None  # prompt + output of the latest main request
+        self._seen = 0  # len(messages) when that request was answered
+        self._before_compaction: int | None = None
+        self._turn_input: str | None = None
+        self._pending: str | None = None  # a failed shrink check, ends before the next request
 
-    async def complete(self, messages, **kw):
-        resp = await super().complete(messages, **kw)
-        if resp.usage is not None:
-            self._last_context = resp.usage.prompt_tokens + resp.usage.completion_tokens
-        return resp
+    async def run(self, turn_input: str) -> None:
+        self._turn_input = turn_input
+        await super().run(turn_input)
 
-    async def after_turn(self) -> None:
-        if self._last_context <= self.context_budget or self.trace.status == "finished":
-            return
+    async def step(self, messages):
+        msg = await super().step(messages)
+        context = self.last_context
+        if context is not None:
+            if self._before_compaction is not None:
+                if context >= self._before_compaction:
+                    self._pending = (f"compaction did not shrink the context ({context} "
+                                     f"tokens after, {self._before_compaction} before)")
+                self._before_compaction = None
+            if context <= self.context_budget:
+                self._consecutive = 0
+        self._main_context = context
+        self._seen = len(messages) + 1  # + the answer about to be appended
+        return msg
+
+    def _fail(self, reason: str) -> None:
+        self.trace.status = "agent_error"
+        self.trace.events.append({"agent": "compactor", "kind": "compaction_error",
+                                  "reason": reason})
+
+    def _estimate(self) -> int:
+        if self._main_context is None:
+            return 0
+        added = self.trace.messages[self._seen:]
+        return self._main_context + sum(len(m.get("content") or "") // 4 for m in added)
+
+    def _kept(self) -> tuple[list[dict], list[dict]]:
+        """(the current turn's user message, the latest tool exchange), both verbatim."""
         msgs = self.trace.messages
-        request = msgs + [{"role": "user", "content": self.COMPACT_PROMPT}]
+        turn_i = next((i for i in range(len(msgs) - 1, -1, -1) if msgs[i]["role"] == "user"
+                       and msgs[i].get("content") == self._turn_input), None)
+        turn = [msgs[turn_i]] if turn_i is not None else []
+        start = len(msgs)
+        while start > 0 and (msgs[start - 1]["role"] == "tool" or (
+                msgs[start - 1]["role"] == "user"
+                and (msgs[start - 1].get("content") or "").startswith("error:"))):
+            start -= 1
+        exchange = []
+        if (start < len(msgs) and start > 0 and msgs[start - 1]["role"] == "assistant"
+                and msgs[start - 1].get("tool_calls")
+                and (turn_i is None or start - 1 > turn_i)):
+            exchange = msgs[start - 1:]
+        return turn, exchange
+
+    def _transcript(self) -> str:
+        lines = []
+        for m in self.trace.messages:
+            if m["role"] == "system":
+                continue
+            text = m.get("content") or ""
+            for c in m.get("tool_calls") or []:
+                text += f"\n[call {c['function']['name']}({c['function']['arguments']})]"
+            lines.append(f"{m['role']}: {text.strip()}")
+        return "\n".join(lines)
+
+    async def before_step(self) -> bool:
+        if self._pending is not None:
+            self._fail(self._pending)
+            return False
+        if self._estimate() <= self.context_budget:
+            return True
+        if self._consecutive >= self.max_consecutive_compactions:
+            self._fail(f"context still over the budget ({self._estimate()} > "
+                       f"{self.context_budget} tokens) after {self._consecutive} consecutive "
+                       "compactions")
+            return False
+        before = self._estimate()
+        request = [{"role": "system", "content": self.COMPACTOR_SYSTEM_PROMPT},
+                   {"role": "user", "content": f"{self._transcript()}\n\n{self.COMPACT_PROMPT}"}]
         resp = await self.complete(request, agent="compactor")
+        self.trace.count_step("compactor")
         memo = resp.choices[0].message.content or ""
         self.compactions += 1
+        self._consecutive += 1
         self.trace.events.append({"agent": "compactor", "kind": "compaction", "memo": memo})
+        msgs = self.trace.messages
         head = [m for m in msgs[:1] if m["role"] == "system"]
-        self.trace.messages[:] = head + [{
-            "role": "user", "content": f"{self.trace.task.prompt}\n\nProgress so far: {memo}"}]
-        self._last_context = 0
+        turn, exchange = self._kept()
+        msgs[:] = head + [{"role": "user", "content": f"Progress so far: {memo}"}] + turn + exchange
+        self._before_compaction = before
+        self._main_context, self._seen = None, len(msgs)
+        return True
 
 
 class SubagentOrchestrator(DefaultOrchestrator):
