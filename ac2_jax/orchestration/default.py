@@ -322,13 +322,38 @@ class SubagentOrchestrator(DefaultOrchestrator):
 
 
 class MultiResponseOrchestrator(DefaultOrchestrator):
-    """Asks for `n` responses per request; each is its own episode branch."""
+    """Asks for `n` responses per request; each is its own episode branch.
 
-    def __init__(self, *args, n: int = 2, **kw):
+    `select` picks the branch that continues: "first" (choice 0), "verify"
+    (best-of-n by the env's verifier on each response's text), or a callable
+    text -> score (best-of-n; ties go to the lowest index). The chosen index of
+    each request is kept in `trace.metrics["branch_choices"]`, so the rollout's
+    artifacts say which branch was continued; RL training
+    (`rl_data.unchosen_branch_episodes`) leaves the other branches out, so they
+    never get the continued branch's reward.
+    """
+
+    def __init__(self, *args, n: int = 2, select: str | Callable[[str | None], float] = "first",
+                 **kw):
         super().__init__(*args, **kw)
+        if not (callable(select) or select in ("first", "verify")):
+            raise ValueError(f"MultiResponseOrchestrator: select must be 'first', 'verify' or a "
+                             f"callable, got {select!r}")
         self.n = n
+        self.select = select
         self.collected: list[list[str | None]] = []
 
+    def score(self, text: str | None) -> float:
+        if self.select == "verify":
+            return float(self.env.verify(self.trace.task, text))
+        return float(self.select(text))
+
     def choose(self, choices):
-        self.collected.append([c.message.content for c in choices])
-        return super().choose(choices)
+        texts = [c.message.content for c in choices]
+        self.collected.append(texts)
+        index = 0
+        if self.select != "first" and len(choices) > 1:
+            scores = [self.score(t) for t in texts]
+            index = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        self.trace.metrics.setdefault("branch_choices", []).append(index)
+        return choices[index]

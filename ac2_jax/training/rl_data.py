@@ -97,6 +97,7 @@ class BatchStats:
     long_segments: int = 0          # segments over seq_len, kept whole in grown rows
     truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
+    unchosen_branches: int = 0      # multi-response episodes left out (unchosen_branch_episodes)
     staleness_mean: float = 0.0
     staleness_max: int = 0
 
@@ -171,6 +172,41 @@ def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np
     return np.asarray(group_advantages(trace_rewards(traces), groups, normalize_std))
 
 
+def unchosen_branch_episodes(trace: Trace) -> set[int]:
+    """Indices of `trace.episodes` that end in a multi-response branch that was
+    not continued (MultiResponseOrchestrator). They are left out of training:
+    the task reward belongs to the continued branch only.
+
+    Rule: an agent's completions with one prompt are the n responses to one
+    request (a branch group), taken in recording order (choice order: the
+    continued episode is extended by choice 0, the others start new episodes
+    after it). Groups are numbered per agent by prompt length; group r's chosen
+    index is `metadata["artifacts"]["metrics"]["branch_choices"][r]` (0 when
+    absent: "first"). An episode whose last completion is an unchosen member of
+    a group is an unchosen branch. Its earlier, continued tokens are left out
+    with it (they are context of the chosen branch's episode); branches with
+    identical tokens may swap places, which trains the same tokens.
+    """
+    choices = ((trace.metadata or {}).get("artifacts") or {}).get("metrics", {}) or {}
+    choices = choices.get("branch_choices") or []
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for i, ep in enumerate(trace.episodes):
+        for j, c in enumerate(ep.completions):
+            groups.setdefault((ep.agent, tuple(c.prompt_ids)), []).append((i, j))
+    by_agent: dict[str, list[tuple]] = {}
+    for key in groups:
+        by_agent.setdefault(key[0], []).append(key)
+    out: set[int] = set()
+    for keys in by_agent.values():
+        branch_keys = sorted((k for k in keys if len(groups[k]) > 1), key=lambda k: len(k[1]))
+        for r, key in enumerate(branch_keys):
+            chosen = choices[r] if r < len(choices) else 0
+            for m, (i, j) in enumerate(sorted(groups[key])):
+                if m != chosen and j == len(trace.episodes[i].completions) - 1:
+                    out.add(i)
+    return out
+
+
 def check_sampled(trace: Trace) -> None:
     """Raises if any completion of `trace` was decoded greedily (temperature 0):
     there is no behaviour distribution to take an importance ratio against."""
@@ -193,6 +229,8 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     `config.seq_len` makes the batch's rows grow (`BatchConfig.row_len`) so it
     stays whole; only past `max_seq_len` is its end cut. Both are counted in
     the stats. Greedy traces and two traces with one `Trace.key` are errors.
+    Unchosen multi-response branches (`unchosen_branch_episodes`) are left
+    out, counted in `stats.unchosen_branches`.
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
     if not kept:
@@ -207,6 +245,11 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     adv = trace_advantages(kept, config.normalize_std)
     segments = []
     for t, a, w in zip(kept, adv, weights):
+        unchosen = unchosen_branch_episodes(t)
+        if unchosen:  # never trained on the continued branch's reward
+            stats.unchosen_branches += len(unchosen)
+            t = dataclasses.replace(t, episodes=[e for i, e in enumerate(t.episodes)
+                                                 if i not in unchosen])
         for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
             if s.num_agent_tokens:
                 s.weight = w
