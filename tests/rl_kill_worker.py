@@ -30,7 +30,7 @@ async def main(workdir: str, steps: int) -> None:
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
     collector = EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=2,
                                   attempts_per_task=4, seed=0, concurrency=1)
-    trainer = RLTrainer(_model(tok.vocab_size), collector, _config(steps), workdir,
+    trainer = RLTrainer(_model(tok.vocab_size), collector, _config(steps, concurrency=1), workdir,
                         on_publish=sampler.load_weights)
     print(f"start_step={trainer.start_step}", flush=True)
     for h in await trainer.run():

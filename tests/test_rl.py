@@ -10,6 +10,7 @@ import collections
 import os
 import socket
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -50,8 +51,9 @@ def _model(vocab):
     return Decoder(cfg, rngs=nnx.Rngs(0))
 
 
-def _config(steps, mode="sync"):
+def _config(steps, mode="sync", concurrency=64):
     return RLConfig(steps=steps, tasks_per_step=2, attempts_per_task=4, mode=mode,
+                    concurrency=concurrency,
                     batch=BatchConfig(seq_len=128, rows=8),
                     loss=PolicyGradientLoss(), optimizer=OptimizerConfig(learning_rate=1e-2))
 
@@ -294,6 +296,137 @@ def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_
     m = trainer.update(traces)
     trainer.close()
     assert m["infra_retries"] == 4 and m["infra_errors"] == 4 and m["skipped_update"] == 1.0
+
+
+class SlowOrchestrator(DefaultOrchestrator):
+    """Waits `delay` seconds before its first model call (a slow or hung harness)."""
+
+    def __init__(self, *a, delay: float, **kw):
+        super().__init__(*a, **kw)
+        self.delay = delay
+
+    async def run(self, turn_input):
+        await asyncio.sleep(self.delay)
+        return await super().run(turn_input)
+
+
+class ShortTimeoutLifecycle(LifecycleClient):
+    """Creates one chosen rollout with a much shorter endpoint timeout than asked
+    for, so that the endpoint's sweeper, not the client's deadline, ends it."""
+
+    def __init__(self, *a, short: tuple[str, int], short_s: float, **kw):
+        super().__init__(*a, **kw)
+        self.short, self.short_s, self.timeouts = short, short_s, {}
+
+    async def create(self, task_id, group_id=None, metadata=None, timeout_s=None):
+        if (task_id, (metadata or {}).get("attempt")) == self.short:
+            timeout_s = self.short_s
+        self.timeouts[(task_id, (metadata or {}).get("attempt"))] = timeout_s
+        return await super().create(task_id, group_id=group_id, metadata=metadata,
+                                    timeout_s=timeout_s)
+
+
+def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
+    """One RL step of 2 tasks x 4 attempts: task 0's first run raises out of the
+    harness, its second hangs past the client's deadline; task 1 attempt 0's
+    rollout is ended by the endpoint's sweeper (short timeout_s) before its model
+    call. The step completes; those three are infra_error / timed_out / timed_out,
+    counted, never trained; the other five train."""
+    task0, task1 = (t.task_id for t in ParityEnv().sample_tasks(2, seed=0))
+    made = collections.Counter()
+
+    def make(env, task, client, model):
+        made[task.task_id] += 1
+        kw = dict(max_steps=1, sampling={"temperature": 1.0, "max_tokens": 6})
+        if task.task_id == task0 and made[task0] == 1:
+            raise RuntimeError("harness exploded")
+        if task.task_id == task0 and made[task0] == 2:
+            return SlowOrchestrator(env, task, client, model, delay=60.0, **kw)
+        if task.task_id == task1:  # within the deadline, but past the swept one's timeout
+            return SlowOrchestrator(env, task, client, model, delay=1.0, **kw)
+        return _make(env, task, client, model)
+
+    store = TraceStore(str(tmp_path / "rollouts.jsonl"))
+
+    async def go():
+        lc = ShortTimeoutLifecycle(served["url"], ADMIN, short=(task1, 0), short_s=0.3)
+        collector = EndpointCollector(lc, ParityEnv(), make, "tiny", store, tasks_per_step=2,
+                                      attempts_per_task=4, seed=0, concurrency=8,
+                                      infra_retries=0, rollout_deadline_s=15.0)
+        trainer = RLTrainer(_model(served["tok"].vocab_size), collector,
+                            _config(1, concurrency=8), str(tmp_path / "run"))
+        try:
+            return await asyncio.wait_for(trainer.run(), 120), trainer, lc
+        finally:
+            trainer.close()
+            await lc.aclose()
+
+    history, trainer, lc = asyncio.run(go())
+    traces = store.load()
+    assert len(history) == 1 and history[0]["rl_step"] == 0 and len(traces) == 8
+    status = collections.Counter(t.status for t in traces)
+    assert status == {"finished": 5, "infra_error": 1, "timed_out": 2}, [
+        (t.task_id, t.attempt_id, t.status, t.metadata.get("artifacts")) for t in traces]
+    (raised,) = [t for t in traces if t.status == "infra_error"]
+    assert raised.task_id == task0 and "harness exploded" in raised.metadata["artifacts"]["error"]
+    hung = [t for t in traces if t.status == "timed_out" and t.task_id == task0]
+    swept = [t for t in traces if t.status == "timed_out" and t.task_id == task1]
+    assert len(hung) == 1 and len(swept) == 1 and swept[0].attempt_id == "0"
+    # The client's deadline cancelled it; its finish may find the endpoint's sweeper
+    # already ended it (same timeout, started a moment earlier): timed_out either way.
+    # The deadline went to the endpoint as every rollout's timeout (but the swept one's).
+    assert lc.timeouts.pop((task1, 0)) == 0.3
+    assert set(lc.timeouts.values()) == {15.0}
+    m = history[0]
+    assert m["infra_errors"] == 1 and m["timed_out"] == 2 and m["dropped_timed_out"] == 2
+    assert m["finished"] == 5
+    kept, _, _ = select_traces(traces, 0, trainer.config.batch)
+    assert len(kept) == 5 and all(t.status == "finished" for t in kept)
+
+
+def test_trainer_refuses_a_collector_configured_unlike_its_config(tmp_path):
+    store = TraceStore(str(tmp_path / "r.jsonl"))
+    for kw, name in ((dict(tasks_per_step=3), "tasks_per_step"),
+                     (dict(attempts_per_task=2), "attempts_per_task"),
+                     (dict(concurrency=4), "concurrency")):
+        args = {**dict(tasks_per_step=2, attempts_per_task=4, concurrency=64), **kw}
+        c = EndpointCollector(None, ParityEnv(), _make, "tiny", store, **args)
+        with pytest.raises(ValueError, match=f"RLConfig.{name}="):
+            RLTrainer(_model(64), c, _config(1), str(tmp_path / name))
+
+
+def test_lifecycle_calls_are_retried_on_connection_errors_and_5xx(served, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    answers = iter([500, 503, 200])
+    seen = []
+
+    def handler(request):
+        seen.append(request.url.path)
+        code = next(answers)
+        return httpx.Response(code, json={"rollout_id": "r1"} if code == 200 else {})
+
+    async def go():
+        lc = LifecycleClient(dead, ADMIN, retries=2, backoff_s=0.01)
+        with pytest.raises(httpx.ConnectError):
+            await lc.create("t")
+        assert lc.calls == 3  # 1 try + 2 retries
+        await lc.aclose()
+        lc = LifecycleClient("http://x", ADMIN, retries=2, backoff_s=0.01)
+        lc._http = httpx.AsyncClient(base_url="http://x", transport=httpx.MockTransport(handler))
+        assert (await lc.create("t"))["rollout_id"] == "r1"  # 500, 503, then fine
+        assert lc.calls == 3
+        lc.retries, lc.calls = 2, 0
+        answers_4xx = iter([404])
+        lc._http = httpx.AsyncClient(base_url="http://x", transport=httpx.MockTransport(
+            lambda r: httpx.Response(next(answers_4xx), json={})))
+        with pytest.raises(Exception) as e:  # 4xx is final: no retry
+            await lc.get("nope")
+        assert getattr(e.value, "status_code", None) == 404 and lc.calls == 1
+        await lc.aclose()
+
+    asyncio.run(go())
 
 
 def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):

@@ -10,6 +10,8 @@ key, verify, finish. This is how RL collects traces, and how any harness can.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any, Callable
 
 import httpx
@@ -29,24 +31,50 @@ class LifecycleError(RuntimeError):
 
 
 class LifecycleClient:
-    """Async client for /v1/rollouts (create, get, finish, trace)."""
+    """Async client for /v1/rollouts (create, get, finish, trace).
 
-    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 600.0):
+    A call that fails on the network (httpx.TransportError: connection refused
+    or reset, timeouts) or with HTTP 5xx is tried again, up to `retries` more
+    times, after `backoff_s`, 2*`backoff_s`, ...; 4xx answers are final. (A
+    retried create whose first try did reach the endpoint leaves an orphan
+    rollout there, which its timeout ends.)
+    """
+
+    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 600.0, *,
+                 retries: int = 2, backoff_s: float = 0.1):
+        if retries < 0:
+            raise ValueError(f"LifecycleClient: retries must be >= 0, got {retries}")
         self.base_url = base_url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self.calls = 0  # HTTP requests made, retries included
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
                                        headers={"Authorization": f"Bearer {admin_key}"})
 
     async def _call(self, method: str, path: str, **kw) -> dict[str, Any]:
-        r = await self._http.request(method, path, **kw)
-        if r.status_code >= 400:
-            raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}",
-                                 r.status_code)
-        return r.json()
+        for i in range(self.retries + 1):
+            last = i == self.retries
+            self.calls += 1
+            try:
+                r = await self._http.request(method, path, **kw)
+            except httpx.TransportError:
+                if last:
+                    raise
+            else:
+                if r.status_code < 400:
+                    return r.json()
+                if r.status_code < 500 or last:
+                    raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: "
+                                         f"{r.text[:500]}", r.status_code)
+            await asyncio.sleep(self.backoff_s * (i + 1))
+        raise AssertionError("unreachable")
 
     async def create(self, task_id: str, group_id: str | None = None,
-                     metadata: dict | None = None) -> dict[str, Any]:
-        return await self._call("POST", "/v1/rollouts", json={
-            "task_id": task_id, "group_id": group_id, "metadata": metadata or {}})
+                     metadata: dict | None = None,
+                     timeout_s: float | None = None) -> dict[str, Any]:
+        body = {"task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
+        return await self._call("POST", "/v1/rollouts", json=body)
 
     async def get(self, rollout_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/v1/rollouts/{rollout_id}")
@@ -92,7 +120,8 @@ def classify_error(exc: BaseException) -> str:
 async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
                       make_orchestrator: OrchestratorFactory, model: str, *,
                       group_id: str | None = None, attempt: int = 0,
-                      metadata: dict | None = None) -> tuple[Trace, ConversationTrace]:
+                      metadata: dict | None = None,
+                      timeout_s: float | None = None) -> tuple[Trace, ConversationTrace]:
     """One attempt: create rollout -> run loop -> verify -> finish -> trace.
 
     The attempt ends "finished" when the agent answered (the verifier's reward,
@@ -103,28 +132,37 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     ended first (timed_out, or infra_error after a server failure) keeps that
     status. One the harness or policy ended with the rollout key is not final:
     this finish still grades it (the verifier's reward). Errors of the
-    lifecycle calls themselves propagate.
+    lifecycle calls themselves propagate (after `lifecycle`'s own retries).
+
+    `timeout_s`: a wall-clock deadline for the attempt, sent to the endpoint as
+    the rollout's timeout and also enforced here: an agent loop still running
+    after it is cancelled and the rollout finished as "timed_out" (no reward).
     """
     if hasattr(env, "env_for"):  # a DomainMixer: the task's own env runs and verifies it
         env = env.env_for(task)
     info = await lifecycle.create(task.task_id, group_id=group_id,
                                   metadata={"attempt": attempt, "domain": task.domain,
-                                            **(metadata or {})})
+                                            **(metadata or {})},
+                                  timeout_s=timeout_s)
     client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
                                 max_retries=0, timeout=600.0)
-    orch = None
+    orch, t0 = None, time.monotonic()
     try:
         orch = make_orchestrator(env, task, client, model)
-        conv = await run_task(orch, SingleTaskUser())
+        conv = await asyncio.wait_for(run_task(orch, SingleTaskUser()), timeout_s)
         reward = env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
         artifacts = {"answer": conv.answer, "orchestrator_status": conv.status,
                      "metrics": conv.metrics}
     except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
-        status, reward = classify_error(e), None
+        # A TimeoutError is our deadline only once timeout_s has passed (not one of the harness's).
+        deadline = (isinstance(e, asyncio.TimeoutError) and timeout_s is not None
+                    and time.monotonic() - t0 >= timeout_s)
+        status, reward = ("timed_out" if deadline else classify_error(e)), None
         conv = orch.trace if orch is not None else ConversationTrace(task=task)
         conv.status = status
-        artifacts = {"error": f"{type(e).__name__}: {e}", "orchestrator_status": status}
+        error = f"deadline of {timeout_s}s passed" if deadline else f"{type(e).__name__}: {e}"
+        artifacts = {"error": error, "orchestrator_status": status}
     finally:
         await client.close()
     try:

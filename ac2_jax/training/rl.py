@@ -86,14 +86,25 @@ class EndpointCollector:
     tagged with (rl_step, task, attempt) and `infra_retries` (how many runs
     it took, less one); attempts already in the store are reused, not run
     again (resume).
+
+    `rollout_deadline_s` (None: none) bounds each run in wall-clock time: it is
+    the rollout's timeout_s on the endpoint (whose sweeper ends it as
+    timed_out) and is enforced here too (`run_rollout`'s timeout_s), so a hung
+    harness cannot stall the step; such an attempt ends timed_out (counted by
+    the step metrics, trained only per BatchConfig.timed_out_reward) and is not
+    retried. Lifecycle calls are retried by `lifecycle` itself (its `retries`).
     """
 
     def __init__(self, lifecycle: LifecycleClient, env: Env, make_orchestrator: OrchestratorFactory,
                  model_name: str, store: TraceStore, *, tasks_per_step: int,
                  attempts_per_task: int, seed: int = 0, concurrency: int = 64,
-                 infra_retries: int = 2):
+                 infra_retries: int = 2, rollout_deadline_s: float | None = None):
         if infra_retries < 0:
             raise ValueError(f"EndpointCollector: infra_retries must be >= 0, got {infra_retries}")
+        if rollout_deadline_s is not None and not rollout_deadline_s > 0:
+            raise ValueError("EndpointCollector: rollout_deadline_s must be > 0 or None, got "
+                             f"{rollout_deadline_s}")
+        self.rollout_deadline_s, self.concurrency = rollout_deadline_s, concurrency
         self.lifecycle, self.env, self.make = lifecycle, env, make_orchestrator
         self.model_name, self.store = model_name, store
         self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
@@ -148,7 +159,8 @@ class EndpointCollector:
             async with self.sem:
                 trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
                                              group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
-                                             metadata={"rl_step": rl_step})
+                                             metadata={"rl_step": rl_step},
+                                             timeout_s=self.rollout_deadline_s)
         except Exception as e:  # noqa: BLE001 - e.g. the endpoint is down: ours, counted
             return Trace(task_id=task.task_id, status="infra_error",
                          metadata={"artifacts": {"error": f"{type(e).__name__}: {e}"}})
@@ -169,11 +181,23 @@ class ReplayCollector:
 
 
 class RLTrainer:
-    """The RL loop around a model. `on_publish(version)` makes the sampler reload."""
+    """The RL loop around a model. `on_publish(version)` makes the sampler reload.
+
+    A collector that says how it collects (`tasks_per_step`, `attempts`,
+    `concurrency` attributes, as EndpointCollector does) must agree with
+    `config` (tasks_per_step, attempts_per_task, concurrency): a mismatch is a
+    ValueError, never silently one or the other.
+    """
 
     def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
                  on_publish: Callable[[int], Any] | None = None, train_mode: str = "jit",
                  mesh=None, logger: MetricsLogger | None = None):
+        for ours, theirs in (("tasks_per_step", "tasks_per_step"),
+                             ("attempts_per_task", "attempts"), ("concurrency", "concurrency")):
+            have = getattr(collector, theirs, None)
+            if have is not None and have != getattr(config, ours):
+                raise ValueError(f"RLTrainer: RLConfig.{ours}={getattr(config, ours)} but the "
+                                 f"collector's {theirs} is {have}; configure both alike")
         self.config, self.collector, self.on_publish = config, collector, on_publish
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
