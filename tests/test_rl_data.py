@@ -168,3 +168,11 @@ def test_bad_policies():
         BatchConfig(timed_out_reward=float("nan"))
     with pytest.raises(ValueError, match="stale"):
         BatchConfig(stale="ignore")
+
+
+def test_a_trace_left_alone_in_its_group_gets_advantage_0_and_is_counted():
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0, status="infra_error"), _trace("b", 0, 0.0),
+              _trace("b", 1, 1.0)]
+    batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=2))
+    np.testing.assert_allclose(adv, [0.0, -0.5, 0.5])
+    assert stats.lone_traces == 1 and stats.infra_errors == 1

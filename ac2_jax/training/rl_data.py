@@ -98,6 +98,7 @@ class BatchStats:
     truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
     unchosen_branches: int = 0      # multi-response episodes left out (unchosen_branch_episodes)
+    lone_traces: int = 0            # kept traces alone in their group: advantage 0, no signal
     staleness_mean: float = 0.0
     staleness_max: int = 0
 
@@ -165,7 +166,13 @@ def trace_rewards(traces: Sequence[Trace]) -> np.ndarray:
 
 
 def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np.ndarray:
-    """Group-relative advantages; a trace's group is its group_id (else its task)."""
+    """Group-relative advantages; a trace's group is its group_id (else its task).
+
+    The rule for groups that failures thinned out: the baseline is the mean of
+    the traces kept, so a trace left alone in its group gets advantage 0 and
+    teaches nothing (`BatchStats.lone_traces` counts them); it is never
+    compared with a reward from another group.
+    """
     names = [t.group_id or t.task_id for t in traces]
     index = {n: i for i, n in enumerate(dict.fromkeys(names))}
     groups = np.array([index[n] for n in names], np.int32)
@@ -243,6 +250,10 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
         seen.add(t.key)
         check_sampled(t)
     adv = trace_advantages(kept, config.normalize_std)
+    sizes: dict[str, int] = {}
+    for t in kept:
+        sizes[t.group_id or t.task_id] = sizes.get(t.group_id or t.task_id, 0) + 1
+    stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []
     for t, a, w in zip(kept, adv, weights):
         unchosen = unchosen_branch_episodes(t)
