@@ -71,13 +71,15 @@ def build_model(cfg, vocab_size: int) -> Decoder:
     return Decoder(config, rngs=nnx.Rngs(cfg.seed))
 
 
-# RL step k draws its tasks with seed `seed * 1_000_003 + k` (EndpointCollector); the SFT
-# demonstrations use another stream, so RL's first tasks are not the first demos.
-SFT_SEED_OFFSET = 104_729
+# RL step k draws its tasks with seed `collector_seed * 1_000_003 + k` (EndpointCollector).
+# The SFT demonstrations are drawn with `seed` itself, so the collector gets another seed:
+# with both at 0, RL step 0's tasks were exactly the first SFT demos.
+def rl_collector_seed(cfg) -> int:
+    return cfg.seed + 1
 
 
 def sft_tasks(cfg, env):
-    return env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed + SFT_SEED_OFFSET, split="train")
+    return env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed, split="train")
 
 
 def sft_warm_start(cfg, model, tokenizer, env, log=print):
@@ -155,7 +157,8 @@ async def _pipeline(cfg, log=print) -> dict:
             lifecycle, env, orchestrator_factory({"temperature": rl.temperature,
                                                   "max_tokens": rl.max_tokens}, rl.max_steps),
             MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
-            attempts_per_task=rl.attempts_per_task, seed=cfg.seed, concurrency=rl.concurrency,
+            attempts_per_task=rl.attempts_per_task, seed=rl_collector_seed(cfg),
+            concurrency=rl.concurrency,
             infra_retries=rl.infra_retries)
         rl_config = RLConfig(
             steps=rl.steps, tasks_per_step=rl.tasks_per_step, attempts_per_task=rl.attempts_per_task,

@@ -38,7 +38,7 @@ def test_rl_first_tasks_are_not_the_sft_demonstrations():
     cfg = get_config()
     env = calculator_agent.build_env(cfg)
     demos = {t.task_id for t in calculator_agent.sft_tasks(cfg, env)}
-    collector_seed = cfg.seed * 1_000_003 + 0  # EndpointCollector.tasks(0)
+    collector_seed = calculator_agent.rl_collector_seed(cfg) * 1_000_003 + 0  # EndpointCollector.tasks(0)
     step0 = {t.task_id for t in env.sample_tasks(cfg.rl.tasks_per_step, seed=collector_seed,
                                                  split="train")}
     assert len(step0 & demos) <= 1, step0 & demos
