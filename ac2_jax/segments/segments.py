@@ -124,10 +124,6 @@ class FitCounts:
     truncated_segments: int = 0      # segments longer than the limit
     truncated_agent_tokens: int = 0  # agent tokens the cuts took out of the loss
 
-    def add(self, other: "FitCounts") -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
 
 def fit_segments(segments: list[Segment], max_len: int) -> tuple[list[Segment], FitCounts]:
     """Segments cut to at most `max_len` tokens, with what the cuts cost counted.

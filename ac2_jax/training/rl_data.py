@@ -6,6 +6,7 @@ identical batches from identical traces.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Sequence
@@ -165,6 +166,11 @@ def trace_rewards(traces: Sequence[Trace]) -> np.ndarray:
     return np.array([float(t.reward or 0.0) for t in traces], np.float32)
 
 
+def group_name(trace: Trace) -> str:
+    """The advantage group of a trace: its group_id, else its task."""
+    return trace.group_id or trace.task_id
+
+
 def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np.ndarray:
     """Group-relative advantages; a trace's group is its group_id (else its task).
 
@@ -173,7 +179,7 @@ def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np
     teaches nothing (`BatchStats.lone_traces` counts them); it is never
     compared with a reward from another group.
     """
-    names = [t.group_id or t.task_id for t in traces]
+    names = [group_name(t) for t in traces]
     index = {n: i for i, n in enumerate(dict.fromkeys(names))}
     groups = np.array([index[n] for n in names], np.int32)
     return np.asarray(group_advantages(trace_rewards(traces), groups, normalize_std))
@@ -250,9 +256,7 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
         seen.add(t.key)
         check_sampled(t)
     adv = trace_advantages(kept, config.normalize_std)
-    sizes: dict[str, int] = {}
-    for t in kept:
-        sizes[t.group_id or t.task_id] = sizes.get(t.group_id or t.task_id, 0) + 1
+    sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []
     for t, a, w in zip(kept, adv, weights):
