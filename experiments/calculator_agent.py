@@ -31,10 +31,10 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, SFTConfig, run_sft
-from ac2_jax.training.demos import demo_segment
-from ac2_jax.training.metrics_log import MetricsLogger, read_metrics
-from ac2_jax.training.rl import EndpointCollector, RLConfig, RLTrainer
-from ac2_jax.training.rl_data import BatchConfig
+from ac2_jax.training.sft.demos import demo_segment
+from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
+from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
+from ac2_jax.training.rl.data import BatchConfig
 from ac2_jax.viz import plot_curves, write_trace_html
 
 MODEL_NAME = "ac2-calculator"

@@ -33,10 +33,10 @@ from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
-from ac2_jax.training.demos import demo_segment
-from ac2_jax.training.distill import DistillConfig, SelfDistiller
-from ac2_jax.training.distill_data import HintConfig, hinted_messages
-from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
+from ac2_jax.training.sft.demos import demo_segment
+from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
+from ac2_jax.training.distill.data import HintConfig, hinted_messages
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
                                               resample_examples, rollout_and_grade)
 from experiments import pinapple_data as data
 from experiments.pinapple_report import markdown_table, summarize, write_report

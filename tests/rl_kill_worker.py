@@ -16,8 +16,8 @@ from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
-from ac2_jax.training.rl import EndpointCollector, RLTrainer  # noqa: E402
-from test_rl import ADMIN, ParityEnv, _config, _make, _model  # noqa: E402
+from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
+from test_rl_trainer import ADMIN, ParityEnv, _config, _make, _model  # noqa: E402
 
 
 async def main(workdir: str, steps: int) -> None:

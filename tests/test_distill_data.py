@@ -23,10 +23,10 @@ from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
-from ac2_jax.training.distill import DistillConfig, DistillLoss, SelfDistiller, divergence
-from ac2_jax.training.distill_data import (HintConfig, examples_from_traces, insert_hint,
+from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
+from ac2_jax.training.distill.data import (HintConfig, examples_from_traces, insert_hint,
                                           make_example, pack_pairs)
-from ac2_jax.training.train_step import make_train_step
+from ac2_jax.training.core.train_step import make_train_step
 from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
 HINT = "Add all three numbers before answering."

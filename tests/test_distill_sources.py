@@ -14,7 +14,7 @@ from flax import nnx
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, create_train_state
-from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
                                               resample_examples, rollout_and_grade)
 
 MSGS = ({"role": "user", "content": "Pick a color."},)

@@ -9,7 +9,7 @@ import numpy as np
 from ac2_jax.envs import Env, Task
 from ac2_jax.orchestration import MultiResponseOrchestrator
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl_data import BatchConfig, build_batch, unchosen_branch_episodes
+from ac2_jax.training.rl.data import BatchConfig, build_batch, unchosen_branch_episodes
 
 
 class _Env(Env):

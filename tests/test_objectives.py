@@ -8,7 +8,7 @@ import pytest
 from ac2_jax.losses import (MODES, aggregate_loss, policy_gradient_loss, policy_gradient_metrics,
                             token_entropy, token_logprobs)
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training.objectives import PolicyGradientLoss, SFTLoss, loss_weights
+from ac2_jax.training.core.objectives import PolicyGradientLoss, SFTLoss, loss_weights
 
 N_DEV = 8
 

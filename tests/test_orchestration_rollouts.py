@@ -27,7 +27,7 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from ac2_jax.training.rl_data import BatchConfig, build_batch
+from ac2_jax.training.rl.data import BatchConfig, build_batch
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}

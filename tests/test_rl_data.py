@@ -5,7 +5,7 @@ import pytest
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl_data import (BatchConfig, build_batch, select_traces, trace_advantages,
+from ac2_jax.training.rl.data import (BatchConfig, build_batch, select_traces, trace_advantages,
                                       trace_version)
 
 

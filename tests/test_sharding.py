@@ -8,10 +8,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training.sharding import (batch_sharding, fit_spec, make_mesh, merge_rows,
+from ac2_jax.training.core.sharding import (batch_sharding, fit_spec, make_mesh, merge_rows,
                                        param_shardings, replicate, shard_batch, shard_state,
                                        split_rows, state_shardings, unreplicate)
-from ac2_jax.training.state import OptimizerConfig, create_train_state
+from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 
 
 class Named(nnx.Module):

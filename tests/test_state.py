@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from ac2_jax.training.state import (OptimizerConfig, TrainState, as_transform, create_train_state,
+from ac2_jax.training.core.state import (OptimizerConfig, TrainState, as_transform, create_train_state,
                                     num_params)
 
 

@@ -17,7 +17,7 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments
 from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
                               create_train_state, make_mesh, make_train_step)
-from ac2_jax.training.train_step import forward
+from ac2_jax.training.core.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
 # AdamW's first update is lr * g / (|g| + eps) ~ lr * sign(g): it turns fp32 reduction-order

@@ -22,11 +22,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ac2_jax.training.objectives import LossFn, behaviour_logprobs, loss_weights
-from ac2_jax.training.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
+from ac2_jax.training.core.objectives import LossFn, behaviour_logprobs, loss_weights
+from ac2_jax.training.core.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
                                        merge_rows, replicate, split_rows, state_shardings,
                                        unreplicate)
-from ac2_jax.training.state import OptimizerConfig, TrainState, as_transform
+from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transform
 
 MODES = ("jit", "pmap")
 AXIS = "batch"

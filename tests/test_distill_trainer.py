@@ -1,4 +1,4 @@
-"""Self-distillation training (ac2_jax.training.distill, distill_data, distill_sources).
+"""Self-distillation training (ac2_jax.training.distill.trainer, distill_data, distill_sources).
 
 Equivalences are numeric in fp32: losses to 1e-5 (absolute), params to 1e-6.
 """
@@ -14,13 +14,13 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.types import Completion, Episode, Trace
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
-from ac2_jax.training.demos import demo_segment
-from ac2_jax.training.distill import DistillConfig, DistillLoss, SelfDistiller
-from ac2_jax.training.distill_data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
+from ac2_jax.training.sft.demos import demo_segment
+from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
+from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
                                           hinted_messages, insert_hint, make_example, pack_pairs)
-from ac2_jax.training.distill_sources import (HintTask, PromptCache, SampleConfig, generate,
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
                                               resample_examples, rollout_and_grade)
-from ac2_jax.training.train_step import make_train_step
+from ac2_jax.training.core.train_step import make_train_step
 
 HINT = "Say blue."
 MSGS = [{"role": "user", "content": "Pick a color."}]

@@ -19,7 +19,7 @@ defines the task_mean normaliser); the example's `weight` goes to
 Data sources (each returns `DistillExample`s):
 (a) `examples_from_traces`: stored traces + their hints (offline), every
     completion of every episode (main, compactor, subagents) by default;
-(b)/(c) `ac2_jax.training.distill_sources`: resample a turn with the current
+(b)/(c) `ac2_jax.training.distill.sources`: resample a turn with the current
 policy, or roll out, grade and distill the failures with generated hints.
 """
 

@@ -19,10 +19,10 @@ from flax import nnx
 
 from ac2_jax.segments import PackedBatch, Segment, pack_segments
 from ac2_jax.segments.packing import first_fit_decreasing, packed_lengths
-from ac2_jax.training.objectives import SFTLoss
-from ac2_jax.training.sharding import state_shardings
-from ac2_jax.training.state import OptimizerConfig, TrainState, create_train_state
-from ac2_jax.training.train_step import make_train_step
+from ac2_jax.training.core.objectives import SFTLoss
+from ac2_jax.training.core.sharding import state_shardings
+from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
+from ac2_jax.training.core.train_step import make_train_step
 
 
 @dataclasses.dataclass(frozen=True)

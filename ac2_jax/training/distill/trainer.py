@@ -37,9 +37,9 @@ from ac2_jax.losses import (DISTILL_KINDS, MODES, candidate_mask, distill_loss, 
                             relevance_mask, reverse_kl, token_logprobs)
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.packing import capacity
-from ac2_jax.training.distill_data import DistillExample, PairedBatch, pack_pairs, sft_segments
-from ac2_jax.training.objectives import SFTLoss
-from ac2_jax.training.train_step import TrainStep, forward, make_train_step
+from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
+from ac2_jax.training.core.objectives import SFTLoss
+from ac2_jax.training.core.train_step import TrainStep, forward, make_train_step
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")

@@ -12,7 +12,7 @@ from ac2_jax.losses import aggregate_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment
 from ac2_jax.training import Checkpointer, OptimizerConfig, SFTConfig, SFTData, run_sft
-from ac2_jax.training.train_step import forward
+from ac2_jax.training.core.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)
 OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)

@@ -27,8 +27,8 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
-from ac2_jax.training.rl import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
-from ac2_jax.training.rl_data import BatchConfig, select_traces
+from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
+from ac2_jax.training.rl.data import BatchConfig, select_traces
 
 ADMIN = "sk-admin-rl"
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ac2_jax.training.distill_data import DistillExample, HintConfig, insert_hint
+from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
 SOURCES = ("student", "teacher")
 

@@ -32,12 +32,12 @@ from ac2_jax.envs.base import Env
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
 from ac2_jax.trace.store import TraceStore
 from ac2_jax.trace.types import Trace
-from ac2_jax.training.checkpoints import Checkpointer, publish
-from ac2_jax.training.metrics_log import MetricsLogger
-from ac2_jax.training.objectives import PolicyGradientLoss
-from ac2_jax.training.rl_data import BatchConfig, build_batch, trace_rewards
-from ac2_jax.training.state import OptimizerConfig, create_train_state
-from ac2_jax.training.train_step import make_train_step
+from ac2_jax.training.core.checkpoints import Checkpointer, publish
+from ac2_jax.training.core.metrics_log import MetricsLogger
+from ac2_jax.training.core.objectives import PolicyGradientLoss
+from ac2_jax.training.rl.data import BatchConfig, build_batch, trace_rewards
+from ac2_jax.training.core.state import OptimizerConfig, create_train_state
+from ac2_jax.training.core.train_step import make_train_step
 
 RL_MODES = ("sync", "async")
 

@@ -1,0 +1,15 @@
+"""Self-distillation (OPSD, RMSD): hinted teacher pairs (`data`), on-policy sources, the trainer."""
+
+from ac2_jax.training.distill.data import (DistillExample, HintConfig, PairedBatch,
+                                           examples_from_traces, insert_hint, make_example,
+                                           pack_pairs, sft_segments)
+from ac2_jax.training.distill.sources import (Graded, HintTask, PromptCache, SampleConfig,
+                                              resample_examples, rollout_and_grade)
+from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, Relevance, SelfDistiller
+
+__all__ = [
+    "DistillConfig", "DistillExample", "DistillLoss", "Graded", "HintConfig", "HintTask",
+    "PairedBatch", "PromptCache", "Relevance", "SampleConfig", "SelfDistiller",
+    "examples_from_traces", "insert_hint", "make_example", "pack_pairs", "resample_examples",
+    "rollout_and_grade", "sft_segments",
+]
