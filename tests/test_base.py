@@ -89,3 +89,38 @@ def test_sglang_sampler_satisfies_the_protocol():
     s = SGLangSampler("http://127.0.0.1:1", max_context=64)
     assert isinstance(s, Sampler)
     assert s.policy_version == 0 and s.max_context == 64
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"top_k": 2**40}, "top_k"), ({"top_k": -2}, "top_k"), ({"top_k": 2.0}, "top_k"),
+    ({"top_k": True}, "top_k"), ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"), ({"max_tokens": False}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 1e-40}, "temperature"), ({"temperature": "1"}, "temperature"),
+    ({"temperature": True}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": True}, "top_p"), ({"top_p": None}, "top_p"),
+    ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"seed": True}, "seed"), ({"top_logprobs": 2**40}, "top_logprobs"),
+    ({"top_logprobs": 1.0}, "top_logprobs"), ({"stop": "END"}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"), ({"stop": ["x" * 513]}, "stop"), ({"stop": [3]}, "stop"),
+    ({"stop": None}, "stop"), ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"stop_token_ids": ["3"]}, "stop_token_ids"), ({"stop_token_ids": [1.7]}, "stop_token_ids"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+])
+def test_sampling_params_checks_type_range_and_size_of_every_field(kw, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_accepts_the_edges_and_normalises_types():
+    import numpy as np
+    p = SamplingParams(temperature=0, top_p=1, top_k=np.int64(2**31 - 1), max_tokens=2**31 - 1,
+                       seed=2**64 - 1, stop=["x" * 512] * 16, stop_token_ids=[np.int32(5)] * 64)
+    assert type(p.temperature) is float and type(p.top_p) is float
+    assert type(p.top_k) is int and p.stop_token_ids == (5,) * 64
+    assert SamplingParams(seed=-2**63, temperature=1e-4).seed == -2**63
+    # A forced (unvalidated) field is caught again by checked(), as samplers do on admission.
+    object.__setattr__(p, "top_k", 2**40)
+    with pytest.raises(ValueError, match="SamplingParams.top_k "):
+        p.checked()

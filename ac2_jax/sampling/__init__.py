@@ -2,8 +2,10 @@
 
 from ac2_jax.sampling.base import (
     ContextLengthError,
+    OnTokens,
     SampleResult,
     Sampler,
+    SamplerError,
     SamplingParams,
     check_prompt,
     truncate_at_stop,
@@ -17,8 +19,10 @@ __all__ = [
     "SGLangError",
     "SGLangSampler",
     "ContextLengthError",
+    "OnTokens",
     "SampleResult",
     "Sampler",
+    "SamplerError",
     "SamplingParams",
     "check_prompt",
     "truncate_at_stop",

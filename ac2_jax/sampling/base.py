@@ -6,7 +6,7 @@ and the SGLangSampler are interchangeable.
 
 Contract
 --------
-``await sampler.generate(prompt_ids, params) -> SampleResult``
+``await sampler.generate(prompt_ids, params, *, on_tokens=None) -> SampleResult``
     One continuation of one prompt. Safe to call concurrently from one event
     loop (a sampler may batch concurrent calls). For ``n`` samples call it
     ``n`` times (with seeds ``seed + i`` when a seed is given).
@@ -29,8 +29,24 @@ Contract
       (SGLang); samplers without a tokenizer may ignore it. Callers that need
       stop strings apply ``truncate_at_stop`` afterwards (the serving layer
       always does), which is a no-op when the sampler already stopped there.
-    * Raises ``ContextLengthError`` when ``len(prompt_ids) >= max_context``
-      and ``ValueError`` for an empty prompt or ids outside the vocabulary.
+      A stop string keeps the token that completes it, so stop strings never
+      take back tokens already accepted.
+    * ``on_tokens(ids: list[int], logprobs: list[float])``, when given, is
+      called (possibly from another thread: hand over with
+      ``loop.call_soon_threadsafe``) each time output tokens are accepted,
+      after stop-token and stop-string handling, and before the result
+      resolves: the concatenation of all calls equals ``output_ids`` and
+      ``output_logprobs`` exactly. An exception it raises fails this request
+      (``SamplerError``) and no other.
+    * Cancelling the awaiting coroutine (a client that went away) cancels the
+      request: dropped from the queue if not started, its batch row freed
+      otherwise; ``on_tokens`` is not called again.
+    * Raises ``ContextLengthError`` when ``len(prompt_ids) >= max_context``,
+      ``ValueError`` (naming the field) for an empty prompt, ids outside the
+      vocabulary or parameters this sampler cannot honour, before the request
+      reaches any batch; ``SamplerError`` when the sampler failed this request
+      for an internal reason (the endpoint reports 503, the rollout becomes
+      ``infra_error``). One request's error never fails another.
 
 ``sampler.policy_version: int``
     Version of the weights new calls will use; 0 for the initial weights,
@@ -50,22 +66,56 @@ Contract
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 FINISH_REASONS = ("stop", "length")
+
+INT32_MAX = 2**31 - 1
+MAX_STOP = 16             # stop strings per request
+MAX_STOP_CHARS = 512      # characters per stop string
+MAX_STOP_TOKEN_IDS = 64   # stop token ids per request
+TEMPERATURE_RANGE = (1e-4, 1e4)  # besides 0 (greedy); smaller ones overflow fp32 logits
+
+OnTokens = Callable[[list[int], list[float]], None]  # (new ids, their logprobs)
 
 
 class ContextLengthError(ValueError):
     """The prompt does not fit in the sampler's context."""
 
 
+class SamplerError(RuntimeError):
+    """The sampler failed this request for an internal reason; the endpoint
+    reports 503 and the rollout becomes infra_error."""
+
+
+def _int(name: str, v, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"SamplingParams.{name} must be an int, got {type(v).__name__} {v!r}")
+    if not lo <= int(v) <= hi:
+        raise ValueError(f"SamplingParams.{name} must be in [{lo}, {hi}], got {v}")
+    return int(v)
+
+
+def _real(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"SamplingParams.{name} must be a number, got {type(v).__name__} {v!r}")
+    if not math.isfinite(float(v)):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {v}")
+    return float(v)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one continuation.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those
-    filters. top_logprobs > 0 asks for that many (token_id, logprob) pairs per
-    output position in `SampleResult.top_logprobs`.
+    temperature 0 means greedy, else in `TEMPERATURE_RANGE`. top_k in {-1, 0}
+    and top_p == 1 disable those filters (top_k >= vocab keeps every token).
+    top_logprobs > 0 asks for that many (token_id, logprob) pairs per output
+    position in `SampleResult.top_logprobs`. seed: any 64-bit int (signed or
+    not). Lists are stored as tuples (params stay hashable). Every field is
+    checked on construction (`checked`): ValueError naming the field.
     """
 
     temperature: float = 1.0
@@ -78,19 +128,46 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self):
-        # Accept lists for convenience, store tuples so params stay hashable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if int(self.max_tokens) < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if int(self.top_logprobs) < 0:
-            raise ValueError(f"SamplingParams.top_logprobs must be >= 0, got {self.top_logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        for name, value in self.checked().items():
+            object.__setattr__(self, name, value)
+
+    def checked(self) -> dict:
+        """Every field validated (type, range, size) and normalised; ValueError
+        naming the first bad field. Samplers call it again on admission."""
+        t = _real("temperature", self.temperature)
+        lo, hi = TEMPERATURE_RANGE
+        if t != 0.0 and not lo <= t <= hi:
+            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or in "
+                             f"[{lo}, {hi}], got {t}")
+        top_p = _real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {top_p}")
+        stop = self.stop
+        if isinstance(stop, str) or not isinstance(stop, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop must be a list of strings, got "
+                             f"{type(stop).__name__}")
+        if len(stop) > MAX_STOP:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most {MAX_STOP}")
+        for x in stop:
+            if not isinstance(x, str) or not x or len(x) > MAX_STOP_CHARS:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings of at most "
+                                 f"{MAX_STOP_CHARS} characters, got {str(x)[:40]!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got "
+                             f"{type(ids).__name__}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids has {len(ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS}")
+        return {
+            "temperature": t, "top_p": top_p,
+            "top_k": _int("top_k", self.top_k, -1, INT32_MAX),
+            "max_tokens": _int("max_tokens", self.max_tokens, 1, INT32_MAX),
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(_int("stop_token_ids", i, 0, INT32_MAX) for i in ids),
+            "seed": None if self.seed is None else _int("seed", self.seed, -2**63, 2**64 - 1),
+            "top_logprobs": _int("top_logprobs", self.top_logprobs, 0, INT32_MAX),
+        }
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -136,7 +213,8 @@ class Sampler(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult: ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       on_tokens: OnTokens | None = None) -> SampleResult: ...
 
     def load_weights(self, step: int | None = None) -> int: ...
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -42,6 +43,8 @@ class Request:
     gen: list[int] = dataclasses.field(default_factory=list)       # every sampled token
     logprobs: list[float] = dataclasses.field(default_factory=list)
     tops: list | None = None
+    on_tokens: Callable | None = None  # (ids, logprobs) of newly accepted tokens
+    sent: int = 0            # output tokens already handed to on_tokens
 
 
 @dataclasses.dataclass
@@ -59,6 +62,9 @@ class SamplerStats:
     active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     resizes: int = 0
     weight_swaps: int = 0
+    cancelled: int = 0        # requests dropped because their caller gave up
+    request_errors: int = 0   # requests failed with SamplerError (own fault or a crash)
+    worker_restarts: int = 0  # exceptions that escaped a device step (cache rebuilt)
     decode_s: float = 0.0   # wall time in decode chunks (device call + read back)
     prefill_s: float = 0.0  # wall time in prefill calls (dispatch until the next sync)
 

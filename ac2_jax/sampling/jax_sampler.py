@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
+import numbers
 import queue
 import threading
 import time
@@ -30,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
-from ac2_jax.sampling.base import SampleResult, SamplingParams, check_prompt, truncate_at_stop
+from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplingParams,
+                                   check_prompt, truncate_at_stop)
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
 
@@ -121,10 +124,12 @@ class JaxSampler:
     def max_context(self) -> int:
         return self._max_context
 
-    async def generate(self, prompt_ids: Sequence[int],
-                       params: SamplingParams | None = None) -> SampleResult:
-        """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`."""
-        req = self._make_request(prompt_ids, params)
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                       *, on_tokens: OnTokens | None = None) -> SampleResult:
+        """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`.
+
+        Cancelling the awaiting task cancels the request (queue or row)."""
+        req = self._make_request(prompt_ids, params, on_tokens)
         return await asyncio.wrap_future(req.future)
 
     def load_weights(self, step: int | None = None) -> int:
@@ -175,14 +180,24 @@ class JaxSampler:
         graphdef, state = nnx.split(self._model)
         return graphdef, jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
-    def _make_request(self, prompt_ids, params) -> Request:
+    def _make_request(self, prompt_ids, params, on_tokens=None) -> Request:
+        """Validates everything here, in the caller: the worker only sees good requests."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"generate: params must be SamplingParams, got {type(params).__name__}")
-        try:
-            prompt = [int(t) for t in prompt_ids]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"generate: prompt_ids must be a sequence of ints ({e})") from None
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"generate: on_tokens must be callable, got {type(on_tokens).__name__}")
+        checked = params.checked()  # again: a frozen dataclass can still be forced
+        if any(getattr(params, k) != v for k, v in checked.items()):
+            params = dataclasses.replace(params, **checked)
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+            raise ValueError(f"generate: prompt_ids must be a sequence of ints, got "
+                             f"{type(prompt_ids).__name__}")
+        prompt = list(prompt_ids)
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"generate: prompt_ids must be ints, got {bad[0]!r}")
+        prompt = [int(t) for t in prompt]
         check_prompt(prompt, self._max_context, self._vocab)
         if params.top_logprobs > self._n_top:
             raise ValueError(f"generate: top_logprobs={params.top_logprobs} exceeds this "
@@ -194,7 +209,8 @@ class JaxSampler:
         stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
         req = Request(prompt=prompt, params=params, future=concurrent.futures.Future(),
                       seed=seed & (2**64 - 1), stop_ids=stop_ids,
-                      max_out=min(params.max_tokens, self._max_context - len(prompt)))
+                      max_out=min(params.max_tokens, self._max_context - len(prompt)),
+                      on_tokens=on_tokens)
         with self._lock:
             if self._closed:
                 raise RuntimeError("JaxSampler is closed")
@@ -208,8 +224,8 @@ class JaxSampler:
             while self._pull():
                 try:
                     self._iteration()
-                except Exception as e:  # noqa: BLE001 - the callers get it, the loop lives
-                    self._fail_running(e)
+                except Exception as e:  # noqa: BLE001 - a crash: fail what it held, go on
+                    self._restart(e)
         finally:
             err = RuntimeError("JaxSampler was closed before this request finished")
             self._fail_running(err)
@@ -246,9 +262,10 @@ class JaxSampler:
     def _iteration(self) -> None:
         t = self._table
         for row in t.active_rows():
-            if t.req[row].future.cancelled():
-                t.release(row)
-        self._waiting = collections.deque(r for r in self._waiting if not r.future.cancelled())
+            self._drop_if_cancelled(row)
+        keep = collections.deque(r for r in self._waiting if not r.future.cancelled())
+        self.stats.cancelled += len(self._waiting) - len(keep)
+        self._waiting = keep
         with self._lock:
             pending = self._pending
             if pending is not None and not t.active_rows():
@@ -260,6 +277,38 @@ class JaxSampler:
             self._admit()
         if t.active_rows():
             self._decode()
+
+    def _drop_if_cancelled(self, row: int) -> bool:
+        """Frees `row` if its caller gave up (counted)."""
+        if not self._table.req[row].future.cancelled():
+            return False
+        self._table.release(row)
+        self.stats.cancelled += 1
+        return True
+
+    def _fail_row(self, row: int, req: Request, exc: Exception) -> None:
+        """Host work for `req` in `row` raised: that request fails, its row is freed."""
+        if self._table.req[row] is req:
+            self._table.release(row)
+        self.stats.request_errors += 1
+        err = SamplerError(f"JaxSampler failed this request: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        resolve(req, exc=err)
+
+    def _restart(self, exc: Exception) -> None:
+        """An exception escaped a device step: fail only the requests held in
+        rows (or being admitted), rebuild the cache; waiting requests go on."""
+        held = {id(r): r for r in self._admitting + [r for r in self._table.req if r is not None]}
+        err = SamplerError(f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
+                           f"this request was running; the worker restarted")
+        err.__cause__ = exc
+        for req in held.values():
+            if not req.future.cancelled():
+                self.stats.request_errors += 1
+            resolve(req, exc=err)
+        self.stats.worker_restarts += 1
+        self._admitting = []
+        self._table, self._cache, self._S = SlotTable(), None, 0
 
     def _fail_running(self, exc: BaseException) -> None:
         """Fails every admitted request and drops the cache (it may be half-donated)."""
@@ -370,34 +419,49 @@ class JaxSampler:
         st.active_rows[len(active)] += steps
         st.max_active = max(st.max_active, len(active))
         for r in active:
+            if self._drop_if_cancelled(r):
+                continue
             req = t.req[r]
-            got = toks[:, r] >= 0
-            new = toks[got, r].tolist()
-            req.gen += new
-            req.logprobs += lps[got, r].tolist()
-            st.output_tokens += len(new)
-            k = req.params.top_logprobs
-            if k:
-                req.tops = req.tops or []
-                req.tops.extend(list(zip(i.tolist(), lp.tolist()))
-                                for i, lp in zip(tids[got, r, :k], tlps[got, r, :k]))
-            self._maybe_finish(r, bool(t.arr["active"][r]))
+            try:
+                self._accept(r, toks, lps, tids, tlps)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                self._fail_row(r, req, e)
 
-    def _maybe_finish(self, row: int, still_active: bool) -> None:
-        t = self._table
+    def _accept(self, row: int, toks, lps, tids, tlps) -> None:
+        """Per-request host work after a chunk: take the row's new tokens, apply
+        stop strings, hand accepted tokens to on_tokens, resolve when done."""
+        t, st = self._table, self.stats
         req = t.req[row]
-        stop = req.params.stop if self._tokenizer is not None and req.gen else ()
-        if stop and still_active:
+        got = toks[:, row] >= 0
+        new = toks[got, row].tolist()
+        req.gen += new
+        req.logprobs += lps[got, row].tolist()
+        st.output_tokens += len(new)
+        k = req.params.top_logprobs
+        if k:
+            req.tops = req.tops or []
+            req.tops.extend(list(zip(i.tolist(), lp.tolist()))
+                            for i, lp in zip(tids[got, row, :k], tlps[got, row, :k]))
+        done = not bool(t.arr["active"][row])
+        keep, cut = len(req.gen), False
+        if self._tokenizer is not None and req.params.stop and req.gen:
             text = self._tokenizer.decode(req.gen)
-            stop = tuple(x for x in stop if x in text)
-        if still_active and not stop:
+            hit = tuple(x for x in req.params.stop if x in text)
+            if hit:
+                probe = SampleResult(req.gen, req.logprobs, "length", req.version)
+                cut_res, _ = truncate_at_stop(probe, hit, self._tokenizer.decode)
+                # Accepted tokens are never taken back (a non-monotone decode could try).
+                keep, cut, done = max(len(cut_res.output_ids), req.sent), True, True
+        if req.on_tokens is not None and keep > req.sent:
+            req.on_tokens(req.gen[req.sent:keep], req.logprobs[req.sent:keep])
+            req.sent = keep
+        if not done:
             return
+        ids = req.gen[:keep]
         res = SampleResult(
-            output_ids=list(req.gen), output_logprobs=list(req.logprobs),
-            finish_reason="stop" if req.gen and req.gen[-1] in req.stop_ids else "length",
+            output_ids=list(ids), output_logprobs=list(req.logprobs[:keep]),
+            finish_reason="stop" if cut or (ids and ids[-1] in req.stop_ids) else "length",
             policy_version=req.version, cached_tokens=req.cached,
-            top_logprobs=None if req.tops is None else list(req.tops))
-        if stop:
-            res, _ = truncate_at_stop(res, stop, self._tokenizer.decode)
+            top_logprobs=None if req.tops is None else list(req.tops[:keep]))
         t.release(row)
         resolve(req, result=res)
