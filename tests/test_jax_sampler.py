@@ -15,7 +15,8 @@ from flax import nnx
 
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
-from ac2_jax.sampling import ContextLengthError, Sampler, SamplingParams, truncate_at_stop
+from ac2_jax.sampling import (ContextLengthError, Sampler, SamplerError, SamplingParams,
+                              truncate_at_stop)
 from ac2_jax.sampling.jax_sampler import JaxSampler
 
 CTX = 32
@@ -120,8 +121,8 @@ def test_on_policy_ratio_and_tis_are_one_through_the_training_batch(sampler, mod
     from ac2_jax.segments import pack_segments, segments_from_trace
     from ac2_jax.trace.recorder import TraceRecorder
     from ac2_jax.trace.types import Completion, Trace
-    from ac2_jax.training.objectives import behaviour_logprobs
-    from ac2_jax.training.train_step import forward
+    from ac2_jax.training.core.objectives import behaviour_logprobs
+    from ac2_jax.training.core.train_step import forward
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=10)
     reqs = [(prompt_of(20 + i, 5 + i), params.replace(seed=i)) for i in range(6)]
@@ -334,3 +335,228 @@ def test_close_fails_new_calls(model):
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         gen(s, [1, 2, 3])
+
+
+# ---------------------------------------------------------------- issue 13: under fire
+
+
+def _forced(params, **fields):
+    """`params` with fields set past validation (a caller that bypassed SamplingParams)."""
+    for k, v in fields.items():
+        object.__setattr__(params, k, v)
+    return params
+
+
+def _same(a, b):
+    assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5, rtol=0)
+
+
+def test_slot_table_overflows_on_an_unchecked_top_k():
+    """Why validation must come first: the row state is int32."""
+    from ac2_jax.sampling.batching import SlotTable
+    t = SlotTable()
+    t.relayout([], 1)
+    with pytest.raises(OverflowError):
+        t.arr["top_k"][0] = 2**40
+
+
+BAD = [  # (prompt, params, field named in the error)
+    ([1, 2, 3], lambda: _forced(SamplingParams(), top_k=2**40), "top_k"),
+    ([1, 2, 3], lambda: _forced(SamplingParams(), temperature=float("nan")), "temperature"),
+    ([1, 2, 3], lambda: _forced(SamplingParams(), seed=2**80), "seed"),
+    ([1, 2, 3], lambda: _forced(SamplingParams(), max_tokens=True), "max_tokens"),
+    ([1, 2, 3], lambda: SamplingParams(top_logprobs=5), "top_logprobs"),
+    ([1, 2, 3], lambda: SamplingParams(stop_token_ids=(256,)), "stop_token_ids"),
+    ([1, "2", 3], lambda: GREEDY, "prompt_ids"),
+    ([1, True, 3], lambda: GREEDY, "prompt_ids"),
+    ([1, 2.5, 3], lambda: GREEDY, "prompt_ids"),
+    ("abc", lambda: GREEDY, "prompt_ids"),
+]
+
+
+def test_poisoned_batch_bad_requests_fail_alone(sampler):
+    """8 good requests in flight beside bad ones: each bad one raises ValueError naming
+    its field in the caller; the 8 complete exactly as they do alone."""
+    good = [(prompt_of(90 + i, 4 + i), SamplingParams(temperature=0.8, top_k=10,
+                                                      max_tokens=16 + i % 3, seed=i))
+            for i in range(8)]
+    solo = [gen(sampler, p, sp) for p, sp in good]
+    errors, restarts = sampler.stats.request_errors, sampler.stats.worker_restarts
+
+    async def go():
+        tasks = [asyncio.ensure_future(sampler.generate(p, sp)) for p, sp in good]
+        chunks = sampler.stats.decode_chunks
+        while sampler.stats.decode_chunks == chunks:  # the good ones are decoding
+            await asyncio.sleep(0.0005)
+        bad = []
+        for prompt, params, field in BAD:
+            with pytest.raises(ValueError, match=field):
+                await sampler.generate(prompt, params())
+            bad.append(field)
+        assert not all(t.done() for t in tasks)  # still in flight while rejected
+        return bad, await asyncio.gather(*tasks)
+
+    bad, got = run(go())
+    assert len(bad) == len(BAD)
+    for a, b in zip(solo, got):
+        _same(a, b)
+    assert sampler.stats.request_errors == errors and sampler.stats.worker_restarts == restarts
+    with pytest.raises(TypeError, match="on_tokens"):
+        run(sampler.generate([1, 2], GREEDY, on_tokens=5))
+
+
+def test_on_tokens_streams_exactly_the_output(sampler):
+    calls, order = [], []
+
+    def on_tokens(ids, lps):
+        calls.append((list(ids), list(lps)))
+        order.append(threading.current_thread().name)
+
+    p, sp = prompt_of(100), SamplingParams(temperature=1.0, max_tokens=24, seed=7)
+    r = run(sampler.generate(p, sp, on_tokens=on_tokens))
+    assert len(calls) >= 3  # 24 tokens at 4 steps per device call, streamed per call
+    assert [t for ids, _ in calls for t in ids] == r.output_ids
+    assert [x for _, lps in calls for x in lps] == r.output_logprobs  # exact
+    assert set(order) == {"JaxSampler"}  # from the worker, before the future resolved
+    _same(r, gen(sampler, p, sp))  # streaming changes nothing
+
+
+def test_on_tokens_after_stop_token_and_stop_string(model, sampler):
+    class ByteTokenizer:
+        def decode(self, ids):
+            return bytes(ids).decode("latin-1")
+
+    p = prompt_of(101)
+    full = gen(sampler, p, GREEDY.replace(max_tokens=20)).output_ids
+    k = next(i for i in range(8, 20) if full[i] not in full[:i])
+    for sp in (GREEDY.replace(max_tokens=20, stop_token_ids=(full[k],)),
+               GREEDY.replace(max_tokens=20, stop=(ByteTokenizer().decode(full[k - 1:k + 1]),))):
+        calls = []
+        with _sampler(model, tokenizer=ByteTokenizer()) as s:
+            r = run(s.generate(p, sp, on_tokens=lambda ids, lps: calls.append(ids)))
+        assert r.finish_reason == "stop" and r.output_ids == full[:k + 1]
+        assert len(calls) >= 2 and [t for c in calls for t in c] == r.output_ids
+
+
+class Gate:
+    """Blocks the sampler's worker inside a callback until the test releases it."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def wait(self):
+        self.entered.set()
+        assert self.release.wait(timeout=60)
+
+
+def test_cancel_mid_generation_frees_the_row(sampler):
+    gate, streamed = Gate(), []
+    p, sp = prompt_of(110, 5), GREEDY.replace(max_tokens=24)
+    other = (prompt_of(111, 7), SamplingParams(temperature=1.0, max_tokens=20, seed=3))
+    want = gen(sampler, *other)
+    cancelled = sampler.stats.cancelled
+
+    def on_tokens(ids, lps):
+        streamed.extend(ids)
+        if not gate.entered.is_set():
+            gate.wait()  # the worker pauses after the first chunk of this request
+
+    async def go():
+        t = asyncio.ensure_future(sampler.generate(p, sp, on_tokens=on_tokens))
+        o = asyncio.ensure_future(sampler.generate(*other))
+        await asyncio.to_thread(gate.entered.wait, 60)
+        t.cancel()  # the client went away mid-generation
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        gate.release.set()
+        got = await o
+        while sampler.stats.cancelled == cancelled:  # freed at the next chunk boundary
+            await asyncio.sleep(0.001)
+        return got
+
+    _same(run(go()), want)
+    assert sampler.stats.cancelled == cancelled + 1
+    assert 0 < len(streamed) < sp.max_tokens  # stopped mid-way, nothing after the cancel
+    # The freed row is reused: its slots still hold the cancelled prompt + streamed tokens.
+    nxt = gen(sampler, p + streamed[:2] + [9])
+    assert nxt.cached_tokens == len(p) + 2  # all but its last token (fed by decode)
+    assert len(nxt.output_ids) == GREEDY.max_tokens
+
+
+def test_error_in_one_rows_host_work_fails_that_request_only(model, sampler):
+    reqs = [(prompt_of(120 + i, 5), GREEDY.replace(max_tokens=10 + i)) for i in range(4)]
+    solo = [gen(sampler, p, sp) for p, sp in reqs]
+    errors = sampler.stats.request_errors
+
+    def broken(ids, lps):
+        raise KeyError("client hung up")
+
+    async def go(s, calls):
+        return await asyncio.gather(*[s.generate(p, sp, on_tokens=cb) for p, sp, cb in calls],
+                                    return_exceptions=True)
+
+    got = run(go(sampler, [(p, sp, broken if i == 1 else None) for i, (p, sp) in enumerate(reqs)]))
+    assert isinstance(got[1], SamplerError) and isinstance(got[1].__cause__, KeyError)
+    for i in (0, 2, 3):
+        _same(got[i], solo[i])
+    assert sampler.stats.request_errors == errors + 1
+
+    class FailingTokenizer:  # decode is only needed by the request with stop strings
+        def decode(self, ids):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    with _sampler(model, tokenizer=FailingTokenizer()) as s:
+        got = run(go(s, [(p, sp.replace(stop=("x",)) if i == 2 else sp, None)
+                         for i, (p, sp) in enumerate(reqs)]))
+        assert isinstance(got[2], SamplerError) and "UnicodeDecodeError" in str(got[2])
+        for i in (0, 1, 3):
+            _same(got[i], solo[i])
+        assert s.stats.request_errors == 1 and s.stats.worker_restarts == 0
+        _same(gen(s, *reqs[0]), solo[0])  # its row was freed; the sampler goes on
+
+
+def test_worker_crash_fails_only_what_it_held(sampler, monkeypatch):
+    """An exception escaping a device call: the requests in rows fail with SamplerError,
+    queued ones survive and complete exactly; the worker restarts with a fresh cache."""
+    from ac2_jax.sampling import jax_sampler as mod
+
+    first = [(prompt_of(130 + i, 4 + i % 4), GREEDY.replace(max_tokens=8 + i % 5))
+             for i in range(18)]  # more than max_batch=16: some wait for a row
+    late = [(prompt_of(150 + i, 6), SamplingParams(temperature=1.0, max_tokens=12, seed=i))
+            for i in range(3)]
+    solo = [gen(sampler, p, sp) for p, sp in first + late]
+    errors, restarts = sampler.stats.request_errors, sampler.stats.worker_restarts
+    gate, held, real = Gate(), [], mod.decode_chunk
+
+    def faulty(graphdef, state, cache, rows, *a, **kw):
+        if held:
+            return real(graphdef, state, cache, rows, *a, **kw)
+        held.append(int(np.asarray(rows.active).sum()))
+        gate.wait()
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(mod, "decode_chunk", faulty)
+
+    async def go():
+        tasks = [asyncio.ensure_future(sampler.generate(p, sp)) for p, sp in first]
+        await asyncio.to_thread(gate.entered.wait, 60)
+        # Queued while the worker is inside the failing device call: never admitted before it.
+        tasks += [asyncio.ensure_future(sampler.generate(p, sp)) for p, sp in late]
+        await asyncio.sleep(0)
+        gate.release.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = run(go())
+    failed = [g for g in got if isinstance(g, Exception)]
+    assert len(failed) == held[0] >= 1
+    for g in failed:
+        assert isinstance(g, SamplerError) and "injected device fault" in str(g)
+    for g, want in zip(got, solo):
+        if not isinstance(g, Exception):
+            _same(g, want)
+    for g, want in zip(got[len(first):], solo[len(first):]):
+        _same(g, want)  # the late ones all survived
+    assert sampler.stats.worker_restarts == restarts + 1
+    assert sampler.stats.request_errors == errors + held[0]
+    _same(gen(sampler, *first[0]), solo[0])
