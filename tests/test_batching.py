@@ -74,3 +74,17 @@ def test_resolve_ignores_callers_that_gave_up():
         r.future.result()
     with pytest.raises(RuntimeError):
         SlotTable().pick_row(np.array([1, 2]), set())
+
+
+def test_assign_is_all_or_nothing():
+    """A value that does not fit the int32 row state raises before the row changes
+    (it used to leave a half-written row behind)."""
+    t = SlotTable()
+    t.relayout([], 2)
+    bad = _req([1, 2, 3], temperature=0.5)
+    object.__setattr__(bad.params, "top_k", 2**40)  # forced past SamplingParams' checks
+    with pytest.raises(OverflowError):
+        t.assign(0, bad)
+    assert t.req == [None, None] and not t.arr["active"].any() and t.arr["token"][0] == 0
+    t.assign(0, _req([1, 2, 3], top_k=5))
+    assert t.arr["top_k"][0] == 5 and t.active_rows() == [0]

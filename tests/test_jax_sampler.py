@@ -560,3 +560,29 @@ def test_worker_crash_fails_only_what_it_held(sampler, monkeypatch):
     assert sampler.stats.worker_restarts == restarts + 1
     assert sampler.stats.request_errors == errors + held[0]
     _same(gen(sampler, *first[0]), solo[0])
+
+
+def test_request_forced_past_the_checks_fails_alone_at_admission(sampler):
+    """Defence in depth: params changed after admission checks (top_k=2**40) fail that
+    request when the worker takes it; the running request is untouched."""
+    gate = Gate()
+    p, sp = prompt_of(160, 5), GREEDY.replace(max_tokens=16)
+    want = gen(sampler, p, sp)
+    errors = sampler.stats.request_errors
+
+    def on_tokens(ids, lps):
+        if not gate.entered.is_set():
+            gate.wait()
+
+    async def go():
+        t = asyncio.ensure_future(sampler.generate(p, sp, on_tokens=on_tokens))
+        await asyncio.to_thread(gate.entered.wait, 60)  # the worker is paused mid-request
+        req = sampler._make_request([1, 2, 3], SamplingParams(temperature=1.0))
+        object.__setattr__(req.params, "top_k", 2**40)
+        gate.release.set()
+        with pytest.raises(SamplerError, match="OverflowError"):
+            await asyncio.wrap_future(req.future)
+        return await t
+
+    _same(run(go()), want)
+    assert sampler.stats.request_errors == errors + 1

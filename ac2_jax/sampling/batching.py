@@ -18,14 +18,7 @@ import numpy as np
 
 from ac2_jax.sampling.base import SamplingParams
 from ac2_jax.sampling.decode_loop import Rows
-
-
-def pow2_bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= max(n, lo), capped at hi (static shapes, few compiles)."""
-    b = max(int(lo), 1)
-    while b < n:
-        b *= 2
-    return min(b, hi)
+from ac2_jax.segments.packing import pow2_bucket
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,19 +144,18 @@ class SlotTable:
     # -- rows
 
     def assign(self, row: int, req: Request) -> None:
-        """Puts `req` in `row`, ready for its first decode step."""
+        """Puts `req` in `row`, ready for its first decode step.
+
+        All or nothing: a value that does not fit its field (OverflowError,
+        ValueError) raises before the row changes."""
         p = req.params
-        a = self.arr
-        a["token"][row] = req.prompt[-1]
-        a["pos"][row] = len(req.prompt) - 1
-        a["active"][row] = True
-        a["n_out"][row] = 0
-        a["max_out"][row] = req.max_out
-        a["temperature"][row] = p.temperature
-        a["top_p"][row] = p.top_p
-        a["top_k"][row] = p.top_k
-        a["seed_lo"][row] = req.seed & 0xFFFFFFFF
-        a["seed_hi"][row] = (req.seed >> 32) & 0xFFFFFFFF
+        vals = {"token": req.prompt[-1], "pos": len(req.prompt) - 1, "active": True, "n_out": 0,
+                "max_out": req.max_out, "temperature": p.temperature, "top_p": p.top_p,
+                "top_k": p.top_k, "seed_lo": req.seed & 0xFFFFFFFF,
+                "seed_hi": (req.seed >> 32) & 0xFFFFFFFF}
+        vals = {k: _FIELDS[k](v) for k, v in vals.items()}  # np.int32(2**40) raises here
+        for k, v in vals.items():
+            self.arr[k][row] = v
         self.req[row] = req
         self.hist[row] = np.zeros(0, np.int32)
 

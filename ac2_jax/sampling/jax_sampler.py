@@ -290,6 +290,9 @@ class JaxSampler:
         """Host work for `req` in `row` raised: that request fails, its row is freed."""
         if self._table.req[row] is req:
             self._table.release(row)
+        self._fail_request(req, exc)
+
+    def _fail_request(self, req: Request, exc: Exception) -> None:
         self.stats.request_errors += 1
         err = SamplerError(f"JaxSampler failed this request: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
@@ -303,7 +306,7 @@ class JaxSampler:
                            f"this request was running; the worker restarted")
         err.__cause__ = exc
         for req in held.values():
-            if not req.future.cancelled():
+            if not req.future.done():
                 self.stats.request_errors += 1
             resolve(req, exc=err)
         self.stats.worker_restarts += 1
@@ -354,9 +357,13 @@ class JaxSampler:
             prompt = np.asarray(req.prompt, np.int32)
             row, reuse = t.pick_row(prompt, taken) if self._prefix_reuse else (
                 next(r for r in t.free_rows() if r not in taken), 0)
+            try:
+                t.assign(row, req)  # writes nothing unless every field fits
+            except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
+                self._fail_request(req, e)
+                continue
             taken.add(row)
             req.version, req.cached = self._version, reuse
-            t.assign(row, req)
             jobs.append((row, prompt, reuse))
         S = self._need_len(self._steps)
         if S > self._S:
