@@ -24,8 +24,9 @@ from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
-from ac2_jax.training.distill.data import (HintConfig, examples_from_traces, insert_hint,
-                                          make_example, pack_pairs)
+from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.training.distill.data import (DistillExample, HintConfig, examples_from_traces,
+                                          insert_hint, make_example, pack_pairs)
 from ac2_jax.training.core.train_step import make_train_step
 from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
@@ -253,3 +254,49 @@ def test_example_weight_scales_loss_and_gradient(tok, model_state):
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(gw)):
             want = w * np.asarray(a)
             np.testing.assert_allclose(b, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _pair(task, prompt, hint, response, **kw):
+    """A DistillExample whose teacher prompt is `prompt` with `hint` inserted after token 1."""
+    teacher = prompt[:1] + hint + prompt[1:]
+    return DistillExample(prompt, teacher, response, "h", task, hint_span=(1, 1 + len(hint)),
+                          **kw)
+
+
+def test_pack_pairs_is_the_segments_packer_on_each_side():
+    """Each side of pack_pairs equals pack_segments of that side's segments (prompt ++
+    response, loss and recorded log-probs / sampling parameters on the response), when
+    the first-fit-decreasing rows coincide (one hint length: same order)."""
+    hint = [90, 91]
+    exs = [_pair("a", [1, 2, 3, 4, 5, 6], hint, [7, 8, 9], response_logprobs=[-.1, -.2, -.3],
+                 temperature=0.7, top_k=5, top_p=0.9, weight=2.0),
+           _pair("b", [11, 12], hint, [13, 14], response_mask=[1.0, 0.0],
+                 response_logprobs=[-.4, -.5], temperature=0.0),
+           _pair("a", [21, 22, 23], hint, [24], weight=0.5)]  # no log-probs, not recorded
+
+    def segment(e, prompt):
+        p, n = len(prompt), len(prompt) + len(e.response)
+        t = 1.0 if e.temperature is None else e.temperature
+        k, tp = (0, 1.0) if e.temperature is None else (e.top_k, e.top_p)
+        return Segment(prompt + e.response, [0] * p + e.trained_mask().tolist(),
+                       [0.0] * p + (e.response_logprobs or [0.0] * len(e.response)), e.task,
+                       weight=e.weight, temperature=[1.0] * p + [t] * len(e.response),
+                       top_k=[0] * p + [k] * len(e.response),
+                       top_p=[1.0] * p + [tp] * len(e.response))
+
+    # seq_len 12: rows {0} and {1, 2} for the teacher lengths (11 | 6 + 6) and the student's.
+    paired = pack_pairs(exs, 12)
+    assert [s[0] for s in paired.spans] == [0, 1, 1]
+    for side, prompts in (("student", [e.student_prompt for e in exs]),
+                          ("teacher", [e.teacher_prompt for e in exs])):
+        want = pack_segments([segment(e, p) for e, p in zip(exs, prompts)], 12)
+        got = getattr(paired, side)
+        for field in ("tokens", "targets", "positions", "segment_ids", "loss_mask",
+                      "advantages", "sampler_logprobs", "task_ids", "segment_index",
+                      "loss_weight", "temperature", "top_k", "top_p"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
+                                          err_msg=f"{side}.{field}")
+    s, t, idx = paired.student, paired.teacher, paired.teacher_index
+    rows, cols = np.nonzero(s.loss_mask)
+    np.testing.assert_array_equal(t.targets[rows, idx[rows, cols]], s.targets[rows, cols])
+    assert s.loss_mask.sum() == 3 + 1 + 1  # response_mask keeps 1 of b's 2 tokens

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.segments import Segment, pack_segments, task_names
+from ac2_jax.segments.packing import pow2_bucket
 
 
 def _seg(n, task, start=1, adv=1.0):
@@ -57,3 +58,17 @@ def test_errors_name_the_problem():
         pack_segments([Segment([], [], [], task="x")], seq_len=4)
     with pytest.raises(ValueError, match="layout"):
         pack_segments([_seg(3, "a")], seq_len=4, layout="zigzag")
+
+
+def test_pow2_bucket_is_the_one_bucketing_helper():
+    # lo=1: the next power of two (static task / segment capacities); 0 -> 1.
+    assert [pow2_bucket(n) for n in (0, 1, 2, 3, 5, 16, 17)] == [1, 1, 2, 4, 8, 16, 32]
+    # lo * 2**k >= n, capped at hi (sampler rows, cache and prefill lengths).
+    assert [pow2_bucket(n, 1, 16) for n in (1, 2, 3, 5, 16, 40)] == [1, 2, 4, 8, 16, 16]
+    assert pow2_bucket(3, 8, 64) == 8 and pow2_bucket(100, 16, 96) == 96
+    assert pow2_bucket(33, 32) == 64 and pow2_bucket(40, 6) == 48
+    # the sampler and the packers import this very function
+    from ac2_jax.sampling import batching
+    from ac2_jax.training.distill import data
+    from ac2_jax.training.rl import data as rl_data
+    assert batching.pow2_bucket is data.pow2_bucket is rl_data.pow2_bucket is pow2_bucket

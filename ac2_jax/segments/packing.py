@@ -67,6 +67,11 @@ class PackedBatch:
 
 
 def first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Bins of item indices (each bin's lengths sum to <= seq_len), longest first.
+
+    Items are placed longest first into the first row with room; each row
+    lists its items in placement order (`pack_rows` sorts them).
+    """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -87,9 +92,16 @@ def task_names(segments: Sequence[Segment]) -> tuple[str, ...]:
     return tuple(sorted({s.task for s in segments}))
 
 
-def capacity(n: int) -> int:
-    """Next power of two >= n (static group counts that rarely change)."""
-    return 1 << max(0, int(n) - 1).bit_length()
+def pow2_bucket(n: int, lo: int = 1, hi: int | None = None) -> int:
+    """Smallest lo * 2**k >= n (k >= 0), capped at hi: static shapes, few compiles.
+
+    The one bucketing helper: static group capacities (lo=1: the next power of
+    two), sampler rows / cache lengths / prefill lengths.
+    """
+    b = max(int(lo), 1)
+    while b < n:
+        b *= 2
+    return b if hi is None else min(b, int(hi))
 
 
 def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
@@ -144,28 +156,44 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
 
     task_index = {name: i for i, name in enumerate(task_names(segments))}
-    bins = first_fit_decreasing(lengths, seq_len)
-    n_rows = pad_rows(len(bins), min_rows, rows_multiple)
-    out = empty_batch(n_rows, seq_len)
+    bins = pack_rows(lengths, seq_len)
+    out = empty_batch(pad_rows(len(bins), min_rows, rows_multiple), seq_len)
     for r, members in enumerate(bins):
         start = 0
-        for local_id, i in enumerate(sorted(members), start=1):
-            s, n = segments[i], lengths[i]
-            sl = slice(start, start + n)
-            toks = s.tokens[:n]
-            out["tokens"][r, sl] = toks
-            out["targets"][r, start:start + n - 1] = toks[1:]
-            out["positions"][r, sl] = np.arange(n)
-            out["segment_ids"][r, sl] = local_id
-            pred = slice(start, start + n - 1)  # predictions of tokens 1..n-1
-            out["loss_mask"][r, pred] = s.loss_mask[1:n]
-            out["loss_weight"][r, sl] = s.weight
-            out["sampler_logprobs"][r, pred] = s.sampler_logprobs[1:n]
-            for k in ("temperature", "top_k", "top_p"):
-                out[k][r, pred] = getattr(s, k)[1:n]
-            out["advantages"][r, sl] = s.advantage
-            out["task_ids"][r, sl] = task_index[s.task]
-            out["segment_index"][r, sl] = i
-            start += n
-    return PackedBatch(**out, num_tasks=capacity(len(task_index)),
-                       num_segments=capacity(len(segments)))
+        for local_id, i in enumerate(members, start=1):
+            s = segments[i]
+            write_segment(out, r, start, s, lengths[i], task_index[s.task], local_id, i)
+            start += lengths[i]
+    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index)),
+                       num_segments=pow2_bucket(len(segments)))
+
+
+def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """First-fit-decreasing rows, each listing its items in index order (the
+    segment order within the row)."""
+    return [sorted(r) for r in first_fit_decreasing(lengths, seq_len)]
+
+
+def write_segment(out: dict[str, np.ndarray], r: int, start: int, s: Segment, n: int,
+                  task_id: int, seg_id: int, seg_index: int) -> None:
+    """Writes the first n tokens of `s` into row r of `out` at columns [start, start + n).
+
+    out: `empty_batch` arrays [rows, seq_len]. Per-token arrays follow the
+    prediction alignment of the module docstring: column start + j - 1 scores
+    token j (j = 1..n-1); seg_id numbers the segment in its row (1..),
+    seg_index in the batch.
+    """
+    sl, pred = slice(start, start + n), slice(start, start + n - 1)
+    toks = s.tokens[:n]
+    out["tokens"][r, sl] = toks
+    out["targets"][r, pred] = toks[1:]
+    out["positions"][r, sl] = np.arange(n)
+    out["segment_ids"][r, sl] = seg_id
+    out["loss_mask"][r, pred] = s.loss_mask[1:n]
+    out["loss_weight"][r, sl] = s.weight
+    out["sampler_logprobs"][r, pred] = s.sampler_logprobs[1:n]
+    for k in ("temperature", "top_k", "top_p"):
+        out[k][r, pred] = getattr(s, k)[1:n]
+    out["advantages"][r, sl] = s.advantage
+    out["task_ids"][r, sl] = task_id
+    out["segment_index"][r, sl] = seg_index

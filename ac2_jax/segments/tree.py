@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.packing import (PackedBatch, capacity, empty_batch, packed_lengths, pad_rows,
-                                      task_names)
+from ac2_jax.segments.packing import (PackedBatch, empty_batch, packed_lengths, pad_rows,
+                                      pow2_bucket, task_names)
 from ac2_jax.segments.segments import Segment
 
 
@@ -138,5 +138,5 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):
         _layout(root, out, r, task_index, segments)
-    return PackedBatch(**out, num_tasks=capacity(len(task_index)),
-                       num_segments=capacity(len(segments)))
+    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index)),
+                       num_segments=pow2_bucket(len(segments)))

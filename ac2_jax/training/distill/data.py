@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ac2_jax.segments import PackedBatch, Segment
-from ac2_jax.segments.packing import capacity, empty_batch, pad_rows
+from ac2_jax.segments.packing import empty_batch, pack_rows, pad_rows, pow2_bucket, write_segment
 from ac2_jax.trace.types import Trace
 
 HINT_PLACEMENTS = ("system", "before_turn", "after_user")
@@ -284,51 +284,36 @@ class PairedBatch:
         return np.asarray(arr)[r, c:c + n]
 
 
-def _ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows, free = [], []
-    for i in order:
-        r = next((r for r, f in enumerate(free) if lengths[i] <= f), None)
-        if r is None:
-            rows.append([i])
-            free.append(seq_len - lengths[i])
-        else:
-            rows[r].append(i)
-            free[r] -= lengths[i]
-    return [sorted(r) for r in rows]
-
-
-def _put(out, r, start, tokens, e: DistillExample, prompt_len, task_id, seg_id, seg_index):
-    n = len(tokens)
-    sl = slice(start, start + n)
-    pred = slice(start + prompt_len - 1, start + n - 1)  # predictions of the response tokens
-    out["tokens"][r, sl] = tokens
-    out["targets"][r, start:start + n - 1] = tokens[1:]
-    out["positions"][r, sl] = np.arange(n)
-    out["segment_ids"][r, sl] = seg_id
-    out["loss_mask"][r, pred] = e.trained_mask()  # a count; the weight multiplies the loss
-    if "loss_weight" in out:
-        out["loss_weight"][r, sl] = e.weight
+def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
+    """prompt ++ response as a Segment: loss on the trained response tokens, the
+    example's log-probs and sampling parameters on them (1 / 0 / 1 elsewhere)."""
+    p, n = len(prompt), len(prompt) + len(e.response)
+    resp = slice(p, n)
+    mask, lps = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    mask[resp] = e.trained_mask()  # a count; the weight multiplies the loss
     if e.response_logprobs is not None:
-        out["sampler_logprobs"][r, pred] = e.response_logprobs
-    if e.temperature is not None and "temperature" in out:
-        out["temperature"][r, pred] = e.temperature
-        out["top_k"][r, pred] = e.top_k
-        out["top_p"][r, pred] = e.top_p
-    out["task_ids"][r, sl] = task_id
-    out["segment_index"][r, sl] = seg_index
+        lps[resp] = e.response_logprobs
+    params = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32),
+              "top_p": np.ones(n, np.float32)}
+    if e.temperature is not None:
+        for k in params:
+            params[k][resp] = getattr(e, k)
+    return Segment(list(prompt) + list(e.response), mask, lps, task=e.task, weight=e.weight,
+                   **params)
 
 
 def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: int = 0,
                rows_multiple: int = 1, min_capacity: int = 0) -> PairedBatch:
     """Packs examples into aligned student and teacher rows of `seq_len` tokens.
 
-    Example i is segment i of both batches, in the same row; its response
-    predictions sit at student columns c..c+n-1 and teacher columns
-    c'..c'+n-1. loss_mask is the example's `trained_mask` there (a count),
-    loss_weight its `weight`. A pair longer than seq_len is an error. The static task /
-    segment capacities are at least `min_capacity`, so batches with up to
-    that many examples share one compiled step.
+    Example i is segment i of both batches, in the same row (the segments
+    packer's first-fit-decreasing rows over the longer of its two
+    sequences); its response predictions sit at student columns c..c+n-1 and
+    teacher columns c'..c'+n-1. loss_mask is the example's `trained_mask`
+    there (a count), loss_weight its `weight`. A pair longer than seq_len is
+    an error. The static task / segment capacities are at least
+    `min_capacity`, so batches with up to that many examples share one
+    compiled step.
     """
     if not examples:
         raise ValueError("pack_pairs: no examples")
@@ -340,7 +325,7 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
                              f"than seq_len={seq_len}")
         lengths.append(n)
     tasks = {name: j for j, name in enumerate(sorted({e.task for e in examples}))}
-    bins = _ffd(lengths, seq_len)
+    bins = pack_rows(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
     stu, tea = empty_batch(n_rows, seq_len), empty_batch(n_rows, seq_len)
     index = np.zeros((n_rows, seq_len), np.int32)
@@ -349,18 +334,17 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
         s0 = t0 = 0
         for seg_id, i in enumerate(members, start=1):
             e = examples[i]
-            y = np.asarray(e.response, np.int32)
             for out, prompt, start in ((stu, e.student_prompt, s0), (tea, e.teacher_prompt, t0)):
-                toks = np.concatenate([np.asarray(prompt, np.int32), y])
-                _put(out, r, start, toks, e, len(prompt), tasks[e.task], seg_id, i)
+                seg = _segment(e, prompt)
+                write_segment(out, r, start, seg, len(seg), tasks[e.task], seg_id, i)
+            n = len(e.response)
             cs, ct = s0 + len(e.student_prompt) - 1, t0 + len(e.teacher_prompt) - 1
-            index[r, cs:cs + len(y)] = np.where(e.trained_mask() > 0,
-                                                np.arange(ct, ct + len(y)), 0)
-            spans[i] = (r, cs, ct, len(y))
-            s0 += len(e.student_prompt) + len(y)
-            t0 += len(e.teacher_prompt) + len(y)
-    kw = dict(num_tasks=capacity(max(len(tasks), min_capacity)),
-              num_segments=capacity(max(len(examples), min_capacity)))
+            index[r, cs:cs + n] = np.where(e.trained_mask() > 0, np.arange(ct, ct + n), 0)
+            spans[i] = (r, cs, ct, n)
+            s0 += len(e.student_prompt) + n
+            t0 += len(e.teacher_prompt) + n
+    kw = dict(num_tasks=pow2_bucket(max(len(tasks), min_capacity)),
+              num_segments=pow2_bucket(max(len(examples), min_capacity)))
     return PairedBatch(PackedBatch(**stu, **kw), PackedBatch(**tea, **kw), index, spans,
                        list(examples))
 

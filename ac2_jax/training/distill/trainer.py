@@ -36,7 +36,7 @@ from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import (DISTILL_KINDS, MODES, candidate_mask, distill_loss, ranked_positions,
                             relevance_mask, reverse_kl, token_logprobs)
 from ac2_jax.segments import pack_segments
-from ac2_jax.segments.packing import capacity
+from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
 from ac2_jax.training.core.objectives import SFTLoss
 from ac2_jax.training.core.train_step import TrainStep, forward, make_train_step
@@ -240,7 +240,7 @@ class SelfDistiller:
         cfg = self.config
         if cfg.method == "sft":
             b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
-            cap = capacity(cfg.groups)
+            cap = pow2_bucket(cfg.groups)
             return b.replace(num_tasks=max(b.num_tasks, cap),
                              num_segments=max(b.num_segments, cap)), None
         paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ac2_jax.losses import group_advantages
 from ac2_jax.segments import PackedBatch, pack_segments, segments_from_trace
-from ac2_jax.segments.packing import capacity
+from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 
@@ -71,7 +71,7 @@ class BatchConfig:
         if longest <= self.seq_len:
             return self.seq_len
         limit = self.max_seq_len or 4 * self.seq_len
-        return min(self.seq_len * capacity(-(-longest // self.seq_len)), limit)
+        return min(self.seq_len * pow2_bucket(-(-longest // self.seq_len)), limit)
 
 
 def trace_version(trace: Trace) -> int:
