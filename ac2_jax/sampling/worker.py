@@ -1,0 +1,290 @@
+"""The JaxSampler's worker thread: admission, prefill, decode chunks, results.
+
+`DeviceLoop` is the half of `JaxSampler` that runs on the worker thread (the
+other half, in `jax_sampler`, validates requests in the caller and queues
+them). It owns the cache and the `SlotTable`; every device call happens here.
+
+Failures stay with their request: an exception in one row's host work (stop
+strings, top-logprob rows, the caller's `on_tokens`) fails that request with
+`SamplerError` and frees its row; an exception escaping a device step fails
+only the requests held in rows, rebuilds the cache and goes on (waiting
+requests are untouched). A caller that gives up (cancelled future) is dropped
+from the queue or has its row freed at the next chunk boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+
+import jax
+import numpy as np
+
+from ac2_jax.sampling.base import SampleResult, SamplerError, truncate_at_stop
+from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket, resolve
+from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
+
+WAKE = object()   # queue item: look at pending weights
+STOP = object()   # queue item: close
+
+
+class DeviceLoop:
+    """Worker-thread methods of `JaxSampler` (a mixin: it uses the sampler's
+    config, `_queue`, `_lock`, `_pending`, `_graphdef`/`_state`, `stats`)."""
+
+    # ------------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        try:
+            while self._pull():
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - a crash: fail what it held, go on
+                    self._restart(e)
+        finally:
+            err = RuntimeError("JaxSampler was closed before this request finished")
+            self._fail_running(err)
+            for req in self._waiting:
+                resolve(req, exc=err)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Request):
+                    resolve(item, exc=err)
+
+    def _pull(self) -> bool:
+        """Moves queued requests to `_waiting`; blocks when idle. False on close."""
+        busy = self._waiting or self._table.active_rows() or self._pending is not None
+        items = []
+        if not busy:
+            items.append(self._queue.get())
+            if self._batch_wait > 0:
+                time.sleep(self._batch_wait)  # let concurrent callers join this batch
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item is STOP:
+                return False
+            if isinstance(item, Request):
+                self._waiting.append(item)
+        return True
+
+    def _iteration(self) -> None:
+        t = self._table
+        for row in t.active_rows():
+            self._drop_if_cancelled(row)
+        keep = collections.deque(r for r in self._waiting if not r.future.cancelled())
+        self.stats.cancelled += len(self._waiting) - len(keep)
+        self._waiting = keep
+        with self._lock:
+            pending = self._pending
+            if pending is not None and not t.active_rows():
+                (self._state, self._version), self._pending = pending, None
+                t.clear_history()
+                self.stats.weight_swaps += 1
+                pending = None
+        if pending is None and self._waiting:
+            self._admit()
+        if t.active_rows():
+            self._decode()
+
+    def _drop_if_cancelled(self, row: int) -> bool:
+        """Frees `row` if its caller gave up (counted)."""
+        if not self._table.req[row].future.cancelled():
+            return False
+        self._table.release(row)
+        self.stats.cancelled += 1
+        return True
+
+    def _fail_row(self, row: int, req: Request, exc: Exception) -> None:
+        """Host work for `req` in `row` raised: that request fails, its row is freed."""
+        if self._table.req[row] is req:
+            self._table.release(row)
+        self._fail_request(req, exc)
+
+    def _fail_request(self, req: Request, exc: Exception) -> None:
+        self.stats.request_errors += 1
+        err = SamplerError(f"JaxSampler failed this request: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        resolve(req, exc=err)
+
+    def _restart(self, exc: Exception) -> None:
+        """An exception escaped a device step: fail only the requests held in
+        rows (or being admitted), rebuild the cache; waiting requests go on."""
+        held = {id(r): r for r in self._admitting + [r for r in self._table.req if r is not None]}
+        err = SamplerError(f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
+                           f"this request was running; the worker restarted")
+        err.__cause__ = exc
+        for req in held.values():
+            if not req.future.done():
+                self.stats.request_errors += 1
+            resolve(req, exc=err)
+        self.stats.worker_restarts += 1
+        self._admitting = []
+        self._table, self._cache, self._S = SlotTable(), None, 0
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """Fails every admitted request and drops the cache (it may be half-donated)."""
+        t = self._table
+        for req in self._admitting + [r for r in t.req if r is not None]:
+            resolve(req, exc=exc)
+        self._admitting = []
+        self._table, self._cache, self._S = SlotTable(), None, 0
+
+    # ------------------------------------------------------------------ device steps
+
+    def _layout(self, rows: list[int], B: int, S: int) -> None:
+        """Re-lays the cache: new row i = old row rows[i]; S slots per row."""
+        if self._cache is None:
+            self._table.relayout([], B)
+            self._cache = self._model.init_cache(B, S, dtype=self._cache_dtype)
+        else:
+            idx = self._table.relayout(rows, B)
+            self._cache = resize_cache(self._cache, idx, max_len=S)
+            self.stats.resizes += 1
+        self._S = S
+
+    def _need_len(self, steps: int) -> int:
+        """Cache slots the active rows need for the next `steps` decode steps."""
+        t, need = self._table, 1
+        for r in t.active_rows():
+            last = len(t.req[r].prompt) + t.req[r].max_out - 1  # last position ever written
+            need = max(need, min(int(t.arr["pos"][r]) + steps, last))
+        return pow2_bucket(need, self._min_cache, self._max_context)
+
+    def _admit(self) -> None:
+        t = self._table
+        n_active = len(t.active_rows())
+        n = min(len(self._waiting), self._max_batch - n_active)
+        if n <= 0:
+            return
+        self._admitting = [self._waiting.popleft() for _ in range(n)]
+        if self._cache is None or n > len(t.free_rows()):
+            B = pow2_bucket(n_active + n, self._min_batch, self._max_batch)
+            self._layout(list(range(t.B)), max(B, t.B), max(self._S, self._min_cache))
+        jobs, taken = [], set()
+        for req in self._admitting:
+            prompt = np.asarray(req.prompt, np.int32)
+            row, reuse = t.pick_row(prompt, taken) if self._prefix_reuse else (
+                next(r for r in t.free_rows() if r not in taken), 0)
+            try:
+                t.assign(row, req)  # writes nothing unless every field fits
+            except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
+                self._fail_request(req, e)
+                continue
+            taken.add(row)
+            req.version, req.cached = self._version, reuse
+            jobs.append((row, prompt, reuse))
+        S = self._need_len(self._steps)
+        if S > self._S:
+            self._layout(list(range(t.B)), t.B, S)
+        self._prefill(jobs)
+        self._admitting = []
+        self.stats.cached_tokens += sum(r for _, _, r in jobs)
+
+    def _prefill(self, jobs) -> None:
+        """Writes prompt[reuse:-1] of each job into its row, in chunks of <= prefill_chunk."""
+        jobs = [(row, p, reuse) for row, p, reuse in jobs if len(p) - 1 > reuse]
+        if not jobs:
+            return
+        t = self._table
+        b = pow2_bucket(len(jobs), min(self._min_prefill_rows, t.B), t.B)
+        longest = max(len(p) - 1 - reuse for _, p, reuse in jobs)
+        T = pow2_bucket(longest, min(16, self._prefill_chunk), self._prefill_chunk)
+        t0 = time.perf_counter()
+        for start in range(0, longest, T):
+            idx = np.full(b, t.B, np.int32)
+            tok = np.zeros((b, T), np.int32)
+            pos = np.full((b, T), -1, np.int32)
+            for i, (row, p, reuse) in enumerate(jobs):
+                lo, hi = reuse + start, min(reuse + start + T, len(p) - 1)
+                idx[i] = row
+                if hi > lo:
+                    tok[i, :hi - lo] = p[lo:hi]
+                    pos[i, :hi - lo] = np.arange(lo, hi)
+            self._cache = prefill_rows(self._graphdef, self._state, self._cache, idx, tok, pos)
+            self.stats.prefill_calls += 1
+        jax.block_until_ready(self._cache)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_rows += len(jobs)
+        self.stats.prefill_tokens += sum(len(p) - 1 - reuse for _, p, reuse in jobs)
+
+    def _decode(self) -> None:
+        t = self._table
+        active = t.active_rows()
+        if not self._waiting and t.B > self._min_batch and len(active) <= t.B // 4:
+            # Few rows left: compact, keeping the most recently used free rows' prefixes.
+            B = pow2_bucket(len(active), self._min_batch, self._max_batch)
+            spare = sorted(t.free_rows(), key=lambda r: -t.used[r])[:B - len(active)]
+            self._layout(active + spare, B, self._S)
+            active = t.active_rows()
+        S = self._need_len(self._steps)
+        if S > self._S:
+            self._layout(list(range(t.B)), t.B, S)
+        want_top = any(t.req[r].params.top_logprobs > 0 for r in active)
+        t0 = time.perf_counter()
+        self._cache, rows, out = decode_chunk(
+            self._graphdef, self._state, self._cache, t.rows(), np.bool_(want_top),
+            n_steps=self._steps, n_top=self._n_top)
+        rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
+        self.stats.decode_s += time.perf_counter() - t0
+        t.update(rows)
+        steps = int((toks >= 0).any(axis=1).sum())
+        st = self.stats
+        st.decode_chunks += 1
+        st.decode_steps += steps
+        st.active_rows[len(active)] += steps
+        st.max_active = max(st.max_active, len(active))
+        for r in active:
+            if self._drop_if_cancelled(r):
+                continue
+            req = t.req[r]
+            try:
+                self._accept(r, toks, lps, tids, tlps)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                self._fail_row(r, req, e)
+
+    def _accept(self, row: int, toks, lps, tids, tlps) -> None:
+        """Per-request host work after a chunk: take the row's new tokens, apply
+        stop strings, hand accepted tokens to on_tokens, resolve when done."""
+        t, st = self._table, self.stats
+        req = t.req[row]
+        got = toks[:, row] >= 0
+        new = toks[got, row].tolist()
+        req.gen += new
+        req.logprobs += lps[got, row].tolist()
+        st.output_tokens += len(new)
+        k = req.params.top_logprobs
+        if k:
+            req.tops = req.tops or []
+            req.tops.extend(list(zip(i.tolist(), lp.tolist()))
+                            for i, lp in zip(tids[got, row, :k], tlps[got, row, :k]))
+        done = not bool(t.arr["active"][row])
+        keep, cut = len(req.gen), False
+        if self._tokenizer is not None and req.params.stop and req.gen:
+            text = self._tokenizer.decode(req.gen)
+            hit = tuple(x for x in req.params.stop if x in text)
+            if hit:
+                probe = SampleResult(req.gen, req.logprobs, "length", req.version)
+                cut_res, _ = truncate_at_stop(probe, hit, self._tokenizer.decode)
+                # Accepted tokens are never taken back (a non-monotone decode could try).
+                keep, cut, done = max(len(cut_res.output_ids), req.sent), True, True
+        if req.on_tokens is not None and keep > req.sent:
+            req.on_tokens(req.gen[req.sent:keep], req.logprobs[req.sent:keep])
+            req.sent = keep
+        if not done:
+            return
+        ids = req.gen[:keep]
+        res = SampleResult(
+            output_ids=list(ids), output_logprobs=list(req.logprobs[:keep]),
+            finish_reason="stop" if cut or (ids and ids[-1] in req.stop_ids) else "length",
+            policy_version=req.version, cached_tokens=req.cached,
+            top_logprobs=None if req.tops is None else list(req.tops[:keep]))
+        t.release(row)
+        resolve(req, result=res)
