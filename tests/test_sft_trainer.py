@@ -1,6 +1,7 @@
-"""SFT loop: memorizes a tiny data set, resumes exactly from a checkpoint, and its
-batches are a pure function of (seed, batch index)."""
+"""SFT loop: memorizes a tiny data set, resumes exactly from a workdir checkpoint (fp32,
+rtol 1e-6), and its batches are a pure function of (seed, batch index)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,11 +12,13 @@ from flax import nnx
 from ac2_jax.losses import aggregate_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment
-from ac2_jax.training import Checkpointer, OptimizerConfig, SFTConfig, SFTData, run_sft
+from ac2_jax.training import (Checkpointer, OptimizerConfig, SFTConfig, SFTData, StepCache,
+                              read_metrics, run_sft)
 from ac2_jax.training.core.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)
 OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)
+STEPS = StepCache()  # the runs of this module share one compiled step
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def nll(graphdef, params, rest, batch):
 def test_sft_memorizes_a_tiny_data_set(model):
     segs = demos()
     config = SFTConfig(seq_len=16, batch_rows=4, steps=60, shuffle=False)
-    result = run_sft(model, segs, config, OPT)
+    result = run_sft(model, segs, config, OPT, make_step=STEPS)
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 60 and [h["step"] for h in result.history][-1] == 60
     assert losses[-1] < 0.2 * losses[0], losses[::10]
@@ -52,16 +55,19 @@ def test_sft_memorizes_a_tiny_data_set(model):
 
 
 def test_resume_from_checkpoint_equals_uninterrupted(model, tmp_path):
+    """6 steps straight == 3 steps, a new run restored from the workdir, 3 more (fp32,
+    rtol 1e-6); the checkpoint cadence and the train/ metrics in the workdir."""
     segs = demos(n=4, seed=1)
-    full = SFTConfig(seq_len=16, batch_rows=2, steps=6, save_every=3, seed=3)
-    straight = run_sft(model, segs, full, OPT)
-    with Checkpointer(tmp_path / "ckpt") as ck:
-        first = run_sft(model, segs, SFTConfig(**{**full.__dict__, "steps": 3}), OPT,
-                        checkpointer=ck)
-        assert ck.latest_step() == 3
-    with Checkpointer(tmp_path / "ckpt") as ck:
-        rest = run_sft(model, segs, full, OPT, checkpointer=ck)
-        assert ck.all_steps()[-1] == 6
+    full = SFTConfig(seq_len=16, batch_rows=2, steps=6, checkpoint_every=2, seed=3,
+                     keep_checkpoints=None)
+    straight = run_sft(model, segs, dataclasses.replace(full, checkpoint_every=0), OPT,
+                       make_step=STEPS)
+    wd = tmp_path / "sft"
+    first = run_sft(model, segs, dataclasses.replace(full, steps=3), OPT, workdir=wd,
+                    make_step=STEPS)
+    rest = run_sft(model, segs, full, OPT, workdir=wd, make_step=STEPS)
+    with Checkpointer(wd / "checkpoints") as ck:
+        assert ck.all_steps() == [2, 3, 4, 6]  # every 2 steps and at each run's end
     assert [h["step"] for h in first.history] == [1, 2, 3]
     assert [h["step"] for h in rest.history] == [4, 5, 6]
     got = [h["loss"] for h in first.history + rest.history]
@@ -69,6 +75,21 @@ def test_resume_from_checkpoint_equals_uninterrupted(model, tmp_path):
     assert int(rest.state.step) == 6
     for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(rest.state)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+    rows = read_metrics(str(wd / "metrics" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["train/loss"] for r in rows], got, rtol=1e-6)
+    # A finished run resumed again trains nothing and returns the trained state.
+    again = run_sft(model, segs, full, OPT, workdir=wd, make_step=STEPS)
+    assert again.history == [] and int(again.state.step) == 6
+
+
+def test_resume_refuses_another_data_order(model, tmp_path):
+    segs = demos(n=4, seed=1)
+    config = SFTConfig(seq_len=16, batch_rows=2, steps=1, seed=3)
+    run_sft(model, segs, config, OPT, workdir=tmp_path, make_step=STEPS)
+    with pytest.raises(ValueError, match="seed: checkpoint 3, now 4"):
+        run_sft(model, segs, dataclasses.replace(config, seed=4, steps=2), OPT,
+                workdir=tmp_path, make_step=STEPS)
 
 
 def test_batches_are_a_pure_function_of_the_index():
@@ -105,6 +126,10 @@ def test_a_task_is_never_split_across_steps():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="SFTConfig.batch_rows"):
         SFTConfig(batch_rows=0)
+    with pytest.raises(ValueError, match="SFTConfig.checkpoint_every"):
+        SFTConfig(checkpoint_every=-1)
+    with pytest.raises(ValueError, match="checkpoint_every=2 needs a workdir"):
+        run_sft(None, [], SFTConfig(checkpoint_every=2))
     no_loss = [Segment([1, 2, 3], [0, 0, 0], [0, 0, 0], task="x")]
     with pytest.raises(ValueError, match="no segment has a loss-mask token"):
         SFTData(no_loss, 8, 1)

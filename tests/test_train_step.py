@@ -16,7 +16,7 @@ from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments
 from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
-                              create_train_state, make_mesh, make_train_step)
+                              StepCache, create_train_state, make_mesh, make_train_step)
 from ac2_jax.training.core.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
@@ -131,12 +131,19 @@ def test_logprobs_under_pmap_match_the_model(batch):
 
 
 def test_equal_configurations_share_one_compiled_step(batch):
-    graphdef, _ = fresh()
-    a = make_train_step(graphdef, LOSS, OPT, grad_accum=2)
-    b = make_train_step(graphdef, LOSS, OPT, grad_accum=2)
+    """A StepCache (owned by its caller; no module state) gives equal configurations one
+    TrainStep, which compiles once for states of the same shapes."""
+    cache = StepCache()
+    a = cache(fresh()[0], LOSS, OPT, grad_accum=2)
+    b = cache(fresh()[0], LOSS, OPT, grad_accum=2)
     a(a.place(fresh()[1]), batch)
     b(b.place(fresh()[1]), batch)
-    assert a._step is b._step
+    assert a is b and a._step._cache_size() == 1
+    assert cache(fresh()[0], LOSS, OPT, grad_accum=1) is not a
+    # Without a cache every TrainStep compiles its own: no hidden global state.
+    c = make_train_step(fresh()[0], LOSS, OPT, grad_accum=2)
+    c(c.place(fresh()[1]), batch)
+    assert c._step is not a._step
 
 
 def test_bad_configuration_is_named(batch):

@@ -1,4 +1,5 @@
-"""What every trainer shares: train state, the jitted step, objectives, sharding, checkpoints, metrics."""
+"""What every trainer shares: the loop (`Trainer`), train state, the jitted step, objectives,
+sharding, checkpoints, metrics."""
 
 from ac2_jax.training.core.checkpoints import Checkpointer, publish
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
@@ -8,11 +9,12 @@ from ac2_jax.training.core.sharding import (AXES, make_mesh, replicate, shard_ba
                                             state_shardings, unreplicate)
 from ac2_jax.training.core.state import (OptimizerConfig, TrainState, abstract_train_state,
                                          create_train_state, num_params)
-from ac2_jax.training.core.train_step import TrainStep, make_train_step
+from ac2_jax.training.core.train_step import StepCache, TrainStep, make_train_step
+from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
 __all__ = [
     "AXES", "Checkpointer", "LossFn", "MetricsLogger", "OptimizerConfig", "PolicyGradientLoss",
-    "SFTLoss", "TrainState", "TrainStep", "abstract_train_state", "behaviour_logprobs",
-    "create_train_state", "make_mesh", "make_train_step", "num_params", "publish",
+    "SFTLoss", "StepCache", "TrainState", "TrainStep", "Trainer", "TrainerHooks",
+    "abstract_train_state", "behaviour_logprobs", "create_train_state", "make_mesh", "make_train_step", "num_params", "publish",
     "read_metrics", "replicate", "shard_batch", "shard_state", "state_shardings", "unreplicate",
 ]

@@ -30,7 +30,6 @@ from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transfor
 
 MODES = ("jit", "pmap")
 AXIS = "batch"
-_COMPILED: dict = {}  # steps with equal configuration share one compiled function
 
 
 def forward(graphdef, params, rest, batch) -> jax.Array:
@@ -97,8 +96,7 @@ class TrainStep:
             raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
         self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
         self.grad_accum, self.donate = int(grad_accum), donate
-        self.tx, self._optimizer = as_transform(optimizer), optimizer
-        self._lr_key = lr_schedule
+        self.tx, self.optimizer = as_transform(optimizer), optimizer
         if lr_schedule is None and isinstance(optimizer, OptimizerConfig):
             lr_schedule = optimizer.lr_schedule()
         self.lr_schedule = lr_schedule
@@ -135,37 +133,18 @@ class TrainStep:
 
     # -- compilation
 
-    def _cache_key(self, state):
-        """Everything the compiled step depends on, or None if not hashable."""
-        key = (self.graphdef, self.loss_fn, self._optimizer, self._lr_key, self.mode, self.mesh,
-               tuple(self.devices) if self.mode == "pmap" else None, self.grad_accum,
-               self.donate, jax.tree.structure(state))
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
-
     def _build(self, state):
-        key = self._cache_key(state)
-        if key is not None and key in _COMPILED:
-            self._step, self.state_sharding = _COMPILED[key]
-            return
         donate = (0,) if self.donate else ()
         if self.mode == "pmap":
             self._step = jax.pmap(lambda s, b, e: self._update(s, b, e, AXIS), axis_name=AXIS,
                                   devices=self.devices, donate_argnums=donate)
-        else:
-            out = None
-            if self.mesh is not None:
-                self.state_sharding = state_shardings(state, self.mesh)
-                out = (self.state_sharding, NamedSharding(self.mesh, P()))
-            self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
-                                 donate_argnums=donate)
-        if key is not None:
-            if len(_COMPILED) >= 16:  # bounded: drop the oldest
-                _COMPILED.pop(next(iter(_COMPILED)))
-            _COMPILED[key] = (self._step, self.state_sharding)
+            return
+        out = None
+        if self.mesh is not None:
+            self.state_sharding = state_shardings(state, self.mesh)
+            out = (self.state_sharding, NamedSharding(self.mesh, P()))
+        self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
+                             donate_argnums=donate)
 
     def place(self, state: TrainState) -> TrainState:
         """A copy of a (host / unreplicated) state where this step wants it.
@@ -236,3 +215,29 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     """
     return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
                      lr_schedule=lr_schedule, devices=devices, donate=donate)
+
+
+class StepCache:
+    """A `make_train_step` that returns one TrainStep per equal configuration.
+
+    The compiled functions live in the TrainStep (jit recompiles only for new
+    shapes), so steps built through one cache compile once, e.g. across the
+    seeds of an experiment or the trainers of a test module. Owned by its
+    caller: no global state.
+    """
+
+    def __init__(self):
+        self.steps: dict = {}
+
+    def __call__(self, graphdef, loss_fn: LossFn, optimizer, **kwargs) -> TrainStep:
+        devices = kwargs.get("devices")
+        key = (graphdef, loss_fn, optimizer,
+               tuple(sorted({**kwargs, "devices": devices and tuple(devices)}.items())))
+        try:
+            hash(key)
+        except TypeError as e:
+            raise TypeError(f"StepCache: the configuration is not hashable ({e}); call "
+                            "make_train_step directly") from e
+        if key not in self.steps:
+            self.steps[key] = make_train_step(graphdef, loss_fn, optimizer, **kwargs)
+        return self.steps[key]

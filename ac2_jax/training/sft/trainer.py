@@ -5,29 +5,34 @@ epoch) only) and fills batches of `batch_rows` rows of `seq_len` with as many
 whole tasks as fit, so a task's segments are never split across steps (each
 step normalises every task it holds as the whole task). Batch i is a pure
 function of i: the data position in a checkpoint is just the number of
-batches consumed, and a resumed run sees the same batches.
+batches consumed, and a resumed run sees the same batches. The loop is the
+shared `Trainer` (checkpoints, exact resume, train/ metrics).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 from flax import nnx
 
 from ac2_jax.segments import PackedBatch, Segment, pack_segments
 from ac2_jax.segments.packing import first_fit_decreasing, packed_lengths
 from ac2_jax.training.core.objectives import SFTLoss
-from ac2_jax.training.core.sharding import state_shardings
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
-from ac2_jax.training.core.train_step import make_train_step
+from ac2_jax.training.core.train_step import TrainStep, make_train_step
+from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Data and loop knobs. `mode` is the loss aggregation (task_mean default)."""
+    """Data and loop knobs. `mode` is the loss aggregation (task_mean default).
+
+    checkpoint_every: steps between checkpoints when run with a workdir (0:
+    only at the end); keep_checkpoints: newest kept (None: all).
+    """
 
     seq_len: int = 256
     batch_rows: int = 8
@@ -38,12 +43,19 @@ class SFTConfig:
     layout: str = "flat"  # "tree": shared prefixes (system prompt, tools) computed once
     mode: str = "task_mean"
     grad_accum: int = 1
-    save_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int | None = 3
 
     def __post_init__(self):
         for name in ("seq_len", "batch_rows", "steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"SFTConfig.checkpoint_every must be >= 0, got "
+                             f"{self.checkpoint_every}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"SFTConfig.keep_checkpoints must be >= 1 or None, got "
+                             f"{self.keep_checkpoints}")
 
 
 class SFTData:
@@ -124,39 +136,66 @@ class SFTResult:
         return self.state.model(self.graphdef)
 
 
+# What decides batch i: a checkpoint of another data order must not be resumed.
+_DATA_KEYS = ("seq_len", "batch_rows", "seed", "shuffle", "truncate", "layout")
+
+
+class _SFTHooks(TrainerHooks):
+    def __init__(self, config: SFTConfig, num_segments: int, log):
+        self.data = {k: getattr(config, k) for k in _DATA_KEYS}
+        self.data["segments"] = num_segments
+        self.log = log
+
+    def state_dict(self) -> dict:
+        return dict(self.data)  # the position itself is the trainer's steps_done
+
+    def load_state_dict(self, data: dict) -> None:
+        bad = {k: (data.get(k), v) for k, v in self.data.items() if data.get(k) != v}
+        if bad:
+            raise ValueError("run_sft: the checkpoint's data order differs from this run: "
+                             + ", ".join(f"{k}: checkpoint {a!r}, now {b!r}"
+                                         for k, (a, b) in bad.items()))
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        if self.log is not None:
+            self.log(step, {**metrics, "step": step})
+
+
 def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = SFTConfig(),
             optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3), *,
-            mode: str = "jit", mesh=None, checkpointer=None,
-            log: Callable[[int, dict], None] | None = None) -> SFTResult:
+            mode: str = "jit", mesh=None, workdir: str | os.PathLike | None = None,
+            log: Callable[[int, dict], None] | None = None, progress: bool = False,
+            make_step: Callable[..., TrainStep] = make_train_step) -> SFTResult:
     """Trains `model` (its current weights are the start) for config.steps steps.
 
-    With a `checkpointer` (ac2_jax.training.checkpoints.Checkpointer) the run
-    resumes from its latest checkpoint and saves every `save_every` steps and
-    at the end. Returns the final state and one metrics dict per step taken.
+    With a `workdir` the run resumes from its latest checkpoint
+    (`workdir/checkpoints`), saves every `config.checkpoint_every` steps and at
+    the end, and logs `train/...` metrics to `workdir/metrics`. log(step,
+    metrics) is called after every step. Returns the final state and one
+    metrics dict per step taken (with "step", 1-based).
     """
+    if config.checkpoint_every and workdir is None:
+        raise ValueError(f"run_sft: SFTConfig.checkpoint_every={config.checkpoint_every} needs "
+                         "a workdir")
     data = SFTData(segments, config.seq_len, config.batch_rows, seed=config.seed,
                    shuffle=config.shuffle, truncate=config.truncate, layout=config.layout)
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
-    step_fn = make_train_step(graphdef, SFTLoss(mode=config.mode), optimizer, mode=mode,
-                              mesh=mesh, grad_accum=config.grad_accum)
-    start = 0
-    if checkpointer is not None and checkpointer.latest_step() is not None:
-        shardings = state_shardings(state, mesh) if mesh is not None else None
-        state, position, _ = checkpointer.restore(state, shardings=shardings)
-        start = int(position.get("batches", 0))
-    state = step_fn.place(state)
-    history = []
-    for i in range(start, config.steps):
-        state, metrics = step_fn(state, data.batch(i))
-        row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        row["step"] = i + 1
-        history.append(row)
-        if log is not None:
-            log(i + 1, row)
-        last = i + 1 == config.steps
-        if checkpointer is not None and (last or (config.save_every
-                                                  and (i + 1) % config.save_every == 0)):
-            checkpointer.save(i + 1, step_fn.host_state(state), {"batches": i + 1})
-    if checkpointer is not None:
-        checkpointer.wait()
-    return SFTResult(graphdef, step_fn.host_state(state), history)
+    trainer = Trainer(graphdef, state, SFTLoss(mode=config.mode), optimizer, workdir=workdir,
+                      checkpoint_every=config.checkpoint_every,
+                      keep_checkpoints=config.keep_checkpoints,
+                      hooks=_SFTHooks(config, len(data.segments), log), mode=mode, mesh=mesh,
+                      grad_accum=config.grad_accum, make_step=make_step, progress=progress,
+                      total_steps=config.steps)
+    try:
+        start = trainer.restore() if workdir is not None else 0
+        history = []
+        for i in range(start, config.steps):
+            metrics = trainer.update(data.batch(i))
+            trainer.end_step(metrics)
+            history.append({**metrics, "step": i + 1})
+        if workdir is not None:
+            trainer.save()  # the final state (a no-op if the cadence just saved it)
+        trainer.wait()
+        return SFTResult(graphdef, trainer.host_state(), history)
+    finally:
+        trainer.close()

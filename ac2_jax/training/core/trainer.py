@@ -1,0 +1,203 @@
+"""One training loop for every driver (RL, SFT, self-distillation).
+
+    trainer = Trainer(graphdef, state, SFTLoss(), opt, workdir=wd, checkpoint_every=10)
+    start = trainer.restore()            # 0, or the loop step to continue from
+    for i in range(start, steps):
+        metrics = trainer.step(batch(i))  # update; log train/...; hooks; checkpoint on cadence
+    trainer.close()
+
+`steps_done` counts loop steps (a driver may end one without an update, see
+`end_step`); `state.step` counts optimizer updates. Checkpoint n holds the
+train state after n loop steps, the driver's `TrainerHooks.state_dict()`
+(JSON) and `extra_state()` (a pytree, e.g. EMA teacher params), so a resumed
+run takes exactly the steps an uninterrupted one would. Metrics go to
+`workdir/metrics/metrics.jsonl` and TensorBoard as `train/<key>` and
+`eval/<key>`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+
+from ac2_jax.training.core.checkpoints import Checkpointer, from_nested, to_nested
+from ac2_jax.training.core.metrics_log import MetricsLogger
+from ac2_jax.training.core.objectives import LossFn
+from ac2_jax.training.core.state import TrainState
+from ac2_jax.training.core.train_step import TrainStep, make_train_step
+
+EXTRA = "driver"  # the checkpoint subtree holding `TrainerHooks.extra_state()`
+
+
+class TrainerHooks:
+    """What a driver adds to the loop; override what it needs."""
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable driver state saved with each checkpoint (data position...)."""
+        return {}
+
+    def load_state_dict(self, data: dict) -> None:
+        """Restores `state_dict()`; raise ValueError naming what does not match."""
+
+    def extra_state(self) -> Any:
+        """A pytree of arrays saved with the checkpoint (e.g. teacher params), or None."""
+        return None
+
+    def load_extra_state(self, tree: Any) -> None:
+        """Restores `extra_state()` (same structure and placement as the current one)."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """Called after loop step `step` (1-based) is logged, before its checkpoint."""
+
+
+class Trainer:
+    """The train state, its compiled step, checkpoints, metrics and progress.
+
+    step_fn: a TrainStep to reuse (same graphdef, loss, optimizer and mode);
+    else `make_step(graphdef, loss_fn, optimizer, mode=, mesh=, grad_accum=,
+    donate=)` builds one (pass a `StepCache` to share compiled steps).
+    workdir: None keeps nothing on disk (no checkpoints, no logs unless
+    `logger`). checkpoint_every: loop steps between checkpoints (0: only
+    explicit `save()`). The state is placed for the step (copied, so the
+    caller's arrays survive donation).
+    """
+
+    def __init__(self, graphdef, state: TrainState, loss_fn: LossFn, optimizer, *,
+                 workdir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+                 keep_checkpoints: int | None = 3, hooks: TrainerHooks | None = None,
+                 mode: str = "jit", mesh=None, grad_accum: int = 1, donate: bool = True,
+                 step_fn: TrainStep | None = None,
+                 make_step: Callable[..., TrainStep] = make_train_step,
+                 logger: MetricsLogger | None = None, tensorboard: bool = True,
+                 progress: bool = False, total_steps: int | None = None):
+        if checkpoint_every < 0:
+            raise ValueError(f"Trainer: checkpoint_every must be >= 0, got {checkpoint_every}")
+        if checkpoint_every and workdir is None:
+            raise ValueError("Trainer: checkpoint_every needs a workdir")
+        if step_fn is None:
+            step_fn = make_step(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh,
+                                grad_accum=grad_accum, donate=donate)
+        else:
+            want = (graphdef, loss_fn, optimizer, mode, mesh, grad_accum)
+            have = (step_fn.graphdef, step_fn.loss_fn, step_fn.optimizer, step_fn.mode,
+                    step_fn.mesh, step_fn.grad_accum)
+            names = ("graphdef", "loss_fn", "optimizer", "mode", "mesh", "grad_accum")
+            bad = [n for n, a, b in zip(names, want, have) if a != b]
+            if bad:
+                raise ValueError(f"Trainer: step_fn differs from this trainer in {bad}")
+        self.graphdef, self.step_fn = graphdef, step_fn
+        self.hooks = hooks if hooks is not None else TrainerHooks()
+        self.state = step_fn.place(state)
+        self.steps_done, self.checkpoint_every = 0, int(checkpoint_every)
+        self.workdir = None if workdir is None else os.path.abspath(os.fspath(workdir))
+        self.ckpt = self.logger = None
+        if self.workdir is not None:
+            self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                     max_to_keep=keep_checkpoints)
+            self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
+                                        tensorboard=tensorboard, console=False)
+        if logger is not None:
+            if self.logger is not None:
+                self.logger.close()
+            self.logger = logger
+        self._progress = self._task = None
+        if progress:
+            from rich.progress import Progress
+            self._progress = Progress(*Progress.get_default_columns(), "{task.fields[info]}")
+            self._task = self._progress.add_task("train", total=total_steps, info="")
+            self._progress.start()
+
+    # -- state
+
+    def host_state(self) -> TrainState:
+        """The global (unreplicated) state: for checkpoints, publishing, evals."""
+        return self.step_fn.host_state(self.state)
+
+    def model(self):
+        return self.host_state().model(self.graphdef)
+
+    # -- the loop
+
+    def update(self, batch, extras: dict | None = None) -> dict[str, float]:
+        """One optimizer step; its metrics as floats (not logged: see `end_step`)."""
+        self.state, metrics = self.step_fn(self.state, batch, extras)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def end_step(self, metrics: dict[str, Any]) -> int:
+        """Ends a loop step (with or without an update): logs `metrics` under train/,
+        calls `hooks.on_step_end`, checkpoints on the cadence. Returns steps_done."""
+        self.steps_done += 1
+        n = self.steps_done
+        if self.logger is not None:
+            self.logger.log(n, metrics, prefix="train")
+        self.hooks.on_step_end(n, metrics)
+        if self.checkpoint_every and n % self.checkpoint_every == 0:
+            self.save()
+        if self._progress is not None:
+            loss = metrics.get("loss")
+            self._progress.update(self._task, advance=1,
+                                  info="" if loss is None else f"loss={float(loss):.4g}")
+        return n
+
+    def step(self, batch, extras: dict | None = None) -> dict[str, float]:
+        """`update` then `end_step`: one loop step of one optimizer update."""
+        metrics = self.update(batch, extras)
+        self.end_step(metrics)
+        return metrics
+
+    def log_eval(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Logs evaluation metrics under eval/ (at steps_done by default)."""
+        if self.logger is not None:
+            self.logger.log(self.steps_done if step is None else step, metrics, prefix="eval")
+
+    # -- checkpoints
+
+    def _checkpointer(self) -> Checkpointer:
+        if self.ckpt is None:
+            raise ValueError("Trainer: checkpoints need a workdir")
+        return self.ckpt
+
+    def save(self) -> bool:
+        """Checkpoints the state after `steps_done` loop steps (async; once per step).
+        Returns whether a save started."""
+        ckpt = self._checkpointer()
+        if ckpt.latest_step() == self.steps_done:
+            return False
+        tree, extra = self.host_state(), self.hooks.extra_state()
+        if extra is not None:
+            tree = {**to_nested(tree), EXTRA: extra}
+        data = {"steps_done": self.steps_done, "driver": self.hooks.state_dict()}
+        return ckpt.save(self.steps_done, tree, data, force=True)
+
+    def restore(self) -> int:
+        """Loads the latest checkpoint of the workdir, if any; returns the loop step to
+        continue from (0 when there is none)."""
+        ckpt = self._checkpointer()
+        if ckpt.latest_step() is None:
+            return 0
+        target, extra = self.host_state(), self.hooks.extra_state()
+        like = target if extra is None else {**to_nested(target), EXTRA: extra}
+        tree, data, _ = ckpt.restore(like)
+        if extra is not None:
+            self.hooks.load_extra_state(tree.pop(EXTRA))
+            tree = from_nested(tree, target)
+        self.hooks.load_state_dict(dict(data.get("driver", {})))
+        self.state = self.step_fn.place(tree)
+        self.steps_done = int(data["steps_done"])
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.steps_done)
+        return self.steps_done
+
+    def wait(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.logger is not None:
+            self.logger.close()
+        if self._progress is not None:
+            self._progress.stop()

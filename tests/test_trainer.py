@@ -1,0 +1,133 @@
+"""The shared loop (ac2_jax.training.core.trainer): checkpoint cadence, train/ and eval/
+metrics, exact resume with the driver's own state (JSON + a pytree), hook order.
+
+Resume equality is exact in fp32 (assert_array_equal): same ops, same order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.training import (OptimizerConfig, SFTLoss, StepCache, Trainer, TrainerHooks,
+                              create_train_state, read_metrics)
+
+CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)
+OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)  # the update depends on the step
+LOSS = SFTLoss()
+STEPS = StepCache()  # one compiled step for every trainer of this module
+
+
+def fresh():
+    return create_train_state(Decoder(CFG, rngs=nnx.Rngs(0)), OPT, rng=0)
+
+
+def batch(i):
+    rng = np.random.default_rng(i)
+    segs = [Segment(rng.integers(0, 32, 10), [0] + [1] * 9, np.zeros(10), task=f"t{k}")
+            for k in range(2)]
+    return pack_segments(segs, 16, min_rows=2)
+
+
+class Counting(TrainerHooks):
+    """A driver with a JSON position and an array state (a running sum of the loss)."""
+
+    def __init__(self):
+        self.position, self.total, self.calls = 0, jnp.zeros((2,), jnp.float32), []
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, data):
+        self.position = data["position"]
+
+    def extra_state(self):
+        return {"total": self.total}
+
+    def load_extra_state(self, tree):
+        self.total = tree["total"]
+
+    def on_step_end(self, step, metrics):
+        self.calls.append(step)
+        self.position += 1
+        self.total = self.total + jnp.float32(metrics["loss"])
+
+
+def run(trainer, hooks, start, stop):
+    for i in range(start, stop):
+        assert hooks.position == i
+        trainer.step(batch(i))
+
+
+def test_cadence_prefixes_and_exact_resume(tmp_path):
+    graphdef, state = fresh()
+    hooks = Counting()
+    straight = Trainer(graphdef, state, LOSS, OPT, hooks=hooks, make_step=STEPS)
+    run(straight, hooks, 0, 5)
+    assert hooks.calls == [1, 2, 3, 4, 5] and straight.steps_done == 5
+
+    wd = tmp_path / "run"
+    first_hooks = Counting()
+    first = Trainer(graphdef, fresh()[1], LOSS, OPT, hooks=first_hooks, workdir=wd,
+                    checkpoint_every=2, keep_checkpoints=None, make_step=STEPS)
+    assert first.restore() == 0
+    run(first, first_hooks, 0, 3)
+    first.log_eval({"accuracy": 0.5})
+    first.close()
+    assert first.ckpt.all_steps() == [2]  # the cadence: step 3 is not saved
+    rows = read_metrics(str(wd / "metrics" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 3]
+    assert all("train/loss" in r and "loss" not in r for r in rows[:3])
+    assert set(rows[3]) == {"step", "time", "eval/accuracy"}
+    assert (wd / "metrics" / "tensorboard").is_dir()
+
+    hooks2 = Counting()  # a new process-like object: fresh state and driver
+    resumed = Trainer(graphdef, fresh()[1], LOSS, OPT, hooks=hooks2, workdir=wd,
+                      checkpoint_every=2, keep_checkpoints=None, make_step=STEPS)
+    assert resumed.restore() == 2 and hooks2.position == 2
+    run(resumed, hooks2, 2, 5)
+    resumed.close()
+    assert resumed.ckpt.all_steps() == [2, 4]
+    assert int(resumed.host_state().step) == 5
+    for a, b in zip(jax.tree.leaves(straight.host_state()), jax.tree.leaves(resumed.host_state())):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    np.testing.assert_array_equal(hooks2.total, hooks.total)
+
+
+def test_end_step_without_an_update_counts_and_saves(tmp_path):
+    graphdef, state = fresh()
+    t = Trainer(graphdef, state, LOSS, OPT, workdir=tmp_path, checkpoint_every=1,
+                make_step=STEPS)
+    t.end_step({"skipped": 1.0})
+    t.step(batch(0))
+    t.wait()
+    assert t.steps_done == 2 and int(t.host_state().step) == 1
+    assert t.ckpt.all_steps() == [1, 2]
+    assert t.save() is False  # step 2 is already saved
+    t.close()
+    again = Trainer(graphdef, fresh()[1], LOSS, OPT, workdir=tmp_path, make_step=STEPS)
+    assert again.restore() == 2 and int(again.host_state().step) == 1
+    again.close()
+
+
+def test_a_reused_step_compiles_once_and_a_foreign_one_is_named():
+    graphdef, state = fresh()
+    a = Trainer(graphdef, state, LOSS, OPT, make_step=STEPS)
+    b = Trainer(graphdef, fresh()[1], LOSS, OPT, step_fn=a.step_fn)
+    a.step(batch(0))
+    b.step(batch(1))
+    assert a.step_fn._step._cache_size() == 1  # same shapes: no recompilation
+    with pytest.raises(ValueError, match=r"differs from this trainer in \['loss_fn'\]"):
+        Trainer(graphdef, fresh()[1], SFTLoss(mode="token_mean"), OPT, step_fn=a.step_fn)
+
+
+def test_bad_configuration_is_named(tmp_path):
+    graphdef, state = fresh()
+    with pytest.raises(ValueError, match="checkpoint_every needs a workdir"):
+        Trainer(graphdef, state, LOSS, OPT, checkpoint_every=2)
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
+        Trainer(graphdef, state, LOSS, OPT, workdir=tmp_path, checkpoint_every=-1)
+    with pytest.raises(ValueError, match="checkpoints need a workdir"):
+        Trainer(graphdef, state, LOSS, OPT, make_step=STEPS).restore()
