@@ -381,7 +381,9 @@ def test_poisoned_batch_bad_requests_fail_alone(sampler):
             await asyncio.sleep(0.0005)
         bad = []
         for prompt, params, field in BAD:
-            with pytest.raises(ValueError, match=field):
+            # Parameters are named as SamplingParams.<field> (the endpoint's 400 `param`).
+            name = field if field == "prompt_ids" else f"SamplingParams.{field}"
+            with pytest.raises(ValueError, match=name):
                 await sampler.generate(prompt, params())
             bad.append(field)
         assert not all(t.done() for t in tasks)  # still in flight while rejected

@@ -199,11 +199,12 @@ class JaxSampler(DeviceLoop):
         prompt = [int(t) for t in prompt]
         check_prompt(prompt, self._max_context, self._vocab)
         if params.top_logprobs > self._n_top:
-            raise ValueError(f"generate: top_logprobs={params.top_logprobs} exceeds this "
+            raise ValueError(f"SamplingParams.top_logprobs={params.top_logprobs} exceeds this "
                              f"sampler's max_top_logprobs={self._n_top}")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self._vocab]
         if bad:
-            raise ValueError(f"generate: stop_token_ids outside the vocabulary: {bad}")
+            raise ValueError(f"SamplingParams.stop_token_ids has ids outside the vocabulary "
+                             f"[0, {self._vocab}): {bad[:5]}")
         seed = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
         stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
         req = Request(prompt=prompt, params=params, future=concurrent.futures.Future(),
