@@ -5,7 +5,7 @@ create a rollout (getting its own base_url and api_key), finish it with a
 reward, fetch its token-level trace. `run_rollout` is one attempt end to end:
 create, run the orchestrator loop with an OpenAI client bound to the rollout
 key, verify, finish. This is how RL collects traces, and how any harness can.
-`classify_error` says whose fault a failed attempt was (DESIGN.md "Failures").
+`classify_error` says whose fault a failed attempt was (docs/design.md "Failures").
 """
 
 from __future__ import annotations
