@@ -147,15 +147,15 @@ def test_rewritten_history_and_other_agents_get_their_own_episodes(env):
     client.chat.completions.create(model="tiny", messages=summary, tools=TOOLS, temperature=0,
                                    max_tokens=4)
     client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3, temperature=0,
-                                   user="subagent:calc")
+                                   user="end-user-7")  # OpenAI's end-user id: not a label
     client.chat.completions.create(model="tiny", messages=[USER], max_tokens=3, temperature=0,
-                                   metadata={"agent": "subagent:calc"})
+                                   extra_body={"agent": "subagent:calc"})
     client.completions.create(model="tiny", prompt="3 + 4 =", max_tokens=2, temperature=0,
                               extra_headers={"X-Agent": "raw"})
     env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
     trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
     agents = [e["agent"] for e in trace["episodes"]]
-    assert agents == ["main", "compactor", "main", "subagent:calc", "subagent:calc", "raw"]
+    assert agents == ["main", "compactor", "main", "main", "subagent:calc", "raw"]
     assert [len(e["completions"]) for e in trace["episodes"]] == [1] * 6
     for episode in trace["episodes"]:
         check_episode(env, episode)
@@ -228,10 +228,10 @@ def test_bad_requests_are_4xx_and_change_nothing(env):
     assert status == 401 and "no longer works" in err["message"]
     status, err = api_error(post(f"/v1/rollouts/{a['rollout_id']}/finish", b["api_key"],
                                  json={"reward": 1.0}))
-    assert status == 403 and a["rollout_id"] in err["message"]
+    assert status == 404 and err["code"] == "rollout_not_found"
     status, err = api_error(httpx.get(url + f"/v1/rollouts/{a['rollout_id']}/trace",
                                       headers={"Authorization": f"Bearer {b['api_key']}"}))
-    assert status == 403
+    assert status == 404
     status, err = api_error(post("/v1/chat/completions", a["api_key"], content=b'{"model": "ti'))
     assert status == 400 and err["code"] == "invalid_json" and "Malformed JSON" in err["message"]
     status, err = api_error(post("/v1/rollouts", a["api_key"], json={"task_id": "x"}))
@@ -429,14 +429,15 @@ def test_rollout_key_on_another_id_gets_the_same_answer_whether_it_exists(env):
                                                     json=body))
                 answers.append((status, err["type"], err["code"], err["param"],
                                 err["message"].replace(rid, "<id>")))
-            assert answers[0] == answers[1] and answers[0][0] == 403, answers
+            assert answers[0] == answers[1] and answers[0][0] == 404, answers
     assert env["admin"].get(f"/v1/rollouts/{b['rollout_id']}").json()["status"] == "running"
     assert env["admin"].get(f"/v1/rollouts/{a['rollout_id']}").json()["status"] == "running"
 
 
 def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
-    """A sampler that fails (here: SGLang unreachable) is our fault: 500, and the
-    rollout ends as infra_error (stored, key spent), so it is never trained."""
+    """A sampler that fails (here: SGLang unreachable) is our fault: a 5xx whose
+    body names no internal error, and the rollout ends as infra_error (stored,
+    key spent), so it is never trained."""
     import socket
 
     from ac2_jax.sampling.sglang import SGLangSampler
@@ -452,18 +453,18 @@ def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
     try:
         info = admin.post("/v1/rollouts", json={"task_id": "sampler-down"}).json()
-        with pytest.raises(openai.InternalServerError, match="SGLang") as e:
+        with pytest.raises(openai.InternalServerError) as e:
             client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
-        assert e.value.status_code == 500
+        assert e.value.status_code in (500, 503) and "SGLang" not in e.value.message
         trace = admin.get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
         assert trace["status"] == "infra_error" and trace["reward"] is None
-        assert "SGLangError" in trace["metadata"]["artifacts"]["error"]
+        assert "SGLang" in trace["metadata"]["artifacts"]["error"]  # the admin sees the cause
         assert [t.status for t in store.load()] == ["infra_error"]
         with pytest.raises(openai.AuthenticationError, match="infra_error"):
             client_for(info).chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
         # The admin's own requests belong to no rollout: a 500, nothing to end.
         r = admin.post("/v1/chat/completions", json={"model": "tiny", "messages": [USER]})
-        assert r.status_code == 500 and len(store.load()) == 1
+        assert r.status_code in (500, 503) and len(store.load()) == 1
     finally:
         admin.close()
         stop()

@@ -46,7 +46,7 @@ def test_error_body_shape(url):
     assert r.headers["www-authenticate"] == "Bearer"
 
 
-def test_routing_validation_and_crashes_are_openai_shaped(url):
+def test_routing_validation_and_crashes_are_openai_shaped(url, caplog):
     r = httpx.get(url + "/nowhere")
     assert r.status_code == 404 and "Unknown route: GET /nowhere" in r.json()["error"]["message"]
     r = httpx.get(url + "/typed")
@@ -54,13 +54,15 @@ def test_routing_validation_and_crashes_are_openai_shaped(url):
     r = httpx.post(url + "/typed", json={"x": "nope"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "x"
     r = httpx.get(url + "/crash")
-    assert r.status_code == 500 and "RuntimeError: boom" in r.json()["error"]["message"]
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "boom" not in r.text and "RuntimeError" not in r.text  # the cause stays server-side
+    assert any("boom" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
 
 
 @pytest.mark.parametrize("status, exc", [
     (400, openai.BadRequestError), (401, openai.AuthenticationError),
     (403, openai.PermissionDeniedError), (404, openai.NotFoundError),
-    (409, openai.ConflictError)])
+    (409, openai.ConflictError), (503, openai.InternalServerError)])
 def test_openai_client_raises_the_matching_class(url, status, exc):
     client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0,
                            default_query={"status": status})

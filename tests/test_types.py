@@ -38,3 +38,21 @@ def test_completion_records_its_sampling_params():
     assert (back.temperature, back.top_k, back.top_p) == (0.3, 20, 0.9)
     old = {k: v for k, v in c.to_dict().items() if k not in ("temperature", "top_k", "top_p")}
     assert (Completion.from_dict(old).temperature, Completion.from_dict(old).top_k) == (1.0, 0)
+
+
+def test_old_traces_with_full_messages_on_every_completion_load(tmp_path):
+    msgs = [{"role": "user", "content": "hi"}]
+    old = {"prompt_ids": [1], "output_ids": [2], "output_logprobs": [-0.5], "policy_version": 0,
+           "finish_reason": "stop", "timings": {}, "cached_tokens": 0, "messages": msgs,
+           "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    trace = {"task_id": "t", "attempt_id": "a", "episodes": [
+        {"agent": "main", "token_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 0, 1],
+         "sampler_logprobs": [0, -0.5, 0, -0.5],
+         "completions": [old, {**old, "prompt_ids": [1, 2, 3], "output_ids": [4],
+                               "messages": msgs + [{"role": "user", "content": "more"}]}]}]}
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps({"schema": 1, "trace": trace}) + "\n")
+    (loaded,) = TraceStore(str(path)).load()
+    ep = loaded.episodes[0]
+    assert ep.messages_at() == [msgs, msgs + [{"role": "user", "content": "more"}]]
+    assert "messages_sha" not in ep.completions[0].to_dict()  # written back as it was read

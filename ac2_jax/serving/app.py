@@ -18,41 +18,38 @@ Routes
 Auth is `Authorization: Bearer <key>`. The admin key reaches everything and
 its completions are not recorded. A rollout key reaches only its own rollout;
 its completions are recorded under the agent label from the `X-Agent` header,
-else the request's `metadata.agent` or `user`, else "main". The harness (so
-often the policy) holds that key, so it may end its rollout but not grade it:
-reward, other statuses, metrics, hints and artifacts are admin-only (403), and
-it reads its rollout and trace without the metadata, hints and metrics. A
-rollout key gets the same 403 for any other rollout id, existing or not. Every
-error is an OpenAI error object and leaves stored state unchanged.
+else the request's top-level `agent` extension field, else "main" (OpenAI's
+`user` is an end-user id and never the label). The harness (so often the
+policy) holds that key, so it may end its rollout but not grade it: reward,
+other statuses, metrics, hints and artifacts are admin-only (403), and it
+reads its rollout and trace without the metadata, hints and metrics. A
+rollout key gets the same 404 for any other rollout id, existing or not.
+Every error is an OpenAI error object and leaves stored state unchanged; a
+500 says nothing of its cause (that goes to the server log).
 
-Streaming sends the finished result as SSE chunks: the Sampler protocol
-returns whole results, so chunks arrive once sampling is done.
+Bodies are strict JSON (`requests.read_json`): NaN/Infinity, non-UTF-8 and
+nesting past `max_json_depth` are 400s, bodies past `max_body_bytes` 413.
+The sampling routes are in `generation` (streaming, disconnects, tool_choice).
+/docs, /redoc and /openapi.json exist only with `expose_docs=True`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from ac2_jax.models.tokenizer import Tokenizer
-from ac2_jax.sampling import ContextLengthError, Sampler, SamplingParams, truncate_at_stop
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving.errors import APIError, bad_request, install_error_handlers
+from ac2_jax.sampling import Sampler
+from ac2_jax.serving import requests as req_lib
+from ac2_jax.serving.errors import APIError, install_error_handlers
+from ac2_jax.serving.generation import install_generation_routes
 from ac2_jax.serving.rollouts import (Rollout, RolloutRegistry, check_rollout_key_finish,
                                       keys_equal, parse_create, parse_finish, rollout_key_view)
-from ac2_jax.serving.splice import build_prompt_ids
-from ac2_jax.trace import Completion, TraceStore
-
-AGENT_HEADER = "x-agent"
-_MAX_AGENT_LEN = 128
+from ac2_jax.trace import TraceStore
 
 
 class _Principal:
@@ -69,7 +66,10 @@ class _Principal:
 def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
               trace_store: TraceStore | str | None = None, model_name: str = "ac2-policy",
               rollout_timeout_s: float | None = None, default_max_tokens: int | None = None,
-              sweep_interval_s: float = 1.0, max_finished_rollouts: int = 10_000) -> FastAPI:
+              sweep_interval_s: float = 1.0, max_finished_rollouts: int = 256,
+              max_body_bytes: int = req_lib.MAX_BODY_BYTES,
+              max_json_depth: int = req_lib.MAX_JSON_DEPTH,
+              expose_docs: bool = False) -> FastAPI:
     """The endpoint app. `app.state.registry` holds the rollouts.
 
     trace_store: a TraceStore or a JSONL path; finished traces are appended.
@@ -77,8 +77,11 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     default_max_tokens: used when a request sets no max_tokens (None = the
     rest of the context).
     sweep_interval_s: how often running rollouts are checked for timeouts.
-    max_finished_rollouts: finished rollouts kept in memory for GET (oldest
-    dropped first; their traces stay in the store).
+    max_finished_rollouts: finished rollouts whose whole trace stays in memory
+    (oldest dropped first; their traces stay in the store and a small summary
+    still answers their status, see `RolloutRegistry`).
+    max_body_bytes: larger request bodies get 413. max_json_depth: deeper
+    JSON gets 400. expose_docs: serve /docs, /redoc and /openapi.json.
     """
     if not admin_key:
         raise ValueError("build_app: admin_key must be a non-empty string")
@@ -92,7 +95,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         async def sweeper():
             while True:
                 await asyncio.sleep(sweep_interval_s)
-                registry.sweep()
+                await asyncio.to_thread(registry.sweep)  # may fsync the store
 
         task = asyncio.create_task(sweeper())
         try:
@@ -100,27 +103,30 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         finally:
             task.cancel()
 
-    app = FastAPI(title="ac2_jax OpenAI-compatible endpoint", lifespan=lifespan)
+    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json")
+    app = FastAPI(title="ac2_jax OpenAI-compatible endpoint", lifespan=lifespan,
+                  **(docs if expose_docs else {k: None for k in docs}))
     app.state.registry = registry
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
     app.state.model_name = model_name
 
-    def end_as_infra_error(request: Request, exc: Exception) -> None:
+    async def end_as_infra_error(request: Request, exc: Exception) -> None:
         """A crash while serving a rollout's request (sampler, server) is our fault:
         the rollout ends as infra_error, so it is never trained."""
         rollout = getattr(request.state, "rollout", None)
         if rollout is None or not rollout.running:
             return
+        registry.count(rollout, "server_errors")
         try:
-            registry.finish(rollout, status="infra_error",
-                            artifacts={"error": f"{type(exc).__name__}: {exc}"})
+            await asyncio.to_thread(registry.finish, rollout, status="infra_error",
+                                    artifacts={"error": f"{type(exc).__name__}: {exc}"})
         except Exception:  # noqa: BLE001 - e.g. it ended meanwhile; the 500 goes out anyway
             logging.exception("could not end rollout %s as infra_error", rollout.rollout_id)
 
     install_error_handlers(app, on_crash=end_as_infra_error)
 
-    def authenticate(request: Request) -> _Principal:
+    async def authenticate(request: Request) -> _Principal:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip()
@@ -129,146 +135,38 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
                            code="missing_api_key")
         if keys_equal(key, admin_key):
             return _Principal(None)
-        rollout = registry.by_key(key)
+        rollout = await asyncio.to_thread(registry.by_key, key)  # its sweep may fsync
         if rollout is None:
             raise APIError(401, "Invalid API key", code="invalid_api_key")
         request.state.rollout = rollout  # for end_as_infra_error
         return _Principal(rollout)
 
-    def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
-        # Checked before the lookup: another id is refused alike whether it exists or not.
+    async def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
+        # Another rollout's id gets the registry's own 404, whether it exists or not.
         if not principal.is_admin and principal.rollout.rollout_id != rollout_id:
-            raise APIError(403, f"This API key belongs to rollout {principal.rollout.rollout_id}"
-                           f" and cannot access rollout {rollout_id}", code="wrong_rollout")
-        return registry.get(rollout_id)
+            raise RolloutRegistry.not_found(rollout_id)
+        return await asyncio.to_thread(registry.get, rollout_id)
 
     def view(principal: _Principal, data: dict[str, Any]) -> dict[str, Any]:
         return data if principal.is_admin else rollout_key_view(data)
 
     async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"Malformed JSON in request body: {e}", code="invalid_json") from None
+        return await req_lib.read_json(request, max_body_bytes, max_json_depth)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves "
-                           f"{model_name!r}", param="model", code="model_not_found")
-
-    def agent_label(request: Request, req: chat_lib.GenerationRequest) -> str:
-        agent = request.headers.get(AGENT_HEADER) or req.agent or "main"
-        if len(agent) > _MAX_AGENT_LEN:
-            raise bad_request(f"agent label is longer than {_MAX_AGENT_LEN} characters",
-                              param="user")
-        return agent
-
-    async def sample(prompt_ids: list[int], req: chat_lib.GenerationRequest):
-        max_context = sampler.max_context
-        if len(prompt_ids) >= max_context:
-            raise bad_request(
-                f"This model's maximum context length is {max_context} tokens, but the prompt "
-                f"has {len(prompt_ids)} tokens (and at least one output token is needed)",
-                param="messages", code="context_length_exceeded")
-        room = max_context - len(prompt_ids)
-        max_tokens = min(req.max_tokens or default_max_tokens or room, room)
-        try:
-            base = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                  max_tokens=max_tokens, stop=req.stop,
-                                  stop_token_ids=tokenizer.stop_token_ids, seed=req.seed,
-                                  top_logprobs=req.top_logprobs)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        params = [base if req.seed is None else base.replace(seed=req.seed + i)
-                  for i in range(req.n)]
-        t0 = time.monotonic()
-        try:
-            results = await asyncio.gather(*(sampler.generate(prompt_ids, p) for p in params))
-        except ContextLengthError as e:
-            raise bad_request(str(e), param="messages", code="context_length_exceeded") from None
-        except ValueError as e:
-            raise bad_request(f"The sampler rejected the request: {e}") from None
-        elapsed = time.monotonic() - t0
-        return [truncate_at_stop(r, req.stop, tokenizer.decode) for r in results], elapsed
-
-    def record(principal, request, req, prompt_ids, choices, elapsed, messages=None, turns=()):
-        if principal.rollout is None:
-            return
-        comps = [Completion(prompt_ids=list(prompt_ids), output_ids=list(c.result.output_ids),
-                            output_logprobs=[float(x) for x in c.result.output_logprobs],
-                            policy_version=int(c.result.policy_version),
-                            finish_reason=c.finish_reason, timings={"sample_s": elapsed},
-                            cached_tokens=int(c.result.cached_tokens), messages=messages,
-                            temperature=float(req.temperature), top_k=int(req.top_k),
-                            top_p=float(req.top_p))
-                 for c in choices]
-        registry.record(principal.rollout, agent_label(request, req), comps, list(turns))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        principal = authenticate(request)
-        req = chat_lib.parse_chat_request(await read_json(request))
-        check_model(req.model)
-        agent_label(request, req)  # validate before sampling
-        memory = principal.rollout.memory if principal.rollout else None
-        try:
-            prompt_ids, _ = build_prompt_ids(tokenizer, req.messages, req.tools, memory)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
-            raise bad_request(f"Could not render the chat template: {e}",
-                              param="messages") from None
-        results, elapsed = await sample(prompt_ids, req)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
-        choices = [chat_lib.choice_from_result(i, r, m, tokenizer, parse_tools)
-                   for i, (r, m) in enumerate(results)]
-        turns = [(c.content, c.tool_calls, c.result.output_ids) for c in choices]
-        record(principal, request, req, prompt_ids, choices, elapsed, req.messages, turns)
-        version = max(c.result.policy_version for c in choices)
-        if req.stream:
-            return StreamingResponse(chat_lib.chat_stream_events(
-                model_name, choices, len(prompt_ids), tokenizer, req, version),
-                media_type="text/event-stream")
-        return JSONResponse(chat_lib.chat_response(model_name, choices, len(prompt_ids),
-                                                   tokenizer, req, version))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        principal = authenticate(request)
-        req = chat_lib.parse_completion_request(await read_json(request))
-        check_model(req.model)
-        agent_label(request, req)
-        if isinstance(req.prompt, str):
-            prompt_ids = tokenizer.encode(req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
-            bad = [t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size]
-            if bad:
-                raise bad_request(f"'prompt' has token ids outside [0, {tokenizer.vocab_size}): "
-                                  f"{bad[:5]}", param="prompt")
-        if not prompt_ids:
-            raise bad_request("'prompt' encodes to no tokens", param="prompt")
-        results, elapsed = await sample(prompt_ids, req)
-        choices = [chat_lib.choice_from_result(i, r, m, tokenizer, False)
-                   for i, (r, m) in enumerate(results)]
-        record(principal, request, req, prompt_ids, choices, elapsed)
-        version = max(c.result.policy_version for c in choices)
-        if req.stream:
-            return StreamingResponse(chat_lib.completion_stream_events(
-                model_name, choices, len(prompt_ids), tokenizer, req, version),
-                media_type="text/event-stream")
-        return JSONResponse(chat_lib.completion_response(model_name, choices, len(prompt_ids),
-                                                         tokenizer, req, version))
+    install_generation_routes(app, sampler=sampler, tokenizer=tokenizer, registry=registry,
+                              model_name=model_name, default_max_tokens=default_max_tokens,
+                              authenticate=authenticate, read_json=read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authenticate(request)
+        await authenticate(request)
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
             "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}]}
 
     @app.post("/v1/rollouts")
     async def create_rollout(request: Request):
-        principal = authenticate(request)
+        principal = await authenticate(request)
         if not principal.is_admin:
             raise APIError(403, "Only the admin key can create rollouts", code="admin_only")
         args = parse_create(await read_json(request))
@@ -281,29 +179,34 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout_status(rollout_id: str, request: Request):
-        principal = authenticate(request)
-        return view(principal, registry.summary(owned_rollout(principal, rollout_id)))
+        principal = await authenticate(request)
+        if principal.is_admin:
+            evicted = registry.evicted_summary(rollout_id)
+            if evicted is not None:
+                return evicted
+        return view(principal, registry.summary(await owned_rollout(principal, rollout_id)))
 
     @app.post("/v1/rollouts/{rollout_id}/finish")
     async def finish_rollout(rollout_id: str, request: Request):
-        principal = authenticate(request)
-        rollout = owned_rollout(principal, rollout_id)
+        principal = await authenticate(request)
+        rollout = await owned_rollout(principal, rollout_id)
         args = parse_finish(await read_json(request))
         if not principal.is_admin:
             check_rollout_key_finish(args)
         try:
-            registry.finish(rollout, **args)
+            await asyncio.to_thread(lambda: registry.finish(rollout, **args))
         except APIError:
             raise
-        except Exception as e:  # noqa: BLE001 - e.g. the trace store's disk
+        except Exception:  # noqa: BLE001 - e.g. the trace store's disk
             logging.exception("finishing rollout %s failed", rollout_id)
-            raise APIError(500, f"Could not store the trace of {rollout_id}: {e}",
+            raise APIError(500, f"Could not store the trace of {rollout_id}; nothing changed",
                            code="trace_store_error") from None
         return view(principal, registry.summary(rollout))
 
     @app.get("/v1/rollouts/{rollout_id}/trace")
     async def rollout_trace(rollout_id: str, request: Request):
-        principal = authenticate(request)
-        return view(principal, registry.trace_dict(owned_rollout(principal, rollout_id)))
+        principal = await authenticate(request)
+        rollout = await owned_rollout(principal, rollout_id)
+        return view(principal, await asyncio.to_thread(registry.trace_dict, rollout))
 
     return app

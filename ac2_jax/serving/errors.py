@@ -9,12 +9,16 @@ ConflictError, ...) with our message.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
@@ -51,7 +55,9 @@ def install_error_handlers(app: FastAPI,
                            on_crash: Callable[[Request, Exception], None] | None = None) -> None:
     """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped.
 
-    on_crash(request, exc) runs first on an unexpected exception (a 500).
+    on_crash(request, exc) (a function or coroutine function) runs first on an
+    unexpected exception: a 500 whose body never carries the exception's text
+    (it is logged instead).
     """
 
     @app.exception_handler(APIError)
@@ -78,7 +84,11 @@ def install_error_handlers(app: FastAPI,
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
+        logger.error("crash on %s %s", request.method, request.url.path,
+                     exc_info=(type(exc), exc, exc.__traceback__))
         if on_crash is not None:
-            on_crash(request, exc)
-        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+            result = on_crash(request, exc)
+            if inspect.isawaitable(result):
+                await result
+        return APIError(500, "Internal server error (the server log has the cause)",
                         code="internal_error").response()

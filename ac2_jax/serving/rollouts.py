@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import json
 import logging
 import math
 import secrets
@@ -44,6 +45,7 @@ END_STATUSES = tuple(s for s in TRACE_STATUSES if s != "running")
 # rollout as "finished"), and so what a rollout key is never shown.
 ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
 ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
+COUNTERS = ("aborted_completions", "sampler_errors", "server_errors")
 
 
 class Rollout:
@@ -53,7 +55,7 @@ class Rollout:
         self.rollout_id = rollout_id
         self.api_key = api_key
         self.trace = trace
-        self.recorder = TraceRecorder(trace)
+        self.recorder = TraceRecorder(trace, delta_messages=True)
         self.memory = TurnMemory()
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -62,6 +64,9 @@ class Rollout:
         self.wall_time_s: float | None = None
         self.ended_by_key_s: float | None = None  # when its own key ended it
         self.final = False  # ended by the admin or the server: graded, stored
+        # Requests that recorded nothing: the client left mid-way, the sampler failed
+        # (503), the server crashed (500). Shown in the status, stored in the metrics.
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     @property
     def ended_by_key(self) -> bool:
@@ -91,7 +96,7 @@ class Rollout:
             "wall_time_s": (self.wall_time_s if self.wall_time_s is not None
                             else time.monotonic() - self.started),
             "ended_by_key": self.ended_by_key, "final": self.final,
-            "metadata": t.metadata,
+            **self.counters, "metadata": t.metadata,
         }
 
 
@@ -99,7 +104,8 @@ class RolloutRegistry:
     """All rollouts of one server. Thread-safe."""
 
     def __init__(self, trace_store: TraceStore | None = None,
-                 default_timeout_s: float | None = None, max_finished: int = 10_000):
+                 default_timeout_s: float | None = None, max_finished: int = 256,
+                 max_summaries: int = 100_000):
         self.trace_store = trace_store
         self.default_timeout_s = default_timeout_s
         self._lock = threading.RLock()
@@ -109,11 +115,15 @@ class RolloutRegistry:
         self._ungraded: dict[str, Rollout] = {}  # ended by their key, not yet final
         self._finished: collections.deque[str] = collections.deque()
         self._max_finished = max_finished
+        # Evicted finished rollouts: their status without the trace (oldest dropped).
+        self._summaries: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._max_summaries = max_summaries
 
     # -- creation and lookup
 
     def create(self, task_id: str, group_id: str | None = None, attempt_id: str | None = None,
                metadata: dict | None = None, timeout_s: float | None = None) -> Rollout:
+        check_json(metadata, "metadata")
         rollout_id = "ro-" + secrets.token_hex(8)
         api_key = "sk-rollout-" + secrets.token_urlsafe(24)
         trace = Trace(task_id=task_id, attempt_id=attempt_id or rollout_id, group_id=group_id,
@@ -131,8 +141,23 @@ class RolloutRegistry:
         with self._lock:
             rollout = self._by_id.get(rollout_id)
         if rollout is None:
-            raise APIError(404, f"No rollout with id {rollout_id!r}", code="rollout_not_found")
+            raise self.not_found(rollout_id)
         return rollout
+
+    @staticmethod
+    def not_found(rollout_id: str) -> APIError:
+        """The one 404 for an id that is missing or (to a rollout key) not its own."""
+        return APIError(404, f"No rollout with id {rollout_id!r}", code="rollout_not_found")
+
+    def evicted_summary(self, rollout_id: str) -> dict[str, Any] | None:
+        """The summary of a finished rollout whose trace left memory (None if not one)."""
+        with self._lock:
+            return self._summaries.get(rollout_id)
+
+    def count(self, rollout: Rollout, counter: str, k: int = 1) -> None:
+        """Adds `k` to one of the rollout's `COUNTERS`."""
+        with self._lock:
+            rollout.counters[counter] += k
 
     def by_key(self, api_key: str) -> Rollout | None:
         """The running rollout of `api_key`; 401 if the key belonged to an ended one."""
@@ -204,6 +229,8 @@ class RolloutRegistry:
         nor stored; the admin's finish (or the timeout) still ends it.
         """
         status = LEGACY_STATUSES.get(status, status)
+        for name, value in (("artifacts", artifacts), ("metrics", metrics), ("hints", hints)):
+            check_json(value, name)
         if status not in END_STATUSES:
             raise bad_request(f"'status' must be one of {list(END_STATUSES)}, got {status!r}",
                               param="status")
@@ -228,7 +255,7 @@ class RolloutRegistry:
                                                     for c in rollout.completions),
                            "policy_versions": sorted({c["policy_version"]
                                                       for c in rollout.completions}),
-                           "wall_time_s": wall, **(metrics or {})}
+                           "wall_time_s": wall, **rollout.counters, **(metrics or {})}
             if rollout.ended_by_key:
                 new_metrics["ended_by_key_s"] = rollout.ended_by_key_s
             old = (t.status, t.reward, t.metadata, t.metrics, list(t.hints))
@@ -247,11 +274,21 @@ class RolloutRegistry:
             self._dead_keys[rollout.api_key] = rollout
             self._finished.append(rollout.rollout_id)
             while len(self._finished) > self._max_finished:
-                old_id = self._finished.popleft()
-                gone = self._by_id.pop(old_id, None)
-                if gone is not None:
-                    self._dead_keys.pop(gone.api_key, None)
+                self._evict(self._finished.popleft())
         return rollout
+
+    def _evict(self, rollout_id: str) -> None:
+        """Drops a finished rollout's trace from memory, keeping a small summary."""
+        gone = self._by_id.pop(rollout_id, None)
+        if gone is None:
+            return
+        self._dead_keys.pop(gone.api_key, None)
+        small = gone.summary()
+        small.pop("completions")
+        small["evicted"] = True  # the trace is in the store
+        self._summaries[rollout_id] = small
+        while len(self._summaries) > self._max_summaries:
+            self._summaries.popitem(last=False)
 
     def _end_by_key(self, rollout: Rollout) -> Rollout:
         """Stops the rollout at its key's request (see `finish`); 409 unless running."""
@@ -298,6 +335,7 @@ def parse_create(body: Any) -> dict[str, Any]:
     if body.get("metadata") is not None:
         if not isinstance(body["metadata"], dict):
             raise bad_request("'metadata' must be an object", param="metadata")
+        check_json(body["metadata"], "metadata")
         out["metadata"] = body["metadata"]
     if body.get("timeout_s") is not None:
         t = body["timeout_s"]
@@ -323,6 +361,7 @@ def parse_finish(body: Any) -> dict[str, Any]:
         if body.get(key) is not None:
             if not isinstance(body[key], typ):
                 raise bad_request(f"'{key}' must be {what}", param=key)
+            check_json(body[key], key)
             out[key] = body[key]
     if "hints" in out and not all(isinstance(h, str) for h in out["hints"]):
         raise bad_request("'hints' must be a list of strings", param="hints")
@@ -354,6 +393,16 @@ def rollout_key_view(data: dict[str, Any]) -> dict[str, Any]:
     """A summary or trace dict as its rollout key sees it: without the metadata
     (the admin's, artifacts included), hints and metrics."""
     return {k: v for k, v in data.items() if k not in ADMIN_ONLY_VIEW_FIELDS}
+
+
+def check_json(value: Any, param: str) -> None:
+    """400 naming `param` unless `value` is strict JSON (finite numbers, string
+    keys): what the trace store can write, so a finish can never fail on it."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"'{param}' must be JSON with finite numbers: {e}",
+                          param=param) from None
 
 
 def keys_equal(a: str, b: str) -> bool:

@@ -7,8 +7,16 @@ trace stored on disk reads back equal to the one in memory.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import uuid
 from typing import Any
+
+
+def messages_fingerprint(messages: list[dict[str, Any]]) -> str:
+    """sha256 (hex, 16 chars) of a message list's canonical JSON."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def new_attempt_id() -> str:
@@ -50,6 +58,12 @@ class Completion:
     parameters when it re-scores these tokens. temperature 0 means greedy (no
     behaviour distribution: RL refuses such tokens). top_k <= 0 / top_p >= 1
     mean off. `cached_tokens` is how many prompt tokens the sampler reused.
+
+    The request's messages are held either whole (`messages`) or, as the
+    endpoint records them, as a delta: the full list is the previous
+    completion's list (in the same episode) cut to `messages_start` entries,
+    plus `messages_delta`; `messages_sha` is the full list's
+    `messages_fingerprint`. `Episode.with_messages()` rebuilds full lists.
     """
 
     prompt_ids: list[int]
@@ -63,6 +77,9 @@ class Completion:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    messages_delta: list[dict[str, Any]] | None = None
+    messages_start: int = 0
+    messages_sha: str | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -72,11 +89,27 @@ class Completion:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.messages_sha is None:  # not a delta: as older stores wrote it
+            for k in ("messages_delta", "messages_start", "messages_sha"):
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Completion":
         return cls(**d)
+
+    def to_delta(self, previous: list[dict[str, Any]] | None) -> None:
+        """Keeps only what `messages` adds to `previous` (the same episode's last
+        full list), plus its fingerprint. No-op without messages."""
+        full = self.messages
+        if full is None:
+            return
+        start = 0
+        if previous is not None and len(previous) <= len(full) and full[:len(previous)] == previous:
+            start = len(previous)
+        self.messages, self.messages_delta = None, list(full[start:])
+        self.messages_start, self.messages_sha = start, messages_fingerprint(full)
 
 
 @dataclasses.dataclass
@@ -96,6 +129,32 @@ class Episode:
     @property
     def num_agent_tokens(self) -> int:
         return int(sum(self.loss_mask))
+
+    def messages_at(self) -> list[list[dict[str, Any]] | None]:
+        """The full request messages of each completion (None where not recorded),
+        rebuilt from deltas; ValueError if a rebuilt list fails its fingerprint."""
+        out, full = [], None
+        for i, c in enumerate(self.completions):
+            if c.messages is not None:
+                full = list(c.messages)
+            elif c.messages_sha is not None:
+                base = full or []
+                if c.messages_start > len(base):
+                    raise ValueError(f"completion {i}: messages_start {c.messages_start} is past "
+                                     f"the previous list ({len(base)} messages)")
+                full = base[:c.messages_start] + list(c.messages_delta or [])
+                if messages_fingerprint(full) != c.messages_sha:
+                    raise ValueError(f"completion {i}: rebuilt messages do not match their "
+                                     "fingerprint")
+            else:
+                full = None
+            out.append(full)
+        return out
+
+    def with_messages(self) -> list[Completion]:
+        """Copies of the completions, each with its full `messages`."""
+        return [dataclasses.replace(c, messages=m)
+                for c, m in zip(self.completions, self.messages_at())]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -461,7 +461,7 @@ def examples_from_traces(traces: Sequence[Trace], tokenizer,
                 continue
             cfg = hint_config_for(config, ep.agent)
             run: list = []
-            for c in ep.completions:
+            for c in ep.with_messages():
                 counts["completions"] += 1
                 if not c.output_ids:
                     counts["empty_outputs"] += 1
