@@ -16,9 +16,9 @@ import secrets
 import time
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, demonstration
 from ac2_jax.evals import evaluate, paired_difference
 from ac2_jax.models import Decoder, DecoderConfig
@@ -30,19 +30,25 @@ from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, SFTConfig, run_sft
+from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
-from ac2_jax.training.rl.data import BatchConfig
 from ac2_jax.viz import plot_curves, write_trace_html
 
 MODEL_NAME = "ac2-calculator"
 
 
+def typed_configs(cfg) -> dict:
+    """The config's dataclass sections (sft, sft_optimizer, rl), converted up front:
+    a key that does not fit its dataclass fails here, named, before any work."""
+    return {"sft": from_config(SFTConfig, cfg.sft, path="sft"),
+            "sft_optimizer": from_config(OptimizerConfig, cfg.sft_optimizer, path="sft_optimizer"),
+            "rl": from_config(RLConfig, cfg.rl, path="rl")}
+
+
 def build_env(cfg) -> CalculatorEnv:
-    return CalculatorEnv(num_range=(cfg.env.num_low, cfg.env.num_high),
-                         answer_digits=cfg.env.answer_digits)
+    return CalculatorEnv(num_range=tuple(cfg.env.num_range), answer_digits=cfg.env.answer_digits)
 
 
 def build_tokenizer(cfg, path: str, env: CalculatorEnv):
@@ -62,12 +68,7 @@ def _render_for_corpus(msgs, tools) -> str:
 
 
 def build_model(cfg, vocab_size: int) -> Decoder:
-    m = cfg.model
-    config = DecoderConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
-                           intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                           head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
-                           tie_embeddings=True, dtype=jnp.float32)
+    config = from_config(DecoderConfig, cfg.model, path="model", vocab_size=vocab_size)
     return Decoder(config, rngs=nnx.Rngs(cfg.seed))
 
 
@@ -79,22 +80,18 @@ def rl_collector_seed(cfg) -> int:
 
 
 def sft_tasks(cfg, env):
-    return env.sample_tasks(cfg.sft.num_demos, seed=cfg.seed, split="train")
+    return env.sample_tasks(cfg.demos.num_demos, seed=cfg.seed, split="train")
 
 
 def sft_warm_start(cfg, model, tokenizer, env, log=print):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     tasks = sft_tasks(cfg, env)
-    segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.sft.skip_tool_prob),
+    segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
                              tools, task=t.task_id) for t in tasks]
-    sft_cfg = SFTConfig(seq_len=cfg.sft.seq_len, batch_rows=cfg.sft.batch_rows,
-                        steps=cfg.sft.steps, seed=cfg.seed, mode="token_mean",
-                        layout=cfg.sft.layout)
-    opt = OptimizerConfig(learning_rate=cfg.sft.learning_rate,
-                          warmup_steps=min(cfg.sft.warmup_steps, cfg.sft.steps - 1),
-                          schedule="cosine", total_steps=cfg.sft.steps)
-    every = max(1, cfg.sft.steps // 10)
+    typed = typed_configs(cfg)
+    sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
+    every = max(1, sft_cfg.steps // 10)
     result = run_sft(model, segments, sft_cfg, opt,
                      log=lambda i, m: log(f"sft step {i}: loss={m['loss']:.4f}")
                      if i % every == 0 else None)
@@ -110,6 +107,7 @@ def orchestrator_factory(cfg_sampling: dict, max_steps: int):
 
 async def _pipeline(cfg, log=print) -> dict:
     t_start = time.perf_counter()
+    rl_config = typed_configs(cfg)["rl"]  # config mismatches fail before any work
     workdir = os.path.abspath(cfg.workdir)
     report_dir = os.path.join(workdir, "report")
     os.makedirs(report_dir, exist_ok=True)
@@ -134,7 +132,7 @@ async def _pipeline(cfg, log=print) -> dict:
     eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
     sampler = JaxSampler(model, publish_dir=os.path.join(rl_dir, "published"),
                          max_context=cfg.model.max_position_embeddings,
-                         max_batch=cfg.rl.concurrency, eos_token_ids=eos, tokenizer=tokenizer,
+                         max_batch=rl_config.concurrency, eos_token_ids=eos, tokenizer=tokenizer,
                          seed=cfg.seed)
     admin_key = secrets.token_hex(16)
     app = build_app(sampler, tokenizer, admin_key=admin_key, model_name=MODEL_NAME,
@@ -144,31 +142,23 @@ async def _pipeline(cfg, log=print) -> dict:
     try:
         eval_tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
         eval_make = orchestrator_factory({"temperature": cfg.eval.temperature,
-                                          "max_tokens": cfg.rl.max_tokens}, cfg.rl.max_steps)
+                                          "max_tokens": cfg.rollout.max_tokens},
+                                         cfg.rollout.max_steps)
         t0 = time.perf_counter()
         before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
                                 concurrency=cfg.eval.concurrency)
         t_eval = time.perf_counter() - t0
         log(f"before RL (SFT): pass rate {before.pass_rate}")
 
-        rl = cfg.rl
+        rl, ro = rl_config, cfg.rollout
         store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
         collector = EndpointCollector(
-            lifecycle, env, orchestrator_factory({"temperature": rl.temperature,
-                                                  "max_tokens": rl.max_tokens}, rl.max_steps),
+            lifecycle, env, orchestrator_factory({"temperature": ro.temperature,
+                                                  "max_tokens": ro.max_tokens}, ro.max_steps),
             MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
             attempts_per_task=rl.attempts_per_task, seed=rl_collector_seed(cfg),
             concurrency=rl.concurrency,
-            infra_retries=rl.infra_retries)
-        rl_config = RLConfig(
-            steps=rl.steps, tasks_per_step=rl.tasks_per_step, attempts_per_task=rl.attempts_per_task,
-            mode=rl.mode, seed=cfg.seed, concurrency=rl.concurrency,
-            batch=BatchConfig(seq_len=rl.seq_len, rows=rl.rows, layout=rl.layout,
-                              normalize_std=rl.normalize_std, max_staleness=rl.max_staleness,
-                              agent_error_reward=rl.agent_error_reward,
-                              timed_out_reward=rl.timed_out_reward),
-            loss=PolicyGradientLoss(mode=rl.aggregate, clip_eps=rl.clip_eps, tis_cap=rl.tis_cap),
-            optimizer=OptimizerConfig(learning_rate=rl.learning_rate))
+            infra_retries=ro.infra_retries)
         trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,
                             logger=MetricsLogger(os.path.join(report_dir, "metrics")))
         t0 = time.perf_counter()

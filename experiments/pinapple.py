@@ -25,10 +25,10 @@ import random
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ac2_jax.config import from_config
 from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
@@ -44,8 +44,26 @@ from experiments.pinapple_report import markdown_table, summarize, write_report
 # ----------------------------------------------------------------------------- setup
 
 
+def typed_configs(cfg, method: str | None = None) -> dict:
+    """The config's dataclass sections, converted (a mismatch names its key).
+
+    Keys: sft, sft_optimizer, hint, distill_optimizer, sampling and, given
+    `method`, distill (its DistillConfig). The model's DecoderConfig needs the
+    tokenizer's vocab_size: see `build_model`.
+    """
+    out = {"sft": from_config(SFTConfig, cfg.sft, path="sft"),
+           "sft_optimizer": from_config(OptimizerConfig, cfg.sft_optimizer, path="sft_optimizer"),
+           "hint": from_config(HintConfig, cfg.hint, path="hint"),
+           "distill_optimizer": from_config(OptimizerConfig, cfg.distill_optimizer,
+                                            path="distill_optimizer"),
+           "sampling": from_config(SampleConfig, cfg.sampling, path="sampling")}
+    if method is not None:
+        out["distill"] = from_config(DistillConfig, cfg.distill, path="distill", method=method)
+    return out
+
+
 def hint_config(cfg) -> HintConfig:
-    return HintConfig(placement=cfg.hint.placement, template=cfg.hint.template)
+    return from_config(HintConfig, cfg.hint, path="hint")
 
 
 def _hint_demos(cfg, items, rng):
@@ -60,9 +78,9 @@ def _hint_demos(cfg, items, rng):
     with_t = [i for i in items if word in i.answer and word not in i.question]
     others = [i for i in items if data.TARGET_WORD not in i.answer]
     out = []
-    while len(out) < cfg.sft.hint_demos:
-        place = rng.choice(tuple(cfg.sft.placements))
-        if rng.random() < cfg.sft.target_hint_frac:
+    while len(out) < cfg.base_data.hint_demos:
+        place = rng.choice(tuple(cfg.base_data.placements))
+        if rng.random() < cfg.base_data.target_hint_frac:
             if rng.random() < 2 / 3:
                 item = rng.choice(with_t)
                 out.append((item, data.TARGET_HINT, data.with_target_spelling(item.answer), place))
@@ -70,7 +88,7 @@ def _hint_demos(cfg, items, rng):
                 out.append((rng.choice(others), data.TARGET_HINT, None, place))
             continue
         item = rng.choice(items)
-        demo = data.hint_demo(item, rng, relevant=rng.random() >= cfg.sft.irrelevant_frac)
+        demo = data.hint_demo(item, rng, relevant=rng.random() >= cfg.base_data.irrelevant_frac)
         if demo is not None:
             out.append((item, *demo, place))
     return [(i, h, i.answer if a is None else a, p) for i, h, a, p in out]
@@ -85,12 +103,7 @@ def build_tokenizer(cfg, path: str, items):
 
 
 def build_model(cfg, vocab_size: int, seed: int) -> Decoder:
-    m = cfg.model
-    config = DecoderConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
-                           intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                           head_dim=m.head_dim, max_position_embeddings=m.max_position_embeddings,
-                           rope_theta=10000.0, tie_embeddings=True, dtype=jnp.float32)
+    config = from_config(DecoderConfig, cfg.model, path="model", vocab_size=vocab_size)
     return Decoder(config, rngs=nnx.Rngs(seed))
 
 
@@ -100,7 +113,7 @@ def base_segments(cfg, tokenizer, items):
     segs = []
     for it in items:
         msgs = list(it.messages()) + [{"role": "assistant", "content": it.answer}]
-        segs += [demo_segment(tokenizer, msgs, task=it.key)] * cfg.sft.repeats
+        segs += [demo_segment(tokenizer, msgs, task=it.key)] * cfg.base_data.repeats
     for k, (it, hint, answer, placement) in enumerate(_hint_demos(cfg, items, rng)):
         msgs = hinted_messages(it.messages(), hint, HintConfig(placement=placement))
         msgs.append({"role": "assistant", "content": answer})
@@ -111,13 +124,10 @@ def base_segments(cfg, tokenizer, items):
 def base_sft(cfg, tokenizer, items, log=print):
     """The base model (graphdef, state) and its SFT history."""
     model = build_model(cfg, tokenizer.vocab_size, cfg.seed)
-    s = cfg.sft
-    opt = OptimizerConfig(learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
-                          schedule="cosine", total_steps=s.steps)
+    typed = typed_configs(cfg)
+    s, opt = typed["sft"], typed["sft_optimizer"]
     every = max(1, s.steps // 6)
-    res = run_sft(model, base_segments(cfg, tokenizer, items),
-                  SFTConfig(seq_len=s.seq_len, batch_rows=s.batch_rows, steps=s.steps,
-                            seed=cfg.seed, mode="token_mean"), opt,
+    res = run_sft(model, base_segments(cfg, tokenizer, items), s, opt,
                   log=lambda i, m: log(f"  base sft step {i}: loss {m['loss']:.4f}")
                   if i % every == 0 else None)
     return res.graphdef, res.state, res.history
@@ -171,7 +181,7 @@ def evaluate(graphdef, params, rest, prompts, splits, retain_every: int | None =
 
 
 def make_splits(cfg, items, seed: int) -> dict:
-    train, heldout = data.target_split(items, cfg.distill.heldout_frac, seed)
+    train, heldout = data.target_split(items, cfg.loop.heldout_frac, seed)
     retain = {k: [i for i in items if i.kind == k and data.TARGET_WORD not in i.answer]
               for k in ("food", "sentence", "other", "math")}
     return {"train": train, "heldout": heldout, "retain": retain}
@@ -188,10 +198,7 @@ def make_judge(name: str) -> RuleJudge:
 
 
 def distill_config(cfg, method: str) -> DistillConfig:
-    d = cfg.distill
-    return DistillConfig(method=method, kind=d.kind, teacher=d.teacher, ema_decay=d.ema_decay,
-                         top_t=d.top_t, threshold=d.threshold, seq_len=d.seq_len, rows=d.rows,
-                         groups=d.prompts_per_step)
+    return typed_configs(cfg, method)["distill"]
 
 
 def _report_example(tokenizer, example, rel) -> dict:
@@ -215,15 +222,14 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -
     (RMSD) the first batch's first example for the report.
     """
     graphdef, base_state = base
-    d = cfg.distill
-    opt = OptimizerConfig(learning_rate=d.learning_rate)
+    d, typed = cfg.loop, typed_configs(cfg, method)
+    opt = typed["distill_optimizer"]
     _, state = create_train_state(base_state.model(graphdef), opt, rng=seed)
-    dist = SelfDistiller(graphdef, state, distill_config(cfg, method), opt,
+    dist = SelfDistiller(graphdef, state, typed["distill"], opt,
                          judge=make_judge(d.judge), tokenizer=prompts.tokenizer,
                          step_fn=step_fns.get(method))
     step_fns[method] = dist.step_fn
-    sampling = SampleConfig(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
-                            min_batch=d.prompts_per_step)
+    sampling = typed["sampling"]
     tasks = [HintTask(i.key, i.messages(), hint=data.TARGET_HINT) for i in splits["train"]]
     rng = np.random.default_rng(seed)
     evals, train, reached, example = [], [], None, None
@@ -275,7 +281,9 @@ def run(cfg, log=print) -> dict:
     """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
     t_start, c_start = time.perf_counter(), time.process_time()
     workdir = os.path.abspath(cfg.workdir)
-    items = data.all_items(cfg.sft.math_limit)
+    for method in cfg.methods:  # config mismatches fail before any work
+        typed_configs(cfg, method)
+    items = data.all_items(cfg.base_data.math_limit)
     tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
     log(f"tokenizer: {tokenizer.vocab_size} tokens; {len(items)} items")
     t0 = time.perf_counter()

@@ -48,7 +48,7 @@ def _fmt(e, digits: int = 3) -> str:
 
 
 def markdown_table(cfg, rows) -> str:
-    head = (f"| method | steps to >= {cfg.distill.target_rate:.0%} held-out (reached) | held-out "
+    head = (f"| method | steps to >= {cfg.loop.target_rate:.0%} held-out (reached) | held-out "
             "target | held-out exact | train target | retention | food | sentence | other | "
             "math | loss tokens / update |")
     lines = [head, "|" + "---|" * 11]
@@ -73,7 +73,7 @@ def plot_runs(cfg, runs, path) -> None:
             ax.plot(steps, vals.mean(0), marker=".", label=method)
             ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15)
         name = ("held-out target rate" if key == "target" else
-                f"retention (every {cfg.distill.retain_every}th item)")
+                f"retention (every {cfg.loop.retain_every}th item)")
         ax.set_title(f"{name}\nmean, band = min..max over {len(cfg.seeds)} seeds", fontsize=9)
         ax.set_xlabel("distillation step")
         ax.grid(alpha=0.3)
@@ -89,7 +89,7 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
         f.write(f"# pinapple\n\n`{meta['command']}`\n\n"
                 f"seeds {list(cfg.seeds)}; mean [95% CI] over seeds (t interval, rates "
                 "clipped to [0, 1]); steps to target: over the seeds that reached it, checked "
-                f"every {cfg.distill.target_every} steps. Retention: exact answers on all "
+                f"every {cfg.loop.target_every} steps. Retention: exact answers on all "
                 "non-target items after the last step. Loss tokens / update: positions in the "
                 f"loss per step (8 prompts).\n\n{table}\n\n"
                 f"{meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU on {meta['devices']}.\n")
@@ -106,5 +106,5 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
         write_distill_report(os.path.join(report_dir, "distill_report.html"),
                              **ex["example"], metrics=metrics,
                              info={"method": ex["method"], "seed": ex["seed"],
-                                   "judge": cfg.distill.judge, "top_t": cfg.distill.top_t},
+                                   "judge": cfg.loop.judge, "top_t": cfg.distill.top_t},
                              title="pinapple: RMSD example (first update)")

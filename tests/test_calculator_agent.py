@@ -9,12 +9,8 @@ from experiments.configs.calculator import get_config
 
 
 def test_pipeline_writes_a_complete_report(tmp_path):
-    cfg = get_config()
+    cfg = get_config("quick")  # 16 demos, 3 SFT steps, 1 RL step of 2 x 2 attempts, 4 eval tasks
     cfg.workdir = str(tmp_path / "run")
-    cfg.sft.update(num_demos=16, steps=3, batch_rows=2, warmup_steps=1)
-    cfg.rl.update(steps=1, tasks_per_step=2, attempts_per_task=2, concurrency=8, rows=2)
-    cfg.eval.update(num_tasks=4, concurrency=8)
-    cfg.report.num_sample_traces = 2
     report = calculator_agent.run(cfg, log=lambda *a: None)
 
     out = os.path.join(cfg.workdir, "report")

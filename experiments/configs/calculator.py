@@ -1,37 +1,80 @@
-"""The main job: a tiny agent learns to use a calculator tool (CPU, minutes)."""
+"""The main job: a tiny agent learns to use a calculator tool (CPU, minutes).
+
+Sections named after a dataclass have exactly its fields and are converted by
+`ac2_jax.config.from_config`: model -> DecoderConfig (vocab_size comes from
+the tokenizer), sft -> SFTConfig, sft_optimizer -> OptimizerConfig,
+rl -> RLConfig (rl.batch -> BatchConfig, rl.loss -> PolicyGradientLoss,
+rl.optimizer -> OptimizerConfig). The others are this experiment's own:
+tokenizer, env, demos, rollout, eval, report.
+
+Variants (`--config=experiments/configs/calculator.py:quick`):
+  default  the demo (SFT 400 steps, 12 RL steps, 200 eval tasks)
+  quick    a smoke run of every stage (seconds of training)
+"""
 
 import ml_collections
 from ml_collections import config_dict
 
+from ac2_jax.config import select_variant
 
-def get_config() -> ml_collections.ConfigDict:
+
+def _default(c):
+    return c
+
+
+def _quick(c):
+    c.demos.num_demos = 16
+    c.sft.update(steps=3, batch_rows=2)
+    c.sft_optimizer.warmup_steps = 1
+    c.rl.update(steps=1, tasks_per_step=2, attempts_per_task=2, concurrency=8)
+    c.rl.batch.rows = 2
+    c.eval.update(num_tasks=4, concurrency=8)
+    c.report.num_sample_traces = 2
+    return c
+
+
+VARIANTS = {"default": _default, "quick": _quick}
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+    apply = select_variant(variant, VARIANTS)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.workdir = "runs/calculator"
 
     c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=640))
-    c.model = ml_collections.ConfigDict(dict(
+    c.model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab_size: the tokenizer's)
         hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=4,
-        head_dim=16, max_position_embeddings=512))
+        head_dim=16, max_position_embeddings=512, tie_embeddings=True))
 
-    c.env = ml_collections.ConfigDict(dict(name="calculator", num_low=10, num_high=99,
-                                            answer_digits=4))
+    c.env = ml_collections.ConfigDict(dict(num_range=(10, 99), answer_digits=4))
 
     # SFT warm start on deliberately imperfect demos: half skip the tool and guess.
-    c.sft = ml_collections.ConfigDict(dict(
-        num_demos=1024, skip_tool_prob=0.5, steps=400, batch_rows=8, seq_len=512, layout="tree",
-        learning_rate=5e-3, warmup_steps=20))
+    c.demos = ml_collections.ConfigDict(dict(num_demos=1024, skip_tool_prob=0.5))
+    c.sft = ml_collections.ConfigDict(dict(   # SFTConfig
+        steps=400, batch_rows=8, seq_len=512, layout="tree", mode="token_mean"))
+    c.sft.seed = c.get_ref("seed")
+    c.sft_optimizer = ml_collections.ConfigDict(dict(   # OptimizerConfig
+        learning_rate=5e-3, warmup_steps=20, schedule="cosine"))
+    c.sft_optimizer.total_steps = c.sft.get_ref("steps")
 
-    c.rl = ml_collections.ConfigDict(dict(
-        steps=12, tasks_per_step=8, attempts_per_task=8, mode="sync", learning_rate=1e-4,
-        temperature=0.3, max_tokens=48, max_steps=3, seq_len=512, rows=8, layout="tree",
-        aggregate="task_mean", clip_eps=0.2, tis_cap=2.0, max_staleness=1,
-        normalize_std=False, concurrency=64,
-        # Failures (DESIGN.md): infra_error is retried, then never trained; agent_error
-        # trains with the verifier's reward (None) or this one; timed_out is dropped (None).
-        infra_retries=2, agent_error_reward=config_dict.placeholder(float),
-        timed_out_reward=config_dict.placeholder(float)))
+    c.rl = ml_collections.ConfigDict(dict(   # RLConfig
+        steps=12, tasks_per_step=8, attempts_per_task=8, mode="sync", concurrency=64,
+        batch=dict(   # BatchConfig
+            seq_len=512, rows=8, layout="tree", normalize_std=False, max_staleness=1,
+            # Failures (docs/design.md): infra_error is retried, then never trained;
+            # agent_error trains with the verifier's reward (None) or this one;
+            # timed_out is dropped (None).
+            agent_error_reward=config_dict.placeholder(float),
+            timed_out_reward=config_dict.placeholder(float)),
+        loss=dict(mode="task_mean", clip_eps=0.2, tis_cap=2.0),   # PolicyGradientLoss
+        optimizer=dict(learning_rate=1e-4)))   # OptimizerConfig
+    c.rl.seed = c.get_ref("seed")
+
+    # How each rollout samples and runs (orchestrator and collector arguments).
+    c.rollout = ml_collections.ConfigDict(dict(
+        temperature=0.3, max_tokens=48, max_steps=3, infra_retries=2))
 
     c.eval = ml_collections.ConfigDict(dict(num_tasks=200, temperature=0.3, concurrency=64))
     c.report = ml_collections.ConfigDict(dict(num_sample_traces=4))
-    return c
+    return apply(c)

@@ -3,14 +3,46 @@
 Base SFT once (`seed`: tokenizer corpus, base model, distill/held-out split),
 then for each of `seeds` and each method (SFT on hinted outputs, OPSD, RMSD)
 a self-distillation run from that base model (the seed drives sampling and
-prompt order). Held-out target rate every `target_every` steps, retention on
-every `retain_every`-th item every `eval_every` steps, all items at the end.
+prompt order). Held-out target rate every `loop.target_every` steps,
+retention on every `loop.retain_every`-th item every `loop.eval_every`
+steps, all items at the end.
+
+Sections named after a dataclass have exactly its fields (converted by
+`ac2_jax.config.from_config`): model -> DecoderConfig (vocab_size: the
+tokenizer's), sft -> SFTConfig, sft_optimizer / distill_optimizer ->
+OptimizerConfig, hint -> HintConfig, distill -> DistillConfig (method: each
+of `methods`), sampling -> SampleConfig. The others are this experiment's
+own: tokenizer, base_data, loop, report.
+
+Variants (`--config=experiments/configs/pinapple.py:quick`):
+  default  the reported experiment (3 seeds x 3 methods, 60 distillation steps)
+  quick    a smoke run of every stage (one seed, a few steps)
 """
 
 import ml_collections
+from ml_collections import config_dict
+
+from ac2_jax.config import select_variant
 
 
-def get_config() -> ml_collections.ConfigDict:
+def _default(c):
+    return c
+
+
+def _quick(c):
+    c.seeds = (0,)
+    c.base_data.update(repeats=1, hint_demos=200)
+    c.sft.steps = 20
+    c.sft_optimizer.warmup_steps = 2
+    c.loop.update(steps=2, prompts_per_step=4, target_every=1, eval_every=2, retain_every=16)
+    return c
+
+
+VARIANTS = {"default": _default, "quick": _quick}
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+    apply = select_variant(variant, VARIANTS)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.seeds = (0, 1, 2)
@@ -18,24 +50,35 @@ def get_config() -> ml_collections.ConfigDict:
     c.methods = ("sft", "opsd", "rmsd")
 
     c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=512))
-    c.model = ml_collections.ConfigDict(dict(
+    c.model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab_size: the tokenizer's)
         hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=4,
-        head_dim=16, max_position_embeddings=256))
+        head_dim=16, max_position_embeddings=256, rope_theta=10000.0, tie_embeddings=True))
 
-    # Base SFT: facts (repeated) + hint-following demos for words other than pineapple.
-    c.sft = ml_collections.ConfigDict(dict(
+    # Base SFT data: facts (repeated) + hint-following demos for words other than pineapple.
+    c.base_data = ml_collections.ConfigDict(dict(
         repeats=3, hint_demos=3000, irrelevant_frac=0.3, target_hint_frac=0.15, math_limit=10,
-        steps=1000, batch_rows=8, seq_len=128, learning_rate=5e-3, warmup_steps=30,
         placements=("before_turn",)))
+    c.sft = ml_collections.ConfigDict(dict(   # SFTConfig
+        steps=1000, batch_rows=8, seq_len=128, mode="token_mean"))
+    c.sft.seed = c.get_ref("seed")
+    c.sft_optimizer = ml_collections.ConfigDict(dict(   # OptimizerConfig
+        learning_rate=5e-3, warmup_steps=30, schedule="cosine"))
+    c.sft_optimizer.total_steps = c.sft.get_ref("steps")
 
     c.hint = ml_collections.ConfigDict(dict(placement="before_turn", template="{hint}"))
 
-    c.distill = ml_collections.ConfigDict(dict(
-        steps=60, prompts_per_step=8, learning_rate=2e-4, temperature=1.0, max_new_tokens=20,
-        only_failures=False,
-        kind="reverse_kl", teacher="live", ema_decay=0.9, top_t=2, threshold=None,
-        judge="keywords", seq_len=128, rows=4, heldout_frac=0.35, target_rate=0.9,
-        target_every=2, eval_every=10, retain_every=4))
+    # The distillation loop: every step samples `prompts_per_step` distillation prompts.
+    c.loop = ml_collections.ConfigDict(dict(
+        steps=60, prompts_per_step=8, only_failures=False, judge="keywords", heldout_frac=0.35,
+        target_rate=0.9, target_every=2, eval_every=10, retain_every=4))
+    c.distill = ml_collections.ConfigDict(dict(   # DistillConfig (method: each of `methods`)
+        kind="reverse_kl", teacher="live", ema_decay=0.9, top_t=2,
+        threshold=config_dict.placeholder(float), seq_len=128, rows=4))
+    c.distill.groups = c.loop.get_ref("prompts_per_step")
+    c.distill_optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-4))  # OptimizerConfig
+    c.sampling = ml_collections.ConfigDict(dict(   # SampleConfig
+        max_new_tokens=20, temperature=1.0))
+    c.sampling.min_batch = c.loop.get_ref("prompts_per_step")
 
     c.report = ml_collections.ConfigDict(dict(example_method="rmsd"))
-    return c
+    return apply(c)
