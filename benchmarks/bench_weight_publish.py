@@ -6,7 +6,7 @@ For each model size: the learner runs `make_train_step` + `PolicyGradientLoss`
 `--seg_len` tokens, half prompt / half agent tokens, groups of 8 attempts with
 rewards 0/1, packed into rows of seq_len); that is the train-step time. Then,
 `--repeats` times: `training.publish` (the RLTrainer's call: params out of the
-train state -> `publish_weights`, Orbax save + atomic LATEST) ->
+train state -> `publish_weights`, a finalized Orbax CheckpointManager step) ->
 `JaxSampler.load_weights(step)` (Orbax restore into the sampler's model and a
 snapshot for the worker) -> the first `generate` whose result carries
 `policy_version == step` (weights swap in, one prefill + one decode chunk; the

@@ -1,6 +1,6 @@
-"""Orbax params I/O and the publish protocol, on real files in tmp dirs."""
+"""Orbax params I/O and the publish protocol (an Orbax CheckpointManager directory),
+on real files in tmp dirs."""
 
-import json
 import os
 
 import jax
@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import orbax.checkpoint as ocp
+
 from ac2_jax.models import (Decoder, DecoderConfig, latest_published, load_published,
                             publish_weights, restore_params, save_params)
+from ac2_jax.models.params_io import PARAMS, published_steps
 
 CONFIG = DecoderConfig.tiny(32, num_layers=1, tie_embeddings=False)
 
@@ -68,8 +71,9 @@ def test_publish_latest_and_prune(models, tmp_path):
     assert latest_published(pub) == 10
     publish_weights(models[1], pub, step=20, keep=2)
     assert latest_published(pub) == 20
-    with open(os.path.join(pub, "LATEST")) as f:
-        assert json.load(f) == {"step": 20, "path": "20"}
+    assert not os.path.exists(os.path.join(pub, "LATEST"))  # Orbax lists the steps
+    with ocp.CheckpointManager(pub, item_names=(PARAMS,)) as mgr:  # a plain Orbax directory
+        assert mgr.latest_step() == 20 and list(mgr.all_steps()) == [10, 20]
     assert load_published(target, pub) == 20
     assert_same(target, models[1])
     assert load_published(target, pub, step=10) == 10
@@ -77,10 +81,56 @@ def test_publish_latest_and_prune(models, tmp_path):
 
     publish_weights(models[2], pub, step=30, keep=2)  # keep=2 prunes step 10
     assert sorted(n for n in os.listdir(pub) if n.isdigit()) == ["20", "30"]
-    assert not [n for n in os.listdir(pub) if n.endswith(".tmp")]
+    assert published_steps(pub) == [20, 30]
+    assert not [n for n in os.listdir(pub) if "tmp" in n]
     assert load_published(target, pub) == 30
     assert_same(target, models[2])
     with pytest.raises(FileNotFoundError, match="step 10"):
         load_published(target, pub, step=10)
     with pytest.raises(ValueError, match="step"):
         publish_weights(models[0], pub, step=-1)
+
+
+def test_publish_steps_go_forward_and_republish_replaces(models, tmp_path):
+    pub = str(tmp_path / "pub")
+    target = Decoder(CONFIG, rngs=nnx.Rngs(9))
+    publish_weights(models[0], pub, step=5)
+    publish_weights(models[1], pub, step=5)  # the latest step again: replaced
+    assert published_steps(pub) == [5]
+    assert load_published(target, pub) == 5
+    assert_same(target, models[1])
+    with pytest.raises(ValueError, match="step 4 is older than the latest published step 5"):
+        publish_weights(models[2], pub, step=4)
+    assert published_steps(pub) == [5]
+    other = Decoder(CONFIG.replace(hidden_size=16), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="shape.*step 5 of"):
+        load_published(other, pub)
+
+
+def test_interrupted_publish_is_never_seen(models, tmp_path, monkeypatch):
+    """A save that dies before Orbax's finalizing rename leaves a tmp directory
+    holding every file; readers ignore it and the next publish goes on."""
+    from orbax.checkpoint._src.path import async_path
+
+    pub = str(tmp_path / "pub")
+    target = Decoder(CONFIG, rngs=nnx.Rngs(9))
+    publish_weights(models[0], pub, step=1)
+
+    async def crash(*_a, **_k):
+        raise RuntimeError("killed before the rename")
+
+    with monkeypatch.context() as m:
+        m.setattr(async_path, "rename", crash)
+        with pytest.raises(RuntimeError, match="killed before the rename"):
+            publish_weights(models[1], pub, step=2)
+    left = [n for n in os.listdir(pub) if n.startswith("2.") and "tmp" in n]
+    assert left, os.listdir(pub)  # the half-finished step 2 is on disk ...
+    assert os.listdir(os.path.join(pub, left[0]))
+    assert latest_published(pub) == 1 and published_steps(pub) == [1]  # ... and not listed
+    assert load_published(target, pub) == 1
+    assert_same(target, models[0])
+    with pytest.raises(FileNotFoundError, match="step 2 is not in"):
+        load_published(target, pub, step=2)
+    publish_weights(models[2], pub, step=3)
+    assert load_published(target, pub) == 3
+    assert_same(target, models[2])

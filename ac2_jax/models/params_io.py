@@ -1,24 +1,21 @@
 """Orbax I/O of model params, and the learner -> sampler publish protocol.
 
-Publishing: `publish_weights` writes an Orbax checkpoint of the params to
-`publish_dir/<step>` (Orbax finalizes it atomically), then atomically
-replaces `publish_dir/LATEST` (temp file + os.replace) with
-`{"step": step, "path": "<step>"}` (path relative to publish_dir). A reader
-that sees LATEST therefore always finds a complete checkpoint. Only the
-newest `keep` steps stay on disk (the one LATEST names is never removed).
+Publishing: `publish_dir` is an Orbax CheckpointManager directory holding
+params only (item "params", step = policy version). Orbax writes each step
+into a temporary directory and renames it when complete, and lists only
+finalized steps, so a reader (`latest_published`, `load_published`) never
+sees a half-written step. The manager keeps the newest `keep` steps.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-LATEST = "LATEST"
+PARAMS = "params"  # the one item of a publish step
 
 
 def _checkpointer() -> ocp.Checkpointer:
@@ -46,16 +43,20 @@ def restore_params(model: nnx.Module, path: str) -> None:
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"restore_params: no checkpoint at {path}")
+    ckpt = _checkpointer()
+    _restore_into(model, ckpt.metadata(path), lambda target: ckpt.restore(path, target), path)
+
+
+def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
+    """Checks the saved tree (`meta`) against the model's params, then loads
+    `restore(target)` into the model (target: ShapeDtypeStructs with shardings)."""
     state = nnx.state(model, nnx.Param)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         nnx.to_pure_dict(state))
-    ckpt = _checkpointer()
-    meta = ckpt.metadata(path)
     meta = getattr(meta, "item_metadata", meta)  # StepMetadata wraps the TreeMetadata
-    _check_matches(meta.tree, target, path)
-    restored = ckpt.restore(path, target)
-    nnx.replace_by_pure_dict(state, restored)
+    _check_matches(getattr(meta, "tree", meta), target, where)
+    nnx.replace_by_pure_dict(state, restore(target))
     nnx.update(model, state)
 
 
@@ -77,69 +78,75 @@ def _check_matches(saved, target, path: str) -> None:
                              f"{tuple(flat_target[name].shape)}")
 
 
-def _steps(publish_dir: str) -> list[int]:
-    if not os.path.isdir(publish_dir):
-        return []
-    return sorted(int(n) for n in os.listdir(publish_dir)
-                  if n.isdigit() and os.path.isdir(os.path.join(publish_dir, n)))
-
-
-def _read_latest(publish_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(publish_dir, LATEST)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+def _manager(publish_dir: str, keep: int | None = None,
+             read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           read_only=read_only, save_interval_steps=0
+                                           if read_only else 1,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(publish_dir, options=options,
+                                 item_handlers={PARAMS: ocp.StandardCheckpointHandler()})
 
 
 def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 3) -> str:
-    """Publishes the params as `step`; returns the checkpoint path.
+    """Publishes the params as `step`; returns the step's directory.
 
-    Re-publishing an existing step replaces it. Every process takes part in
-    the Orbax save; process 0 alone writes LATEST and prunes old steps.
+    Steps only go forward: re-publishing the latest step replaces it, an
+    older step is an error. The newest `keep` steps stay on disk. Every
+    process takes part in the save (Orbax coordinates them).
     """
-    if int(step) != step or step < 0:
+    if isinstance(step, bool) or int(step) != step or step < 0:
         raise ValueError(f"publish_weights: step must be an int >= 0, got {step!r}")
     if keep < 1:
         raise ValueError(f"publish_weights: keep must be >= 1, got {keep}")
     step = int(step)
     publish_dir = os.path.abspath(publish_dir)
-    os.makedirs(publish_dir, exist_ok=True)
-    path = os.path.join(publish_dir, str(step))
-    save_params(model, path, overwrite=True)
-    if jax.process_index() == 0:
-        tmp = os.path.join(publish_dir, f".{LATEST}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "path": str(step)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(publish_dir, LATEST))
-        for old in _steps(publish_dir)[:-keep]:
-            if old != step:
-                shutil.rmtree(os.path.join(publish_dir, str(old)), ignore_errors=True)
-    return path
+    with _manager(publish_dir, keep=keep) as mgr:
+        latest = mgr.latest_step()
+        if latest is not None and step < latest:
+            raise ValueError(f"publish_weights: step {step} is older than the latest published "
+                             f"step {latest} in {publish_dir}; published steps only go forward")
+        if step == latest:
+            mgr.delete(step)
+        mgr.save(step, force=True,
+                 args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(_params(model))}))
+        mgr.wait_until_finished()
+    return os.path.join(publish_dir, str(step))
+
+
+def published_steps(publish_dir: str) -> list[int]:
+    """The finalized steps in `publish_dir`, oldest first ([] when none)."""
+    publish_dir = os.path.abspath(publish_dir)
+    if not os.path.isdir(publish_dir):
+        return []
+    with _manager(publish_dir, read_only=True) as mgr:
+        return sorted(mgr.all_steps())
 
 
 def latest_published(publish_dir: str) -> int | None:
-    """The step LATEST names, or None when nothing was published yet."""
-    info = _read_latest(os.path.abspath(publish_dir))
-    return None if info is None else int(info["step"])
+    """The newest finalized step, or None when nothing was published yet."""
+    steps = published_steps(publish_dir)
+    return steps[-1] if steps else None
 
 
 def load_published(model: nnx.Module, publish_dir: str, step: int | None = None) -> int:
-    """Loads published params into `model` in place (the latest when step is None)."""
+    """Loads published params into `model` in place (the latest when step is None);
+    returns the step loaded."""
     publish_dir = os.path.abspath(publish_dir)
-    if step is None:
-        info = _read_latest(publish_dir)
-        if info is None:
+    if not os.path.isdir(publish_dir):
+        raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "
+                                f"(no such directory)")
+    with _manager(publish_dir, read_only=True) as mgr:
+        steps = sorted(mgr.all_steps())
+        if not steps:
             raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "
-                                    f"(no {LATEST} file)")
-        step, rel = int(info["step"]), info["path"]
-    else:
-        rel = str(int(step))
-    path = os.path.join(publish_dir, rel)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"load_published: step {step} is not in {publish_dir} "
-                                f"(kept steps: {_steps(publish_dir)})")
-    restore_params(model, path)
-    return int(step)
+                                    f"(no finalized step)")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(f"load_published: step {step} is not in {publish_dir} "
+                                    f"(kept steps: {steps})")
+        where = f"step {step} of {publish_dir}"
+        _restore_into(model, mgr.item_metadata(step)[PARAMS], lambda target: mgr.restore(
+            step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS],
+            where)
+    return step

@@ -144,9 +144,10 @@ def publish(graphdef, state, publish_dir: str | os.PathLike, step: int | None = 
             keep: int = 3) -> str:
     """Writes the state's weights as the sampler's next policy; returns the path.
 
-    Uses `ac2_jax.models.params_io.publish_weights` (atomic LATEST, newest
-    `keep` kept). step defaults to state.step. Pass the global state (pmap:
-    `TrainStep.host_state`).
+    Uses `ac2_jax.models.params_io.publish_weights` (an Orbax
+    CheckpointManager directory of params: readers only see finalized steps,
+    newest `keep` kept). step defaults to state.step. Pass the global state
+    (pmap: `TrainStep.host_state`).
     """
     from ac2_jax.models import params_io
 
