@@ -1,7 +1,10 @@
 """Self-distillation training (ac2_jax.training.distill.trainer, distill_data, distill_sources).
 
-Equivalences are numeric in fp32: losses to 1e-5 (absolute), params to 1e-6.
+Equivalences are numeric in fp32: losses to 1e-5 (absolute), params to 1e-6; a resumed
+run equals the uninterrupted one bitwise.
 """
+
+import dataclasses
 
 import numpy as np
 import jax
@@ -13,7 +16,8 @@ from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.types import Completion, Episode, Trace
-from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
+from ac2_jax.training import (OptimizerConfig, SFTConfig, create_train_state, read_metrics,
+                              run_sft)
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
 from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
@@ -274,3 +278,54 @@ def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn):
     (ex,) = resample_examples(g, base.params, base.rest, [task], prompts,
                               SampleConfig(max_new_tokens=4, temperature=0.0), source="teacher")
     assert tok.decode(ex.response).startswith("blue")
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("teacher", ["ema", "fixed"])
+def test_resume_from_a_checkpoint_equals_uninterrupted(tok, model_state, step_fn, tmp_path,
+                                                       teacher):
+    """4 updates straight == 2 updates, a new distiller restored from the workdir, 2 more:
+    params, optimizer state and teacher params bitwise equal in fp32 (same ops, same order)."""
+    exs = _examples(tok)
+    batches = [exs, exs[:1], exs[1:], exs]  # update i trains on batches[i]
+    g, init = model_state
+    config = DistillConfig(teacher=teacher, ema_decay=0.5, rows=2)
+    straight = SelfDistiller(g, _copy(init), config, OPT, step_fn=step_fn)
+    for b in batches:
+        straight.update(b)
+
+    wd = tmp_path / teacher
+    ckpt = dataclasses.replace(config, checkpoint_every=2)
+    first = SelfDistiller(g, _copy(init), ckpt, OPT, step_fn=step_fn, workdir=wd)
+    assert first.restore() == 0
+    logged = [first.update(b) for b in batches[:3]]  # killed after step 3: resume from 2
+    first.close()
+    # A new process-like distiller: a different start state, so only the checkpoint counts.
+    other = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, _copy(init))
+    resumed = SelfDistiller(g, other, ckpt, OPT, step_fn=step_fn, workdir=wd)
+    assert resumed.restore() == 2
+    for b in batches[2:]:
+        resumed.update(b)
+    resumed.close()
+    assert int(resumed.state.step) == int(straight.state.step) == 4
+    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    for a, b in zip(jax.tree.leaves(straight.teacher_params),
+                    jax.tree.leaves(resumed.teacher_params)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    rows = read_metrics(str(wd / "metrics" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]  # step 3 again after the resume
+    assert rows[0]["train/kl"] == logged[0]["kl"] and rows[0]["train/skipped"] == 0.0
+    with pytest.raises(ValueError, match="trained with .*'teacher': "):
+        SelfDistiller(g, _copy(init), dataclasses.replace(ckpt, teacher="live"), OPT,
+                      step_fn=step_fn, workdir=wd).restore()
+
+
+def test_checkpoint_every_without_a_workdir_is_named(model_state):
+    g, init = model_state
+    with pytest.raises(ValueError, match="checkpoint_every=2 needs a workdir"):
+        SelfDistiller(g, init, DistillConfig(checkpoint_every=2), OPT)
+    with pytest.raises(ValueError, match="DistillConfig.checkpoint_every must be >= 0"):
+        DistillConfig(checkpoint_every=-1)

@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable
 
 import jax
+import orbax.checkpoint as ocp
 
 from ac2_jax.training.core.checkpoints import Checkpointer, from_nested, to_nested
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -177,13 +178,17 @@ class Trainer:
         ckpt = self._checkpointer()
         if ckpt.latest_step() is None:
             return 0
+        step = ckpt.latest_step()
+        # The driver checks its JSON state first: a mismatch is named before the arrays load.
+        data = ckpt.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        data = dict(data["data"] or {})
+        self.hooks.load_state_dict(dict(data.get("driver", {})))
         target, extra = self.host_state(), self.hooks.extra_state()
         like = target if extra is None else {**to_nested(target), EXTRA: extra}
-        tree, data, _ = ckpt.restore(like)
+        tree, _, _ = ckpt.restore(like, step)
         if extra is not None:
             self.hooks.load_extra_state(tree.pop(EXTRA))
             tree = from_nested(tree, target)
-        self.hooks.load_state_dict(dict(data.get("driver", {})))
         self.state = self.step_fn.place(tree)
         self.steps_done = int(data["steps_done"])
         if self._progress is not None:

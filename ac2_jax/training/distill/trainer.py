@@ -20,13 +20,18 @@ initial params) or "ema" (updated after every step:
 `ema <- decay * ema + (1 - decay) * params`).
 Method "sft" instead trains the student (no hint) on the examples'
 responses with plain SFT: the baseline with teacher-sampled responses.
+
+The loop is the shared `Trainer`: with a workdir every update is logged
+(train/...) and checkpointed every `checkpoint_every` updates together with
+the fixed/EMA teacher params, and `restore()` resumes exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+import os
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +45,7 @@ from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
 from ac2_jax.training.core.objectives import SFTLoss
 from ac2_jax.training.core.train_step import TrainStep, forward, make_train_step
+from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")
@@ -114,6 +120,8 @@ class DistillConfig:
     least static task/segment capacity (batches of up to that many examples
     reuse one compiled step). skip_empty: no optimizer step when RMSD keeps
     no position (zero gradient, but Adam's moments would still move params).
+    checkpoint_every: updates between checkpoints when run with a workdir
+    (0: only explicit `save()`); keep_checkpoints: newest kept (None: all).
     """
 
     method: str = "opsd"
@@ -130,8 +138,13 @@ class DistillConfig:
     rows: int = 1
     groups: int = 8
     skip_empty: bool = True
+    checkpoint_every: int = 0
+    keep_checkpoints: int | None = 3
 
     def __post_init__(self):
+        if self.checkpoint_every < 0:
+            raise ValueError(f"DistillConfig.checkpoint_every must be >= 0, got "
+                             f"{self.checkpoint_every}")
         if self.method not in METHODS:
             raise ValueError(f"DistillConfig.method must be one of {METHODS}, got {self.method!r}")
         if self.teacher not in TEACHERS:
@@ -155,37 +168,82 @@ class Relevance:
     teacher_argmax: list[np.ndarray]
 
 
-class SelfDistiller:
-    """Holds the train state and the teacher; `update(examples)` takes one step.
+class SelfDistiller(TrainerHooks):
+    """Holds the `Trainer` and the teacher; `update(examples)` takes one step.
 
     graphdef/state from `create_train_state`. judge: needed for method
     "rmsd" (with a tokenizer to show it text). The step runs under jit
     (optionally with a mesh; not pmap); the teacher forward is a separate
     jitted call before it. Pass an earlier distiller's `step_fn` (same loss
     and optimizer) to reuse its compiled step, e.g. across seeds.
+    workdir: checkpoints (`config.checkpoint_every`) and train/ metrics;
+    `restore()` loads the latest and returns the number of updates done.
     """
 
     def __init__(self, graphdef, state, config: DistillConfig, optimizer, *,
                  judge: Judge | None = None, tokenizer=None, mesh=None, donate: bool = True,
-                 step_fn: TrainStep | None = None):
+                 step_fn: TrainStep | None = None, workdir: str | os.PathLike | None = None,
+                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False,
+                 total_steps: int | None = None):
         if config.method == "rmsd" and (judge is None or tokenizer is None):
             raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
+        if config.checkpoint_every and workdir is None:
+            raise ValueError(f"SelfDistiller: DistillConfig.checkpoint_every="
+                             f"{config.checkpoint_every} needs a workdir")
         self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
         loss = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
-        if step_fn is None:
-            step_fn = make_train_step(graphdef, loss, optimizer, mode="jit", mesh=mesh,
-                                      donate=donate)
-        elif step_fn.loss_fn != loss or step_fn.mode != "jit":
+        if step_fn is not None and (step_fn.loss_fn != loss or step_fn.mode != "jit"):
             raise ValueError(f"SelfDistiller: step_fn has loss {step_fn.loss_fn} (mode "
                              f"{step_fn.mode!r}); this config needs {loss} under jit")
-        self.step_fn = step_fn  # reuse one across runs to compile once
         if mesh is None:  # commit to one device: same placement every run, no recompiles
             state = jax.device_put(state, jax.local_devices()[0])
-        self.state = self.step_fn.place(state)
+        self.trainer = Trainer(graphdef, state, loss, optimizer, workdir=workdir,
+                               checkpoint_every=config.checkpoint_every,
+                               keep_checkpoints=config.keep_checkpoints, hooks=self, mesh=mesh,
+                               donate=donate, step_fn=step_fn, make_step=make_step,
+                               progress=progress, total_steps=total_steps)
         # A copy (new buffers, same placement as the state) survives the step's donation.
         self.teacher_params = (jax.tree.map(jnp.copy, self.state.params)
                                if config.teacher != "live" else None)
         self.last_relevance: Relevance | None = None
+
+    @property
+    def state(self):
+        return self.trainer.state
+
+    @property
+    def step_fn(self) -> TrainStep:
+        """The compiled step: pass it to a later distiller to reuse it."""
+        return self.trainer.step_fn
+
+    # -- checkpoints (TrainerHooks)
+
+    def state_dict(self) -> dict:
+        return {"method": self.config.method, "teacher": self.config.teacher}
+
+    def load_state_dict(self, data: dict) -> None:
+        mine = self.state_dict()
+        if data != mine:
+            raise ValueError(f"SelfDistiller: the checkpoint was trained with {data}, this "
+                             f"distiller is {mine}")
+
+    def extra_state(self):
+        return None if self.teacher_params is None else {"teacher_params": self.teacher_params}
+
+    def load_extra_state(self, tree) -> None:
+        self.teacher_params = tree["teacher_params"]
+
+    def restore(self) -> int:
+        """Loads the workdir's latest checkpoint (state and teacher); returns the number
+        of `update` calls it holds (0: none)."""
+        return self.trainer.restore()
+
+    def save(self) -> bool:
+        return self.trainer.save()
+
+    def close(self) -> None:
+        """Waits for pending checkpoints; closes the metrics files."""
+        self.trainer.close()
 
     # -- teacher
 
@@ -253,18 +311,20 @@ class SelfDistiller:
         return batch, {"teacher_logits": t_logits}
 
     def update(self, examples: Sequence[DistillExample]) -> dict[str, float]:
-        """One optimizer step on `examples` (skipped when no position is kept)."""
-        if not examples:
-            return {"skipped": 1.0, "kept_tokens": 0.0}
-        batch, extras = self.prepare(examples)
-        kept = float(np.asarray(batch.loss_mask).astype(bool).sum())
-        if kept == 0 and self.config.skip_empty:
-            return {"skipped": 1.0, "kept_tokens": 0.0}
-        self.state, metrics = self.step_fn(self.state, batch, extras)
-        if self.config.teacher == "ema":
-            self.teacher_params = _ema(self.teacher_params, self.state.params,
-                                       jnp.float32(self.config.ema_decay))
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        out.update(skipped=0.0, kept_tokens=kept,
-                   response_tokens=float(sum(e.num_trained for e in examples)))
+        """One optimizer step on `examples` (skipped when no position is kept).
+
+        Every call is one loop step of the Trainer (skipped ones too): logged,
+        counted and checkpointed on the cadence."""
+        out = {"skipped": 1.0, "kept_tokens": 0.0}
+        if examples:
+            batch, extras = self.prepare(examples)
+            kept = float(np.asarray(batch.loss_mask).astype(bool).sum())
+            if kept or not self.config.skip_empty:
+                out = self.trainer.update(batch, extras)
+                if self.config.teacher == "ema":
+                    self.teacher_params = _ema(self.teacher_params, self.state.params,
+                                               jnp.float32(self.config.ema_decay))
+                out.update(skipped=0.0, kept_tokens=kept,
+                           response_tokens=float(sum(e.num_trained for e in examples)))
+        self.trainer.end_step(out)
         return out
