@@ -91,7 +91,7 @@ def test_publish_latest_and_prune(models, tmp_path):
         publish_weights(models[0], pub, step=-1)
 
 
-def test_publish_steps_go_forward_and_republish_replaces(models, tmp_path):
+def test_republish_replaces_and_a_rollback_drops_newer_steps(models, tmp_path):
     pub = str(tmp_path / "pub")
     target = Decoder(CONFIG, rngs=nnx.Rngs(9))
     publish_weights(models[0], pub, step=5)
@@ -99,11 +99,13 @@ def test_publish_steps_go_forward_and_republish_replaces(models, tmp_path):
     assert published_steps(pub) == [5]
     assert load_published(target, pub) == 5
     assert_same(target, models[1])
-    with pytest.raises(ValueError, match="step 4 is older than the latest published step 5"):
-        publish_weights(models[2], pub, step=4)
-    assert published_steps(pub) == [5]
+    publish_weights(models[0], pub, step=7)
+    publish_weights(models[2], pub, step=6)  # a run resumed from step 6 rolls back
+    assert published_steps(pub) == [5, 6] and latest_published(pub) == 6
+    assert load_published(target, pub) == 6
+    assert_same(target, models[2])
     other = Decoder(CONFIG.replace(hidden_size=16), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="shape.*step 5 of"):
+    with pytest.raises(ValueError, match="shape.*step 6 of"):
         load_published(other, pub)
 
 

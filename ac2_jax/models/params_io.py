@@ -91,9 +91,11 @@ def _manager(publish_dir: str, keep: int | None = None,
 def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 3) -> str:
     """Publishes the params as `step`; returns the step's directory.
 
-    Steps only go forward: re-publishing the latest step replaces it, an
-    older step is an error. The newest `keep` steps stay on disk. Every
-    process takes part in the save (Orbax coordinates them).
+    Publishing a step at or below the latest replaces it and deletes the
+    newer steps first (a run resumed from an earlier checkpoint rolls the
+    policy back; readers never see the abandoned steps again). The newest
+    `keep` steps stay on disk. Every process takes part in the save (Orbax
+    coordinates them).
     """
     if isinstance(step, bool) or int(step) != step or step < 0:
         raise ValueError(f"publish_weights: step must be an int >= 0, got {step!r}")
@@ -102,12 +104,8 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     step = int(step)
     publish_dir = os.path.abspath(publish_dir)
     with _manager(publish_dir, keep=keep) as mgr:
-        latest = mgr.latest_step()
-        if latest is not None and step < latest:
-            raise ValueError(f"publish_weights: step {step} is older than the latest published "
-                             f"step {latest} in {publish_dir}; published steps only go forward")
-        if step == latest:
-            mgr.delete(step)
+        for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
+            mgr.delete(newer)
         mgr.save(step, force=True,
                  args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(_params(model))}))
         mgr.wait_until_finished()
