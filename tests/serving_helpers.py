@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tokenizer import Tokenizer, parse_tool_calls
+from ac2_jax.models import Tokenizer, parse_tool_calls
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 
 TOOLS = [{"type": "function", "function": {

@@ -17,7 +17,7 @@ from flax import nnx
 
 from ac2_jax.models import Decoder
 from ac2_jax.models.params_io import publish_weights
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import Sampler
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving import chat
 

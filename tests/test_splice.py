@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ac2_jax.models.tokenizer import Tokenizer, build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models import Tokenizer, build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids, turn_key
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {

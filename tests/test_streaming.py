@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import SampleResult, truncate_at_stop
 from ac2_jax.serving import chat
 from ac2_jax.serving.streaming import TextStream, _held_suffix

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from ac2_jax.models.tokenizer import Tokenizer, parse_tool_calls
+from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving.requests import ChatRequest, CompletionRequest
 
@@ -40,7 +40,7 @@ def choice_from_result(index: int, result: SampleResult, matched_stop: str | Non
     text = prefix + tokenizer.decode(ids, skip_special_tokens=True)
     if matched_stop is not None and matched_stop in text:
         text = text[: text.find(matched_stop)]
-    content, calls = (parse_tool_calls(text) if parse_tools else (text, []))
+    content, calls = (tuple(tokenizer.parse_tool_calls(text)) if parse_tools else (text, []))
     finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
     return Choice(index, text, content if (content or not calls) else None, calls, finish, result)
 

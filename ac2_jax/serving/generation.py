@@ -27,7 +27,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ac2_jax.models.tokenizer import Tokenizer
+from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import (ContextLengthError, SampleResult, Sampler, SamplerError,
                               SamplingParams, truncate_at_stop)
 from ac2_jax.serving import chat as chat_lib
@@ -43,12 +43,17 @@ AGENT_HEADER = "x-agent"
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
-def forced_prefix(req: req_lib.ChatRequest) -> str:
-    """Text that opens the assistant turn to force a tool call ("" if none)."""
+def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest) -> str:
+    """Text that opens the assistant turn to force a tool call ("" if none), in
+    the tokenizer's tool-call format (`tool_parser.opening` / `named_opening`)."""
+    parser = getattr(tokenizer, "tool_parser", None)
     if req.tool_choice == "required":
-        return TOOL_CALL_OPEN + "\n"
+        return parser.opening if parser is not None else TOOL_CALL_OPEN + "\n"
     if req.forced_tool is not None:
-        return TOOL_CALL_OPEN + "\n" + '{"name": ' + json.dumps(req.forced_tool) + ', "arguments": '
+        if parser is not None:
+            return parser.named_opening(req.forced_tool)
+        return (TOOL_CALL_OPEN + "\n" + '{"name": ' + json.dumps(req.forced_tool)
+                + ', "arguments": ')
     return ""
 
 
@@ -175,7 +180,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
     async def serve(request: Request, principal, req, agent: str, prompt_ids: list[int],
                     messages: list[dict] | None, chat: bool):
         parse_tools = chat and req.parse_tools
-        prefix = forced_prefix(req) if chat else ""
+        prefix = forced_prefix(tokenizer, req) if chat else ""
         prefix_ids = await asyncio.to_thread(tokenizer.encode, prefix) if prefix else []
         full_prompt = list(prompt_ids) + prefix_ids
         params = sampling_params(len(full_prompt), req)

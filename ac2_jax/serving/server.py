@@ -75,7 +75,7 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.hf_io import load_hf_checkpoint
-    from ac2_jax.models.tokenizer import Tokenizer, build_tiny_tokenizer
+    from ac2_jax.models import Tokenizer, build_tiny_tokenizer
 
     if model == "tiny":
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))

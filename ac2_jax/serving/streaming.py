@@ -18,9 +18,15 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from starlette.responses import StreamingResponse
 
-from ac2_jax.models.tokenizer import Tokenizer
+from ac2_jax.models import Tokenizer
 
-TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_OPEN = "<tool_call>"  # Hermes; a tokenizer's `tool_parser.block_open` wins
+
+
+def tool_call_open(tokenizer: Tokenizer) -> str:
+    """The text that starts a tool-call block in `tokenizer`'s format."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "block_open", TOOL_CALL_OPEN)
 
 
 class TokenFeed:
@@ -63,6 +69,7 @@ class TextStream:
         self.stop = tuple(stop)
         self.parse_tools = parse_tools
         self.prefix = prefix
+        self.open = tool_call_open(tokenizer)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.sent = ""              # text sent so far
@@ -84,11 +91,11 @@ class TextStream:
             text, self.frozen = text[:min(cuts)], True
         else:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
-            held = self.stop + ((TOOL_CALL_OPEN,) if self.parse_tools else ())
+            held = self.stop + ((self.open,) if self.parse_tools else ())
             text = text[:len(text) - _held_suffix(text, held)]
         if self.parse_tools:
-            if TOOL_CALL_OPEN in text:
-                text, self.frozen = text[:text.find(TOOL_CALL_OPEN)], True
+            if self.open in text:
+                text, self.frozen = text[:text.find(self.open)], True
             text = text.strip()
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += delta
