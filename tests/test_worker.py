@@ -197,3 +197,34 @@ def test_request_forced_past_the_checks_fails_alone_at_admission(sampler):
 
     _same(run(go()), want)
     assert sampler.stats.request_errors == errors + 1
+
+
+def test_close_fails_running_and_queued_requests_with_sampler_error(model):
+    gate = Gate()
+
+    def on_tokens(ids, lps):
+        if not gate.entered.is_set():
+            gate.wait()
+
+    s = _sampler(model)
+
+    async def go():
+        running = asyncio.ensure_future(s.generate(prompt_of(170), GREEDY.replace(max_tokens=20),
+                                                   on_tokens=on_tokens))
+        await asyncio.to_thread(gate.entered.wait, 60)
+        queued = asyncio.ensure_future(s.generate(prompt_of(171), GREEDY))
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(asyncio.to_thread(s.close))
+        while True:  # close() has queued its stop (flag and queue change under one lock)
+            with s._lock:
+                if s._closed:
+                    break
+            await asyncio.sleep(0.001)
+        gate.release.set()
+        await closing
+        return await asyncio.gather(running, queued, return_exceptions=True)
+
+    for r in run(go()):
+        assert isinstance(r, SamplerError) and "closed" in str(r)
+    with pytest.raises(SamplerError, match="closed"):
+        gen(s, [1, 2, 3])

@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
-from ac2_jax.sampling.base import OnTokens, SampleResult, SamplingParams, check_prompt
+from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplingParams,
+                                   check_prompt)
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop
 
@@ -145,7 +146,7 @@ class JaxSampler(DeviceLoop):
         return got
 
     def close(self) -> None:
-        """Stops the worker; queued and running calls fail with RuntimeError."""
+        """Stops the worker; queued and running calls fail with SamplerError."""
         with self._lock:  # no request can be queued behind STOP
             if self._closed:
                 return
@@ -213,6 +214,6 @@ class JaxSampler(DeviceLoop):
                       on_tokens=on_tokens)
         with self._lock:
             if self._closed:
-                raise RuntimeError("JaxSampler is closed")
+                raise SamplerError("JaxSampler is closed")
             self._queue.put(req)
         return req

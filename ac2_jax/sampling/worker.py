@@ -43,17 +43,18 @@ class DeviceLoop:
                 except Exception as e:  # noqa: BLE001 - a crash: fail what it held, go on
                     self._restart(e)
         finally:
-            err = RuntimeError("JaxSampler was closed before this request finished")
-            self._fail_running(err)
+            def closed():
+                return SamplerError("JaxSampler was closed before this request finished")
+            self._fail_running(closed)
             for req in self._waiting:
-                resolve(req, exc=err)
+                resolve(req, exc=closed())
             while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(item, Request):
-                    resolve(item, exc=err)
+                    resolve(item, exc=closed())
 
     def _pull(self) -> bool:
         """Moves queued requests to `_waiting`; blocks when idle. False on close."""
@@ -118,22 +119,22 @@ class DeviceLoop:
         """An exception escaped a device step: fail only the requests held in
         rows (or being admitted), rebuild the cache; waiting requests go on."""
         held = {id(r): r for r in self._admitting + [r for r in self._table.req if r is not None]}
-        err = SamplerError(f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
-                           f"this request was running; the worker restarted")
-        err.__cause__ = exc
         for req in held.values():
             if not req.future.done():
                 self.stats.request_errors += 1
+            err = SamplerError(f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
+                               f"this request was running; the worker restarted")
+            err.__cause__ = exc
             resolve(req, exc=err)
         self.stats.worker_restarts += 1
         self._admitting = []
         self._table, self._cache, self._S = SlotTable(), None, 0
 
-    def _fail_running(self, exc: BaseException) -> None:
-        """Fails every admitted request and drops the cache (it may be half-donated)."""
+    def _fail_running(self, make_exc) -> None:
+        """Fails every admitted request with `make_exc()` and drops the cache."""
         t = self._table
         for req in self._admitting + [r for r in t.req if r is not None]:
-            resolve(req, exc=exc)
+            resolve(req, exc=make_exc())
         self._admitting = []
         self._table, self._cache, self._S = SlotTable(), None, 0
 
