@@ -62,7 +62,9 @@ async def run_rollout(admin: httpx.AsyncClient, run_id: str, index: int, turns: 
     """One rollout: create, `turns` chat completions, finish. Never raises.
 
     status: "finished", "lost" (created, then a turn or the finish failed) or
-    "not_created" (the create failed: the server never had it)."""
+    "not_created" (the create failed: the server never had it). A lost rollout
+    is then finished as infra_error if the server still answers; `ended_as`
+    says how that went."""
     out: dict[str, Any] = {"index": index, "rollout_id": None, "status": "lost", "error": None,
                            "turns_done": 0, "latency_s": [], "completion_tokens": []}
     step = "create"
@@ -97,6 +99,15 @@ async def run_rollout(admin: httpx.AsyncClient, run_id: str, index: int, turns: 
         out["error"] = f"{step}: {type(e).__name__}: {e}"[:500]
         if out["rollout_id"] is None:
             out["status"] = "not_created"
+        elif step != "finish":  # end it on the server too, so it is stored, never trained
+            try:
+                r = await admin.post(f"/v1/rollouts/{out['rollout_id']}/finish",
+                                     json={"status": "infra_error",
+                                           "artifacts": {"harness_error": out["error"]}})
+                out["ended_as"] = ("infra_error" if r.status_code == 200
+                                   else f"HTTP {r.status_code}")
+            except Exception as e2:  # noqa: BLE001 - e.g. the server is gone
+                out["ended_as"] = f"{type(e2).__name__}"
     finally:
         if client is not None:
             await client.close()
@@ -169,14 +180,17 @@ def audit(traces: Iterable, run_id: str, rollouts: int, turns: int,
           decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """Checks the stored traces of run `run_id` against the conversations sent.
 
-    A trace is `ok` when its status is "finished", its completions are exactly `turns`, completion k's
+    A finished trace is `ok` when its completions are exactly `turns`, completion k's
     prompt (decoded) holds the markers of turns 0..k of its own rollout in
     order, and no completion (prompt or output) holds any other marker.
-    Returns {"stored": indices, "missing": indices never stored, "duplicates",
+    Other statuses are listed in `not_finished` and their content checks skip
+    the turn count (they ended early). Returns {"stored": indices, "missing":
+    indices never stored, "duplicates", "not_finished": {index: status},
     "cross_wired": [(index, reason)], "sample_s": {(index, turn): seconds}}.
     """
     stored: list[int] = []
     cross: list[tuple[int, str]] = []
+    not_finished: dict[int, str] = {}
     sample_s: dict[tuple[int, int], float] = {}
     for tr in traces:
         if tr.metadata.get("harness_run") != run_id:
@@ -184,7 +198,7 @@ def audit(traces: Iterable, run_id: str, rollouts: int, turns: int,
         i = int(tr.metadata["index"])
         stored.append(i)
         if tr.status != "finished":
-            cross.append((i, f"status {tr.status!r}"))
+            not_finished[i] = tr.status
         comps = [c for ep in tr.episodes for c in ep.completions]
         seen = set()
         for c in comps:
@@ -201,11 +215,12 @@ def audit(traces: Iterable, run_id: str, rollouts: int, turns: int,
             seen.add(k)
             if "sample_s" in c.timings:
                 sample_s[(i, k)] = float(c.timings["sample_s"])
-        if seen != set(range(turns)):
+        if seen != set(range(len(seen) if i in not_finished else turns)):
             cross.append((i, f"turns recorded {sorted(seen)} != 0..{turns - 1}"))
     dup = sorted({i for i in stored if stored.count(i) > 1})
     return {"stored": sorted(set(stored)), "missing": sorted(set(range(rollouts)) - set(stored)),
-            "duplicates": dup, "cross_wired": cross, "sample_s": sample_s}
+            "duplicates": dup, "not_finished": not_finished, "cross_wired": cross,
+            "sample_s": sample_s}
 
 
 def lost_rollouts(report: dict[str, Any], stored: Iterable[int]) -> list[dict[str, Any]]:
@@ -226,21 +241,23 @@ class ServerProcess:
     """`python -m ac2_jax.serving --model=tiny` as a child process on a free port.
 
     flags: extra `--flag=value` strings. repo: the checkout whose `ac2_jax` runs
-    (default: this one). `url` is set once it answers.
+    (default: this one). env: overrides of the child's environment. `url` is
+    set once it answers.
     """
 
     def __init__(self, trace_store: str, admin_key: str, log_path: str,
                  flags: Iterable[str] = (), python: str = sys.executable,
-                 repo: str | None = None):
+                 repo: str | None = None, env: dict[str, str] | None = None):
         self.cmd = [python, "-m", "ac2_jax.serving", "--model=tiny", "--port=0",
                     f"--admin_key={admin_key}", f"--trace_store={trace_store}", *flags]
         self.admin_key, self.log_path = admin_key, log_path
-        self.repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.repo = repo or os.environ.get("E_DEV_REPO") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
     def start(self, timeout_s: float = 120.0) -> str:
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **self.env}
         repo = self.repo
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
         log = open(self.log_path, "ab")
