@@ -181,7 +181,8 @@ async def _pipeline(cfg, log=print) -> dict:
     metrics_path = os.path.join(report_dir, "metrics", "metrics.jsonl")
     logged = set().union(*(r.keys() for r in read_metrics(metrics_path)))
     plot_curves(metrics_path, os.path.join(report_dir, "learning_curve.png"),
-                keys=[k for k in ("pass_rate", "entropy", "grad_norm") if k in logged])
+                keys=[k for k in ("train/pass_rate", "train/entropy", "train/grad_norm")
+                      if k in logged])
     samples = [t for t in store.read(on_error="skip")][-cfg.report.num_sample_traces:]
     for i, tr in enumerate(samples):
         write_trace_html(os.path.join(report_dir, f"trace_{i}.html"), tr, tokenizer=tokenizer)

@@ -26,11 +26,12 @@ from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Trace, TraceStore
-from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
+from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, StepCache, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 
 ADMIN = "sk-admin-rl"
+STEPS = StepCache()  # trainers of equal configuration share one compiled step
 
 
 class ParityEnv(Env):
@@ -96,7 +97,7 @@ def test_two_step_smoke_and_resume(served):
     async def first_run():
         lc, collector = _collector(served, store)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(1), workdir,
-                            on_publish=sampler.load_weights)
+                            on_publish=sampler.load_weights, make_step=STEPS)
         before = _params(trainer)
         history = await trainer.run()
         trainer.close()
@@ -116,7 +117,7 @@ def test_two_step_smoke_and_resume(served):
     async def resumed_run():
         lc, collector = _collector(served, store)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(2), workdir,
-                            on_publish=sampler.load_weights)
+                            on_publish=sampler.load_weights, make_step=STEPS)
         assert trainer.start_step == 1 and trainer.version == 1
         np.testing.assert_allclose(jax.tree.leaves(_params(trainer))[0],
                                    jax.tree.leaves(after_0)[0])
@@ -142,7 +143,7 @@ def test_two_step_smoke_and_resume(served):
         lc, collector = _collector(served, store)
         published = []
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(2), workdir,
-                            on_publish=published.append)
+                            on_publish=published.append, make_step=STEPS)
         history = await trainer.run()
         trainer.close()
         await lc.aclose()
@@ -150,6 +151,12 @@ def test_two_step_smoke_and_resume(served):
 
     history, published = asyncio.run(rerun_after_the_end())
     assert history == [] and published == [2]
+    # One train/ line per trained step, across the resume; checkpoints named by steps done.
+    rows = read_metrics(os.path.join(workdir, "metrics", "metrics.jsonl"))
+    assert [(r["step"], r["train/rl_step"]) for r in rows] == [(1, 0), (2, 1)]
+    assert all("train/reward_mean" in r and "train/skipped_update" in r for r in rows)
+    assert sorted(d for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()) \
+        == ["1", "2"]
 
 
 def test_sync_and_async_first_updates_are_identical(served):
@@ -159,7 +166,8 @@ def test_sync_and_async_first_updates_are_identical(served):
     results = {}
     for mode in ("sync", "async"):
         trainer = RLTrainer(_model(served["tok"].vocab_size), ReplayCollector(traces),
-                            _config(2, mode), str(served["tmp"] / f"replay_{mode}"))
+                            _config(2, mode), str(served["tmp"] / f"replay_{mode}"),
+                            make_step=STEPS)
         history = asyncio.run(trainer.run())
         results[mode] = (history, _params(trainer))
         trainer.close()
@@ -187,7 +195,7 @@ def test_stale_traces_are_dropped_in_the_loop(served):
         config = RLConfig(steps=2, tasks_per_step=2, attempts_per_task=4,
                           batch=BatchConfig(seq_len=128, rows=8, max_staleness=0, stale=stale))
         trainer = RLTrainer(_model(served["tok"].vocab_size), ReplayCollector(replay), config,
-                            str(served["tmp"] / f"stale_{stale}"))
+                            str(served["tmp"] / f"stale_{stale}"), make_step=STEPS)
         history = asyncio.run(trainer.run())
         trainer.close()
         assert history[0]["dropped_stale"] == 0 and history[0]["skipped_update"] == 0.0
@@ -206,7 +214,8 @@ class CrashingOrchestrator(DefaultOrchestrator):
 def _learner(served, tmp):
     config = RLConfig(steps=1, tasks_per_step=2, attempts_per_task=2,
                       batch=BatchConfig(seq_len=128, rows=4))
-    return RLTrainer(_model(served["tok"].vocab_size), ReplayCollector([]), config, str(tmp))
+    return RLTrainer(_model(served["tok"].vocab_size), ReplayCollector([]), config, str(tmp),
+                     make_step=STEPS)
 
 
 def test_collector_retries_infra_errors_and_they_never_reach_a_batch(served):
@@ -354,7 +363,7 @@ def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
                                       attempts_per_task=4, seed=0, concurrency=8,
                                       infra_retries=0, rollout_deadline_s=15.0)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector,
-                            _config(1, concurrency=8), str(tmp_path / "run"))
+                            _config(1, concurrency=8), str(tmp_path / "run"), make_step=STEPS)
         try:
             return await asyncio.wait_for(trainer.run(), 120), trainer, lc
         finally:
@@ -445,7 +454,7 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     try:  # wait until step 0 is trained and step 1 is being collected (one rollout at a time)
         while time.time() < deadline:
             done = [t for t in store.read(on_error="skip") if t.metadata.get("rl_step") == 1]
-            if 1 <= len(done) < 8 and os.path.exists(os.path.join(workdir, "checkpoints", "0")):
+            if 1 <= len(done) < 8 and os.path.exists(os.path.join(workdir, "checkpoints", "1")):
                 break
             assert proc.poll() is None, "the worker ended before it could be killed"
             time.sleep(0.2)

@@ -10,9 +10,11 @@ collects step s+1 while step s trains, so sampling and training overlap;
 traces lagging more than `max_staleness` versions are dropped or
 down-weighted and truncated importance weights correct the rest. Every
 collected rollout is appended to `workdir/rollouts.jsonl` as it finishes, and
-a checkpoint records the last trained step, so a killed run resumes at the
-next step without repeating or losing rollouts. Rollouts that end infra_error
-(our fault) are retried, counted in the step metrics, and never trained.
+the shared `Trainer` checkpoints after every step (`workdir/checkpoints/<steps
+done>`) and logs train/ metrics (`workdir/metrics`), so a killed run resumes
+at the next step without repeating or losing rollouts. Rollouts that end
+infra_error (our fault) are retried, counted in the step metrics, and never
+trained.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from ac2_jax.envs.base import Env
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
 from ac2_jax.trace.store import TraceStore
 from ac2_jax.trace.types import Trace
-from ac2_jax.training.core.checkpoints import Checkpointer, publish
+from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
 from ac2_jax.training.core.objectives import PolicyGradientLoss
-from ac2_jax.training.rl.data import BatchConfig, build_batch, trace_rewards
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
-from ac2_jax.training.core.train_step import make_train_step
+from ac2_jax.training.core.train_step import TrainStep, make_train_step
+from ac2_jax.training.core.trainer import Trainer
+from ac2_jax.training.rl.data import BatchConfig, build_batch, trace_rewards
 
 RL_MODES = ("sync", "async")
 
@@ -186,12 +189,15 @@ class RLTrainer:
     A collector that says how it collects (`tasks_per_step`, `attempts`,
     `concurrency` attributes, as EndpointCollector does) must agree with
     `config` (tasks_per_step, attempts_per_task, concurrency): a mismatch is a
-    ValueError, never silently one or the other.
+    ValueError, never silently one or the other. The loop is a `Trainer`
+    (`self.trainer`); logger replaces its `workdir/metrics` sink;
+    make_step: e.g. a `StepCache` shared by several trainers.
     """
 
     def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
                  on_publish: Callable[[int], Any] | None = None, train_mode: str = "jit",
-                 mesh=None, logger: MetricsLogger | None = None):
+                 mesh=None, logger: MetricsLogger | None = None,
+                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False):
         for ours, theirs in (("tasks_per_step", "tasks_per_step"),
                              ("attempts_per_task", "attempts"), ("concurrency", "concurrency")):
             have = getattr(collector, theirs, None)
@@ -203,26 +209,30 @@ class RLTrainer:
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
-        self.step_fn = make_train_step(self.graphdef, config.loss, config.optimizer,
-                                       mode=train_mode, mesh=mesh)
-        self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                 max_to_keep=config.keep_checkpoints)
-        self.start_step = 0
-        if self.ckpt.latest_step() is not None:
-            state, data, _ = self.ckpt.restore(state)
-            self.start_step = int(data["rl_step"]) + 1
-        self.state = self.step_fn.place(state)
-        self.logger = logger
+        self.trainer = Trainer(self.graphdef, state, config.loss, config.optimizer,
+                               workdir=self.workdir, checkpoint_every=1,
+                               keep_checkpoints=config.keep_checkpoints,
+                               mode=train_mode, mesh=mesh, make_step=make_step, logger=logger,
+                               progress=progress, total_steps=config.steps)
+        self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
         self._published: int | None = None
         self.history: list[dict[str, Any]] = []
 
     @property
+    def step_fn(self) -> TrainStep:
+        return self.trainer.step_fn
+
+    @property
+    def state(self):
+        return self.trainer.state
+
+    @property
     def version(self) -> int:
         """Policy version of the learner = number of updates done."""
-        return int(jax.device_get(self.step_fn.host_state(self.state).step))
+        return int(jax.device_get(self.trainer.host_state().step))
 
     def model(self):
-        return self.step_fn.host_state(self.state).model(self.graphdef)
+        return self.trainer.model()
 
     def update(self, traces: Sequence[Trace]) -> dict[str, Any]:
         """One update from traces (the same in sync and async mode)."""
@@ -244,15 +254,14 @@ class RLTrainer:
         if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
             return m
-        self.state, step_m = self.step_fn(self.state, batch)
-        m.update({k: float(v) for k, v in jax.device_get(step_m).items()})
+        m.update(self.trainer.update(batch))
         m["skipped_update"] = 0.0
         return m
 
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload."""
         version = self._published = self.version
-        publish(self.graphdef, self.step_fn.host_state(self.state), self.publish_dir, version)
+        publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
         if self.on_publish is not None:
             self.on_publish(version)
         return version
@@ -280,20 +289,15 @@ class RLTrainer:
             if m["policy_version"] != self._published:
                 # Off the event loop: rollouts of the next step keep streaming meanwhile.
                 await asyncio.to_thread(self.publish)
-            self.ckpt.save(s, self.step_fn.host_state(self.state), data={"rl_step": s},
-                           force=True)
             t3 = time.perf_counter()
-            if cfg.mode == "sync" and s + 1 < cfg.steps:
-                pending = asyncio.ensure_future(self.collector.collect(s + 1))
             m.update(rl_step=s, time_sampling_s=t_sample, time_training_s=t2 - t1,
                      time_publishing_s=t3 - t2, time_step_s=time.perf_counter() - t0)
+            self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            if cfg.mode == "sync" and s + 1 < cfg.steps:
+                pending = asyncio.ensure_future(self.collector.collect(s + 1))
             self.history.append(m)
-            if self.logger is not None:
-                self.logger.log(s, m)
-        self.ckpt.wait()
+        self.trainer.wait()
         return self.history
 
     def close(self) -> None:
-        self.ckpt.close()
-        if self.logger is not None:
-            self.logger.close()
+        self.trainer.close()
