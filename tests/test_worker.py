@@ -18,18 +18,24 @@ from tests.test_jax_sampler import (GREEDY, _same, _sampler, gen,  # noqa: F401
 
 
 def test_on_tokens_streams_exactly_the_output(sampler):
-    calls, order = [], []
-
-    def on_tokens(ids, lps):
-        calls.append((list(ids), list(lps)))
-        order.append(threading.current_thread().name)
-
+    calls, seen = [], []
     p, sp = prompt_of(100), SamplingParams(temperature=1.0, max_tokens=24, seed=7)
-    r = run(sampler.generate(p, sp, on_tokens=on_tokens))
+
+    async def go():
+        task = None
+
+        def on_tokens(ids, lps):
+            calls.append((list(ids), list(lps)))
+            seen.append((threading.current_thread().name, task.done()))
+
+        task = asyncio.ensure_future(sampler.generate(p, sp, on_tokens=on_tokens))
+        return await task
+
+    r = run(go())
     assert len(calls) >= 3  # 24 tokens at 4 steps per device call, streamed per call
     assert [t for ids, _ in calls for t in ids] == r.output_ids
     assert [x for _, lps in calls for x in lps] == r.output_logprobs  # exact
-    assert set(order) == {"JaxSampler"}  # from the worker, before the future resolved
+    assert seen == [("JaxSampler", False)] * len(calls)  # the worker, before the result
     _same(r, gen(sampler, p, sp))  # streaming changes nothing
 
 
