@@ -24,7 +24,7 @@ from ac2_jax.evals import evaluate, paired_difference
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.hf_io import save_hf_checkpoint
 from ac2_jax.models.params_io import restore_params, save_params
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app

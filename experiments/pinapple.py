@@ -31,7 +31,7 @@ from flax import nnx
 from ac2_jax.config import from_config
 from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller

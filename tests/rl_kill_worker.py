@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ac2_jax.models.tokenizer import build_tiny_tokenizer  # noqa: E402
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.orchestration import LifecycleClient  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402

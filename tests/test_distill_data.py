@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tokenizer import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from ac2_jax.envs import Env, Task, Tool
-from ac2_jax.models.tokenizer import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.orchestration import (CompactionOrchestrator, DefaultOrchestrator, LifecycleClient,
                                    MultiResponseOrchestrator, SubagentOrchestrator,
                                    run_rollout)

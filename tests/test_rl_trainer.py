@@ -19,7 +19,7 @@ from flax import nnx
 from ac2_jax.envs import Env, Task
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import latest_published
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.sampling.sglang import SGLangSampler

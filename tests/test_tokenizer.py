@@ -1,11 +1,12 @@
-"""Tokenizer: tiny BPE + chat template, checked against transformers."""
+"""Tokenizer: ids, chat rendering and tool-call parsing of one model, checked against transformers."""
 
 import json
 import os
 
 import pytest
 
-from ac2_jax.models.tokenizer import Tokenizer, build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
@@ -40,18 +41,6 @@ def tiny(tmp_path_factory):
 def hf_tok(tiny):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(tiny[0])
-
-
-def test_tiny_vocab_and_special_ids(tiny):
-    _, tok = tiny
-    assert 512 <= tok.vocab_size <= 1024
-    for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
-              "<tool_response>", "</tool_response>"]:
-        tid = tok.token_to_id(t)
-        assert tid is not None and tok.encode(t) == [tid], t
-    assert tok.eos_token_id == tok.token_to_id("<|im_end|>")
-    assert tok.pad_token_id == tok.token_to_id("<|endoftext|>")
-    assert set(tok.stop_token_ids) == {tok.eos_token_id, tok.pad_token_id}
 
 
 @pytest.mark.parametrize("text", [
@@ -92,7 +81,7 @@ def test_rendered_tool_turn_equals_generation_prompt_plus_output(tiny):
     full = tok.apply_chat_template(CONVERSATION[:3], tools=TOOLS, add_generation_prompt=False)
     emitted = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>\n'
     assert full == prompt + emitted
-    content, calls = parse_tool_calls(emitted.replace("<|im_end|>\n", ""))
+    content, calls = tok.parse_tool_calls(emitted.replace("<|im_end|>\n", ""))
     assert content == "" and calls[0]["function"] == {"name": "add",
                                                       "arguments": '{"a": 3, "b": 4}'}
 
@@ -120,31 +109,6 @@ def test_named_templates_pick_tool_use(tiny, tmp_path):
     assert named.apply_chat_template(CONVERSATION[:2], tools=TOOLS) == "tools1"
 
 
-def test_parse_tool_calls():
-    text = ('Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
-            '</tool_call>\n<tool_call>\n{"name": "mul", "arguments": "{\\"x\\": 3}"}\n</tool_call>')
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me compute."
-    assert [c["function"]["name"] for c in calls] == ["add", "mul"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
-    assert json.loads(calls[1]["function"]["arguments"]) == {"x": 3}
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
-    assert calls[0]["id"] != calls[1]["id"]
-
-
-def test_parse_tool_calls_keeps_malformed_and_plain_text():
-    assert parse_tool_calls("  just text ") == ("just text", [])
-    bad = "<tool_call>\n{not json}\n</tool_call>"
-    assert parse_tool_calls(bad) == (bad, [])
-    no_name = '<tool_call>{"arguments": {}}</tool_call>'
-    assert parse_tool_calls(no_name) == (no_name, [])
-    truncated = '<tool_call>\n{"name": "add", "argu'
-    assert parse_tool_calls(truncated) == (truncated, [])
-    mixed = bad + '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    content, calls = parse_tool_calls(mixed)
-    assert content == bad and calls[0]["function"] == {"name": "f", "arguments": "{}"}
-
-
 def test_errors_are_clear(tiny, tmp_path):
     _, tok = tiny
     with pytest.raises(ValueError, match="empty"):
@@ -161,14 +125,17 @@ def test_errors_are_clear(tiny, tmp_path):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
-def test_individual_digits_option_matches_autotokenizer(tmp_path):
-    from transformers import AutoTokenizer
-
-    from ac2_jax.models.tokenizer import build_tiny_tokenizer
-    tok = build_tiny_tokenizer(str(tmp_path / "digits"), individual_digits=True)
-    hf = AutoTokenizer.from_pretrained(str(tmp_path / "digits"))
-    text = "What is 47*38+12? The answer is 1798."
-    ids = tok.encode(text)
-    assert ids == hf.encode(text, add_special_tokens=False)
-    digits = [tok.id_to_token(i) for i in ids if tok.id_to_token(i).lstrip("Ġ").isdigit()]
-    assert all(len(d.lstrip("Ġ")) == 1 for d in digits) and len(digits) == 10
+def test_tool_parser_is_named_and_used(tiny, tmp_path):
+    path, tok = tiny
+    assert tok.tool_parser.name == "hermes"
+    hermes = '<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>'
+    coder = "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n</function>\n</tool_call>"
+    assert tok.parse_tool_calls(hermes)[1][0]["function"] == {"name": "add",
+                                                               "arguments": '{"a": 3}'}
+    assert tok.parse_tool_calls(coder) == (coder, [])  # not this model's format
+    xml = Tokenizer.from_pretrained(path, tool_parser="qwen3_coder")
+    assert xml.tool_parser.name == "qwen3_coder"
+    _, calls = xml.parse_tool_calls(coder, TOOLS)  # the schema types "a" as an integer
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 3}'}
+    with pytest.raises(ValueError, match="unknown tool parser 'llama9'"):
+        Tokenizer(tok.hf, tool_parser="llama9")

@@ -5,7 +5,7 @@ tokenizer; write_trace_html writes the same page.
 
 import pytest
 
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace
 from ac2_jax.viz import trace_html, write_trace_html
 from html_dom import Dom

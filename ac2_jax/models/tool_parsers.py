@@ -1,0 +1,322 @@
+"""Tool-call parsers: model text -> (content, OpenAI tool_calls), in linear time.
+
+A `ToolCallParser` turns the text a model emitted into the message content
+and a list of OpenAI tool calls `{"id", "type": "function", "function":
+{"name", "arguments"}}` (arguments a JSON string). Parsers live in a registry
+(`register_parser`, `get_parser`, `parser_names`); a `Tokenizer` names one.
+
+Registered formats:
+- "hermes" (Hermes / Qwen2.5 / Qwen3):
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+- "qwen3_coder" (Qwen3-Coder XML): `<tool_call>\\n<function=NAME>\\n
+  <parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`.
+
+Every parser scans with `str.find` from a cursor that only moves forward and
+decodes each block once, so its work is linear in the text length (no
+backtracking regex). `ParsedText.steps` counts that work (characters covered
+by each find, strip and decode). Only the first `max_chars` characters are
+parsed; the rest stays content and `ParsedText.unparsed_chars` says how much.
+A block that is not a well-formed call (bad JSON, no name, no closing tag)
+stays in the content as text and is counted in `ParsedText.malformed`.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import secrets
+import threading
+from typing import Any, Sequence
+
+DEFAULT_MAX_CHARS = 1 << 20  # parse at most 1 MiB of model text for tool calls
+
+
+class ParsedText(tuple):
+    """`(content, calls)` with counters; unpacks and compares as the 2-tuple.
+
+    Attributes: content (str, stripped), calls (list of OpenAI tool calls),
+    steps (int, work done: characters scanned or decoded), malformed (int,
+    blocks left as text), unparsed_chars (int, text past the length cap).
+    """
+
+    steps: int
+    malformed: int
+    unparsed_chars: int
+
+    def __new__(cls, content: str, calls: list[dict[str, Any]], *, steps: int = 0,
+                malformed: int = 0, unparsed_chars: int = 0) -> "ParsedText":
+        self = super().__new__(cls, (content, calls))
+        self.steps, self.malformed, self.unparsed_chars = steps, malformed, unparsed_chars
+        return self
+
+    @property
+    def content(self) -> str:
+        return self[0]
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return self[1]
+
+
+class _Scan:
+    """Forward-only search over `text[:end]` that counts the characters it covers."""
+
+    def __init__(self, text: str, end: int):
+        self.text, self.end, self.steps = text, end, 0
+
+    def find(self, sub: str, start: int, end: int | None = None) -> int:
+        end = self.end if end is None else end
+        i = self.text.find(sub, start, end)
+        self.steps += (end - start) if i < 0 else (i + len(sub) - start)
+        return i
+
+    def strip(self, start: int, end: int) -> str:
+        self.steps += end - start
+        return self.text[start:end].strip()
+
+
+def new_call(name: str, arguments: str) -> dict[str, Any]:
+    """One OpenAI tool call with a fresh id."""
+    return {"id": "call_" + secrets.token_hex(12), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallParser(abc.ABC):
+    """One tool-call format.
+
+    `opening` is the text that starts a call; a server forces a call by
+    prefilling it into the assistant turn (`named_opening(name)` forces one
+    function). Blocks are `block_open ... block_close`; subclasses decode a
+    block's stripped body with `parse_block`.
+    """
+
+    name: str
+    opening: str
+    block_open: str = "<tool_call>"
+    block_close: str = "</tool_call>"
+
+    def __init__(self, max_chars: int = DEFAULT_MAX_CHARS):
+        if not isinstance(max_chars, int) or max_chars < 0:
+            raise ValueError(f"max_chars must be an int >= 0, got {max_chars!r}")
+        self.max_chars = max_chars
+
+    @abc.abstractmethod
+    def named_opening(self, function_name: str) -> str:
+        """The text that starts a call of `function_name`."""
+
+    @abc.abstractmethod
+    def parse_block(self, body: str, schema: Any) -> dict[str, Any] | None:
+        """One call from a block body (stripped), or None if malformed.
+
+        Must be a constant number of forward passes over `body` (linear).
+        """
+
+    def schema(self, tools: Sequence[dict] | None) -> Any:
+        """What `parse_block` needs of the request's tools, built once per parse."""
+        return None
+
+    def parse(self, text: str, tools: Sequence[dict] | None = None) -> ParsedText:
+        """Splits `text` into (content, tool calls); see the module docstring.
+
+        Well-formed blocks become calls and leave the content; the content
+        is stripped when calls were found and `text.strip()` otherwise.
+        `tools` (OpenAI tool dicts) lets a format type its arguments.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"parse: text must be str, got {type(text).__name__}")
+        end = min(len(text), self.max_chars)
+        scan = _Scan(text, end)
+        schema = self.schema(tools)
+        kept: list[str] = []
+        calls: list[dict[str, Any]] = []
+        malformed, pos = 0, 0
+        while pos < end:
+            start = scan.find(self.block_open, pos)
+            if start < 0:
+                break
+            body_at = start + len(self.block_open)
+            stop = scan.find(self.block_close, body_at)
+            if stop < 0:  # no closing tag anywhere after: no later block can close either
+                malformed += 1
+                break
+            after = stop + len(self.block_close)
+            body = scan.strip(body_at, stop)
+            scan.steps += len(body)  # decoding the body is linear in it
+            call = self.parse_block(body, schema)
+            kept.append(text[pos:start])
+            if call is None:
+                malformed += 1
+                kept.append(text[start:after])
+            else:
+                calls.append(call)
+            pos = after
+        if not calls:
+            return ParsedText(text.strip(), [], steps=scan.steps, malformed=malformed,
+                              unparsed_chars=len(text) - end)
+        kept.append(text[pos:])
+        return ParsedText("".join(kept).strip(), calls, steps=scan.steps, malformed=malformed,
+                          unparsed_chars=len(text) - end)
+
+
+_FAILED = object()
+
+
+def _loads(s: str) -> Any:
+    """json.loads, or _FAILED (bad JSON, nesting too deep, ints past the digit limit)."""
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        return _FAILED
+
+
+class HermesParser(ToolCallParser):
+    """`<tool_call>{"name": str, "arguments": {...} | str}</tool_call>` (Hermes, Qwen).
+
+    "parameters" is accepted for "arguments"; a missing one means `{}`.
+    """
+
+    name = "hermes"
+    opening = "<tool_call>\n"
+
+    def named_opening(self, function_name: str) -> str:
+        return self.opening + '{"name": ' + json.dumps(function_name, ensure_ascii=False) + \
+            ', "arguments": '
+
+    def parse_block(self, body, schema):
+        obj = _loads(body)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        return new_call(obj["name"], args)
+
+
+def _schema_types(tools: Sequence[dict] | None) -> dict[str, dict[str, str]]:
+    """{function name: {parameter: JSON-schema type}} from OpenAI tool dicts."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        out[fn["name"]] = {k: str(v.get("type", "string")).lower()
+                           for k, v in (props if isinstance(props, dict) else {}).items()
+                           if isinstance(v, dict)}
+    return out
+
+
+def _typed(value: str, kind: str | None) -> Any:
+    """A Qwen3-Coder parameter value typed by its JSON-schema type (vLLM's rules)."""
+    if value.lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return value
+    if kind == "integer":
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind == "number":
+        try:
+            f = float(value)
+        except ValueError:
+            return value
+        return int(f) if f.is_integer() else f
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(value.lower(), value)
+    obj = _loads(value)  # object, array, or anything else JSON can read
+    return value if obj is _FAILED else obj
+
+
+class Qwen3CoderParser(ToolCallParser):
+    """Qwen3-Coder XML: `<tool_call><function=NAME><parameter=K>V</parameter>...
+    </function></tool_call>`, whitespace between tags allowed.
+
+    One leading and one trailing newline of a value are dropped. Values are
+    strings unless `tools` gives the parameter a JSON-schema type (integer,
+    number, boolean, object, array); "null" is None; a value that does not
+    read as its type stays a string (the tool then reports it).
+    """
+
+    name = "qwen3_coder"
+    opening = "<tool_call>\n<function="
+
+    def named_opening(self, function_name: str) -> str:
+        return self.opening + function_name + ">\n"
+
+    def schema(self, tools):
+        return _schema_types(tools)
+
+    def parse_block(self, body, schema):
+        if not body.startswith("<function=") or not body.endswith("</function>"):
+            return None
+        inner_end = len(body) - len("</function>")
+        gt = body.find(">", len("<function="), inner_end)
+        if gt < 0:
+            return None
+        name = body[len("<function="):gt].strip()
+        if not name or "<" in name:
+            return None
+        types = schema.get(name, {})
+        args: dict[str, Any] = {}
+        pos = gt + 1
+        while True:
+            nxt = body.find("<", pos, inner_end)
+            if nxt < 0:
+                if body[pos:inner_end].strip():
+                    return None  # text outside a parameter
+                break
+            if body[pos:nxt].strip() or not body.startswith("<parameter=", nxt):
+                return None
+            key_at = nxt + len("<parameter=")
+            gt = body.find(">", key_at, inner_end)
+            if gt < 0:
+                return None
+            key = body[key_at:gt].strip()
+            close = body.find("</parameter>", gt + 1, inner_end)
+            if not key or "<" in key or close < 0 or key in args:
+                return None
+            value = body[gt + 1:close]
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _typed(value, types.get(key))
+            pos = close + len("</parameter>")
+        return new_call(name, json.dumps(args, ensure_ascii=False))
+
+
+_REGISTRY: dict[str, ToolCallParser] = {}
+_LOCK = threading.Lock()
+
+
+def register_parser(name: str, parser: ToolCallParser) -> None:
+    """Adds `parser` under `name`; a taken name is an error."""
+    if not isinstance(parser, ToolCallParser):
+        raise TypeError(f"register_parser({name!r}): expected a ToolCallParser, "
+                        f"got {type(parser).__name__}")
+    with _LOCK:
+        if name in _REGISTRY:
+            raise ValueError(f"tool parser {name!r} is already registered")
+        _REGISTRY[name] = parser
+
+
+def get_parser(name: str) -> ToolCallParser:
+    """The parser registered as `name`; an unknown name lists the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown tool parser {name!r}; registered: {parser_names()}") from None
+
+
+def parser_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register_parser(HermesParser.name, HermesParser())
+register_parser(Qwen3CoderParser.name, Qwen3CoderParser())
+
+
+def parse_tool_calls(text: str, tools: Sequence[dict] | None = None) -> ParsedText:
+    """`get_parser("hermes").parse(text, tools)`."""
+    return _REGISTRY["hermes"].parse(text, tools)
