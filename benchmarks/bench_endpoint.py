@@ -11,13 +11,30 @@ back; requests/s and output tokens/s. The server runs in a thread of this
 process (`serve_in_thread`), so client, server and sampler share the CPUs.
 
     python -m benchmarks.bench_endpoint --out bench_results/endpoint.json
+
+--mode=process: the endpoint in its own process (`python -m ac2_jax.serving
+--model=tiny`, random weights) and the load from `benchmarks.endpoint_harness`
+in another: per client count C, C concurrent multi-turn rollouts (the
+conversation grows each turn); requests/s, client latency, and overhead =
+client latency minus the sampler time the server recorded for that
+completion (`timings.sample_s` in the stored trace). Then a memory run:
+`--memory_rollouts` rollouts at the largest C, the server's RSS sampled every
+`--rss_every` ended rollouts. Every run is audited: lost, never stored,
+cross-wired.
+
+    python -m benchmarks.bench_endpoint --mode=process --clients=1,8,64 --turns=8 \
+        --memory_rollouts=1000 --out bench_results/endpoint_process.json
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import json
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -30,13 +47,15 @@ import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.models.tokenizer import build_tiny_tokenizer  # noqa: E402
+from ac2_jax.models import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402
+from ac2_jax.trace import TraceStore  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
+from benchmarks.endpoint_harness import ServerProcess, audit, overhead_s, rss_bytes  # noqa: E402
 
 ADMIN = "sk-bench-admin"
 MODEL = "tiny"
@@ -191,8 +210,102 @@ async def run(args, url, sampler, prompt_ids, params) -> tuple[list[dict], list[
     return lat, tp
 
 
+def run_harness(url: str, run_id: str, out_dir: str, **kw) -> dict:
+    """`benchmarks.endpoint_harness` in its own process; its JSON report."""
+    out = os.path.join(out_dir, f"harness_{run_id}.json")
+    args = [sys.executable, "-m", "benchmarks.endpoint_harness", "--url", url,
+            "--admin_key", ADMIN, "--run_id", run_id, "--out", out]
+    for k, v in kw.items():
+        if v is not None:
+            args += [f"--{k}", str(v)]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(args, cwd=repo, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"harness {run_id} failed ({proc.returncode}): {proc.stdout[-2000:]}"
+                           f"{proc.stderr[-2000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def process_mode(args, tmp: str) -> dict:
+    """Server and harness in their own processes (see the module docstring)."""
+    clients = [int(c) for c in args.clients.split(",")]
+    top = max(clients)
+    store = os.path.join(tmp, "traces.jsonl")
+    server = ServerProcess(store, ADMIN, os.path.join(tmp, "server.log"), env={"XLA_FLAGS": ""},
+                           flags=[f"--max_tokens={args.max_tokens}", f"--max_batch={top}",
+                                  f"--max_context={args.max_context}"])
+    tok = build_tiny_tokenizer(os.path.join(tmp, "tok"))  # the server's: same corpus, same BPE
+    url = server.start()
+    runs: list[tuple[dict, dict]] = []  # (row, harness report)
+    common = dict(turns=args.turns, max_tokens=args.max_tokens)
+    try:
+        for w in range(args.warmup_runs):  # compiles: row, prefill and cache buckets
+            run_harness(url, f"warm{w}", tmp, rollouts=top, concurrency=top, **common)
+        for c in clients:
+            rep = run_harness(url, f"c{c}", tmp, rollouts=c * args.rollouts_per_client,
+                              concurrency=c, **common)
+            runs.append(({"run": f"c{c}", "clients": c}, rep))
+        if args.memory_rollouts:
+            rep = run_harness(url, "mem", tmp, rollouts=args.memory_rollouts, concurrency=top,
+                              turns=args.memory_turns, max_tokens=args.max_tokens,
+                              rss_pid=server.pid, rss_every=args.rss_every)
+            runs.append(({"run": "mem", "clients": top}, rep))
+        rss_end = rss_bytes(server.pid)
+    finally:
+        server.kill(signal.SIGTERM)
+    traces = TraceStore(store).load(on_error="raise")
+    rows = []
+    for row, rep in runs:
+        a = audit(traces, rep["run_id"], rep["rollouts"], rep["turns"], tok.decode)
+        over = overhead_s(rep, a["sample_s"])
+        row.update(rollouts=rep["rollouts"], turns=rep["turns"], requests=rep["requests"],
+                   wall_s=rep["wall_s"], req_per_s=rep["req_per_s"],
+                   latency_p50_ms=1e3 * rep["latency_p50_s"],
+                   overhead_p50_ms=1e3 * pct(over, 50) if over else None,
+                   overhead_p99_ms=1e3 * pct(over, 99) if over else None,
+                   overhead_n=len(over), lost=len(rep["lost"]) + len(rep["not_created"]),
+                   missing=len(a["missing"]), cross_wired=len(a["cross_wired"]),
+                   duplicates=len(a["duplicates"]), not_finished=len(a["not_finished"]))
+        rows.append(row)
+    mem = next((rep["rss"] for row, rep in runs if row["run"] == "mem"), [])
+    return {"rows": rows, "rss": mem, "rss_end_bytes": rss_end, "traces_stored": len(traces),
+            "audit_examples": {row["run"]: audit(traces, rep["run_id"], rep["rollouts"],
+                                                 rep["turns"], tok.decode)["cross_wired"][:3]
+                               for row, rep in runs}}
+
+
+def main_process(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_endpoint_proc_") as tmp:
+        res = process_mode(args, tmp)
+    load = os.getloadavg()
+    print(f"\nserver process: tiny random model, max_tokens {args.max_tokens}, max_context "
+          f"{args.max_context}; harness process; cpus {os.cpu_count()}, load average "
+          f"{load[0]:.1f}")
+    print_table(res["rows"], ["run", "clients", "rollouts", "turns", "requests", "wall_s",
+                              "req_per_s", "latency_p50_ms", "overhead_p50_ms",
+                              "overhead_p99_ms", "lost", "missing", "cross_wired"])
+    if res["rss"]:
+        mb = [(s["rollouts_ended"], (s["rss_bytes"] or 0) / 2**20) for s in res["rss"]]
+        print("\nserver RSS (MiB) by rollouts ended: "
+              + ", ".join(f"{n}: {m:.0f}" for n, m in mb))
+    write_json(args.out, {"benchmark": "endpoint_process", "config": vars(args),
+                          "load_average": load, **res})
+    return res
+
+
 def main(argv=None):
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["thread", "process"], default="thread",
+                   help="thread: server in this process vs direct sampler; process: see above")
+    p.add_argument("--turns", type=int, default=8, help="(process) turns per rollout")
+    p.add_argument("--rollouts_per_client", type=int, default=2, help="(process)")
+    p.add_argument("--max_context", type=int, default=512, help="(process) server context")
+    p.add_argument("--warmup_runs", type=int, default=2, help="(process)")
+    p.add_argument("--memory_rollouts", type=int, default=0,
+                   help="(process) rollouts of the memory run (0: none)")
+    p.add_argument("--memory_turns", type=int, default=2, help="(process)")
+    p.add_argument("--rss_every", type=int, default=50, help="(process)")
     p.add_argument("--max_tokens", type=int, default=16)
     p.add_argument("--latency_requests", type=int, default=150,
                    help="sequential rounds (each: one direct, one admin HTTP, one rollout HTTP)")
@@ -200,6 +313,8 @@ def main(argv=None):
     p.add_argument("--throughput_requests", type=int, default=256,
                    help="requests per throughput row (split over the clients)")
     args = p.parse_args(argv)
+    if args.mode == "process":
+        return main_process(args)
     max_batch = max(int(c) for c in args.clients.split(","))
     with tempfile.TemporaryDirectory(prefix="bench_endpoint_") as tmp:
         tok, sampler, prompt_ids, params, seed = build(args.max_tokens, max_batch, tmp)

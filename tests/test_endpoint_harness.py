@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
 from benchmarks.endpoint_harness import (ServerProcess, audit, find_markers, lost_rollouts,
                                          marker)
