@@ -468,3 +468,157 @@ def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     finally:
         admin.close()
         stop()
+
+
+def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
+    a = create(env, "hostile-a")
+    client = client_for(a)
+    client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    admin, url = env["admin"], env["url"]
+
+    def snapshot():
+        return (admin.get(f"/v1/rollouts/{a['rollout_id']}/trace").json(),
+                len(env["store"].load()), len(env["app"].state.registry))
+
+    before = snapshot()
+    key = {"Authorization": f"Bearer {a['api_key']}", "Content-Type": "application/json"}
+    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+    raw_cases = [
+        (chat + ', "temperature": NaN}', 400, "invalid_json"),
+        (chat + ', "temperature": Infinity}', 400, "invalid_json"),
+        ('{"model": "tiny", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400,
+         "json_too_deep"),
+        ((chat + ', "stop": "\xff"}').encode("latin-1"), 400, "invalid_encoding"),
+        (chat + ', "pad": "' + "x" * (9 << 20) + '"}', 413, "request_too_large"),
+    ]
+    for body, status, code in raw_cases:
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers=key, timeout=300)
+        got_status, err = api_error(r)
+        assert (got_status, err["code"]) == (status, code), err
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 404
+
+    for kw, param in (
+            ({"extra_body": {"top_k": 2**40}}, "top_k"),
+            ({"seed": 2**64}, "seed"),
+            ({"n": 1000}, "n"),
+            ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+            ({"stop": ["s"] * 17}, "stop"),
+            ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+            ({"logit_bias": {"5": 3}}, "logit_bias"),
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"frequency_penalty": 0.5}, "frequency_penalty"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+             "response_format"),
+            ({"stream_options": {"include_usage": True}}, "stream_options"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"metadata": {"agent": "x"}}, "metadata.agent")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2, **kw)
+        assert e.value.param == param and set(e.value.body) == {
+            "message", "type", "param", "code"}, (kw, e.value.body)
+
+    # NaN in rollout metadata, metrics or artifacts: refused before anything is stored.
+    admin_json = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+    status, err = api_error(httpx.post(url + "/v1/rollouts", headers=admin_json,
+                                       content='{"task_id": "x", "metadata": {"v": NaN}}'))
+    assert status == 400
+    for field in ("metrics", "artifacts"):
+        status, err = api_error(httpx.post(
+            url + f"/v1/rollouts/{a['rollout_id']}/finish", headers=admin_json,
+            content='{"reward": 1.0, "%s": {"v": Infinity}}' % field))
+        assert status == 400
+    assert snapshot() == before
+    # The rollout still works and finishes normally.
+    assert admin.post(f"/v1/rollouts/{a['rollout_id']}/finish",
+                      json={"reward": 1.0}).status_code == 200
+
+
+def test_a_poisoned_batch_fails_only_the_bad_request(env):
+    infos = [create(env, f"poison-{i}") for i in range(9)]
+
+    async def good(info, i):
+        client = client_for(info, async_=True)
+        resp = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"job {i}"}], max_tokens=6,
+            temperature=1.0, seed=i)
+        await client.close()
+        return resp
+
+    async def bad(info):
+        client = client_for(info, async_=True)
+        try:
+            await client.chat.completions.create(model="tiny", messages=[USER], max_tokens=6,
+                                                 extra_body={"top_k": 2**40})
+        finally:
+            await client.close()
+
+    async def batch():
+        return await asyncio.gather(*(good(info, i) for i, info in enumerate(infos[:8])),
+                                    bad(infos[8]), return_exceptions=True)
+
+    out = asyncio.run(batch())
+    assert isinstance(out[8], openai.BadRequestError) and out[8].param == "top_k"
+    for i, (info, resp) in enumerate(zip(infos, out[:8])):
+        assert resp.choices[0].finish_reason in ("stop", "length"), resp
+        trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
+        (episode,) = trace["episodes"]
+        assert f"job {i}" in env["tok"].decode(episode["token_ids"])
+        check_episode(env, episode)
+    bad_status = env["admin"].get(f"/v1/rollouts/{infos[8]['rollout_id']}").json()
+    assert bad_status["status"] == "running" and bad_status["num_completions"] == 0
+
+
+def test_streaming_with_the_jax_sampler_equals_the_plain_answer(env):
+    info = create(env, "stream-real")
+    client = client_for(info)
+    _, messages = run_tool_conversation(client, turns=2)
+    plain = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                           temperature=0, max_tokens=64, logprobs=True)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=64,
+        logprobs=True, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content == TURNS[2][0]
+    lps = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
+           for e in c.choices[0].logprobs.content]
+    np.testing.assert_allclose(lps, [e.logprob for e in plain.choices[0].logprobs.content],
+                               atol=1e-5)
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # A longer sampled text arrives in several chunks (the sampler hands over tokens
+    # every `steps_per_sync` steps), and equals the seeded plain answer.
+    kw = dict(model="tiny", prompt="3 + 4 =", max_tokens=40, temperature=1.0, seed=7,
+              logprobs=1)
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(pieces) == plain.choices[0].text and len(pieces) >= 2
+    lps = [x for c in chunks if c.choices and c.choices[0].logprobs
+           for x in c.choices[0].logprobs.token_logprobs]
+    np.testing.assert_allclose(lps, plain.choices[0].logprobs.token_logprobs, atol=1e-5)
+
+
+def test_finished_traces_leave_memory_and_their_status_stays_answerable(env, tmp_path):
+    store = TraceStore(str(tmp_path / "evict.jsonl"))
+    app = build_app(env["sampler"], env["tok"], admin_key=ADMIN, trace_store=store,
+                    model_name="tiny", max_finished_rollouts=3)
+    url, stop = serve_in_thread(app)
+    try:
+        with httpx.Client(base_url=url, timeout=300,
+                          headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+            ids = []
+            for i in range(12):
+                info = admin.post("/v1/rollouts", json={"task_id": f"ev-{i}"}).json()
+                client_for(info).chat.completions.create(model="tiny", messages=[USER],
+                                                         max_tokens=2)
+                admin.post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": i})
+                ids.append(info["rollout_id"])
+                assert len(app.state.registry) <= 3  # traces in memory stay bounded
+            old = admin.get(f"/v1/rollouts/{ids[0]}").json()
+            assert old["evicted"] and old["reward"] == 0 and old["num_completions"] == 1
+            assert old["status"] == "finished" and "completions" not in old
+            assert admin.get(f"/v1/rollouts/{ids[0]}/trace").status_code == 404
+            assert len(store.load()) == 12  # every trace is in the store
+    finally:
+        stop()

@@ -298,3 +298,60 @@ def test_over_http_a_policy_that_ends_its_rollout_early_is_still_graded(tmp_path
         admin.close()
         stop()
         sampler.close()
+
+
+def test_nan_or_non_json_metadata_is_refused_before_anything_changes(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store)
+    for bad in ({"v": float("nan")}, {"v": float("inf")}, {"v": object()}, {1: "int key"}):
+        with pytest.raises(APIError) as e:
+            parse_create({"task_id": "t", "metadata": bad})
+        assert e.value.status == 400 and e.value.param == "metadata"
+        with pytest.raises(APIError):
+            reg.create("t", metadata=bad)
+    assert len(reg) == 0
+    r = reg.create("t")
+    for field in ("metrics", "artifacts"):
+        with pytest.raises(APIError) as e:
+            parse_finish({field: {"v": float("nan")}})
+        assert e.value.param == field
+        with pytest.raises(APIError):
+            reg.finish(r, reward=1.0, **{field: {"v": float("-inf")}})
+    assert r.running and store.load() == []
+    reg.finish(r, reward=1.0)
+    assert [t.reward for t in store.load()] == [1.0]
+
+
+def test_finished_rollouts_are_evicted_to_a_small_summary(tmp_path):
+    reg = RolloutRegistry(TraceStore(str(tmp_path / "t.jsonl")), max_finished=2,
+                          max_summaries=5)
+    ids = []
+    for i in range(10):
+        r = reg.create("t")
+        reg.record(r, "main", [comp([1, 2], [3])], [])
+        reg.count(r, "aborted_completions")
+        reg.finish(r, reward=float(i))
+        ids.append(r.rollout_id)
+        assert len(reg) <= 2
+    assert reg.evicted_summary(ids[-1]) is None  # still whole in memory
+    small = reg.evicted_summary(ids[-3])
+    assert small["evicted"] and small["reward"] == 7.0 and small["num_completions"] == 1
+    assert small["aborted_completions"] == 1 and "completions" not in small
+    assert reg.evicted_summary(ids[0]) is None  # past max_summaries: only in the store
+    with pytest.raises(APIError) as e:
+        reg.get(ids[0])
+    assert e.value.status == 404
+    assert len(TraceStore(str(tmp_path / "t.jsonl")).load()) == 10
+
+
+def test_counters_show_in_the_summary_and_the_stored_metrics(tmp_path):
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    reg = RolloutRegistry(store)
+    r = reg.create("t")
+    reg.count(r, "aborted_completions", 2)
+    reg.count(r, "sampler_errors")
+    s = reg.summary(r)
+    assert (s["aborted_completions"], s["sampler_errors"], s["server_errors"]) == (2, 1, 0)
+    reg.finish(r, status="infra_error")
+    (t,) = store.load()
+    assert t.metrics["aborted_completions"] == 2 and t.metrics["sampler_errors"] == 1

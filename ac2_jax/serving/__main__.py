@@ -26,6 +26,10 @@ flags.DEFINE_integer("max_batch", 16, "Rows decoded together by the JaxSampler."
 flags.DEFINE_integer("max_tokens", None, "Default max_tokens of a request.")
 flags.DEFINE_float("rollout_timeout_s", None, "Default rollout timeout in seconds.")
 flags.DEFINE_integer("seed", 0, "Seed of the tiny model and of unseeded requests.")
+flags.DEFINE_integer("max_body_bytes", 8 << 20, "Larger request bodies get 413.")
+flags.DEFINE_integer("max_finished_rollouts", 256,
+                     "Finished rollouts whose whole trace stays in memory.")
+flags.DEFINE_bool("expose_docs", False, "Serve /docs, /redoc and /openapi.json.")
 FLAGS = flags.FLAGS
 
 
@@ -40,7 +44,9 @@ def main(argv):
         logging.warning("no --admin_key given; using %s", admin_key)
     api = build_app(sampler, tokenizer, admin_key=admin_key, trace_store=FLAGS.trace_store,
                     model_name=FLAGS.model_name or name, rollout_timeout_s=FLAGS.rollout_timeout_s,
-                    default_max_tokens=FLAGS.max_tokens)
+                    default_max_tokens=FLAGS.max_tokens, max_body_bytes=FLAGS.max_body_bytes,
+                    max_finished_rollouts=FLAGS.max_finished_rollouts,
+                    expose_docs=FLAGS.expose_docs)
     uvicorn.run(api, host=FLAGS.host, port=FLAGS.port, log_level="info")
 
 

@@ -396,13 +396,17 @@ def rollout_key_view(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_json(value: Any, param: str) -> None:
-    """400 naming `param` unless `value` is strict JSON (finite numbers, string
-    keys): what the trace store can write, so a finish can never fail on it."""
+    """400 naming `param` unless `value` is strict JSON that reads back equal
+    (finite numbers, string keys, lists): what the trace store writes, so a
+    finish can never fail on it nor store something else."""
     try:
-        json.dumps(value, allow_nan=False)
+        same = json.loads(json.dumps(value, allow_nan=False)) == value
     except (TypeError, ValueError) as e:
         raise bad_request(f"'{param}' must be JSON with finite numbers: {e}",
                           param=param) from None
+    if not same:
+        raise bad_request(f"'{param}' does not survive a JSON round trip (keys must be "
+                          "strings, sequences lists)", param=param)
 
 
 def keys_equal(a: str, b: str) -> bool:
