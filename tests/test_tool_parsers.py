@@ -125,6 +125,16 @@ def test_counters_say_what_was_left_as_text():
     assert parse_tool_calls(good).malformed == 0
 
 
+def test_parsed_text_copies_and_pickles_with_its_counters():
+    import copy
+    import pickle
+    parsed = parse_tool_calls("a <tool_call>{bad}</tool_call> " + hermes_call("f", {}))
+    for clone in (copy.deepcopy(parsed), pickle.loads(pickle.dumps(parsed))):
+        assert clone == parsed and type(clone) is ParsedText
+        assert (clone.steps, clone.malformed, clone.unparsed_chars) == (
+            parsed.steps, parsed.malformed, parsed.unparsed_chars) and clone.malformed == 1
+
+
 def test_parameters_key_and_missing_arguments():
     _, calls = parse_tool_calls('<tool_call>{"name": "f", "parameters": {"q": "é"}}</tool_call>')
     assert calls[0]["function"] == {"name": "f", "arguments": '{"q": "é"}'}

@@ -16,6 +16,7 @@ decodes each block once, so its work is linear in the text length (no
 backtracking regex). `ParsedText.steps` counts that work (characters covered
 by each find, strip and decode). Only the first `max_chars` characters are
 parsed; the rest stays content and `ParsedText.unparsed_chars` says how much.
+Parsers hold no state while parsing: one instance serves many threads.
 A block that is not a well-formed call (bad JSON, no name, no closing tag)
 stays in the content as text and is counted in `ParsedText.malformed`.
 """
@@ -49,6 +50,9 @@ class ParsedText(tuple):
         self.steps, self.malformed, self.unparsed_chars = steps, malformed, unparsed_chars
         return self
 
+    def __reduce__(self):  # copy and pickle keep the counters
+        return (_parsed_text, (self[0], self[1], self.steps, self.malformed, self.unparsed_chars))
+
     @property
     def content(self) -> str:
         return self[0]
@@ -56,6 +60,11 @@ class ParsedText(tuple):
     @property
     def calls(self) -> list[dict[str, Any]]:
         return self[1]
+
+
+def _parsed_text(content, calls, steps, malformed, unparsed_chars) -> ParsedText:
+    return ParsedText(content, calls, steps=steps, malformed=malformed,
+                      unparsed_chars=unparsed_chars)
 
 
 class _Scan:
