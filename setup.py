@@ -1,35 +1,52 @@
-"""ac2_jax: train LLM agents on whole task attempts (traces), in JAX/Flax."""
+"""ac2_jax: train LLM agents on whole task attempts (traces), in JAX/Flax.
+
+Core: what `ac2_jax.{trace,segments,losses,models,sampling,envs,orchestration,
+training,evals}` import (tests/test_layering.py checks it). Extras: serve (the
+FastAPI endpoint), viz (matplotlib curves), dev (tests and parity references).
+Lower bounds are the oldest releases with the APIs the code calls; the test
+suite runs on the versions in BUILD_NOTES.md.
+"""
 from setuptools import find_packages, setup
+
+REQUIRES = [
+    "jax>=0.7.1",              # jax.set_mesh, jax.sharding.get_abstract_mesh; flax 0.12's floor
+    "flax>=0.12",              # nnx.List, nnx.to_flat_state / from_flat_state, nnx.Pytree modules
+    "optax>=0.2.3",            # optax.adamw(mask=), chain, clip_by_global_norm
+    "orbax-checkpoint>=0.9",   # CheckpointManager with args.Composite / StandardSave / JsonSave
+    "numpy>=1.26",
+    "absl-py>=2.0",            # app/flags entry points
+    "ml-collections>=0.1.1",   # config files (experiments, config_flags)
+    "safetensors>=0.4",        # HF checkpoint I/O
+    "tokenizers>=0.19",
+    "jinja2>=3.1",             # chat templates
+    "httpx>=0.27",             # LifecycleClient, SGLangSampler
+    "openai>=1.30",            # orchestrators reach the model through an OpenAI client
+    "tensorboardX>=2.6",       # training metrics (imported when a logger is made)
+    "rich>=13",                # training progress (imported when a trainer runs)
+]
+
+EXTRAS = {
+    # The OpenAI-compatible endpoint + rollout lifecycle (ac2_jax.serving).
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "openai>=1.30"],
+    # Training curves (ac2_jax.viz.curves).
+    "viz": ["matplotlib>=3.8"],
+    # GPU serving at scale (CUDA machines only).
+    "sglang": ["sglang[all]"],
+}
+# Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
+# and everything the test suite exercises.
+EXTRAS["dev"] = sorted({"pytest>=8", "hypothesis>=6", "torch", "transformers>=4.51",
+                        *EXTRAS["serve"], *EXTRAS["viz"]})
 
 setup(
     name="ac2_jax",
     version="0.1.0",
     description="Task-level RL and self-distillation for LLM agents in JAX/Flax.",
     packages=find_packages(include=["ac2_jax", "ac2_jax.*"]),
-    python_requires=">=3.10",
-    install_requires=[
-        "jax>=0.4.35",
-        "flax>=0.10",
-        "optax>=0.2.3",
-        "orbax-checkpoint>=0.9",
-        "numpy>=1.26",
-        "absl-py>=2.0",
-        "ml-collections>=0.1.1",
-        "safetensors>=0.4",
-        "tokenizers>=0.19",
-        "fastapi>=0.110",
-        "uvicorn>=0.29",
-        "httpx>=0.27",
-        "openai>=1.30",
-        "tensorboardX>=2.6",
-        "rich>=13",
-        "jinja2>=3.1",
-        "matplotlib>=3.8",
-    ],
-    extras_require={
-        # Parity tests and peer benchmarks only; never imported by the core.
-        "dev": ["pytest>=8", "torch", "transformers>=4.51"],
-        # GPU serving at scale (CUDA machines only).
-        "sglang": ["sglang[all]"],
-    },
+    # Explicit root: `pip install -e .` then uses a plain .pth file (no meta-path
+    # finder, no setuptools "Editable installation" warning on every install).
+    package_dir={"": "."},
+    python_requires=">=3.11",  # flax >= 0.12 needs 3.11
+    install_requires=REQUIRES,
+    extras_require=EXTRAS,
 )

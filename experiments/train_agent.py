@@ -1,7 +1,10 @@
 """Train an agent with task-level RL (the main job).
 
     python experiments/train_agent.py --config=experiments/configs/calculator.py \
-        --config.rl.learning_rate=5e-4 --config.workdir=runs/calc
+        --config.rl.optimizer.learning_rate=5e-4 --config.workdir=runs/calc
+    python experiments/train_agent.py --config=experiments/configs/calculator.py:quick
+
+The part after ':' picks a variant of the config file (`get_config(variant)`).
 """
 
 import json

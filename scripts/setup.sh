@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs ac2_jax into it.
-#   scripts/setup.sh        core install
-#   scripts/setup.sh dev    core + [dev] (pytest, torch CPU, transformers)
+# Creates .venv (if missing) and installs ac2_jax into it, quietly.
+#   scripts/setup.sh        core + [serve,viz]: what the demo and experiments need
+#   scripts/setup.sh dev    core + [dev] (serve, viz, pytest, torch CPU, transformers)
+#   scripts/setup.sh core   the core only (no FastAPI, uvicorn, matplotlib)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  "") EXTRAS="[serve,viz]" ;;
+  dev) EXTRAS="[dev]" ;;
+  core) EXTRAS="" ;;
+  *) echo "setup.sh: unknown argument '$1' (use nothing, 'dev' or 'core')" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# pip -q, keeping its exit status and every message except one: a pip config
+# that lists a local simple index without a folder for every package makes pip
+# warn "Location '...' is ignored" once per package (the machine's config, not
+# this project).
+pip_install() {
+  local log rc=0
+  log=$(mktemp)
+  python -m pip install -q "$@" >"$log" 2>&1 || rc=$?
+  grep -v "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" \
+    "$log" >&2 || true
+  rm -f "$log"
+  return "$rc"
+}
+
+pip_install --upgrade pip
 if [ "${1:-}" = "dev" ]; then
   # CPU torch pinned first so the [dev] extra never pulls a CUDA build.
-  python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-  python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-else
-  python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
+  pip_install "torch==2.13.0"
 fi
+pip_install -e ".$EXTRAS"
 python -c "import ac2_jax, jax, flax, optax, orbax.checkpoint" \
   || { echo "setup.sh: install failed" >&2; exit 1; }
