@@ -36,8 +36,9 @@ from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
 from ac2_jax.training.distill.data import HintConfig, hinted_messages
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
-                                              resample_examples, rollout_and_grade)
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, publish_policy,
+                                              resample_examples, rollout_and_grade, sample)
 from experiments import pinapple_data as data
 from experiments.pinapple_report import markdown_table, summarize, write_report
 
@@ -145,19 +146,33 @@ def grade(task: HintTask, text: str) -> str | None:
     return None if has_target(text) else data.TARGET_HINT
 
 
-def answers(graphdef, params, rest, prompts: PromptCache, items, hint: str | None = None,
+class Policy:
+    """The sampler on the learner's current weights: `sync(state)` publishes the
+    state as the next version (Orbax, `workdir/published`) and loads it."""
+
+    def __init__(self, sampler: JaxSampler, graphdef, publish_dir: str):
+        self.sampler, self.graphdef, self.publish_dir = sampler, graphdef, publish_dir
+        self.version = sampler.policy_version
+
+    def sync(self, state) -> int:
+        self.version += 1
+        return publish_policy(self.sampler, self.graphdef, state, self.publish_dir, self.version)
+
+
+def answers(sampler, prompts: PromptCache, items, hint: str | None = None,
             max_new: int = 20) -> list[str]:
-    """Greedy answers (text) to items, optionally with the hint inserted."""
+    """Greedy answers (text) of the sampler's policy to items, optionally with the hint."""
     tasks = [HintTask(i.key, i.messages()) for i in items]
     ctx = [prompts.student(t) if hint is None else prompts(t, hint)[1] for t in tasks]
-    outs = generate(graphdef, params, rest, ctx, max_new_tokens=max_new,
-                    stop_token_ids=prompts.tokenizer.stop_token_ids, temperature=0.0)
-    return [prompts.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids, _ in outs]
+    outs = sample(sampler, ctx, SampleConfig(max_new_tokens=max_new, temperature=0.0),
+                  stop_token_ids=prompts.tokenizer.stop_token_ids)
+    return [prompts.tokenizer.decode(r.output_ids, skip_special_tokens=True).strip()
+            for r in outs]
 
 
-def evaluate(graphdef, params, rest, prompts, splits, retain_every: int | None = 1,
+def evaluate(sampler, prompts, splits, retain_every: int | None = 1,
              hint: str | None = None) -> dict[str, float]:
-    """Greedy evals. target: held-out target rate (has "pinapple", no "pineapple");
+    """Greedy evals of the sampler's policy. target: held-out target rate (has "pinapple", no "pineapple");
     target_exact: the whole answer right with the new spelling; target_train: rate on
     the distillation prompts; retention: exact answers on non-target items (every
     `retain_every`-th of each group; None: skip) and per group."""
@@ -165,7 +180,7 @@ def evaluate(graphdef, params, rest, prompts, splits, retain_every: int | None =
               {k: v[::retain_every] for k, v in splits["retain"].items()})
     groups = {"heldout": splits["heldout"], "train": splits["train"], **retain}
     flat = [i for g in groups.values() for i in g]
-    got = dict(zip([i.key for i in flat], answers(graphdef, params, rest, prompts, flat, hint)))
+    got = dict(zip([i.key for i in flat], answers(sampler, prompts, flat, hint)))
     want = lambda i: i.answer.replace(data.TARGET_WORD, data.TARGET_SPELLING)  # noqa: E731
     out = {"target": float(np.mean([has_target(got[i.key]) for i in groups["heldout"]])),
            "target_exact": float(np.mean([got[i.key] == want(i) for i in groups["heldout"]])),
@@ -210,14 +225,16 @@ def _report_example(tokenizer, example, rel) -> dict:
                 candidates=list(rel.candidates[0]), selected=list(rel.selected[0]))
 
 
-def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -> dict:
+def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Policy,
+                log=print) -> dict:
     """One method from the base state, one seed.
 
     Every step: `prompts_per_step` distillation prompts are rolled out
     (temperature sampling); all of them (or with `only_failures`, those the
     grader fails) form the batch: OPSD/RMSD distill the student's own
     responses from the hinted teacher; SFT trains on responses sampled with
-    the hint in context.
+    the hint in context. Evals and samples come from `policy`'s sampler,
+    synced to the distiller's state at the top of every step.
     Returns eval history, steps to the target rate, the final eval and
     (RMSD) the first batch's first example for the report.
     """
@@ -234,12 +251,12 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -
     rng = np.random.default_rng(seed)
     evals, train, reached, example = [], [], None, None
     t0 = time.perf_counter()
+    sampler = policy.sampler
     for step in range(d.steps + 1):
+        policy.sync(dist.state)
         if step % d.target_every == 0 or step == d.steps:
-            st = dist.state
             sub = step % d.eval_every == 0 or step == d.steps
-            ev = evaluate(graphdef, st.params, st.rest, prompts, splits,
-                          retain_every=d.retain_every if sub else None)
+            ev = evaluate(sampler, prompts, splits, retain_every=d.retain_every if sub else None)
             evals.append({"step": step, **ev})
             if reached is None and ev["target"] >= d.target_rate:
                 reached = step
@@ -247,29 +264,27 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, log=print) -
                 break
         k = min(d.prompts_per_step, len(tasks))
         batch = [tasks[j] for j in rng.choice(len(tasks), k, replace=False)]
-        st, kseed = dist.state, int(rng.integers(2**31))
+        kseed = int(rng.integers(2**31))
         if d.only_failures:  # (c) roll out, grade, distill the failures
-            examples, graded = rollout_and_grade(graphdef, st.params, st.rest, batch, grade,
-                                                 prompts, sampling, seed=kseed)
+            examples, graded = rollout_and_grade(sampler, batch, grade, prompts, sampling,
+                                                 seed=kseed)
             todo = [g.task for g in graded if not g.passed]
             passed = [g.passed for g in graded]
         else:  # (b) resample every prompt with the current policy and distill it
-            examples = resample_examples(graphdef, st.params, st.rest, batch, prompts, sampling,
-                                         seed=kseed)
+            examples = resample_examples(sampler, batch, prompts, sampling, seed=kseed)
             todo = batch
             passed = [has_target(prompts.tokenizer.decode(e.response, skip_special_tokens=True))
                       for e in examples]
         if method == "sft" and todo:
-            examples = resample_examples(graphdef, st.params, st.rest, todo, prompts, sampling,
-                                         source="teacher", seed=kseed + 1)
+            examples = resample_examples(sampler, todo, prompts, sampling, source="teacher",
+                                         seed=kseed + 1)
         m = dist.update(examples)
         if example is None and dist.last_relevance is not None:
             example = _report_example(prompts.tokenizer, examples[0], dist.last_relevance)
         train.append({"step": step + 1, "loss": m.get("loss", 0.0), "kl": m.get("kl"),
                       "kept_tokens": m["kept_tokens"], "failures": len(examples),
                       "rollout_pass_rate": float(np.mean(passed))})
-    st = dist.state
-    final = evaluate(graphdef, st.params, st.rest, prompts, splits)  # all retention items
+    final = evaluate(sampler, prompts, splits)  # all retention items (synced at the last step)
     dt = time.perf_counter() - t0
     log(f"  {method:4s} seed {seed}: held-out target {final['target']:.2f} (exact "
         f"{final['target_exact']:.2f}, train {final['target_train']:.2f}), retention "
@@ -292,15 +307,18 @@ def run(cfg, log=print) -> dict:
     state = jax.device_put(state, jax.local_devices()[0])
     t_sft = time.perf_counter() - t0
     prompts = PromptCache(tokenizer, hint_config(cfg))
-    base_eval = evaluate(graphdef, state.params, state.rest, prompts, splits)
-    teacher_eval = evaluate(graphdef, state.params, state.rest, prompts, splits,
-                            hint=data.TARGET_HINT)
-    log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\n({t_sft:.0f}s base SFT)")
+    sampling = typed_configs(cfg)["sampling"]
     runs, step_fns = [], {}
-    for seed in cfg.seeds:
-        for method in cfg.methods:
-            runs.append(distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
-                                    step_fns, log))
+    with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
+                    max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
+        base_eval = evaluate(sampler, prompts, splits)  # version 0: the base weights
+        teacher_eval = evaluate(sampler, prompts, splits, hint=data.TARGET_HINT)
+        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\n({t_sft:.0f}s base SFT)")
+        policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
+        for seed in cfg.seeds:
+            for method in cfg.methods:
+                runs.append(distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
+                                        step_fns, policy, log))
     rows = summarize(cfg, runs, base_eval, teacher_eval)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,

@@ -1,9 +1,14 @@
-"""distill_sources: the decode records log-probs of the distribution it sampled from
-(tempered; greedy records the raw log_softmax) and its examples say at what temperature.
+"""distill.sources: on-policy sampling goes through the Sampler protocol (a real
+JaxSampler), which records log-probs of the distribution it sampled from
+(sampling_logits: temperature, then top-k, then top-p; greedy the raw log_softmax);
+examples say with which parameters; `publish_policy` keeps the sampler on the
+learner's current weights (Orbax publish + load_weights).
 
 Tolerance: recorded log-probs against a full learner forward, 1e-4 absolute (fp32,
 KV-cache decode vs one causal pass).
 """
+
+import asyncio
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +16,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tokenizer import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.training import OptimizerConfig, create_train_state
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
-                                              resample_examples, rollout_and_grade)
+from ac2_jax.training.distill import sources
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig,
+                                              aresample_examples, publish_policy,
+                                              resample_examples, rollout_and_grade, sample)
 
 MSGS = ({"role": "user", "content": "Pick a color."},)
 
@@ -25,44 +34,94 @@ def setup(tmp_path_factory):
     tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
     model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(1))
     g, st = create_train_state(model, OptimizerConfig(learning_rate=1e-3))
-    return tok, g, st
+    publish_dir = str(tmp_path_factory.mktemp("publish"))
+    with JaxSampler(st.model(g), publish_dir=publish_dir, max_context=256, max_batch=4) as s:
+        yield tok, g, st, s, publish_dir
 
 
-def _raw_logp(g, st, prompt, out):
-    """log_softmax of the learner's logits at each output position [n, V] (fp32)."""
+def _logits(g, st, prompt, out):
+    """The learner's logits at each output position [n, V] (fp32)."""
     ids = list(prompt) + list(out)
     tokens = jnp.asarray([ids], jnp.int32)
     logits = st.model(g)(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))[0]
     return np.asarray(logits[len(prompt) - 1:len(ids) - 1], np.float32)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
-def test_generate_records_logprobs_of_the_sampled_distribution(setup, temperature):
-    tok, g, st = setup
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.7, 0, 1.0),
+                                                      (1.5, 0, 1.0), (1.2, 5, 0.8)])
+def test_sampler_records_logprobs_of_the_sampled_distribution(setup, temperature, top_k, top_p):
+    tok, g, st, s, _ = setup
     prompt = tok.apply_chat_template(list(MSGS), tokenize=True)
-    (out, lps), = generate(g, st.params, st.rest, [prompt], max_new_tokens=12,
-                           stop_token_ids=tok.stop_token_ids, temperature=temperature, seed=3)
-    assert len(out) == len(lps) > 0
-    logits = _raw_logp(g, st, prompt, out)
-    t = temperature if temperature > 0 else 1.0  # greedy: the raw distribution
-    want = jax.nn.log_softmax(logits / t)[np.arange(len(out)), out]
-    np.testing.assert_allclose(lps, want, atol=1e-4)
-    if temperature == 0:
+    cfg = SampleConfig(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)
+    (res,) = sample(s, [prompt], cfg, stop_token_ids=tok.stop_token_ids, seed=3)
+    out, lps = res.output_ids, res.output_logprobs
+    assert len(out) == len(lps) > 0 and res.policy_version == s.policy_version
+    logits = _logits(g, st, prompt, out)
+    raw = np.asarray(jax.nn.log_softmax(logits))[np.arange(len(out)), out]
+    if temperature == 0:  # greedy: the raw distribution, argmax tokens
+        np.testing.assert_allclose(lps, raw, atol=1e-4)
         assert out == np.argmax(logits, -1).tolist()
-    else:  # and not the untempered log-probs
-        assert np.abs(np.asarray(lps) - jax.nn.log_softmax(logits)[np.arange(len(out)), out]
-                      ).max() > 1e-2
+        return
+    want = token_logprobs(jnp.asarray(logits), jnp.asarray(out), temperature=temperature,
+                          top_k=top_k, top_p=top_p)
+    np.testing.assert_allclose(lps, np.asarray(want), atol=1e-4)
+    assert np.abs(np.asarray(lps) - raw).max() > 1e-2  # and not the untempered log-probs
 
 
 def test_examples_record_sampling_params(setup):
-    tok, g, st = setup
+    tok, _, _, s, _ = setup
     prompts = PromptCache(tok)
     task = HintTask("pick", MSGS, hint="Say blue.")
-    for temp in (0.0, 0.8):
-        sampling = SampleConfig(max_new_tokens=6, temperature=temp)
-        (ex,) = resample_examples(g, st.params, st.rest, [task], prompts, sampling)
-        exs, _ = rollout_and_grade(g, st.params, st.rest, [task], lambda t, s: "Say blue.",
-                                   prompts, sampling)
+    for temp, k, p in ((0.0, 0, 1.0), (0.8, 0, 1.0), (0.9, 4, 0.7)):
+        sampling = SampleConfig(max_new_tokens=6, temperature=temp, top_k=k, top_p=p)
+        (ex,) = resample_examples(s, [task], prompts, sampling)
+        exs, graded = rollout_and_grade(s, [task], lambda t, s: "Say blue.", prompts, sampling)
+        assert len(exs) == 1 and not graded[0].passed and graded[0].response == exs[0].response
         for e in (ex, *exs):
-            assert (e.temperature, e.top_k, e.top_p) == (temp, 0, 1.0)  # Completion's convention
-            assert len(e.response_logprobs) == len(e.response)
+            assert (e.temperature, e.top_k, e.top_p) == (temp, k, p)  # Completion's convention
+            assert len(e.response_logprobs) == len(e.response) > 0
+            assert e.student_prompt == prompts.student(task)
+    (t_ex,) = resample_examples(s, [task], prompts, SampleConfig(max_new_tokens=6,
+                                                                 temperature=0.0),
+                                source="teacher")
+    _, teacher, _ = prompts(task, "Say blue.")
+    assert t_ex.teacher_prompt == teacher
+    with pytest.raises(ValueError, match="source"):
+        resample_examples(s, [task], prompts, source="oracle")
+    with pytest.raises(ValueError, match="top_p"):
+        resample_examples(s, [task], prompts, SampleConfig(top_p=0.0))
+
+
+def test_one_decode_loop_async_and_sync_forms(setup):
+    tok, _, _, s, _ = setup
+    assert not hasattr(sources, "generate") and not hasattr(sources, "_generate")
+    prompts = PromptCache(tok)
+    task = HintTask("pick", MSGS, hint="Say blue.")
+    greedy = SampleConfig(max_new_tokens=6, temperature=0.0)
+
+    async def inside_a_loop():
+        with pytest.raises(RuntimeError, match="await aresample_examples"):
+            resample_examples(s, [task], prompts, greedy)
+        return await aresample_examples(s, [task], prompts, greedy)
+
+    (a,) = asyncio.run(inside_a_loop())
+    (b,) = resample_examples(s, [task], prompts, greedy)
+    assert a.response == b.response
+    np.testing.assert_allclose(a.response_logprobs, b.response_logprobs, atol=1e-6)
+
+
+def test_publish_policy_keeps_the_sampler_on_the_learners_weights(setup):
+    tok, g, st, s, publish_dir = setup
+    prompt = tok.apply_chat_template(list(MSGS), tokenize=True)
+    greedy = SampleConfig(max_new_tokens=8, temperature=0.0)
+    new = st.replace(params=jax.tree.map(lambda x: 3.0 * x, st.params))  # another policy
+    for step, state in ((1, new), (2, st)):
+        assert publish_policy(s, g, state, publish_dir, step) == step == s.policy_version
+        (res,) = sample(s, [prompt], greedy, stop_token_ids=tok.stop_token_ids)
+        assert res.policy_version == step
+        logits = _logits(g, state, prompt, res.output_ids)
+        assert res.output_ids == np.argmax(logits, -1).tolist()
+        np.testing.assert_allclose(
+            res.output_logprobs,
+            np.asarray(jax.nn.log_softmax(logits))[np.arange(len(res.output_ids)),
+                                                   res.output_ids], atol=1e-4)

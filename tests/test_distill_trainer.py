@@ -22,8 +22,9 @@ from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
 from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
                                           hinted_messages, insert_hint, make_example, pack_pairs)
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, generate,
-                                              resample_examples, rollout_and_grade)
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, publish_policy,
+                                              resample_examples, rollout_and_grade, sample)
 from ac2_jax.training.core.train_step import make_train_step
 
 HINT = "Say blue."
@@ -242,7 +243,7 @@ def test_teacher_modes(tok, model_state, step_fn):
 # ----------------------------------------------------------------------------- learning
 
 
-def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn):
+def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn, tmp_path):
     """A model that says "red" plainly and "blue" when hinted learns "blue" from OPSD alone."""
     g, init = model_state
     hinted = hinted_messages(MSGS, HINT)
@@ -259,24 +260,25 @@ def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn):
         return float(jax.nn.softmax(_forward(g, state, prompt)[-1])[blue])
 
     assert p_blue(base, teacher) > 0.8 and p_blue(base, student) < 0.2
-    (out, _), = generate(g, base.params, base.rest, [student], max_new_tokens=4,
-                         stop_token_ids=tok.stop_token_ids)
-    assert tok.decode(out).startswith("red")
+    greedy, pub = SampleConfig(max_new_tokens=4, temperature=0.0), str(tmp_path / "publish")
+    with JaxSampler(base.model(g), publish_dir=pub, max_context=128) as sampler:
+        (res,) = sample(sampler, [student], greedy, stop_token_ids=tok.stop_token_ids)
+        assert tok.decode(res.output_ids).startswith("red")
 
-    _, fresh = create_train_state(base.model(g), OPT)  # new optimizer moments
-    d = SelfDistiller(g, fresh, DistillConfig(rows=2), OPT, step_fn=step_fn)
-    grader = lambda t, text: None if text.startswith("blue") else HINT  # noqa: E731
-    for i in range(8):
-        exs, graded = rollout_and_grade(g, d.state.params, d.state.rest, [task], grader, prompts,
-                                        SampleConfig(max_new_tokens=4, temperature=0.0), seed=i)
-        if not exs:
-            break
-        assert exs[0].student_prompt == student and exs[0].teacher_prompt == teacher
-        d.update(exs)
-    assert p_blue(d.state, student) > 0.5
-    # resampling from the teacher context gives the hinted answer (the SFT baseline's data)
-    (ex,) = resample_examples(g, base.params, base.rest, [task], prompts,
-                              SampleConfig(max_new_tokens=4, temperature=0.0), source="teacher")
+        _, fresh = create_train_state(base.model(g), OPT)  # new optimizer moments
+        d = SelfDistiller(g, fresh, DistillConfig(rows=2), OPT, step_fn=step_fn)
+        grader = lambda t, text: None if text.startswith("blue") else HINT  # noqa: E731
+        for i in range(8):
+            publish_policy(sampler, g, d.state, pub, i + 1)  # sample from the current policy
+            exs, graded = rollout_and_grade(sampler, [task], grader, prompts, greedy, seed=i)
+            if not exs:
+                break
+            assert exs[0].student_prompt == student and exs[0].teacher_prompt == teacher
+            d.update(exs)
+        assert p_blue(d.state, student) > 0.5
+        # resampling from the teacher context gives the hinted answer (the SFT baseline's data)
+        publish_policy(sampler, g, base, pub, 100)
+        (ex,) = resample_examples(sampler, [task], prompts, greedy, source="teacher")
     assert tok.decode(ex.response).startswith("blue")
 
 

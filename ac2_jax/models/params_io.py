@@ -9,7 +9,9 @@ sees a half-written step. The manager keeps the newest `keep` steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -112,12 +114,28 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     return os.path.join(publish_dir, str(step))
 
 
+_READERS: dict[str, ocp.CheckpointManager] = {}
+_READERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _reader(publish_dir: str):
+    """This process's read-only manager of `publish_dir`, reloaded from disk (one
+    per directory, used under a lock: any thread may load weights)."""
+    with _READERS_LOCK:
+        if publish_dir not in _READERS:
+            _READERS[publish_dir] = _manager(publish_dir, read_only=True)
+        mgr = _READERS[publish_dir]
+        mgr.reload()
+        yield mgr
+
+
 def published_steps(publish_dir: str) -> list[int]:
     """The finalized steps in `publish_dir`, oldest first ([] when none)."""
     publish_dir = os.path.abspath(publish_dir)
     if not os.path.isdir(publish_dir):
         return []
-    with _manager(publish_dir, read_only=True) as mgr:
+    with _reader(publish_dir) as mgr:
         return sorted(mgr.all_steps())
 
 
@@ -134,7 +152,7 @@ def load_published(model: nnx.Module, publish_dir: str, step: int | None = None)
     if not os.path.isdir(publish_dir):
         raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "
                                 f"(no such directory)")
-    with _manager(publish_dir, read_only=True) as mgr:
+    with _reader(publish_dir) as mgr:
         steps = sorted(mgr.all_steps())
         if not steps:
             raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "

@@ -4,12 +4,15 @@ from ac2_jax.training.distill.data import (DistillExample, HintConfig, PairedBat
                                            examples_from_traces, insert_hint, make_example,
                                            pack_pairs, sft_segments)
 from ac2_jax.training.distill.sources import (Graded, HintTask, PromptCache, SampleConfig,
-                                              resample_examples, rollout_and_grade)
+                                              aresample_examples, arollout_and_grade, asample,
+                                              publish_policy, resample_examples,
+                                              rollout_and_grade, sample)
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, Relevance, SelfDistiller
 
 __all__ = [
     "DistillConfig", "DistillExample", "DistillLoss", "Graded", "HintConfig", "HintTask",
     "PairedBatch", "PromptCache", "Relevance", "SampleConfig", "SelfDistiller",
-    "examples_from_traces", "insert_hint", "make_example", "pack_pairs", "resample_examples",
-    "rollout_and_grade", "sft_segments",
+    "aresample_examples", "arollout_and_grade", "asample", "examples_from_traces",
+    "insert_hint", "make_example", "pack_pairs", "publish_policy", "resample_examples",
+    "rollout_and_grade", "sample", "sft_segments",
 ]

@@ -1,16 +1,13 @@
 """On-policy data for self-distillation: sample a turn, or roll out and grade.
 
-`generate` is a plain jitted batch decode over the model's KV cache (greedy
-or temperature sampling, no top-k / top-p), enough for single-turn
-resampling inside a training loop without a sampler service. Prompt rows and
-lengths are bucketed (powers of two) so a few compiles serve a run.
-
-Log-probs follow the Sampler contract (`ac2_jax.sampling.base`): each
-recorded log-prob is that of the distribution the token was sampled from,
-`log_softmax(logits / temperature)`; greedy decoding (temperature 0) records
-the raw `log_softmax(logits)`. The examples carry the parameters
-(`DistillExample.temperature`, `top_k` = 0 and `top_p` = 1: off), as a
-Completion does.
+Sampling goes through the `Sampler` protocol (`ac2_jax.sampling.base`; the
+embedded `JaxSampler` or SGLang), the one decode loop: each recorded
+log-prob is that of the distribution the token was sampled from,
+`log_softmax(sampling_logits(logits, temperature, top_k, top_p))`, greedy
+(temperature 0) the raw `log_softmax(logits)`, as for every Completion; the
+examples carry those parameters (`DistillExample.temperature` / `top_k` /
+`top_p`). The driver keeps the sampler on the current policy with
+`publish_policy` (publish the train state, then `sampler.load_weights`).
 
 (b) `resample_examples`: sample one response per prompt from the current
 policy (source="student": on-policy OPSD/RMSD data; source="teacher": the
@@ -18,93 +15,40 @@ hint-conditioned output, for the SFT-on-hinted-outputs baseline).
 (c) `rollout_and_grade`: sample, grade each response with a `Grader` that
 returns a hint for a failure (None for a pass), and turn the failures into
 distillation examples with those hints.
+Each has an async form (`aresample_examples`, `arollout_and_grade`) for
+callers inside an event loop; the plain forms run it with `asyncio.run`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import functools
+import os
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
+from ac2_jax.sampling.base import SampleResult, Sampler, SamplingParams
+from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
 SOURCES = ("student", "teacher")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"))
-def _generate(graphdef, params, rest, tokens, lengths, stop_ids, temperature, key, *, max_new):
-    """tokens [B, T] (right-padded), lengths [B] -> (out [B, max_new] (-1 after a stop), logp)."""
-    model = nnx.merge(graphdef, params, rest)
-    B, T = tokens.shape
-    cache = model.init_cache(B, T + max_new)
-    cols = jnp.arange(T)[None, :]
-    pos = jnp.where(cols < lengths[:, None] - 1, cols, -1)  # last prompt token goes in step 0
-    _, cache = model.decode(tokens, pos, cache, logits_at=jnp.zeros((B,), jnp.int32))
-    last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
-
-    def body(carry, i):
-        tok, cache, done, key = carry
-        p = jnp.where(done, -1, lengths - 1 + i)
-        logits, cache = model.decode(tok[:, None], p[:, None], cache)
-        logits = logits[:, 0]
-        key, sub = jax.random.split(key)
-        t = jnp.maximum(temperature, 1e-6)
-        sampled = jax.random.categorical(sub, logits / t).astype(jnp.int32)
-        nxt = jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1).astype(jnp.int32))
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits / jnp.where(temperature > 0, t, 1.0)),
-                                 nxt[:, None], axis=1)[:, 0]
-        out = jnp.where(done, -1, nxt)
-        done = done | jnp.any(nxt[:, None] == stop_ids[None, :], axis=1)
-        return (nxt, cache, done, key), (out, jnp.where(out >= 0, lp, 0.0))
-
-    init = (last, cache, jnp.zeros((B,), bool), key)
-    _, (out, lps) = jax.lax.scan(body, init, jnp.arange(max_new))
-    return out.T, lps.T
+def publish_policy(sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike,
+                   step: int, keep: int = 2) -> int:
+    """Publishes the state's weights as `step` and loads them into `sampler`
+    (built with this publish_dir); returns the sampler's policy_version."""
+    publish(graphdef, state, publish_dir, step, keep=keep)
+    return sampler.load_weights(int(step))
 
 
-def _bucket(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, n - 1).bit_length())
-
-
-def generate(graphdef, params, rest, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             stop_token_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
-             min_batch: int = 1) -> list[tuple[list[int], list[float]]]:
-    """One continuation per prompt: (output ids incl. the stop token, their log-probs).
-
-    temperature 0 is greedy and records the raw log_softmax(logits); T > 0
-    samples from and records log_softmax(logits / T), the distribution
-    sampled (no top-k / top-p here). A row stops at its first stop token or
-    after max_new_tokens.
-    Rows are padded to a power of two >= min_batch (fewer compiled shapes).
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: need at least one prompt, and no empty prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not stop_token_ids:
-        raise ValueError("generate: stop_token_ids is empty")
-    n = len(prompts)
-    B = _bucket(max(n, min_batch), 1)
-    T = _bucket(max(len(p) for p in prompts), 32)
-    tokens = np.zeros((B, T), np.int32)
-    lengths = np.ones((B,), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-        lengths[i] = len(p)
-    out, lps = _generate(graphdef, params, rest, tokens, lengths,
-                         jnp.asarray(list(stop_token_ids), jnp.int32), jnp.float32(temperature),
-                         jax.random.PRNGKey(seed), max_new=int(max_new_tokens))
-    out, lps = np.asarray(out), np.asarray(lps)
-    results = []
-    for i in range(n):
-        k = int((out[i] >= 0).sum())
-        results.append((out[i, :k].tolist(), lps[i, :k].tolist()))
-    return results
+def _sync(coro, who: str):
+    """Runs `coro` to completion from sync code (not inside a running event loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError(f"{who} was called inside a running event loop; await a{who}(...)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +67,44 @@ Grader = Callable[[HintTask, str], "str | None"]
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
-    """How `resample_examples` / `rollout_and_grade` sample (temperature 0: greedy)."""
+    """How `resample_examples` / `rollout_and_grade` sample (temperature 0: greedy).
+
+    top_k <= 0 and top_p = 1 are off. min_batch is not a request field: it is
+    for the driver that builds the sampler (`JaxSampler(min_batch=)`).
+    """
 
     max_new_tokens: int = 32
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     min_batch: int = 1
 
-    def kwargs(self) -> dict:
-        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                    min_batch=self.min_batch)
+    def params(self, stop_token_ids: Sequence[int], seed: int) -> SamplingParams:
+        """The request's SamplingParams (ValueError naming a bad field)."""
+        return SamplingParams(temperature=self.temperature, top_k=max(int(self.top_k), 0),
+                              top_p=self.top_p, max_tokens=self.max_new_tokens,
+                              stop_token_ids=tuple(stop_token_ids), seed=seed)
+
+
+async def asample(sampler: Sampler, prompts: Sequence[Sequence[int]], sampling: SampleConfig,
+                  *, stop_token_ids: Sequence[int], seed: int = 0) -> list[SampleResult]:
+    """One continuation per prompt, requested concurrently (prompt i: seed + i).
+
+    Each result holds the sampled ids (with the stop token that ended it) and
+    their log-probs under the sampled distribution (see the module docstring).
+    """
+    if not prompts:
+        raise ValueError("sample: no prompts")
+    return list(await asyncio.gather(*(
+        sampler.generate(list(p), sampling.params(stop_token_ids, seed + i))
+        for i, p in enumerate(prompts))))
+
+
+def sample(sampler: Sampler, prompts: Sequence[Sequence[int]], sampling: SampleConfig, *,
+           stop_token_ids: Sequence[int], seed: int = 0) -> list[SampleResult]:
+    """`asample` from sync code."""
+    return _sync(asample(sampler, prompts, sampling, stop_token_ids=stop_token_ids, seed=seed),
+                 "sample")
 
 
 class PromptCache:
@@ -155,21 +128,21 @@ class PromptCache:
         return self._memo[key]
 
 
-def _example(task, hint, prompts, response, logprobs, sampling: "SampleConfig"):
+def _example(task, hint, prompts, res: SampleResult, sampling: SampleConfig):
     student, teacher, span = prompts(task, hint)
-    return DistillExample(student, teacher, response, hint, task.task_id, hint_span=span,
-                          response_logprobs=logprobs, messages=list(task.messages),
-                          temperature=float(sampling.temperature), top_k=0, top_p=1.0)
+    return DistillExample(student, teacher, list(res.output_ids), hint, task.task_id,
+                          hint_span=span, response_logprobs=list(res.output_logprobs),
+                          messages=list(task.messages), temperature=float(sampling.temperature),
+                          top_k=max(int(sampling.top_k), 0), top_p=float(sampling.top_p))
 
 
-def resample_examples(graphdef, params, rest, tasks: Sequence[HintTask], prompts: PromptCache,
-                      sampling: SampleConfig = SampleConfig(), *, source: str = "student",
-                      seed: int = 0) -> list[DistillExample]:
-    """(b) One fresh response per hinted task from the policy (params).
+async def aresample_examples(sampler: Sampler, tasks: Sequence[HintTask], prompts: PromptCache,
+                             sampling: SampleConfig = SampleConfig(), *,
+                             source: str = "student", seed: int = 0) -> list[DistillExample]:
+    """(b) One fresh response per hinted task from the sampler's policy.
 
     source="student" samples from the plain prompt (on-policy distillation);
     "teacher" samples from the hinted prompt (SFT-on-hinted-outputs data).
-    Empty responses are dropped.
     """
     if source not in SOURCES:
         raise ValueError(f"resample_examples: source must be one of {SOURCES}, got {source!r}")
@@ -178,10 +151,17 @@ def resample_examples(graphdef, params, rest, tasks: Sequence[HintTask], prompts
         raise ValueError(f"resample_examples: tasks without a hint: {missing[:5]}")
     pairs = [prompts(t, t.hint) for t in tasks]
     ctx = [p[0] if source == "student" else p[1] for p in pairs]
-    outs = generate(graphdef, params, rest, ctx, stop_token_ids=prompts.tokenizer.stop_token_ids,
-                    seed=seed, **sampling.kwargs())
-    return [_example(t, t.hint, prompts, ids, lps, sampling)
-            for t, (ids, lps) in zip(tasks, outs) if ids]
+    outs = await asample(sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids,
+                         seed=seed)
+    return [_example(t, t.hint, prompts, res, sampling) for t, res in zip(tasks, outs)]
+
+
+def resample_examples(sampler: Sampler, tasks: Sequence[HintTask], prompts: PromptCache,
+                      sampling: SampleConfig = SampleConfig(), *, source: str = "student",
+                      seed: int = 0) -> list[DistillExample]:
+    """`aresample_examples` from sync code."""
+    return _sync(aresample_examples(sampler, tasks, prompts, sampling, source=source, seed=seed),
+                 "resample_examples")
 
 
 @dataclasses.dataclass
@@ -196,22 +176,30 @@ class Graded:
         return self.hint is None
 
 
-def rollout_and_grade(graphdef, params, rest, tasks: Sequence[HintTask], grader: Grader,
-                      prompts: PromptCache, sampling: SampleConfig = SampleConfig(), *,
-                      seed: int = 0) -> tuple[list[DistillExample], list[Graded]]:
+async def arollout_and_grade(sampler: Sampler, tasks: Sequence[HintTask], grader: Grader,
+                             prompts: PromptCache, sampling: SampleConfig = SampleConfig(), *,
+                             seed: int = 0) -> tuple[list[DistillExample], list[Graded]]:
     """(c) Roll out each task, grade it, and return (examples for the failures, all grades).
 
     A failure's example pairs the student's own response with a teacher
     prompt carrying the grader's hint.
     """
     ctx = [prompts.student(t) for t in tasks]
-    outs = generate(graphdef, params, rest, ctx, stop_token_ids=prompts.tokenizer.stop_token_ids,
-                    seed=seed, **sampling.kwargs())
+    outs = await asample(sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids,
+                         seed=seed)
     graded, examples = [], []
-    for t, (ids, lps) in zip(tasks, outs):
-        text = prompts.tokenizer.decode(ids, skip_special_tokens=True)
+    for t, res in zip(tasks, outs):
+        text = prompts.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         hint = grader(t, text)
-        graded.append(Graded(t, ids, text, hint))
-        if hint is not None and ids:
-            examples.append(_example(t, hint, prompts, ids, lps, sampling))
+        graded.append(Graded(t, list(res.output_ids), text, hint))
+        if hint is not None:
+            examples.append(_example(t, hint, prompts, res, sampling))
     return examples, graded
+
+
+def rollout_and_grade(sampler: Sampler, tasks: Sequence[HintTask], grader: Grader,
+                      prompts: PromptCache, sampling: SampleConfig = SampleConfig(), *,
+                      seed: int = 0) -> tuple[list[DistillExample], list[Graded]]:
+    """`arollout_and_grade` from sync code."""
+    return _sync(arollout_and_grade(sampler, tasks, grader, prompts, sampling, seed=seed),
+                 "rollout_and_grade")
