@@ -618,7 +618,10 @@ def test_finished_traces_leave_memory_and_their_status_stays_answerable(env, tmp
             old = admin.get(f"/v1/rollouts/{ids[0]}").json()
             assert old["evicted"] and old["reward"] == 0 and old["num_completions"] == 1
             assert old["status"] == "finished" and "completions" not in old
-            assert admin.get(f"/v1/rollouts/{ids[0]}/trace").status_code == 404
-            assert len(store.load()) == 12  # every trace is in the store
+            stored = store.load()
+            assert len(stored) == 12  # every trace is in the store
+            back = admin.get(f"/v1/rollouts/{ids[0]}/trace").json()  # read back from it
+            assert back == stored[0].to_dict() and back["metadata"]["rollout_id"] == ids[0]
+            assert admin.get("/v1/rollouts/ro-0123456789abcdef/trace").status_code == 404
     finally:
         stop()

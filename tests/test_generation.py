@@ -222,3 +222,17 @@ def test_forced_tool_call_prefix_is_prompt_side(served):
     assert comp["prompt_ids"][-len(prefix):] == prefix and comp["output_ids"] == sampler.script
     assert ep["loss_mask"] == [0] * len(comp["prompt_ids"]) + [1] * len(sampler.script)
     assert resp.usage.prompt_tokens == len(comp["prompt_ids"])
+
+
+def test_malformed_tool_calls_are_counted_on_the_rollout(served):
+    tok, sampler = served["tok"], served["sampler"]
+    sampler.script = tok.encode("<tool_call>\n{not json}\n</tool_call>")
+    sampler.open_all()
+    info, client = new_rollout(served)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    resp = client.chat.completions.create(model="tiny", messages=MSG, tools=tools,
+                                          max_tokens=len(sampler.script))
+    assert resp.choices[0].message.tool_calls is None
+    assert "{not json}" in resp.choices[0].message.content  # left as text, and counted
+    status = served["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
+    assert status["malformed_tool_calls"] == 1

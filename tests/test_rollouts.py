@@ -355,3 +355,12 @@ def test_counters_show_in_the_summary_and_the_stored_metrics(tmp_path):
     reg.finish(r, status="infra_error")
     (t,) = store.load()
     assert t.metrics["aborted_completions"] == 2 and t.metrics["sampler_errors"] == 1
+
+
+def test_unknown_create_and_finish_fields_are_refused():
+    for parse, body, key in ((parse_create, {"task_id": "t", "reward": 1}, "reward"),
+                             (parse_finish, {"reward": 1, "score": 2}, "score"),
+                             (parse_finish, {"rewards": 1}, "rewards")):
+        with pytest.raises(APIError) as e:
+            parse(body)
+        assert e.value.status == 400 and e.value.param == key

@@ -15,6 +15,10 @@ Routes
                                     it is stored once, when final
   GET  /v1/rollouts/{id}/trace      the trace JSON (`Trace.to_dict()`)
 
+Finished rollouts past `max_finished_rollouts` leave memory: the admin still
+gets their status (a summary without the per-completion list, `evicted: true`)
+and their trace (read back from the trace store).
+
 Auth is `Authorization: Bearer <key>`. The admin key reaches everything and
 its completions are not recorded. A rollout key reaches only its own rollout;
 its completions are recorded under the agent label from the `X-Agent` header,
@@ -206,6 +210,10 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     @app.get("/v1/rollouts/{rollout_id}/trace")
     async def rollout_trace(rollout_id: str, request: Request):
         principal = await authenticate(request)
+        if principal.is_admin:
+            stored = await asyncio.to_thread(registry.stored_trace, rollout_id)
+            if stored is not None:  # evicted from memory: read back from the store
+                return stored
         rollout = await owned_rollout(principal, rollout_id)
         return view(principal, await asyncio.to_thread(registry.trace_dict, rollout))
 

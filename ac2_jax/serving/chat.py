@@ -28,6 +28,7 @@ class Choice:
     tool_calls: list[dict]
     finish_reason: str              # stop | length | tool_calls
     result: SampleResult
+    malformed_tool_calls: int = 0   # tool-call blocks that did not parse (left in content)
 
 
 def choice_from_result(index: int, result: SampleResult, matched_stop: str | None,
@@ -40,9 +41,11 @@ def choice_from_result(index: int, result: SampleResult, matched_stop: str | Non
     text = prefix + tokenizer.decode(ids, skip_special_tokens=True)
     if matched_stop is not None and matched_stop in text:
         text = text[: text.find(matched_stop)]
-    content, calls = (tuple(tokenizer.parse_tool_calls(text)) if parse_tools else (text, []))
+    parsed = tokenizer.parse_tool_calls(text) if parse_tools else (text, [])
+    content, calls = parsed
     finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
-    return Choice(index, text, content if (content or not calls) else None, calls, finish, result)
+    return Choice(index, text, content if (content or not calls) else None, calls, finish, result,
+                  int(getattr(parsed, "malformed", 0)))
 
 
 def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:

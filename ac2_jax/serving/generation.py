@@ -172,6 +172,9 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                             top_p=float(req.top_p))
                  for c in choices]
         await asyncio.to_thread(registry.record, principal.rollout, agent, comps, list(turns))
+        malformed = sum(c.malformed_tool_calls for c in choices)
+        if malformed:
+            registry.count(principal.rollout, "malformed_tool_calls", malformed)
 
     async def until_disconnect(request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":

@@ -45,7 +45,7 @@ END_STATUSES = tuple(s for s in TRACE_STATUSES if s != "running")
 # rollout as "finished"), and so what a rollout key is never shown.
 ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
 ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
-COUNTERS = ("aborted_completions", "sampler_errors", "server_errors")
+COUNTERS = ("aborted_completions", "sampler_errors", "server_errors", "malformed_tool_calls")
 
 
 class Rollout:
@@ -64,8 +64,9 @@ class Rollout:
         self.wall_time_s: float | None = None
         self.ended_by_key_s: float | None = None  # when its own key ended it
         self.final = False  # ended by the admin or the server: graded, stored
-        # Requests that recorded nothing: the client left mid-way, the sampler failed
-        # (503), the server crashed (500). Shown in the status, stored in the metrics.
+        # Completions that recorded nothing (the client left mid-way, the sampler failed:
+        # 503, the server crashed: 500) and tool-call blocks left as text because they
+        # did not parse. Shown in the status, stored in the metrics.
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     @property
@@ -153,6 +154,16 @@ class RolloutRegistry:
         """The summary of a finished rollout whose trace left memory (None if not one)."""
         with self._lock:
             return self._summaries.get(rollout_id)
+
+    def stored_trace(self, rollout_id: str) -> dict[str, Any] | None:
+        """The stored trace of an evicted rollout, by a scan of the store (slow:
+        call it off the event loop); None if not evicted or not found."""
+        if self.evicted_summary(rollout_id) is None or self.trace_store is None:
+            return None
+        for t in self.trace_store.read(on_error="skip"):
+            if t.metadata.get("rollout_id") == rollout_id:
+                return t.to_dict()
+        return None
 
     def count(self, rollout: Rollout, counter: str, k: int = 1) -> None:
         """Adds `k` to one of the rollout's `COUNTERS`."""
@@ -319,10 +330,22 @@ class RolloutRegistry:
         return late
 
 
+CREATE_FIELDS = ("task_id", "group_id", "attempt_id", "metadata", "timeout_s")
+FINISH_FIELDS = ("status", "reward", "artifacts", "metrics", "hints")
+
+
+def _known_fields(body: dict, known: tuple[str, ...]) -> None:
+    for key in body:
+        if key not in known:
+            raise bad_request(f"Field '{key}' is unknown (expected some of {list(known)})",
+                              param=key, code="unsupported_field")
+
+
 def parse_create(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.create` from a JSON body."""
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
+    _known_fields(body, CREATE_FIELDS)
     task_id = body.get("task_id")
     if not isinstance(task_id, str) or not task_id:
         raise bad_request("'task_id' is required (a non-empty string)", param="task_id")
@@ -349,6 +372,7 @@ def parse_finish(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.finish` from a JSON body."""
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
+    _known_fields(body, FINISH_FIELDS)
     out: dict[str, Any] = {"status": body.get("status") or "finished"}
     reward = body.get("reward")
     if reward is not None:
