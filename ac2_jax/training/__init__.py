@@ -1,9 +1,14 @@
-"""Training: one step and state (`core`), and what each trainer adds (`rl`, `sft`, `distill`).
+"""Training: one loop, step and state (`core`), and what each driver adds (`rl`, `sft`,
+`distill`).
 
     graphdef, state = create_train_state(model, OptimizerConfig(...))
-    step = make_train_step(graphdef, SFTLoss(), opt, mode="jit", mesh=make_mesh(4, 2))
-    state = step.place(state)
-    state, metrics = step(state, packed_batch)
+    trainer = Trainer(graphdef, state, SFTLoss(), opt, mesh=make_mesh(4, 2),
+                      workdir="run", checkpoint_every=100)
+    start = trainer.restore()
+    metrics = trainer.step(packed_batch)   # logged as train/..., checkpointed on the cadence
+
+`RLTrainer`, `run_sft` and `SelfDistiller` are built on `Trainer`: all three
+resume exactly from Orbax checkpoints and log the same way.
 """
 
 from ac2_jax.training.core import *  # noqa: F401,F403

@@ -59,9 +59,11 @@ class Trainer:
     step_fn: a TrainStep to reuse (same graphdef, loss, optimizer and mode);
     else `make_step(graphdef, loss_fn, optimizer, mode=, mesh=, grad_accum=,
     donate=)` builds one (pass a `StepCache` to share compiled steps).
-    workdir: None keeps nothing on disk (no checkpoints, no logs unless
-    `logger`). checkpoint_every: loop steps between checkpoints (0: only
-    explicit `save()`). The state is placed for the step (copied, so the
+    workdir: checkpoints in `workdir/checkpoints`, metrics in
+    `workdir/metrics` unless `logger` is given; None keeps nothing on disk
+    (no checkpoints; logs only to `logger`). checkpoint_every: loop steps
+    between checkpoints (0: only explicit `save()`). progress: a rich
+    progress bar over `total_steps`. The state is placed for the step (copied, so the
     caller's arrays survive donation).
     """
 
@@ -93,16 +95,13 @@ class Trainer:
         self.state = step_fn.place(state)
         self.steps_done, self.checkpoint_every = 0, int(checkpoint_every)
         self.workdir = None if workdir is None else os.path.abspath(os.fspath(workdir))
-        self.ckpt = self.logger = None
+        self.ckpt, self.logger = None, logger
         if self.workdir is not None:
             self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=keep_checkpoints)
-            self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
-                                        tensorboard=tensorboard, console=False)
-        if logger is not None:
-            if self.logger is not None:
-                self.logger.close()
-            self.logger = logger
+            if logger is None:
+                self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
+                                            tensorboard=tensorboard, console=False)
         self._progress = self._task = None
         if progress:
             from rich.progress import Progress
