@@ -182,9 +182,14 @@ def test_qwen3_coder_parses_the_rendered_format():
 def test_qwen3_coder_values_that_do_not_read_as_their_type_stay_strings():
     p = get_parser("qwen3_coder")
     _, calls = p.parse(coder_call("add", {"a": "three", "b": "x", "flag": "maybe",
-                                          "items": "[1,"}), ADD_TOOL)
+                                          "items": "[1,", "opts": "NaN", "note": "[]"}),
+                       ADD_TOOL)
     assert json.loads(calls[0]["function"]["arguments"]) == {
-        "a": "three", "b": "x", "flag": "maybe", "items": "[1,"}
+        "a": "three", "b": "x", "flag": "maybe", "items": "[1,", "opts": "NaN", "note": "[]"}
+    _, calls = p.parse(coder_call("add", {"items": '{"k": 1}', "opts": "[1]"}), ADD_TOOL)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"items": '{"k": 1}', "opts": "[1]"}
+    _, calls = p.parse(coder_call("add", {"b": "inf", "a": "9" * 5000}), ADD_TOOL)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"b": "inf", "a": "9" * 5000}
 
 
 @pytest.mark.parametrize("bad", [

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import secrets
 import threading
 from typing import Any, Sequence
@@ -170,10 +171,15 @@ class ToolCallParser(abc.ABC):
 _FAILED = object()
 
 
-def _loads(s: str) -> Any:
-    """json.loads, or _FAILED (bad JSON, nesting too deep, ints past the digit limit)."""
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(s: str, allow_nan: bool = True) -> Any:
+    """json.loads, or _FAILED (bad JSON, nesting too deep, ints past the digit limit;
+    NaN/Infinity unless allow_nan)."""
     try:
-        return json.loads(s)
+        return json.loads(s) if allow_nan else json.loads(s, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return _FAILED
 
@@ -232,11 +238,14 @@ def _typed(value: str, kind: str | None) -> Any:
             f = float(value)
         except ValueError:
             return value
+        if not math.isfinite(f):  # nan/inf have no JSON form
+            return value
         return int(f) if f.is_integer() else f
     if kind == "boolean":
         return {"true": True, "false": False}.get(value.lower(), value)
-    obj = _loads(value)  # object, array, or anything else JSON can read
-    return value if obj is _FAILED else obj
+    obj = _loads(value, allow_nan=False)  # object, array, or another type JSON can read
+    want = {"object": dict, "array": list}.get(kind, object)
+    return obj if obj is not _FAILED and isinstance(obj, want) else value
 
 
 class Qwen3CoderParser(ToolCallParser):
@@ -245,8 +254,9 @@ class Qwen3CoderParser(ToolCallParser):
 
     One leading and one trailing newline of a value are dropped. Values are
     strings unless `tools` gives the parameter a JSON-schema type (integer,
-    number, boolean, object, array); "null" is None; a value that does not
-    read as its type stays a string (the tool then reports it).
+    number, boolean, object, array; other types: any strict JSON); "null" is
+    None; a value that does not read as its type (no NaN/Infinity) stays a
+    string, and the tool then reports it.
     """
 
     name = "qwen3_coder"
