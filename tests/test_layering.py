@@ -1,12 +1,36 @@
-"""Imports point one way: a layer never imports a higher one (DESIGN.md)."""
+"""Imports point one way: a layer never imports a higher one (docs/design.md).
+
+Also: the light packages import no server, plotting or torch code; the core
+packages import only what setup.py's core requirements install; every public
+name of a module is re-exported from its package.
+"""
 
 import ast
+import importlib
+import importlib.metadata
+import inspect
+import json
+import os
 import pathlib
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
 
 LAYERS = ["trace", "segments", "losses", "models", "sampling", "serving", "envs",
           "orchestration", "training", "evals", "viz"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ac2_jax"
+SETUP = ROOT.parent / "setup.py"
+# Packages the core install (setup.py REQUIRES) must be enough for.
+CORE = ["trace", "segments", "losses", "models", "sampling", "envs", "orchestration",
+        "training", "evals"]
+# Distributions that only extras may bring (serve, viz, dev).
+HEAVY = {"fastapi", "uvicorn", "starlette", "matplotlib", "torch", "transformers"}
+# Packages whose __init__ re-exports every public name of their modules (optax style).
+REEXPORTING = ["trace", "segments", "losses", "envs", "evals", "orchestration", "viz"]
 
 
 def _imports(path):
@@ -48,3 +72,105 @@ def test_core_never_imports_torch_or_transformers():
            for p in ROOT.rglob("*.py") for m, line in _imports(p)
            if m.split(".")[0] in ("torch", "transformers")]
     assert not bad, "\n".join(bad)
+
+
+def _imported(code: str) -> dict:
+    """Top-level modules -> distributions, imported by `code` in a fresh interpreter
+    (minus what the interpreter imports at startup)."""
+    probe = ("import importlib.metadata as md, json, sys\n"
+             "base = set(sys.modules)\n"
+             f"{code}\n"
+             "pd = md.packages_distributions()\n"
+             "new = {m.split('.')[0] for m in set(sys.modules) - base}\n"
+             "print(json.dumps({m: pd.get(m, []) for m in sorted(new)}))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=ROOT.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _setup_lists() -> tuple[list[str], dict]:
+    """REQUIRES and EXTRAS as written in setup.py (literals)."""
+    tree = ast.parse(SETUP.read_text())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("REQUIRES", "EXTRAS"):
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+    return found["REQUIRES"], found["EXTRAS"]
+
+
+def _name(requirement: str) -> str:
+    return _norm(re.match(r"[A-Za-z0-9._-]+", requirement.strip()).group(0))
+
+
+def _closure(requirements) -> set[str]:
+    """Distributions installed by `requirements` and (recursively) their own
+    requirements, extras' requirements excluded."""
+    todo, seen = [_name(r) for r in requirements], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in reqs if "extra ==" not in r.replace('"', "").replace("'", "")]
+    return seen
+
+
+def test_light_packages_import_no_server_plotting_or_torch():
+    mods = _imported("import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace")
+    heavy = sorted(m for m, dists in mods.items() if m in HEAVY or HEAVY & {_norm(d) for d in dists})
+    assert not heavy, f"import ac2_jax.losses, .segments, .trace pulled {heavy}"
+
+
+def test_trace_pages_import_no_matplotlib():
+    mods = _imported("import ac2_jax.viz; ac2_jax.viz.write_trace_html")
+    assert "matplotlib" not in mods
+    mods = _imported("import ac2_jax.viz; ac2_jax.viz.plot_curves")
+    assert "matplotlib" in mods  # the lazy name really loads the curves
+
+
+def test_core_packages_need_only_the_core_requirements():
+    requires, extras = _setup_lists()
+    core = _closure(requires)
+    assert not core & HEAVY, f"core requirements pull {sorted(core & HEAVY)}"
+    assert {"fastapi", "uvicorn"} <= {_name(r) for r in extras["serve"]}
+    assert "matplotlib" in {_name(r) for r in extras["viz"]}
+    mods = _imported("; ".join(f"import ac2_jax.{p}" for p in CORE))
+    outside = {m: dists for m, dists in mods.items()
+               if dists and m != "ac2_jax" and not core & {_norm(d) for d in dists}}
+    assert not outside, (f"ac2_jax.{{{','.join(CORE)}}} import modules from distributions "
+                         f"that setup.py REQUIRES does not install: {outside}")
+
+
+def _public_names(module) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [n for n, obj in vars(module).items()
+            if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and getattr(obj, "__module__", None) == module.__name__]
+
+
+@pytest.mark.parametrize("package", REEXPORTING)
+def test_every_public_name_is_reexported_from_its_package(package):
+    pkg = importlib.import_module(f"ac2_jax.{package}")
+    exported = set(pkg.__all__)
+    missing = []
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if info.name.rsplit(".", 1)[-1].startswith("_"):
+            continue
+        module = importlib.import_module(info.name)
+        missing += [f"{info.name}.{n}" for n in _public_names(module) if n not in exported]
+    assert not missing, f"not in ac2_jax.{package}.__all__: {missing}"
+    for name in exported:  # and every listed name resolves
+        assert getattr(pkg, name) is not None

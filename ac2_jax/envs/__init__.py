@@ -1,8 +1,32 @@
-"""Environments: tasks, tools, verifiers, domain mixing."""
+"""Environments: tasks, tools, verifiers, judges, domain mixing."""
 
-from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool
-from ac2_jax.envs.calculator import CalculatorEnv, StepwiseCalculatorEnv, demonstration, safe_eval
-from ac2_jax.envs.mixer import DomainMixer
+from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool, set_tool_threads, tool_executor
+from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demonstration,
+                                     last_integer, safe_eval)
+from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
+                                 hint_keywords, parse_judge_reply)
+from ac2_jax.envs.mixer import DomainMixer, domain_seed
 
-__all__ = ["AgentError", "CalculatorEnv", "DomainMixer", "Env", "StepwiseCalculatorEnv", "Task",
-           "Tool", "demonstration", "run_tool", "safe_eval"]
+__all__ = [
+    "AgentError",
+    "CalculatorEnv",
+    "DomainMixer",
+    "Env",
+    "Judge",
+    "JudgeError",
+    "JudgeExample",
+    "LLMJudge",
+    "RuleJudge",
+    "StepwiseCalculatorEnv",
+    "Task",
+    "Tool",
+    "demonstration",
+    "domain_seed",
+    "hint_keywords",
+    "last_integer",
+    "parse_judge_reply",
+    "run_tool",
+    "safe_eval",
+    "set_tool_threads",
+    "tool_executor",
+]

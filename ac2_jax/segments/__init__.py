@@ -1,6 +1,25 @@
 """Segments: traces cut into training sequences and packed into batches."""
 
-from ac2_jax.segments.packing import PackedBatch, pack_segments, task_names
-from ac2_jax.segments.segments import Segment, segments_from_trace
+from ac2_jax.segments.packing import (PackedBatch, empty_batch, first_fit_decreasing,
+                                      pack_rows, pack_segments, packed_lengths, pad_rows,
+                                      pow2_bucket, task_names, write_segment)
+from ac2_jax.segments.segments import FitCounts, Segment, fit_segments, segments_from_trace
+from ac2_jax.segments.tree import pack_segment_tree
 
-__all__ = ["PackedBatch", "Segment", "pack_segments", "segments_from_trace", "task_names"]
+__all__ = [
+    "FitCounts",
+    "PackedBatch",
+    "Segment",
+    "empty_batch",
+    "first_fit_decreasing",
+    "fit_segments",
+    "pack_rows",
+    "pack_segment_tree",
+    "pack_segments",
+    "packed_lengths",
+    "pad_rows",
+    "pow2_bucket",
+    "segments_from_trace",
+    "task_names",
+    "write_segment",
+]

@@ -2,14 +2,19 @@
 
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.store import TraceStore, TraceStoreError
-from ac2_jax.trace.types import Completion, Episode, Message, Trace
+from ac2_jax.trace.types import (LEGACY_STATUSES, TRACE_STATUSES, Completion, Episode, Message,
+                                 Trace, messages_fingerprint, new_attempt_id)
 
 __all__ = [
     "Completion",
     "Episode",
+    "LEGACY_STATUSES",
     "Message",
+    "TRACE_STATUSES",
     "Trace",
     "TraceRecorder",
     "TraceStore",
     "TraceStoreError",
+    "messages_fingerprint",
+    "new_attempt_id",
 ]

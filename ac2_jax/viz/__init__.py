@@ -1,15 +1,41 @@
-"""viz: static HTML trace viewer, self-distillation report, training curves."""
+"""viz: static HTML trace viewer, self-distillation report, training curves.
 
-from ac2_jax.viz.curves import curves_figure, load_metrics, plot_curves
-from ac2_jax.viz.distill_report import distill_report_html, write_distill_report
-from ac2_jax.viz.trace_html import trace_html, write_trace_html
+The curves and the distillation report (which draws curves) load on first
+use, so `import ac2_jax.viz` for trace pages does not import matplotlib.
+"""
+
+import importlib
+
+from ac2_jax.viz.trace_html import (BASE_CSS, episode_html, esc, kv_table, page, token_texts,
+                                    trace_html, trace_section, write_trace_html)
+
+_LAZY = {"curves_figure": "ac2_jax.viz.curves", "load_metrics": "ac2_jax.viz.curves",
+         "plot_curves": "ac2_jax.viz.curves",
+         "distill_report_html": "ac2_jax.viz.distill_report",
+         "write_distill_report": "ac2_jax.viz.distill_report"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "BASE_CSS",
     "curves_figure",
     "distill_report_html",
+    "episode_html",
+    "esc",
+    "kv_table",
     "load_metrics",
+    "page",
     "plot_curves",
+    "token_texts",
     "trace_html",
+    "trace_section",
     "write_distill_report",
     "write_trace_html",
 ]
