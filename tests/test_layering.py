@@ -80,8 +80,8 @@ def _imported(code: str) -> dict:
     probe = ("import importlib.metadata as md, json, sys\n"
              "base = set(sys.modules)\n"
              f"{code}\n"
-             "pd = md.packages_distributions()\n"
              "new = {m.split('.')[0] for m in set(sys.modules) - base}\n"
+             "pd = md.packages_distributions()\n"
              "print(json.dumps({m: pd.get(m, []) for m in sorted(new)}))")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -130,6 +130,12 @@ def test_light_packages_import_no_server_plotting_or_torch():
     mods = _imported("import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace")
     heavy = sorted(m for m, dists in mods.items() if m in HEAVY or HEAVY & {_norm(d) for d in dists})
     assert not heavy, f"import ac2_jax.losses, .segments, .trace pulled {heavy}"
+
+
+def test_the_top_package_loads_subpackages_on_first_use():
+    assert set(_imported("import ac2_jax")) == {"ac2_jax"}
+    mods = _imported("import ac2_jax; ac2_jax.losses.aggregate_loss")
+    assert "jax" in mods and "fastapi" not in mods
 
 
 def test_trace_pages_import_no_matplotlib():
