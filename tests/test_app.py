@@ -597,6 +597,15 @@ def test_streaming_with_the_jax_sampler_equals_the_plain_answer(env):
     lps = [x for c in chunks if c.choices and c.choices[0].logprobs
            for x in c.choices[0].logprobs.token_logprobs]
     np.testing.assert_allclose(lps, plain.choices[0].logprobs.token_logprobs, atol=1e-5)
+    # top_logprobs are not in on_tokens: they come, all of them, with the final chunk.
+    chat_kw = dict(model="tiny", messages=[USER], max_tokens=12, temperature=1.0, seed=3,
+                   logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**chat_kw)
+    entries = [e for c in client.chat.completions.create(stream=True, **chat_kw)
+               if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [[t.token for t in e.top_logprobs] for e in entries] == [
+        [t.token for t in e.top_logprobs] for e in plain.choices[0].logprobs.content]
+    assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_finished_traces_leave_memory_and_their_status_stays_answerable(env, tmp_path):

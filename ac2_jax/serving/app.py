@@ -174,7 +174,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         if not principal.is_admin:
             raise APIError(403, "Only the admin key can create rollouts", code="admin_only")
         args = parse_create(await read_json(request))
-        rollout = registry.create(**args)
+        rollout = await asyncio.to_thread(lambda: registry.create(**args))
         base_url = str(request.base_url).rstrip("/") + "/v1"
         return {"rollout_id": rollout.rollout_id, "base_url": base_url,
                 "api_key": rollout.api_key, "model": model_name,
@@ -185,10 +185,11 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     async def rollout_status(rollout_id: str, request: Request):
         principal = await authenticate(request)
         if principal.is_admin:
-            evicted = registry.evicted_summary(rollout_id)
+            evicted = await asyncio.to_thread(registry.evicted_summary, rollout_id)
             if evicted is not None:
                 return evicted
-        return view(principal, registry.summary(await owned_rollout(principal, rollout_id)))
+        rollout = await owned_rollout(principal, rollout_id)
+        return view(principal, await asyncio.to_thread(registry.summary, rollout))
 
     @app.post("/v1/rollouts/{rollout_id}/finish")
     async def finish_rollout(rollout_id: str, request: Request):
@@ -205,7 +206,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             logging.exception("finishing rollout %s failed", rollout_id)
             raise APIError(500, f"Could not store the trace of {rollout_id}; nothing changed",
                            code="trace_store_error") from None
-        return view(principal, registry.summary(rollout))
+        return view(principal, await asyncio.to_thread(registry.summary, rollout))
 
     @app.get("/v1/rollouts/{rollout_id}/trace")
     async def rollout_trace(rollout_id: str, request: Request):

@@ -239,12 +239,15 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                 obj["usage"] = usage
             return sse(obj)
 
-        def piece(i, text, ids, lps, finish=None, extra=None):
+        # on_tokens carries no top-logprobs: with top_logprobs > 0 every logprob
+        # entry comes with the final result instead of as the tokens arrive.
+        incremental_lps = req.logprobs and req.top_logprobs == 0
+
+        def piece(i, text, part: SampleResult | None, finish=None, extra=None):
             lp = None
-            if req.logprobs and ids:
-                fake = SampleResult(ids, lps, "length", 0)
-                lp = (chat_lib.chat_logprobs(tokenizer, fake, 0) if chat else
-                      chat_lib.completion_logprobs(tokenizer, fake, 0))
+            if req.logprobs and part is not None and part.output_ids:
+                lp = (chat_lib.chat_logprobs(tokenizer, part, req.top_logprobs) if chat else
+                      chat_lib.completion_logprobs(tokenizer, part, req.top_logprobs))
             if chat:
                 delta = dict(extra or {})
                 if text:
@@ -254,18 +257,28 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
 
         streams = [TextStream(tokenizer, req.stop, parse_tools, prefix) for _ in range(req.n)]
         if chat:
-            yield chunk([piece(i, "", [], [], extra={"role": "assistant", "content": ""})
+            yield chunk([piece(i, "", None, extra={"role": "assistant", "content": ""})
                          for i in range(req.n)])
         pending = req.n
         while pending:
-            item = await gen.feed.queue.get()
-            if item[0] == "done":
-                pending -= 1
-                continue
-            _, i, ids, lps = item
-            text, shown, shown_lps = streams[i].push(ids, lps)
-            if text or (req.logprobs and shown):
-                yield chunk([piece(i, text, shown, shown_lps)])
+            items = [await gen.feed.queue.get()]
+            while not gen.feed.queue.empty():  # coalesce what is already waiting
+                items.append(gen.feed.queue.get_nowait())
+            new: dict[int, tuple[list, list]] = {}
+            for item in items:
+                if item[0] == "done":
+                    pending -= 1
+                else:
+                    ids, lps = new.setdefault(item[1], ([], []))
+                    ids += item[2]
+                    lps += item[3]
+            for i, (ids, lps) in sorted(new.items()):
+                # Decoding grows with the text: in a worker thread, off the event loop.
+                text, shown, shown_lps = await asyncio.to_thread(streams[i].push, ids, lps)
+                part = (SampleResult(shown, shown_lps, "length", 0)
+                        if incremental_lps and shown else None)
+                if text or part is not None:
+                    yield chunk([piece(i, text, part)])
         try:
             results = await run(request, principal, gen, rollout_failed)
             choices, turns = await asyncio.to_thread(finish_choices, results, req, parse_tools,
@@ -285,14 +298,15 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
             return
         version[0] = max(c.result.policy_version for c in choices)
         for c, s in zip(choices, streams):
-            ids = c.result.output_ids[s.sent_tokens:]
-            lps = c.result.output_logprobs[s.sent_tokens:]
+            r, k = c.result, (s.sent_tokens if incremental_lps else 0)
+            part = SampleResult(r.output_ids[k:], r.output_logprobs[k:], "length", 0,
+                                top_logprobs=r.top_logprobs[k:] if r.top_logprobs else None)
             text = s.rest(c.content if chat else c.text)
             extra = ({"tool_calls": [{"index": j, **call} for j, call in enumerate(c.tool_calls)]}
                      if chat and c.tool_calls else None)
-            if text or extra or (req.logprobs and ids):
-                yield chunk([piece(c.index, text, ids, lps, extra=extra)])
-            yield chunk([piece(c.index, "", [], [], finish=c.finish_reason)])
+            if text or extra or (req.logprobs and part.output_ids):
+                yield chunk([piece(c.index, text, part, extra=extra)])
+            yield chunk([piece(c.index, "", None, finish=c.finish_reason)])
         if req.include_usage:
             yield chunk([], chat_lib.usage(len(prompt_ids), [c.result for c in choices]))
         yield "data: [DONE]\n\n"

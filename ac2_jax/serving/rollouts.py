@@ -109,7 +109,8 @@ class RolloutRegistry:
                  max_summaries: int = 100_000):
         self.trace_store = trace_store
         self.default_timeout_s = default_timeout_s
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held across store writes: take it off the loop
+        self._count_lock = threading.Lock()
         self._by_id: dict[str, Rollout] = {}
         self._by_key: dict[str, Rollout] = {}
         self._dead_keys: dict[str, Rollout] = {}
@@ -166,8 +167,9 @@ class RolloutRegistry:
         return None
 
     def count(self, rollout: Rollout, counter: str, k: int = 1) -> None:
-        """Adds `k` to one of the rollout's `COUNTERS`."""
-        with self._lock:
+        """Adds `k` to one of the rollout's `COUNTERS` (never waits on a store write:
+        safe on the event loop)."""
+        with self._count_lock:
             rollout.counters[counter] += k
 
     def by_key(self, api_key: str) -> Rollout | None:
