@@ -40,7 +40,8 @@ def test_renders_as_transformers_does(template, gen):
 
 def test_tojson_does_not_html_escape_and_sandbox_holds():
     t = compile_chat_template("{{ x | tojson }}")
-    assert t.render(x={"s": "<a href='b'>&</a>", "u": "é"}) == '{"s": "<a href=\'b\'>&</a>", "u": "é"}'
+    assert t.render(x={"s": "<a href='b'>&</a>", "u": "é"}) == \
+        '{"s": "<a href=\'b\'>&</a>", "u": "é"}'
     with pytest.raises(jinja2.exceptions.SecurityError):
         compile_chat_template("{{ messages.append(1) }}").render(messages=[])
     with pytest.raises(jinja2.TemplateError, match="nope"):

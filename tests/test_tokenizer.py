@@ -1,4 +1,4 @@
-"""Tokenizer: ids, chat rendering and tool-call parsing of one model, checked against transformers."""
+"""Tokenizer: ids, chat rendering and tool-call parsing, checked against transformers."""
 
 import json
 import os
