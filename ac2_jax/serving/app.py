@@ -51,8 +51,9 @@ from ac2_jax.sampling import Sampler
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
 from ac2_jax.serving.generation import install_generation_routes
-from ac2_jax.serving.rollouts import (Rollout, RolloutRegistry, check_rollout_key_finish,
-                                      keys_equal, parse_create, parse_finish, rollout_key_view)
+from ac2_jax.serving.rollout_requests import (check_rollout_key_finish, keys_equal,
+                                              parse_create, parse_finish, rollout_key_view)
+from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
 from ac2_jax.trace import TraceStore
 
 
