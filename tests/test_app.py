@@ -597,6 +597,9 @@ def test_streaming_with_the_jax_sampler_equals_the_plain_answer(env):
     lps = [x for c in chunks if c.choices and c.choices[0].logprobs
            for x in c.choices[0].logprobs.token_logprobs]
     np.testing.assert_allclose(lps, plain.choices[0].logprobs.token_logprobs, atol=1e-5)
+    offsets = [x for c in chunks if c.choices and c.choices[0].logprobs
+               for x in c.choices[0].logprobs.text_offset]
+    assert offsets == plain.choices[0].logprobs.text_offset
     # top_logprobs are not in on_tokens: they come, all of them, with the final chunk.
     chat_kw = dict(model="tiny", messages=[USER], max_tokens=12, temperature=1.0, seed=3,
                    logprobs=True, top_logprobs=2)

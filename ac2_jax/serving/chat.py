@@ -64,10 +64,12 @@ def chat_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int) -> dic
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int) -> dict:
-    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int,
+                        offset: int = 0) -> dict:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset
+    (counted from `offset`: the characters of tokens already sent when streaming)."""
     tokens = [tokenizer.decode([t]) for t in result.output_ids]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for s in tokens:
         offsets.append(pos)
         pos += len(s)

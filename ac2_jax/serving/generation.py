@@ -243,11 +243,17 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
         # entry comes with the final result instead of as the tokens arrive.
         incremental_lps = req.logprobs and req.top_logprobs == 0
 
+        offsets = [0] * req.n  # text_offset of the next legacy logprob entry, per choice
+
         def piece(i, text, part: SampleResult | None, finish=None, extra=None):
             lp = None
             if req.logprobs and part is not None and part.output_ids:
-                lp = (chat_lib.chat_logprobs(tokenizer, part, req.top_logprobs) if chat else
-                      chat_lib.completion_logprobs(tokenizer, part, req.top_logprobs))
+                if chat:
+                    lp = chat_lib.chat_logprobs(tokenizer, part, req.top_logprobs)
+                else:
+                    lp = chat_lib.completion_logprobs(tokenizer, part, req.top_logprobs,
+                                                      offsets[i])
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
             if chat:
                 delta = dict(extra or {})
                 if text:
