@@ -1,8 +1,10 @@
 """Rollout lifecycle requests: create/finish bodies, what a rollout key may do and see.
 
-`parse_create` / `parse_finish` validate bodies for `RolloutRegistry.create`
-/ `finish` (400 naming the field; unknown fields and values that are not
-strict JSON are refused, so nothing stored can later fail to serialise).
+`parse_create` / `parse_finish` validate bodies (already strict JSON) with
+the pydantic models `CreateBody` / `FinishBody` (strict types, unknown fields
+forbidden) for `RolloutRegistry.create` / `finish`: 400 naming the field, and
+values that would not round-trip through JSON are refused, so nothing stored
+can later fail to serialise.
 A rollout key may only end its own rollout as "finished"
 (`check_rollout_key_finish`) and reads it without the admin's fields
 (`rollout_key_view`).
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ac2_jax.serving.errors import APIError, bad_request
 
@@ -21,65 +24,75 @@ from ac2_jax.serving.errors import APIError, bad_request
 # rollout as "finished"), and so what a rollout key is never shown.
 ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
 ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
-CREATE_FIELDS = ("task_id", "group_id", "attempt_id", "metadata", "timeout_s")
-FINISH_FIELDS = ("status", "reward", "artifacts", "metrics", "hints")
+class CreateBody(BaseModel):
+    """POST /v1/rollouts (admin)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    task_id: str = Field(min_length=1)
+    group_id: str | int | None = None
+    attempt_id: str | int | None = None
+    metadata: dict[str, Any] | None = None
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
-def _known_fields(body: dict, known: tuple[str, ...]) -> None:
-    for key in body:
-        if key not in known:
-            raise bad_request(f"Field '{key}' is unknown (expected some of {list(known)})",
-                              param=key, code="unsupported_field")
+class FinishBody(BaseModel):
+    """POST /v1/rollouts/{id}/finish (admin; a rollout key: see `check_rollout_key_finish`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    status: str | None = None
+    reward: float | None = Field(None, allow_inf_nan=False)
+    artifacts: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    hints: list[str] | None = None
+
+
+CREATE_FIELDS = tuple(CreateBody.model_fields)
+FINISH_FIELDS = tuple(FinishBody.model_fields)
+
+
+def _validated(model: type[BaseModel], body: Any) -> BaseModel:
+    """`model` from a parsed JSON body; a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"Field '{param}' is unknown (expected some of "
+                              f"{list(model.model_fields)})", param=param,
+                              code="unsupported_field") from None
+        if err["type"] == "missing":
+            raise bad_request(f"'{param}' is required", param=param) from None
+        raise bad_request(f"'{param}': {err['msg']}", param=param) from None
 
 
 def parse_create(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.create` from a JSON body."""
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
-    _known_fields(body, CREATE_FIELDS)
-    task_id = body.get("task_id")
-    if not isinstance(task_id, str) or not task_id:
-        raise bad_request("'task_id' is required (a non-empty string)", param="task_id")
-    out: dict[str, Any] = {"task_id": task_id}
+    req = _validated(CreateBody, body)
+    out: dict[str, Any] = {"task_id": req.task_id}
     for key in ("group_id", "attempt_id"):
-        if body.get(key) is not None:
-            if not isinstance(body[key], (str, int)) or isinstance(body[key], bool):
-                raise bad_request(f"'{key}' must be a string", param=key)
-            out[key] = str(body[key])
-    if body.get("metadata") is not None:
-        if not isinstance(body["metadata"], dict):
-            raise bad_request("'metadata' must be an object", param="metadata")
-        check_json(body["metadata"], "metadata")
-        out["metadata"] = body["metadata"]
-    if body.get("timeout_s") is not None:
-        t = body["timeout_s"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise bad_request("'timeout_s' must be a number > 0", param="timeout_s")
-        out["timeout_s"] = float(t)
+        if getattr(req, key) is not None:
+            out[key] = str(getattr(req, key))
+    if req.metadata is not None:
+        check_json(req.metadata, "metadata")
+        out["metadata"] = req.metadata
+    if req.timeout_s is not None:
+        out["timeout_s"] = float(req.timeout_s)
     return out
 
 
 def parse_finish(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.finish` from a JSON body."""
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
-    _known_fields(body, FINISH_FIELDS)
-    out: dict[str, Any] = {"status": body.get("status") or "finished"}
-    reward = body.get("reward")
-    if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(
-                reward):
-            raise bad_request("'reward' must be a finite number", param="reward")
-        out["reward"] = float(reward)
-    for key, typ, what in (("artifacts", dict, "an object"), ("metrics", dict, "an object"),
-                           ("hints", list, "a list of strings")):
-        if body.get(key) is not None:
-            if not isinstance(body[key], typ):
-                raise bad_request(f"'{key}' must be {what}", param=key)
-            check_json(body[key], key)
-            out[key] = body[key]
-    if "hints" in out and not all(isinstance(h, str) for h in out["hints"]):
-        raise bad_request("'hints' must be a list of strings", param="hints")
+    req = _validated(FinishBody, body)
+    out: dict[str, Any] = {"status": req.status or "finished"}
+    if req.reward is not None:
+        out["reward"] = float(req.reward)
+    for key in ("artifacts", "metrics", "hints"):
+        if getattr(req, key) is not None:
+            check_json(getattr(req, key), key)
+            out[key] = getattr(req, key)
     return out
 
 
