@@ -1,8 +1,10 @@
 """Serving: the OpenAI-compatible endpoint and the rollout lifecycle API.
 
 `build_app(sampler, tokenizer, admin_key=...)` makes the FastAPI app (see
-`app` for the routes); `serve_in_thread(app)` runs it on 127.0.0.1 for tests
-and notebooks; `python -m ac2_jax.serving` runs it as a process.
+`app` for the routes; `generation` for the sampling routes, `streaming` for
+SSE, `requests` and `rollout_requests` for body validation);
+`serve_in_thread(app)` runs it on 127.0.0.1 for tests and notebooks;
+`python -m ac2_jax.serving` runs it as a process.
 """
 
 from ac2_jax.serving.app import build_app

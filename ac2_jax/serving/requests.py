@@ -14,6 +14,12 @@ Accepted and deliberately not acted on (documented, not silent):
                        `X-Agent` header or the top-level `agent` extension field.
   parallel_tool_calls  every tool call the model writes is returned, whatever its
                        value: the model is not constrained to one call.
+
+tool_choice: "auto" (default) parses tool calls from the output; "none" still
+renders the tools into the prompt but parses nothing (calls stay text);
+"required" and a named function force a call (see `generation`).
+response_format: only {"type": "text"}; json_object and json_schema are 400s
+(no constrained decoding, so JSON output could not be guaranteed).
 """
 
 from __future__ import annotations
