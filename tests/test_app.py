@@ -535,39 +535,67 @@ def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
                       json={"reward": 1.0}).status_code == 200
 
 
-def test_a_poisoned_batch_fails_only_the_bad_request(env):
-    infos = [create(env, f"poison-{i}") for i in range(9)]
+def test_a_poisoned_batch_fails_only_the_bad_requests(env):
+    """8 good rollouts run beside hostile requests sent at the same time (each from
+    its own rollout): the good ones complete and record normally, each bad one
+    gets its 4xx and leaves its rollout unchanged."""
+    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6'
+    hostile = [  # (raw body or openai kwargs, status, param or code)
+        ({"extra_body": {"top_k": 2**40}}, 400, "top_k"),
+        ({"seed": 2**64}, 400, "seed"),
+        ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+        (chat + ', "temperature": NaN}', 400, "invalid_json"),
+        ('{"model": "tiny", "messages": ' + "[" * 50_000 + "]" * 50_000 + "}", 400,
+         "json_too_deep"),
+        ((chat + ', "stop": "\xff"}').encode("latin-1"), 400, "invalid_encoding"),
+        (chat + ', "pad": "' + "x" * (9 << 20) + '"}', 413, "request_too_large"),
+    ]
+    infos = [create(env, f"poison-{i}") for i in range(8 + len(hostile))]
 
     async def good(info, i):
         client = client_for(info, async_=True)
-        resp = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"job {i}"}], max_tokens=6,
-            temperature=1.0, seed=i)
-        await client.close()
-        return resp
-
-    async def bad(info):
-        client = client_for(info, async_=True)
         try:
-            await client.chat.completions.create(model="tiny", messages=[USER], max_tokens=6,
-                                                 extra_body={"top_k": 2**40})
+            return await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"job {i}"}], max_tokens=6,
+                temperature=1.0, seed=i)
         finally:
             await client.close()
 
+    async def bad(info, case):
+        body, status, what = case
+        if isinstance(body, dict):
+            client = client_for(info, async_=True)
+            try:
+                await client.chat.completions.create(model="tiny", messages=[USER],
+                                                     max_tokens=6, **body)
+            except openai.APIStatusError as e:
+                return e.status_code, e.body
+            finally:
+                await client.close()
+            return None
+        async with httpx.AsyncClient(timeout=300) as http:
+            r = await http.post(info["base_url"] + "/chat/completions", content=body, headers={
+                "Authorization": f"Bearer {info['api_key']}",
+                "Content-Type": "application/json"})
+        return r.status_code, r.json()["error"]
+
     async def batch():
         return await asyncio.gather(*(good(info, i) for i, info in enumerate(infos[:8])),
-                                    bad(infos[8]), return_exceptions=True)
+                                    *(bad(info, case) for info, case in zip(infos[8:], hostile)))
 
     out = asyncio.run(batch())
-    assert isinstance(out[8], openai.BadRequestError) and out[8].param == "top_k"
+    for (status, err), (_, want_status, what) in zip(out[8:], hostile):
+        assert set(err) == {"message", "type", "param", "code"}
+        assert status == want_status and what in (err["param"], err["code"]), err
     for i, (info, resp) in enumerate(zip(infos, out[:8])):
         assert resp.choices[0].finish_reason in ("stop", "length"), resp
         trace = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
         (episode,) = trace["episodes"]
         assert f"job {i}" in env["tok"].decode(episode["token_ids"])
         check_episode(env, episode)
-    bad_status = env["admin"].get(f"/v1/rollouts/{infos[8]['rollout_id']}").json()
-    assert bad_status["status"] == "running" and bad_status["num_completions"] == 0
+    for info in infos[8:]:
+        status = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
+        assert status["status"] == "running" and status["num_completions"] == 0
 
 
 def test_streaming_with_the_jax_sampler_equals_the_plain_answer(env):
