@@ -1,5 +1,7 @@
 """RolloutRegistry: keys, recording, finishing, timeouts, all-or-nothing changes."""
 
+import json
+
 import pytest
 
 from ac2_jax.serving.errors import APIError
@@ -328,3 +330,25 @@ def test_counters_show_in_the_summary_and_the_stored_metrics(tmp_path):
     reg.finish(r, status="infra_error")
     (t,) = store.load()
     assert t.metrics["aborted_completions"] == 2 and t.metrics["sampler_errors"] == 1
+
+
+def test_recorded_messages_are_deltas_so_a_long_episode_grows_linearly():
+    def stored_size(turns):
+        reg = RolloutRegistry()
+        r = reg.create("t")
+        messages, tokens = [{"role": "system", "content": "s" * 300}], [1]
+        for i in range(turns):
+            messages = messages + [{"role": "user", "content": f"turn {i} " + "u" * 300}]
+            prompt = tokens + [2, 3]
+            c = comp(prompt, [4, 5])
+            c.messages = list(messages)
+            reg.record(r, "main", [c], [])
+            tokens = prompt + [4, 5]
+            messages = messages + [{"role": "assistant", "content": f"reply {i}"}]
+        trace = reg.trace_dict(r)
+        (ep,) = reg.get(r.rollout_id).trace.episodes
+        assert ep.messages_at()[-1] == messages[:-1]  # the last request, rebuilt whole
+        return len(json.dumps(trace))
+
+    s0, s10, s20 = stored_size(1), stored_size(10), stored_size(20)
+    assert (s20 - s10) < 1.3 * (s10 - s0)  # linear: quadratic would be ~3x
