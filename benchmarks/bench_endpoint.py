@@ -241,7 +241,8 @@ def process_mode(args, tmp: str) -> dict:
     common = dict(turns=args.turns, max_tokens=args.max_tokens)
     try:
         for w in range(args.warmup_runs):  # compiles: row, prefill and cache buckets
-            run_harness(url, f"warm{w}", tmp, rollouts=top, concurrency=top, **common)
+            for c in clients:
+                run_harness(url, f"warm{w}c{c}", tmp, rollouts=c, concurrency=c, **common)
         for c in clients:
             rep = run_harness(url, f"c{c}", tmp, rollouts=c * args.rollouts_per_client,
                               concurrency=c, **common)
@@ -301,7 +302,8 @@ def main(argv=None):
     p.add_argument("--turns", type=int, default=8, help="(process) turns per rollout")
     p.add_argument("--rollouts_per_client", type=int, default=2, help="(process)")
     p.add_argument("--max_context", type=int, default=512, help="(process) server context")
-    p.add_argument("--warmup_runs", type=int, default=2, help="(process)")
+    p.add_argument("--warmup_runs", type=int, default=2,
+                   help="(process) unmeasured runs of each client count first")
     p.add_argument("--memory_rollouts", type=int, default=0,
                    help="(process) rollouts of the memory run (0: none)")
     p.add_argument("--memory_turns", type=int, default=2, help="(process)")

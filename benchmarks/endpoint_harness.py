@@ -251,7 +251,7 @@ class ServerProcess:
         self.cmd = [python, "-m", "ac2_jax.serving", "--model=tiny", "--port=0",
                     f"--admin_key={admin_key}", f"--trace_store={trace_store}", *flags]
         self.admin_key, self.log_path = admin_key, log_path
-        self.repo = repo or os.environ.get("E_DEV_REPO") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
