@@ -88,7 +88,9 @@ def test_truncate_at_stop_no_match_is_identity():
 def test_sglang_sampler_satisfies_the_protocol():
     s = SGLangSampler("http://127.0.0.1:1", max_context=64)
     assert isinstance(s, Sampler)
-    assert s.policy_version == 0 and s.max_context == 64
+    # SGLang refuses input + max_new_tokens >= context_len, so a 64-token
+    # context holds at most 63 tokens of prompt + output.
+    assert s.policy_version == 0 and s.max_context == 63
 
 
 @pytest.mark.parametrize("kw, field", [
