@@ -335,6 +335,8 @@ def run(cfg, log=print) -> dict:
 
 def main(argv):
     del argv
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every weight publish at INFO
     run(_CONFIG.value)
 
 
