@@ -19,8 +19,11 @@ conversation grows each turn); requests/s, client latency, and overhead =
 client latency minus the sampler time the server recorded for that
 completion (`timings.sample_s` in the stored trace). Then a memory run:
 `--memory_rollouts` rollouts at the largest C, the server's RSS sampled every
-`--rss_every` ended rollouts. Every run is audited: lost, never stored,
-cross-wired.
+`--rss_every` ended rollouts, with the sampler's compiled-shape count (the
+admin's `sampler_stats` in GET /v1/models). The server's JaxSampler runs with
+`--fixed_shapes` (compiled at start) unless `--no-fixed_shapes`: bucketed
+shapes keep compiling under varied traffic, and each executable stays in
+memory. Every run is audited: lost, never stored, cross-wired.
 
     python -m benchmarks.bench_endpoint --mode=process --clients=1,8,64 --turns=8 \
         --memory_rollouts=1000 --out bench_results/endpoint_process.json
@@ -28,6 +31,7 @@ cross-wired.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import json
@@ -234,7 +238,8 @@ def process_mode(args, tmp: str) -> dict:
     store = os.path.join(tmp, "traces.jsonl")
     server = ServerProcess(store, ADMIN, os.path.join(tmp, "server.log"), env={"XLA_FLAGS": ""},
                            flags=[f"--max_tokens={args.max_tokens}", f"--max_batch={top}",
-                                  f"--max_context={args.max_context}"])
+                                  f"--max_context={args.max_context}",
+                                  f"--fixed_shapes={str(args.fixed_shapes).lower()}"])
     tok = build_tiny_tokenizer(os.path.join(tmp, "tok"))  # the server's: same corpus, same BPE
     url = server.start()
     runs: list[tuple[dict, dict]] = []  # (row, harness report)
@@ -287,9 +292,10 @@ def main_process(args) -> dict:
                               "req_per_s", "latency_p50_ms", "overhead_p50_ms",
                               "overhead_p99_ms", "lost", "missing", "cross_wired"])
     if res["rss"]:
-        mb = [(s["rollouts_ended"], (s["rss_bytes"] or 0) / 2**20) for s in res["rss"]]
-        print("\nserver RSS (MiB) by rollouts ended: "
-              + ", ".join(f"{n}: {m:.0f}" for n, m in mb))
+        mb = [(s["rollouts_ended"], (s["rss_bytes"] or 0) / 2**20, s.get("compiled_shapes"))
+              for s in res["rss"]]
+        print("\nserver RSS (MiB) [sampler compiled shapes] by rollouts ended: "
+              + ", ".join(f"{n}: {m:.0f} [{c}]" for n, m, c in mb))
     write_json(args.out, {"benchmark": "endpoint_process", "config": vars(args),
                           "load_average": load, **res})
     return res
@@ -308,6 +314,8 @@ def main(argv=None):
                    help="(process) rollouts of the memory run (0: none)")
     p.add_argument("--memory_turns", type=int, default=2, help="(process)")
     p.add_argument("--rss_every", type=int, default=50, help="(process)")
+    p.add_argument("--fixed_shapes", action=argparse.BooleanOptionalAction, default=True,
+                   help="(process) server JaxSampler with fixed shapes, compiled at start")
     p.add_argument("--max_tokens", type=int, default=16)
     p.add_argument("--latency_requests", type=int, default=150,
                    help="sequential rounds (each: one direct, one admin HTTP, one rollout HTTP)")

@@ -133,11 +133,19 @@ async def run_load(url: str, admin_key: str, *, rollouts: int, turns: int, concu
     results: list[dict[str, Any]] = []
     rss: list[dict[str, float]] = []
 
-    def sample_rss():
+    async def sample_rss():
+        row: dict[str, Any] = {"rollouts_ended": len(results)}
         try:
-            rss.append({"rollouts_ended": len(results), "rss_bytes": rss_bytes(rss_pid)})
+            row["rss_bytes"] = rss_bytes(rss_pid)
         except (OSError, RuntimeError) as e:  # the process is gone (e.g. killed): say so
-            rss.append({"rollouts_ended": len(results), "rss_bytes": None, "error": str(e)})
+            row.update(rss_bytes=None, error=str(e))
+        try:  # the sampler's compile set (JaxSampler servers show it to the admin)
+            r = await admin.get("/v1/models")
+            row["compiled_shapes"] = r.json()["data"][0].get("sampler_stats", {}).get(
+                "compiled_shapes")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            row["compiled_shapes"] = None
+        rss.append(row)
 
     async def one(i):
         async with sem:
@@ -146,10 +154,10 @@ async def run_load(url: str, admin_key: str, *, rollouts: int, turns: int, concu
         if on_done is not None:
             on_done(res)
         if rss_pid is not None and len(results) % rss_every == 0:
-            sample_rss()
+            await sample_rss()
 
     if rss_pid is not None:
-        sample_rss()
+        await sample_rss()
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*(one(i) for i in range(rollouts)))

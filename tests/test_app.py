@@ -291,6 +291,21 @@ def test_streaming_text_completions_and_models(env):
     assert [c.index for c in n3.choices] == [0, 1, 2]
 
 
+def test_models_shows_sampler_stats_to_the_admin_only(env):
+    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0)
+    client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
+    admin = env["admin"].get("/v1/models").json()["data"][0]
+    stats = admin["sampler_stats"]
+    assert stats["compiled_shapes"] == env["sampler"].stats.compiled_shapes > 0
+    assert set(stats) == {"compiled_shapes", "output_tokens", "request_errors",
+                          "worker_restarts"}
+    info = create(env, "models-stats")
+    seen = httpx.get(env["url"] + "/v1/models",
+                     headers={"Authorization": f"Bearer {info['api_key']}"}).json()["data"][0]
+    assert "sampler_stats" not in seen and seen["id"] == "tiny"
+    env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
+
+
 def test_published_weights_give_new_policy_version(env):
     sampler, tok = env["sampler"], env["tok"]
     publish_dir = str(env["tmp"] / "publish")

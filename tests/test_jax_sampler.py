@@ -396,3 +396,74 @@ def test_poisoned_batch_bad_requests_fail_alone(sampler):
     assert sampler.stats.request_errors == errors and sampler.stats.worker_restarts == restarts
     with pytest.raises(TypeError, match="on_tokens"):
         run(sampler.generate([1, 2], GREEDY, on_tokens=5))
+
+
+class _BackendCompiles:
+    """Counts XLA backend compiles in this process while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.n = 0
+
+    def _on(self, event, duration, **kw):
+        if event == self.EVENT:
+            self.n += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def _varied_load(s, rounds=3):
+    """Requests of many prompt lengths, batch sizes, stops and top-logprobs."""
+    rng = np.random.default_rng(0)
+    for r in range(rounds):
+        reqs = []
+        for i in range(int(rng.integers(1, 21))):
+            n = int(rng.integers(2, CTX - 4))
+            p = SamplingParams(temperature=float(rng.choice([0.0, 1.0])), max_tokens=4,
+                               seed=i, top_logprobs=int(rng.integers(0, 3)),
+                               stop_token_ids=tuple(int(t) for t in rng.integers(0, 256, r)))
+            reqs.append((prompt_of(100 * r + i, n), p))
+        for res in gen_many(s, reqs):
+            assert res.output_ids
+
+
+def test_fixed_shapes_after_warmup_compile_nothing(model):
+    """fixed_shapes + warmup(): varied traffic (1-20 concurrent requests, prompt
+    lengths 2-27, stop ids, top-logprobs, greedy and sampled) adds no shape and
+    no XLA compile. Bucketed shapes under the same traffic keep adding both."""
+    s = _sampler(model, fixed_shapes=True, min_batch=1, min_cache_len=1)
+    try:
+        known = s.warmup()
+        assert known == s.stats.compiled_shapes > 2
+        with _BackendCompiles() as c:
+            _varied_load(s)
+        assert s.stats.compiled_shapes == known
+        assert c.n == 0, f"{c.n} XLA compiles after warmup"
+    finally:
+        s.close()
+    b = _sampler(model, min_batch=1, min_cache_len=8, min_prefill_rows=1)
+    try:
+        gen(b, prompt_of(0, 3))
+        first = b.stats.compiled_shapes
+        with _BackendCompiles() as c:
+            _varied_load(b)
+        # (Fewer compiles than new shapes: jit caches are per process, and the
+        # fixed sampler above already compiled some of these shapes.)
+        assert b.stats.compiled_shapes > first and c.n > 0
+    finally:
+        b.close()
+
+
+def test_warmup_needs_fixed_shapes(model):
+    s = _sampler(model)
+    try:
+        with pytest.raises(ValueError, match="fixed_shapes=True"):
+            s.warmup()
+    finally:
+        s.close()

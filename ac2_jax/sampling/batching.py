@@ -60,6 +60,14 @@ class SamplerStats:
     worker_restarts: int = 0  # exceptions that escaped a device step (cache rebuilt)
     decode_s: float = 0.0   # wall time in decode chunks (device call + read back)
     prefill_s: float = 0.0  # wall time in prefill calls (dispatch until the next sync)
+    # Every (jitted function, static shape) the worker has called: each new one
+    # is one XLA compile (weights of the same structure reuse it). A set that
+    # keeps growing under steady traffic is memory that keeps growing.
+    shapes: set = dataclasses.field(default_factory=set)
+
+    @property
+    def compiled_shapes(self) -> int:
+        return len(self.shapes)
 
 
 def resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
@@ -169,6 +177,13 @@ class SlotTable:
         self.tick += 1
         self.used[row] = self.tick
         return req
+
+    @staticmethod
+    def idle_rows(B: int) -> Rows:
+        """`Rows` for B empty rows (what `rows()` gives with no request held)."""
+        t = SlotTable()
+        t.relayout([], B)
+        return t.rows()
 
     def rows(self) -> Rows:
         """The numpy state as a `Rows` pytree (stop ids padded with -1)."""

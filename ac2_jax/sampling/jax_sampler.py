@@ -8,7 +8,11 @@ prompt a free row does not already hold (prefix reuse), and runs jitted
 multi-step decode chunks (`decode_loop.decode_chunk`) until every row is done.
 Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
 handful of compiles serve all traffic; a decode step costs O(1) in the sequence
-length apart from attention over the cache.
+length apart from attention over the cache. Every bucket combination is one
+XLA executable kept for good, so under varied traffic the set (and memory)
+grows for a long while; `fixed_shapes=True` pins rows and cache length (one
+decode shape, prefill buckets only) and `warmup()` compiles that whole set up
+front, after which no traffic compiles anything (`stats.compiled_shapes`).
 
 Requests are validated here, in the caller (ValueError naming the field),
 before they reach the worker; the worker (`worker.DeviceLoop`) keeps one
@@ -39,7 +43,7 @@ from ac2_jax.models import Decoder, load_published
 from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplingParams,
                                    check_prompt)
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
-from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop
+from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
 
 class JaxSampler(DeviceLoop):
     """`Sampler` over a `Decoder` (see `ac2_jax.sampling.base` for the contract).
@@ -55,6 +59,9 @@ class JaxSampler(DeviceLoop):
     (larger: fewer compiles, more padded compute).
     max_top_logprobs: largest `top_logprobs` a request may ask for.
     seed: draws the seeds of requests that give none.
+    fixed_shapes: always max_batch rows x max_context cache slots (min_batch and
+    min_cache_len are then max_batch and max_context): more padded decode work
+    at low load, a small fixed set of compiles (what a server wants).
     """
 
     def __init__(self, model: Decoder, *, publish_dir: str | None = None,
@@ -63,12 +70,16 @@ class JaxSampler(DeviceLoop):
                  steps_per_sync: int = 8, min_cache_len: int = 64, prefill_chunk: int = 512,
                  min_prefill_rows: int = 1,
                  max_top_logprobs: int = 20, cache_dtype: Any = None, seed: int | None = None,
-                 batch_wait_s: float = 0.002, prefix_reuse: bool = True):
+                 batch_wait_s: float = 0.002, prefix_reuse: bool = True,
+                 fixed_shapes: bool = False):
         if not isinstance(model, Decoder):
             raise TypeError(f"JaxSampler: model must be an ac2_jax.models.Decoder, "
                             f"got {type(model).__name__}")
         cfg = model.config
         self._max_context = int(max_context or cfg.max_position_embeddings)
+        self.fixed_shapes = bool(fixed_shapes)
+        if self.fixed_shapes:
+            min_batch, min_cache_len = max_batch, self._max_context
         for name, v, lo in (("max_context", self._max_context, 2), ("max_batch", max_batch, 1),
                             ("min_batch", min_batch, 1),
                             ("steps_per_sync", steps_per_sync, 1),
@@ -131,6 +142,20 @@ class JaxSampler(DeviceLoop):
         Cancelling the awaiting task cancels the request (queue or row)."""
         req = self._make_request(prompt_ids, params, on_tokens)
         return await asyncio.wrap_future(req.future)
+
+    def warmup(self) -> int:
+        """Compiles every shape a `fixed_shapes` sampler can use (prefill row and
+        length buckets, the decode chunk with up to 4 stop ids); blocks until
+        done and returns `stats.compiled_shapes`. Requests wait meanwhile."""
+        if not self.fixed_shapes:
+            raise ValueError("JaxSampler.warmup needs fixed_shapes=True: bucketed rows and "
+                             "cache lengths have too many combinations to compile up front")
+        item = Warmup()
+        with self._lock:
+            if self._closed:
+                raise SamplerError("JaxSampler is closed")
+            self._queue.put(item)
+        return item.future.result()
 
     def load_weights(self, step: int | None = None) -> int:
         """Loads a published step (None: latest); running rows finish on the old weights."""

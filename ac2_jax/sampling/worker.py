@@ -15,6 +15,7 @@ from the queue or has its row freed at the next chunk boundary.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import queue
 import time
 
@@ -27,6 +28,23 @@ from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cach
 
 WAKE = object()   # queue item: look at pending weights
 STOP = object()   # queue item: close
+
+
+class Warmup:
+    """Queue item: compile every shape of the fixed geometry (`JaxSampler.warmup`)."""
+
+    def __init__(self):
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+
+def bucket_sizes(lo: int, hi: int) -> list[int]:
+    """Every value `pow2_bucket(n, lo, hi)` can return, ascending."""
+    out, b = [], max(int(lo), 1)
+    while True:
+        out.append(min(b, int(hi)))
+        if b >= hi:
+            return out
+        b *= 2
 
 
 class DeviceLoop:
@@ -74,7 +92,38 @@ class DeviceLoop:
                 return False
             if isinstance(item, Request):
                 self._waiting.append(item)
+            elif isinstance(item, Warmup):
+                try:
+                    resolve(item, result=self._warm())
+                except Exception as e:  # noqa: BLE001 - the caller of warmup() gets it
+                    resolve(item, exc=e)
         return True
+
+    def _warm(self) -> int:
+        """Runs every jitted shape the fixed geometry can produce on a scratch
+        cache (the live cache and rows are untouched). Returns the number of
+        shapes known afterwards."""
+        B, S = self._max_batch, self._max_context
+        cache = self._new_cache(B, S)
+        for b in bucket_sizes(min(self._min_prefill_rows, B), B):
+            for T in bucket_sizes(min(16, self._prefill_chunk), self._prefill_chunk):
+                cache = prefill_rows(self._graphdef, self._state, cache,
+                                     np.full(b, B, np.int32), np.zeros((b, T), np.int32),
+                                     np.full((b, T), -1, np.int32))
+                self.stats.shapes.add(("prefill_rows", B, S, b, T))
+        rows = SlotTable.idle_rows(B)
+        cache, _, _ = decode_chunk(self._graphdef, self._state, cache, rows, np.bool_(False),
+                                   n_steps=self._steps, n_top=self._n_top)
+        self.stats.shapes.add(("decode_chunk", B, S, rows.stop_ids.shape[1]))
+        jax.block_until_ready(cache)
+        return self.stats.compiled_shapes
+
+    def _new_cache(self, B: int, S: int):
+        """An empty cache committed to its device, like every cache a jitted call
+        returns: one executable per shape, not one for fresh and one for reused."""
+        cache = self._model.init_cache(B, S, dtype=self._cache_dtype)
+        self.stats.shapes.add(("init_cache", B, S))
+        return jax.tree.map(lambda a: jax.device_put(a, a.sharding), cache)
 
     def _iteration(self) -> None:
         t = self._table
@@ -144,10 +193,12 @@ class DeviceLoop:
         """Re-lays the cache: new row i = old row rows[i]; S slots per row."""
         if self._cache is None:
             self._table.relayout([], B)
-            self._cache = self._model.init_cache(B, S, dtype=self._cache_dtype)
+            self._cache = self._new_cache(B, S)
         else:
+            old = (self._table.B, self._S)
             idx = self._table.relayout(rows, B)
             self._cache = resize_cache(self._cache, idx, max_len=S)
+            self.stats.shapes.add(("resize_cache", *old, B, S))
             self.stats.resizes += 1
         self._S = S
 
@@ -210,6 +261,7 @@ class DeviceLoop:
                     tok[i, :hi - lo] = p[lo:hi]
                     pos[i, :hi - lo] = np.arange(lo, hi)
             self._cache = prefill_rows(self._graphdef, self._state, self._cache, idx, tok, pos)
+            self.stats.shapes.add(("prefill_rows", t.B, self._S, b, T))
             self.stats.prefill_calls += 1
         jax.block_until_ready(self._cache)
         self.stats.prefill_s += time.perf_counter() - t0
@@ -230,9 +282,11 @@ class DeviceLoop:
             self._layout(list(range(t.B)), t.B, S)
         want_top = any(t.req[r].params.top_logprobs > 0 for r in active)
         t0 = time.perf_counter()
+        rows_in = t.rows()
         self._cache, rows, out = decode_chunk(
-            self._graphdef, self._state, self._cache, t.rows(), np.bool_(want_top),
+            self._graphdef, self._state, self._cache, rows_in, np.bool_(want_top),
             n_steps=self._steps, n_top=self._n_top)
+        self.stats.shapes.add(("decode_chunk", t.B, self._S, rows_in.stop_ids.shape[1]))
         rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
         self.stats.decode_s += time.perf_counter() - t0
         t.update(rows)

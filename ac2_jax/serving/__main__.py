@@ -23,6 +23,9 @@ flags.DEFINE_string("publish_dir", None, "Orbax publish dir read by load_weights
 flags.DEFINE_string("export_dir", None, "Where SGLang weight exports are written.")
 flags.DEFINE_integer("max_context", None, "Tokens per sequence (default: the model's).")
 flags.DEFINE_integer("max_batch", 16, "Rows decoded together by the JaxSampler.")
+flags.DEFINE_bool("fixed_shapes", False,
+                  "JaxSampler: always max_batch rows x max_context slots, compiled at start "
+                  "(no compiles, so no memory growth from them, while serving).")
 flags.DEFINE_integer("max_tokens", None, "Default max_tokens of a request.")
 flags.DEFINE_float("rollout_timeout_s", None, "Default rollout timeout in seconds.")
 flags.DEFINE_integer("seed", 0, "Seed of the tiny model and of unseeded requests.")
@@ -38,7 +41,7 @@ def main(argv):
     sampler, tokenizer, name = load_policy(
         FLAGS.model, sampler=FLAGS.sampler, max_context=FLAGS.max_context,
         publish_dir=FLAGS.publish_dir, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
-        max_batch=FLAGS.max_batch, seed=FLAGS.seed)
+        max_batch=FLAGS.max_batch, seed=FLAGS.seed, fixed_shapes=FLAGS.fixed_shapes)
     admin_key = FLAGS.admin_key or "sk-admin-" + secrets.token_urlsafe(16)
     if not FLAGS.admin_key:
         logging.warning("no --admin_key given; using %s", admin_key)

@@ -5,7 +5,7 @@ Routes
                               max_tokens/max_completion_tokens, temperature,
                               top_p, stop, seed, stream (SSE, `data: [DONE]`)
   POST /v1/completions        prompt (text or token ids), same sampling fields
-  GET  /v1/models
+  GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes, errors)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
                                     metadata?, timeout_s?} -> {rollout_id, base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
@@ -164,10 +164,16 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        await authenticate(request)
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
-            "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}]}
+        principal = await authenticate(request)
+        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
+                 "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}
+        stats = getattr(sampler, "stats", None)
+        if principal.is_admin and stats is not None:  # operators watch the compile set
+            entry["sampler_stats"] = {"compiled_shapes": stats.compiled_shapes,
+                                      "output_tokens": stats.output_tokens,
+                                      "request_errors": stats.request_errors,
+                                      "worker_restarts": stats.worker_restarts}
+        return {"object": "list", "data": [entry]}
 
     @app.post("/v1/rollouts")
     async def create_rollout(request: Request):

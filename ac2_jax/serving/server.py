@@ -54,13 +54,16 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0,
 def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = None,
                 publish_dir: str | None = None, sglang_url: str | None = None,
                 export_dir: str | None = None, max_batch: int = 16, seed: int = 0,
-                tokenizer_dir: str | None = None):
+                tokenizer_dir: str | None = None, fixed_shapes: bool = False):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
     randomly initialised tiny Decoder: a smoke-test policy, not a useful one.
     sampler: "jax" (embedded JaxSampler) or "sglang" (SGLangSampler at
     `sglang_url`, serving the same weights; `export_dir` receives exports).
+    fixed_shapes (JaxSampler only): max_batch rows x max_context slots always,
+    compiled up front by `warmup()`: no compiles (and no memory growth from
+    them) once serving.
     """
     import os
     import tempfile
@@ -90,9 +93,14 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
                                  tokenizer.model_max_length or 1 << 30)
     if sampler == "jax":
         from ac2_jax.sampling.jax_sampler import JaxSampler
-        return (JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
-                           max_batch=max_batch, eos_token_ids=tokenizer.stop_token_ids,
-                           tokenizer=tokenizer, seed=seed), tokenizer, name)
+        jax_sampler = JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
+                                 max_batch=max_batch, eos_token_ids=tokenizer.stop_token_ids,
+                                 tokenizer=tokenizer, seed=seed, fixed_shapes=fixed_shapes)
+        if fixed_shapes:
+            jax_sampler.warmup()
+        return jax_sampler, tokenizer, name
+    if fixed_shapes:
+        raise ValueError("--fixed_shapes is a JaxSampler option (SGLang manages its own shapes)")
     from ac2_jax.sampling.sglang import SGLangSampler
     return (SGLangSampler(sglang_url, max_context=context, model=decoder,
                           publish_dir=publish_dir, export_dir=export_dir,
