@@ -561,3 +561,44 @@ def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
     with pytest.raises(ValueError, match="duplicate task id"):
         asyncio.run(c.collect(0))
     assert c.ran == []
+
+
+def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
+    """Steps of 3-8 traces of varied lengths and rewards, inside the batch's
+    static capacity (rows x seq_len): `compiled_steps` stays at its warm-up
+    value 1, and so does the jitted step's own executable cache (a count)."""
+    store = TraceStore(str(tmp_path / "collected.jsonl"))
+
+    async def collect():
+        lc = LifecycleClient(served["url"], ADMIN)
+        got = await EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=6,
+                                      attempts_per_task=4, seed=7).collect(0)
+        await lc.aclose()
+        return got
+
+    pool = [t for t in asyncio.run(collect()) if t.status == "finished"]
+    rng = np.random.default_rng(0)
+    steps = []
+    for step in range(6):
+        picked = [pool[i] for i in rng.choice(len(pool), int(rng.integers(3, 9)), replace=False)]
+        replay = []
+        for t in picked:
+            t = Trace.from_dict(t.to_dict())  # a copy, tagged as sampled by this step's policy
+            t.metadata["rl_step"] = step
+            t.task_id = f"{t.task_id}-s{step}"
+            for e in t.episodes:
+                for c in e.completions:
+                    c.policy_version = step
+            replay.append(t)
+        steps.append(replay)
+    assert len({sum(len(e.completions) for t in s for e in t.episodes) for s in steps}) > 1
+    config = _config(6)
+    trainer = RLTrainer(_model(served["tok"].vocab_size),
+                        ReplayCollector([t for s in steps for t in s]), config,
+                        str(tmp_path / "run"))
+    history = asyncio.run(trainer.run())
+    trainer.close()
+    trained = [h for h in history if h["skipped_update"] == 0.0]  # equal rewards: no update
+    assert len(history) == 6 and len(trained) >= 4
+    assert [h["compiled_steps"] for h in trained] == [1.0] * len(trained)
+    assert trainer.trainer.step_fn._step._cache_size() == 1

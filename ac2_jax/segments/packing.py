@@ -138,19 +138,23 @@ def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
 
 def pack_segments(segments: Sequence[Segment], seq_len: int, *,
                   truncate: bool = False, min_rows: int = 0,
-                  rows_multiple: int = 1, layout: str = "flat") -> PackedBatch:
+                  rows_multiple: int = 1, layout: str = "flat", min_tasks: int = 1,
+                  min_segments: int = 1) -> PackedBatch:
     """Packs segments into rows of `seq_len` tokens.
 
     A segment longer than `seq_len` is an error unless `truncate=True`, which
     keeps its first `seq_len` tokens (the cut tokens leave the loss). Rows are
     padded up to `min_rows` and to a multiple of `rows_multiple` (e.g. the
     data-parallel device count). `layout="tree"` shares common prefixes (see
-    `ac2_jax.segments.tree`).
+    `ac2_jax.segments.tree`). The static capacities `num_tasks` / `num_segments`
+    are `pow2_bucket(count, min_tasks / min_segments)`: floors at least as large
+    as the data keep them (and the compiled step) the same from batch to batch.
     """
     if layout == "tree":
         from ac2_jax.segments.tree import pack_segment_tree
         return pack_segment_tree(segments, seq_len, truncate=truncate,
-                                 min_rows=min_rows, rows_multiple=rows_multiple)
+                                 min_rows=min_rows, rows_multiple=rows_multiple,
+                                 min_tasks=min_tasks, min_segments=min_segments)
     if layout != "flat":
         raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
@@ -164,8 +168,8 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
             s = segments[i]
             write_segment(out, r, start, s, lengths[i], task_index[s.task], local_id, i)
             start += lengths[i]
-    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index)),
-                       num_segments=pow2_bucket(len(segments)))
+    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index), min_tasks),
+                       num_segments=pow2_bucket(len(segments), min_segments))
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:

@@ -108,7 +108,8 @@ def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
 
 
 def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bool = False,
-                      min_rows: int = 0, rows_multiple: int = 1) -> PackedBatch:
+                      min_rows: int = 0, rows_multiple: int = 1, min_tasks: int = 1,
+                      min_segments: int = 1) -> PackedBatch:
     """Packs segments as prefix tries, one forest per row of `seq_len` tokens.
 
     Segments are sorted by content so that shared prefixes meet, then added
@@ -138,5 +139,5 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):
         _layout(root, out, r, task_index, segments)
-    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index)),
-                       num_segments=pow2_bucket(len(segments)))
+    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index), min_tasks),
+                       num_segments=pow2_bucket(len(segments), min_segments))

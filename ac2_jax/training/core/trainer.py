@@ -13,6 +13,13 @@ train state after n loop steps, the driver's `TrainerHooks.state_dict()`
 run takes exactly the steps an uninterrupted one would. Metrics go to
 `workdir/metrics/metrics.jsonl` and TensorBoard as `train/<key>` and
 `eval/<key>`.
+
+Recompiles: every update reports `compiled_steps`, the number of distinct
+batch geometries (shapes and dtypes of batch and extras) this trainer has fed
+its step, i.e. the step's compiles. A count that grows after
+`compile_warmup_steps` loop steps is logged as a warning: each new geometry
+costs a full compile (minutes on a deep model). Keep it flat with static
+capacities (`BatchConfig.rows`/`seq_len` large enough for the data).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 from typing import Any, Callable
 
 import jax
+from absl import logging
 import orbax.checkpoint as ocp
 
 from ac2_jax.training.core.checkpoints import Checkpointer, from_nested, to_nested
@@ -74,7 +82,8 @@ class Trainer:
                  step_fn: TrainStep | None = None,
                  make_step: Callable[..., TrainStep] = make_train_step,
                  logger: MetricsLogger | None = None, tensorboard: bool = True,
-                 progress: bool = False, total_steps: int | None = None):
+                 progress: bool = False, total_steps: int | None = None,
+                 compile_warmup_steps: int = 1):
         if checkpoint_every < 0:
             raise ValueError(f"Trainer: checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and workdir is None:
@@ -102,6 +111,8 @@ class Trainer:
             if logger is None:
                 self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
                                             tensorboard=tensorboard, console=False)
+        self._geometries: set = set()
+        self.compile_warmup_steps = int(compile_warmup_steps)
         self._progress = self._task = None
         if progress:
             from rich.progress import Progress
@@ -120,10 +131,34 @@ class Trainer:
 
     # -- the loop
 
+    @property
+    def compiled_steps(self) -> int:
+        """Distinct batch geometries fed to the step so far (= its compiles)."""
+        return len(self._geometries)
+
+    def _note_geometry(self, batch, extras) -> None:
+        leaves, tree = jax.tree.flatten((batch, extras))
+        key = (tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
+                           for x in leaves))
+        if key in self._geometries:
+            return
+        self._geometries.add(key)
+        if self.steps_done >= self.compile_warmup_steps:
+            shapes = sorted({tuple(jax.numpy.shape(x)) for x in leaves})
+            logging.warning(
+                "Trainer: loop step %d compiles the train step again (%d batch geometries "
+                "so far; shapes now %s). Each new geometry is a full compile: keep batch "
+                "capacities static (e.g. BatchConfig.rows / seq_len large enough).",
+                self.steps_done + 1, len(self._geometries), shapes[:4])
+
     def update(self, batch, extras: dict | None = None) -> dict[str, float]:
-        """One optimizer step; its metrics as floats (not logged: see `end_step`)."""
+        """One optimizer step; its metrics as floats (not logged: see `end_step`),
+        with `compiled_steps` (see the module docstring)."""
+        self._note_geometry(batch, extras)
         self.state, metrics = self.step_fn(self.state, batch, extras)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out["compiled_steps"] = float(self.compiled_steps)
+        return out
 
     def end_step(self, metrics: dict[str, Any]) -> int:
         """Ends a loop step (with or without an update): logs `metrics` under train/,

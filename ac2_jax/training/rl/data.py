@@ -43,6 +43,12 @@ class BatchConfig:
     # Rows grow (seq_len x 2^k) up to this many tokens to hold a longer segment
     # whole; only past it is a segment's end cut (counted). None: 4 x seq_len.
     max_seq_len: int | None = None
+    # Static capacities of the batch (PackedBatch.num_tasks / num_segments):
+    # floors that keep the compiled step the same from step to step. 0: the
+    # RLTrainer uses tasks_per_step x attempts_per_task for both (a batch with
+    # more grows to the next power of two: one more compile, warned).
+    task_capacity: int = 0
+    segment_capacity: int = 0
 
     def __post_init__(self):
         if self.failed is not None:
@@ -61,6 +67,10 @@ class BatchConfig:
         if not 0.0 <= self.stale_weight <= 1.0:
             raise ValueError(f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
                              f"loss of stale traces), got {self.stale_weight!r}")
+        for name in ("task_capacity", "segment_capacity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BatchConfig.{name} must be >= 0 (0: from the RL config), "
+                                 f"got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
             raise ValueError(f"BatchConfig.max_seq_len ({self.max_seq_len}) must be >= seq_len "
                              f"({self.seq_len}), or None for 4 x seq_len")
@@ -278,5 +288,7 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
                                                               cut.truncated_agent_tokens)
     batch = pack_segments(segments, row_len, min_rows=config.rows,
-                          rows_multiple=max(config.rows_multiple, 1), layout=config.layout)
+                          rows_multiple=max(config.rows_multiple, 1), layout=config.layout,
+                          min_tasks=max(config.task_capacity, 1),
+                          min_segments=max(config.segment_capacity, 1))
     return batch, stats, adv

@@ -205,6 +205,10 @@ class RLTrainer:
                 raise ValueError(f"RLTrainer: RLConfig.{ours}={getattr(config, ours)} but the "
                                  f"collector's {theirs} is {have}; configure both alike")
         self.config, self.collector, self.on_publish = config, collector, on_publish
+        traces = config.tasks_per_step * config.attempts_per_task
+        self._batch_config = dataclasses.replace(
+            config.batch, task_capacity=config.batch.task_capacity or traces,
+            segment_capacity=config.batch.segment_capacity or traces)
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
@@ -237,7 +241,7 @@ class RLTrainer:
     def update(self, traces: Sequence[Trace]) -> dict[str, Any]:
         """One update from traces (the same in sync and async mode)."""
         version = self.version
-        batch, stats, adv = build_batch(traces, version, self.config.batch)
+        batch, stats, adv = build_batch(traces, version, self._batch_config)
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {
