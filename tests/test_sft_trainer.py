@@ -133,3 +133,19 @@ def test_bad_input_is_named():
     no_loss = [Segment([1, 2, 3], [0, 0, 0], [0, 0, 0], task="x")]
     with pytest.raises(ValueError, match="no segment has a loss-mask token"):
         SFTData(no_loss, 8, 1)
+
+
+def test_varied_batches_compile_the_step_once(model):
+    """Batches of 1-7 tasks of 3-15 tokens: the step compiles once (a count, not a
+    timing). The static capacities come from the data set's bound, not each batch."""
+    rng = np.random.default_rng(5)
+    segs = []
+    for i in range(24):
+        n = int(rng.integers(3, 16))
+        segs.append(Segment(rng.integers(0, 32, n), [0] + [1] * (n - 1), np.zeros(n),
+                            task=f"t{i}"))
+    data = SFTData(segs, 16, 4, seed=2)
+    counts = {(data.batch(i).num_tasks, data.batch(i).num_segments) for i in range(8)}
+    assert len(counts) == 1, counts
+    result = run_sft(model, segs, SFTConfig(seq_len=16, batch_rows=4, steps=8, seed=2), OPT)
+    assert [h["compiled_steps"] for h in result.history] == [1.0] * 8

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 from flax import nnx
 
-from ac2_jax.segments import PackedBatch, Segment, pack_segments
+from ac2_jax.segments import PackedBatch, Segment, pack_segments, pow2_bucket
 from ac2_jax.segments.packing import first_fit_decreasing, packed_lengths
 from ac2_jax.training.core.objectives import SFTLoss
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
@@ -80,6 +80,23 @@ class SFTData:
                                  f"batch_rows={batch_rows} rows of {seq_len} tokens; raise "
                                  "batch_rows or seq_len")
         self._epochs: list[list[list[int]]] = []  # per epoch: batches of segment indices
+        # Static capacities from a bound over every possible batch (not each batch's own
+        # counts, which would change the compiled step from batch to batch).
+        self.segment_capacity = pow2_bucket(self._most_that_fit(lengths))
+        self.task_capacity = pow2_bucket(self._most_that_fit(
+            [sum(lengths[i] for i in t) for t in self.tasks]))
+
+    def _most_that_fit(self, sizes: list[int]) -> int:
+        """Most items (of these token sizes) one batch can hold: the shortest first,
+        until batch_rows x seq_len tokens are full (a tree shares prefixes: no bound)."""
+        if self.layout == "tree":
+            return len(sizes)
+        room, n = self.batch_rows * self.seq_len, 0
+        for size in sorted(sizes):
+            if size > room:
+                break
+            room, n = room - size, n + 1
+        return max(n, 1)
 
     def _fits(self, members: list[int]) -> bool:
         """Whether these segments pack into batch_rows rows (in this layout)."""
@@ -123,7 +140,8 @@ class SFTData:
             epoch += 1
         members = sorted(self._plan(epoch)[k])
         return pack_segments([self.segments[j] for j in members], self.seq_len,
-                             truncate=self.truncate, layout=self.layout, min_rows=self.batch_rows)
+                             truncate=self.truncate, layout=self.layout, min_rows=self.batch_rows,
+                             min_tasks=self.task_capacity, min_segments=self.segment_capacity)
 
 
 @dataclasses.dataclass
