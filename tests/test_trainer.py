@@ -157,3 +157,27 @@ def test_resume_under_pmap_and_a_mesh(tmp_path, layout):
     for a, b in zip(jax.tree.leaves(straight.host_state()), jax.tree.leaves(resumed.host_state())):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
     resumed.close()
+
+
+def test_a_new_geometry_after_warm_up_is_warned_the_first_compile_is_not(tmp_path, caplog):
+    """The warning names the loop step of a recompile; the first geometry of a
+    trainer (also one restored at step k) is the warm-up compile, not warned."""
+    graphdef, state = fresh()
+    t = Trainer(graphdef, state, LOSS, OPT, workdir=tmp_path, make_step=STEPS, tensorboard=False)
+    with caplog.at_level("WARNING"):
+        t.end_step(t.update(batch(0)))
+        t.end_step(t.update(batch(1)))  # same geometry
+        assert t.compiled_steps == 1 and "compiles the train step again" not in caplog.text
+        t.save()
+        t.wait()
+        t.end_step(t.update(pack_segments(_segs(2), 16, min_rows=4)))  # 4 rows: new geometry
+        assert t.compiled_steps == 2 and "loop step 3 compiles the train step again" in caplog.text
+    t.close()
+    caplog.clear()
+    r = Trainer(graphdef, fresh()[1], LOSS, OPT, workdir=tmp_path, make_step=STEPS,
+                tensorboard=False)
+    with caplog.at_level("WARNING"):
+        assert r.restore() == 2
+        r.end_step(r.update(batch(3)))
+        assert r.compiled_steps == 1 and "compiles the train step again" not in caplog.text
+    r.close()

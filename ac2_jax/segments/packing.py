@@ -139,7 +139,8 @@ def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
 def pack_segments(segments: Sequence[Segment], seq_len: int, *,
                   truncate: bool = False, min_rows: int = 0,
                   rows_multiple: int = 1, layout: str = "flat", min_tasks: int = 1,
-                  min_segments: int = 1) -> PackedBatch:
+                  min_segments: int = 1, all_tasks: Sequence[str] | None = None,
+                  segment_offset: int = 0) -> PackedBatch:
     """Packs segments into rows of `seq_len` tokens.
 
     A segment longer than `seq_len` is an error unless `truncate=True`, which
@@ -149,7 +150,16 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
     `ac2_jax.segments.tree`). The static capacities `num_tasks` / `num_segments`
     are `pow2_bucket(count, min_tasks / min_segments)`: floors at least as large
     as the data keep them (and the compiled step) the same from batch to batch.
+
+    One share of a global batch (a process of a multi-host learner packs only
+    its own segments): `all_tasks` lists every task name of the global batch
+    (task ids index it, so the same task has the same id on every process) and
+    `segment_offset` is the global number of this share's first segment.
     """
+    if all_tasks is not None or segment_offset:
+        if layout != "flat":
+            raise ValueError("pack_segments: all_tasks / segment_offset (one share of a "
+                             "global batch) need layout='flat'")
     if layout == "tree":
         from ac2_jax.segments.tree import pack_segment_tree
         return pack_segment_tree(segments, seq_len, truncate=truncate,
@@ -159,17 +169,24 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
         raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
 
-    task_index = {name: i for i, name in enumerate(task_names(segments))}
+    names = task_names(segments) if all_tasks is None else tuple(all_tasks)
+    task_index = {name: i for i, name in enumerate(names)}
+    missing = sorted({s.task for s in segments} - set(task_index))
+    if missing:
+        raise ValueError(f"pack_segments: tasks {missing[:5]} are not in all_tasks")
+    if segment_offset < 0:
+        raise ValueError(f"pack_segments: segment_offset must be >= 0, got {segment_offset}")
     bins = pack_rows(lengths, seq_len)
     out = empty_batch(pad_rows(len(bins), min_rows, rows_multiple), seq_len)
     for r, members in enumerate(bins):
         start = 0
         for local_id, i in enumerate(members, start=1):
             s = segments[i]
-            write_segment(out, r, start, s, lengths[i], task_index[s.task], local_id, i)
+            write_segment(out, r, start, s, lengths[i], task_index[s.task], local_id,
+                          segment_offset + i)
             start += lengths[i]
     return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index), min_tasks),
-                       num_segments=pow2_bucket(len(segments), min_segments))
+                       num_segments=pow2_bucket(segment_offset + len(segments), min_segments))
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 sharding, checkpoints, metrics."""
 
 from ac2_jax.training.core.checkpoints import Checkpointer, publish
+from ac2_jax.training.core.distributed import global_batch, process_share
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.core.objectives import (LossFn, PolicyGradientLoss, SFTLoss,
                                               behaviour_logprobs)
@@ -15,6 +16,6 @@ from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 __all__ = [
     "AXES", "Checkpointer", "LossFn", "MetricsLogger", "OptimizerConfig", "PolicyGradientLoss",
     "SFTLoss", "StepCache", "TrainState", "TrainStep", "Trainer", "TrainerHooks",
-    "abstract_train_state", "behaviour_logprobs", "create_train_state", "make_mesh", "make_train_step", "num_params", "publish",
+    "abstract_train_state", "behaviour_logprobs", "create_train_state", "global_batch", "make_mesh", "make_train_step", "num_params", "process_share", "publish",
     "read_metrics", "replicate", "shard_batch", "shard_state", "state_shardings", "unreplicate",
 ]

@@ -22,6 +22,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ac2_jax.segments import PackedBatch
+from ac2_jax.training.core.distributed import global_batch
 from ac2_jax.training.core.objectives import LossFn, behaviour_logprobs, loss_weights
 from ac2_jax.training.core.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
                                        merge_rows, replicate, split_rows, state_shardings,
@@ -170,6 +172,12 @@ class TrainStep:
             check_rows(rows, len(self.devices), self.grad_accum, "train step (pmap)")
             return split_rows(tree, len(self.devices))
         if self.mesh is not None:
+            if jax.process_count() > 1:  # each process holds its rows: one global batch
+                tree = jax.tree.map(lambda t: None if t is None else global_batch(t, self.mesh),
+                                    tree, is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)))
+                rows = jax.tree.leaves(tree)[0].shape[0]
+                check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
+                return tree
             check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
             return jax.device_put(tree, batch_sharding(self.mesh))
         check_rows(rows, 1, self.grad_accum, "train step")

@@ -143,7 +143,8 @@ class Trainer:
         if key in self._geometries:
             return
         self._geometries.add(key)
-        if self.steps_done >= self.compile_warmup_steps:
+        # The first geometry is the warm-up compile (also after a restore at step k).
+        if len(self._geometries) > 1 and self.steps_done >= self.compile_warmup_steps:
             shapes = sorted({tuple(jax.numpy.shape(x)) for x in leaves})
             logging.warning(
                 "Trainer: loop step %d compiles the train step again (%d batch geometries "
