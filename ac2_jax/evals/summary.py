@@ -9,7 +9,7 @@ none) scores 0. Pass: score >= the pass threshold.
 Intervals: with one scored attempt per task, pass rate is Wilson over
 attempts and means are t over attempts; with several, both are clustered by
 task (`clustered_interval`: mean of per-task means, t over tasks). Process
-metrics are means per scored attempt; token totals and cost cover every
+metrics are means per scored attempt (intervals clipped at 0); token totals and cost cover every
 kept attempt (a retried infra_error's discarded runs are only counted, in
 `infra_retries`).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 from ac2_jax.evals.cost import (PrefixStats, TokenCost, TokenPrices, prefix_stats, token_cost,
@@ -156,7 +157,8 @@ def group_summary(records: Sequence[AttemptRecord], *, level: float = 0.95,
         "pass_rate": pass_rate,
         "mean_reward": _mean([[r.score for r in rs] for rs in scored.values()], level),
         "pass_at_k": pass_at, "pass_hat_k": pass_hat, "tasks_short_of_k": short,
-        "process": {m: _mean([[r.metrics[m] for r in rs] for rs in scored.values()], level)
+        "process": {m: _mean([[r.metrics[m] for r in rs] for rs in scored.values()], level,
+                             bounds=(0.0, math.inf))  # counts and times: never below 0
                     for m in PROCESS_METRICS},
         "tokens": _tokens(records), "prefix": prefix,
         "cost": _cost(records, prices) if prices is not None else None,
