@@ -76,7 +76,8 @@ def test_prefix_stats_per_trace_and_run():
     assert s.reusable_not_cached == 2      # request 2: 5 reusable, 3 cached
     assert s.cached_beyond_reusable == 4   # request 3: 6 cached, 4 reusable; the sub-agent's 2
     d = s.to_dict()
-    assert d["reusable_share"] == pytest.approx(9 / 20) and d["cached_share"] == pytest.approx(11 / 20)
+    assert d["reusable_share"] == pytest.approx(9 / 20)
+    assert d["cached_share"] == pytest.approx(11 / 20)
     assert d["mean_request_share"] == pytest.approx((0 + 5 / 7 + 4 / 8 + 0) / 4)
     run = s + s
     assert run.prompt_tokens == 40 and run.to_dict()["reusable_share"] == d["reusable_share"]

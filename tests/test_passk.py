@@ -61,7 +61,8 @@ def test_interval_is_a_t_interval_over_per_task_values():
         e = pass_at_k_interval(counts, k, 0.9)
         ref = mean_interval([pass_at_k(n, c, k) for n, c in counts], 0.9)
         assert e.n == 6 and e.mean == pytest.approx(ref.mean)
-        assert e.low == pytest.approx(max(0.0, ref.low)) and e.high == pytest.approx(min(1.0, ref.high))
+        assert e.low == pytest.approx(max(0.0, ref.low))
+        assert e.high == pytest.approx(min(1.0, ref.high))
         h = pass_hat_k_interval(counts, k, 0.9)
         assert h.mean == pytest.approx(sum(pass_hat_k(n, c, k) for n, c in counts) / 6)
         assert h.mean <= e.mean

@@ -149,7 +149,8 @@ class PrefixStats:
     def to_dict(self) -> dict[str, Any]:
         """The sums, plus reusable_share and cached_share (of prompt tokens) and
         mean_request_share (unweighted over requests); None when undefined."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "share_sum"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name != "share_sum"}
         p = self.prompt_tokens
         d["reusable_share"] = self.reusable_tokens / p if p else None
         d["cached_share"] = self.cached_tokens / p if p else None
