@@ -14,6 +14,7 @@ REQUIRES = [
     "optax>=0.2.3",            # optax.adamw(mask=), chain, clip_by_global_norm
     "orbax-checkpoint>=0.9",   # CheckpointManager with args.Composite / StandardSave / JsonSave
     "numpy>=1.26",
+    "scipy>=1.15",             # evals: scipy.stats quantiles, bootstrap(rng=)
     "absl-py>=2.0",            # app/flags entry points
     "ml-collections>=0.1.1",   # config files (experiments, config_flags)
     "safetensors>=0.4",        # HF checkpoint I/O
