@@ -20,7 +20,7 @@ from flax import nnx
 
 from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, demonstration
-from ac2_jax.evals import evaluate, paired_difference
+from ac2_jax.evals import TokenPrices, compare_results, evaluate
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.hf_io import save_hf_checkpoint
 from ac2_jax.models.params_io import restore_params, save_params
@@ -145,8 +145,10 @@ async def _pipeline(cfg, log=print) -> dict:
                                           "max_tokens": cfg.rollout.max_tokens},
                                          cfg.rollout.max_steps)
         t0 = time.perf_counter()
+        eval_kw = dict(k=cfg.eval.attempts, concurrency=cfg.eval.concurrency, seed=cfg.seed,
+                       prices=TokenPrices(**cfg.eval.prices))
         before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
-                                concurrency=cfg.eval.concurrency)
+                                **eval_kw)
         t_eval = time.perf_counter() - t0
         log(f"before RL (SFT): pass rate {before.pass_rate}")
 
@@ -166,7 +168,7 @@ async def _pipeline(cfg, log=print) -> dict:
         t_rl = time.perf_counter() - t0
 
         after = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="rl",
-                               concurrency=cfg.eval.concurrency)
+                               **eval_kw)
         log(f"after RL: pass rate {after.pass_rate}")
         final_model = trainer.model()
         trainer.close()
@@ -175,7 +177,7 @@ async def _pipeline(cfg, log=print) -> dict:
         stop()
         sampler.close()
 
-    diff = paired_difference(after.rewards, before.rewards)
+    diff = compare_results(after, before, "pass").estimate
     save_hf_checkpoint(final_model, os.path.join(report_dir, "final_hf"))
     tokenizer.save_pretrained(os.path.join(report_dir, "final_hf"))
     metrics_path = os.path.join(report_dir, "metrics", "metrics.jsonl")

@@ -28,7 +28,7 @@ def _quick(c):
     c.sft_optimizer.warmup_steps = 1
     c.rl.update(steps=1, tasks_per_step=2, attempts_per_task=2, concurrency=8)
     c.rl.batch.rows = 2
-    c.eval.update(num_tasks=4, concurrency=8)
+    c.eval.update(num_tasks=4, attempts=2, concurrency=8)
     c.report.num_sample_traces = 2
     return c
 
@@ -75,6 +75,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict(dict(
         temperature=0.3, max_tokens=48, max_steps=3, infra_retries=2))
 
-    c.eval = ml_collections.ConfigDict(dict(num_tasks=200, temperature=0.3, concurrency=64))
+    # Held-out eval before and after RL: every task `attempts` times (pass@k, clustered
+    # CIs); token cost at `prices` (USD per million: cached prompt, uncached prompt, output).
+    c.eval = ml_collections.ConfigDict(dict(
+        num_tasks=200, attempts=4, temperature=0.3, concurrency=64,
+        prices=dict(cached_input=0.20, uncached_input=2.00, output=8.00)))
     c.report = ml_collections.ConfigDict(dict(num_sample_traces=4))
     return apply(c)
