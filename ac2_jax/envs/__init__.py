@@ -1,4 +1,4 @@
-"""Environments: tasks, tools, verifiers, judges, domain mixing."""
+"""Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
 
 from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool, set_tool_threads, tool_executor
 from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demonstration,
@@ -6,6 +6,7 @@ from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demon
 from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
                                  hint_keywords, parse_judge_reply)
 from ac2_jax.envs.mixer import DomainMixer, domain_seed
+from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 
 __all__ = [
     "AgentError",
@@ -17,14 +18,17 @@ __all__ = [
     "JudgeExample",
     "LLMJudge",
     "RuleJudge",
+    "SandboxLimits",
     "StepwiseCalculatorEnv",
     "Task",
     "Tool",
+    "check_sandboxable",
     "demonstration",
     "domain_seed",
     "hint_keywords",
     "last_integer",
     "parse_judge_reply",
+    "run_sandboxed",
     "run_tool",
     "safe_eval",
     "set_tool_threads",
