@@ -5,10 +5,11 @@ from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demon
                                      last_integer, safe_eval)
 from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
                                  hint_keywords, parse_judge_reply)
-from ac2_jax.envs.mixer import DomainMixer, domain_seed
+from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
 from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 
 __all__ = [
+    "AdaptiveMix",
     "AgentError",
     "CalculatorEnv",
     "DomainMixer",
@@ -24,6 +25,7 @@ __all__ = [
     "Tool",
     "check_sandboxable",
     "demonstration",
+    "difficulty_factor",
     "domain_seed",
     "hint_keywords",
     "last_integer",

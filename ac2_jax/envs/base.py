@@ -127,6 +127,8 @@ class Env(abc.ABC):
 
     name: str = "env"
     system_prompt: str | None = None
+    # The rewards `verify` may give (ac2_jax.evals.audit flags any outside it).
+    reward_range: tuple[float, float] = (0.0, 1.0)
 
     @abc.abstractmethod
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
@@ -142,6 +144,11 @@ class Env(abc.ABC):
     @abc.abstractmethod
     def verify(self, task: Task, answer: str | None) -> float:
         """Reward of a final answer text (None: no answer was given)."""
+
+    def reference_answer(self, task: Task) -> str | None:
+        """A final answer text that solves `task` (`verify` must pass it), or None
+        when the env has none. The environment audit checks solvability with it."""
+        return None
 
     def initial_messages(self, task: Task) -> list[dict[str, Any]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
