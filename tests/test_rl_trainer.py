@@ -652,7 +652,8 @@ def test_dynamic_sampling_refills_zero_advantage_groups_and_counts_them(served, 
     assert (m["refills"], m["refill_tasks"], m["refill_repeats"]) == (2.0, 2.0, 0.0)
     assert m["informative_groups"] == 2.0 and m["zero_advantage_groups"] == 2.0
     assert m["dropped_zero_advantage"] == 8.0 and m["traces"] == 16.0
-    assert m["finished"] == 16.0 and m["skipped_update"] == 0.0
+    # agent_error: the random policy may leave a bad <tool_call> (the verifier still rewards it).
+    assert m["finished"] + m["agent_errors"] == 16.0 and m["skipped_update"] == 0.0
     assert m["reward_mean"] == pytest.approx(0.5)  # (4 + 2 + 0 + 2) / 16, every trace counted
     stored = store.load()
     assert collections.Counter(t.metadata["refill"] for t in stored) == {0: 8, 1: 4, 2: 4}

@@ -43,7 +43,7 @@ from typing import Any, Callable
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 DEFAULT_ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH")
-_DRAIN_GRACE_S = 5.0  # after the group is killed, how long to wait for the pipes' EOF
+_DRAIN_GRACE_S = 2.0  # after the group is killed, how long to wait for the pipes' EOF
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,3 +5,9 @@ from ac2_jax.evals.stats import Estimate, mean_interval, paired_difference, wils
 
 __all__ = ["Estimate", "EvalResult", "evaluate", "mean_interval", "paired_difference",
            "wilson_interval"]
+
+from ac2_jax.evals.audit import (AuditConfig, AuditReport, audit, audit_traces,  # noqa: E402
+                                 count_tool_calls, no_tool_call)
+
+__all__ += ["AuditConfig", "AuditReport", "audit", "audit_traces", "count_tool_calls",
+            "no_tool_call"]
