@@ -587,6 +587,9 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
             t = Trace.from_dict(t.to_dict())  # a copy, tagged as sampled by this step's policy
             t.metadata["rl_step"] = step
             t.task_id = f"{t.task_id}-s{step}"
+            # Rewards by attempt parity, not by the sampled text: which steps have a
+            # reward spread (and train) must not depend on what the sampler wrote.
+            t.reward = float(int(t.attempt_id) % 2)
             for e in t.episodes:
                 for c in e.completions:
                     c.policy_version = step
