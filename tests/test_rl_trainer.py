@@ -714,3 +714,21 @@ def test_adaptive_mixer_is_fed_each_step_logged_and_replayed_on_resume(served, t
     assert resumed.start_step == 1 and again.state() == mix.state()
     assert again.current_weights() == mix.current_weights()
     assert [t.domain for t in again.sample_tasks(8, 1)] == [t.domain for t in mix.sample_tasks(8, 1)]
+
+
+def test_refill_leaves_out_tasks_the_step_already_ran_and_counts_them(tmp_path):
+    class FixedPoolEnv(ParityEnv):  # the same ids whatever the seed: refills repeat tasks
+        def sample_tasks(self, n, seed, split="train"):
+            return [Task(task_id=f"t{i}", prompt=f"p{i}") for i in range(n)]
+
+    c = _FakeRunCollector(None, FixedPoolEnv(), _make, "tiny",
+                          TraceStore(str(tmp_path / "r.jsonl")), tasks_per_step=2,
+                          attempts_per_task=2, seed=0)
+    c.ran = []
+    with pytest.raises(ValueError, match="call collect"):
+        asyncio.run(c.refill(0, 1, 2))
+    first = asyncio.run(c.collect(0))
+    more, repeated = asyncio.run(c.refill(0, 1, 3))  # t0, t1 ran already; t2 is new
+    assert len(first) == 4 and repeated == 2
+    assert {(t.task_id, t.metadata["refill"]) for t in more} == {("t2", 1)}
+    assert len(c.ran) == 6

@@ -166,9 +166,9 @@ def _failure(name: str, limits: SandboxLimits, wall_s: float, timed_out: bool,
         return f"error: {name}: the sandboxed tool exited without a result"
     if result["ok"]:
         return None
-    if result["kind"] == "memory":
+    if result.get("kind") == "memory":
         return f"error: {name}: memory limit of {limits.memory_mb} MB hit ({result['error']})"
-    if result["kind"] == "setup":
+    if result.get("kind") == "setup":
         return f"error: {name}: the sandbox could not load the tool ({result['error']})"
     return f"error: {name}: {result['error']}"
 
