@@ -1,12 +1,14 @@
 """Traces -> RL batch: failure taxonomy and staleness rules, group advantages, packing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl.data import (BatchConfig, build_batch, select_traces, trace_advantages,
-                                      trace_version)
+from ac2_jax.training.rl.data import (BatchConfig, build_batch, informative_groups,
+                                      select_traces, trace_advantages, trace_version)
 
 
 def _trace(task, attempt, reward, version=0, status="finished", n_out=3):
@@ -176,3 +178,34 @@ def test_a_trace_left_alone_in_its_group_gets_advantage_0_and_is_counted():
     batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=2))
     np.testing.assert_allclose(adv, [0.0, -0.5, 0.5])
     assert stats.lone_traces == 1 and stats.infra_errors == 1
+
+
+def test_zero_advantage_groups_are_counted_and_left_out_on_request():
+    """a: all solved, c: one kept trace (the other infra_error): no advantage.
+    b: a reward spread. e: 0 and an agent_error, equal unless agent_error_reward differs."""
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 1.0), _trace("b", 0, 1.0, n_out=4),
+              _trace("b", 1, 0.0, n_out=5), _trace("c", 0, 0.0),
+              _trace("c", 1, 1.0, status="infra_error"), _trace("e", 0, 0.0),
+              _trace("e", 1, 0.0, status="agent_error")]
+    kept, _, _ = select_traces(traces, 0, BatchConfig())
+    assert informative_groups(kept) == {"g:b"}
+    kept, _, _ = select_traces(traces, 0, BatchConfig(agent_error_reward=-1.0))
+    assert informative_groups(kept) == {"g:b", "g:e"}  # the failure rules decide the reward
+
+    config = BatchConfig(seq_len=16, rows=2)
+    full, stats, _ = build_batch(traces, 0, config)
+    assert stats.zero_advantage_groups == 3 and stats.dropped_zero_advantage == 0
+    assert full.loss_mask.sum() == 3 + 3 + 4 + 5 + 3 + 3 + 3
+    dropped, stats, adv = build_batch(traces, 0, dataclasses.replace(config,
+                                                                     drop_zero_advantage=True))
+    assert stats.zero_advantage_groups == 3 and stats.dropped_zero_advantage == 5
+    assert stats.infra_errors == 1 and stats.traces == 8  # counters still see every trace
+    np.testing.assert_allclose(adv, [0.5, -0.5])
+    assert dropped.loss_mask.sum() == 4 + 5
+    # b's tokens train with the same advantages either way (tolerance 1e-6).
+    for batch in (full, dropped):
+        got = sorted(np.round(batch.advantages[batch.loss_mask > 0], 6).tolist())
+        assert [a for a in got if a != 0.0] == [-0.5] * 5 + [0.5] * 4
+    none, stats, _ = build_batch(traces[:2], 0, dataclasses.replace(config,
+                                                                    drop_zero_advantage=True))
+    assert none is None and stats.dropped_zero_advantage == 2

@@ -7,6 +7,7 @@ updates. Rollouts go openai client -> FastAPI endpoint -> JaxSampler.
 
 import asyncio
 import collections
+import dataclasses
 import os
 import socket
 
@@ -586,6 +587,9 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
             t = Trace.from_dict(t.to_dict())  # a copy, tagged as sampled by this step's policy
             t.metadata["rl_step"] = step
             t.task_id = f"{t.task_id}-s{step}"
+            # Rewards by attempt parity, not by the sampled text: which steps have a
+            # reward spread (and train) must not depend on what the sampler wrote.
+            t.reward = float(int(t.attempt_id) % 2)
             for e in t.episodes:
                 for c in e.completions:
                     c.policy_version = step
@@ -602,3 +606,129 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
     assert len(history) == 6 and len(trained) >= 4
     assert [h["compiled_steps"] for h in trained] == [1.0] * len(trained)
     assert trainer.trainer.step_fn._step._cache_size() == 1
+
+
+class KindEnv(Env):
+    """Deterministic rewards by task kind: "solved" 1, "unsolved" 0, "mixed": the
+    k-th verification of a task gives k % 2 (so G >= 2 attempts always differ).
+    `calls`: the kinds each successive sample_tasks call returns (None: all `kind`)."""
+
+    def __init__(self, calls=None, kind="mixed"):
+        self.calls, self.kind, self.n = list(calls or []), kind, 0
+        self.verified = collections.Counter()
+
+    def sample_tasks(self, n, seed, split="train"):
+        kinds = self.calls[self.n] if self.calls else [self.kind] * n
+        assert len(kinds) == n, f"call {self.n} asked for {n} tasks, the script has {kinds}"
+        self.n += 1
+        return [Task(task_id=f"{k}-{self.n}-{i}", prompt=f"Say something ({k}).",
+                     metadata={"kind": k}) for i, k in enumerate(kinds)]
+
+    def verify(self, task, answer):
+        kind = task.metadata["kind"]
+        if kind == "mixed":
+            self.verified[task.task_id] += 1
+            return float(self.verified[task.task_id] % 2)
+        return float(kind == "solved")
+
+
+def test_dynamic_sampling_refills_zero_advantage_groups_and_counts_them(served, tmp_path):
+    """Step of 2 tasks x 4 attempts: one always solved, one mixed -> one informative
+    group; refill 1 brings an unsolved task (still one), refill 2 a mixed one (two)."""
+    env = KindEnv([["solved", "mixed"], ["unsolved"], ["mixed"]])
+    store = TraceStore(str(tmp_path / "rollouts.jsonl"))
+    config = dataclasses.replace(_config(1), dynamic_sampling=True, max_refills=2)
+
+    async def go():
+        lc = LifecycleClient(served["url"], ADMIN)
+        collector = EndpointCollector(lc, env, _make, "tiny", store, tasks_per_step=2,
+                                      attempts_per_task=4, seed=0)
+        trainer = RLTrainer(_model(served["tok"].vocab_size), collector, config,
+                            str(tmp_path / "run"), make_step=STEPS)
+        try:
+            return await trainer.run()
+        finally:
+            trainer.close()
+            await lc.aclose()
+
+    (m,) = asyncio.run(go())
+    assert (m["refills"], m["refill_tasks"], m["refill_repeats"]) == (2.0, 2.0, 0.0)
+    assert m["informative_groups"] == 2.0 and m["zero_advantage_groups"] == 2.0
+    assert m["dropped_zero_advantage"] == 8.0 and m["traces"] == 16.0
+    # agent_error: the random policy may leave a bad <tool_call> (the verifier still rewards it).
+    assert m["finished"] + m["agent_errors"] == 16.0 and m["skipped_update"] == 0.0
+    assert m["reward_mean"] == pytest.approx(0.5)  # (4 + 2 + 0 + 2) / 16, every trace counted
+    stored = store.load()
+    assert collections.Counter(t.metadata["refill"] for t in stored) == {0: 8, 1: 4, 2: 4}
+    kinds = {t.task_id.split("-")[0] for t in stored if t.metadata["refill"] == 2}
+    assert kinds == {"mixed"}
+    with pytest.raises(ValueError, match="dynamic_sampling needs a collector with refill"):
+        RLTrainer(_model(64), ReplayCollector([]), config, str(tmp_path / "replay"))
+    with pytest.raises(ValueError, match="max_refills"):
+        RLConfig(max_refills=-1)
+
+
+def test_adaptive_mixer_is_fed_each_step_logged_and_replayed_on_resume(served, tmp_path):
+    from ac2_jax.envs import AdaptiveMix, DomainMixer
+
+    def mixer():
+        return DomainMixer({"easy": KindEnv(kind="solved"), "half": KindEnv(kind="mixed")},
+                           adaptive=AdaptiveMix(window=8, floor=0.1, min_results=2))
+
+    workdir, store = str(tmp_path / "run"), TraceStore(str(tmp_path / "run" / "rollouts.jsonl"))
+    config = RLConfig(steps=1, tasks_per_step=4, attempts_per_task=2,
+                      batch=BatchConfig(seq_len=128, rows=8),
+                      optimizer=OptimizerConfig(learning_rate=1e-2))
+
+    async def go():
+        lc = LifecycleClient(served["url"], ADMIN)
+        mix = mixer()
+        collector = EndpointCollector(lc, mix, _make, "tiny", store, tasks_per_step=4,
+                                      attempts_per_task=2, seed=0)
+        trainer = RLTrainer(_model(served["tok"].vocab_size), collector, config, workdir,
+                            make_step=STEPS)
+        try:
+            return await trainer.run(), mix, trainer
+        finally:
+            trainer.close()
+            await lc.aclose()
+
+    (m,), mix, trainer = asyncio.run(go())
+    assert trainer.mixer is mix
+    per_domain = collections.Counter(t.metadata["domain"] for t in store.load())
+    assert per_domain["easy"] >= 2 and per_domain["half"] >= 2  # seed 0 draws both
+    assert m["mix_results/easy"] == per_domain["easy"] and m["mix_pass_rate/easy"] == 1.0
+    assert m["mix_pass_rate/half"] == 0.5
+    # easy: always solved -> its floor share 0.1 x 0.5; half takes the rest.
+    assert m["mix_weight/easy"] == pytest.approx(0.05)
+    assert m["mix_weight/half"] == pytest.approx(0.95)
+    rows = read_metrics(os.path.join(workdir, "metrics", "metrics.jsonl"))
+    assert rows[0]["train/mix_weight/easy"] == pytest.approx(0.05)
+    # A restarted run replays the stored step into a fresh mixer: same state, same next tasks.
+    again = mixer()
+    collector = EndpointCollector(None, again, _make, "tiny", store, tasks_per_step=4,
+                                  attempts_per_task=2, seed=0)
+    resumed = RLTrainer(_model(served["tok"].vocab_size), collector, config, workdir,
+                        make_step=STEPS)
+    resumed.close()
+    assert resumed.start_step == 1 and again.state() == mix.state()
+    assert again.current_weights() == mix.current_weights()
+    assert [t.domain for t in again.sample_tasks(8, 1)] == [t.domain for t in mix.sample_tasks(8, 1)]
+
+
+def test_refill_leaves_out_tasks_the_step_already_ran_and_counts_them(tmp_path):
+    class FixedPoolEnv(ParityEnv):  # the same ids whatever the seed: refills repeat tasks
+        def sample_tasks(self, n, seed, split="train"):
+            return [Task(task_id=f"t{i}", prompt=f"p{i}") for i in range(n)]
+
+    c = _FakeRunCollector(None, FixedPoolEnv(), _make, "tiny",
+                          TraceStore(str(tmp_path / "r.jsonl")), tasks_per_step=2,
+                          attempts_per_task=2, seed=0)
+    c.ran = []
+    with pytest.raises(ValueError, match="call collect"):
+        asyncio.run(c.refill(0, 1, 2))
+    first = asyncio.run(c.collect(0))
+    more, repeated = asyncio.run(c.refill(0, 1, 3))  # t0, t1 ran already; t2 is new
+    assert len(first) == 4 and repeated == 2
+    assert {(t.task_id, t.metadata["refill"]) for t in more} == {("t2", 1)}
+    assert len(c.ran) == 6

@@ -1,13 +1,15 @@
-"""Environments: tasks, tools, verifiers, judges, domain mixing."""
+"""Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
 
 from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool, set_tool_threads, tool_executor
 from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demonstration,
                                      last_integer, safe_eval)
 from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
                                  hint_keywords, parse_judge_reply)
-from ac2_jax.envs.mixer import DomainMixer, domain_seed
+from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
+from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 
 __all__ = [
+    "AdaptiveMix",
     "AgentError",
     "CalculatorEnv",
     "DomainMixer",
@@ -17,14 +19,18 @@ __all__ = [
     "JudgeExample",
     "LLMJudge",
     "RuleJudge",
+    "SandboxLimits",
     "StepwiseCalculatorEnv",
     "Task",
     "Tool",
+    "check_sandboxable",
     "demonstration",
+    "difficulty_factor",
     "domain_seed",
     "hint_keywords",
     "last_integer",
     "parse_judge_reply",
+    "run_sandboxed",
     "run_tool",
     "safe_eval",
     "set_tool_threads",

@@ -17,6 +17,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
+from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
+
 # Sync tools run on this bounded pool, never on the event loop's default
 # executor: a timed-out sync tool's thread cannot be stopped and keeps running,
 # and on the default executor it would hold a thread that asyncio.to_thread
@@ -76,6 +78,12 @@ class Tool:
     parameters: dict[str, Any]
     fn: Callable[..., Any] | Callable[..., Awaitable[Any]]
     timeout_s: float = 10.0
+    # Run each call in a fresh limited child process (envs/sandbox.py); fn must pickle.
+    sandbox: SandboxLimits | None = None
+
+    def __post_init__(self):
+        if self.sandbox is not None:
+            check_sandboxable(self.name, self.fn)
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI `tools` entry for this tool."""
@@ -89,6 +97,8 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
     Bad JSON, a wrong argument, an exception or a timeout give ok=False and an
     error text naming what went wrong. Sync tools run on `tool_executor()`, not
     the default executor; a timed-out one's thread runs on there until it returns.
+    A tool with `sandbox` limits runs in a child process (`run_sandboxed`),
+    whose wall-time limit kills it.
     """
     try:
         args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
@@ -96,6 +106,8 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
             raise ValueError("arguments must be a JSON object")
     except (json.JSONDecodeError, ValueError, TypeError) as e:
         return f"error: {tool.name}: bad arguments ({e})", False
+    if tool.sandbox is not None:
+        return await run_sandboxed(tool.name, tool.fn, args, tool.sandbox, tool.timeout_s)
     try:
         if inspect.iscoroutinefunction(tool.fn):
             result = await asyncio.wait_for(tool.fn(**args), tool.timeout_s)
@@ -115,6 +127,8 @@ class Env(abc.ABC):
 
     name: str = "env"
     system_prompt: str | None = None
+    # The rewards `verify` may give (ac2_jax.evals.audit flags any outside it).
+    reward_range: tuple[float, float] = (0.0, 1.0)
 
     @abc.abstractmethod
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
@@ -130,6 +144,11 @@ class Env(abc.ABC):
     @abc.abstractmethod
     def verify(self, task: Task, answer: str | None) -> float:
         """Reward of a final answer text (None: no answer was given)."""
+
+    def reference_answer(self, task: Task) -> str | None:
+        """A final answer text that solves `task` (`verify` must pass it), or None
+        when the env has none. The environment audit checks solvability with it."""
+        return None
 
     def initial_messages(self, task: Task) -> list[dict[str, Any]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

@@ -110,6 +110,9 @@ class CalculatorEnv(Env):
     def verify(self, task: Task, answer: str | None) -> float:
         return float(last_integer(answer) == task.answer)
 
+    def reference_answer(self, task: Task) -> str:
+        return f"The answer is {safe_eval(task.metadata['expression'])}."
+
 
 class StepwiseCalculatorEnv(CalculatorEnv):
     """Harder: the tool does one operation per call, tasks need several."""

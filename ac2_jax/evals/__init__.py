@@ -1,5 +1,7 @@
 """Evals: repeated runs with confidence intervals, pass@k, process and cost metrics."""
 
+from ac2_jax.evals.audit import (AuditConfig, AuditReport, audit, audit_traces, count_tool_calls,
+                                 no_tool_call)
 from ac2_jax.evals.cost import (PrefixStats, TokenCost, TokenPrices, common_prefix_len,
                                 prefix_stats, request_prefix_reuse, token_cost, trace_tokens)
 from ac2_jax.evals.passk import (pass_at_k, pass_at_k_interval, pass_hat_k, pass_hat_k_interval,
@@ -12,6 +14,8 @@ from ac2_jax.evals.summary import (AttemptRecord, attempt_record, group_summary,
 
 __all__ = [
     "AttemptRecord",
+    "AuditConfig",
+    "AuditReport",
     "Comparison",
     "Estimate",
     "EvalResult",
@@ -20,14 +24,18 @@ __all__ = [
     "TokenPrices",
     "attempt_record",
     "attempt_seed",
+    "audit",
+    "audit_traces",
     "bootstrap_interval",
     "clustered_interval",
     "common_prefix_len",
     "compare_results",
+    "count_tool_calls",
     "evaluate",
     "group_summary",
     "jsonable",
     "mean_interval",
+    "no_tool_call",
     "paired_difference",
     "pass_at_k",
     "pass_at_k_interval",

@@ -1,13 +1,16 @@
-"""Task-level RL: traces -> packed batch (`data`), collectors and the trainer (`trainer`)."""
+"""Task-level RL: traces -> packed batch (`data`), collectors (`collectors`), the trainer (`trainer`)."""
 
 from ac2_jax.training.rl.data import (BatchConfig, BatchStats, build_batch, check_sampled,
-                                      group_name, select_traces, trace_advantages, trace_rewards,
-                                      trace_version, unchosen_branch_episodes)
-from ac2_jax.training.rl.trainer import (Collector, EndpointCollector, ReplayCollector, RLConfig,
-                                         RLTrainer)
+                                      group_name, informative_groups, select_traces,
+                                      trace_advantages, trace_rewards, trace_version,
+                                      unchosen_branch_episodes)
+from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
+                                            refill_seed)
+from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
     "BatchConfig", "BatchStats", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
-    "ReplayCollector", "build_batch", "check_sampled", "group_name", "select_traces",
-    "trace_advantages", "trace_rewards", "trace_version", "unchosen_branch_episodes",
+    "ReplayCollector", "build_batch", "check_sampled", "group_name", "informative_groups",
+    "refill_seed", "select_traces", "trace_advantages", "trace_rewards", "trace_version",
+    "unchosen_branch_episodes",
 ]

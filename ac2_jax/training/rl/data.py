@@ -49,6 +49,10 @@ class BatchConfig:
     # more grows to the next power of two: one more compile, warned).
     task_capacity: int = 0
     segment_capacity: int = 0
+    # Leave out groups whose kept traces all train with one reward (or that keep
+    # fewer than two): advantage 0, they only dilute the loss (counted in
+    # BatchStats.dropped_zero_advantage). RLConfig.dynamic_sampling turns it on.
+    drop_zero_advantage: bool = False
 
     def __post_init__(self):
         if self.failed is not None:
@@ -110,6 +114,8 @@ class BatchStats:
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
     unchosen_branches: int = 0      # multi-response episodes left out (unchosen_branch_episodes)
     lone_traces: int = 0            # kept traces alone in their group: advantage 0, no signal
+    zero_advantage_groups: int = 0  # groups of kept traces with one reward (or one trace)
+    dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     staleness_mean: float = 0.0
     staleness_max: int = 0
 
@@ -195,6 +201,17 @@ def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np
     return np.asarray(group_advantages(trace_rewards(traces), groups, normalize_std))
 
 
+def informative_groups(kept: Sequence[Trace]) -> set[str]:
+    """Groups (`group_name`) of `kept` with at least two traces whose rewards differ:
+    the only ones with non-zero advantages. `kept`: traces as `select_traces`
+    keeps them, carrying the reward they train with."""
+    rewards: dict[str, set[float]] = collections.defaultdict(set)
+    sizes = collections.Counter(group_name(t) for t in kept)
+    for t in kept:
+        rewards[group_name(t)].add(float(t.reward or 0.0))
+    return {g for g, r in rewards.items() if sizes[g] >= 2 and len(r) > 1}
+
+
 def unchosen_branch_episodes(trace: Trace) -> set[int]:
     """Indices of `trace.episodes` that end in a multi-response branch that was
     not continued (MultiResponseOrchestrator). They are left out of training:
@@ -253,9 +270,17 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     stays whole; only past `max_seq_len` is its end cut. Both are counted in
     the stats. Greedy traces and two traces with one `Trace.key` are errors.
     Unchosen multi-response branches (`unchosen_branch_episodes`) are left
-    out, counted in `stats.unchosen_branches`.
+    out, counted in `stats.unchosen_branches`. Groups without a reward spread
+    are counted (`stats.zero_advantage_groups`) and, with
+    `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
+    informative = informative_groups(kept)
+    stats.zero_advantage_groups = len({group_name(t) for t in kept} - informative)
+    if config.drop_zero_advantage:
+        pairs = [(t, w) for t, w in zip(kept, weights) if group_name(t) in informative]
+        stats.dropped_zero_advantage = len(kept) - len(pairs)
+        kept, weights = [t for t, _ in pairs], [w for _, w in pairs]
     if not kept:
         return None, stats, np.zeros(0, np.float32)
     seen: set[str] = set()

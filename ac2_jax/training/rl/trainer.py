@@ -15,24 +15,29 @@ done>`) and logs train/ metrics (`workdir/metrics`), so a killed run resumes
 at the next step without repeating or losing rollouts. Rollouts that end
 infra_error (our fault) are retried, counted in the step metrics, and never
 trained.
+
+Dynamic sampling (`RLConfig.dynamic_sampling`): groups whose traces all
+train with one reward carry no advantage; they are left out of the batch and
+the step is refilled with new tasks (`EndpointCollector.refill`), up to
+`max_refills` rounds, until it has `tasks_per_step` informative groups. An
+adaptive `DomainMixer` env (`AdaptiveMix`) is fed each step's traces before
+the next step's tasks are drawn (and, on resume, the stored traces of the
+steps done), and its weights are logged with the step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from ac2_jax.envs.base import Env
-from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
-from ac2_jax.trace.store import TraceStore
+from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -40,7 +45,11 @@ from ac2_jax.training.core.objectives import PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer
-from ac2_jax.training.rl.data import BatchConfig, build_batch, trace_rewards
+# The collectors live in collectors.py; importable from here as before.
+from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
+                                            ReplayCollector, refill_seed)
+from ac2_jax.training.rl.data import (BatchConfig, build_batch, group_name, informative_groups,
+                                      select_traces, trace_rewards)
 
 RL_MODES = ("sync", "async")
 
@@ -57,10 +66,16 @@ class RLConfig:
     loss: PolicyGradientLoss = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
+    # Leave out zero-advantage groups and refill the step with new tasks, up to
+    # max_refills rounds (module docstring); needs a collector with `refill`.
+    dynamic_sampling: bool = False
+    max_refills: int = 2
 
     def __post_init__(self):
         if self.mode not in RL_MODES:
             raise ValueError(f"RLConfig.mode must be one of {RL_MODES}, got {self.mode!r}")
+        if self.max_refills < 0:
+            raise ValueError(f"RLConfig.max_refills must be >= 0, got {self.max_refills}")
         for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -74,122 +89,17 @@ class RLConfig:
                              "every step would be dropped")
 
 
-class Collector(Protocol):
-    """Where a step's traces come from."""
-
-    async def collect(self, rl_step: int) -> list[Trace]: ...
-
-
-class EndpointCollector:
-    """G attempts of each step's tasks through the endpoint, concurrently.
-
-    An attempt that ends infra_error (our fault: sampler, network, harness
-    crash, or any exception out of `run_rollout`) is run again, up to
-    `infra_retries` more times. The last run of every attempt goes to `store`
-    tagged with (rl_step, task, attempt) and `infra_retries` (how many runs
-    it took, less one); attempts already in the store are reused, not run
-    again (resume).
-
-    `rollout_deadline_s` (None: none) bounds each run in wall-clock time: it is
-    the rollout's timeout_s on the endpoint (whose sweeper ends it as
-    timed_out) and is enforced here too (`run_rollout`'s timeout_s), so a hung
-    harness cannot stall the step; such an attempt ends timed_out (counted by
-    the step metrics, trained only per BatchConfig.timed_out_reward) and is not
-    retried. Lifecycle calls are retried by `lifecycle` itself (its `retries`).
-    """
-
-    def __init__(self, lifecycle: LifecycleClient, env: Env, make_orchestrator: OrchestratorFactory,
-                 model_name: str, store: TraceStore, *, tasks_per_step: int,
-                 attempts_per_task: int, seed: int = 0, concurrency: int = 64,
-                 infra_retries: int = 2, rollout_deadline_s: float | None = None):
-        if infra_retries < 0:
-            raise ValueError(f"EndpointCollector: infra_retries must be >= 0, got {infra_retries}")
-        if rollout_deadline_s is not None and not rollout_deadline_s > 0:
-            raise ValueError("EndpointCollector: rollout_deadline_s must be > 0 or None, got "
-                             f"{rollout_deadline_s}")
-        self.rollout_deadline_s, self.concurrency = rollout_deadline_s, concurrency
-        self.lifecycle, self.env, self.make = lifecycle, env, make_orchestrator
-        self.model_name, self.store = model_name, store
-        self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
-        self.seed, self.sem = seed, asyncio.Semaphore(concurrency)
-        self.infra_retries = infra_retries
-        # Rollouts a previous (killed) run already stored, read once; each step
-        # takes its own out when it is collected.
-        self._stored: dict[int, dict[tuple, Trace]] = {}
-        for t in store.read(on_error="skip"):
-            key = (t.task_id, t.metadata.get("attempt"))
-            self._stored.setdefault(t.metadata.get("rl_step"), {})[key] = t
-
-    def tasks(self, rl_step: int):
-        return self.env.sample_tasks(self.tasks_per_step, seed=self.seed * 1_000_003 + rl_step,
-                                     split="train")
-
-    async def collect(self, rl_step: int) -> list[Trace]:
-        done = self._stored.pop(rl_step, {})
-
-        async def one(task, attempt):
-            key = (task.task_id, attempt)
-            if key in done:
-                return done[key]
-            for retries in range(self.infra_retries + 1):
-                trace = await self._run(task, attempt, rl_step)
-                if trace.status != "infra_error":
-                    break
-                error = trace.metadata.get("artifacts", {}).get("error")
-                logging.warning("rl_step %d, %s attempt %d: infra_error (%s); %s", rl_step,
-                                task.task_id, attempt, error,
-                                "retrying" if retries < self.infra_retries else "giving up")
-            trace.attempt_id = str(attempt)
-            trace.group_id = f"{rl_step}:{task.task_id}"
-            trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain,
-                                  infra_retries=retries)
-            self.store.append(trace)
-            return trace
-
-        tasks = self.tasks(rl_step)
-        dup = sorted(k for k, n in collections.Counter(t.task_id for t in tasks).items() if n > 1)
-        if dup:  # ids key groups and resume: duplicates would merge unrelated tasks
-            raise ValueError(f"EndpointCollector: rl_step {rl_step} has duplicate task ids "
-                             f"{dup[:5]}; task ids must be unique within a step (a DomainMixer "
-                             "prefixes them with the domain)")
-        jobs = [one(task, a) for task in tasks for a in range(self.attempts)]
-        return list(await asyncio.gather(*jobs))
-
-    async def _run(self, task, attempt: int, rl_step: int) -> Trace:
-        """One run of an attempt; an exception out of it is an infra_error trace."""
-        env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
-        try:
-            async with self.sem:
-                trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
-                                             group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
-                                             metadata={"rl_step": rl_step},
-                                             timeout_s=self.rollout_deadline_s)
-        except Exception as e:  # noqa: BLE001 - e.g. the endpoint is down: ours, counted
-            return Trace(task_id=task.task_id, status="infra_error",
-                         metadata={"artifacts": {"error": f"{type(e).__name__}: {e}"}})
-        trace.metadata["rollout_id"] = trace.attempt_id  # the endpoint's id for it
-        return trace
-
-
-class ReplayCollector:
-    """Replays stored traces by their `rl_step` tag (offline RL, tests)."""
-
-    def __init__(self, traces: Sequence[Trace]):
-        self.by_step: dict[int, list[Trace]] = {}
-        for t in traces:
-            self.by_step.setdefault(int(t.metadata.get("rl_step", 0)), []).append(t)
-
-    async def collect(self, rl_step: int) -> list[Trace]:
-        return list(self.by_step.get(rl_step, []))
-
-
 class RLTrainer:
     """The RL loop around a model. `on_publish(version)` makes the sampler reload.
 
     A collector that says how it collects (`tasks_per_step`, `attempts`,
     `concurrency` attributes, as EndpointCollector does) must agree with
     `config` (tasks_per_step, attempts_per_task, concurrency): a mismatch is a
-    ValueError, never silently one or the other. The loop is a `Trainer`
+    ValueError, never silently one or the other. `dynamic_sampling` needs a
+    collector with `refill`. When the collector's `env` is an adaptive
+    DomainMixer, each step's traces update it and the step metrics carry its
+    `mix_weight/<domain>` (the shares the next step draws with),
+    `mix_pass_rate/<domain>` and `mix_results/<domain>`. The loop is a `Trainer`
     (`self.trainer`); logger replaces its `workdir/metrics` sink;
     make_step: e.g. a `StepCache` shared by several trainers.
     """
@@ -204,11 +114,16 @@ class RLTrainer:
             if have is not None and have != getattr(config, ours):
                 raise ValueError(f"RLTrainer: RLConfig.{ours}={getattr(config, ours)} but the "
                                  f"collector's {theirs} is {have}; configure both alike")
+        if config.dynamic_sampling and not callable(getattr(collector, "refill", None)):
+            raise ValueError(f"RLTrainer: RLConfig.dynamic_sampling needs a collector with "
+                             f"refill(rl_step, round, n) (e.g. EndpointCollector); "
+                             f"{type(collector).__name__} has none")
         self.config, self.collector, self.on_publish = config, collector, on_publish
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
             config.batch, task_capacity=config.batch.task_capacity or traces,
-            segment_capacity=config.batch.segment_capacity or traces)
+            segment_capacity=config.batch.segment_capacity or traces,
+            drop_zero_advantage=config.batch.drop_zero_advantage or config.dynamic_sampling)
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
@@ -221,6 +136,24 @@ class RLTrainer:
         self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
         self._published: int | None = None
         self.history: list[dict[str, Any]] = []
+        env = getattr(collector, "env", None)
+        self.mixer = env if isinstance(env, DomainMixer) and env.adaptive is not None else None
+        if self.mixer is not None and self.start_step > 0:
+            self._replay_mixer()
+
+    def _replay_mixer(self) -> None:
+        """Feeds the mixer the stored traces of the steps done, as the killed run did."""
+        stored = getattr(self.collector, "stored", None)
+        if stored is None:
+            logging.warning("RLTrainer: resuming at rl_step %d with an adaptive DomainMixer but "
+                            "the collector keeps no stored traces; the mixer starts empty",
+                            self.start_step)
+            return
+        for s in range(self.start_step):
+            recorded = self.mixer.update(stored(s))
+            if not recorded:
+                logging.warning("RLTrainer: no stored results of rl_step %d for the adaptive "
+                                "DomainMixer; its weights differ from the run that trained it", s)
 
     @property
     def step_fn(self) -> TrainStep:
@@ -262,6 +195,30 @@ class RLTrainer:
         m["skipped_update"] = 0.0
         return m
 
+    async def _refill(self, rl_step: int, traces: list[Trace]) -> tuple[list[Trace], dict]:
+        """Dynamic sampling: refills the step until it has `tasks_per_step` informative
+        groups or `max_refills` rounds ran; returns (all traces, refill metrics)."""
+        cfg, version = self.config, self.version
+
+        def informative(ts):
+            return len(informative_groups(select_traces(ts, version, self._batch_config)[0]))
+
+        m = {"refills": 0.0, "refill_tasks": 0.0, "refill_repeats": 0.0}
+        have = informative(traces)
+        while have < cfg.tasks_per_step and m["refills"] < cfg.max_refills:
+            m["refills"] += 1
+            more, repeated = await self.collector.refill(rl_step, int(m["refills"]),
+                                                         cfg.tasks_per_step - have)
+            traces = traces + more
+            m["refill_tasks"] += len({group_name(t) for t in more})
+            m["refill_repeats"] += repeated
+            have = informative(traces)
+        m["informative_groups"] = float(have)
+        if have < cfg.tasks_per_step:
+            logging.warning("rl_step %d: %d informative groups of %d wanted after %d refills",
+                            rl_step, have, cfg.tasks_per_step, cfg.max_refills)
+        return traces, m
+
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload."""
         version = self._published = self.version
@@ -283,11 +240,18 @@ class RLTrainer:
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
             traces = await pending
+            extra: dict[str, Any] = {}
+            if cfg.dynamic_sampling:  # before the next step's collection starts
+                traces, extra = await self._refill(s, traces)
+            if self.mixer is not None:  # the next step's tasks are drawn with the new weights
+                self.mixer.update(traces)
+                extra.update(self.mixer.metrics())
             t_sample = time.perf_counter() - t0
             if cfg.mode == "async" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
             t1 = time.perf_counter()
             m = await asyncio.to_thread(self.update, traces)
+            m.update(extra)
             t2 = time.perf_counter()
             m["policy_version"] = self.version
             if m["policy_version"] != self._published:
