@@ -314,14 +314,16 @@ class ServerProcess:
 
 
 class BackendProcess(ServerProcess):
-    """`python -m ac2_jax.serving.backend --model=tiny` (one JaxSampler behind
-    SGLang's HTTP API) as a child process on a free port. flags: extra
-    `--flag=value` strings (e.g. `--seed=1`, `--max_batch=8`)."""
+    """`python -m ac2_jax.serving.backend --model=MODEL` (one JaxSampler behind
+    SGLang's HTTP API) as a child process on a free port. model: "tiny" or an
+    HF directory. flags: extra `--flag=value` strings (e.g. `--seed=1`)."""
 
     def __init__(self, log_path: str, flags: Iterable[str] = (), python: str = sys.executable,
-                 repo: str | None = None, env: dict[str, str] | None = None):
+                 repo: str | None = None, env: dict[str, str] | None = None,
+                 model: str = "tiny"):
         super().__init__("", "", log_path, python=python, repo=repo, env=env)
-        self.cmd = [python, "-m", "ac2_jax.serving.backend", "--model=tiny", "--port=0", *flags]
+        self.cmd = [python, "-m", "ac2_jax.serving.backend", f"--model={model}", "--port=0",
+                    *flags]
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -168,19 +168,38 @@ def test_a_dead_backend_fails_only_its_in_flight_requests(models, tok):
     fleet = FleetSampler([a, b], names=["a", "b"], retry_s=60)
     prompts = [tok.encode(f"long rollout {k}") for k in range(4)]
     params = SamplingParams(temperature=1.0, max_tokens=60)
+    gate, b_busy = threading.Event(), threading.Event()
+
+    def hold_on_b(k):
+        def on_tokens(ids, lps):  # b's worker waits here (mid-request) until b is closed
+            if fleet.route_of(f"ro-{k}") == "b":
+                b_busy.set()
+                gate.wait(30)
+        return on_tokens
 
     async def one(k):
         with route_key(f"ro-{k}"):
             try:
-                return await fleet.generate(prompts[k], params)
+                return await fleet.generate(prompts[k], params, on_tokens=hold_on_b(k))
             except SamplerError as e:
                 return e
 
+    def close_b():  # b dies with its requests running
+        closing = threading.Thread(target=b.close)
+        closing.start()
+        while True:
+            try:
+                b.probe()
+            except SamplerError:
+                break  # closed: its worker stops at the next chunk boundary
+            time.sleep(0.005)
+        gate.set()
+        closing.join()
+
     async def go():
         tasks = [asyncio.ensure_future(one(k)) for k in range(4)]
-        while b.stats.output_tokens == 0 or a.stats.output_tokens == 0:
-            await asyncio.sleep(0.005)
-        await asyncio.to_thread(b.close)  # b dies with its requests running
+        await asyncio.to_thread(b_busy.wait, 30)
+        await asyncio.to_thread(close_b)
         return await asyncio.gather(*tasks)
 
     try:

@@ -131,10 +131,6 @@ class FleetSampler:
     def max_context(self) -> int:
         return min(b.max_context for b in self._backends)
 
-    @property
-    def backends(self) -> list[Sampler]:
-        return list(self._backends)
-
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                        on_tokens: OnTokens | None = None) -> SampleResult:
         """One continuation, sampled by one backend (see the module docstring)."""
