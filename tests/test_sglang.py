@@ -185,6 +185,9 @@ def test_endpoint_answers_400_for_an_sglang_400(server, tok):
         assert r.status_code == 200 and r.json()["data"][0]["sampler_stats"]["probes"] >= 1
     finally:
         stop()
+    # The endpoint's loop (and its connection pool) is gone: closing from here
+    # drops that pool instead of failing with "Event loop is closed".
+    run(s.aclose())
 
 
 def test_5xx_and_connection_failures_are_sampler_errors(server, tok):

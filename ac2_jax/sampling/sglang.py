@@ -451,9 +451,14 @@ class SGLangSampler:
         return got
 
     async def aclose(self) -> None:
-        for client in list(self._clients.values()):
-            await client.aclose()
+        """Closes this event loop's connection pool. Pools of other event loops
+        (e.g. an endpoint's, in its thread) belong to those loops: they are
+        dropped here, and closed with their loop."""
+        loop = asyncio.get_running_loop()
+        clients = dict(self._clients)
         self._clients.clear()
+        if loop in clients:
+            await clients[loop].aclose()
 
 
 def parse_generate_response(data: dict[str, Any], version: int, top_n: int = 0) -> SampleResult:
