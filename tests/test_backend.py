@@ -87,11 +87,15 @@ def test_weight_update_through_the_client_hot_swaps_the_backend(backend, tok, tm
 
     async def go():
         r = await s.generate(prompt, SamplingParams(temperature=0, max_tokens=5))
+        streamed = await s.generate(prompt, SamplingParams(temperature=0, max_tokens=5),
+                                    on_tokens=lambda ids, lps: None)
         await s.aclose()
-        return r
+        return r, streamed
 
-    r = asyncio.run(go())
-    assert r.policy_version == 3
+    r, streamed = asyncio.run(go())
+    # Both report version 3 (streamed: in its first chunk, before any token).
+    assert r.policy_version == streamed.policy_version == 3
+    assert streamed.output_ids == r.output_ids
     ref = forward_logprobs(new, prompt + r.output_ids)[len(prompt):]
     np.testing.assert_allclose(r.output_logprobs, ref, atol=1e-4)
     assert app.state.counts["weight_updates"] >= 1

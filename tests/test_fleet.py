@@ -264,6 +264,10 @@ def test_bad_setups_are_refused(models, tok):
         FleetSampler(s)
     with pytest.raises(ValueError, match="distinct"):
         FleetSampler(s[:1] * 2)
+    with pytest.raises(ValueError, match="lists a URL twice"):
+        load_policy("tiny", backends=["http://a:1", "http://a:1"])
+    with pytest.raises(ValueError, match="drop --sglang_url"):
+        load_policy("tiny", backends=["http://a:1"], sglang_url="http://b:2")
 
 
 # ---------------------------------------------------------------- processes

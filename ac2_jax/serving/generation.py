@@ -1,13 +1,13 @@
 """The sampling routes: POST /v1/chat/completions and POST /v1/completions.
 
-Each request runs its `n` samples as tasks. Rendering, tokenization, tool-call
-parsing and recording run in worker threads, never on the event loop. A
-rollout's samples carry its id as their `route_key` (a `FleetSampler` keeps
-one rollout on one backend). A
-client that goes away (streaming or not) cancels its samples and records
-nothing trainable: the rollout counts it in `aborted_completions`. A
-`SamplerError` is a 503 and ends the rollout as `infra_error`. Streaming
-sends tokens as the sampler accepts them (`streaming.TextStream`).
+Each request runs its `n` samples as tasks; a rollout's samples carry its id
+as their `route_key` (a `FleetSampler` keeps one rollout on one backend).
+Rendering, tokenization, tool-call parsing and recording run in worker
+threads, never on the event loop. A client that goes away (streaming or not)
+cancels its samples and records nothing trainable: the rollout counts it in
+`aborted_completions`. A `SamplerError` is a 503 and ends the rollout as
+`infra_error`. Streaming sends tokens as the sampler accepts them
+(`streaming.TextStream`).
 
 tool_choice "required" / {"function": {"name"}} forces a call by writing
 the tool-call opening (`<tool_call>\\n`, plus `{"name": ..., "arguments": `

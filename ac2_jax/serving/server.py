@@ -68,7 +68,8 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
     backends: URLs of SGLang-protocol servers (SGLang, or `python -m
     ac2_jax.serving.backend` processes serving the same weights): the sampler
     is a `FleetSampler` of `SGLangSampler`s (timeout `backend_timeout_s`),
-    each exporting to `export_dir/backend<i>`. Replaces `sampler`.
+    each exporting to `export_dir/backend<i>`; they share one load buffer,
+    which the fleet fills for one backend at a time. Replaces `sampler`.
     """
     import os
     import tempfile
