@@ -14,7 +14,8 @@ exactly its own conversation.
         --admin_key sk-... --rollouts 16 --turns 4 --out report.json
 
 Also here: `ServerProcess`, the endpoint as a `python -m ac2_jax.serving`
-child process (start, SIGKILL, RSS), for the tests and the benchmark.
+child process (start, SIGKILL, RSS), and `BackendProcess`, a sampler backend
+(`python -m ac2_jax.serving.backend`), for the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -265,6 +266,11 @@ class ServerProcess:
         self.url: str | None = None
 
     def start(self, timeout_s: float = 120.0) -> str:
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Starts the process without waiting (`wait_ready` waits)."""
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **self.env}
         repo = self.repo
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
@@ -272,6 +278,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      cwd=repo)
         log.close()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> str:
+        """Waits until the process answers GET /v1/models; returns its URL."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -282,7 +291,8 @@ class ServerProcess:
             if found:
                 self.url = found[-1]
                 r = httpx.get(self.url + "/v1/models", timeout=10,
-                              headers={"Authorization": f"Bearer {self.admin_key}"})
+                              headers={"Authorization": f"Bearer {self.admin_key}"}
+                              if self.admin_key else {})
                 r.raise_for_status()
                 return self.url
             time.sleep(0.1)
@@ -301,6 +311,19 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=60)
+
+
+class BackendProcess(ServerProcess):
+    """`python -m ac2_jax.serving.backend --model=MODEL` (one JaxSampler behind
+    SGLang's HTTP API) as a child process on a free port. model: "tiny" or an
+    HF directory. flags: extra `--flag=value` strings (e.g. `--seed=1`)."""
+
+    def __init__(self, log_path: str, flags: Iterable[str] = (), python: str = sys.executable,
+                 repo: str | None = None, env: dict[str, str] | None = None,
+                 model: str = "tiny"):
+        super().__init__("", "", log_path, python=python, repo=repo, env=env)
+        self.cmd = [python, "-m", "ac2_jax.serving.backend", f"--model={model}", "--port=0",
+                    *flags]
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from flax import nnx
 
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
-from ac2_jax.sampling import ContextLengthError, Sampler, SamplingParams, truncate_at_stop
+from ac2_jax.sampling import (ContextLengthError, Sampler, SamplerError, SamplerUnavailable,
+                              SamplingParams, truncate_at_stop)
 from ac2_jax.sampling.jax_sampler import JaxSampler
 
 CTX = 32
@@ -329,11 +330,32 @@ def test_load_weights_swaps_between_results(tmp_path):
     np.testing.assert_allclose(new.output_logprobs, want.output_logprobs, atol=1e-5)
 
 
+def test_set_weights_swaps_like_load_weights(model):
+    p, sp = prompt_of(40), GREEDY.replace(max_tokens=8)
+    with _sampler(_model(0)) as s:
+        assert s.set_weights(_model(1), 5) == 5 and s.policy_version == 5
+        seen = []  # read in the worker thread, while this request's tokens arrive
+        new = run(s.generate(p, sp, on_tokens=lambda ids, lps: seen.append(s.running_version)))
+        assert new.policy_version == 5 and seen and set(seen) == {5}
+        with pytest.raises(ValueError, match="shape"):
+            s.set_weights(Decoder(CONFIG.replace(intermediate_size=32), rngs=nnx.Rngs(0)), 6)
+        with pytest.raises(ValueError, match="other parameters"):
+            s.set_weights(Decoder(CONFIG.replace(num_layers=1), rngs=nnx.Rngs(0)), 6)
+        assert s.policy_version == 5
+    with _sampler(_model(1)) as ref:
+        want = gen(ref, p, sp)
+    assert new.output_ids == want.output_ids
+    np.testing.assert_allclose(new.output_logprobs, want.output_logprobs, atol=1e-5)
+
+
 def test_close_fails_new_calls(model):
     s = _sampler(model)
+    assert s.probe() == {"policy_version": 0}
     s.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(SamplerUnavailable, match="closed"):  # never queued: safe to resend
         gen(s, [1, 2, 3])
+    with pytest.raises(SamplerError, match="closed"):
+        s.probe()
 
 
 # ---------------------------------------------------------------- issue 13: under fire

@@ -180,8 +180,14 @@ def test_endpoint_answers_400_for_an_sglang_400(server, tok):
             client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "Hi " * 30}], max_tokens=4)
         assert e.value.status_code == 400
+        # The admin sees the client's counters (this used to be a 500: they are a dict).
+        r = httpx.get(api + "/v1/models", headers={"Authorization": "Bearer admin"})
+        assert r.status_code == 200 and r.json()["data"][0]["sampler_stats"]["probes"] >= 1
     finally:
         stop()
+    # The endpoint's loop (and its connection pool) is gone: closing from here
+    # drops that pool instead of failing with "Event loop is closed".
+    run(s.aclose())
 
 
 def test_5xx_and_connection_failures_are_sampler_errors(server, tok):

@@ -6,24 +6,31 @@ from ac2_jax.sampling.base import (
     SampleResult,
     Sampler,
     SamplerError,
+    SamplerUnavailable,
     SamplingParams,
     check_prompt,
     truncate_at_stop,
 )
+from ac2_jax.sampling.fleet import BackendState, FleetSampler, route_key
 from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
-from ac2_jax.sampling.sglang import SGLangError, SGLangSampler
+from ac2_jax.sampling.sglang import SGLangError, SGLangSampler, SGLangUnavailable
 
 __all__ = [
+    "BackendState",
+    "FleetSampler",
     "JaxSampler",
     "SamplerStats",
     "SGLangError",
     "SGLangSampler",
+    "SGLangUnavailable",
     "ContextLengthError",
     "OnTokens",
     "SampleResult",
     "Sampler",
     "SamplerError",
+    "SamplerUnavailable",
     "SamplingParams",
     "check_prompt",
+    "route_key",
     "truncate_at_stop",
 ]

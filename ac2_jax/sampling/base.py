@@ -47,6 +47,9 @@ Contract
       reaches any batch; ``SamplerError`` when the sampler failed this request
       for an internal reason (the endpoint reports 503, the rollout becomes
       ``infra_error``). One request's error never fails another.
+      ``SamplerUnavailable`` (a ``SamplerError``) says the request never
+      reached the sampler (e.g. its server refused the connection), so another
+      sampler may run it (``FleetSampler`` does).
 
 ``sampler.policy_version: int``
     Version of the weights new calls will use; 0 for the initial weights,
@@ -88,6 +91,11 @@ class ContextLengthError(ValueError):
 class SamplerError(RuntimeError):
     """The sampler failed this request for an internal reason; the endpoint
     reports 503 and the rollout becomes infra_error."""
+
+
+class SamplerUnavailable(SamplerError):
+    """The request never reached the sampler (its server refused the
+    connection): nothing was sampled, so another sampler may run it."""
 
 
 def _int(name: str, v, lo: int, hi: int) -> int:

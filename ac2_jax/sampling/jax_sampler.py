@@ -19,9 +19,10 @@ before they reach the worker; the worker (`worker.DeviceLoop`) keeps one
 request's failure from touching another and streams accepted tokens to each
 request's `on_tokens`.
 
-Weights: `load_weights` loads a published Orbax step into the model and hands
-a snapshot to the worker, which swaps it in once the running rows drain (new
-requests wait meanwhile), so one result never mixes two weight versions.
+Weights: `load_weights` loads a published Orbax step into the model (or
+`set_weights` copies another Decoder's weights in) and hands a snapshot to the
+worker, which swaps it in once the running rows drain (new requests wait
+meanwhile), so one result never mixes two weight versions.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
-from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplingParams,
-                                   check_prompt)
+from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplerUnavailable,
+                                   SamplingParams, check_prompt)
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
 
@@ -135,6 +136,16 @@ class JaxSampler(DeviceLoop):
     def max_context(self) -> int:
         return self._max_context
 
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def running_version(self) -> int:
+        """Version of the weights the worker runs now. Read inside `on_tokens`
+        (the worker thread) it is the version sampling that request."""
+        return self._version
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                        *, on_tokens: OnTokens | None = None) -> SampleResult:
         """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`.
@@ -163,12 +174,48 @@ class JaxSampler(DeviceLoop):
             raise ValueError("JaxSampler.load_weights: the sampler was built without publish_dir")
         with self._load_lock:
             got = int(load_published(self._model, self._publish_dir, step))
-            _, state = self._snapshot()
-            with self._lock:
-                self._pending = (state, got)
-                self._latest = got
-        self._queue.put(WAKE)
+            self._stage(got)
         return got
+
+    def set_weights(self, source: Decoder, version: int) -> int:
+        """Copies `source`'s weights (same parameter shapes) in as `version`, like
+        `load_weights`: running rows finish on the old weights. Returns version."""
+        if not isinstance(source, Decoder):
+            raise TypeError(f"JaxSampler.set_weights: source must be a Decoder, got "
+                            f"{type(source).__name__}")
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+            raise ValueError(f"JaxSampler.set_weights: version must be an int, got {version!r}")
+        own, new = nnx.state(self._model, nnx.Param), nnx.state(source, nnx.Param)
+        own_leaves = dict(jax.tree_util.tree_leaves_with_path(own))
+        new_leaves = dict(jax.tree_util.tree_leaves_with_path(new))
+        if own_leaves.keys() != new_leaves.keys():
+            raise ValueError("JaxSampler.set_weights: source has other parameters than the "
+                             "served model (a different architecture)")
+        for path, a in own_leaves.items():
+            if a.shape != new_leaves[path].shape:
+                raise ValueError(f"JaxSampler.set_weights: parameter "
+                                 f"{jax.tree_util.keystr(path)} has shape "
+                                 f"{new_leaves[path].shape}, the served model {a.shape}")
+        cast = jax.tree.map(lambda a, b: b.astype(a.dtype), own, new)
+        with self._load_lock:
+            nnx.update(self._model, cast)
+            self._stage(int(version))
+        return int(version)
+
+    def _stage(self, version: int) -> None:
+        """Hands the model's current weights to the worker as `version`."""
+        _, state = self._snapshot()
+        with self._lock:
+            self._pending = (state, version)
+            self._latest = version
+        self._queue.put(WAKE)
+
+    def probe(self) -> dict:
+        """Raises SamplerError when this sampler can no longer serve (closed, or
+        its worker thread died); else returns {"policy_version"}."""
+        if self._closed or not self._thread.is_alive():
+            raise SamplerError("JaxSampler is closed (or its worker thread died)")
+        return {"policy_version": self._latest}
 
     def close(self) -> None:
         """Stops the worker; queued and running calls fail with SamplerError."""
@@ -238,7 +285,7 @@ class JaxSampler(DeviceLoop):
                       max_out=min(params.max_tokens, self._max_context - len(prompt)),
                       on_tokens=on_tokens)
         with self._lock:
-            if self._closed:
-                raise SamplerError("JaxSampler is closed")
+            if self._closed:  # never queued: another sampler may take it
+                raise SamplerUnavailable("JaxSampler is closed")
             self._queue.put(req)
         return req

@@ -28,7 +28,10 @@ Errors: SGLang's 400s (context check, vocabulary, validation) raise
 `ContextLengthError` / `ValueError` with SGLang's message (the endpoint
 answers 400); 5xx, 401/403/404, refused connections and malformed answers
 raise `SGLangError`, a `SamplerError` (the endpoint answers 503 and the
-rollout becomes infra_error).
+rollout becomes infra_error). When the request was never sent (the
+connection was refused, or the probe before it failed) the error is
+`SGLangUnavailable`, a `SamplerUnavailable`: a `FleetSampler` sends the
+request to another backend instead.
 
 Restarts: the client probes the server (`probe`: `/health_generate`,
 `/get_model_info`, `/v1/models`) before its first request, after a failed
@@ -69,13 +72,22 @@ from typing import Any, Sequence
 import httpx
 
 from ac2_jax.sampling.base import (
-    ContextLengthError, OnTokens, SampleResult, SamplerError, SamplingParams, check_prompt)
+    ContextLengthError, OnTokens, SampleResult, SamplerError, SamplerUnavailable,
+    SamplingParams, check_prompt)
 
 log = logging.getLogger(__name__)
 
 
 class SGLangError(SamplerError):
     """The SGLang server failed or could not serve this request (not the request's fault)."""
+
+
+class SGLangUnavailable(SGLangError, SamplerUnavailable):
+    """The request was never sent: the server refused the connection, or the
+    probe before the request failed."""
+
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)  # the request never left
 
 
 class _StaleWeights(Exception):
@@ -140,6 +152,7 @@ class SGLangSampler:
         self._keep = max(1, int(keep_exports))
         self._exports: list[str] = []
         self._version = int(policy_version)
+        self._loading: int | None = None  # the version load_weights is pushing now
         self._vocab = vocab_size
         self._max_conc = int(max_concurrency)
         self._in_flight = 0
@@ -217,7 +230,12 @@ class SGLangSampler:
             if not self._ready.is_set():
                 await asyncio.to_thread(self._ready.wait)
             if self._needs_probe:
-                await asyncio.to_thread(self.probe)
+                try:
+                    await asyncio.to_thread(self.probe)
+                except SGLangUnavailable:
+                    raise
+                except SGLangError as e:  # nothing was sent: another server may take it
+                    raise SGLangUnavailable(f"{e} (the request was not sent)") from e
             check_prompt(prompt, self.max_context, self._vocab)
             body = self.request_body(prompt, params)
             try:
@@ -241,6 +259,10 @@ class SGLangSampler:
                     (data.get("meta_info") or {}).get("weight_version"), started)
             else:
                 data, version = await self._stream(body, on_tokens, started)
+        except _NOT_SENT as e:
+            self._needs_probe = True
+            raise SGLangUnavailable(f"SGLang /generate at {self.base_url} is unreachable: "
+                                    f"{e!r}") from e
         except httpx.HTTPError as e:
             self._needs_probe = True
             raise SGLangError(f"SGLang /generate at {self.base_url} failed: {e!r}") from e
@@ -307,7 +329,7 @@ class SGLangSampler:
         version when the request was sent (in-flight requests finish on it)."""
         if reported is None:  # a server too old to report one: trust our bookkeeping
             return self._version
-        for v in (self._version, started):
+        for v in (self._version, started, self._loading):
             if v is not None and str(reported) == str(v):
                 return v
         if not self._exports and not str(reported).lstrip("-").isdigit():
@@ -338,6 +360,9 @@ class SGLangSampler:
                 with httpx.Client(base_url=self.base_url, timeout=self._timeout,
                                   headers=self._headers) as http:
                     info = self._probe_with(http)
+            except _NOT_SENT as e:
+                raise SGLangUnavailable(f"SGLang at {self.base_url} is unreachable: "
+                                        f"{e!r}") from e
             except httpx.HTTPError as e:
                 raise SGLangError(f"SGLang at {self.base_url} is unreachable: {e!r}") from e
             self._needs_probe = False
@@ -401,6 +426,7 @@ class SGLangSampler:
             path = os.path.abspath(os.path.join(self._export_dir, f"step_{got}"))
             save_hf_checkpoint(self._model, path)
             self._ready.clear()
+            self._loading = got  # results of these weights may come back before the reply
             try:
                 with httpx.Client(base_url=self.base_url, timeout=self._timeout,
                                   headers=self._headers) as http:
@@ -415,6 +441,7 @@ class SGLangSampler:
                                       f"{r.status_code}: {data.get('message')}")
                 self._version = got
             finally:
+                self._loading = None
                 self._ready.set()
             if path in self._exports:
                 self._exports.remove(path)
@@ -424,9 +451,14 @@ class SGLangSampler:
         return got
 
     async def aclose(self) -> None:
-        for client in list(self._clients.values()):
-            await client.aclose()
+        """Closes this event loop's connection pool. Pools of other event loops
+        (e.g. an endpoint's, in its thread) belong to those loops: they are
+        dropped here, and closed with their loop."""
+        loop = asyncio.get_running_loop()
+        clients = dict(self._clients)
         self._clients.clear()
+        if loop in clients:
+            await clients[loop].aclose()
 
 
 def parse_generate_response(data: dict[str, Any], version: int, top_n: int = 0) -> SampleResult:

@@ -19,6 +19,11 @@ flags.DEFINE_string("admin_key", None, "Admin API key (default: a random one, lo
 flags.DEFINE_string("trace_store", None, "JSONL file that receives finished traces.")
 flags.DEFINE_enum("sampler", "jax", ["jax", "sglang"], "Sampler backend.")
 flags.DEFINE_string("sglang_url", None, "SGLang server URL (--sampler=sglang).")
+flags.DEFINE_list("backends", [],
+                  "Sampler fleet: comma-separated URLs of SGLang servers or `python -m "
+                  "ac2_jax.serving.backend` processes; a rollout stays on one, a dead one "
+                  "fails only its in-flight requests. Replaces --sampler.")
+flags.DEFINE_float("backend_timeout_s", 600.0, "HTTP timeout of each --backends request.")
 flags.DEFINE_string("publish_dir", None, "Orbax publish dir read by load_weights.")
 flags.DEFINE_string("export_dir", None, "Where SGLang weight exports are written.")
 flags.DEFINE_integer("max_context", None, "Tokens per sequence (default: the model's).")
@@ -41,7 +46,8 @@ def main(argv):
     sampler, tokenizer, name = load_policy(
         FLAGS.model, sampler=FLAGS.sampler, max_context=FLAGS.max_context,
         publish_dir=FLAGS.publish_dir, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
-        max_batch=FLAGS.max_batch, seed=FLAGS.seed, fixed_shapes=FLAGS.fixed_shapes)
+        max_batch=FLAGS.max_batch, seed=FLAGS.seed, fixed_shapes=FLAGS.fixed_shapes,
+        backends=FLAGS.backends, backend_timeout_s=FLAGS.backend_timeout_s)
     admin_key = FLAGS.admin_key or "sk-admin-" + secrets.token_urlsafe(16)
     if not FLAGS.admin_key:
         logging.warning("no --admin_key given; using %s", admin_key)

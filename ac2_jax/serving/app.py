@@ -5,7 +5,8 @@ Routes
                               max_tokens/max_completion_tokens, temperature,
                               top_p, stop, seed, stream (SSE, `data: [DONE]`)
   POST /v1/completions        prompt (text or token ids), same sampling fields
-  GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes, errors)
+  GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes and
+                                    errors; for a FleetSampler each backend's health and load)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
                                     metadata?, timeout_s?} -> {rollout_id, base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
@@ -66,6 +67,21 @@ class _Principal:
     @property
     def is_admin(self) -> bool:
         return self.rollout is None
+
+
+def sampler_stats(sampler: Sampler) -> dict[str, Any] | None:
+    """What the admin sees of the sampler: a fleet's `status()` (each backend's
+    health and load), a JaxSampler's compile set and errors, an SGLang
+    client's counters; None for a sampler with none of these."""
+    if callable(getattr(sampler, "status", None)):
+        return sampler.status()
+    stats = getattr(sampler, "stats", None)
+    if isinstance(stats, dict):
+        return dict(stats)
+    if stats is None:
+        return None
+    return {"compiled_shapes": stats.compiled_shapes, "output_tokens": stats.output_tokens,
+            "request_errors": stats.request_errors, "worker_restarts": stats.worker_restarts}
 
 
 def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
@@ -167,12 +183,9 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         principal = await authenticate(request)
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
                  "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}
-        stats = getattr(sampler, "stats", None)
-        if principal.is_admin and stats is not None:  # operators watch the compile set
-            entry["sampler_stats"] = {"compiled_shapes": stats.compiled_shapes,
-                                      "output_tokens": stats.output_tokens,
-                                      "request_errors": stats.request_errors,
-                                      "worker_restarts": stats.worker_restarts}
+        stats = sampler_stats(sampler)
+        if principal.is_admin and stats is not None:  # operators watch these
+            entry["sampler_stats"] = stats
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/rollouts")

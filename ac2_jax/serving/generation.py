@@ -1,11 +1,13 @@
 """The sampling routes: POST /v1/chat/completions and POST /v1/completions.
 
-Each request runs its `n` samples as tasks. Rendering, tokenization, tool-call
-parsing and recording run in worker threads, never on the event loop. A
-client that goes away (streaming or not) cancels its samples and records
-nothing trainable: the rollout counts it in `aborted_completions`. A
-`SamplerError` is a 503 and ends the rollout as `infra_error`. Streaming
-sends tokens as the sampler accepts them (`streaming.TextStream`).
+Each request runs its `n` samples as tasks; a rollout's samples carry its id
+as their `route_key` (a `FleetSampler` keeps one rollout on one backend).
+Rendering, tokenization, tool-call parsing and recording run in worker
+threads, never on the event loop. A client that goes away (streaming or not)
+cancels its samples and records nothing trainable: the rollout counts it in
+`aborted_completions`. A `SamplerError` is a 503 and ends the rollout as
+`infra_error`. Streaming sends tokens as the sampler accepts them
+(`streaming.TextStream`).
 
 tool_choice "required" / {"function": {"name"}} forces a call by writing
 the tool-call opening (`<tool_call>\\n`, plus `{"name": ..., "arguments": `
@@ -29,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import (ContextLengthError, SampleResult, Sampler, SamplerError,
-                              SamplingParams, truncate_at_stop)
+                              SamplingParams, route_key, truncate_at_stop)
 from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, bad_request
@@ -65,15 +67,17 @@ class Generation:
     """The `n` sampling tasks of one request, and what became of them."""
 
     def __init__(self, sampler: Sampler, prompt_ids: list[int], params: list[SamplingParams],
-                 feed: TokenFeed | None):
+                 feed: TokenFeed | None, route: str | None = None):
         self.feed = feed
         self.tasks = []
-        for i, p in enumerate(params):
-            on_tokens = feed.on_tokens(i) if feed is not None else None
-            task = asyncio.ensure_future(sampler.generate(prompt_ids, p, on_tokens=on_tokens))
-            if feed is not None:
-                task.add_done_callback(feed.done(i))
-            self.tasks.append(task)
+        with route_key(route):  # each task keeps the key it was created with
+            for i, p in enumerate(params):
+                on_tokens = feed.on_tokens(i) if feed is not None else None
+                task = asyncio.ensure_future(sampler.generate(prompt_ids, p,
+                                                              on_tokens=on_tokens))
+                if feed is not None:
+                    task.add_done_callback(feed.done(i))
+                self.tasks.append(task)
         self.settled = False  # recorded, or failed with an error already reported
 
     def cancel(self) -> None:
@@ -187,6 +191,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
         prefix_ids = await asyncio.to_thread(tokenizer.encode, prefix) if prefix else []
         full_prompt = list(prompt_ids) + prefix_ids
         params = sampling_params(len(full_prompt), req)
+        route = principal.rollout.rollout_id if principal.rollout is not None else None
         t0 = time.monotonic()
 
         def abort():
@@ -195,7 +200,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                 registry.count(principal.rollout, "aborted_completions", req.n)
 
         if req.stream:
-            gen = Generation(sampler, full_prompt, params, TokenFeed())
+            gen = Generation(sampler, full_prompt, params, TokenFeed(), route)
             body = stream_events(request, principal, req, agent, full_prompt, messages, chat,
                                  gen, parse_tools, prefix, prefix_ids, t0)
 
@@ -205,7 +210,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
             return WatchedStreamingResponse(body, on_close=on_close,
                                             media_type="text/event-stream")
 
-        gen = Generation(sampler, full_prompt, params, None)
+        gen = Generation(sampler, full_prompt, params, None, route)
         work = asyncio.ensure_future(run(request, principal, gen, rollout_failed))
         gone = asyncio.ensure_future(until_disconnect(request))
         try:

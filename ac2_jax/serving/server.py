@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import uvicorn
 
@@ -54,7 +54,8 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0,
 def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = None,
                 publish_dir: str | None = None, sglang_url: str | None = None,
                 export_dir: str | None = None, max_batch: int = 16, seed: int = 0,
-                tokenizer_dir: str | None = None, fixed_shapes: bool = False):
+                tokenizer_dir: str | None = None, fixed_shapes: bool = False,
+                backends: Sequence[str] = (), backend_timeout_s: float = 600.0):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
@@ -64,10 +65,21 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
     fixed_shapes (JaxSampler only): max_batch rows x max_context slots always,
     compiled up front by `warmup()`: no compiles (and no memory growth from
     them) once serving.
+    backends: URLs of SGLang-protocol servers (SGLang, or `python -m
+    ac2_jax.serving.backend` processes serving the same weights): the sampler
+    is a `FleetSampler` of `SGLangSampler`s (timeout `backend_timeout_s`),
+    each exporting to `export_dir/backend<i>`; they share one load buffer,
+    which the fleet fills for one backend at a time. Replaces `sampler`.
     """
     import os
     import tempfile
 
+    backends = [u.strip() for u in backends if u.strip()]
+    if backends and (sglang_url or fixed_shapes):
+        raise ValueError("--backends replaces the embedded or single SGLang sampler: drop "
+                         "--sglang_url / --fixed_shapes (a backend process takes those)")
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"--backends lists a URL twice: {backends}")
     if sampler not in ("jax", "sglang"):
         raise ValueError(f"--sampler must be 'jax' or 'sglang', got {sampler!r}")
     if sampler == "sglang" and not sglang_url:
@@ -91,6 +103,14 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
         name = os.path.basename(os.path.normpath(model))
     context = max_context or min(decoder.config.max_position_embeddings,
                                  tokenizer.model_max_length or 1 << 30)
+    if backends:
+        from ac2_jax.sampling import FleetSampler, SGLangSampler
+        return FleetSampler([
+            SGLangSampler(url, max_context=context, model=decoder, publish_dir=publish_dir,
+                          export_dir=(None if export_dir is None
+                                      else os.path.join(export_dir, f"backend{i}")),
+                          vocab_size=tokenizer.vocab_size, timeout_s=backend_timeout_s)
+            for i, url in enumerate(backends)]), tokenizer, name
     if sampler == "jax":
         from ac2_jax.sampling.jax_sampler import JaxSampler
         jax_sampler = JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
