@@ -209,3 +209,20 @@ def test_zero_advantage_groups_are_counted_and_left_out_on_request():
     none, stats, _ = build_batch(traces[:2], 0, dataclasses.replace(config,
                                                                     drop_zero_advantage=True))
     assert none is None and stats.dropped_zero_advantage == 2
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_rows_past_the_config_grow_in_powers_of_two_of_it(layout):
+    """The calculator demo compiled its RL step 4 times: rows followed the data (8, 9,
+    10, 11...). Past `rows` they now grow to rows x 2^k (few geometries), and the
+    padding rows carry nothing."""
+    shapes, masks = set(), set()
+    for n in range(3, 12):  # 3..11 traces of 10 tokens, one per 16-token row (no sharing)
+        traces = [_trace(f"t{i}", i, float(i % 2), n_out=7) for i in range(n)]
+        for k, t in enumerate(traces):  # distinct prompts: nothing for a tree to share
+            t.episodes[0].token_ids[0] = 100 + k
+        batch, _, _ = build_batch(traces, 0, BatchConfig(seq_len=16, rows=4, layout=layout))
+        shapes.add(batch.shape)
+        masks.add(float(batch.loss_mask.sum()))
+        assert float(batch.loss_mask.sum()) == 7 * n
+    assert shapes == {(4, 16), (8, 16), (16, 16)}, shapes

@@ -1,7 +1,8 @@
 """Segments: traces cut into training sequences and packed into batches."""
 
 from ac2_jax.segments.packing import (PackedBatch, empty_batch, first_fit_decreasing,
-                                      pack_rows, pack_segments, packed_lengths, pad_rows,
+                                      pack_rows, pack_segments, packed_lengths, pad_batch_rows,
+                                      pad_rows,
                                       pow2_bucket, task_names, write_segment)
 from ac2_jax.segments.segments import FitCounts, Segment, fit_segments, segments_from_trace
 from ac2_jax.segments.tree import pack_segment_tree
@@ -17,6 +18,7 @@ __all__ = [
     "pack_segment_tree",
     "pack_segments",
     "packed_lengths",
+    "pad_batch_rows",
     "pad_rows",
     "pow2_bucket",
     "segments_from_trace",

@@ -136,6 +136,21 @@ def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
     return -(-rows // rows_multiple) * rows_multiple
 
 
+def pad_batch_rows(batch: PackedBatch, rows: int) -> PackedBatch:
+    """`batch` with empty rows appended up to `rows` (as `empty_batch` makes them:
+    no tokens, temperature 1; a tree row's slots see only themselves)."""
+    extra = rows - batch.shape[0]
+    if extra < 0:
+        raise ValueError(f"pad_batch_rows: the batch has {batch.shape[0]} rows, more than {rows}")
+    if extra == 0:
+        return batch
+    pad = empty_batch(extra, batch.shape[1])
+    if batch.subtree_end is not None:
+        pad["subtree_end"] = np.tile(np.arange(batch.shape[1], dtype=np.int32), (extra, 1))
+    return batch.replace(**{k: np.concatenate([np.asarray(getattr(batch, k)), v])
+                            for k, v in pad.items()})
+
+
 def pack_segments(segments: Sequence[Segment], seq_len: int, *,
                   truncate: bool = False, min_rows: int = 0,
                   rows_multiple: int = 1, layout: str = "flat", min_tasks: int = 1,

@@ -32,8 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from ac2_jax.segments import PackedBatch
-from ac2_jax.segments.packing import empty_batch
+from ac2_jax.segments import PackedBatch, pad_batch_rows
 from ac2_jax.training.core.sharding import batch_sharding
 
 T = TypeVar("T")
@@ -80,16 +79,9 @@ def _agree(values: Sequence[int]) -> np.ndarray:
 
 
 def _pad_rows(local, extra: int):
-    """`extra` empty rows appended: a PackedBatch's as `empty_batch` makes them
-    (temperature 1, no tokens), any other leaf's as zeros."""
-    pad = {}
+    """`extra` empty rows appended (a PackedBatch's by `pad_batch_rows`, other leaves zeros)."""
     if isinstance(local, PackedBatch):
-        pad = empty_batch(extra, local.shape[1])
-        if local.subtree_end is not None:  # an empty tree row: each slot sees only itself
-            pad["subtree_end"] = np.broadcast_to(np.arange(local.shape[1], dtype=np.int32),
-                                                 (extra, local.shape[1])).copy()
-        return local.replace(**{k: np.concatenate([np.asarray(getattr(local, k)), v])
-                                for k, v in pad.items()})
+        return pad_batch_rows(local, local.shape[0] + extra)
     return jax.tree.map(lambda x: np.concatenate(
         [np.asarray(x), np.zeros((extra, *np.shape(x)[1:]), np.asarray(x).dtype)]), local)
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ac2_jax.losses import group_advantages
-from ac2_jax.segments import PackedBatch, pack_segments, segments_from_trace
+from ac2_jax.segments import PackedBatch, pack_segments, pad_batch_rows, segments_from_trace
 from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
@@ -24,7 +24,8 @@ STALE_POLICIES = ("drop", "downweight")
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
-    """How traces become a batch. `rows` is the minimum row count (static shapes)."""
+    """How traces become a batch. `rows` is the minimum row count (static shapes); a
+    batch that needs more grows to rows x 2^k (few distinct compiled shapes)."""
 
     seq_len: int = 256
     rows: int = 16
@@ -316,4 +317,8 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
                           rows_multiple=max(config.rows_multiple, 1), layout=config.layout,
                           min_tasks=max(config.task_capacity, 1),
                           min_segments=max(config.segment_capacity, 1))
+    if batch.shape[0] > config.rows > 0:  # more rows than configured: rows x 2^k, few shapes
+        unit = config.rows * max(config.rows_multiple, 1) // math.gcd(config.rows,
+                                                                     max(config.rows_multiple, 1))
+        batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))
     return batch, stats, adv
