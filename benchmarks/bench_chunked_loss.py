@@ -3,11 +3,12 @@
 One row [1, L] of hidden states [1, L, D] and a tied head [V, D] (Qwen3-0.6B:
 V=151,936, D=1024), fp32. Each side computes sum(c * log p(targets)) and its
 gradient w.r.t. hidden states and head weight (jit): dense through fp32
-logits [L, V] (`token_logprobs`), chunked `chunk` positions at a time
+logits [L, V] (`token_logprobs`), chunked `--chunks` positions at a time
 (`chunked_token_logprobs`). Memory is XLA's compiled `memory_analysis()`
 (temp = live intermediates; deterministic, no run needed); time is the
 median of `--repeats` runs after one warm-up, measured only where args +
-temp fit under `--max_gb` (else the row says so and `skipped` counts it).
+temp fit under `--max_gb` (else the row says so and `skipped` counts it;
+--max_gb 0 lists memory only).
 
     python -m benchmarks.bench_chunked_loss --lengths 1024,4096 --out bench_results/chunked_loss.json
 """
@@ -29,16 +30,16 @@ from benchmarks.common import parser, print_table, time_fn, write_json  # noqa: 
 GB = 2.0 ** 30
 
 
-def loss_fns(targets, cot, chunk: int) -> dict:
-    """name -> (hidden [1, L, D], head weight [V, D]) -> (loss, (d hidden, d weight))."""
+def loss_fns(targets, cot, chunks) -> dict:
+    """name -> (hidden [1, L, D], head weight [V, D]) -> scalar loss."""
     def dense(h, w):
         return (cot * token_logprobs(LMHead(w, "vd").logits(h), targets)).sum()
 
-    def chunked(h, w):
-        return (cot * chunked_token_logprobs(h, LMHead(w, "vd"), targets,
-                                             chunk_size=chunk)).sum()
+    def chunked(chunk):
+        return lambda h, w: (cot * chunked_token_logprobs(h, LMHead(w, "vd"), targets,
+                                                          chunk_size=chunk)).sum()
 
-    return {"dense": dense, f"chunked({chunk})": chunked}
+    return {"dense": dense, **{f"chunked({c})": chunked(c) for c in chunks}}
 
 
 def bench_one(name, fn, h, w, repeats: int, max_gb: float) -> dict:
@@ -69,7 +70,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--lengths", default="1024,4096")
-    p.add_argument("--chunk", type=int, default=1024, help="positions per chunk")
+    p.add_argument("--chunks", default="256,1024", help="positions per chunk, one run each")
     p.add_argument("--max_gb", type=float, default=12.0,
                    help="run (time) a variant only if its compiled args + temp + outputs fit")
     args = p.parse_args(argv)
@@ -80,7 +81,8 @@ def main(argv=None):
         h = jnp.asarray(rng.normal(0, 1, (1, length, args.dim)), jnp.float32)
         targets = jnp.asarray(rng.integers(0, args.vocab, (1, length)), jnp.int32)
         cot = jnp.asarray(rng.normal(size=(1, length)), jnp.float32)
-        for name, fn in loss_fns(targets, cot, args.chunk).items():
+        chunks = [int(c) for c in args.chunks.split(",")]
+        for name, fn in loss_fns(targets, cot, chunks).items():
             row = {"L": length, "V": args.vocab, "D": args.dim,
                    "full_logits_GB": length * args.vocab * 4 / GB,
                    **bench_one(name, fn, h, w, args.repeats, args.max_gb)}
@@ -90,7 +92,7 @@ def main(argv=None):
                        "step_s", "note"])
     if skipped:
         print(f"{skipped} variant(s) not timed (over --max_gb); their memory is still listed")
-    write_json(args.out, {"benchmark": "chunked_loss", "chunk": args.chunk,
+    write_json(args.out, {"benchmark": "chunked_loss", "chunks": args.chunks,
                           "repeats": args.repeats, "skipped": skipped, "rows": rows})
     return {"rows": rows, "skipped": skipped}
 

@@ -14,7 +14,7 @@ from benchmarks import bench_chunked_loss
 def test_toy_run_reports_memory_time_and_equal_losses(tmp_path):
     out = tmp_path / "bench.json"
     res = bench_chunked_loss.main(["--vocab=2048", "--dim=16", "--lengths=256,512",
-                                   "--chunk=64", "--repeats=1", "--out", str(out)])
+                                   "--chunks=64", "--repeats=1", "--out", str(out)])
     rows = res["rows"]
     assert [(r["L"], r["impl"]) for r in rows] == [
         (256, "dense"), (256, "chunked(64)"), (512, "dense"), (512, "chunked(64)")]
@@ -26,6 +26,6 @@ def test_toy_run_reports_memory_time_and_equal_losses(tmp_path):
         np.testing.assert_allclose(chunked["loss"], dense["loss"], rtol=1e-5)
     with open(out) as f:
         assert json.load(f)["rows"] == json.loads(json.dumps(rows))
-    tight = bench_chunked_loss.main(["--vocab=2048", "--dim=16", "--lengths=256", "--chunk=64",
+    tight = bench_chunked_loss.main(["--vocab=2048", "--dim=16", "--lengths=256", "--chunks=64",
                                      "--repeats=1", "--max_gb=0"])
     assert tight["skipped"] == 2 and all("not run" in r["note"] for r in tight["rows"])

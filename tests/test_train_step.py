@@ -125,8 +125,9 @@ def test_grad_accum_2_equals_full_batch(batch, reference):
 
 
 def test_chunked_loss_step_equals_dense(batch, reference):
-    """chunk_size=24 (256 positions: 11 chunks, the last one padded): the same update."""
-    chunked = dataclasses.replace(LOSS, chunk_size=24)
+    """chunk_size=6 (rows of 16: 3 chunks of 16 x 6 positions, the last one padded): the
+    same update."""
+    chunked = dataclasses.replace(LOSS, chunk_size=6)
     assert_same_update(reference, run_step(batch, chunked))
     graphdef, state = fresh()
     step = make_train_step(graphdef, chunked, OPT)

@@ -2,12 +2,13 @@
 
 The dense path projects hidden states [..., L, D] to fp32 logits [..., L, V]
 and keeps them (and their gradient) alive: 5 GB per 8k-token row at V=151,936.
-Here the positions are cut into chunks of `chunk_size` (over all leading axes
-together); each chunk's logits [C, V] are projected, used and dropped inside a
-`lax.scan` whose body is `jax.checkpoint`ed, so the backward pass recomputes
-one chunk's logits at a time. Neither pass ever holds more than one chunk of
-logits (a few [C, V] buffers); the gradient of the head weight is accumulated
-across chunks.
+Here the sequence axis is cut into chunks of `chunk_size` positions (all rows
+together, so data-parallel row sharding is untouched); each chunk's logits
+[..., C, V] are projected, used and dropped inside a `lax.scan` whose body is
+`jax.checkpoint`ed, so the backward pass recomputes one chunk's logits at a
+time. Neither pass ever holds more than one chunk of logits (a few
+[..., C, V] buffers); the gradient of the head weight is accumulated across
+chunks.
 
 Only the sequence is chunked, never the vocabulary: the sampling transform
 (`sampling_logits`: top-k / top-p sort the whole row) and every divergence
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, Sequence
 
 import jax
@@ -73,13 +73,15 @@ def _check_chunk_size(chunk_size):
 def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHead]],
                        per_token=None, *, chunk_size: int):
     """Applies a position-wise `fn` to the logits of every projection, `chunk_size`
-    positions at a time, never holding more than one chunk of logits.
+    positions of the sequence axis at a time, never holding more than one chunk of logits.
 
-    projections: (hidden [..., D], head) pairs, every hidden with the same leading
-    shape `lead`. per_token: a pytree of arrays [*lead, ...] (targets, masks, ...).
-    fn(logits, chunk) gets a list of fp32 [C, V_i] (one per projection) and per_token
-    cut to [C, ...]; it returns a pytree of [C, ...]. Returns that pytree with
-    [*lead, ...] leaves. Differentiable (the backward pass recomputes each chunk).
+    projections: (hidden [*B, L, D], head) pairs, every hidden with the same leading
+    shape [*B, L]. per_token: a pytree of arrays [*B, L, ...] (targets, masks, ...).
+    fn(logits, chunk) gets a list of fp32 [*B, C, V_i] (one per projection) and
+    per_token cut to [*B, C, ...]; it returns a pytree of [*B, C, ...]. Returns that
+    pytree with [*B, L, ...] leaves. The batch axes stay whole (a chunk holds
+    prod(B) x C positions), so rows sharded over devices stay where they are.
+    Differentiable: the backward pass recomputes each chunk's logits.
     """
     _check_chunk_size(chunk_size)
     if not projections:
@@ -89,25 +91,31 @@ def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHe
         if not isinstance(head, LMHead):
             raise TypeError(f"chunked_logits_map: projection {i}'s head must be an LMHead, "
                             f"got {type(head).__name__}")
-        if tuple(h.shape[:-1]) != lead or h.shape[-1] != head.hidden_size:
+        if len(lead) < 1 or tuple(h.shape[:-1]) != lead or h.shape[-1] != head.hidden_size:
             raise ValueError(f"chunked_logits_map: projection {i}: hidden {h.shape} must be "
-                             f"[*{lead}, {head.hidden_size}] (the head's hidden size)")
+                             f"[*{lead}, {head.hidden_size}] ([..., L, D] with the head's D)")
     per_token = {} if per_token is None else per_token
     for x in jax.tree.leaves(per_token):
         if tuple(x.shape[:len(lead)]) != lead:
             raise ValueError(f"chunked_logits_map: per-token array {x.shape} must start with "
                              f"the hidden states' leading shape {lead}")
-    n = math.prod(lead)
+    axis, n = len(lead) - 1, lead[-1]
     if n == 0:
         raise ValueError(f"chunked_logits_map: no positions (leading shape {lead})")
     c = min(chunk_size, n)
     k = -(-n // c)
 
-    def cut(x):  # [*lead, ...] -> [k, c, ...]; the last chunk repeats the last position
-        x = x.reshape(n, *x.shape[len(lead):])
+    def cut(x):  # [*B, L, ...] -> [k, *B, c, ...]; the last chunk repeats position L - 1
         if k * c > n:
-            x = jnp.concatenate([x, jnp.repeat(x[-1:], k * c - n, axis=0)], axis=0)
-        return x.reshape(k, c, *x.shape[1:])
+            last = jax.lax.slice_in_dim(x, n - 1, n, axis=axis)
+            x = jnp.concatenate([x, jnp.repeat(last, k * c - n, axis=axis)], axis=axis)
+        x = x.reshape(*x.shape[:axis], k, c, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    def join(y):  # [k, *B, c, ...] -> [*B, L, ...]
+        y = jnp.moveaxis(y, 0, axis)
+        y = y.reshape(*y.shape[:axis], k * c, *y.shape[axis + 2:])
+        return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
     heads = [head for _, head in projections]
     xs = ([cut(h) for h, _ in projections], jax.tree.map(cut, per_token))
@@ -118,8 +126,7 @@ def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHe
         return fn([head.logits(h) for head, h in zip(heads, hs)], tok)
 
     _, ys = jax.lax.scan(lambda carry, x: (carry, body(heads, x)), None, xs)
-    return jax.tree.map(lambda y: y.reshape(k * c, *y.shape[2:])[:n].reshape(*lead, *y.shape[2:]),
-                        ys)
+    return jax.tree.map(join, ys)
 
 
 def chunked_token_logprobs(hidden: jax.Array, head: LMHead, targets: jax.Array, *,
