@@ -1,4 +1,5 @@
-"""Loss weights reproduce aggregate_loss exactly (any mode, split or pmapped); loss fns."""
+"""Loss weights reproduce aggregate_loss exactly (any mode, split or pmapped); loss fns;
+the chunked (hidden states + head) path of the loss fns equals the dense one (1e-5)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import pytest
 from ac2_jax.losses import (MODES, aggregate_loss, policy_gradient_loss, policy_gradient_metrics,
                             token_entropy, token_logprobs)
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training.core.objectives import PolicyGradientLoss, SFTLoss, loss_weights
+from ac2_jax.training.core.objectives import (PolicyGradientLoss, SFTLoss, StepModel, apply_loss,
+                                              lm_head_of, loss_weights)
 
 N_DEV = 8
 
@@ -102,3 +104,74 @@ def test_policy_gradient_extras_missing_is_an_error():
     logits = jnp.zeros((*batch.shape, 30))
     with pytest.raises(ValueError, match="extras"):
         PolicyGradientLoss(old_logprobs="extras")(logits, batch, None)
+
+
+# ----------------------------------------------------------------------------- chunked path
+
+
+def _tiny_model(tie: bool):
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    model = Decoder(DecoderConfig.tiny(vocab_size=30, num_layers=1, tie_embeddings=tie),
+                    rngs=nnx.Rngs(1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return model, graphdef, params, rest
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_head_of_projects_like_the_model(tie):
+    model, *_ = _tiny_model(tie)
+    h = jnp.asarray(np.random.default_rng(6).normal(size=(2, 5, 32)), jnp.float32)
+    head = lm_head_of(model)
+    assert head.layout == ("vd" if tie else "dv") and head.vocab_size == 30
+    np.testing.assert_array_equal(head.logits(h), model.logits(h))
+    with pytest.raises(TypeError, match="Decoder"):
+        lm_head_of(object())
+
+
+def _sampled_batch():
+    """make_batch with per-token sampling parameters (some top-k / top-p filtered)."""
+    batch = make_batch()
+    rng = np.random.default_rng(7)
+    return batch.replace(temperature=rng.uniform(0.6, 1.4, batch.shape).astype(np.float32),
+                         top_k=rng.choice([0, 2, 5], batch.shape).astype(np.int32),
+                         top_p=rng.choice([1.0, 0.8], batch.shape).astype(np.float32))
+
+
+def test_chunked_losses_equal_dense_values_and_grads():
+    """SFTLoss / PolicyGradientLoss with chunk_size (hidden states + head, 7 positions at
+    a time) give the dense per-token losses, metric sums and param gradients (1e-5)."""
+    _, graphdef, params, rest = _tiny_model(tie=True)
+    batch = _sampled_batch()
+    batch = batch.replace(sampler_logprobs=-np.abs(batch.sampler_logprobs))
+    w = loss_weights(batch, "task_mean")
+    pairs = [(SFTLoss(), SFTLoss(chunk_size=7)),
+             (PolicyGradientLoss(old_logprobs="sampler"),
+              PolicyGradientLoss(old_logprobs="sampler", chunk_size=7))]
+
+    @jax.jit
+    def run(p):
+        out = []
+        for dense, chunked in pairs:
+            for fn in (dense, chunked):
+                def f(p):
+                    per_token, sums = apply_loss(fn, StepModel(graphdef, p, rest), batch, None)
+                    return (w * per_token).sum(), (per_token, sums)
+                (_, aux), g = jax.value_and_grad(f, has_aux=True)(p)
+                out.append((aux, g))
+        return out
+
+    out = run(params)
+    for (want, g_want), (got, g_got) in zip(out[0::2], out[1::2]):
+        for a, b in zip(jax.tree.leaves((got, g_got)), jax.tree.leaves((want, g_want))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert set(out[3][0][1]) == {"entropy", "clip_frac", "kl_to_sampler"}
+    # the dense from_model is the logits call: the same ops as before
+    logits = StepModel(graphdef, params, rest).logits(batch)
+    np.testing.assert_array_equal(apply_loss(SFTLoss(), StepModel(graphdef, params, rest),
+                                             batch, None)[0], SFTLoss()(logits, batch)[0])
+    with pytest.raises(ValueError, match="chunk_size must be None"):
+        SFTLoss(chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size must be None"):
+        PolicyGradientLoss(chunk_size=2.5)

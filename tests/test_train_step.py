@@ -1,8 +1,10 @@
 """One train step is the same update on 1 device, a (data=4, fsdp=2) mesh, pmap
 over 8 devices, and with gradient accumulation (fp32; params rtol 1e-5, atol
 1e-6; loss and grad norm rtol 1e-5). The RL loss (PPO-clip with TIS, task_mean)
-is used: it exercises every part of the SFT path plus the ratio terms."""
+is used: it exercises every part of the SFT path plus the ratio terms. The chunked
+loss path (chunk_size) gives the same update."""
 
+import dataclasses
 import functools
 
 import jax
@@ -58,9 +60,9 @@ def batch():
     return b.replace(sampler_logprobs=np.asarray(learner_logprobs(graphdef, state, b)) + noise)
 
 
-def run_step(batch, **kw):
+def run_step(batch, loss=LOSS, **kw):
     graphdef, state = fresh()
-    step = make_train_step(graphdef, LOSS, OPT, **kw)
+    step = make_train_step(graphdef, loss, OPT, **kw)
     state, metrics = step(step.place(state), batch)
     return jax.device_get(step.host_state(state)), jax.device_get(metrics)
 
@@ -120,6 +122,17 @@ def test_pmap_8_equals_single_device(batch, reference):
 
 def test_grad_accum_2_equals_full_batch(batch, reference):
     assert_same_update(reference, run_step(batch, grad_accum=2))
+
+
+def test_chunked_loss_step_equals_dense(batch, reference):
+    """chunk_size=6 (rows of 16: 3 chunks of 16 x 6 positions, the last one padded): the
+    same update."""
+    chunked = dataclasses.replace(LOSS, chunk_size=6)
+    assert_same_update(reference, run_step(batch, chunked))
+    graphdef, state = fresh()
+    step = make_train_step(graphdef, chunked, OPT)
+    np.testing.assert_allclose(step.logprobs(state, batch),
+                               learner_logprobs(graphdef, state, batch), rtol=1e-5, atol=1e-5)
 
 
 def test_logprobs_under_pmap_match_the_model(batch):

@@ -1,6 +1,10 @@
-"""Pure JAX loss pieces: log-probs, masks, aggregation, policy gradient, distill, relevance."""
+"""Pure JAX loss pieces: log-probs (dense and chunked from hidden states), masks, aggregation,
+policy gradient, distill, relevance."""
 
 from ac2_jax.losses.aggregation import MODES, aggregate_loss, loss_weights
+from ac2_jax.losses.chunked import (HEAD_LAYOUTS, LMHead, chunked_distill_loss,
+                                    chunked_logits_map, chunked_token_entropy,
+                                    chunked_token_logprobs)
 from ac2_jax.losses.distill import (DISTILL_KINDS, distill_loss, forward_kl, generalized_jsd,
                                     reverse_kl, sampled_token_advantage, sampled_token_loss)
 from ac2_jax.losses.logprobs import sampling_logits, token_entropy, token_logprobs
@@ -12,6 +16,12 @@ from ac2_jax.losses.relevance import (candidate_mask, masked_token_mean, ranked_
 
 __all__ = [
     "DISTILL_KINDS",
+    "HEAD_LAYOUTS",
+    "LMHead",
+    "chunked_distill_loss",
+    "chunked_logits_map",
+    "chunked_token_entropy",
+    "chunked_token_logprobs",
     "candidate_mask",
     "distill_loss",
     "forward_kl",

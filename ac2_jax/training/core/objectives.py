@@ -12,20 +12,93 @@ collective.
 A LossFn maps (logits [R, L, V], batch, extras) to (per_token [R, L],
 metric_sums): each metric sum is `sum(loss_mask * value)` over the given rows;
 the step divides by the global `sum(loss_mask)` (token-mean metrics).
+A loss may instead read the model: with a `from_model(model: StepModel, batch,
+extras)` method the step calls that (`apply_loss`), so the loss can take
+hidden states and the head and never build [R, L, V] logits (`chunk_size`:
+`ac2_jax.losses.chunked_logits_map`), or run a teacher inside the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from ac2_jax.losses import (MODES, loss_weights, policy_gradient_loss, policy_gradient_metrics,
-                            token_entropy, token_logprobs)
+from ac2_jax.losses import (MODES, LMHead, chunked_token_logprobs, loss_weights,
+                            policy_gradient_loss, policy_gradient_metrics, token_entropy,
+                            token_logprobs)
 
 OLD_LOGPROBS = ("detached", "sampler", "extras")
+
+
+def lm_head_of(model) -> LMHead:
+    """A Decoder's output projection as an LMHead: the embedding [V, D] when tied, else
+    lm_head [D, V]. `lm_head_of(model).logits(h)` equals `model.logits(h)`."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "embed_tokens"):
+        raise TypeError(f"lm_head_of: expected an ac2_jax Decoder (config, embed_tokens, "
+                        f"lm_head), got {type(model).__name__}")
+    if config.tie_embeddings:
+        return LMHead(model.embed_tokens[...], "vd")
+    return LMHead(model.lm_head[...], "dv")
+
+
+def _check_chunk_size(name, chunk_size):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"{name}.chunk_size must be None (dense logits) or a positive int "
+                         f"(positions per chunk, e.g. 1024), got {chunk_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """The model inside the train step, as a loss reads it.
+
+    params: the trained params (gradients flow). teacher_params: a frozen
+    teacher's (fixed / EMA copy); None means the live teacher, i.e. `params`
+    with the gradient stopped. Teacher outputs never carry gradients.
+    """
+
+    graphdef: Any
+    params: Any
+    rest: Any
+    teacher_params: Any = None
+
+    def module(self, teacher: bool = False):
+        if not teacher:
+            return nnx.merge(self.graphdef, self.params, self.rest)
+        p = self.params if self.teacher_params is None else self.teacher_params
+        return nnx.merge(self.graphdef, jax.lax.stop_gradient(p), self.rest)
+
+    def logits(self, batch) -> jax.Array:
+        """fp32 logits [R, L, V] of a packed batch (the dense path)."""
+        return self.module()(batch.tokens, batch.positions, batch.segment_ids,
+                             batch.subtree_end)
+
+    def hidden(self, tokens, positions, segment_ids, subtree_end=None, *,
+               teacher: bool = False) -> jax.Array:
+        """Final normed hidden states [R, L, D] of packed rows ([R, L] int inputs)."""
+        return self.module(teacher).hidden_states(tokens, positions, segment_ids, subtree_end)
+
+    def project(self, hidden: jax.Array, *, teacher: bool = False) -> jax.Array:
+        """The model's own fp32 logits [..., V] of hidden states [..., D] (dense)."""
+        return self.module(teacher).logits(hidden)
+
+    def head(self, teacher: bool = False) -> LMHead:
+        """The output projection (for the chunked path: `LMHead.logits` == `project`)."""
+        return lm_head_of(self.module(teacher))
+
+
+def apply_loss(loss_fn, model: StepModel, batch, extras):
+    """(per_token, metric sums) of `loss_fn` inside the step: its `from_model` when it
+    has one, else `loss_fn(model.logits(batch), batch, extras)`."""
+    from_model = getattr(loss_fn, "from_model", None)
+    if from_model is not None:
+        return from_model(model, batch, extras)
+    return loss_fn(model.logits(batch), batch, extras)
 
 
 def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
@@ -35,8 +108,31 @@ def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
                           top_k=batch.top_k, top_p=batch.top_p)
 
 
+def model_logprobs(model: StepModel, batch, *, behaviour: bool, entropy: bool,
+                   chunk_size: int | None):
+    """(log p [R, L], entropy [R, L] or None) of batch.targets under the model.
+
+    behaviour: under the batch's sampling parameters (`behaviour_logprobs`),
+    else the raw softmax. Entropy (of the raw softmax) has its gradient
+    stopped. chunk_size None: from dense logits; else from hidden states and
+    the head, `chunk_size` positions at a time (no [R, L, V] array).
+    """
+    if chunk_size is None:
+        logits = model.logits(batch)
+        logp = (behaviour_logprobs(logits, batch) if behaviour
+                else token_logprobs(logits, batch.targets))
+        return logp, (jax.lax.stop_gradient(token_entropy(logits)) if entropy else None)
+    h = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+    sampling = (dict(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p)
+                if behaviour else {})
+    out = chunked_token_logprobs(h, model.head(), batch.targets, chunk_size=chunk_size,
+                                 with_entropy=entropy, **sampling)
+    return out if entropy else (out, None)
+
+
 class LossFn(Protocol):
-    """What the train step needs from a loss."""
+    """What the train step needs from a loss (optionally also `from_model`, see
+    `apply_loss`)."""
 
     mode: str
     normalizer: float | None
@@ -50,24 +146,39 @@ def _check_mode(name, mode):
         raise ValueError(f"{name}.mode must be one of {MODES}, got {mode!r}")
 
 
+def _masked_sum(x, batch):
+    return (x * batch.loss_mask.astype(jnp.float32)).sum()
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTLoss:
-    """Masked next-token NLL: l_t = -log p(target_t). Metric: entropy."""
+    """Masked next-token NLL: l_t = -log p(target_t). Metric: entropy.
+
+    chunk_size: None reads dense logits; an int reads hidden states and
+    projects `chunk_size` positions at a time (same values, no [R, L, V]).
+    """
 
     mode: str = "task_mean"
     normalizer: float | None = None
     entropy: bool = True
+    chunk_size: int | None = None
 
     def __post_init__(self):
         _check_mode("SFTLoss", self.mode)
+        _check_chunk_size("SFTLoss", self.chunk_size)
+
+    def _finish(self, logp, ent, batch):
+        return -logp, ({"entropy": _masked_sum(ent, batch)} if self.entropy else {})
 
     def __call__(self, logits, batch, extras=None):
-        m = batch.loss_mask.astype(jnp.float32)
-        per_token = -token_logprobs(logits, batch.targets)
-        sums = {}
-        if self.entropy:
-            sums["entropy"] = (jax.lax.stop_gradient(token_entropy(logits)) * m).sum()
-        return per_token, sums
+        ent = jax.lax.stop_gradient(token_entropy(logits)) if self.entropy else None
+        return self._finish(token_logprobs(logits, batch.targets), ent, batch)
+
+    def from_model(self, model: StepModel, batch, extras=None):
+        if self.chunk_size is None:
+            return self(model.logits(batch), batch, extras)
+        return self._finish(*model_logprobs(model, batch, behaviour=False, entropy=self.entropy,
+                                            chunk_size=self.chunk_size), batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +190,7 @@ class PolicyGradientLoss:
     per batch, TIS then corrects learner vs sampler), "sampler" (the batch's
     sampler_logprobs) or "extras" (extras["old_logprobs"] [R, L], e.g. from
     `TrainStep.logprobs` before several updates on one batch).
-    Metrics: entropy, clip_frac, kl_to_sampler.
+    chunk_size: as in `SFTLoss`. Metrics: entropy, clip_frac, kl_to_sampler.
     """
 
     mode: str = "task_mean"
@@ -88,16 +199,17 @@ class PolicyGradientLoss:
     tis_cap: float | None = 2.0
     old_logprobs: str = "detached"
     entropy: bool = True
+    chunk_size: int | None = None
 
     def __post_init__(self):
         _check_mode("PolicyGradientLoss", self.mode)
+        _check_chunk_size("PolicyGradientLoss", self.chunk_size)
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"PolicyGradientLoss.old_logprobs must be one of {OLD_LOGPROBS}, "
                              f"got {self.old_logprobs!r}")
 
-    def __call__(self, logits, batch, extras=None):
+    def _finish(self, logp, ent, batch, extras):
         m = batch.loss_mask.astype(jnp.float32)
-        logp = behaviour_logprobs(logits, batch)
         if self.old_logprobs == "detached":
             old = jax.lax.stop_gradient(logp)
         elif self.old_logprobs == "sampler":
@@ -115,5 +227,15 @@ class PolicyGradientLoss:
         n = jnp.maximum(m.sum(), 1.0)
         sums = {k: v * n for k, v in means.items()}
         if self.entropy:
-            sums["entropy"] = (jax.lax.stop_gradient(token_entropy(logits)) * m).sum()
+            sums["entropy"] = _masked_sum(ent, batch)
         return per_token, sums
+
+    def __call__(self, logits, batch, extras=None):
+        ent = jax.lax.stop_gradient(token_entropy(logits)) if self.entropy else None
+        return self._finish(behaviour_logprobs(logits, batch), ent, batch, extras)
+
+    def from_model(self, model: StepModel, batch, extras=None):
+        if self.chunk_size is None:
+            return self(model.logits(batch), batch, extras)
+        return self._finish(*model_logprobs(model, batch, behaviour=True, entropy=self.entropy,
+                                            chunk_size=self.chunk_size), batch, extras)

@@ -12,6 +12,12 @@ over all rows of all devices): per-token weights come from the full batch
 gradient, and the sums are the exact full-batch loss and gradient. So pmap,
 mesh, single device and grad_accum=k give the same update (up to fp32
 reduction order).
+
+The loss reads the model through `objectives.apply_loss`: from dense logits,
+or (losses with `from_model`) from hidden states chunk by chunk and from a
+teacher run inside the step: `step(state, batch, extras, teacher=params)`
+passes a frozen teacher's params (same structure as state.params; never
+donated); without it a teacher is the live params, gradient stopped.
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ac2_jax.segments import PackedBatch
 from ac2_jax.training.core.distributed import global_batch
-from ac2_jax.training.core.objectives import LossFn, behaviour_logprobs, loss_weights
+from ac2_jax.training.core.objectives import (LossFn, StepModel, apply_loss, loss_weights,
+                                              model_logprobs)
 from ac2_jax.training.core.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
                                        merge_rows, replicate, split_rows, state_shardings,
                                        unreplicate)
@@ -36,8 +42,7 @@ AXIS = "batch"
 
 def forward(graphdef, params, rest, batch) -> jax.Array:
     """Logits [R, L, V] of a packed batch under (params, rest)."""
-    model = nnx.merge(graphdef, params, rest)
-    return model(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+    return StepModel(graphdef, params, rest).logits(batch)
 
 
 def _micro(x, k: int, constrain):
@@ -48,14 +53,15 @@ def _micro(x, k: int, constrain):
 
 
 def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weights,
-                   grad_accum: int = 1, constrain=lambda y: y):
+                   grad_accum: int = 1, constrain=lambda y: y, teacher=None):
     """(sum(w * l), metric sums, grads) over the given rows, in `grad_accum` pieces.
 
-    weights [R, L] from `loss_weights` (of the full batch). Grads are
-    accumulated in fp32 and returned in the params' dtype.
+    weights [R, L] from `loss_weights` (of the full batch). teacher: frozen
+    teacher params or None (see `StepModel`). Grads are accumulated in fp32
+    and returned in the params' dtype.
     """
     def f(p, b, e, w):
-        per_token, sums = loss_fn(forward(graphdef, p, rest, b), b, e)
+        per_token, sums = apply_loss(loss_fn, StepModel(graphdef, p, rest, teacher), b, e)
         return (w * per_token).sum(), sums
 
     vg = jax.value_and_grad(f, has_aux=True)
@@ -108,7 +114,7 @@ class TrainStep:
 
     # -- the pure step
 
-    def _update(self, state: TrainState, batch, extras, axis_name):
+    def _update(self, state: TrainState, batch, extras, teacher, axis_name):
         constrain = lambda y: y  # noqa: E731
         if self.mesh is not None:
             row = NamedSharding(self.mesh, P(None, tuple(a for a in BATCH_AXES
@@ -117,7 +123,8 @@ class TrainStep:
         weights = loss_weights(batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer,
                                axis_name=axis_name)
         loss, sums, grads = loss_and_grads(self.graphdef, self.loss_fn, state.params, state.rest,
-                                           batch, extras, weights, self.grad_accum, constrain)
+                                           batch, extras, weights, self.grad_accum, constrain,
+                                           teacher)
         counts = _counts(batch)
         if axis_name is not None:
             loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
@@ -138,15 +145,15 @@ class TrainStep:
     def _build(self, state):
         donate = (0,) if self.donate else ()
         if self.mode == "pmap":
-            self._step = jax.pmap(lambda s, b, e: self._update(s, b, e, AXIS), axis_name=AXIS,
-                                  devices=self.devices, donate_argnums=donate)
+            self._step = jax.pmap(lambda s, b, e, t: self._update(s, b, e, t, AXIS),
+                                  axis_name=AXIS, devices=self.devices, donate_argnums=donate)
             return
         out = None
         if self.mesh is not None:
             self.state_sharding = state_shardings(state, self.mesh)
             out = (self.state_sharding, NamedSharding(self.mesh, P()))
-        self._step = jax.jit(lambda s, b, e: self._update(s, b, e, None), out_shardings=out,
-                             donate_argnums=donate)
+        self._step = jax.jit(lambda s, b, e, t: self._update(s, b, e, t, None),
+                             out_shardings=out, donate_argnums=donate)
 
     def place(self, state: TrainState) -> TrainState:
         """A copy of a (host / unreplicated) state where this step wants it.
@@ -173,8 +180,9 @@ class TrainStep:
             return split_rows(tree, len(self.devices))
         if self.mesh is not None:
             if jax.process_count() > 1:  # each process holds its rows: one global batch
-                tree = jax.tree.map(lambda t: None if t is None else global_batch(t, self.mesh),
-                                    tree, is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)))
+                tree = jax.tree.map(
+                    lambda t: None if t is None else global_batch(t, self.mesh), tree,
+                    is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)))
                 rows = jax.tree.leaves(tree)[0].shape[0]
                 check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
                 return tree
@@ -183,22 +191,35 @@ class TrainStep:
         check_rows(rows, 1, self.grad_accum, "train step")
         return tree
 
-    def __call__(self, state: TrainState, batch, extras: dict | None = None):
+    def _place_teacher(self, teacher):
+        if teacher is None:
+            return None
+        if self.mode == "pmap":
+            return replicate(teacher, self.devices)
+        if self.mesh is not None:
+            return jax.device_put(teacher, self.state_sharding.params)
+        return teacher
+
+    def __call__(self, state: TrainState, batch, extras: dict | None = None, teacher=None):
         if self._step is None:
             self._build(self.host_state(state) if self.mode == "pmap" else state)
         batch, extras = self._place_rows((batch, extras))
         if self.mesh is not None:
             state = jax.device_put(state, self.state_sharding)
-        state, metrics = self._step(state, batch, extras)
+        state, metrics = self._step(state, batch, extras, self._place_teacher(teacher))
         if self.mode == "pmap":
             metrics = unreplicate(metrics)
         return state, metrics
 
     def logprobs(self, state: TrainState, batch) -> jax.Array:
         """Learner log-probs of batch.targets [R, L] under the batch's sampling
-        parameters (`behaviour_logprobs`: e.g. PPO old log-probs)."""
+        parameters (`behaviour_logprobs`: e.g. PPO old log-probs), chunked like
+        the loss (its `chunk_size`, if any)."""
+        chunk = getattr(self.loss_fn, "chunk_size", None)
+
         def f(s, b):
-            return behaviour_logprobs(forward(self.graphdef, s.params, s.rest, b), b)
+            return model_logprobs(StepModel(self.graphdef, s.params, s.rest), b, behaviour=True,
+                                  entropy=False, chunk_size=chunk)[0]
 
         if self._logprobs is None:
             self._logprobs = (jax.pmap(f, devices=self.devices) if self.mode == "pmap"
@@ -218,6 +239,8 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     data-parallel shard count. `step.place(state)` puts a fresh or restored
     state on the mesh / replicas; `step.host_state(state)` gives the global
     state back. The input state is donated (donate=False keeps it).
+    `step(state, batch, extras, teacher=params)` hands losses that run a
+    teacher a frozen copy of the params (default: the live params).
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr and the
     loss's token-mean metrics (entropy, clip_frac, kl_to_sampler).
     """

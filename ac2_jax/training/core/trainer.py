@@ -152,11 +152,12 @@ class Trainer:
                 "capacities static (e.g. BatchConfig.rows / seq_len large enough).",
                 self.steps_done + 1, len(self._geometries), shapes[:4])
 
-    def update(self, batch, extras: dict | None = None) -> dict[str, float]:
+    def update(self, batch, extras: dict | None = None, teacher=None) -> dict[str, float]:
         """One optimizer step; its metrics as floats (not logged: see `end_step`),
-        with `compiled_steps` (see the module docstring)."""
+        with `compiled_steps` (see the module docstring). teacher: frozen teacher
+        params for the step (see `make_train_step`)."""
         self._note_geometry(batch, extras)
-        self.state, metrics = self.step_fn(self.state, batch, extras)
+        self.state, metrics = self.step_fn(self.state, batch, extras, teacher)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["compiled_steps"] = float(self.compiled_steps)
         return out

@@ -3,21 +3,25 @@
 One update on a list of `DistillExample`s (see `distill_data`):
 
 1. `pack_pairs` lays student (prompt ++ y) and teacher (prompt + hint ++ y)
-   sequences out with the same rows and segments.
-2. A jitted teacher forward (teacher params, gradient stopped) gathers the
-   teacher logits at the response positions into the student layout:
-   `extras["teacher_logits"]` [R, L, V].
-3. RMSD only: a student forward gives the per-position divergence; the
-   candidates (top-T per example and/or >= threshold) go to the judge, and
-   the batch's loss_mask becomes `relevance_mask` (candidates ∩ selections).
-4. `make_train_step(DistillLoss)` takes the step: `distill_loss` per
-   position, token-weighted over the kept positions (task_mean by default:
-   all examples of one trace are one task), times each example's `weight`
-   (the batch's `loss_weight`; it never changes the normalising counts).
+   sequences out with the same rows and segments; the step gets the teacher
+   rows and `teacher_index` as extras (`teacher_extras`, [R, L] int each).
+2. RMSD only: a jitted pass (`relevance_scores`) gives the per-position
+   divergence and the teacher's argmax; the candidates (top-T per example
+   and/or >= threshold) go to the judge, and the batch's loss_mask becomes
+   `relevance_mask` (candidates ∩ selections).
+3. `make_train_step(DistillLoss)` takes the step. Inside it the teacher runs
+   on its rows (gradient stopped), its hidden states are gathered at the
+   response positions into the student layout [R, L, D], and `distill_loss`
+   is taken per position (chunk by chunk with `chunk_size`: no [R, L, V]
+   logits anywhere; see `distill.loss`), token-weighted over the kept
+   positions (task_mean by default: all examples of one trace are one task),
+   times each example's `weight` (the batch's `loss_weight`; it never changes
+   the normalising counts).
 
-Teacher weights: "live" (the current params), "fixed" (a copy of the
-initial params) or "ema" (updated after every step:
-`ema <- decay * ema + (1 - decay) * params`).
+Teacher weights: "live" (the current params, gradient stopped), "fixed" (a
+copy of the initial params) or "ema" (updated after every step:
+`ema <- decay * ema + (1 - decay) * params`); frozen ones reach the step as
+its `teacher` argument.
 Method "sft" instead trains the student (no hint) on the examples'
 responses with plain SFT: the baseline with teacher-sampled responses.
 
@@ -29,7 +33,6 @@ the fixed/EMA teacher params, and `restore()` resumes exactly.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Callable, Sequence
 
@@ -38,73 +41,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.envs.judges import Judge, JudgeExample
-from ac2_jax.losses import (DISTILL_KINDS, MODES, candidate_mask, distill_loss, ranked_positions,
-                            relevance_mask, reverse_kl, token_logprobs)
+from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
+from ac2_jax.training.distill.loss import (DistillLoss, divergence,  # noqa: F401 (re-exported)
+                                           relevance_scores, teacher_extras, teacher_logits)
 from ac2_jax.training.core.objectives import SFTLoss
-from ac2_jax.training.core.train_step import TrainStep, forward, make_train_step
+from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")
-
-
-@dataclasses.dataclass(frozen=True)
-class DistillLoss:
-    """LossFn: `distill_loss(logits, extras['teacher_logits'], targets)` per position.
-
-    extras["teacher_logits"]: [R, L, V] aligned with the batch (teacher
-    prediction of targets[r, p] at [r, p]). Metrics: kl (reverse KL,
-    student || teacher), student_logp, teacher_logp of the targets.
-    """
-
-    kind: str = "reverse_kl"
-    beta: float = 0.5
-    top_k: int | None = None
-    temperature: float = 1.0
-    mode: str = "task_mean"
-    normalizer: float | None = None
-
-    def __post_init__(self):
-        if self.kind not in DISTILL_KINDS:
-            raise ValueError(f"DistillLoss.kind must be one of {DISTILL_KINDS}, got {self.kind!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
-
-    def __call__(self, logits, batch, extras=None):
-        if not extras or "teacher_logits" not in extras:
-            raise ValueError("DistillLoss needs extras={'teacher_logits': [rows, seq_len, vocab]}")
-        teacher = jax.lax.stop_gradient(extras["teacher_logits"])
-        m = batch.loss_mask.astype(jnp.float32)
-        per_token = distill_loss(logits, teacher, batch.targets, kind=self.kind, beta=self.beta,
-                                 top_k=self.top_k, temperature=self.temperature, mask=m)
-        s = jax.lax.stop_gradient(logits)
-        sums = {"kl": (reverse_kl(s, teacher) * m).sum(),
-                "student_logp": (token_logprobs(s, batch.targets) * m).sum(),
-                "teacher_logp": (token_logprobs(teacher, batch.targets) * m).sum()}
-        return per_token, sums
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def teacher_logits(graphdef, params, rest, teacher_batch, teacher_index) -> jax.Array:
-    """Teacher logits gathered into the student layout: [R, L, V], gradient stopped."""
-    logits = forward(graphdef, params, rest, teacher_batch)
-    return jax.lax.stop_gradient(jnp.take_along_axis(logits, teacher_index[..., None], axis=1))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "kind", "beta", "top_k", "temperature"))
-def divergence(graphdef, params, rest, student_batch, t_logits, *, kind="reverse_kl", beta=0.5,
-               top_k=None, temperature=1.0) -> jax.Array:
-    """Per-position teacher-student divergence [R, L] (0 off the loss mask)."""
-    s = forward(graphdef, params, rest, student_batch)
-    if kind == "sampled":  # rank by |log p_t(y) - log p_s(y)|
-        d = jnp.abs(token_logprobs(t_logits, student_batch.targets)
-                    - token_logprobs(s, student_batch.targets))
-        return jnp.where(student_batch.loss_mask > 0, d, 0.0)
-    return distill_loss(s, t_logits, student_batch.targets, kind=kind, beta=beta, top_k=top_k,
-                        temperature=temperature, mask=student_batch.loss_mask)
 
 
 @jax.jit
@@ -122,6 +70,8 @@ class DistillConfig:
     no position (zero gradient, but Adam's moments would still move params).
     checkpoint_every: updates between checkpoints when run with a workdir
     (0: only explicit `save()`); keep_checkpoints: newest kept (None: all).
+    chunk_size: positions per chunk of the loss's logits (`DistillLoss`;
+    None: dense [R, L, V] logits).
     """
 
     method: str = "opsd"
@@ -140,6 +90,7 @@ class DistillConfig:
     skip_empty: bool = True
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
+    chunk_size: int | None = None
 
     def __post_init__(self):
         if self.checkpoint_every < 0:
@@ -152,10 +103,11 @@ class DistillConfig:
                              f"got {self.teacher!r}")
         if not 0.0 <= self.ema_decay <= 1.0:
             raise ValueError(f"DistillConfig.ema_decay must be in [0, 1], got {self.ema_decay}")
-        DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode)
+        self.loss()
 
     def loss(self) -> DistillLoss:
-        return DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode)
+        return DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode,
+                           chunk_size=self.chunk_size)
 
 
 @dataclasses.dataclass
@@ -173,8 +125,8 @@ class SelfDistiller(TrainerHooks):
 
     graphdef/state from `create_train_state`. judge: needed for method
     "rmsd" (with a tokenizer to show it text). The step runs under jit
-    (optionally with a mesh; not pmap); the teacher forward is a separate
-    jitted call before it. Pass an earlier distiller's `step_fn` (same loss
+    (optionally with a mesh; not pmap) and runs the teacher forward itself
+    (frozen teacher params go in as the step's `teacher`). Pass an earlier distiller's `step_fn` (same loss
     and optimizer) to reuse its compiled step, e.g. across seeds.
     workdir: checkpoints (`config.checkpoint_every`) and train/ metrics;
     `restore()` loads the latest and returns the number of updates done.
@@ -251,14 +203,14 @@ class SelfDistiller(TrainerHooks):
         return self.state.params if self.config.teacher == "live" else self.teacher_params
 
     def teacher_logits(self, paired: PairedBatch) -> jax.Array:
+        """Dense teacher logits [R, L, V] in the student layout (diagnostics only)."""
         return teacher_logits(self.graphdef, self.current_teacher_params(), self.state.rest,
                               paired.teacher, paired.teacher_index)
 
     # -- RMSD
 
-    def _judge_mask(self, paired: PairedBatch, div, cand, t_logits) -> tuple[np.ndarray, Relevance]:
-        div, cand = np.asarray(div), np.asarray(cand)
-        tmax = np.asarray(jnp.argmax(t_logits, axis=-1))
+    def _judge_mask(self, paired: PairedBatch, div, cand, tmax) -> tuple[np.ndarray, Relevance]:
+        div, cand, tmax = np.asarray(div), np.asarray(cand), np.asarray(tmax)
         jm = np.zeros(div.shape, np.float32)
         rel = Relevance([], [], [], [])
         tok = self.tokenizer
@@ -280,21 +232,20 @@ class SelfDistiller(TrainerHooks):
             rel.teacher_argmax.append(tm)
         return jm, rel
 
-    def relevance(self, paired: PairedBatch, t_logits) -> tuple[np.ndarray, Relevance]:
+    def relevance(self, paired: PairedBatch) -> tuple[np.ndarray, Relevance]:
         """(kept mask [R, L], per-example details) at the current student params."""
         cfg, b = self.config, paired.student
-        div = divergence(self.graphdef, self.state.params, self.state.rest, b, t_logits,
-                         kind=cfg.kind, beta=cfg.beta, top_k=cfg.top_k,
-                         temperature=cfg.temperature)
+        div, tmax = relevance_scores(self.graphdef, self.state.params, self.teacher_params,
+                                     self.state.rest, b, teacher_extras(paired), cfg.loss())
         cand = candidate_mask(div, b.loss_mask, cfg.top_t, cfg.threshold, b.segment_ids)
-        jm, rel = self._judge_mask(paired, div, cand, t_logits)
+        jm, rel = self._judge_mask(paired, div, cand, tmax)
         kept = relevance_mask(div, b.loss_mask, jm, cfg.top_t, cfg.threshold, b.segment_ids)
         return np.asarray(kept), rel
 
     # -- one update
 
     def prepare(self, examples: Sequence[DistillExample]):
-        """(batch, extras) for the step; for "sft" extras is None."""
+        """(batch, extras) for the step: extras `teacher_extras(paired)`; None for "sft"."""
         cfg = self.config
         if cfg.method == "sft":
             b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
@@ -302,13 +253,12 @@ class SelfDistiller(TrainerHooks):
             return b.replace(num_tasks=max(b.num_tasks, cap),
                              num_segments=max(b.num_segments, cap)), None
         paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
-        t_logits = self.teacher_logits(paired)
         batch = paired.student
         self.last_relevance = None
         if cfg.method == "rmsd":
-            kept, self.last_relevance = self.relevance(paired, t_logits)
+            kept, self.last_relevance = self.relevance(paired)
             batch = batch.replace(loss_mask=kept)
-        return batch, {"teacher_logits": t_logits}
+        return batch, teacher_extras(paired)
 
     def update(self, examples: Sequence[DistillExample]) -> dict[str, float]:
         """One optimizer step on `examples` (skipped when no position is kept).
@@ -320,7 +270,7 @@ class SelfDistiller(TrainerHooks):
             batch, extras = self.prepare(examples)
             kept = float(np.asarray(batch.loss_mask).astype(bool).sum())
             if kept or not self.config.skip_empty:
-                out = self.trainer.update(batch, extras)
+                out = self.trainer.update(batch, extras, teacher=self.teacher_params)
                 if self.config.teacher == "ema":
                     self.teacher_params = _ema(self.teacher_params, self.state.params,
                                                jnp.float32(self.config.ema_decay))

@@ -1,0 +1,169 @@
+"""The self-distillation loss and the teacher inside the train step.
+
+`DistillLoss.from_model` (what the step calls) runs the teacher on the
+teacher rows of `teacher_extras(paired)` with the live params (gradient
+stopped) or the step's frozen `teacher` params, gathers its hidden states at
+the response positions into the student layout [R, L, D] (`teacher_hidden`),
+and takes `distill_loss` per position, densely or `chunk_size` positions at
+a time (`ac2_jax.losses.chunked_logits_map`: no [R, L, V] logits). The host
+never ships teacher logits. `relevance_scores` ranks positions for RMSD the
+same way. `teacher_logits` / `divergence` are the dense [R, L, V]
+references (diagnostics and tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ac2_jax.losses import (DISTILL_KINDS, MODES, chunked_logits_map, distill_loss, reverse_kl,
+                            token_logprobs)
+from ac2_jax.training.core.objectives import StepModel
+from ac2_jax.training.core.train_step import forward
+from ac2_jax.training.distill.data import PairedBatch
+
+TEACHER_KEYS = ("teacher_tokens", "teacher_positions", "teacher_segment_ids", "teacher_index")
+
+
+def teacher_extras(paired: PairedBatch) -> dict[str, np.ndarray]:
+    """The step's extras for a paired batch: the teacher rows' tokens, positions and
+    segment ids, and `teacher_index` ([R, L] int each, split with the batch rows)."""
+    t = paired.teacher
+    return {"teacher_tokens": t.tokens, "teacher_positions": t.positions,
+            "teacher_segment_ids": t.segment_ids, "teacher_index": paired.teacher_index}
+
+
+def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
+    """Teacher hidden states [R, L, D] in the student layout (gradient stopped)."""
+    missing = [k for k in TEACHER_KEYS if k not in (extras or {})]
+    if missing:
+        raise ValueError(f"DistillLoss needs extras with the teacher rows, missing {missing}; "
+                         "build them with teacher_extras(pack_pairs(...))")
+    h = model.hidden(extras["teacher_tokens"], extras["teacher_positions"],
+                     extras["teacher_segment_ids"], teacher=True)
+    index = extras["teacher_index"].astype(jnp.int32)
+    return jax.lax.stop_gradient(jnp.take_along_axis(h, index[..., None], axis=1))
+
+
+def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
+    """fn([student logits, teacher logits], per_token) densely or chunk by chunk."""
+    if chunk_size is None:
+        return fn([model.project(student_hidden), model.project(teacher_h, teacher=True)],
+                  per_token)
+    return chunked_logits_map(fn, [(student_hidden, model.head()),
+                                   (teacher_h, model.head(teacher=True))], per_token,
+                              chunk_size=chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLoss:
+    """LossFn: `distill_loss(student logits, teacher logits, targets)` per position.
+
+    In the train step (`from_model`) the teacher runs inside it on the rows
+    of `teacher_extras` (live: the params; or the step's `teacher` params),
+    gradient stopped. chunk_size None: dense logits; an int: both sides are
+    projected `chunk_size` positions at a time (same values, no [R, L, V]).
+    Called directly, `loss(logits, batch, extras)` takes extras
+    ["teacher_logits"] [R, L, V] aligned with the batch (the dense reference).
+    Metrics: kl (reverse KL, student || teacher), student_logp, teacher_logp
+    of the targets.
+    """
+
+    kind: str = "reverse_kl"
+    beta: float = 0.5
+    top_k: int | None = None
+    temperature: float = 1.0
+    mode: str = "task_mean"
+    normalizer: float | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in DISTILL_KINDS:
+            raise ValueError(f"DistillLoss.kind must be one of {DISTILL_KINDS}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
+        c = self.chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"DistillLoss.chunk_size must be None (dense logits) or a positive "
+                             f"int (positions per chunk), got {c!r}")
+
+    def _terms(self, logits, x):
+        """Per-position loss and metric values of student / teacher logits [..., V]."""
+        s, t = logits[0], jax.lax.stop_gradient(logits[1])
+        loss = distill_loss(s, t, x["targets"], kind=self.kind, beta=self.beta, top_k=self.top_k,
+                            temperature=self.temperature, mask=x["mask"])
+        s = jax.lax.stop_gradient(s)
+        return {"loss": loss, "kl": reverse_kl(s, t),
+                "student_logp": token_logprobs(s, x["targets"]),
+                "teacher_logp": token_logprobs(t, x["targets"])}
+
+    def _finish(self, terms, m):
+        return terms.pop("loss"), {k: (v * m).sum() for k, v in terms.items()}
+
+    def __call__(self, logits, batch, extras=None):
+        if not extras or "teacher_logits" not in extras:
+            raise ValueError("DistillLoss called on logits needs extras={'teacher_logits': "
+                             "[rows, seq_len, vocab]}; the train step runs the teacher itself "
+                             "(from_model, extras=teacher_extras(paired))")
+        m = batch.loss_mask.astype(jnp.float32)
+        x = {"targets": batch.targets, "mask": m}
+        return self._finish(self._terms([logits, extras["teacher_logits"]], x), m)
+
+    def from_model(self, model: StepModel, batch, extras=None):
+        th = teacher_hidden(model, extras)
+        sh = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+        m = batch.loss_mask.astype(jnp.float32)
+        terms = _apply(self._terms, model, sh, th, {"targets": batch.targets, "mask": m},
+                       self.chunk_size)
+        return self._finish(terms, m)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def teacher_logits(graphdef, params, rest, teacher_batch, teacher_index) -> jax.Array:
+    """Dense reference: teacher logits gathered into the student layout [R, L, V],
+    gradient stopped (diagnostics and tests; the step runs the teacher itself)."""
+    logits = forward(graphdef, params, rest, teacher_batch)
+    return jax.lax.stop_gradient(jnp.take_along_axis(logits, teacher_index[..., None], axis=1))
+
+
+def _rank(kind, beta, top_k, temperature, logits, x):
+    """RMSD ranking value per position: the divergence, or |log p_t(y) - log p_s(y)|
+    for kind "sampled"; 0 off the mask."""
+    s, t = logits
+    if kind == "sampled":
+        d = jnp.abs(token_logprobs(t, x["targets"]) - token_logprobs(s, x["targets"]))
+        return jnp.where(x["mask"] > 0, d, 0.0)
+    return distill_loss(s, t, x["targets"], kind=kind, beta=beta, top_k=top_k,
+                        temperature=temperature, mask=x["mask"])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kind", "beta", "top_k", "temperature"))
+def divergence(graphdef, params, rest, student_batch, t_logits, *, kind="reverse_kl", beta=0.5,
+               top_k=None, temperature=1.0) -> jax.Array:
+    """Dense reference: per-position teacher-student divergence [R, L] (0 off the
+    loss mask) from given teacher logits [R, L, V]."""
+    s = forward(graphdef, params, rest, student_batch)
+    x = {"targets": student_batch.targets, "mask": student_batch.loss_mask}
+    return _rank(kind, beta, top_k, temperature, [s, t_logits], x)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
+def relevance_scores(graphdef, params, teacher_params, rest, student_batch, extras,
+                     loss: DistillLoss) -> tuple[jax.Array, jax.Array]:
+    """(divergence [R, L] as `divergence` ranks it, teacher argmax token [R, L]) with
+    the teacher run here (teacher_params None: params) and `loss.chunk_size` chunking."""
+    model = StepModel(graphdef, params, rest, teacher_params)
+    b = student_batch
+    sh = model.hidden(b.tokens, b.positions, b.segment_ids, b.subtree_end)
+
+    def fn(logits, x):
+        return {"div": _rank(loss.kind, loss.beta, loss.top_k, loss.temperature, logits, x),
+                "argmax": jnp.argmax(logits[1], axis=-1).astype(jnp.int32)}
+
+    out = _apply(fn, model, sh, teacher_hidden(model, extras),
+                 {"targets": b.targets, "mask": b.loss_mask}, loss.chunk_size)
+    return out["div"], out["argmax"]
