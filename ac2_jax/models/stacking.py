@@ -24,6 +24,8 @@ def is_stacked(params: dict) -> bool:
 
 def stack_layers(params: dict, stack=jnp.stack) -> dict:
     """Per-layer pure params -> stacked ([num_layers, ...] leaves). Other entries kept."""
+    if is_stacked(params):
+        raise ValueError("stack_layers: the layers are stacked already (use to_layout)")
     layers = params["layers"]
     keys = sorted(layers, key=int)
     if [int(k) for k in keys] != list(range(len(keys))):
@@ -34,6 +36,8 @@ def stack_layers(params: dict, stack=jnp.stack) -> dict:
 
 def unstack_layers(params: dict) -> dict:
     """Stacked pure params -> {"layers": {i: layer i}} (int keys). Other entries kept."""
+    if not is_stacked(params):
+        raise ValueError("unstack_layers: the layers are per-layer already (use to_layout)")
     leaves = jax.tree.leaves(params["layers"])
     n = leaves[0].shape[0]
     per_layer = {i: jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(n)}
@@ -48,10 +52,12 @@ def to_layout(params: dict, stacked: bool) -> dict:
 
 
 def with_layout(model: Decoder, scan_layers: bool, **changes) -> Decoder:
-    """The same weights as a Decoder with `config.scan_layers = scan_layers`
-    (and any other runtime `changes`, e.g. remat); a new model, `model` untouched."""
+    """The same weights as a Decoder with `config.scan_layers = scan_layers` and any
+    other config `changes` (e.g. remat, dtype; params cast to the new param_dtype).
+    A new model; `model` is untouched."""
     config = model.config.replace(scan_layers=scan_layers, **changes)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config)))
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(config)), nnx.Param, ...)
     values = to_layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)), scan_layers)
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+    values = jax.tree.map(lambda a, x: jnp.asarray(x, a.dtype), nnx.to_pure_dict(params), values)
+    nnx.replace_by_pure_dict(params, values)
+    return nnx.merge(graphdef, params, rest)
