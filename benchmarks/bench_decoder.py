@@ -42,13 +42,13 @@ def random_decoder(cfg: DecoderConfig, seed: int = 0):
 
 
 def compile_rows(layers: int, hidden: int, seq_len: int, repeats: int,
-                 remats=("none", "full")) -> list[dict]:
+                 remats=("none", "full"), scans=(False, True)) -> list[dict]:
     rows = []
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 256, (1, seq_len)), jnp.int32)
     pos = jnp.arange(seq_len)[None]
     seg = jnp.ones((1, seq_len), jnp.int32)
-    for scan in (False, True):
+    for scan in scans:
         for remat in remats:
             cfg = DecoderConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                                 num_layers=layers, num_heads=4, num_kv_heads=2,
@@ -139,13 +139,16 @@ def main(argv=None) -> dict:
                    metavar=("H", "K", "HEAD_DIM"))
     p.add_argument("--remats", nargs="+", default=["none", "full"],
                    choices=["none", "full", "save_dots"])
+    p.add_argument("--layouts", nargs="+", default=["per_layer", "scan"],
+                   choices=["per_layer", "scan"])
     p.add_argument("--rows", nargs="+", default=["segmented", "causal", "tree"],
                    choices=["segmented", "causal", "tree"],
                    help="segmented: --segments equal segments; causal: one segment; tree: "
                         "the GRPO group")
     args = p.parse_args(argv)
     compile_table = compile_rows(args.layers, args.hidden, args.compile_seq_len, args.repeats,
-                                 tuple(args.remats))
+                                 tuple(args.remats),
+                                 tuple(layout == "scan" for layout in args.layouts))
     print_table(compile_table, ["layers", "scan", "remat", "lower_s", "compile_s", "hlo_chars",
                                 "step_s"])
     attn_table = attention_rows(args.seq_len, args.segments, args.block, args.repeats,
