@@ -11,12 +11,17 @@ vs dense attention on packed rows (tiles computed and time).
     prompt of seq_len/4 and 8 branches). For each: tiles the block-sparse
     kernel computed (its loop's own count) vs the dense tile count, and the
     forward + backward time of both kernels.
+(c) With `--parity VARIANT`: a random checkpoint of that preset of
+    experiments/configs/qwen3.py (e.g. "default", Qwen3-0.6B) written by
+    transformers, loaded with the preset's runtime choices (scanned layers):
+    max |logit difference| to transformers on a short input, and the times.
 
-    python -m benchmarks.bench_decoder --out bench_results/decoder.json
+    python -m benchmarks.bench_decoder --parity default --out bench_results/decoder.json
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import jax
@@ -35,9 +40,12 @@ def random_decoder(cfg: DecoderConfig, seed: int = 0):
     abstract model (eager init compiles one random op per shape)."""
     rng = np.random.default_rng(seed)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg)))
-    leaves = [(key, var.replace(jnp.asarray(
-        np.ones(var.shape) if any("norm" in str(part) for part in key) else 0.02 * rng.standard_normal(var.shape), var.dtype)))
-        for key, var in nnx.to_flat_state(state)]
+    leaves = []
+    for key, var in nnx.to_flat_state(state):
+        norm = any("norm" in str(part) for part in key)
+        value = (np.ones(var.shape, np.float32) if norm
+                 else 0.02 * rng.standard_normal(var.shape, dtype=np.float32))
+        leaves.append((key, var.replace(jnp.asarray(value, var.dtype))))
     return graphdef, nnx.from_flat_state(leaves)
 
 
@@ -127,6 +135,42 @@ def attention_rows(seq_len: int, segments: int, block: int, repeats: int,
     return rows
 
 
+def parity_row(variant: str, tokens: int = 32) -> dict:
+    """Logits of a random checkpoint of preset `variant` vs transformers (fp32)."""
+    import torch
+    import transformers
+
+    from experiments.configs.qwen3 import get_config
+    from experiments.real_size import load_preset, write_random_checkpoint
+
+    cfg = get_config(variant)
+    if cfg.model.dtype != "float32":
+        raise ValueError(f"--parity compares fp32 logits; preset {variant!r} computes in "
+                         f"{cfg.model.dtype}")
+    with tempfile.TemporaryDirectory() as path:
+        t0 = time.perf_counter()
+        write_random_checkpoint(cfg.shape, path, seed=0)
+        t1 = time.perf_counter()
+        model, config = load_preset(cfg, path)
+        t2 = time.perf_counter()
+        ids = np.random.default_rng(2).integers(0, config.vocab_size, tokens)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            ref = hf(torch.tensor(ids[None])).logits[0].numpy()
+        del hf
+    t = jnp.asarray(ids[None], jnp.int32)
+    fwd = nnx.jit(lambda m: m(t, jnp.arange(tokens)[None], jnp.ones_like(t)))
+    t3 = time.perf_counter()
+    ours = np.asarray(fwd(model))[0]
+    t4 = time.perf_counter()
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"variant": variant, "params": n, "layers": config.num_layers,
+            "scan": config.scan_layers, "tokens": tokens, "write_s": t1 - t0,
+            "load_s": t2 - t1, "first_forward_s": t4 - t3,
+            "max_abs_diff": float(np.abs(ours - ref).max())}
+
+
 def main(argv=None) -> dict:
     p = parser(__doc__)
     p.add_argument("--layers", type=int, default=28)
@@ -141,6 +185,7 @@ def main(argv=None) -> dict:
                    choices=["none", "full", "save_dots"])
     p.add_argument("--layouts", nargs="+", default=["per_layer", "scan"],
                    choices=["per_layer", "scan"])
+    p.add_argument("--parity", default=None, help="a variant of experiments/configs/qwen3.py")
     p.add_argument("--rows", nargs="+", default=["segmented", "causal", "tree"],
                    choices=["segmented", "causal", "tree"],
                    help="segmented: --segments equal segments; causal: one segment; tree: "
@@ -159,6 +204,10 @@ def main(argv=None) -> dict:
                              "dense_fwd_bwd_s", "speedup_fwd_bwd", "max_abs_diff"])
     result = {"benchmark": "decoder", "args": vars(args), "compile": compile_table,
               "attention": attn_table}
+    if args.parity:
+        result["parity"] = parity_row(args.parity)
+        print()
+        print_table([result["parity"]], list(result["parity"]))
     write_json(args.out, result)
     return result
 

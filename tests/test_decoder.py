@@ -229,6 +229,13 @@ def test_partition_specs_and_mesh(model):
         out = forward(sharded, tokens, pos, seg)
     np.testing.assert_allclose(np.asarray(out), np.asarray(forward(model, tokens, pos, seg)),
                                atol=1e-5, rtol=0)
+    stacked = config.replace(scan_layers=True)
+    with jax.set_mesh(mesh):  # stacked params: the layer axis replicated, the rest as before
+        sharded = Decoder(stacked, rngs=nnx.Rngs(1))
+        assert sharded.layers.self_attn.q_proj[...].sharding.spec == P(None, "fsdp", "tensor")
+        out = forward(sharded, tokens, pos, seg)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(forward(
+        Decoder(stacked, rngs=nnx.Rngs(1)), tokens, pos, seg)), atol=1e-5, rtol=0)
 
 
 def rows_and_loss():

@@ -115,7 +115,7 @@ class _Tile:
 def _forward(bq, bk, q, k, v, mask):
     B, Lq, H, hd = q.shape
     K, Lk = k.shape[2], k.shape[1]
-    G, nq, nk = H // K, Lq // bq, Lk // bk
+    nq, nk = Lq // bq, Lk // bk
     qt, kt, vt = _q_layout(q, K), _k_layout(k), _k_layout(v)
     order, count = _tile_list(mask, bq, bk)
     scale = 1.0 / math.sqrt(hd)
@@ -161,7 +161,7 @@ def _flash_bwd(bq, bk, res, cotangents):
     dout = cotangents[0]
     B, Lq, H, hd = q.shape
     K, Lk = k.shape[2], k.shape[1]
-    G, nq, nk = H // K, Lq // bq, Lk // bk
+    nq, nk = Lq // bq, Lk // bk
     qt, kt, vt, dot = _q_layout(q, K), _k_layout(k), _k_layout(v), _q_layout(dout, K)
     delta = jnp.sum(dot * _q_layout(out, K), axis=-1)                  # [B, K, G, Lq]
     order, count = _tile_list(mask, bq, bk)
