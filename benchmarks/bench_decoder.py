@@ -4,7 +4,9 @@ vs dense attention on packed rows (tiles computed and time).
 (a) Compile: the jitted value-and-grad of the mean token log-prob of a
     `--layers`-deep, `--hidden`-wide decoder (fp32), per-layer (Python loop)
     vs scanned (`scan_layers=True`), each with remat "none" and "full".
-    Lowering and compiling are timed separately; the step is timed too.
+    Lowering and compiling are timed separately; the step is timed too
+    (`--abstract`: compile only, e.g. Qwen3-0.6B's shape with `--hidden 1024
+    --compile_heads 16 8 128 --compile_vocab 151936`).
 (b) Attention: one packed row of `--seq_len` tokens at Qwen3's head layout
     (16 query heads, 8 KV heads of 128): a flat row of `--segments` equal
     segments, one segment (causal), and a GRPO group as a tree row (a
@@ -50,7 +52,11 @@ def random_decoder(cfg: DecoderConfig, seed: int = 0):
 
 
 def compile_rows(layers: int, hidden: int, seq_len: int, repeats: int,
-                 remats=("none", "full"), scans=(False, True)) -> list[dict]:
+                 remats=("none", "full"), scans=(False, True), heads=(4, 2, None),
+                 vocab: int = 256, abstract: bool = False) -> list[dict]:
+    """Lower / compile times of the loss's value-and-grad per layout and remat; with
+    `abstract` the params are shapes only (no memory; no step time)."""
+    H, K, hd = heads
     rows = []
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 256, (1, seq_len)), jnp.int32)
@@ -58,11 +64,14 @@ def compile_rows(layers: int, hidden: int, seq_len: int, repeats: int,
     seg = jnp.ones((1, seq_len), jnp.int32)
     for scan in scans:
         for remat in remats:
-            cfg = DecoderConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
-                                num_layers=layers, num_heads=4, num_kv_heads=2,
-                                head_dim=hidden // 4, scan_layers=scan, remat=remat,
-                                attention_backend="dense")
-            graphdef, params = random_decoder(cfg)
+            cfg = DecoderConfig(vocab_size=vocab, hidden_size=hidden,
+                                intermediate_size=3 * hidden, num_layers=layers, num_heads=H,
+                                num_kv_heads=K, head_dim=hd or hidden // H, scan_layers=scan,
+                                remat=remat, attention_backend="dense")
+            if abstract:
+                graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg)))
+            else:
+                graphdef, params = random_decoder(cfg)
 
             def loss(p):
                 return token_logprobs(nnx.merge(graphdef, p)(tokens, pos, seg), tokens).mean()
@@ -73,10 +82,11 @@ def compile_rows(layers: int, hidden: int, seq_len: int, repeats: int,
             t1 = time.perf_counter()
             compiled = lowered.compile()
             t2 = time.perf_counter()
-            step = time_fn(lambda: jax.block_until_ready(compiled(params)), repeats)
-            rows.append({"layers": layers, "scan": scan, "remat": remat,
+            step = None if abstract else time_fn(
+                lambda: jax.block_until_ready(compiled(params)), repeats)["median_s"]
+            rows.append({"layers": layers, "hidden": hidden, "scan": scan, "remat": remat,
                          "lower_s": t1 - t0, "compile_s": t2 - t1,
-                         "hlo_chars": len(lowered.as_text()), "step_s": step["median_s"]})
+                         "hlo_chars": len(lowered.as_text()), "step_s": step})
     return rows
 
 
@@ -185,6 +195,11 @@ def main(argv=None) -> dict:
                    choices=["none", "full", "save_dots"])
     p.add_argument("--layouts", nargs="+", default=["per_layer", "scan"],
                    choices=["per_layer", "scan"])
+    p.add_argument("--compile_heads", type=int, nargs=3, default=(4, 2, 16),
+                   metavar=("H", "K", "HEAD_DIM"))
+    p.add_argument("--compile_vocab", type=int, default=256)
+    p.add_argument("--abstract", action="store_true",
+                   help="compile only, with abstract params (real-size shapes in no memory)")
     p.add_argument("--parity", default=None, help="a variant of experiments/configs/qwen3.py")
     p.add_argument("--rows", nargs="+", default=["segmented", "causal", "tree"],
                    choices=["segmented", "causal", "tree"],
@@ -193,9 +208,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     compile_table = compile_rows(args.layers, args.hidden, args.compile_seq_len, args.repeats,
                                  tuple(args.remats),
-                                 tuple(layout == "scan" for layout in args.layouts))
-    print_table(compile_table, ["layers", "scan", "remat", "lower_s", "compile_s", "hlo_chars",
-                                "step_s"])
+                                 tuple(layout == "scan" for layout in args.layouts),
+                                 tuple(args.compile_heads), args.compile_vocab, args.abstract)
+    print_table(compile_table, ["layers", "hidden", "scan", "remat", "lower_s", "compile_s",
+                                "hlo_chars", "step_s"])
     attn_table = attention_rows(args.seq_len, args.segments, args.block, args.repeats,
                                 tuple(args.heads), set(args.rows))
     print()
