@@ -1,6 +1,10 @@
-"""Decoder: packing equivalences, merged-episode equivalence, KV cache, sharding.
+"""Decoder: packing equivalences, merged-episode equivalence, KV cache, sharding,
+scanned vs per-layer layers, remat policies, bf16 compute with fp32 master weights.
 
-All in fp32. Tolerances: per-token log-probs 1e-5; KV-cache logits 1e-4.
+fp32 unless stated. Tolerances: per-token log-probs 1e-5; KV-cache logits 1e-4;
+scanned vs per-layer (and block-sparse vs dense attention) logits, gradients and
+decode 1e-5; bf16 compute vs fp32 logits: max |difference| <= 5% of max |logit|
+(bf16 keeps 8 bits of mantissa; these weights make activations large).
 Weights use std 0.2 so attention patterns matter (checked by negative controls).
 """
 
@@ -12,8 +16,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.losses import token_logprobs
-from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.segments import pack_segments, segments_from_trace
+from ac2_jax.models import Decoder, DecoderConfig, to_layout, with_layout
+from ac2_jax.segments import Segment, pack_segments, segments_from_trace
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 
 V = 64  # divisible by the mesh axes of the sharding test
@@ -205,6 +209,11 @@ def test_partition_specs_and_mesh(model):
     assert flat["layers.0.self_attn.q_proj"] == P("fsdp", "tensor")
     assert flat["layers.1.mlp.down_proj"] == P("tensor", "fsdp")
     assert flat["norm.weight"] == P(None)
+    scanned = nnx.get_partition_spec(nnx.state(with_layout(model, True), nnx.Param))
+    flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(scanned)}
+    assert flat["layers.self_attn.q_proj"] == P(None, "fsdp", "tensor")  # layer axis: replicated
+    assert flat["layers.mlp.down_proj"] == P(None, "tensor", "fsdp")
+    assert flat["layers.input_layernorm.weight"] == P(None, None)
     # Under a ('data', 'fsdp', 'tensor') mesh params are sharded at creation and
     # the forward pass is the same as without a mesh.
     if len(jax.devices()) < 8:
@@ -220,31 +229,119 @@ def test_partition_specs_and_mesh(model):
         out = forward(sharded, tokens, pos, seg)
     np.testing.assert_allclose(np.asarray(out), np.asarray(forward(model, tokens, pos, seg)),
                                atol=1e-5, rtol=0)
+    stacked = config.replace(scan_layers=True)
+    with jax.set_mesh(mesh):  # stacked params: the layer axis replicated, the rest as before
+        sharded = Decoder(stacked, rngs=nnx.Rngs(1))
+        assert sharded.layers.self_attn.q_proj[...].sharding.spec == P(None, "fsdp", "tensor")
+        out = forward(sharded, tokens, pos, seg)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(forward(
+        Decoder(stacked, rngs=nnx.Rngs(1)), tokens, pos, seg)), atol=1e-5, rtol=0)
 
 
-def with_config(model, config):
-    """The same weights under another config (no re-init: saves compiles)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(config)))
-    state = jax.tree.map(lambda a, x: x.astype(a.dtype), abstract, nnx.state(model))
-    return nnx.merge(graphdef, state)
+def rows_and_loss():
+    """Flat packed rows (3 segments and padding per row) and their mean log-prob loss."""
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, V, (ROWS, L)), jnp.int32)
+    seg = jnp.asarray(np.repeat([1, 2, 3, 0], [15, 9, 12, 4])[None].repeat(ROWS, 0), jnp.int32)
+    pos = jnp.asarray(np.concatenate([np.arange(15), np.arange(9), np.arange(12), np.zeros(4)]
+                                     )[None].repeat(ROWS, 0), jnp.int32)
+
+    def loss(m):
+        return token_logprobs(m(tokens, pos, seg), tokens).mean()
+    return (tokens, pos, seg), loss
 
 
-def test_remat_same_grads_and_bf16_runs(model):
-    tokens = jnp.asarray(np.random.default_rng(5).integers(0, V, (ROWS, L)), jnp.int32)
-    pos, seg = jnp.tile(jnp.arange(L), (ROWS, 1)), jnp.ones((ROWS, L), jnp.int32)
+@nnx.jit
+def grads(m):
+    return nnx.grad(rows_and_loss()[1])(m)
+
+
+def flat_grads(m):
+    """Gradients as a pure dict in the stacked layout."""
+    return jax.tree.leaves(to_layout(nnx.to_pure_dict(grads(m)), stacked=True))
+
+
+def assert_close_trees(a, b, atol):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def test_scanned_layers_equal_per_layer(model):
+    """Same weights stacked under jax.lax.scan: same logits, gradients and decode."""
+    scanned = with_layout(model, True)
+    assert scanned.layers.self_attn.q_proj[...].shape == (2, 32, 32)
+    (tokens, pos, seg), _ = rows_and_loss()
+    np.testing.assert_allclose(forward(scanned, tokens, pos, seg),
+                               forward(model, tokens, pos, seg), atol=1e-5, rtol=0)
+    assert_close_trees(flat_grads(scanned), flat_grads(model), atol=1e-5)
+    cache = model.init_cache(B, S)
+    step_tok = jnp.asarray([[3], [5], [7]], jnp.int32)
+    prompt_pos = jnp.tile(jnp.arange(T), (B, 1)).at[1, 6:].set(-1)
+    for m in (model, scanned):
+        logits, c = decode(m, tokens[:B, :T], prompt_pos, cache)
+        step, c = decode(m, step_tok, jnp.asarray([[T], [6], [T]]), c)
+        if m is model:
+            ref = (logits, step, c)
+    np.testing.assert_allclose(logits, ref[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(step, ref[1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(c.k, ref[2].k, atol=1e-5, rtol=0)
+    assert c.k.shape == (B, S, 2, 2 * 8)  # [batch, max_len, layers, kv heads x head_dim]
+
+
+def test_blocksparse_attention_in_the_decoder_equals_dense(model):
+    """Tree rows and flat rows through the scanned model with the block-sparse kernel."""
+    sparse = with_layout(model, True, attention_backend="blocksparse", attention_block=16)
+    rng = np.random.default_rng(6)
+    prompt, branches = rng.integers(0, V, 12).tolist(), [rng.integers(0, V, 6).tolist()
+                                                         for _ in range(3)]
+    segs = [Segment(prompt + b, [0] * 12 + [1] * 6, [0.0] * 18, task="g") for b in branches]
+    batch = pack_segments(segs, L, layout="tree", min_rows=ROWS)
+    assert batch.subtree_end is not None and batch.shape == (ROWS, L)
 
     @nnx.jit
-    def grads(m):
-        loss = lambda m: token_logprobs(m(tokens, pos, seg), tokens).mean()  # noqa: E731
-        return nnx.grad(loss)(m)
+    def tree_logits(m):
+        return m(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+    np.testing.assert_allclose(tree_logits(sparse), tree_logits(model), atol=1e-5, rtol=0)
+    assert_close_trees(flat_grads(sparse), flat_grads(model), atol=1e-5)
 
-    remat = with_config(model, model.config.replace(remat=True))
-    for a, b in zip(jax.tree.leaves(grads(model)), jax.tree.leaves(grads(remat))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
-    bf16 = with_config(model, model.config.replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-    assert bf16.embed_tokens[...].dtype == jnp.bfloat16
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_policies_same_grads(model, remat):
+    assert_close_trees(flat_grads(with_layout(model, True, remat=remat)), flat_grads(model),
+                       atol=1e-6)
+    assert DecoderConfig.tiny(V, remat=True).remat == "full"  # bools still work
+    assert DecoderConfig.tiny(V, remat=False).remat == "none"
+
+
+def test_bf16_compute_with_fp32_master_weights(model):
+    """Params stay fp32, activations bf16, logits fp32 and close to fp32's; a train
+    step (PPO loss, AdamW) runs and keeps the params fp32."""
+    from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, create_train_state
+    from ac2_jax.training import make_train_step
+
+    bf16 = with_layout(model, True, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    assert bf16.layers.self_attn.q_proj[...].dtype == jnp.float32
+    (tokens, pos, seg), _ = rows_and_loss()
+    hidden = nnx.eval_shape(lambda m: m.hidden_states(tokens, pos, seg), bf16)
+    assert hidden.dtype == jnp.bfloat16
     logits = forward(bf16, tokens, pos, seg)
-    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+    ref = forward(model, tokens, pos, seg)
+    assert logits.dtype == jnp.float32
+    assert 0 < float(jnp.abs(logits - ref).max()) <= 0.05 * float(jnp.abs(ref).max())
+    rng = np.random.default_rng(7)
+    segs = [Segment(rng.integers(0, V, 20), np.r_[np.zeros(8), np.ones(12)], -np.ones(20),
+                    task=f"t{i}", advantage=float(i) - 0.5) for i in range(2)]
+    batch = pack_segments(segs, L, min_rows=2)
+    graphdef, state = create_train_state(bf16, OptimizerConfig(learning_rate=1e-2))
+    step = make_train_step(graphdef, PolicyGradientLoss(old_logprobs="sampler"),
+                           OptimizerConfig(learning_rate=1e-2))
+    before = jax.device_get(state.params)
+    state, metrics = step(step.place(state), batch)
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    after = jax.tree.leaves(jax.device_get(state.params))
+    assert all(x.dtype == np.float32 for x in after)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(after, jax.tree.leaves(before))) > 0
 
 
 def test_bad_inputs(model):
@@ -255,3 +352,12 @@ def test_bad_inputs(model):
                      model.init_cache(2, 8))
     with pytest.raises(ValueError, match="num_kv_heads"):
         DecoderConfig.tiny(V, num_heads=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        DecoderConfig.tiny(V, remat="dots")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        DecoderConfig.tiny(V, attention_backend="flash")
+    with pytest.raises(ValueError, match="attention_block"):
+        DecoderConfig.tiny(V, attention_block=12)
+    with pytest.raises(ValueError, match="layers"):  # a cache of another model
+        model.decode(jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+                     Decoder(DecoderConfig.tiny(V, num_layers=3)).init_cache(2, 8))

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 
 from ac2_jax.models import (Decoder, DecoderConfig, latest_published, load_published,
                             publish_weights, restore_params, save_params)
+from ac2_jax.models import with_layout
 from ac2_jax.models.params_io import PARAMS, published_steps
 
 CONFIG = DecoderConfig.tiny(32, num_layers=1, tie_embeddings=False)
@@ -58,6 +59,24 @@ def test_restore_errors(models, tmp_path):
     tied = Decoder(CONFIG.replace(tie_embeddings=True), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="lm_head.*missing from the model"):
         restore_params(tied, str(tmp_path / "ckpt"))
+
+
+def test_checkpoints_load_across_layer_layouts(tmp_path):
+    """A scanned (stacked) model's params restore into a per-layer model and back."""
+    CONFIG2 = CONFIG.replace(num_layers=2)
+    per_layer = Decoder(CONFIG2, rngs=nnx.Rngs(0))
+    scanned = with_layout(Decoder(CONFIG2, rngs=nnx.Rngs(1)), True)
+    save_params(scanned, str(tmp_path / "stacked"))
+    target = Decoder(CONFIG2, rngs=nnx.Rngs(2))
+    restore_params(target, str(tmp_path / "stacked"))
+    assert_same(with_layout(target, True), scanned)
+    publish_weights(per_layer, str(tmp_path / "pub"), step=1)
+    into = with_layout(Decoder(CONFIG2, rngs=nnx.Rngs(3)), True)
+    assert load_published(into, str(tmp_path / "pub")) == 1
+    assert_same(into, with_layout(per_layer, True))
+    other = Decoder(CONFIG2.replace(hidden_size=16), rngs=nnx.Rngs(0))  # per-layer, other shape
+    with pytest.raises(ValueError, match="shape"):
+        restore_params(other, str(tmp_path / "stacked"))
 
 
 def test_publish_latest_and_prune(models, tmp_path):

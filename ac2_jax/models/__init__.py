@@ -1,9 +1,14 @@
 """Models: the Flax NNX decoder (Qwen3/Llama family), HF and Orbax weight I/O,
 the tokenizer with its chat templates and tool-call parsers."""
 
+from ac2_jax.models.attention import attention, choose_backend, dense_attention
+from ac2_jax.models.attention_mask import AttentionMask
+from ac2_jax.models.blocksparse import blocksparse_attention, blocksparse_attention_with_count
 from ac2_jax.models.chat_template import compile_chat_template
-from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.decoder import Decoder, KVCache, apply_rope, attention, rope_inv_freq
+from ac2_jax.models.config import ATTENTION_BACKENDS, DecoderConfig
+from ac2_jax.models.decoder import Decoder, KVCache
+from ac2_jax.models.layers import apply_rope, rope_inv_freq
+from ac2_jax.models.stacking import stack_layers, to_layout, unstack_layers, with_layout
 from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from ac2_jax.models.params_io import (latest_published, load_published, publish_weights,
                                       restore_params, save_params)
@@ -15,6 +20,9 @@ from ac2_jax.models.tool_parsers import (HermesParser, ParsedText, Qwen3CoderPar
 
 __all__ = [
     "Decoder", "DecoderConfig", "KVCache", "apply_rope", "attention", "latest_published",
+    "ATTENTION_BACKENDS", "AttentionMask", "choose_backend", "dense_attention",
+    "blocksparse_attention", "blocksparse_attention_with_count",
+    "stack_layers", "unstack_layers", "to_layout", "with_layout",
     "load_hf_checkpoint", "load_published", "publish_weights", "restore_params",
     "rope_inv_freq", "save_hf_checkpoint", "save_params",
     "Tokenizer", "build_tiny_tokenizer", "tiny_corpus", "compile_chat_template",

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 FAMILIES = ("qwen3", "llama")
 _ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT = ("none", "full", "save_dots")
+ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
+RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -31,8 +34,17 @@ class DecoderConfig:
     `dtype` is the compute dtype (activations, KV cache), `param_dtype` the
     storage dtype of the weights; logits are always fp32. `qk_norm` applies a
     per-head RMSNorm to q and k before RoPE (Qwen3). `rope_scaling` is None or
-    an HF rope dict of type "llama3". `remat` recomputes each layer in the
-    backward pass (saves activation memory when training).
+    an HF rope dict of type "llama3".
+
+    Runtime choices (not in the HF config; `RUNTIME_FIELDS`):
+    `scan_layers` stores the layers' params stacked [num_layers, ...] and runs
+    them under `jax.lax.scan` (compile time independent of depth).
+    `remat` is what the backward pass recomputes per layer: "none", "full"
+    (everything but the layer input) or "save_dots" (keeps the outputs of
+    the weight matmuls, recomputes attention and elementwise ops); True /
+    False mean "full" / "none".
+    `attention_backend` picks the attention kernel (`models.attention`):
+    "auto" chooses by platform and shape; `attention_block` is its tile size.
     """
 
     vocab_size: int
@@ -53,9 +65,23 @@ class DecoderConfig:
     attention_bias: bool = False
     rope_scaling: dict | None = None
     initializer_range: float = 0.02
-    remat: bool = False
+    remat: str | bool = "none"
+    scan_layers: bool = False
+    attention_backend: str = "auto"
+    attention_block: int = 128
 
     def __post_init__(self):
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT:
+            raise ValueError(f"DecoderConfig.remat must be one of {REMAT} (or a bool), "
+                             f"got {self.remat!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"DecoderConfig.attention_backend must be one of "
+                             f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if int(self.attention_block) < 8 or int(self.attention_block) % 8:
+            raise ValueError(f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
+                             f"got {self.attention_block}")
         if self.family not in FAMILIES:
             raise ValueError(f"DecoderConfig.family must be one of {FAMILIES}, got {self.family!r}")
         if self.attention_bias:
@@ -130,8 +156,15 @@ class DecoderConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: Any = jnp.float32,
-                       param_dtype: Any = None) -> "DecoderConfig":
-        """Reads an HF `config.json` dict of a Qwen3 or Llama causal LM."""
+                       param_dtype: Any = None, **runtime) -> "DecoderConfig":
+        """Reads an HF `config.json` dict of a Qwen3 or Llama causal LM.
+
+        `runtime` may set the fields of `RUNTIME_FIELDS` (e.g. scan_layers=True).
+        """
+        bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+        if bad:
+            raise ValueError(f"from_hf_config: {bad} come from config.json; only "
+                             f"{RUNTIME_FIELDS} may be passed")
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(f"from_hf_config: model_type must be one of {FAMILIES}, "
@@ -170,4 +203,5 @@ class DecoderConfig:
             family=model_type,
             rope_scaling=scaling,
             initializer_range=float(hf.get("initializer_range", 0.02)),
+            **runtime,
         )

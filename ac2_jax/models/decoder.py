@@ -6,6 +6,8 @@ Two ways to run it:
   `model(tokens, positions, segment_ids, subtree_end=None) -> logits [B, L, V]`
   (fp32). The attention mask is `ac2_jax.losses.attention_mask`, so packed
   segments never see each other and tree rows see only their ancestors.
+  `hidden_states` gives the final normed hidden states [B, L, D] and
+  `logits` projects any of them (for losses that chunk the vocabulary).
 
 * Sampling with a KV cache (see `Decoder.decode`):
   `cache = model.init_cache(batch, max_len)`, then
@@ -17,211 +19,62 @@ Two ways to run it:
   leak and rows need no length bookkeeping. Padding tokens take position -1:
   they write nothing and their logits are meaningless.
 
+Layers: with `config.scan_layers` their params are stacked [num_layers, ...]
+(`layers.self_attn.q_proj`, ...) and run under `jax.lax.scan`, else they are
+a list (`layers.0.self_attn.q_proj`, ...) run in a Python loop; the math is
+the same (`models.layers`). `config.remat` picks what the backward pass
+recomputes per layer. `models.stacking` converts between the two layouts;
+HF and Orbax I/O accept either.
+
+Compute runs in `config.dtype` (e.g. bfloat16) with weights stored in
+`config.param_dtype` (e.g. float32 master weights) and cast at use; norms,
+softmax and logits are fp32.
+
 Parameters carry sharding names over the mesh axes ('data', 'fsdp',
 'tensor'): `nnx.get_partition_spec(nnx.state(model))` gives their
 PartitionSpecs. Params are sharded at creation only when a mesh with those
 axes is set (`jax.set_mesh`, Auto axis types); with no mesh everything is
 plain arrays.
-Weights are stored [in, out] (HF stores [out, in]; `hf_io` transposes).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
-from ac2_jax.losses import attention_mask
+from ac2_jax.models.attention import attention, choose_backend  # noqa: F401  (re-export)
+from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.layers import (RMSNorm, Block, _param, apply_rope,  # noqa: F401
+                                   block_apply, rope_inv_freq)
 
-_NEG = -1e30  # finite, so a query that sees nothing gets a uniform softmax, not NaN
-
-
-def _param(rngs: nnx.Rngs | None, init, shape, dtype, names) -> nnx.Param:
-    """A Param annotated with mesh axis names; sharded now only if a mesh has them."""
-    value = init(rngs.params() if rngs is not None else None, shape, dtype)
-    mesh = jax.sharding.get_abstract_mesh()
-    eager = (not mesh.empty) and all(n is None or n in mesh.axis_names for n in names)
-    return nnx.Param(value, out_sharding=names, eager_sharding=eager)
-
-
-def _ones(_key, shape, dtype):
-    return jnp.ones(shape, dtype)
-
-
-# ----------------------------------------------------------------------------- pure pieces
-
-def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2] (HF default, or llama3 scaling)."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = config.rope_scaling
-    if sc is not None and sc.get("rope_type", sc.get("type")) == "llama3":
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old / lo, old / hi
-        scaled = np.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x [B, L, H, hd], positions [B, L]."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked grouped-query attention; the one place a blocked kernel would go.
-
-    q [B, L, H, hd]; k, v [B, S, K, hd] with H a multiple of K; mask [B, L, S]
-    bool (True = may attend). Softmax in fp32. Returns [B, L, H, hd].
-    """
-    B, L, H, hd = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, L, K, H // K, hd)
-    if L == 1 and jax.default_backend() == "cpu":
-        return _decode_step_attention(qg, k, v, mask, hd).reshape(B, L, H, hd)
-    scores = jnp.einsum("blkgd,bskd->bkgls", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(hd)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
-    return out.reshape(B, L, H, hd)
-
-
-def _decode_step_attention(qg, k, v, mask, hd):
-    """One query per row (sampling): broadcast-multiply instead of a batched
-    einsum, about 4x faster on XLA:CPU at batch 16 (same values)."""
-    q1 = qg[:, 0].astype(jnp.float32)                       # [B, K, G, hd]
-    kt = jnp.swapaxes(k, 1, 2).astype(jnp.float32)          # [B, K, S, hd]
-    scores = (q1[:, :, :, None, :] * kt[:, :, None]).sum(-1) / math.sqrt(hd)  # [B, K, G, S]
-    scores = jnp.where(mask[:, 0][:, None, None, :], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
-    vt = jnp.swapaxes(v, 1, 2).astype(jnp.float32)          # [B, K, S, hd]
-    out = (probs[..., None] * vt[:, :, None]).sum(-2)       # [B, K, G, hd]
-    return out[:, None].astype(v.dtype)
-
-
-# ----------------------------------------------------------------------------- modules
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in fp32 (as HF does)."""
-
-    def __init__(self, dim: int, eps: float, dtype, param_dtype):
-        self.eps, self.dtype = eps, dtype
-        self.weight = _param(None, _ones, (dim,), param_dtype, (None,))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(self.dtype) * xf.astype(self.dtype)
-
-
-class Attention(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(c.initializer_range)
-        D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.param_dtype
-        self.c = c
-        self.q_proj = _param(rngs, init, (D, H * hd), pd, ("fsdp", "tensor"))
-        self.k_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"))
-        self.v_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"))
-        self.o_proj = _param(rngs, init, (H * hd, D), pd, ("tensor", "fsdp"))
-        if c.qk_norm:
-            self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd)
-            self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd)
-
-    def _proj(self, x, w, heads):
-        y = jnp.einsum("bld,de->ble", x, w[...].astype(self.c.dtype))
-        return y.reshape(*y.shape[:2], heads, self.c.head_dim)
-
-    def __call__(self, x, positions, mask, inv_freq, kv=None, slots=None):
-        """x [B, L, D]; mask [B, L, S]. With `kv` (cache [B, S, K, hd] pair),
-        the new keys/values go to cache slots `slots` [B, L] first (index S
-        drops a write) and attention runs over the whole cache."""
-        c = self.c
-        q = self._proj(x, self.q_proj, c.num_heads)
-        k = self._proj(x, self.k_proj, c.num_kv_heads)
-        v = self._proj(x, self.v_proj, c.num_kv_heads)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        if kv is not None:
-            rows = jnp.arange(x.shape[0])[:, None]
-            k = kv[0].at[rows, slots].set(k.astype(kv[0].dtype), mode="drop")
-            v = kv[1].at[rows, slots].set(v.astype(kv[1].dtype), mode="drop")
-            kv = (k, v)
-        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        out = out.reshape(*out.shape[:2], -1)
-        return jnp.einsum("ble,ed->bld", out, self.o_proj[...].astype(c.dtype)), kv
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate x) * up x)."""
-
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(c.initializer_range)
-        D, F, pd = c.hidden_size, c.intermediate_size, c.param_dtype
-        self.dtype = c.dtype
-        self.gate_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"))
-        self.up_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"))
-        self.down_proj = _param(rngs, init, (F, D), pd, ("tensor", "fsdp"))
-
-    def __call__(self, x):
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        g = jnp.einsum("bld,df->blf", x, w(self.gate_proj))
-        u = jnp.einsum("bld,df->blf", x, w(self.up_proj))
-        return jnp.einsum("blf,fd->bld", jax.nn.silu(g) * u, w(self.down_proj))
-
-
-class Block(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype)
-        self.self_attn = Attention(c, rngs)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype,
-                                                c.param_dtype)
-        self.mlp = MLP(c, rngs)
-
-    def __call__(self, x, positions, mask, inv_freq, kv=None, slots=None):
-        a, kv = self.self_attn(self.input_layernorm(x), positions, mask, inv_freq, kv, slots)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
-
-
-def _block_call(block, x, positions, mask, inv_freq):
-    return block(x, positions, mask, inv_freq)[0]
-
-
-_remat_block_call = nnx.remat(_block_call)
+_POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values, each [batch, max_len, num_kv_heads, head_dim]."""
+    """Keys and values of every layer, each [batch, max_len, num_layers, num_kv_heads * head_dim].
 
-    k: tuple
-    v: tuple
+    Slot p of row b holds the keys / values of that row's token at position p.
+    """
+
+    k: jax.Array
+    v: jax.Array
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[2]
 
 
 class Decoder(nnx.Module):
@@ -236,7 +89,10 @@ class Decoder(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         self.embed_tokens = _param(rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype,
                                    ("tensor", "fsdp"))
-        self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
+        if c.scan_layers:
+            self.layers = Block(c, rngs, stack=c.num_layers)
+        else:
+            self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype)
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), c.param_dtype,
@@ -260,18 +116,42 @@ class Decoder(nnx.Module):
         return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(dt),
                           preferred_element_type=jnp.float32)
 
+    def _backend(self, kind: str, q_len: int) -> str:
+        c = self.config
+        return choose_backend(c.attention_backend, kind=kind, q_len=q_len, dtype=c.dtype,
+                              head_dim=c.head_dim, block=c.attention_block)
+
+    def _layer_params(self):
+        """The layers' params as a pure dict: stacked, or {i: layer i}."""
+        return nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+
     # -- training / scoring
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                       subtree_end: jax.Array | None = None) -> jax.Array:
         """Final normed hidden states [B, L, D] of packed rows (see `__call__`)."""
         _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
-        mask = attention_mask(segment_ids, subtree_end)
+        c = self.config
+        backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
+        mask = AttentionMask.packed(segment_ids, subtree_end)
+        if backend == "dense":
+            mask = mask.dense()
         inv_freq = self._inv_freq()
+
+        def layer(w, x, positions, inv_freq, mask):
+            return block_apply(c, w, x, positions, inv_freq, mask, backend)[0]
+
+        if c.remat != "none":
+            layer = jax.checkpoint(layer, policy=_POLICIES[c.remat],
+                                   prevent_cse=not c.scan_layers)
         x = self.embed(tokens)
-        call = _remat_block_call if self.config.remat else _block_call
-        for block in self.layers:
-            x = call(block, x, positions, mask, inv_freq)
+        params = self._layer_params()
+        if c.scan_layers:
+            x, _ = jax.lax.scan(lambda x, w: (layer(w, x, positions, inv_freq, mask), None),
+                                x, params)
+        else:
+            for i in range(c.num_layers):
+                x = layer(params[i], x, positions, inv_freq, mask)
         return self.norm(x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
@@ -293,10 +173,9 @@ class Decoder(nnx.Module):
         pass it through `jax.jit` and donate it to update in place.
         """
         c = self.config
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
         dt = c.dtype if dtype is None else dtype
-        zeros = tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers))
-        return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)))
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
                logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -317,29 +196,45 @@ class Decoder(nnx.Module):
         everything else.
         """
         _check_2d(tokens=tokens, positions=positions)
-        if len(cache.k) != self.config.num_layers:
-            raise ValueError(f"decode: cache has {len(cache.k)} layers, model has "
-                             f"{self.config.num_layers}")
+        c = self.config
+        want = (c.num_layers, c.num_kv_heads * c.head_dim)
+        if (cache.num_layers, cache.k.shape[3]) != want:
+            raise ValueError(f"decode: cache has {cache.num_layers} layers x {cache.k.shape[3]} "
+                             f"kv features, model has {want[0]} x {want[1]}; build it with "
+                             "model.init_cache")
         if cache.batch != tokens.shape[0]:
             raise ValueError(f"decode: cache batch {cache.batch} != tokens batch "
                              f"{tokens.shape[0]}")
         S = cache.max_len
         positions = positions.astype(jnp.int32)
-        valid = positions >= 0
-        slots = jnp.where(valid, positions, S)  # S is out of bounds: the write is dropped
-        mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+        slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
+        backend = self._backend("decode", tokens.shape[1])
+        mask = AttentionMask.decode(positions, S)
+        if backend == "dense":
+            mask = mask.dense()
         rope_pos = jnp.maximum(positions, 0)
         inv_freq = self._inv_freq()
+        layer = functools.partial(block_apply, c, rope_pos=rope_pos, inv_freq=inv_freq,
+                                  mask=mask, backend=backend)
         x = self.embed(tokens)
-        new_k, new_v = [], []
-        for i, block in enumerate(self.layers):
-            x, (k, v) = block(x, rope_pos, mask, inv_freq, (cache.k[i], cache.v[i]), slots)
-            new_k.append(k)
-            new_v.append(v)
+        params = self._layer_params()
+        ck, cv = cache.k, cache.v
+        if c.scan_layers:
+            def body(carry, xs):
+                x, ck, cv = carry
+                w, i = xs
+                x, (ck, cv, _, _) = layer(w, x, cache=(ck, cv, i, slots))
+                return (x, ck, cv), None
+
+            (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv),
+                                          (params, jnp.arange(c.num_layers)))
+        else:
+            for i in range(c.num_layers):
+                x, (ck, cv, _, _) = layer(params[i], x, cache=(ck, cv, i, slots))
         x = self.norm(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
-        return self.logits(x), KVCache(k=tuple(new_k), v=tuple(new_v))
+        return self.logits(x), KVCache(k=ck, v=cv)
 
 
 def _check_2d(**arrays):

@@ -2,7 +2,9 @@
 
 Reads and writes with the `safetensors` numpy API (no torch). Our matrices
 are [in, out]; HF's are [out, in], so 2-D weights other than the embedding
-are transposed on the way. Tied models carry no `lm_head.weight`.
+are transposed on the way. Tied models carry no `lm_head.weight`. A model
+with stacked layers (`scan_layers=True`) reads and writes the same per-layer
+HF tensors (`model.layers.{i}...`): stacking is internal.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def _transposed(path: tuple, ndim: int) -> bool:
     return ndim == 2 and path[-1] != "embed_tokens"
 
 
+def _per_layer(key: tuple, config: DecoderConfig) -> list[tuple]:
+    """The per-layer param paths a model param `key` holds: itself, or one per
+    layer when the layers are stacked."""
+    if config.scan_layers and key[0] == "layers":
+        return [("layers", i, *key[1:]) for i in range(config.num_layers)]
+    return [key]
+
+
 def _abstract(config: DecoderConfig):
     return nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
 
@@ -63,18 +73,21 @@ def _read_tensors(path: str) -> dict[str, Any]:
     return readers
 
 
-def load_hf_checkpoint(path: str, dtype: Any = jnp.float32,
-                       param_dtype: Any = None) -> tuple[Decoder, DecoderConfig]:
+def load_hf_checkpoint(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
+                       **runtime) -> tuple[Decoder, DecoderConfig]:
     """Builds a Decoder from a local HF directory (config.json + safetensors).
 
     `dtype` is the compute dtype; weights are stored in `param_dtype`
-    (default: `dtype`). Sharded checkpoints (with an index) are read too.
+    (default: `dtype`). `runtime` sets DecoderConfig's runtime fields
+    (scan_layers, remat, attention_backend, attention_block). Sharded
+    checkpoints (with an index) are read too.
     """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
     with open(cfg_path) as f:
-        config = DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype)
+        config = DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype,
+                                              **runtime)
     where = _read_tensors(path)
     graphdef, state = _abstract(config)
     flat = nnx.to_flat_state(state)
@@ -82,18 +95,23 @@ def load_hf_checkpoint(path: str, dtype: Any = jnp.float32,
     leaves = []
     try:
         for key, var in flat:
-            name = _hf_name(key)
-            if name not in where:
-                raise KeyError(f"load_hf_checkpoint: tensor {name!r} missing from {path}")
-            fname = where[name]
-            if fname not in handles:
-                handles[fname] = safe_open(fname, framework="np").__enter__()
-            arr = handles[fname].get_tensor(name)
-            if _transposed(key, arr.ndim):
-                arr = arr.T
-            if arr.shape != var.shape:
-                raise ValueError(f"load_hf_checkpoint: {name} has shape {arr.shape}, "
-                                 f"config expects {var.shape}")
+            layer_keys = _per_layer(key, config)
+            want = tuple(var.shape[1:] if len(layer_keys) > 1 else var.shape)
+            parts = []
+            for layer_key in layer_keys:
+                name = _hf_name(layer_key)
+                if name not in where:
+                    raise KeyError(f"load_hf_checkpoint: tensor {name!r} missing from {path}")
+                fname = where[name]
+                if fname not in handles:
+                    handles[fname] = safe_open(fname, framework="np").__enter__()
+                arr = handles[fname].get_tensor(name)
+                arr = arr.T if _transposed(layer_key, arr.ndim) else arr
+                if arr.shape != want:
+                    raise ValueError(f"load_hf_checkpoint: {name} has shape {arr.shape}, "
+                                     f"config expects {want}")
+                parts.append(arr)
+            arr = parts[0] if len(parts) == 1 else np.stack(parts)
             leaves.append((key, var.replace(jnp.asarray(arr, dtype=var.dtype))))
     finally:
         for h in handles.values():
@@ -107,7 +125,11 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     out = {}
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         arr = np.asarray(jax.device_get(var[...]))
-        out[_hf_name(key)] = np.ascontiguousarray(arr.T if _transposed(key, arr.ndim) else arr)
+        layer_keys = _per_layer(key, model.config)
+        arrays = [arr] if len(layer_keys) == 1 else list(arr)
+        for layer_key, a in zip(layer_keys, arrays):
+            out[_hf_name(layer_key)] = np.ascontiguousarray(
+                a.T if _transposed(layer_key, a.ndim) else a)
     return out
 
 

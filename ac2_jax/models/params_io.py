@@ -5,6 +5,10 @@ params only (item "params", step = policy version). Orbax writes each step
 into a temporary directory and renames it when complete, and lists only
 finalized steps, so a reader (`latest_published`, `load_published`) never
 sees a half-written step. The manager keeps the newest `keep` steps.
+
+Params are saved in the model's own layer layout; restoring converts a
+checkpoint of the other layout (stacked `scan_layers` <-> per-layer) on the
+way in, so a scanned learner can publish to a per-layer sampler and back.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import threading
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from ac2_jax.models.stacking import is_stacked, to_layout
 
 PARAMS = "params"  # the one item of a publish step
 
@@ -53,12 +59,27 @@ def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
     """Checks the saved tree (`meta`) against the model's params, then loads
     `restore(target)` into the model (target: ShapeDtypeStructs with shardings)."""
     state = nnx.state(model, nnx.Param)
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        nnx.to_pure_dict(state))
+    pure = nnx.to_pure_dict(state)
     meta = getattr(meta, "item_metadata", meta)  # StepMetadata wraps the TreeMetadata
-    _check_matches(getattr(meta, "tree", meta), target, where)
-    nnx.replace_by_pure_dict(state, restore(target))
+    saved = getattr(meta, "tree", meta)
+    stacked = is_stacked(pure)
+    saved_stacked = is_stacked(saved) if "layers" in pure and "layers" in saved else stacked
+    if saved_stacked == stacked:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None)), pure)
+        _check_matches(saved, target, where)
+        values = restore(target)
+    else:  # the other layer layout: restore replicated as saved, convert, place
+        first = jax.tree.leaves(pure)[0].sharding
+        rep = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+               if isinstance(first, jax.sharding.NamedSharding) else first)
+        other = jax.eval_shape(lambda p: to_layout(p, saved_stacked), pure)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                              other)
+        _check_matches(saved, target, where)
+        values = jax.tree.map(lambda v, x: jax.device_put(v, x.sharding),
+                              to_layout(restore(target), stacked), pure)
+    nnx.replace_by_pure_dict(state, values)
     nnx.update(model, state)
 
 

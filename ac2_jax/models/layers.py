@@ -1,0 +1,176 @@
+"""The decoder's layer: modules that hold params, pure functions that apply them.
+
+A `Block` holds one layer's params, or with `stack=n` all n layers' params
+stacked on a leading axis (sharding names get a leading None). The math is
+in pure functions of the params as a nested dict of arrays
+(`nnx.to_pure_dict` of a Block's state), so the decoder can run the layers
+in a Python loop or under `jax.lax.scan` with the same code.
+Weights are stored [in, out] (HF stores [out, in]; `hf_io` transposes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ac2_jax.models.attention import attention
+from ac2_jax.models.config import DecoderConfig
+
+
+def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None
+           ) -> nnx.Param:
+    """A Param annotated with mesh axis names (a leading None when stacked);
+    sharded now only if a mesh has those axes."""
+    if stack is not None:
+        shape, names = (stack, *shape), (None, *names)
+    value = init(rngs.params() if rngs is not None else None, shape, dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    eager = (not mesh.empty) and all(n is None or n in mesh.axis_names for n in names)
+    return nnx.Param(value, out_sharding=names, eager_sharding=eager)
+
+
+def _ones(_key, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2] (HF default, or llama3 scaling)."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = config.rope_scaling
+    if sc is not None and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old / lo, old / hi
+        scaled = np.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x [B, L, H, hd], positions [B, L]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rms_norm(weight: jax.Array, x: jax.Array, eps: float, dtype) -> jax.Array:
+    """x / rms(x) * weight over the last axis, computed in fp32 (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * xf.astype(dtype)
+
+
+def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """x [..., in] @ w [in, out] in the compute dtype."""
+    return jnp.einsum("...i,io->...o", x, w.astype(dtype))
+
+
+def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array,
+                    inv_freq: jax.Array, mask, backend: str, cache=None):
+    """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params.
+
+    mask: an AttentionMask or a dense [B, L, S] bool mask (see
+    `models.attention.attention`). cache: None, or (k, v, layer, slots): the
+    stacked caches [B, S, num_layers, K * hd], this layer's index and the slots
+    [B, L] its new keys / values go to first (index S drops a write); attention
+    then runs over the layer's whole cache. Returns (out [B, L, D], cache).
+    """
+    B, L, _ = x.shape
+    H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
+    q = _dot(x, w["q_proj"], dt).reshape(B, L, H, hd)
+    k = _dot(x, w["k_proj"], dt).reshape(B, L, K, hd)
+    v = _dot(x, w["v_proj"], dt).reshape(B, L, K, hd)
+    if c.qk_norm:
+        q = rms_norm(w["q_norm"]["weight"], q, c.rms_eps, dt)
+        k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
+    q, k = apply_rope(q, rope_pos, inv_freq), apply_rope(k, rope_pos, inv_freq)
+    if cache is not None:
+        ck, cv, layer, slots = cache
+        rows = jnp.arange(B)[:, None]
+        ck = ck.at[rows, slots, layer].set(k.reshape(B, L, K * hd).astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, slots, layer].set(v.reshape(B, L, K * hd).astype(cv.dtype), mode="drop")
+        S = ck.shape[1]
+        k = jax.lax.dynamic_index_in_dim(ck, layer, axis=2, keepdims=False).reshape(B, S, K, hd)
+        v = jax.lax.dynamic_index_in_dim(cv, layer, axis=2, keepdims=False).reshape(B, S, K, hd)
+        cache = (ck, cv, layer, slots)
+    out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
+                    block=c.attention_block)
+    return _dot(out.reshape(B, L, H * hd), w["o_proj"], dt), cache
+
+
+def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU: down(silu(gate x) * up x). x [B, L, D]; w: the `mlp` params."""
+    g, u = _dot(x, w["gate_proj"], c.dtype), _dot(x, w["up_proj"], c.dtype)
+    return _dot(jax.nn.silu(g) * u, w["down_proj"], c.dtype)
+
+
+def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array,
+                inv_freq: jax.Array, mask, backend: str, cache=None):
+    """One pre-norm layer: x + attn(norm x), then + mlp(norm x). w: a Block's params
+    (one layer); x [B, L, D] in the compute dtype. Returns (x, cache)."""
+    h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
+    a, cache = attention_apply(c, w["self_attn"], h, rope_pos, inv_freq, mask, backend, cache)
+    x = x + a
+    h = rms_norm(w["post_attention_layernorm"]["weight"], x, c.rms_eps, c.dtype)
+    return x + mlp_apply(c, w["mlp"], h), cache
+
+
+# ----------------------------------------------------------------------------- modules
+
+class RMSNorm(nnx.Module):
+    """Holds the norm weight [dim] ([stack, dim] when stacked)."""
+
+    def __init__(self, dim: int, eps: float, dtype, param_dtype, stack: int | None = None):
+        self.eps, self.dtype = eps, dtype
+        self.weight = _param(None, _ones, (dim,), param_dtype, (None,), stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(self.weight[...], x, self.eps, self.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+        init = nnx.initializers.normal(c.initializer_range)
+        D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.param_dtype
+        self.q_proj = _param(rngs, init, (D, H * hd), pd, ("fsdp", "tensor"), stack)
+        self.k_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"), stack)
+        self.v_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"), stack)
+        self.o_proj = _param(rngs, init, (H * hd, D), pd, ("tensor", "fsdp"), stack)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
+            self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
+
+
+class MLP(nnx.Module):
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+        init = nnx.initializers.normal(c.initializer_range)
+        D, F, pd = c.hidden_size, c.intermediate_size, c.param_dtype
+        self.gate_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"), stack)
+        self.up_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"), stack)
+        self.down_proj = _param(rngs, init, (F, D), pd, ("tensor", "fsdp"), stack)
+
+
+class Block(nnx.Module):
+    """One layer's params, or `stack` layers' params stacked on a leading axis."""
+
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack)
+        self.self_attn = Attention(c, rngs, stack)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype,
+                                                c.param_dtype, stack)
+        self.mlp = MLP(c, rngs, stack)
