@@ -1,0 +1,222 @@
+"""A real-size policy on one machine: peak RSS and time of one train step, side by side.
+
+Each case runs in its own child process (peak RSS = the child's ru_maxrss):
+
+* ``jax_rl``: one RL step (PolicyGradientLoss: PPO clip + TIS, task_mean,
+  AdamW, fp32) on one packed row of ``tokens`` tokens, from a random HF
+  checkpoint of the preset (experiments/configs/qwen3.py: Qwen3-0.6B shape by
+  default) loaded with the preset's runtime choices (scanned layers, remat,
+  block-sparse attention) and chunked log-probs (``--chunk``).
+* ``jax_opsd``: one OPSD step (reverse KL to the live teacher, which runs
+  inside the step on a prompt with a 32-token hint), same settings.
+* ``torch``: transformers + torch, the same checkpoint, one step of
+  cross-entropy + AdamW in fp32 on the same tokens (the loss torch users
+  run; no PPO terms).
+* ``jax_decode``: the JaxSampler at batch ``--decode_batch``: output tokens/s.
+
+Peak RSS is the child's VmHWM (its own address space).
+
+    python -m benchmarks.bench_real_size --tokens 1024,4096 --cases jax_rl,jax_opsd,torch
+    python -m benchmarks.bench_real_size --variant tiny --tokens 64   (a smoke run)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from benchmarks.common import parser, print_table, write_json  # noqa: E402
+
+CASES = ("jax_rl", "jax_opsd", "torch", "jax_decode")
+
+
+def _tokens(n: int, vocab: int, seed: int = 0):
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int) -> dict:
+    import jax
+    import numpy as np
+
+    from ac2_jax.segments import Segment, pack_segments
+    from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, create_train_state,
+                                  make_train_step)
+    from ac2_jax.training.distill.data import DistillExample, pack_pairs
+    from ac2_jax.training.distill.loss import DistillLoss, teacher_extras
+    from experiments.configs import qwen3
+    from experiments.real_size import load_preset
+
+    t0 = time.perf_counter()
+    model, config = load_preset(qwen3.get_config(variant), ckpt)
+    load_s = time.perf_counter() - t0
+    opt = OptimizerConfig(learning_rate=1e-6, weight_decay=0.1, clip_norm=1.0)
+    graphdef, state = create_train_state(model, opt)
+    del model
+    ids = _tokens(n, config.vocab_size)
+    if case == "jax_rl":
+        half = n // 2
+        seg = Segment(ids, np.r_[np.zeros(half), np.ones(n - half)], np.full(n, -1.0),
+                      task="t0", advantage=1.0)
+        batch, extras = pack_segments([seg], n), None
+        loss = PolicyGradientLoss(mode="task_mean", chunk_size=chunk or None)
+    else:
+        hint = _tokens(32, config.vocab_size, seed=1).tolist()
+        # Student: prompt (n/4) + response; teacher: 32 hint tokens + the same; <= n each.
+        prompt, resp = ids[: n // 4].tolist(), ids[n // 4: n - 32].tolist()
+        ex = DistillExample(prompt, hint + prompt, resp, "hint", "t0", hint_span=(0, 32))
+        paired = pack_pairs([ex], n)
+        batch, extras = paired.student, teacher_extras(paired)
+        loss = DistillLoss(mode="task_mean", chunk_size=chunk or None)
+    step = make_train_step(graphdef, loss, opt)
+    state = step.place(state)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        state, m = step(state, batch, extras)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[1],
+            "loss": float(m["loss"]), "config": {k: str(getattr(config, k)) for k in (
+                "scan_layers", "remat", "attention_backend", "dtype")}}
+
+
+def _torch_step(ckpt: str, n: int) -> dict:
+    import torch
+    import transformers
+
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    load_s = time.perf_counter() - t0
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
+    ids = torch.from_numpy(_tokens(n, model.config.vocab_size).astype("int64"))[None]
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[1],
+            "loss": float(loss.detach()), "torch_threads": torch.get_num_threads()}
+
+
+def _decode(ckpt: str, variant: str, batch: int, new_tokens: int) -> dict:
+    import asyncio
+
+    from ac2_jax.sampling import JaxSampler, SamplingParams
+    from experiments.configs import qwen3
+    from experiments.real_size import load_preset
+
+    model, config = load_preset(qwen3.get_config(variant), ckpt)
+    sampler = JaxSampler(model, max_batch=batch, max_context=1024, seed=0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0)
+
+    async def run():
+        prompts = [_tokens(64, config.vocab_size, seed=i).tolist() for i in range(batch)]
+        return await asyncio.gather(*(sampler.generate(p, params) for p in prompts))
+
+    try:
+        asyncio.run(run())  # compiles
+        t0 = time.perf_counter()
+        out = asyncio.run(run())
+        wall = time.perf_counter() - t0
+    finally:
+        sampler.close()
+    toks = sum(len(r.output_ids) for r in out)
+    return {"step_s": wall, "tokens_per_s": toks / wall, "output_tokens": toks}
+
+
+def child(args) -> dict:
+    if args.case == "torch":
+        out = _torch_step(args.ckpt, args.n)
+    elif args.case == "jax_decode":
+        out = _decode(args.ckpt, args.variant, args.decode_batch, args.decode_tokens)
+    else:
+        out = _jax_step(args.case, args.ckpt, args.variant, args.n, args.chunk)
+    out["peak_rss_gb"] = peak_rss_bytes() / 1e9
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: VmHWM (per address space, so reset by exec; ru_maxrss
+    is not, and would report a larger parent's peak), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(argv=None):
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--variant", default="default", help="experiments/configs/qwen3.py variant")
+    p.add_argument("--tokens", default="1024,4096")
+    p.add_argument("--cases", default="jax_rl,jax_opsd,torch")
+    p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (0: dense logits)")
+    p.add_argument("--decode_batch", type=int, default=8)
+    p.add_argument("--decode_tokens", type=int, default=32)
+    p.add_argument("--ckpt", default=None, help="an HF checkpoint dir (default: write one)")
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--child", default=None, help=argparse_hidden())
+    p.add_argument("--case", default=None, help=argparse_hidden())
+    p.add_argument("--n", type=int, default=0, help=argparse_hidden())
+    args = p.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return None
+    from experiments.configs import qwen3
+    from experiments.real_size import write_random_checkpoint
+
+    tmp = tempfile.TemporaryDirectory()
+    ckpt = args.ckpt or write_random_checkpoint(qwen3.get_config(args.variant).shape,
+                                                os.path.join(tmp.name, "ckpt"))
+    rows = []
+    for case in args.cases.split(","):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}; choose from {CASES}")
+        for n in ([0] if case == "jax_decode" else [int(x) for x in args.tokens.split(",")]):
+            cmd = [sys.executable, "-m", "benchmarks.bench_real_size", "--child", "1",
+                   "--case", case, "--n", str(n), "--ckpt", ckpt, "--variant", args.variant,
+                   "--chunk", str(args.chunk), "--decode_batch", str(args.decode_batch),
+                   "--decode_tokens", str(args.decode_tokens)]
+            row = {"case": case, "tokens": n or None}
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+                if r.returncode == 0 and line:
+                    row.update(json.loads(line[-1][7:]))
+                else:  # e.g. killed for memory (-9): recorded, not hidden
+                    row["error"] = f"exit {r.returncode}: {(r.stderr or '')[-300:]}"
+            except subprocess.TimeoutExpired:
+                row["error"] = f"timeout after {args.timeout}s"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print_table(rows, ["case", "tokens", "peak_rss_gb", "first_step_s", "step_s", "loss",
+                       "tokens_per_s", "error"])
+    write_json(args.out, {"benchmark": "real_size", "variant": args.variant,
+                          "chunk": args.chunk, "rows": rows})
+    tmp.cleanup()
+    return rows
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
