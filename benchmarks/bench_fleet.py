@@ -108,14 +108,16 @@ async def rl_steps(cfg, hf_dir: str, n_backends: int, workdir: str) -> dict:
         trainer.close()
         status = sampler.status() if hasattr(sampler, "status") else None
     finally:
-        await lifecycle.aclose()
-        stop()
-        if n_backends == 0:
-            sampler.close()
-        else:
-            await sampler.aclose()
-        for p in procs:
-            p.kill()
+        try:
+            await lifecycle.aclose()
+            stop()
+            if n_backends == 0:
+                sampler.close()
+            else:
+                await sampler.aclose()
+        finally:  # the backend processes go whatever happened above
+            for p in procs:
+                p.kill()
     steady = [h["time_step_s"] for h in history[1:]]
     mean = statistics.mean(steady) if steady else None
     return {
