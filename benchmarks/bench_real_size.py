@@ -42,7 +42,7 @@ def _tokens(n: int, vocab: int, seed: int = 0):
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 
 
-def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int) -> dict:
+def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int) -> dict:
     import jax
     import numpy as np
 
@@ -78,17 +78,17 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int) -> dict:
     step = make_train_step(graphdef, loss, opt)
     state = step.place(state)
     times = []
-    for _ in range(2):
+    for _ in range(steps):
         t0 = time.perf_counter()
         state, m = step(state, batch, extras)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[1],
+    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[-1] if steps > 1 else None,
             "loss": float(m["loss"]), "config": {k: str(getattr(config, k)) for k in (
                 "scan_layers", "remat", "attention_backend", "dtype")}}
 
 
-def _torch_step(ckpt: str, n: int) -> dict:
+def _torch_step(ckpt: str, n: int, steps: int) -> dict:
     import torch
     import transformers
 
@@ -99,7 +99,7 @@ def _torch_step(ckpt: str, n: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     ids = torch.from_numpy(_tokens(n, model.config.vocab_size).astype("int64"))[None]
     times = []
-    for _ in range(2):
+    for _ in range(steps):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -107,7 +107,7 @@ def _torch_step(ckpt: str, n: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[1],
+    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[-1] if steps > 1 else None,
             "loss": float(loss.detach()), "torch_threads": torch.get_num_threads()}
 
 
@@ -139,11 +139,11 @@ def _decode(ckpt: str, variant: str, batch: int, new_tokens: int) -> dict:
 
 def child(args) -> dict:
     if args.case == "torch":
-        out = _torch_step(args.ckpt, args.n)
+        out = _torch_step(args.ckpt, args.n, args.steps)
     elif args.case == "jax_decode":
         out = _decode(args.ckpt, args.variant, args.decode_batch, args.decode_tokens)
     else:
-        out = _jax_step(args.case, args.ckpt, args.variant, args.n, args.chunk)
+        out = _jax_step(args.case, args.ckpt, args.variant, args.n, args.chunk, args.steps)
     out["peak_rss_gb"] = peak_rss_bytes() / 1e9
     return out
 
@@ -171,6 +171,7 @@ def main(argv=None):
     p.add_argument("--decode_tokens", type=int, default=32)
     p.add_argument("--ckpt", default=None, help="an HF checkpoint dir (default: write one)")
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--steps", type=int, default=2, help="train steps per case (the first compiles)")
     p.add_argument("--child", default=None, help=argparse_hidden())
     p.add_argument("--case", default=None, help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())
@@ -191,7 +192,7 @@ def main(argv=None):
         for n in ([0] if case == "jax_decode" else [int(x) for x in args.tokens.split(",")]):
             cmd = [sys.executable, "-m", "benchmarks.bench_real_size", "--child", "1",
                    "--case", case, "--n", str(n), "--ckpt", ckpt, "--variant", args.variant,
-                   "--chunk", str(args.chunk), "--decode_batch", str(args.decode_batch),
+                   "--chunk", str(args.chunk), "--steps", str(args.steps), "--decode_batch", str(args.decode_batch),
                    "--decode_tokens", str(args.decode_tokens)]
             row = {"case": case, "tokens": n or None}
             try:
