@@ -125,10 +125,11 @@ def test_grad_accum_2_equals_full_batch(batch, reference):
 
 
 def test_chunked_loss_step_equals_dense(batch, reference):
-    """chunk_size=6 (rows of 16: 3 chunks of 16 x 6 positions, the last one padded): the
-    same update."""
+    """chunk_size=6 (rows of 16: 3 chunks of rows x 6 positions, the last one padded), on
+    a (data=4, fsdp=2) mesh with grad_accum=2: the same update as the dense single device."""
     chunked = dataclasses.replace(LOSS, chunk_size=6)
-    assert_same_update(reference, run_step(batch, chunked))
+    assert_same_update(reference, run_step(batch, chunked, mesh=make_mesh(data=4, fsdp=2),
+                                           grad_accum=2))
     graphdef, state = fresh()
     step = make_train_step(graphdef, chunked, OPT)
     np.testing.assert_allclose(step.logprobs(state, batch),
