@@ -45,11 +45,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from ac2_jax.models.attention import attention, choose_backend  # noqa: F401  (re-export)
+from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.layers import (RMSNorm, Block, _param, apply_rope,  # noqa: F401
-                                   block_apply, rope_inv_freq)
+from ac2_jax.models.layers import Block, RMSNorm, _param, apply_rope, block_apply, rope_inv_freq
+
+# attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
+__all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
 
 _POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
