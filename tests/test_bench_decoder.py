@@ -13,7 +13,7 @@ from benchmarks import bench_decoder
 def test_toy_run_reports_compiles_and_tile_counts(tmp_path):
     out = tmp_path / "decoder.json"
     res = bench_decoder.main([
-        "--layers=2", "--hidden=16", "--compile_seq_len=16", "--seq_len=64", "--segments=4",
+        "--layers=1", "--hidden=16", "--compile_seq_len=16", "--seq_len=64", "--segments=4",
         "--block=16", "--heads", "2", "1", "8", "--repeats=1", "--remats", "none",
         "--layouts", "scan", "--parity", "tiny",
         "--rows", "segmented", "--out", str(out)])

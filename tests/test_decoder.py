@@ -275,18 +275,19 @@ def test_scanned_layers_equal_per_layer(model):
     np.testing.assert_allclose(forward(scanned, tokens, pos, seg),
                                forward(model, tokens, pos, seg), atol=1e-5, rtol=0)
     assert_close_trees(flat_grads(scanned), flat_grads(model), atol=1e-5)
-    cache = model.init_cache(B, S)
     step_tok = jnp.asarray([[3], [5], [7]], jnp.int32)
     prompt_pos = jnp.tile(jnp.arange(T), (B, 1)).at[1, 6:].set(-1)
     for m in (model, scanned):
-        logits, c = decode(m, tokens[:B, :T], prompt_pos, cache)
+        logits, c = decode(m, tokens[:B, :T], prompt_pos, m.init_cache(B, S))
         step, c = decode(m, step_tok, jnp.asarray([[T], [6], [T]]), c)
         if m is model:
             ref = (logits, step, c)
     np.testing.assert_allclose(logits, ref[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(step, ref[1], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(c.k, ref[2].k, atol=1e-5, rtol=0)
     assert c.k.shape == (B, S, 2, 2 * 8)  # [batch, max_len, layers, kv heads x head_dim]
+    for i in range(2):  # the same keys as the per-layer cache's
+        np.testing.assert_allclose(c.k[:, :, i], ref[2].k[i].reshape(B, S, 16), atol=1e-5,
+                                   rtol=0)
 
 
 def test_blocksparse_attention_in_the_decoder_equals_dense(model):
@@ -358,6 +359,9 @@ def test_bad_inputs(model):
         DecoderConfig.tiny(V, attention_backend="flash")
     with pytest.raises(ValueError, match="attention_block"):
         DecoderConfig.tiny(V, attention_block=12)
-    with pytest.raises(ValueError, match="layers"):  # a cache of another model
+    with pytest.raises(ValueError, match="per-layer with 3 layers"):  # another model's cache
         model.decode(jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                      Decoder(DecoderConfig.tiny(V, num_layers=3)).init_cache(2, 8))
+    with pytest.raises(ValueError, match="cache is stacked"):
+        model.decode(jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+                     with_layout(model, True).init_cache(2, 8))

@@ -45,36 +45,45 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from ac2_jax.models.attention import attention, choose_backend  # noqa: F401  (re-export)
+from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.layers import (RMSNorm, Block, _param, apply_rope,  # noqa: F401
-                                   block_apply, rope_inv_freq)
+from ac2_jax.models.layers import Block, RMSNorm, _param, apply_rope, block_apply, rope_inv_freq
+
+# attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
+__all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
 
 _POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer, each [batch, max_len, num_layers, num_kv_heads * head_dim].
+    """Keys and values of every layer. Slot p of row b holds the keys / values of that
+    row's token at position p; every leaf is [batch, max_len, ...].
 
-    Slot p of row b holds the keys / values of that row's token at position p.
+    Per-layer models: k, v are tuples of num_layers arrays [B, S, K, hd]. Scanned
+    models: k, v are single arrays [B, S, num_layers, K * hd], carried through the
+    layer scan.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple | jax.Array
+    v: tuple | jax.Array
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
 
     @property
     def batch(self) -> int:
-        return self.k.shape[0]
+        return jax.tree.leaves(self.k)[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[1]
+        return jax.tree.leaves(self.k)[0].shape[1]
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] if self.stacked else len(self.k)
 
 
 class Decoder(nnx.Module):
@@ -173,9 +182,13 @@ class Decoder(nnx.Module):
         pass it through `jax.jit` and donate it to update in place.
         """
         c = self.config
-        shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
         dt = c.dtype if dtype is None else dtype
-        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+        if c.scan_layers:
+            shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
+            return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+                       v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)))
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
                logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -197,10 +210,11 @@ class Decoder(nnx.Module):
         """
         _check_2d(tokens=tokens, positions=positions)
         c = self.config
-        want = (c.num_layers, c.num_kv_heads * c.head_dim)
-        if (cache.num_layers, cache.k.shape[3]) != want:
-            raise ValueError(f"decode: cache has {cache.num_layers} layers x {cache.k.shape[3]} "
-                             f"kv features, model has {want[0]} x {want[1]}; build it with "
+        if cache.stacked != c.scan_layers or cache.num_layers != c.num_layers:
+            layout = lambda stacked: "stacked" if stacked else "per-layer"  # noqa: E731
+            raise ValueError(f"decode: cache is {layout(cache.stacked)} with "
+                             f"{cache.num_layers} layers, the model wants "
+                             f"{layout(c.scan_layers)} with {c.num_layers}; build it with "
                              "model.init_cache")
         if cache.batch != tokens.shape[0]:
             raise ValueError(f"decode: cache batch {cache.batch} != tokens batch "
@@ -210,8 +224,10 @@ class Decoder(nnx.Module):
         slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
         backend = self._backend("decode", tokens.shape[1])
         mask = AttentionMask.decode(positions, S)
-        if backend == "dense":
-            mask = mask.dense()
+        if backend == "dense":  # = mask.dense(); written as before, so the compiled step
+            # (and its fp32 rounding) is unchanged for the sampler
+            mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & (positions >= 0)[
+                :, :, None]
         rope_pos = jnp.maximum(positions, 0)
         inv_freq = self._inv_freq()
         layer = functools.partial(block_apply, c, rope_pos=rope_pos, inv_freq=inv_freq,
@@ -219,18 +235,22 @@ class Decoder(nnx.Module):
         x = self.embed(tokens)
         params = self._layer_params()
         ck, cv = cache.k, cache.v
-        if c.scan_layers:
-            def body(carry, xs):
-                x, ck, cv = carry
+        if c.scan_layers:  # layers read the cache; their new keys / values are written after
+            def body(x, xs):
                 w, i = xs
-                x, (ck, cv, _, _) = layer(w, x, cache=(ck, cv, i, slots))
-                return (x, ck, cv), None
+                x, (k_new, v_new, _, _) = layer(w, x, cache=(ck, cv, i, slots))
+                return x, (k_new, v_new)
 
-            (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv),
-                                          (params, jnp.arange(c.num_layers)))
+            x, (k_new, v_new) = jax.lax.scan(body, x, (params, jnp.arange(c.num_layers)))
+            rows = jnp.arange(tokens.shape[0])[None, :, None]
+            at = (rows, slots[None], jnp.arange(c.num_layers)[:, None, None])
+            ck = ck.at[at].set(k_new, mode="drop")  # [layers, B, T, F] into [B, S, layers, F]
+            cv = cv.at[at].set(v_new, mode="drop")
         else:
+            ck, cv = list(ck), list(cv)
             for i in range(c.num_layers):
-                x, (ck, cv, _, _) = layer(params[i], x, cache=(ck, cv, i, slots))
+                x, (ck[i], cv[i], _, _) = layer(params[i], x, cache=(ck[i], cv[i], None, slots))
+            ck, cv = tuple(ck), tuple(cv)
         x = self.norm(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]

@@ -85,10 +85,15 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array
     """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params.
 
     mask: an AttentionMask or a dense [B, L, S] bool mask (see
-    `models.attention.attention`). cache: None, or (k, v, layer, slots): the
-    stacked caches [B, S, num_layers, K * hd], this layer's index and the slots
-    [B, L] its new keys / values go to first (index S drops a write); attention
-    then runs over the layer's whole cache. Returns (out [B, L, D], cache).
+    `models.attention.attention`). cache: None, or (k, v, layer, slots) with
+    the slots [B, L] of the new keys / values (index S drops a write);
+    attention runs over the layer's whole cache with them written in.
+    Per-layer (layer None): k, v are this layer's caches [B, S, K, hd] and come
+    back updated. Stacked: k, v are all layers' caches [B, S, num_layers,
+    K * hd], read only; layer is this layer's index, and the new keys / values
+    [B, L, K * hd] come back in their place (the caller writes them once for
+    all layers: a loop-carried cache would be copied per layer).
+    Returns (out [B, L, D], cache).
     """
     B, L, _ = x.shape
     H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
@@ -102,11 +107,17 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array
     if cache is not None:
         ck, cv, layer, slots = cache
         rows = jnp.arange(B)[:, None]
-        ck = ck.at[rows, slots, layer].set(k.reshape(B, L, K * hd).astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, slots, layer].set(v.reshape(B, L, K * hd).astype(cv.dtype), mode="drop")
-        S = ck.shape[1]
-        k = jax.lax.dynamic_index_in_dim(ck, layer, axis=2, keepdims=False).reshape(B, S, K, hd)
-        v = jax.lax.dynamic_index_in_dim(cv, layer, axis=2, keepdims=False).reshape(B, S, K, hd)
+        if layer is None:
+            ck = ck.at[rows, slots].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, slots].set(v.astype(cv.dtype), mode="drop")
+            k, v = ck, cv
+        else:
+            S = ck.shape[1]
+            k_new, v_new = (x.reshape(B, L, K * hd).astype(ck.dtype) for x in (k, v))
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, 2, keepdims=False)
+                    .at[rows, slots].set(new, mode="drop").reshape(B, S, K, hd)
+                    for c, new in ((ck, k_new), (cv, v_new)))
+            ck, cv = k_new, v_new
         cache = (ck, cv, layer, slots)
     out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
                     block=c.attention_block)
