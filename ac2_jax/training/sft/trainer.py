@@ -42,6 +42,7 @@ class SFTConfig:
     truncate: bool = False
     layout: str = "flat"  # "tree": shared prefixes (system prompt, tools) computed once
     mode: str = "task_mean"
+    chunk_size: int | None = None  # log-probs chunk_size positions at a time (None: dense)
     grad_accum: int = 1
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
@@ -198,7 +199,7 @@ def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = 
     data = SFTData(segments, config.seq_len, config.batch_rows, seed=config.seed,
                    shuffle=config.shuffle, truncate=config.truncate, layout=config.layout)
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
-    trainer = Trainer(graphdef, state, SFTLoss(mode=config.mode), optimizer, workdir=workdir,
+    trainer = Trainer(graphdef, state, SFTLoss(mode=config.mode, chunk_size=config.chunk_size), optimizer, workdir=workdir,
                       checkpoint_every=config.checkpoint_every,
                       keep_checkpoints=config.keep_checkpoints,
                       hooks=_SFTHooks(config, len(data.segments), log), mode=mode, mesh=mesh,
