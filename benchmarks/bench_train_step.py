@@ -61,15 +61,22 @@ def tokens(c: DecoderConfig, rows: int, seq_len: int, seed: int = 0) -> np.ndarr
     return np.random.default_rng(seed).integers(0, c.vocab_size, (rows, seq_len)).astype(np.int32)
 
 
-def bench_jax(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
+def jax_setup(c: DecoderConfig, rows: int, seq_len: int, donate: bool = True):
+    """(step, placed state, batch): the jitted SFT step of this benchmark, one
+    segment per row, AdamW + clipping (also profiled by benchmarks.profile_step)."""
     ids = tokens(c, rows, seq_len)
     segs = [Segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
             for i, r in enumerate(ids)]
     batch = pack_segments(segs, seq_len)
     opt = OptimizerConfig(learning_rate=LR, weight_decay=WD, clip_norm=CLIP, b2=0.999)
     graphdef, state = create_train_state(Decoder(c, rngs=nnx.Rngs(0)), opt)
-    step = make_train_step(graphdef, SFTLoss(mode="token_mean", entropy=False), opt)
-    state = step.place(state)
+    step = make_train_step(graphdef, SFTLoss(mode="token_mean", entropy=False), opt,
+                           donate=donate)
+    return step, step.place(state), batch
+
+
+def bench_jax(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
+    step, state, batch = jax_setup(c, rows, seq_len)
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)

@@ -37,11 +37,17 @@ from benchmarks.common import parser, print_table, write_json  # noqa: E402
 # (function name on the stack, category): first match from the innermost frame.
 CATEGORIES = [
     ("attention_mask", "attention mask"), ("segment_attention_mask", "attention mask"),
-    ("attention", "attention"), ("_decode_step_attention", "attention"),
+    ("AttentionMask.dense", "attention mask"), ("AttentionMask.packed", "attention mask"),
+    ("attention", "attention"), ("dense_attention", "attention"),
+    ("blocksparse_attention", "attention"), ("_decode_step_attention", "attention"),
     ("apply_rope", "rope"), ("Attention._proj", "qkv/out projections"),
-    ("Attention.__call__", "qkv/out projections"), ("MLP.__call__", "mlp"),
-    ("RMSNorm.__call__", "norms"), ("Decoder.logits", "lm head"),
-    ("token_logprobs", "log-probs (softmax over vocab)"), ("sampling_logits", "log-probs (softmax over vocab)"),
+    ("Attention.__call__", "qkv/out projections"), ("attention_apply", "qkv/out projections"),
+    ("MLP.__call__", "mlp"), ("mlp_apply", "mlp"),
+    ("RMSNorm.__call__", "norms"), ("rms_norm", "norms"), ("Decoder.logits", "lm head"),
+    ("LMHead.logits", "lm head"),
+    ("token_logprobs", "log-probs (softmax over vocab)"),
+    ("sampling_logits", "log-probs (softmax over vocab)"),
+    ("chunked_token_logprobs", "log-probs (softmax over vocab)"),
     ("Decoder.embed", "embedding"), ("loss_weights", "loss / weights"),
 ]
 _OPTAX = re.compile(r"optax")
@@ -149,27 +155,14 @@ def profile(fn, args, steps: int = 3) -> dict:
             "top_thunks": [(n, ms, info[n][0], info[n][2]) for n, ms in by_thunk.most_common(8)]}
 
 
-def train_step_case(size: str, loss: str = "sft"):
+def train_step_case(size: str):
     """(jitted step, args) for bench_train_step's size, one segment per row."""
-    from flax import nnx
-
-    from ac2_jax.models import Decoder
-    from ac2_jax.segments import Segment, pack_segments
-    from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step
-    from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens
+    from benchmarks.bench_train_step import SIZES, config_of, jax_setup
 
     c, (_, rows, seq_len) = config_of(size), SIZES[size]
-    ids = tokens(c, rows, seq_len)
-    segs = [Segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
-            for i, r in enumerate(ids)]
-    batch = pack_segments(segs, seq_len)
-    opt = OptimizerConfig(learning_rate=LR, weight_decay=WD, clip_norm=CLIP, b2=0.999)
-    graphdef, state = create_train_state(Decoder(c, rngs=nnx.Rngs(0)), opt)
-    step = make_train_step(graphdef, SFTLoss(mode="token_mean", entropy=False), opt,
-                           donate=False)
-    state = step.place(state)
+    step, state, batch = jax_setup(c, rows, seq_len, donate=False)
     step(state, batch)  # builds and compiles
-    return step._step, (state, batch, None), rows * seq_len
+    return step._step, (state, batch, None, None), rows * seq_len  # (state, batch, extras, teacher)
 
 
 def decode_case(size: str, batch: int = 16, chunk: int = 16):
