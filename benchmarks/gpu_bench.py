@@ -1,6 +1,13 @@
 """GPU benchmark: bf16 train-step MFU of a ~0.5B Qwen3-shaped decoder, and
 JaxSampler greedy decode tokens/s at batch 1 and 64 (one accelerator).
 
+`--preset 0.6b_gpu` (or 1.7b_gpu; experiments/configs/qwen3.py) runs the
+real-size presets instead: their shape, bf16 compute with fp32 master
+weights, scanned layers, remat and attention backend ("auto": cuDNN on GPU),
+chunked log-probs (`--chunk`), the train plan's rows x seq_len; the train
+section also reports the attention backend in use and the compiled step's
+temp memory with dense vs chunked log-probs.
+
 Train step: `make_train_step` + `PolicyGradientLoss()` (the RL defaults:
 PPO clip, TIS, entropy metric; task_mean) + AdamW, compute in bf16 with fp32
 master weights (`dtype=bfloat16, param_dtype=float32`), per-layer remat, on
@@ -63,7 +70,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--matmul_n", type=int, default=None, help="default 8192 (smoke: 256)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: "
                    "matmul,train,decode")
+    p.add_argument("--preset", default=None,
+                   help="a variant of experiments/configs/qwen3.py (e.g. 0.6b_gpu, 1.7b_gpu, "
+                        "tiny): its shape, dtypes, scan/remat/attention choices and train plan "
+                        "(rows x seq_len) replace the defaults; random weights, no checkpoint")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="log-probs chunk_size in the train step (default: 1024 with --preset, "
+                        "else dense); the step's compiled temp memory is reported dense vs chunked")
     a = p.parse_args(argv)
+    if a.preset:  # the preset's train plan (rows x seq_len) unless given
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        _, plan = preset_config(a)
+        if plan is not None:
+            a.rows = a.rows or plan["rows"]
+            a.seq_len = a.seq_len or plan["seq_len"]
+        if a.chunk is None:
+            a.chunk = 1024
     small = a.smoke
     for name, full, smoke in (("rows", 8, 2), ("seq_len", 2048, 128), ("steps", 10, 2),
                               ("prompt_len", 128, 16), ("new_tokens", 128, 16),
@@ -80,7 +102,32 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
+def preset_config(a):
+    """(DecoderConfig, train plan) of `--preset` (experiments/configs/qwen3.py)."""
+    import jax.numpy as jnp
+
+    from ac2_jax.models import DecoderConfig
+    from experiments.configs import qwen3
+    cfg = qwen3.get_config(a.preset)
+    hf = dict(cfg.shape.to_dict(), model_type="qwen3")
+    hf["rope_theta"] = hf.get("rope_parameters", {}).get("rope_theta", 1_000_000.0)
+    model = cfg.model.to_dict()
+    runtime = {k: v for k, v in model.items() if k not in ("dtype", "param_dtype")}
+    dc = DecoderConfig.from_hf_config(hf, dtype=jnp.dtype(model.get("dtype", "float32")),
+                                      param_dtype=jnp.dtype(model.get("param_dtype", "float32")),
+                                      **runtime)
+    return dc, (cfg.train.to_dict() if "train" in cfg else None)
+
+
+def preset_shape(dc) -> dict:
+    return dict(vocab_size=dc.vocab_size, hidden_size=dc.hidden_size,
+                intermediate_size=dc.intermediate_size, num_layers=dc.num_layers,
+                num_heads=dc.num_heads, num_kv_heads=dc.num_kv_heads, head_dim=dc.head_dim)
+
+
 def shape(a) -> dict:
+    if a.preset:
+        return preset_shape(preset_config(a)[0])
     s = dict(SMOKE if a.smoke else FULL)
     if a.vocab:
         s["vocab_size"] = a.vocab
@@ -144,15 +191,32 @@ def bench_train(a, s: dict) -> dict:
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, create_train_state,
                                   make_train_step, num_params)
-    cfg = DecoderConfig(**s, tie_embeddings=True, qk_norm=True, rope_theta=1_000_000.0,
-                        max_position_embeddings=max(4096, a.seq_len), dtype=jnp.bfloat16,
-                        param_dtype=jnp.float32, remat=not a.no_remat)
+    if a.preset:
+        cfg = preset_config(a)[0]
+        if a.no_remat:
+            cfg = cfg.replace(remat="none")
+    else:
+        cfg = DecoderConfig(**s, tie_embeddings=True, qk_norm=True, rope_theta=1_000_000.0,
+                            max_position_embeddings=max(4096, a.seq_len), dtype=jnp.bfloat16,
+                            param_dtype=jnp.float32, remat=not a.no_remat)
     batch = packed_batch(cfg.vocab_size, a.rows, a.seq_len, a.per_row)
     opt = OptimizerConfig(learning_rate=1e-5, weight_decay=0.1)
     t0 = time.perf_counter()
     graphdef, state = create_train_state(Decoder(cfg, rngs=nnx.Rngs(0)), opt)
-    step = make_train_step(graphdef, PolicyGradientLoss(), opt)
+    step = make_train_step(graphdef, PolicyGradientLoss(chunk_size=a.chunk), opt)
     state = step.place(state)
+    memory = {}
+    for name, chunk in (("dense", None), ("chunked", a.chunk or 1024)):
+        try:  # the compiled step's temp memory: what the chunked log-probs save
+            f = make_train_step(graphdef, PolicyGradientLoss(chunk_size=chunk), opt)
+            f._build(state)
+            ma = f._step.lower(state, batch, None, None).compile().memory_analysis()
+            memory[f"{name}_temp_GB"] = ma.temp_size_in_bytes / 1e9
+        except Exception as e:  # noqa: BLE001 - reported, the timed step still runs
+            memory[f"{name}_temp_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    from ac2_jax.models.attention import choose_backend
+    backend = choose_backend(cfg.attention_backend, kind="flat", q_len=a.seq_len,
+                             dtype=cfg.dtype, head_dim=cfg.head_dim, block=cfg.attention_block)
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -169,7 +233,9 @@ def bench_train(a, s: dict) -> dict:
     dense, attn = step_flops(s, a.rows, a.seq_len)
     sec = statistics.median(times)
     out = {"params_M": num_params(state.params) / 1e6, "rows": a.rows, "seq_len": a.seq_len,
-           "tokens": a.rows * a.seq_len, "remat": not a.no_remat, "init_s": init_s,
+           "tokens": a.rows * a.seq_len, "remat": str(cfg.remat), "init_s": init_s,
+           "scan_layers": bool(cfg.scan_layers), "attention_backend": backend,
+           "chunk_size": a.chunk, "dtype": str(jnp.dtype(cfg.dtype)), **memory,
            "first_step_s": first_s, "step_s": sec, "step_min_s": min(times),
            "tokens_per_s": a.rows * a.seq_len / sec, "model_tflops_per_step": (dense + attn) / 1e12,
            "achieved_tflops": (dense + attn) / sec / 1e12,
@@ -200,9 +266,13 @@ def bench_decode(a, s: dict) -> list[dict]:
     from ac2_jax.sampling import SamplingParams
     from ac2_jax.sampling.jax_sampler import JaxSampler
     ctx = a.prompt_len + a.new_tokens
-    cfg = DecoderConfig(**s, tie_embeddings=True, qk_norm=True, rope_theta=1_000_000.0,
-                        max_position_embeddings=max(4096, ctx), dtype=jnp.bfloat16,
-                        param_dtype=jnp.bfloat16)
+    if a.preset:  # bf16 weights for serving; per-layer (scanned decode copies slices)
+        cfg = preset_config(a)[0].replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                          scan_layers=False)
+    else:
+        cfg = DecoderConfig(**s, tie_embeddings=True, qk_norm=True, rope_theta=1_000_000.0,
+                            max_position_embeddings=max(4096, ctx), dtype=jnp.bfloat16,
+                            param_dtype=jnp.bfloat16)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
     rng = np.random.default_rng(0)
@@ -274,9 +344,10 @@ def main(argv=None):
         write_json(a.out, info)
     if "train" not in a.skip:
         info["train"] = bench_train(a, s)
-        print_table([info["train"]], ["params_M", "rows", "seq_len", "remat", "first_step_s",
-                                      "step_s", "tokens_per_s", "achieved_tflops", "mfu",
-                                      "mfu_6n_only", "peak_mem_GB", "loss"])
+        print_table([info["train"]], ["params_M", "rows", "seq_len", "remat", "scan_layers",
+                                      "attention_backend", "first_step_s", "step_s",
+                                      "tokens_per_s", "achieved_tflops", "mfu", "mfu_6n_only",
+                                      "peak_mem_GB", "dense_temp_GB", "chunked_temp_GB", "loss"])
         write_json(a.out, info)
     if "decode" not in a.skip:
         info["decode"] = bench_decode(a, s)
