@@ -331,3 +331,18 @@ def test_checkpoint_every_without_a_workdir_is_named(model_state):
         SelfDistiller(g, init, DistillConfig(checkpoint_every=2), OPT)
     with pytest.raises(ValueError, match="DistillConfig.checkpoint_every must be >= 0"):
         DistillConfig(checkpoint_every=-1)
+
+
+def test_varied_opsd_batches_compile_the_step_once(tok, model_state, step_fn):
+    """4 OPSD updates of 1-3 examples with responses of 3-12 tokens: one compile
+    (`compiled_steps` stays 1; a count, not a timing)."""
+    g, init = model_state
+    d = SelfDistiller(g, _copy(init), DistillConfig(rows=2, groups=4), OPT, step_fn=step_fn)
+    rng = np.random.default_rng(7)
+    counts = []
+    for n in (1, 3, 2, 3):
+        exs = [make_example(tok, MSGS, rng.integers(10, 300, int(rng.integers(3, 13))).tolist(),
+                            HINT, f"task/{n}-{i}") for i in range(n)]
+        counts.append(d.update(exs)["compiled_steps"])
+    d.trainer.close()
+    assert counts == [1.0] * 4, counts
