@@ -49,6 +49,7 @@ CATEGORIES = [
     ("sampling_logits", "log-probs (softmax over vocab)"),
     ("chunked_token_logprobs", "log-probs (softmax over vocab)"),
     ("Decoder.embed", "embedding"), ("loss_weights", "loss / weights"),
+    ("block_apply", "residual adds"), ("Block.__call__", "residual adds"),
 ]
 _OPTAX = re.compile(r"optax")
 

@@ -145,7 +145,7 @@ def test_sampler_error_is_infra_error(endpoint):
     finally:
         stop()
     # The endpoint ended the rollout itself; run_rollout keeps that status.
-    assert trace.status == "infra_error" and "SGLangError" in trace.metadata["artifacts"]["error"]
+    assert trace.status == "infra_error" and "SGLangUnavailable" in trace.metadata["artifacts"]["error"]
     assert conv.status == "infra_error" and never_trained(trace)
 
 

@@ -299,7 +299,7 @@ def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_
         if stop is not None:
             stop()
     assert len(traces) == 4 and all(t.status == "infra_error" for t in traces)
-    expected = {"sampler_down": "SGLangError", "trace_store_500": "HTTP 500",
+    expected = {"sampler_down": "SGLangUnavailable", "trace_store_500": "HTTP 500",
                 "endpoint_down": "ConnectError"}[failure]
     assert all(expected in t.metadata["artifacts"]["error"] for t in traces), traces[0].metadata
     trainer = _learner(served, tmp_path / "learner")
