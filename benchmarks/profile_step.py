@@ -95,6 +95,8 @@ def _hlo_tables(text: str):
                     return cat
         if any(_OPTAX.search(f) for f, _ in st):
             return "optimizer"
+        if any(fn == "_dot" for _, fn in st):  # a layer matmul whose stack stops at the helper
+            return "projections + mlp (stack cut)"
         return "other"
 
     info = {}
