@@ -44,11 +44,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Starts JAX's multi-controller runtime (`jax.distributed.initialize`).
 
     With no arguments JAX detects the cluster (TPU pods, SLURM, Kubernetes /
-    GKE). On CPU, cross-process collectives need an implementation: gloo
-    (set before any computation).
+    GKE). CPU devices' cross-process collectives need an implementation
+    (gloo; set before any computation; accelerators ignore the setting).
     """
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids)
@@ -63,11 +62,6 @@ def process_share(items: Sequence[T], process_index: int | None = None,
     if not 0 <= i < n:
         raise ValueError(f"process_share: process_index {i} not in [0, {n})")
     return list(items[i::n])
-
-
-def share_offset(counts_before: Sequence[int]) -> int:
-    """Global number of a share's first item from the sizes of the shares before it."""
-    return int(sum(counts_before))
 
 
 def _agree(values: Sequence[int]) -> np.ndarray:
