@@ -318,7 +318,6 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
                           min_tasks=max(config.task_capacity, 1),
                           min_segments=max(config.segment_capacity, 1))
     if batch.shape[0] > config.rows > 0:  # more rows than configured: rows x 2^k, few shapes
-        unit = config.rows * max(config.rows_multiple, 1) // math.gcd(config.rows,
-                                                                     max(config.rows_multiple, 1))
+        unit = math.lcm(config.rows, max(config.rows_multiple, 1))
         batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))
     return batch, stats, adv
