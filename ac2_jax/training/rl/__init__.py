@@ -1,4 +1,5 @@
-"""Task-level RL: traces -> packed batch (`data`), collectors (`collectors`), the trainer (`trainer`)."""
+"""Task-level RL: traces -> packed batch (`data`), collectors (`collectors`), the trainer
+(`trainer`), and the driver split into collector and learner processes (`split`)."""
 
 from ac2_jax.training.rl.data import (BatchConfig, BatchStats, build_batch, check_sampled,
                                       group_name, informative_groups, select_traces,
@@ -6,11 +7,15 @@ from ac2_jax.training.rl.data import (BatchConfig, BatchStats, build_batch, chec
                                       unchosen_branch_episodes)
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
                                             refill_seed)
+from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_collector, run_learner,
+                                       step_traces, wait_for_endpoint,
+                                       wait_for_learner)
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
     "BatchConfig", "BatchStats", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
     "ReplayCollector", "build_batch", "check_sampled", "group_name", "informative_groups",
-    "refill_seed", "select_traces", "trace_advantages", "trace_rewards", "trace_version",
-    "unchosen_branch_episodes",
+    "StepMarkers", "StoreCollector", "refill_seed", "run_collector", "run_learner",
+    "select_traces", "step_traces", "trace_advantages", "trace_rewards", "trace_version",
+    "unchosen_branch_episodes", "wait_for_endpoint", "wait_for_learner",
 ]
