@@ -10,7 +10,9 @@ wiring: the endpoint in a thread over `load_policy`'s JaxSampler, an
 EndpointCollector, RLTrainer publishing in-process); `split_sync` and
 `split_async` run `python -m ac2_jax.serving` + `python -m experiments.rl_split
 --role=collect` + `--role=learn` (rl.mode sync: the collector waits for each
-update; async: it runs one step ahead). steps/hour = 3600 / the mean
+update; async: it runs one step ahead). The sampler has fixed shapes (all
+compiled at start, so no step pays a sampler compile; --bucketed_shapes for
+the default) in both. steps/hour = 3600 / the mean
 `time_step_s` of the learner's steps after the first (the first compiles);
 wall_s is the whole run, process start-up included.
 """
@@ -32,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/configs/rl_split.py:toy"
+FIXED_SHAPES = True  # --bucketed_shapes: the sampler compiles new shapes as traffic varies
 
 
 def _summary(name: str, history: list[dict], wall_s: float) -> dict:
@@ -61,7 +64,8 @@ async def inproc(cfg, policy: str) -> dict:
     rl, ro = demo.typed_configs(cfg)["rl"], cfg.rollout
     rl_dir = os.path.join(cfg.workdir, "rl")
     sampler, tokenizer, name = load_policy(policy, max_context=128, max_batch=8,
-                                           publish_dir=os.path.join(rl_dir, "published"))
+                                           publish_dir=os.path.join(rl_dir, "published"),
+                                           fixed_shapes=FIXED_SHAPES)
     key = secrets.token_hex(8)
     url, stop = serve_in_thread(build_app(sampler, tokenizer, admin_key=key, model_name=name))
     lifecycle = LifecycleClient(url, key)
@@ -94,7 +98,8 @@ def split(cfg, policy: str, mode: str) -> dict:
     over = [f"--config={CONFIG}", f"--config.workdir={w}", f"--config.rl.steps={cfg.rl.steps}",
             f"--config.rl.mode={mode}", f"--admin_key={key}", f"--endpoint={url}"]
     cmds = [["ac2_jax.serving", f"--model={policy}", f"--publish_dir={w}/rl/published",
-             f"--admin_key={key}", f"--port={port}", "--max_batch=8", "--max_context=128"],
+             f"--admin_key={key}", f"--port={port}", "--max_batch=8", "--max_context=128",
+             f"--fixed_shapes={FIXED_SHAPES}"],
             ["experiments.rl_split", "--role=collect", *over],
             ["experiments.rl_split", "--role=learn", *over]]
     t0 = time.perf_counter()
@@ -123,7 +128,12 @@ def main(argv=None) -> dict:
     p.add_argument("--drivers", default="inproc,split_sync,split_async")
     p.add_argument("--workdir", default="runs/bench_rl_split")
     p.add_argument("--out", default=None)
+    p.add_argument("--bucketed_shapes", action="store_true",
+                   help="the sampler's default bucketed shapes (compiles while serving) "
+                        "instead of --fixed_shapes (all compiled at start)")
     a = p.parse_args(argv)
+    global FIXED_SHAPES
+    FIXED_SHAPES = not a.bucketed_shapes
     from experiments import rl_split
     from experiments.configs.rl_split import get_config
 
