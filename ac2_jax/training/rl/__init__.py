@@ -1,7 +1,7 @@
 """Task-level RL: traces -> packed batch (`data`), collectors (`collectors`), the trainer (`trainer`)."""
 
-from ac2_jax.training.rl.data import (BatchConfig, BatchStats, build_batch, check_sampled,
-                                      group_name, informative_groups, select_traces,
+from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, build_batch,
+                                      check_sampled, group_name, informative_groups, select_traces,
                                       trace_advantages, trace_rewards, trace_version,
                                       unchosen_branch_episodes)
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
@@ -10,7 +10,7 @@ from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
     "BatchConfig", "BatchStats", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
-    "ReplayCollector", "build_batch", "check_sampled", "group_name", "informative_groups",
-    "refill_seed", "select_traces", "trace_advantages", "trace_rewards", "trace_version",
-    "unchosen_branch_episodes",
+    "ReplayCollector", "agent_trained", "build_batch", "check_sampled", "group_name",
+    "informative_groups", "refill_seed", "select_traces", "trace_advantages", "trace_rewards",
+    "trace_version", "unchosen_branch_episodes",
 ]
