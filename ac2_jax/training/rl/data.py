@@ -158,6 +158,9 @@ class BatchStats:
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    # Agent tokens in the batch per agent label (after exclusions and cuts; 0 for a
+    # label of the kept traces that put none in): `rl.metrics.batch_metrics` logs them.
+    trained_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchConfig
@@ -337,6 +340,7 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []
+    stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
     for t, a, w in zip(kept, adv, weights):
         unchosen = unchosen_branch_episodes(t)
         if unchosen:  # never trained on the continued branch's reward
@@ -362,6 +366,8 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     segments, cut = fit_segments(segments, row_len)
     stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
                                                               cut.truncated_agent_tokens)
+    for s in segments:
+        stats.trained_tokens[s.agent] += s.num_agent_tokens
     batch = pack_segments(segments, row_len, min_rows=config.rows,
                           rows_multiple=max(config.rows_multiple, 1), layout=config.layout,
                           min_tasks=max(config.task_capacity, 1),
