@@ -6,8 +6,10 @@
 Trains a tiny decoder for --steps steps with the Trainer on a ('data',) mesh
 over every process's devices; each process packs only its share of the
 segments. With --restore_steps K it first restores W's latest checkpoint and
-trains K more steps. Process 0 writes DIR/result.npz: per-step losses and the
-final params (gathered).
+trains K more steps. With --publish_dir D --publish_at K every process
+publishes the weights after K steps to D (Orbax needs them all; the sampler
+reads D). Process 0 writes DIR/result.npz: per-step losses and the final
+params (gathered).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--restore", action="store_true")
     p.add_argument("--snapshot_at", type=int, default=0, help="also keep the params after k steps")
+    p.add_argument("--publish_dir", default="")
+    p.add_argument("--publish_at", type=int, default=0, help="publish after k steps")
     p.add_argument("--process_id", type=int, default=0)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
@@ -45,6 +49,7 @@ def main():
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.segments import Segment, pack_segments, task_names
     from ac2_jax.training import OptimizerConfig, SFTLoss, Trainer, create_train_state
+    from ac2_jax.training.core.checkpoints import publish
     from ac2_jax.training.core.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
@@ -78,6 +83,8 @@ def main():
         losses.append(m["loss"])
         if k + 1 == a.snapshot_at:
             snapshot = gathered("s")
+        if k + 1 == a.publish_at:  # every process calls it: Orbax writes each one's shards
+            publish(trainer.graphdef, trainer.host_state(), a.publish_dir, start + k + 1)
     trainer.save()
     trainer.wait()
     final = gathered("p")

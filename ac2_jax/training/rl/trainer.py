@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -93,6 +94,11 @@ class RLConfig:
 class RLTrainer:
     """The RL loop around a model. `on_publish(version)` makes the sampler reload.
 
+    `on_progress(steps_done, version)` (a function or coroutine function) runs
+    when `run` starts and after each loop step's checkpoint began: a learner in
+    its own process tells the endpoint which step to serve and how far it is
+    (`training.rl.split`: the collector paces itself on that).
+
     A collector that says how it collects (`tasks_per_step`, `attempts`,
     `concurrency` attributes, as EndpointCollector does) must agree with
     `config` (tasks_per_step, attempts_per_task, concurrency): a mismatch is a
@@ -106,7 +112,8 @@ class RLTrainer:
     """
 
     def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
-                 on_publish: Callable[[int], Any] | None = None, train_mode: str = "jit",
+                 on_publish: Callable[[int], Any] | None = None,
+                 on_progress: Callable[[int, int], Any] | None = None, train_mode: str = "jit",
                  mesh=None, logger: MetricsLogger | None = None,
                  make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False):
         for ours, theirs in (("tasks_per_step", "tasks_per_step"),
@@ -120,6 +127,7 @@ class RLTrainer:
                              f"refill(rl_step, round, n) (e.g. EndpointCollector); "
                              f"{type(collector).__name__} has none")
         self.config, self.collector, self.on_publish = config, collector, on_publish
+        self.on_progress = on_progress
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
             config.batch, task_capacity=config.batch.task_capacity or traces,
@@ -230,15 +238,23 @@ class RLTrainer:
             self.on_publish(version)
         return version
 
+    async def _progress(self) -> None:
+        if self.on_progress is not None:
+            out = self.on_progress(self.trainer.steps_done, self.version)
+            if inspect.isawaitable(out):
+                await out
+
     async def run(self) -> list[dict[str, Any]]:
         cfg = self.config
         if self.start_step >= cfg.steps:
             # Nothing left to train, but the sampler must serve the trained
             # weights (a rerun would otherwise evaluate whatever it had loaded).
             await asyncio.to_thread(self.publish)
+            await self._progress()
             return self.history
         if self.start_step > 0:
             await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
+        await self._progress()
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
@@ -264,6 +280,7 @@ class RLTrainer:
             m.update(rl_step=s, time_sampling_s=t_sample, time_training_s=t2 - t1,
                      time_publishing_s=t3 - t2, time_step_s=time.perf_counter() - t0)
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
             self.history.append(m)
