@@ -40,7 +40,6 @@ CATEGORIES = [
     ("AttentionMask.dense", "attention mask"), ("AttentionMask.packed", "attention mask"),
     ("attention", "attention"), ("dense_attention", "attention"),
     ("blocksparse_attention", "attention"), ("_decode_step_attention", "attention"),
-    ("_heads_major_attention", "attention"),
     ("apply_rope", "rope"), ("rope_cos_sin", "rope"), ("rotate", "rope"),
     ("Attention._proj", "qkv/out projections"),
     ("Attention.__call__", "qkv/out projections"), ("attention_apply", "qkv/out projections"),

@@ -100,34 +100,16 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
     if L == 1 and jax.default_backend() == "cpu":
         out = _decode_step_attention(qg, k, v, mask, hd, "bksd" if kv_heads_major else "bskd")
     else:
-        out = _heads_major_attention(qg, k, v, mask, hd, kv_heads_major)
+        # A heads-major form of this (q pre-scaled, softmax normalised after the
+        # values) was 2x faster alone but no faster inside the train step (same-
+        # process A/B, BUILD_NOTES "Speed work after the profiles"), so not kept.
+        kv = "bksd" if kv_heads_major else "bskd"
+        scores = jnp.einsum(f"blkgd,{kv}->bkgls", qg, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None, None, :, :], scores / math.sqrt(hd), NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum(f"bkgls,{kv}->blkgd", probs, v)
     seen = jnp.any(mask, axis=-1)[:, :, None, None, None]
     return jnp.where(seen, out, 0).astype(q.dtype).reshape(B, L, H, hd)
-
-
-def _heads_major_attention(qg, k, v, mask, hd, kv_heads_major: bool):
-    """Packed rows / prefill: qg [B, L, K, G, hd] -> [B, L, K, G, hd].
-
-    Why this form (BUILD_NOTES "Train step: attention in heads-major layout"):
-    q, k, v are moved to heads-major [B, K, (G,) L, hd] once (q-sized copies)
-    so both einsums are plain batched matmuls over (B, K), with no [L, S]-sized
-    layout copies; q is scaled before the scores (an [L, hd] multiply instead
-    of [L, S]); and the softmax is normalised after the values (out / sum),
-    so neither the forward nor the backward materialises the normalised
-    probabilities or a broadcast 1 / sum over [L, S]. Same values as the masked
-    softmax up to fp32 rounding (tests/test_attention.py). The row max is a
-    constant shift (stop_gradient): it changes no value and no gradient.
-    """
-    q = jnp.transpose(qg * jnp.asarray(1.0 / math.sqrt(hd), qg.dtype), (0, 2, 3, 1, 4))
-    if not kv_heads_major:
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)              # [B, K, S, hd]
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG)
-    p = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
-    total = p.sum(-1, keepdims=True)                                       # [B, K, G, L, 1]
-    out = jnp.einsum("bkgls,bksd->bkgld", p.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32) / total
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(v.dtype)            # [B, L, K, G, hd]
 
 
 def _decode_step_attention(qg, k, v, mask, hd, kv: str):
