@@ -1,5 +1,6 @@
 """models.layers' pure pieces: RoPE tables built once per forward (`rope_cos_sin` +
-`rotate`) equal HF's rotate-half RoPE computed per call (fp32; atol 1e-5 against a numpy reference, 1e-6 against per-call `apply_rope`)."""
+`rotate`) equal HF's rotate-half RoPE computed per call (fp32; atol 1e-5 against a
+numpy reference, 1e-6 against per-call `apply_rope`)."""
 
 import jax.numpy as jnp
 import numpy as np
