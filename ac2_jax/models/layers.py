@@ -107,8 +107,9 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     Per-layer (layer None): k, v are this layer's caches [B, K, S, hd]
     (heads-major, so decode reads them in place) and come back updated.
     Stacked: k, v are all layers' caches [B, S, num_layers, K * hd], read only;
-    layer is this layer's index, and the new keys / values [B, L, K * hd] come back in their place (the caller writes them once for
-    all layers: a loop-carried cache would be copied per layer).
+    layer is this layer's index, and the new keys / values [B, L, K * hd] come
+    back in their place (the caller writes them once for all layers: a
+    loop-carried cache would be copied per layer).
     Returns (out [B, L, D], cache).
     """
     B, L, _ = x.shape
