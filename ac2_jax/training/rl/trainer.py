@@ -251,6 +251,11 @@ class RLTrainer:
 
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload."""
+        if jax.process_count() > 1:
+            # Orbax's managers share their barrier names across processes: a publish
+            # while the last checkpoint still finalizes in its thread enters the same
+            # barrier twice ("already ongoing"); on one process nothing waits.
+            self.trainer.wait()
         version = self._published = self.version
         publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
         if self.on_publish is not None:
