@@ -16,7 +16,7 @@ import numpy as np
 from ac2_jax.losses import group_advantages
 from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_rows,
                               segments_from_trace, task_names)
-from ac2_jax.segments.packing import pow2_bucket
+from ac2_jax.segments.packing import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 
@@ -413,6 +413,10 @@ def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig
         share = list(segments[i::n])
         extra = dict(all_tasks=task_names(segments),
                      segment_offset=sum(len(segments[j::n]) for j in range(i)))
+    if not share:  # fewer segments than processes: this one adds empty rows
+        return PackedBatch(**empty_batch(pad_rows(0, rows, multiple), row_len),
+                           num_tasks=max(config.task_capacity, 1),
+                           num_segments=max(config.segment_capacity, 1))
     batch = pack_segments(share, row_len, min_rows=rows, rows_multiple=multiple,
                           layout=config.layout, min_tasks=max(config.task_capacity, 1),
                           min_segments=max(config.segment_capacity, 1), **extra)
