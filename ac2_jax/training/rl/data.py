@@ -409,7 +409,9 @@ def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig
     if n > 1:
         if config.layout != "flat":
             raise ValueError(f"pack_rl_batch: a batch split over {n} processes needs "
-                             f"BatchConfig.layout='flat', got {config.layout!r}")
+                             f"BatchConfig.layout='flat', got {config.layout!r}: set it to "
+                             "'flat' (experiments: --config.rl.batch.layout=flat); one share "
+                             "of a prefix-tree batch is not offered")
         share = list(segments[i::n])
         extra = dict(all_tasks=task_names(segments),
                      segment_offset=sum(len(segments[j::n]) for j in range(i)))

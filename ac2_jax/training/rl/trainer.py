@@ -143,6 +143,11 @@ class RLTrainer:
                     f"RLTrainer: this is process {jax.process_index()} of "
                     f"{jax.process_count()} (jax.distributed) but mesh=None; pass a mesh over "
                     "every process's devices, e.g. make_mesh(data=jax.device_count())")
+            if config.batch.layout != "flat":  # fail now, not after the first collection
+                raise ValueError(
+                    f"RLTrainer: a learner over {jax.process_count()} processes packs shares "
+                    f"of each batch, which needs RLConfig.batch.layout='flat', got "
+                    f"{config.batch.layout!r} (experiments: --config.rl.batch.layout=flat)")
             if logger is None and jax.process_index() > 0:
                 # Every process logs its (identical) metrics, each to its own file.
                 logger = MetricsLogger(os.path.join(self.workdir, "metrics",
