@@ -12,7 +12,8 @@ A learner spanning hosts runs `--role=learn` once per host with --distributed
 (jax.distributed auto-detects TPU slices, SLURM, Kubernetes) or
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I; every process
 reads the same store, packs its share of each batch, checkpoints and publishes
-(Orbax needs them all); process 0 tells the endpoint.
+(Orbax needs them all); process 0 tells the endpoint. Shares need
+--config.rl.batch.layout=flat.
 
 prepare: the tokenizer and the starting policy (the calculator demo's SFT warm
 start, or a random tiny model for the toy env) as one HF directory,
