@@ -8,6 +8,13 @@
         --admin_key=$KEY &
     python -m experiments.rl_split --role=learn --config=$C --config.workdir=$W --admin_key=$KEY
 
+A learner spanning hosts runs `--role=learn` once per host with --distributed
+(jax.distributed auto-detects TPU slices, SLURM, Kubernetes) or
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I; every process
+reads the same store, packs its share of each batch, checkpoints and publishes
+(Orbax needs them all); process 0 tells the endpoint. Shares need
+--config.rl.batch.layout=flat.
+
 prepare: the tokenizer and the starting policy (the calculator demo's SFT warm
 start, or a random tiny model for the toy env) as one HF directory,
 `workdir/policy`, that the endpoint serves and the learner starts from.
@@ -39,6 +46,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/rl_spli
 flags.DEFINE_enum("role", None, ["prepare", "collect", "learn"], "Which process this is.")
 flags.DEFINE_string("endpoint", None, "The endpoint's base URL (default: config split.endpoint).")
 flags.DEFINE_string("admin_key", None, "The endpoint's admin key (or env AC2_ADMIN_KEY).")
+flags.DEFINE_bool("distributed", False, "learn: start jax.distributed with auto-detection "
+                  "(TPU slice, SLURM, Kubernetes) and train on a mesh over every process.")
+flags.DEFINE_string("coordinator_address", None, "learn: jax.distributed coordinator host:port "
+                    "(process 0's); with --num_processes and --process_id.")
+flags.DEFINE_integer("num_processes", None, "learn: processes of the multi-host learner.")
+flags.DEFINE_integer("process_id", None, "learn: this process's index in [0, num_processes).")
 FLAGS = flags.FLAGS
 
 
@@ -127,7 +140,24 @@ async def collect(cfg, log=print) -> list[int]:
         await lifecycle.aclose()
 
 
+def start_distributed() -> None:
+    """jax.distributed for a learner spanning processes (before any computation):
+    explicit with --coordinator_address / --num_processes / --process_id,
+    auto-detected with --distributed; neither: one process."""
+    from ac2_jax.training.core import distributed
+    explicit = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise app.UsageError("--coordinator_address, --num_processes and --process_id go "
+                                 "together (or pass --distributed to auto-detect them)")
+        distributed.initialize(*explicit)
+    elif FLAGS.distributed:
+        distributed.initialize()
+
+
 async def learn(cfg, log=print) -> list[dict]:
+    import jax
+
     from ac2_jax.models.hf_io import load_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner
@@ -145,7 +175,17 @@ async def learn(cfg, log=print) -> list[dict]:
                                max_staleness=rl.batch.max_staleness, poll_s=cfg.split.poll_s,
                                timeout_s=cfg.split.wait_timeout_s)
     lifecycle = _lifecycle(cfg)
-    trainer = RLTrainer(model, collector, rl, paths["rl"], on_progress=lifecycle.load_weights)
+    mesh = None
+    if jax.process_count() > 1:  # a multi-host learner: every process packs its share
+        from ac2_jax.training.core.sharding import make_mesh
+        mesh = make_mesh(data=jax.device_count())
+
+    async def silent(steps_done, version):  # one process tells the endpoint
+        return None
+
+    trainer = RLTrainer(model, collector, rl, paths["rl"], mesh=mesh,
+                        on_progress=lifecycle.load_weights if jax.process_index() == 0
+                        else silent)
     try:
         return await run_learner(trainer, lifecycle, poll_s=cfg.split.poll_s,
                                  timeout_s=cfg.split.wait_timeout_s, log=log)
@@ -165,6 +205,7 @@ def main(argv):
     elif FLAGS.role == "collect":
         asyncio.run(collect(cfg, log))
     elif FLAGS.role == "learn":
+        start_distributed()
         asyncio.run(learn(cfg, log))
     else:
         raise app.UsageError("--role=prepare|collect|learn is required")

@@ -49,8 +49,9 @@ from ac2_jax.training.core.trainer import Trainer
 # The collectors live in collectors.py; importable from here as before.
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
                                             ReplayCollector, refill_seed)
-from ac2_jax.training.rl.data import (BatchConfig, build_batch, group_name, informative_groups,
-                                      select_traces, trace_rewards)
+from ac2_jax.training.rl.data import (BatchConfig, batch_segments, group_name,
+                                      informative_groups, pack_rl_batch, select_traces,
+                                      trace_rewards)
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
@@ -136,6 +137,22 @@ class RLTrainer:
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
+        if jax.process_count() > 1:
+            if mesh is None:
+                raise ValueError(
+                    f"RLTrainer: this is process {jax.process_index()} of "
+                    f"{jax.process_count()} (jax.distributed) but mesh=None; pass a mesh over "
+                    "every process's devices, e.g. make_mesh(data=jax.device_count())")
+            if config.batch.layout != "flat":  # fail now, not after the first collection
+                raise ValueError(
+                    f"RLTrainer: a learner over {jax.process_count()} processes packs shares "
+                    f"of each batch, which needs RLConfig.batch.layout='flat', got "
+                    f"{config.batch.layout!r} (experiments: --config.rl.batch.layout=flat)")
+            if logger is None and jax.process_index() > 0:
+                # Every process logs its (identical) metrics, each to its own file.
+                logger = MetricsLogger(os.path.join(self.workdir, "metrics",
+                                                    f"process{jax.process_index()}"),
+                                       tensorboard=False, console=False)
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
         self.trainer = Trainer(self.graphdef, state, config.loss, config.optimizer,
                                workdir=self.workdir, checkpoint_every=1,
@@ -183,7 +200,9 @@ class RLTrainer:
     def update(self, traces: Sequence[Trace]) -> dict[str, Any]:
         """One update from traces (the same in sync and async mode)."""
         version = self.version
-        batch, stats, adv = build_batch(traces, version, self._batch_config)
+        # Every process selects and segments the same traces alike (host-side,
+        # deterministic); each packs only its share (the step makes one global batch).
+        segments, stats, adv = batch_segments(traces, version, self._batch_config)
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {
@@ -199,9 +218,14 @@ class RLTrainer:
             **staleness_histogram(traces, version),
             "infra_retries": float(sum(t.metadata.get("infra_retries", 0) for t in traces)),
         }
-        if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
+        # Decided on the whole batch's segments (every one has agent tokens), so every
+        # process of a multi-host learner skips or steps together.
+        if not any(seg.advantage and seg.num_agent_tokens for seg in segments):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
             return m
+        batch = pack_rl_batch(segments, stats.row_len, self._batch_config,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
         m.update(self.trainer.update(batch))
         m["skipped_update"] = 0.0
         return m
@@ -232,6 +256,11 @@ class RLTrainer:
 
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload."""
+        if jax.process_count() > 1:
+            # Orbax's managers share their barrier names across processes: a publish
+            # while the last checkpoint still finalizes in its thread enters the same
+            # barrier twice ("already ongoing"); on one process nothing waits.
+            self.trainer.wait()
         version = self._published = self.version
         publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
         if self.on_publish is not None:
