@@ -18,7 +18,7 @@ Each case runs in its own child process (peak RSS = the child's VmHWM):
 
 Peak RSS is the child's VmHWM (its own address space); ``rss_timeline`` lists
 (phase, VmRSS GB, VmHWM GB) after each phase, and the jax train cases report
-XLA's memory analysis of the compiled step (``xla_gb``: argument, output,
+XLA's memory analysis of the compiled step (``xla_bytes``: argument, output,
 donated alias and temporary bytes, compiled from an abstract state before any
 weights load).
 
@@ -91,11 +91,11 @@ def _jax_problem(case: str, config, n: int, chunk: int):
 
 
 def step_memory(step, abstract_state, batch, extras) -> dict:
-    """XLA's own accounting of the compiled step (GB), from an abstract state (no
+    """XLA's own accounting of the compiled step (bytes), from an abstract state (no
     parameter memory): arguments, outputs, donated (aliased) and temporary bytes."""
     ma = step.lower(abstract_state, batch, extras).compile().memory_analysis()
-    return {k: round(getattr(ma, f"{k}_size_in_bytes") / 1e9, 3)
-            for k in ("argument", "output", "alias", "temp")}
+    return {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
+                                                                "temp")}
 
 
 def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int,
@@ -139,7 +139,7 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
         times.append(time.perf_counter() - t0)
         _mark(timeline, f"step {i + 1}")
     return {"load_s": load_s, "first_step_s": times[0], "step_s": times[-1] if steps > 1 else None,
-            "loss": float(m["loss"]), "xla_gb": xla, "rss_timeline": timeline,
+            "loss": float(m["loss"]), "xla_bytes": xla, "rss_timeline": timeline,
             "config": {k: str(getattr(config, k)) for k in (
                 "scan_layers", "remat", "attention_backend", "dtype")},
             "memory_scheduler": memory_scheduler, "place_copy": place_copy}
