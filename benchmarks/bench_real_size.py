@@ -12,6 +12,9 @@ Each case runs in its own child process (peak RSS = the child's VmHWM):
 * ``torch``: transformers + torch, the same checkpoint, one step of
   cross-entropy + AdamW in fp32 on the same tokens (the loss torch users
   run; no PPO terms).
+* ``jax_sched``: the jax_rl step compiled with the memory-optimized XLA:CPU
+  scheduler and with the default one, alternating in one process on the
+  preset's shape cut to ``--sched_layers`` layers: the step-time ratio.
 * ``jax_decode``: the JaxSampler (per-layer weights) at batch ``--decode_batch``:
   output tokens/s of a second batch of 64-token prompts (the first compiles),
   ``--decode_tokens`` new tokens per row.
@@ -40,7 +43,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
-CASES = ("jax_rl", "jax_opsd", "torch", "jax_decode")
+CASES = ("jax_rl", "jax_opsd", "torch", "jax_decode", "jax_sched")
 
 
 def _tokens(n: int, vocab: int, seed: int = 0):
@@ -145,6 +148,40 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
             "memory_scheduler": memory_scheduler, "place_copy": place_copy}
 
 
+def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
+                     layers: int) -> dict:
+    """Step time of the RL step compiled with XLA:CPU's memory-optimized scheduler and
+    with its default one, side by side in one process (alternating, same state, no
+    donation), on the preset's shape cut to `layers` layers (random init: the ratio,
+    not the model, is the point)."""
+    import jax
+    from flax import nnx
+
+    from ac2_jax.models.decoder import Decoder
+    from ac2_jax.models.hf_io import load_hf_config
+    from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
+    from experiments.configs import qwen3
+    from experiments.real_size import preset_runtime
+
+    config = load_hf_config(ckpt, **preset_runtime(qwen3.get_config(variant)))
+    config = config.replace(num_layers=layers or config.num_layers)
+    batch, extras, loss = _jax_problem("jax_rl", config, n, chunk)
+    opt = OptimizerConfig(learning_rate=1e-6, weight_decay=0.1, clip_norm=1.0)
+    graphdef, state = create_train_state(Decoder(config, rngs=nnx.Rngs(0)), opt)
+    steps_by = {on: make_train_step(graphdef, loss, opt, donate=False, cpu_memory_scheduler=on)
+                for on in (True, False)}
+    times: dict = {True: [], False: []}
+    for i in range(steps + 1):  # the first round compiles
+        for on, step in steps_by.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, batch, extras)[1])
+            if i:
+                times[on].append(time.perf_counter() - t0)
+    mem, default = min(times[True]), min(times[False])
+    return {"layers": config.num_layers, "step_s": mem, "default_scheduler_step_s": default,
+            "memory_over_default": mem / default}
+
+
 def _torch_step(ckpt: str, n: int, steps: int) -> dict:
     import torch
     import transformers
@@ -213,6 +250,9 @@ def _decode(ckpt: str, variant: str, batch: int, new_tokens: int) -> dict:
 def child(args) -> dict:
     if args.case == "torch":
         out = _torch_step(args.ckpt, args.n, args.steps)
+    elif args.case == "jax_sched":
+        out = _scheduler_speed(args.ckpt, args.variant, args.n, args.chunk, args.steps,
+                               args.sched_layers)
     elif args.case == "jax_decode":
         out = _decode(args.ckpt, args.variant, args.decode_batch, args.decode_tokens)
     else:
@@ -242,6 +282,8 @@ def main(argv=None):
     p.add_argument("--memory_scheduler", type=int, default=1,
                    help="1: XLA:CPU memory-optimized scheduler for the step (the default); 0: "
                         "XLA's default (for before/after figures)")
+    p.add_argument("--sched_layers", type=int, default=4,
+                   help="jax_sched: layers of the cut-down model (0: all)")
     p.add_argument("--place_copy", type=int, default=0,
                    help="1: step.place(state) copies the state (the caller's arrays stay "
                         "alive); 0: the step takes it over")
@@ -268,7 +310,7 @@ def main(argv=None):
                    "--chunk", str(args.chunk), "--steps", str(args.steps), "--decode_batch", str(args.decode_batch),
                    "--decode_tokens", str(args.decode_tokens),
                    "--memory_scheduler", str(args.memory_scheduler),
-                   "--place_copy", str(args.place_copy)]
+                   "--place_copy", str(args.place_copy), "--sched_layers", str(args.sched_layers)]
             row = {"case": case, "tokens": n or None}
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -282,7 +324,7 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     print_table(rows, ["case", "tokens", "peak_rss_gb", "first_step_s", "step_s", "loss",
-                       "tokens_per_s", "error"])
+                       "tokens_per_s", "memory_over_default", "error"])
     write_json(args.out, {"benchmark": "real_size", "variant": args.variant,
                           "chunk": args.chunk, "rows": rows})
     tmp.cleanup()
