@@ -307,7 +307,8 @@ def main(argv=None):
         for n in ([0] if case == "jax_decode" else [int(x) for x in args.tokens.split(",")]):
             cmd = [sys.executable, "-m", "benchmarks.bench_real_size", "--child", "1",
                    "--case", case, "--n", str(n), "--ckpt", ckpt, "--variant", args.variant,
-                   "--chunk", str(args.chunk), "--steps", str(args.steps), "--decode_batch", str(args.decode_batch),
+                   "--chunk", str(args.chunk), "--steps", str(args.steps),
+                   "--decode_batch", str(args.decode_batch),
                    "--decode_tokens", str(args.decode_tokens),
                    "--memory_scheduler", str(args.memory_scheduler),
                    "--place_copy", str(args.place_copy), "--sched_layers", str(args.sched_layers)]
