@@ -163,6 +163,8 @@ def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
     from experiments.configs import qwen3
     from experiments.real_size import preset_runtime
 
+    timeline: list = []
+    _mark(timeline, "start")
     config = load_hf_config(ckpt, **preset_runtime(qwen3.get_config(variant)))
     config = config.replace(num_layers=layers or config.num_layers)
     batch, extras, loss = _jax_problem("jax_rl", config, n, chunk)
@@ -177,9 +179,10 @@ def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
             jax.block_until_ready(step(state, batch, extras)[1])
             if i:
                 times[on].append(time.perf_counter() - t0)
+        _mark(timeline, f"round {i}")
     mem, default = min(times[True]), min(times[False])
     return {"layers": config.num_layers, "step_s": mem, "default_scheduler_step_s": default,
-            "memory_over_default": mem / default}
+            "memory_over_default": mem / default, "rss_timeline": timeline}
 
 
 def _torch_step(ckpt: str, n: int, steps: int) -> dict:
