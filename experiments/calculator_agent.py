@@ -4,6 +4,12 @@ Every rollout goes through the production path: an OpenAI client with a
 rollout key -> the endpoint (FastAPI, real HTTP on 127.0.0.1) -> the
 embedded JaxSampler; the learner publishes Orbax weights after each update
 and the sampler reloads them. `run(config)` returns the report dict.
+
+The config picks the env (`env.kind`: "calculator", or "chain" for the
+long-horizon ChainCalculatorEnv) and the harness (`harness.kind`: "default",
+or "compaction" for the compacting agent of `experiments/long_horizon.py`,
+whose demonstrations are recorded through the real orchestrator and whose
+report adds per-agent figures: memo fidelity, compactions, episodes).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
 from ac2_jax.viz import plot_curves, write_trace_html
+from experiments import long_horizon
 
 MODEL_NAME = "ac2-calculator"
 
@@ -47,7 +54,17 @@ def typed_configs(cfg) -> dict:
             "rl": from_config(RLConfig, cfg.rl, path="rl")}
 
 
+def is_long(cfg) -> bool:
+    """The long-horizon variant: the compacting harness."""
+    return cfg.get("harness") is not None and cfg.harness.kind == "compaction"
+
+
 def build_env(cfg) -> CalculatorEnv:
+    kind = cfg.env.get("kind", "calculator")
+    if kind == "chain":
+        return long_horizon.build_chain_env(cfg)
+    if kind != "calculator":
+        raise ValueError(f"env.kind must be 'calculator' or 'chain', got {kind!r}")
     return CalculatorEnv(num_range=tuple(cfg.env.num_range), answer_digits=cfg.env.answer_digits)
 
 
@@ -55,7 +72,12 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     corpus = []
-    for task in env.sample_tasks(200, seed=cfg.seed + 7, split="train"):
+    tasks = env.sample_tasks(200, seed=cfg.seed + 7, split="train")
+    if is_long(cfg):
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        for msgs, tools_ in long_horizon.corpus_conversations(env, tasks, make, rng):
+            corpus.append(_render_for_corpus(msgs, tools_ or []))
+    for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
         corpus.append(_render_for_corpus(msgs, tools))
     return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
@@ -87,8 +109,12 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     tasks = sft_tasks(cfg, env)
-    segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
-                             tools, task=t.task_id) for t in tasks]
+    if is_long(cfg):  # recorded through the real orchestrator, one segment per request
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        segments, _ = long_horizon.long_demo_segments(cfg, env, tasks, tokenizer, make, rng, log)
+    else:
+        segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
+                                 tools, task=t.task_id) for t in tasks]
     typed = typed_configs(cfg)
     sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
     every = max(1, sft_cfg.steps // 10)
@@ -98,7 +124,12 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     return result.model(), result.history
 
 
-def orchestrator_factory(cfg_sampling: dict, max_steps: int):
+def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):
+    """The harness of every rollout (the long variant's demos, evals, RL): the
+    tool loop, or with `cfg` of the long variant the compacting harness."""
+    if cfg is not None and is_long(cfg):
+        return long_horizon.compaction_factory(cfg, cfg_sampling, max_steps)
+
     def make(env, task, client, model_name):
         return DefaultOrchestrator(env, task, client, model_name, max_steps=max_steps,
                                    sampling=dict(cfg_sampling))
@@ -143,7 +174,7 @@ async def _pipeline(cfg, log=print) -> dict:
         eval_tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
         eval_make = orchestrator_factory({"temperature": cfg.eval.temperature,
                                           "max_tokens": cfg.rollout.max_tokens},
-                                         cfg.rollout.max_steps)
+                                         cfg.rollout.max_steps, cfg)
         t0 = time.perf_counter()
         eval_kw = dict(k=cfg.eval.attempts, concurrency=cfg.eval.concurrency, seed=cfg.seed,
                        prices=TokenPrices(**cfg.eval.prices))
@@ -156,7 +187,7 @@ async def _pipeline(cfg, log=print) -> dict:
         store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
         collector = EndpointCollector(
             lifecycle, env, orchestrator_factory({"temperature": ro.temperature,
-                                                  "max_tokens": ro.max_tokens}, ro.max_steps),
+                                                  "max_tokens": ro.max_tokens}, ro.max_steps, cfg),
             MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
             attempts_per_task=rl.attempts_per_task, seed=rl_collector_seed(cfg),
             concurrency=rl.concurrency,
@@ -198,6 +229,11 @@ async def _pipeline(cfg, log=print) -> dict:
         "hf_export": os.path.join(report_dir, "final_hf"),
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,
     }
+    if is_long(cfg):  # per-agent figures of the held-out evals
+        report["agents"] = {"sft": long_horizon.agent_figures(before),
+                            "rl": long_horizon.agent_figures(after)}
+        memo_diff = long_horizon.memo_fidelity_difference(after, before)
+        report["memo_fidelity_improvement"] = memo_diff.to_dict() if memo_diff else None
     with open(os.path.join(report_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report
