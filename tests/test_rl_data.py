@@ -7,8 +7,10 @@ import pytest
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl.data import (BatchConfig, build_batch, informative_groups,
+from ac2_jax.config import ConfigError, from_config
+from ac2_jax.training.rl.data import (BatchConfig, agent_trained, build_batch, informative_groups,
                                       select_traces, trace_advantages, trace_version)
+from ac2_jax.training.rl.trainer import RLConfig
 
 
 def _trace(task, attempt, reward, version=0, status="finished", n_out=3):
@@ -226,3 +228,142 @@ def test_rows_past_the_config_grow_in_powers_of_two_of_it(layout):
         masks.add(float(batch.loss_mask.sum()))
         assert float(batch.loss_mask.sum()) == 7 * n
     assert shapes == {(4, 16), (8, 16), (16, 16)}, shapes
+
+
+def _compacting_trace(task, attempt, reward, base=0, agents=("main", "compactor", "main")):
+    """An attempt recorded as a compacting harness makes it: each agent's request starts
+    a new episode (the compactor's transcript, then the main's restart from the memo)."""
+    t = Trace(task_id=task, attempt_id=str(attempt), group_id=f"g:{task}", reward=reward,
+              status="finished")
+    rec = TraceRecorder(t)
+    for k, agent in enumerate(agents):
+        prompt = [1 + k, 2, 3 + base, 4]
+        out = [1000 * (base + 1) + 20 * k + i for i in range(3 + k)]  # unique in a test
+        rec.record(agent, Completion(prompt, out, [-0.1 * (k + 1)] * len(out)))
+        if agent == "main":  # a tool result, then the same episode's next request
+            rec.record(agent, Completion(prompt + out + [7, 8], [out[0] + 500, out[0] + 501],
+                                         [-0.2, -0.3]))
+    return t
+
+
+def _only(trace, agents):
+    return dataclasses.replace(trace, episodes=[e for e in trace.episodes if e.agent in agents])
+
+
+@pytest.mark.parametrize("layout,mode,seq_len", [("flat", "episode", 32), ("tree", "episode", 32),
+                                                 ("flat", "request", 32), ("flat", "episode", 8),
+                                                 ("tree", "episode", 8), ("tree", "request", 32)])
+def test_main_only_batch_is_the_batch_of_the_main_episodes(layout, mode, seq_len):
+    """train_agents=("main",) builds exactly the batch of the traces stripped of their other
+    episodes (every array equal), with the whole attempts' advantages; seq_len=8 makes the
+    rows grow (episodes of 13-14 tokens)."""
+    traces = [_compacting_trace("a", 0, 1.0), _compacting_trace("a", 1, 0.0, base=1),
+              _compacting_trace("b", 0, 0.0, base=2, agents=("main", "compactor", "main",
+                                                             "compactor", "main"))]
+    config = BatchConfig(seq_len=seq_len, rows=2, layout=layout, segment_mode=mode)
+    got, stats, adv = build_batch(traces, 0, dataclasses.replace(config, train_agents=("main",)))
+    want, want_stats, want_adv = build_batch([_only(t, {"main"}) for t in traces], 0, config)
+    np.testing.assert_array_equal(adv, want_adv)
+    assert adv.tolist() == [0.5, -0.5, 0.0]
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray):
+            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        else:
+            assert a == b, f.name
+    compactor = [e for t in traces for e in t.episodes if e.agent == "compactor"]
+    assert stats.excluded_episodes == len(compactor) == 4
+    assert stats.excluded_agent_tokens == sum(e.num_agent_tokens for e in compactor) > 0
+    assert want_stats.excluded_episodes == want_stats.excluded_agent_tokens == 0
+    if seq_len == 8:
+        assert stats.row_len > 8 and stats.long_segments > 0 and stats.truncated_segments == 0
+    everything, all_stats, _ = build_batch(traces, 0, config)  # None: the whole trace
+    assert everything.loss_mask.sum() == sum(t.num_agent_tokens for t in traces)
+    assert all_stats.excluded_episodes == 0
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_task_mean_is_the_token_mean_of_each_attempts_trained_episodes(layout):
+    """loss(token) = 0.01 x its id: each task's loss must be the mean over the agent tokens
+    of its trained episodes only, and the batch loss the mean over tasks that train (an
+    attempt with no trained episode adds no task). fp32, rtol 1e-6."""
+    traces = [_compacting_trace("a", 0, 1.0), _compacting_trace("a", 1, 0.0, base=1),
+              _compacting_trace("a", 2, 0.0, base=2, agents=("compactor",))]
+    for agents, names in ((("main",), {"main"}), (("compactor",), {"compactor"}),
+                          (None, {"main", "compactor"})):
+        batch, stats, _ = build_batch(traces, 0, BatchConfig(seq_len=32, rows=2, layout=layout,
+                                                             train_agents=agents))
+        per_token = 0.01 * batch.targets.astype(np.float32)
+        means = []
+        for t in traces:
+            ids = [x for e in t.episodes if e.agent in names
+                   for x, m in zip(e.token_ids, e.loss_mask) if m]
+            if ids:
+                means.append(np.mean(0.01 * np.asarray(ids, np.float64)))
+        np.testing.assert_allclose(float(aggregate_loss(per_token, batch)), np.mean(means),
+                                   rtol=1e-6)
+        assert stats.excluded_episodes == sum(e.agent not in names for t in traces
+                                              for e in t.episodes)
+
+
+def test_subagent_wildcard_and_exact_labels():
+    assert agent_trained("main", None) and agent_trained("compactor", None)
+    assert agent_trained("subagent:helper", ("main", "subagent:*"))
+    assert not agent_trained("subagent", ("subagent:*",))  # not a subagent:<name> label
+    assert not agent_trained("compactor", ("main", "subagent:*"))
+    assert agent_trained("subagent:calc", ("subagent:calc",))
+    assert not agent_trained("subagent:helper", ("subagent:calc",))
+    traces = [_compacting_trace("a", 0, 1.0, agents=("main", "subagent:helper", "compactor",
+                                                      "subagent:calc", "main")),
+              _compacting_trace("a", 1, 0.0, base=1)]
+    for agents, excluded in ((("main", "subagent:*"), {"compactor"}),
+                             (("main", "subagent:calc"), {"compactor", "subagent:helper"}),
+                             (("subagent:*", "compactor"), {"main"})):
+        batch, stats, _ = build_batch(traces, 0, BatchConfig(seq_len=32, rows=2,
+                                                             train_agents=agents))
+        out = [e for t in traces for e in t.episodes if e.agent in excluded]
+        assert stats.excluded_episodes == len(out)
+        assert stats.excluded_agent_tokens == sum(e.num_agent_tokens for e in out)
+        trained = set(batch.targets[batch.loss_mask > 0].tolist())
+        for t in traces:
+            for e in t.episodes:
+                outs = {x for x, m in zip(e.token_ids, e.loss_mask) if m}
+                assert (outs <= trained) if e.agent not in excluded else not (outs & trained)
+
+
+def test_train_agents_composes_with_unchosen_branches():
+    """A main episode left out as an unchosen branch is counted there, not again as excluded."""
+    t = Trace(task_id="t", attempt_id="0", group_id="g", reward=1.0, status="finished",
+              metadata={"artifacts": {"metrics": {"branch_choices": [1]}}})
+    rec = TraceRecorder(t)
+    rec.record("main", Completion([1, 2, 3], [10], [-0.5]))
+    rec.record("main", Completion([1, 2, 3], [20], [-0.5]))   # n=2: choice 1 continues
+    rec.record("compactor", Completion([9, 9], [60, 61], [-0.5, -0.5]))
+    rec.record("main", Completion([5, 6], [40], [-0.5]))
+    other = _compacting_trace("t", 1, 0.0)
+    other.group_id = "g"
+    batch, stats, _ = build_batch([t, other], 0, BatchConfig(seq_len=16, train_agents=("main",)))
+    assert stats.unchosen_branches == 1 and stats.excluded_episodes == 1 + 1
+    assert stats.excluded_agent_tokens == 2 + other.episodes[1].num_agent_tokens
+    trained = batch.targets[batch.loss_mask > 0].tolist()
+    assert 10 not in trained and 60 not in trained and 20 in trained and 40 in trained
+
+
+def test_train_agents_is_checked_and_read_from_configs():
+    for bad, match in ((["main"], "must be a tuple"), ("main", "must be a tuple"),
+                       ((), "train nothing"), (("main", ""), "not an agent label"),
+                       (("sub*",), "only wildcard")):
+        with pytest.raises(ValueError, match=match) as e:
+            BatchConfig(train_agents=bad)
+        assert 'train_agents=("main",)' in str(e.value)  # says what to pass
+    assert BatchConfig().train_agents is None
+    for given in (["main"], ("main",)):
+        rl = from_config(RLConfig, {"batch": {"train_agents": given}}, path="rl")
+        assert rl.batch.train_agents == ("main",)
+    ml_collections = pytest.importorskip("ml_collections")
+    cfg = ml_collections.ConfigDict({"batch": {"train_agents": ("main", "subagent:*")}})
+    assert from_config(RLConfig, cfg, path="rl").batch.train_agents == ("main", "subagent:*")
+    with pytest.raises(ConfigError, match=r"rl\.batch\.train_agents"):
+        from_config(RLConfig, {"batch": {"train_agents": "main"}}, path="rl")
+    with pytest.raises(ConfigError, match="train nothing"):
+        from_config(RLConfig, {"batch": {"train_agents": []}}, path="rl")

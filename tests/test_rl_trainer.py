@@ -732,3 +732,51 @@ def test_refill_leaves_out_tasks_the_step_already_ran_and_counts_them(tmp_path):
     assert len(first) == 4 and repeated == 2
     assert {(t.task_id, t.metadata["refill"]) for t in more} == {("t2", 1)}
     assert len(c.ran) == 6
+
+
+def _compacting_replay():
+    """2 tasks x 4 attempts of main -> compactor -> main, one judged compaction each
+    (memo_ok on even attempts); reward = attempt parity. Token ids fit a 64-token vocab."""
+    from ac2_jax.trace import Completion, TraceRecorder
+    traces = []
+    for g in range(2):
+        for a in range(4):
+            event = {"agent": "compactor", "kind": "compaction", "memo": "m", "memo_ok": a % 2 == 0}
+            t = Trace(task_id=f"task{g}", attempt_id=str(a), group_id=f"0:task{g}",
+                      reward=float(a % 2), status="finished",
+                      metadata={"rl_step": 0, "artifacts": {"events": [event]}})
+            rec = TraceRecorder(t)
+            for k, agent in enumerate(["main", "compactor", "main"]):
+                out = [10 + 8 * k + a + g + i for i in range(2 + k)]
+                rec.record(agent, Completion([1 + k, 2, 3], out, [-1.0] * len(out)))
+            traces.append(t)
+    return traces
+
+
+def test_step_log_has_per_agent_metrics_and_main_only_trains_no_compactor_token(tmp_path):
+    """train_agents=("main",): compactor tokens are generated (agent_tokens/compactor) but
+    not trained (trained_tokens/compactor 0, counted as excluded); the step's compactions,
+    memo fidelity and staleness histogram reach train/ in metrics.jsonl."""
+    traces = _compacting_replay()
+    tokens = collections.Counter()
+    for t in traces:
+        for e in t.episodes:
+            tokens[e.agent] += e.num_agent_tokens
+    config = dataclasses.replace(_config(1), batch=BatchConfig(seq_len=128, rows=8,
+                                                               train_agents=("main",)))
+    trainer = RLTrainer(_model(64), ReplayCollector(traces), config, str(tmp_path),
+                        make_step=STEPS)
+    (m,) = asyncio.run(trainer.run())
+    trainer.close()
+    assert m["skipped_update"] == 0.0
+    assert m["agent_tokens/compactor"] == tokens["compactor"] > 0
+    assert m["agent_tokens/main"] == m["trained_tokens/main"] == tokens["main"]
+    assert m["trained_tokens/compactor"] == 0 and m["excluded_episodes"] == 8
+    assert m["excluded_agent_tokens"] == tokens["compactor"]
+    assert m["episodes/main"] == 2.0 and m["episodes/compactor"] == 1.0
+    assert m["compactions_per_attempt"] == 1.0 and m["memos_judged"] == 8.0
+    assert m["memo_fidelity"] == 0.5 and m["staleness_hist/0"] == 8.0
+    row = read_metrics(str(tmp_path / "metrics" / "metrics.jsonl"))[-1]
+    for k in ("trained_tokens/main", "trained_tokens/compactor", "memo_fidelity",
+              "staleness_hist/0", "agent_tokens/compactor", "excluded_episodes"):
+        assert row[f"train/{k}"] == m[k]

@@ -56,3 +56,18 @@ def test_old_traces_with_full_messages_on_every_completion_load(tmp_path):
     ep = loaded.episodes[0]
     assert ep.messages_at() == [msgs, msgs + [{"role": "user", "content": "more"}]]
     assert "messages_sha" not in ep.completions[0].to_dict()  # written back as it was read
+
+
+def test_events_are_the_harness_events_run_rollout_stores(tmp_path):
+    """Trace.events reads metadata["artifacts"]["events"] (where run_rollout stores the
+    harness's compaction events); [] when absent; a stored trace reads back the same."""
+    assert Trace(task_id="t").events == []
+    assert Trace(task_id="t", metadata={"artifacts": {"error": "x"}}).events == []
+    events = [{"agent": "compactor", "kind": "compaction", "memo": "at 17", "memo_ok": True}]
+    t = Trace(task_id="t", metadata={"artifacts": {"answer": "17", "events": events}})
+    assert t.events == events
+    t.events.append({"kind": "other"})  # a copy: the trace is not changed through it
+    assert t.events == events
+    store = TraceStore(str(tmp_path / "t.jsonl"))
+    store.append(t)
+    assert store.load()[0].events == events

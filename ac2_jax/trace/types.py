@@ -211,6 +211,13 @@ class Trace:
     def num_agent_tokens(self) -> int:
         return sum(e.num_agent_tokens for e in self.episodes)
 
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The harness's own events of the attempt, in order (e.g. `{"agent": "compactor",
+        "kind": "compaction", "memo": ..., "memo_ok": ...}`), as `run_rollout` stores them
+        in `metadata["artifacts"]["events"]`; [] when none were stored."""
+        return list(((self.metadata or {}).get("artifacts") or {}).get("events") or [])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "task_id": self.task_id,

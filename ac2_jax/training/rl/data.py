@@ -20,6 +20,8 @@ from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
+# The one wildcard of BatchConfig.train_agents: every `subagent:<name>` label.
+SUBAGENT_WILDCARD = "subagent:*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +56,17 @@ class BatchConfig:
     # fewer than two): advantage 0, they only dilute the loss (counted in
     # BatchStats.dropped_zero_advantage). RLConfig.dynamic_sampling turns it on.
     drop_zero_advantage: bool = False
+    # Agent labels whose episodes train (None: every episode of every trace). An
+    # exact label ("main", "compactor", "subagent:helper") or "subagent:*" (every
+    # subagent). Left-out episodes still belong to the attempt (its reward and
+    # advantage are unchanged) but put no tokens in the batch (counted in
+    # BatchStats.excluded_episodes / excluded_agent_tokens); the task loss is the
+    # agent-token-weighted mean of the segments that do train. E.g. the main-only
+    # ablation: train_agents=("main",).
+    train_agents: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        _check_train_agents(self.train_agents)
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
@@ -89,6 +100,32 @@ class BatchConfig:
         return min(self.seq_len * pow2_bucket(-(-longest // self.seq_len)), limit)
 
 
+def _check_train_agents(agents) -> None:
+    if agents is None:
+        return
+    how = ('pass a tuple of agent labels, e.g. train_agents=("main",) or ("main", "compactor", '
+           '"subagent:*"), or None to train every episode')
+    if not isinstance(agents, tuple):
+        raise ValueError(f"BatchConfig.train_agents must be a tuple or None, got "
+                         f"{type(agents).__name__} {agents!r}: {how}")
+    if not agents:
+        raise ValueError(f"BatchConfig.train_agents=() would train nothing: {how}")
+    for a in agents:
+        if not isinstance(a, str) or not a:
+            raise ValueError(f"BatchConfig.train_agents: {a!r} is not an agent label: {how}")
+        if "*" in a and a != SUBAGENT_WILDCARD:
+            raise ValueError(f"BatchConfig.train_agents: {a!r}: the only wildcard is "
+                             f"{SUBAGENT_WILDCARD!r} (every subagent:<name>); {how}")
+
+
+def agent_trained(agent: str, train_agents: tuple[str, ...] | None) -> bool:
+    """Whether episodes of `agent` train under `BatchConfig.train_agents`
+    (None: all; exact labels; "subagent:*" matches every `subagent:<name>`)."""
+    if train_agents is None or agent in train_agents:
+        return True
+    return SUBAGENT_WILDCARD in train_agents and agent.startswith("subagent:")
+
+
 def trace_version(trace: Trace) -> int:
     """Oldest policy version that sampled any token of the trace."""
     versions = [c.policy_version for e in trace.episodes for c in e.completions]
@@ -114,11 +151,16 @@ class BatchStats:
     truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
     unchosen_branches: int = 0      # multi-response episodes left out (unchosen_branch_episodes)
+    excluded_episodes: int = 0      # episodes of kept traces whose agent is not in train_agents
+    excluded_agent_tokens: int = 0  # their agent tokens (in no batch)
     lone_traces: int = 0            # kept traces alone in their group: advantage 0, no signal
     zero_advantage_groups: int = 0  # groups of kept traces with one reward (or one trace)
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    # Agent tokens in the batch per agent label (after exclusions and cuts; 0 for a
+    # label of the kept traces that put none in): `rl.metrics.batch_metrics` logs them.
+    trained_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchConfig
@@ -271,7 +313,10 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     stays whole; only past `max_seq_len` is its end cut. Both are counted in
     the stats. Greedy traces and two traces with one `Trace.key` are errors.
     Unchosen multi-response branches (`unchosen_branch_episodes`) are left
-    out, counted in `stats.unchosen_branches`. Groups without a reward spread
+    out, counted in `stats.unchosen_branches`; then episodes whose agent is
+    not in `config.train_agents` (`stats.excluded_episodes` /
+    `excluded_agent_tokens`): they shaped the reward, so the advantage is the
+    whole attempt's, but they put no tokens in the batch. Groups without a reward spread
     are counted (`stats.zero_advantage_groups`) and, with
     `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
     """
@@ -295,12 +340,20 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []
+    stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
     for t, a, w in zip(kept, adv, weights):
         unchosen = unchosen_branch_episodes(t)
         if unchosen:  # never trained on the continued branch's reward
             stats.unchosen_branches += len(unchosen)
             t = dataclasses.replace(t, episodes=[e for i, e in enumerate(t.episodes)
                                                  if i not in unchosen])
+        if config.train_agents is not None:
+            left_out = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
+            if left_out:
+                stats.excluded_episodes += len(left_out)
+                stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in left_out)
+                t = dataclasses.replace(t, episodes=[e for e in t.episodes if agent_trained(
+                    e.agent, config.train_agents)])
         for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
             if s.num_agent_tokens:
                 s.weight = w
@@ -313,6 +366,8 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     segments, cut = fit_segments(segments, row_len)
     stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
                                                               cut.truncated_agent_tokens)
+    for s in segments:
+        stats.trained_tokens[s.agent] += s.num_agent_tokens
     batch = pack_segments(segments, row_len, min_rows=config.rows,
                           rows_multiple=max(config.rows_multiple, 1), layout=config.layout,
                           min_tasks=max(config.task_capacity, 1),

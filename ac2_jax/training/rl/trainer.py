@@ -50,6 +50,7 @@ from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noq
                                             ReplayCollector, refill_seed)
 from ac2_jax.training.rl.data import (BatchConfig, build_batch, group_name, informative_groups,
                                       select_traces, trace_rewards)
+from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
 
@@ -183,9 +184,11 @@ class RLTrainer:
             "adv_mean": float(adv.mean()) if len(adv) else 0.0,
             "adv_std": float(adv.std()) if len(adv) else 0.0,
             "adv_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
-            "episodes_per_trace": float(np.mean([len(t.episodes) for t in traces])) if traces else 0.0,
-            "agent_tokens": float(sum(t.num_agent_tokens for t in traces)),
-            **{k: float(v) for k, v in dataclasses.asdict(stats).items()},
+            # Per agent (rl/metrics.py): agent_tokens/<group> generated, trained_tokens/<group>
+            # in the batch, episodes, compactions, memo fidelity, staleness_hist/<lag>.
+            **trace_agent_metrics(traces),
+            **batch_metrics(stats),
+            **staleness_histogram(traces, version),
             "infra_retries": float(sum(t.metadata.get("infra_retries", 0) for t in traces)),
         }
         if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
