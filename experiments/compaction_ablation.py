@@ -54,7 +54,7 @@ def step_curves(store_path: str) -> list[dict]:
     out = []
     for step in sorted(by_step):
         ts = by_step[step]
-        memos = [e["memo_ok"] for t in ts for e in long_horizon._events(t) if "memo_ok" in e]
+        memos = [e["memo_ok"] for t in ts for e in t.events if "memo_ok" in e]
         out.append({"rl_step": step, "traces": len(ts),
                     "pass_rate": float(np.mean([(t.reward or 0.0) >= 1.0 for t in ts])),
                     "memo_fidelity": float(np.mean(memos)) if memos else None,

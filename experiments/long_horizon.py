@@ -25,6 +25,7 @@ from ac2_jax.envs import ChainCalculatorEnv, chain_policy
 from ac2_jax.evals.stats import Estimate, clustered_interval, paired_difference
 from ac2_jax.orchestration import CompactionOrchestrator
 from ac2_jax.orchestration.base import AGENT_HEADER, SingleTaskUser, run_task
+from ac2_jax.training.rl.metrics import trace_agent_metrics
 from ac2_jax.training.sft.demos import demo_segment
 
 
@@ -158,10 +159,6 @@ def corpus_conversations(env, tasks, tokenizer_free_make, rng) -> list[list[dict
     return out
 
 
-def _events(trace) -> list[dict[str, Any]]:
-    return ((trace.metadata or {}).get("artifacts") or {}).get("events") or []
-
-
 def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
     """Per-agent figures of an eval run (an EvalResult with its traces): memo
     fidelity (share of judged memos that carry the value the next step needs;
@@ -172,7 +169,7 @@ def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
     for rec, tr in zip(result.attempts, result.traces):
         if not rec.scored:
             continue
-        events = _events(tr)
+        events = tr.events
         compactions.append(sum(e.get("kind") == "compaction" for e in events))
         episodes.append(len(tr.episodes))
         for ep in tr.episodes:
@@ -182,7 +179,10 @@ def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
     judged = [v for v in per_task.values() if v]
     fidelity = clustered_interval(judged, level, bounds=(0.0, 1.0)) if len(judged) > 1 else None
     n = max(len(episodes), 1)
+    scored = [tr for rec, tr in zip(result.attempts, result.traces) if rec.scored]
     return {"memo_fidelity": fidelity.to_dict() if fidelity else None,
+            # The RL step log's figures (agent tokens per agent, ...) on the eval's traces.
+            "trace_metrics": trace_agent_metrics(scored),
             "memos_judged": int(sum(len(v) for v in judged)),
             "compactions_per_attempt": float(np.mean(compactions)) if compactions else 0.0,
             "episodes_per_trace": float(np.mean(episodes)) if episodes else 0.0,
@@ -196,7 +196,7 @@ def memo_fidelity_difference(after, before, level: float = 0.95) -> Estimate | N
         for rec, tr in zip(result.attempts, result.traces):
             if rec.scored:
                 out.setdefault(rec.task_id, []).extend(
-                    float(e["memo_ok"]) for e in _events(tr) if "memo_ok" in e)
+                    float(e["memo_ok"]) for e in tr.events if "memo_ok" in e)
         return {t: float(np.mean(v)) for t, v in out.items() if v}
     a, b = per_task(after), per_task(before)
     both = [t for t in after.task_ids if t in a and t in b]

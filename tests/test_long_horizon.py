@@ -111,10 +111,11 @@ def test_demonstrations_need_compaction_under_the_configured_budget(long_setup):
         agents = [a for a, *_ in requests]
         assert agents.count("main") == len(t.metadata["ops"]) + 1
         assert agents.count("compactor") == len(memos)
-        # After a compaction the main agent sees system + memo + task only.
+        # After a compaction the main agent sees system + task + memo only.
         restart = requests[agents.index("compactor") + 1][1]
         assert [m["role"] for m in restart] == ["system", "user", "user"]
-        assert restart[1]["content"].startswith("Progress so far: ")
+        assert restart[1]["content"] == t.prompt
+        assert restart[2]["content"].startswith("Progress so far: ")
     # Without compaction even the shortest task's pattern passes the budget.
     shortest = min(tasks, key=lambda t: len(t.metadata["ops"]))
     assert len(shortest.metadata["ops"]) == cfg.env.ops_range[0]

@@ -434,7 +434,7 @@ class JudgingAddEnv(AddEnv):
         return None if not results else results[-1] in memo
 
 
-def test_compaction_without_the_exchange_restarts_from_system_memo_and_turn():
+def test_compaction_without_the_exchange_restarts_from_system_turn_and_memo():
     """keep_exchange=False (the long-horizon main job): the memo is all that is left."""
     from ac2_jax.orchestration.base import SingleTaskUser, run_task
     env = JudgingAddEnv()
@@ -446,8 +446,8 @@ def test_compaction_without_the_exchange_restarts_from_system_memo_and_turn():
     assert conv.status == "finished"
     after = client.calls[2][1]
     assert after == [{"role": "system", "content": AddEnv.system_prompt},
-                     {"role": "user", "content": "Progress so far: memo: 3 + 4 was added."},
-                     {"role": "user", "content": USER["content"]}]
+                     {"role": "user", "content": USER["content"]},
+                     {"role": "user", "content": "Progress so far: memo: 3 + 4 was added."}]
     event = next(e for e in conv.events if e["kind"] == "compaction")
     assert event["memo"] == MEMO[0] and event["memo_ok"] is False  # "7" is not in the memo
 

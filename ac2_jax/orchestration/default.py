@@ -167,8 +167,8 @@ class CompactionOrchestrator(DefaultOrchestrator):
     history as a transcript. The main agent restarts (a new episode) from its
     system prompt, the memo, the current turn's user input and the latest tool
     exchange, all verbatim, so it always sees the latest tool result; with
-    `keep_exchange=False` it restarts from system prompt, memo and turn input
-    only, so whatever it needs from the work so far must be in the memo (the
+    `keep_exchange=False` it restarts from system prompt, turn input and memo
+    (in that order) only, so whatever it needs from the work so far must be in the memo (the
     long-horizon main job: the memo then decides the outcome). Each
     "compaction" event carries the memo and, when the env can judge it
     (`Env.judge_memo` on the history the memo replaces), `memo_ok`. The next
@@ -285,9 +285,11 @@ class CompactionOrchestrator(DefaultOrchestrator):
         self.trace.events.append(event)
         head = [m for m in msgs[:1] if m["role"] == "system"]
         turn, exchange = self._kept()
-        if not self.keep_exchange:
-            exchange = []
-        msgs[:] = head + [{"role": "user", "content": f"Progress so far: {memo}"}] + turn + exchange
+        progress = [{"role": "user", "content": f"Progress so far: {memo}"}]
+        if self.keep_exchange:
+            msgs[:] = head + progress + turn + exchange
+        else:  # the memo is the latest state: it comes last, right before the agent's turn
+            msgs[:] = head + turn + progress
         self._before_compaction = before
         self._main_context, self._seen = None, len(msgs)
         return True

@@ -70,6 +70,10 @@ def _long(c):
 def _long_quick(c):
     c = _quick(_long(c))
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
+    c.sft.batch_rows = 4  # a whole demo (its main and compactor episodes) per batch
+    # An untrained model answers at random: short outputs keep the smoke run short.
+    c.rollout.update(max_tokens=16, max_steps=3)
+    c.eval.update(num_tasks=3, attempts=1)
     return c
 
 
