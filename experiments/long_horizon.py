@@ -140,7 +140,7 @@ def long_demo_segments(cfg, env, tasks, tokenizer, make_orchestrator, rng, log=p
     return segments, stats
 
 
-def corpus_conversations(env, tasks, tokenizer_free_make, rng) -> list[list[dict]]:
+def corpus_conversations(env, tasks, make_orchestrator, rng) -> list[tuple[list, list | None]]:
     """Message lists of demo requests for the tokenizer's training corpus (the
     usage counts do not matter here, so a character-count tokenizer stands in)."""
     out = []
@@ -153,7 +153,7 @@ def corpus_conversations(env, tasks, tokenizer_free_make, rng) -> list[list[dict
         def encode(self, text):
             return list(range(len(text) // 4))
 
-    for _, requests in record_demos(env, tasks, _Chars(), tokenizer_free_make, rng,
+    for _, requests in record_demos(env, tasks, _Chars(), make_orchestrator, rng,
                                     memo_error_prob=0.1, main_slip_prob=0.0):
         out += [(messages + [reply], tools) for _, messages, tools, reply in requests]
     return out
