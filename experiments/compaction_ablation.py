@@ -70,10 +70,10 @@ def markdown(report: dict) -> str:
     rows = ["| held-out eval | pass rate [95% CI] | memo fidelity [95% CI] | memos judged "
             "| compactions / attempt | episodes / trace |", "|---|---|---|---|---|---|"]
     for name in ("sft", "rl_whole", "rl_main_only"):
-        r = report["evals"][name]
-        rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(r['agents']['memo_fidelity'])} "
-                    f"| {r['agents']['memos_judged']} | {r['agents']['compactions_per_attempt']:.2f} "
-                    f"| {r['agents']['episodes_per_trace']:.2f} |")
+        r, a = report["evals"][name], report["evals"][name]["agents"]
+        rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(a['memo_fidelity'])} "
+                    f"| {a['memos_judged']} | {a['compactions_per_attempt']:.2f} "
+                    f"| {a['episodes_per_trace']:.2f} |")
     rows += ["", "| paired difference (tasks) | pass rate [95% CI] | memo fidelity [95% CI] |",
              "|---|---|---|"]
     for name, d in report["differences"].items():
