@@ -4,11 +4,18 @@ Every rollout goes through the production path: an OpenAI client with a
 rollout key -> the endpoint (FastAPI, real HTTP on 127.0.0.1) -> the
 embedded JaxSampler; the learner publishes Orbax weights after each update
 and the sampler reloads them. `run(config)` returns the report dict.
+
+The config picks the env (`env.kind`: "calculator", or "chain" for the
+long-horizon ChainCalculatorEnv) and the harness (`harness.kind`: "default",
+or "compaction" for the compacting agent of `experiments/long_horizon.py`,
+whose demonstrations are recorded through the real orchestrator and whose
+report adds per-agent figures: memo fidelity, compactions, episodes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -35,6 +42,7 @@ from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
 from ac2_jax.viz import plot_curves, write_trace_html
+from experiments import long_horizon
 
 MODEL_NAME = "ac2-calculator"
 
@@ -47,7 +55,17 @@ def typed_configs(cfg) -> dict:
             "rl": from_config(RLConfig, cfg.rl, path="rl")}
 
 
+def is_long(cfg) -> bool:
+    """The long-horizon variant: the compacting harness."""
+    return cfg.get("harness") is not None and cfg.harness.kind == "compaction"
+
+
 def build_env(cfg) -> CalculatorEnv:
+    kind = cfg.env.get("kind", "calculator")
+    if kind == "chain":
+        return long_horizon.build_chain_env(cfg)
+    if kind != "calculator":
+        raise ValueError(f"env.kind must be 'calculator' or 'chain', got {kind!r}")
     return CalculatorEnv(num_range=tuple(cfg.env.num_range), answer_digits=cfg.env.answer_digits)
 
 
@@ -55,7 +73,12 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     corpus = []
-    for task in env.sample_tasks(200, seed=cfg.seed + 7, split="train"):
+    tasks = env.sample_tasks(200, seed=cfg.seed + 7, split="train")
+    if is_long(cfg):
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        for msgs, tools_ in long_horizon.corpus_conversations(env, tasks, make, rng):
+            corpus.append(_render_for_corpus(msgs, tools_ or []))
+    for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
         corpus.append(_render_for_corpus(msgs, tools))
     return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
@@ -87,8 +110,12 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     tasks = sft_tasks(cfg, env)
-    segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
-                             tools, task=t.task_id) for t in tasks]
+    if is_long(cfg):  # recorded through the real orchestrator, one segment per request
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        segments, _ = long_horizon.long_demo_segments(cfg, env, tasks, tokenizer, make, rng, log)
+    else:
+        segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
+                                 tools, task=t.task_id) for t in tasks]
     typed = typed_configs(cfg)
     sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
     every = max(1, sft_cfg.steps // 10)
@@ -98,25 +125,26 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     return result.model(), result.history
 
 
-def orchestrator_factory(cfg_sampling: dict, max_steps: int):
+def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):
+    """The harness of every rollout (the long variant's demos, evals, RL): the
+    tool loop, or with `cfg` of the long variant the compacting harness."""
+    if cfg is not None and is_long(cfg):
+        return long_horizon.compaction_factory(cfg, cfg_sampling, max_steps)
+
     def make(env, task, client, model_name):
         return DefaultOrchestrator(env, task, client, model_name, max_steps=max_steps,
                                    sampling=dict(cfg_sampling))
     return make
 
 
-async def _pipeline(cfg, log=print) -> dict:
-    t_start = time.perf_counter()
-    rl_config = typed_configs(cfg)["rl"]  # config mismatches fail before any work
-    workdir = os.path.abspath(cfg.workdir)
-    report_dir = os.path.join(workdir, "report")
-    os.makedirs(report_dir, exist_ok=True)
+def prepare(cfg, workdir: str, log=print):
+    """Env, tokenizer and the SFT-warm-started model (a finished warm start in
+    `workdir/sft_params` is reused). Returns (env, tokenizer, model, sft_history, t_sft)."""
     env = build_env(cfg)
     tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), env)
     model = build_model(cfg, tokenizer.vocab_size)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     log(f"model: {n_params} params, vocab {tokenizer.vocab_size}")
-
     t0 = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft_params")
     if os.path.exists(sft_dir):  # a finished warm start is reused (resume)
@@ -126,56 +154,88 @@ async def _pipeline(cfg, log=print) -> dict:
     else:
         model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log)
         save_params(model, sft_dir)
-    t_sft = time.perf_counter() - t0
+    return env, tokenizer, model, sft_history, time.perf_counter() - t0
 
-    rl_dir = os.path.join(workdir, "rl")
+
+@contextlib.asynccontextmanager
+async def serving(cfg, model, tokenizer, publish_dir: str, max_batch: int, trace_store: str):
+    """The endpoint over an embedded JaxSampler of `model` (real HTTP on 127.0.0.1);
+    yields (sampler, lifecycle client) and shuts both down after."""
     eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
-    sampler = JaxSampler(model, publish_dir=os.path.join(rl_dir, "published"),
+    sampler = JaxSampler(model, publish_dir=publish_dir,
                          max_context=cfg.model.max_position_embeddings,
-                         max_batch=rl_config.concurrency, eos_token_ids=eos, tokenizer=tokenizer,
+                         max_batch=max_batch, eos_token_ids=eos, tokenizer=tokenizer,
                          seed=cfg.seed)
     admin_key = secrets.token_hex(16)
     app = build_app(sampler, tokenizer, admin_key=admin_key, model_name=MODEL_NAME,
-                    trace_store=os.path.join(workdir, "served_traces.jsonl"))
+                    trace_store=trace_store)
     base_url, stop = serve_in_thread(app)
     lifecycle = LifecycleClient(base_url, admin_key)
     try:
-        eval_tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
-        eval_make = orchestrator_factory({"temperature": cfg.eval.temperature,
-                                          "max_tokens": cfg.rollout.max_tokens},
-                                         cfg.rollout.max_steps)
-        t0 = time.perf_counter()
-        eval_kw = dict(k=cfg.eval.attempts, concurrency=cfg.eval.concurrency, seed=cfg.seed,
-                       prices=TokenPrices(**cfg.eval.prices))
-        before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
-                                **eval_kw)
-        t_eval = time.perf_counter() - t0
-        log(f"before RL (SFT): pass rate {before.pass_rate}")
-
-        rl, ro = rl_config, cfg.rollout
-        store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
-        collector = EndpointCollector(
-            lifecycle, env, orchestrator_factory({"temperature": ro.temperature,
-                                                  "max_tokens": ro.max_tokens}, ro.max_steps),
-            MODEL_NAME, store, tasks_per_step=rl.tasks_per_step,
-            attempts_per_task=rl.attempts_per_task, seed=rl_collector_seed(cfg),
-            concurrency=rl.concurrency,
-            infra_retries=ro.infra_retries)
-        trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,
-                            logger=MetricsLogger(os.path.join(report_dir, "metrics")))
-        t0 = time.perf_counter()
-        history = await trainer.run()
-        t_rl = time.perf_counter() - t0
-
-        after = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="rl",
-                               **eval_kw)
-        log(f"after RL: pass rate {after.pass_rate}")
-        final_model = trainer.model()
-        trainer.close()
+        yield sampler, lifecycle
     finally:
         await lifecycle.aclose()
         stop()
         sampler.close()
+
+
+def eval_plan(cfg, env):
+    """(held-out tasks, orchestrator factory, evaluate() keywords): the same for every eval."""
+    tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
+    make = orchestrator_factory({"temperature": cfg.eval.temperature,
+                                 "max_tokens": cfg.rollout.max_tokens},
+                                cfg.rollout.max_steps, cfg)
+    kw = dict(k=cfg.eval.attempts, concurrency=cfg.eval.concurrency, seed=cfg.seed,
+              prices=TokenPrices(**cfg.eval.prices))
+    return tasks, make, kw
+
+
+async def train_rl(cfg, rl_config: RLConfig, model, sampler, lifecycle, env, rl_dir: str,
+                   metrics_dir: str):
+    """Task-level RL through the endpoint. Returns (history, trained model, rollout store)."""
+    ro = cfg.rollout
+    store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
+    collector = EndpointCollector(
+        lifecycle, env, orchestrator_factory({"temperature": ro.temperature,
+                                              "max_tokens": ro.max_tokens}, ro.max_steps, cfg),
+        MODEL_NAME, store, tasks_per_step=rl_config.tasks_per_step,
+        attempts_per_task=rl_config.attempts_per_task, seed=rl_collector_seed(cfg),
+        concurrency=rl_config.concurrency, infra_retries=ro.infra_retries)
+    trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,
+                        logger=MetricsLogger(metrics_dir))
+    try:
+        history = await trainer.run()
+        return history, trainer.model(), store
+    finally:
+        trainer.close()
+
+
+async def _pipeline(cfg, log=print) -> dict:
+    t_start = time.perf_counter()
+    rl_config = typed_configs(cfg)["rl"]  # config mismatches fail before any work
+    workdir = os.path.abspath(cfg.workdir)
+    report_dir = os.path.join(workdir, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    env, tokenizer, model, sft_history, t_sft = prepare(cfg, workdir, log)
+
+    rl_dir = os.path.join(workdir, "rl")
+    async with serving(cfg, model, tokenizer, os.path.join(rl_dir, "published"),
+                       rl_config.concurrency,
+                       os.path.join(workdir, "served_traces.jsonl")) as (sampler, lifecycle):
+        eval_tasks, eval_make, eval_kw = eval_plan(cfg, env)
+        t0 = time.perf_counter()
+        before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
+                                **eval_kw)
+        t_eval = time.perf_counter() - t0
+        log(f"before RL (SFT): pass rate {before.pass_rate}")
+        t0 = time.perf_counter()
+        history, final_model, store = await train_rl(cfg, rl_config, model, sampler, lifecycle,
+                                                     env, rl_dir,
+                                                     os.path.join(report_dir, "metrics"))
+        t_rl = time.perf_counter() - t0
+        after = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="rl",
+                               **eval_kw)
+        log(f"after RL: pass rate {after.pass_rate}")
 
     diff = compare_results(after, before, "pass").estimate
     save_hf_checkpoint(final_model, os.path.join(report_dir, "final_hf"))
@@ -198,6 +258,11 @@ async def _pipeline(cfg, log=print) -> dict:
         "hf_export": os.path.join(report_dir, "final_hf"),
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,
     }
+    if is_long(cfg):  # per-agent figures of the held-out evals
+        report["agents"] = {"sft": long_horizon.agent_figures(before),
+                            "rl": long_horizon.agent_figures(after)}
+        memo_diff = long_horizon.memo_fidelity_difference(after, before)
+        report["memo_fidelity_improvement"] = memo_diff.to_dict() if memo_diff else None
     with open(os.path.join(report_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report

@@ -1,10 +1,11 @@
-"""Calculator envs: safe evaluation, verifier, disjoint splits."""
+"""Calculator envs: safe evaluation, verifier, disjoint splits, the chain tasks and their memos."""
 
 import asyncio
 
 import pytest
 
-from ac2_jax.envs import CalculatorEnv, StepwiseCalculatorEnv, run_tool, safe_eval
+from ac2_jax.envs import (CalculatorEnv, ChainCalculatorEnv, StepwiseCalculatorEnv, chain_memo,
+                          chain_policy, parse_chain_state, run_tool, safe_eval)
 
 
 def test_safe_eval():
@@ -63,3 +64,61 @@ def test_verifier_parses_separators_and_integral_decimals():
     assert env.verify(t, "It is -1,798.0.") == 1.0
     t.answer = 12
     assert env.verify(t, "Step 1: 3*4 = 12. So the answer is 12.") == 1.0
+
+
+def test_chain_tasks_have_fixed_widths_and_disjoint_splits():
+    env = ChainCalculatorEnv()
+    train = env.sample_tasks(200, seed=0)
+    assert train == env.sample_tasks(200, seed=0)
+    evals = env.sample_tasks(200, seed=0, split="eval")
+    assert not {t.prompt for t in train} & {t.prompt for t in evals}
+    assert {len(t.metadata["ops"]) for t in train} == {3, 4, 5}
+    for t in train:
+        values = [t.metadata["start"]] + t.metadata["values"]
+        assert all(100 <= v <= 999 for v in values), t.prompt
+        assert all(len(op) == 3 and op[0] in "+-" for op in t.metadata["ops"]), t.prompt
+        assert t.answer == values[-1] == safe_eval(t.metadata["expression"])
+        assert parse_chain_state(t.prompt) == (t.metadata["start"], t.metadata["ops"])
+        assert env.verify(t, env.reference_answer(t)) == 1.0
+    tool = env.tool("calculator")
+    assert asyncio.run(run_tool(tool, {"expression": "512+37"})) == ("549", True)
+    assert not asyncio.run(run_tool(tool, {"expression": "512+37-29"}))[1]
+
+
+def test_chain_memo_judging():
+    env = ChainCalculatorEnv()
+    task = env.sample_tasks(1, seed=0)[0]
+    history = [{"role": "user", "content": task.prompt},
+               {"role": "assistant", "content": "", "tool_calls": []},
+               {"role": "tool", "tool_call_id": "c", "content": "549"}]
+    assert env.judge_memo(task, history, chain_memo(549, ["-29", "+45"])) is True
+    assert env.judge_memo(task, history, "548 -29 +45") is False   # garbled value
+    assert env.judge_memo(task, history, "-29 +45") is False       # dropped value
+    assert env.judge_memo(task, history, "15490 -29") is False     # not as a whole number
+    assert env.judge_memo(task, history[:1], "549") is None       # no result yet: no verdict
+    assert parse_chain_state("Progress so far: 549 -29 +45") == (549, ["-29", "+45"])
+    assert parse_chain_state("565") == (565, [])
+    assert parse_chain_state("no state here") is None
+
+
+def test_chain_policy_follows_the_memo_and_its_errors_propagate():
+    import json
+    import random
+    rng = random.Random(0)
+    task = "Start at 512, then +37, -29, +45."
+    main = [{"role": "system", "content": "s"}, {"role": "user", "content": task}]
+    call = chain_policy("main", main, rng)["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == {"expression": "512+37"}
+    # After a memo the task is shown again: the memo, not the task, says where things stand.
+    restart = [main[0], {"role": "user", "content": "Progress so far: 520 +45"}, main[1]]
+    call = chain_policy("main", restart, rng)["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == {"expression": "520+45"}
+    done = restart[:1] + [{"role": "user", "content": "Progress so far: 565"}, main[1]]
+    assert chain_policy("main", done, rng)["content"] == "The answer is 565."
+    transcript = (f"user: Progress so far: 549 -29 +45\nuser: {task}\n"
+                  'assistant: [call calculator({"expression": "549-29"})]\ntool: 520\n\nSummarize')
+    request = [{"role": "system", "content": "c"}, {"role": "user", "content": transcript}]
+    assert chain_policy("compactor", request, rng)["content"] == "520 +45"
+    garbled = [chain_policy("compactor", request, rng, memo_error_prob=1.0)["content"]
+               for _ in range(20)]
+    assert all(m.endswith(" +45") and m != "520 +45" and len(m) == 7 for m in garbled)

@@ -38,3 +38,46 @@ def test_rl_first_tasks_are_not_the_sft_demonstrations():
     step0 = {t.task_id for t in env.sample_tasks(cfg.rl.tasks_per_step, seed=collector_seed,
                                                  split="train")}
     assert len(step0 & demos) <= 1, step0 & demos
+
+
+def test_long_variant_pipeline_reports_per_agent_figures(tmp_path):
+    """`:long_quick`: the compacting harness runs every stage and the report has the
+    per-agent figures of both evals (an untrained model rarely compacts: shapes only)."""
+    cfg = get_config("long_quick")
+    cfg.workdir = str(tmp_path / "run")
+    report = calculator_agent.run(cfg, log=lambda *a: None)
+    assert report["rl_steps"] == 1 and report["sft_pass_rate"]["n"] == 3
+    for name in ("sft", "rl"):
+        figures = report["agents"][name]
+        assert set(figures) >= {"memo_fidelity", "memos_judged", "compactions_per_attempt",
+                                "episodes_per_trace", "episodes_per_trace_by_agent",
+                                "trace_metrics"}
+        assert figures["episodes_per_trace"] >= 1
+    assert "memo_fidelity_improvement" in report
+
+
+def test_compaction_ablation_runs_both_arms_from_one_sft(tmp_path):
+    from experiments import compaction_ablation
+    cfg = get_config("long_quick")
+    cfg.workdir = str(tmp_path / "abl")
+    report = compaction_ablation.run(cfg, log=lambda *a: None)
+    assert set(report["evals"]) == {"sft", "rl_whole", "rl_main_only"}
+    assert set(report["differences"]) == {"rl_whole - sft", "rl_main_only - sft",
+                                          "rl_whole - rl_main_only"}
+    for arm in ("whole", "main_only"):
+        assert [c["rl_step"] for c in report["rl_curves"][arm]] == [0]
+        # Each arm trained from the SFT weights in its own directory.
+        assert os.listdir(os.path.join(cfg.workdir, f"rl_{arm}", "checkpoints"))
+    md = open(os.path.join(cfg.workdir, "report", "ablation.md")).read()
+    assert "rl_main_only" in md and "memo fidelity" in md
+    # The main-only arm's step log counts the compactor's tokens as excluded.
+    metrics = [json.loads(line) for line in open(os.path.join(
+        cfg.workdir, "report", "metrics_main_only", "metrics.jsonl"))]
+    assert metrics and all("train/excluded_agent_tokens" in m for m in metrics)
+
+
+def test_ablation_needs_the_compacting_harness():
+    import pytest
+    from experiments import compaction_ablation
+    with pytest.raises(ValueError, match="calculator.py:long"):
+        compaction_ablation.run(get_config("quick"))

@@ -424,3 +424,44 @@ def test_compaction_that_does_not_shrink_the_context_is_an_agent_error():
     assert conv.status == "agent_error" and orch.compactions == 1
     reasons = [e["reason"] for e in conv.events if e.get("kind") == "compaction_error"]
     assert reasons and "did not shrink" in reasons[0]
+
+
+class JudgingAddEnv(AddEnv):
+    """AddEnv whose memos are judged: a memo must carry the latest tool result."""
+
+    def judge_memo(self, task, messages, memo):
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        return None if not results else results[-1] in memo
+
+
+def test_compaction_without_the_exchange_restarts_from_system_turn_and_memo():
+    """keep_exchange=False (the long-horizon main job): the memo is all that is left."""
+    from ac2_jax.orchestration.base import SingleTaskUser, run_task
+    env = JudgingAddEnv()
+    client = AgentClient({"main": [(*ADD34, 90, 20), (*ADD710, 60, 10), (*ANSWER, 80, 10)],
+                          "compactor": [(*MEMO, 50, 10)]})
+    orch = CompactionOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny",
+                                  context_budget=100, keep_exchange=False)
+    conv = asyncio.run(run_task(orch, SingleTaskUser()))
+    assert conv.status == "finished"
+    after = client.calls[2][1]
+    assert after == [{"role": "system", "content": AddEnv.system_prompt},
+                     {"role": "user", "content": USER["content"]},
+                     {"role": "user", "content": "Progress so far: memo: 3 + 4 was added."}]
+    event = next(e for e in conv.events if e["kind"] == "compaction")
+    assert event["memo"] == MEMO[0] and event["memo_ok"] is False  # "7" is not in the memo
+
+
+def test_memo_ok_is_recorded_when_the_env_judges_and_absent_when_it_cannot():
+    from ac2_jax.orchestration.base import SingleTaskUser, run_task
+    good = ("memo: added 3 + 4 = 7.", "stop")
+    for env, want in ((JudgingAddEnv(), True), (AddEnv(), None)):
+        client = AgentClient({"main": [(*ADD34, 90, 20), (*ADD710, 60, 10), (*ANSWER, 80, 10)],
+                              "compactor": [(*good, 50, 10)]})
+        orch = CompactionOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny",
+                                      context_budget=100)
+        conv = asyncio.run(run_task(orch, SingleTaskUser()))
+        event = next(e for e in conv.events if e["kind"] == "compaction")
+        assert event.get("memo_ok") is want
+    # The exchange is kept by default (the existing behaviour).
+    assert client.calls[2][1][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "7"}

@@ -1,8 +1,9 @@
 """Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
 
 from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool, set_tool_threads, tool_executor
-from ac2_jax.envs.calculator import (CalculatorEnv, StepwiseCalculatorEnv, demonstration,
-                                     last_integer, safe_eval)
+from ac2_jax.envs.calculator import (CalculatorEnv, ChainCalculatorEnv, StepwiseCalculatorEnv,
+                                     chain_memo, chain_policy, demonstration, last_integer,
+                                     parse_chain_state, safe_eval)
 from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
                                  hint_keywords, parse_judge_reply)
 from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
@@ -12,6 +13,7 @@ __all__ = [
     "AdaptiveMix",
     "AgentError",
     "CalculatorEnv",
+    "ChainCalculatorEnv",
     "DomainMixer",
     "Env",
     "Judge",
@@ -23,12 +25,15 @@ __all__ = [
     "StepwiseCalculatorEnv",
     "Task",
     "Tool",
+    "chain_memo",
+    "chain_policy",
     "check_sandboxable",
     "demonstration",
     "difficulty_factor",
     "domain_seed",
     "hint_keywords",
     "last_integer",
+    "parse_chain_state",
     "parse_judge_reply",
     "run_sandboxed",
     "run_tool",

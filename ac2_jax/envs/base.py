@@ -150,6 +150,12 @@ class Env(abc.ABC):
         when the env has none. The environment audit checks solvability with it."""
         return None
 
+    def judge_memo(self, task: Task, messages: list[dict[str, Any]], memo: str) -> bool | None:
+        """Whether a compaction memo carries what the next step needs, given the
+        history it replaced (`messages`); None when the env cannot judge (the
+        default). The CompactionOrchestrator records it as the event's `memo_ok`."""
+        return None
+
     def initial_messages(self, task: Task) -> list[dict[str, Any]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return msgs + [{"role": "user", "content": task.prompt}]

@@ -5,11 +5,16 @@ arithmetic expression; the verifier checks the last number of the answer
 exactly ("1,798" and "1798.0" read as 1798). `StepwiseCalculatorEnv` is the
 harder variant: its tool takes one operation at a time (`a op b`), so a task
 needs several calls, and a small context budget makes compaction kick in.
+`ChainCalculatorEnv` is the long-horizon one ("Start at 512, then +37, -29,
++45."): one call per operation, and under a CompactionOrchestrator that
+restarts the main agent from the memo alone, the memo must carry the running
+value (`judge_memo`); `chain_policy` is its scripted, imperfect demonstrator.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -146,3 +151,155 @@ def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
         {"role": "tool", "tool_call_id": "call_0", "content": str(task.answer)},
         {"role": "assistant", "content": f"The answer is {task.answer}."},
     ]
+
+
+# The long-horizon task's state as a memo: "<value> <ops left>", e.g. "549 -29 +45";
+# "565" once no operation is left. Fixed widths (3-digit values, 2-digit operands)
+# put every digit at a fixed offset, which a tiny model copies easily.
+_MEMO_RE = re.compile(r"\s*(\d+)((?:\s+[+-]\d+)*)\s*$")
+_TASK_RE = re.compile(r"Start at (\d+), then (.*)\.\s*$")
+PROGRESS_PREFIX = "Progress so far: "  # how CompactionOrchestrator hands the memo to the main agent
+
+
+def chain_memo(value: int, ops: list[str]) -> str:
+    """The memo of a chain task's state: the running value, then the operations left."""
+    return " ".join([str(value), *ops])
+
+
+def parse_chain_state(text: str) -> tuple[int, list[str]] | None:
+    """(value, ops left) from a task prompt or a memo; None when it is neither."""
+    text = (text or "").strip()
+    if text.startswith(PROGRESS_PREFIX.strip()):
+        text = text[len(PROGRESS_PREFIX.strip()):]
+    m = _TASK_RE.match(text)
+    if m:
+        return int(m.group(1)), re.findall(r"[+-]\d+", m.group(2))
+    m = _MEMO_RE.match(text)
+    if m:
+        return int(m.group(1)), m.group(2).split()
+    return None
+
+
+class ChainCalculatorEnv(StepwiseCalculatorEnv):
+    """Long-horizon tasks: a chain of `ops_range` additions/subtractions.
+
+    "Start at 512, then +37, -29, +45." with every running value in
+    `value_range` (3 digits) and operands in `operand_range` (2 digits),
+    rejection-sampled, so every number has a fixed width. The tool does one
+    operation per call, so a task needs one call per operation. Train and
+    eval tasks come from disjoint halves of the prompt space (hash parity).
+    """
+
+    name = "chain_calculator"
+
+    def __init__(self, ops_range: tuple[int, int] = (3, 5),
+                 value_range: tuple[int, int] = (100, 999),
+                 operand_range: tuple[int, int] = (10, 99)):
+        super().__init__()
+        if not 1 <= ops_range[0] <= ops_range[1]:
+            raise ValueError(f"ChainCalculatorEnv: ops_range must be (lo, hi) with 1 <= lo <= hi, "
+                             f"got {ops_range}")
+        self.ops_range, self.value_range = tuple(ops_range), tuple(value_range)
+        self.operand_range = tuple(operand_range)
+
+    def _chain(self, rng: random.Random) -> tuple[int, list[str], list[int]]:
+        lo, hi = self.value_range
+        while True:
+            value = start = rng.randint(lo, hi)
+            ops, values = [], []
+            for _ in range(rng.randint(*self.ops_range)):
+                op = f"{rng.choice('+-')}{rng.randint(*self.operand_range)}"
+                value = safe_eval(f"{value}{op}")
+                ops.append(op)
+                values.append(value)
+            if all(lo <= v <= hi for v in values):
+                return start, ops, values
+
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        want = 0 if split == "train" else 1
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        tasks = []
+        while len(tasks) < n:
+            start, ops, values = self._chain(rng)
+            prompt = f"Start at {start}, then {', '.join(ops)}."
+            if sum(map(ord, prompt)) % 2 != want:
+                continue
+            tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}", prompt=prompt,
+                              answer=values[-1], domain=self.name,
+                              metadata={"expression": f"{start}{''.join(ops)}", "start": start,
+                                        "ops": ops, "values": values}))
+        return tasks
+
+    def judge_memo(self, task: Task, messages: list[dict], memo: str) -> bool | None:
+        """True when the memo carries the latest tool result as a whole number (the
+        value the next operation starts from); None before any tool result."""
+        results = [m for m in messages if m.get("role") == "tool"]
+        if not results:
+            return None
+        needed = (results[-1].get("content") or "").strip()
+        return needed in re.findall(r"\d+", memo or "")
+
+
+def _garble(value: int, rng: random.Random) -> int:
+    """`value` with one digit changed (same width, never equal to `value`)."""
+    digits = list(str(value))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0")]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
+def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, list[str]] | None:
+    """The state after `texts` ((role, text) in order): the latest memo (else the
+    task), advanced by one operation per tool result after it (value: the latest
+    result). The task is re-shown after a memo; it does not reset the state."""
+    state, done, from_memo = None, 0, False
+    for role, text in texts:
+        parsed = parse_chain_state(text) if role == "user" else None
+        is_memo = text.strip().startswith(PROGRESS_PREFIX.strip())
+        if parsed is not None and (is_memo or not from_memo):
+            state, done, from_memo = parsed, 0, is_memo
+        elif role == "tool" and state is not None:
+            value = last_integer(text)
+            if value is not None:
+                state, done = (value, state[1]), done + 1
+    if state is None:
+        return None
+    return state[0], state[1][done:]
+
+
+def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
+                 memo_error_prob: float = 0.0, main_slip_prob: float = 0.0) -> dict:
+    """The scripted demonstrator of ChainCalculatorEnv under compaction: the
+    assistant message it sends for one request of `agent` ("main" or "compactor").
+
+    main: from the latest task or "Progress so far:" memo (and any tool results
+    after it), calls the calculator on "<value><next op>", or answers "The
+    answer is <value>." when none is left; with `main_slip_prob` one digit of
+    the value is wrong (the error then propagates). compactor: reads the
+    orchestrator's transcript ("role: text" lines, calls as "[call ...]") and
+    writes `chain_memo` of the state; with `memo_error_prob` the value has one
+    digit wrong, so the main agent, restarting from the memo alone, goes wrong.
+    """
+    if agent == "compactor":
+        lines = (messages[-1].get("content") or "").splitlines()
+        texts = [tuple(line.split(": ", 1)) for line in lines if ": " in line]
+        state = _chain_state([(r, t) for r, t in texts])
+        if state is None:
+            return {"role": "assistant", "content": "No progress yet."}
+        value, ops = state
+        if rng.random() < memo_error_prob:
+            value = _garble(value, rng)
+        return {"role": "assistant", "content": chain_memo(value, ops)}
+    state = _chain_state([(m["role"], m.get("content") or "") for m in messages])
+    if state is None:
+        return {"role": "assistant", "content": "I cannot tell where the task stands."}
+    value, ops = state
+    if not ops:
+        return {"role": "assistant", "content": f"The answer is {value}."}
+    if rng.random() < main_slip_prob:
+        value = _garble(value, rng)
+    args = json.dumps({"expression": f"{value}{ops[0]}"})
+    call = {"id": f"call_{rng.randrange(10**6)}", "type": "function",
+            "function": {"name": "calculator", "arguments": args}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}

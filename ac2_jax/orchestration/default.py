@@ -166,7 +166,12 @@ class CompactionOrchestrator(DefaultOrchestrator):
     compactor is its own agent ("compactor", own system prompt) and sees the
     history as a transcript. The main agent restarts (a new episode) from its
     system prompt, the memo, the current turn's user input and the latest tool
-    exchange, all verbatim, so it always sees the latest tool result. The next
+    exchange, all verbatim, so it always sees the latest tool result; with
+    `keep_exchange=False` it restarts from system prompt, turn input and memo
+    (in that order) only, so whatever it needs from the work so far must be in the memo (the
+    long-horizon main job: the memo then decides the outcome). Each
+    "compaction" event carries the memo and, when the env can judge it
+    (`Env.judge_memo` on the history the memo replaces), `memo_ok`. The next
     main request must be smaller than the one before compaction and under the
     budget; after `max_consecutive_compactions` compactions without a main
     request under the budget (or one that did not shrink), the attempt ends as
@@ -180,9 +185,10 @@ class CompactionOrchestrator(DefaultOrchestrator):
     COMPACT_PROMPT = "Summarize the progress so far in one short memo."
 
     def __init__(self, *args, context_budget: int = 256, max_consecutive_compactions: int = 2,
-                 **kw):
+                 keep_exchange: bool = True, **kw):
         super().__init__(*args, **kw)
         self.context_budget = context_budget
+        self.keep_exchange = keep_exchange
         self.max_consecutive_compactions = max_consecutive_compactions
         self.compactions = 0
         self._consecutive = 0
@@ -270,11 +276,20 @@ class CompactionOrchestrator(DefaultOrchestrator):
         memo = resp.choices[0].message.content or ""
         self.compactions += 1
         self._consecutive += 1
-        self.trace.events.append({"agent": "compactor", "kind": "compaction", "memo": memo})
+        event = {"agent": "compactor", "kind": "compaction", "memo": memo}
         msgs = self.trace.messages
+        judge = getattr(self.env, "judge_memo", None)
+        judged = judge(self.trace.task, list(msgs), memo) if judge is not None else None
+        if judged is not None:
+            event["memo_ok"] = bool(judged)
+        self.trace.events.append(event)
         head = [m for m in msgs[:1] if m["role"] == "system"]
         turn, exchange = self._kept()
-        msgs[:] = head + [{"role": "user", "content": f"Progress so far: {memo}"}] + turn + exchange
+        progress = [{"role": "user", "content": f"Progress so far: {memo}"}]
+        if self.keep_exchange:
+            msgs[:] = head + progress + turn + exchange
+        else:  # the memo is the latest state: it comes last, right before the agent's turn
+            msgs[:] = head + turn + progress
         self._before_compaction = before
         self._main_context, self._seen = None, len(msgs)
         return True

@@ -168,8 +168,11 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
         conv = await asyncio.wait_for(run_task(orch, SingleTaskUser()), timeout_s)
         reward = env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
+        # The harness's own events (compactions with their memo and memo_ok, errors);
+        # per-request completion events are left out (the episodes hold those).
         artifacts = {"answer": conv.answer, "orchestrator_status": conv.status,
-                     "metrics": conv.metrics}
+                     "metrics": conv.metrics,
+                     "events": [e for e in conv.events if e.get("kind") != "completion"]}
     except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
         # A TimeoutError is our deadline only once timeout_s has passed (not one of the harness's).
         deadline = (isinstance(e, asyncio.TimeoutError) and timeout_s is not None
