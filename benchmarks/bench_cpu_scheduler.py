@@ -13,7 +13,6 @@ This says what it costs in time at the small sizes issue 16 measures.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -23,6 +22,7 @@ from flax import nnx
 from ac2_jax.models import Decoder
 from ac2_jax.segments import Segment, pack_segments
 from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step
+from benchmarks.common import write_json
 from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens
 
 
@@ -63,9 +63,7 @@ def main(argv=None):
     for r in rows:
         print(f"{r['size']}: memory-optimized {r['memory_optimized_s']:.3f} s, default "
               f"{r['default_s']:.3f} s, ratio {r['ratio']:.2f}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.out, {"rows": rows})
     return rows
 
 

@@ -33,6 +33,7 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer
+from benchmarks.common import write_json
 from benchmarks.endpoint_harness import BackendProcess
 from experiments import calculator_agent as demo
 from experiments.configs.calculator import get_config
@@ -159,9 +160,7 @@ def main(argv=None) -> dict:
         report["runs"].append(run)
         print(json.dumps({k: run[k] for k in ("backends", "steps_per_hour", "time_step_s",
                                               "backend_requests")}), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(a.out, report)
     return report
 
 

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.common import write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/configs/rl_split.py:toy"
 FIXED_SHAPES = True  # --bucketed_shapes: the sampler compiles new shapes as traffic varies
@@ -154,9 +156,7 @@ def main(argv=None) -> dict:
         report["runs"].append(run)
         print(json.dumps({k: run[k] for k in ("driver", "steps_per_hour", "wall_s",
                                               "time_step_s", "load_avg_after")}), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(a.out, report)
     return report
 
 

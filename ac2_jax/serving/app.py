@@ -173,6 +173,10 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         request.state.rollout = rollout  # for end_as_infra_error
         return _Principal(rollout)
 
+    async def require_admin(request: Request, action: str) -> None:
+        if not (await authenticate(request)).is_admin:
+            raise APIError(403, f"Only the admin key can {action}", code="admin_only")
+
     async def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
         # Another rollout's id gets the registry's own 404, whether it exists or not.
         if not principal.is_admin and principal.rollout.rollout_id != rollout_id:
@@ -203,9 +207,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
 
     @app.post("/v1/admin/load_weights")
     async def load_weights(request: Request):
-        principal = await authenticate(request)
-        if not principal.is_admin:
-            raise APIError(403, "Only the admin key can load weights", code="admin_only")
+        await require_admin(request, "load weights")
         args = parse_load_weights(await read_json(request))
         async with load_lock:
             try:  # load_published checks shapes first and swaps only once all is read
@@ -228,9 +230,7 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
 
     @app.post("/v1/rollouts")
     async def create_rollout(request: Request):
-        principal = await authenticate(request)
-        if not principal.is_admin:
-            raise APIError(403, "Only the admin key can create rollouts", code="admin_only")
+        await require_admin(request, "create rollouts")
         args = parse_create(await read_json(request))
         rollout = await asyncio.to_thread(lambda: registry.create(**args))
         base_url = str(request.base_url).rstrip("/") + "/v1"
