@@ -96,14 +96,15 @@ def test_chain_memo_judging():
     history = [{"role": "user", "content": task.prompt},
                {"role": "assistant", "content": "", "tool_calls": []},
                {"role": "tool", "tool_call_id": "c", "content": "549"}]
-    assert chain_memo(549, 3) == "Value 549. 3 left."
-    assert env.judge_memo(task, history, chain_memo(549, 3)) is True
-    assert env.judge_memo(task, history, "Value 548. 3 left.") is False   # garbled value
-    assert env.judge_memo(task, history, "3 left.") is False              # dropped value
-    assert env.judge_memo(task, history, "Value 15490. 3 left.") is False  # not a whole number
+    assert chain_memo(549, "+37", 3) == "Start at 549. Apply +37, 3 times."
+    assert env.judge_memo(task, history, chain_memo(549, "+37", 3)) is True
+    assert env.judge_memo(task, history, chain_memo(548, "+37", 3)) is False  # garbled value
+    assert env.judge_memo(task, history, "Apply +37, 3 times.") is False     # dropped value
+    assert env.judge_memo(task, history, "Start at 15490.") is False  # not a whole number
     assert env.judge_memo(task, history[:1], "549") is None  # no result yet: no verdict
-    assert parse_chain_state("Progress so far: Value 549. 3 left.") == (549, 3, None)
-    assert parse_chain_state("Value 565. 0 left.") == (565, 0, None)
+    assert parse_chain_state("Progress so far: Start at 549. Apply +37, 3 times.") == (
+        549, 3, "+37")
+    assert parse_chain_state("Start at 565. Apply -12, 0 times.") == (565, 0, "-12")
     assert parse_chain_state("no state here") is None
 
 
@@ -117,22 +118,22 @@ def test_chain_policy_follows_the_memo_and_its_errors_propagate():
     assert json.loads(call["arguments"]) == {"expression": "512-29"}
     # After a compaction the main agent sees the task, then the memo: the memo, not the
     # task, says where things stand; the operation comes from the task.
-    restart = main + [{"role": "user", "content": "Progress so far: Value 483. 2 left."}]
+    restart = main + [{"role": "user", "content": "Progress so far: Start at 483. Apply -29, 2 times."}]
     call = chain_policy("main", restart, rng)["tool_calls"][0]["function"]
     assert json.loads(call["arguments"]) == {"expression": "483-29"}
-    done = main + [{"role": "user", "content": "Progress so far: Value 425. 0 left."}]
+    done = main + [{"role": "user", "content": "Progress so far: Start at 425. Apply -29, 0 times."}]
     assert chain_policy("main", done, rng)["content"] == "The answer is 425."
     # The compactor copies the latest tool result and counts down from the memo ...
-    transcript = (f"user: {task}\nuser: Progress so far: Value 483. 2 left.\n"
+    transcript = (f"user: {task}\nuser: Progress so far: Start at 483. Apply -29, 2 times.\n"
                   'assistant: [call calculator({"expression": "483-29"})]\ntool: 454\n\nSummarize')
     request = [{"role": "system", "content": "c"}, {"role": "user", "content": transcript}]
-    assert chain_policy("compactor", request, rng)["content"] == "Value 454. 1 left."
+    assert chain_policy("compactor", request, rng)["content"] == "Start at 454. Apply -29, 1 times."
     # ... or from the task at the first compaction.
     first = (f"user: {task}\n"
              'assistant: [call calculator({"expression": "512-29"})]\ntool: 483\n\nSummarize')
     request1 = [{"role": "system", "content": "c"}, {"role": "user", "content": first}]
-    assert chain_policy("compactor", request1, rng)["content"] == "Value 483. 2 left."
+    assert chain_policy("compactor", request1, rng)["content"] == "Start at 483. Apply -29, 2 times."
     garbled = [chain_policy("compactor", request, rng, memo_error_prob=1.0)["content"]
                for _ in range(20)]
-    assert all(m.endswith(". 1 left.") and m != "Value 454. 1 left." and len(m) == 18
-               for m in garbled)
+    assert all(m.endswith(". Apply -29, 1 times.") and m != "Start at 454. Apply -29, 1 times."
+               and len(m) == len(task) for m in garbled)

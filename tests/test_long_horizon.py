@@ -143,7 +143,8 @@ def test_demo_segments_train_main_and_compactor_outputs(long_setup):
     text = tok.decode(compactor[0].tokens.tolist())
     assert CompactionOrchestrator.COMPACTOR_SYSTEM_PROMPT in text and "<tools>" not in text
     trained = tok.decode(compactor[0].tokens[compactor[0].loss_mask > 0].tolist())
-    assert re.fullmatch(r"Value \d{3}\. \d left\.<\|im_end\|>", trained), trained
+    assert re.fullmatch(r"Start at \d{3}\. Apply [+-]\d{2}, \d times\.<\|im_end\|>",
+                        trained), trained
     # One call per main episode: each main segment trains one call, or the answer.
     main = [s for s, x in zip(segments, texts) if "<tools>" in x]
     calls = [tok.decode(s.tokens[s.loss_mask > 0].tolist()).count('"expression"') for s in main]

@@ -154,11 +154,12 @@ def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
 
 
 # The long-horizon task: one operation applied n times, "Start at 512. Apply +37, 4 times.",
-# and its state as a memo, "Value 549. 3 left." Both have a fixed width whatever n is
-# (3-digit values, 2-digit operands, one-digit counts), so every number a model copies
-# (the value from the memo or the latest tool result, the operation from the task) sits
-# at a fixed offset from where it is written: a tiny model learns such copies fast.
-_MEMO_RE = re.compile(r"\s*Value (\d+)\. (\d+) left\.\s*$")
+# and its state as a memo in the same words, the task that is left: "Start at 549. Apply
+# +37, 3 times." Both have a fixed width whatever n is (3-digit values, a 2-digit operand,
+# one-digit counts) and the main agent always reads the latest state from its last message,
+# so every number a model copies (value and operation from that message, the latest tool
+# result for the compactor) sits at the same offset from where it is written in every
+# episode: a tiny model learns such copies fast (it did not learn content-addressed ones).
 _TASK_RE = re.compile(r"\s*Start at (\d+)\. Apply ([+-]\d+), (\d+) times\.\s*$")
 PROGRESS_PREFIX = "Progress so far: "  # how CompactionOrchestrator hands the memo to the main agent
 
@@ -168,23 +169,20 @@ def chain_task_prompt(start: int, op: str, count: int) -> str:
     return f"Start at {start}. Apply {op}, {count} times."
 
 
-def chain_memo(value: int, left: int) -> str:
-    """The memo of a chain task's state: the running value and the operations left."""
-    return f"Value {value}. {left} left."
+def chain_memo(value: int, op: str, left: int) -> str:
+    """The memo of a chain task's state: the task that is left, in the task's words."""
+    return chain_task_prompt(value, op, left)
 
 
-def parse_chain_state(text: str) -> tuple[int, int, str | None] | None:
-    """(value, operations left, operation) from a task prompt, or (value, left, None)
-    from a memo (with or without the "Progress so far: " prefix); None when neither."""
+def parse_chain_state(text: str) -> tuple[int, int, str] | None:
+    """(value, operations left, operation) from a task prompt or a memo (with or
+    without the "Progress so far: " prefix); None when it is neither."""
     text = (text or "").strip()
     if text.startswith(PROGRESS_PREFIX.strip()):
         text = text[len(PROGRESS_PREFIX.strip()):]
     m = _TASK_RE.match(text)
     if m:
         return int(m.group(1)), int(m.group(3)), m.group(2)
-    m = _MEMO_RE.match(text)
-    if m:
-        return int(m.group(1)), int(m.group(2)), None
     return None
 
 
@@ -258,30 +256,22 @@ def _garble(value: int, rng: random.Random) -> int:
     return int("".join(digits))
 
 
-def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, int, str | None] | None:
+def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, int, str] | None:
     """The state after `texts` ((role, text) in order): (value, operations left,
-    operation). The operation comes from the task; value and count from the latest
-    memo (else the task), advanced by one operation per tool result after it
-    (value: the latest result). The task is re-shown after a memo; it does not
-    reset the state."""
-    state, op, from_memo = None, None, False
+    operation) of the latest memo (else the task), advanced by one operation per
+    tool result after it (value: the latest result). The task is shown before a
+    memo; it does not reset the state."""
+    state, from_memo = None, False
     for role, text in texts:
         parsed = parse_chain_state(text) if role == "user" else None
-        if parsed is not None:
-            value, left, task_op = parsed
-            if task_op is not None:
-                op = task_op
-                if not from_memo:
-                    state = (value, left)
-            else:
-                state, from_memo = (value, left), True
+        is_memo = text.strip().startswith(PROGRESS_PREFIX.strip())
+        if parsed is not None and (is_memo or not from_memo):
+            state, from_memo = parsed, is_memo
         elif role == "tool" and state is not None:
             value = last_integer(text)
             if value is not None:
-                state = (value, max(state[1] - 1, 0))
-    if state is None:
-        return None
-    return state[0], state[1], op
+                state = (value, max(state[1] - 1, 0), state[2])
+    return state
 
 
 def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
@@ -289,12 +279,13 @@ def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
     """The scripted demonstrator of ChainCalculatorEnv under compaction: the
     assistant message it sends for one request of `agent` ("main" or "compactor").
 
-    main: from the task, the latest "Progress so far:" memo and any tool result
-    after it, calls the calculator on "<value><op>", or answers "The answer is
+    main: from the latest "Progress so far:" memo (else the task) and any tool
+    result after it, calls the calculator on "<value><op>", or answers "The answer is
     <value>." when no operation is left; with `main_slip_prob` one digit of the
     value is wrong (the error then propagates). compactor: reads the
     orchestrator's transcript ("role: text" lines, calls as "[call ...]") and
-    writes `chain_memo` of the state (the latest tool result, the count left);
+    writes `chain_memo` of the state (the latest tool result, the operation,
+    the count left);
     with `memo_error_prob` the value has one digit wrong, so the main agent,
     restarting from the memo, goes wrong.
     """
@@ -304,12 +295,12 @@ def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
         state = _chain_state([(r, t) for r, t in texts])
         if state is None:
             return {"role": "assistant", "content": "No progress yet."}
-        value, left, _ = state
+        value, left, op = state
         if rng.random() < memo_error_prob:
             value = _garble(value, rng)
-        return {"role": "assistant", "content": chain_memo(value, left)}
+        return {"role": "assistant", "content": chain_memo(value, op, left)}
     state = _chain_state([(m["role"], m.get("content") or "") for m in messages])
-    if state is None or state[2] is None:
+    if state is None:
         return {"role": "assistant", "content": "I cannot tell where the task stands."}
     value, left, op = state
     if left <= 0:
