@@ -14,8 +14,9 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            at 512. Apply +37, 4 times.", 3-5 operations) of one-operation
            tool calls under a context budget that compacts after every
            call; the memo (the task left: "Start at 549. Apply +37, 3
-           times.") must carry the running value. SFT on recorded, imperfect demos (main + compactor),
-           async RL on every episode of every trace
+           times.") must carry the running value. SFT on recorded,
+           imperfect demos (main + compactor), async RL on every episode
+           of every trace
   long_quick  a smoke run of `long`
 """
 
