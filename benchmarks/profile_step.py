@@ -40,7 +40,8 @@ CATEGORIES = [
     ("AttentionMask.dense", "attention mask"), ("AttentionMask.packed", "attention mask"),
     ("attention", "attention"), ("dense_attention", "attention"),
     ("blocksparse_attention", "attention"), ("_decode_step_attention", "attention"),
-    ("apply_rope", "rope"), ("Attention._proj", "qkv/out projections"),
+    ("apply_rope", "rope"), ("rope_cos_sin", "rope"), ("rotate", "rope"),
+    ("Attention._proj", "qkv/out projections"),
     ("Attention.__call__", "qkv/out projections"), ("attention_apply", "qkv/out projections"),
     ("MLP.__call__", "mlp"), ("mlp_apply", "mlp"),
     ("RMSNorm.__call__", "norms"), ("rms_norm", "norms"), ("Decoder.logits", "lm head"),
@@ -52,6 +53,9 @@ CATEGORIES = [
     ("block_apply", "residual adds"), ("Block.__call__", "residual adds"),
 ]
 _OPTAX = re.compile(r"optax")
+# Control-flow thunks (a decode loop's `while`, a `cond`) span the thunks of their
+# bodies, which the trace also records: counting both counted the loop twice.
+_CONTAINER = re.compile(r"(while|conditional|call)(\.\d+)?$")
 
 
 def _hlo_tables(text: str):
@@ -101,6 +105,8 @@ def _hlo_tables(text: str):
 
     info = {}
     for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{([^}]*)\}", text, re.M):
+        if _CONTAINER.match(m.group(1)):
+            continue
         meta = m.group(2)
         op = re.search(r'op_name="([^"]*)"', meta)
         fid = re.search(r"stack_frame_id=(\d+)", meta)

@@ -78,9 +78,10 @@ def markdown(report: dict) -> str:
              "|---|---|---|"]
     for name, d in report["differences"].items():
         rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['memo_fidelity'])} |")
-    rows += ["", f"{report['eval_tasks']} held-out tasks x {report['eval_attempts']} attempts; "
-             "pass rate: clustered over tasks; memo fidelity: clustered-t over tasks; "
-             "differences: paired t over tasks.", "",
+    methods = {e["pass_rate"]["method"] for e in report["evals"].values()}
+    rows += ["", f"{report['eval_tasks']} held-out tasks x {report['eval_attempts']} attempt(s); "
+             f"pass rate CI: {', '.join(sorted(methods))}; memo fidelity CI: clustered-t over "
+             "tasks; differences: paired t over tasks.", "",
              "| RL step | whole: train pass | whole: memo fidelity | main only: train pass "
              "| main only: memo fidelity |", "|---|---|---|---|---|"]
     curves = report["rl_curves"]

@@ -41,9 +41,9 @@ def write_random_checkpoint(shape, path: str, seed: int = 0, dtype: str = "float
     return path
 
 
-def load_preset(cfg, path: str):
-    """(Decoder, DecoderConfig) from the HF checkpoint at `path` with the dtypes and
-    runtime fields of the preset's `model` section."""
+def preset_runtime(cfg) -> dict:
+    """`load_hf_checkpoint` / `load_hf_config` keyword arguments (dtype, param_dtype and
+    the runtime fields) of the preset's `model` section."""
     model_cfg = cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else dict(cfg.model)
     unknown = sorted(set(model_cfg) - set(RUNTIME_FIELDS) - {"dtype", "param_dtype"})
     if unknown:
@@ -51,6 +51,11 @@ def load_preset(cfg, path: str):
                          f"runtime fields {RUNTIME_FIELDS}; the shape comes from config.json")
     runtime = {k: v for k, v in model_cfg.items() if k in RUNTIME_FIELDS}
     param_dtype = model_cfg.get("param_dtype")
-    return load_hf_checkpoint(path, dtype=jnp.dtype(model_cfg.get("dtype", "float32")),
-                              param_dtype=None if param_dtype is None else jnp.dtype(param_dtype),
-                              **runtime)
+    return dict(dtype=jnp.dtype(model_cfg.get("dtype", "float32")),
+                param_dtype=None if param_dtype is None else jnp.dtype(param_dtype), **runtime)
+
+
+def load_preset(cfg, path: str):
+    """(Decoder, DecoderConfig) from the HF checkpoint at `path` with the dtypes and
+    runtime fields of the preset's `model` section."""
+    return load_hf_checkpoint(path, **preset_runtime(cfg))

@@ -6,8 +6,14 @@
 Trains a tiny decoder for --steps steps with the Trainer on a ('data',) mesh
 over every process's devices; each process packs only its share of the
 segments. With --restore_steps K it first restores W's latest checkpoint and
-trains K more steps. Process 0 writes DIR/result.npz: per-step losses and the
-final params (gathered).
+trains K more steps. With --publish_dir D --publish_at K every process
+publishes the weights after K steps to D (Orbax needs them all; the sampler
+reads D). Process 0 writes DIR/result.npz: per-step losses and the final
+params (gathered). With --rl_workdir R it then runs an RLTrainer for --rl_steps
+steps over a ReplayCollector of fixed traces (main and compactor episodes,
+rewards that differ within each group) on the same mesh: every process reads
+all traces and packs its share; result.npz gains rl_losses and the RL params
+(prefix r), and each process writes DIR/rl_metrics<process>.json (its history).
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--restore", action="store_true")
     p.add_argument("--snapshot_at", type=int, default=0, help="also keep the params after k steps")
+    p.add_argument("--publish_dir", default="")
+    p.add_argument("--publish_at", type=int, default=0, help="publish after k steps")
     p.add_argument("--process_id", type=int, default=0)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--local_devices", type=int, default=8)
+    p.add_argument("--rl_workdir", default="", help="then an RLTrainer run in this workdir")
+    p.add_argument("--rl_steps", type=int, default=2)
     a = p.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -45,6 +55,7 @@ def main():
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.segments import Segment, pack_segments, task_names
     from ac2_jax.training import OptimizerConfig, SFTLoss, Trainer, create_train_state
+    from ac2_jax.training.core.checkpoints import publish
     from ac2_jax.training.core.sharding import make_mesh
 
     assert jax.device_count() == 8, jax.devices()
@@ -78,13 +89,70 @@ def main():
         losses.append(m["loss"])
         if k + 1 == a.snapshot_at:
             snapshot = gathered("s")
+        if k + 1 == a.publish_at:  # every process calls it: Orbax writes each one's shards
+            publish(trainer.graphdef, trainer.host_state(), a.publish_dir, start + k + 1)
     trainer.save()
     trainer.wait()
     final = gathered("p")
     trainer.close()
+    rl = run_rl(a, mesh) if a.rl_workdir else {}
     if jax.process_index() == 0:
         np.savez(os.path.join(a.out, "result.npz"), losses=np.asarray(losses), start=start,
-                 **final, **snapshot)
+                 **final, **snapshot, **rl)
+
+
+def rl_traces(steps: int):
+    """2 tasks x 4 attempts per RL step; each attempt a main episode (two requests), a
+    compactor episode and the main's restart, sampled at the step's version (not
+    stale); rewards alternate within each group, so every advantage is +-0.5."""
+    import numpy as np
+
+    from ac2_jax.trace import Completion, Trace, TraceRecorder
+    rng = np.random.default_rng(1)
+    out = []
+    for step in range(steps):
+        for task in range(2):
+            for att in range(4):
+                t = Trace(task_id=f"task{task}", attempt_id=f"{step}-{att}",
+                          group_id=f"g{step}:{task}", reward=float((att + task) % 2),
+                          status="finished", metadata={"rl_step": step})
+                rec = TraceRecorder(t)
+                for agent in ("main", "compactor", "main"):
+                    prompt = rng.integers(1, 64, 4).tolist()
+                    n = int(rng.integers(2, 6))
+                    rec.record(agent, Completion(prompt, rng.integers(1, 64, n).tolist(),
+                                                 (-rng.random(n)).tolist(), policy_version=step))
+                out.append(t)
+    return out
+
+
+def run_rl(a, mesh) -> dict:
+    import asyncio
+    import json
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.training import OptimizerConfig
+    from ac2_jax.training.rl.data import BatchConfig
+    from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
+    config = RLConfig(steps=a.rl_steps, tasks_per_step=2, attempts_per_task=4,
+                      batch=BatchConfig(seq_len=32, rows=8, rows_multiple=8),
+                      optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0))
+    trainer = RLTrainer(Decoder(DecoderConfig.tiny(vocab_size=64, num_layers=2),
+                                rngs=nnx.Rngs(1)), ReplayCollector(rl_traces(a.rl_steps)),
+                        config, a.rl_workdir, mesh=mesh)
+    history = asyncio.run(trainer.run())
+    params = jax.tree.leaves(trainer.trainer.host_state().params)
+    out = {f"r{i}": np.asarray(multihost_utils.process_allgather(x, tiled=True))
+           for i, x in enumerate(params)}
+    trainer.close()
+    with open(os.path.join(a.out, f"rl_metrics{jax.process_index()}.json"), "w") as f:
+        json.dump(history, f, default=str)
+    return {"rl_losses": np.asarray([m["loss"] for m in history]), **out}
 
 
 if __name__ == "__main__":

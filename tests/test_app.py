@@ -331,6 +331,77 @@ def test_published_weights_give_new_policy_version(env):
         sampler.load_weights()
 
 
+def test_admin_load_weights_route_serves_a_published_step_or_refuses_it_whole(env):
+    """POST /v1/admin/load_weights (what a learner in another process calls): the
+    step is served at once; a rollout key gets 403, a bad field 400 naming it, an
+    unpublished step 404, weights of another architecture 409, and a refused load
+    leaves the served weights, version and learner_step as they were."""
+    import dataclasses
+
+    sampler, tok, admin = env["sampler"], env["tok"], env["admin"]
+    publish_dir = str(env["tmp"] / "publish")
+    base = sampler.policy_version
+
+    def greedy():
+        r = admin.post("/v1/completions", json={"model": "tiny", "prompt": "Add 2 and 3",
+                                                  "max_tokens": 6, "temperature": 0,
+                                                  "logprobs": 1})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["text"], c["logprobs"]["token_logprobs"], r.json()
+
+    def load(body, **kw):
+        return admin.post("/v1/admin/load_weights", json=body, **kw)
+
+    text0, lps0, _ = greedy()
+    other = Decoder(tiny_config(tok), rngs=nnx.Rngs(42))
+    publish_weights(other, publish_dir, base + 1)
+    try:
+        r = load({"step": base + 1, "learner_step": 5})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"object": "weights", "policy_version": base + 1, "learner_step": 5}
+        assert sampler.policy_version == base + 1
+        models = admin.get("/v1/models").json()["data"][0]
+        assert models["policy_version"] == base + 1 and models["learner_step"] == 5
+        text1, lps1, body1 = greedy()
+        assert body1["system_fingerprint"] == f"policy-{base + 1}"
+
+        # Refusals: each names what is wrong and changes nothing.
+        info = create(env, "load-weights-key")
+        as_rollout = httpx.post(env["url"] + "/v1/admin/load_weights", json={"step": base + 1},
+                                headers={"Authorization": f"Bearer {info['api_key']}"})
+        assert as_rollout.status_code == 403 and api_error(as_rollout)[1]["code"] == "admin_only"
+        env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
+        for body, param in (({}, "step"), ({"step": -1}, "step"), ({"step": "3"}, "step"),
+                            ({"step": True}, "step"), ({"step": 1.5}, "step"),
+                            ({"step": 1, "learner_step": -2}, "learner_step"),
+                            ({"step": 1, "steps": 2}, "steps")):
+            r = load(body)
+            assert r.status_code == 400, (body, r.text)
+            assert api_error(r)[1]["param"] == param, (body, r.text)
+        r = load({"step": base + 50})
+        assert r.status_code == 404 and api_error(r)[1]["code"] == "step_not_found"
+        assert f"step {base + 50}" in api_error(r)[1]["message"].lower()
+        wider = dataclasses.replace(tiny_config(tok), hidden_size=32, num_heads=2)
+        publish_weights(Decoder(wider, rngs=nnx.Rngs(1)), publish_dir, base + 2)
+        r = load({"step": base + 2, "learner_step": 6})
+        assert r.status_code == 409 and api_error(r)[1]["code"] == "weights_not_loaded", r.text
+        assert "shape" in api_error(r)[1]["message"]
+        assert sampler.policy_version == base + 1
+        models = admin.get("/v1/models").json()["data"][0]
+        assert models["policy_version"] == base + 1 and models["learner_step"] == 5
+        text2, lps2, _ = greedy()  # still the step-1 weights, whole
+        assert text2 == text1
+        np.testing.assert_allclose(lps2, lps1, atol=1e-5)
+    finally:  # the fitted weights back, through the route
+        publish_weights(env["model"], publish_dir, base + 3)
+        r = load({"step": base + 3})
+        assert r.status_code == 200 and r.json()["policy_version"] == base + 3
+    text3, lps3, _ = greedy()
+    assert text3 == text0
+    np.testing.assert_allclose(lps3, lps0, atol=1e-5)
+
+
 def test_rollout_timeout_finishes_as_timed_out(env):
     info = create(env, "slow", timeout_s=0.2)
     client = client_for(info)

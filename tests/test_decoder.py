@@ -285,9 +285,10 @@ def test_scanned_layers_equal_per_layer(model):
     np.testing.assert_allclose(logits, ref[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(step, ref[1], atol=1e-5, rtol=0)
     assert c.k.shape == (B, S, 2, 2 * 8)  # [batch, max_len, layers, kv heads x head_dim]
+    assert ref[2].k[0].shape == (B, 2, S, 8)  # per-layer: [batch, kv heads, max_len, head_dim]
     for i in range(2):  # the same keys as the per-layer cache's
-        np.testing.assert_allclose(c.k[:, :, i], ref[2].k[i].reshape(B, S, 16), atol=1e-5,
-                                   rtol=0)
+        per_layer = jnp.swapaxes(ref[2].k[i], 1, 2).reshape(B, S, 16)
+        np.testing.assert_allclose(c.k[:, :, i], per_layer, atol=1e-5, rtol=0)
 
 
 def test_blocksparse_attention_in_the_decoder_equals_dense(model):

@@ -2,10 +2,18 @@
 (`jax.distributed` over 127.0.0.1, gloo collectives), each packing only its
 share of the segments, train exactly as 1 process x 8 devices; the 2-process
 checkpoint restores in 1 process and continues identically (fp32, 1e-5).
-The worker is tests/multihost_worker.py."""
+The 2-process learner also publishes its weights (every process calls the
+Orbax save): one published step results, which a sampler in this process
+loads and serves with the 1-process learner's logits and samples (1e-5).
+The same launches then run an RLTrainer (ReplayCollector of fixed traces with
+main and compactor episodes, non-zero advantages) for 2 steps: each process
+packs its share of the segments, and the 2-process learner ends with the
+1-process learner's losses and parameters (1e-5); both processes log the
+same metrics. The worker is tests/multihost_worker.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -26,7 +34,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0):
+def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publish_dir=None,
+         rl_workdir=None):
     out.mkdir(exist_ok=True)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -40,6 +49,10 @@ def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0):
             cmd.append("--restore")
         if snapshot_at:
             cmd += ["--snapshot_at", str(snapshot_at)]
+        if publish_dir is not None:
+            cmd += ["--publish_dir", str(publish_dir), "--publish_at", str(snapshot_at or steps)]
+        if rl_workdir is not None:
+            cmd += ["--rl_workdir", str(rl_workdir), "--rl_steps", "2"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=240)[0] for p in procs]
@@ -54,12 +67,16 @@ def _params(r, prefix="p"):
 
 
 def test_two_processes_train_and_checkpoint_like_one(tmp_path):
-    five = _run(tmp_path / "five", tmp_path / "w5", 5, snapshot_at=3)  # 1 process x 8
-    two = _run(tmp_path / "two", tmp_path / "w2", 3, processes=2)
+    five = _run(tmp_path / "five", tmp_path / "w5", 5, snapshot_at=3,  # 1 process x 8
+                publish_dir=tmp_path / "pub1", rl_workdir=tmp_path / "rl1")
+    two = _run(tmp_path / "two", tmp_path / "w2", 3, processes=2, publish_dir=tmp_path / "pub2",
+               rl_workdir=tmp_path / "rl2")
+    _rl_learners_agree(tmp_path, two, five)
     np.testing.assert_allclose(two["losses"], five["losses"][:3], rtol=1e-5)
     assert five["losses"][2] < five["losses"][0]  # it trained
     for a, b in zip(_params(two), _params(five, "s")):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _published_weights_serve_alike(tmp_path / "pub2", tmp_path / "pub1", step=3)
     # The 2-process checkpoint (step 3) restores in 1 process x 8 devices and goes on
     # exactly as the 1-process run did for steps 4 and 5.
     resumed = _run(tmp_path / "resumed", tmp_path / "w2", 2, restore=True)
@@ -67,6 +84,73 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
     np.testing.assert_allclose(resumed["losses"], five["losses"][3:], rtol=1e-5)
     for a, b in zip(_params(resumed), _params(five)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _untimed(metrics):
+    return {k: v for k, v in metrics.items() if "time" not in k}
+
+
+def _rl_learners_agree(tmp_path, two, five):
+    """The RLTrainer on 2 processes x 4 devices (each packing its share of the
+    segments) = on 1 process x 8 devices; both processes log the same metrics."""
+    np.testing.assert_allclose(two["rl_losses"], five["rl_losses"], rtol=1e-5)
+    for a, b in zip(_params(two, "r"), _params(five, "r")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    histories = [json.loads((tmp_path / d / f"rl_metrics{i}.json").read_text())
+                 for d, i in (("two", 0), ("two", 1), ("five", 0))]
+    assert len(histories[0]) == 2
+    for m0, m1, m in zip(*histories):
+        assert m0["skipped_update"] == 0.0 and m0["adv_abs_mean"] > 0 and m0["grad_norm"] > 0
+        assert m0["trained_tokens/compactor"] > 0 and m0["trained_tokens/main"] > 0
+        assert _untimed(m0) == _untimed(m1)  # every process logs the same step
+        computed = {k for k in m if k in ("loss", "grad_norm", "kl_to_sampler", "entropy")}
+        assert {k: v for k, v in _untimed(m0).items() if k not in computed} == {
+            k: v for k, v in _untimed(m).items() if k not in computed}  # host-side: exact
+        for k in computed:
+            np.testing.assert_allclose(m0[k], m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    logs = [[_untimed(json.loads(line)) for line in (tmp_path / "rl2" / p).read_text().splitlines()]
+            for p in ("metrics/metrics.jsonl", "metrics/process1/metrics.jsonl")]
+    assert len(logs[0]) == 2 and logs[0] == logs[1]
+
+
+def _published_weights_serve_alike(multi, single, step):
+    """The step the 2-process learner published is one complete Orbax step, and a
+    sampler loading it serves what the 1-process learner's step serves."""
+    import asyncio
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.params_io import load_published, published_steps
+    from ac2_jax.sampling import SamplingParams
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+
+    assert published_steps(str(multi)) == [step] == published_steps(str(single))
+    cfg = DecoderConfig.tiny(vocab_size=64, num_layers=2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    logits = []
+    for d in (multi, single):
+        model = Decoder(cfg, rngs=nnx.Rngs(7))  # other weights until the load
+        assert load_published(model, str(d), step) == step
+        logits.append(np.asarray(model(tokens, positions, jnp.ones_like(tokens))))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(logits[0]).max() > 0
+
+    async def sample(d):
+        sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(7)), publish_dir=str(d), max_context=64,
+                             max_batch=1, seed=0)
+        try:
+            assert sampler.load_weights(step) == step == sampler.policy_version
+            return await sampler.generate(list(range(1, 9)), SamplingParams(
+                temperature=1.0, max_tokens=8, seed=3))
+        finally:
+            sampler.close()
+
+    a, b = (asyncio.run(sample(d)) for d in (multi, single))
+    assert a.output_ids == b.output_ids and a.policy_version == b.policy_version == step
+    np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
 
 
 def test_process_share_and_offsets_cover_the_batch_once():

@@ -13,7 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from experiments.configs.qwen3 import get_config  # noqa: E402
-from experiments.real_size import load_preset, qwen3_config, write_random_checkpoint  # noqa: E402
+from ac2_jax.models.hf_io import load_hf_config  # noqa: E402
+from experiments.real_size import (load_preset, preset_runtime, qwen3_config,  # noqa: E402
+                                   write_random_checkpoint)
 
 
 def param_count(cfg):
@@ -43,6 +45,8 @@ def test_tiny_random_checkpoint_loads_with_the_preset_and_matches_transformers(t
     model, config = load_preset(cfg, path)
     assert config.scan_layers and config.remat == "full" and config.num_layers == 3
     assert model.layers.mlp.up_proj[...].shape == (3, 32, 64)
+    # The same config from config.json alone (no weights read): for abstract compiles.
+    assert load_hf_config(path, **preset_runtime(cfg)) == config
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
     tokens = np.random.default_rng(0).integers(0, 512, 30)

@@ -367,3 +367,31 @@ def test_train_agents_is_checked_and_read_from_configs():
         from_config(RLConfig, {"batch": {"train_agents": "main"}}, path="rl")
     with pytest.raises(ConfigError, match="train nothing"):
         from_config(RLConfig, {"batch": {"train_agents": []}}, path="rl")
+
+
+def test_process_shares_pack_the_one_process_batch():
+    """pack_rl_batch with process_count=n: the shares hold every segment once, with the
+    one-process batch's task ids and global segment numbers; rows are split among the
+    processes; a process whose share is empty (fewer segments than processes) packs
+    empty rows, not an error."""
+    from ac2_jax.training.rl.data import batch_segments, pack_rl_batch
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0), _trace("b", 0, 1.0, n_out=4)]
+    config = BatchConfig(seq_len=16, rows=4, rows_multiple=4)
+    segments, stats, _ = batch_segments(traces, 0, config)
+    whole = pack_rl_batch(segments, stats.row_len, config)
+    shares = [pack_rl_batch(segments, stats.row_len, config, process_index=i, process_count=2)
+              for i in range(2)]
+    assert [s.shape[0] for s in shares] == [2, 2] and whole.shape[0] == 4
+    assert sum(float(s.loss_mask.sum()) for s in shares) == float(whole.loss_mask.sum()) == 10
+    got = sorted((int(t), float(a)) for s in shares for t, a, m in zip(
+        np.ravel(s.task_ids), np.ravel(s.advantages), np.ravel(s.loss_mask)) if m)
+    want = sorted((int(t), float(a)) for t, a, m in zip(
+        np.ravel(whole.task_ids), np.ravel(whole.advantages), np.ravel(whole.loss_mask)) if m)
+    assert got == want
+    numbers = [int(i) for s in shares for i in np.unique(s.segment_index[s.segment_ids > 0])]
+    assert sorted(numbers) == [0, 1, 2]
+    lone = pack_rl_batch(segments[:1], stats.row_len, config, process_index=1, process_count=2)
+    assert lone.shape == (2, 16) and float(lone.loss_mask.sum()) == 0
+    with pytest.raises(ValueError, match="layout='flat'"):
+        pack_rl_batch(segments, stats.row_len, dataclasses.replace(config, layout="tree"),
+                      process_index=0, process_count=2)

@@ -59,16 +59,21 @@ def choose_backend(requested: str, *, kind: str, q_len: int, dtype, head_dim: in
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, backend: str = "dense",
-              block: int = 128) -> jax.Array:
+              block: int = 128, kv_heads_major: bool = False) -> jax.Array:
     """Grouped-query attention of q [B, Lq, H, hd] over k, v [B, Lk, K, hd] (H % K == 0).
 
     mask: an `AttentionMask`, or a dense [B, Lq, Lk] bool array (dense backend
     only). backend: a name of `ATTENTION_BACKENDS` other than "auto" (resolve
-    it with `choose_backend`). Softmax in fp32. Returns [B, Lq, H, hd] in q's dtype.
+    it with `choose_backend`). kv_heads_major: k, v are [B, K, Lk, hd] (the
+    per-layer KV cache's layout); the dense backend reads them as they are,
+    the others get a transposed copy. Softmax in fp32. Returns [B, Lq, H, hd]
+    in q's dtype.
     """
     if backend == "dense":
         dense = mask.dense() if isinstance(mask, AttentionMask) else mask
-        return dense_attention(q, k, v, dense)
+        return dense_attention(q, k, v, dense, kv_heads_major=kv_heads_major)
+    if kv_heads_major:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"attention: backend {backend!r} needs an AttentionMask (the dense "
                          "[B, Lq, Lk] array only works with backend='dense')")
@@ -84,31 +89,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, backend: str = 
                      f"(resolve 'auto' with choose_backend), got {backend!r}")
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked softmax over all [Lq, Lk] scores. q [B, Lq, H, hd]; k, v [B, Lk, K, hd];
-    mask [B, Lq, Lk] bool. Queries that see no key get zeros."""
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                    kv_heads_major: bool = False) -> jax.Array:
+    """Masked softmax over all [Lq, Lk] scores. q [B, Lq, H, hd]; k, v [B, Lk, K, hd]
+    ([B, K, Lk, hd] with kv_heads_major); mask [B, Lq, Lk] bool. Queries that
+    see no key get zeros."""
     B, L, H, hd = q.shape
-    K = k.shape[2]
+    K = k.shape[1 if kv_heads_major else 2]
     qg = q.reshape(B, L, K, H // K, hd)
     if L == 1 and jax.default_backend() == "cpu":
-        out = _decode_step_attention(qg, k, v, mask, hd)
+        out = _decode_step_attention(qg, k, v, mask, hd, "bksd" if kv_heads_major else "bskd")
     else:
-        scores = jnp.einsum("blkgd,bskd->bkgls", qg, k, preferred_element_type=jnp.float32)
+        # A heads-major form of this (q pre-scaled, softmax normalised after the
+        # values) was 2x faster alone but no faster inside the train step (same-
+        # process A/B, BUILD_NOTES "Speed work after the profiles"), so not kept.
+        kv = "bksd" if kv_heads_major else "bskd"
+        scores = jnp.einsum(f"blkgd,{kv}->bkgls", qg, k, preferred_element_type=jnp.float32)
         scores = jnp.where(mask[:, None, None, :, :], scores / math.sqrt(hd), NEG)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
+        out = jnp.einsum(f"bkgls,{kv}->blkgd", probs, v)
     seen = jnp.any(mask, axis=-1)[:, :, None, None, None]
     return jnp.where(seen, out, 0).astype(q.dtype).reshape(B, L, H, hd)
 
 
-def _decode_step_attention(qg, k, v, mask, hd):
-    """One query per row (sampling): broadcast-multiply instead of a batched
-    einsum, about 4x faster on XLA:CPU at batch 16 (same values)."""
-    q1 = qg[:, 0].astype(jnp.float32)                       # [B, K, G, hd]
-    kt = jnp.swapaxes(k, 1, 2).astype(jnp.float32)          # [B, K, S, hd]
-    scores = (q1[:, :, :, None, :] * kt[:, :, None]).sum(-1) / math.sqrt(hd)  # [B, K, G, S]
-    scores = jnp.where(mask[:, 0][:, None, None, :], scores, NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
-    vt = jnp.swapaxes(v, 1, 2).astype(jnp.float32)          # [B, K, S, hd]
-    out = (probs[..., None] * vt[:, :, None]).sum(-2)       # [B, K, G, hd]
-    return out[:, None].astype(v.dtype)
+def _decode_step_attention(qg, k, v, mask, hd, kv: str):
+    """One query per row (sampling): two einsums over the cache as it lies (`kv`:
+    "bksd" for the per-layer cache [B, K, S, hd], "bskd" for [B, S, K, hd]).
+    The earlier broadcast-multiply form transposed k and v to [B, K, S, hd] at
+    every step (a third of decode time, BUILD_NOTES "Where the step's time
+    goes"); with the cache stored heads-major nothing is moved at all."""
+    q1 = qg[:, 0]                                            # [B, K, G, hd]
+    scores = jnp.einsum(f"bkgd,{kv}->bkgs", q1, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, 0][:, None, None, :], scores / math.sqrt(hd), NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, S]
+    out = jnp.einsum(f"bkgs,{kv}->bkgd", probs, v)           # [B, K, G, hd]
+    return out[:, None]

@@ -48,7 +48,8 @@ from flax import nnx, struct
 from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.layers import Block, RMSNorm, _param, apply_rope, block_apply, rope_inv_freq
+from ac2_jax.models.layers import (Block, RMSNorm, _param, apply_rope, block_apply, rope_cos_sin,
+                                   rope_inv_freq)
 
 # attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
 __all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
@@ -59,11 +60,12 @@ _POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_bat
 @struct.dataclass
 class KVCache:
     """Keys and values of every layer. Slot p of row b holds the keys / values of that
-    row's token at position p; every leaf is [batch, max_len, ...].
+    row's token at position p; every leaf is [batch, ...] with max_len slots on `seq_axis`.
 
-    Per-layer models: k, v are tuples of num_layers arrays [B, S, K, hd]. Scanned
-    models: k, v are single arrays [B, S, num_layers, K * hd], carried through the
-    layer scan.
+    Per-layer models: k, v are tuples of num_layers arrays [B, K, S, hd]
+    (heads-major: a decode step's attention reads them without a transposed
+    copy). Scanned models: k, v are single arrays [B, S, num_layers, K * hd],
+    carried through the layer scan. `seq_axis` is the slot axis of every leaf.
     """
 
     k: tuple | jax.Array
@@ -78,8 +80,12 @@ class KVCache:
         return jax.tree.leaves(self.k)[0].shape[0]
 
     @property
+    def seq_axis(self) -> int:
+        return 1 if self.stacked else 2
+
+    @property
     def max_len(self) -> int:
-        return jax.tree.leaves(self.k)[0].shape[1]
+        return jax.tree.leaves(self.k)[0].shape[self.seq_axis]
 
     @property
     def num_layers(self) -> int:
@@ -145,10 +151,10 @@ class Decoder(nnx.Module):
         mask = AttentionMask.packed(segment_ids, subtree_end)
         if backend == "dense":
             mask = mask.dense()
-        inv_freq = self._inv_freq()
+        rope = rope_cos_sin(positions, self._inv_freq())  # once for all layers
 
-        def layer(w, x, positions, inv_freq, mask):
-            return block_apply(c, w, x, positions, inv_freq, mask, backend)[0]
+        def layer(w, x, rope, mask):
+            return block_apply(c, w, x, rope, mask, backend)[0]
 
         if c.remat != "none":
             layer = jax.checkpoint(layer, policy=_POLICIES[c.remat],
@@ -156,11 +162,11 @@ class Decoder(nnx.Module):
         x = self.embed(tokens)
         params = self._layer_params()
         if c.scan_layers:
-            x, _ = jax.lax.scan(lambda x, w: (layer(w, x, positions, inv_freq, mask), None),
+            x, _ = jax.lax.scan(lambda x, w: (layer(w, x, rope, mask), None),
                                 x, params)
         else:
             for i in range(c.num_layers):
-                x = layer(params[i], x, positions, inv_freq, mask)
+                x = layer(params[i], x, rope, mask)
         return self.norm(x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
@@ -186,7 +192,7 @@ class Decoder(nnx.Module):
         if c.scan_layers:
             shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
             return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
                        v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)))
 
@@ -228,10 +234,8 @@ class Decoder(nnx.Module):
             # (and its fp32 rounding) is unchanged for the sampler
             mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & (positions >= 0)[
                 :, :, None]
-        rope_pos = jnp.maximum(positions, 0)
-        inv_freq = self._inv_freq()
-        layer = functools.partial(block_apply, c, rope_pos=rope_pos, inv_freq=inv_freq,
-                                  mask=mask, backend=backend)
+        rope = rope_cos_sin(jnp.maximum(positions, 0), self._inv_freq())  # once for all layers
+        layer = functools.partial(block_apply, c, rope=rope, mask=mask, backend=backend)
         x = self.embed(tokens)
         params = self._layer_params()
         ck, cv = cache.k, cache.v

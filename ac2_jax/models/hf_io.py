@@ -73,6 +73,18 @@ def _read_tensors(path: str) -> dict[str, Any]:
     return readers
 
 
+def load_hf_config(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
+                   **runtime) -> DecoderConfig:
+    """The DecoderConfig of a local HF directory's config.json, reading no weights
+    (e.g. for an abstract model: compile and memory analysis before loading)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
+    with open(cfg_path) as f:
+        return DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype,
+                                            **runtime)
+
+
 def load_hf_checkpoint(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
                        **runtime) -> tuple[Decoder, DecoderConfig]:
     """Builds a Decoder from a local HF directory (config.json + safetensors).
@@ -82,12 +94,7 @@ def load_hf_checkpoint(path: str, dtype: Any = jnp.float32, param_dtype: Any = N
     (scan_layers, remat, attention_backend, attention_block). Sharded
     checkpoints (with an index) are read too.
     """
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
-    with open(cfg_path) as f:
-        config = DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype,
-                                              **runtime)
+    config = load_hf_config(path, dtype, param_dtype, **runtime)
     where = _read_tensors(path)
     graphdef, state = _abstract(config)
     flat = nnx.to_flat_state(state)

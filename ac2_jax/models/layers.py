@@ -57,15 +57,30 @@ def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x [B, L, H, hd], positions [B, L]."""
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE's (cos, sin) tables [B, L, 1, hd] (fp32) for positions [B, L].
+
+    Every layer rotates with the same tables, so the decoder builds them once per
+    forward and passes them down instead of recomputing sin/cos in every layer
+    (RoPE was 4-6% of the train step, BUILD_NOTES "Where the step's time goes").
+    """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate(x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE (HF convention) of x [B, L, H, hd] with `rope_cos_sin` tables."""
+    cos, sin = cos_sin
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x [B, L, H, hd], positions [B, L]."""
+    return rotate(x, rope_cos_sin(positions, inv_freq))
 
 
 def rms_norm(weight: jax.Array, x: jax.Array, eps: float, dtype) -> jax.Array:
@@ -80,19 +95,21 @@ def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w.astype(dtype))
 
 
-def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array,
-                    inv_freq: jax.Array, mask, backend: str, cache=None):
-    """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params.
+def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+                    mask, backend: str, cache=None):
+    """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params;
+    rope: the (cos, sin) tables of `rope_cos_sin` for x's positions.
 
     mask: an AttentionMask or a dense [B, L, S] bool mask (see
     `models.attention.attention`). cache: None, or (k, v, layer, slots) with
     the slots [B, L] of the new keys / values (index S drops a write);
     attention runs over the layer's whole cache with them written in.
-    Per-layer (layer None): k, v are this layer's caches [B, S, K, hd] and come
-    back updated. Stacked: k, v are all layers' caches [B, S, num_layers,
-    K * hd], read only; layer is this layer's index, and the new keys / values
-    [B, L, K * hd] come back in their place (the caller writes them once for
-    all layers: a loop-carried cache would be copied per layer).
+    Per-layer (layer None): k, v are this layer's caches [B, K, S, hd]
+    (heads-major, so decode reads them in place) and come back updated.
+    Stacked: k, v are all layers' caches [B, S, num_layers, K * hd], read only;
+    layer is this layer's index, and the new keys / values [B, L, K * hd] come
+    back in their place (the caller writes them once for all layers: a
+    loop-carried cache would be copied per layer).
     Returns (out [B, L, D], cache).
     """
     B, L, _ = x.shape
@@ -103,13 +120,13 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array
     if c.qk_norm:
         q = rms_norm(w["q_norm"]["weight"], q, c.rms_eps, dt)
         k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
-    q, k = apply_rope(q, rope_pos, inv_freq), apply_rope(k, rope_pos, inv_freq)
+    q, k = rotate(q, rope), rotate(k, rope)
     if cache is not None:
         ck, cv, layer, slots = cache
         rows = jnp.arange(B)[:, None]
-        if layer is None:
-            ck = ck.at[rows, slots].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows, slots].set(v.astype(cv.dtype), mode="drop")
+        if layer is None:  # [B, K, S, hd]: new [B, L, K, hd] land at (row, :, slot)
+            ck = ck.at[rows, :, slots].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, :, slots].set(v.astype(cv.dtype), mode="drop")
             k, v = ck, cv
         else:
             S = ck.shape[1]
@@ -120,7 +137,8 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array
             ck, cv = k_new, v_new
         cache = (ck, cv, layer, slots)
     out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
-                    block=c.attention_block)
+                    block=c.attention_block,
+                    kv_heads_major=cache is not None and cache[2] is None)
     return _dot(out.reshape(B, L, H * hd), w["o_proj"], dt), cache
 
 
@@ -130,12 +148,13 @@ def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array) -> jax.Array:
     return _dot(jax.nn.silu(g) * u, w["down_proj"], c.dtype)
 
 
-def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope_pos: jax.Array,
-                inv_freq: jax.Array, mask, backend: str, cache=None):
+def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+                mask, backend: str, cache=None):
     """One pre-norm layer: x + attn(norm x), then + mlp(norm x). w: a Block's params
-    (one layer); x [B, L, D] in the compute dtype. Returns (x, cache)."""
+    (one layer); x [B, L, D] in the compute dtype; rope: `rope_cos_sin` tables,
+    built once per forward for all layers. Returns (x, cache)."""
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
-    a, cache = attention_apply(c, w["self_attn"], h, rope_pos, inv_freq, mask, backend, cache)
+    a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache)
     x = x + a
     h = rms_norm(w["post_attention_layernorm"]["weight"], x, c.rms_eps, c.dtype)
     return x + mlp_apply(c, w["mlp"], h), cache

@@ -31,7 +31,8 @@ class LifecycleError(RuntimeError):
 
 
 class LifecycleClient:
-    """Async client for /v1/rollouts (create, get, finish, trace).
+    """Async client for /v1/rollouts (create, get, finish, trace) and the admin's
+    /v1/models and /v1/admin/load_weights.
 
     A call that fails on the network (httpx.TransportError: connection refused
     or reset, timeouts) or with HTTP 5xx is tried again, up to `retries` more
@@ -88,6 +89,21 @@ class LifecycleClient:
     async def trace(self, rollout_id: str) -> Trace:
         data = await self._call("GET", f"/v1/rollouts/{rollout_id}/trace")
         return Trace.from_dict(data.get("trace", data))
+
+    async def models(self) -> dict[str, Any]:
+        """The served model's entry of GET /v1/models as the admin sees it
+        (policy_version, learner_step, sampler_stats)."""
+        return (await self._call("GET", "/v1/models"))["data"][0]
+
+    async def load_weights(self, step: int, learner_step: int | None = None) -> int:
+        """Makes the endpoint's sampler load published `step` (POST
+        /v1/admin/load_weights); `learner_step`: the loop steps the learner has
+        finished. Returns the policy version now served."""
+        body: dict[str, Any] = {"step": int(step)}
+        if learner_step is not None:
+            body["learner_step"] = int(learner_step)
+        return int((await self._call("POST", "/v1/admin/load_weights",
+                                     json=body))["policy_version"])
 
     async def aclose(self) -> None:
         await self._http.aclose()

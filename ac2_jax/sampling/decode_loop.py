@@ -139,10 +139,12 @@ def prefill_rows(graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: ja
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def resize_cache(cache: KVCache, row_idx: jax.Array, *, max_len: int) -> KVCache:
     """New cache whose row i is old row `row_idx[i]` (out of range: empty), `max_len` slots."""
+    ax = cache.seq_axis
+
     def one(x):
         x = jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0)
-        S = x.shape[1]
+        S = x.shape[ax]
         if max_len >= S:
-            return jnp.pad(x, ((0, 0), (0, max_len - S), (0, 0), (0, 0)))
-        return x[:, :max_len]
+            return jnp.pad(x, [(0, max_len - S) if i == ax else (0, 0) for i in range(x.ndim)])
+        return jax.lax.slice_in_dim(x, 0, max_len, axis=ax)
     return jax.tree.map(one, cache)

@@ -15,6 +15,14 @@ Routes
                                     the rollout (key spent); the admin still grades it and
                                     it is stored once, when final
   GET  /v1/rollouts/{id}/trace      the trace JSON (`Trace.to_dict()`)
+  POST /v1/admin/load_weights       (admin) {step, learner_step?}: the sampler loads published
+                                    `step` (`load_weights`, off the event loop) -> {policy_version,
+                                    learner_step}; 404 when the step is not published, 409 when
+                                    the sampler cannot take it (no publish dir, another
+                                    architecture); a failed load leaves the served weights as
+                                    they were. `learner_step` (loop steps a learner in another
+                                    process has finished) is shown to the admin in /v1/models:
+                                    a split collector paces itself on it (`training.rl.split`)
 
 Finished rollouts past `max_finished_rollouts` leave memory: the admin still
 gets their status (a summary without the per-completion list, `evicted: true`)
@@ -48,12 +56,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ac2_jax.models.tokenizer import Tokenizer
-from ac2_jax.sampling import Sampler
+from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
 from ac2_jax.serving.generation import install_generation_routes
 from ac2_jax.serving.rollout_requests import (check_rollout_key_finish, keys_equal,
-                                              parse_create, parse_finish, rollout_key_view)
+                                              parse_create, parse_finish, parse_load_weights,
+                                              rollout_key_view)
 from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
 from ac2_jax.trace import TraceStore
 
@@ -131,6 +140,8 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
     app.state.model_name = model_name
+    app.state.learner_step = None  # set by POST /v1/admin/load_weights
+    load_lock = asyncio.Lock()  # loads in order: learner_step never runs ahead of the weights
 
     async def end_as_infra_error(request: Request, exc: Exception) -> None:
         """A crash while serving a rollout's request (sampler, server) is our fault:
@@ -184,9 +195,36 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
                  "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}
         stats = sampler_stats(sampler)
+        if principal.is_admin:
+            entry["learner_step"] = app.state.learner_step
         if principal.is_admin and stats is not None:  # operators watch these
             entry["sampler_stats"] = stats
         return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/admin/load_weights")
+    async def load_weights(request: Request):
+        principal = await authenticate(request)
+        if not principal.is_admin:
+            raise APIError(403, "Only the admin key can load weights", code="admin_only")
+        args = parse_load_weights(await read_json(request))
+        async with load_lock:
+            try:  # load_published checks shapes first and swaps only once all is read
+                version = await asyncio.to_thread(sampler.load_weights, args["step"])
+            except FileNotFoundError as e:
+                raise APIError(404, f"Step {args['step']} is not published: {e}",
+                               param="step", code="step_not_found") from None
+            except ValueError as e:
+                raise APIError(409, f"The sampler cannot load step {args['step']} (start the "
+                               f"endpoint with --publish_dir, and publish weights of the served "
+                               f"architecture): {e}", param="step",
+                               code="weights_not_loaded") from None
+            except SamplerError as e:
+                raise APIError(503, f"No sampler backend loaded step {args['step']}: {e}",
+                               code="sampler_unavailable") from None
+            if args["learner_step"] is not None:
+                app.state.learner_step = args["learner_step"]
+        return {"object": "weights", "policy_version": int(version),
+                "learner_step": app.state.learner_step}
 
     @app.post("/v1/rollouts")
     async def create_rollout(request: Request):

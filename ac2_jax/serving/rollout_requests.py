@@ -1,6 +1,6 @@
 """Rollout lifecycle requests: create/finish bodies, what a rollout key may do and see.
 
-`parse_create` / `parse_finish` validate bodies (already strict JSON) with
+`parse_create` / `parse_finish` / `parse_load_weights` validate bodies (already strict JSON) with
 the pydantic models `CreateBody` / `FinishBody` (strict types, unknown fields
 forbidden) for `RolloutRegistry.create` / `finish`: 400 naming the field, and
 values that would not round-trip through JSON are refused, so nothing stored
@@ -44,6 +44,15 @@ class FinishBody(BaseModel):
     artifacts: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
     hints: list[str] | None = None
+
+
+class LoadWeightsBody(BaseModel):
+    """POST /v1/admin/load_weights (admin): the published step to serve, and how
+    many loop steps the learner has finished (what a split collector paces on)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: int = Field(ge=0)
+    learner_step: int | None = Field(None, ge=0)
 
 
 CREATE_FIELDS = tuple(CreateBody.model_fields)
@@ -94,6 +103,12 @@ def parse_finish(body: Any) -> dict[str, Any]:
             check_json(getattr(req, key), key)
             out[key] = getattr(req, key)
     return out
+
+
+def parse_load_weights(body: Any) -> dict[str, Any]:
+    """Validated {step, learner_step} of POST /v1/admin/load_weights (400 naming the field)."""
+    req = _validated(LoadWeightsBody, body)
+    return {"step": req.step, "learner_step": req.learner_step}
 
 
 def check_rollout_key_finish(args: dict[str, Any]) -> None:

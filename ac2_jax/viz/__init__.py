@@ -6,8 +6,10 @@ use, so `import ac2_jax.viz` for trace pages does not import matplotlib.
 
 import importlib
 
-from ac2_jax.viz.trace_html import (BASE_CSS, episode_html, esc, kv_table, page, token_texts,
-                                    trace_html, trace_section, write_trace_html)
+from ac2_jax.viz.trace_html import (BASE_CSS, compaction_html, episode_html, esc, kv_table,
+                                    message_html, page, place_compactions, token_texts,
+                                    tool_call_html, trace_html, trace_section, turns_html,
+                                    write_trace_html)
 
 _LAZY = {"curves_figure": "ac2_jax.viz.curves", "load_metrics": "ac2_jax.viz.curves",
          "plot_curves": "ac2_jax.viz.curves",
@@ -25,17 +27,22 @@ def __getattr__(name):
 
 __all__ = [
     "BASE_CSS",
+    "compaction_html",
     "curves_figure",
     "distill_report_html",
     "episode_html",
     "esc",
     "kv_table",
     "load_metrics",
+    "message_html",
     "page",
+    "place_compactions",
     "plot_curves",
     "token_texts",
+    "tool_call_html",
     "trace_html",
     "trace_section",
+    "turns_html",
     "write_distill_report",
     "write_trace_html",
 ]

@@ -1,10 +1,25 @@
 """Static HTML viewer for one trace: every episode, tokens coloured by loss mask.
 
 The page is self-contained (inline CSS, no scripts, no CDN) so it opens from
-disk. Tokens the agent generated (loss_mask 1) are shown as `.tok.agent`,
-context tokens as `.tok.ctx`; each span carries data-i (index in the episode)
-and data-id (token id). With a tokenizer (anything with `.decode(list[int])`)
-tokens show as text, else as ids. All text is HTML-escaped.
+disk. It reads as the attempt happened: the episodes in recording order, each
+with its agent label (`main`, `compactor`, `subagent:<name>`); inside each, the
+requests that built it (`.turn`): the messages the request added (`.msg`,
+tool results as `.tool-result`) and the agent's output, with the tool calls it
+made as `.tool-call`; then its tokens. Tokens the agent generated
+(loss_mask 1) are `.tok.agent`, context tokens `.tok.ctx`; each span carries
+data-i (index in the episode) and data-id (token id). With a tokenizer
+(anything with `.decode(list[int])`) tokens and outputs show as text, else as
+ids; outputs are split into text and tool calls by `tool_parser` (default: the
+hermes parser, `ac2_jax.models.parse_tool_calls`).
+
+Where compaction cut the main agent's history, a `.compaction` marker with
+the memo (and `memo_ok` when the env judged it) sits after the compactor's
+episode that wrote it, before the main agent's restart. Rule: the n-th
+"compaction" event of `Trace.events` is the n-th compactor request (each
+compaction is one compactor request, recorded in order); events without a
+compactor request to sit after, and other events (e.g. compaction_error), are
+listed under "Events not placed between episodes" (counted).
+All text is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -12,7 +27,7 @@ from __future__ import annotations
 import html
 import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 from ac2_jax.trace import Trace
 
@@ -31,6 +46,17 @@ line-height:1.6;border:1px solid #ddd;padding:.6em;border-radius:4px;background:
 .badge{display:inline-block;padding:0 .5em;border-radius:3px;background:#eee;margin-right:.4em}
 .status-finished{background:#d4f5d4} .status-agent_error,.status-timed_out{background:#f8d0d0}
 .status-infra_error{background:#e0e0e0}
+.turn{border-left:3px solid #ccd;margin:.4em 0;padding:.1em .6em}
+.msg{margin:.25em 0;font-size:.9em} .msg .role{font-weight:bold;margin-right:.4em}
+.msg pre{white-space:pre-wrap;word-break:break-word;margin:.1em 0;
+font-family:ui-monospace,monospace}
+.msg.output{background:#eef6ff;border-radius:3px;padding:.2em .4em}
+.tool-call{background:#fff4d6;border:1px solid #e8c66a;border-radius:3px;padding:.1em .4em;
+margin:.2em 0;font-family:ui-monospace,monospace;font-size:.9em}
+.tool-result{background:#eaf7ea;border-radius:3px;padding:.1em .4em}
+.compaction{border:2px dashed #c0392b;background:#fdf0ee;border-radius:6px;padding:.5em .8em;
+margin:1em 0} .compaction .memo{white-space:pre-wrap;font-family:ui-monospace,monospace}
+.memo-ok{background:#d4f5d4} .memo-lost{background:#f8d0d0}
 """
 
 
@@ -54,8 +80,77 @@ def token_texts(token_ids, tokenizer=None) -> list[str]:
     return [tokenizer.decode([int(t)]) for t in token_ids]
 
 
-def episode_html(episode, index: int, tokenizer=None, max_tokens: int | None = None) -> str:
-    """One episode: agent label, counts, and its token spans."""
+def _output_text(ids, tokenizer) -> str:
+    try:
+        return tokenizer.decode([int(t) for t in ids], skip_special_tokens=True)
+    except TypeError:  # a decode without the keyword
+        return tokenizer.decode([int(t) for t in ids])
+
+
+def _hermes(text: str):
+    from ac2_jax.models.tool_parsers import parse_tool_calls  # only with a tokenizer
+    return parse_tool_calls(text)
+
+
+def tool_call_html(call: dict[str, Any]) -> str:
+    """One OpenAI tool call as `.tool-call` (name, arguments, id)."""
+    fn = call.get("function") or {}
+    return (f'<div class="tool-call" data-name="{esc(fn.get("name", ""))}" '
+            f'data-id="{esc(call.get("id", ""))}">&#128295; <b class="tool-name">'
+            f'{esc(fn.get("name", "?"))}</b>(<span class="tool-args">'
+            f'{esc(fn.get("arguments", ""))}</span>)</div>')
+
+
+def message_html(msg: dict[str, Any], extra_class: str = "") -> str:
+    """One chat message: role, content, tool calls; a tool message is a `.tool-result`."""
+    role = str(msg.get("role", "?"))
+    cls = f"msg role-{esc(role)}" + (" tool-result" if role == "tool" else "") + extra_class
+    label = role if role != "tool" else f"tool result ({msg.get('tool_call_id') or '?'})"
+    content = msg.get("content")
+    if isinstance(content, list):  # content parts: show their text
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    body = f"<pre>{esc(content)}</pre>" if content else ""
+    body += "".join(tool_call_html(c) for c in msg.get("tool_calls") or [])
+    return f'<div class="{cls}"><span class="role">{esc(label)}</span>{body}</div>'
+
+
+def turns_html(episode, tokenizer=None, tool_parser: Callable | None = None) -> str:
+    """The requests that built an episode, in order: for each, the messages it added
+    (the echo of the previous output left out: it is shown as that output) and the
+    agent's output (text and tool calls with a tokenizer, else its token count)."""
+    try:
+        lists = episode.messages_at()
+    except ValueError as e:  # a stored delta that does not rebuild: say so, show the rest
+        lists, note = [None] * len(episode.completions), f"messages not shown: {e}"
+    else:
+        note = ""
+    parse = tool_parser or _hermes
+    parts, prev = [], None
+    for k, (c, full) in enumerate(zip(episode.completions, lists)):
+        added = []
+        if full is not None:
+            start = len(prev) if prev is not None and full[:len(prev)] == prev else 0
+            added = full[start:]
+            if start and added and added[0].get("role") == "assistant":
+                added = added[1:]
+        prev = full
+        if tokenizer is not None:
+            content, calls = parse(_output_text(c.output_ids, tokenizer))[:2]
+            out = message_html({"role": "assistant", "content": content, "tool_calls": calls},
+                               " output")
+        else:
+            out = (f'<div class="msg role-assistant output"><span class="role">assistant</span>'
+                   f"{len(c.output_ids)} tokens (ids below)</div>")
+        parts.append(f'<div class="turn" data-k="{k}"><div class="added">'
+                     f'{"".join(message_html(m) for m in added)}</div>{out}'
+                     f'<span class="badge">finish: {esc(c.finish_reason)}</span>'
+                     f'<span class="badge">policy v{esc(c.policy_version)}</span></div>')
+    return (f'<p class="cut">{esc(note)}</p>' if note else "") + "".join(parts)
+
+
+def episode_html(episode, index: int, tokenizer=None, max_tokens: int | None = None,
+                 tool_parser: Callable | None = None) -> str:
+    """One episode: agent label, counts, its requests (messages, tool calls) and tokens."""
     ids = list(episode.token_ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
     texts = token_texts(shown, tokenizer)
@@ -71,35 +166,78 @@ def episode_html(episode, index: int, tokenizer=None, max_tokens: int | None = N
     more = (f'<p class="cut">… {len(ids) - len(shown)} more tokens not shown</p>'
             if len(shown) < len(ids) else "")
     kind = "text" if tokenizer is not None else "ids"
+    turns = turns_html(episode, tokenizer, tool_parser) if episode.completions else ""
     return (f'<section class="episode" data-agent="{esc(episode.agent)}" data-index="{index}">'
             f'<h3>Episode {index}: <span class="agent-label">{esc(episode.agent)}</span></h3>'
             f'<p><span class="badge">{len(ids)} tokens</span>'
             f'<span class="badge">{episode.num_agent_tokens} agent tokens</span>'
             f'<span class="badge">{len(episode.completions)} requests</span></p>'
+            f'<div class="turns">{turns}</div>'
             f'<div class="tokens {kind}">{"".join(spans)}</div>{more}</section>')
 
 
-def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = None) -> str:
-    """The trace as an HTML fragment (header, outcome, metrics, episodes)."""
+def compaction_html(event: dict[str, Any], n: int) -> str:
+    """The marker where compaction cut the main agent's history: the memo that replaced it."""
+    ok = event.get("memo_ok")
+    verdict = ("" if ok is None else
+               f'<span class="badge {"memo-ok" if ok else "memo-lost"}">memo_ok: '
+               f'{"yes" if ok else "no"}</span>')
+    return (f'<div class="compaction" data-n="{n}" data-memo-ok="{esc(ok)}">'
+            f'<b>&#9986; Compaction {n}</b>: the main agent\'s history was cut here; it '
+            f'restarts from this memo. {verdict}<div class="memo">{esc(event.get("memo", ""))}'
+            f"</div></div>")
+
+
+def place_compactions(trace: Trace) -> tuple[dict[int, list[tuple[int, dict]]], list[dict]]:
+    """({episode index: [(n, event)] to show after it}, unplaced events): the n-th
+    compaction event goes after the episode of the n-th compactor request (module
+    docstring); compaction events past the compactor's requests, and events of
+    other kinds, are returned as unplaced."""
+    requests = [i for i, e in enumerate(trace.episodes) if e.agent == "compactor"
+                for _ in e.completions]
+    after: dict[int, list[tuple[int, dict]]] = {}
+    unplaced, n = [], 0
+    for ev in trace.events:
+        if ev.get("kind") == "compaction" and n < len(requests):
+            after.setdefault(requests[n], []).append((n + 1, ev))
+            n += 1
+        else:
+            unplaced.append(ev)
+    return after, unplaced
+
+
+def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = None,
+                  tool_parser: Callable | None = None) -> str:
+    """The trace as an HTML fragment (header, outcome, metrics, episodes, compactions)."""
     if isinstance(trace, dict):
         trace = Trace.from_dict(trace)
     if not isinstance(trace, Trace):
         raise TypeError(f"trace_html: expected a Trace or its dict, got {type(trace).__name__}")
     reward = "none" if trace.reward is None else f"{trace.reward:g}"
     hints = "".join(f'<li class="hint">{esc(h)}</li>' for h in trace.hints)
+    after, unplaced = place_compactions(trace)
+    compactions = sum(len(v) for v in after.values())
     parts = [
         f'<div class="trace" data-task="{esc(trace.task_id)}">',
         f"<h2>Trace {esc(trace.key)}</h2>",
         f'<p><span class="badge status status-{esc(trace.status)}">status: {esc(trace.status)}</span>'
         f'<span class="badge reward">reward: {esc(reward)}</span>'
         f'<span class="badge">group: {esc(trace.group_id)}</span>'
-        f'<span class="badge">{len(trace.episodes)} episodes</span></p>',
+        f'<span class="badge">{len(trace.episodes)} episodes</span>'
+        f'<span class="badge">{compactions} compactions</span></p>',
+        f'<p class="agents">{" &#8594; ".join(esc(e.agent) for e in trace.episodes)}</p>',
         f"<h3>Hints</h3><ul>{hints}</ul>" if hints else "",
         f'<h3>Metrics</h3><div class="metrics">{kv_table(trace.metrics)}</div>' if trace.metrics else "",
         '<p class="legend"><span class="tok agent">agent token (trained)</span>'
         '<span class="tok ctx">context token</span></p>',
     ]
-    parts += [episode_html(e, i, tokenizer, max_tokens) for i, e in enumerate(trace.episodes)]
+    for i, e in enumerate(trace.episodes):
+        parts.append(episode_html(e, i, tokenizer, max_tokens, tool_parser))
+        parts += [compaction_html(ev, n) for n, ev in after.get(i, [])]
+    if unplaced:
+        items = "".join(f'<li class="event">{kv_table(ev)}</li>' for ev in unplaced)
+        parts.append(f'<h3>Events not placed between episodes ({len(unplaced)})</h3>'
+                     f'<ul class="unplaced">{items}</ul>')
     parts.append("</div>")
     return "".join(parts)
 
@@ -112,9 +250,10 @@ def page(title: str, body: str, css: str = "", script: str = "") -> str:
 
 
 def trace_html(trace: Trace | dict, tokenizer=None, *, title: str | None = None,
-               max_tokens: int | None = None) -> str:
-    """A standalone HTML page for one trace (see the module docstring)."""
-    body = trace_section(trace, tokenizer, max_tokens)
+               max_tokens: int | None = None, tool_parser: Callable | None = None) -> str:
+    """A standalone HTML page for one trace (see the module docstring). tool_parser:
+    text -> (content, tool calls), for outputs decoded with `tokenizer`."""
+    body = trace_section(trace, tokenizer, max_tokens, tool_parser)
     if title is None:
         t = trace if isinstance(trace, Trace) else Trace.from_dict(trace)
         title = f"Trace {t.key}"

@@ -38,6 +38,14 @@ from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transfor
 
 MODES = ("jit", "pmap")
 AXIS = "batch"
+# XLA:CPU's default scheduler orders for concurrency: at real size it computes every
+# leaf's clipped gradient before any AdamW update consumes one, so a second params-sized
+# set of temporaries is live at once (Qwen3-0.6B: 4.78 GB of step temporaries, 2.71 GB
+# with this scheduler; BUILD_NOTES, issue 15). The memory-optimized scheduler runs each
+# leaf's clip -> moments -> update before the next. Same HLO, same maths; it runs less
+# work concurrently (measured 1.41x slower on a 4-layer cut of that shape, equal at toy
+# size): `cpu_memory_scheduler=False` trades the memory back for speed.
+CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 def forward(graphdef, params, rest, batch) -> jax.Array:
@@ -95,7 +103,8 @@ class TrainStep:
     """`step(state, batch, extras=None) -> (state, metrics)`; see `make_train_step`."""
 
     def __init__(self, graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
-                 grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True):
+                 grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True,
+                 cpu_memory_scheduler: bool = True):
         if mode not in MODES:
             raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
         if mode == "pmap" and mesh is not None:
@@ -109,6 +118,7 @@ class TrainStep:
             lr_schedule = optimizer.lr_schedule()
         self.lr_schedule = lr_schedule
         self.devices = list(jax.local_devices() if devices is None else devices)
+        self.cpu_memory_scheduler = cpu_memory_scheduler
         self.state_sharding = None
         self._step = self._logprobs = None
 
@@ -153,21 +163,43 @@ class TrainStep:
             self.state_sharding = state_shardings(state, self.mesh)
             out = (self.state_sharding, NamedSharding(self.mesh, P()))
         self._step = jax.jit(lambda s, b, e, t: self._update(s, b, e, t, None),
-                             out_shardings=out, donate_argnums=donate)
+                             out_shardings=out, donate_argnums=donate,
+                             compiler_options=self.compiler_options())
 
-    def place(self, state: TrainState) -> TrainState:
-        """A copy of a (host / unreplicated) state where this step wants it.
+    def compiler_options(self) -> dict | None:
+        """XLA options of the jitted step: the memory-optimized scheduler on CPU
+        (`CPU_MEMORY_SCHEDULER`; pmap takes no options), none elsewhere."""
+        cpu = all(d.platform == "cpu" for d in self.devices)
+        return dict(CPU_MEMORY_SCHEDULER) if cpu and self.cpu_memory_scheduler else None
 
-        Always new buffers, so donating them never deletes the arrays of the
-        model or state it came from.
+    def place(self, state: TrainState, copy: bool = True) -> TrainState:
+        """A (host / unreplicated) state where this step wants it.
+
+        copy=True: always new buffers, so donating them never deletes the arrays
+        of the model or state it came from (both stay alive: at real size a
+        second params + AdamW state). copy=False: the step takes the state over;
+        arrays already where the step wants them are reused, and the first step
+        deletes them (and the model's, if the state came from
+        `create_train_state(model)`): drop every other reference.
         """
         if self.mode == "pmap":
             return replicate(state, self.devices)
         if self.mesh is not None:
             if self.state_sharding is None:
                 self.state_sharding = state_shardings(state, self.mesh)
-            return jax.device_put(state, self.state_sharding, may_alias=False)
-        return jax.device_put(state, self.devices[0], may_alias=False)
+            return jax.device_put(state, self.state_sharding, may_alias=not copy)
+        return jax.device_put(state, self.devices[0], may_alias=not copy)
+
+    def lower(self, state: TrainState, batch, extras: dict | None = None, teacher=None):
+        """The jitted step lowered for (state, batch, extras) without running it: e.g.
+        `.compile().memory_analysis()` from an abstract state (`abstract_train_state`),
+        which needs no parameter memory. mode="jit" only."""
+        if self.mode != "jit":
+            raise ValueError(f"TrainStep.lower: mode='jit' only, got {self.mode!r}")
+        if self._step is None:
+            self._build(state)
+        batch, extras = self._place_rows((batch, extras))
+        return self._step.lower(state, batch, extras, self._place_teacher(teacher))
 
     def host_state(self, state: TrainState) -> TrainState:
         """The global (unreplicated) state, e.g. for checkpoints and publishing."""
@@ -230,7 +262,7 @@ class TrainStep:
 
 def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
                     grad_accum: int = 1, lr_schedule=None, devices=None,
-                    donate: bool = True) -> TrainStep:
+                    donate: bool = True, cpu_memory_scheduler: bool = True) -> TrainStep:
     """A compiled train step: `step(state, batch, extras=None) -> (state, metrics)`.
 
     optimizer: OptimizerConfig or optax transformation (the one the state was
@@ -241,11 +273,14 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     state back. The input state is donated (donate=False keeps it).
     `step(state, batch, extras, teacher=params)` hands losses that run a
     teacher a frozen copy of the params (default: the live params).
+    cpu_memory_scheduler: on CPU, compile with XLA's memory-optimized scheduler
+    (`CPU_MEMORY_SCHEDULER`: one params-sized set of temporaries fewer at peak).
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr and the
     loss's token-mean metrics (entropy, clip_frac, kl_to_sampler).
     """
     return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
-                     lr_schedule=lr_schedule, devices=devices, donate=donate)
+                     lr_schedule=lr_schedule, devices=devices, donate=donate,
+                     cpu_memory_scheduler=cpu_memory_scheduler)
 
 
 class StepCache:

@@ -14,8 +14,9 @@ from typing import Sequence
 import numpy as np
 
 from ac2_jax.losses import group_advantages
-from ac2_jax.segments import PackedBatch, pack_segments, pad_batch_rows, segments_from_trace
-from ac2_jax.segments.packing import pow2_bucket
+from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_rows,
+                              segments_from_trace, task_names)
+from ac2_jax.segments.packing import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 
@@ -302,9 +303,27 @@ def check_sampled(trace: Trace) -> None:
                     "cannot train on them; collect RL rollouts with temperature > 0")
 
 
-def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig
+def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig, *,
+                process_index: int = 0, process_count: int = 1
                 ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
-    """Traces -> (packed batch or None when nothing trainable, stats, advantages).
+    """Traces -> (packed batch or None when nothing trainable, stats, advantages):
+    `batch_segments` then `pack_rl_batch`. With process_count > 1 the batch holds
+    only process `process_index`'s share of the segments (a multi-host learner:
+    every process selects from the same traces, packs its share, and the train
+    step assembles the global batch); None when the global batch has no segment.
+    """
+    segments, stats, adv = batch_segments(traces, learner_version, config)
+    if not segments:
+        return None, stats, adv
+    return (pack_rl_batch(segments, stats.row_len, config, process_index=process_index,
+                          process_count=process_count), stats, adv)
+
+
+def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchConfig
+                   ) -> tuple[list[Segment], BatchStats, np.ndarray]:
+    """Traces -> (the batch's segments, stats, advantages); deterministic and
+    host-side, so every process of a multi-host learner computes the same.
+    `stats.row_len` is the row length to pack them with (`pack_rl_batch`).
 
     Advantages come from every selected trace's group; each trace's one
     advantage goes to all of its segments (the whole trace is one unit) and
@@ -328,7 +347,7 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
         stats.dropped_zero_advantage = len(kept) - len(pairs)
         kept, weights = [t for t, _ in pairs], [w for _, w in pairs]
     if not kept:
-        return None, stats, np.zeros(0, np.float32)
+        return [], stats, np.zeros(0, np.float32)
     seen: set[str] = set()
     for t in kept:
         if t.key in seen:
@@ -359,7 +378,7 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
                 s.weight = w
                 segments.append(s)
     if not segments:
-        return None, stats, adv
+        return [], stats, adv
     row_len = config.row_len(max(len(s) for s in segments))
     stats.row_len = row_len
     stats.long_segments = sum(config.seq_len < len(s) <= row_len for s in segments)
@@ -368,11 +387,42 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
                                                               cut.truncated_agent_tokens)
     for s in segments:
         stats.trained_tokens[s.agent] += s.num_agent_tokens
-    batch = pack_segments(segments, row_len, min_rows=config.rows,
-                          rows_multiple=max(config.rows_multiple, 1), layout=config.layout,
-                          min_tasks=max(config.task_capacity, 1),
-                          min_segments=max(config.segment_capacity, 1))
-    if batch.shape[0] > config.rows > 0:  # more rows than configured: rows x 2^k, few shapes
-        unit = math.lcm(config.rows, max(config.rows_multiple, 1))
+    return segments, stats, adv
+
+
+def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig, *,
+                  process_index: int = 0, process_count: int = 1) -> PackedBatch:
+    """`batch_segments`' segments -> a PackedBatch of [rows, row_len].
+
+    With process_count = n > 1: only this process's share (every n-th segment
+    from process_index on, `distributed.process_share`), with the global task
+    ids (`all_tasks`: every segment's task) and segment numbers (`segment_offset`),
+    `config.rows` / `rows_multiple` divided among the n processes (rounded up),
+    so the n shares make one global batch whose task_mean loss is exactly the
+    one-process batch's (`distributed.global_batch` agrees rows and capacities).
+    """
+    n, i = int(process_count), int(process_index)
+    if not 0 <= i < n:
+        raise ValueError(f"pack_rl_batch: process_index {i} not in [0, {n})")
+    rows, multiple = -(-config.rows // n), -(-max(config.rows_multiple, 1) // n)
+    share, extra = list(segments), {}
+    if n > 1:
+        if config.layout != "flat":
+            raise ValueError(f"pack_rl_batch: a batch split over {n} processes needs "
+                             f"BatchConfig.layout='flat', got {config.layout!r}: set it to "
+                             "'flat' (experiments: --config.rl.batch.layout=flat); one share "
+                             "of a prefix-tree batch is not offered")
+        share = list(segments[i::n])
+        extra = dict(all_tasks=task_names(segments),
+                     segment_offset=sum(len(segments[j::n]) for j in range(i)))
+    if not share:  # fewer segments than processes: this one adds empty rows
+        return PackedBatch(**empty_batch(pad_rows(0, rows, multiple), row_len),
+                           num_tasks=max(config.task_capacity, 1),
+                           num_segments=max(config.segment_capacity, 1))
+    batch = pack_segments(share, row_len, min_rows=rows, rows_multiple=multiple,
+                          layout=config.layout, min_tasks=max(config.task_capacity, 1),
+                          min_segments=max(config.segment_capacity, 1), **extra)
+    if batch.shape[0] > rows > 0:  # more rows than configured: rows x 2^k, few shapes
+        unit = math.lcm(rows, multiple)
         batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))
-    return batch, stats, adv
+    return batch

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -48,8 +49,9 @@ from ac2_jax.training.core.trainer import Trainer
 # The collectors live in collectors.py; importable from here as before.
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
                                             ReplayCollector, refill_seed)
-from ac2_jax.training.rl.data import (BatchConfig, build_batch, group_name, informative_groups,
-                                      select_traces, trace_rewards)
+from ac2_jax.training.rl.data import (BatchConfig, batch_segments, group_name,
+                                      informative_groups, pack_rl_batch, select_traces,
+                                      trace_rewards)
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
@@ -93,6 +95,11 @@ class RLConfig:
 class RLTrainer:
     """The RL loop around a model. `on_publish(version)` makes the sampler reload.
 
+    `on_progress(steps_done, version)` (a function or coroutine function) runs
+    when `run` starts and after each loop step's checkpoint began: a learner in
+    its own process tells the endpoint which step to serve and how far it is
+    (`training.rl.split`: the collector paces itself on that).
+
     A collector that says how it collects (`tasks_per_step`, `attempts`,
     `concurrency` attributes, as EndpointCollector does) must agree with
     `config` (tasks_per_step, attempts_per_task, concurrency): a mismatch is a
@@ -106,7 +113,8 @@ class RLTrainer:
     """
 
     def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
-                 on_publish: Callable[[int], Any] | None = None, train_mode: str = "jit",
+                 on_publish: Callable[[int], Any] | None = None,
+                 on_progress: Callable[[int, int], Any] | None = None, train_mode: str = "jit",
                  mesh=None, logger: MetricsLogger | None = None,
                  make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False):
         for ours, theirs in (("tasks_per_step", "tasks_per_step"),
@@ -120,6 +128,7 @@ class RLTrainer:
                              f"refill(rl_step, round, n) (e.g. EndpointCollector); "
                              f"{type(collector).__name__} has none")
         self.config, self.collector, self.on_publish = config, collector, on_publish
+        self.on_progress = on_progress
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
             config.batch, task_capacity=config.batch.task_capacity or traces,
@@ -128,6 +137,22 @@ class RLTrainer:
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
+        if jax.process_count() > 1:
+            if mesh is None:
+                raise ValueError(
+                    f"RLTrainer: this is process {jax.process_index()} of "
+                    f"{jax.process_count()} (jax.distributed) but mesh=None; pass a mesh over "
+                    "every process's devices, e.g. make_mesh(data=jax.device_count())")
+            if config.batch.layout != "flat":  # fail now, not after the first collection
+                raise ValueError(
+                    f"RLTrainer: a learner over {jax.process_count()} processes packs shares "
+                    f"of each batch, which needs RLConfig.batch.layout='flat', got "
+                    f"{config.batch.layout!r} (experiments: --config.rl.batch.layout=flat)")
+            if logger is None and jax.process_index() > 0:
+                # Every process logs its (identical) metrics, each to its own file.
+                logger = MetricsLogger(os.path.join(self.workdir, "metrics",
+                                                    f"process{jax.process_index()}"),
+                                       tensorboard=False, console=False)
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
         self.trainer = Trainer(self.graphdef, state, config.loss, config.optimizer,
                                workdir=self.workdir, checkpoint_every=1,
@@ -175,7 +200,9 @@ class RLTrainer:
     def update(self, traces: Sequence[Trace]) -> dict[str, Any]:
         """One update from traces (the same in sync and async mode)."""
         version = self.version
-        batch, stats, adv = build_batch(traces, version, self._batch_config)
+        # Every process selects and segments the same traces alike (host-side,
+        # deterministic); each packs only its share (the step makes one global batch).
+        segments, stats, adv = batch_segments(traces, version, self._batch_config)
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {
@@ -191,9 +218,14 @@ class RLTrainer:
             **staleness_histogram(traces, version),
             "infra_retries": float(sum(t.metadata.get("infra_retries", 0) for t in traces)),
         }
-        if batch is None or not float(np.abs(batch.advantages * batch.loss_mask).sum()):
+        # Decided on the whole batch's segments (every one has agent tokens), so every
+        # process of a multi-host learner skips or steps together.
+        if not any(seg.advantage and seg.num_agent_tokens for seg in segments):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
             return m
+        batch = pack_rl_batch(segments, stats.row_len, self._batch_config,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
         m.update(self.trainer.update(batch))
         m["skipped_update"] = 0.0
         return m
@@ -224,11 +256,22 @@ class RLTrainer:
 
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload."""
+        if jax.process_count() > 1:
+            # Orbax's managers share their barrier names across processes: a publish
+            # while the last checkpoint still finalizes in its thread enters the same
+            # barrier twice ("already ongoing"); on one process nothing waits.
+            self.trainer.wait()
         version = self._published = self.version
         publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
         if self.on_publish is not None:
             self.on_publish(version)
         return version
+
+    async def _progress(self) -> None:
+        if self.on_progress is not None:
+            out = self.on_progress(self.trainer.steps_done, self.version)
+            if inspect.isawaitable(out):
+                await out
 
     async def run(self) -> list[dict[str, Any]]:
         cfg = self.config
@@ -236,9 +279,11 @@ class RLTrainer:
             # Nothing left to train, but the sampler must serve the trained
             # weights (a rerun would otherwise evaluate whatever it had loaded).
             await asyncio.to_thread(self.publish)
+            await self._progress()
             return self.history
         if self.start_step > 0:
             await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
+        await self._progress()
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
@@ -264,6 +309,7 @@ class RLTrainer:
             m.update(rl_step=s, time_sampling_s=t_sample, time_training_s=t2 - t1,
                      time_publishing_s=t3 - t2, time_step_s=time.perf_counter() - t0)
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
             self.history.append(m)
