@@ -44,6 +44,8 @@ def compaction_factory(cfg, sampling: dict, max_steps: int):
         return CompactionOrchestrator(env, task, client, model_name, max_steps=max_steps,
                                       sampling=dict(sampling), context_budget=h.context_budget,
                                       keep_exchange=h.keep_exchange,
+                                      message_overhead_tokens=h.get("message_overhead_tokens",
+                                                                    0),
                                       max_consecutive_compactions=h.max_consecutive_compactions)
     return make
 
@@ -113,7 +115,11 @@ def episode_requests(requests: list) -> list:
     out = []
     for i, (agent, messages, tools, reply) in enumerate(requests):
         nxt = next((r for r in requests[i + 1:] if r[0] == agent), None)
-        if nxt is not None and len(nxt[1]) > len(messages) and nxt[1][:len(messages)] == messages:
+        # Extends it with this reply (the tool loop): not a restart that keeps the
+        # same system prompt and task and adds a memo (keep_exchange=False).
+        if (nxt is not None and len(nxt[1]) > len(messages)
+                and nxt[1][:len(messages)] == messages
+                and nxt[1][len(messages)].get("role") == "assistant"):
             continue
         out.append((agent, messages, tools, reply))
     return out

@@ -73,16 +73,21 @@ def test_chain_tasks_have_fixed_widths_and_disjoint_splits():
     evals = env.sample_tasks(200, seed=0, split="eval")
     assert not {t.prompt for t in train} & {t.prompt for t in evals}
     assert {len(t.metadata["ops"]) for t in train} == {3, 4, 5}
+    # One width whatever the count: every number sits at a fixed offset.
+    assert {len(t.prompt) for t in train} == {len("Start at 512. Apply +37, 4 times.")}
     for t in train:
         values = [t.metadata["start"]] + t.metadata["values"]
         assert all(100 <= v <= 999 for v in values), t.prompt
-        assert all(len(op) == 3 and op[0] in "+-" for op in t.metadata["ops"]), t.prompt
+        op = t.metadata["op"]
+        assert len(op) == 3 and op[0] in "+-" and set(t.metadata["ops"]) == {op}, t.prompt
         assert t.answer == values[-1] == safe_eval(t.metadata["expression"])
-        assert parse_chain_state(t.prompt) == (t.metadata["start"], t.metadata["ops"])
+        assert parse_chain_state(t.prompt) == (t.metadata["start"], len(t.metadata["ops"]), op)
         assert env.verify(t, env.reference_answer(t)) == 1.0
     tool = env.tool("calculator")
     assert asyncio.run(run_tool(tool, {"expression": "512+37"})) == ("549", True)
     assert not asyncio.run(run_tool(tool, {"expression": "512+37-29"}))[1]
+    with pytest.raises(ValueError, match="ops_range"):
+        ChainCalculatorEnv(ops_range=(3, 12))
 
 
 def test_chain_memo_judging():
@@ -91,13 +96,15 @@ def test_chain_memo_judging():
     history = [{"role": "user", "content": task.prompt},
                {"role": "assistant", "content": "", "tool_calls": []},
                {"role": "tool", "tool_call_id": "c", "content": "549"}]
-    assert env.judge_memo(task, history, chain_memo(549, ["-29", "+45"])) is True
-    assert env.judge_memo(task, history, "548 -29 +45") is False   # garbled value
-    assert env.judge_memo(task, history, "-29 +45") is False       # dropped value
-    assert env.judge_memo(task, history, "15490 -29") is False     # not as a whole number
-    assert env.judge_memo(task, history[:1], "549") is None       # no result yet: no verdict
-    assert parse_chain_state("Progress so far: 549 -29 +45") == (549, ["-29", "+45"])
-    assert parse_chain_state("565") == (565, [])
+    assert chain_memo(549, "+37", 3) == "Start at 549. Apply +37, 3 times."
+    assert env.judge_memo(task, history, chain_memo(549, "+37", 3)) is True
+    assert env.judge_memo(task, history, chain_memo(548, "+37", 3)) is False  # garbled value
+    assert env.judge_memo(task, history, "Apply +37, 3 times.") is False     # dropped value
+    assert env.judge_memo(task, history, "Start at 15490.") is False  # not a whole number
+    assert env.judge_memo(task, history[:1], "549") is None  # no result yet: no verdict
+    assert parse_chain_state("Progress so far: Start at 549. Apply +37, 3 times.") == (
+        549, 3, "+37")
+    assert parse_chain_state("Start at 565. Apply -12, 0 times.") == (565, 0, "-12")
     assert parse_chain_state("no state here") is None
 
 
@@ -105,20 +112,28 @@ def test_chain_policy_follows_the_memo_and_its_errors_propagate():
     import json
     import random
     rng = random.Random(0)
-    task = "Start at 512, then +37, -29, +45."
+    task = "Start at 512. Apply -29, 3 times."
     main = [{"role": "system", "content": "s"}, {"role": "user", "content": task}]
     call = chain_policy("main", main, rng)["tool_calls"][0]["function"]
-    assert json.loads(call["arguments"]) == {"expression": "512+37"}
-    # After a memo the task is shown again: the memo, not the task, says where things stand.
-    restart = [main[0], {"role": "user", "content": "Progress so far: 520 +45"}, main[1]]
+    assert json.loads(call["arguments"]) == {"expression": "512-29"}
+    # After a compaction the main agent sees the task, then the memo: the memo, not the
+    # task, says where things stand; the operation comes from the task.
+    restart = main + [{"role": "user", "content": "Progress so far: Start at 483. Apply -29, 2 times."}]
     call = chain_policy("main", restart, rng)["tool_calls"][0]["function"]
-    assert json.loads(call["arguments"]) == {"expression": "520+45"}
-    done = restart[:1] + [{"role": "user", "content": "Progress so far: 565"}, main[1]]
-    assert chain_policy("main", done, rng)["content"] == "The answer is 565."
-    transcript = (f"user: Progress so far: 549 -29 +45\nuser: {task}\n"
-                  'assistant: [call calculator({"expression": "549-29"})]\ntool: 520\n\nSummarize')
+    assert json.loads(call["arguments"]) == {"expression": "483-29"}
+    done = main + [{"role": "user", "content": "Progress so far: Start at 425. Apply -29, 0 times."}]
+    assert chain_policy("main", done, rng)["content"] == "The answer is 425."
+    # The compactor copies the latest tool result and counts down from the memo ...
+    transcript = (f"user: {task}\nuser: Progress so far: Start at 483. Apply -29, 2 times.\n"
+                  'assistant: [call calculator({"expression": "483-29"})]\ntool: 454\n\nSummarize')
     request = [{"role": "system", "content": "c"}, {"role": "user", "content": transcript}]
-    assert chain_policy("compactor", request, rng)["content"] == "520 +45"
+    assert chain_policy("compactor", request, rng)["content"] == "Start at 454. Apply -29, 1 times."
+    # ... or from the task at the first compaction.
+    first = (f"user: {task}\n"
+             'assistant: [call calculator({"expression": "512-29"})]\ntool: 483\n\nSummarize')
+    request1 = [{"role": "system", "content": "c"}, {"role": "user", "content": first}]
+    assert chain_policy("compactor", request1, rng)["content"] == "Start at 483. Apply -29, 2 times."
     garbled = [chain_policy("compactor", request, rng, memo_error_prob=1.0)["content"]
                for _ in range(20)]
-    assert all(m.endswith(" +45") and m != "520 +45" and len(m) == 7 for m in garbled)
+    assert all(m.endswith(". Apply -29, 1 times.") and m != "Start at 454. Apply -29, 1 times."
+               and len(m) == len(task) for m in garbled)

@@ -419,11 +419,23 @@ def test_compaction_at_a_turn_boundary_keeps_the_new_user_turn():
 
 def test_compaction_that_does_not_shrink_the_context_is_an_agent_error():
     conv, client, orch = run_compaction(
-        {"main": [(*ADD34, 90, 20), (*ADD710, 95, 20), (*ANSWER, 80, 10)],
+        {"main": [(*ADD34, 90, 20), (*ADD710, 115, 5), (*ANSWER, 80, 10)],
          "compactor": [(*MEMO, 50, 10)]}, context_budget=100, max_consecutive_compactions=5)
     assert conv.status == "agent_error" and orch.compactions == 1
     reasons = [e["reason"] for e in conv.events if e.get("kind") == "compaction_error"]
     assert reasons and "did not shrink" in reasons[0]
+
+
+def test_one_call_per_episode_compacts_after_every_tool_result():
+    # Each prompt fits the budget; prompt + output + the tool result does not, so the
+    # agent is compacted after every call. Its prompts shrink against the context they
+    # replace (95 < 110, 95 < 115): no "did not shrink" error for its own output.
+    conv, client, orch = run_compaction(
+        {"main": [(*ADD34, 90, 20), (*ADD710, 95, 20), (*ANSWER, 95, 10)],
+         "compactor": [(*MEMO, 50, 10)] * 2}, context_budget=100, max_consecutive_compactions=1)
+    assert conv.status == "finished", conv.events
+    assert [a for a, _ in client.calls] == ["main", "compactor", "main", "compactor", "main"]
+    assert orch.compactions == 2
 
 
 class JudgingAddEnv(AddEnv):

@@ -5,8 +5,8 @@ arithmetic expression; the verifier checks the last number of the answer
 exactly ("1,798" and "1798.0" read as 1798). `StepwiseCalculatorEnv` is the
 harder variant: its tool takes one operation at a time (`a op b`), so a task
 needs several calls, and a small context budget makes compaction kick in.
-`ChainCalculatorEnv` is the long-horizon one ("Start at 512, then +37, -29,
-+45."): one call per operation, and under a CompactionOrchestrator that
+`ChainCalculatorEnv` is the long-horizon one ("Start at 512. Apply +37, 4
+times."): one call per operation, and under a CompactionOrchestrator that
 restarts the main agent from the memo alone, the memo must carry the running
 value (`judge_memo`); `chain_policy` is its scripted, imperfect demonstrator.
 """
@@ -153,41 +153,48 @@ def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
     ]
 
 
-# The long-horizon task's state as a memo: "<value> <ops left>", e.g. "549 -29 +45";
-# "565" once no operation is left. Fixed widths (3-digit values, 2-digit operands)
-# put every digit at a fixed offset, which a tiny model copies easily.
-_MEMO_RE = re.compile(r"\s*(\d+)((?:\s+[+-]\d+)*)\s*$")
-_TASK_RE = re.compile(r"Start at (\d+), then (.*)\.\s*$")
+# The long-horizon task: one operation applied n times, "Start at 512. Apply +37, 4 times.",
+# and its state as a memo in the same words, the task that is left: "Start at 549. Apply
+# +37, 3 times." Both have a fixed width whatever n is (3-digit values, a 2-digit operand,
+# one-digit counts) and the main agent always reads the latest state from its last message,
+# so every number a model copies (value and operation from that message, the latest tool
+# result for the compactor) sits at the same offset from where it is written in every
+# episode: a tiny model learns such copies fast (it did not learn content-addressed ones).
+_TASK_RE = re.compile(r"\s*Start at (\d+)\. Apply ([+-]\d+), (\d+) times\.\s*$")
 PROGRESS_PREFIX = "Progress so far: "  # how CompactionOrchestrator hands the memo to the main agent
 
 
-def chain_memo(value: int, ops: list[str]) -> str:
-    """The memo of a chain task's state: the running value, then the operations left."""
-    return " ".join([str(value), *ops])
+def chain_task_prompt(start: int, op: str, count: int) -> str:
+    """The prompt of a chain task: apply `op` ("+37") `count` times, starting at `start`."""
+    return f"Start at {start}. Apply {op}, {count} times."
 
 
-def parse_chain_state(text: str) -> tuple[int, list[str]] | None:
-    """(value, ops left) from a task prompt or a memo; None when it is neither."""
+def chain_memo(value: int, op: str, left: int) -> str:
+    """The memo of a chain task's state: the task that is left, in the task's words."""
+    return chain_task_prompt(value, op, left)
+
+
+def parse_chain_state(text: str) -> tuple[int, int, str] | None:
+    """(value, operations left, operation) from a task prompt or a memo (with or
+    without the "Progress so far: " prefix); None when it is neither."""
     text = (text or "").strip()
     if text.startswith(PROGRESS_PREFIX.strip()):
         text = text[len(PROGRESS_PREFIX.strip()):]
     m = _TASK_RE.match(text)
     if m:
-        return int(m.group(1)), re.findall(r"[+-]\d+", m.group(2))
-    m = _MEMO_RE.match(text)
-    if m:
-        return int(m.group(1)), m.group(2).split()
+        return int(m.group(1)), int(m.group(3)), m.group(2)
     return None
 
 
 class ChainCalculatorEnv(StepwiseCalculatorEnv):
-    """Long-horizon tasks: a chain of `ops_range` additions/subtractions.
+    """Long-horizon tasks: one addition or subtraction applied `ops_range` times.
 
-    "Start at 512, then +37, -29, +45." with every running value in
-    `value_range` (3 digits) and operands in `operand_range` (2 digits),
-    rejection-sampled, so every number has a fixed width. The tool does one
-    operation per call, so a task needs one call per operation. Train and
-    eval tasks come from disjoint halves of the prompt space (hash parity).
+    "Start at 512. Apply +37, 4 times." with every running value in
+    `value_range` (3 digits) and the operand in `operand_range` (2 digits),
+    rejection-sampled, so the prompt has a fixed width whatever the count. The
+    tool does one operation per call, so a task needs one call per operation.
+    Train and eval tasks come from disjoint halves of the prompt space (hash
+    parity).
     """
 
     name = "chain_calculator"
@@ -196,38 +203,38 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
                  value_range: tuple[int, int] = (100, 999),
                  operand_range: tuple[int, int] = (10, 99)):
         super().__init__()
-        if not 1 <= ops_range[0] <= ops_range[1]:
-            raise ValueError(f"ChainCalculatorEnv: ops_range must be (lo, hi) with 1 <= lo <= hi, "
-                             f"got {ops_range}")
+        if not 1 <= ops_range[0] <= ops_range[1] <= 9:
+            raise ValueError(f"ChainCalculatorEnv: ops_range must be (lo, hi) with "
+                             f"1 <= lo <= hi <= 9 (one-digit counts), got {ops_range}")
         self.ops_range, self.value_range = tuple(ops_range), tuple(value_range)
         self.operand_range = tuple(operand_range)
 
-    def _chain(self, rng: random.Random) -> tuple[int, list[str], list[int]]:
+    def _chain(self, rng: random.Random) -> tuple[int, str, list[int]]:
         lo, hi = self.value_range
         while True:
             value = start = rng.randint(lo, hi)
-            ops, values = [], []
+            op = f"{rng.choice('+-')}{rng.randint(*self.operand_range)}"
+            values = []
             for _ in range(rng.randint(*self.ops_range)):
-                op = f"{rng.choice('+-')}{rng.randint(*self.operand_range)}"
                 value = safe_eval(f"{value}{op}")
-                ops.append(op)
                 values.append(value)
             if all(lo <= v <= hi for v in values):
-                return start, ops, values
+                return start, op, values
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
         want = 0 if split == "train" else 1
         rng = random.Random(f"{self.name}:{split}:{seed}")
         tasks = []
         while len(tasks) < n:
-            start, ops, values = self._chain(rng)
-            prompt = f"Start at {start}, then {', '.join(ops)}."
+            start, op, values = self._chain(rng)
+            prompt = chain_task_prompt(start, op, len(values))
             if sum(map(ord, prompt)) % 2 != want:
                 continue
+            ops = [op] * len(values)
             tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}", prompt=prompt,
                               answer=values[-1], domain=self.name,
                               metadata={"expression": f"{start}{''.join(ops)}", "start": start,
-                                        "ops": ops, "values": values}))
+                                        "op": op, "ops": ops, "values": values}))
         return tasks
 
     def judge_memo(self, task: Task, messages: list[dict], memo: str) -> bool | None:
@@ -249,23 +256,22 @@ def _garble(value: int, rng: random.Random) -> int:
     return int("".join(digits))
 
 
-def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, list[str]] | None:
-    """The state after `texts` ((role, text) in order): the latest memo (else the
-    task), advanced by one operation per tool result after it (value: the latest
-    result). The task is re-shown after a memo; it does not reset the state."""
-    state, done, from_memo = None, 0, False
+def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, int, str] | None:
+    """The state after `texts` ((role, text) in order): (value, operations left,
+    operation) of the latest memo (else the task), advanced by one operation per
+    tool result after it (value: the latest result). The task is shown before a
+    memo; it does not reset the state."""
+    state, from_memo = None, False
     for role, text in texts:
         parsed = parse_chain_state(text) if role == "user" else None
         is_memo = text.strip().startswith(PROGRESS_PREFIX.strip())
         if parsed is not None and (is_memo or not from_memo):
-            state, done, from_memo = parsed, 0, is_memo
+            state, from_memo = parsed, is_memo
         elif role == "tool" and state is not None:
             value = last_integer(text)
             if value is not None:
-                state, done = (value, state[1]), done + 1
-    if state is None:
-        return None
-    return state[0], state[1][done:]
+                state = (value, max(state[1] - 1, 0), state[2])
+    return state
 
 
 def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
@@ -273,13 +279,15 @@ def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
     """The scripted demonstrator of ChainCalculatorEnv under compaction: the
     assistant message it sends for one request of `agent` ("main" or "compactor").
 
-    main: from the latest task or "Progress so far:" memo (and any tool results
-    after it), calls the calculator on "<value><next op>", or answers "The
-    answer is <value>." when none is left; with `main_slip_prob` one digit of
-    the value is wrong (the error then propagates). compactor: reads the
+    main: from the latest "Progress so far:" memo (else the task) and any tool
+    result after it, calls the calculator on "<value><op>", or answers "The answer is
+    <value>." when no operation is left; with `main_slip_prob` one digit of the
+    value is wrong (the error then propagates). compactor: reads the
     orchestrator's transcript ("role: text" lines, calls as "[call ...]") and
-    writes `chain_memo` of the state; with `memo_error_prob` the value has one
-    digit wrong, so the main agent, restarting from the memo alone, goes wrong.
+    writes `chain_memo` of the state (the latest tool result, the operation,
+    the count left);
+    with `memo_error_prob` the value has one digit wrong, so the main agent,
+    restarting from the memo, goes wrong.
     """
     if agent == "compactor":
         lines = (messages[-1].get("content") or "").splitlines()
@@ -287,19 +295,19 @@ def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
         state = _chain_state([(r, t) for r, t in texts])
         if state is None:
             return {"role": "assistant", "content": "No progress yet."}
-        value, ops = state
+        value, left, op = state
         if rng.random() < memo_error_prob:
             value = _garble(value, rng)
-        return {"role": "assistant", "content": chain_memo(value, ops)}
+        return {"role": "assistant", "content": chain_memo(value, op, left)}
     state = _chain_state([(m["role"], m.get("content") or "") for m in messages])
     if state is None:
         return {"role": "assistant", "content": "I cannot tell where the task stands."}
-    value, ops = state
-    if not ops:
+    value, left, op = state
+    if left <= 0:
         return {"role": "assistant", "content": f"The answer is {value}."}
     if rng.random() < main_slip_prob:
         value = _garble(value, rng)
-    args = json.dumps({"expression": f"{value}{ops[0]}"})
+    args = json.dumps({"expression": f"{value}{op}"})
     call = {"id": f"call_{rng.randrange(10**6)}", "type": "function",
             "function": {"name": "calculator", "arguments": args}}
     return {"role": "assistant", "content": "", "tool_calls": [call]}

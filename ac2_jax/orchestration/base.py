@@ -90,6 +90,7 @@ class Orchestrator(abc.ABC):
         self.max_context_tokens = max_context_tokens
         self.max_generated_tokens = max_generated_tokens
         self.last_context: int | None = None  # prompt + output of the latest request
+        self.last_prompt: int | None = None  # prompt tokens of the latest request
         self.sampling = dict(sampling or {})
         self.trace = ConversationTrace(task=task, messages=list(env.initial_messages(task)[:-1]))
 
@@ -116,6 +117,7 @@ class Orchestrator(abc.ABC):
         resp = await self.client.chat.completions.create(
             model=self.model, messages=messages, extra_headers={AGENT_HEADER: agent}, **params)
         self.last_context = self.trace.count_usage(resp.usage)
+        self.last_prompt = getattr(resp.usage, "prompt_tokens", None)
         self.trace.events.append({"agent": agent, "kind": "completion",
                                   "latency_s": time.perf_counter() - t0})
         return resp

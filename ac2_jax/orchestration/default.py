@@ -162,7 +162,8 @@ class CompactionOrchestrator(DefaultOrchestrator):
 
     Checked before each main request, so at turn boundaries (a new user turn)
     and mid-turn (after tool results): the estimate is the latest main
-    request's prompt + output plus ~len/4 tokens of messages added since. The
+    request's prompt + output plus ~len/4 tokens of messages added since (plus
+    `message_overhead_tokens` per message for the chat template's markers). The
     compactor is its own agent ("compactor", own system prompt) and sees the
     history as a transcript. The main agent restarts (a new episode) from its
     system prompt, the memo, the current turn's user input and the latest tool
@@ -172,10 +173,13 @@ class CompactionOrchestrator(DefaultOrchestrator):
     long-horizon main job: the memo then decides the outcome). Each
     "compaction" event carries the memo and, when the env can judge it
     (`Env.judge_memo` on the history the memo replaces), `memo_ok`. The next
-    main request must be smaller than the one before compaction and under the
-    budget; after `max_consecutive_compactions` compactions without a main
-    request under the budget (or one that did not shrink), the attempt ends as
-    agent_error with the reason in a "compaction_error" event.
+    main request's prompt must be smaller than the context it replaces (the
+    estimate that triggered compaction); after `max_consecutive_compactions`
+    compactions without a main prompt under the budget (or at once when one did
+    not shrink), the attempt ends as agent_error with the reason in a
+    "compaction_error" event. Prompts, not prompt + output, are compared, so an
+    agent that makes one tool call per episode (the long-horizon main job: a
+    compaction after every tool result) is not penalized for its own output.
     """
 
     COMPACTOR_SYSTEM_PROMPT = (
@@ -185,9 +189,12 @@ class CompactionOrchestrator(DefaultOrchestrator):
     COMPACT_PROMPT = "Summarize the progress so far in one short memo."
 
     def __init__(self, *args, context_budget: int = 256, max_consecutive_compactions: int = 2,
-                 keep_exchange: bool = True, **kw):
+                 keep_exchange: bool = True, message_overhead_tokens: int = 0, **kw):
         super().__init__(*args, **kw)
         self.context_budget = context_budget
+        # Tokens a chat template adds around each message (role markers, tool-response
+        # tags): a 3-character tool result costs ~15 tokens, not len/4 = 0.
+        self.message_overhead_tokens = message_overhead_tokens
         self.keep_exchange = keep_exchange
         self.max_consecutive_compactions = max_consecutive_compactions
         self.compactions = 0
@@ -204,16 +211,19 @@ class CompactionOrchestrator(DefaultOrchestrator):
 
     async def step(self, messages):
         msg = await super().step(messages)
-        context = self.last_context
-        if context is not None:
+        # The request's prompt is what compaction shrinks: it must be smaller than the
+        # context it replaces (the estimate that triggered compaction) and a prompt
+        # under the budget ends a run of consecutive compactions.
+        prompt = self.last_prompt
+        if prompt is not None:
             if self._before_compaction is not None:
-                if context >= self._before_compaction:
-                    self._pending = (f"compaction did not shrink the context ({context} "
-                                     f"tokens after, {self._before_compaction} before)")
+                if prompt >= self._before_compaction:
+                    self._pending = (f"compaction did not shrink the context ({prompt} "
+                                     f"prompt tokens after, {self._before_compaction} before)")
                 self._before_compaction = None
-            if context <= self.context_budget:
+            if prompt <= self.context_budget:
                 self._consecutive = 0
-        self._main_context = context
+        self._main_context = self.last_context
         self._seen = len(messages) + 1  # + the answer about to be appended
         return msg
 
@@ -226,7 +236,8 @@ class CompactionOrchestrator(DefaultOrchestrator):
         if self._main_context is None:
             return 0
         added = self.trace.messages[self._seen:]
-        return self._main_context + sum(len(m.get("content") or "") // 4 for m in added)
+        return self._main_context + sum(len(m.get("content") or "") // 4
+                                        + self.message_overhead_tokens for m in added)
 
     def _kept(self) -> tuple[list[dict], list[dict]]:
         """(the current turn's user message, the latest tool exchange), both verbatim."""

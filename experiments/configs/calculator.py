@@ -10,11 +10,13 @@ tokenizer, env, demos, rollout, eval, report.
 Variants (`--config=experiments/configs/calculator.py:quick`):
   default  the demo (SFT 400 steps, 12 RL steps, 200 eval tasks)
   quick    a smoke run of every stage (seconds of training)
-  long     the long-horizon compacting agent (issue 18): chain tasks of 3-5
-           one-operation tool calls under a context budget that forces
-           compaction; the memo must carry the running value. SFT on
-           recorded, imperfect demos (main + compactor), async RL on every
-           episode of every trace
+  long     the long-horizon compacting agent (issue 18): chain tasks ("Start
+           at 512. Apply +37, 4 times.", 3-5 operations) of one-operation
+           tool calls under a context budget that compacts after every
+           call; the memo (the task left: "Start at 549. Apply +37, 3
+           times.") must carry the running value. SFT on recorded,
+           imperfect demos (main + compactor), async RL on every episode
+           of every trace
   long_quick  a smoke run of `long`
 """
 
@@ -41,28 +43,34 @@ def _quick(c):
 
 def _long(c):
     c.workdir = "runs/calculator_long"
-    # ChainCalculatorEnv: "Start at 512, then +37, -29, +45." (3-digit values, 2-digit operands).
+    # ChainCalculatorEnv: "Start at 512. Apply +37, 4 times." (3-digit values, a 2-digit
+    # operand, 3-5 operations): a fixed-width prompt whatever the count.
     c.env = ml_collections.ConfigDict(dict(kind="chain", ops_range=(3, 5),
                                            value_range=(100, 999), operand_range=(10, 99)))
-    # The main agent restarts from system + task + memo only (keep_exchange=False). With
-    # the tiny tokenizer a main request is ~230-330 tokens and each call adds ~41: at
-    # 290 the main agent makes two calls per episode, so 3 ops need 1 compaction and
-    # 4-5 ops 2 (tests/test_long_horizon.py checks the demonstrations against it).
-    c.harness = ml_collections.ConfigDict(dict(kind="compaction", context_budget=290,
-                                               keep_exchange=False,
+    # The main agent restarts from system + task + memo only (keep_exchange=False); the
+    # memo is the task that is left, in the task's words ("Start at 549. Apply +37, 3
+    # times."). With the tiny tokenizer the first main prompt is 219 tokens, a restart
+    # 250, a call 26 and a tool result 3 chars (+ message_overhead_tokens=10 in the
+    # orchestrator's estimate): at 252 every prompt fits and every call passes the
+    # budget, so the main agent makes one call per episode and is compacted after each
+    # (tests/test_long_horizon.py checks the demonstrations against it).
+    c.harness = ml_collections.ConfigDict(dict(kind="compaction", context_budget=252,
+                                               keep_exchange=False, message_overhead_tokens=10,
                                                max_consecutive_compactions=2))
     # Imperfect demos: each memo has its value garbled (one digit) with memo_error_prob,
     # and the main agent carries the wrong value on; main_slip_prob: the main's own slips.
-    c.demos = ml_collections.ConfigDict(dict(num_demos=1024, memo_error_prob=0.15,
-                                             main_slip_prob=0.03))
+    c.demos = ml_collections.ConfigDict(dict(num_demos=1024, memo_error_prob=0.3,
+                                             main_slip_prob=0.02))
     # Flat rows: with "tree" SFTData sizes the loss's segment capacity to every
-    # segment of the data set (~4k here), which made each step ~10x slower.
-    c.sft.update(steps=600, batch_rows=8, seq_len=512, layout="flat")
+    # segment of the data set (~9k here), which made each step ~10x slower.
+    # A 5-operation demo is 11 segments of ~250-275 tokens: 3 per 1,024-token row
+    # (positions restart per segment, so max_position_embeddings=512 still holds).
+    c.sft.update(steps=400, batch_rows=6, seq_len=1024, layout="flat")
     c.rl.update(steps=10, tasks_per_step=8, attempts_per_task=8, mode="async", concurrency=64)
     c.rl.batch.update(seq_len=512, rows=8, max_staleness=1, task_capacity=64,
                       segment_capacity=512)
     c.rl.optimizer.learning_rate = 2e-4
-    c.rollout.update(temperature=0.3, max_tokens=48, max_steps=8)
+    c.rollout.update(temperature=0.3, max_tokens=32, max_steps=8)
     c.eval.update(num_tasks=200, attempts=2)
     return c
 
@@ -70,7 +78,7 @@ def _long(c):
 def _long_quick(c):
     c = _quick(_long(c))
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
-    c.sft.batch_rows = 4  # a whole demo (its main and compactor episodes) per batch
+    c.sft.batch_rows = 6  # a whole demo (its main and compactor episodes) per batch
     # An untrained model answers at random: short outputs keep the smoke run short.
     c.rollout.update(max_tokens=16, max_steps=3)
     c.eval.update(num_tasks=3, attempts=1)
