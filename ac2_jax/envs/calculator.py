@@ -164,14 +164,14 @@ _TASK_RE = re.compile(r"\s*Start at (\d+)\. Apply ([+-]\d+), (\d+) times\.\s*$")
 PROGRESS_PREFIX = "Progress so far: "  # how CompactionOrchestrator hands the memo to the main agent
 
 
-def chain_task_prompt(start: int, op: str, count: int) -> str:
+def _chain_task_prompt(start: int, op: str, count: int) -> str:
     """The prompt of a chain task: apply `op` ("+37") `count` times, starting at `start`."""
     return f"Start at {start}. Apply {op}, {count} times."
 
 
 def chain_memo(value: int, op: str, left: int) -> str:
     """The memo of a chain task's state: the task that is left, in the task's words."""
-    return chain_task_prompt(value, op, left)
+    return _chain_task_prompt(value, op, left)
 
 
 def parse_chain_state(text: str) -> tuple[int, int, str] | None:
@@ -227,7 +227,7 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
         tasks = []
         while len(tasks) < n:
             start, op, values = self._chain(rng)
-            prompt = chain_task_prompt(start, op, len(values))
+            prompt = _chain_task_prompt(start, op, len(values))
             if sum(map(ord, prompt)) % 2 != want:
                 continue
             ops = [op] * len(values)
