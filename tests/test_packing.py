@@ -70,5 +70,6 @@ def test_pow2_bucket_is_the_one_bucketing_helper():
     # the sampler and the packers import this very function
     from ac2_jax.sampling import batching
     from ac2_jax.training.distill import data
-    from ac2_jax.training.rl import data as rl_data
+    from ac2_jax.training.rl import batching as rl_batching, data as rl_data
     assert batching.pow2_bucket is data.pow2_bucket is rl_data.pow2_bucket is pow2_bucket
+    assert rl_batching.pow2_bucket is pow2_bucket

@@ -1,10 +1,12 @@
-"""Task-level RL: traces -> packed batch (`data`), collectors (`collectors`), the trainer
-(`trainer`), and the driver split into collector and learner processes (`split`)."""
+"""Task-level RL: which traces train (`data`), traces -> packed batch (`batching`),
+collectors (`collectors`), the trainer (`trainer`), and the driver split into collector
+and learner processes (`split`)."""
 
-from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, batch_segments,
-                                      build_batch, check_sampled, group_name, informative_groups,
-                                      pack_rl_batch, select_traces, trace_advantages,
-                                      trace_rewards, trace_version, unchosen_branch_episodes)
+from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, check_sampled,
+                                      group_name, informative_groups, select_traces,
+                                      trace_advantages, trace_rewards, trace_version,
+                                      unchosen_branch_episodes)
+from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
                                             refill_seed)
 from ac2_jax.training.rl.metrics import (agent_group, batch_metrics, compaction_events,

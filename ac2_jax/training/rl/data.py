@@ -1,7 +1,8 @@
-"""Traces -> an RL batch: failure taxonomy, staleness, group advantages, packing.
+"""Which traces train, and with what: failure taxonomy, staleness, group advantages.
 
-Pure host-side functions, shared by the sync and async loops so both build
-identical batches from identical traces.
+The rules `batching` applies before it turns the kept traces into segments
+and a packed batch (`build_batch`). Pure host-side functions, shared by the
+sync and async loops so both build identical batches from identical traces.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ac2_jax.losses import group_advantages
-from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_rows,
-                              segments_from_trace, task_names)
-from ac2_jax.segments.packing import empty_batch, pad_rows, pow2_bucket
-from ac2_jax.segments.segments import fit_segments
+from ac2_jax.segments.packing import pow2_bucket
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
@@ -303,126 +301,13 @@ def check_sampled(trace: Trace) -> None:
                     "cannot train on them; collect RL rollouts with temperature > 0")
 
 
-def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig, *,
-                process_index: int = 0, process_count: int = 1
-                ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
-    """Traces -> (packed batch or None when nothing trainable, stats, advantages):
-    `batch_segments` then `pack_rl_batch`. With process_count > 1 the batch holds
-    only process `process_index`'s share of the segments (a multi-host learner:
-    every process selects from the same traces, packs its share, and the train
-    step assembles the global batch); None when the global batch has no segment.
-    """
-    segments, stats, adv = batch_segments(traces, learner_version, config)
-    if not segments:
-        return None, stats, adv
-    return (pack_rl_batch(segments, stats.row_len, config, process_index=process_index,
-                          process_count=process_count), stats, adv)
+# Moved to `batching` (which imports this module, so these cannot be imported here at
+# the top); still importable from here for code written against the old place.
+_MOVED_TO_BATCHING = ("batch_segments", "build_batch", "pack_rl_batch")
 
 
-def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchConfig
-                   ) -> tuple[list[Segment], BatchStats, np.ndarray]:
-    """Traces -> (the batch's segments, stats, advantages); deterministic and
-    host-side, so every process of a multi-host learner computes the same.
-    `stats.row_len` is the row length to pack them with (`pack_rl_batch`).
-
-    Advantages come from every selected trace's group; each trace's one
-    advantage goes to all of its segments (the whole trace is one unit) and
-    its staleness weight multiplies their loss. A segment longer than
-    `config.seq_len` makes the batch's rows grow (`BatchConfig.row_len`) so it
-    stays whole; only past `max_seq_len` is its end cut. Both are counted in
-    the stats. Greedy traces and two traces with one `Trace.key` are errors.
-    Unchosen multi-response branches (`unchosen_branch_episodes`) are left
-    out, counted in `stats.unchosen_branches`; then episodes whose agent is
-    not in `config.train_agents` (`stats.excluded_episodes` /
-    `excluded_agent_tokens`): they shaped the reward, so the advantage is the
-    whole attempt's, but they put no tokens in the batch. Groups without a reward spread
-    are counted (`stats.zero_advantage_groups`) and, with
-    `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
-    """
-    kept, weights, stats = select_traces(traces, learner_version, config)
-    informative = informative_groups(kept)
-    stats.zero_advantage_groups = len({group_name(t) for t in kept} - informative)
-    if config.drop_zero_advantage:
-        pairs = [(t, w) for t, w in zip(kept, weights) if group_name(t) in informative]
-        stats.dropped_zero_advantage = len(kept) - len(pairs)
-        kept, weights = [t for t, _ in pairs], [w for _, w in pairs]
-    if not kept:
-        return [], stats, np.zeros(0, np.float32)
-    seen: set[str] = set()
-    for t in kept:
-        if t.key in seen:
-            raise ValueError(f"build_batch: two traces share the key {t.key!r} (task_id/attempt_id)"
-                             "; give every attempt its own attempt_id, or their losses merge")
-        seen.add(t.key)
-        check_sampled(t)
-    adv = trace_advantages(kept, config.normalize_std)
-    sizes = collections.Counter(group_name(t) for t in kept)
-    stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
-    segments = []
-    stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
-    for t, a, w in zip(kept, adv, weights):
-        unchosen = unchosen_branch_episodes(t)
-        if unchosen:  # never trained on the continued branch's reward
-            stats.unchosen_branches += len(unchosen)
-            t = dataclasses.replace(t, episodes=[e for i, e in enumerate(t.episodes)
-                                                 if i not in unchosen])
-        if config.train_agents is not None:
-            left_out = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
-            if left_out:
-                stats.excluded_episodes += len(left_out)
-                stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in left_out)
-                t = dataclasses.replace(t, episodes=[e for e in t.episodes if agent_trained(
-                    e.agent, config.train_agents)])
-        for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
-            if s.num_agent_tokens:
-                s.weight = w
-                segments.append(s)
-    if not segments:
-        return [], stats, adv
-    row_len = config.row_len(max(len(s) for s in segments))
-    stats.row_len = row_len
-    stats.long_segments = sum(config.seq_len < len(s) <= row_len for s in segments)
-    segments, cut = fit_segments(segments, row_len)
-    stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
-                                                              cut.truncated_agent_tokens)
-    for s in segments:
-        stats.trained_tokens[s.agent] += s.num_agent_tokens
-    return segments, stats, adv
-
-
-def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig, *,
-                  process_index: int = 0, process_count: int = 1) -> PackedBatch:
-    """`batch_segments`' segments -> a PackedBatch of [rows, row_len].
-
-    With process_count = n > 1: only this process's share (every n-th segment
-    from process_index on, `distributed.process_share`), with the global task
-    ids (`all_tasks`: every segment's task) and segment numbers (`segment_offset`),
-    `config.rows` / `rows_multiple` divided among the n processes (rounded up),
-    so the n shares make one global batch whose task_mean loss is exactly the
-    one-process batch's (`distributed.global_batch` agrees rows and capacities).
-    """
-    n, i = int(process_count), int(process_index)
-    if not 0 <= i < n:
-        raise ValueError(f"pack_rl_batch: process_index {i} not in [0, {n})")
-    rows, multiple = -(-config.rows // n), -(-max(config.rows_multiple, 1) // n)
-    share, extra = list(segments), {}
-    if n > 1:
-        if config.layout != "flat":
-            raise ValueError(f"pack_rl_batch: a batch split over {n} processes needs "
-                             f"BatchConfig.layout='flat', got {config.layout!r}: set it to "
-                             "'flat' (experiments: --config.rl.batch.layout=flat); one share "
-                             "of a prefix-tree batch is not offered")
-        share = list(segments[i::n])
-        extra = dict(all_tasks=task_names(segments),
-                     segment_offset=sum(len(segments[j::n]) for j in range(i)))
-    if not share:  # fewer segments than processes: this one adds empty rows
-        return PackedBatch(**empty_batch(pad_rows(0, rows, multiple), row_len),
-                           num_tasks=max(config.task_capacity, 1),
-                           num_segments=max(config.segment_capacity, 1))
-    batch = pack_segments(share, row_len, min_rows=rows, rows_multiple=multiple,
-                          layout=config.layout, min_tasks=max(config.task_capacity, 1),
-                          min_segments=max(config.segment_capacity, 1), **extra)
-    if batch.shape[0] > rows > 0:  # more rows than configured: rows x 2^k, few shapes
-        unit = math.lcm(rows, multiple)
-        batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))
-    return batch
+def __getattr__(name: str):
+    if name in _MOVED_TO_BATCHING:
+        from ac2_jax.training.rl import batching
+        return getattr(batching, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

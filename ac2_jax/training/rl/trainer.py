@@ -49,8 +49,8 @@ from ac2_jax.training.core.trainer import Trainer
 # The collectors live in collectors.py; importable from here as before.
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
                                             ReplayCollector, refill_seed)
-from ac2_jax.training.rl.data import (BatchConfig, batch_segments, group_name,
-                                      informative_groups, pack_rl_batch, select_traces,
+from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch
+from ac2_jax.training.rl.data import (BatchConfig, group_name, informative_groups, select_traces,
                                       trace_rewards)
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 

@@ -1,0 +1,281 @@
+"""Traces -> segments -> packed RL batch (`batching`): long segments, exclusions,
+zero-advantage groups, row growth, process shares."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ac2_jax.losses import aggregate_loss
+from ac2_jax.trace import Completion, Trace, TraceRecorder
+from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
+from ac2_jax.training.rl.data import BatchConfig, informative_groups, select_traces
+from rl_traces import rl_trace as _trace
+
+
+def _long_episode_trace(n_requests=5, n_out=6, prompt=8):
+    """One append-only episode of `n_requests` requests (each re-sends all before it)."""
+    t = Trace(task_id="long", attempt_id="0", group_id="g:long", reward=1.0, status="finished")
+    rec, ids = TraceRecorder(t), list(range(1, prompt + 1))
+    for k in range(n_requests):
+        out = [100 + 10 * k + i for i in range(n_out)]
+        rec.record("main", Completion(list(ids), out, [-0.1 * (k + 1)] * n_out))
+        ids = ids + out + [50 + k, 51 + k]  # a tool result before the next request
+    return t
+
+
+def test_a_long_episode_keeps_every_agent_token_in_a_grown_row():
+    """Packing used truncate=True: the last turns (the answer) silently left the loss."""
+    t = _long_episode_trace()
+    assert len(t.episodes) == 1 and len(t.episodes[0].token_ids) == 8 + 5 * 6 + 4 * 2  # 46
+    batch, stats, _ = build_batch([t, _trace("long", 1, 0.0)], 0, BatchConfig(seq_len=16, rows=1))
+    assert batch.shape[1] == stats.row_len == 64 and stats.long_segments == 1
+    assert stats.truncated_agent_tokens == 0
+    from_long = (batch.loss_mask > 0) & (batch.advantages > 0)
+    assert from_long.sum() == t.num_agent_tokens == 30
+    assert sorted(batch.targets[from_long].tolist()) == sorted(
+        x for c in t.episodes[0].completions for x in c.output_ids)
+    np.testing.assert_allclose(sorted(batch.sampler_logprobs[from_long].tolist()),
+                               sorted(-0.1 * (k + 1) for k in range(5) for _ in range(6)), rtol=1e-6)
+
+
+def test_past_max_seq_len_the_end_is_cut_and_counted():
+    t = _long_episode_trace()
+    batch, stats, _ = build_batch([t], 0, BatchConfig(seq_len=16, max_seq_len=32, rows=1))
+    # Tokens 32..45 leave the loss: the outputs of requests 4 (at 32..37) and 5 (40..45).
+    assert stats.row_len == 32 and stats.truncated_segments == 1
+    assert stats.truncated_agent_tokens == 12
+    assert batch.loss_mask.sum() == t.num_agent_tokens - 12
+
+
+def test_greedy_rollouts_are_refused_for_rl():
+    t = _trace("a", 0, 1.0)
+    t.episodes[0].completions[0].temperature = 0.0
+    with pytest.raises(ValueError, match="temperature > 0"):
+        build_batch([t, _trace("a", 1, 0.0)], 0, BatchConfig(seq_len=16))
+
+
+def test_two_traces_with_one_key_are_refused():
+    with pytest.raises(ValueError, match="share the key"):
+        build_batch([_trace("a", 0, 1.0), _trace("a", 0, 0.0)], 0, BatchConfig(seq_len=16))
+
+
+def test_sampling_params_reach_the_batch():
+    t = _trace("a", 0, 1.0)
+    c = t.episodes[0].completions[0]
+    c.temperature, c.top_k, c.top_p = 0.3, 20, 0.9
+    for layout in ("flat", "tree"):
+        batch, _, _ = build_batch([t, _trace("a", 1, 0.0)], 0, BatchConfig(seq_len=16, layout=layout))
+        first = (batch.loss_mask > 0) & (batch.advantages > 0)
+        assert first.sum() == 3
+        np.testing.assert_allclose(batch.temperature[first], 0.3, rtol=1e-6)
+        assert (batch.top_k[first] == 20).all()
+        np.testing.assert_allclose(batch.top_p[first], 0.9, rtol=1e-6)
+
+
+def test_build_batch_shapes_and_advantages():
+    traces = [_trace("a", i, float(i % 2), n_out=2 + i) for i in range(4)]
+    batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=4))
+    assert batch.shape == (4, 16) and stats.traces == 4
+    assert batch.loss_mask.sum() == sum(2 + i for i in range(4))
+    assert set(np.round(batch.advantages[batch.loss_mask > 0], 6)) == {-0.5, 0.5}
+    tree, _, _ = build_batch(traces, 0, BatchConfig(seq_len=64, rows=1, layout="tree"))
+    assert tree.subtree_end is not None and tree.num_real_tokens < batch.num_real_tokens
+
+
+def test_a_trace_left_alone_in_its_group_gets_advantage_0_and_is_counted():
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0, status="infra_error"), _trace("b", 0, 0.0),
+              _trace("b", 1, 1.0)]
+    batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=2))
+    np.testing.assert_allclose(adv, [0.0, -0.5, 0.5])
+    assert stats.lone_traces == 1 and stats.infra_errors == 1
+
+
+def test_zero_advantage_groups_are_counted_and_left_out_on_request():
+    """a: all solved, c: one kept trace (the other infra_error): no advantage.
+    b: a reward spread. e: 0 and an agent_error, equal unless agent_error_reward differs."""
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 1.0), _trace("b", 0, 1.0, n_out=4),
+              _trace("b", 1, 0.0, n_out=5), _trace("c", 0, 0.0),
+              _trace("c", 1, 1.0, status="infra_error"), _trace("e", 0, 0.0),
+              _trace("e", 1, 0.0, status="agent_error")]
+    kept, _, _ = select_traces(traces, 0, BatchConfig())
+    assert informative_groups(kept) == {"g:b"}
+    kept, _, _ = select_traces(traces, 0, BatchConfig(agent_error_reward=-1.0))
+    assert informative_groups(kept) == {"g:b", "g:e"}  # the failure rules decide the reward
+
+    config = BatchConfig(seq_len=16, rows=2)
+    full, stats, _ = build_batch(traces, 0, config)
+    assert stats.zero_advantage_groups == 3 and stats.dropped_zero_advantage == 0
+    assert full.loss_mask.sum() == 3 + 3 + 4 + 5 + 3 + 3 + 3
+    dropped, stats, adv = build_batch(traces, 0, dataclasses.replace(config,
+                                                                     drop_zero_advantage=True))
+    assert stats.zero_advantage_groups == 3 and stats.dropped_zero_advantage == 5
+    assert stats.infra_errors == 1 and stats.traces == 8  # counters still see every trace
+    np.testing.assert_allclose(adv, [0.5, -0.5])
+    assert dropped.loss_mask.sum() == 4 + 5
+    # b's tokens train with the same advantages either way (tolerance 1e-6).
+    for batch in (full, dropped):
+        got = sorted(np.round(batch.advantages[batch.loss_mask > 0], 6).tolist())
+        assert [a for a in got if a != 0.0] == [-0.5] * 5 + [0.5] * 4
+    none, stats, _ = build_batch(traces[:2], 0, dataclasses.replace(config,
+                                                                    drop_zero_advantage=True))
+    assert none is None and stats.dropped_zero_advantage == 2
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_rows_past_the_config_grow_in_powers_of_two_of_it(layout):
+    """The calculator demo compiled its RL step 4 times: rows followed the data (8, 9,
+    10, 11...). Past `rows` they now grow to rows x 2^k (few geometries), and the
+    padding rows carry nothing."""
+    shapes, masks = set(), set()
+    for n in range(3, 12):  # 3..11 traces of 10 tokens, one per 16-token row (no sharing)
+        traces = [_trace(f"t{i}", i, float(i % 2), n_out=7) for i in range(n)]
+        for k, t in enumerate(traces):  # distinct prompts: nothing for a tree to share
+            t.episodes[0].token_ids[0] = 100 + k
+        batch, _, _ = build_batch(traces, 0, BatchConfig(seq_len=16, rows=4, layout=layout))
+        shapes.add(batch.shape)
+        masks.add(float(batch.loss_mask.sum()))
+        assert float(batch.loss_mask.sum()) == 7 * n
+    assert shapes == {(4, 16), (8, 16), (16, 16)}, shapes
+
+
+def _compacting_trace(task, attempt, reward, base=0, agents=("main", "compactor", "main")):
+    """An attempt recorded as a compacting harness makes it: each agent's request starts
+    a new episode (the compactor's transcript, then the main's restart from the memo)."""
+    t = Trace(task_id=task, attempt_id=str(attempt), group_id=f"g:{task}", reward=reward,
+              status="finished")
+    rec = TraceRecorder(t)
+    for k, agent in enumerate(agents):
+        prompt = [1 + k, 2, 3 + base, 4]
+        out = [1000 * (base + 1) + 20 * k + i for i in range(3 + k)]  # unique in a test
+        rec.record(agent, Completion(prompt, out, [-0.1 * (k + 1)] * len(out)))
+        if agent == "main":  # a tool result, then the same episode's next request
+            rec.record(agent, Completion(prompt + out + [7, 8], [out[0] + 500, out[0] + 501],
+                                         [-0.2, -0.3]))
+    return t
+
+
+def _only(trace, agents):
+    return dataclasses.replace(trace, episodes=[e for e in trace.episodes if e.agent in agents])
+
+
+@pytest.mark.parametrize("layout,mode,seq_len", [("flat", "episode", 32), ("tree", "episode", 32),
+                                                 ("flat", "request", 32), ("flat", "episode", 8),
+                                                 ("tree", "episode", 8), ("tree", "request", 32)])
+def test_main_only_batch_is_the_batch_of_the_main_episodes(layout, mode, seq_len):
+    """train_agents=("main",) builds exactly the batch of the traces stripped of their other
+    episodes (every array equal), with the whole attempts' advantages; seq_len=8 makes the
+    rows grow (episodes of 13-14 tokens)."""
+    traces = [_compacting_trace("a", 0, 1.0), _compacting_trace("a", 1, 0.0, base=1),
+              _compacting_trace("b", 0, 0.0, base=2, agents=("main", "compactor", "main",
+                                                             "compactor", "main"))]
+    config = BatchConfig(seq_len=seq_len, rows=2, layout=layout, segment_mode=mode)
+    got, stats, adv = build_batch(traces, 0, dataclasses.replace(config, train_agents=("main",)))
+    want, want_stats, want_adv = build_batch([_only(t, {"main"}) for t in traces], 0, config)
+    np.testing.assert_array_equal(adv, want_adv)
+    assert adv.tolist() == [0.5, -0.5, 0.0]
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray):
+            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        else:
+            assert a == b, f.name
+    compactor = [e for t in traces for e in t.episodes if e.agent == "compactor"]
+    assert stats.excluded_episodes == len(compactor) == 4
+    assert stats.excluded_agent_tokens == sum(e.num_agent_tokens for e in compactor) > 0
+    assert want_stats.excluded_episodes == want_stats.excluded_agent_tokens == 0
+    if seq_len == 8:
+        assert stats.row_len > 8 and stats.long_segments > 0 and stats.truncated_segments == 0
+    everything, all_stats, _ = build_batch(traces, 0, config)  # None: the whole trace
+    assert everything.loss_mask.sum() == sum(t.num_agent_tokens for t in traces)
+    assert all_stats.excluded_episodes == 0
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_task_mean_is_the_token_mean_of_each_attempts_trained_episodes(layout):
+    """loss(token) = 0.01 x its id: each task's loss must be the mean over the agent tokens
+    of its trained episodes only, and the batch loss the mean over tasks that train (an
+    attempt with no trained episode adds no task). fp32, rtol 1e-6."""
+    traces = [_compacting_trace("a", 0, 1.0), _compacting_trace("a", 1, 0.0, base=1),
+              _compacting_trace("a", 2, 0.0, base=2, agents=("compactor",))]
+    for agents, names in ((("main",), {"main"}), (("compactor",), {"compactor"}),
+                          (None, {"main", "compactor"})):
+        batch, stats, _ = build_batch(traces, 0, BatchConfig(seq_len=32, rows=2, layout=layout,
+                                                             train_agents=agents))
+        per_token = 0.01 * batch.targets.astype(np.float32)
+        means = []
+        for t in traces:
+            ids = [x for e in t.episodes if e.agent in names
+                   for x, m in zip(e.token_ids, e.loss_mask) if m]
+            if ids:
+                means.append(np.mean(0.01 * np.asarray(ids, np.float64)))
+        np.testing.assert_allclose(float(aggregate_loss(per_token, batch)), np.mean(means),
+                                   rtol=1e-6)
+        assert stats.excluded_episodes == sum(e.agent not in names for t in traces
+                                              for e in t.episodes)
+
+
+def test_subagent_wildcard_and_exact_labels_leave_out_their_episodes():
+    """The labels `agent_trained` matches (tests/test_rl_data.py) decide which episodes
+    put tokens in the batch; the others are counted, and none of their tokens train."""
+    traces = [_compacting_trace("a", 0, 1.0, agents=("main", "subagent:helper", "compactor",
+                                                      "subagent:calc", "main")),
+              _compacting_trace("a", 1, 0.0, base=1)]
+    for agents, excluded in ((("main", "subagent:*"), {"compactor"}),
+                             (("main", "subagent:calc"), {"compactor", "subagent:helper"}),
+                             (("subagent:*", "compactor"), {"main"})):
+        batch, stats, _ = build_batch(traces, 0, BatchConfig(seq_len=32, rows=2,
+                                                             train_agents=agents))
+        out = [e for t in traces for e in t.episodes if e.agent in excluded]
+        assert stats.excluded_episodes == len(out)
+        assert stats.excluded_agent_tokens == sum(e.num_agent_tokens for e in out)
+        trained = set(batch.targets[batch.loss_mask > 0].tolist())
+        for t in traces:
+            for e in t.episodes:
+                outs = {x for x, m in zip(e.token_ids, e.loss_mask) if m}
+                assert (outs <= trained) if e.agent not in excluded else not (outs & trained)
+
+
+def test_train_agents_composes_with_unchosen_branches():
+    """A main episode left out as an unchosen branch is counted there, not again as excluded."""
+    t = Trace(task_id="t", attempt_id="0", group_id="g", reward=1.0, status="finished",
+              metadata={"artifacts": {"metrics": {"branch_choices": [1]}}})
+    rec = TraceRecorder(t)
+    rec.record("main", Completion([1, 2, 3], [10], [-0.5]))
+    rec.record("main", Completion([1, 2, 3], [20], [-0.5]))   # n=2: choice 1 continues
+    rec.record("compactor", Completion([9, 9], [60, 61], [-0.5, -0.5]))
+    rec.record("main", Completion([5, 6], [40], [-0.5]))
+    other = _compacting_trace("t", 1, 0.0)
+    other.group_id = "g"
+    batch, stats, _ = build_batch([t, other], 0, BatchConfig(seq_len=16, train_agents=("main",)))
+    assert stats.unchosen_branches == 1 and stats.excluded_episodes == 1 + 1
+    assert stats.excluded_agent_tokens == 2 + other.episodes[1].num_agent_tokens
+    trained = batch.targets[batch.loss_mask > 0].tolist()
+    assert 10 not in trained and 60 not in trained and 20 in trained and 40 in trained
+
+
+def test_process_shares_pack_the_one_process_batch():
+    """pack_rl_batch with process_count=n: the shares hold every segment once, with the
+    one-process batch's task ids and global segment numbers; rows are split among the
+    processes; a process whose share is empty (fewer segments than processes) packs
+    empty rows, not an error."""
+    traces = [_trace("a", 0, 1.0), _trace("a", 1, 0.0), _trace("b", 0, 1.0, n_out=4)]
+    config = BatchConfig(seq_len=16, rows=4, rows_multiple=4)
+    segments, stats, _ = batch_segments(traces, 0, config)
+    whole = pack_rl_batch(segments, stats.row_len, config)
+    shares = [pack_rl_batch(segments, stats.row_len, config, process_index=i, process_count=2)
+              for i in range(2)]
+    assert [s.shape[0] for s in shares] == [2, 2] and whole.shape[0] == 4
+    assert sum(float(s.loss_mask.sum()) for s in shares) == float(whole.loss_mask.sum()) == 10
+    got = sorted((int(t), float(a)) for s in shares for t, a, m in zip(
+        np.ravel(s.task_ids), np.ravel(s.advantages), np.ravel(s.loss_mask)) if m)
+    want = sorted((int(t), float(a)) for t, a, m in zip(
+        np.ravel(whole.task_ids), np.ravel(whole.advantages), np.ravel(whole.loss_mask)) if m)
+    assert got == want
+    numbers = [int(i) for s in shares for i in np.unique(s.segment_index[s.segment_ids > 0])]
+    assert sorted(numbers) == [0, 1, 2]
+    lone = pack_rl_batch(segments[:1], stats.row_len, config, process_index=1, process_count=2)
+    assert lone.shape == (2, 16) and float(lone.loss_mask.sum()) == 0
+    with pytest.raises(ValueError, match="layout='flat'"):
+        pack_rl_batch(segments, stats.row_len, dataclasses.replace(config, layout="tree"),
+                      process_index=0, process_count=2)
