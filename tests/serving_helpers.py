@@ -1,5 +1,6 @@
 """Shared by the serving tests: a tiny real model fitted to a scripted
-3-turn tool-calling conversation, so greedy decoding reproduces the calls.
+3-turn tool-calling conversation, so greedy decoding reproduces the calls;
+and a tiny random model served by the real endpoint (`served_random_model`).
 
 The training sequence is built exactly as the endpoint builds prompts
 (`build_prompt_ids` with the scripted outputs remembered), so the fitted
@@ -8,7 +9,10 @@ model sees at test time the same tokens it was fitted on.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import pathlib
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,12 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models import Tokenizer, parse_tool_calls
+from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.trace import TraceStore
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
@@ -135,3 +144,33 @@ def forward_logprobs(model: Decoder, tokens: list[int], bucket: int = 128) -> np
     out = np.zeros(n, np.float32)
     out[1:] = np.asarray(_token_logprobs(model, t, pos, segs))[0, :n - 1]
     return out
+
+
+@contextlib.contextmanager
+def served_random_model(tmp_dir: pathlib.Path, admin_key: str, *, max_context: int = 256,
+                        max_batch: int = 8, trace_store: TraceStore | None = None
+                        ) -> Iterator[tuple[str, Tokenizer]]:
+    """Yields (base url, tokenizer) of the real endpoint (FastAPI over HTTP, model name
+    "tiny") in front of a JaxSampler over a tiny random Decoder (seed 0); stops both after.
+
+    For tests of what happens around the model (rollout lifecycle, failure taxonomy,
+    audits): its replies are noise, but real tokens with real log-probs. Batch and cache
+    are fixed at `max_batch` x `max_context` so it compiles once. The tokenizer is
+    written to `tmp_dir/tok`.
+    """
+    tok = build_tiny_tokenizer(str(tmp_dir / "tok"))
+    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=16,
+                             max_position_embeddings=max_context)
+    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=max_context,
+                         max_batch=max_batch, min_batch=max_batch, min_cache_len=max_context,
+                         eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
+    try:
+        url, stop = serve_in_thread(build_app(sampler, tok, admin_key=admin_key,
+                                              model_name="tiny", trace_store=trace_store))
+        try:
+            yield url, tok
+        finally:
+            stop()
+    finally:
+        sampler.close()

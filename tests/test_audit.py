@@ -10,17 +10,12 @@ import json
 import random
 
 import pytest
-from flax import nnx
 
 from ac2_jax.envs import CalculatorEnv, DomainMixer, run_tool
 from ac2_jax.evals import AuditConfig, audit, audit_traces, count_tool_calls, no_tool_call
-from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
-from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.serving.app import build_app
-from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Completion, Trace, TraceRecorder
+from serving_helpers import served_random_model
 
 PREDICATES = {"no_tool_call": no_tool_call}
 
@@ -206,14 +201,6 @@ def test_bad_configs_and_traces_of_unknown_tasks_are_refused():
 def test_runner_audits_a_mixer_through_the_endpoint(tmp_path):
     """audit(): K attempts per task through the real endpoint (a tiny random model),
     then the checks; a DomainMixer's tasks are verified by their own env."""
-    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
-    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                             num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=512)
-    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=512, max_batch=8,
-                         min_batch=8, min_cache_len=512, eos_token_ids=tok.stop_token_ids,
-                         tokenizer=tok, seed=0)
-    url, stop = serve_in_thread(build_app(sampler, tok, admin_key="sk-admin-audit",
-                                          model_name="tiny"))
     mix = DomainMixer({"calc": CalculatorEnv(), "game": GameableEnv()})
     tasks = mix.sample_tasks(4, seed=0)
 
@@ -221,7 +208,7 @@ def test_runner_audits_a_mixer_through_the_endpoint(tmp_path):
         return DefaultOrchestrator(env, task, client, model, max_steps=1,
                                    sampling={"temperature": 1.0, "max_tokens": 6})
 
-    async def go():
+    async def go(url):
         lc = LifecycleClient(url, "sk-admin-audit")
         try:
             return await audit(lc, mix, tasks, make, "tiny", attempts=2,
@@ -229,11 +216,8 @@ def test_runner_audits_a_mixer_through_the_endpoint(tmp_path):
         finally:
             await lc.aclose()
 
-    try:
-        report, traces = asyncio.run(go())
-    finally:
-        stop()
-        sampler.close()
+    with served_random_model(tmp_path, "sk-admin-audit", max_context=512) as (url, _):
+        report, traces = asyncio.run(go(url))
     assert len(traces) == 8 and {t.task_id for t in traces} == {t.task_id for t in tasks}
     assert report.counts["tasks"] == 4 and report.counts["traces"] == 8
     judged = [t for t in traces if t.status in ("finished", "agent_error")]

@@ -15,19 +15,16 @@ import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
-from flax import nnx
 
 from ac2_jax.envs import AgentError, Env, Task
-from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, run_rollout
-from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl.data import BatchConfig, build_batch
+from serving_helpers import served_random_model
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}
@@ -98,17 +95,9 @@ def _serve(sampler, tok, trace_store=None):
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollouts")
-    tok = build_tiny_tokenizer(str(tmp / "tok"))
-    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                             num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
-    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=256, max_batch=8,
-                         min_batch=8, min_cache_len=256, eos_token_ids=tok.stop_token_ids,
-                         tokenizer=tok, seed=0)
     store = TraceStore(str(tmp / "traces.jsonl"))
-    url, stop = _serve(sampler, tok, store)
-    yield dict(url=url, tok=tok, env=ExactEnv(), store=store)
-    stop()
-    sampler.close()
+    with served_random_model(tmp, ADMIN, max_context=256, trace_store=store) as (url, tok):
+        yield dict(url=url, tok=tok, env=ExactEnv(), store=store)
 
 
 def run(url, env, make_orchestrator, task=None, group_id="g"):
