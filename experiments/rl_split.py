@@ -40,7 +40,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ac2_jax.envs import Env, Task  # noqa: E402
+from experiments.toy_envs import LengthParityEnv  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/rl_split.py")
 flags.DEFINE_enum("role", None, ["prepare", "collect", "learn"], "Which process this is.")
@@ -59,18 +59,6 @@ def _paths(cfg) -> dict[str, str]:
     w = os.path.abspath(cfg.workdir)
     return {"policy": os.path.join(w, "policy"), "rl": os.path.join(w, "rl"),
             "store": os.path.join(w, "rl", "rollouts.jsonl")}
-
-
-class LengthParityEnv(Env):
-    """Toy env (a plumbing check, not a task): reward 1 when the answer has an
-    even number of characters, so groups have advantages and every step updates."""
-
-    def sample_tasks(self, n, seed, split="train"):
-        return [Task(task_id=f"{split}-{seed}-{i}", prompt=f"Say something ({seed}/{i}).")
-                for i in range(n)]
-
-    def verify(self, task, answer):
-        return float(len(answer or "") % 2 == 0)
 
 
 def build_env(cfg):

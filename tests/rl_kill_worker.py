@@ -17,7 +17,8 @@ from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
-from test_rl_trainer import ADMIN, ParityEnv, _config, _make, _model  # noqa: E402
+from experiments.toy_envs import LengthParityEnv  # noqa: E402
+from test_rl_trainer import ADMIN, _config, _make, _model  # noqa: E402
 
 
 async def main(workdir: str, steps: int) -> None:
@@ -28,7 +29,7 @@ async def main(workdir: str, steps: int) -> None:
     url, stop = serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
     lc = LifecycleClient(url, ADMIN)
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
-    collector = EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=2,
+    collector = EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
                                   attempts_per_task=4, seed=0, concurrency=1)
     trainer = RLTrainer(_model(tok.vocab_size), collector, _config(steps, concurrency=1), workdir,
                         on_publish=sampler.load_weights)

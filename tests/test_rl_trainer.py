@@ -30,20 +30,10 @@ from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, StepCache, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
+from experiments.toy_envs import LengthParityEnv
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step
-
-
-class ParityEnv(Env):
-    """Reward 1 when the answer has an even number of characters."""
-
-    def sample_tasks(self, n, seed, split="train"):
-        return [Task(task_id=f"{split}-{seed}-{i}", prompt=f"Say something ({seed}/{i}).")
-                for i in range(n)]
-
-    def verify(self, task, answer):
-        return float(len(answer or "") % 2 == 0)
 
 
 def _model(vocab):
@@ -81,7 +71,7 @@ def served(tmp_path_factory):
 
 def _collector(served, store, attempts=4):
     lc = LifecycleClient(served["url"], ADMIN)
-    return lc, EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=2,
+    return lc, EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
                                  attempts_per_task=attempts, seed=0)
 
 
@@ -103,7 +93,7 @@ def test_two_step_smoke_and_resume(served):
         history = await trainer.run()
         trainer.close()
         # "Killed" after step 0, while step 1's rollouts were half collected.
-        await EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=2,
+        await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
                                 attempts_per_task=2, seed=0).collect(1)
         await lc.aclose()
         return before, _params(trainer), history
@@ -235,7 +225,7 @@ def test_collector_retries_infra_errors_and_they_never_reach_a_batch(served):
     async def go():
         lc = LifecycleClient(served["url"], ADMIN)
         try:
-            return await EndpointCollector(lc, ParityEnv(), flaky, "tiny", store,
+            return await EndpointCollector(lc, LengthParityEnv(), flaky, "tiny", store,
                                            tasks_per_step=2, attempts_per_task=2,
                                            infra_retries=2).collect(0)
         finally:
@@ -288,7 +278,7 @@ def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_
         lc = LifecycleClient(url, ADMIN)
         try:
             return await EndpointCollector(
-                lc, ParityEnv(), _make, "tiny", TraceStore(str(tmp_path / "rollouts.jsonl")),
+                lc, LengthParityEnv(), _make, "tiny", TraceStore(str(tmp_path / "rollouts.jsonl")),
                 tasks_per_step=2, attempts_per_task=2, infra_retries=1).collect(0)
         finally:
             await lc.aclose()
@@ -342,7 +332,7 @@ def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
     rollout is ended by the endpoint's sweeper (short timeout_s) before its model
     call. The step completes; those three are infra_error / timed_out / timed_out,
     counted, never trained; the other five train."""
-    task0, task1 = (t.task_id for t in ParityEnv().sample_tasks(2, seed=0))
+    task0, task1 = (t.task_id for t in LengthParityEnv().sample_tasks(2, seed=0))
     made = collections.Counter()
 
     def make(env, task, client, model):
@@ -360,7 +350,7 @@ def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
 
     async def go():
         lc = ShortTimeoutLifecycle(served["url"], ADMIN, short=(task1, 0), short_s=0.3)
-        collector = EndpointCollector(lc, ParityEnv(), make, "tiny", store, tasks_per_step=2,
+        collector = EndpointCollector(lc, LengthParityEnv(), make, "tiny", store, tasks_per_step=2,
                                       attempts_per_task=4, seed=0, concurrency=8,
                                       infra_retries=0, rollout_deadline_s=15.0)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector,
@@ -400,7 +390,7 @@ def test_trainer_refuses_a_collector_configured_unlike_its_config(tmp_path):
                      (dict(attempts_per_task=2), "attempts_per_task"),
                      (dict(concurrency=4), "concurrency")):
         args = {**dict(tasks_per_step=2, attempts_per_task=4, concurrency=64), **kw}
-        c = EndpointCollector(None, ParityEnv(), _make, "tiny", store, **args)
+        c = EndpointCollector(None, LengthParityEnv(), _make, "tiny", store, **args)
         with pytest.raises(ValueError, match=f"RLConfig.{name}="):
             RLTrainer(_model(64), c, _config(1), str(tmp_path / name))
 
@@ -552,7 +542,7 @@ def test_mixed_domains_of_one_env_class_group_and_resume_apart(tmp_path):
 
 
 def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
-    class DupEnv(ParityEnv):
+    class DupEnv(LengthParityEnv):
         def sample_tasks(self, n, seed, split="train"):
             return [Task(task_id="same", prompt=f"p{i}") for i in range(n)]
 
@@ -572,7 +562,7 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
 
     async def collect():
         lc = LifecycleClient(served["url"], ADMIN)
-        got = await EndpointCollector(lc, ParityEnv(), _make, "tiny", store, tasks_per_step=6,
+        got = await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=6,
                                       attempts_per_task=4, seed=7).collect(0)
         await lc.aclose()
         return got
@@ -717,7 +707,7 @@ def test_adaptive_mixer_is_fed_each_step_logged_and_replayed_on_resume(served, t
 
 
 def test_refill_leaves_out_tasks_the_step_already_ran_and_counts_them(tmp_path):
-    class FixedPoolEnv(ParityEnv):  # the same ids whatever the seed: refills repeat tasks
+    class FixedPoolEnv(LengthParityEnv):  # the same ids whatever the seed: refills repeat tasks
         def sample_tasks(self, n, seed, split="train"):
             return [Task(task_id=f"t{i}", prompt=f"p{i}") for i in range(n)]
 
