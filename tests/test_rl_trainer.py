@@ -1,8 +1,11 @@
 """The RL loop through the real endpoint: smoke run, sync == async, resume.
 
-Tiny random model; an env whose reward varies with what the model writes
-(answer length parity), so groups have non-zero advantages and every step
-updates. Rollouts go openai client -> FastAPI endpoint -> JaxSampler.
+Tiny random model; mostly the toy env of experiments/rl_split.py, whose reward
+varies with what the model writes (answer length parity): most groups have
+non-zero advantages, but a step of 2 groups x 4 ties by chance 1 time in 64
+(no update). Tests that need every step to update use `AlternatingEnv`, whose
+rewards within a group always differ. Rollouts go openai client -> FastAPI
+endpoint -> JaxSampler.
 """
 
 import asyncio
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ac2_jax.envs import Env, Task
+from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import latest_published
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
@@ -69,9 +72,25 @@ def served(tmp_path_factory):
     sampler.close()
 
 
-def _collector(served, store, attempts=4):
+class AlternatingEnv(LengthParityEnv):
+    """LengthParityEnv's tasks (ids by seed: a restarted collector draws the same ones),
+    but the k-th verification of a task rewards k % 2, whatever the answer. Any two
+    verified attempts of a task differ, so every group of G >= 2 has non-zero
+    advantages and every step updates; with the length-parity reward a step of
+    2 groups x 4 tied 1 time in 64 (no update, nothing published) and failed the
+    smoke test. Counts are per instance: a fresh collector's env starts at k = 1."""
+
+    def __init__(self):
+        self.verified = collections.Counter()
+
+    def verify(self, task, answer):
+        self.verified[task.task_id] += 1
+        return float(self.verified[task.task_id] % 2)
+
+
+def _collector(served, store, attempts=4, env=LengthParityEnv):
     lc = LifecycleClient(served["url"], ADMIN)
-    return lc, EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
+    return lc, EndpointCollector(lc, env(), _make, "tiny", store, tasks_per_step=2,
                                  attempts_per_task=attempts, seed=0)
 
 
@@ -81,24 +100,28 @@ def _params(model_or_trainer):
 
 
 def test_two_step_smoke_and_resume(served):
+    """Two steps, "killed" in between, each of which must update (AlternatingEnv: the
+    update, the publish and the resume are what is checked; a tied step has none)."""
     workdir = str(served["tmp"] / "run")
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
     sampler = served["sampler"]
 
     async def first_run():
-        lc, collector = _collector(served, store)
+        lc, collector = _collector(served, store, env=AlternatingEnv)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(1), workdir,
                             on_publish=sampler.load_weights, make_step=STEPS)
         before = _params(trainer)
         history = await trainer.run()
         trainer.close()
         # "Killed" after step 0, while step 1's rollouts were half collected.
-        await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
+        await EndpointCollector(lc, AlternatingEnv(), _make, "tiny", store, tasks_per_step=2,
                                 attempts_per_task=2, seed=0).collect(1)
         await lc.aclose()
         return before, _params(trainer), history
 
     before, after_0, history = asyncio.run(first_run())
+    assert history[0]["zero_advantage_groups"] == 0.0
+    assert history[0]["adv_abs_mean"] == pytest.approx(0.5, rel=1e-6)  # rewards 1, 0, 1, 0
     assert history[0]["skipped_update"] == 0.0
     changed = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before, after_0)
     assert max(jax.tree.leaves(changed)) > 0, "weights did not change"
@@ -106,7 +129,7 @@ def test_two_step_smoke_and_resume(served):
     assert sampler.policy_version == 1
 
     async def resumed_run():
-        lc, collector = _collector(served, store)
+        lc, collector = _collector(served, store, env=AlternatingEnv)
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(2), workdir,
                             on_publish=sampler.load_weights, make_step=STEPS)
         assert trainer.start_step == 1 and trainer.version == 1
@@ -119,6 +142,8 @@ def test_two_step_smoke_and_resume(served):
 
     history = asyncio.run(resumed_run())
     assert [h["rl_step"] for h in history] == [1]
+    # Step 1's group: attempts 0-1 from the killed collector, 2-3 from this one: 1, 0, 1, 0.
+    assert history[0]["zero_advantage_groups"] == 0.0 and history[0]["skipped_update"] == 0.0
     assert sampler.policy_version == 2
     stored = store.load()
     keys = [(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]) for t in stored]
@@ -131,7 +156,7 @@ def test_two_step_smoke_and_resume(served):
 
     async def rerun_after_the_end():
         # A rerun once every step is trained must still publish the trained weights.
-        lc, collector = _collector(served, store)
+        lc, collector = _collector(served, store, env=AlternatingEnv)
         published = []
         trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(2), workdir,
                             on_publish=published.append, make_step=STEPS)
@@ -598,14 +623,14 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
     assert trainer.trainer.step_fn._step._cache_size() == 1
 
 
-class KindEnv(Env):
+class KindEnv(AlternatingEnv):
     """Deterministic rewards by task kind: "solved" 1, "unsolved" 0, "mixed": the
     k-th verification of a task gives k % 2 (so G >= 2 attempts always differ).
     `calls`: the kinds each successive sample_tasks call returns (None: all `kind`)."""
 
     def __init__(self, calls=None, kind="mixed"):
+        super().__init__()
         self.calls, self.kind, self.n = list(calls or []), kind, 0
-        self.verified = collections.Counter()
 
     def sample_tasks(self, n, seed, split="train"):
         kinds = self.calls[self.n] if self.calls else [self.kind] * n
@@ -617,9 +642,47 @@ class KindEnv(Env):
     def verify(self, task, answer):
         kind = task.metadata["kind"]
         if kind == "mixed":
-            self.verified[task.task_id] += 1
-            return float(self.verified[task.task_id] % 2)
+            return super().verify(task, answer)
         return float(kind == "solved")
+
+
+def test_a_step_whose_groups_all_tie_changes_no_weight(served, tmp_path):
+    """What the smoke test met 1 time in 64, made certain: every attempt is solved, so
+    both groups tie (advantage 0). The step is skipped but still counts: logged,
+    checkpointed as done (a restart starts at step 1), its traces stored; no weight
+    changes and the policy version stays 0. The loop publishes the version it has
+    once, so the sampler serves the learner's weights: here version 0, unchanged."""
+    workdir = str(tmp_path / "run")
+    store = TraceStore(str(tmp_path / "rollouts.jsonl"))
+    published = []
+
+    async def go():
+        lc = LifecycleClient(served["url"], ADMIN)
+        collector = EndpointCollector(lc, KindEnv(kind="solved"), _make, "tiny", store,
+                                      tasks_per_step=2, attempts_per_task=4, seed=0)
+        trainer = RLTrainer(_model(served["tok"].vocab_size), collector, _config(1), workdir,
+                            on_publish=published.append, make_step=STEPS)
+        before = _params(trainer)
+        try:
+            return before, await trainer.run(), _params(trainer), trainer.version
+        finally:
+            trainer.close()
+            await lc.aclose()
+
+    before, (m,), after, version = asyncio.run(go())
+    assert m["skipped_update"] == 1.0 and m["zero_advantage_groups"] == 2.0
+    assert m["traces"] == 8.0 and m["reward_mean"] == 1.0 and m["adv_abs_mean"] == 0.0
+    assert "loss" not in m and m["policy_version"] == version == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    assert published == [0] and latest_published(os.path.join(workdir, "published")) == 0
+    assert len(store.load()) == 8
+    restarted = RLTrainer(_model(served["tok"].vocab_size), ReplayCollector([]), _config(1),
+                          workdir, make_step=STEPS)
+    assert restarted.start_step == 1 and restarted.version == 0
+    restarted.close()
+    rows = read_metrics(os.path.join(workdir, "metrics", "metrics.jsonl"))
+    assert [(r["step"], r["train/skipped_update"]) for r in rows] == [(1, 1.0)]
 
 
 def test_dynamic_sampling_refills_zero_advantage_groups_and_counts_them(served, tmp_path):

@@ -7,8 +7,9 @@ Variants (`--config=experiments/configs/rl_split.py:toy`):
   default  the calculator demo's settings (SFT warm start, 12 RL steps)
   quick    calculator.py:quick (a smoke run of every stage)
   toy      a plumbing check in seconds: a random tiny model, an env whose reward
-           is the answer's length parity (so every group has an advantage and
-           every step updates), 3 RL steps of 2 tasks x 4 attempts
+           is the answer's length parity (so most groups have an advantage and
+           most steps update; a step of 2 groups x 4 ties, and skips its update,
+           about 1 time in 64), 3 RL steps of 2 tasks x 4 attempts
 """
 
 import ml_collections
