@@ -40,7 +40,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.toy_envs import LengthParityEnv  # noqa: E402
+from experiments.toy_envs import AlternatingEnv, LengthParityEnv  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/rl_split.py")
 flags.DEFINE_enum("role", None, ["prepare", "collect", "learn"], "Which process this is.")
@@ -53,6 +53,10 @@ flags.DEFINE_string("coordinator_address", None, "learn: jax.distributed coordin
 flags.DEFINE_integer("num_processes", None, "learn: processes of the multi-host learner.")
 flags.DEFINE_integer("process_id", None, "learn: this process's index in [0, num_processes).")
 FLAGS = flags.FLAGS
+# env.kind -> the toy envs (a random tiny model, the tiny tokenizer): "parity" rewards
+# the answer's length parity (the toy variant), "alternating" the k-th check of a task
+# k % 2 (no group ties, so every step updates: tests/test_split.py).
+TOY_ENVS = {"parity": LengthParityEnv, "alternating": AlternatingEnv}
 
 
 def _paths(cfg) -> dict[str, str]:
@@ -63,11 +67,12 @@ def _paths(cfg) -> dict[str, str]:
 
 def build_env(cfg):
     from experiments import calculator_agent
-    if cfg.env.kind == "parity":
-        return LengthParityEnv()
+    if cfg.env.kind in TOY_ENVS:
+        return TOY_ENVS[cfg.env.kind]()
     if cfg.env.kind == "calculator":
         return calculator_agent.build_env(cfg)
-    raise ValueError(f"env.kind must be 'calculator' or 'parity', got {cfg.env.kind!r}")
+    raise ValueError(f"env.kind must be 'calculator', {' or '.join(map(repr, TOY_ENVS))}, "
+                     f"got {cfg.env.kind!r}")
 
 
 def prepare(cfg, log=print) -> str:
@@ -78,7 +83,7 @@ def prepare(cfg, log=print) -> str:
     paths = _paths(cfg)
     env = build_env(cfg)
     tok_dir = os.path.join(os.path.abspath(cfg.workdir), "tokenizer")
-    if cfg.env.kind == "parity":
+    if cfg.env.kind in TOY_ENVS:
         tokenizer = build_tiny_tokenizer(tok_dir)
         model = calculator_agent.build_model(cfg, tokenizer.vocab_size)
     else:
@@ -148,7 +153,8 @@ async def learn(cfg, log=print) -> list[dict]:
 
     from ac2_jax.models.hf_io import load_hf_checkpoint
     from ac2_jax.trace import TraceStore
-    from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner
+    from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_learner,
+                                           tell_endpoint)
     from ac2_jax.training.rl.trainer import RLTrainer
     from experiments import calculator_agent
     rl = calculator_agent.typed_configs(cfg)["rl"]
@@ -172,7 +178,7 @@ async def learn(cfg, log=print) -> list[dict]:
         return None
 
     trainer = RLTrainer(model, collector, rl, paths["rl"], mesh=mesh,
-                        on_progress=lifecycle.load_weights if jax.process_index() == 0
+                        on_progress=tell_endpoint(lifecycle) if jax.process_index() == 0
                         else silent)
     try:
         return await run_learner(trainer, lifecycle, poll_s=cfg.split.poll_s,

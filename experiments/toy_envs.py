@@ -6,6 +6,8 @@ run (`experiments.rl_split` defines its flags when imported).
 
 from __future__ import annotations
 
+import collections
+
 from ac2_jax.envs import Env, Task
 
 
@@ -23,3 +25,27 @@ class LengthParityEnv(Env):
 
     def verify(self, task, answer):
         return float(len(answer or "") % 2 == 0)
+
+
+class AlternatingEnv(LengthParityEnv):
+    """LengthParityEnv's tasks (ids by seed: a restarted collector draws the same ones),
+    but the k-th verification of a task by this instance rewards k % 2, whatever the
+    answer. For tests that need every step to update: any two attempts of a task
+    verified by one instance in a row differ, so no group of G >= 2 ties (with the
+    length-parity reward a step of 2 groups x 4 tied 1 time in 64: no update).
+
+    The count lives in the instance, so in the collector's process: a collector killed
+    and restarted mid-step starts again at k = 1 for the attempts it still runs (a
+    shared count would be a channel between processes the split driver does not have).
+    One kill still leaves no group of 4 tied (tests/test_split.py): the restarted
+    process runs m of the group's attempts with k = 1..m (rewards 1, 0, ...), mixed
+    when m >= 2; when m <= 1 the killed one stored 4 - m >= 3 attempts with distinct
+    k in 1..4, which hold both parities. (Several kills, or an attempt verified again
+    after an infra error, can tie a group.)"""
+
+    def __init__(self):
+        self.verified: collections.Counter[str] = collections.Counter()
+
+    def verify(self, task, answer):
+        self.verified[task.task_id] += 1
+        return float(self.verified[task.task_id] % 2)

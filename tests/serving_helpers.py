@@ -148,21 +148,23 @@ def forward_logprobs(model: Decoder, tokens: list[int], bucket: int = 128) -> np
 
 @contextlib.contextmanager
 def served_random_model(tmp_dir: pathlib.Path, admin_key: str, *, max_context: int = 256,
-                        max_batch: int = 8, trace_store: TraceStore | None = None
-                        ) -> Iterator[tuple[str, Tokenizer]]:
+                        max_batch: int = 8, trace_store: TraceStore | None = None,
+                        publish_dir: str | None = None) -> Iterator[tuple[str, Tokenizer]]:
     """Yields (base url, tokenizer) of the real endpoint (FastAPI over HTTP, model name
     "tiny") in front of a JaxSampler over a tiny random Decoder (seed 0); stops both after.
 
     For tests of what happens around the model (rollout lifecycle, failure taxonomy,
     audits): its replies are noise, but real tokens with real log-probs. Batch and cache
     are fixed at `max_batch` x `max_context` so it compiles once. The tokenizer is
-    written to `tmp_dir/tok`.
+    written to `tmp_dir/tok`. publish_dir: where POST /v1/admin/load_weights loads
+    published steps from (a learner's; the same Decoder config and seed start it).
     """
     tok = build_tiny_tokenizer(str(tmp_dir / "tok"))
     cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                              num_heads=2, num_kv_heads=1, head_dim=16,
                              max_position_embeddings=max_context)
-    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=max_context,
+    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), publish_dir=publish_dir,
+                         max_context=max_context,
                          max_batch=max_batch, min_batch=max_batch, min_cache_len=max_context,
                          eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
     try:

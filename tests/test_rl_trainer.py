@@ -3,7 +3,7 @@
 Tiny random model; mostly the toy env of experiments/rl_split.py, whose reward
 varies with what the model writes (answer length parity): most groups have
 non-zero advantages, but a step of 2 groups x 4 ties by chance 1 time in 64
-(no update). Tests that need every step to update use `AlternatingEnv`, whose
+(no update). Tests that need every step to update use `AlternatingEnv` (same module), whose
 rewards within a group always differ. Rollouts go openai client -> FastAPI
 endpoint -> JaxSampler.
 """
@@ -33,7 +33,7 @@ from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, StepCache, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
-from experiments.toy_envs import LengthParityEnv
+from experiments.toy_envs import AlternatingEnv, LengthParityEnv
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step
@@ -70,22 +70,6 @@ def served(tmp_path_factory):
     yield dict(tmp=tmp, tok=tok, sampler=sampler, url=url)
     stop()
     sampler.close()
-
-
-class AlternatingEnv(LengthParityEnv):
-    """LengthParityEnv's tasks (ids by seed: a restarted collector draws the same ones),
-    but the k-th verification of a task rewards k % 2, whatever the answer. Any two
-    verified attempts of a task differ, so every group of G >= 2 has non-zero
-    advantages and every step updates; with the length-parity reward a step of
-    2 groups x 4 tied 1 time in 64 (no update, nothing published) and failed the
-    smoke test. Counts are per instance: a fresh collector's env starts at k = 1."""
-
-    def __init__(self):
-        self.verified = collections.Counter()
-
-    def verify(self, task, answer):
-        self.verified[task.task_id] += 1
-        return float(self.verified[task.task_id] % 2)
 
 
 def _collector(served, store, attempts=4, env=LengthParityEnv):

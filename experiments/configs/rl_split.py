@@ -9,7 +9,9 @@ Variants (`--config=experiments/configs/rl_split.py:toy`):
   toy      a plumbing check in seconds: a random tiny model, an env whose reward
            is the answer's length parity (so most groups have an advantage and
            most steps update; a step of 2 groups x 4 ties, and skips its update,
-           about 1 time in 64), 3 RL steps of 2 tasks x 4 attempts
+           about 1 time in 64), 3 RL steps of 2 tasks x 4 attempts; with
+           `--config.env.kind=alternating` the k-th check of a task rewards k % 2
+           instead, so no group ties and every step updates (tests/test_split.py)
 """
 
 import ml_collections
@@ -36,7 +38,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     apply = select_variant(variant, VARIANTS)
     c = calculator.get_config("quick" if variant in ("quick", "toy") else None)
     c.workdir = "runs/rl_split"
-    c.env.kind = "calculator"   # or "parity" (the toy variant)
+    c.env.kind = "calculator"   # or "parity" (the toy variant), "alternating" (toy, no ties)
     # How the processes meet: the endpoint's URL and admin key (flags override),
     # how often they poll, how long they wait for each other (None: for good).
     c.split = ml_collections.ConfigDict(dict(endpoint="http://127.0.0.1:8000",

@@ -12,7 +12,7 @@ from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, Replay
 from ac2_jax.training.rl.metrics import (agent_group, batch_metrics, compaction_events,
                                          memo_results, staleness_histogram, trace_agent_metrics)
 from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_collector, run_learner,
-                                       step_traces, wait_for_endpoint,
+                                       step_traces, tell_endpoint, wait_for_endpoint,
                                        wait_for_learner)
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
@@ -21,7 +21,7 @@ __all__ = [
     "ReplayCollector", "StepMarkers", "StoreCollector", "agent_group", "agent_trained",
     "batch_metrics", "batch_segments", "build_batch", "check_sampled", "compaction_events", "group_name",
     "informative_groups", "memo_results", "pack_rl_batch", "refill_seed", "run_collector", "run_learner",
-    "select_traces", "staleness_histogram", "step_traces", "trace_advantages",
+    "select_traces", "staleness_histogram", "step_traces", "tell_endpoint", "trace_advantages",
     "trace_agent_metrics", "trace_rewards", "trace_version", "unchosen_branch_episodes",
     "wait_for_endpoint", "wait_for_learner",
 ]

@@ -9,11 +9,12 @@ scales (or restarts) alone.
                runs the step's rollouts through the endpoint (each trace appended
                to the TraceStore as it ends), then marks the step complete.
     learner    RLTrainer(model, StoreCollector(store, markers), config, RUN,
-                         on_progress=lifecycle.load_weights); run_learner(trainer)
+                         on_progress=tell_endpoint(lifecycle)); run_learner(trainer)
                step s: waits for step s's marker, reads its traces from the
                store, trains, checkpoints (Orbax), publishes to RUN/published and
                tells the endpoint (POST /v1/admin/load_weights {step: version,
-               learner_step: steps done}).
+               learner_step: steps done}). A step whose groups all tie updates
+               nothing: steps done moves on, the version does not.
 
 The loop is the one `RLTrainer` and the one `EndpointCollector`; only the
 channel between them differs from the in-process driver (a marker file and
@@ -46,7 +47,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import httpx
 
@@ -272,6 +273,18 @@ async def run_collector(collector: EndpointCollector, lifecycle: LifecycleClient
     return done
 
 
+def tell_endpoint(lifecycle: LifecycleClient) -> Callable[[int, int], Awaitable[int]]:
+    """`RLTrainer(on_progress=...)` for a learner in its own process: the endpoint serves
+    published step `version` and records `learner_step=steps_done` (the collector paces
+    itself on it). Not `lifecycle.load_weights` itself: that takes (step, learner_step),
+    the trainer calls (steps_done, version). The two agree until a step updates nothing
+    (every group tied, zero advantage): then steps_done is ahead of the version, and the
+    swapped call asked for a step never published (404) and stopped the learner."""
+    async def tell(steps_done: int, version: int) -> int:
+        return await lifecycle.load_weights(version, learner_step=steps_done)
+    return tell
+
+
 async def run_learner(trainer, lifecycle: LifecycleClient, *, poll_s: float = 0.2,
                       timeout_s: float | None = None,
                       log: Callable[[str], Any] = logging.info) -> list[dict[str, Any]]:
@@ -279,10 +292,10 @@ async def run_learner(trainer, lifecycle: LifecycleClient, *, poll_s: float = 0.
     after publishing the starting weights of a fresh run (so the endpoint
     serves exactly the learner's weights from step 0 on). trainer: an
     RLTrainer over a StoreCollector, with `on_progress` telling the endpoint
-    (`lifecycle.load_weights`)."""
+    (`tell_endpoint(lifecycle)`)."""
     if trainer.on_progress is None:
         raise ValueError("run_learner: the RLTrainer needs on_progress (e.g. "
-                         "LifecycleClient(endpoint, admin_key).load_weights) so the endpoint "
+                         "tell_endpoint(LifecycleClient(endpoint, admin_key))) so the endpoint "
                          "serves its weights and the collector can pace itself")
     await wait_for_endpoint(lifecycle, poll_s=poll_s, timeout_s=timeout_s)
     if trainer.start_step == 0:
