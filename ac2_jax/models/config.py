@@ -16,8 +16,9 @@ _ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
 ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
-RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block", "mlp_backward")
-MLP_BACKWARDS = ("custom", "autodiff")
+RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block", "mlp_backward",
+                  "head_backward")
+BACKWARDS = ("custom", "autodiff")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -54,6 +55,9 @@ class DecoderConfig:
     (`models.layers.swiglu`, a custom VJP whose weight gradients contract
     over the token axes, so XLA:CPU makes no transposed copy of d(gate) /
     d(up)) or "autodiff" (JAX's own transpose of the forward). Same values.
+    `head_backward` likewise for the lm head (`Decoder.logits`): "custom"
+    (`models.layers.linear`: the tied head's weight gradient without a
+    transposed [V, tokens] copy of the logits gradient) or "autodiff".
     """
 
     vocab_size: int
@@ -79,6 +83,7 @@ class DecoderConfig:
     attention_backend: str = "auto"
     attention_block: int = 128
     mlp_backward: str = "custom"
+    head_backward: str = "custom"
 
     def __post_init__(self):
         if isinstance(self.remat, bool):
@@ -89,9 +94,10 @@ class DecoderConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"DecoderConfig.attention_backend must be one of "
                              f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.mlp_backward not in MLP_BACKWARDS:
-            raise ValueError(f"DecoderConfig.mlp_backward must be one of {MLP_BACKWARDS}, "
-                             f"got {self.mlp_backward!r}")
+        for name in ("mlp_backward", "head_backward"):
+            if getattr(self, name) not in BACKWARDS:
+                raise ValueError(f"DecoderConfig.{name} must be one of {BACKWARDS}, "
+                                 f"got {getattr(self, name)!r}")
         if int(self.attention_block) < 8 or int(self.attention_block) % 8:
             raise ValueError(f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
                              f"got {self.attention_block}")

@@ -143,6 +143,49 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     return _dot(out.reshape(B, L, H * hd), w["o_proj"], dt), cache
 
 
+_LINEAR_EQ = {"io": ("...i,io->...o", "...o,io->...i"), "oi": ("...i,oi->...o", "...o,oi->...i")}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def linear(x: jax.Array, w: jax.Array, layout: str = "io", out_dtype=None) -> jax.Array:
+    """x [..., in] times w ([in, out], layout "io"; [out, in], "oi", e.g. a tied
+    embedding as the lm head) -> [..., out], accumulated in `out_dtype` (None: x's).
+
+    Same values as the einsum; its backward forms the weight gradient as
+    x^T dy [in, out], one dot_general contracting the token axes of x and dy as
+    they lie. JAX's transpose of the einsum led XLA:CPU to copy dy transposed,
+    [out, tokens], first: for a tied lm head that is the [V, tokens] logits
+    gradient. For layout "oi" the [in, out] result is transposed to [out, in]
+    behind an optimization barrier (without it XLA folds the transpose back
+    into the dot and copies dy again): a weight-sized copy instead of a
+    [V, tokens] one.
+    """
+    return _linear_fwd(x, w, layout, out_dtype)[0]
+
+
+def _linear_fwd(x, w, layout, out_dtype):
+    if layout not in _LINEAR_EQ:
+        raise ValueError(f"linear: layout must be 'io' ([in, out]) or 'oi' ([out, in]), "
+                         f"got {layout!r}")
+    y = jnp.einsum(_LINEAR_EQ[layout][0], x, w.astype(x.dtype), preferred_element_type=out_dtype)
+    return y, (x, w)
+
+
+def _linear_bwd(layout, out_dtype, res, dy):
+    x, w = res
+    toks = tuple(range(x.ndim - 1))
+    dyc = dy.astype(x.dtype)
+    dx = jnp.einsum(_LINEAR_EQ[layout][1], dy, w.astype(dy.dtype)).astype(x.dtype)
+    dw = jax.lax.dot_general(x, dyc, ((toks, toks), ((), ())),
+                             preferred_element_type=jnp.promote_types(x.dtype, dy.dtype))
+    if layout == "oi":
+        dw = jax.lax.optimization_barrier(dw).T
+    return dx, dw.astype(w.dtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
 def _swiglu_fwd(x, wg, wu, wd):
     g, u = _dot(x, wg, x.dtype), _dot(x, wu, x.dtype)
     return _dot(jax.nn.silu(g) * u, wd, x.dtype), (x, wg, wu, wd, g, u)
