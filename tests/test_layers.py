@@ -1,8 +1,8 @@
 """models.layers' pure pieces: RoPE tables built once per forward (`rope_cos_sin` +
 `rotate`) equal HF's rotate-half RoPE computed per call (fp32; atol 1e-5 against a
 numpy reference, 1e-6 against per-call `apply_rope`), and the SwiGLU MLP's custom VJP
-(`swiglu`) equals autodiff (fp32, 1e-5 relative) without autodiff's transposed
-d(gate) / d(up) copies."""
+(`swiglu`) and the projections' (`linear`) equal autodiff (fp32, 1e-5 relative),
+the MLP's without autodiff's transposed d(gate) / d(up) copies."""
 
 import re
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import DecoderConfig
-from ac2_jax.models.layers import apply_rope, mlp_apply, rope_cos_sin, rope_inv_freq, rotate
+from ac2_jax.models.layers import apply_rope, linear, mlp_apply, rope_cos_sin, rope_inv_freq, rotate
 
 
 def _rope_reference(x, positions, inv_freq):
@@ -89,3 +89,18 @@ def test_swiglu_custom_vjp_drops_the_transposed_dgate_copies():
     token-minor for the down-projection's weight gradient). Compile only, no run."""
     assert _transposed_token_arrays("autodiff") == 2
     assert _transposed_token_arrays("custom") <= 1
+
+
+@pytest.mark.parametrize("x_shape", [(2, 7, 16), (9, 16)])
+def test_linear_custom_vjp_equals_autodiff(x_shape):
+    """`linear` (the projections' custom VJP, `proj_backward="custom"`): values and
+    gradients of x and w equal the plain einsum's under autodiff, fp32, 1e-5 relative."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(x_shape, np.float32))
+    w = jnp.asarray(rng.standard_normal((16, 24), np.float32))
+    dy = jnp.asarray(rng.standard_normal(x_shape[:-1] + (24,), np.float32))
+    plain = jax.vjp(lambda x, w: jnp.einsum("...i,io->...o", x, w), x, w)
+    custom = jax.vjp(linear, x, w)
+    for got, want in zip((custom[0], *jax.jit(custom[1])(dy)), (plain[0], *plain[1](dy))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                                   rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))

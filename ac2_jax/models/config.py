@@ -17,7 +17,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 REMAT = ("none", "full", "save_dots")
 ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
 RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block", "mlp_backward",
-                  "head_backward")
+                  "proj_backward")
 BACKWARDS = ("custom", "autodiff")
 
 
@@ -55,9 +55,9 @@ class DecoderConfig:
     (`models.layers.swiglu`, a custom VJP whose weight gradients contract
     over the token axes, so XLA:CPU makes no transposed copy of d(gate) /
     d(up)) or "autodiff" (JAX's own transpose of the forward). Same values.
-    `head_backward` likewise for the lm head (`Decoder.logits`): "custom"
-    (`models.layers.linear`: the tied head's weight gradient without a
-    transposed [V, tokens] copy of the logits gradient) or "autodiff".
+    `proj_backward` likewise for the attention's q/k/v/o projections:
+    "custom" (`models.layers.linear`, weight gradients x^T dy contracting
+    the token axes as they lie) or "autodiff".
     """
 
     vocab_size: int
@@ -83,7 +83,7 @@ class DecoderConfig:
     attention_backend: str = "auto"
     attention_block: int = 128
     mlp_backward: str = "custom"
-    head_backward: str = "custom"
+    proj_backward: str = "custom"
 
     def __post_init__(self):
         if isinstance(self.remat, bool):
@@ -94,7 +94,7 @@ class DecoderConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"DecoderConfig.attention_backend must be one of "
                              f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("mlp_backward", "head_backward"):
+        for name in ("mlp_backward", "proj_backward"):
             if getattr(self, name) not in BACKWARDS:
                 raise ValueError(f"DecoderConfig.{name} must be one of {BACKWARDS}, "
                                  f"got {getattr(self, name)!r}")

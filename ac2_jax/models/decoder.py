@@ -48,8 +48,8 @@ from flax import nnx, struct
 from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.layers import (Block, RMSNorm, _param, apply_rope, block_apply, linear,
-                                   rope_cos_sin, rope_inv_freq)
+from ac2_jax.models.layers import (Block, RMSNorm, _param, apply_rope, block_apply, rope_cos_sin,
+                                   rope_inv_freq)
 
 # attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
 __all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
@@ -125,13 +125,11 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states [..., D] (already normed) -> fp32 logits [..., V]."""
         dt = self.config.dtype
-        w, layout = ((self.embed_tokens[...], "oi") if self.config.tie_embeddings
-                     else (self.lm_head[...], "io"))
-        w = w.astype(dt)
-        if self.config.head_backward == "custom":
-            return linear(hidden.astype(dt), w, layout, jnp.float32)
-        eq = "...d,vd->...v" if layout == "oi" else "...d,dv->...v"
-        return jnp.einsum(eq, hidden, w, preferred_element_type=jnp.float32)
+        if self.config.tie_embeddings:
+            return jnp.einsum("...d,vd->...v", hidden, self.embed_tokens[...].astype(dt),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
 
     def _backend(self, kind: str, q_len: int) -> str:
         c = self.config

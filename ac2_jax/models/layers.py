@@ -96,6 +96,14 @@ def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w.astype(dtype))
 
 
+def _proj(c: DecoderConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+    """An attention projection x [..., in] @ w [in, out] in the compute dtype, through
+    `linear`'s VJP when `c.proj_backward` is "custom"."""
+    if c.proj_backward == "custom":
+        return linear(x.astype(c.dtype), w.astype(c.dtype))
+    return _dot(x, w, c.dtype)
+
+
 def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
                     mask, backend: str, cache=None):
     """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params;
@@ -115,9 +123,9 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     """
     B, L, _ = x.shape
     H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
-    q = _dot(x, w["q_proj"], dt).reshape(B, L, H, hd)
-    k = _dot(x, w["k_proj"], dt).reshape(B, L, K, hd)
-    v = _dot(x, w["v_proj"], dt).reshape(B, L, K, hd)
+    q = _proj(c, x, w["q_proj"]).reshape(B, L, H, hd)
+    k = _proj(c, x, w["k_proj"]).reshape(B, L, K, hd)
+    v = _proj(c, x, w["v_proj"]).reshape(B, L, K, hd)
     if c.qk_norm:
         q = rms_norm(w["q_norm"]["weight"], q, c.rms_eps, dt)
         k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
@@ -140,47 +148,32 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
                     block=c.attention_block,
                     kv_heads_major=cache is not None and cache[2] is None)
-    return _dot(out.reshape(B, L, H * hd), w["o_proj"], dt), cache
+    return _proj(c, out.reshape(B, L, H * hd), w["o_proj"]), cache
 
 
-_LINEAR_EQ = {"io": ("...i,io->...o", "...o,io->...i"), "oi": ("...i,oi->...o", "...o,oi->...i")}
+@jax.custom_vjp
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] (one dtype), with a hand-written backward.
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def linear(x: jax.Array, w: jax.Array, layout: str = "io", out_dtype=None) -> jax.Array:
-    """x [..., in] times w ([in, out], layout "io"; [out, in], "oi", e.g. a tied
-    embedding as the lm head) -> [..., out], accumulated in `out_dtype` (None: x's).
-
-    Same values as the einsum; its backward forms the weight gradient as
-    x^T dy [in, out], one dot_general contracting the token axes of x and dy as
-    they lie. JAX's transpose of the einsum led XLA:CPU to copy dy transposed,
-    [out, tokens], first: for a tied lm head that is the [V, tokens] logits
-    gradient. For layout "oi" the [in, out] result is transposed to [out, in]
-    behind an optimization barrier (without it XLA folds the transpose back
-    into the dot and copies dy again): a weight-sized copy instead of a
-    [V, tokens] one.
+    Same values as `_dot`; its backward forms the weight gradient x^T dy as one
+    dot_general contracting the token axes of x and dy as they lie. JAX's own
+    transpose of the einsum led XLA:CPU to copy dy transposed, [out, tokens],
+    for an Eigen dot; this form lets XLA pick the layout (tests/test_layers.py:
+    same gradients, fp32). Used for the attention's projections
+    (`DecoderConfig.proj_backward`).
     """
-    return _linear_fwd(x, w, layout, out_dtype)[0]
+    return _linear_fwd(x, w)[0]
 
 
-def _linear_fwd(x, w, layout, out_dtype):
-    if layout not in _LINEAR_EQ:
-        raise ValueError(f"linear: layout must be 'io' ([in, out]) or 'oi' ([out, in]), "
-                         f"got {layout!r}")
-    y = jnp.einsum(_LINEAR_EQ[layout][0], x, w.astype(x.dtype), preferred_element_type=out_dtype)
-    return y, (x, w)
+def _linear_fwd(x, w):
+    return jnp.einsum("...i,io->...o", x, w), (x, w)
 
 
-def _linear_bwd(layout, out_dtype, res, dy):
+def _linear_bwd(res, dy):
     x, w = res
     toks = tuple(range(x.ndim - 1))
-    dyc = dy.astype(x.dtype)
-    dx = jnp.einsum(_LINEAR_EQ[layout][1], dy, w.astype(dy.dtype)).astype(x.dtype)
-    dw = jax.lax.dot_general(x, dyc, ((toks, toks), ((), ())),
-                             preferred_element_type=jnp.promote_types(x.dtype, dy.dtype))
-    if layout == "oi":
-        dw = jax.lax.optimization_barrier(dw).T
-    return dx, dw.astype(w.dtype)
+    dx = jnp.einsum("...o,io->...i", dy, w)
+    return dx, jax.lax.dot_general(x, dy, ((toks, toks), ((), ())))
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)
