@@ -17,10 +17,10 @@ both whole steps timed alternately in the same run.
 
     python -m benchmarks.bench_matmul_ceiling --sizes small,medium --rounds 8
 
-Per GEMM the time is a batch of back-to-back calls (>= `--batch_ms` ms,
-one dispatch each; JAX dispatches asynchronously, so its per-call overhead
-overlaps the previous call) divided by the calls; min and median over
-`--rounds` batches.
+Per GEMM the time is a batch of calls (>= `--batch_ms` ms; each call waited
+for, so XLA's per-call dispatch, tens of microseconds, counts against it: an
+upper bound on its in-step GEMM time) divided by the calls; min and median
+over `--rounds` batches, the two libraries' batches alternating.
 """
 
 from __future__ import annotations
@@ -117,11 +117,11 @@ def _torch_fn(g: Gemm):
 
 
 def _batch_seconds(call, block, calls: int) -> float:
+    """Mean seconds per call over `calls` calls, each waited for before the next
+    (so XLA's runtime cannot overlap two calls; its dispatch is counted)."""
     t0 = time.perf_counter()
-    out = None
     for _ in range(calls):
-        out = call()
-    block(out)
+        block(call())
     return (time.perf_counter() - t0) / calls
 
 
