@@ -89,7 +89,9 @@ def bench_jax(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
             "loss": float(m["loss"])}
 
 
-def bench_torch(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
+def torch_setup(c: DecoderConfig, rows: int, seq_len: int):
+    """A closure running one transformers + torch train step (forward, backward,
+    clipping, AdamW) on this benchmark's batch; returns the loss."""
     import torch
     import transformers
 
@@ -106,7 +108,13 @@ def bench_torch(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
+    return one
 
+
+def bench_torch(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
+    import torch
+
+    one = torch_setup(c, rows, seq_len)
     t0 = time.perf_counter()
     one()
     first = time.perf_counter() - t0

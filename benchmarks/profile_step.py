@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.bench_step_ab import parse_choices  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
 # (function name on the stack, category): first match from the innermost frame.
@@ -43,7 +44,9 @@ CATEGORIES = [
     ("apply_rope", "rope"), ("rope_cos_sin", "rope"), ("rotate", "rope"),
     ("Attention._proj", "qkv/out projections"),
     ("Attention.__call__", "qkv/out projections"), ("attention_apply", "qkv/out projections"),
-    ("MLP.__call__", "mlp"), ("mlp_apply", "mlp"),
+    ("MLP.__call__", "mlp"), ("mlp_apply", "mlp"), ("_swiglu_fwd", "mlp"),
+    ("_swiglu_bwd", "mlp"), ("swiglu", "mlp"), ("_linear_fwd", "qkv/out projections"),
+    ("_linear_bwd", "qkv/out projections"), ("_proj", "qkv/out projections"),
     ("RMSNorm.__call__", "norms"), ("rms_norm", "norms"), ("Decoder.logits", "lm head"),
     ("LMHead.logits", "lm head"),
     ("token_logprobs", "log-probs (softmax over vocab)"),
@@ -164,11 +167,12 @@ def profile(fn, args, steps: int = 3) -> dict:
             "top_thunks": [(n, ms, info[n][0], info[n][2]) for n, ms in by_thunk.most_common(8)]}
 
 
-def train_step_case(size: str):
-    """(jitted step, args) for bench_train_step's size, one segment per row."""
+def train_step_case(size: str, choices: dict | None = None):
+    """(jitted step, args) for bench_train_step's size, one segment per row;
+    `choices`: DecoderConfig runtime fields to override (e.g. mlp_backward)."""
     from benchmarks.bench_train_step import SIZES, config_of, jax_setup
 
-    c, (_, rows, seq_len) = config_of(size), SIZES[size]
+    c, (_, rows, seq_len) = config_of(size).replace(**(choices or {})), SIZES[size]
     step, state, batch = jax_setup(c, rows, seq_len, donate=False)
     step(state, batch)  # builds and compiles
     return step._step, (state, batch, None, None), rows * seq_len  # (state, batch, extras, teacher)
@@ -212,10 +216,13 @@ def main(argv=None):
     p.add_argument("--sizes", default="small,medium")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="decode rows")
+    p.add_argument("--model_config", default="",
+                   help="train: DecoderConfig runtime fields, e.g. mlp_backward=autodiff")
     args = p.parse_args(argv)
     out, rows = {}, []
     for size in args.sizes.split(","):
-        fn, fargs, toks = (train_step_case(size) if args.what == "train"
+        fn, fargs, toks = (train_step_case(size, parse_choices(args.model_config))
+                           if args.what == "train"
                            else decode_case(size, args.batch))
         r = profile(fn, fargs, args.steps)
         r["tokens"] = toks

@@ -8,7 +8,7 @@ bash scripts/setup.sh dev
 export JAX_PLATFORMS=cpu
 OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
-for b in roofline merge_savings packing train_step sampler endpoint weight_publish tree_packing; do
+for b in roofline merge_savings packing train_step matmul_ceiling sampler endpoint weight_publish tree_packing; do
   if [ -f "benchmarks/bench_$b.py" ]; then
     echo "== bench_$b"
     python -m "benchmarks.bench_$b" --out "$OUT/$b.json"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import profile_step
 
 
@@ -33,3 +35,12 @@ def test_tiny_decode_profile_is_forward_only():
     # again (it was, and was the top "thunk", inflating "other").
     assert not [t for t in res["top_thunks"] if t[0].startswith("while")], res["top_thunks"]
     assert res["by_category"].get("other", 0.0) < 0.2 * res["thunk_ms"], res["by_category"]
+
+
+def test_train_profile_takes_runtime_choices():
+    """--model_config reaches the profiled step's DecoderConfig (a bad value is refused
+    by the config itself), and a field that is not a runtime choice is refused."""
+    with pytest.raises(ValueError, match="mlp_backward must be one of"):
+        profile_step.main(["--sizes", "tiny", "--model_config", "mlp_backward=fast"])
+    with pytest.raises(SystemExit, match="not a runtime field"):
+        profile_step.main(["--sizes", "tiny", "--model_config", "vocab_size=8"])

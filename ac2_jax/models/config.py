@@ -16,7 +16,9 @@ _ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
 ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
-RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block")
+RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block", "mlp_backward",
+                  "proj_backward")
+BACKWARDS = ("custom", "autodiff")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -49,6 +51,13 @@ class DecoderConfig:
     False mean "full" / "none".
     `attention_backend` picks the attention kernel (`models.attention`):
     "auto" chooses by platform and shape; `attention_block` is its tile size.
+    `mlp_backward` is how the SwiGLU MLP's gradients are formed: "custom"
+    (`models.layers.swiglu`, a custom VJP whose weight gradients contract
+    over the token axes, so XLA:CPU makes no transposed copy of d(gate) /
+    d(up)) or "autodiff" (JAX's own transpose of the forward). Same values.
+    `proj_backward` likewise for the attention's q/k/v/o projections:
+    "custom" (`models.layers.linear`, weight gradients x^T dy contracting
+    the token axes as they lie) or "autodiff".
     """
 
     vocab_size: int
@@ -73,6 +82,8 @@ class DecoderConfig:
     scan_layers: bool = False
     attention_backend: str = "auto"
     attention_block: int = 128
+    mlp_backward: str = "custom"
+    proj_backward: str = "custom"
 
     def __post_init__(self):
         if isinstance(self.remat, bool):
@@ -83,6 +94,10 @@ class DecoderConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"DecoderConfig.attention_backend must be one of "
                              f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("mlp_backward", "proj_backward"):
+            if getattr(self, name) not in BACKWARDS:
+                raise ValueError(f"DecoderConfig.{name} must be one of {BACKWARDS}, "
+                                 f"got {getattr(self, name)!r}")
         if int(self.attention_block) < 8 or int(self.attention_block) % 8:
             raise ValueError(f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
                              f"got {self.attention_block}")

@@ -10,6 +10,7 @@ Weights are stored [in, out] (HF stores [out, in]; `hf_io` transposes).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -95,6 +96,14 @@ def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w.astype(dtype))
 
 
+def _proj(c: DecoderConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+    """An attention projection x [..., in] @ w [in, out] in the compute dtype, through
+    `linear`'s VJP when `c.proj_backward` is "custom"."""
+    if c.proj_backward == "custom":
+        return linear(x.astype(c.dtype), w.astype(c.dtype))
+    return _dot(x, w, c.dtype)
+
+
 def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
                     mask, backend: str, cache=None):
     """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params;
@@ -114,9 +123,9 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     """
     B, L, _ = x.shape
     H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
-    q = _dot(x, w["q_proj"], dt).reshape(B, L, H, hd)
-    k = _dot(x, w["k_proj"], dt).reshape(B, L, K, hd)
-    v = _dot(x, w["v_proj"], dt).reshape(B, L, K, hd)
+    q = _proj(c, x, w["q_proj"]).reshape(B, L, H, hd)
+    k = _proj(c, x, w["k_proj"]).reshape(B, L, K, hd)
+    v = _proj(c, x, w["v_proj"]).reshape(B, L, K, hd)
     if c.qk_norm:
         q = rms_norm(w["q_norm"]["weight"], q, c.rms_eps, dt)
         k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
@@ -139,13 +148,87 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
     out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
                     block=c.attention_block,
                     kv_heads_major=cache is not None and cache[2] is None)
-    return _dot(out.reshape(B, L, H * hd), w["o_proj"], dt), cache
+    return _proj(c, out.reshape(B, L, H * hd), w["o_proj"]), cache
+
+
+@jax.custom_vjp
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] (one dtype), with a hand-written backward.
+
+    Same values as `_dot`; its backward forms the weight gradient x^T dy as one
+    dot_general contracting the token axes of x and dy as they lie. JAX's own
+    transpose of the einsum led XLA:CPU to copy dy transposed, [out, tokens],
+    for an Eigen dot; this form lets XLA pick the layout (tests/test_layers.py:
+    same gradients, fp32). Used for the attention's projections
+    (`DecoderConfig.proj_backward`).
+    """
+    return _linear_fwd(x, w)[0]
+
+
+def _linear_fwd(x, w):
+    return jnp.einsum("...i,io->...o", x, w), (x, w)
+
+
+def _linear_bwd(res, dy):
+    x, w = res
+    toks = tuple(range(x.ndim - 1))
+    dx = jnp.einsum("...o,io->...i", dy, w)
+    return dx, jax.lax.dot_general(x, dy, ((toks, toks), ((), ())))
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def _swiglu_fwd(x, wg, wu, wd):
+    g, u = _dot(x, wg, x.dtype), _dot(x, wu, x.dtype)
+    return _dot(jax.nn.silu(g) * u, wd, x.dtype), (x, wg, wu, wd, g, u)
+
+
+def _swiglu_bwd(res, dy):
+    """Gradients of `swiglu`. Every weight gradient is one dot_general contracting
+    the token axes of both operands as they lie ([..., in] with [..., out]), and
+    d(gate), d(up) are formed once, in token-major layout, for both their uses.
+    JAX's own transpose of the forward led XLA:CPU to build d(gate) and d(up) a
+    second time, transposed [F, tokens], in copy fusions for the weight-gradient
+    dots (the step's largest layout copies, BUILD_NOTES "Where the step's time
+    goes"); this form has none of them."""
+    x, wg, wu, wd, g, u = res
+    toks = tuple(range(x.ndim - 1))
+    tok_dot = functools.partial(jax.lax.dot_general, dimension_numbers=((toks, toks), ((), ())))
+    s = jax.nn.sigmoid(g)
+    a = g * s  # silu(g)
+    dh = jnp.einsum("...d,fd->...f", dy, wd)  # dy @ wd^T
+    du = dh * a
+    dg = dh * u * s * (1 + g * (1 - s))  # silu'(g) = s (1 + g (1 - s))
+    dx = jnp.einsum("...f,df->...d", dg, wg) + jnp.einsum("...f,df->...d", du, wu)
+    return (dx, tok_dot(x, dg).astype(wg.dtype), tok_dot(x, du).astype(wu.dtype),
+            tok_dot(a * u, dy).astype(wd.dtype))
+
+
+@jax.custom_vjp
+def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """down(silu(x @ wg) * (x @ wu)) with a hand-written backward (`_swiglu_bwd`).
+
+    x [..., D]; wg, wu [D, F]; wd [F, D], all in one dtype (the compute dtype).
+    Values and gradients equal the plain form up to fp32 summation order
+    (tests/test_layers.py); it saves x, g = x @ wg, u = x @ wu for the backward,
+    as autodiff does. Why: the MLP was 0.32-0.41 of the train step and its
+    autodiff backward XLA:CPU's largest layout copies (`DecoderConfig.mlp_backward`).
+    """
+    return _swiglu_fwd(x, wg, wu, wd)[0]
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate x) * up x). x [B, L, D]; w: the `mlp` params."""
-    g, u = _dot(x, w["gate_proj"], c.dtype), _dot(x, w["up_proj"], c.dtype)
-    return _dot(jax.nn.silu(g) * u, w["down_proj"], c.dtype)
+    """SwiGLU: down(silu(gate x) * up x). x [B, L, D]; w: the `mlp` params.
+    `c.mlp_backward` "custom" differentiates through `swiglu`'s own VJP."""
+    wg, wu, wd = (w[k].astype(c.dtype) for k in ("gate_proj", "up_proj", "down_proj"))
+    if c.mlp_backward == "custom":
+        return swiglu(x.astype(c.dtype), wg, wu, wd)
+    g, u = _dot(x, wg, c.dtype), _dot(x, wu, c.dtype)
+    return _dot(jax.nn.silu(g) * u, wd, c.dtype)
 
 
 def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
