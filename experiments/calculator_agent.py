@@ -81,8 +81,10 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
     for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
         corpus.append(_render_for_corpus(msgs, tools))
+    # digit_group: 1 = one token per digit; 3 = numbers in chunks of up to 3 digits,
+    # each chunk one token (the `long` variant: a running value is then one token to copy).
     return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
-                                individual_digits=True)
+                                digit_group=cfg.tokenizer.get("digit_group", 1))
 
 
 def _render_for_corpus(msgs, tools) -> str:

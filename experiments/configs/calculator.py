@@ -47,14 +47,19 @@ def _long(c):
     # operand, 3-5 operations): a fixed-width prompt whatever the count.
     c.env = ml_collections.ConfigDict(dict(kind="chain", ops_range=(3, 5),
                                            value_range=(100, 999), operand_range=(10, 99)))
+    # Numbers as single tokens (digit chunks of up to 3, as GPT-4's tokenizers split
+    # them): every running value and operand is one token, so each copy the agents make
+    # is one attention lookup. With one token per digit the 2-layer model had not
+    # learned the main agent's copies after 3,600 SFT steps (BUILD_NOTES, issue 18).
+    c.tokenizer.digit_group = 3
     # The main agent restarts from system + task + memo only (keep_exchange=False); the
     # memo is the task that is left, in the task's words ("Start at 549. Apply +37, 3
-    # times."). With the tiny tokenizer the first main prompt is 219 tokens, a restart
-    # 250, a call 26 and a tool result 3 chars (+ message_overhead_tokens=10 in the
-    # orchestrator's estimate): at 252 every prompt fits and every call passes the
+    # times."). With this tokenizer the first main prompt is ~216 tokens, a restart
+    # ~240, a call 23 and a tool result one number (+ message_overhead_tokens=10 in the
+    # orchestrator's estimate): at 246 every prompt fits and every call passes the
     # budget, so the main agent makes one call per episode and is compacted after each
     # (tests/test_long_horizon.py checks the demonstrations against it).
-    c.harness = ml_collections.ConfigDict(dict(kind="compaction", context_budget=252,
+    c.harness = ml_collections.ConfigDict(dict(kind="compaction", context_budget=246,
                                                keep_exchange=False, message_overhead_tokens=10,
                                                max_consecutive_compactions=2))
     # Imperfect demos: each memo has its value garbled (one digit) with memo_error_prob,
@@ -94,7 +99,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.seed = 0
     c.workdir = "runs/calculator"
 
-    c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=640))
+    # digit_group: digits per number token (1: one per digit; 3: chunks of up to 3, as
+    # GPT-4's tokenizers split numbers, each chunk a single token).
+    c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=640, digit_group=1))
     c.model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab_size: the tokenizer's)
         hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=4,
         head_dim=16, max_position_embeddings=512, tie_embeddings=True))
