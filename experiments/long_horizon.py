@@ -139,7 +139,8 @@ def long_demo_segments(cfg, env, tasks, tokenizer, make_orchestrator, rng, log=p
         stats["memos"] += len(judged)
         stats["memos_ok"] += sum(judged)
         for agent, messages, tools, reply in episode_requests(requests):
-            segments.append(demo_segment(tokenizer, messages + [reply], tools, task=t.task_id))
+            segments.append(demo_segment(tokenizer, messages + [reply], tools, task=t.task_id,
+                                         agent=agent))
             stats["segments"][agent] = stats["segments"].get(agent, 0) + 1
     log(f"demos: {stats['demos']} attempts, {stats['passed']} pass; memos ok "
         f"{stats['memos_ok']}/{stats['memos']}; segments per agent {stats['segments']}")

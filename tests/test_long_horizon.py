@@ -140,6 +140,9 @@ def test_demo_segments_train_main_and_compactor_outputs(long_setup):
     assert stats["passed"] < stats["demos"]         # and those attempts failed
     texts = [tok.decode(s.tokens.tolist()) for s in segments]
     compactor = [s for s, x in zip(segments, texts) if "<tools>" not in x]
+    # Each segment carries the label of the agent that speaks in it.
+    assert [s.agent for s in segments] == ["main" if "<tools>" in x else "compactor"
+                                           for x in texts]
     text = tok.decode(compactor[0].tokens.tolist())
     assert CompactionOrchestrator.COMPACTOR_SYSTEM_PROMPT in text and "<tools>" not in text
     trained = tok.decode(compactor[0].tokens[compactor[0].loss_mask > 0].tolist())
