@@ -69,7 +69,10 @@ def test_compaction_ablation_runs_both_arms_from_one_sft(tmp_path):
         # Each arm trained from the SFT weights in its own directory.
         assert os.listdir(os.path.join(cfg.workdir, f"rl_{arm}", "checkpoints"))
     md = open(os.path.join(cfg.workdir, "report", "ablation.md")).read()
-    assert "rl_main_only" in md and "memo fidelity" in md
+    assert "rl_main_only" in md and "memo fidelity" in md and "first calls right" in md
+    # Where the main agent slips, per eval: every main request of every trace counted.
+    for name, ev in report["evals"].items():
+        assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
     # The main-only arm's step log counts the compactor's tokens as excluded.
     metrics = [json.loads(line) for line in open(os.path.join(
         cfg.workdir, "report", "metrics_main_only", "metrics.jsonl"))]
