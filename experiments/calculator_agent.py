@@ -81,8 +81,10 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
     for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
         corpus.append(_render_for_corpus(msgs, tools))
+    # digit_group: 1 = one token per digit; 3 = numbers in chunks of up to 3 digits,
+    # each chunk one token (the `long` variant: a running value is then one token to copy).
     return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
-                                individual_digits=True)
+                                digit_group=cfg.tokenizer.get("digit_group", 1))
 
 
 def _render_for_corpus(msgs, tools) -> str:
@@ -116,13 +118,26 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     else:
         segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
                                  tools, task=t.task_id) for t in tasks]
-    typed = typed_configs(cfg)
-    sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
-    every = max(1, sft_cfg.steps // 10)
-    result = run_sft(model, segments, sft_cfg, opt,
-                     log=lambda i, m: log(f"sft step {i}: loss={m['loss']:.4f}")
-                     if i % every == 0 else None)
-    return result.model(), result.history
+    history = []
+    # The first stage is `sft` / `sft_optimizer`; each (steps, learning_rate) of
+    # `sft_restarts` then trains again from there with a fresh optimizer and its own
+    # warmup + cosine schedule (cosine with warm restarts).
+    for stage, (steps, lr) in enumerate([(None, None)] + list(cfg.get("sft_restarts", ()))):
+        scfg = cfg
+        if steps is not None:
+            scfg = cfg.copy_and_resolve_references()
+            scfg.sft.steps, scfg.sft_optimizer.total_steps = int(steps), int(steps)
+            scfg.sft_optimizer.learning_rate = float(lr)
+        typed = typed_configs(scfg)
+        sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
+        every = max(1, sft_cfg.steps // 10)
+        tag = "sft" if stage == 0 else f"sft restart {stage}"
+        result = run_sft(model, segments, sft_cfg, opt,
+                         log=lambda i, m, tag=tag: log(f"{tag} step {i}: loss={m['loss']:.4f}")
+                         if i % every == 0 else None)
+        model = result.model()
+        history += [dict(h, stage=stage) for h in result.history]
+    return model, history
 
 
 def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):

@@ -78,6 +78,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|"]
     for name, d in report["differences"].items():
         rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['memo_fidelity'])} |")
+    rows += ["", "| held-out eval | main: first calls right | later calls right | answers right |",
+             "|---|---|---|---|"]
+    for name in ("sft", "rl_whole", "rl_main_only"):
+        m = report["evals"][name].get("main_requests", {})
+        cells = [f"{m[k]['correct']}/{m[k]['n']} ({m[k]['rate']:.3f})" if k in m else "n/a"
+                 for k in ("first_call", "later_call", "answer")]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     methods = {e["pass_rate"]["method"] for e in report["evals"].values()}
     rows += ["", f"{report['eval_tasks']} held-out tasks x {report['eval_attempts']} attempt(s); "
              f"pass rate CI: {', '.join(sorted(methods))}; memo fidelity CI: clustered-t over "
@@ -140,7 +147,9 @@ async def _run(cfg, log=print) -> dict:
     times["total"] = time.perf_counter() - t_start
     report = {
         "evals": {name: {"pass_rate": r.pass_rate.to_dict(),
-                         "agents": long_horizon.agent_figures(r)} for name, r in results.items()},
+                         "agents": long_horizon.agent_figures(r),
+                         "main_requests": long_horizon.main_request_accuracy(r.traces, tokenizer)}
+                  for name, r in results.items()},
         "differences": {"rl_whole - sft": diff("rl_whole", "sft"),
                         "rl_main_only - sft": diff("rl_main_only", "sft"),
                         "rl_whole - rl_main_only": diff("rl_whole", "rl_main_only")},

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -139,7 +140,8 @@ def long_demo_segments(cfg, env, tasks, tokenizer, make_orchestrator, rng, log=p
         stats["memos"] += len(judged)
         stats["memos_ok"] += sum(judged)
         for agent, messages, tools, reply in episode_requests(requests):
-            segments.append(demo_segment(tokenizer, messages + [reply], tools, task=t.task_id))
+            segments.append(demo_segment(tokenizer, messages + [reply], tools, task=t.task_id,
+                                         agent=agent))
             stats["segments"][agent] = stats["segments"].get(agent, 0) + 1
     log(f"demos: {stats['demos']} attempts, {stats['passed']} pass; memos ok "
         f"{stats['memos_ok']}/{stats['memos']}; segments per agent {stats['segments']}")
@@ -193,6 +195,42 @@ def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
             "compactions_per_attempt": float(np.mean(compactions)) if compactions else 0.0,
             "episodes_per_trace": float(np.mean(episodes)) if episodes else 0.0,
             "episodes_per_trace_by_agent": {a: c / n for a, c in sorted(by_agent.items())}}
+
+
+_STATE_RE = re.compile(r"Start at (\d+)\. Apply ([+-]\d+), (\d+) times\.")
+
+
+def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
+    """Where the main agent slips: each main request judged against the state it
+    was shown (the last "Start at V. Apply OP, N times." of its prompt: the task,
+    or the memo after a compaction), so a slip is counted where it happens, not
+    where it surfaces. Kinds: "first_call" (the attempt's first request: a call
+    on "V OP"), "later_call" (a call after a restart), "answer" (N = 0: "The
+    answer is V."). Returns {kind: {"n", "correct", "rate"}}; a request whose
+    prompt shows no state counts under "no_state"."""
+    counts: dict[str, list[int]] = {}
+    for tr in traces:
+        first = True
+        for ep in tr.episodes:
+            if ep.agent != "main":
+                continue
+            for c in ep.completions:
+                states = _STATE_RE.findall(tokenizer.decode(list(c.prompt_ids)))
+                out = tokenizer.decode(list(c.output_ids))
+                if not states:
+                    kind, ok = "no_state", False
+                else:
+                    value, op, left = states[-1]
+                    if int(left) == 0:
+                        kind, ok = "answer", f"The answer is {int(value)}." in out
+                    else:
+                        kind = "first_call" if first else "later_call"
+                        ok = f'"expression": "{int(value)}{op}"' in out
+                first = False
+                n_ok = counts.setdefault(kind, [0, 0])
+                n_ok[0] += 1
+                n_ok[1] += int(ok)
+    return {k: {"n": n, "correct": ok, "rate": ok / n} for k, (n, ok) in sorted(counts.items())}
 
 
 def memo_fidelity_difference(after, before, level: float = 0.95) -> Estimate | None:

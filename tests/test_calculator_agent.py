@@ -3,6 +3,8 @@
 import json
 import os
 
+import numpy as np
+
 from ac2_jax.models.hf_io import load_hf_checkpoint
 from experiments import calculator_agent
 from experiments.configs.calculator import get_config
@@ -69,7 +71,10 @@ def test_compaction_ablation_runs_both_arms_from_one_sft(tmp_path):
         # Each arm trained from the SFT weights in its own directory.
         assert os.listdir(os.path.join(cfg.workdir, f"rl_{arm}", "checkpoints"))
     md = open(os.path.join(cfg.workdir, "report", "ablation.md")).read()
-    assert "rl_main_only" in md and "memo fidelity" in md
+    assert "rl_main_only" in md and "memo fidelity" in md and "first calls right" in md
+    # Where the main agent slips, per eval: every main request of every trace counted.
+    for name, ev in report["evals"].items():
+        assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
     # The main-only arm's step log counts the compactor's tokens as excluded.
     metrics = [json.loads(line) for line in open(os.path.join(
         cfg.workdir, "report", "metrics_main_only", "metrics.jsonl"))]
@@ -81,3 +86,35 @@ def test_ablation_needs_the_compacting_harness():
     from experiments import compaction_ablation
     with pytest.raises(ValueError, match="calculator.py:long"):
         compaction_ablation.run(get_config("quick"))
+
+
+def test_sft_restarts_equal_continuing_by_hand():
+    """`sft_restarts` (the long variant's warm start): each (steps, lr) trains again
+    with a fresh optimizer; the same as running the continued SFT by hand, as the
+    BUILD_NOTES runs did (fp32, atol 1e-6)."""
+    import jax
+    from flax import nnx
+
+    cfg = get_config("long_quick")
+    env = calculator_agent.build_env(cfg)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tok = calculator_agent.build_tokenizer(cfg, d, env)
+    quiet = lambda *a: None  # noqa: E731
+    model, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, quiet)
+    assert [h["stage"] for h in history] == [0] * cfg.sft.steps + [1] * 2
+    first = cfg.copy_and_resolve_references()
+    first.sft_restarts = ()
+    by_hand, _ = calculator_agent.sft_warm_start(
+        first, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, quiet)
+    second = get_config("long_quick")
+    second.sft_restarts = ()
+    second.sft.steps, second.sft_optimizer.learning_rate = 2, 3e-3
+    by_hand, _ = calculator_agent.sft_warm_start(second, by_hand, tok, env, quiet)
+    a, b = nnx.state(model, nnx.Param), nnx.state(by_hand, nnx.Param)
+    assert all(np.allclose(x, y, atol=1e-6) for x, y in zip(jax.tree.leaves(a),
+                                                             jax.tree.leaves(b)))
+    assert not all(np.allclose(x, y, atol=1e-6) for x, y in zip(
+        jax.tree.leaves(a), jax.tree.leaves(nnx.state(calculator_agent.build_model(
+            cfg, tok.vocab_size), nnx.Param))))

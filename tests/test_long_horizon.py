@@ -11,6 +11,7 @@ episodes, rewards, batch) is the real path.
 """
 
 import asyncio
+import copy
 import dataclasses
 import json
 import random
@@ -140,6 +141,9 @@ def test_demo_segments_train_main_and_compactor_outputs(long_setup):
     assert stats["passed"] < stats["demos"]         # and those attempts failed
     texts = [tok.decode(s.tokens.tolist()) for s in segments]
     compactor = [s for s, x in zip(segments, texts) if "<tools>" not in x]
+    # Each segment carries the label of the agent that speaks in it.
+    assert [s.agent for s in segments] == ["main" if "<tools>" in x else "compactor"
+                                           for x in texts]
     text = tok.decode(compactor[0].tokens.tolist())
     assert CompactionOrchestrator.COMPACTOR_SYSTEM_PROMPT in text and "<tools>" not in text
     trained = tok.decode(compactor[0].tokens[compactor[0].loss_mask > 0].tolist())
@@ -227,3 +231,28 @@ def test_eval_reports_per_agent_figures(served):
     assert json.loads(json.dumps(figures)) == figures
     same = long_horizon.memo_fidelity_difference(result, result)
     assert same.mean == 0.0
+
+
+def test_main_request_accuracy_counts_each_slip_where_it_happens(served):
+    tok = served["tok"]
+    traces = _collect(served, tasks_per_step=2, attempts=2)
+    acc = long_horizon.main_request_accuracy(traces, tok)
+    mains = sum(len(e.completions) for t in traces for e in t.episodes if e.agent == "main")
+    assert sum(v["n"] for v in acc.values()) == mains
+    assert acc["first_call"]["n"] == len(traces) and acc["answer"]["n"] == len(traces)
+    # The scripted policy follows what it is shown, garbled memos included: every
+    # main request is right given its prompt, though some attempts fail.
+    assert all(v["rate"] == 1.0 for v in acc.values()) and "no_state" not in acc
+    assert {t.reward for t in traces} == {0.0, 1.0}
+    # One miscopied first call and one wrong answer are counted where they happen.
+    first = traces[0].episodes[0].completions[0]
+    last = [c for e in traces[1].episodes if e.agent == "main" for c in e.completions][-1]
+    bad = copy.deepcopy(traces)
+    bad[0].episodes[0].completions[0].output_ids = tok.encode(
+        tok.decode(list(first.output_ids)).replace('"expression": "', '"expression": "9', 1))
+    [c for e in bad[1].episodes if e.agent == "main" for c in e.completions][-1].output_ids = \
+        tok.encode(tok.decode(list(last.output_ids)).replace("is ", "is 1", 1))
+    worse = long_horizon.main_request_accuracy(bad, tok)
+    assert worse["first_call"]["correct"] == acc["first_call"]["correct"] - 1
+    assert worse["answer"]["correct"] == acc["answer"]["correct"] - 1
+    assert worse["later_call"] == acc["later_call"]

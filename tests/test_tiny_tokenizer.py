@@ -48,3 +48,27 @@ def test_individual_digits_option_matches_autotokenizer(tmp_path):
     assert ids == hf.encode(text, add_special_tokens=False)
     digits = [tok.id_to_token(i) for i in ids if tok.id_to_token(i).lstrip("Ġ").isdigit()]
     assert all(len(d.lstrip("Ġ")) == 1 for d in digits) and len(digits) == 10
+
+
+def test_digit_group_makes_every_chunk_one_token_and_matches_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = build_tiny_tokenizer(str(tmp_path / "d3"), vocab_size=640, digit_group=3)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "d3"))
+    for n in (0, 7, 42, 100, 549, 999):
+        assert len(tok.encode(str(n))) == 1, n
+    assert len(tok.encode("007")) == 1
+    text = "Start at 549. Apply +37, 3 times. Then 1016 and 1234567."
+    ids = tok.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    # Runs of digits split left to right into chunks of up to three (as cl100k does).
+    numbers = [tok.decode([i]) for i in ids if tok.decode([i]).strip().isdigit()]
+    assert numbers == ["549", "37", "3", "101", "6", "123", "456", "7"]
+
+
+def test_digit_group_rejects_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="not both"):
+        build_tiny_tokenizer(str(tmp_path / "x"), individual_digits=True, digit_group=3)
+    with pytest.raises(ValueError, match="digit_group must be"):
+        build_tiny_tokenizer(str(tmp_path / "y"), digit_group=4)

@@ -12,7 +12,7 @@ import json
 import random
 from typing import Iterable
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ac2_jax.models.tokenizer import Tokenizer
@@ -96,26 +96,57 @@ def tiny_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
 
 
 def build_tiny_tokenizer(path: str, extra_corpus: Iterable[str] = (), vocab_size: int = 768,
-                         individual_digits: bool = False) -> Tokenizer:
+                         individual_digits: bool = False, digit_group: int = 0) -> Tokenizer:
     """Trains a byte-level BPE tokenizer offline and saves it in HF format at `path`.
 
     individual_digits=True splits every digit into its own token (numbers then
     tokenize the same wherever they appear, which makes copying them easy).
+    digit_group=k (2 or 3) splits runs of digits left to right into chunks of up
+    to k digits, as GPT-4's cl100k/o200k tokenizers do with k=3, and makes every
+    chunk ("0" .. "999" with leading zeros) one token: a number of up to k digits
+    is then a single token, so copying it is one attention lookup. The chunk
+    tokens come on top of `vocab_size` (10 + 100 + 1,000 for k=3).
     """
+    if digit_group and individual_digits:
+        raise ValueError("build_tiny_tokenizer: pass individual_digits=True or digit_group=k, "
+                         "not both (individual digits is digit_group=1)")
+    if digit_group not in (0, 1, 2, 3):
+        raise ValueError(f"build_tiny_tokenizer: digit_group must be 0 (off) or 1-3 digits per "
+                         f"token, got {digit_group!r}")
+    individual_digits = individual_digits or digit_group == 1
+    chunks = _digit_chunks(digit_group) if digit_group > 1 else []
     hf = HFTokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 byte_level])
-                        if individual_digits else byte_level)
+    if individual_digits:
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif chunks:
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\d{1,%d}" % digit_group), behavior="isolated"),
+             byte_level])
+    else:
+        hf.pre_tokenizer = byte_level
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size + len(chunks), show_progress=False,
                                   special_tokens=list(TINY_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(list(tiny_corpus()) + list(extra_corpus), trainer=trainer)
+    # Every digit chunk as a word of its own, often enough that BPE merges all of them
+    # (pairs first: each appears in 20 chunks), checked below.
+    hf.train_from_iterator(list(tiny_corpus()) + list(extra_corpus) + [" ".join(chunks)] * 50,
+                           trainer=trainer)
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_TOOL_TOKENS])
     tok = Tokenizer(hf, chat_template=TINY_CHAT_TEMPLATE,
                     special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
                     extra_stop_token_ids=[hf.token_to_id("<|endoftext|>")],
                     model_max_length=4096)
+    split = [c for c in chunks if len(hf.encode(c, add_special_tokens=False).ids) != 1]
+    if split:
+        raise ValueError(f"build_tiny_tokenizer: {len(split)} digit chunks are not single "
+                         f"tokens (e.g. {split[:3]}): raise vocab_size (now {vocab_size})")
     tok.save_pretrained(path)
     return Tokenizer.from_pretrained(path)
+
+
+def _digit_chunks(k: int) -> list[str]:
+    """Every string of 1..k digits ("0", "00", "000", ...)."""
+    return [str(i).zfill(n) for n in range(1, k + 1) for i in range(10 ** n)]

@@ -17,8 +17,9 @@ from ac2_jax.segments import Segment
 
 
 def demo_segment(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                 task: str = "demo") -> Segment:
-    """One segment for one demo conversation (loss on assistant outputs)."""
+                 task: str = "demo", agent: str = "main") -> Segment:
+    """One segment for one demo conversation (loss on assistant outputs), labelled
+    with the `agent` that speaks in it (per-agent SFT figures read the label)."""
     eos = tokenizer.eos_token
     full = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
     spans = []
@@ -43,4 +44,5 @@ def demo_segment(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | No
         tokens += prompt + output
         mask += [0] * len(prompt) + [1] * len(output)
         pos = end
-    return Segment(np.array(tokens), np.array(mask, np.float32), np.zeros(len(tokens)), task=task)
+    return Segment(np.array(tokens), np.array(mask, np.float32), np.zeros(len(tokens)), task=task,
+                   agent=agent)
