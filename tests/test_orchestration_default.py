@@ -255,18 +255,21 @@ class ScriptedClient:
     Each script item is (content, finish_reason, prompt_tokens, completion_tokens)."""
 
     def __init__(self, items):
-        self.items, self.requests = list(items), []
+        self.items, self.requests, self.params = list(items), [], []
         self.chat = self
         self.completions = self
 
     async def create(self, *, model, messages, **kw):
         self.requests.append([dict(m) for m in messages])
+        self.params.append(kw)
         content, finish, prompt, out = self.items.pop(0)
         calls = None
-        if content.startswith("CALL "):
-            calls = [{"id": f"call_{len(self.requests)}", "type": "function",
-                      "function": {"name": "add", "arguments": content[5:]}}]
-            content = None
+        for prefix, tool in (("CALL ", "add"), ("SPAWN ", "spawn_subagent")):
+            if content.startswith(prefix):
+                calls = [{"id": f"call_{len(self.requests)}", "type": "function",
+                          "function": {"name": tool, "arguments": content[len(prefix):]}}]
+                content = None
+                break
         return openai.types.chat.ChatCompletion.model_validate({
             "id": "x", "object": "chat.completion", "created": 0, "model": model,
             "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
@@ -276,10 +279,11 @@ class ScriptedClient:
                       "total_tokens": prompt + out}})
 
 
-def run_scripted(items, **kw):
+def run_scripted(items, orchestrator=None, **kw):
     env = AddEnv()
     client = ScriptedClient(items)
-    orch = DefaultOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny", **kw)
+    orch = (orchestrator or DefaultOrchestrator)(env, env.sample_tasks(1, 0)[0], client, "tiny",
+                                                 **kw)
     from ac2_jax.orchestration.base import SingleTaskUser, run_task
     return asyncio.run(run_task(orch, SingleTaskUser())), client
 
@@ -477,3 +481,22 @@ def test_memo_ok_is_recorded_when_the_env_judges_and_absent_when_it_cannot():
         assert event.get("memo_ok") is want
     # The exchange is kept by default (the existing behaviour).
     assert client.calls[2][1][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "7"}
+
+
+def test_a_seeded_attempt_gives_every_request_its_own_seed():
+    """Main, subagent and answer requests of one attempt seeded 7: four different seeds
+    (one seed on every request would correlate their sampling: test_orchestration_base)."""
+    spawn = ("SPAWN " + json.dumps({"name": "helper", "task": "Add 3 and 4."}), "tool_calls")
+    items = [(*spawn, 50, 10), (*ADD34, 50, 10), ("7", "stop", 50, 2), (*ANSWER, 60, 5)]
+    conv, client = run_scripted(items, orchestrator=SubagentOrchestrator,
+                                sampling={"seed": 7, "temperature": 0.5})
+    assert conv.status == "finished" and conv.metrics["steps_by_agent"] == {
+        "main": 2, "subagent:helper": 2}
+    seeds = [p["seed"] for p in client.params]
+    assert seeds[0] == 7 and len(set(seeds)) == 4, seeds
+    assert all(p["temperature"] == 0.5 for p in client.params)
+    _, again = run_scripted(items, orchestrator=SubagentOrchestrator,
+                            sampling={"seed": 7, "temperature": 0.5})
+    assert [p["seed"] for p in again.params] == seeds  # reproducible
+    _, unseeded = run_scripted(items, orchestrator=SubagentOrchestrator)
+    assert all("seed" not in p for p in unseeded.params)  # no seed: the sampler draws one

@@ -1,7 +1,7 @@
 """Orchestrators: the one loop that runs every harness shape."""
 
 from ac2_jax.orchestration.base import (AGENT_HEADER, ConversationTrace, Orchestrator, ScriptedUser,
-                                        SingleTaskUser, User, run_task)
+                                        SingleTaskUser, User, request_seed, run_task)
 from ac2_jax.orchestration.default import (CompactionOrchestrator, DefaultOrchestrator,
                                            MultiResponseOrchestrator, SubagentOrchestrator,
                                            format_error_message, tool_format_error)
@@ -23,6 +23,7 @@ __all__ = [
     "User",
     "classify_error",
     "format_error_message",
+    "request_seed",
     "run_rollout",
     "run_task",
     "tool_format_error",

@@ -16,12 +16,34 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import time
 from typing import Any
 
 from ac2_jax.envs.base import Env, Task
 
 AGENT_HEADER = "X-Agent"
+
+
+def request_seed(seed: int, scope: str, index: int) -> int:
+    """The sampling seed of request `index` (0, 1, ...) of an attempt seeded `seed`.
+
+    Samplers draw output token i of a seeded request from the seed and i alone
+    (JaxSampler: fold_in(key(seed), i); SGLang's sampling_seed likewise), so
+    requests sent with one seed share their noise position by position and an
+    attempt's requests would come out right or wrong together. Each request of
+    an attempt therefore gets its own seed: the first request of the top-level
+    agent keeps the attempt's seed (a one-request attempt samples as before);
+    every other is a hash of (seed, scope, index). `scope` names the
+    orchestrator within the attempt ("" for the top level, "spawn0/spawn1"...
+    for subagents), so subagents never reuse their parent's seeds whatever the
+    order their requests interleave in. Returns an int in [0, 2**63), or
+    `seed` itself for (scope "", index 0).
+    """
+    if not scope and index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{scope}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 @dataclasses.dataclass
@@ -92,6 +114,11 @@ class Orchestrator(abc.ABC):
         self.last_context: int | None = None  # prompt + output of the latest request
         self.last_prompt: int | None = None  # prompt tokens of the latest request
         self.sampling = dict(sampling or {})
+        # A "seed" in `sampling` seeds the attempt; each request gets its own
+        # (`request_seed`): the request count and this orchestrator's scope in
+        # the attempt ("" at the top, set by a parent for its subagents).
+        self.seed_scope = ""
+        self.requests_sent = 0
         self.trace = ConversationTrace(task=task, messages=list(env.initial_messages(task)[:-1]))
 
     @abc.abstractmethod
@@ -109,6 +136,9 @@ class Orchestrator(abc.ABC):
     async def complete(self, messages, *, agent: str = "main", tools=None, n: int = 1, **kw):
         """One chat completion request, labelled with the agent's name."""
         params = {**self.sampling, **kw}
+        if params.get("seed") is not None:
+            params["seed"] = request_seed(params["seed"], self.seed_scope, self.requests_sent)
+        self.requests_sent += 1
         if tools:
             params["tools"] = tools
         if n != 1:

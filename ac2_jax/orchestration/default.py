@@ -335,6 +335,7 @@ class SubagentOrchestrator(DefaultOrchestrator):
                                   max_context_tokens=self.max_context_tokens,
                                   max_generated_tokens=generated_left)
         sub.agent = f"subagent:{name}"
+        sub.seed_scope = f"{self.seed_scope}/spawn{len(self.subagents)}"  # its own seeds
         self.subagents.append(name)
         result = await run_task(sub, SingleTaskUser())
         m = self.trace.metrics
