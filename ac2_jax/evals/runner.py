@@ -102,7 +102,8 @@ async def evaluate(lifecycle: LifecycleClient, env: Env, tasks: Sequence[Task],
 
     Attempt a of task i samples with seed `attempt_seed(seed, i, a, k)` (set in
     the orchestrator's `sampling`, overriding the factory's; seed=None leaves
-    the factory's) and group id "{name}:{task_id}:{a}", so two runs with the
+    the factory's; the orchestrator gives each request of the attempt its own
+    seed derived from it, `orchestration.request_seed`) and group id "{name}:{task_id}:{a}", so two runs with the
     same tasks and seed pair attempt by attempt. An attempt that ends
     infra_error is run again up to `infra_retries` times; if it still fails,
     `infra_error` says whether it is left out of the scores ("exclude", counted)
