@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ac2_jax.evals import compare_results, evaluate  # noqa: E402
+from ac2_jax.evals import compare_results, evaluate, mean_interval  # noqa: E402
 from ac2_jax.models.params_io import restore_params  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from experiments import calculator_agent as ca  # noqa: E402
@@ -60,6 +60,32 @@ def step_curves(store_path: str) -> list[dict]:
                     "memo_fidelity": float(np.mean(memos)) if memos else None,
                     "memos": len(memos)})
     return out
+
+
+def eval_pass_by_task(store_path: str, eval_name: str) -> dict[str, float]:
+    """{task id: share of its attempts that passed} over the eval `eval_name`'s traces
+    in a store (an arm's `served_<arm>.jsonl` holds its RL rollouts and its eval)."""
+    by_task: dict[str, list[float]] = {}
+    for t in TraceStore(store_path).read(on_error="skip"):
+        if (t.metadata or {}).get("eval") == eval_name:
+            by_task.setdefault(t.task_id, []).append(float((t.reward or 0.0) >= 1.0))
+    return {k: float(np.mean(v)) for k, v in by_task.items()}
+
+
+def pooled_arm_difference(workdirs, level: float = 0.95):
+    """Whole - main-only pass rate pooled over ablation runs on the same held-out tasks
+    (e.g. two warm starts): per task, the mean over runs of (whole - main-only), then a
+    t interval over tasks. Only tasks every run evaluated in both arms count."""
+    per_run = []
+    for w in workdirs:
+        whole = eval_pass_by_task(os.path.join(w, "served_whole.jsonl"), "rl_whole")
+        main = eval_pass_by_task(os.path.join(w, "served_main_only.jsonl"), "rl_main_only")
+        per_run.append({k: whole[k] - main[k] for k in whole.keys() & main.keys()})
+    tasks = sorted(set.intersection(*(set(d) for d in per_run)))
+    if len(tasks) < 2:
+        raise ValueError(f"pooled_arm_difference: {len(tasks)} tasks in common across "
+                         f"{list(workdirs)}; the runs must share their held-out tasks")
+    return mean_interval([float(np.mean([d[k] for d in per_run])) for k in tasks], level)
 
 
 def _est(e) -> str:
