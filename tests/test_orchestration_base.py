@@ -16,8 +16,7 @@ import asyncio
 import openai
 
 from ac2_jax.envs import Env, Task
-from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
-from ac2_jax.orchestration import request_seed
+from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, request_seed
 from serving_helpers import served_random_model
 
 

@@ -1,6 +1,7 @@
 """Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
 
-from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool, set_tool_threads, tool_executor
+from ac2_jax.envs.base import (AgentError, Env, Task, Tool, hashed_seed, run_tool, set_tool_threads,
+                               tool_executor)
 from ac2_jax.envs.calculator import (CalculatorEnv, ChainCalculatorEnv, StepwiseCalculatorEnv,
                                      chain_memo, chain_policy, demonstration, last_integer,
                                      parse_chain_state, safe_eval)
@@ -31,6 +32,7 @@ __all__ = [
     "demonstration",
     "difficulty_factor",
     "domain_seed",
+    "hashed_seed",
     "hint_keywords",
     "last_integer",
     "parse_chain_state",

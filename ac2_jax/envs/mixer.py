@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import math
 import random
 from typing import Any, Sequence
 
-from ac2_jax.envs.base import Env, Task
+from ac2_jax.envs.base import Env, Task, hashed_seed
 from ac2_jax.trace.types import Trace
 
 # Traces with a verdict on the agent: they count as results; others are skipped (counted).
@@ -38,8 +37,7 @@ RESULT_STATUSES = ("finished", "agent_error")
 
 def domain_seed(seed: int, domain: str) -> int:
     """A domain's seed: a fixed hash of (mixer seed, domain), stable across runs."""
-    digest = hashlib.sha256(f"domain-seed:{seed}:{domain}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1  # non-negative 63-bit int
+    return hashed_seed("domain-seed", seed, domain)
 
 
 @dataclasses.dataclass(frozen=True)

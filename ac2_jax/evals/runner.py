@@ -103,9 +103,10 @@ async def evaluate(lifecycle: LifecycleClient, env: Env, tasks: Sequence[Task],
     Attempt a of task i samples with seed `attempt_seed(seed, i, a, k)` (set in
     the orchestrator's `sampling`, overriding the factory's; seed=None leaves
     the factory's; the orchestrator gives each request of the attempt its own
-    seed derived from it, `orchestration.request_seed`) and group id "{name}:{task_id}:{a}", so two runs with the
-    same tasks and seed pair attempt by attempt. An attempt that ends
-    infra_error is run again up to `infra_retries` times; if it still fails,
+    seed derived from it, `orchestration.request_seed`) and group id
+    "{name}:{task_id}:{a}", so two runs with the same tasks and seed pair
+    attempt by attempt. An attempt that ends infra_error is run again up to
+    `infra_retries` times; if it still fails,
     `infra_error` says whether it is left out of the scores ("exclude", counted)
     or scored 0 ("fail"). `on_attempt` is called with each finished record
     (e.g. a progress bar).

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import time
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task
+from ac2_jax.envs.base import Env, Task, hashed_seed
 
 AGENT_HEADER = "X-Agent"
 
@@ -42,8 +41,7 @@ def request_seed(seed: int, scope: str, index: int) -> int:
     """
     if not scope and index == 0:
         return seed
-    digest = hashlib.sha256(f"{seed}:{scope}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return hashed_seed(seed, scope, index)
 
 
 @dataclasses.dataclass

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 from typing import Protocol, Sequence
 
-from ac2_jax.envs.base import Env
+from ac2_jax.envs.base import Env, hashed_seed
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
 from ac2_jax.trace.store import TraceStore
 from ac2_jax.trace.types import Trace
@@ -28,8 +27,7 @@ class Collector(Protocol):
 
 def refill_seed(seed: int, rl_step: int, round: int) -> int:
     """The task seed of refill `round` (>= 1) of `rl_step`: a fixed hash, stable across runs."""
-    digest = hashlib.sha256(f"refill:{seed}:{rl_step}:{round}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return hashed_seed("refill", seed, rl_step, round)
 
 
 class EndpointCollector:
