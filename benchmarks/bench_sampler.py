@@ -1,4 +1,4 @@
-"""Greedy decode speed: JaxSampler vs transformers `generate`, same weights, CPU.
+"""Decode speed: JaxSampler vs transformers `generate`, same weights, CPU.
 
 One random-init decoder (sizes below, fp32) is exported with
 `save_hf_checkpoint` and loaded with `AutoModelForCausalLM` (torch, CPU), so
@@ -11,7 +11,10 @@ wall seconds, new tokens/s (all rows) and ms per decode step, for several N
 median of --hf_repeats after one warm-up call; `jax_decode_ms` is the time inside decode chunks
 only (no prefill, no host bookkeeping). `agree` is the number of leading
 greedy tokens both sides produce identically for row 0 (fp32 near-ties can
-split them later).
+split them later). `--temperature T` (> 0) times sampled decoding instead,
+the RL collector's case: both sides draw from softmax(logits / T) with no
+top-k / top-p (transformers: do_sample=True, top_k=0, top_p=1), seeded;
+`agree` is then not computed (the two RNGs differ).
 
     python -m benchmarks.bench_sampler --out bench_results/sampler.json
 """
@@ -38,11 +41,13 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return rng.integers(1, vocab, size=(batch, prompt_len)).tolist()
 
 
-def _jax_run(sampler: JaxSampler, prompts, n: int):
-    params = SamplingParams(temperature=0.0, max_tokens=n)
+def _jax_run(sampler: JaxSampler, prompts, n: int, temperature: float = 0.0):
+    params = SamplingParams(temperature=temperature, max_tokens=n)
 
     async def go():
-        return await asyncio.gather(*[sampler.generate(p, params) for p in prompts])
+        return await asyncio.gather(*[sampler.generate(p, params.replace(seed=i) if temperature
+                                                       else params)
+                                      for i, p in enumerate(prompts)])
 
     d0 = sampler.stats.decode_s
     t0 = time.perf_counter()
@@ -52,19 +57,22 @@ def _jax_run(sampler: JaxSampler, prompts, n: int):
     return wall, sampler.stats.decode_s - d0, results[0].output_ids
 
 
-def _hf_run(hf, prompts, n: int):
+def _hf_run(hf, prompts, n: int, temperature: float = 0.0):
     import torch
     ids = torch.tensor(prompts, dtype=torch.long)
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature \
+        else dict(do_sample=False)
+    torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+                          min_new_tokens=n, eos_token_id=None, pad_token_id=0, **sample)
     wall = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + n
     return wall, out[0, ids.shape[1]:].tolist()
 
 
-def main():
+def main(argv=None):
     p = parser(__doc__)
     p.set_defaults(repeats=2)
     p.add_argument("--hidden", type=int, default=256)
@@ -78,7 +86,9 @@ def main():
     p.add_argument("--batches", default="1,16")
     p.add_argument("--steps_per_sync", type=int, default=16)
     p.add_argument("--skip_hf", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0: sampled decoding on both sides")
+    args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
 
@@ -115,26 +125,29 @@ def main():
         prompts = _prompts(b, args.prompt_len, args.vocab)
         for n in lengths:
             t0 = time.perf_counter()
-            _jax_run(sampler, prompts, n)  # compiles the shapes this run needs
+            T = args.temperature
+            _jax_run(sampler, prompts, n, T)  # compiles the shapes this run needs
             compile_s = time.perf_counter() - t0
-            runs = [_jax_run(sampler, prompts, n) for _ in range(args.repeats)]
+            runs = [_jax_run(sampler, prompts, n, T) for _ in range(args.repeats)]
             wall = statistics.median(r[0] for r in runs)
             dec = statistics.median(r[1] for r in runs)
             row = {"batch": b, "new_tokens": n, "jax_s": wall, "jax_tok_s": b * n / wall,
                    "jax_ms_step": 1000 * wall / n, "jax_decode_ms": 1000 * dec / n,
                    "jax_first_run_s": compile_s}
             if hf is not None:
-                hf_runs = [_hf_run(hf, prompts, n) for _ in range(args.hf_repeats)]
+                hf_runs = [_hf_run(hf, prompts, n, T) for _ in range(args.hf_repeats)]
                 hw = statistics.median(r[0] for r in hf_runs)
                 a, h = runs[0][2], hf_runs[0][1]
-                agree = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), len(a))
+                agree = None if T else next(
+                    (i for i, (x, y) in enumerate(zip(a, h)) if x != y), len(a))
                 row.update({"hf_s": hw, "hf_tok_s": b * n / hw, "hf_ms_step": 1000 * hw / n,
                             "speedup": hw / wall, "agree": agree})
             rows.append(row)
             print(row, flush=True)
     sampler.close()
     print(f"\nmodel: {n_params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers, "
-          f"vocab {args.vocab}), fp32, prompt {args.prompt_len} tokens, greedy, "
+          f"vocab {args.vocab}), fp32, prompt {args.prompt_len} tokens, "
+          f"{'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
           f"cpus {os.cpu_count()}, torch threads {torch_threads}")
     cols = ["batch", "new_tokens", "jax_s", "jax_tok_s", "jax_ms_step", "jax_decode_ms",
             "hf_s", "hf_tok_s", "hf_ms_step", "speedup", "agree", "jax_first_run_s"]
@@ -142,6 +155,7 @@ def main():
     write_json(args.out, {"benchmark": "sampler", "config": vars(args),
                           "params": int(n_params), "torch_threads": torch_threads,
                           "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

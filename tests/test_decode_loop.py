@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses.logprobs import sampling_logits
-from ac2_jax.sampling.decode_loop import row_keys, sample_tokens
+from ac2_jax.sampling.decode_loop import first_argmax, inverse_cdf_draw, row_keys, sample_tokens
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 
@@ -81,3 +81,39 @@ def test_recorded_logprobs_are_those_of_the_sampling_distribution():
     np.testing.assert_allclose(np.exp(np.asarray(logp[2, :n_keep])), q[:n_keep] / q[:n_keep].sum(),
                                rtol=1e-5)
     assert int(tok[0]) in (0, 1)
+
+
+def test_first_argmax_equals_argmax_with_ties():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(64, 300)).astype(np.float32)  # many tied maxima
+    x[5] = -np.inf
+    x[6, :] = 2.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))),
+                                  np.argmax(x, axis=-1))
+
+
+def test_inverse_cdf_draw_matches_the_cdf_and_never_draws_excluded_tokens():
+    """Token = first index whose cumulative probability exceeds u (float64 reference,
+    u at the midpoints between cdf steps); excluded (-inf) tokens and whole
+    zero-mass blocks are never drawn, also at u = 0 and u just below 1."""
+    rng = np.random.default_rng(1)
+    V, block = 200, 64  # V not a multiple of the block: padded
+    logits = rng.normal(size=V).astype(np.float32)
+    logits[[0, 1, 70, 199]] = -np.inf
+    logits[128:192] = -np.inf  # a whole block without mass
+    p = np.exp(logits.astype(np.float64) - logits[np.isfinite(logits)].max())
+    cdf = np.cumsum(p) / p.sum()
+    lo = np.concatenate([[0.0], cdf[:-1]])
+    mids = ((lo + cdf) / 2)[p > 0]  # one u inside each drawable token's interval
+    u = np.concatenate([mids, [0.0, 1.0 - 2.0 ** -24]]).astype(np.float32)
+    draw = jax.jit(lambda x, u: inverse_cdf_draw(x, u, block=block))
+    got = np.asarray(draw(jnp.tile(jnp.asarray(logits), (len(u), 1)), jnp.asarray(u)))
+    allowed = np.flatnonzero(p > 0)
+    np.testing.assert_array_equal(got[:len(mids)], allowed)  # each token from its interval
+    assert got[-2] == allowed[0] and got[-1] == allowed[-1]
+    assert np.all(np.isfinite(logits[got]))
+    # A one-token distribution (top-k 1) always gives that token.
+    one = np.full((3, V), -np.inf, np.float32)
+    one[:, 150] = 1.0
+    np.testing.assert_array_equal(np.asarray(draw(jnp.asarray(one), jnp.array([0.0, 0.5, 0.9999999]))),
+                                  [150, 150, 150])

@@ -48,6 +48,49 @@ def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Ar
     return jax.vmap(one)(seed_lo, seed_hi, index)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, -1) (first index of the maximum) for x [..., V] without NaNs.
+
+    A max and a min over a masked iota: XLA:CPU runs jnp.argmax's variadic
+    (value, index) reduce about 3x slower (150 us of a 3 ms decode step at
+    [16, 4096], BUILD_NOTES "Decode: sampling and attention").
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    V = x.shape[-1]
+    idx = jnp.min(jnp.where(x == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    return jnp.minimum(idx, V - 1)  # an all-NaN row has no match: clamp like argmax would stay in range
+
+
+def inverse_cdf_draw(logits: jax.Array, u: jax.Array, *, block: int = 64) -> jax.Array:
+    """One token per row from softmax(logits) [B, V] (-inf = excluded) given u [B] in [0, 1).
+
+    Picks the first token whose cumulative probability exceeds u, in two levels
+    (the block of `block` tokens, then the token inside it) so no cumsum runs
+    over the whole vocabulary. Never returns a token of probability 0: a
+    zero-mass block or token never exceeds the running sum, and the fp32
+    rounding cases (u * total at or past the last sum) fall to the last block
+    / token that has mass. One uniform per row instead of V Gumbel draws: at
+    [16, 4096] 0.06 ms against jax.random.categorical's 0.85 ms.
+    """
+    B, V = logits.shape
+    nb = -(-V // block)
+    x = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, nb * block - V)),
+                constant_values=-jnp.inf)
+    p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)).reshape(B, nb, block)
+    mass = p.sum(-1)                                     # [B, nb]
+    cum = jnp.cumsum(mass, axis=-1)
+    target = u.astype(jnp.float32) * cum[:, -1]
+    last_block = first_argmax(jnp.where(mass > 0, jnp.arange(nb), -1))
+    blk = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last_block)
+    inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]     # [B, block]
+    before = jnp.where(blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None],
+                                                   axis=1)[:, 0], 0.0)
+    last_tok = first_argmax(jnp.where(inner > 0, jnp.arange(block), -1))
+    j = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1),
+                    last_tok)
+    return (blk * block + j).astype(jnp.int32)
+
+
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
                   top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token per row from fp32 logits [B, V], and the log-probs it was drawn from.
@@ -56,15 +99,16 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     `sampling_logits` (temperature, top-k, top-p), the behaviour distribution
     a learner re-scores with the same parameters. Temperature 0 rows take the
     argmax (their logp has no temperature applied; greedy is not a
-    distribution RL can train on).
+    distribution RL can train on). Sampled rows draw by `inverse_cdf_draw`
+    with one uniform from their key.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     scaled = sampling_logits(logits, temperature, top_k, top_p)
     logp = jax.nn.log_softmax(scaled, axis=-1)
 
     def sample(_):
-        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        return jnp.where(temperature > 0, sampled, greedy)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+        return jnp.where(temperature > 0, inverse_cdf_draw(scaled, u), greedy)
 
     # An all-greedy batch skips the noise.
     tok = jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
