@@ -177,10 +177,16 @@ async def serving(cfg, model, tokenizer, publish_dir: str, max_batch: int, trace
     """The endpoint over an embedded JaxSampler of `model` (real HTTP on 127.0.0.1);
     yields (sampler, lifecycle client) and shuts both down after."""
     eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
-    sampler = JaxSampler(model, publish_dir=publish_dir,
-                         max_context=cfg.model.max_position_embeddings,
+    context = cfg.model.max_position_embeddings
+    warm = cfg.sampler.warmup
+    # warmup: the cache always holds max_context slots (rows still follow the load)
+    # and every shape is compiled here, once; without it the RL steps kept
+    # compiling new prefill shapes (BUILD_NOTES "The RL loop's sampling").
+    sampler = JaxSampler(model, publish_dir=publish_dir, max_context=context,
                          max_batch=max_batch, eos_token_ids=eos, tokenizer=tokenizer,
-                         seed=cfg.seed)
+                         seed=cfg.seed, min_cache_len=context if warm else 64)
+    if warm:
+        sampler.warmup()
     admin_key = secrets.token_hex(16)
     app = build_app(sampler, tokenizer, admin_key=admin_key, model_name=MODEL_NAME,
                     trace_store=trace_store)
@@ -217,7 +223,7 @@ async def train_rl(cfg, rl_config: RLConfig, model, sampler, lifecycle, env, rl_
         attempts_per_task=rl_config.attempts_per_task, seed=rl_collector_seed(cfg),
         concurrency=rl_config.concurrency, infra_retries=ro.infra_retries)
     trainer = RLTrainer(model, collector, rl_config, rl_dir, on_publish=sampler.load_weights,
-                        logger=MetricsLogger(metrics_dir))
+                        logger=MetricsLogger(metrics_dir), sampler_counters=sampler.counters)
     try:
         history = await trainer.run()
         return history, trainer.model(), store

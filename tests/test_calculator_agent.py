@@ -13,6 +13,7 @@ from experiments.configs.calculator import get_config
 def test_pipeline_writes_a_complete_report(tmp_path):
     cfg = get_config("quick")  # 16 demos, 3 SFT steps, 1 RL step of 2 x 2 attempts, 4 eval tasks
     cfg.workdir = str(tmp_path / "run")
+    cfg.sampler.warmup = True  # as the demo runs: every sampler shape compiled before the evals
     report = calculator_agent.run(cfg, log=lambda *a: None)
 
     out = os.path.join(cfg.workdir, "report")
@@ -29,6 +30,11 @@ def test_pipeline_writes_a_complete_report(tmp_path):
     # The rollouts were collected through the endpoint and stored with their step.
     lines = open(os.path.join(cfg.workdir, "rl", "rollouts.jsonl")).read().splitlines()
     assert len(lines) == 2 * 2
+    # The RL step's sampler metrics: work was done, and nothing compiled after warmup.
+    (step,) = [json.loads(x) for x in open(os.path.join(out, "metrics", "metrics.jsonl"))]
+    assert step["train/sampler/new_shapes"] == 0
+    assert step["train/sampler/output_tokens"] > 0 and step["train/sampler/decode_steps"] > 0
+    assert 0 < step["train/sampler/occupancy"] <= 1
 
 
 def test_rl_first_tasks_are_not_the_sft_demonstrations():

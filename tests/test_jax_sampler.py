@@ -485,10 +485,29 @@ def test_fixed_shapes_after_warmup_compile_nothing(model):
         b.close()
 
 
-def test_warmup_needs_fixed_shapes(model):
-    s = _sampler(model)
+def test_fixed_cache_length_with_bucketed_rows_after_warmup_compiles_nothing(model):
+    """min_cache_len = max_context, rows bucketed 1..16: warmup() compiles every row
+    bucket's shapes; the same varied traffic (rows growing and shrinking between
+    buckets) then adds no shape and no XLA compile, and uses more than one row
+    bucket."""
+    s = _sampler(model, min_batch=1, min_prefill_rows=1)  # min_cache_len = max_context
     try:
-        with pytest.raises(ValueError, match="fixed_shapes=True"):
+        known = s.warmup()
+        decode_buckets = {k[1] for k in s.stats.shapes if k[0] == "decode_chunk"}
+        assert decode_buckets == {1, 2, 4, 8, 16}
+        with _BackendCompiles() as c:
+            _varied_load(s)
+        assert s.stats.compiled_shapes == known
+        assert c.n == 0, f"{c.n} XLA compiles after warmup"
+        assert s.stats.resizes > 0  # the load moved between row buckets
+    finally:
+        s.close()
+
+
+def test_warmup_needs_a_fixed_cache_length(model):
+    s = _sampler(model, min_cache_len=8)
+    try:
+        with pytest.raises(ValueError, match="fixed cache length"):
             s.warmup()
     finally:
         s.close()

@@ -11,6 +11,7 @@ from ac2_jax.sampling.base import (
     check_prompt,
     truncate_at_stop,
 )
+from ac2_jax.sampling.batching import occupancy_metrics
 from ac2_jax.sampling.fleet import BackendState, FleetSampler, route_key
 from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
 from ac2_jax.sampling.sglang import SGLangError, SGLangSampler, SGLangUnavailable
@@ -31,6 +32,7 @@ __all__ = [
     "SamplerUnavailable",
     "SamplingParams",
     "check_prompt",
+    "occupancy_metrics",
     "route_key",
     "truncate_at_stop",
 ]

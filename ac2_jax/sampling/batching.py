@@ -69,6 +69,34 @@ class SamplerStats:
     def compiled_shapes(self) -> int:
         return len(self.shapes)
 
+    def counters(self) -> dict[str, float]:
+        """The cumulative counters as plain numbers; two of them a step apart give
+        that step's sampler work (`occupancy_metrics`)."""
+        return {"decode_s": self.decode_s, "prefill_s": self.prefill_s,
+                "decode_steps": self.decode_steps,
+                "row_steps": sum(rows * n for rows, n in self.active_rows.items()),
+                "output_tokens": self.output_tokens, "prefill_tokens": self.prefill_tokens,
+                "cached_tokens": self.cached_tokens, "compiled_shapes": self.compiled_shapes,
+                "resizes": self.resizes}
+
+
+def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, float]:
+    """What the sampler did between two `SamplerStats.counters()` snapshots.
+
+    mean_active_rows: rows generating per decode step (occupancy: over
+    max_batch); decode_s / prefill_s: wall time in device calls; new_shapes:
+    compiles in the interval (0 once warmed up); decode_tokens_per_s: output
+    tokens per second of decode time.
+    """
+    d = {k: after[k] - before[k] for k in after}
+    active = d["row_steps"] / d["decode_steps"] if d["decode_steps"] else 0.0
+    return {"decode_s": d["decode_s"], "prefill_s": d["prefill_s"],
+            "decode_steps": d["decode_steps"], "mean_active_rows": active,
+            "occupancy": active / max_batch, "output_tokens": d["output_tokens"],
+            "prefill_tokens": d["prefill_tokens"], "cached_tokens": d["cached_tokens"],
+            "new_shapes": d["compiled_shapes"], "resizes": d["resizes"],
+            "decode_tokens_per_s": d["output_tokens"] / d["decode_s"] if d["decode_s"] else 0.0}
+
 
 def resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
     """Completes a request's future unless the caller already gave up on it."""

@@ -164,7 +164,6 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
     return cache, rows, out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def prefill_rows(graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: jax.Array,
                  positions: jax.Array) -> KVCache:
     """Writes prompt tokens into cache rows `row_idx` [b] (index >= B: padding).
@@ -172,12 +171,36 @@ def prefill_rows(graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: ja
     tokens, positions [b, T]; position -1 marks padding. Only the keys and
     values are kept; the logits of the prompt are not needed (the last prompt
     token is fed by the first decode step, which samples from it).
+
+    Three jitted calls: `take_rows` and `put_rows` (cheap copies, one compile
+    per (B, b, S)) around `prefill_sub`, the model's forward, whose compile
+    depends only on (b, T, S) and not on how many rows the cache has. A
+    sampler whose row count moves between buckets then compiles each prefill
+    shape once, not once per row bucket (the demo's RL compiled new prefill
+    shapes at every step: BUILD_NOTES "The RL loop's sampling").
     """
-    model = nnx.merge(graphdef, state)
-    take = lambda x: jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0)  # noqa: E731
-    sub = jax.tree.map(take, cache)
-    _, sub = model.decode(tokens, positions, sub, logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+    sub = prefill_sub(graphdef, state, take_rows(cache, row_idx), tokens, positions)
+    return put_rows(cache, row_idx, sub)
+
+
+@jax.jit
+def take_rows(cache: KVCache, row_idx: jax.Array) -> KVCache:
+    """Cache rows `row_idx` [b] (out of range: empty rows), all slots."""
+    return jax.tree.map(lambda x: jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0), cache)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def put_rows(cache: KVCache, row_idx: jax.Array, sub: KVCache) -> KVCache:
+    """`cache` with rows `row_idx` [b] replaced by `sub`'s (out of range: dropped)."""
     return jax.tree.map(lambda full, part: full.at[row_idx].set(part, mode="drop"), cache, sub)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("sub",))
+def prefill_sub(graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax.Array) -> KVCache:
+    """The prompt tokens [b, T] written into a [b]-row cache (see `prefill_rows`)."""
+    model = nnx.merge(graphdef, state)
+    _, sub = model.decode(tokens, positions, sub, logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+    return sub
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))

@@ -10,9 +10,10 @@ Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
 handful of compiles serve all traffic; a decode step costs O(1) in the sequence
 length apart from attention over the cache. Every bucket combination is one
 XLA executable kept for good, so under varied traffic the set (and memory)
-grows for a long while; `fixed_shapes=True` pins rows and cache length (one
-decode shape, prefill buckets only) and `warmup()` compiles that whole set up
-front, after which no traffic compiles anything (`stats.compiled_shapes`).
+grows for a long while. A fixed cache length (`min_cache_len >= max_context`,
+rows still bucketed) or `fixed_shapes=True` (rows fixed too: one decode
+shape) bounds the set, and `warmup()` compiles it all up front, after which
+no traffic compiles anything (`stats.compiled_shapes`).
 
 Requests are validated here, in the caller (ValueError naming the field),
 before they reach the worker; the worker (`worker.DeviceLoop`) keeps one
@@ -63,6 +64,9 @@ class JaxSampler(DeviceLoop):
     fixed_shapes: always max_batch rows x max_context cache slots (min_batch and
     min_cache_len are then max_batch and max_context): more padded decode work
     at low load, a small fixed set of compiles (what a server wants).
+    min_cache_len >= max_context with bucketed rows (min_batch < max_batch) is
+    the middle way: decode work follows the load, and `warmup()` still compiles
+    every shape up front (more of them: one set per row bucket).
     """
 
     def __init__(self, model: Decoder, *, publish_dir: str | None = None,
@@ -155,12 +159,15 @@ class JaxSampler(DeviceLoop):
         return await asyncio.wrap_future(req.future)
 
     def warmup(self) -> int:
-        """Compiles every shape a `fixed_shapes` sampler can use (prefill row and
-        length buckets, the decode chunk with up to 4 stop ids); blocks until
-        done and returns `stats.compiled_shapes`. Requests wait meanwhile."""
-        if not self.fixed_shapes:
-            raise ValueError("JaxSampler.warmup needs fixed_shapes=True: bucketed rows and "
-                             "cache lengths have too many combinations to compile up front")
+        """Compiles every shape a sampler with a fixed cache length can use: per
+        row bucket (one with fixed_shapes) the prefill row and length buckets,
+        the decode chunk with up to 4 stop ids, the re-layouts between row
+        buckets. Blocks until done and returns `stats.compiled_shapes`;
+        requests wait meanwhile. After it, traffic compiles nothing."""
+        if self._min_cache < self._max_context:
+            raise ValueError("JaxSampler.warmup needs a fixed cache length (fixed_shapes=True, "
+                             "or min_cache_len >= max_context): bucketed cache lengths have "
+                             "too many combinations to compile up front")
         item = Warmup()
         with self._lock:
             if self._closed:
@@ -209,6 +216,11 @@ class JaxSampler(DeviceLoop):
             self._pending = (state, version)
             self._latest = version
         self._queue.put(WAKE)
+
+    def counters(self) -> dict:
+        """`stats.counters()` plus max_batch, for `occupancy_metrics` (e.g. the RL
+        loop's per-step `sampler/...` metrics, `RLTrainer(sampler_counters=)`)."""
+        return {**self.stats.counters(), "max_batch": self._max_batch}
 
     def probe(self) -> dict:
         """Raises SamplerError when this sampler can no longer serve (closed, or

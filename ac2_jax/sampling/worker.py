@@ -100,23 +100,37 @@ class DeviceLoop:
         return True
 
     def _warm(self) -> int:
-        """Runs every jitted shape the fixed geometry can produce on a scratch
-        cache (the live cache and rows are untouched). Returns the number of
-        shapes known afterwards."""
-        B, S = self._max_batch, self._max_context
-        cache = self._new_cache(B, S)
-        for b in bucket_sizes(min(self._min_prefill_rows, B), B):
-            for T in bucket_sizes(min(16, self._prefill_chunk), self._prefill_chunk):
-                cache = prefill_rows(self._graphdef, self._state, cache,
-                                     np.full(b, B, np.int32), np.zeros((b, T), np.int32),
-                                     np.full((b, T), -1, np.int32))
-                self.stats.shapes.add(("prefill_rows", B, S, b, T))
-        rows = SlotTable.idle_rows(B)
-        cache, _, _ = decode_chunk(self._graphdef, self._state, cache, rows, np.bool_(False),
-                                   n_steps=self._steps, n_top=self._n_top)
-        self.stats.shapes.add(("decode_chunk", B, S, rows.stop_ids.shape[1]))
-        jax.block_until_ready(cache)
+        """Runs every jitted shape a fixed cache length can produce on scratch
+        caches (the live cache and rows are untouched): per row bucket B the
+        cache, its prefill row / length buckets, the decode chunk (up to 4 stop
+        ids), and the re-layout to every other row bucket. Returns the number
+        of shapes known afterwards."""
+        S, buckets = self._max_context, bucket_sizes(self._min_batch, self._max_batch)
+        for B in buckets:
+            cache = self._new_cache(B, S)
+            for b in bucket_sizes(min(self._min_prefill_rows, B), B):
+                for T in bucket_sizes(min(16, self._prefill_chunk), self._prefill_chunk):
+                    cache = self._prefill_call(cache, B, np.full(b, B, np.int32),
+                                               np.zeros((b, T), np.int32),
+                                               np.full((b, T), -1, np.int32))
+            rows = SlotTable.idle_rows(B)
+            cache, _, _ = decode_chunk(self._graphdef, self._state, cache, rows, np.bool_(False),
+                                       n_steps=self._steps, n_top=self._n_top)
+            self.stats.shapes.add(("decode_chunk", B, S, rows.stop_ids.shape[1]))
+            for new_B in buckets:  # admission grows the rows, compaction shrinks them
+                if new_B != B:
+                    jax.block_until_ready(resize_cache(cache, np.full(new_B, B, np.int32),
+                                                       max_len=S))
+                    self.stats.shapes.add(("resize_cache", B, S, new_B, S))
+            jax.block_until_ready(cache)
         return self.stats.compiled_shapes
+
+    def _prefill_call(self, cache, B: int, idx, tok, pos):
+        """`prefill_rows` on a [B]-row cache, its three compiled shapes recorded."""
+        (b, T), S = tok.shape, cache.max_len
+        self.stats.shapes.update({("prefill", b, S, T), ("take_rows", B, S, b),
+                                  ("put_rows", B, S, b)})
+        return prefill_rows(self._graphdef, self._state, cache, idx, tok, pos)
 
     def _new_cache(self, B: int, S: int):
         """An empty cache committed to its device, like every cache a jitted call
@@ -260,8 +274,7 @@ class DeviceLoop:
                 if hi > lo:
                     tok[i, :hi - lo] = p[lo:hi]
                     pos[i, :hi - lo] = np.arange(lo, hi)
-            self._cache = prefill_rows(self._graphdef, self._state, self._cache, idx, tok, pos)
-            self.stats.shapes.add(("prefill_rows", t.B, self._S, b, T))
+            self._cache = self._prefill_call(self._cache, t.B, idx, tok, pos)
             self.stats.prefill_calls += 1
         jax.block_until_ready(self._cache)
         self.stats.prefill_s += time.perf_counter() - t0

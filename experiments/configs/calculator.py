@@ -38,6 +38,7 @@ def _quick(c):
     c.rl.batch.rows = 2
     c.eval.update(num_tasks=4, attempts=2, concurrency=8)
     c.report.num_sample_traces = 2
+    c.sampler.warmup = False  # ~15 s of compiles would dominate a smoke run
     return c
 
 
@@ -154,4 +155,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         num_tasks=200, attempts=4, temperature=0.3, concurrency=64,
         prices=dict(cached_input=0.20, uncached_input=2.00, output=8.00)))
     c.report = ml_collections.ConfigDict(dict(num_sample_traces=4))
+    # The embedded sampler: warmup=True fixes its cache at max_position_embeddings
+    # slots and compiles every shape before the first eval (none during RL).
+    c.sampler = ml_collections.ConfigDict(dict(warmup=True))
     return apply(c)

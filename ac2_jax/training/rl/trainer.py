@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from ac2_jax.envs.mixer import DomainMixer
+from ac2_jax.sampling.batching import occupancy_metrics
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -110,13 +111,18 @@ class RLTrainer:
     `mix_pass_rate/<domain>` and `mix_results/<domain>`. The loop is a `Trainer`
     (`self.trainer`); logger replaces its `workdir/metrics` sink;
     make_step: e.g. a `StepCache` shared by several trainers.
+    `sampler_counters` (e.g. `JaxSampler.counters`): each step's metrics then
+    carry `sampler/...`, what the sampler did since the previous step's
+    traces came in (`sampling.occupancy_metrics`: mean active rows and
+    occupancy, decode / prefill seconds, new compiles).
     """
 
     def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
                  on_publish: Callable[[int], Any] | None = None,
                  on_progress: Callable[[int, int], Any] | None = None, train_mode: str = "jit",
                  mesh=None, logger: MetricsLogger | None = None,
-                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False):
+                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False,
+                 sampler_counters: Callable[[], dict] | None = None):
         for ours, theirs in (("tasks_per_step", "tasks_per_step"),
                              ("attempts_per_task", "attempts"), ("concurrency", "concurrency")):
             have = getattr(collector, theirs, None)
@@ -128,7 +134,7 @@ class RLTrainer:
                              f"refill(rl_step, round, n) (e.g. EndpointCollector); "
                              f"{type(collector).__name__} has none")
         self.config, self.collector, self.on_publish = config, collector, on_publish
-        self.on_progress = on_progress
+        self.on_progress, self.sampler_counters = on_progress, sampler_counters
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
             config.batch, task_capacity=config.batch.task_capacity or traces,
@@ -284,6 +290,7 @@ class RLTrainer:
         if self.start_step > 0:
             await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
         await self._progress()
+        seen = self.sampler_counters() if self.sampler_counters else None
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
@@ -295,6 +302,11 @@ class RLTrainer:
                 self.mixer.update(traces)
                 extra.update(self.mixer.metrics())
             t_sample = time.perf_counter() - t0
+            if seen is not None:
+                now = self.sampler_counters()
+                extra.update({f"sampler/{k}": v for k, v in
+                              occupancy_metrics(seen, now, now["max_batch"]).items()})
+                seen = now
             if cfg.mode == "async" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
             t1 = time.perf_counter()
