@@ -5,8 +5,8 @@ import concurrent.futures
 import numpy as np
 import pytest
 
-from ac2_jax.sampling import SamplingParams
-from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket, resolve
+from ac2_jax.sampling import SamplingParams, occupancy_metrics
+from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 
 
 def _req(prompt, **kw):
@@ -88,3 +88,17 @@ def test_assign_is_all_or_nothing():
     assert t.req == [None, None] and not t.arr["active"].any() and t.arr["token"][0] == 0
     t.assign(0, _req([1, 2, 3], top_k=5))
     assert t.arr["top_k"][0] == 5 and t.active_rows() == [0]
+
+
+def test_occupancy_metrics_are_the_work_between_two_snapshots():
+    st = SamplerStats()
+    before = st.counters()
+    st.active_rows.update({4: 10, 2: 5})  # 10 decode steps with 4 rows, 5 with 2
+    st.decode_steps, st.output_tokens, st.decode_s, st.prefill_s = 15, 50, 0.5, 0.25
+    st.shapes.add(("decode_chunk", 4, 64, 4))
+    m = occupancy_metrics(before, st.counters(), max_batch=8)
+    assert m["mean_active_rows"] == (4 * 10 + 2 * 5) / 15
+    assert m["occupancy"] == m["mean_active_rows"] / 8
+    assert m["decode_tokens_per_s"] == 100 and m["new_shapes"] == 1 and m["prefill_s"] == 0.25
+    idle = occupancy_metrics(st.counters(), st.counters(), max_batch=8)
+    assert idle["mean_active_rows"] == 0 and idle["decode_tokens_per_s"] == 0
