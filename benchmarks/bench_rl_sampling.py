@@ -30,8 +30,7 @@ COLS = ["step", "sampling_s", "decode_s", "prefill_s", "idle_s", "mean_active_ro
         "decode_steps", "output_tokens", "new_shapes", "training_s"]
 
 
-def run(workdir: str, steps: int, warmup: bool, variant: str | None = None,
-        scratch: str | None = None) -> list[dict]:
+def run(workdir: str, steps: int, warmup: bool, variant: str | None = None) -> list[dict]:
     from experiments import calculator_agent as ca
     from experiments.configs.calculator import get_config
 
@@ -40,7 +39,7 @@ def run(workdir: str, steps: int, warmup: bool, variant: str | None = None,
     cfg.rl.steps = steps
     cfg.sampler.warmup = warmup
     env, tokenizer, model, _, _ = ca.prepare(cfg, cfg.workdir, log=lambda *a: None)
-    run_dir = scratch or tempfile.mkdtemp(prefix="bench_rl_sampling_")
+    run_dir = tempfile.mkdtemp(prefix="bench_rl_sampling_")
     rl_config = ca.typed_configs(cfg)["rl"]
 
     async def go():
@@ -63,8 +62,7 @@ def run(workdir: str, steps: int, warmup: bool, variant: str | None = None,
                                               "decode_steps", "output_tokens", "new_shapes")}})
         return rows
     finally:
-        if scratch is None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main(argv=None):

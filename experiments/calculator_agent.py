@@ -184,7 +184,7 @@ async def serving(cfg, model, tokenizer, publish_dir: str, max_batch: int, trace
     # compiling new prefill shapes (BUILD_NOTES "The RL loop's sampling").
     sampler = JaxSampler(model, publish_dir=publish_dir, max_context=context,
                          max_batch=max_batch, eos_token_ids=eos, tokenizer=tokenizer,
-                         seed=cfg.seed, min_cache_len=context if warm else 64)
+                         seed=cfg.seed, **({"min_cache_len": context} if warm else {}))
     if warm:
         sampler.warmup()
     admin_key = secrets.token_hex(16)

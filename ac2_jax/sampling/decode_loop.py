@@ -80,12 +80,12 @@ def inverse_cdf_draw(logits: jax.Array, u: jax.Array, *, block: int = 64) -> jax
     mass = p.sum(-1)                                     # [B, nb]
     cum = jnp.cumsum(mass, axis=-1)
     target = u.astype(jnp.float32) * cum[:, -1]
-    last_block = first_argmax(jnp.where(mass > 0, jnp.arange(nb), -1))
+    last_block = jnp.max(jnp.where(mass > 0, jnp.arange(nb), 0), axis=-1)  # last with mass
     blk = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last_block)
     inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]     # [B, block]
     before = jnp.where(blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None],
                                                    axis=1)[:, 0], 0.0)
-    last_tok = first_argmax(jnp.where(inner > 0, jnp.arange(block), -1))
+    last_tok = jnp.max(jnp.where(inner > 0, jnp.arange(block), 0), axis=-1)
     j = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1),
                     last_tok)
     return (blk * block + j).astype(jnp.int32)
