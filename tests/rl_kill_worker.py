@@ -11,14 +11,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
-from ac2_jax.orchestration import LifecycleClient  # noqa: E402
+from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
 from experiments.toy_envs import LengthParityEnv  # noqa: E402
-from test_rl_trainer import ADMIN, _config, _make, _model  # noqa: E402
+from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
+
+# Each rollout waits this long before its agent runs, so collecting a step takes
+# seconds and the test can kill the process in the middle of it. Without a pace
+# the window was a few rollouts of ~20 ms each (once rollouts stopped building an
+# SSL context apiece), and a fresh CI run once finished the step before the kill.
+PACE_S = 0.5
+
+
+class PacedOrchestrator(DefaultOrchestrator):
+    async def run(self, turn_input):
+        await asyncio.sleep(PACE_S)
+        return await super().run(turn_input)
+
+
+def _make(env, task, client, model):  # test_rl_trainer._make, paced
+    return PacedOrchestrator(env, task, client, model, max_steps=1,
+                             sampling={"temperature": 1.0, "max_tokens": 6})
 
 
 async def main(workdir: str, steps: int) -> None:
