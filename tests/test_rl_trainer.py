@@ -563,10 +563,15 @@ def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
     assert c.ran == []
 
 
-def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
+@pytest.mark.parametrize("seq_len,grad_accum", [(128, 1), (32, 4)])
+def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, seq_len,
+                                                               grad_accum):
     """Steps of 3-8 traces of varied lengths and rewards, inside the batch's
     static capacity (rows x seq_len): `compiled_steps` stays at its warm-up
-    value 1, and so does the jitted step's own executable cache (a count)."""
+    value 1, and so does the jitted step's own executable cache (a count).
+    With 32-token rows the traces need from a few rows to all 8: run as 4
+    micro-batches of 2 rows (`RLConfig.grad_accum`), the step skips the empty
+    ones, and how many it skips varies from step to step."""
     store = TraceStore(str(tmp_path / "collected.jsonl"))
 
     async def collect():
@@ -595,7 +600,8 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
             replay.append(t)
         steps.append(replay)
     assert len({sum(len(e.completions) for t in s for e in t.episodes) for s in steps}) > 1
-    config = _config(6)
+    config = dataclasses.replace(_config(6), grad_accum=grad_accum,
+                                 batch=BatchConfig(seq_len=seq_len, rows=8))
     trainer = RLTrainer(_model(served["tok"].vocab_size),
                         ReplayCollector([t for s in steps for t in s]), config,
                         str(tmp_path / "run"))
@@ -604,7 +610,13 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path):
     trained = [h for h in history if h["skipped_update"] == 0.0]  # equal rewards: no update
     assert len(history) == 6 and len(trained) >= 4
     assert [h["compiled_steps"] for h in trained] == [1.0] * len(trained)
+    assert [h["batch_rows"] for h in trained] == [8.0] * len(trained)
     assert trainer.trainer.step_fn._step._cache_size() == 1
+    skipped = [h["micro_batches_skipped"] for h in trained]
+    if grad_accum == 1:
+        assert skipped == [0.0] * len(trained)
+    else:
+        assert len(set(skipped)) > 1 and max(skipped) < grad_accum, skipped
 
 
 class KindEnv(AlternatingEnv):

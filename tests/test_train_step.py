@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import Segment, pack_segments, pad_batch_rows
 from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
                               StepCache, create_train_state, make_mesh, make_train_step)
 from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward
@@ -122,6 +122,30 @@ def test_pmap_8_equals_single_device(batch, reference):
 
 def test_grad_accum_2_equals_full_batch(batch, reference):
     assert_same_update(reference, run_step(batch, grad_accum=2))
+
+
+def _reversed_rows(b):
+    return b.replace(**{k: np.asarray(v)[::-1] for k, v in vars(b).items()
+                        if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == b.shape[0]})
+
+
+@pytest.mark.parametrize("mode", ["jit", "mesh", "pmap"])
+def test_grad_accum_skips_micro_batches_without_loss_tokens(batch, reference, mode):
+    """A fixed geometry bigger than the data: the 16-row batch with 48 empty rows
+    added, run as 4 micro-batches of 16. The step puts the rows with loss tokens in
+    the first micro-batches (here the empty rows come first: the rows reversed),
+    skips the 3 micro-batches left without a loss token (counted in
+    `micro_batches_skipped`), and the update is the 16-row batch's (fp32, the
+    tolerances of `assert_same_update`)."""
+    padded = _reversed_rows(pad_batch_rows(batch, 64))
+    assert not padded.loss_mask[:48].any()  # the empty rows lead
+    kw = {"jit": {}, "mesh": dict(mesh=make_mesh(data=4, fsdp=2)),
+          "pmap": dict(mode="pmap", devices=jax.devices()[:4])}[mode]
+    got = run_step(padded, grad_accum=4, **kw)
+    assert_same_update(reference, got)
+    want = {"jit": 3, "mesh": 3, "pmap": 12}[mode]  # pmap: each device's micro-batches
+    assert got[1]["micro_batches_skipped"] == want
+    assert reference[1]["micro_batches_skipped"] == 0
 
 
 def test_chunked_loss_step_equals_dense(batch, reference):

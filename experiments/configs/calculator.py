@@ -134,8 +134,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
     c.rl = ml_collections.ConfigDict(dict(   # RLConfig
         steps=12, tasks_per_step=8, attempts_per_task=8, mode="sync", concurrency=64,
+        # A step needs 8-16 rows of 512: always 16 rows (one compiled step), run as 2
+        # micro-batches of 8; a step that fills only 8 skips the second.
+        grad_accum=2,
         batch=dict(   # BatchConfig
-            seq_len=512, rows=8, layout="tree", normalize_std=False, max_staleness=1,
+            seq_len=512, rows=16, layout="tree", normalize_std=False, max_staleness=1,
             # Failures (docs/design.md): infra_error is retried, then never trained;
             # agent_error trains with the verifier's reward (None) or this one;
             # timed_out is dropped (None).

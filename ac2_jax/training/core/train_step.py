@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -60,13 +61,47 @@ def _micro(x, k: int, constrain):
     return constrain(y)
 
 
+def fill_micro_batches(tree, grad_accum: int, blocks: int = 1):
+    """(batch, extras) with rows reordered so the rows holding loss tokens fill
+    micro-batch 0 first, then 1, ...: the step skips a micro-batch without a loss
+    token, so a fixed geometry bigger than the data (padding rows) costs no compute.
+
+    `blocks`: the row blocks that split separately (pmap: one per device, each
+    device runs its own micro-batches); the rows of each micro-batch are dealt
+    evenly over the blocks. Host (numpy) batches only; others are returned as
+    they are. Row order never changes the loss: its weights come from task and
+    segment ids, and every row is its own sequence.
+    """
+    batch, extras = tree
+    rows = batch.shape[0]
+    if (grad_accum == 1 or not isinstance(batch.loss_mask, np.ndarray)
+            or rows % (grad_accum * blocks)):  # a bad row count is check_rows' to name
+        return tree
+    has = batch.loss_mask.reshape(rows, -1).any(axis=1)
+    order = np.concatenate([np.flatnonzero(has), np.flatnonzero(~has)])
+    # The i-th row of `order` goes to micro-batch j = i // (rows / k), block d = i % blocks,
+    # at slot r of that block's micro-batch j: position d * (rows / blocks) + r * k + j.
+    i = np.arange(rows)
+    per_micro, per_block = rows // grad_accum, rows // blocks
+    j, rest = i // per_micro, i % per_micro
+    perm = np.empty(rows, np.int64)
+    perm[(rest % blocks) * per_block + (rest // blocks) * grad_accum + j] = order
+    if (perm == i).all():
+        return tree
+    aligned = lambda x: hasattr(x, "shape") and x.ndim and x.shape[0] == rows  # noqa: E731
+    return jax.tree.map(lambda x: x[perm] if aligned(x) else x, tree)
+
+
 def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weights,
                    grad_accum: int = 1, constrain=lambda y: y, teacher=None):
-    """(sum(w * l), metric sums, grads) over the given rows, in `grad_accum` pieces.
+    """(sum(w * l), metric sums, grads, micro-batches skipped) over the given rows,
+    in `grad_accum` pieces.
 
     weights [R, L] from `loss_weights` (of the full batch). teacher: frozen
     teacher params or None (see `StepModel`). Grads are accumulated in fp32
-    and returned in the params' dtype.
+    and returned in the params' dtype. A micro-batch without a loss token adds
+    nothing to the loss, its metric sums or the gradients, so it is skipped
+    (`lax.cond`): padding rows put there (`fill_micro_batches`) cost no compute.
     """
     def f(p, b, e, w):
         per_token, sums = apply_loss(loss_fn, StepModel(graphdef, p, rest, teacher), b, e)
@@ -75,7 +110,7 @@ def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weigh
     vg = jax.value_and_grad(f, has_aux=True)
     if grad_accum == 1:
         (loss, sums), grads = vg(params, batch, extras, weights)
-        return loss, sums, grads
+        return loss, sums, grads, jnp.zeros((), jnp.float32)
     xs = jax.tree.map(lambda x: _micro(x, grad_accum, constrain), (batch, extras, weights))
     first = jax.tree.map(lambda x: x[0], xs)
     _, sums_shape = jax.eval_shape(f, params, *first)
@@ -84,13 +119,18 @@ def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weigh
             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
-    def body(carry, mb):
+    def run(mb):
         (loss, sums), grads = vg(params, *mb)
-        return jax.tree.map(jnp.add, carry, (f32(loss), f32(sums), f32(grads))), None
+        return f32(loss), f32(sums), f32(grads)
 
-    (loss, sums, grads), _ = jax.lax.scan(body, init, xs)
+    def body(carry, mb):
+        has_loss = jnp.any(mb[0].loss_mask != 0)
+        out = jax.lax.cond(has_loss, run, lambda _: jax.tree.map(jnp.zeros_like, init), mb)
+        return jax.tree.map(jnp.add, carry, out), has_loss
+
+    (loss, sums, grads), ran = jax.lax.scan(body, init, xs)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return loss, sums, grads
+    return loss, sums, grads, (~ran).sum().astype(jnp.float32)
 
 
 def _counts(batch):
@@ -132,10 +172,10 @@ class TrainStep:
             constrain = lambda y: jax.lax.with_sharding_constraint(y, row)  # noqa: E731
         weights = loss_weights(batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer,
                                axis_name=axis_name)
-        loss, sums, grads = loss_and_grads(self.graphdef, self.loss_fn, state.params, state.rest,
-                                           batch, extras, weights, self.grad_accum, constrain,
-                                           teacher)
-        counts = _counts(batch)
+        loss, sums, grads, skipped = loss_and_grads(
+            self.graphdef, self.loss_fn, state.params, state.rest, batch, extras, weights,
+            self.grad_accum, constrain, teacher)
+        counts = {**_counts(batch), "micro_batches_skipped": skipped}
         if axis_name is not None:
             loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
         grad_norm = optax.global_norm(grads)
@@ -198,12 +238,17 @@ class TrainStep:
             raise ValueError(f"TrainStep.lower: mode='jit' only, got {self.mode!r}")
         if self._step is None:
             self._build(state)
-        batch, extras = self._place_rows((batch, extras))
+        batch, extras = self._place_rows(self._fill((batch, extras)))
         return self._step.lower(state, batch, extras, self._place_teacher(teacher))
 
     def host_state(self, state: TrainState) -> TrainState:
         """The global (unreplicated) state, e.g. for checkpoints and publishing."""
         return unreplicate(state) if self.mode == "pmap" else state
+
+    def _fill(self, tree):
+        """Rows with loss tokens first in the micro-batches (`fill_micro_batches`)."""
+        blocks = len(self.devices) if self.mode == "pmap" else 1
+        return fill_micro_batches(tree, self.grad_accum, blocks)
 
     def _place_rows(self, tree):
         rows = jax.tree.leaves(tree)[0].shape[0]
@@ -235,7 +280,7 @@ class TrainStep:
     def __call__(self, state: TrainState, batch, extras: dict | None = None, teacher=None):
         if self._step is None:
             self._build(self.host_state(state) if self.mode == "pmap" else state)
-        batch, extras = self._place_rows((batch, extras))
+        batch, extras = self._place_rows(self._fill((batch, extras)))
         if self.mesh is not None:
             state = jax.device_put(state, self.state_sharding)
         state, metrics = self._step(state, batch, extras, self._place_teacher(teacher))

@@ -26,7 +26,9 @@ SUBAGENT_WILDCARD = "subagent:*"
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
     """How traces become a batch. `rows` is the minimum row count (static shapes); a
-    batch that needs more grows to rows x 2^k (few distinct compiled shapes)."""
+    batch that needs more grows to rows x 2^k (few distinct compiled shapes). To
+    keep one shape, set rows to the most a step needs and `RLConfig.grad_accum`
+    so that a step with less data skips its empty micro-batches."""
 
     seq_len: int = 256
     rows: int = 16

@@ -67,6 +67,10 @@ class RLConfig:
     seed: int = 0
     concurrency: int = 64
     batch: BatchConfig = BatchConfig()
+    # The step runs each batch as grad_accum micro-batches of batch.rows / grad_accum
+    # rows and skips those without a loss token: batch.rows can be the most a step
+    # needs (one compiled geometry) while a step with less data computes only its rows.
+    grad_accum: int = 1
     loss: PolicyGradientLoss = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
@@ -80,9 +84,13 @@ class RLConfig:
             raise ValueError(f"RLConfig.mode must be one of {RL_MODES}, got {self.mode!r}")
         if self.max_refills < 0:
             raise ValueError(f"RLConfig.max_refills must be >= 0, got {self.max_refills}")
-        for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency"):
+        for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch.rows % self.grad_accum:
+            raise ValueError(f"RLConfig: batch.rows={self.batch.rows} must split into "
+                             f"grad_accum={self.grad_accum} micro-batches: make rows a "
+                             "multiple of grad_accum")
         if (self.mode == "async" and self.batch.max_staleness < 1
                 and self.batch.stale == "drop"):
             # Async collects step s+1 with the weights of update s - 1: every trace lags
@@ -163,7 +171,8 @@ class RLTrainer:
         self.trainer = Trainer(self.graphdef, state, config.loss, config.optimizer,
                                workdir=self.workdir, checkpoint_every=1,
                                keep_checkpoints=config.keep_checkpoints,
-                               mode=train_mode, mesh=mesh, make_step=make_step, logger=logger,
+                               mode=train_mode, mesh=mesh, grad_accum=config.grad_accum,
+                               make_step=make_step, logger=logger,
                                progress=progress, total_steps=config.steps)
         self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
         self._published: int | None = None
@@ -233,7 +242,7 @@ class RLTrainer:
                               process_index=jax.process_index(),
                               process_count=jax.process_count())
         m.update(self.trainer.update(batch))
-        m["skipped_update"] = 0.0
+        m["skipped_update"], m["batch_rows"] = 0.0, float(batch.shape[0])
         return m
 
     async def _refill(self, rl_step: int, traces: list[Trace]) -> tuple[list[Trace], dict]:
