@@ -274,3 +274,46 @@ def test_rollouts_share_one_ssl_context_and_close_their_clients(endpoint, monkey
     assert len(made) == 2
     assert len(clients) == 3 and len({id(c) for c in clients}) == 3
     assert all(c.is_closed for c in clients)
+
+
+def test_each_rollout_speaks_over_its_own_client_only(endpoint):
+    """create, the model calls, finish and trace of a rollout all go over its own
+    HTTP client (one connection); the lifecycle client's shared pool sends none of
+    them. Through one shared pool, httpcore checks every pooled connection on each
+    request: with 64 rollouts at once that scan was most of the collector's time."""
+    sent = {}
+
+    def hook(name):
+        async def on_request(request):
+            sent.setdefault(name, []).append(request.url.path)
+        return on_request
+
+    async def go():
+        lc = LifecycleClient(endpoint["url"], ADMIN)
+        lc._http.event_hooks["request"].append(hook("shared"))
+        fresh, made = lc.rollout_http, []
+
+        def own():
+            c = fresh()
+            c.event_hooks["request"].append(hook(f"rollout{len(made)}"))
+            made.append(c)
+            return c
+
+        lc.rollout_http = own
+        try:
+            tasks = endpoint["env"].sample_tasks(3, 0)
+            out = await asyncio.gather(*[run_rollout(lc, endpoint["env"], t, make(), "tiny")
+                                         for t in tasks])
+            calls = lc.calls
+        finally:
+            await lc.aclose()
+        return out, made, calls
+
+    results, made, calls = asyncio.run(go())
+    assert [t.status for t, _ in results] == ["finished"] * 3
+    assert "shared" not in sent and len(made) == 3 and all(c.is_closed for c in made)
+    for i in range(3):
+        paths = sent[f"rollout{i}"]
+        assert paths[0] == "/v1/rollouts" and paths[-1].endswith("/trace"), paths
+        assert paths[-2].endswith("/finish") and any("chat/completions" in p for p in paths)
+    assert calls == 9  # create, finish, trace per rollout, counted as before

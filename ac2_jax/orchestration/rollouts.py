@@ -49,12 +49,14 @@ class LifecycleClient:
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self.calls = 0  # HTTP requests made, retries included
+        self._admin = {"Authorization": f"Bearer {admin_key}"}
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
-                                       headers={"Authorization": f"Bearer {admin_key}"})
+                                       headers=self._admin)
         self._ssl: ssl.SSLContext | None = None
 
     def rollout_http(self) -> httpx.AsyncClient:
-        """A fresh HTTP client for one rollout's model calls (its `openai.AsyncOpenAI`
+        """A fresh HTTP client for one rollout (`run_rollout` sends its lifecycle
+        calls and, through its `openai.AsyncOpenAI`, its model calls over it, then
         closes it), built on one SSL context shared by all of them. Each
         default client built its own context (~35 ms of CPU loading the CA
         bundle, even for http://), and one pool shared by every rollout costs
@@ -65,12 +67,17 @@ class LifecycleClient:
             self._ssl = ssl.create_default_context()
         return httpx.AsyncClient(timeout=600.0, verify=self._ssl)
 
-    async def _call(self, method: str, path: str, **kw) -> dict[str, Any]:
+    async def _call(self, method: str, path: str, http: httpx.AsyncClient | None = None,
+                    **kw) -> dict[str, Any]:
+        """One lifecycle call, retried as the class says; over `http` (e.g. the
+        rollout's own `rollout_http` client) when given, else the shared client."""
+        if http is not None:
+            path, kw = self.base_url + path, {**kw, "headers": self._admin}
         for i in range(self.retries + 1):
             last = i == self.retries
             self.calls += 1
             try:
-                r = await self._http.request(method, path, **kw)
+                r = await (http or self._http).request(method, path, **kw)
             except httpx.TransportError:
                 if last:
                     raise
@@ -84,24 +91,25 @@ class LifecycleClient:
         raise AssertionError("unreachable")
 
     async def create(self, task_id: str, group_id: str | None = None,
-                     metadata: dict | None = None,
-                     timeout_s: float | None = None) -> dict[str, Any]:
+                     metadata: dict | None = None, timeout_s: float | None = None, *,
+                     http: httpx.AsyncClient | None = None) -> dict[str, Any]:
         body = {"task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
-        return await self._call("POST", "/v1/rollouts", json=body)
+        return await self._call("POST", "/v1/rollouts", http, json=body)
 
     async def get(self, rollout_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/v1/rollouts/{rollout_id}")
 
     async def finish(self, rollout_id: str, *, reward: float | None = None,
-                     artifacts: dict | None = None, status: str | None = None) -> dict[str, Any]:
+                     artifacts: dict | None = None, status: str | None = None,
+                     http: httpx.AsyncClient | None = None) -> dict[str, Any]:
         body = {k: v for k, v in (("reward", reward), ("artifacts", artifacts),
                                   ("status", status)) if v is not None}
-        return await self._call("POST", f"/v1/rollouts/{rollout_id}/finish", json=body)
+        return await self._call("POST", f"/v1/rollouts/{rollout_id}/finish", http, json=body)
 
-    async def trace(self, rollout_id: str) -> Trace:
-        data = await self._call("GET", f"/v1/rollouts/{rollout_id}/trace")
+    async def trace(self, rollout_id: str, *, http: httpx.AsyncClient | None = None) -> Trace:
+        data = await self._call("GET", f"/v1/rollouts/{rollout_id}/trace", http)
         return Trace.from_dict(data.get("trace", data))
 
     async def models(self) -> dict[str, Any]:
@@ -170,12 +178,24 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     """
     if hasattr(env, "env_for"):  # a DomainMixer: the task's own env runs and verifies it
         env = env.env_for(task)
+    # One client (one connection) for all of this rollout's calls: see rollout_http.
+    http = lifecycle.rollout_http()
+    try:
+        return await _run_rollout(lifecycle, http, env, task, make_orchestrator, model,
+                                  group_id, attempt, metadata, timeout_s)
+    finally:
+        await http.aclose()
+
+
+async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, group_id, attempt,
+                       metadata, timeout_s) -> tuple[Trace, ConversationTrace]:
     info = await lifecycle.create(task.task_id, group_id=group_id,
                                   metadata={"attempt": attempt, "domain": task.domain,
                                             **(metadata or {})},
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, http=http)
+    # The openai client borrows `http` (closed by run_rollout, after finish and trace).
     client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
-                                max_retries=0, timeout=600.0, http_client=lifecycle.rollout_http())
+                                max_retries=0, timeout=600.0, http_client=http)
     orch, t0 = None, time.monotonic()
     try:
         orch = make_orchestrator(env, task, client, model)
@@ -196,14 +216,12 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
         conv.status = status
         error = f"deadline of {timeout_s}s passed" if deadline else f"{type(e).__name__}: {e}"
         artifacts = {"error": error, "orchestrator_status": status}
-    finally:
-        await client.close()
     try:
         await lifecycle.finish(info["rollout_id"], reward=reward, status=status,
-                               artifacts=artifacts)
+                               artifacts=artifacts, http=http)
     except LifecycleError as e:
         if e.status_code != 409:  # 409: the endpoint ended it first; its status stands
             raise
-    trace = await lifecycle.trace(info["rollout_id"])
+    trace = await lifecycle.trace(info["rollout_id"], http=http)
     trace.metrics.update(conv.metrics)
     return trace, conv
