@@ -327,12 +327,12 @@ class ShortTimeoutLifecycle(LifecycleClient):
         super().__init__(*a, **kw)
         self.short, self.short_s, self.timeouts = short, short_s, {}
 
-    async def create(self, task_id, group_id=None, metadata=None, timeout_s=None):
+    async def create(self, task_id, group_id=None, metadata=None, timeout_s=None, **kw):
         if (task_id, (metadata or {}).get("attempt")) == self.short:
             timeout_s = self.short_s
         self.timeouts[(task_id, (metadata or {}).get("attempt"))] = timeout_s
         return await super().create(task_id, group_id=group_id, metadata=metadata,
-                                    timeout_s=timeout_s)
+                                    timeout_s=timeout_s, **kw)
 
 
 def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
@@ -563,15 +563,16 @@ def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
     assert c.ran == []
 
 
-@pytest.mark.parametrize("seq_len,grad_accum", [(128, 1), (32, 4)])
+@pytest.mark.parametrize("seq_len,grad_accum", [(128, 1), (64, 4)])
 def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, seq_len,
                                                                grad_accum):
     """Steps of 3-8 traces of varied lengths and rewards, inside the batch's
     static capacity (rows x seq_len): `compiled_steps` stays at its warm-up
     value 1, and so does the jitted step's own executable cache (a count).
-    With 32-token rows the traces need from a few rows to all 8: run as 4
-    micro-batches of 2 rows (`RLConfig.grad_accum`), the step skips the empty
-    ones, and how many it skips varies from step to step."""
+    The step is compiled ahead during the first collection (`warmup_step`), for
+    the same geometry. With 64-token rows the traces (28-33 tokens) need from 2
+    rows to all 8: run as 4 micro-batches of 2 rows (`RLConfig.grad_accum`), the
+    step skips the empty ones, and how many it skips varies from step to step."""
     store = TraceStore(str(tmp_path / "collected.jsonl"))
 
     async def collect():
@@ -600,6 +601,7 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, 
             replay.append(t)
         steps.append(replay)
     assert len({sum(len(e.completions) for t in s for e in t.episodes) for s in steps}) > 1
+    assert max(len(e.token_ids) for t in pool for e in t.episodes) <= seq_len  # rows never grow
     config = dataclasses.replace(_config(6), grad_accum=grad_accum,
                                  batch=BatchConfig(seq_len=seq_len, rows=8))
     trainer = RLTrainer(_model(served["tok"].vocab_size),
@@ -612,6 +614,8 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, 
     assert [h["compiled_steps"] for h in trained] == [1.0] * len(trained)
     assert [h["batch_rows"] for h in trained] == [8.0] * len(trained)
     assert trainer.trainer.step_fn._step._cache_size() == 1
+    # What run() compiled ahead is the trained geometry: warming up again adds none.
+    assert trainer.warmup_step() is True and trainer.trainer.compiled_steps == 1
     skipped = [h["micro_batches_skipped"] for h in trained]
     if grad_accum == 1:
         assert skipped == [0.0] * len(trained)

@@ -181,3 +181,39 @@ def test_a_new_geometry_after_warm_up_is_warned_the_first_compile_is_not(tmp_pat
         r.end_step(r.update(batch(3)))
         assert r.compiled_steps == 1 and "compiles the train step again" not in caplog.text
     r.close()
+
+
+class _BackendCompiles:
+    """Counts XLA backend compiles in this process while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.n = 0
+
+    def _on(self, event, duration, **kw):
+        self.n += event == self.EVENT
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def test_warmup_compiles_the_step_ahead_and_counts_its_geometry():
+    """`warmup(batch)` compiles the step for that geometry without running it (no
+    update, no step counted): the first update of that geometry then compiles
+    nothing, and the geometry is the trainer's first (`compiled_steps` 1)."""
+    graphdef, state = fresh()
+    t = Trainer(graphdef, state, LOSS, OPT)  # its own step: nothing compiled yet
+    with _BackendCompiles() as ahead:
+        assert t.warmup(batch(0)) is True
+    assert ahead.n >= 1 and t.steps_done == 0 and int(t.host_state().step) == 0
+    with _BackendCompiles() as first:
+        m = t.update(batch(1))
+    assert first.n == 0 and m["compiled_steps"] == 1.0
+    # A pmap step is not compiled ahead (nothing done, said by the return value).
+    p = Trainer(graphdef, fresh()[1], LOSS, OPT, mode="pmap")
+    assert p.warmup(batch(0)) is False and p.compiled_steps == 0

@@ -152,6 +152,20 @@ class Trainer:
                 "capacities static (e.g. BatchConfig.rows / seq_len large enough).",
                 self.steps_done + 1, len(self._geometries), shapes[:4])
 
+    def warmup(self, batch, extras: dict | None = None, teacher=None) -> bool:
+        """Compiles the step for `batch`'s geometry without running it (nothing is
+        updated or counted as a step), e.g. in a thread while the first batch is
+        still being collected: the first `update` of that geometry then reuses the
+        executable (JAX's compilation cache) instead of compiling. The geometry
+        counts as the trainer's warm-up one (`compiled_steps`). Only a jitted step
+        on one process is compiled ahead; otherwise nothing is done and False is
+        returned (the first update compiles, as without warmup)."""
+        if self.step_fn.mode != "jit" or jax.process_count() > 1:
+            return False
+        self._note_geometry(batch, extras)
+        self.step_fn.lower(self.state, batch, extras, teacher).compile()
+        return True
+
     def update(self, batch, extras: dict | None = None, teacher=None) -> dict[str, float]:
         """One optimizer step; its metrics as floats (not logged: see `end_step`),
         with `compiled_steps` (see the module docstring). teacher: frozen teacher

@@ -40,6 +40,7 @@ import numpy as np
 
 from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.sampling.batching import occupancy_metrics
+from ac2_jax.segments import Segment
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -245,6 +246,19 @@ class RLTrainer:
         m["skipped_update"], m["batch_rows"] = 0.0, float(batch.shape[0])
         return m
 
+    def warmup_step(self) -> bool:
+        """Compiles the train step for the configured geometry ([rows, seq_len] rows,
+        the task and segment capacities, the layout) from a one-token batch packed
+        like a real one, without running it; `run` does this in a thread while
+        the first step's rollouts are collected. False where the step is not
+        compiled ahead (`Trainer.warmup`)."""
+        seg = Segment(np.zeros(2, np.int32), np.array([0.0, 1.0], np.float32),
+                      np.zeros(2, np.float32), task="warmup", advantage=1.0)
+        batch = pack_rl_batch([seg], self._batch_config.seq_len, self._batch_config,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
+        return self.trainer.warmup(batch)
+
     async def _refill(self, rl_step: int, traces: list[Trace]) -> tuple[list[Trace], dict]:
         """Dynamic sampling: refills the step until it has `tasks_per_step` informative
         groups or `max_refills` rounds ran; returns (all traces, refill metrics)."""
@@ -301,6 +315,8 @@ class RLTrainer:
         await self._progress()
         seen = self.sampler_counters() if self.sampler_counters else None
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
+        # The step compiles while the first rollouts are collected (minutes at real size).
+        warm = asyncio.ensure_future(asyncio.to_thread(self.warmup_step))
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
             traces = await pending
@@ -319,6 +335,9 @@ class RLTrainer:
             if cfg.mode == "async" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
             t1 = time.perf_counter()
+            if warm is not None:
+                await warm  # done by now, or the update would compile the same anyway
+                warm = None
             m = await asyncio.to_thread(self.update, traces)
             m.update(extra)
             t2 = time.perf_counter()
