@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import os
 import socket
+import threading
 
 import httpx
 import jax
@@ -563,14 +564,44 @@ def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
     assert c.ran == []
 
 
-@pytest.mark.parametrize("seq_len,grad_accum", [(128, 1), (64, 4)])
+class _ThreadRecordingStore(TraceStore):
+    """A TraceStore that notes which thread each append ran on."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.threads = set()
+
+    def append(self, trace):
+        self.threads.add(threading.get_ident())
+        super().append(trace)
+
+
+def test_the_collector_stores_each_rollout_off_the_event_loop(served, tmp_path):
+    """Each rollout is appended (flushed and fsynced) to the store in a worker
+    thread before collect returns it: on the event loop, every fsync stalled all
+    the other rollouts' requests."""
+    store = _ThreadRecordingStore(str(tmp_path / "collected.jsonl"))
+
+    async def collect():
+        lc = LifecycleClient(served["url"], ADMIN)
+        got = await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
+                                      attempts_per_task=2, seed=0).collect(0)
+        await lc.aclose()
+        return threading.get_ident(), got
+
+    loop_thread, got = asyncio.run(collect())
+    assert sorted(t.key for t in store) == sorted(t.key for t in got) and len(got) == 4
+    assert store.threads and loop_thread not in store.threads
+
+
+@pytest.mark.parametrize("seq_len,grad_accum,ahead", [(128, 1, False), (64, 4, True)])
 def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, seq_len,
-                                                               grad_accum):
+                                                               grad_accum, ahead, monkeypatch):
     """Steps of 3-8 traces of varied lengths and rewards, inside the batch's
     static capacity (rows x seq_len): `compiled_steps` stays at its warm-up
     value 1, and so does the jitted step's own executable cache (a count).
-    The step is compiled ahead during the first collection (`warmup_step`), for
-    the same geometry. With 64-token rows the traces (28-33 tokens) need from 2
+    With `compile_ahead` the step is compiled during the first collection
+    (`warmup_step`), for the same geometry. With 64-token rows the traces (28-33 tokens) need from 2
     rows to all 8: run as 4 micro-batches of 2 rows (`RLConfig.grad_accum`), the
     step skips the empty ones, and how many it skips varies from step to step."""
     store = TraceStore(str(tmp_path / "collected.jsonl"))
@@ -602,7 +633,11 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, 
         steps.append(replay)
     assert len({sum(len(e.completions) for t in s for e in t.episodes) for s in steps}) > 1
     assert max(len(e.token_ids) for t in pool for e in t.episodes) <= seq_len  # rows never grow
-    config = dataclasses.replace(_config(6), grad_accum=grad_accum,
+    warmups = []
+    real_warmup = RLTrainer.warmup_step
+    monkeypatch.setattr(RLTrainer, "warmup_step",
+                        lambda self: warmups.append(1) or real_warmup(self))
+    config = dataclasses.replace(_config(6), grad_accum=grad_accum, compile_ahead=ahead,
                                  batch=BatchConfig(seq_len=seq_len, rows=8))
     trainer = RLTrainer(_model(served["tok"].vocab_size),
                         ReplayCollector([t for s in steps for t in s]), config,
@@ -614,7 +649,8 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, 
     assert [h["compiled_steps"] for h in trained] == [1.0] * len(trained)
     assert [h["batch_rows"] for h in trained] == [8.0] * len(trained)
     assert trainer.trainer.step_fn._step._cache_size() == 1
-    # What run() compiled ahead is the trained geometry: warming up again adds none.
+    assert len(warmups) == int(ahead)
+    # What run() compiles ahead is the trained geometry: warming up again adds none.
     assert trainer.warmup_step() is True and trainer.trainer.compiled_steps == 1
     skipped = [h["micro_batches_skipped"] for h in trained]
     if grad_accum == 1:

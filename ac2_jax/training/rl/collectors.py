@@ -122,7 +122,9 @@ class EndpointCollector:
             trace.group_id = f"{rl_step}:{task.task_id}"
             trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain,
                                   infra_retries=retries, refill=round)
-            self.store.append(trace)
+            # Flushed and fsynced in a worker thread: on the event loop each fsync
+            # would stall every other rollout's requests.
+            await asyncio.to_thread(self.store.append, trace)
             return trace
 
         dup = sorted(k for k, n in collections.Counter(t.task_id for t in tasks).items() if n > 1)

@@ -5,6 +5,11 @@
     segments -> packed batch -> PPO-clip loss, task_mean -> update ->
     publish weights (Orbax) -> the sampler reloads.
 
+The train step compiles in a thread while the first step's rollouts are
+collected (`warmup_step`, `RLConfig.compile_ahead`); with `BatchConfig.rows` at
+the most a step needs and `RLConfig.grad_accum`, that is its only compile
+(empty micro-batches are skipped).
+
 mode="sync" collects step s with the weights of update s. mode="async"
 collects step s+1 while step s trains, so sampling and training overlap;
 traces lagging more than `max_staleness` versions are dropped or
@@ -72,6 +77,10 @@ class RLConfig:
     # rows and skips those without a loss token: batch.rows can be the most a step
     # needs (one compiled geometry) while a step with less data computes only its rows.
     grad_accum: int = 1
+    # Compile the train step in a thread while the first rollouts are collected
+    # (`RLTrainer.warmup_step`). A win where the sampler runs on an accelerator and the
+    # compile on idle host cores; on a 2-core CPU box the two share the cores (even).
+    compile_ahead: bool = True
     loss: PolicyGradientLoss = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
@@ -316,7 +325,8 @@ class RLTrainer:
         seen = self.sampler_counters() if self.sampler_counters else None
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         # The step compiles while the first rollouts are collected (minutes at real size).
-        warm = asyncio.ensure_future(asyncio.to_thread(self.warmup_step))
+        warm = (asyncio.ensure_future(asyncio.to_thread(self.warmup_step))
+                if cfg.compile_ahead else None)
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
             traces = await pending
