@@ -144,7 +144,7 @@ def test_grad_accum_skips_micro_batches_without_loss_tokens(batch, reference, mo
     got = run_step(padded, grad_accum=4, **kw)
     assert_same_update(reference, got)
     want = {"jit": 3, "mesh": 3, "pmap": 12}[mode]  # pmap: each device's micro-batches
-    assert got[1]["micro_batches_skipped"] == want
+    assert got[1]["micro_batches_skipped"] == want and got[1]["batch_rows"] == 64
     assert reference[1]["micro_batches_skipped"] == 0
 
 

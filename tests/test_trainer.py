@@ -217,3 +217,22 @@ def test_warmup_compiles_the_step_ahead_and_counts_its_geometry():
     # A pmap step is not compiled ahead (nothing done, said by the return value).
     p = Trainer(graphdef, fresh()[1], LOSS, OPT, mode="pmap")
     assert p.warmup(batch(0)) is False and p.compiled_steps == 0
+
+
+def test_a_warmup_of_another_geometry_than_the_first_batch_is_warned(caplog):
+    """A compile ahead that the first update does not use is wasted: warned, naming
+    the batch's shapes and static capacities; warming up the right one is not."""
+    graphdef, state = fresh()
+    t = Trainer(graphdef, state, LOSS, OPT, make_step=STEPS)
+    with caplog.at_level("WARNING"):
+        t.warmup(pack_segments(_segs(0), 16, min_rows=4))  # 4 rows; the batches have 2
+        t.update(batch(1))
+    assert "compiled ahead (warmup) is not this batch's" in caplog.text
+    assert t.compiled_steps == 2
+    caplog.clear()
+    r = Trainer(graphdef, fresh()[1], LOSS, OPT, make_step=STEPS)
+    with caplog.at_level("WARNING"):
+        r.warmup(batch(0))
+        r.update(batch(1))
+        r.update(pack_segments(_segs(2), 16, min_rows=4))  # a later new geometry: not this
+    assert "compiled ahead" not in caplog.text

@@ -81,8 +81,10 @@ def _long(c):
     # attempts most groups all fail (no advantage) and 10 steps barely moved it; at
     # 16 x 16 (lr 3e-4) both ablation arms went 0.06 -> ~0.3 held-out in 20 steps
     # (BUILD_NOTES, issue 18, session 5). 12 steps keep `demo.sh long` under 25 min.
+    # Rows follow the data here (x 2^k) and a compaction attempt is many segments: no
+    # micro-batches, nothing compiled ahead (the default's settings assume one segment).
     c.rl.update(steps=12, tasks_per_step=16, attempts_per_task=16, mode="async",
-                concurrency=64)
+                concurrency=64, grad_accum=1, compile_ahead=False)
     c.rl.batch.update(seq_len=512, rows=32, max_staleness=1, task_capacity=256,
                       segment_capacity=2048)
     c.rl.optimizer.learning_rate = 3e-4
@@ -137,6 +139,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         # A step needs 8-16 rows of 512: always 16 rows (one compiled step), run as 2
         # micro-batches of 8; a step that fills only 8 skips the second.
         grad_accum=2,
+        # One segment per attempt (one main episode), so the default capacities pin the
+        # geometry: the step compiles while step 0's rollouts are collected.
+        compile_ahead=True,
         batch=dict(   # BatchConfig
             seq_len=512, rows=16, layout="tree", normalize_std=False, max_staleness=1,
             # Failures (docs/design.md): infra_error is retried, then never trained;

@@ -175,7 +175,8 @@ class TrainStep:
         loss, sums, grads, skipped = loss_and_grads(
             self.graphdef, self.loss_fn, state.params, state.rest, batch, extras, weights,
             self.grad_accum, constrain, teacher)
-        counts = {**_counts(batch), "micro_batches_skipped": skipped}
+        counts = {**_counts(batch), "micro_batches_skipped": skipped,
+                  "batch_rows": jnp.float32(batch.shape[0])}  # pmap: summed over devices
         if axis_name is not None:
             loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
         grad_norm = optax.global_norm(grads)

@@ -112,6 +112,7 @@ class Trainer:
                 self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
                                             tensorboard=tensorboard, console=False)
         self._geometries: set = set()
+        self._ahead: set = set()  # geometries compiled by `warmup` that no update used yet
         self.compile_warmup_steps = int(compile_warmup_steps)
         self._progress = self._task = None
         if progress:
@@ -136,12 +137,24 @@ class Trainer:
         """Distinct batch geometries fed to the step so far (= its compiles)."""
         return len(self._geometries)
 
-    def _note_geometry(self, batch, extras) -> None:
+    def _note_geometry(self, batch, extras, ahead: bool = False) -> None:
         leaves, tree = jax.tree.flatten((batch, extras))
         key = (tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
                            for x in leaves))
         if key in self._geometries:
+            self._ahead.discard(key)  # an update used what `warmup` compiled
             return
+        if self._ahead and not ahead:
+            logging.warning(
+                "Trainer: the batch geometry compiled ahead (warmup) is not this batch's, so "
+                "that compile goes unused (now %s, static %s). Pin the geometry (e.g. "
+                "BatchConfig.rows / seq_len / task_capacity / segment_capacity) or skip the "
+                "warmup.", sorted({tuple(jax.numpy.shape(x)) for x in leaves})[:4],
+                [(k, getattr(batch, k)) for k in ("num_tasks", "num_segments")
+                 if hasattr(batch, k)])
+            self._ahead.clear()
+        if ahead:
+            self._ahead.add(key)
         self._geometries.add(key)
         # The first geometry is the warm-up compile (also after a restore at step k).
         if len(self._geometries) > 1 and self.steps_done >= self.compile_warmup_steps:
@@ -157,12 +170,13 @@ class Trainer:
         updated or counted as a step), e.g. in a thread while the first batch is
         still being collected: the first `update` of that geometry then reuses the
         executable (JAX's compilation cache) instead of compiling. The geometry
-        counts as the trainer's warm-up one (`compiled_steps`). Only a jitted step
+        counts as the trainer's warm-up one (`compiled_steps`); an update of another
+        geometry before one of it is warned (that compile went unused). Only a jitted step
         on one process is compiled ahead; otherwise nothing is done and False is
         returned (the first update compiles, as without warmup)."""
         if self.step_fn.mode != "jit" or jax.process_count() > 1:
             return False
-        self._note_geometry(batch, extras)
+        self._note_geometry(batch, extras, ahead=True)
         self.step_fn.lower(self.state, batch, extras, teacher).compile()
         return True
 

@@ -5,10 +5,10 @@
     segments -> packed batch -> PPO-clip loss, task_mean -> update ->
     publish weights (Orbax) -> the sampler reloads.
 
-The train step compiles in a thread while the first step's rollouts are
-collected (`warmup_step`, `RLConfig.compile_ahead`); with `BatchConfig.rows` at
-the most a step needs and `RLConfig.grad_accum`, that is its only compile
-(empty micro-batches are skipped).
+With `BatchConfig.rows` at the most a step needs and `RLConfig.grad_accum`
+(empty micro-batches are skipped), the train step compiles once; with
+`RLConfig.compile_ahead` that compile runs in a thread while the first step's
+rollouts are collected (`warmup_step`).
 
 mode="sync" collects step s with the weights of update s. mode="async"
 collects step s+1 while step s trains, so sampling and training overlap;
@@ -78,9 +78,11 @@ class RLConfig:
     # needs (one compiled geometry) while a step with less data computes only its rows.
     grad_accum: int = 1
     # Compile the train step in a thread while the first rollouts are collected
-    # (`RLTrainer.warmup_step`). A win where the sampler runs on an accelerator and the
-    # compile on idle host cores; on a 2-core CPU box the two share the cores (even).
-    compile_ahead: bool = True
+    # (`RLTrainer.warmup_step`). For a pinned geometry only: with the default capacities
+    # (one segment per trace) multi-episode traces pack to more segments, another
+    # geometry, and the compile goes unused (warned). A win where the sampler runs on
+    # an accelerator and the compile on idle host cores; on 2 CPU cores about even.
+    compile_ahead: bool = False
     loss: PolicyGradientLoss = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
@@ -252,7 +254,7 @@ class RLTrainer:
                               process_index=jax.process_index(),
                               process_count=jax.process_count())
         m.update(self.trainer.update(batch))
-        m["skipped_update"], m["batch_rows"] = 0.0, float(batch.shape[0])
+        m["skipped_update"] = 0.0
         return m
 
     def warmup_step(self) -> bool:
