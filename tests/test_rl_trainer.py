@@ -564,6 +564,22 @@ def test_duplicate_task_ids_in_a_step_are_refused(tmp_path):
     assert c.ran == []
 
 
+def _collect_step0(served, store, *, tasks, attempts, seed):
+    """RL step 0 of LengthParityEnv collected over the served endpoint into `store`:
+    (the event loop's thread id, the traces)."""
+    async def go():
+        lc = LifecycleClient(served["url"], ADMIN)
+        try:
+            got = await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store,
+                                          tasks_per_step=tasks, attempts_per_task=attempts,
+                                          seed=seed).collect(0)
+        finally:
+            await lc.aclose()
+        return threading.get_ident(), got
+
+    return asyncio.run(go())
+
+
 class _ThreadRecordingStore(TraceStore):
     """A TraceStore that notes which thread each append ran on."""
 
@@ -581,15 +597,7 @@ def test_the_collector_stores_each_rollout_off_the_event_loop(served, tmp_path):
     thread before collect returns it: on the event loop, every fsync stalled all
     the other rollouts' requests."""
     store = _ThreadRecordingStore(str(tmp_path / "collected.jsonl"))
-
-    async def collect():
-        lc = LifecycleClient(served["url"], ADMIN)
-        got = await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=2,
-                                      attempts_per_task=2, seed=0).collect(0)
-        await lc.aclose()
-        return threading.get_ident(), got
-
-    loop_thread, got = asyncio.run(collect())
+    loop_thread, got = _collect_step0(served, store, tasks=2, attempts=2, seed=0)
     assert sorted(t.key for t in store) == sorted(t.key for t in got) and len(got) == 4
     assert store.threads and loop_thread not in store.threads
 
@@ -601,19 +609,13 @@ def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, 
     static capacity (rows x seq_len): `compiled_steps` stays at its warm-up
     value 1, and so does the jitted step's own executable cache (a count).
     With `compile_ahead` the step is compiled during the first collection
-    (`warmup_step`), for the same geometry. With 64-token rows the traces (28-33 tokens) need from 2
-    rows to all 8: run as 4 micro-batches of 2 rows (`RLConfig.grad_accum`), the
-    step skips the empty ones, and how many it skips varies from step to step."""
+    (`warmup_step`), for the same geometry. With 64-token rows the traces (28-33
+    tokens) need from 2 rows to all 8: run as 4 micro-batches of 2 rows
+    (`RLConfig.grad_accum`), the step skips the empty ones, and how many it skips
+    varies from step to step."""
     store = TraceStore(str(tmp_path / "collected.jsonl"))
-
-    async def collect():
-        lc = LifecycleClient(served["url"], ADMIN)
-        got = await EndpointCollector(lc, LengthParityEnv(), _make, "tiny", store, tasks_per_step=6,
-                                      attempts_per_task=4, seed=7).collect(0)
-        await lc.aclose()
-        return got
-
-    pool = [t for t in asyncio.run(collect()) if t.status == "finished"]
+    _, got = _collect_step0(served, store, tasks=6, attempts=4, seed=7)
+    pool = [t for t in got if t.status == "finished"]
     rng = np.random.default_rng(0)
     steps = []
     for step in range(6):
