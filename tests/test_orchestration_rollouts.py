@@ -278,18 +278,19 @@ def test_rollouts_share_one_ssl_context_and_close_their_clients(endpoint, monkey
 
 def test_each_rollout_speaks_over_its_own_client_only(endpoint):
     """create, the model calls, finish and trace of a rollout all go over its own
-    HTTP client (one connection); the lifecycle client's shared pool sends none of
-    them. Through one shared pool, httpcore checks every pooled connection on each
+    HTTP client (one connection), the lifecycle calls with the lifecycle client's
+    timeout; the lifecycle client's shared pool sends none of them. Through one shared pool, httpcore checks every pooled connection on each
     request: with 64 rollouts at once that scan was most of the collector's time."""
     sent = {}
 
     def hook(name):
         async def on_request(request):
-            sent.setdefault(name, []).append(request.url.path)
+            timeout = request.extensions["timeout"]["read"]
+            sent.setdefault(name, []).append((request.url.path, timeout))
         return on_request
 
     async def go():
-        lc = LifecycleClient(endpoint["url"], ADMIN)
+        lc = LifecycleClient(endpoint["url"], ADMIN, timeout_s=30.0)
         lc._http.event_hooks["request"].append(hook("shared"))
         fresh, made = lc.rollout_http, []
 
@@ -313,7 +314,9 @@ def test_each_rollout_speaks_over_its_own_client_only(endpoint):
     assert [t.status for t, _ in results] == ["finished"] * 3
     assert "shared" not in sent and len(made) == 3 and all(c.is_closed for c in made)
     for i in range(3):
-        paths = sent[f"rollout{i}"]
+        paths = [p for p, _ in sent[f"rollout{i}"]]
         assert paths[0] == "/v1/rollouts" and paths[-1].endswith("/trace"), paths
         assert paths[-2].endswith("/finish") and any("chat/completions" in p for p in paths)
+        # The lifecycle calls keep the lifecycle client's timeout (the model calls: openai's).
+        assert {t for p, t in sent[f"rollout{i}"] if "/v1/rollouts" in p} == {30.0}
     assert calls == 9  # create, finish, trace per rollout, counted as before

@@ -871,3 +871,23 @@ def test_step_log_has_per_agent_metrics_and_main_only_trains_no_compactor_token(
     for k in ("trained_tokens/main", "trained_tokens/compactor", "memo_fidelity",
               "staleness_hist/0", "agent_tokens/compactor", "excluded_episodes"):
         assert row[f"train/{k}"] == m[k]
+
+
+def test_a_failing_compile_ahead_is_logged_and_the_step_still_trains(tmp_path, monkeypatch,
+                                                                     caplog):
+    """Compiling ahead is an optimisation: when it raises, the run logs it and the
+    first update compiles the step itself (the loop neither stops nor stalls)."""
+    from ac2_jax.training import Trainer
+
+    def broken(self, *a, **k):
+        raise RuntimeError("out of host memory while compiling")
+
+    monkeypatch.setattr(Trainer, "warmup", broken)
+    config = dataclasses.replace(_config(1), compile_ahead=True)
+    trainer = RLTrainer(_model(64), ReplayCollector(_compacting_replay()), config,
+                        str(tmp_path), make_step=STEPS)
+    with caplog.at_level("ERROR"):
+        (m,) = asyncio.run(trainer.run())
+    trainer.close()
+    assert m["skipped_update"] == 0.0 and m["compiled_steps"] == 1.0
+    assert "compiling the train step ahead failed" in caplog.text

@@ -47,7 +47,7 @@ class LifecycleClient:
         if retries < 0:
             raise ValueError(f"LifecycleClient: retries must be >= 0, got {retries}")
         self.base_url = base_url.rstrip("/")
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self.calls = 0  # HTTP requests made, retries included
         self._admin = {"Authorization": f"Bearer {admin_key}"}
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
@@ -70,14 +70,17 @@ class LifecycleClient:
     async def _call(self, method: str, path: str, http: httpx.AsyncClient | None = None,
                     **kw) -> dict[str, Any]:
         """One lifecycle call, retried as the class says; over `http` (e.g. the
-        rollout's own `rollout_http` client) when given, else the shared client."""
+        rollout's own `rollout_http` client) when given, with this client's admin
+        key and timeout, else over the shared client."""
+        url = path
         if http is not None:
-            path, kw = self.base_url + path, {**kw, "headers": self._admin}
+            url, kw = self.base_url + path, {**kw, "headers": self._admin,
+                                             "timeout": self.timeout_s}
         for i in range(self.retries + 1):
             last = i == self.retries
             self.calls += 1
             try:
-                r = await (http or self._http).request(method, path, **kw)
+                r = await (http or self._http).request(method, url, **kw)
             except httpx.TransportError:
                 if last:
                     raise
@@ -178,7 +181,8 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     """
     if hasattr(env, "env_for"):  # a DomainMixer: the task's own env runs and verifies it
         env = env.env_for(task)
-    # One client (one connection) for all of this rollout's calls: see rollout_http.
+    # One client for all of this rollout's calls (one pooled connection unless its
+    # harness makes concurrent model calls): see rollout_http.
     http = lifecycle.rollout_http()
     try:
         return await _run_rollout(lifecycle, http, env, task, make_orchestrator, model,

@@ -321,8 +321,11 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     teacher a frozen copy of the params (default: the live params).
     cpu_memory_scheduler: on CPU, compile with XLA's memory-optimized scheduler
     (`CPU_MEMORY_SCHEDULER`: one params-sized set of temporaries fewer at peak).
-    metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr and the
-    loss's token-mean metrics (entropy, clip_frac, kl_to_sampler).
+    metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr, the
+    loss's token-mean metrics (entropy, clip_frac, kl_to_sampler), batch_rows
+    (the global batch's rows) and micro_batches_skipped (micro-batches without a
+    loss token, not computed; under pmap summed over the devices, each of which
+    runs its own grad_accum micro-batches).
     """
     return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
                      lr_schedule=lr_schedule, devices=devices, donate=donate,

@@ -173,7 +173,8 @@ class Trainer:
         counts as the trainer's warm-up one (`compiled_steps`); an update of another
         geometry before one of it is warned (that compile went unused). Only a jitted step
         on one process is compiled ahead; otherwise nothing is done and False is
-        returned (the first update compiles, as without warmup)."""
+        returned (the first update compiles, as without warmup). It reads the
+        state: never run it while an update (which donates the state) runs."""
         if self.step_fn.mode != "jit" or jax.process_count() > 1:
             return False
         self._note_geometry(batch, extras, ahead=True)

@@ -262,7 +262,16 @@ class RLTrainer:
         the task and segment capacities, the layout) from a one-token batch packed
         like a real one, without running it; `run` does this in a thread while
         the first step's rollouts are collected. False where the step is not
-        compiled ahead (`Trainer.warmup`)."""
+        compiled ahead (`Trainer.warmup`) or the compile failed (logged: the first
+        update then compiles, and fails loudly if the step is broken)."""
+        try:
+            return self._warmup_step()
+        except Exception:  # noqa: BLE001 - an optimisation; the update compiles anyway
+            logging.exception("RLTrainer: compiling the train step ahead failed; the first "
+                              "update compiles it")
+            return False
+
+    def _warmup_step(self) -> bool:
         seg = Segment(np.zeros(2, np.int32), np.array([0.0, 1.0], np.float32),
                       np.zeros(2, np.float32), task="warmup", advantage=1.0)
         batch = pack_rl_batch([seg], self._batch_config.seq_len, self._batch_config,
