@@ -36,7 +36,7 @@ def one(size: str, warm: bool) -> dict:
     from ac2_jax.segments import Segment
     from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, Trainer,
                                   create_train_state)
-    from ac2_jax.training.rl.batching import pack_rl_batch
+    from ac2_jax.training.rl.batching import pack_rl_batch, warmup_batch
     from ac2_jax.training.rl.data import BatchConfig
 
     model, rows, seq_len, n, length = SIZES[size]
@@ -54,10 +54,9 @@ def one(size: str, warm: bool) -> dict:
                                   task=f"t{i}", advantage=float(rng.normal()))
                           for i in range(n)], seq_len, bc)
     out = {"warmup_s": 0.0}
-    if warm:  # the batch RLTrainer.warmup_step packs
+    if warm:  # as RLTrainer.warmup_step does
         t0 = time.perf_counter()
-        trainer.warmup(pack_rl_batch([Segment([0, 0], [0.0, 1.0], [0.0, 0.0], task="warmup",
-                                              advantage=1.0)], seq_len, bc))
+        trainer.warmup(warmup_batch(bc))
         out["warmup_s"] = time.perf_counter() - t0
     for name in ("first_update_s", "second_update_s"):
         t0 = time.perf_counter()

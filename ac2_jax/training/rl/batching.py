@@ -114,6 +114,17 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
     return segments, stats, adv
 
 
+def warmup_batch(config: BatchConfig, *, process_index: int = 0,
+                 process_count: int = 1) -> PackedBatch:
+    """A batch of the geometry `config` packs to when nothing grows: one trained
+    token, `pack_rl_batch`'s rows, row length and static capacities. For compiling
+    the step ahead (`RLTrainer.warmup_step`); never trained on."""
+    seg = Segment(np.zeros(2, np.int32), np.array([0.0, 1.0], np.float32),
+                  np.zeros(2, np.float32), task="warmup", advantage=1.0)
+    return pack_rl_batch([seg], config.seq_len, config, process_index=process_index,
+                         process_count=process_count)
+
+
 def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig, *,
                   process_index: int = 0, process_count: int = 1) -> PackedBatch:
     """`batch_segments`' segments -> a PackedBatch of [rows, row_len].

@@ -45,7 +45,6 @@ import numpy as np
 
 from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.sampling.batching import occupancy_metrics
-from ac2_jax.segments import Segment
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -56,7 +55,7 @@ from ac2_jax.training.core.trainer import Trainer
 # The collectors live in collectors.py; importable from here as before.
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
                                             ReplayCollector, refill_seed)
-from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch
+from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch, warmup_batch
 from ac2_jax.training.rl.data import (BatchConfig, group_name, informative_groups, select_traces,
                                       trace_rewards)
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
@@ -265,19 +264,13 @@ class RLTrainer:
         compiled ahead (`Trainer.warmup`) or the compile failed (logged: the first
         update then compiles, and fails loudly if the step is broken)."""
         try:
-            return self._warmup_step()
+            return self.trainer.warmup(warmup_batch(self._batch_config,
+                                                    process_index=jax.process_index(),
+                                                    process_count=jax.process_count()))
         except Exception:  # noqa: BLE001 - an optimisation; the update compiles anyway
             logging.exception("RLTrainer: compiling the train step ahead failed; the first "
                               "update compiles it")
             return False
-
-    def _warmup_step(self) -> bool:
-        seg = Segment(np.zeros(2, np.int32), np.array([0.0, 1.0], np.float32),
-                      np.zeros(2, np.float32), task="warmup", advantage=1.0)
-        batch = pack_rl_batch([seg], self._batch_config.seq_len, self._batch_config,
-                              process_index=jax.process_index(),
-                              process_count=jax.process_count())
-        return self.trainer.warmup(batch)
 
     async def _refill(self, rl_step: int, traces: list[Trace]) -> tuple[list[Trace], dict]:
         """Dynamic sampling: refills the step until it has `tasks_per_step` informative
