@@ -5,64 +5,44 @@ and bf16, XLA:CPU against torch, at batch 16 and 64.
 
 The GEMMs of one decode step of bench_sampler's model (hidden 256, 4 layers, 8 heads
 of 32, 4 KV heads, MLP 768, untied 4,096-token head): per layer q, k, v, o, gate, up,
-down, then the head; M = the batch. Each GEMM is a jitted `jnp.dot` (fp32
-accumulation) and `torch.matmul` (same threads), timed in batches of calls
-(>= `--batch_ms`), the two libraries alternating; the per-call median of `--rounds`
-batches, summed over the step. XLA's per-call dispatch counts against it (an upper
-bound on its in-step time), so read the bf16 / fp32 ratio of each library.
+down, then the head; M = the batch. Each is timed by bench_matmul_ceiling's
+`time_gemm` (XLA and torch alternating, batches of calls >= `--batch_ms`, torch on
+`--threads`) in each dtype; reported: the per-call medians summed over the step.
+XLA's per-call dispatch counts against it (an upper bound on its in-step time), so
+read the bf16 / fp32 ratio of each library.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
+from benchmarks.bench_matmul_ceiling import Gemm, time_gemm  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
 
-def step_gemms(hidden=256, layers=4, heads=8, kv_heads=4, mlp=768, vocab=4096):
-    """(K, N, count) of one decode step's GEMMs."""
+def step_gemms(batch: int, hidden=256, layers=4, heads=8, kv_heads=4, mlp=768,
+               vocab=4096) -> list[Gemm]:
+    """One decode step's GEMMs at M = batch (equal shapes merged into one count)."""
     hd = hidden // heads
     per_layer = [(hidden, heads * hd), (hidden, kv_heads * hd), (hidden, kv_heads * hd),
                  (heads * hd, hidden), (hidden, mlp), (hidden, mlp), (mlp, hidden)]
-    out = {}
+    counts: dict[tuple[int, int], int] = {}
     for k, n in per_layer:
-        out[(k, n)] = out.get((k, n), 0) + layers
-    out[(hidden, vocab)] = out.get((hidden, vocab), 0) + 1
-    return [(k, n, c) for (k, n), c in out.items()]
-
-
-def _per_call(fn, batch_ms: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < batch_ms or n < 3:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
+        counts[(k, n)] = counts.get((k, n), 0) + layers
+    counts[(hidden, vocab)] = counts.get((hidden, vocab), 0) + 1
+    return [Gemm(f"{k}x{n}", batch, k, n, count=c) for (k, n), c in counts.items()]
 
 
 def measure(batch: int, dtype: str, rounds: int, batch_ms: float, threads: int) -> dict:
     import torch
     torch.set_num_threads(threads)
-    jdt, tdt = {"float32": (jnp.float32, torch.float32),
-                "bfloat16": (jnp.bfloat16, torch.bfloat16)}[dtype]
-    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     total = {"xla_us": 0.0, "torch_us": 0.0}
-    for k, n, count in step_gemms():
-        a, b = jnp.ones((batch, k), jdt), jnp.ones((k, n), jdt)
-        ta, tb = torch.ones(batch, k, dtype=tdt), torch.ones(k, n, dtype=tdt)
-        xs, ts = [], []
-        for _ in range(rounds):  # alternating
-            xs.append(_per_call(lambda: dot(a, b).block_until_ready(), batch_ms))
-            ts.append(_per_call(lambda: torch.matmul(ta, tb), batch_ms))
-        total["xla_us"] += count * statistics.median(xs) * 1e6
-        total["torch_us"] += count * statistics.median(ts) * 1e6
+    for g in step_gemms(batch):
+        r = time_gemm(g, rounds, batch_ms, dtype=dtype)
+        total["xla_us"] += g.count * r["xla_median_ms"] * 1e3
+        total["torch_us"] += g.count * r["torch_median_ms"] * 1e3
     return {"batch": batch, "dtype": dtype, **total}
 
 

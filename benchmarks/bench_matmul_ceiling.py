@@ -125,18 +125,21 @@ def _batch_seconds(call, block, calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def time_gemm(g: Gemm, rounds: int, batch_ms: float, seed: int = 0) -> dict:
+def time_gemm(g: Gemm, rounds: int, batch_ms: float, seed: int = 0,
+              dtype: str = "float32") -> dict:
     """Per-call seconds (min, median over `rounds` batches) of XLA and torch, alternating,
-    and the largest |difference| of their results (same fp32 inputs)."""
+    and the largest |difference| of their results (same inputs, in `dtype`:
+    "float32" or "bfloat16"; both libraries return the inputs' dtype)."""
     import torch
 
     rng = np.random.default_rng(seed)
     a_np, b_np = (rng.standard_normal(s, dtype=np.float32) for s in g.shapes())
-    ja, jb = jax.device_put(a_np), jax.device_put(b_np)
-    ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
+    ja, jb = (jax.device_put(x).astype(dtype) for x in (a_np, b_np))
+    ta, tb = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (a_np, b_np))
     jf, tf = _jax_fn(g), _torch_fn(g)
     with torch.no_grad():
-        jo, to = np.asarray(jf(ja, jb)), tf(ta, tb).numpy()
+        jo = np.asarray(jf(ja, jb).astype(np.float32))
+        to = tf(ta, tb).float().numpy()
         max_diff = float(np.max(np.abs(jo - to)))
         sides = {"xla": (lambda: jf(ja, jb), jax.block_until_ready),
                  "torch": (lambda: tf(ta, tb), lambda o: None)}
