@@ -228,6 +228,23 @@ def test_cpu_step_keeps_one_gradient_sized_set_of_temporaries():
         make_train_step(graphdef, LOSS, OPT, mode="pmap").lower(abstract, b)
 
 
+def test_xla_options_reach_the_step_compile(batch, reference):
+    """`xla_options` go into the step's compile on top of the CPU scheduler: a valid
+    one computes the same update (fp32, rtol 1e-5), an unknown one fails naming
+    itself, and pmap (no per-jit options) refuses them."""
+    graphdef, _ = fresh()
+    opts = {"xla_cpu_prefer_vector_width": 512}
+    step = make_train_step(graphdef, LOSS, OPT, xla_options=opts)
+    assert step.compiler_options() == {**CPU_MEMORY_SCHEDULER, **opts}
+    assert make_train_step(graphdef, LOSS, OPT, cpu_memory_scheduler=False,
+                           xla_options=opts).compiler_options() == opts
+    assert_same_update(reference, run_step(batch, xla_options=opts))
+    with pytest.raises(Exception, match="xla_cpu_no_such_option"):
+        run_step(batch, xla_options={"xla_cpu_no_such_option": True})
+    with pytest.raises(ValueError, match="xla_options"):
+        make_train_step(graphdef, LOSS, OPT, mode="pmap", xla_options=opts)
+
+
 def test_bad_configuration_is_named(batch):
     graphdef, state = fresh()
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -144,11 +144,15 @@ class TrainStep:
 
     def __init__(self, graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
                  grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True,
-                 cpu_memory_scheduler: bool = True):
+                 cpu_memory_scheduler: bool = True, xla_options: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
         if mode == "pmap" and mesh is not None:
             raise ValueError("make_train_step: mode='pmap' takes devices=, not mesh=")
+        if mode == "pmap" and xla_options:
+            raise ValueError("make_train_step: mode='pmap' compiles without per-step XLA "
+                             f"options, got xla_options={xla_options!r}; set them in "
+                             "XLA_FLAGS or use mode='jit'")
         if int(grad_accum) < 1:
             raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
         self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
@@ -159,6 +163,7 @@ class TrainStep:
         self.lr_schedule = lr_schedule
         self.devices = list(jax.local_devices() if devices is None else devices)
         self.cpu_memory_scheduler = cpu_memory_scheduler
+        self.xla_options = dict(xla_options or {})
         self.state_sharding = None
         self._step = self._logprobs = None
 
@@ -209,9 +214,12 @@ class TrainStep:
 
     def compiler_options(self) -> dict | None:
         """XLA options of the jitted step: the memory-optimized scheduler on CPU
-        (`CPU_MEMORY_SCHEDULER`; pmap takes no options), none elsewhere."""
+        (`CPU_MEMORY_SCHEDULER`; pmap takes no options), then `xla_options` over
+        it; None when there are none."""
         cpu = all(d.platform == "cpu" for d in self.devices)
-        return dict(CPU_MEMORY_SCHEDULER) if cpu and self.cpu_memory_scheduler else None
+        out = dict(CPU_MEMORY_SCHEDULER) if cpu and self.cpu_memory_scheduler else {}
+        out.update(self.xla_options)
+        return out or None
 
     def place(self, state: TrainState, copy: bool = True) -> TrainState:
         """A (host / unreplicated) state where this step wants it.
@@ -308,7 +316,8 @@ class TrainStep:
 
 def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
                     grad_accum: int = 1, lr_schedule=None, devices=None,
-                    donate: bool = True, cpu_memory_scheduler: bool = True) -> TrainStep:
+                    donate: bool = True, cpu_memory_scheduler: bool = True,
+                    xla_options: dict | None = None) -> TrainStep:
     """A compiled train step: `step(state, batch, extras=None) -> (state, metrics)`.
 
     optimizer: OptimizerConfig or optax transformation (the one the state was
@@ -321,6 +330,9 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     teacher a frozen copy of the params (default: the live params).
     cpu_memory_scheduler: on CPU, compile with XLA's memory-optimized scheduler
     (`CPU_MEMORY_SCHEDULER`: one params-sized set of temporaries fewer at peak).
+    xla_options: further XLA debug options for this step's compile only, e.g.
+    {"xla_cpu_use_onednn": True} (names: `XLA_FLAGS=--help`; an unknown name or
+    value fails at the first step with XLA's error); mode='jit' only.
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr, the
     loss's token-mean metrics (entropy, clip_frac, kl_to_sampler), batch_rows
     (the global batch's rows) and micro_batches_skipped (micro-batches without a
@@ -329,7 +341,7 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     """
     return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
                      lr_schedule=lr_schedule, devices=devices, donate=donate,
-                     cpu_memory_scheduler=cpu_memory_scheduler)
+                     cpu_memory_scheduler=cpu_memory_scheduler, xla_options=xla_options)
 
 
 class StepCache:
