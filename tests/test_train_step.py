@@ -178,6 +178,11 @@ def test_equal_configurations_share_one_compiled_step(batch):
     b(b.place(fresh()[1]), batch)
     assert a is b and a._step._cache_size() == 1
     assert cache(fresh()[0], LOSS, OPT, grad_accum=1) is not a
+    opts = {"xla_cpu_use_onednn": True}
+    assert cache(fresh()[0], LOSS, OPT, grad_accum=2, xla_options=opts) is not a
+    assert (cache(fresh()[0], LOSS, OPT, grad_accum=2, xla_options=opts)
+            is cache(fresh()[0], LOSS, OPT, grad_accum=2, xla_options=dict(opts)))
+    assert cache(fresh()[0], LOSS, OPT, grad_accum=2, xla_options={}) is not None
     # Without a cache every TrainStep compiles its own: no hidden global state.
     c = make_train_step(fresh()[0], LOSS, OPT, grad_accum=2)
     c(c.place(fresh()[1]), batch)

@@ -358,8 +358,10 @@ class StepCache:
 
     def __call__(self, graphdef, loss_fn: LossFn, optimizer, **kwargs) -> TrainStep:
         devices = kwargs.get("devices")
+        xla = kwargs.get("xla_options")
         key = (graphdef, loss_fn, optimizer,
-               tuple(sorted({**kwargs, "devices": devices and tuple(devices)}.items())))
+               tuple(sorted({**kwargs, "devices": devices and tuple(devices),
+                             "xla_options": tuple(sorted(xla.items())) if xla else None}.items())))
         try:
             hash(key)
         except TypeError as e:
