@@ -46,8 +46,15 @@ def parse_choices(text: str) -> dict:
         k, v = part.split("=", 1)
         if k not in RUNTIME_FIELDS:
             raise SystemExit(f"{k!r} is not a runtime field of DecoderConfig; one of {RUNTIME_FIELDS}")
-        out[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+        out[k] = _scalar(v)
     return out
+
+
+def _scalar(text: str):
+    """A command-line value: an int, true / false as a bool, else the string."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def parse_xla_options(text: str) -> dict:
@@ -66,8 +73,7 @@ def parse_xla_options(text: str) -> dict:
         else:
             raise SystemExit(f"bad XLA option {part!r}: write xla_name=value, e.g. "
                              "xla_cpu_use_onednn=true (names: XLA_FLAGS=--help)")
-    return {k: int(v) if v.lstrip("-").isdigit() else
-            {"true": True, "false": False}.get(v.lower(), v) for k, v in raw.items()}
+    return {k: _scalar(v) for k, v in raw.items()}
 
 
 def compare(size: str, a: dict, b: dict, rounds: int, xla_a: dict | None = None,

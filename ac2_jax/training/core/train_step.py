@@ -22,6 +22,8 @@ donated); without it a teacher is the live params, gradient stopped.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -357,11 +359,11 @@ class StepCache:
         self.steps: dict = {}
 
     def __call__(self, graphdef, loss_fn: LossFn, optimizer, **kwargs) -> TrainStep:
-        devices = kwargs.get("devices")
-        xla = kwargs.get("xla_options")
-        key = (graphdef, loss_fn, optimizer,
-               tuple(sorted({**kwargs, "devices": devices and tuple(devices),
-                             "xla_options": tuple(sorted(xla.items())) if xla else None}.items())))
+        # Every argument, defaults filled in (an omitted one equals its default),
+        # lists and dicts (devices, xla_options) as tuples.
+        args = inspect.signature(make_train_step).bind(graphdef, loss_fn, optimizer, **kwargs)
+        args.apply_defaults()
+        key = tuple((k, _hashable(v)) for k, v in args.arguments.items())
         try:
             hash(key)
         except TypeError as e:
@@ -370,3 +372,12 @@ class StepCache:
         if key not in self.steps:
             self.steps[key] = make_train_step(graphdef, loss_fn, optimizer, **kwargs)
         return self.steps[key]
+
+
+def _hashable(value):
+    """A list as a tuple, a dict as its sorted items; anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
