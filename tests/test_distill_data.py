@@ -10,6 +10,8 @@ leaf rtol 1e-5 with atol 1e-5 x the leaf's largest entry (fp32 rounding of the b
 sums; a weight that cancelled out would be off by |w - 1| x the gradient).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,9 @@ from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training.distill.data import (DistillExample, HintConfig, examples_from_traces,
-                                          insert_hint, make_example, pack_pairs)
+from ac2_jax.training.distill.data import (DistillExample, HintConfig, insert_hint,
+                                          make_example, pack_pairs)
+from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.core.train_step import make_train_step
 from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
@@ -300,3 +303,26 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
     rows, cols = np.nonzero(s.loss_mask)
     np.testing.assert_array_equal(t.targets[rows, idx[rows, cols]], s.targets[rows, cols])
     assert s.loss_mask.sum() == 3 + 1 + 1  # response_mask keeps 1 of b's 2 tokens
+
+
+def test_a_trace_whose_hint_cannot_be_inserted_is_skipped_and_counted(tok, trace, caplog):
+    """Finding 6 (issue 32): one trace whose hint could not be inserted (insert_hint
+    ValueError) aborted the whole distillation data path."""
+    import copy
+    import logging
+    bad = copy.deepcopy(trace)
+    bad.attempt_id = "bad"
+    first = bad.episodes[0].completions[0]
+    bad.episodes[0].completions[0] = dataclasses.replace(
+        first, messages=[{"role": "user", "content": "words the prompt never held"}],
+        messages_delta=None, messages_sha=None)
+    bad2 = copy.deepcopy(bad)
+    bad2.attempt_id = "bad2"
+    counts: dict = {}
+    with caplog.at_level(logging.WARNING):
+        exs = examples_from_traces([bad, trace, bad2], tok, counts=counts)
+    assert {e.task for e in exs} == {trace.key}  # the good trace, whole
+    assert len(exs) == len(examples_from_traces([trace], tok))
+    assert counts["skipped_traces"] == 2 and counts["skipped/hint_not_insertable"] == 2
+    warned = [r for r in caplog.records if "hint_not_insertable" in r.getMessage()]
+    assert len(warned) == 1  # logged once, not per trace

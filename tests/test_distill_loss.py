@@ -154,3 +154,24 @@ def test_missing_teacher_inputs_are_named(setup):
         DistillLoss()(jnp.zeros((*paired.student.shape, V)), paired.student, None)
     with pytest.raises(ValueError, match="chunk_size must be None"):
         DistillConfig(chunk_size=-1)
+
+
+def test_sampled_ranking_uses_the_loss_temperature():
+    """Finding 4 (issue 32): for kind="sampled" the RMSD ranking took log-probs of the
+    raw logits while the loss divides them by its temperature, so the top-T positions
+    were not the ones with the largest divergence of the loss."""
+    from ac2_jax.losses import sampled_token_advantage
+    from ac2_jax.training.distill.loss import _rank
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(rng.normal(size=(2, 7, 11)) * 3, jnp.float32)
+    t = jnp.asarray(rng.normal(size=(2, 7, 11)) * 3, jnp.float32)
+    y = jnp.asarray(rng.integers(0, 11, size=(2, 7)), jnp.int32)
+    mask = jnp.ones((2, 7), jnp.float32).at[1, 5:].set(0.0)
+    for temperature in (0.5, 1.0, 2.0):
+        got = _rank("sampled", 0.5, None, temperature, [s, t], {"targets": y, "mask": mask})
+        want = jnp.abs(sampled_token_advantage(s, t, y, temperature=temperature)) * mask
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # and it matters here: the raw-logit ranking (what it used) is not the one at T = 0.5
+    order = {T: np.argsort(-np.abs(np.asarray(sampled_token_advantage(
+        s, t, y, temperature=T)))[0]).tolist() for T in (1.0, 0.5)}
+    assert order[1.0] != order[0.5]

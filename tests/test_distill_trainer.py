@@ -20,8 +20,9 @@ from ac2_jax.training import (OptimizerConfig, SFTConfig, create_train_state, re
                               run_sft)
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
-from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, examples_from_traces,
-                                          hinted_messages, insert_hint, make_example, pack_pairs)
+from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, hinted_messages,
+                                          insert_hint, make_example, pack_pairs)
+from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, publish_policy,
                                               resample_examples, rollout_and_grade, sample)

@@ -5,11 +5,12 @@ import asyncio
 import types
 
 import numpy as np
+import pytest
 
 from ac2_jax.envs import Env, Task
 from ac2_jax.orchestration import MultiResponseOrchestrator
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl.data import BatchConfig, build_batch, unchosen_branch_episodes
+from ac2_jax.training.rl import BatchConfig, build_batch, unchosen_branch_episodes
 
 
 class _Env(Env):
@@ -32,8 +33,9 @@ def test_best_of_n_picks_the_verified_branch():
     best = MultiResponseOrchestrator(env, task, None, "m", n=3, select="verify")
     choices = [_choice("5"), _choice("4"), _choice("3")]
     assert first.choose(choices).message.content == "5"
+    best.last_response_id = "chatcmpl-1"  # step() sets it from the response
     assert best.choose(choices).message.content == "4"
-    assert best.trace.metrics["branch_choices"] == [1]
+    assert best.trace.metrics["branch_choices"] == [{"request_id": "chatcmpl-1", "index": 1}]
     scored = MultiResponseOrchestrator(env, task, None, "m", n=3, select=lambda t: -len(t or ""))
     assert scored.choose(choices).message.content == "5"  # ties: the first
 
@@ -41,27 +43,28 @@ def test_best_of_n_picks_the_verified_branch():
 def _branched_trace(chosen):
     """Two requests with n=2: [1,2,3] -> 10 | 20, then the chosen branch + 5 -> 30 | 40."""
     t = Trace(task_id="t", attempt_id="0", group_id="g", reward=1.0, status="finished",
-              metadata={"artifacts": {"metrics": {"branch_choices": chosen}}})
+              metadata={"artifacts": {"metrics": {"branch_choices": [
+                  {"request_id": f"r{k}", "index": c} for k, c in enumerate(chosen)]}}})
     rec = TraceRecorder(t)
-    rec.record("main", Completion([1, 2, 3], [10], [-0.5]))
-    rec.record("main", Completion([1, 2, 3], [20], [-0.5]))
-    first = [10, 20][chosen[0]]
-    rec.record("main", Completion([1, 2, 3, first, 5], [30], [-0.5]))
-    rec.record("main", Completion([1, 2, 3, first, 5], [40], [-0.5]))
+    for k, prompt in enumerate(([1, 2, 3], [1, 2, 3, [10, 20][chosen[0]], 5])):
+        for m, out in enumerate(([10], [20]) if k == 0 else ([30], [40])):
+            rec.record("main", Completion(prompt, out, [-0.5], request_id=f"r{k}",
+                                          choice_index=m))
     return t
 
 
-def test_unchosen_branches_get_no_reward_in_a_built_batch():
-    t = _branched_trace([1, 1])
-    # episodes: [1,2,3,10] (unchosen), [1,2,3,20,5,30] (unchosen at step 2), [..., 40] (chosen)
-    assert unchosen_branch_episodes(t) == {0, 1}
+@pytest.mark.parametrize("chosen,trained,unchosen", [
+    ([0, 0], [10, 30], {1, 2}),  # episodes: [1,2,3,10,5,30], [1,2,3,20], [..,10,5,40]
+    ([1, 1], [20, 40], {0}),     # [1,2,3,10], [1,2,3,20,5,30], [...,20,5,40]: 20 stays
+    ([0, 1], [10, 40], {1}),     # [1,2,3,10,5,30] keeps 10, its 30 is masked
+    ([1, 0], [20, 30], {0, 2})])
+def test_the_continued_path_trains_once_and_only_it(chosen, trained, unchosen):
+    t = _branched_trace(chosen)
+    assert unchosen_branch_episodes(t) == unchosen
     other = Trace(task_id="t", attempt_id="1", group_id="g", reward=0.0, status="finished")
     TraceRecorder(other).record("main", Completion([1, 2, 3], [50], [-0.5]))
-    batch, stats, adv = build_batch([t, other], 0, BatchConfig(seq_len=16))
-    assert stats.unchosen_branches == 2
-    trained = np.asarray(batch.targets)[np.asarray(batch.loss_mask) > 0].tolist()
-    assert 10 not in trained and 30 not in trained and 40 in trained and 50 in trained
-    # Without branch_choices ("first"): the first-recorded member of each group continues.
-    t0 = _branched_trace([0, 0])
-    t0.metadata = {}
-    assert unchosen_branch_episodes(t0) == {1, 2}
+    for mode in ("episode", "request"):
+        batch, stats, adv = build_batch([t, other], 0, BatchConfig(seq_len=16, segment_mode=mode))
+        assert (stats.unchosen_responses, stats.unchosen_tokens) == (2, 2)
+        got = np.asarray(batch.targets)[np.asarray(batch.loss_mask) > 0].tolist()
+        assert sorted(got) == sorted(trained + [50]), mode

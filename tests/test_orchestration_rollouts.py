@@ -17,7 +17,8 @@ import pytest
 from fastapi import FastAPI
 
 from ac2_jax.envs import AgentError, Env, Task
-from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, run_rollout
+from ac2_jax.orchestration import (DefaultOrchestrator, LifecycleClient, MultiResponseOrchestrator,
+                                  run_rollout)
 from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
@@ -320,3 +321,88 @@ def test_each_rollout_speaks_over_its_own_client_only(endpoint):
         # The lifecycle calls keep the lifecycle client's timeout (the model calls: openai's).
         assert {t for p, t in sent[f"rollout{i}"] if "/v1/rollouts" in p} == {30.0}
     assert calls == 9  # create, finish, trace per rollout, counted as before
+
+
+class _SecondChoice:
+    """A best-of-n score that prefers each request's second response (index 1)."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, text):
+        self.calls += 1
+        return float((self.calls - 1) % self.n == 1)
+
+
+class ChoosingThenFailingOrchestrator(MultiResponseOrchestrator):
+    """Two responses per request, continues the second, then the harness gives up
+    (the agent's fault): the rollout ends agent_error after a recorded branch choice."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, n=2, select=_SecondChoice(2), **kw)
+
+    async def run(self, turn_input):
+        self.trace.messages.append({"role": "user", "content": turn_input})
+        await self.step(self.trace.messages)
+        raise AgentError("the reply is not a parsable answer")
+
+
+def _branch_members(trace, agent="main"):
+    """The completions of each multi-response request of `agent`, in choice order:
+    members share one prompt; the first recorded is choice 0, then 1, ... (the
+    endpoint records a request's n responses in order)."""
+    groups: dict[tuple, list] = {}
+    for i, ep in enumerate(trace.episodes):
+        if ep.agent == agent:
+            for c in ep.completions:
+                groups.setdefault(tuple(c.prompt_ids), []).append(c)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def test_an_errored_multi_response_attempt_trains_its_chosen_branch(endpoint):
+    """Finding 2 (issue 32): the error path kept no metrics, so branch_choices was lost
+    and the unchosen branch trained in place of the chosen one."""
+    trace, conv = run(endpoint["url"], endpoint["env"], make(ChoosingThenFailingOrchestrator))
+    assert trace.status == "agent_error" and conv.metrics["branch_choices"]
+    assert trace.metadata["artifacts"]["metrics"]["steps"] == 1  # the metrics reach the trace
+    (group,) = _branch_members(trace)
+    chosen, other = group[1], group[0]
+    assert chosen.output_ids and other.output_ids
+    batch, stats, _ = build_batch([trace], 0, BatchConfig(seq_len=128, rows=1,
+                                                           agent_error_reward=0.0))
+    trained = np.asarray(batch.targets)[np.asarray(batch.loss_mask) > 0].tolist()
+    assert trained == list(chosen.output_ids)
+
+
+class TwoTurnBranchingOrchestrator(MultiResponseOrchestrator):
+    """Two requests with n=2, each continuing its second response: the continued
+    path is (request 1, choice 1) then (request 2, choice 1)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, n=2, select=_SecondChoice(2), **kw)
+
+    async def run(self, turn_input):
+        msgs = self.trace.messages
+        msgs.append({"role": "user", "content": turn_input})
+        for follow_up in ("Say more.", None):
+            msg = await self.step(msgs)
+            msgs.append({"role": "assistant", "content": msg.content or ""})
+            if follow_up:
+                msgs.append({"role": "user", "content": follow_up})
+        self.trace.answer, self.trace.status = msgs[-1]["content"], "finished"
+
+
+def test_the_continued_path_of_later_choices_trains_every_token_once(endpoint):
+    """Finding 1 (issue 32): when the continued response is not the one that extends
+    the existing episode, the turns it continued were dropped with that episode."""
+    trace, conv = run(endpoint["url"], endpoint["env"], make(TwoTurnBranchingOrchestrator,
+                                                             max_steps=4))
+    assert trace.status == "finished"
+    assert [c["index"] for c in conv.metrics["branch_choices"]] == [1, 1]
+    groups = sorted(_branch_members(trace), key=lambda g: len(g[0].prompt_ids))
+    assert len(groups) == 2
+    continued = [g[1] for g in groups]  # choice 1 of each request
+    assert all(c.output_ids for c in continued)
+    batch, stats, _ = build_batch([trace], 0, BatchConfig(seq_len=256, rows=1))
+    trained = sorted(np.asarray(batch.targets)[np.asarray(batch.loss_mask) > 0].tolist())
+    assert trained == sorted(t for c in continued for t in c.output_ids)

@@ -236,22 +236,43 @@ def test_subagent_wildcard_and_exact_labels_leave_out_their_episodes():
                 assert (outs <= trained) if e.agent not in excluded else not (outs & trained)
 
 
-def test_train_agents_composes_with_unchosen_branches():
-    """A main episode left out as an unchosen branch is counted there, not again as excluded."""
+def _branch_then_compact(choices):
+    """main asks for n=2 (request r1; choice 1 continues), a compactor, then main restarts."""
     t = Trace(task_id="t", attempt_id="0", group_id="g", reward=1.0, status="finished",
-              metadata={"artifacts": {"metrics": {"branch_choices": [1]}}})
+              metadata={"artifacts": {"metrics": {"branch_choices": choices}}})
     rec = TraceRecorder(t)
-    rec.record("main", Completion([1, 2, 3], [10], [-0.5]))
-    rec.record("main", Completion([1, 2, 3], [20], [-0.5]))   # n=2: choice 1 continues
+    rec.record("main", Completion([1, 2, 3], [10], [-0.5], request_id="r1", choice_index=0))
+    rec.record("main", Completion([1, 2, 3], [20], [-0.5], request_id="r1", choice_index=1))
     rec.record("compactor", Completion([9, 9], [60, 61], [-0.5, -0.5]))
     rec.record("main", Completion([5, 6], [40], [-0.5]))
     other = _compacting_trace("t", 1, 0.0)
     other.group_id = "g"
+    return t, other
+
+
+def test_train_agents_composes_with_unchosen_branches():
+    """An unchosen response is counted as such (a response and its tokens), not as an
+    excluded episode; the compactors left out by train_agents are."""
+    t, other = _branch_then_compact([{"request_id": "r1", "index": 1}])
     batch, stats, _ = build_batch([t, other], 0, BatchConfig(seq_len=16, train_agents=("main",)))
-    assert stats.unchosen_branches == 1 and stats.excluded_episodes == 1 + 1
+    assert (stats.unchosen_responses, stats.unchosen_tokens) == (1, 1)
+    assert stats.unknown_branch_groups == 0 and stats.excluded_episodes == 1 + 1
     assert stats.excluded_agent_tokens == 2 + other.episodes[1].num_agent_tokens
     trained = batch.targets[batch.loss_mask > 0].tolist()
     assert 10 not in trained and 60 not in trained and 20 in trained and 40 in trained
+
+
+@pytest.mark.parametrize("choices", [None, [1], [{"request_id": "other", "index": 1}],
+                                     [{"request_id": "r1", "index": 5}]])
+def test_a_branch_group_whose_choice_is_unknown_trains_none_of_its_responses(choices):
+    """No record, a bare index (older stores: which request?), another request's id, an
+    index no response has: never a guess; the rest of the trace trains (counted)."""
+    t, other = _branch_then_compact(choices)
+    batch, stats, _ = build_batch([t, other], 0, BatchConfig(seq_len=16))
+    assert (stats.unknown_branch_groups, stats.unknown_branch_tokens) == (1, 2)
+    assert stats.unchosen_responses == 0
+    trained = batch.targets[batch.loss_mask > 0].tolist()
+    assert 10 not in trained and 20 not in trained and 60 in trained and 40 in trained
 
 
 def test_process_shares_pack_the_one_process_batch():
@@ -279,3 +300,19 @@ def test_process_shares_pack_the_one_process_batch():
     with pytest.raises(ValueError, match="layout='flat'"):
         pack_rl_batch(segments, stats.row_len, dataclasses.replace(config, layout="tree"),
                       process_index=0, process_count=2)
+
+
+def test_a_greedy_episode_of_an_agent_left_out_is_not_checked():
+    """Finding 5 (issue 32): check_sampled ran before the train_agents filter, so a
+    greedy compactor under train_agents=("main",) made the whole trace raise."""
+    t = _compacting_trace("t", 0, 1.0)
+    for c in t.episodes[1].completions:  # the compactor's: decoded greedily
+        c.temperature = 0.0
+    other = _compacting_trace("t", 1, 0.0, base=1)
+    for c in other.episodes[1].completions:
+        c.temperature = 0.0
+    batch, stats, _ = build_batch([t, other], 0, BatchConfig(seq_len=32, train_agents=("main",)))
+    assert stats.excluded_episodes == 2 and batch.loss_mask.sum() == sum(
+        e.num_agent_tokens for tr in (t, other) for e in tr.episodes if e.agent == "main")
+    with pytest.raises(ValueError, match="temperature 0"):  # trained greedy tokens still raise
+        build_batch([t, other], 0, BatchConfig(seq_len=32))

@@ -138,3 +138,21 @@ def test_the_batch_builders_still_import_from_data():
     assert (batch_segments, pack_rl_batch) == (batching.batch_segments, batching.pack_rl_batch)
     with pytest.raises(AttributeError, match="no attribute 'pack_batch'"):
         data.pack_batch
+
+
+def test_a_trace_without_completions_is_never_stale_and_stays_in_its_baseline():
+    """Finding 3 (issue 32): a trace with no sampled token had policy version 0, so
+    under bounded staleness it was dropped as stale and left its group's baseline."""
+    from ac2_jax.trace import Trace
+    failed_early = Trace(task_id="a", attempt_id="9", group_id="g:a", reward=0.0,
+                         status="agent_error")  # failed before calling the model
+    traces = [_trace("a", 0, 1.0, version=5), _trace("a", 1, 1.0, version=5), failed_early]
+    assert trace_version(failed_early) is None
+    kept, w, stats = select_traces(traces, 5, BatchConfig(max_staleness=1, stale="drop"))
+    assert [t.attempt_id for t in kept] == ["0", "1", "9"] and stats.dropped_stale == 0
+    assert stats.no_completions == 1 and stats.staleness_max == 0 and w == [1.0] * 3
+    np.testing.assert_allclose(trace_advantages(kept), [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)
+    batch, stats, adv = build_batch(traces, 5, BatchConfig(seq_len=16, max_staleness=1))
+    assert batch.loss_mask.sum() == 6 and stats.no_completions == 1  # it trains no token
+    np.testing.assert_allclose(sorted(set(np.round(batch.advantages[batch.loss_mask > 0], 6))),
+                               [round(1 / 3, 6)])

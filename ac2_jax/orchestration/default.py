@@ -82,6 +82,7 @@ class DefaultOrchestrator(Orchestrator):
         super().__init__(*args, **kw)
         self.transient = transient
         self.last_finish_reason: str | None = None
+        self.last_response_id: str | None = None  # the latest response's id (endpoint's)
 
     @property
     def tools(self) -> list[Tool]:
@@ -105,6 +106,7 @@ class DefaultOrchestrator(Orchestrator):
         resp = await self.complete(request, agent=self.agent, n=self.n,
                                    tools=[t.spec() for t in self.tools] or None)
         self.trace.count_step(self.agent)
+        self.last_response_id = getattr(resp, "id", None)  # what choose() records
         choice = self.choose(resp.choices)
         self.last_finish_reason = getattr(choice, "finish_reason", None)
         return choice.message
@@ -353,11 +355,12 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
 
     `select` picks the branch that continues: "first" (choice 0), "verify"
     (best-of-n by the env's verifier on each response's text), or a callable
-    text -> score (best-of-n; ties go to the lowest index). The chosen index of
-    each request is kept in `trace.metrics["branch_choices"]`, so the rollout's
-    artifacts say which branch was continued; RL training
-    (`rl_data.unchosen_branch_episodes`) leaves the other branches out, so they
-    never get the continued branch's reward.
+    text -> score (best-of-n; ties go to the lowest index). Each request's choice
+    is kept in `trace.metrics["branch_choices"]` as {"request_id": the response's
+    id, "index": the chosen index}, so the rollout's artifacts say which
+    response was continued (run_rollout stores them whatever the status); RL
+    training (`ac2_jax.training.rl.branches`) trains the continued path only,
+    so the other responses never get its reward.
     """
 
     def __init__(self, *args, n: int = 2, select: str | Callable[[str | None], float] = "first",
@@ -382,5 +385,6 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
         if self.select != "first" and len(choices) > 1:
             scores = [self.score(t) for t in texts]
             index = max(range(len(scores)), key=lambda i: (scores[i], -i))
-        self.trace.metrics.setdefault("branch_choices", []).append(index)
+        self.trace.metrics.setdefault("branch_choices", []).append(
+            {"request_id": self.last_response_id, "index": index})
         return choices[index]

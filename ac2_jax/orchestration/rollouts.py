@@ -191,6 +191,12 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
         await http.aclose()
 
 
+def _harness_events(conv: ConversationTrace) -> list[dict]:
+    """The harness's own events (compactions with their memo and memo_ok, errors);
+    per-request completion events are left out (the episodes hold those)."""
+    return [ev for ev in conv.events if ev.get("kind") != "completion"]
+
+
 async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, group_id, attempt,
                        metadata, timeout_s) -> tuple[Trace, ConversationTrace]:
     info = await lifecycle.create(task.task_id, group_id=group_id,
@@ -206,11 +212,8 @@ async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, gro
         conv = await asyncio.wait_for(run_task(orch, SingleTaskUser()), timeout_s)
         reward = env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
-        # The harness's own events (compactions with their memo and memo_ok, errors);
-        # per-request completion events are left out (the episodes hold those).
         artifacts = {"answer": conv.answer, "orchestrator_status": conv.status,
-                     "metrics": conv.metrics,
-                     "events": [e for e in conv.events if e.get("kind") != "completion"]}
+                     "metrics": conv.metrics, "events": _harness_events(conv)}
     except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
         # A TimeoutError is our deadline only once timeout_s has passed (not one of the harness's).
         deadline = (isinstance(e, asyncio.TimeoutError) and timeout_s is not None
@@ -219,7 +222,12 @@ async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, gro
         conv = orch.trace if orch is not None else ConversationTrace(task=task)
         conv.status = status
         error = f"deadline of {timeout_s}s passed" if deadline else f"{type(e).__name__}: {e}"
-        artifacts = {"error": error, "orchestrator_status": status}
+        # What the orchestrator recorded before the failure (its metrics, e.g. the
+        # branch choices of a multi-response harness, and its events) reaches the
+        # trace whatever the status: without branch_choices RL could not tell which
+        # response was continued.
+        artifacts = {"error": error, "orchestrator_status": status, "metrics": conv.metrics,
+                     "events": _harness_events(conv)}
     try:
         await lifecycle.finish(info["rollout_id"], reward=reward, status=status,
                                artifacts=artifacts, http=http)

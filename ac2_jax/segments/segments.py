@@ -87,9 +87,11 @@ def _episode_params(ep) -> dict[str, np.ndarray]:
 
 
 def _request_segment(trace: Trace, ep, c, advantage: float) -> Segment:
+    """prompt ++ output of one request; the output's mask is the episode's there
+    (1 as recorded; 0 where a rule took it out of training, e.g. an unchosen branch)."""
     n_p, n_o = len(c.prompt_ids), len(c.output_ids)
     n = n_p + n_o
-    return Segment(list(c.prompt_ids) + list(c.output_ids), [0] * n_p + [1] * n_o,
+    return Segment(list(c.prompt_ids) + list(c.output_ids), [0] * n_p + list(ep.loss_mask[n_p:n]),
                    [0.0] * n_p + list(c.output_logprobs), task=trace.key, advantage=advantage,
                    agent=ep.agent, policy_version=c.policy_version,
                    temperature=np.full(n, c.temperature), top_k=np.full(n, c.top_k),

@@ -101,14 +101,14 @@ def chat_message(choice: Choice) -> dict:
 
 
 def chat_response(model: str, choices: list[Choice], prompt_len: int, tokenizer: Tokenizer,
-                  req: ChatRequest, policy_version: int) -> dict:
+                  req: ChatRequest, policy_version: int, response_id: str | None = None) -> dict:
     out = []
     for c in choices:
         item = {"index": c.index, "message": chat_message(c), "finish_reason": c.finish_reason,
                 "logprobs": (chat_logprobs(tokenizer, c.result, req.top_logprobs)
                              if req.logprobs else None)}
         out.append(item)
-    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+    return {"id": response_id or new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": out,
             "usage": usage(prompt_len, [c.result for c in choices]),
             "system_fingerprint": f"policy-{policy_version}", "policy_version": policy_version}
@@ -116,11 +116,11 @@ def chat_response(model: str, choices: list[Choice], prompt_len: int, tokenizer:
 
 def completion_response(model: str, choices: list[Choice], prompt_len: int,
                         tokenizer: Tokenizer, req: CompletionRequest,
-                        policy_version: int) -> dict:
+                        policy_version: int, response_id: str | None = None) -> dict:
     out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
             "logprobs": (completion_logprobs(tokenizer, c.result, req.top_logprobs)
                          if req.logprobs else None)} for c in choices]
-    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+    return {"id": response_id or new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": out,
             "usage": usage(prompt_len, [c.result for c in choices]),
             "system_fingerprint": f"policy-{policy_version}", "policy_version": policy_version}

@@ -164,7 +164,10 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                  for c in choices]
         return choices, turns
 
-    async def record(principal, agent, req, prompt_ids, choices, elapsed, messages, turns):
+    async def record(principal, agent, req, prompt_ids, choices, elapsed, messages, turns,
+                     response_id: str):
+        """Records the request's n choices, each with the response id the client sees
+        and its choice index (how RL knows which response a harness continued)."""
         if principal.rollout is None:
             return
         comps = [Completion(prompt_ids=list(prompt_ids), output_ids=list(c.result.output_ids),
@@ -173,7 +176,8 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                             finish_reason=c.finish_reason, timings={"sample_s": elapsed},
                             cached_tokens=int(c.result.cached_tokens), messages=messages,
                             temperature=float(req.temperature), top_k=int(req.top_k),
-                            top_p=float(req.top_p))
+                            top_p=float(req.top_p), request_id=response_id,
+                            choice_index=int(c.index))
                  for c in choices]
         await asyncio.to_thread(registry.record, principal.rollout, agent, comps, list(turns))
         malformed = sum(c.malformed_tool_calls for c in choices)
@@ -192,6 +196,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
         full_prompt = list(prompt_ids) + prefix_ids
         params = sampling_params(len(full_prompt), req)
         route = principal.rollout.rollout_id if principal.rollout is not None else None
+        response_id = chat_lib.new_id("chatcmpl" if chat else "cmpl")
         t0 = time.monotonic()
 
         def abort():
@@ -202,7 +207,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
         if req.stream:
             gen = Generation(sampler, full_prompt, params, TokenFeed(), route)
             body = stream_events(request, principal, req, agent, full_prompt, messages, chat,
-                                 gen, parse_tools, prefix, prefix_ids, t0)
+                                 gen, parse_tools, prefix, prefix_ids, t0, response_id)
 
             async def on_close(_completed: bool) -> None:
                 if not gen.settled:
@@ -226,14 +231,15 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
         choices, turns = await asyncio.to_thread(finish_choices, results, req, parse_tools,
                                                  prefix, prefix_ids)
         await record(principal, agent, req, full_prompt, choices, time.monotonic() - t0,
-                     messages, turns)
+                     messages, turns, response_id)
         version = max(c.result.policy_version for c in choices)
         build = chat_lib.chat_response if chat else chat_lib.completion_response
-        return JSONResponse(build(model_name, choices, len(full_prompt), tokenizer, req, version))
+        return JSONResponse(build(model_name, choices, len(full_prompt), tokenizer, req, version,
+                                  response_id))
 
     async def stream_events(request, principal, req, agent, prompt_ids, messages, chat, gen,
-                            parse_tools, prefix, prefix_ids, t0):
-        cid, created = chat_lib.new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+                            parse_tools, prefix, prefix_ids, t0, cid):
+        created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         version = [sampler.policy_version]
 
@@ -296,7 +302,7 @@ def install_generation_routes(app: FastAPI, *, sampler: Sampler, tokenizer: Toke
                                                      prefix, prefix_ids)
             gen.settled = True  # done sampling: recorded even if the client leaves now
             await record(principal, agent, req, prompt_ids, choices, time.monotonic() - t0,
-                         messages, turns)
+                         messages, turns, cid)
         except APIError as e:
             gen.settled = True
             yield sse(e.body())

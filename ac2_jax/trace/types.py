@@ -64,6 +64,12 @@ class Completion:
     completion's list (in the same episode) cut to `messages_start` entries,
     plus `messages_delta`; `messages_sha` is the full list's
     `messages_fingerprint`. `Episode.with_messages()` rebuilds full lists.
+
+    `request_id` is the id of the response the endpoint answered the request
+    with (`chatcmpl-...`, what the client saw as `response.id`) and
+    `choice_index` this completion's index among its n choices: the n
+    completions of one request share the id. None where not recorded (older
+    stores, traces built by hand).
     """
 
     prompt_ids: list[int]
@@ -80,6 +86,8 @@ class Completion:
     messages_delta: list[dict[str, Any]] | None = None
     messages_start: int = 0
     messages_sha: str | None = None
+    request_id: str | None = None
+    choice_index: int = 0
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -93,6 +101,8 @@ class Completion:
         if self.messages_sha is None:  # not a delta: as older stores wrote it
             for k in ("messages_delta", "messages_start", "messages_sha"):
                 del d[k]
+        if self.request_id is None:  # as older stores wrote it
+            del d["request_id"], d["choice_index"]
         return d
 
     @classmethod

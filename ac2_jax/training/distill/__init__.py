@@ -1,8 +1,8 @@
 """Self-distillation (OPSD, RMSD): hinted teacher pairs (`data`), on-policy sources, the trainer."""
 
 from ac2_jax.training.distill.data import (DistillExample, HintConfig, PairedBatch,
-                                           examples_from_traces, insert_hint, make_example,
-                                           pack_pairs, sft_segments)
+                                           insert_hint, make_example, pack_pairs, sft_segments)
+from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.distill.sources import (Graded, HintTask, PromptCache, SampleConfig,
                                               aresample_examples, arollout_and_grade, asample,
                                               publish_policy, resample_examples,

@@ -17,8 +17,9 @@ defines the task_mean normaliser); the example's `weight` goes to
 `loss_weight`, which multiplies the loss.
 
 Data sources (each returns `DistillExample`s):
-(a) `examples_from_traces`: stored traces + their hints (offline), every
-    completion of every episode (main, compactor, subagents) by default;
+(a) `ac2_jax.training.distill.traces.examples_from_traces`: stored traces +
+    their hints (offline), every completion of every episode (main,
+    compactor, subagents) by default;
 (b)/(c) `ac2_jax.training.distill.sources`: resample a turn with the current
 policy, or roll out, grade and distill the failures with generated hints.
 """
@@ -28,13 +29,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ac2_jax.segments import PackedBatch, Segment
 from ac2_jax.segments.packing import empty_batch, pack_rows, pad_rows, pow2_bucket, write_segment
-from ac2_jax.trace.types import Trace
 
 HINT_PLACEMENTS = ("system", "before_turn", "after_user")
 
@@ -357,128 +357,3 @@ def sft_segments(examples: Sequence[DistillExample]) -> list[Segment]:
         mask = [0.0] * len(e.student_prompt) + e.trained_mask().tolist()
         segs.append(Segment(toks, mask, np.zeros(len(toks)), task=e.task, weight=e.weight))
     return segs
-
-
-def _agent_matches(agent: str, pattern: str) -> bool:
-    """`pattern` names `agent` exactly, or is a prefix: "subagent" / "subagent:" match
-    "subagent:search"."""
-    return agent == pattern or agent.startswith(pattern if pattern.endswith(":")
-                                                else pattern + ":")
-
-
-def select_agent(agent: str, agents: str | Sequence[str] | None) -> bool:
-    """Whether an episode labelled `agent` passes the filter (None: every agent)."""
-    if agents is None:
-        return True
-    return any(_agent_matches(agent, p) for p in ((agents,) if isinstance(agents, str)
-                                                   else agents))
-
-
-def hint_config_for(config: HintConfig | Mapping[str, HintConfig], agent: str) -> HintConfig:
-    """One HintConfig for all agents, or the most specific key of a mapping
-    (exact label, then the longest matching prefix, then "*")."""
-    if isinstance(config, HintConfig):
-        return config
-    keys = [k for k in config if k != "*" and _agent_matches(agent, k)]
-    if keys:
-        return config[max(keys, key=len)]
-    if "*" in config:
-        return config["*"]
-    raise ValueError(f"examples_from_traces: no HintConfig for agent {agent!r} (keys "
-                     f"{sorted(config)}); add it, a prefix of it, or '*'")
-
-
-def _sampling(c) -> tuple:
-    return (getattr(c, "temperature", None), getattr(c, "top_k", 0), getattr(c, "top_p", 1.0))
-
-
-def _mergeable(run: list, item: tuple) -> bool:
-    """`item` continues the run's example: its prompt extends the previous prompt +
-    output, and the hint enters at the same place with the same ids."""
-    (first, teacher0, (a, b)), (prev, _, _), (c, teacher, span) = run[0], run[-1], item
-    done = list(prev.prompt_ids) + list(prev.output_ids)
-    return (list(c.prompt_ids[:len(done)]) == done and span == (a, b)
-            and teacher[a:b] == teacher0[a:b] and _sampling(c) == _sampling(first))
-
-
-def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
-    first, teacher, span = run[0]
-    last = run[-1][0]
-    p0 = len(first.prompt_ids)
-    response = list(last.prompt_ids[p0:]) + list(last.output_ids)
-    mask, lps = np.zeros(len(response)), np.zeros(len(response))
-    for c, _, _ in run:
-        lo = len(c.prompt_ids) - p0
-        mask[lo:lo + len(c.output_ids)] = 1.0
-        lps[lo:lo + len(c.output_ids)] = c.output_logprobs
-    temperature, top_k, top_p = _sampling(first)
-    return DistillExample(list(first.prompt_ids), teacher, response, hint, task, hint_span=span,
-                          response_logprobs=lps.tolist(), messages=list(first.messages),
-                          response_mask=None if len(run) == 1 else mask.tolist(), agent=agent,
-                          temperature=temperature, top_k=top_k, top_p=top_p)
-
-
-COUNTS = ("traces", "traces_without_hints", "completions", "empty_outputs", "examples")
-
-
-def examples_from_traces(traces: Sequence[Trace], tokenizer,
-                         config: HintConfig | Mapping[str, HintConfig] = HintConfig(),
-                         agents: str | Sequence[str] | None = None, hint_join: str = "\n",
-                         merge: bool = True, counts: dict | None = None) -> list[DistillExample]:
-    """(a) Offline: every completion of every selected episode of each hinted trace.
-
-    agents: None (main, compactor, subagents: every episode) or labels /
-    prefixes ("main", "subagent" = every "subagent:<name>"). config: one
-    HintConfig, or one per agent label / prefix (see `hint_config_for`).
-    For each completion the student prompt is its prompt_ids, the response
-    its output_ids, and the teacher prompt its own request (`messages`,
-    recorded by the endpoint) with the trace's hints (joined) inserted. All
-    examples of a trace share its key as task (one group in task_mean).
-
-    merge: consecutive completions of an append-only episode whose hint
-    enters at the same token position with the same ids (e.g. placement
-    "system", or "after_user" with one user message) become one example with
-    response_mask 1 on each output span, equal to the per-request examples
-    (causal attention) in one forward pass. Otherwise ("before_turn" moves
-    with each request) each completion is its own example. Either way every
-    output token is trained exactly once.
-
-    Traces without hints and completions with no output give no example;
-    `counts` (a dict, if given) adds up those skips and the examples made.
-    """
-    counts = {} if counts is None else counts
-    for k in COUNTS:
-        counts.setdefault(k, 0)
-    out = []
-    for tr in traces:
-        counts["traces"] += 1
-        if not tr.hints:
-            counts["traces_without_hints"] += 1
-            continue
-        hint = hint_join.join(tr.hints)
-        for ep in tr.episodes:
-            if not select_agent(ep.agent, agents):
-                continue
-            cfg = hint_config_for(config, ep.agent)
-            run: list = []
-            for c in ep.with_messages():
-                counts["completions"] += 1
-                if not c.output_ids:
-                    counts["empty_outputs"] += 1
-                    continue
-                if c.messages is None:
-                    raise ValueError(f"examples_from_traces: trace {tr.key!r}, agent "
-                                     f"{ep.agent!r}: a completion has no messages (needed to "
-                                     "place the hint)")
-                _, teacher, span = insert_hint(tokenizer, c.messages, hint, cfg, c.prompt_ids)
-                item = (c, teacher, span)
-                if run and merge and _mergeable(run, item):
-                    run.append(item)
-                    continue
-                if run:
-                    out.append(_run_example(run, hint, tr.key, ep.agent))
-                run = [item]
-            if run:
-                out.append(_run_example(run, hint, tr.key, ep.agent))
-    counts["examples"] += len(out)
-    return out

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses import (DISTILL_KINDS, MODES, chunked_logits_map, distill_loss, reverse_kl,
-                            token_logprobs)
+                            sampled_token_advantage, token_logprobs)
 from ac2_jax.training.core.objectives import StepModel
 from ac2_jax.training.core.train_step import forward
 from ac2_jax.training.distill.data import PairedBatch
@@ -131,11 +131,12 @@ def teacher_logits(graphdef, params, rest, teacher_batch, teacher_index) -> jax.
 
 
 def _rank(kind, beta, top_k, temperature, logits, x):
-    """RMSD ranking value per position: the divergence, or |log p_t(y) - log p_s(y)|
-    for kind "sampled"; 0 off the mask."""
+    """RMSD ranking value per position, from the distributions the loss uses (logits
+    over `temperature`): the divergence, or |log p_t(y) - log p_s(y)| for kind
+    "sampled"; 0 off the mask."""
     s, t = logits
     if kind == "sampled":
-        d = jnp.abs(token_logprobs(t, x["targets"]) - token_logprobs(s, x["targets"]))
+        d = jnp.abs(sampled_token_advantage(s, t, x["targets"], temperature=temperature))
         return jnp.where(x["mask"] > 0, d, 0.0)
     return distill_loss(s, t, x["targets"], kind=kind, beta=beta, top_k=top_k,
                         temperature=temperature, mask=x["mask"])

@@ -2,10 +2,12 @@
 collectors (`collectors`), the trainer (`trainer`), and the driver split into collector
 and learner processes (`split`)."""
 
+from ac2_jax.training.rl.branches import (BranchCounts, branch_groups, continued_path,
+                                          left_out_responses, recorded_choices,
+                                          unchosen_branch_episodes)
 from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, check_sampled,
                                       group_name, informative_groups, select_traces,
-                                      trace_advantages, trace_rewards, trace_version,
-                                      unchosen_branch_episodes)
+                                      trace_advantages, trace_rewards, trace_version)
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
                                             refill_seed)
@@ -17,9 +19,10 @@ from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_collecto
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
-    "BatchConfig", "BatchStats", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
+    "BatchConfig", "BatchStats", "BranchCounts", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
     "ReplayCollector", "StepMarkers", "StoreCollector", "agent_group", "agent_trained",
-    "batch_metrics", "batch_segments", "build_batch", "check_sampled", "compaction_events", "group_name",
+    "batch_metrics", "batch_segments", "branch_groups", "build_batch", "check_sampled",
+    "compaction_events", "continued_path", "group_name", "left_out_responses", "recorded_choices",
     "informative_groups", "memo_results", "pack_rl_batch", "refill_seed", "run_collector", "run_learner",
     "select_traces", "staleness_histogram", "step_traces", "tell_endpoint", "trace_advantages",
     "trace_agent_metrics", "trace_rewards", "trace_version", "unchosen_branch_episodes",

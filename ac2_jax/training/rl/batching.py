@@ -22,9 +22,10 @@ from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_row
 from ac2_jax.segments.packing import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
+from ac2_jax.training.rl.branches import BranchCounts, continued_path
 from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, check_sampled,
                                       group_name, informative_groups, select_traces,
-                                      trace_advantages, unchosen_branch_episodes)
+                                      trace_advantages)
 
 
 def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig, *,
@@ -54,9 +55,11 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
     its staleness weight multiplies their loss. A segment longer than
     `config.seq_len` makes the batch's rows grow (`BatchConfig.row_len`) so it
     stays whole; only past `max_seq_len` is its end cut. Both are counted in
-    the stats. Greedy traces and two traces with one `Trace.key` are errors.
-    Unchosen multi-response branches (`unchosen_branch_episodes`) are left
-    out, counted in `stats.unchosen_branches`; then episodes whose agent is
+    the stats. Greedy tokens that train and two traces with one `Trace.key` are
+    errors. Of a multi-response trace only the continued path trains
+    (`branches.continued_path`: the other responses, and every response of a
+    request whose choice is unknown, get loss mask 0; counted in
+    `stats.unchosen_*` / `unknown_branch_*`); then episodes whose agent is
     not in `config.train_agents` (`stats.excluded_episodes` /
     `excluded_agent_tokens`): they shaped the reward, so the advantage is the
     whole attempt's, but they put no tokens in the batch. Groups without a reward spread
@@ -78,18 +81,15 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
             raise ValueError(f"build_batch: two traces share the key {t.key!r} (task_id/attempt_id)"
                              "; give every attempt its own attempt_id, or their losses merge")
         seen.add(t.key)
-        check_sampled(t)
     adv = trace_advantages(kept, config.normalize_std)
     sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []
     stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
+    branches = BranchCounts()
     for t, a, w in zip(kept, adv, weights):
-        unchosen = unchosen_branch_episodes(t)
-        if unchosen:  # never trained on the continued branch's reward
-            stats.unchosen_branches += len(unchosen)
-            t = dataclasses.replace(t, episodes=[e for i, e in enumerate(t.episodes)
-                                                 if i not in unchosen])
+        t, left_out = continued_path(t)  # never trained on the continued branch's reward
+        branches.add(left_out)
         if config.train_agents is not None:
             left_out = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
             if left_out:
@@ -97,10 +97,15 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
                 stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in left_out)
                 t = dataclasses.replace(t, episodes=[e for e in t.episodes if agent_trained(
                     e.agent, config.train_agents)])
+        check_sampled(t)  # only what trains
         for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
             if s.num_agent_tokens:
                 s.weight = w
                 segments.append(s)
+    stats.unchosen_responses, stats.unchosen_tokens = (branches.unchosen_responses,
+                                                       branches.unchosen_tokens)
+    stats.unknown_branch_groups, stats.unknown_branch_tokens = (branches.unknown_groups,
+                                                                branches.unknown_tokens)
     if not segments:
         return [], stats, adv
     row_len = config.row_len(max(len(s) for s in segments))

@@ -127,10 +127,12 @@ def agent_trained(agent: str, train_agents: tuple[str, ...] | None) -> bool:
     return SUBAGENT_WILDCARD in train_agents and agent.startswith("subagent:")
 
 
-def trace_version(trace: Trace) -> int:
-    """Oldest policy version that sampled any token of the trace."""
+def trace_version(trace: Trace) -> int | None:
+    """Oldest policy version that sampled any token of the trace; None for a trace
+    without completions (it failed before calling the model): it has no version,
+    so it is never stale."""
     versions = [c.policy_version for e in trace.episodes for c in e.completions]
-    return min(versions) if versions else 0
+    return min(versions) if versions else None
 
 
 @dataclasses.dataclass
@@ -146,12 +148,19 @@ class BatchStats:
     dropped_no_reward: int = 0      # finished, but no reward was given
     dropped_stale: int = 0
     downweighted: int = 0
-    empty: int = 0
+    empty: int = 0                  # kept traces with no agent token (in their baseline)
+    no_completions: int = 0         # of those, traces that never called the model (no version)
     row_len: int = 0                # the batch's row length (> seq_len when it grew)
     long_segments: int = 0          # segments over seq_len, kept whole in grown rows
     truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
-    unchosen_branches: int = 0      # multi-response episodes left out (unchosen_branch_episodes)
+    # Multi-response requests (`branches.continued_path`): responses not continued and
+    # their sampled tokens; requests whose choice was not recorded (none of their
+    # responses train) and the tokens of all their responses.
+    unchosen_responses: int = 0
+    unchosen_tokens: int = 0
+    unknown_branch_groups: int = 0
+    unknown_branch_tokens: int = 0
     excluded_episodes: int = 0      # episodes of kept traces whose agent is not in train_agents
     excluded_agent_tokens: int = 0  # their agent tokens (in no batch)
     lone_traces: int = 0            # kept traces alone in their group: advantage 0, no signal
@@ -169,7 +178,10 @@ def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchCo
     """Applies the failure and staleness rules. Returns (kept, weights, stats).
 
     Kept traces carry the reward they train with (a copy when the config
-    replaced it); the inputs are not changed.
+    replaced it); the inputs are not changed. A trace without completions has
+    no policy version: it is never stale, trains no token, and counts in its
+    group's baseline (`stats.no_completions`); the staleness figures are over
+    traces that have a version.
     """
     stats = BatchStats(traces=len(traces))
     kept, weights, lags = [], [], []
@@ -179,9 +191,13 @@ def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchCo
             continue
         if reward != t.reward:
             t = dataclasses.replace(t, reward=reward)
-        lag = max(0, learner_version - trace_version(t))
-        lags.append(lag)
-        w = 1.0
+        version, w = trace_version(t), 1.0
+        if version is None:  # no completion, no version: never stale, in its baseline
+            stats.no_completions += 1
+            lag = 0
+        else:
+            lag = max(0, learner_version - version)
+            lags.append(lag)
         if lag > config.max_staleness:
             if config.stale == "drop":
                 stats.dropped_stale += 1
@@ -256,47 +272,16 @@ def informative_groups(kept: Sequence[Trace]) -> set[str]:
     return {g for g, r in rewards.items() if sizes[g] >= 2 and len(r) > 1}
 
 
-def unchosen_branch_episodes(trace: Trace) -> set[int]:
-    """Indices of `trace.episodes` that end in a multi-response branch that was
-    not continued (MultiResponseOrchestrator). They are left out of training:
-    the task reward belongs to the continued branch only.
-
-    Rule: an agent's completions with one prompt are the n responses to one
-    request (a branch group), taken in recording order (choice order: the
-    continued episode is extended by choice 0, the others start new episodes
-    after it). Groups are numbered per agent by prompt length; group r's chosen
-    index is `metadata["artifacts"]["metrics"]["branch_choices"][r]` (0 when
-    absent: "first"). An episode whose last completion is an unchosen member of
-    a group is an unchosen branch. Its earlier, continued tokens are left out
-    with it (they are context of the chosen branch's episode); branches with
-    identical tokens may swap places, which trains the same tokens.
-    """
-    choices = ((trace.metadata or {}).get("artifacts") or {}).get("metrics", {}) or {}
-    choices = choices.get("branch_choices") or []
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for i, ep in enumerate(trace.episodes):
-        for j, c in enumerate(ep.completions):
-            groups.setdefault((ep.agent, tuple(c.prompt_ids)), []).append((i, j))
-    by_agent: dict[str, list[tuple]] = {}
-    for key in groups:
-        by_agent.setdefault(key[0], []).append(key)
-    out: set[int] = set()
-    for keys in by_agent.values():
-        branch_keys = sorted((k for k in keys if len(groups[k]) > 1), key=lambda k: len(k[1]))
-        for r, key in enumerate(branch_keys):
-            chosen = choices[r] if r < len(choices) else 0
-            for m, (i, j) in enumerate(sorted(groups[key])):
-                if m != chosen and j == len(trace.episodes[i].completions) - 1:
-                    out.add(i)
-    return out
-
-
 def check_sampled(trace: Trace) -> None:
-    """Raises if any completion of `trace` was decoded greedily (temperature 0):
-    there is no behaviour distribution to take an importance ratio against."""
+    """Raises if a completion of `trace` whose output trains (loss mask > 0 on it)
+    was decoded greedily (temperature 0): there is no behaviour distribution to
+    take an importance ratio against. Call it on the trace as it trains (after
+    `continued_path` and the train_agents filter): greedy tokens that do not
+    train (an excluded agent, an unchosen response) are no error."""
     for ep in trace.episodes:
         for c in ep.completions:
-            if c.output_ids and not c.temperature > 0:
+            lo, hi = len(c.prompt_ids), len(c.prompt_ids) + len(c.output_ids)
+            if any(ep.loss_mask[lo:hi]) and not c.temperature > 0:
                 raise ValueError(
                     f"trace {trace.key!r} ({ep.agent!r}) was sampled with temperature "
                     f"{c.temperature}: greedy tokens have no behaviour distribution, so RL "

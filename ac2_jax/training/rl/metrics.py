@@ -82,9 +82,9 @@ def staleness_histogram(traces: Sequence[Trace], learner_version: int) -> dict[s
     versions (lag = learner_version - the oldest version that sampled any of its
     tokens, floored at 0), one key per lag from 0 to the largest seen. Traces
     without a sampled completion (e.g. infra errors before any request) have no
-    version and are not in it (`BatchStats.infra_errors` / `empty` count them)."""
-    lags = collections.Counter(max(0, learner_version - trace_version(t)) for t in traces
-                               if any(e.completions for e in t.episodes))
+    version and are not in it (`BatchStats.no_completions` counts the kept ones)."""
+    versions = (trace_version(t) for t in traces)
+    lags = collections.Counter(max(0, learner_version - v) for v in versions if v is not None)
     return {f"staleness_hist/{lag}": float(lags.get(lag, 0))
             for lag in range(max(lags) + 1 if lags else 0)}
 
