@@ -891,3 +891,36 @@ def test_a_failing_compile_ahead_is_logged_and_the_step_still_trains(tmp_path, m
     trainer.close()
     assert m["skipped_update"] == 0.0 and m["compiled_steps"] == 1.0
     assert "compiling the train step ahead failed" in caplog.text
+
+
+def test_each_rl_attempt_samples_with_its_own_fixed_seed(served):
+    """Unseeded RL requests took the sampler's next seed in arrival order (timing), so
+    no two runs sampled alike (issue 32 finding 7). Each attempt now carries
+    attempt_sampling_seed(seed, step, task, attempt); two collections of a step sample
+    the same tokens whatever order their requests arrive in."""
+    from ac2_jax.training.rl import attempt_sampling_seed
+    seen: dict = {}
+
+    def recording(env, task, client, model):
+        orch = _make(env, task, client, model)
+        seen.setdefault(id(orch), orch)
+        return orch
+
+    async def collect(path, concurrency):
+        lc = LifecycleClient(served["url"], ADMIN)
+        try:
+            c = EndpointCollector(lc, LengthParityEnv(), recording, "tiny", TraceStore(path),
+                                  tasks_per_step=2, attempts_per_task=4, seed=3,
+                                  concurrency=concurrency)
+            return await c.collect(0)
+        finally:
+            await lc.aclose()
+
+    tmp = served["tmp"]
+    first = asyncio.run(collect(str(tmp / "seeded_a.jsonl"), 8))
+    seeds = sorted(o.sampling["seed"] for o in seen.values())
+    want = sorted(attempt_sampling_seed(3, 0, t.task_id, int(t.attempt_id)) for t in first)
+    assert seeds == want and len(set(seeds)) == 8
+    again = asyncio.run(collect(str(tmp / "seeded_b.jsonl"), 1))  # one at a time: other batches
+    tokens = [[e.token_ids for e in t.episodes] for t in first]
+    assert tokens == [[e.token_ids for e in t.episodes] for t in again]

@@ -25,6 +25,12 @@ class Collector(Protocol):
     async def collect(self, rl_step: int) -> list[Trace]: ...
 
 
+def attempt_sampling_seed(seed: int, rl_step: int, task_id: str, attempt: int) -> int:
+    """The sampling seed of one RL attempt: a fixed hash, stable across runs and
+    resumes, different for every (step, task, attempt)."""
+    return hashed_seed("rl-attempt", seed, rl_step, task_id, attempt)
+
+
 def refill_seed(seed: int, rl_step: int, round: int) -> int:
     """The task seed of refill `round` (>= 1) of `rl_step`: a fixed hash, stable across runs."""
     return hashed_seed("refill", seed, rl_step, round)
@@ -46,6 +52,13 @@ class EndpointCollector:
     harness cannot stall the step; such an attempt ends timed_out (counted by
     the step metrics, trained only per BatchConfig.timed_out_reward) and is not
     retried. Lifecycle calls are retried by `lifecycle` itself (its `retries`).
+
+    Every attempt samples with its own seed, `attempt_sampling_seed(seed,
+    rl_step, task_id, attempt)`, put in its orchestrator's `sampling` dict
+    (each request of the attempt then gets its own, `request_seed`; an infra
+    retry reuses it). Unseeded, the sampler would draw a request's seed in the
+    order requests arrive, which timing decides, so no two runs sampled alike.
+    An orchestrator without a `sampling` dict samples unseeded.
 
     `refill(rl_step, round, n)` runs the attempts of n more tasks of the step
     (seed `refill_seed`), leaving out (and counting) tasks already run in it;
@@ -139,9 +152,17 @@ class EndpointCollector:
     async def _run(self, task, attempt: int, rl_step: int) -> Trace:
         """One run of an attempt; an exception out of it is an infra_error trace."""
         env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
+        seed = attempt_sampling_seed(self.seed, rl_step, task.task_id, attempt)
+
+        def make(env_, task_, client, model_name):
+            orch = self.make(env_, task_, client, model_name)
+            if isinstance(getattr(orch, "sampling", None), dict):
+                orch.sampling["seed"] = seed
+            return orch
+
         try:
             async with self.sem:
-                trace, _ = await run_rollout(self.lifecycle, env, task, self.make, self.model_name,
+                trace, _ = await run_rollout(self.lifecycle, env, task, make, self.model_name,
                                              group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
                                              metadata={"rl_step": rl_step},
                                              timeout_s=self.rollout_deadline_s)
