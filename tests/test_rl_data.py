@@ -4,8 +4,12 @@ The traces -> segments -> packed batch part (`batching`) has its own file,
 tests/test_rl_batching.py.
 """
 
+import collections
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.config import ConfigError, from_config
@@ -156,3 +160,83 @@ def test_a_trace_without_completions_is_never_stale_and_stays_in_its_baseline():
     assert batch.loss_mask.sum() == 6 and stats.no_completions == 1  # it trains no token
     np.testing.assert_allclose(sorted(set(np.round(batch.advantages[batch.loss_mask > 0], 6))),
                                [round(1 / 3, 6)])
+
+
+# --- A property test: random statuses, rewards, versions and configs against a small
+# reference of the design's signal rules (docs/design.md "Signal rules").
+
+def _reference(traces, learner, cfg):
+    """What the rules say, written out directly: for each trace, dropped (and the
+    counter it lands in) or kept (reward, weight); then advantages over the kept."""
+    kept, skipped = {}, collections.Counter()
+    for t in traces:
+        if t.status == "finished":
+            reward = t.reward if t.reward is not None else "dropped_no_reward"
+        elif t.status == "agent_error":
+            reward = cfg.agent_error_reward if cfg.agent_error_reward is not None else (
+                t.reward or 0.0)
+        elif t.status == "timed_out":
+            reward = cfg.timed_out_reward if cfg.timed_out_reward is not None else (
+                "dropped_timed_out")
+        else:  # infra_error, or never ended
+            reward = "infra_errors"
+        if isinstance(reward, str):
+            skipped[reward] += 1
+            continue
+        versions = [c.policy_version for e in t.episodes for c in e.completions]
+        lag = learner - min(versions) if versions else 0  # no completion: never stale
+        weight = 1.0
+        if lag > cfg.max_staleness:
+            if cfg.stale == "drop":
+                skipped["dropped_stale"] += 1
+                continue
+            weight = cfg.stale_weight ** (lag - cfg.max_staleness)
+        kept[t.key] = (t, float(reward), weight)
+    means = collections.defaultdict(list)
+    for t, r, _ in kept.values():
+        means[t.group_id].append(r)
+    out = {k: (r - np.mean(means[t.group_id]), w, t.num_agent_tokens)
+           for k, (t, r, w) in kept.items()}
+    return out, skipped
+
+
+@settings(max_examples=250, deadline=None, database=None)
+@given(st.data())
+def test_what_trains_counts_and_is_skipped_follows_the_signal_rules(data):
+    from ac2_jax.trace import Trace, TRACE_STATUSES
+    learner = data.draw(st.integers(0, 4), label="learner version")
+    cfg = BatchConfig(
+        seq_len=32, rows=1,
+        agent_error_reward=data.draw(st.sampled_from([None, 0.0, -1.0])),
+        timed_out_reward=data.draw(st.sampled_from([None, 0.0, 0.25])),
+        max_staleness=data.draw(st.integers(0, 2)),
+        stale=data.draw(st.sampled_from(["drop", "downweight"])))
+    traces = []
+    for g in range(data.draw(st.integers(1, 3), label="groups")):
+        for a in range(data.draw(st.integers(1, 4), label="attempts")):
+            status = data.draw(st.sampled_from(TRACE_STATUSES), label="status")
+            reward = data.draw(st.sampled_from([None, 0.0, 0.5, 1.0]), label="reward")
+            if data.draw(st.booleans(), label="no completions"):
+                traces.append(Trace(task_id=f"t{g}", attempt_id=str(a), group_id=f"g{g}",
+                                    reward=reward, status=status))
+            else:
+                t = _trace(f"t{g}", a, reward, version=data.draw(st.integers(0, learner)),
+                           status=status, n_out=data.draw(st.integers(1, 3)))
+                t.group_id = f"g{g}"
+                traces.append(t)
+    want, skipped = _reference(traces, learner, cfg)
+    segments, stats, _ = batching.batch_segments(traces, learner, cfg)
+    # What trains: each kept trace with tokens, all of them, at its advantage and weight.
+    got = {s.task: (s.advantage, s.weight, s.num_agent_tokens) for s in segments}
+    assert set(got) == {k for k, (_, _, n) in want.items() if n}
+    for k, (adv, w, n) in got.items():
+        np.testing.assert_allclose((adv, w, n), want[k], rtol=1e-6, atol=1e-6)
+    # What is skipped: every trace is kept or lands in exactly one counter.
+    assert {k: getattr(stats, k) for k in skipped} == dict(skipped)
+    assert stats.traces == len(traces) == len(want) + sum(
+        getattr(stats, k) for k in ("dropped_no_reward", "dropped_timed_out", "infra_errors",
+                                    "dropped_stale"))
+    by_key = {t.key: t for t in traces}
+    assert stats.no_completions == sum(1 for k in want if not by_key[k].episodes)
+    assert stats.empty == sum(1 for _, _, n in want.values() if n == 0)
+    assert stats.downweighted == sum(1 for _, w, _ in want.values() if w < 1.0)
