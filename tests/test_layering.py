@@ -1,6 +1,7 @@
 """Imports point one way: a layer never imports a higher one (docs/design.md).
 
-Also: the light packages import no server, plotting or torch code; the core
+No module imports itself through others (no import cycles, function-level
+imports included). Also: the light packages import no server, plotting or torch code; the core
 packages import only what setup.py's core requirements install; every public
 name of a module is re-exported from its package.
 """
@@ -65,6 +66,80 @@ def test_lower_layers_never_import_higher_ones():
                 violations.append(f"{path.relative_to(ROOT.parent)}:{line}: orchestrators reach the "
                                   f"model only through an OpenAI client, not {module}")
     assert not violations, "\n".join(violations)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """ac2_jax module -> the ac2_jax modules it imports (at any level of the file;
+    `from pkg import name` is an edge to pkg.name when that is a module, else pkg)."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("ac2_jax",) + path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name):
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in modules else None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for a in node.names:
+                    edges.add(known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules
+                              else known(base))
+        graph[name] = {e for e in edges if e and e != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles (move what both need into a lower module): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
 
 
 def test_core_never_imports_torch_or_transformers():

@@ -27,7 +27,7 @@ from ac2_jax.sampling.base import SampleResult
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from ac2_jax.training.rl.data import BatchConfig, build_batch
+from ac2_jax.training.rl import BatchConfig, build_batch
 from ac2_jax.training.rl.trainer import EndpointCollector
 from experiments import calculator_agent, long_horizon
 from experiments.configs.calculator import get_config

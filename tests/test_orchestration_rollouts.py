@@ -24,7 +24,7 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from ac2_jax.training.rl.data import BatchConfig, build_batch
+from ac2_jax.training.rl import BatchConfig, build_batch
 from serving_helpers import served_random_model
 
 ADMIN = "sk-admin-rollouts"

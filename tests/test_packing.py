@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.segments import Segment, pack_segments, task_names
-from ac2_jax.segments.packing import pow2_bucket
+from ac2_jax.segments.batch import pow2_bucket
 
 
 def _seg(n, task, start=1, adv=1.0):

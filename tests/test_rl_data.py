@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.config import ConfigError, from_config
 from ac2_jax.training.rl import batching
-from ac2_jax.training.rl.data import (BatchConfig, agent_trained, build_batch, select_traces,
+from ac2_jax.training.rl.batching import build_batch
+from ac2_jax.training.rl.data import (BatchConfig, agent_trained, select_traces,
                                       trace_advantages, trace_version)
 from ac2_jax.training.rl.trainer import RLConfig
 from rl_traces import rl_trace as _trace
@@ -130,18 +131,6 @@ def test_subagent_wildcard_and_exact_labels():
     assert not agent_trained("compactor", ("main", "subagent:*"))
     assert agent_trained("subagent:calc", ("subagent:calc",))
     assert not agent_trained("subagent:helper", ("subagent:calc",))
-
-
-def test_the_batch_builders_still_import_from_data():
-    """batch_segments, pack_rl_batch and build_batch moved to `batching`; code that
-    imports them from `data` gets the very same functions, and an unknown name is
-    still an AttributeError."""
-    from ac2_jax.training.rl import data
-    from ac2_jax.training.rl.data import batch_segments, pack_rl_batch
-    assert build_batch is batching.build_batch
-    assert (batch_segments, pack_rl_batch) == (batching.batch_segments, batching.pack_rl_batch)
-    with pytest.raises(AttributeError, match="no attribute 'pack_batch'"):
-        data.pack_batch
 
 
 def test_a_trace_without_completions_is_never_stale_and_stays_in_its_baseline():

@@ -9,7 +9,7 @@ import pytest
 
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
-from ac2_jax.training.rl.data import BatchConfig, build_batch
+from ac2_jax.training.rl import BatchConfig, build_batch
 from ac2_jax.training.rl.metrics import (agent_group, batch_metrics, compaction_events,
                                          memo_results, staleness_histogram,
                                          trace_agent_metrics)

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.packing import (PackedBatch, empty_batch, packed_lengths, pad_rows,
-                                      pow2_bucket, task_names)
+from ac2_jax.segments.batch import (PackedBatch, empty_batch, packed_lengths, pad_rows,
+                                    pow2_bucket, task_names)
 from ac2_jax.segments.segments import Segment
 
 

@@ -34,7 +34,8 @@ from typing import Sequence
 import numpy as np
 
 from ac2_jax.segments import PackedBatch, Segment
-from ac2_jax.segments.packing import empty_batch, pack_rows, pad_rows, pow2_bucket, write_segment
+from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
+from ac2_jax.segments.packing import pack_rows, write_segment
 
 HINT_PLACEMENTS = ("system", "before_turn", "after_user")
 

@@ -43,7 +43,7 @@ import numpy as np
 from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
 from ac2_jax.segments import pack_segments
-from ac2_jax.segments.packing import pow2_bucket
+from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
 from ac2_jax.training.distill.loss import (DistillLoss, divergence,  # noqa: F401 (re-exported)
                                            relevance_scores, teacher_extras, teacher_logits)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_rows,
                               segments_from_trace, task_names)
-from ac2_jax.segments.packing import empty_batch, pad_rows, pow2_bucket
+from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.rl.branches import BranchCounts, continued_path

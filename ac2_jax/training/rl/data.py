@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ac2_jax.losses import group_advantages
-from ac2_jax.segments.packing import pow2_bucket
+from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
@@ -286,15 +286,3 @@ def check_sampled(trace: Trace) -> None:
                     f"trace {trace.key!r} ({ep.agent!r}) was sampled with temperature "
                     f"{c.temperature}: greedy tokens have no behaviour distribution, so RL "
                     "cannot train on them; collect RL rollouts with temperature > 0")
-
-
-# Moved to `batching` (which imports this module, so these cannot be imported here at
-# the top); still importable from here for code written against the old place.
-_MOVED_TO_BATCHING = ("batch_segments", "build_batch", "pack_rl_batch")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_BATCHING:
-        from ac2_jax.training.rl import batching
-        return getattr(batching, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.segments import PackedBatch, Segment, pack_segments, pow2_bucket
-from ac2_jax.segments.packing import first_fit_decreasing, packed_lengths
+from ac2_jax.segments.batch import packed_lengths
+from ac2_jax.segments.packing import first_fit_decreasing
 from ac2_jax.training.core.objectives import SFTLoss
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
