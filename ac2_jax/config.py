@@ -5,7 +5,10 @@ A config section has exactly the key names of the dataclass it becomes:
     rl = from_config(RLConfig, cfg.rl)           # cfg.rl.batch.rows -> rl.batch.rows
     model = from_config(DecoderConfig, cfg.model, vocab_size=tok.vocab_size)
 
-Nested dataclass fields recurse, lists become tuples where the field is a
+A field typed with a registry base (a class with `__registry__`, e.g.
+`training.Objective`) is built from the class its section names with `kind`
+(`ac2_jax.registry`): `rl.loss = dict(kind="ppo", clip_eps=0.2)`; without
+`kind`, the base's `__default_kind__`. Nested dataclass fields recurse, lists become tuples where the field is a
 tuple, and every value is type-checked. An unknown key (with a "did you
 mean"), a missing required key, a wrong type, or a value the dataclass
 rejects raises `ConfigError` naming the key path (e.g. `rl.batch.rows`).
@@ -117,6 +120,20 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{path}: expected one of {typing.get_args(tp)}, got {value!r}")
+    registry = getattr(tp, "__registry__", None) if isinstance(tp, type) else None
+    if registry is not None:
+        if isinstance(value, tp):
+            return value
+        data = dict(_as_mapping(value, path))
+        kind = data.pop("kind", None) or getattr(tp, "__default_kind__", None)
+        try:
+            chosen = registry.get(kind)
+        except ValueError as e:
+            raise ConfigError(f"{_join(path, 'kind')}: {e}") from e
+        if not (isinstance(chosen, type) and issubclass(chosen, tp)):
+            raise ConfigError(f"{_join(path, 'kind')}: {kind!r} is registered as "
+                              f"{chosen!r}, not a {tp.__name__}")
+        return from_config(chosen, data, path=path)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
             return value

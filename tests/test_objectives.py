@@ -126,7 +126,7 @@ def test_lm_head_of_projects_like_the_model(tie):
     head = lm_head_of(model)
     assert head.layout == ("vd" if tie else "dv") and head.vocab_size == 30
     np.testing.assert_array_equal(head.logits(h), model.logits(h))
-    with pytest.raises(TypeError, match="Decoder"):
+    with pytest.raises(TypeError, match="CausalLM"):
         lm_head_of(object())
 
 

@@ -34,8 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from ac2_jax.losses.logprobs import token_logprobs
+from ac2_jax.registry import Registry
 
-DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd", "sampled")
+# Per-position divergences by name (`distill_loss(kind=...)`, `DistillLoss.kind`).
+# Each entry: fn(student_logits, teacher_logits, targets, *, beta, top_k,
+# temperature) -> [..., L]. A new one is a function registered from its own
+# module: `@DIVERGENCES.register("name")`.
+DIVERGENCES: Registry = Registry("divergence")
+DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd", "sampled")  # the built-in ones
 
 
 def _check_logits(student_logits, teacher_logits):
@@ -140,7 +146,7 @@ def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array,
                  targets: jax.Array | None = None, *, kind: str = "reverse_kl",
                  beta: float = 0.5, top_k: int | None = None, temperature: float = 1.0,
                  mask: jax.Array | None = None) -> jax.Array:
-    """Per-token self-distillation loss of one of DISTILL_KINDS.
+    """Per-token self-distillation loss of the divergence registered as `kind`.
 
     student_logits, teacher_logits: [..., L, V]; targets: [..., L] int (needed
     for kind="sampled", shape-checked otherwise); mask: optional [..., L]
@@ -153,22 +159,37 @@ def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array,
         raise ValueError(f"distill_loss: targets {targets.shape} must be logits.shape[:-1] = {lead}")
     if mask is not None and tuple(mask.shape) != tuple(lead):
         raise ValueError(f"distill_loss: mask {mask.shape} must be logits.shape[:-1] = {lead}")
-    if kind == "reverse_kl":
-        loss = reverse_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
-    elif kind == "forward_kl":
-        loss = forward_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
-    elif kind == "jsd":
-        loss = generalized_jsd(student_logits, teacher_logits, beta=beta,
-                               temperature=temperature, top_k=top_k)
-    elif kind == "sampled":
-        if targets is None:
-            raise ValueError("distill_loss: kind='sampled' needs targets (the sampled tokens)")
-        if top_k is not None:
-            raise ValueError("distill_loss: top_k applies to full-vocabulary kinds, not 'sampled'")
-        loss = sampled_token_loss(student_logits, teacher_logits, targets,
-                                  temperature=temperature)
-    else:
-        raise ValueError(f"distill_loss: kind must be one of {DISTILL_KINDS}, got {kind!r}")
+    try:
+        divergence = DIVERGENCES.get(kind)
+    except ValueError as e:
+        raise ValueError(f"distill_loss: kind: {e}") from None
+    loss = divergence(student_logits, teacher_logits, targets, beta=beta, top_k=top_k,
+                      temperature=temperature)
     if mask is not None:
         loss = jnp.where(mask > 0, loss, 0.0)
     return loss
+
+
+@DIVERGENCES.register("reverse_kl")
+def _reverse_kl(student_logits, teacher_logits, targets, *, beta, top_k, temperature):
+    return reverse_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
+
+
+@DIVERGENCES.register("forward_kl")
+def _forward_kl(student_logits, teacher_logits, targets, *, beta, top_k, temperature):
+    return forward_kl(student_logits, teacher_logits, temperature=temperature, top_k=top_k)
+
+
+@DIVERGENCES.register("jsd")
+def _jsd(student_logits, teacher_logits, targets, *, beta, top_k, temperature):
+    return generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature,
+                           top_k=top_k)
+
+
+@DIVERGENCES.register("sampled")
+def _sampled(student_logits, teacher_logits, targets, *, beta, top_k, temperature):
+    if targets is None:
+        raise ValueError("distill_loss: kind='sampled' needs targets (the sampled tokens)")
+    if top_k is not None:
+        raise ValueError("distill_loss: top_k applies to full-vocabulary kinds, not 'sampled'")
+    return sampled_token_loss(student_logits, teacher_logits, targets, temperature=temperature)

@@ -1,4 +1,5 @@
-"""Models: the Flax NNX decoder (Qwen3/Llama family), HF and Orbax weight I/O,
+"""Models: the model protocol (`CausalLM`) and family registry (`register_family`), the
+Flax NNX decoder (the Qwen3 and Llama families), HF and Orbax weight I/O,
 the tokenizer with its chat templates and tool-call parsers."""
 
 from ac2_jax.models.attention import attention, choose_backend, dense_attention
@@ -7,6 +8,8 @@ from ac2_jax.models.blocksparse import blocksparse_attention, blocksparse_attent
 from ac2_jax.models.chat_template import compile_chat_template
 from ac2_jax.models.config import ATTENTION_BACKENDS, DecoderConfig
 from ac2_jax.models.decoder import Decoder, KVCache
+from ac2_jax.models.family import (FAMILIES, CausalLM, ModelFamily, build_model, config_from_hf,
+                                   get_family, register_family)
 from ac2_jax.models.layers import apply_rope, rope_inv_freq
 from ac2_jax.models.stacking import stack_layers, to_layout, unstack_layers, with_layout
 from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
@@ -19,7 +22,9 @@ from ac2_jax.models.tool_parsers import (HermesParser, ParsedText, Qwen3CoderPar
                                          parser_names, register_parser)
 
 __all__ = [
-    "Decoder", "DecoderConfig", "KVCache", "apply_rope", "attention", "latest_published",
+    "Decoder", "DecoderConfig", "KVCache",
+    "CausalLM", "FAMILIES", "ModelFamily", "build_model", "config_from_hf", "get_family",
+    "register_family", "apply_rope", "attention", "latest_published",
     "ATTENTION_BACKENDS", "AttentionMask", "choose_backend", "dense_attention",
     "blocksparse_attention", "blocksparse_attention_with_count",
     "stack_layers", "unstack_layers", "to_layout", "with_layout",

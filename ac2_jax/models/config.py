@@ -1,7 +1,10 @@
 """DecoderConfig: the shape of a Qwen3 / Llama style decoder, and its HF form.
 
-`to_hf_config` / `from_hf_config` map to the `config.json` of
-`Qwen3ForCausalLM` and `LlamaForCausalLM`, so checkpoints move both ways.
+`to_hf_config` / `from_hf_config` map to the `config.json` of the config's
+family (`models.family`; the built-in ones, in `models/families.py`:
+`Qwen3ForCausalLM`, `LlamaForCausalLM`), so checkpoints move both ways.
+`decoder_hf_config` / `decoder_config_from_hf` are the fields every family of
+this decoder shares; a family adds its own.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("qwen3", "llama")
-_ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+from ac2_jax.models.family import FAMILIES, config_from_hf, get_family
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
 ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
@@ -101,8 +104,11 @@ class DecoderConfig:
         if int(self.attention_block) < 8 or int(self.attention_block) % 8:
             raise ValueError(f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
                              f"got {self.attention_block}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"DecoderConfig.family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
+            decoders = [n for n in FAMILIES.names()
+                        if get_family(n).config_class is type(self)]
+            raise ValueError(f"DecoderConfig.family must be a registered family of this "
+                             f"decoder ({', '.join(decoders)}), got {self.family!r}")
         if self.attention_bias:
             raise ValueError("DecoderConfig.attention_bias=True is not supported")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -138,89 +144,95 @@ class DecoderConfig:
         return dataclasses.replace(self, **changes)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The HF `config.json` dict (Qwen3ForCausalLM or LlamaForCausalLM)."""
-        rope = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
-        if self.rope_scaling is not None:
-            rope = {**self.rope_scaling, "rope_theta": float(self.rope_theta)}
-        cfg = {
-            "architectures": [_ARCH[self.family]],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_eps,
-            "rope_theta": float(self.rope_theta),
-            "rope_scaling": self.rope_scaling,
-            "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "initializer_range": self.initializer_range,
-            "torch_dtype": dtype_name(self.param_dtype),
-            "dtype": dtype_name(self.param_dtype),
-            "use_cache": True,
-        }
-        if self.family == "qwen3":
-            cfg.update(use_sliding_window=False, sliding_window=None,
-                       max_window_layers=self.num_layers)
-        else:
-            cfg.update(mlp_bias=False, pretraining_tp=1)
-        return cfg
+        """The HF `config.json` dict of this config's family (e.g. Qwen3ForCausalLM)."""
+        return get_family(self.family).config_to_hf(self)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], dtype: Any = jnp.float32,
                        param_dtype: Any = None, **runtime) -> "DecoderConfig":
-        """Reads an HF `config.json` dict of a Qwen3 or Llama causal LM.
+        """Reads an HF `config.json` dict of a causal LM whose family is this decoder
+        (by its model_type). `runtime` may set the fields of `RUNTIME_FIELDS` (e.g.
+        scan_layers=True)."""
+        config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **runtime)
+        if not isinstance(config, cls):
+            raise ValueError(f"from_hf_config: model_type {hf.get('model_type')!r} is a "
+                             f"{type(config).__name__}, not a {cls.__name__}")
+        return config
 
-        `runtime` may set the fields of `RUNTIME_FIELDS` (e.g. scan_layers=True).
-        """
-        bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-        if bad:
-            raise ValueError(f"from_hf_config: {bad} come from config.json; only "
-                             f"{RUNTIME_FIELDS} may be passed")
-        model_type = hf.get("model_type")
-        if model_type not in FAMILIES:
-            raise ValueError(f"from_hf_config: model_type must be one of {FAMILIES}, "
-                             f"got {model_type!r}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"from_hf_config: hidden_act {hf['hidden_act']!r} is not supported")
-        if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
-            raise ValueError("from_hf_config: attention_bias / mlp_bias are not supported")
-        if hf.get("use_sliding_window", False):
-            raise ValueError("from_hf_config: sliding-window attention is not supported")
-        rope = hf.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling") or None
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = rope
-        if scaling is not None:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-            if scaling.get("rope_type", scaling.get("type")) == "default":
-                scaling = None
-        heads = hf["num_attention_heads"]
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            qk_norm=model_type == "qwen3",
-            rope_theta=float(theta),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            dtype=dtype,
-            param_dtype=dtype if param_dtype is None else param_dtype,
-            family=model_type,
-            rope_scaling=scaling,
-            initializer_range=float(hf.get("initializer_range", 0.02)),
-            **runtime,
-        )
+
+def decoder_hf_config(config: DecoderConfig, architecture: str) -> dict[str, Any]:
+    """The `config.json` fields every family of this decoder shares."""
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling is not None:
+        rope = {**config.rope_scaling, "rope_theta": float(config.rope_theta)}
+    return {
+        "architectures": [architecture],
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_eps,
+        "rope_theta": float(config.rope_theta),
+        "rope_scaling": config.rope_scaling,
+        "rope_parameters": rope,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": config.initializer_range,
+        "torch_dtype": dtype_name(config.param_dtype),
+        "dtype": dtype_name(config.param_dtype),
+        "use_cache": True,
+    }
+
+
+def decoder_config_from_hf(hf: dict[str, Any], *, qk_norm: bool, dtype: Any = jnp.float32,
+                           param_dtype: Any = None, **runtime) -> DecoderConfig:
+    """A DecoderConfig from the `config.json` fields every family of this decoder
+    shares (`family` = hf["model_type"]); `qk_norm` is the family's."""
+    bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    if bad:
+        raise ValueError(f"from_hf_config: {bad} come from config.json; only "
+                         f"{RUNTIME_FIELDS} may be passed")
+    model_type = hf.get("model_type")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"from_hf_config: hidden_act {hf['hidden_act']!r} is not supported")
+    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+        raise ValueError("from_hf_config: attention_bias / mlp_bias are not supported")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("from_hf_config: sliding-window attention is not supported")
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or None
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+    heads = hf["num_attention_heads"]
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        qk_norm=qk_norm,
+        rope_theta=float(theta),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+        family=model_type,
+        rope_scaling=scaling,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        **runtime,
+    )

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
@@ -122,14 +123,16 @@ class Decoder(nnx.Module):
         """tokens [B, L] int -> [B, L, D] in the compute dtype."""
         return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.dtype)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final hidden states [..., D] (already normed) -> fp32 logits [..., V]."""
-        dt = self.config.dtype
+    def head(self) -> LMHead:
+        """The output projection: the embedding [V, D] when tied, else lm_head [D, V]."""
         if self.config.tie_embeddings:
-            return jnp.einsum("...d,vd->...v", hidden, self.embed_tokens[...].astype(dt),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+            return LMHead(self.embed_tokens[...], "vd")
+        return LMHead(self.lm_head[...], "dv")
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states [..., D] (already normed, compute dtype) -> fp32 logits
+        [..., V] (`head().logits`: the weight in the hidden states' dtype, fp32 sums)."""
+        return self.head().logits(hidden)
 
     def _backend(self, kind: str, q_len: int) -> str:
         c = self.config

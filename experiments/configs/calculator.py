@@ -150,7 +150,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
             # timed_out is dropped (None).
             agent_error_reward=config_dict.placeholder(float),
             timed_out_reward=config_dict.placeholder(float)),
-        loss=dict(mode="task_mean", clip_eps=0.2, tis_cap=2.0),   # PolicyGradientLoss
+        # An Objective by its registered kind ("ppo": PolicyGradientLoss).
+        loss=dict(kind="ppo", mode="task_mean", clip_eps=0.2, tis_cap=2.0),
         optimizer=dict(learning_rate=1e-4)))   # OptimizerConfig
     c.rl.seed = c.get_ref("seed")
 

@@ -20,6 +20,7 @@ hidden states and the head and never build [R, L, V] logits (`chunk_size`:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Protocol
 
@@ -30,20 +31,20 @@ from flax import nnx
 from ac2_jax.losses import (MODES, LMHead, chunked_token_logprobs, loss_weights,
                             policy_gradient_loss, policy_gradient_metrics, token_entropy,
                             token_logprobs)
+from ac2_jax.registry import Registry
 
 OLD_LOGPROBS = ("detached", "sampler", "extras")
 
 
 def lm_head_of(model) -> LMHead:
-    """A Decoder's output projection as an LMHead: the embedding [V, D] when tied, else
-    lm_head [D, V]. `lm_head_of(model).logits(h)` equals `model.logits(h)`."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "embed_tokens"):
-        raise TypeError(f"lm_head_of: expected an ac2_jax Decoder (config, embed_tokens, "
-                        f"lm_head), got {type(model).__name__}")
-    if config.tie_embeddings:
-        return LMHead(model.embed_tokens[...], "vd")
-    return LMHead(model.lm_head[...], "dv")
+    """A model's output projection as an LMHead (`models.CausalLM.head`):
+    `lm_head_of(model).logits(h)` equals `model.logits(h)`."""
+    head = getattr(model, "head", None)
+    if not callable(head):
+        raise TypeError(f"lm_head_of: {type(model).__name__} has no head(); a model the "
+                        "chunked losses read must meet ac2_jax.models.CausalLM (logits, "
+                        "hidden_states, head)")
+    return head()
 
 
 def _check_chunk_size(name, chunk_size):
@@ -141,6 +142,32 @@ class LossFn(Protocol):
                  ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
+# The train step's objectives by name: a config picks one with `kind` (e.g.
+# `rl.loss = dict(kind="ppo", clip_eps=0.2)`); a new objective is a subclass of
+# `Objective` registered here from its own module (`@OBJECTIVES.register("name")`).
+OBJECTIVES: Registry[type] = Registry("objective")
+
+
+class Objective(abc.ABC):
+    """Base of the train step's losses (an `LossFn`): `mode` is the aggregation
+    (`ac2_jax.losses.MODES`), `normalizer` the constant of mode="constant".
+
+    Subclass it as a frozen dataclass, implement `__call__(logits [R, L, V],
+    batch, extras) -> (per_token [R, L], metric sums)` (and optionally
+    `from_model`, see `apply_loss`), and register it in `OBJECTIVES`. A config
+    field typed `Objective` is built from a section's `kind` (default "ppo").
+    """
+
+    __registry__ = OBJECTIVES
+    __default_kind__ = "ppo"
+    mode: str
+    normalizer: float | None
+
+    @abc.abstractmethod
+    def __call__(self, logits: jax.Array, batch, extras: dict | None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
 def _check_mode(name, mode):
     if mode not in MODES:
         raise ValueError(f"{name}.mode must be one of {MODES}, got {mode!r}")
@@ -150,8 +177,9 @@ def _masked_sum(x, batch):
     return (x * batch.loss_mask.astype(jnp.float32)).sum()
 
 
+@OBJECTIVES.register("sft")
 @dataclasses.dataclass(frozen=True)
-class SFTLoss:
+class SFTLoss(Objective):
     """Masked next-token NLL: l_t = -log p(target_t). Metric: entropy.
 
     chunk_size: None reads dense logits; an int reads hidden states and
@@ -181,8 +209,9 @@ class SFTLoss:
                                             chunk_size=self.chunk_size), batch)
 
 
+@OBJECTIVES.register("ppo")
 @dataclasses.dataclass(frozen=True)
-class PolicyGradientLoss:
+class PolicyGradientLoss(Objective):
     """Clipped policy-gradient loss with truncated importance weights.
 
     `old_logprobs` is where the PPO ratio's denominator comes from:

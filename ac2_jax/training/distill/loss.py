@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ac2_jax.losses import (DISTILL_KINDS, MODES, chunked_logits_map, distill_loss, reverse_kl,
+from ac2_jax.losses import (DIVERGENCES, MODES, chunked_logits_map, distill_loss, reverse_kl,
                             sampled_token_advantage, token_logprobs)
 from ac2_jax.training.core.objectives import StepModel
 from ac2_jax.training.core.train_step import forward
@@ -82,8 +82,9 @@ class DistillLoss:
     chunk_size: int | None = None
 
     def __post_init__(self):
-        if self.kind not in DISTILL_KINDS:
-            raise ValueError(f"DistillLoss.kind must be one of {DISTILL_KINDS}, got {self.kind!r}")
+        if self.kind not in DIVERGENCES:
+            raise ValueError(f"DistillLoss.kind must be a registered divergence "
+                             f"({', '.join(DIVERGENCES.names())}), got {self.kind!r}")
         if self.mode not in MODES:
             raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
         c = self.chunk_size

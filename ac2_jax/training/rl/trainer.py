@@ -48,7 +48,7 @@ from ac2_jax.sampling.batching import occupancy_metrics
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
-from ac2_jax.training.core.objectives import PolicyGradientLoss
+from ac2_jax.training.core.objectives import Objective, PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer
@@ -82,7 +82,8 @@ class RLConfig:
     # geometry, and the compile goes unused (warned). A win where the sampler runs on
     # an accelerator and the compile on idle host cores; on 2 CPU cores about even.
     compile_ahead: bool = False
-    loss: PolicyGradientLoss = PolicyGradientLoss()
+    # Any registered `Objective` (configs: `rl.loss.kind`, default "ppo").
+    loss: Objective = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
     # Leave out zero-advantage groups and refill the step with new tasks, up to
