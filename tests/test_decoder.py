@@ -204,16 +204,17 @@ def test_partition_specs_and_mesh(model):
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(specs)}
     assert all(isinstance(s, P) for s in flat.values())
-    assert flat["embed_tokens"] == P("tensor", "fsdp")
-    assert flat["lm_head"] == P("fsdp", "tensor")
-    assert flat["layers.0.self_attn.q_proj"] == P("fsdp", "tensor")
-    assert flat["layers.1.mlp.down_proj"] == P("tensor", "fsdp")
+    # Logical axis names (models.axes); the rules map them to the mesh.
+    assert flat["embed_tokens"] == P("vocab", "embed")
+    assert flat["lm_head"] == P("embed", "vocab")
+    assert flat["layers.0.self_attn.q_proj"] == P("embed", "heads")
+    assert flat["layers.1.mlp.down_proj"] == P("mlp", "embed")
     assert flat["norm.weight"] == P(None)
     scanned = nnx.get_partition_spec(nnx.state(with_layout(model, True), nnx.Param))
     flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(scanned)}
-    assert flat["layers.self_attn.q_proj"] == P(None, "fsdp", "tensor")  # layer axis: replicated
-    assert flat["layers.mlp.down_proj"] == P(None, "tensor", "fsdp")
-    assert flat["layers.input_layernorm.weight"] == P(None, None)
+    assert flat["layers.self_attn.q_proj"] == P("layers", "embed", "heads")
+    assert flat["layers.mlp.down_proj"] == P("layers", "mlp", "embed")
+    assert flat["layers.input_layernorm.weight"] == P("layers", None)
     # Under a ('data', 'fsdp', 'tensor') mesh params are sharded at creation and
     # the forward pass is the same as without a mesh.
     if len(jax.devices()) < 8:

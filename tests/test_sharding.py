@@ -8,19 +8,20 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.segments import Segment, pack_segments
-from ac2_jax.training.core.sharding import (batch_sharding, fit_spec, make_mesh, merge_rows,
-                                       param_shardings, replicate, shard_batch, shard_state,
-                                       split_rows, state_shardings, unreplicate)
+from ac2_jax.models.axes import AxisRules
+from ac2_jax.training.core.sharding import (batch_sharding, make_mesh, merge_rows,
+                                            param_shardings, replicate, shard_batch, shard_state,
+                                            split_rows, state_shardings, unreplicate)
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 
 
 class Named(nnx.Module):
-    """Params annotated with mesh axis names, as ac2_jax.models.Decoder does."""
+    """Params annotated with logical axis names, as ac2_jax.models.Decoder does."""
 
     def __init__(self, vocab=48):
         self.embed = nnx.Param(jnp.arange(vocab * 8, dtype=jnp.float32).reshape(vocab, 8),
-                               out_sharding=("tensor", "fsdp"), eager_sharding=False)
-        self.up = nnx.Param(jnp.ones((8, 12)), out_sharding=("fsdp", "tensor"),
+                               out_sharding=("vocab", "embed"), eager_sharding=False)
+        self.up = nnx.Param(jnp.ones((8, 12)), out_sharding=("embed", "mlp"),
                             eager_sharding=False)
         self.norm = nnx.Param(jnp.ones((8,)))
 
@@ -35,27 +36,25 @@ def test_make_mesh_axes_and_errors():
         make_mesh(data=0)
 
 
-def test_fit_spec_drops_axes_that_do_not_divide():
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    assert fit_spec(P("tensor", "fsdp"), (6, 8), mesh) == P("tensor", "fsdp")
-    assert fit_spec(P("tensor", "fsdp"), (5, 8), mesh) == P(None, "fsdp")
-    assert fit_spec(P(("fsdp", "tensor")), (8, 3), mesh) == P(("fsdp", "tensor"), None)
-    assert fit_spec(P(("fsdp", "tensor")), (6, 3), mesh) == P(None, None)
-    with pytest.raises(ValueError, match="'expert'"):
-        fit_spec(P("expert"), (8,), mesh)
-
-
 def test_state_shardings_follow_the_model_names():
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     _, state = create_train_state(Named(vocab=45), OptimizerConfig(weight_decay=0.1))
-    sh = state_shardings(state, mesh)
+    # 45 vocabulary rows do not split over tensor (2): an error naming the param ...
+    with pytest.raises(ValueError, match=r"sharding embed: dimension 0 \('vocab', size 45\) "
+                                         r"does not split over mesh axes \('tensor',\)"):
+        state_shardings(state, mesh)
+    # ... or, asked for, a replicated dimension that is counted.
+    fallbacks = []
+    sh = state_shardings(state, mesh, AxisRules(indivisible="replicate"), fallbacks)
+    assert [(f.where, f.dim, f.size, f.ways) for f in fallbacks] == [("embed", 0, 45, 2)]
     spec = lambda var: var.get_value().spec  # noqa: E731  (a Param holding a sharding)
-    assert spec(sh.params["embed"]) == P(None, "fsdp")  # 45 rows do not split over tensor
+    assert spec(sh.params["embed"]) == P(None, "fsdp")
     assert spec(sh.params["up"]) == P("fsdp", "tensor")
     assert spec(sh.params["norm"]) == P(None)
     adam = sh.opt_state[1][0]
     assert spec(adam.mu["up"]) == spec(adam.nu["up"]) == P("fsdp", "tensor")
     assert adam.count.spec == P() and sh.step.spec == P() and sh.rng.spec == P()
+    _, state = create_train_state(Named(vocab=46), OptimizerConfig(weight_decay=0.1))
     placed = shard_state(state, mesh)
     up = placed.params["up"][...]
     assert up.sharding.spec == P("fsdp", "tensor")

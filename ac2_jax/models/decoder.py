@@ -30,11 +30,11 @@ Compute runs in `config.dtype` (e.g. bfloat16) with weights stored in
 `config.param_dtype` (e.g. float32 master weights) and cast at use; norms,
 softmax and logits are fp32.
 
-Parameters carry sharding names over the mesh axes ('data', 'fsdp',
-'tensor'): `nnx.get_partition_spec(nnx.state(model))` gives their
-PartitionSpecs. Params are sharded at creation only when a mesh with those
-axes is set (`jax.set_mesh`, Auto axis types); with no mesh everything is
-plain arrays.
+Parameters carry logical axis names (`models.axes`: "vocab", "embed",
+"heads", "kv", "mlp", "layers"); `nnx.get_partition_spec(nnx.state(model))`
+gives them, and one rules table (`AxisRules`) maps them to mesh axes. Params
+are sharded at creation when a mesh is set (`jax.set_mesh`, Auto axis types),
+by the active rules; with no mesh everything is plain arrays.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Decoder(nnx.Module):
         c = self.config = config
         init = nnx.initializers.normal(c.initializer_range)
         self.embed_tokens = _param(rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype,
-                                   ("tensor", "fsdp"))
+                                   ("vocab", "embed"))
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
@@ -112,7 +112,7 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype)
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), c.param_dtype,
-                                  ("fsdp", "tensor"))
+                                  ("embed", "vocab"))
 
     # -- shared pieces
 

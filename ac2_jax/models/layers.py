@@ -1,7 +1,7 @@
 """The decoder's layer: modules that hold params, pure functions that apply them.
 
 A `Block` holds one layer's params, or with `stack=n` all n layers' params
-stacked on a leading axis (sharding names get a leading None). The math is
+stacked on a leading axis (logical axis "layers"). The math is
 in pure functions of the params as a nested dict of arrays
 (`nnx.to_pure_dict` of a Block's state), so the decoder can run the layers
 in a Python loop or under `jax.lax.scan` with the same code.
@@ -19,19 +19,23 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models.attention import attention
+from ac2_jax.models.axes import active_rules
 from ac2_jax.models.config import DecoderConfig
 
 
 def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None
            ) -> nnx.Param:
-    """A Param annotated with mesh axis names (a leading None when stacked);
-    sharded now only if a mesh has those axes."""
+    """A Param annotated with logical axis names (`models.axes`; a leading "layers"
+    when stacked). Under a mesh (`jax.set_mesh`) it is sharded now, by the active
+    rules (`axes.axis_rules`, default `DEFAULT_RULES`)."""
     if stack is not None:
-        shape, names = (stack, *shape), (None, *names)
+        shape, names = (stack, *shape), ("layers", *names)
     value = init(rngs.params() if rngs is not None else None, shape, dtype)
     mesh = jax.sharding.get_abstract_mesh()
-    eager = (not mesh.empty) and all(n is None or n in mesh.axis_names for n in names)
-    return nnx.Param(value, out_sharding=names, eager_sharding=eager)
+    if not mesh.empty:
+        spec, _ = active_rules().fit(names, shape, mesh, f"a param {tuple(shape)} {names}")
+        value = jax.lax.with_sharding_constraint(value, spec)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def _ones(_key, shape, dtype):
@@ -260,10 +264,10 @@ class Attention(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         init = nnx.initializers.normal(c.initializer_range)
         D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.param_dtype
-        self.q_proj = _param(rngs, init, (D, H * hd), pd, ("fsdp", "tensor"), stack)
-        self.k_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"), stack)
-        self.v_proj = _param(rngs, init, (D, K * hd), pd, ("fsdp", "tensor"), stack)
-        self.o_proj = _param(rngs, init, (H * hd, D), pd, ("tensor", "fsdp"), stack)
+        self.q_proj = _param(rngs, init, (D, H * hd), pd, ("embed", "heads"), stack)
+        self.k_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
+        self.v_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
+        self.o_proj = _param(rngs, init, (H * hd, D), pd, ("heads", "embed"), stack)
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
             self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
@@ -273,9 +277,9 @@ class MLP(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         init = nnx.initializers.normal(c.initializer_range)
         D, F, pd = c.hidden_size, c.intermediate_size, c.param_dtype
-        self.gate_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"), stack)
-        self.up_proj = _param(rngs, init, (D, F), pd, ("fsdp", "tensor"), stack)
-        self.down_proj = _param(rngs, init, (F, D), pd, ("tensor", "fsdp"), stack)
+        self.gate_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
+        self.up_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
+        self.down_proj = _param(rngs, init, (F, D), pd, ("mlp", "embed"), stack)
 
 
 class Block(nnx.Module):

@@ -1,14 +1,18 @@
 """Meshes, NamedShardings of the train state, and pmap replication.
 
-The mesh has axes ('data', 'fsdp', 'tensor'). Params follow the model's own
-sharding names (`nnx.get_partition_spec`); optimizer moments follow their
-param; batch rows split over ('data', 'fsdp'). A mesh axis that does not
-divide a param dimension is dropped for that dimension (replicated), so any
-mesh works with any model size.
+The mesh has axes ('data', 'fsdp', 'tensor'). Params carry logical axis
+names (`nnx.get_partition_spec`: "embed", "heads", ...) and one rules table
+(`models.axes.AxisRules`, default `DEFAULT_RULES`) maps them to mesh axes;
+optimizer moments follow their param; batch rows split over ('data',
+'fsdp'). A mesh axis that does not divide its param dimension is an error
+naming the param and the sizes, unless the rules say
+indivisible="replicate": then the dimension is replicated and each fallback
+is logged and counted (`state_shardings(..., fallbacks=[])`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -17,8 +21,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ac2_jax.models.axes import DEFAULT_RULES, AxisRules, Fallback
+
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = dict(DEFAULT_RULES)["batch"]  # the mesh axes batch rows split over
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -41,26 +47,36 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.shape)))
 
 
-def fit_spec(spec: P, shape: tuple, mesh: Mesh) -> P:
-    """`spec` with every mesh axis that does not divide its dimension dropped."""
-    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-    out = []
-    for dim, entry in zip(shape, entries):
-        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        for name in names:
-            if name not in mesh.shape:
-                raise ValueError(f"sharding: partition spec {spec} names axis {name!r}, "
-                                 f"not in the mesh axes {tuple(mesh.shape)}")
-        size = math.prod(mesh.shape[n] for n in names)
-        out.append(entry if dim % size == 0 else None)
-    return P(*out)
+def param_shardings(params: nnx.State, mesh: Mesh, rules: AxisRules | None = None,
+                    fallbacks: list[Fallback] | None = None):
+    """NamedSharding per param (same tree), from the params' logical axis names and
+    `rules` (default AxisRules()). Replicated dimensions of indivisible="replicate"
+    rules are appended to `fallbacks` when given."""
+    rules = AxisRules() if rules is None else rules
+    found: list[Fallback] = []
 
+    def one(path, spec, x):
+        where = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                         for k in path if getattr(k, "name", None) != "value")
+        for name in tuple(spec):
+            if name is not None and not isinstance(name, str):
+                raise ValueError(f"sharding {where}: annotate params with logical axis names "
+                                 f"(one per dimension), got {spec}")
+        out, fb = rules.fit(tuple(spec), x.shape, mesh, where)
+        found.extend(fb)
+        return NamedSharding(mesh, out)
 
-def param_shardings(params: nnx.State, mesh: Mesh):
-    """NamedSharding per param (same tree), from the params' sharding names."""
     specs = nnx.get_partition_spec(params)
-    return jax.tree.map(lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)),
-                        specs, params, is_leaf=lambda s: isinstance(s, P))
+    tree = jax.tree_util.tree_map_with_path(one, specs, params,
+                                            is_leaf=lambda s: isinstance(s, P))
+    if found:
+        logging.warning("sharding: %d param dimensions replicated because their mesh axes do "
+                        "not divide them (AxisRules(indivisible='replicate')): %s", len(found),
+                        ", ".join(f"{f.where}[{f.dim}] {f.size} over {f.mesh_axes}"
+                                  for f in found[:8]))
+    if fallbacks is not None:
+        fallbacks.extend(found)
+    return tree
 
 
 def follow_params(tree, params, param_sh, default):
@@ -81,18 +97,20 @@ def follow_params(tree, params, param_sh, default):
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def state_shardings(state, mesh: Mesh):
-    """A TrainState (or its abstract shape) -> the same tree of NamedShardings."""
+def state_shardings(state, mesh: Mesh, rules: AxisRules | None = None,
+                    fallbacks: list[Fallback] | None = None):
+    """A TrainState (or its abstract shape) -> the same tree of NamedShardings
+    (params by `rules`, see `param_shardings`)."""
     rep = NamedSharding(mesh, P())
-    psh = param_shardings(state.params, mesh)
+    psh = param_shardings(state.params, mesh, rules, fallbacks)
     return state.replace(step=rep, params=psh,
                          opt_state=follow_params(state.opt_state, state.params, psh, rep),
                          rng=rep, rest=jax.tree.map(lambda _: rep, state.rest))
 
 
-def shard_state(state, mesh: Mesh):
-    """Places a TrainState on the mesh."""
-    return jax.device_put(state, state_shardings(state, mesh))
+def shard_state(state, mesh: Mesh, rules: AxisRules | None = None):
+    """Places a TrainState on the mesh (params by `rules`)."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
 def check_rows(rows: int, ways: int, grad_accum: int, where: str) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ac2_jax.models.axes import AxisRules
 from ac2_jax.segments import PackedBatch
 from ac2_jax.training.core.distributed import global_batch
 from ac2_jax.training.core.objectives import (LossFn, StepModel, apply_loss, loss_weights,
@@ -146,7 +147,8 @@ class TrainStep:
 
     def __init__(self, graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
                  grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True,
-                 cpu_memory_scheduler: bool = True, xla_options: dict | None = None):
+                 cpu_memory_scheduler: bool = True, xla_options: dict | None = None,
+                 axis_rules: AxisRules | None = None):
         if mode not in MODES:
             raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
         if mode == "pmap" and mesh is not None:
@@ -167,6 +169,10 @@ class TrainStep:
         self.cpu_memory_scheduler = cpu_memory_scheduler
         self.xla_options = dict(xla_options or {})
         self.state_sharding = None
+        # Logical axis -> mesh axes of the params (mesh only); dimensions the rules
+        # replicated because they do not divide (indivisible="replicate") are listed.
+        self.axis_rules = AxisRules() if axis_rules is None else axis_rules
+        self.sharding_fallbacks: list = []
         self._step = self._logprobs = None
 
     # -- the pure step
@@ -200,6 +206,10 @@ class TrainStep:
 
     # -- compilation
 
+    def _state_sharding(self, state):
+        self.sharding_fallbacks = []
+        return state_shardings(state, self.mesh, self.axis_rules, self.sharding_fallbacks)
+
     def _build(self, state):
         donate = (0,) if self.donate else ()
         if self.mode == "pmap":
@@ -208,7 +218,7 @@ class TrainStep:
             return
         out = None
         if self.mesh is not None:
-            self.state_sharding = state_shardings(state, self.mesh)
+            self.state_sharding = self._state_sharding(state)
             out = (self.state_sharding, NamedSharding(self.mesh, P()))
         self._step = jax.jit(lambda s, b, e, t: self._update(s, b, e, t, None),
                              out_shardings=out, donate_argnums=donate,
@@ -237,7 +247,7 @@ class TrainStep:
             return replicate(state, self.devices)
         if self.mesh is not None:
             if self.state_sharding is None:
-                self.state_sharding = state_shardings(state, self.mesh)
+                self.state_sharding = self._state_sharding(state)
             return jax.device_put(state, self.state_sharding, may_alias=not copy)
         return jax.device_put(state, self.devices[0], may_alias=not copy)
 
@@ -319,7 +329,8 @@ class TrainStep:
 def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
                     grad_accum: int = 1, lr_schedule=None, devices=None,
                     donate: bool = True, cpu_memory_scheduler: bool = True,
-                    xla_options: dict | None = None) -> TrainStep:
+                    xla_options: dict | None = None,
+                    axis_rules: AxisRules | None = None) -> TrainStep:
     """A compiled train step: `step(state, batch, extras=None) -> (state, metrics)`.
 
     optimizer: OptimizerConfig or optax transformation (the one the state was
@@ -335,6 +346,10 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     xla_options: further XLA debug options for this step's compile only, e.g.
     {"xla_cpu_use_onednn": True} (names: `XLA_FLAGS=--help`; an unknown name or
     value fails at the first step with XLA's error); mode='jit' only.
+    axis_rules: how the params' logical axes map to the mesh's axes
+    (`models.axes.AxisRules`; default DEFAULT_RULES, an indivisible dimension
+    is an error); `step.sharding_fallbacks` lists what indivisible="replicate"
+    rules replicated.
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr, the
     loss's token-mean metrics (entropy, clip_frac, kl_to_sampler), batch_rows
     (the global batch's rows) and micro_batches_skipped (micro-batches without a
@@ -343,7 +358,8 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     """
     return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
                      lr_schedule=lr_schedule, devices=devices, donate=donate,
-                     cpu_memory_scheduler=cpu_memory_scheduler, xla_options=xla_options)
+                     cpu_memory_scheduler=cpu_memory_scheduler, xla_options=xla_options,
+                     axis_rules=axis_rules)
 
 
 class StepCache:
