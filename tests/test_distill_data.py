@@ -146,10 +146,13 @@ def test_agent_filter(tok, trace):
         return [e.agent for e in examples_from_traces([trace], tok, **kw)]
 
     assert agents(agents="main") == ["main"] * 4  # both main episodes, every request
-    assert agents(agents=("subagent",)) == ["subagent:helper"] * 2  # prefix: any subagent
+    assert agents(agents=("subagent:*",)) == ["subagent:helper"] * 2  # every subagent
     assert agents(agents="subagent:helper") == ["subagent:helper"] * 2
-    assert agents(agents=("compactor", "subagent:")) == ["compactor"] + ["subagent:helper"] * 2
+    assert agents(agents=("compactor", "subagent:*")) == ["compactor"] + ["subagent:helper"] * 2
     assert agents(agents="subagent:other") == [] and agents(agents="mai") == []
+    for bad in ("subagent", "subagent:", "sub*"):  # one pattern language (trace.agents)
+        with pytest.raises(ValueError, match="examples_from_traces: agents"):
+            agents(agents=bad)
     assert sorted(agents()) == sorted(agents(agents=AGENTS))
     counts = {}
     examples_from_traces([trace, Trace("nohint", episodes=trace.episodes)], tok,
@@ -159,7 +162,7 @@ def test_agent_filter(tok, trace):
 
 def test_hint_config_per_agent(tok, trace):
     cfg = {"main": HintConfig(placement="system"), "compactor": HintConfig(placement="after_user"),
-           "subagent": HintConfig(placement="before_turn", role="user")}
+           "subagent:*": HintConfig(placement="before_turn", role="user")}
     exs = examples_from_traces([trace], tok, config=cfg, merge=False)
     assert sorted({e.agent for e in exs}) == sorted(AGENTS)
     for e in exs:

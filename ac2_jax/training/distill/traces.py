@@ -13,37 +13,22 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ac2_jax.trace.agents import (SUBAGENT_WILDCARD, agent_matches, check_agent_pattern,
+                                  is_subagent)
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
 
-def _agent_matches(agent: str, pattern: str) -> bool:
-    """`pattern` names `agent` exactly, or is a prefix: "subagent" / "subagent:" match
-    "subagent:search"."""
-    return agent == pattern or agent.startswith(pattern if pattern.endswith(":")
-                                                else pattern + ":")
-
-
-def select_agent(agent: str, agents: str | Sequence[str] | None) -> bool:
-    """Whether an episode labelled `agent` passes the filter (None: every agent)."""
-    if agents is None:
-        return True
-    return any(_agent_matches(agent, p) for p in ((agents,) if isinstance(agents, str)
-                                                   else agents))
-
-
 def hint_config_for(config: HintConfig | Mapping[str, HintConfig], agent: str) -> HintConfig:
-    """One HintConfig for all agents, or the most specific key of a mapping
-    (exact label, then the longest matching prefix, then "*")."""
+    """One HintConfig for all agents, or the most specific key of a mapping: the
+    exact label, then "subagent:*" (every subagent), then "*" (every agent)."""
     if isinstance(config, HintConfig):
         return config
-    keys = [k for k in config if k != "*" and _agent_matches(agent, k)]
-    if keys:
-        return config[max(keys, key=len)]
-    if "*" in config:
-        return config["*"]
+    for key in (agent, SUBAGENT_WILDCARD if is_subagent(agent) else None, "*"):
+        if key is not None and key in config:
+            return config[key]
     raise ValueError(f"examples_from_traces: no HintConfig for agent {agent!r} (keys "
-                     f"{sorted(config)}); add it, a prefix of it, or '*'")
+                     f"{sorted(config)}); add it, '{SUBAGENT_WILDCARD}' or '*'")
 
 
 def _sampling(c) -> tuple:
@@ -97,7 +82,7 @@ def _trace_examples(tr: Trace, tokenizer, config, agents, hint: str, merge: bool
     """The examples of one hinted trace; `_SkipTrace` when one cannot be made."""
     out = []
     for ep in tr.episodes:
-        if not select_agent(ep.agent, agents):
+        if not agent_matches(ep.agent, agents):
             continue
         cfg = hint_config_for(config, ep.agent)
         try:
@@ -134,9 +119,10 @@ def examples_from_traces(traces: Sequence[Trace], tokenizer,
                          merge: bool = True, counts: dict | None = None) -> list[DistillExample]:
     """(a) Offline: every completion of every selected episode of each hinted trace.
 
-    agents: None (main, compactor, subagents: every episode) or labels /
-    prefixes ("main", "subagent" = every "subagent:<name>"). config: one
-    HintConfig, or one per agent label / prefix (see `hint_config_for`).
+    agents: None (main, compactor, subagents: every episode) or agent labels
+    and "subagent:*" (every "subagent:<name>"; `trace.agent_matches`). config:
+    one HintConfig, or one per agent label / "subagent:*" / "*" (see
+    `hint_config_for`).
     For each completion the student prompt is its prompt_ids, the response
     its output_ids, and the teacher prompt its own request (`messages`,
     recorded by the endpoint) with the trace's hints (joined) inserted. All
@@ -157,6 +143,12 @@ def examples_from_traces(traces: Sequence[Trace], tokenizer,
     call; the others go on. `counts` (a dict, if given) adds up the skips and
     the examples made.
     """
+    for pattern in ((agents,) if isinstance(agents, str) else agents or ()):
+        check_agent_pattern(pattern, "examples_from_traces: agents")
+    if not isinstance(config, HintConfig):
+        for key in config:
+            if key != "*":
+                check_agent_pattern(key, "examples_from_traces: config")
     counts = {} if counts is None else counts
     for k in COUNTS:
         counts.setdefault(k, 0)

@@ -11,8 +11,8 @@ from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, ch
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.collectors import (Collector, EndpointCollector, ReplayCollector,
                                             attempt_sampling_seed, refill_seed)
-from ac2_jax.training.rl.metrics import (agent_group, batch_metrics, compaction_events,
-                                         memo_results, staleness_histogram, trace_agent_metrics)
+from ac2_jax.training.rl.metrics import (batch_metrics, compaction_events, memo_results,
+                                         staleness_histogram, trace_agent_metrics)
 from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_collector, run_learner,
                                        step_traces, tell_endpoint, wait_for_endpoint,
                                        wait_for_learner)
@@ -20,7 +20,7 @@ from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
     "BatchConfig", "BatchStats", "BranchCounts", "Collector", "EndpointCollector", "RLConfig", "RLTrainer",
-    "ReplayCollector", "StepMarkers", "StoreCollector", "agent_group", "agent_trained",
+    "ReplayCollector", "StepMarkers", "StoreCollector", "agent_trained",
     "attempt_sampling_seed",
     "batch_metrics", "batch_segments", "branch_groups", "build_batch", "check_sampled",
     "compaction_events", "continued_path", "group_name", "left_out_responses", "recorded_choices",

@@ -16,11 +16,10 @@ import numpy as np
 
 from ac2_jax.losses import group_advantages
 from ac2_jax.segments.batch import pow2_bucket
+from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
-# The one wildcard of BatchConfig.train_agents: every `subagent:<name>` label.
-SUBAGENT_WILDCARD = "subagent:*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,19 +111,16 @@ def _check_train_agents(agents) -> None:
     if not agents:
         raise ValueError(f"BatchConfig.train_agents=() would train nothing: {how}")
     for a in agents:
-        if not isinstance(a, str) or not a:
-            raise ValueError(f"BatchConfig.train_agents: {a!r} is not an agent label: {how}")
-        if "*" in a and a != SUBAGENT_WILDCARD:
-            raise ValueError(f"BatchConfig.train_agents: {a!r}: the only wildcard is "
-                             f"{SUBAGENT_WILDCARD!r} (every subagent:<name>); {how}")
+        try:
+            check_agent_pattern(a, "BatchConfig.train_agents")
+        except ValueError as e:
+            raise ValueError(f"{e}; {how}") from None
 
 
 def agent_trained(agent: str, train_agents: tuple[str, ...] | None) -> bool:
     """Whether episodes of `agent` train under `BatchConfig.train_agents`
     (None: all; exact labels; "subagent:*" matches every `subagent:<name>`)."""
-    if train_agents is None or agent in train_agents:
-        return True
-    return SUBAGENT_WILDCARD in train_agents and agent.startswith("subagent:")
+    return agent_matches(agent, train_agents)
 
 
 def trace_version(trace: Trace) -> int | None:

@@ -24,13 +24,9 @@ import collections
 import dataclasses
 from typing import Any, Sequence
 
+from ac2_jax.trace.agents import agent_group
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.rl.data import BatchStats, trace_version
-
-
-def agent_group(label: str) -> str:
-    """The metrics group of an agent label: "subagent" for `subagent:<name>`, else the label."""
-    return "subagent" if label.startswith("subagent:") else label
 
 
 def compaction_events(trace: Trace) -> list[dict[str, Any]]:
