@@ -8,8 +8,9 @@ A config section has exactly the key names of the dataclass it becomes:
 A field typed with a registry base (a class with `__registry__`, e.g.
 `training.Objective`) is built from the class its section names with `kind`
 (`ac2_jax.registry`): `rl.loss = dict(kind="ppo", clip_eps=0.2)`; without
-`kind`, the base's `__default_kind__`. Nested dataclass fields recurse, lists become tuples where the field is a
-tuple, and every value is type-checked. An unknown key (with a "did you
+`kind`, the base's `__default_kind__`. Nested dataclass fields recurse,
+lists become tuples where the field is a tuple, and every value is
+type-checked. An unknown key (with a "did you
 mean"), a missing required key, a wrong type, or a value the dataclass
 rejects raises `ConfigError` naming the key path (e.g. `rl.batch.rows`).
 """

@@ -41,7 +41,6 @@ from ac2_jax.registry import Registry
 # temperature) -> [..., L]. A new one is a function registered from its own
 # module: `@DIVERGENCES.register("name")`.
 DIVERGENCES: Registry = Registry("divergence")
-DISTILL_KINDS = ("reverse_kl", "forward_kl", "jsd", "sampled")  # the built-in ones
 
 
 def _check_logits(student_logits, teacher_logits):
@@ -193,3 +192,6 @@ def _sampled(student_logits, teacher_logits, targets, *, beta, top_k, temperatur
     if top_k is not None:
         raise ValueError("distill_loss: top_k applies to full-vocabulary kinds, not 'sampled'")
     return sampled_token_loss(student_logits, teacher_logits, targets, temperature=temperature)
+
+
+DISTILL_KINDS = DIVERGENCES.names()  # the built-in ones (registered above)

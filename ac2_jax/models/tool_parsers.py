@@ -30,6 +30,8 @@ import secrets
 import threading
 from typing import Any, Sequence
 
+from ac2_jax.registry import Registry
+
 DEFAULT_MAX_CHARS = 1 << 20  # parse at most 1 MiB of model text for tool calls
 
 
@@ -305,7 +307,7 @@ class Qwen3CoderParser(ToolCallParser):
         return new_call(name, json.dumps(args, ensure_ascii=False))
 
 
-_REGISTRY: dict[str, ToolCallParser] = {}
+PARSERS: Registry[ToolCallParser] = Registry("tool parser")
 _LOCK = threading.Lock()
 
 
@@ -315,21 +317,18 @@ def register_parser(name: str, parser: ToolCallParser) -> None:
         raise TypeError(f"register_parser({name!r}): expected a ToolCallParser, "
                         f"got {type(parser).__name__}")
     with _LOCK:
-        if name in _REGISTRY:
+        if name in PARSERS:
             raise ValueError(f"tool parser {name!r} is already registered")
-        _REGISTRY[name] = parser
+        PARSERS.register(name)(parser)
 
 
 def get_parser(name: str) -> ToolCallParser:
     """The parser registered as `name`; an unknown name lists the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; registered: {parser_names()}") from None
+    return PARSERS.get(name)
 
 
 def parser_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return list(PARSERS.names())
 
 
 register_parser(HermesParser.name, HermesParser())
@@ -338,4 +337,4 @@ register_parser(Qwen3CoderParser.name, Qwen3CoderParser())
 
 def parse_tool_calls(text: str, tools: Sequence[dict] | None = None) -> ParsedText:
     """`get_parser("hermes").parse(text, tools)`."""
-    return _REGISTRY["hermes"].parse(text, tools)
+    return PARSERS.get("hermes").parse(text, tools)
