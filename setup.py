@@ -36,8 +36,10 @@ EXTRAS = {
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
+# ruff and mypy are pinned: "zero findings" in scripts/test.sh is a statement about
+# one version of each (a newer release adds rules and inferences).
 EXTRAS["dev"] = sorted({"pytest>=8", "hypothesis>=6", "torch", "transformers>=4.51",
-                        *EXTRAS["serve"], *EXTRAS["viz"]})
+                        "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"]})
 
 setup(
     name="ac2_jax",

@@ -13,8 +13,20 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("trace", "segments", "losses", "models", "sampling", "serving", "envs",
-                "orchestration", "training", "evals", "viz", "config")
+_SUBPACKAGES = (
+    "trace",
+    "segments",
+    "losses",
+    "models",
+    "sampling",
+    "serving",
+    "envs",
+    "orchestration",
+    "training",
+    "evals",
+    "viz",
+    "config",
+)
 
 
 def __getattr__(name):

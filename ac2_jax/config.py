@@ -36,8 +36,10 @@ def _as_mapping(cfg: Any, path: str) -> Mapping:
         return cfg
     if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict (references resolved)
         return cfg.to_dict()
-    raise ConfigError(f"{path or '<config>'}: expected a mapping (dict or ConfigDict) of "
-                      f"fields, got {type(cfg).__name__} {cfg!r}")
+    raise ConfigError(
+        f"{path or '<config>'}: expected a mapping (dict or ConfigDict) of "
+        f"fields, got {type(cfg).__name__} {cfg!r}"
+    )
 
 
 def _join(path: str, key: str) -> str:
@@ -70,14 +72,18 @@ def from_config(cls: type, cfg: Any, *, path: str = "", **overrides: Any) -> Any
         if not isinstance(key, str) or key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
-            raise ConfigError(f"{_join(path, str(key))}: unknown key for {cls.__name__} "
-                              f"(fields: {', '.join(fields)}){hint}")
+            raise ConfigError(
+                f"{_join(path, str(key))}: unknown key for {cls.__name__} "
+                f"(fields: {', '.join(fields)}){hint}"
+            )
     for key in overrides:
         if key not in fields:
             raise TypeError(f"from_config: override {key!r} is not a field of {cls.__name__}")
         if key in data:
-            raise ConfigError(f"{_join(path, key)}: set by the caller ({key}="
-                              f"{overrides[key]!r}); remove it from the config")
+            raise ConfigError(
+                f"{_join(path, key)}: set by the caller ({key}="
+                f"{overrides[key]!r}); remove it from the config"
+            )
     kwargs = {}
     for name, f in fields.items():
         if name in overrides:
@@ -115,8 +121,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(arg, value, path)
             except ConfigError:
                 pass
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
-                          f"{type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        )
     if origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
@@ -132,8 +139,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         except ValueError as e:
             raise ConfigError(f"{_join(path, 'kind')}: {e}") from e
         if not (isinstance(chosen, type) and issubclass(chosen, tp)):
-            raise ConfigError(f"{_join(path, 'kind')}: {kind!r} is registered as "
-                              f"{chosen!r}, not a {tp.__name__}")
+            raise ConfigError(
+                f"{_join(path, 'kind')}: {kind!r} is registered as {chosen!r}, not a {tp.__name__}"
+            )
         return from_config(chosen, data, path=path)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, tp):
@@ -141,16 +149,19 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return from_config(tp, value, path=path)
     if origin is tuple or tp is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a tuple (or list), got "
-                              f"{type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"{path}: expected a tuple (or list), got {type(value).__name__} {value!r}"
+            )
         args = typing.get_args(tp)
         if not args:
             return tuple(value)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
-            raise ConfigError(f"{path}: expected {len(args)} items ({_type_name(tp)}), "
-                              f"got {len(value)}: {value!r}")
+            raise ConfigError(
+                f"{path}: expected {len(args)} items ({_type_name(tp)}), "
+                f"got {len(value)}: {value!r}"
+            )
         return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin is list or tp is list:
         if not isinstance(value, (list, tuple)):
@@ -183,6 +194,7 @@ def select_variant(variant: str | None, variants: Mapping[str, Any]) -> Any:
     """
     name = variant or "default"
     if name not in variants:
-        raise ConfigError(f"unknown config variant {name!r}; known variants: "
-                          f"{', '.join(sorted(variants))}")
+        raise ConfigError(
+            f"unknown config variant {name!r}; known variants: {', '.join(sorted(variants))}"
+        )
     return variants[name]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 __all__ = ["Registry"]
 
@@ -48,15 +49,18 @@ class Registry(Generic[T]):
         user's own implementation that deliberately overrides a built-in).
         """
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} registry: a name must be a non-empty string, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"{self.kind} registry: a name must be a non-empty string, got {name!r}"
+            )
 
         def add(obj: T) -> T:
             self._load()
             if name in self._entries and not replace and self._entries[name] is not obj:
-                raise ValueError(f"{self.kind} {name!r} is already registered "
-                                 f"({self._entries[name]!r}); pick another name or pass "
-                                 "replace=True")
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered "
+                    f"({self._entries[name]!r}); pick another name or pass "
+                    "replace=True"
+                )
             self._entries[name] = obj
             return obj
 
@@ -74,9 +78,11 @@ class Registry(Generic[T]):
         if name not in self._entries:
             close = difflib.get_close_matches(str(name), list(self._entries), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown {self.kind} {name!r}: registered are "
-                             f"{', '.join(sorted(self._entries)) or 'none'}{hint} (register "
-                             f"one with @<registry>.register({name!r}))")
+            raise ValueError(
+                f"unknown {self.kind} {name!r}: registered are "
+                f"{', '.join(sorted(self._entries)) or 'none'}{hint} (register "
+                f"one with @<registry>.register({name!r}))"
+            )
         return self._entries[name]
 
     def name_of(self, obj: object) -> str:

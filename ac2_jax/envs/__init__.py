@@ -1,12 +1,35 @@
 """Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
 
-from ac2_jax.envs.base import (AgentError, Env, Task, Tool, hashed_seed, run_tool, set_tool_threads,
-                               tool_executor)
-from ac2_jax.envs.calculator import (CalculatorEnv, ChainCalculatorEnv, StepwiseCalculatorEnv,
-                                     chain_memo, chain_policy, demonstration, last_integer,
-                                     parse_chain_state, safe_eval)
-from ac2_jax.envs.judges import (Judge, JudgeError, JudgeExample, LLMJudge, RuleJudge,
-                                 hint_keywords, parse_judge_reply)
+from ac2_jax.envs.base import (
+    AgentError,
+    Env,
+    Task,
+    Tool,
+    hashed_seed,
+    run_tool,
+    set_tool_threads,
+    tool_executor,
+)
+from ac2_jax.envs.calculator import (
+    CalculatorEnv,
+    ChainCalculatorEnv,
+    StepwiseCalculatorEnv,
+    chain_memo,
+    chain_policy,
+    demonstration,
+    last_integer,
+    parse_chain_state,
+    safe_eval,
+)
+from ac2_jax.envs.judges import (
+    Judge,
+    JudgeError,
+    JudgeExample,
+    LLMJudge,
+    RuleJudge,
+    hint_keywords,
+    parse_judge_reply,
+)
 from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
 from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 

@@ -56,8 +56,11 @@ def main(root: str) -> None:
     except MemoryError as e:
         out = {"ok": False, "kind": "memory", "error": f"MemoryError: {e}"}
     except Exception as e:  # noqa: BLE001 - the tool's own failure, text for the agent
-        out = {"ok": False, "kind": "exception",
-               "error": _cap(f"{type(e).__name__}: {e}", call["output_bytes"])}
+        out = {
+            "ok": False,
+            "kind": "exception",
+            "error": _cap(f"{type(e).__name__}: {e}", call["output_bytes"]),
+        }
     sys.stdout.flush()
     sys.stderr.flush()
     _write(root, out)

@@ -15,8 +15,9 @@ import inspect
 import json
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 
@@ -97,8 +98,14 @@ class Tool:
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI `tools` entry for this tool."""
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
 
 async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
@@ -125,7 +132,7 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
             loop = asyncio.get_running_loop()
             call = loop.run_in_executor(tool_executor(), lambda: tool.fn(**args))
             result = await asyncio.wait_for(call, tool.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"error: {tool.name} timed out after {tool.timeout_s:g}s", False
     except Exception as e:  # noqa: BLE001 - the model sees the error, the loop goes on
         return f"error: {tool.name}: {type(e).__name__}: {e}", False

@@ -72,8 +72,12 @@ class CalculatorEnv(Env):
     system_prompt = "Use the calculator tool, then give the answer."
     max_ops_per_call: int | None = None
 
-    def __init__(self, num_range: tuple[int, int] = (2, 99), templates=("{a}*{b}+{c}",),
-                 answer_digits: int | None = None):
+    def __init__(
+        self,
+        num_range: tuple[int, int] = (2, 99),
+        templates=("{a}*{b}+{c}",),
+        answer_digits: int | None = None,
+    ):
         self.num_range = num_range
         self.templates = tuple(templates)
         # Fixed-width numbers and answers give every task the same token layout
@@ -97,20 +101,32 @@ class CalculatorEnv(Env):
                 continue
             if self.answer_digits and len(str(abs(safe_eval(expr)))) != self.answer_digits:
                 continue
-            tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}",
-                              prompt=f"What is {expr}?", answer=safe_eval(expr),
-                              domain=self.name, metadata={"expression": expr}))
+            tasks.append(
+                Task(
+                    task_id=f"{self.name}-{split}-{seed}-{len(tasks)}",
+                    prompt=f"What is {expr}?",
+                    answer=safe_eval(expr),
+                    domain=self.name,
+                    metadata={"expression": expr},
+                )
+            )
         return tasks
 
     @property
     def tools(self) -> list[Tool]:
-        return [Tool(
-            name="calculator",
-            description="Evaluate an integer arithmetic expression (+ - * and parentheses).",
-            parameters={"type": "object", "properties": {"expression": {"type": "string"}},
-                        "required": ["expression"]},
-            fn=lambda expression: str(safe_eval(expression, self.max_ops_per_call)),
-            timeout_s=5.0)]
+        return [
+            Tool(
+                name="calculator",
+                description="Evaluate an integer arithmetic expression (+ - * and parentheses).",
+                parameters={
+                    "type": "object",
+                    "properties": {"expression": {"type": "string"}},
+                    "required": ["expression"],
+                },
+                fn=lambda expression: str(safe_eval(expression, self.max_ops_per_call)),
+                timeout_s=5.0,
+            )
+        ]
 
     def verify(self, task: Task, answer: str | None) -> float:
         return float(last_integer(answer) == task.answer)
@@ -130,8 +146,9 @@ class StepwiseCalculatorEnv(CalculatorEnv):
         super().__init__(num_range, templates)
 
 
-def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
-                  skip_tool_prob: float = 0.5) -> list[dict]:
+def demonstration(
+    env: CalculatorEnv, task: Task, rng: random.Random, skip_tool_prob: float = 0.5
+) -> list[dict]:
     """A synthetic demo conversation for SFT warm starts, deliberately imperfect.
 
     With probability `skip_tool_prob` the demo answers without the tool and
@@ -144,8 +161,11 @@ def demonstration(env: CalculatorEnv, task: Task, rng: random.Random,
     if rng.random() < skip_tool_prob:
         guess = task.answer + rng.choice([-1, 1]) * rng.randint(1, 30)
         return msgs + [{"role": "assistant", "content": f"The answer is {guess}."}]
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'},
+    }
     return msgs + [
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_0", "content": str(task.answer)},
@@ -179,7 +199,7 @@ def parse_chain_state(text: str) -> tuple[int, int, str] | None:
     without the "Progress so far: " prefix); None when it is neither."""
     text = (text or "").strip()
     if text.startswith(PROGRESS_PREFIX.strip()):
-        text = text[len(PROGRESS_PREFIX.strip()):]
+        text = text[len(PROGRESS_PREFIX.strip()) :]
     m = _TASK_RE.match(text)
     if m:
         return int(m.group(1)), int(m.group(3)), m.group(2)
@@ -199,13 +219,18 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
 
     name = "chain_calculator"
 
-    def __init__(self, ops_range: tuple[int, int] = (3, 5),
-                 value_range: tuple[int, int] = (100, 999),
-                 operand_range: tuple[int, int] = (10, 99)):
+    def __init__(
+        self,
+        ops_range: tuple[int, int] = (3, 5),
+        value_range: tuple[int, int] = (100, 999),
+        operand_range: tuple[int, int] = (10, 99),
+    ):
         super().__init__()
         if not 1 <= ops_range[0] <= ops_range[1] <= 9:
-            raise ValueError(f"ChainCalculatorEnv: ops_range must be (lo, hi) with "
-                             f"1 <= lo <= hi <= 9 (one-digit counts), got {ops_range}")
+            raise ValueError(
+                f"ChainCalculatorEnv: ops_range must be (lo, hi) with "
+                f"1 <= lo <= hi <= 9 (one-digit counts), got {ops_range}"
+            )
         self.ops_range, self.value_range = tuple(ops_range), tuple(value_range)
         self.operand_range = tuple(operand_range)
 
@@ -231,10 +256,21 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
             if sum(map(ord, prompt)) % 2 != want:
                 continue
             ops = [op] * len(values)
-            tasks.append(Task(task_id=f"{self.name}-{split}-{seed}-{len(tasks)}", prompt=prompt,
-                              answer=values[-1], domain=self.name,
-                              metadata={"expression": f"{start}{''.join(ops)}", "start": start,
-                                        "op": op, "ops": ops, "values": values}))
+            tasks.append(
+                Task(
+                    task_id=f"{self.name}-{split}-{seed}-{len(tasks)}",
+                    prompt=prompt,
+                    answer=values[-1],
+                    domain=self.name,
+                    metadata={
+                        "expression": f"{start}{''.join(ops)}",
+                        "start": start,
+                        "op": op,
+                        "ops": ops,
+                        "values": values,
+                    },
+                )
+            )
         return tasks
 
     def judge_memo(self, task: Task, messages: list[dict], memo: str) -> bool | None:
@@ -274,8 +310,14 @@ def _chain_state(texts: list[tuple[str, str]]) -> tuple[int, int, str] | None:
     return state
 
 
-def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
-                 memo_error_prob: float = 0.0, main_slip_prob: float = 0.0) -> dict:
+def chain_policy(
+    agent: str,
+    messages: list[dict],
+    rng: random.Random,
+    *,
+    memo_error_prob: float = 0.0,
+    main_slip_prob: float = 0.0,
+) -> dict:
     """The scripted demonstrator of ChainCalculatorEnv under compaction: the
     assistant message it sends for one request of `agent` ("main" or "compactor").
 
@@ -308,6 +350,9 @@ def chain_policy(agent: str, messages: list[dict], rng: random.Random, *,
     if rng.random() < main_slip_prob:
         value = _garble(value, rng)
     args = json.dumps({"expression": f"{value}{op}"})
-    call = {"id": f"call_{rng.randrange(10**6)}", "type": "function",
-            "function": {"name": "calculator", "arguments": args}}
+    call = {
+        "id": f"call_{rng.randrange(10**6)}",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": args},
+    }
     return {"role": "assistant", "content": "", "tool_calls": [call]}

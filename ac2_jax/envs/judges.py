@@ -19,11 +19,13 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _STOPWORDS = frozenset(
     "a an and are as at be but by for from has have in is it its of on or that the this to "
-    "was were will with you your not should would could which when what".split())
+    "was were will with you your not should would could which when what".split()
+)
 
 
 class JudgeError(RuntimeError):
@@ -53,15 +55,18 @@ class JudgeExample:
         n = len(self.response_tokens)
         bad = [c for c in self.candidates if not 0 <= c < n]
         if bad:
-            raise ValueError(f"JudgeExample: candidate positions {bad} are outside the "
-                             f"{n} response tokens")
+            raise ValueError(
+                f"JudgeExample: candidate positions {bad} are outside the {n} response tokens"
+            )
         if len(set(self.candidates)) != len(self.candidates):
             raise ValueError(f"JudgeExample: duplicate candidate positions in {self.candidates}")
         if self.teacher_tokens is not None:
             object.__setattr__(self, "teacher_tokens", tuple(str(t) for t in self.teacher_tokens))
             if len(self.teacher_tokens) != n:
-                raise ValueError(f"JudgeExample: teacher_tokens has {len(self.teacher_tokens)} "
-                                 f"entries, response_tokens has {n}")
+                raise ValueError(
+                    f"JudgeExample: teacher_tokens has {len(self.teacher_tokens)} "
+                    f"entries, response_tokens has {n}"
+                )
 
     def key(self) -> str:
         """sha256 of the content (the judge cache key)."""
@@ -78,7 +83,9 @@ class Judge(abc.ABC):
 
     def __init__(self, top_s: int | None = None):
         if top_s is not None and (not isinstance(top_s, int) or top_s < 1):
-            raise ValueError(f"{type(self).__name__}: top_s must be a positive int or None, got {top_s!r}")
+            raise ValueError(
+                f"{type(self).__name__}: top_s must be a positive int or None, got {top_s!r}"
+            )
         self.top_s = top_s
         self.stats: dict[str, int] = {"examples": 0, "cache_hits": 0, "selected": 0}
         self._cache: dict[str, list[int]] = {}
@@ -95,7 +102,7 @@ class Judge(abc.ABC):
             return []
         out = list(dict.fromkeys(int(p) for p in picked))
         if self.top_s is not None:
-            out = out[:self.top_s]
+            out = out[: self.top_s]
         self._cache[key] = out
         self.stats["selected"] += len(out)
         return list(out)
@@ -107,7 +114,9 @@ class Judge(abc.ABC):
 
 def hint_keywords(hint: str, min_len: int = 4) -> set[str]:
     """Lower-cased words of the hint with at least `min_len` chars, minus stopwords."""
-    return {w for w in re.findall(r"[^\W_]+", hint.lower()) if len(w) >= min_len and w not in _STOPWORDS}
+    return {
+        w for w in re.findall(r"[^\W_]+", hint.lower()) if len(w) >= min_len and w not in _STOPWORDS
+    }
 
 
 class RuleJudge(Judge):
@@ -122,15 +131,23 @@ class RuleJudge(Judge):
     Selections come in candidate order.
     """
 
-    def __init__(self, patterns: Sequence[str] = (), use_hint_keywords: bool = True,
-                 diff: bool = False, min_keyword_len: int = 4, top_s: int | None = None):
+    def __init__(
+        self,
+        patterns: Sequence[str] = (),
+        use_hint_keywords: bool = True,
+        diff: bool = False,
+        min_keyword_len: int = 4,
+        top_s: int | None = None,
+    ):
         super().__init__(top_s)
         self.patterns = [re.compile(p) for p in patterns]
         self.use_hint_keywords = use_hint_keywords
         self.diff = diff
         self.min_keyword_len = min_keyword_len
         if not (self.patterns or use_hint_keywords or diff):
-            raise ValueError("RuleJudge: enable at least one rule (patterns, use_hint_keywords, diff)")
+            raise ValueError(
+                "RuleJudge: enable at least one rule (patterns, use_hint_keywords, diff)"
+            )
 
     def _matches(self, example: JudgeExample, pos: int, keywords: set[str]) -> bool:
         text = example.response_tokens[pos]
@@ -138,15 +155,20 @@ class RuleJudge(Judge):
             return True
         if keywords:
             word = "".join(re.findall(r"[^\W_]+", text.lower()))
-            if len(word) >= 3 and word not in _STOPWORDS and any(
-                    word in kw or kw in word for kw in keywords):
+            if (
+                len(word) >= 3
+                and word not in _STOPWORDS
+                and any(word in kw or kw in word for kw in keywords)
+            ):
                 return True
         return self.diff and example.teacher_tokens[pos] != text
 
     def _select(self, example: JudgeExample) -> list[int]:
         if self.diff and example.teacher_tokens is None:
             raise ValueError("RuleJudge(diff=True): the example has no teacher_tokens")
-        keywords = hint_keywords(example.hint, self.min_keyword_len) if self.use_hint_keywords else set()
+        keywords = (
+            hint_keywords(example.hint, self.min_keyword_len) if self.use_hint_keywords else set()
+        )
         return [c for c in example.candidates if self._matches(example, c, keywords)]
 
 
@@ -154,7 +176,8 @@ _SYSTEM = (
     "You review an AI agent's response after feedback (a hint) about it. Some response tokens "
     "are numbered candidates. Decide which candidate tokens are relevant to the hint: tokens "
     "the hint is about, where the response went wrong or should change. Reply with JSON only, "
-    'exactly {"relevant": [positions]}, most relevant first, using only candidate positions.')
+    'exactly {"relevant": [positions]}, most relevant first, using only candidate positions.'
+)
 
 
 class LLMJudge(Judge):
@@ -170,9 +193,18 @@ class LLMJudge(Judge):
     each candidate.
     """
 
-    def __init__(self, client: Any, model: str, max_retries: int = 2, on_error: str = "skip",
-                 top_s: int | None = None, temperature: float = 0.0, max_tokens: int = 256,
-                 context_tokens: int = 6, max_prompt_chars: int = 8000):
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        max_retries: int = 2,
+        on_error: str = "skip",
+        top_s: int | None = None,
+        temperature: float = 0.0,
+        max_tokens: int = 256,
+        context_tokens: int = 6,
+        max_prompt_chars: int = 8000,
+    ):
         super().__init__(top_s)
         if on_error not in ("skip", "raise"):
             raise ValueError(f"LLMJudge: on_error must be 'skip' or 'raise', got {on_error!r}")
@@ -189,16 +221,19 @@ class LLMJudge(Judge):
         toks, k = example.response_tokens, self.context_tokens
         lines = []
         for c in example.candidates:
-            left, right = "".join(toks[max(0, c - k):c]), "".join(toks[c + 1:c + 1 + k])
+            left, right = "".join(toks[max(0, c - k) : c]), "".join(toks[c + 1 : c + 1 + k])
             lines.append(f"{c}: {json.dumps(toks[c])}   context: ...{left}[[{toks[c]}]]{right}...")
         prompt = example.prompt
         if len(prompt) > self.max_prompt_chars:
-            prompt = "...(earlier text cut)..." + prompt[-self.max_prompt_chars:]
+            prompt = "...(earlier text cut)..." + prompt[-self.max_prompt_chars :]
         cap = f" Select at most {self.top_s}." if self.top_s else ""
-        user = (f"## Trace (context before the response)\n{prompt}\n\n## Response\n{example.response}\n\n"
-                f"## Hint\n{example.hint}\n\n## Candidate tokens (position: token)\n" + "\n".join(lines)
-                + f"\n\nWhich candidate positions are relevant to the hint?{cap} "
-                  'Answer with JSON only: {"relevant": [positions]}.')
+        user = (
+            f"## Trace (context before the response)\n{prompt}\n\n## Response\n{example.response}\n\n"
+            f"## Hint\n{example.hint}\n\n## Candidate tokens (position: token)\n"
+            + "\n".join(lines)
+            + f"\n\nWhich candidate positions are relevant to the hint?{cap} "
+            'Answer with JSON only: {"relevant": [positions]}.'
+        )
         return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
 
     def _select(self, example: JudgeExample) -> list[int] | None:
@@ -210,8 +245,11 @@ class LLMJudge(Judge):
             self.stats["requests"] += 1
             try:
                 resp = self.client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=self.temperature,
-                    max_tokens=self.max_tokens)
+                    model=self.model,
+                    messages=messages,
+                    temperature=self.temperature,
+                    max_tokens=self.max_tokens,
+                )
                 text = resp.choices[0].message.content or ""
             except Exception as e:  # endpoint down, HTTP error, ...: retried like a bad reply
                 self.stats["request_errors"] += 1
@@ -224,11 +262,17 @@ class LLMJudge(Judge):
                 reason = str(e)
                 messages = messages + [
                     {"role": "assistant", "content": text},
-                    {"role": "user", "content": f"Invalid reply: {reason}. Reply again with JSON only: "
-                                                '{"relevant": [positions]} using only candidate positions.'}]
+                    {
+                        "role": "user",
+                        "content": f"Invalid reply: {reason}. Reply again with JSON only: "
+                        '{"relevant": [positions]} using only candidate positions.',
+                    },
+                ]
         if self.on_error == "raise":
-            raise JudgeError(f"LLMJudge({self.model}): no valid reply after {self.max_retries + 1} "
-                             f"attempts for example {example.key()[:12]}: {reason}")
+            raise JudgeError(
+                f"LLMJudge({self.model}): no valid reply after {self.max_retries + 1} "
+                f"attempts for example {example.key()[:12]}: {reason}"
+            )
         self.stats["skipped"] += 1
         return None
 
@@ -255,7 +299,9 @@ def parse_judge_reply(text: str, example: JudgeExample) -> list[int]:
     """Validated positions from a reply {"relevant": [...]}; ValueError says what is wrong."""
     data = _extract_json(text)
     if not isinstance(data, dict) or not isinstance(data.get("relevant"), list):
-        raise ValueError(f'expected an object {{"relevant": [positions]}}, got {json.dumps(data)[:200]}')
+        raise ValueError(
+            f'expected an object {{"relevant": [positions]}}, got {json.dumps(data)[:200]}'
+        )
     n, cands = len(example.response_tokens), set(example.candidates)
     out = []
     for p in data["relevant"]:

@@ -26,7 +26,8 @@ import collections
 import dataclasses
 import math
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ac2_jax.envs.base import Env, Task, hashed_seed
 from ac2_jax.trace.types import Trace
@@ -53,14 +54,19 @@ class AdaptiveMix:
         if self.window < 1:
             raise ValueError(f"AdaptiveMix.window must be >= 1, got {self.window}")
         if not 0.0 <= self.floor <= 1.0:
-            raise ValueError(f"AdaptiveMix.floor must be in [0, 1] (a fraction of each domain's "
-                             f"fixed-weight share), got {self.floor!r}")
+            raise ValueError(
+                f"AdaptiveMix.floor must be in [0, 1] (a fraction of each domain's "
+                f"fixed-weight share), got {self.floor!r}"
+            )
         if not 1 <= self.min_results <= self.window:
-            raise ValueError(f"AdaptiveMix.min_results must be in [1, window={self.window}] "
-                             f"(else no domain ever adapts), got {self.min_results}")
+            raise ValueError(
+                f"AdaptiveMix.min_results must be in [1, window={self.window}] "
+                f"(else no domain ever adapts), got {self.min_results}"
+            )
         if not math.isfinite(self.pass_threshold):
-            raise ValueError(f"AdaptiveMix.pass_threshold must be finite, got "
-                             f"{self.pass_threshold!r}")
+            raise ValueError(
+                f"AdaptiveMix.pass_threshold must be finite, got {self.pass_threshold!r}"
+            )
 
 
 def difficulty_factor(p: float | None) -> float:
@@ -77,8 +83,13 @@ class DomainMixer:
     flat for a metrics log.
     """
 
-    def __init__(self, envs: dict[str, Env], weights: dict[str, float] | None = None, *,
-                 adaptive: AdaptiveMix | None = None):
+    def __init__(
+        self,
+        envs: dict[str, Env],
+        weights: dict[str, float] | None = None,
+        *,
+        adaptive: AdaptiveMix | None = None,
+    ):
         if not envs:
             raise ValueError("DomainMixer needs at least one env")
         self.envs = dict(envs)
@@ -101,8 +112,7 @@ class DomainMixer:
     def pass_rates(self) -> dict[str, float | None]:
         """Each domain's rolling pass rate; None before `min_results` results (or fixed mode)."""
         need = self.adaptive.min_results if self.adaptive else math.inf
-        return {k: (sum(r) / len(r) if len(r) >= need else None)
-                for k, r in self._results.items()}
+        return {k: (sum(r) / len(r) if len(r) >= need else None) for k, r in self._results.items()}
 
     def current_weights(self) -> dict[str, float]:
         """The shares (summing to 1) that `sample_tasks` draws with now."""
@@ -141,37 +151,45 @@ class DomainMixer:
     def _domain_of(self, task_id: str) -> str:
         found = [d for d in self.envs if task_id.startswith(f"{d}/")]
         if not found:
-            raise ValueError(f"DomainMixer: task id {task_id!r} has no '<domain>/' prefix of a "
-                             f"known domain {sorted(self.envs)}; pass the Task (or a trace with "
-                             "metadata['domain'])")
+            raise ValueError(
+                f"DomainMixer: task id {task_id!r} has no '<domain>/' prefix of a "
+                f"known domain {sorted(self.envs)}; pass the Task (or a trace with "
+                "metadata['domain'])"
+            )
         return max(found, key=len)
 
     def _record(self, domain: str, reward: float, what: str) -> None:
         if self.adaptive is None:
-            raise ValueError("DomainMixer.record: this mixer has fixed weights; build it with "
-                             "adaptive=AdaptiveMix(...) to adapt them to pass rates")
+            raise ValueError(
+                "DomainMixer.record: this mixer has fixed weights; build it with "
+                "adaptive=AdaptiveMix(...) to adapt them to pass rates"
+            )
         if domain not in self._results:
-            raise ValueError(f"DomainMixer.record: unknown domain {domain!r} (of {what!r}); "
-                             f"domains: {sorted(self._results)}")
+            raise ValueError(
+                f"DomainMixer.record: unknown domain {domain!r} (of {what!r}); "
+                f"domains: {sorted(self._results)}"
+            )
         if not math.isfinite(reward):
-            raise ValueError(f"DomainMixer.record: the reward of {what!r} must be finite, got "
-                             f"{reward!r}")
+            raise ValueError(
+                f"DomainMixer.record: the reward of {what!r} must be finite, got {reward!r}"
+            )
         self._results[domain].append(float(reward >= self.adaptive.pass_threshold))
 
     def metrics(self) -> dict[str, float]:
         """mix_weight/<domain>, mix_pass_rate/<domain> (once known), mix_results/<domain>,
         mix_skipped: flat floats for a metrics log."""
         out = {f"mix_weight/{k}": v for k, v in self.current_weights().items()}
-        out.update({f"mix_pass_rate/{k}": p for k, p in self.pass_rates().items()
-                    if p is not None})
+        out.update({f"mix_pass_rate/{k}": p for k, p in self.pass_rates().items() if p is not None})
         out.update({f"mix_results/{k}": float(len(r)) for k, r in self._results.items()})
         out["mix_skipped"] = float(sum(self.skipped.values()))
         return out
 
     def state(self) -> dict[str, Any]:
         """The recorded results and skip counts (JSON-able), e.g. to compare two mixers."""
-        return {"results": {k: list(r) for k, r in self._results.items()},
-                "skipped": dict(self.skipped)}
+        return {
+            "results": {k: list(r) for k, r in self._results.items()},
+            "skipped": dict(self.skipped),
+        }
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
         rng = random.Random(f"mix:{split}:{seed}")

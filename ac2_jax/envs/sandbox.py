@@ -38,7 +38,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
@@ -70,9 +71,11 @@ class SandboxLimits:
             raise ValueError(f"SandboxLimits.output_bytes must be >= 1, got {self.output_bytes}")
         secret = [n for n in self.env_allow if _is_secret(n)]
         if secret:
-            raise ValueError(f"SandboxLimits.env_allow lists {secret}: names containing "
-                             f"{'/'.join(SECRET_MARKERS)} never reach a sandboxed tool; "
-                             "remove them (pass what the tool needs as arguments)")
+            raise ValueError(
+                f"SandboxLimits.env_allow lists {secret}: names containing "
+                f"{'/'.join(SECRET_MARKERS)} never reach a sandboxed tool; "
+                "remove them (pass what the tool needs as arguments)"
+            )
 
 
 def _is_secret(name: str) -> bool:
@@ -83,14 +86,18 @@ def check_sandboxable(name: str, fn: Callable[..., Any]) -> None:
     """Raises ValueError unless `fn` can be sent to a fresh child process."""
     target = getattr(fn, "func", fn)  # a functools.partial's function
     if getattr(target, "__module__", None) == "__main__":
-        raise ValueError(f"Tool {name!r}: a sandboxed tool's fn is defined in __main__, which "
-                         "a fresh child process cannot import; move it into a module")
+        raise ValueError(
+            f"Tool {name!r}: a sandboxed tool's fn is defined in __main__, which "
+            "a fresh child process cannot import; move it into a module"
+        )
     try:
         pickle.dumps(fn)
     except Exception as e:  # noqa: BLE001 - any pickling failure means the same fix
-        raise ValueError(f"Tool {name!r}: a sandboxed tool's fn must be picklable by reference "
-                         "(a module-level function, or a functools.partial of one; not a lambda, "
-                         f"closure or local function): {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"Tool {name!r}: a sandboxed tool's fn must be picklable by reference "
+            "(a module-level function, or a functools.partial of one; not a lambda, "
+            f"closure or local function): {type(e).__name__}: {e}"
+        ) from None
 
 
 def _child_env(limits: SandboxLimits, scratch: str) -> dict[str, str]:
@@ -115,7 +122,7 @@ class _Capture(asyncio.SubprocessProtocol):
         self.total[fd] += len(data)
         kept = self.kept[fd]
         if len(kept) < self.cap:
-            kept += data[:self.cap - len(kept)]
+            kept += data[: self.cap - len(kept)]
 
     def process_exited(self) -> None:
         if not self.exited.done():
@@ -146,8 +153,14 @@ def _kill_group(pid: int) -> None:
         pass  # the group is gone already
 
 
-def _failure(name: str, limits: SandboxLimits, wall_s: float, timed_out: bool,
-             returncode: int | None, result: dict | None) -> str | None:
+def _failure(
+    name: str,
+    limits: SandboxLimits,
+    wall_s: float,
+    timed_out: bool,
+    returncode: int | None,
+    result: dict | None,
+) -> str | None:
     """The error text of a failed call, or None when it succeeded."""
     if timed_out:
         return f"error: {name}: killed after the wall-time limit of {wall_s:g}s"
@@ -173,8 +186,9 @@ def _failure(name: str, limits: SandboxLimits, wall_s: float, timed_out: bool,
     return f"error: {name}: {result['error']}"
 
 
-async def run_sandboxed(name: str, fn: Callable[..., Any], kwargs: dict[str, Any],
-                        limits: SandboxLimits, wall_s: float) -> tuple[str, bool]:
+async def run_sandboxed(
+    name: str, fn: Callable[..., Any], kwargs: dict[str, Any], limits: SandboxLimits, wall_s: float
+) -> tuple[str, bool]:
     """Runs fn(**kwargs) in a fresh limited child; returns (text for the model, ok)."""
     wall_s = limits.wall_s if limits.wall_s is not None else wall_s
     root = tempfile.mkdtemp(prefix="ac2-sandbox-")
@@ -188,18 +202,33 @@ async def run_sandboxed(name: str, fn: Callable[..., Any], kwargs: dict[str, Any
         with open(os.path.join(root, "call.pickle"), "wb") as f:
             f.write(payload)
         with open(os.path.join(root, "call.json"), "w", encoding="utf-8") as f:
-            json.dump({"sys_path": [os.path.abspath(p) for p in sys.path],
-                       "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                       "output_bytes": limits.output_bytes}, f)
+            json.dump(
+                {
+                    "sys_path": [os.path.abspath(p) for p in sys.path],
+                    "cpu_s": limits.cpu_s,
+                    "memory_mb": limits.memory_mb,
+                    "output_bytes": limits.output_bytes,
+                },
+                f,
+            )
         loop = asyncio.get_running_loop()
         transport, capture = await loop.subprocess_exec(
-            lambda: _Capture(limits.output_bytes, loop), sys.executable, "-I", _CHILD, root,
-            cwd=scratch, env=_child_env(limits, scratch), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            lambda: _Capture(limits.output_bytes, loop),
+            sys.executable,
+            "-I",
+            _CHILD,
+            root,
+            cwd=scratch,
+            env=_child_env(limits, scratch),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.shield(capture.exited), wall_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:  # also on cancellation: nothing of the call outlives it
             _kill_group(transport.get_pid())
@@ -207,8 +236,11 @@ async def run_sandboxed(name: str, fn: Callable[..., Any], kwargs: dict[str, Any
                 await asyncio.wait([capture.closed], timeout=_DRAIN_GRACE_S)  # may hold a pipe
             transport.close()
         if not capture.closed.done():
-            logging.warning("sandboxed tool %s: a process outside its process group kept its "
-                            "output open; output after the kill is not read", name)
+            logging.warning(
+                "sandboxed tool %s: a process outside its process group kept its "
+                "output open; output after the kill is not read",
+                name,
+            )
         out, err = capture.captured(1), capture.captured(2)
         returncode = transport.get_returncode()
         result = _read_result(os.path.join(root, "result.json"))
@@ -229,9 +261,15 @@ def _read_result(path: str) -> dict | None:
             result = json.load(f)
     except (OSError, ValueError):
         return None
-    ok = isinstance(result, dict) and isinstance(result.get("ok"), bool) and (
-        isinstance(result.get("text"), str) if result["ok"]
-        else isinstance(result.get("error"), str))
+    ok = (
+        isinstance(result, dict)
+        and isinstance(result.get("ok"), bool)
+        and (
+            isinstance(result.get("text"), str)
+            if result["ok"]
+            else isinstance(result.get("error"), str)
+        )
+    )
     return result if ok else None
 
 

@@ -27,14 +27,21 @@ import asyncio
 import collections
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ac2_jax.envs.base import Env, Task
 from ac2_jax.orchestration.rollouts import OrchestratorFactory, run_rollout
 from ac2_jax.trace.types import Trace
 
-CHECKS = ("unsolvable", "never_solved", "always_solved", "sudden_jump",
-          "nondeterministic_verifier", "reward_out_of_range")
+CHECKS = (
+    "unsolvable",
+    "never_solved",
+    "always_solved",
+    "sudden_jump",
+    "nondeterministic_verifier",
+    "reward_out_of_range",
+)
 VERDICT_STATUSES = ("finished", "agent_error")  # traces the verifier judged
 
 
@@ -75,22 +82,28 @@ class AuditConfig:
         if self.min_attempts < 1:
             raise ValueError(f"AuditConfig.min_attempts must be >= 1, got {self.min_attempts}")
         if not 0.0 < self.jump_threshold <= 1.0:
-            raise ValueError(f"AuditConfig.jump_threshold must be in (0, 1] (a pass-rate "
-                             f"change), got {self.jump_threshold!r}")
+            raise ValueError(
+                f"AuditConfig.jump_threshold must be in (0, 1] (a pass-rate "
+                f"change), got {self.jump_threshold!r}"
+            )
         if not math.isfinite(self.pass_threshold):
-            raise ValueError(f"AuditConfig.pass_threshold must be finite, got "
-                             f"{self.pass_threshold!r}")
+            raise ValueError(
+                f"AuditConfig.pass_threshold must be finite, got {self.pass_threshold!r}"
+            )
         clash = sorted(set(self.predicates) & set(CHECKS))
         if clash:
-            raise ValueError(f"AuditConfig.predicates: names {clash} are built-in checks; "
-                             "rename them")
+            raise ValueError(
+                f"AuditConfig.predicates: names {clash} are built-in checks; rename them"
+            )
         bad = [n for n, p in self.predicates.items() if not callable(p)]
         if bad:
             raise ValueError(f"AuditConfig.predicates: {bad} are not callables trace -> bool")
         unknown = sorted(set(self.advisory) - set(CHECKS) - set(self.predicates))
         if unknown:
-            raise ValueError(f"AuditConfig.advisory: unknown checks {unknown}; known: "
-                             f"{list(CHECKS) + sorted(self.predicates)}")
+            raise ValueError(
+                f"AuditConfig.advisory: unknown checks {unknown}; known: "
+                f"{list(CHECKS) + sorted(self.predicates)}"
+            )
 
 
 @dataclasses.dataclass
@@ -112,9 +125,16 @@ class AuditReport:
         return not any(ids for check, ids in self.flags.items() if check not in self.advisory)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"clean": self.clean, "flags": self.flags, "details": self.details,
-                "counts": self.counts, "pass_rates": self.pass_rates, "curves": self.curves,
-                "checkpoints": self.checkpoints, "advisory": list(self.advisory)}
+        return {
+            "clean": self.clean,
+            "flags": self.flags,
+            "details": self.details,
+            "counts": self.counts,
+            "pass_rates": self.pass_rates,
+            "curves": self.curves,
+            "checkpoints": self.checkpoints,
+            "advisory": list(self.advisory),
+        }
 
 
 def _env_of(env, task: Task) -> Env:
@@ -129,8 +149,10 @@ def _in_range(env: Env, reward: float) -> bool:
 def _by_task(traces: Sequence[Trace], tasks: Mapping[str, Task], what: str) -> dict:
     unknown = sorted({t.task_id for t in traces} - set(tasks))
     if unknown:
-        raise ValueError(f"audit: {what} has traces of tasks not given: {unknown[:5]}; pass "
-                         "the Task of every trace (its verifier needs it)")
+        raise ValueError(
+            f"audit: {what} has traces of tasks not given: {unknown[:5]}; pass "
+            "the Task of every trace (its verifier needs it)"
+        )
     out: dict[str, list[Trace]] = collections.defaultdict(list)
     for t in traces:
         out[t.task_id].append(t)
@@ -144,9 +166,14 @@ def _pass_rate(traces: Sequence[Trace], threshold: float) -> float | None:
     return sum(float(t.reward or 0.0) >= threshold for t in judged) / len(judged)
 
 
-def audit_traces(env, tasks: Sequence[Task], traces: Sequence[Trace],
-                 config: AuditConfig = AuditConfig(), *,
-                 by_checkpoint: Mapping[str, Sequence[Trace]] | None = None) -> AuditReport:
+def audit_traces(
+    env,
+    tasks: Sequence[Task],
+    traces: Sequence[Trace],
+    config: AuditConfig = AuditConfig(),
+    *,
+    by_checkpoint: Mapping[str, Sequence[Trace]] | None = None,
+) -> AuditReport:
     """Runs every check (module docstring) on `traces` of `tasks` in `env` (an Env
     or a DomainMixer). `by_checkpoint`: label -> traces, in checkpoint order, for
     the pass-rate curves. Calls only `env.verify` and `env.reference_answer`."""
@@ -196,34 +223,56 @@ def audit_traces(env, tasks: Sequence[Task], traces: Sequence[Trace],
     for t in traces:
         task, task_env = task_map[t.task_id], _env_of(env, task_map[t.task_id])
         if t.reward is not None and not _in_range(task_env, float(t.reward)):
-            flag("reward_out_of_range", t.task_id, source="trace", attempt_id=t.attempt_id,
-                 reward=t.reward)
-        rewarded = (t.status in VERDICT_STATUSES and t.reward is not None
-                    and float(t.reward) >= config.pass_threshold)
+            flag(
+                "reward_out_of_range",
+                t.task_id,
+                source="trace",
+                attempt_id=t.attempt_id,
+                reward=t.reward,
+            )
+        rewarded = (
+            t.status in VERDICT_STATUSES
+            and t.reward is not None
+            and float(t.reward) >= config.pass_threshold
+        )
         for name, predicate in config.predicates.items():
             if rewarded and predicate(t):
                 flag(name, t.task_id, attempt_id=t.attempt_id, reward=t.reward)
         artifacts = t.metadata.get("artifacts") or {}
-        if config.reverify and (t.reward is None or t.status not in VERDICT_STATUSES
-                                or "answer" not in artifacts):
+        if config.reverify and (
+            t.reward is None or t.status not in VERDICT_STATUSES or "answer" not in artifacts
+        ):
             counts["traces_not_reverified"] += 1  # no verdict, or no answer to re-verify
             continue
         for _ in range(config.reverify):
             reward, error = verify(task, artifacts["answer"])
             counts["reverifications"] += 1
             if reward is not None and not _in_range(task_env, reward):
-                flag("reward_out_of_range", t.task_id, source="reverify",
-                     attempt_id=t.attempt_id, reward=reward)
+                flag(
+                    "reward_out_of_range",
+                    t.task_id,
+                    source="reverify",
+                    attempt_id=t.attempt_id,
+                    reward=reward,
+                )
             if reward != float(t.reward):
-                flag("nondeterministic_verifier", t.task_id, attempt_id=t.attempt_id,
-                     stored=t.reward, reverified=reward, error=error)
+                flag(
+                    "nondeterministic_verifier",
+                    t.task_id,
+                    attempt_id=t.attempt_id,
+                    stored=t.reward,
+                    reverified=reward,
+                    error=error,
+                )
                 break
 
     labels = [str(k) for k in (by_checkpoint or {})]
     curves: dict[str, list[float | None]] = {}
     if by_checkpoint:
-        per_ckpt = [_by_task(ts, task_map, f"checkpoint {label!r}")
-                    for label, ts in zip(labels, by_checkpoint.values())]
+        per_ckpt = [
+            _by_task(ts, task_map, f"checkpoint {label!r}")
+            for label, ts in zip(labels, by_checkpoint.values())
+        ]
         for task_id in sorted({tid for g in per_ckpt for tid in g}):
             curve = [_pass_rate(g.get(task_id, []), config.pass_threshold) for g in per_ckpt]
             curves[task_id] = curve
@@ -232,14 +281,29 @@ def audit_traces(env, tasks: Sequence[Task], traces: Sequence[Trace],
                 if abs(rb - ra) >= config.jump_threshold:
                     flag("sudden_jump", task_id, checkpoints=[a, b], pass_rates=[ra, rb])
 
-    return AuditReport(flags={c: sorted(ids) for c, ids in flags.items()}, details=details,
-                       counts=dict(counts), pass_rates=pass_rates, curves=curves,
-                       checkpoints=labels, advisory=tuple(config.advisory))
+    return AuditReport(
+        flags={c: sorted(ids) for c, ids in flags.items()},
+        details=details,
+        counts=dict(counts),
+        pass_rates=pass_rates,
+        curves=curves,
+        checkpoints=labels,
+        advisory=tuple(config.advisory),
+    )
 
 
-async def audit(lifecycle, env, tasks: Sequence[Task], make_orchestrator: OrchestratorFactory,
-                model: str, *, attempts: int = 4, config: AuditConfig = AuditConfig(),
-                concurrency: int = 32, name: str = "audit") -> tuple[AuditReport, list[Trace]]:
+async def audit(
+    lifecycle,
+    env,
+    tasks: Sequence[Task],
+    make_orchestrator: OrchestratorFactory,
+    model: str,
+    *,
+    attempts: int = 4,
+    config: AuditConfig = AuditConfig(),
+    concurrency: int = 32,
+    name: str = "audit",
+) -> tuple[AuditReport, list[Trace]]:
     """Runs `attempts` rollouts of every task through the endpoint (`run_rollout`),
     then `audit_traces` on them. Returns (report, traces). Lifecycle errors propagate."""
     if attempts < 1:
@@ -248,9 +312,16 @@ async def audit(lifecycle, env, tasks: Sequence[Task], make_orchestrator: Orches
 
     async def one(task: Task, attempt: int) -> Trace:
         async with sem:
-            trace, _ = await run_rollout(lifecycle, env, task, make_orchestrator, model,
-                                         group_id=f"{name}:{task.task_id}", attempt=attempt,
-                                         metadata={"audit": name})
+            trace, _ = await run_rollout(
+                lifecycle,
+                env,
+                task,
+                make_orchestrator,
+                model,
+                group_id=f"{name}:{task.task_id}",
+                attempt=attempt,
+                metadata={"audit": name},
+            )
         return trace
 
     traces = list(await asyncio.gather(*(one(t, a) for t in tasks for a in range(attempts))))

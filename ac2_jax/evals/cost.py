@@ -17,8 +17,9 @@ the episode (e.g. a shared system prompt).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 from ac2_jax.trace.types import Episode, Trace
 
@@ -31,8 +32,10 @@ def _price(value, name: str) -> Fraction:
     except (ValueError, ZeroDivisionError):
         x = None
     if x is None or x < 0:
-        raise ValueError(f"TokenPrices: {name} must be a finite number >= 0 (USD per "
-                         f"million tokens), got {value!r}")
+        raise ValueError(
+            f"TokenPrices: {name} must be a finite number >= 0 (USD per "
+            f"million tokens), got {value!r}"
+        )
     return x
 
 
@@ -65,27 +68,36 @@ class TokenCost:
     def total(self) -> Fraction:
         return self.cached_input + self.uncached_input + self.output
 
-    def __add__(self, other: "TokenCost") -> "TokenCost":
-        return TokenCost(self.cached_input + other.cached_input,
-                         self.uncached_input + other.uncached_input, self.output + other.output)
+    def __add__(self, other: TokenCost) -> TokenCost:
+        return TokenCost(
+            self.cached_input + other.cached_input,
+            self.uncached_input + other.uncached_input,
+            self.output + other.output,
+        )
 
     def to_dict(self) -> dict[str, float]:
         """Floats in dollars (JSON)."""
-        return {"cached_input": float(self.cached_input),
-                "uncached_input": float(self.uncached_input),
-                "output": float(self.output), "total": float(self.total)}
+        return {
+            "cached_input": float(self.cached_input),
+            "uncached_input": float(self.uncached_input),
+            "output": float(self.output),
+            "total": float(self.total),
+        }
 
 
-def token_cost(cached_tokens: int, uncached_tokens: int, output_tokens: int,
-               prices: TokenPrices) -> TokenCost:
+def token_cost(
+    cached_tokens: int, uncached_tokens: int, output_tokens: int, prices: TokenPrices
+) -> TokenCost:
     """Exact cost of token counts at `prices` (per million)."""
     counts = (cached_tokens, uncached_tokens, output_tokens)
     if any(isinstance(n, bool) or int(n) != n or n < 0 for n in counts):
         raise ValueError(f"token_cost: token counts must be ints >= 0, got {counts}")
     pc, pu, po = prices.exact()
-    return TokenCost(Fraction(int(cached_tokens)) * pc / MILLION,
-                     Fraction(int(uncached_tokens)) * pu / MILLION,
-                     Fraction(int(output_tokens)) * po / MILLION)
+    return TokenCost(
+        Fraction(int(cached_tokens)) * pc / MILLION,
+        Fraction(int(uncached_tokens)) * pu / MILLION,
+        Fraction(int(output_tokens)) * po / MILLION,
+    )
 
 
 def trace_tokens(trace: Trace) -> dict[str, int]:
@@ -98,8 +110,13 @@ def trace_tokens(trace: Trace) -> dict[str, int]:
             prompt += len(c.prompt_ids)
             cached += min(int(c.cached_tokens), len(c.prompt_ids))
             output += len(c.output_ids)
-    return {"requests": req, "prompt_tokens": prompt, "cached_tokens": cached,
-            "uncached_tokens": prompt - cached, "output_tokens": output}
+    return {
+        "requests": req,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "uncached_tokens": prompt - cached,
+        "output_tokens": output,
+    }
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -118,8 +135,13 @@ def request_prefix_reuse(episode: Episode) -> list[dict[str, int]]:
     out, prev = [], None
     for c in episode.completions:
         reusable = 0 if prev is None else common_prefix_len(c.prompt_ids, prev)
-        out.append({"prompt_tokens": len(c.prompt_ids), "reusable_tokens": reusable,
-                    "cached_tokens": min(int(c.cached_tokens), len(c.prompt_ids))})
+        out.append(
+            {
+                "prompt_tokens": len(c.prompt_ids),
+                "reusable_tokens": reusable,
+                "cached_tokens": min(int(c.cached_tokens), len(c.prompt_ids)),
+            }
+        )
         prev = list(c.prompt_ids) + list(c.output_ids)
     return out
 
@@ -142,15 +164,17 @@ class PrefixStats:
     cached_beyond_reusable: int = 0
     share_sum: float = 0.0
 
-    def __add__(self, other: "PrefixStats") -> "PrefixStats":
-        return PrefixStats(*(getattr(self, f.name) + getattr(other, f.name)
-                             for f in dataclasses.fields(self)))
+    def __add__(self, other: PrefixStats) -> PrefixStats:
+        return PrefixStats(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The sums, plus reusable_share and cached_share (of prompt tokens) and
         mean_request_share (unweighted over requests); None when undefined."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name != "share_sum"}
+        d = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "share_sum"
+        }
         p = self.prompt_tokens
         d["reusable_share"] = self.reusable_tokens / p if p else None
         d["cached_share"] = self.cached_tokens / p if p else None
@@ -164,6 +188,7 @@ def prefix_stats(trace: Trace) -> PrefixStats:
     for ep in trace.episodes:
         for r in request_prefix_reuse(ep):
             p, u, c = r["prompt_tokens"], r["reusable_tokens"], r["cached_tokens"]
-            total = total + PrefixStats(1, p, u, c, max(0, u - c), max(0, c - u),
-                                        u / p if p else 0.0)
+            total = total + PrefixStats(
+                1, p, u, c, max(0, u - c), max(0, c - u), u / p if p else 0.0
+            )
     return total

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ac2_jax.envs.base import Env, Task
 from ac2_jax.evals.cost import TokenPrices
 from ac2_jax.evals.stats import Estimate, paired_difference
-from ac2_jax.evals.summary import (INFRA_POLICIES, PROCESS_METRICS, AttemptRecord,
-                                   attempt_record, jsonable, summarize)
+from ac2_jax.evals.summary import (
+    INFRA_POLICIES,
+    AttemptRecord,
+    attempt_record,
+    jsonable,
+    summarize,
+)
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
 from ac2_jax.trace.types import Trace
 
@@ -56,8 +62,10 @@ class EvalResult:
         per = self.per_task("reward")
         missing = [t for t, v in per.items() if v is None]
         if missing:
-            raise ValueError(f"EvalResult {self.name}: tasks {missing[:5]} have no scored "
-                             f"attempt (infra_error); compare_results drops and counts them")
+            raise ValueError(
+                f"EvalResult {self.name}: tasks {missing[:5]} have no scored "
+                f"attempt (infra_error); compare_results drops and counts them"
+            )
         return [per[t] for t in self.task_ids]
 
     @property
@@ -77,10 +85,17 @@ class EvalResult:
         """JSON-able: headline numbers, the summary and every attempt."""
         s = self.summary()
         p = s["overall"]["pass_rate"]
-        d = {"name": self.name, "n": len(self.task_ids), "k": self.k, "level": self.level,
-             "pass_rate": p.mean if p else None, "metrics": self.metrics,
-             "prices": dataclasses.asdict(self.prices) if self.prices else None,
-             "summary": jsonable(s), "attempts": [a.to_dict() for a in self.attempts]}
+        d = {
+            "name": self.name,
+            "n": len(self.task_ids),
+            "k": self.k,
+            "level": self.level,
+            "pass_rate": p.mean if p else None,
+            "metrics": self.metrics,
+            "prices": dataclasses.asdict(self.prices) if self.prices else None,
+            "summary": jsonable(s),
+            "attempts": [a.to_dict() for a in self.attempts],
+        }
         if self.level == 0.95:  # the key callers of the one-attempt runner read
             d["pass_rate_ci95"] = [p.low, p.high] if p else None
         return d
@@ -91,13 +106,25 @@ def attempt_seed(seed: int, task_index: int, attempt: int, k: int) -> int:
     return seed * 1_000_003 + task_index * k + attempt
 
 
-async def evaluate(lifecycle: LifecycleClient, env: Env, tasks: Sequence[Task],
-                   make_orchestrator: OrchestratorFactory, model: str, *, name: str = "eval",
-                   k: int = 1, concurrency: int = 32, seed: int | None = 0,
-                   level: float = 0.95, prices: TokenPrices | None = None,
-                   pass_threshold: float = 1.0, infra_error: str = "exclude",
-                   infra_retries: int = 2, timeout_s: float | None = None,
-                   on_attempt: Callable[[AttemptRecord], None] | None = None) -> EvalResult:
+async def evaluate(
+    lifecycle: LifecycleClient,
+    env: Env,
+    tasks: Sequence[Task],
+    make_orchestrator: OrchestratorFactory,
+    model: str,
+    *,
+    name: str = "eval",
+    k: int = 1,
+    concurrency: int = 32,
+    seed: int | None = 0,
+    level: float = 0.95,
+    prices: TokenPrices | None = None,
+    pass_threshold: float = 1.0,
+    infra_error: str = "exclude",
+    infra_retries: int = 2,
+    timeout_s: float | None = None,
+    on_attempt: Callable[[AttemptRecord], None] | None = None,
+) -> EvalResult:
     """Runs every task `k` times through the endpoint.
 
     Attempt a of task i samples with seed `attempt_seed(seed, i, a, k)` (set in
@@ -114,15 +141,17 @@ async def evaluate(lifecycle: LifecycleClient, env: Env, tasks: Sequence[Task],
     if k < 1:
         raise ValueError(f"evaluate: k (attempts per task) must be >= 1, got {k}")
     if infra_error not in INFRA_POLICIES:
-        raise ValueError(f"evaluate: infra_error must be one of {INFRA_POLICIES}, "
-                         f"got {infra_error!r}")
+        raise ValueError(
+            f"evaluate: infra_error must be one of {INFRA_POLICIES}, got {infra_error!r}"
+        )
     if infra_retries < 0:
         raise ValueError(f"evaluate: infra_retries must be >= 0, got {infra_retries}")
     ids = [t.task_id for t in tasks]
     dup = sorted({t for t in ids if ids.count(t) > 1})
     if dup:
-        raise ValueError(f"evaluate: task ids must be unique; repeated: {dup[:5]} (use k for "
-                         "several attempts)")
+        raise ValueError(
+            f"evaluate: task ids must be unique; repeated: {dup[:5]} (use k for several attempts)"
+        )
     if not tasks:
         raise ValueError("evaluate: no tasks")
     sem = asyncio.Semaphore(concurrency)
@@ -132,33 +161,47 @@ async def evaluate(lifecycle: LifecycleClient, env: Env, tasks: Sequence[Task],
             orch = make_orchestrator(env_, task, client, model_name)
             if s is not None:
                 if not isinstance(getattr(orch, "sampling", None), dict):
-                    raise TypeError(f"evaluate: {type(orch).__name__} has no `sampling` dict to "
-                                    "set the attempt's seed in; pass seed=None")
+                    raise TypeError(
+                        f"evaluate: {type(orch).__name__} has no `sampling` dict to "
+                        "set the attempt's seed in; pass seed=None"
+                    )
                 orch.sampling["seed"] = s
             return orch
+
         return make
 
     async def one(i: int, task: Task, a: int):
         s = None if seed is None else attempt_seed(seed, i, a, k)
         async with sem:
             for retry in range(infra_retries + 1):
-                trace, _ = await run_rollout(lifecycle, env, task, seeded(s), model,
-                                             group_id=f"{name}:{task.task_id}:{a}", attempt=a,
-                                             metadata={"eval": name, "seed": s},
-                                             timeout_s=timeout_s)
+                trace, _ = await run_rollout(
+                    lifecycle,
+                    env,
+                    task,
+                    seeded(s),
+                    model,
+                    group_id=f"{name}:{task.task_id}:{a}",
+                    attempt=a,
+                    metadata={"eval": name, "seed": s},
+                    timeout_s=timeout_s,
+                )
                 if trace.status != "infra_error":
                     break
-        record = attempt_record(trace, domain=task.domain, attempt=a, seed=s,
-                                pass_threshold=pass_threshold, infra_error=infra_error,
-                                infra_retries=retry)
+        record = attempt_record(
+            trace,
+            domain=task.domain,
+            attempt=a,
+            seed=s,
+            pass_threshold=pass_threshold,
+            infra_error=infra_error,
+            infra_retries=retry,
+        )
         if on_attempt is not None:
             on_attempt(record)
         return record, trace
 
-    results = await asyncio.gather(*(one(i, t, a) for i, t in enumerate(tasks)
-                                     for a in range(k)))
-    return EvalResult(name, ids, k, [r for r, _ in results], level, prices,
-                      [t for _, t in results])
+    results = await asyncio.gather(*(one(i, t, a) for i, t in enumerate(tasks) for a in range(k)))
+    return EvalResult(name, ids, k, [r for r, _ in results], level, prices, [t for _, t in results])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,37 +211,49 @@ class Comparison:
     metric: str
     estimate: Estimate
     tasks_paired: int
-    tasks_dropped: list[str]   # no scored attempt in one of the runs
+    tasks_dropped: list[str]  # no scored attempt in one of the runs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "estimate": self.estimate.to_dict(),
-                "excludes_zero": self.estimate.excludes_zero(),
-                "tasks_paired": self.tasks_paired, "tasks_dropped": list(self.tasks_dropped)}
+        return {
+            "metric": self.metric,
+            "estimate": self.estimate.to_dict(),
+            "excludes_zero": self.estimate.excludes_zero(),
+            "tasks_paired": self.tasks_paired,
+            "tasks_dropped": list(self.tasks_dropped),
+        }
 
 
-def compare_results(after: EvalResult, before: EvalResult, metric: str = "pass",
-                    level: float | None = None) -> Comparison:
+def compare_results(
+    after: EvalResult, before: EvalResult, metric: str = "pass", level: float | None = None
+) -> Comparison:
     """Paired comparison of two runs on the same tasks (and, where both set
     them, the same attempt seeds): per-task mean of `metric` ("pass" or
     "reward"), after - before, paired t over tasks. level: default after's."""
     if set(after.task_ids) != set(before.task_ids):
         only_a = sorted(set(after.task_ids) - set(before.task_ids))[:5]
         only_b = sorted(set(before.task_ids) - set(after.task_ids))[:5]
-        raise ValueError(f"compare_results: the runs have different tasks (only in "
-                         f"{after.name}: {only_a}; only in {before.name}: {only_b}); "
-                         "evaluate both on the same tasks")
+        raise ValueError(
+            f"compare_results: the runs have different tasks (only in "
+            f"{after.name}: {only_a}; only in {before.name}: {only_b}); "
+            "evaluate both on the same tasks"
+        )
     seeds_b = {(r.task_id, r.attempt): r.seed for r in before.attempts}
-    clash = [(r.task_id, r.attempt) for r in after.attempts
-             if r.seed is not None and seeds_b.get((r.task_id, r.attempt)) not in (None, r.seed)]
+    clash = [
+        (r.task_id, r.attempt)
+        for r in after.attempts
+        if r.seed is not None and seeds_b.get((r.task_id, r.attempt)) not in (None, r.seed)
+    ]
     if clash:
-        raise ValueError(f"compare_results: attempts {clash[:3]} used different seeds in the two "
-                         "runs; pass the same seed (and k) to evaluate")
+        raise ValueError(
+            f"compare_results: attempts {clash[:3]} used different seeds in the two "
+            "runs; pass the same seed (and k) to evaluate"
+        )
     a, b = after.per_task(metric), before.per_task(metric)
     paired = [t for t in after.task_ids if a[t] is not None and b[t] is not None]
     dropped = [t for t in after.task_ids if t not in paired]
     if not paired:
         raise ValueError("compare_results: no task was scored in both runs")
-    est = paired_difference([a[t] for t in paired], [b[t] for t in paired],
-                            after.level if level is None else level)
+    est = paired_difference(
+        [a[t] for t in paired], [b[t] for t in paired], after.level if level is None else level
+    )
     return Comparison(metric, est, len(paired), dropped)
-

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import scipy.stats
@@ -42,14 +43,24 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able; an unbounded end (n = 1) is None."""
+
         def num(x):
             return float(x) if math.isfinite(x) else None
-        return {"mean": num(self.mean), "low": num(self.low), "high": num(self.high),
-                "n": self.n, "level": self.level, "method": self.method}
+
+        return {
+            "mean": num(self.mean),
+            "low": num(self.low),
+            "high": num(self.high),
+            "n": self.n,
+            "level": self.level,
+            "method": self.method,
+        }
 
     def __str__(self) -> str:
-        return (f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}] "
-                f"(n={self.n}, {self.level:.0%} {self.method})")
+        return (
+            f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}] "
+            f"(n={self.n}, {self.level:.0%} {self.method})"
+        )
 
 
 def _check_level(level: float, who: str) -> float:
@@ -104,21 +115,32 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> Estimate:
     return Estimate(m, m - half, m + half, n, level, "t")
 
 
-def bootstrap_interval(values: Sequence[float], level: float = 0.95, *, seed: int = 0,
-                       n_resamples: int = 9999) -> Estimate:
+def bootstrap_interval(
+    values: Sequence[float], level: float = 0.95, *, seed: int = 0, n_resamples: int = 9999
+) -> Estimate:
     """Mean with a percentile bootstrap interval (scipy.stats.bootstrap, seeded)."""
     x = _values(values, "bootstrap_interval")
     _check_level(level, "bootstrap_interval")
     if len(x) < 2:
         raise ValueError("bootstrap_interval: need at least 2 values to resample")
-    res = scipy.stats.bootstrap((x,), np.mean, confidence_level=level, method="percentile",
-                                n_resamples=n_resamples, rng=np.random.default_rng(seed))
+    res = scipy.stats.bootstrap(
+        (x,),
+        np.mean,
+        confidence_level=level,
+        method="percentile",
+        n_resamples=n_resamples,
+        rng=np.random.default_rng(seed),
+    )
     ci = res.confidence_interval
     return Estimate(float(x.mean()), float(ci.low), float(ci.high), len(x), level, "bootstrap")
 
 
-def clustered_interval(groups: Sequence[Sequence[float]], level: float = 0.95, *,
-                       bounds: tuple[float, float] | None = None) -> Estimate:
+def clustered_interval(
+    groups: Sequence[Sequence[float]],
+    level: float = 0.95,
+    *,
+    bounds: tuple[float, float] | None = None,
+) -> Estimate:
     """Mean of per-group (per-task) means, t interval over groups (G - 1 dof).
 
     groups: one sequence of attempt values per task (sizes may differ, none
@@ -128,8 +150,9 @@ def clustered_interval(groups: Sequence[Sequence[float]], level: float = 0.95, *
     """
     if len(groups) == 0:
         raise ValueError("clustered_interval: no groups")
-    means = [float(_values(g, f"clustered_interval (group {i})").mean())
-             for i, g in enumerate(groups)]
+    means = [
+        float(_values(g, f"clustered_interval (group {i})").mean()) for i, g in enumerate(groups)
+    ]
     e = mean_interval(means, level)
     low, high = e.low, e.high
     if bounds is not None:
@@ -137,8 +160,9 @@ def clustered_interval(groups: Sequence[Sequence[float]], level: float = 0.95, *
     return Estimate(e.mean, low, high, e.n, level, "clustered-t")
 
 
-def paired_difference(after: Sequence[float], before: Sequence[float],
-                      level: float = 0.95) -> Estimate:
+def paired_difference(
+    after: Sequence[float], before: Sequence[float], level: float = 0.95
+) -> Estimate:
     """Mean of after - before on the same tasks (one value per task each), with a
     paired t interval over the differences."""
     a, b = np.asarray(after, np.float64), np.asarray(before, np.float64)

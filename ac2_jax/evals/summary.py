@@ -19,17 +19,39 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from ac2_jax.evals.cost import (PrefixStats, TokenCost, TokenPrices, prefix_stats, token_cost,
-                                trace_tokens)
-from ac2_jax.evals.passk import (pass_at_k, pass_at_k_interval, pass_hat_k, pass_hat_k_interval,
-                                 pass_k_values)
+from ac2_jax.evals.cost import (
+    PrefixStats,
+    TokenCost,
+    TokenPrices,
+    prefix_stats,
+    token_cost,
+    trace_tokens,
+)
+from ac2_jax.evals.passk import (
+    pass_at_k,
+    pass_at_k_interval,
+    pass_hat_k,
+    pass_hat_k_interval,
+    pass_k_values,
+)
 from ac2_jax.evals.stats import Estimate, clustered_interval, mean_interval, wilson_interval
 from ac2_jax.trace.types import Trace
 
-PROCESS_METRICS = ("steps", "tool_calls", "tool_errors", "prompt_tokens", "cached_tokens",
-                   "uncached_tokens", "output_tokens", "wall_time_s", "episodes", "requests")
+PROCESS_METRICS = (
+    "steps",
+    "tool_calls",
+    "tool_errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "uncached_tokens",
+    "output_tokens",
+    "wall_time_s",
+    "episodes",
+    "requests",
+)
 TOKEN_KEYS = ("requests", "prompt_tokens", "cached_tokens", "uncached_tokens", "output_tokens")
 STATUSES = ("finished", "agent_error", "timed_out", "infra_error")
 INFRA_POLICIES = ("exclude", "fail")
@@ -44,10 +66,10 @@ class AttemptRecord:
     attempt: int
     seed: int | None
     status: str
-    reward: float | None   # the verifier's (None: none given)
-    scored: bool           # counted in rates and means
+    reward: float | None  # the verifier's (None: none given)
+    scored: bool  # counted in rates and means
     passed: bool
-    metrics: dict[str, float]   # PROCESS_METRICS
+    metrics: dict[str, float]  # PROCESS_METRICS
     prefix: PrefixStats
     error: str | None = None
     infra_retries: int = 0  # runs of this attempt discarded as infra_error
@@ -62,9 +84,16 @@ class AttemptRecord:
         return d
 
 
-def attempt_record(trace: Trace, *, domain: str, attempt: int, seed: int | None,
-                   pass_threshold: float = 1.0, infra_error: str = "exclude",
-                   infra_retries: int = 0) -> AttemptRecord:
+def attempt_record(
+    trace: Trace,
+    *,
+    domain: str,
+    attempt: int,
+    seed: int | None,
+    pass_threshold: float = 1.0,
+    infra_error: str = "exclude",
+    infra_retries: int = 0,
+) -> AttemptRecord:
     """The record of a finished attempt's trace (its metrics as `run_rollout`
     left them: the orchestrator's steps, tool calls, wall time; tokens from
     the trace's completions)."""
@@ -72,17 +101,32 @@ def attempt_record(trace: Trace, *, domain: str, attempt: int, seed: int | None,
         raise ValueError(f"infra_error must be one of {INFRA_POLICIES}, got {infra_error!r}")
     tokens = trace_tokens(trace)
     m = trace.metrics
-    metrics = {"steps": float(m.get("steps", 0)), "tool_calls": float(m.get("tool_calls", 0)),
-               "tool_errors": float(m.get("tool_errors", 0)),
-               "wall_time_s": float(m.get("wall_time_s", 0.0)),
-               "episodes": float(len(trace.episodes)),
-               **{key: float(tokens[key]) for key in TOKEN_KEYS}}
+    metrics = {
+        "steps": float(m.get("steps", 0)),
+        "tool_calls": float(m.get("tool_calls", 0)),
+        "tool_errors": float(m.get("tool_errors", 0)),
+        "wall_time_s": float(m.get("wall_time_s", 0.0)),
+        "episodes": float(len(trace.episodes)),
+        **{key: float(tokens[key]) for key in TOKEN_KEYS},
+    }
     scored = not (trace.status == "infra_error" and infra_error == "exclude")
     reward = None if trace.reward is None else float(trace.reward)
     passed = scored and reward is not None and reward >= pass_threshold
     error = (trace.metadata.get("artifacts") or {}).get("error")
-    return AttemptRecord(trace.task_id, domain, int(attempt), seed, trace.status, reward, scored,
-                         passed, metrics, prefix_stats(trace), error, int(infra_retries))
+    return AttemptRecord(
+        trace.task_id,
+        domain,
+        int(attempt),
+        seed,
+        trace.status,
+        reward,
+        scored,
+        passed,
+        metrics,
+        prefix_stats(trace),
+        error,
+        int(infra_retries),
+    )
 
 
 def _by_task(records: Sequence[AttemptRecord]) -> dict[str, list[AttemptRecord]]:
@@ -107,8 +151,10 @@ def _mean(groups: list[list[float]], level: float, bounds=None) -> Estimate | No
 
 def _failures(records: Sequence[AttemptRecord]) -> dict[str, int]:
     counts = collections.Counter(r.status for r in records)
-    return {**{s: counts.get(s, 0) for s in STATUSES},
-            **{s: n for s, n in counts.items() if s not in STATUSES}}
+    return {
+        **{s: counts.get(s, 0) for s in STATUSES},
+        **{s: n for s, n in counts.items() if s not in STATUSES},
+    }
 
 
 def _tokens(records: Sequence[AttemptRecord]) -> dict[str, int]:
@@ -129,8 +175,13 @@ def _pass_k(counts: list[tuple[int, int]], max_k: int, level: float, fn: Callabl
     return out, short
 
 
-def group_summary(records: Sequence[AttemptRecord], *, level: float = 0.95,
-                  prices: TokenPrices | None = None, max_k: int | None = None) -> dict[str, Any]:
+def group_summary(
+    records: Sequence[AttemptRecord],
+    *,
+    level: float = 0.95,
+    prices: TokenPrices | None = None,
+    max_k: int | None = None,
+) -> dict[str, Any]:
     """Summary of a set of attempts (a run, a domain): counts, pass rate, mean
     reward, pass@k and pass^k (k in `pass_k_values(max_k)`; tasks with fewer
     scored attempts than k are left out and counted in tasks_short_of_k),
@@ -143,38 +194,53 @@ def group_summary(records: Sequence[AttemptRecord], *, level: float = 0.95,
     if counts and all(n == 1 for n, _ in counts):
         pass_rate = wilson_interval(sum(c for _, c in counts), len(counts), level)
     else:
-        pass_rate = _mean([[float(r.passed) for r in rs] for rs in scored.values()], level,
-                          bounds=(0.0, 1.0))
+        pass_rate = _mean(
+            [[float(r.passed) for r in rs] for rs in scored.values()], level, bounds=(0.0, 1.0)
+        )
     pass_at, short = _pass_k(counts, max_k, level, pass_at_k_interval)
     pass_hat, _ = _pass_k(counts, max_k, level, pass_hat_k_interval)
     prefix = sum((r.prefix for r in records), PrefixStats())
     return {
-        "tasks": len(tasks), "tasks_scored": len(counts), "attempts": len(records),
+        "tasks": len(tasks),
+        "tasks_scored": len(counts),
+        "attempts": len(records),
         "scored_attempts": sum(n for n, _ in counts),
         "excluded_infra_errors": sum(not r.scored for r in records),
         "infra_retries": sum(r.infra_retries for r in records),
         "failures": _failures(records),
         "pass_rate": pass_rate,
         "mean_reward": _mean([[r.score for r in rs] for rs in scored.values()], level),
-        "pass_at_k": pass_at, "pass_hat_k": pass_hat, "tasks_short_of_k": short,
-        "process": {m: _mean([[r.metrics[m] for r in rs] for rs in scored.values()], level,
-                             bounds=(0.0, math.inf))  # counts and times: never below 0
-                    for m in PROCESS_METRICS},
-        "tokens": _tokens(records), "prefix": prefix,
+        "pass_at_k": pass_at,
+        "pass_hat_k": pass_hat,
+        "tasks_short_of_k": short,
+        "process": {
+            m: _mean(
+                [[r.metrics[m] for r in rs] for rs in scored.values()],
+                level,
+                bounds=(0.0, math.inf),
+            )  # counts and times: never below 0
+            for m in PROCESS_METRICS
+        },
+        "tokens": _tokens(records),
+        "prefix": prefix,
         "cost": _cost(records, prices) if prices is not None else None,
     }
 
 
-def task_summary(records: Sequence[AttemptRecord], *,
-                 prices: TokenPrices | None = None) -> dict[str, Any]:
+def task_summary(
+    records: Sequence[AttemptRecord], *, prices: TokenPrices | None = None
+) -> dict[str, Any]:
     """One task's attempts: counts, pass fraction, mean reward, per-task pass@k
     and pass^k (k up to its scored attempts), tokens, cost."""
     scored = [r for r in records if r.scored]
     n, c = len(scored), sum(r.passed for r in scored)
     ks = pass_k_values(len(records))
     return {
-        "domain": records[0].domain, "attempts": len(records), "scored_attempts": n,
-        "passes": c, "pass_fraction": c / n if n else None,
+        "domain": records[0].domain,
+        "attempts": len(records),
+        "scored_attempts": n,
+        "passes": c,
+        "pass_fraction": c / n if n else None,
         "mean_reward": sum(r.score for r in scored) / n if n else None,
         "failures": _failures(records),
         "pass_at_k": {str(k): pass_at_k(n, c, k) for k in ks if k <= n},
@@ -184,8 +250,9 @@ def task_summary(records: Sequence[AttemptRecord], *,
     }
 
 
-def summarize(records: Sequence[AttemptRecord], *, level: float = 0.95,
-              prices: TokenPrices | None = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[AttemptRecord], *, level: float = 0.95, prices: TokenPrices | None = None
+) -> dict[str, Any]:
     """{"overall", "per_domain": {domain: ...}, "per_task": {task_id: ...}} (tasks
     in first-seen order); `jsonable` turns it into plain JSON."""
     if not records:
@@ -196,8 +263,10 @@ def summarize(records: Sequence[AttemptRecord], *, level: float = 0.95,
         domains.setdefault(r.domain, []).append(r)
     return {
         "overall": group_summary(records, level=level, prices=prices, max_k=max_k),
-        "per_domain": {d: group_summary(rs, level=level, prices=prices, max_k=max_k)
-                       for d, rs in domains.items()},
+        "per_domain": {
+            d: group_summary(rs, level=level, prices=prices, max_k=max_k)
+            for d, rs in domains.items()
+        },
         "per_task": {t: task_summary(rs, prices=prices) for t, rs in _by_task(records).items()},
     }
 

@@ -2,18 +2,39 @@
 policy gradient, distill, relevance."""
 
 from ac2_jax.losses.aggregation import MODES, aggregate_loss, loss_weights
-from ac2_jax.losses.chunked import (HEAD_LAYOUTS, LMHead, chunked_distill_loss,
-                                    chunked_logits_map, chunked_token_entropy,
-                                    chunked_token_logprobs)
-from ac2_jax.losses.distill import (DISTILL_KINDS, DIVERGENCES, distill_loss, forward_kl,
-                                    generalized_jsd, reverse_kl, sampled_token_advantage,
-                                    sampled_token_loss)
+from ac2_jax.losses.chunked import (
+    HEAD_LAYOUTS,
+    LMHead,
+    chunked_distill_loss,
+    chunked_logits_map,
+    chunked_token_entropy,
+    chunked_token_logprobs,
+)
+from ac2_jax.losses.distill import (
+    DISTILL_KINDS,
+    DIVERGENCES,
+    distill_loss,
+    forward_kl,
+    generalized_jsd,
+    reverse_kl,
+    sampled_token_advantage,
+    sampled_token_loss,
+)
 from ac2_jax.losses.logprobs import sampling_logits, token_entropy, token_logprobs
 from ac2_jax.losses.masks import attention_mask, segment_attention_mask, tree_attention_mask
-from ac2_jax.losses.policy_gradient import (group_advantages, policy_gradient_loss,
-                                            policy_gradient_metrics)
-from ac2_jax.losses.relevance import (candidate_mask, masked_token_mean, ranked_positions,
-                                      relevance_loss, relevance_mask, selection_mask)
+from ac2_jax.losses.policy_gradient import (
+    group_advantages,
+    policy_gradient_loss,
+    policy_gradient_metrics,
+)
+from ac2_jax.losses.relevance import (
+    candidate_mask,
+    masked_token_mean,
+    ranked_positions,
+    relevance_loss,
+    relevance_mask,
+    selection_mask,
+)
 
 __all__ = [
     "DISTILL_KINDS",

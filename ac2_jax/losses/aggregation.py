@@ -31,15 +31,17 @@ def _psum(x, axis_name):
 
 def _per_group(mask, group_ids, num_groups, axis_name):
     """1 / (count of the token's group) / (number of groups present), per token."""
-    counts = _psum(jax.ops.segment_sum(mask.ravel(), group_ids.ravel(), num_segments=num_groups),
-                   axis_name)
+    counts = _psum(
+        jax.ops.segment_sum(mask.ravel(), group_ids.ravel(), num_segments=num_groups), axis_name
+    )
     present = counts > 0
     inv = jnp.where(present, 1.0 / jnp.where(present, counts, 1.0), 0.0)
     return inv[group_ids] / jnp.maximum(present.sum(), 1)
 
 
-def loss_weights(batch, mode: str = "task_mean", *, normalizer: float | None = None,
-                 axis_name: str | None = None) -> jax.Array:
+def loss_weights(
+    batch, mode: str = "task_mean", *, normalizer: float | None = None, axis_name: str | None = None
+) -> jax.Array:
     """Per-token factors c [R, L] with batch loss = sum(c * per_token).
 
     batch: a `PackedBatch` (loss_mask, loss_weight, task_ids, segment_index,
@@ -58,19 +60,29 @@ def loss_weights(batch, mode: str = "task_mean", *, normalizer: float | None = N
         return weighted * _per_group(count, batch.task_ids, batch.num_tasks, axis_name)
     if mode == "segment_mean":
         if getattr(batch, "subtree_end", None) is not None:
-            raise ValueError("segment_mean is undefined on tree-packed batches (shared tokens "
-                             "belong to several segments); use task_mean or layout='flat'")
+            raise ValueError(
+                "segment_mean is undefined on tree-packed batches (shared tokens "
+                "belong to several segments); use task_mean or layout='flat'"
+            )
         return weighted * _per_group(count, batch.segment_index, batch.num_segments, axis_name)
     if mode == "token_mean":
         return weighted / jnp.maximum(_psum(count.sum(), axis_name), 1e-8)
     if normalizer is None or not normalizer > 0:
-        raise ValueError(f"mode='constant' needs normalizer > 0 (e.g. the max tokens a task may "
-                         f"generate), got {normalizer!r}")
+        raise ValueError(
+            f"mode='constant' needs normalizer > 0 (e.g. the max tokens a task may "
+            f"generate), got {normalizer!r}"
+        )
     return weighted / normalizer
 
 
-def aggregate_loss(per_token: jax.Array, batch, mode: str = "task_mean", *,
-                   normalizer: float | None = None, axis_name: str | None = None) -> jax.Array:
+def aggregate_loss(
+    per_token: jax.Array,
+    batch,
+    mode: str = "task_mean",
+    *,
+    normalizer: float | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
     """Batch loss from per-token losses [R, L]: sum(loss_weights(batch) * per_token).
 
     Under pmap (`axis_name`) every device gets the global loss. Returns a scalar.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,10 @@ class LMHead:
 
     def __post_init__(self):
         if self.layout not in HEAD_LAYOUTS:
-            raise ValueError(f"LMHead.layout must be one of {HEAD_LAYOUTS} ([D, V] or [V, D]), "
-                             f"got {self.layout!r}")
+            raise ValueError(
+                f"LMHead.layout must be one of {HEAD_LAYOUTS} ([D, V] or [V, D]), "
+                f"got {self.layout!r}"
+            )
 
     @property
     def hidden_size(self) -> int:
@@ -57,8 +59,9 @@ class LMHead:
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., D] -> fp32 logits [..., V]."""
         eq = "...d,dv->...v" if self.layout == "dv" else "...d,vd->...v"
-        return jnp.einsum(eq, hidden, self.weight.astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            eq, hidden, self.weight.astype(hidden.dtype), preferred_element_type=jnp.float32
+        )
 
 
 jax.tree_util.register_dataclass(LMHead, data_fields=["weight"], meta_fields=["layout"])
@@ -66,12 +69,19 @@ jax.tree_util.register_dataclass(LMHead, data_fields=["weight"], meta_fields=["l
 
 def _check_chunk_size(chunk_size):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunked: chunk_size must be a positive int (positions per chunk, "
-                         f"e.g. 1024), got {chunk_size!r}")
+        raise ValueError(
+            f"chunked: chunk_size must be a positive int (positions per chunk, "
+            f"e.g. 1024), got {chunk_size!r}"
+        )
 
 
-def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHead]],
-                       per_token=None, *, chunk_size: int):
+def chunked_logits_map(
+    fn: Callable,
+    projections: Sequence[tuple[jax.Array, LMHead]],
+    per_token=None,
+    *,
+    chunk_size: int,
+):
     """Applies a position-wise `fn` to the logits of every projection, `chunk_size`
     positions of the sequence axis at a time, never holding more than one chunk of logits.
 
@@ -89,16 +99,22 @@ def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHe
     lead = tuple(projections[0][0].shape[:-1])
     for i, (h, head) in enumerate(projections):
         if not isinstance(head, LMHead):
-            raise TypeError(f"chunked_logits_map: projection {i}'s head must be an LMHead, "
-                            f"got {type(head).__name__}")
+            raise TypeError(
+                f"chunked_logits_map: projection {i}'s head must be an LMHead, "
+                f"got {type(head).__name__}"
+            )
         if len(lead) < 1 or tuple(h.shape[:-1]) != lead or h.shape[-1] != head.hidden_size:
-            raise ValueError(f"chunked_logits_map: projection {i}: hidden {h.shape} must be "
-                             f"[*{lead}, {head.hidden_size}] ([..., L, D] with the head's D)")
+            raise ValueError(
+                f"chunked_logits_map: projection {i}: hidden {h.shape} must be "
+                f"[*{lead}, {head.hidden_size}] ([..., L, D] with the head's D)"
+            )
     per_token = {} if per_token is None else per_token
     for x in jax.tree.leaves(per_token):
-        if tuple(x.shape[:len(lead)]) != lead:
-            raise ValueError(f"chunked_logits_map: per-token array {x.shape} must start with "
-                             f"the hidden states' leading shape {lead}")
+        if tuple(x.shape[: len(lead)]) != lead:
+            raise ValueError(
+                f"chunked_logits_map: per-token array {x.shape} must start with "
+                f"the hidden states' leading shape {lead}"
+            )
     axis, n = len(lead) - 1, lead[-1]
     if n == 0:
         raise ValueError(f"chunked_logits_map: no positions (leading shape {lead})")
@@ -109,12 +125,12 @@ def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHe
         if k * c > n:
             last = jax.lax.slice_in_dim(x, n - 1, n, axis=axis)
             x = jnp.concatenate([x, jnp.repeat(last, k * c - n, axis=axis)], axis=axis)
-        x = x.reshape(*x.shape[:axis], k, c, *x.shape[axis + 1:])
+        x = x.reshape(*x.shape[:axis], k, c, *x.shape[axis + 1 :])
         return jnp.moveaxis(x, axis, 0)
 
     def join(y):  # [k, *B, c, ...] -> [*B, L, ...]
         y = jnp.moveaxis(y, 0, axis)
-        y = y.reshape(*y.shape[:axis], k * c, *y.shape[axis + 2:])
+        y = y.reshape(*y.shape[:axis], k * c, *y.shape[axis + 2 :])
         return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
     heads = [head for _, head in projections]
@@ -129,9 +145,17 @@ def chunked_logits_map(fn: Callable, projections: Sequence[tuple[jax.Array, LMHe
     return jax.tree.map(join, ys)
 
 
-def chunked_token_logprobs(hidden: jax.Array, head: LMHead, targets: jax.Array, *,
-                           temperature=None, top_k=None, top_p=None, chunk_size: int,
-                           with_entropy: bool = False):
+def chunked_token_logprobs(
+    hidden: jax.Array,
+    head: LMHead,
+    targets: jax.Array,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    chunk_size: int,
+    with_entropy: bool = False,
+):
     """`token_logprobs(head.logits(hidden), targets, ...)` chunk by chunk.
 
     hidden [..., L, D]; targets [..., L] int; temperature / top_k / top_p: None,
@@ -141,22 +165,27 @@ def chunked_token_logprobs(hidden: jax.Array, head: LMHead, targets: jax.Array, 
     """
     lead = tuple(hidden.shape[:-1])
     if tuple(targets.shape) != lead:
-        raise ValueError(f"chunked_token_logprobs: targets {targets.shape} must be "
-                         f"hidden.shape[:-1] = {lead}")
+        raise ValueError(
+            f"chunked_token_logprobs: targets {targets.shape} must be hidden.shape[:-1] = {lead}"
+        )
     sampling = not (temperature is None and top_k is None and top_p is None)
     tok = {"targets": targets.astype(jnp.int32)}
     if sampling:
-        tok["t"] = jnp.broadcast_to(jnp.asarray(1.0 if temperature is None else temperature,
-                                                jnp.float32), lead)
+        tok["t"] = jnp.broadcast_to(
+            jnp.asarray(1.0 if temperature is None else temperature, jnp.float32), lead
+        )
         tok["k"] = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), lead)
-        tok["p"] = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-                                    lead)
+        tok["p"] = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), lead)
 
     def fn(logits, x):
         (z,) = logits
-        out = {"logp": (token_logprobs(z, x["targets"], temperature=x["t"], top_k=x["k"],
-                                       top_p=x["p"]) if sampling
-                        else token_logprobs(z, x["targets"]))}
+        out = {
+            "logp": (
+                token_logprobs(z, x["targets"], temperature=x["t"], top_k=x["k"], top_p=x["p"])
+                if sampling
+                else token_logprobs(z, x["targets"])
+            )
+        }
         if with_entropy:
             out["entropy"] = token_entropy(jax.lax.stop_gradient(z))
         return out
@@ -168,15 +197,25 @@ def chunked_token_logprobs(hidden: jax.Array, head: LMHead, targets: jax.Array, 
 def chunked_token_entropy(hidden: jax.Array, head: LMHead, *, chunk_size: int) -> jax.Array:
     """`token_entropy(head.logits(hidden))` chunk by chunk (differentiable).
     hidden [..., L, D] -> [..., L]."""
-    return chunked_logits_map(lambda logits, _: token_entropy(logits[0]), [(hidden, head)],
-                              chunk_size=chunk_size)
+    return chunked_logits_map(
+        lambda logits, _: token_entropy(logits[0]), [(hidden, head)], chunk_size=chunk_size
+    )
 
 
-def chunked_distill_loss(student_hidden: jax.Array, student_head: LMHead,
-                         teacher_hidden: jax.Array, teacher_head: LMHead,
-                         targets: jax.Array | None = None, *, kind: str = "reverse_kl",
-                         beta: float = 0.5, top_k: int | None = None, temperature: float = 1.0,
-                         mask: jax.Array | None = None, chunk_size: int) -> jax.Array:
+def chunked_distill_loss(
+    student_hidden: jax.Array,
+    student_head: LMHead,
+    teacher_hidden: jax.Array,
+    teacher_head: LMHead,
+    targets: jax.Array | None = None,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    mask: jax.Array | None = None,
+    chunk_size: int,
+) -> jax.Array:
     """`distill_loss(student logits, teacher logits, ...)` chunk by chunk.
 
     student_hidden, teacher_hidden [..., L, D] (aligned like the logits of
@@ -185,21 +224,35 @@ def chunked_distill_loss(student_hidden: jax.Array, student_head: LMHead,
     """
     lead = tuple(student_hidden.shape[:-1])
     if tuple(teacher_hidden.shape[:-1]) != lead:
-        raise ValueError(f"chunked_distill_loss: teacher_hidden {teacher_hidden.shape} and "
-                         f"student_hidden {student_hidden.shape} must share [..., L]")
+        raise ValueError(
+            f"chunked_distill_loss: teacher_hidden {teacher_hidden.shape} and "
+            f"student_hidden {student_hidden.shape} must share [..., L]"
+        )
     if student_head.vocab_size != teacher_head.vocab_size:
-        raise ValueError(f"chunked_distill_loss: student vocabulary {student_head.vocab_size} "
-                         f"!= teacher vocabulary {teacher_head.vocab_size}")
+        raise ValueError(
+            f"chunked_distill_loss: student vocabulary {student_head.vocab_size} "
+            f"!= teacher vocabulary {teacher_head.vocab_size}"
+        )
     for name, x in (("targets", targets), ("mask", mask)):
         if x is not None and tuple(x.shape) != lead:
-            raise ValueError(f"chunked_distill_loss: {name} {x.shape} must be "
-                             f"student_hidden.shape[:-1] = {lead}")
+            raise ValueError(
+                f"chunked_distill_loss: {name} {x.shape} must be student_hidden.shape[:-1] = {lead}"
+            )
     tok = {k: v for k, v in (("targets", targets), ("mask", mask)) if v is not None}
     teacher = (jax.lax.stop_gradient(teacher_hidden), jax.lax.stop_gradient(teacher_head))
 
     def fn(logits, x):
-        return distill_loss(logits[0], logits[1], x.get("targets"), kind=kind, beta=beta,
-                            top_k=top_k, temperature=temperature, mask=x.get("mask"))
+        return distill_loss(
+            logits[0],
+            logits[1],
+            x.get("targets"),
+            kind=kind,
+            beta=beta,
+            top_k=top_k,
+            temperature=temperature,
+            mask=x.get("mask"),
+        )
 
-    return chunked_logits_map(fn, [(student_hidden, student_head), teacher], tok,
-                              chunk_size=chunk_size)
+    return chunked_logits_map(
+        fn, [(student_hidden, student_head), teacher], tok, chunk_size=chunk_size
+    )

@@ -45,8 +45,10 @@ DIVERGENCES: Registry = Registry("divergence")
 
 def _check_logits(student_logits, teacher_logits):
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"distill: student_logits {student_logits.shape} and teacher_logits "
-                         f"{teacher_logits.shape} must have the same [..., L, V] shape")
+        raise ValueError(
+            f"distill: student_logits {student_logits.shape} and teacher_logits "
+            f"{teacher_logits.shape} must have the same [..., L, V] shape"
+        )
     if student_logits.ndim < 2:
         raise ValueError(f"distill: logits must be [..., L, V], got shape {student_logits.shape}")
 
@@ -79,8 +81,13 @@ def _kl(logp, logq):
     return jnp.sum(p * diff, axis=-1)
 
 
-def reverse_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
-               temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+def reverse_kl(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> jax.Array:
     """KL(student || teacher) per position (mode-seeking; the default).
 
     student_logits, teacher_logits: [..., L, V]. Returns [..., L] >= 0.
@@ -89,8 +96,13 @@ def reverse_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
     return _kl(ls, lt)
 
 
-def forward_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
-               temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+def forward_kl(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> jax.Array:
     """KL(teacher || student) per position (mode-covering).
 
     student_logits, teacher_logits: [..., L, V]. Returns [..., L] >= 0.
@@ -99,24 +111,36 @@ def forward_kl(student_logits: jax.Array, teacher_logits: jax.Array, *,
     return _kl(lt, ls)
 
 
-def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, *,
-                    beta: float = 0.5, temperature: float = 1.0,
-                    top_k: int | None = None) -> jax.Array:
+def generalized_jsd(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> jax.Array:
     """GKD's JSD(beta) per position (see the module docstring for the limits).
 
     student_logits, teacher_logits: [..., L, V]; 0 < beta < 1. Returns [..., L] >= 0.
     """
     if isinstance(beta, numbers.Number) and not 0.0 < beta < 1.0:
-        raise ValueError(f"generalized_jsd: beta must be in (0, 1), got {beta}; use "
-                         "kind='forward_kl' (beta -> 0) or 'reverse_kl' (beta -> 1) for the ends")
+        raise ValueError(
+            f"generalized_jsd: beta must be in (0, 1), got {beta}; use "
+            "kind='forward_kl' (beta -> 0) or 'reverse_kl' (beta -> 1) for the ends"
+        )
     ls, lt = _log_probs(student_logits, teacher_logits, temperature, top_k)
     beta = jnp.asarray(beta, jnp.float32)
     log_m = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
     return beta * _kl(lt, log_m) + (1.0 - beta) * _kl(ls, log_m)
 
 
-def sampled_token_advantage(student_logits: jax.Array, teacher_logits: jax.Array,
-                            targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+def sampled_token_advantage(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+) -> jax.Array:
     """Per-token advantage log p_t(y_t) - log p_s(y_t), gradient stopped.
 
     logits: [..., L, V]; targets: [..., L] int (the sampled tokens y). Returns [..., L].
@@ -128,23 +152,34 @@ def sampled_token_advantage(student_logits: jax.Array, teacher_logits: jax.Array
     return jax.lax.stop_gradient(lp_t - lp_s)
 
 
-def sampled_token_loss(student_logits: jax.Array, teacher_logits: jax.Array,
-                       targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+def sampled_token_loss(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+) -> jax.Array:
     """-stop_grad(adv) * log p_s(y_t): a policy-gradient estimate of reverse KL.
 
     On tokens sampled from the student, E[grad] = grad KL(student || teacher).
     logits: [..., L, V]; targets: [..., L] int. Returns [..., L].
     """
-    adv = sampled_token_advantage(student_logits, teacher_logits, targets,
-                                  temperature=temperature)
+    adv = sampled_token_advantage(student_logits, teacher_logits, targets, temperature=temperature)
     lp_s = token_logprobs(student_logits.astype(jnp.float32) / temperature, targets)
     return -adv * lp_s
 
 
-def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array,
-                 targets: jax.Array | None = None, *, kind: str = "reverse_kl",
-                 beta: float = 0.5, top_k: int | None = None, temperature: float = 1.0,
-                 mask: jax.Array | None = None) -> jax.Array:
+def distill_loss(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    targets: jax.Array | None = None,
+    *,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+    mask: jax.Array | None = None,
+) -> jax.Array:
     """Per-token self-distillation loss of the divergence registered as `kind`.
 
     student_logits, teacher_logits: [..., L, V]; targets: [..., L] int (needed
@@ -155,15 +190,18 @@ def distill_loss(student_logits: jax.Array, teacher_logits: jax.Array,
     _check_logits(student_logits, teacher_logits)
     lead = student_logits.shape[:-1]
     if targets is not None and tuple(targets.shape) != tuple(lead):
-        raise ValueError(f"distill_loss: targets {targets.shape} must be logits.shape[:-1] = {lead}")
+        raise ValueError(
+            f"distill_loss: targets {targets.shape} must be logits.shape[:-1] = {lead}"
+        )
     if mask is not None and tuple(mask.shape) != tuple(lead):
         raise ValueError(f"distill_loss: mask {mask.shape} must be logits.shape[:-1] = {lead}")
     try:
         divergence = DIVERGENCES.get(kind)
     except ValueError as e:
         raise ValueError(f"distill_loss: kind: {e}") from None
-    loss = divergence(student_logits, teacher_logits, targets, beta=beta, top_k=top_k,
-                      temperature=temperature)
+    loss = divergence(
+        student_logits, teacher_logits, targets, beta=beta, top_k=top_k, temperature=temperature
+    )
     if mask is not None:
         loss = jnp.where(mask > 0, loss, 0.0)
     return loss
@@ -181,8 +219,9 @@ def _forward_kl(student_logits, teacher_logits, targets, *, beta, top_k, tempera
 
 @DIVERGENCES.register("jsd")
 def _jsd(student_logits, teacher_logits, targets, *, beta, top_k, temperature):
-    return generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature,
-                           top_k=top_k)
+    return generalized_jsd(
+        student_logits, teacher_logits, beta=beta, temperature=temperature, top_k=top_k
+    )
 
 
 @DIVERGENCES.register("sampled")

@@ -31,8 +31,9 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, keep) -> jax.
     return jnp.where(kept, logits, -jnp.inf)
 
 
-def sampling_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, *,
-                    keep: jax.Array | None = None) -> jax.Array:
+def sampling_logits(
+    logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, *, keep: jax.Array | None = None
+) -> jax.Array:
     """fp32 logits of the sampling distribution: logits / T, then top-k, then top-p.
 
     logits [..., V]; temperature, top_k, top_p: scalars or [...] arrays (one per
@@ -52,8 +53,9 @@ def sampling_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, *,
     return jax.lax.cond(needs_filter, lambda x: _filter(x, k, p, keep), lambda x: x, scaled)
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature=None, top_k=None,
-                   top_p=None) -> jax.Array:
+def token_logprobs(
+    logits: jax.Array, targets: jax.Array, *, temperature=None, top_k=None, top_p=None
+) -> jax.Array:
     """log p(targets) in fp32, under softmax(logits) or the sampling distribution.
 
     logits: [..., L, V]; targets: [..., L] int. With any of temperature /
@@ -64,9 +66,13 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature=None, t
     if temperature is None and top_k is None and top_p is None:
         logits = logits.astype(jnp.float32)
     else:
-        logits = sampling_logits(logits, 1.0 if temperature is None else temperature,
-                                 0 if top_k is None else top_k, 1.0 if top_p is None else top_p,
-                                 keep=targets)
+        logits = sampling_logits(
+            logits,
+            1.0 if temperature is None else temperature,
+            0 if top_k is None else top_k,
+            1.0 if top_p is None else top_p,
+            keep=targets,
+        )
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - lse

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
-def group_advantages(rewards: jax.Array, group_ids: jax.Array,
-                     normalize_std: bool = False, eps: float = 1e-6) -> jax.Array:
+def group_advantages(
+    rewards: jax.Array, group_ids: jax.Array, normalize_std: bool = False, eps: float = 1e-6
+) -> jax.Array:
     """A = R - mean(R of the group) [/ std of the group].
 
     rewards: [B] float; group_ids: [B] int in [0, B). Returns [B].
@@ -31,10 +32,15 @@ def _clip_range(clip_eps):
     return 1.0 - low, 1.0 + high
 
 
-def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, sampler_logp: jax.Array,
-                         advantages: jax.Array, mask: jax.Array,
-                         clip_eps: float | tuple[float, float] = 0.2,
-                         tis_cap: float | None = 2.0) -> jax.Array:
+def policy_gradient_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    sampler_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    clip_eps: float | tuple[float, float] = 0.2,
+    tis_cap: float | None = 2.0,
+) -> jax.Array:
     """Per-token PPO-clip loss with truncated importance weights.
 
     l_t = -min(r_t A_t, clip(r_t, 1-eps_lo, 1+eps_hi) A_t) * w_t, with
@@ -63,8 +69,9 @@ def policy_gradient_metrics(logp, old_logp, sampler_logp, mask, advantages, clip
     m = mask.astype(jnp.float32)
     n = jnp.maximum(m.sum(), 1.0)
     ratio = jnp.exp(logp - old_logp)
-    clipped = (((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
-               ).astype(jnp.float32)
+    clipped = (((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))).astype(
+        jnp.float32
+    )
     log_r = logp - sampler_logp  # k3 estimator of KL(sampler || learner)
     k3 = jnp.exp(log_r) - 1.0 - log_r
     return {"clip_frac": (clipped * m).sum() / n, "kl_to_sampler": (k3 * m).sum() / n}

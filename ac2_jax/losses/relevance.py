@@ -16,7 +16,7 @@ judge inputs and reading their answers.
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +43,13 @@ def _rank_within_group(divergence, mask, segment_ids):
     return jnp.take_along_axis(idx - start, inverse, axis=-1)
 
 
-def candidate_mask(divergence: jax.Array, mask: jax.Array, top_t: int | None = None,
-                   threshold: float | None = None,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+def candidate_mask(
+    divergence: jax.Array,
+    mask: jax.Array,
+    top_t: int | None = None,
+    threshold: float | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """Candidate positions: large teacher-student divergence among mask > 0.
 
     divergence, mask: [..., L]. `top_t` keeps the T largest-divergence positions
@@ -55,10 +59,14 @@ def candidate_mask(divergence: jax.Array, mask: jax.Array, top_t: int | None = N
     a candidate. Returns float32 [..., L]: mask's weight where kept, else 0.
     """
     if divergence.shape != mask.shape:
-        raise ValueError(f"candidate_mask: divergence {divergence.shape} and mask {mask.shape} "
-                         "must have the same [..., L] shape")
+        raise ValueError(
+            f"candidate_mask: divergence {divergence.shape} and mask {mask.shape} "
+            "must have the same [..., L] shape"
+        )
     if segment_ids is not None and segment_ids.shape != mask.shape:
-        raise ValueError(f"candidate_mask: segment_ids {segment_ids.shape} must match mask {mask.shape}")
+        raise ValueError(
+            f"candidate_mask: segment_ids {segment_ids.shape} must match mask {mask.shape}"
+        )
     keep = mask > 0
     if top_t is not None:
         if not isinstance(top_t, numbers.Integral) or top_t < 1:
@@ -69,22 +77,30 @@ def candidate_mask(divergence: jax.Array, mask: jax.Array, top_t: int | None = N
     return jnp.where(keep, mask.astype(jnp.float32), 0.0)
 
 
-def relevance_mask(divergence: jax.Array, mask: jax.Array, judge_mask: jax.Array,
-                   top_t: int | None = None, threshold: float | None = None,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+def relevance_mask(
+    divergence: jax.Array,
+    mask: jax.Array,
+    judge_mask: jax.Array,
+    top_t: int | None = None,
+    threshold: float | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """Kept positions = candidates (see `candidate_mask`) ∩ judge selections.
 
     divergence, mask, judge_mask: [..., L] (judge_mask > 0 marks a selection).
     Returns float32 [..., L]: mask's weight where kept, else 0.
     """
     if judge_mask.shape != mask.shape:
-        raise ValueError(f"relevance_mask: judge_mask {judge_mask.shape} must match mask {mask.shape}")
+        raise ValueError(
+            f"relevance_mask: judge_mask {judge_mask.shape} must match mask {mask.shape}"
+        )
     cand = candidate_mask(divergence, mask, top_t, threshold, segment_ids)
     return jnp.where(judge_mask > 0, cand, 0.0)
 
 
-def masked_token_mean(per_token: jax.Array, mask: jax.Array,
-                      axis_name: str | None = None) -> jax.Array:
+def masked_token_mean(
+    per_token: jax.Array, mask: jax.Array, axis_name: str | None = None
+) -> jax.Array:
     """sum(m * l) / sum(m) over all positions (0 when nothing is kept).
 
     per_token, mask: [..., L]. Under pmap pass `axis_name` to sum across devices.
@@ -99,8 +115,9 @@ def masked_token_mean(per_token: jax.Array, mask: jax.Array,
     return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
 
 
-def relevance_loss(per_token: jax.Array, batch, kept_mask: jax.Array,
-                   mode: str = "task_mean", **kwargs) -> jax.Array:
+def relevance_loss(
+    per_token: jax.Array, batch, kept_mask: jax.Array, mode: str = "task_mean", **kwargs
+) -> jax.Array:
     """RMSD batch loss: `aggregate_loss` of a PackedBatch with loss_mask := kept_mask.
 
     per_token, kept_mask: [R, L]. Token-weighted over kept positions per task
@@ -109,15 +126,20 @@ def relevance_loss(per_token: jax.Array, batch, kept_mask: jax.Array,
     return aggregate_loss(per_token, batch.replace(loss_mask=kept_mask), mode, **kwargs)
 
 
-def selection_mask(selections: Sequence[Iterable[int]], length: int,
-                   offsets: int | Sequence[int] = 0) -> np.ndarray:
+def selection_mask(
+    selections: Sequence[Iterable[int]], length: int, offsets: int | Sequence[int] = 0
+) -> np.ndarray:
     """Judge selections (positions per row) -> float32 [rows, length] mask.
 
     Row r gets 1 at `offsets[r] + p` for each p in selections[r] (offsets map
     response positions to columns of a packed row). Out-of-range -> ValueError.
     """
     rows = len(selections)
-    offs = [int(offsets)] * rows if isinstance(offsets, numbers.Integral) else [int(o) for o in offsets]
+    offs = (
+        [int(offsets)] * rows
+        if isinstance(offsets, numbers.Integral)
+        else [int(o) for o in offsets]
+    )
     if len(offs) != rows:
         raise ValueError(f"selection_mask: {len(offs)} offsets for {rows} rows")
     out = np.zeros((rows, length), np.float32)
@@ -125,8 +147,9 @@ def selection_mask(selections: Sequence[Iterable[int]], length: int,
         for p in positions:
             col = off + int(p)
             if not 0 <= col < length:
-                raise ValueError(f"selection_mask: row {r} position {p} (+offset {off}) "
-                                 f"is outside [0, {length})")
+                raise ValueError(
+                    f"selection_mask: row {r} position {p} (+offset {off}) is outside [0, {length})"
+                )
             out[r, col] = 1.0
     return out
 

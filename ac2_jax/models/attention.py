@@ -25,8 +25,16 @@ from ac2_jax.models.blocksparse import blocksparse_attention
 from ac2_jax.models.config import ATTENTION_BACKENDS
 
 
-def choose_backend(requested: str, *, kind: str, q_len: int, dtype, head_dim: int,
-                   block: int, platform: str | None = None) -> str:
+def choose_backend(
+    requested: str,
+    *,
+    kind: str,
+    q_len: int,
+    dtype,
+    head_dim: int,
+    block: int,
+    platform: str | None = None,
+) -> str:
     """The backend that runs: `requested`, or for "auto" the platform's pick.
 
     kind: "flat" / "tree" (packed rows) or "decode" (queries against a cache).
@@ -38,8 +46,9 @@ def choose_backend(requested: str, *, kind: str, q_len: int, dtype, head_dim: in
     "splash_tpu" take flat packed rows only: tree rows and decode use "dense".
     """
     if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
-                         f"got {requested!r}")
+        raise ValueError(
+            f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}"
+        )
     if kind not in ("flat", "tree", "decode"):
         raise ValueError(f"choose_backend: kind must be 'flat', 'tree' or 'decode', got {kind!r}")
     platform = platform or jax.default_backend()
@@ -58,8 +67,16 @@ def choose_backend(requested: str, *, kind: str, q_len: int, dtype, head_dim: in
     return requested
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, backend: str = "dense",
-              block: int = 128, kv_heads_major: bool = False) -> jax.Array:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask,
+    *,
+    backend: str = "dense",
+    block: int = 128,
+    kv_heads_major: bool = False,
+) -> jax.Array:
     """Grouped-query attention of q [B, Lq, H, hd] over k, v [B, Lk, K, hd] (H % K == 0).
 
     mask: an `AttentionMask`, or a dense [B, Lq, Lk] bool array (dense backend
@@ -75,8 +92,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, backend: str = 
     if kv_heads_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if not isinstance(mask, AttentionMask):
-        raise ValueError(f"attention: backend {backend!r} needs an AttentionMask (the dense "
-                         "[B, Lq, Lk] array only works with backend='dense')")
+        raise ValueError(
+            f"attention: backend {backend!r} needs an AttentionMask (the dense "
+            "[B, Lq, Lk] array only works with backend='dense')"
+        )
     if backend == "blocksparse":
         return blocksparse_attention(q, k, v, mask, block_q=block, block_k=block)
     if backend == "cudnn":
@@ -85,12 +104,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, backend: str = 
         return attention_accel.pallas_gpu_attention(q, k, v, mask, block=block)
     if backend == "splash_tpu":
         return attention_accel.splash_tpu_attention(q, k, v, mask, block=block)
-    raise ValueError(f"attention: backend must be one of {ATTENTION_BACKENDS[1:]} "
-                     f"(resolve 'auto' with choose_backend), got {backend!r}")
+    raise ValueError(
+        f"attention: backend must be one of {ATTENTION_BACKENDS[1:]} "
+        f"(resolve 'auto' with choose_backend), got {backend!r}"
+    )
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                    kv_heads_major: bool = False) -> jax.Array:
+def dense_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_heads_major: bool = False
+) -> jax.Array:
     """Masked softmax over all [Lq, Lk] scores. q [B, Lq, H, hd]; k, v [B, Lk, K, hd]
     ([B, K, Lk, hd] with kv_heads_major); mask [B, Lq, Lk] bool. Queries that
     see no key get zeros."""
@@ -118,9 +140,9 @@ def _decode_step_attention(qg, k, v, mask, hd, kv: str):
     The earlier broadcast-multiply form transposed k and v to [B, K, S, hd] at
     every step (a third of decode time, BUILD_NOTES "Where the step's time
     goes"); with the cache stored heads-major nothing is moved at all."""
-    q1 = qg[:, 0]                                            # [B, K, G, hd]
+    q1 = qg[:, 0]  # [B, K, G, hd]
     scores = jnp.einsum(f"bkgd,{kv}->bkgs", q1, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, 0][:, None, None, :], scores / math.sqrt(hd), NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, S]
-    out = jnp.einsum(f"bkgs,{kv}->bkgd", probs, v)           # [B, K, G, hd]
+    out = jnp.einsum(f"bkgs,{kv}->bkgd", probs, v)  # [B, K, G, hd]
     return out[:, None]

@@ -33,20 +33,29 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
     """
     half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if jnp.dtype(q.dtype) not in half:
-        raise ValueError(f"cudnn attention needs bfloat16 or float16 inputs, got {q.dtype}; "
-                         "set DecoderConfig(dtype=jnp.bfloat16) or attention_backend='dense'")
+        raise ValueError(
+            f"cudnn attention needs bfloat16 or float16 inputs, got {q.dtype}; "
+            "set DecoderConfig(dtype=jnp.bfloat16) or attention_backend='dense'"
+        )
     dense = mask.dense()
-    out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                       mask=dense[:, None], is_causal=mask.causal,
-                                       implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+        q,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        mask=dense[:, None],
+        is_causal=mask.causal,
+        implementation="cudnn",
+    )
     return jnp.where(jnp.any(dense, -1)[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def _flat_rows(name: str, mask: AttentionMask) -> None:
     if mask.tree or not mask.causal:
-        raise ValueError(f"{name} attention takes flat packed rows only (segment ids + "
-                         "causal); use 'dense', 'blocksparse' or 'cudnn' for tree rows and "
-                         "decode (choose_backend does)")
+        raise ValueError(
+            f"{name} attention takes flat packed rows only (segment ids + "
+            "causal); use 'dense', 'blocksparse' or 'cudnn' for tree rows and "
+            "decode (choose_backend does)"
+        )
 
 
 def _padded_segments(segment_ids: jax.Array, length: int) -> jax.Array:
@@ -61,8 +70,15 @@ def _pad_len(x: jax.Array, length: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
 
 
-def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *,
-                         block: int = 128, interpret: bool = False) -> jax.Array:
+def pallas_gpu_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    *,
+    block: int = 128,
+    interpret: bool = False,
+) -> jax.Array:
     """Pallas (Triton) flash attention with segment ids, flat packed rows; untested on a GPU.
 
     `jax.experimental.pallas.ops.gpu.attention.mha`, causal, kv heads repeated
@@ -73,19 +89,32 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attenti
 
     _flat_rows("pallas_gpu", mask)
     B, L, H, hd = q.shape
-    sizes = dataclasses.replace(pallas_mha.BlockSizes.get_default(), block_q=block,
-                                block_k=block)
+    sizes = dataclasses.replace(pallas_mha.BlockSizes.get_default(), block_q=block, block_k=block)
     length = -(-L // math.lcm(block, 32)) * math.lcm(block, 32)
     rep = H // k.shape[2]
     kk, vv = (_pad_len(jnp.repeat(x, rep, axis=2).astype(q.dtype), length) for x in (k, v))
-    out = pallas_mha.mha(_pad_len(q, length), kk, vv, _padded_segments(mask.q_segment, length),
-                         sm_scale=1.0 / math.sqrt(hd), causal=True, block_sizes=sizes,
-                         interpret=interpret)
+    out = pallas_mha.mha(
+        _pad_len(q, length),
+        kk,
+        vv,
+        _padded_segments(mask.q_segment, length),
+        sm_scale=1.0 / math.sqrt(hd),
+        causal=True,
+        block_sizes=sizes,
+        interpret=interpret,
+    )
     return out[:, :L]
 
 
-def splash_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *,
-                         block: int = 128, interpret: bool = False) -> jax.Array:
+def splash_tpu_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    *,
+    block: int = 128,
+    interpret: bool = False,
+) -> jax.Array:
     """Pallas splash attention (TPU) with segment ids, flat packed rows; untested on a TPU.
 
     A causal `MultiHeadMask` with `SegmentIds`, vmapped over rows; kv heads
@@ -93,8 +122,10 @@ def splash_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attenti
     scale); rows padded to a multiple of `block` (rounded up to 128, the TPU
     lane width). `interpret` runs it in Pallas interpret mode.
     """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash, splash_attention_mask as splash_mask)
+        splash_attention_mask as splash_mask,
+    )
 
     _flat_rows("splash_tpu", mask)
     B, L, H, hd = q.shape
@@ -105,9 +136,16 @@ def splash_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attenti
     qh = heads(q * (1.0 / math.sqrt(hd)))
     kh, vh = (heads(jnp.repeat(x, rep, axis=2).astype(q.dtype)) for x in (k, v))
     multi = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * H)
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                              block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
-                              block_kv_dq=b)
+    sizes = splash.BlockSizes(
+        block_q=b,
+        block_kv=b,
+        block_kv_compute=b,
+        block_q_dkv=b,
+        block_kv_dkv=b,
+        block_kv_dkv_compute=b,
+        block_q_dq=b,
+        block_kv_dq=b,
+    )
     kernel = splash.make_splash_mha_single_device(multi, block_sizes=sizes, interpret=interpret)
     seg = _padded_segments(mask.q_segment, length)
     out = jax.vmap(kernel)(qh, kh, vh, splash.SegmentIds(q=seg, kv=seg))

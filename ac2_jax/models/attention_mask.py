@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-BIG = 2 ** 30  # "no end": kv_end of flat rows; index of padded keys
+BIG = 2**30  # "no end": kv_end of flat rows; index of padded keys
 NEG = -1e30  # finite, so a masked softmax never produces NaN
 
 
@@ -42,8 +42,7 @@ class AttentionMask:
     causal: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
-    def packed(cls, segment_ids: jax.Array, subtree_end: jax.Array | None = None
-               ) -> "AttentionMask":
+    def packed(cls, segment_ids: jax.Array, subtree_end: jax.Array | None = None) -> AttentionMask:
         """Self-attention of packed rows: segment_ids [B, L] (0 = padding), subtree_end
         [B, L] for tree rows (DFS layout) or None for flat rows."""
         seg = segment_ids.astype(jnp.int32)
@@ -52,7 +51,7 @@ class AttentionMask:
         return cls(idx, idx, seg, seg, end, tree=subtree_end is not None, causal=True)
 
     @classmethod
-    def decode(cls, positions: jax.Array, max_len: int) -> "AttentionMask":
+    def decode(cls, positions: jax.Array, max_len: int) -> AttentionMask:
         """T new tokens at positions [B, T] (-1 = padding) against cache slots 0..max_len-1."""
         pos = positions.astype(jnp.int32)
         B = pos.shape[0]
@@ -72,17 +71,24 @@ class AttentionMask:
         seg = (qs > 0) & (ks > 0) if self.tree else (qs == ks) & (qs > 0)
         return (qi == ki) | ((ki <= qi) & (qi <= self.kv_end[:, None, :]) & seg)
 
-    def pad(self, lq: int, lk: int) -> "AttentionMask":
+    def pad(self, lq: int, lk: int) -> AttentionMask:
         """Padded to lq queries / lk keys; the added ones see / are seen by nothing."""
         B, Lq, Lk = self.shape
         if lq < Lq or lk < Lk:
             raise ValueError(f"AttentionMask.pad: cannot shrink ({Lq}, {Lk}) to ({lq}, {lk})")
+
         def p(x, n, value):  # noqa: E306
             return jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=value)
-        return AttentionMask(p(self.q_index, lq, -1), p(self.kv_index, lk, BIG),
-                             p(self.q_segment, lq, 0), p(self.kv_segment, lk, 0),
-                             p(self.kv_end, lk, -1), tree=self.tree,
-                             causal=self.causal and lq == lk)
+
+        return AttentionMask(
+            p(self.q_index, lq, -1),
+            p(self.kv_index, lk, BIG),
+            p(self.q_segment, lq, 0),
+            p(self.kv_segment, lk, 0),
+            p(self.kv_end, lk, -1),
+            tree=self.tree,
+            causal=self.causal and lq == lk,
+        )
 
     def tiles(self, block_q: int, block_k: int) -> jax.Array:
         """[B, Lq // block_q, Lk // block_k] bool: False where a tile is surely fully
@@ -90,15 +96,19 @@ class AttentionMask:
         segments are contiguous runs). Lq, Lk must be multiples of the blocks."""
         B, Lq, Lk = self.shape
         if Lq % block_q or Lk % block_k:
-            raise ValueError(f"AttentionMask.tiles: lengths ({Lq}, {Lk}) must be multiples of "
-                             f"the blocks ({block_q}, {block_k}); pad() first")
+            raise ValueError(
+                f"AttentionMask.tiles: lengths ({Lq}, {Lk}) must be multiples of "
+                f"the blocks ({block_q}, {block_k}); pad() first"
+            )
 
         def blocks(x, b, fn):  # [B, L] -> [B, L // b] per-block reduction
             return fn(x.reshape(B, -1, b), axis=-1)
 
         q_lo, q_hi = blocks(self.q_index, block_q, jnp.min), blocks(self.q_index, block_q, jnp.max)
-        k_lo, k_hi = (blocks(self.kv_index, block_k, jnp.min),
-                      blocks(self.kv_index, block_k, jnp.max))
+        k_lo, k_hi = (
+            blocks(self.kv_index, block_k, jnp.min),
+            blocks(self.kv_index, block_k, jnp.max),
+        )
         end_hi = blocks(self.kv_end, block_k, jnp.max)
         qs, ks = self.q_segment, self.kv_segment
         qs_lo = blocks(jnp.where(qs > 0, qs, BIG), block_q, jnp.min)

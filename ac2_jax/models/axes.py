@@ -23,12 +23,11 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DEFAULT_RULES", "LOGICAL_AXES", "AxisRules", "Fallback", "active_rules",
-           "axis_rules"]
+__all__ = ["DEFAULT_RULES", "LOGICAL_AXES", "AxisRules", "Fallback", "active_rules", "axis_rules"]
 
 # batch: rows of a batch; length: positions; layers: the stacked (scan) layer axis;
 # embed: the model width; heads / kv: query / key-value heads x head_dim; mlp: the
@@ -75,16 +74,25 @@ class AxisRules:
     indivisible: str = "error"
 
     def __post_init__(self):
-        table = tuple((str(name), tuple(axes) if isinstance(axes, (tuple, list)) else
-                       (() if axes is None else (axes,))) for name, axes in self.table)
+        table = tuple(
+            (
+                str(name),
+                tuple(axes)
+                if isinstance(axes, (tuple, list))
+                else (() if axes is None else (axes,)),
+            )
+            for name, axes in self.table
+        )
         object.__setattr__(self, "table", table)
         unknown = sorted({name for name, _ in table} - set(LOGICAL_AXES))
         if unknown:
-            raise ValueError(f"AxisRules: unknown logical axes {unknown}; the logical axes are "
-                             f"{LOGICAL_AXES}")
+            raise ValueError(
+                f"AxisRules: unknown logical axes {unknown}; the logical axes are {LOGICAL_AXES}"
+            )
         if self.indivisible not in INDIVISIBLE:
-            raise ValueError(f"AxisRules.indivisible must be one of {INDIVISIBLE}, got "
-                             f"{self.indivisible!r}")
+            raise ValueError(
+                f"AxisRules.indivisible must be one of {INDIVISIBLE}, got {self.indivisible!r}"
+            )
 
     def spec(self, names: Sequence[str | None], mesh) -> P:
         """The PartitionSpec of logical `names` on `mesh` (divisibility not checked)."""
@@ -92,8 +100,10 @@ class AxisRules:
         out = []
         for name in names:
             if name is not None and name not in LOGICAL_AXES:
-                raise ValueError(f"AxisRules: {name!r} is not a logical axis {LOGICAL_AXES}; "
-                                 "annotate arrays with logical names, not mesh axes")
+                raise ValueError(
+                    f"AxisRules: {name!r} is not a logical axis {LOGICAL_AXES}; "
+                    "annotate arrays with logical names, not mesh axes"
+                )
             entry = None
             for logical, axes in self.table:
                 if logical == name and all(a in mesh.shape and a not in used for a in axes):
@@ -104,8 +114,9 @@ class AxisRules:
             out.append(entry)
         return P(*out)
 
-    def fit(self, names: Sequence[str | None], shape: Sequence[int], mesh, where: str
-            ) -> tuple[P, list[Fallback]]:
+    def fit(
+        self, names: Sequence[str | None], shape: Sequence[int], mesh, where: str
+    ) -> tuple[P, list[Fallback]]:
         """(spec, fallbacks) of an array of `shape` with logical `names` on `mesh`.
 
         A mesh axis that does not divide its dimension raises ValueError (naming
@@ -125,14 +136,16 @@ class AxisRules:
                     f"sharding {where}: dimension {dim} ({name!r}, size {size}) does not split "
                     f"over mesh axes {axes} ({ways} ways); pick a mesh whose {axes} size "
                     f"divides {size}, change the rules for {name!r} (AxisRules.table), or "
-                    "replicate it knowingly with AxisRules(indivisible='replicate')")
+                    "replicate it knowingly with AxisRules(indivisible='replicate')"
+                )
             fallbacks.append(Fallback(where, dim, str(name), axes, int(size), int(ways)))
             out.append(None)
         return P(*out), fallbacks
 
 
 _ACTIVE: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar(
-    "ac2_jax_axis_rules", default=None)
+    "ac2_jax_axis_rules", default=None
+)
 
 
 @contextlib.contextmanager

@@ -22,8 +22,15 @@ import jax.numpy as jnp
 from ac2_jax.models.attention_mask import NEG, AttentionMask
 
 
-def blocksparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *,
-                          block_q: int = 128, block_k: int = 128) -> jax.Array:
+def blocksparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    *,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> jax.Array:
     """Grouped-query attention, fully masked tiles skipped.
 
     q [B, Lq, H, hd]; k, v [B, Lk, K, hd] (H % K == 0); mask of shape (B, Lq, Lk).
@@ -33,18 +40,22 @@ def blocksparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Attent
     return blocksparse_attention_with_count(q, k, v, mask, block_q=block_q, block_k=block_k)[0]
 
 
-def blocksparse_attention_with_count(q, k, v, mask: AttentionMask, *, block_q: int = 128,
-                                     block_k: int = 128) -> tuple[jax.Array, jax.Array]:
+def blocksparse_attention_with_count(
+    q, k, v, mask: AttentionMask, *, block_q: int = 128, block_k: int = 128
+) -> tuple[jax.Array, jax.Array]:
     """`blocksparse_attention` and the number of tiles its forward loop computed
     (int32 scalar, summed over rows; the dense count is B * ceil(Lq/bq) * ceil(Lk/bk))."""
     B, Lq, H, hd = q.shape
     Lk, K = k.shape[1], k.shape[2]
     if mask.shape != (B, Lq, Lk):
-        raise ValueError(f"blocksparse_attention: mask shape {mask.shape} does not match q "
-                         f"{q.shape} / k {k.shape} (expected {(B, Lq, Lk)})")
+        raise ValueError(
+            f"blocksparse_attention: mask shape {mask.shape} does not match q "
+            f"{q.shape} / k {k.shape} (expected {(B, Lq, Lk)})"
+        )
     if H % K:
-        raise ValueError(f"blocksparse_attention: {H} query heads are not a multiple of "
-                         f"{K} kv heads")
+        raise ValueError(
+            f"blocksparse_attention: {H} query heads are not a multiple of {K} kv heads"
+        )
     bq, bk = min(block_q, Lq), min(block_k, Lk)
     pq, pk = -Lq % bq, -Lk % bk
     mask = mask.pad(Lq + pq, Lk + pk)
@@ -98,8 +109,9 @@ class _Tile:
         return jax.lax.dynamic_slice(x, start, (1, *x.shape[1:3], self.bq, *x.shape[4:]))[0]
 
     def k(self, x):  # [B, K, Lk, hd] -> [K, bk, hd]
-        return jax.lax.dynamic_slice(x, (self.b, 0, self.ka, 0),
-                                     (1, x.shape[1], self.bk, x.shape[3]))[0]
+        return jax.lax.dynamic_slice(
+            x, (self.b, 0, self.ka, 0), (1, x.shape[1], self.bk, x.shape[3])
+        )[0]
 
     def set_q(self, x, t):
         start = (self.b, 0, 0, self.qa) + (0,) * (x.ndim - 4)
@@ -135,13 +147,17 @@ def _forward(bq, bk, q, k, v, mask):
         l = tile.set_q(l, l_old * alpha + p.sum(-1))
         return i + 1, acc, m, l
 
-    init = (jnp.int32(0), jnp.zeros(qt.shape, jnp.float32),
-            jnp.full(qt.shape[:-1], NEG, jnp.float32), jnp.zeros(qt.shape[:-1], jnp.float32))
+    init = (
+        jnp.int32(0),
+        jnp.zeros(qt.shape, jnp.float32),
+        jnp.full(qt.shape[:-1], NEG, jnp.float32),
+        jnp.zeros(qt.shape[:-1], jnp.float32),
+    )
     _, acc, m, l = jax.lax.while_loop(lambda c: c[0] < count, body, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)   # [B, K, G, Lq, hd]
-    lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)                   # [B, K, G, Lq]
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)  # [B, K, G, Lq, hd]
+    lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)  # [B, K, G, Lq]
     return _q_unlayout(out, q.dtype), lse, count
 
 
@@ -163,7 +179,7 @@ def _flash_bwd(bq, bk, res, cotangents):
     K, Lk = k.shape[2], k.shape[1]
     nq, nk = Lq // bq, Lk // bk
     qt, kt, vt, dot = _q_layout(q, K), _k_layout(k), _k_layout(v), _q_layout(dout, K)
-    delta = jnp.sum(dot * _q_layout(out, K), axis=-1)                  # [B, K, G, Lq]
+    delta = jnp.sum(dot * _q_layout(out, K), axis=-1)  # [B, K, G, Lq]
     order, count = _tile_list(mask, bq, bk)
     scale = 1.0 / math.sqrt(hd)
 
@@ -180,8 +196,12 @@ def _flash_bwd(bq, bk, res, cotangents):
         dk = tile.add_k(dk, jnp.einsum("kgqs,kgqd->ksd", ds, q_t))
         return i + 1, dq, dk, dv
 
-    init = (jnp.int32(0), jnp.zeros(qt.shape, jnp.float32), jnp.zeros(kt.shape, jnp.float32),
-            jnp.zeros(vt.shape, jnp.float32))
+    init = (
+        jnp.int32(0),
+        jnp.zeros(qt.shape, jnp.float32),
+        jnp.zeros(kt.shape, jnp.float32),
+        jnp.zeros(vt.shape, jnp.float32),
+    )
     _, dq, dk, dv = jax.lax.while_loop(lambda c: c[0] < count, body, init)
     dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
     dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)

@@ -8,8 +8,9 @@ passed in as template variables by the caller.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -22,14 +23,16 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # transformers' override: no HTML escaping, json.dumps options exposed.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compiles a chat template in the environment transformers uses."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -63,10 +66,18 @@ def clean_messages(messages: Sequence[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(template: jinja2.Template, messages: Sequence[dict],
-                tools: Sequence[dict] | None = None, add_generation_prompt: bool = True,
-                **variables) -> str:
+def render_chat(
+    template: jinja2.Template,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **variables,
+) -> str:
     """Renders cleaned `messages` (and `tools`) with `variables` (special tokens, kwargs)."""
-    return template.render(messages=clean_messages(messages),
-                           tools=list(tools) if tools else None, documents=None,
-                           add_generation_prompt=add_generation_prompt, **variables)
+    return template.render(
+        messages=clean_messages(messages),
+        tools=list(tools) if tools else None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **variables,
+    )

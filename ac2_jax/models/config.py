@@ -19,8 +19,14 @@ from ac2_jax.models.family import FAMILIES, config_from_hf, get_family
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
 ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
-RUNTIME_FIELDS = ("scan_layers", "remat", "attention_backend", "attention_block", "mlp_backward",
-                  "proj_backward")
+RUNTIME_FIELDS = (
+    "scan_layers",
+    "remat",
+    "attention_backend",
+    "attention_block",
+    "mlp_backward",
+    "proj_backward",
+)
 BACKWARDS = ("custom", "autodiff")
 
 
@@ -92,55 +98,84 @@ class DecoderConfig:
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         if self.remat not in REMAT:
-            raise ValueError(f"DecoderConfig.remat must be one of {REMAT} (or a bool), "
-                             f"got {self.remat!r}")
+            raise ValueError(
+                f"DecoderConfig.remat must be one of {REMAT} (or a bool), got {self.remat!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"DecoderConfig.attention_backend must be one of "
-                             f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"DecoderConfig.attention_backend must be one of "
+                f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         for name in ("mlp_backward", "proj_backward"):
             if getattr(self, name) not in BACKWARDS:
-                raise ValueError(f"DecoderConfig.{name} must be one of {BACKWARDS}, "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"DecoderConfig.{name} must be one of {BACKWARDS}, got {getattr(self, name)!r}"
+                )
         if int(self.attention_block) < 8 or int(self.attention_block) % 8:
-            raise ValueError(f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
-                             f"got {self.attention_block}")
+            raise ValueError(
+                f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
+                f"got {self.attention_block}"
+            )
         if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
-            decoders = [n for n in FAMILIES.names()
-                        if get_family(n).config_class is type(self)]
-            raise ValueError(f"DecoderConfig.family must be a registered family of this "
-                             f"decoder ({', '.join(decoders)}), got {self.family!r}")
+            decoders = [n for n in FAMILIES.names() if get_family(n).config_class is type(self)]
+            raise ValueError(
+                f"DecoderConfig.family must be a registered family of this "
+                f"decoder ({', '.join(decoders)}), got {self.family!r}"
+            )
         if self.attention_bias:
             raise ValueError("DecoderConfig.attention_bias=True is not supported")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple "
-                             f"of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple "
+                f"of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("default", "llama3"):
-                raise ValueError(f"DecoderConfig.rope_scaling: rope_type {kind!r} is not "
-                                 "supported (only 'default' and 'llama3')")
+                raise ValueError(
+                    f"DecoderConfig.rope_scaling: rope_type {kind!r} is not "
+                    "supported (only 'default' and 'llama3')"
+                )
         dtype_name(self.dtype), dtype_name(self.param_dtype)
 
     @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> "DecoderConfig":
+    def tiny(cls, vocab_size: int = 256, **overrides) -> DecoderConfig:
         """A few-thousand-parameter model for tests and CPU demos (GQA, qk_norm)."""
-        kw = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=10000.0,
-                  tie_embeddings=True, max_position_embeddings=2048)
+        kw = dict(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            qk_norm=True,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+            max_position_embeddings=2048,
+        )
         kw.update(overrides)
         return cls(**kw)
 
     def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
-        return hash(repr(sorted((f.name, repr(getattr(self, f.name)))
-                                for f in dataclasses.fields(self))))
+        return hash(
+            repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
+        )
 
-    def replace(self, **changes) -> "DecoderConfig":
+    def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -148,15 +183,18 @@ class DecoderConfig:
         return get_family(self.family).config_to_hf(self)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], dtype: Any = jnp.float32,
-                       param_dtype: Any = None, **runtime) -> "DecoderConfig":
+    def from_hf_config(
+        cls, hf: dict[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
+    ) -> DecoderConfig:
         """Reads an HF `config.json` dict of a causal LM whose family is this decoder
         (by its model_type). `runtime` may set the fields of `RUNTIME_FIELDS` (e.g.
         scan_layers=True)."""
         config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **runtime)
         if not isinstance(config, cls):
-            raise ValueError(f"from_hf_config: model_type {hf.get('model_type')!r} is a "
-                             f"{type(config).__name__}, not a {cls.__name__}")
+            raise ValueError(
+                f"from_hf_config: model_type {hf.get('model_type')!r} is a "
+                f"{type(config).__name__}, not a {cls.__name__}"
+            )
         return config
 
 
@@ -191,14 +229,21 @@ def decoder_hf_config(config: DecoderConfig, architecture: str) -> dict[str, Any
     }
 
 
-def decoder_config_from_hf(hf: dict[str, Any], *, qk_norm: bool, dtype: Any = jnp.float32,
-                           param_dtype: Any = None, **runtime) -> DecoderConfig:
+def decoder_config_from_hf(
+    hf: dict[str, Any],
+    *,
+    qk_norm: bool,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = None,
+    **runtime,
+) -> DecoderConfig:
     """A DecoderConfig from the `config.json` fields every family of this decoder
     shares (`family` = hf["model_type"]); `qk_norm` is the family's."""
     bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad:
-        raise ValueError(f"from_hf_config: {bad} come from config.json; only "
-                         f"{RUNTIME_FIELDS} may be passed")
+        raise ValueError(
+            f"from_hf_config: {bad} come from config.json; only {RUNTIME_FIELDS} may be passed"
+        )
     model_type = hf.get("model_type")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"from_hf_config: hidden_act {hf['hidden_act']!r} is not supported")

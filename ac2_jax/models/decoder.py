@@ -49,8 +49,15 @@ from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import attention, choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.layers import (Block, RMSNorm, _param, apply_rope, block_apply, rope_cos_sin,
-                                   rope_inv_freq)
+from ac2_jax.models.layers import (
+    Block,
+    RMSNorm,
+    _param,
+    apply_rope,
+    block_apply,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 # attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
 __all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
@@ -103,16 +110,18 @@ class Decoder(nnx.Module):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         c = self.config = config
         init = nnx.initializers.normal(c.initializer_range)
-        self.embed_tokens = _param(rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype,
-                                   ("vocab", "embed"))
+        self.embed_tokens = _param(
+            rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype, ("vocab", "embed")
+        )
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
             self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype)
         if not c.tie_embeddings:
-            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), c.param_dtype,
-                                  ("embed", "vocab"))
+            self.lm_head = _param(
+                rngs, init, (c.hidden_size, c.vocab_size), c.param_dtype, ("embed", "vocab")
+            )
 
     # -- shared pieces
 
@@ -136,8 +145,14 @@ class Decoder(nnx.Module):
 
     def _backend(self, kind: str, q_len: int) -> str:
         c = self.config
-        return choose_backend(c.attention_backend, kind=kind, q_len=q_len, dtype=c.dtype,
-                              head_dim=c.head_dim, block=c.attention_block)
+        return choose_backend(
+            c.attention_backend,
+            kind=kind,
+            q_len=q_len,
+            dtype=c.dtype,
+            head_dim=c.head_dim,
+            block=c.attention_block,
+        )
 
     def _layer_params(self):
         """The layers' params as a pure dict: stacked, or {i: layer i}."""
@@ -145,8 +160,13 @@ class Decoder(nnx.Module):
 
     # -- training / scoring
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                      subtree_end: jax.Array | None = None) -> jax.Array:
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+    ) -> jax.Array:
         """Final normed hidden states [B, L, D] of packed rows (see `__call__`)."""
         _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
         c = self.config
@@ -160,20 +180,23 @@ class Decoder(nnx.Module):
             return block_apply(c, w, x, rope, mask, backend)[0]
 
         if c.remat != "none":
-            layer = jax.checkpoint(layer, policy=_POLICIES[c.remat],
-                                   prevent_cse=not c.scan_layers)
+            layer = jax.checkpoint(layer, policy=_POLICIES[c.remat], prevent_cse=not c.scan_layers)
         x = self.embed(tokens)
         params = self._layer_params()
         if c.scan_layers:
-            x, _ = jax.lax.scan(lambda x, w: (layer(w, x, rope, mask), None),
-                                x, params)
+            x, _ = jax.lax.scan(lambda x, w: (layer(w, x, rope, mask), None), x, params)
         else:
             for i in range(c.num_layers):
                 x = layer(params[i], x, rope, mask)
         return self.norm(x)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 subtree_end: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+    ) -> jax.Array:
         """Logits of packed rows.
 
         tokens, positions (restart at 0 per segment), segment_ids (1.. per
@@ -196,11 +219,19 @@ class Decoder(nnx.Module):
             shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
             return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
-                       v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)))
+        return KVCache(
+            k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+            v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+        )
 
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
-               logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        *,
+        logits_at: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
         """Runs T new tokens per row against the cache: prefill (T > 1) or a step (T = 1).
 
         tokens [B, T] int; positions [B, T] int: the position of each token in
@@ -221,13 +252,14 @@ class Decoder(nnx.Module):
         c = self.config
         if cache.stacked != c.scan_layers or cache.num_layers != c.num_layers:
             layout = lambda stacked: "stacked" if stacked else "per-layer"  # noqa: E731
-            raise ValueError(f"decode: cache is {layout(cache.stacked)} with "
-                             f"{cache.num_layers} layers, the model wants "
-                             f"{layout(c.scan_layers)} with {c.num_layers}; build it with "
-                             "model.init_cache")
+            raise ValueError(
+                f"decode: cache is {layout(cache.stacked)} with "
+                f"{cache.num_layers} layers, the model wants "
+                f"{layout(c.scan_layers)} with {c.num_layers}; build it with "
+                "model.init_cache"
+            )
         if cache.batch != tokens.shape[0]:
-            raise ValueError(f"decode: cache batch {cache.batch} != tokens batch "
-                             f"{tokens.shape[0]}")
+            raise ValueError(f"decode: cache batch {cache.batch} != tokens batch {tokens.shape[0]}")
         S = cache.max_len
         positions = positions.astype(jnp.int32)
         slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
@@ -236,13 +268,15 @@ class Decoder(nnx.Module):
         if backend == "dense":  # = mask.dense(); written as before, so the compiled step
             # (and its fp32 rounding) is unchanged for the sampler
             mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & (positions >= 0)[
-                :, :, None]
+                :, :, None
+            ]
         rope = rope_cos_sin(jnp.maximum(positions, 0), self._inv_freq())  # once for all layers
         layer = functools.partial(block_apply, c, rope=rope, mask=mask, backend=backend)
         x = self.embed(tokens)
         params = self._layer_params()
         ck, cv = cache.k, cache.v
         if c.scan_layers:  # layers read the cache; their new keys / values are written after
+
             def body(x, xs):
                 w, i = xs
                 x, (k_new, v_new, _, _) = layer(w, x, cache=(ck, cv, i, slots))
@@ -267,5 +301,6 @@ class Decoder(nnx.Module):
 def _check_2d(**arrays):
     for name, a in arrays.items():
         if a is not None and getattr(a, "ndim", None) != 2:
-            raise ValueError(f"Decoder: {name} must be [batch, length], got shape "
-                             f"{getattr(a, 'shape', None)}")
+            raise ValueError(
+                f"Decoder: {name} must be [batch, length], got shape {getattr(a, 'shape', None)}"
+            )

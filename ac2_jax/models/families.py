@@ -38,8 +38,12 @@ class Qwen3Family(_DecoderFamily):
     qk_norm = True
 
     def config_to_hf(self, config: DecoderConfig) -> dict[str, Any]:
-        return {**super().config_to_hf(config), "use_sliding_window": False,
-                "sliding_window": None, "max_window_layers": config.num_layers}
+        return {
+            **super().config_to_hf(config),
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": config.num_layers,
+        }
 
 
 @register_family("llama")

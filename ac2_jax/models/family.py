@@ -32,8 +32,15 @@ from flax import nnx
 from ac2_jax.losses import LMHead
 from ac2_jax.registry import Registry
 
-__all__ = ["CausalLM", "FAMILIES", "ModelFamily", "build_model", "config_from_hf",
-           "get_family", "register_family"]
+__all__ = [
+    "CausalLM",
+    "FAMILIES",
+    "ModelFamily",
+    "build_model",
+    "config_from_hf",
+    "get_family",
+    "register_family",
+]
 
 
 @runtime_checkable
@@ -47,13 +54,23 @@ class CausalLM(Protocol):
 
     config: Any  # the family's config; `config.family` names the family
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 subtree_end: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+    ) -> jax.Array:
         """fp32 logits [R, L, V]."""
         ...
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                      subtree_end: jax.Array | None = None) -> jax.Array:
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+    ) -> jax.Array:
         """Final (normed) hidden states [R, L, D]: `logits(hidden_states(...))` is
         `__call__(...)`."""
         ...
@@ -75,7 +92,7 @@ class ModelFamily(abc.ABC):
     `build` takes (its `family` field is the registered name).
     """
 
-    name: str = ""              # set by `register_family`
+    name: str = ""  # set by `register_family`
     hf_architecture: str = ""
     config_class: type = object
 
@@ -101,8 +118,9 @@ def register_family(model_type: str, *, replace: bool = False):
 
     def add(cls: type[ModelFamily]) -> type[ModelFamily]:
         if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
-            raise TypeError(f"register_family({model_type!r}): expected a ModelFamily "
-                            f"subclass, got {cls!r}")
+            raise TypeError(
+                f"register_family({model_type!r}): expected a ModelFamily subclass, got {cls!r}"
+            )
         family = cls()
         family.name = model_type
         FAMILIES.register(model_type, replace=replace)(family)
@@ -121,8 +139,10 @@ def build_model(config: Any, rngs: nnx.Rngs | None = None) -> CausalLM:
     (default nnx.Rngs(0))."""
     family = get_family(getattr(config, "family", None))
     if not isinstance(config, family.config_class):
-        raise TypeError(f"build_model: family {family.name!r} takes a "
-                        f"{family.config_class.__name__}, got {type(config).__name__}")
+        raise TypeError(
+            f"build_model: family {family.name!r} takes a "
+            f"{family.config_class.__name__}, got {type(config).__name__}"
+        )
     return family.build(config, nnx.Rngs(0) if rngs is None else rngs)
 
 

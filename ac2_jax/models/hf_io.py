@@ -73,20 +73,23 @@ def _read_tensors(path: str) -> dict[str, Any]:
     return readers
 
 
-def load_hf_config(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
-                   **runtime) -> DecoderConfig:
+def load_hf_config(
+    path: str, dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
+) -> DecoderConfig:
     """The DecoderConfig of a local HF directory's config.json, reading no weights
     (e.g. for an abstract model: compile and memory analysis before loading)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
     with open(cfg_path) as f:
-        return DecoderConfig.from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype,
-                                            **runtime)
+        return DecoderConfig.from_hf_config(
+            json.load(f), dtype=dtype, param_dtype=param_dtype, **runtime
+        )
 
 
-def load_hf_checkpoint(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
-                       **runtime) -> tuple[Decoder, DecoderConfig]:
+def load_hf_checkpoint(
+    path: str, dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
+) -> tuple[Decoder, DecoderConfig]:
     """Builds a Decoder from a local HF directory (config.json + safetensors).
 
     `dtype` is the compute dtype; weights are stored in `param_dtype`
@@ -115,8 +118,9 @@ def load_hf_checkpoint(path: str, dtype: Any = jnp.float32, param_dtype: Any = N
                 arr = handles[fname].get_tensor(name)
                 arr = arr.T if _transposed(layer_key, arr.ndim) else arr
                 if arr.shape != want:
-                    raise ValueError(f"load_hf_checkpoint: {name} has shape {arr.shape}, "
-                                     f"config expects {want}")
+                    raise ValueError(
+                        f"load_hf_checkpoint: {name} has shape {arr.shape}, config expects {want}"
+                    )
                 parts.append(arr)
             arr = parts[0] if len(parts) == 1 else np.stack(parts)
             leaves.append((key, var.replace(jnp.asarray(arr, dtype=var.dtype))))
@@ -136,7 +140,8 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
         arrays = [arr] if len(layer_keys) == 1 else list(arr)
         for layer_key, a in zip(layer_keys, arrays):
             out[_hf_name(layer_key)] = np.ascontiguousarray(
-                a.T if _transposed(layer_key, a.ndim) else a)
+                a.T if _transposed(layer_key, a.ndim) else a
+            )
     return out
 
 
@@ -173,7 +178,9 @@ def save_hf_checkpoint(model: Decoder, path: str, max_shard_bytes: int | None = 
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, os.path.join(path, fname), metadata=meta)
         weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+        "weight_map": weight_map,
+    }
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2)

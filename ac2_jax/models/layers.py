@@ -23,8 +23,7 @@ from ac2_jax.models.axes import active_rules
 from ac2_jax.models.config import DecoderConfig
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None
-           ) -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None) -> nnx.Param:
     """A Param annotated with logical axis names (`models.axes`; a leading "layers"
     when stacked). Under a mesh (`jax.set_mesh`) it is sharded now, by the active
     rules (`axes.axis_rules`, default `DEFAULT_RULES`)."""
@@ -43,6 +42,7 @@ def _ones(_key, shape, dtype):
 
 
 # ----------------------------------------------------------------------------- pure pieces
+
 
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
     """Inverse RoPE frequencies [head_dim // 2] (HF default, or llama3 scaling)."""
@@ -108,8 +108,15 @@ def _proj(c: DecoderConfig, x: jax.Array, w: jax.Array) -> jax.Array:
     return _dot(x, w, c.dtype)
 
 
-def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
-                    mask, backend: str, cache=None):
+def attention_apply(
+    c: DecoderConfig,
+    w: dict,
+    x: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    mask,
+    backend: str,
+    cache=None,
+):
     """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params;
     rope: the (cos, sin) tables of `rope_cos_sin` for x's positions.
 
@@ -144,14 +151,24 @@ def attention_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Arr
         else:
             S = ck.shape[1]
             k_new, v_new = (x.reshape(B, L, K * hd).astype(ck.dtype) for x in (k, v))
-            k, v = (jax.lax.dynamic_index_in_dim(c, layer, 2, keepdims=False)
-                    .at[rows, slots].set(new, mode="drop").reshape(B, S, K, hd)
-                    for c, new in ((ck, k_new), (cv, v_new)))
+            k, v = (
+                jax.lax.dynamic_index_in_dim(c, layer, 2, keepdims=False)
+                .at[rows, slots]
+                .set(new, mode="drop")
+                .reshape(B, S, K, hd)
+                for c, new in ((ck, k_new), (cv, v_new))
+            )
             ck, cv = k_new, v_new
         cache = (ck, cv, layer, slots)
-    out = attention(q, k.astype(dt), v.astype(dt), mask, backend=backend,
-                    block=c.attention_block,
-                    kv_heads_major=cache is not None and cache[2] is None)
+    out = attention(
+        q,
+        k.astype(dt),
+        v.astype(dt),
+        mask,
+        backend=backend,
+        block=c.attention_block,
+        kv_heads_major=cache is not None and cache[2] is None,
+    )
     return _proj(c, out.reshape(B, L, H * hd), w["o_proj"]), cache
 
 
@@ -205,8 +222,12 @@ def _swiglu_bwd(res, dy):
     du = dh * a
     dg = dh * u * s * (1 + g * (1 - s))  # silu'(g) = s (1 + g (1 - s))
     dx = jnp.einsum("...f,df->...d", dg, wg) + jnp.einsum("...f,df->...d", du, wu)
-    return (dx, tok_dot(x, dg).astype(wg.dtype), tok_dot(x, du).astype(wu.dtype),
-            tok_dot(a * u, dy).astype(wd.dtype))
+    return (
+        dx,
+        tok_dot(x, dg).astype(wg.dtype),
+        tok_dot(x, du).astype(wu.dtype),
+        tok_dot(a * u, dy).astype(wd.dtype),
+    )
 
 
 @jax.custom_vjp
@@ -235,8 +256,15 @@ def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array) -> jax.Array:
     return _dot(jax.nn.silu(g) * u, wd, c.dtype)
 
 
-def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array],
-                mask, backend: str, cache=None):
+def block_apply(
+    c: DecoderConfig,
+    w: dict,
+    x: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    mask,
+    backend: str,
+    cache=None,
+):
     """One pre-norm layer: x + attn(norm x), then + mlp(norm x). w: a Block's params
     (one layer); x [B, L, D] in the compute dtype; rope: `rope_cos_sin` tables,
     built once per forward for all layers. Returns (x, cache)."""
@@ -248,6 +276,7 @@ def block_apply(c: DecoderConfig, w: dict, x: jax.Array, rope: tuple[jax.Array, 
 
 
 # ----------------------------------------------------------------------------- modules
+
 
 class RMSNorm(nnx.Module):
     """Holds the norm weight [dim] ([stack, dim] when stacked)."""
@@ -288,6 +317,7 @@ class Block(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack)
         self.self_attn = Attention(c, rngs, stack)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype,
-                                                c.param_dtype, stack)
+        self.post_attention_layernorm = RMSNorm(
+            c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack
+        )
         self.mlp = MLP(c, rngs, stack)

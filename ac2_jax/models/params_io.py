@@ -65,50 +65,66 @@ def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
     stacked = is_stacked(pure)
     saved_stacked = is_stacked(saved) if "layers" in pure and "layers" in saved else stacked
     if saved_stacked == stacked:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=getattr(x, "sharding", None)), pure)
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            pure,
+        )
         _check_matches(saved, target, where)
         values = restore(target)
     else:  # the other layer layout: restore replicated as saved, convert, place
         first = jax.tree.leaves(pure)[0].sharding
-        rep = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-               if isinstance(first, jax.sharding.NamedSharding) else first)
+        rep = (
+            jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+            if isinstance(first, jax.sharding.NamedSharding)
+            else first
+        )
         other = jax.eval_shape(lambda p: to_layout(p, saved_stacked), pure)
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                              other)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), other)
         _check_matches(saved, target, where)
-        values = jax.tree.map(lambda v, x: jax.device_put(v, x.sharding),
-                              to_layout(restore(target), stacked), pure)
+        values = jax.tree.map(
+            lambda v, x: jax.device_put(v, x.sharding), to_layout(restore(target), stacked), pure
+        )
     nnx.replace_by_pure_dict(state, values)
     nnx.update(model, state)
 
 
 def _check_matches(saved, target, path: str) -> None:
     """Names the first param whose presence or shape differs (before reading any data)."""
+
     def flat(tree):  # int layer keys in the model are str keys on disk
-        return {".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in k): v
-                for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return {
+            ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in k): v
+            for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
 
     flat_saved, flat_target = flat(saved), flat(target)
     for name in sorted(set(flat_saved) | set(flat_target)):
         if name not in flat_saved or name not in flat_target:
             where = "checkpoint" if name not in flat_saved else "model"
-            raise ValueError(f"restore_params: param {name} is missing from the {where} "
-                             f"(checkpoint at {path})")
+            raise ValueError(
+                f"restore_params: param {name} is missing from the {where} (checkpoint at {path})"
+            )
         if tuple(flat_saved[name].shape) != tuple(flat_target[name].shape):
-            raise ValueError(f"restore_params: param {name} has shape "
-                             f"{tuple(flat_saved[name].shape)} in {path}, the model has "
-                             f"{tuple(flat_target[name].shape)}")
+            raise ValueError(
+                f"restore_params: param {name} has shape "
+                f"{tuple(flat_saved[name].shape)} in {path}, the model has "
+                f"{tuple(flat_target[name].shape)}"
+            )
 
 
-def _manager(publish_dir: str, keep: int | None = None,
-             read_only: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           read_only=read_only, save_interval_steps=0
-                                           if read_only else 1,
-                                           enable_async_checkpointing=False)
-    return ocp.CheckpointManager(publish_dir, options=options,
-                                 item_handlers={PARAMS: ocp.StandardCheckpointHandler()})
+def _manager(
+    publish_dir: str, keep: int | None = None, read_only: bool = False
+) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        create=not read_only,
+        read_only=read_only,
+        save_interval_steps=0 if read_only else 1,
+        enable_async_checkpointing=False,
+    )
+    return ocp.CheckpointManager(
+        publish_dir, options=options, item_handlers={PARAMS: ocp.StandardCheckpointHandler()}
+    )
 
 
 def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 3) -> str:
@@ -129,8 +145,11 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     with _manager(publish_dir, keep=keep) as mgr:
         for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
             mgr.delete(newer)
-        mgr.save(step, force=True,
-                 args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(_params(model))}))
+        mgr.save(
+            step,
+            force=True,
+            args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(_params(model))}),
+        )
         mgr.wait_until_finished()
     return os.path.join(publish_dir, str(step))
 
@@ -171,19 +190,27 @@ def load_published(model: nnx.Module, publish_dir: str, step: int | None = None)
     returns the step loaded."""
     publish_dir = os.path.abspath(publish_dir)
     if not os.path.isdir(publish_dir):
-        raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "
-                                f"(no such directory)")
+        raise FileNotFoundError(
+            f"load_published: nothing published in {publish_dir} (no such directory)"
+        )
     with _reader(publish_dir) as mgr:
         steps = sorted(mgr.all_steps())
         if not steps:
-            raise FileNotFoundError(f"load_published: nothing published in {publish_dir} "
-                                    f"(no finalized step)")
+            raise FileNotFoundError(
+                f"load_published: nothing published in {publish_dir} (no finalized step)"
+            )
         step = steps[-1] if step is None else int(step)
         if step not in steps:
-            raise FileNotFoundError(f"load_published: step {step} is not in {publish_dir} "
-                                    f"(kept steps: {steps})")
+            raise FileNotFoundError(
+                f"load_published: step {step} is not in {publish_dir} (kept steps: {steps})"
+            )
         where = f"step {step} of {publish_dir}"
-        _restore_into(model, mgr.item_metadata(step)[PARAMS], lambda target: mgr.restore(
-            step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS],
-            where)
+        _restore_into(
+            model,
+            mgr.item_metadata(step)[PARAMS],
+            lambda target: mgr.restore(
+                step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)})
+            )[PARAMS],
+            where,
+        )
     return step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -76,27 +76,41 @@ _TOOLS = ("add", "multiply", "subtract", "get_weather", "search", "read_file", "
 def tiny_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
     """Deterministic synthetic text: words, digits, arithmetic, chat, tool JSON."""
     rng = random.Random(seed)
-    lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "."
-             for _ in range(num_lines // 3)]
+    lines = [
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "."
+        for _ in range(num_lines // 3)
+    ]
     for _ in range(num_lines // 3):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op, val = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
         lines.append(f"What is {a} {op} {b}? The answer is {val}.")
     for _ in range(num_lines // 3):
         name = rng.choice(_TOOLS)
-        args = {rng.choice(["a", "b", "x", "city", "query", "path"]): rng.randint(0, 99),
-                rng.choice(["b", "y", "unit", "n"]): rng.choice(["c", "f", 3, "paris"])}
-        lines.append('<|im_start|>assistant\n<tool_call>\n{"name": "%s", "arguments": %s}\n'
-                     '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n%s\n'
-                     '</tool_response><|im_end|>' % (name, json.dumps(args), rng.randint(0, 9999)))
-    lines += ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>",
-              "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHi there.<|im_end|>",
-              TINY_CHAT_TEMPLATE, "0123456789 {}[]\":,.!?'-_/()<>=+*"]
+        args = {
+            rng.choice(["a", "b", "x", "city", "query", "path"]): rng.randint(0, 99),
+            rng.choice(["b", "y", "unit", "n"]): rng.choice(["c", "f", 3, "paris"]),
+        }
+        lines.append(
+            '<|im_start|>assistant\n<tool_call>\n{"name": "%s", "arguments": %s}\n'
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n%s\n"
+            "</tool_response><|im_end|>" % (name, json.dumps(args), rng.randint(0, 9999))
+        )
+    lines += [
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>",
+        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHi there.<|im_end|>",
+        TINY_CHAT_TEMPLATE,
+        "0123456789 {}[]\":,.!?'-_/()<>=+*",
+    ]
     return lines
 
 
-def build_tiny_tokenizer(path: str, extra_corpus: Iterable[str] = (), vocab_size: int = 768,
-                         individual_digits: bool = False, digit_group: int = 0) -> Tokenizer:
+def build_tiny_tokenizer(
+    path: str,
+    extra_corpus: Iterable[str] = (),
+    vocab_size: int = 768,
+    individual_digits: bool = False,
+    digit_group: int = 0,
+) -> Tokenizer:
     """Trains a byte-level BPE tokenizer offline and saves it in HF format at `path`.
 
     individual_digits=True splits every digit into its own token (numbers then
@@ -108,45 +122,62 @@ def build_tiny_tokenizer(path: str, extra_corpus: Iterable[str] = (), vocab_size
     tokens come on top of `vocab_size` (10 + 100 + 1,000 for k=3).
     """
     if digit_group and individual_digits:
-        raise ValueError("build_tiny_tokenizer: pass individual_digits=True or digit_group=k, "
-                         "not both (individual digits is digit_group=1)")
+        raise ValueError(
+            "build_tiny_tokenizer: pass individual_digits=True or digit_group=k, "
+            "not both (individual digits is digit_group=1)"
+        )
     if digit_group not in (0, 1, 2, 3):
-        raise ValueError(f"build_tiny_tokenizer: digit_group must be 0 (off) or 1-3 digits per "
-                         f"token, got {digit_group!r}")
+        raise ValueError(
+            f"build_tiny_tokenizer: digit_group must be 0 (off) or 1-3 digits per "
+            f"token, got {digit_group!r}"
+        )
     individual_digits = individual_digits or digit_group == 1
     chunks = _digit_chunks(digit_group) if digit_group > 1 else []
     hf = HFTokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if individual_digits:
         hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif chunks:
         hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r"\d{1,%d}" % digit_group), behavior="isolated"),
-             byte_level])
+            [
+                pre_tokenizers.Split(Regex(r"\d{1,%d}" % digit_group), behavior="isolated"),
+                byte_level,
+            ]
+        )
     else:
         hf.pre_tokenizer = byte_level
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size + len(chunks), show_progress=False,
-                                  special_tokens=list(TINY_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size + len(chunks),
+        show_progress=False,
+        special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     # Every digit chunk as a word of its own, often enough that BPE merges all of them
     # (pairs first: each appears in 20 chunks), checked below.
-    hf.train_from_iterator(list(tiny_corpus()) + list(extra_corpus) + [" ".join(chunks)] * 50,
-                           trainer=trainer)
+    hf.train_from_iterator(
+        list(tiny_corpus()) + list(extra_corpus) + [" ".join(chunks)] * 50, trainer=trainer
+    )
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_TOOL_TOKENS])
-    tok = Tokenizer(hf, chat_template=TINY_CHAT_TEMPLATE,
-                    special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-                    extra_stop_token_ids=[hf.token_to_id("<|endoftext|>")],
-                    model_max_length=4096)
+    tok = Tokenizer(
+        hf,
+        chat_template=TINY_CHAT_TEMPLATE,
+        special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        extra_stop_token_ids=[hf.token_to_id("<|endoftext|>")],
+        model_max_length=4096,
+    )
     split = [c for c in chunks if len(hf.encode(c, add_special_tokens=False).ids) != 1]
     if split:
-        raise ValueError(f"build_tiny_tokenizer: {len(split)} digit chunks are not single "
-                         f"tokens (e.g. {split[:3]}): raise vocab_size (now {vocab_size})")
+        raise ValueError(
+            f"build_tiny_tokenizer: {len(split)} digit chunks are not single "
+            f"tokens (e.g. {split[:3]}): raise vocab_size (now {vocab_size})"
+        )
     tok.save_pretrained(path)
     return Tokenizer.from_pretrained(path)
 
 
 def _digit_chunks(k: int) -> list[str]:
     """Every string of 1..k digits ("0", "00", "000", ...)."""
-    return [str(i).zfill(n) for n in range(1, k + 1) for i in range(10 ** n)]
+    return [str(i).zfill(n) for n in range(1, k + 1) for i in range(10**n)]

@@ -12,17 +12,28 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from ac2_jax.models.chat_template import (clean_messages, compile_chat_template, render_chat,
-                                          select_template)
+from ac2_jax.models.chat_template import (
+    clean_messages,
+    compile_chat_template,
+    render_chat,
+    select_template,
+)
 from ac2_jax.models.tool_parsers import ParsedText, get_parser
 
-_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+_SPECIAL_ATTRS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_str(value) -> str | None:
@@ -40,10 +51,16 @@ class Tokenizer:
     output (`tool_parsers.parser_names()`); the parser is `self.tool_parser`.
     """
 
-    def __init__(self, tokenizer: HFTokenizer, *, chat_template: str | dict | None = None,
-                 special_tokens: dict[str, str] | None = None,
-                 extra_stop_token_ids: Iterable[int] = (), model_max_length: int | None = None,
-                 tool_parser: str = "hermes"):
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | dict | None = None,
+        special_tokens: dict[str, str] | None = None,
+        extra_stop_token_ids: Iterable[int] = (),
+        model_max_length: int | None = None,
+        tool_parser: str = "hermes",
+    ):
         self.hf = tokenizer
         self.tool_parser = get_parser(tool_parser)
         self.chat_template = chat_template
@@ -94,9 +111,14 @@ class Tokenizer:
         return self.eos_token_id if pad is None else pad
 
     # ---- chat ------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                            add_generation_prompt: bool = True, tokenize: bool = False,
-                            **kwargs) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs,
+    ) -> str | list[int]:
         """Renders `messages` (OpenAI dicts) to text, or ids with tokenize=True.
 
         Keys whose value is None are dropped first, as transformers does.
@@ -105,8 +127,13 @@ class Tokenizer:
         source = select_template(self.chat_template, bool(tools))
         if source not in self._compiled:
             self._compiled[source] = compile_chat_template(source)
-        text = render_chat(self._compiled[source], msgs, tools, add_generation_prompt,
-                           **{**self.special_tokens, **kwargs})
+        text = render_chat(
+            self._compiled[source],
+            msgs,
+            tools,
+            add_generation_prompt,
+            **{**self.special_tokens, **kwargs},
+        )
         return self.encode(text) if tokenize else text
 
     def parse_tool_calls(self, text: str, tools: Sequence[dict] | None = None) -> ParsedText:
@@ -115,12 +142,14 @@ class Tokenizer:
 
     # ---- files -----------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, tool_parser: str = "hermes") -> "Tokenizer":
+    def from_pretrained(cls, path: str, tool_parser: str = "hermes") -> Tokenizer:
         """Loads an HF tokenizer directory (no network); `tool_parser` as in __init__."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
-            raise FileNotFoundError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
+            raise FileNotFoundError(
+                f"{path}: no tokenizer.json (only fast tokenizers are supported)"
+            )
         hf = HFTokenizer.from_file(tok_file)
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
@@ -137,9 +166,14 @@ class Tokenizer:
         extra = [extra] if isinstance(extra, int) else list(extra or [])
         max_len = config.get("model_max_length")
         max_len = int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None
-        return cls(hf, chat_template=template, special_tokens=special,
-                   extra_stop_token_ids=extra, model_max_length=max_len,
-                   tool_parser=tool_parser)
+        return cls(
+            hf,
+            chat_template=template,
+            special_tokens=special,
+            extra_stop_token_ids=extra,
+            model_max_length=max_len,
+            tool_parser=tool_parser,
+        )
 
     def save_pretrained(self, path: str) -> None:
         """Writes tokenizer.json + tokenizer_config.json (+ special_tokens_map)."""
@@ -147,12 +181,21 @@ class Tokenizer:
         self.hf.save(os.path.join(path, "tokenizer.json"))
         added = {}
         for tid, tok in sorted(self.hf.get_added_tokens_decoder().items()):
-            added[str(tid)] = {"content": tok.content, "lstrip": tok.lstrip, "rstrip": tok.rstrip,
-                               "normalized": tok.normalized, "single_word": tok.single_word,
-                               "special": tok.special}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-                  "clean_up_tokenization_spaces": False, "split_special_tokens": False,
-                  **self.special_tokens}
+            added[str(tid)] = {
+                "content": tok.content,
+                "lstrip": tok.lstrip,
+                "rstrip": tok.rstrip,
+                "normalized": tok.normalized,
+                "single_word": tok.single_word,
+                "special": tok.special,
+            }
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": added,
+            "clean_up_tokenization_spaces": False,
+            "split_special_tokens": False,
+            **self.special_tokens,
+        }
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         if self.model_max_length is not None:
@@ -161,8 +204,10 @@ class Tokenizer:
         _write_json(os.path.join(path, "special_tokens_map.json"), dict(self.special_tokens))
         extra = [t for t in self.stop_token_ids if t != self.eos_token_id]
         if extra:
-            _write_json(os.path.join(path, "generation_config.json"),
-                        {"eos_token_id": list(self.stop_token_ids)})
+            _write_json(
+                os.path.join(path, "generation_config.json"),
+                {"eos_token_id": list(self.stop_token_ids)},
+            )
 
 
 def _read_json(path: str) -> dict:

@@ -28,7 +28,8 @@ import json
 import math
 import secrets
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ac2_jax.registry import Registry
 
@@ -47,8 +48,15 @@ class ParsedText(tuple):
     malformed: int
     unparsed_chars: int
 
-    def __new__(cls, content: str, calls: list[dict[str, Any]], *, steps: int = 0,
-                malformed: int = 0, unparsed_chars: int = 0) -> "ParsedText":
+    def __new__(
+        cls,
+        content: str,
+        calls: list[dict[str, Any]],
+        *,
+        steps: int = 0,
+        malformed: int = 0,
+        unparsed_chars: int = 0,
+    ) -> ParsedText:
         self = super().__new__(cls, (content, calls))
         self.steps, self.malformed, self.unparsed_chars = steps, malformed, unparsed_chars
         return self
@@ -66,8 +74,9 @@ class ParsedText(tuple):
 
 
 def _parsed_text(content, calls, steps, malformed, unparsed_chars) -> ParsedText:
-    return ParsedText(content, calls, steps=steps, malformed=malformed,
-                      unparsed_chars=unparsed_chars)
+    return ParsedText(
+        content, calls, steps=steps, malformed=malformed, unparsed_chars=unparsed_chars
+    )
 
 
 class _Scan:
@@ -89,8 +98,11 @@ class _Scan:
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
     """One OpenAI tool call with a fresh id."""
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": "call_" + secrets.token_hex(12),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 class ToolCallParser(abc.ABC):
@@ -163,11 +175,21 @@ class ToolCallParser(abc.ABC):
                 calls.append(call)
             pos = after
         if not calls:
-            return ParsedText(text.strip(), [], steps=scan.steps, malformed=malformed,
-                              unparsed_chars=len(text) - end)
+            return ParsedText(
+                text.strip(),
+                [],
+                steps=scan.steps,
+                malformed=malformed,
+                unparsed_chars=len(text) - end,
+            )
         kept.append(text[pos:])
-        return ParsedText("".join(kept).strip(), calls, steps=scan.steps, malformed=malformed,
-                          unparsed_chars=len(text) - end)
+        return ParsedText(
+            "".join(kept).strip(),
+            calls,
+            steps=scan.steps,
+            malformed=malformed,
+            unparsed_chars=len(text) - end,
+        )
 
 
 _FAILED = object()
@@ -196,8 +218,12 @@ class HermesParser(ToolCallParser):
     opening = "<tool_call>\n"
 
     def named_opening(self, function_name: str) -> str:
-        return self.opening + '{"name": ' + json.dumps(function_name, ensure_ascii=False) + \
-            ', "arguments": '
+        return (
+            self.opening
+            + '{"name": '
+            + json.dumps(function_name, ensure_ascii=False)
+            + ', "arguments": '
+        )
 
     def parse_block(self, body, schema):
         obj = _loads(body)
@@ -218,9 +244,11 @@ def _schema_types(tools: Sequence[dict] | None) -> dict[str, dict[str, str]]:
             continue
         params = fn.get("parameters")
         props = params.get("properties") if isinstance(params, dict) else None
-        out[fn["name"]] = {k: str(v.get("type", "string")).lower()
-                           for k, v in (props if isinstance(props, dict) else {}).items()
-                           if isinstance(v, dict)}
+        out[fn["name"]] = {
+            k: str(v.get("type", "string")).lower()
+            for k, v in (props if isinstance(props, dict) else {}).items()
+            if isinstance(v, dict)
+        }
     return out
 
 
@@ -277,7 +305,7 @@ class Qwen3CoderParser(ToolCallParser):
         gt = body.find(">", len("<function="), inner_end)
         if gt < 0:
             return None
-        name = body[len("<function="):gt].strip()
+        name = body[len("<function=") : gt].strip()
         if not name or "<" in name:
             return None
         types = schema.get(name, {})
@@ -299,7 +327,7 @@ class Qwen3CoderParser(ToolCallParser):
             close = body.find("</parameter>", gt + 1, inner_end)
             if not key or "<" in key or close < 0 or key in args:
                 return None
-            value = body[gt + 1:close]
+            value = body[gt + 1 : close]
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
             args[key] = _typed(value, types.get(key))
@@ -314,8 +342,9 @@ _LOCK = threading.Lock()
 def register_parser(name: str, parser: ToolCallParser) -> None:
     """Adds `parser` under `name`; a taken name is an error."""
     if not isinstance(parser, ToolCallParser):
-        raise TypeError(f"register_parser({name!r}): expected a ToolCallParser, "
-                        f"got {type(parser).__name__}")
+        raise TypeError(
+            f"register_parser({name!r}): expected a ToolCallParser, got {type(parser).__name__}"
+        )
     with _LOCK:
         if name in PARSERS:
             raise ValueError(f"tool parser {name!r} is already registered")

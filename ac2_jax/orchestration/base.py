@@ -57,10 +57,20 @@ class ConversationTrace:
     # steps: requests of all agents; steps_by_agent: per agent label.
     # max_context_tokens: the largest prompt + output of any single request.
     # tool_format_errors: malformed or truncated tool calls answered with an error.
-    metrics: dict[str, Any] = dataclasses.field(default_factory=lambda: {
-        "steps": 0, "steps_by_agent": {}, "tool_calls": 0, "tool_errors": 0,
-        "tool_format_errors": 0, "prompt_tokens": 0, "output_tokens": 0, "cached_tokens": 0,
-        "max_context_tokens": 0, "wall_time_s": 0.0})
+    metrics: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {
+            "steps": 0,
+            "steps_by_agent": {},
+            "tool_calls": 0,
+            "tool_errors": 0,
+            "tool_format_errors": 0,
+            "prompt_tokens": 0,
+            "output_tokens": 0,
+            "cached_tokens": 0,
+            "max_context_tokens": 0,
+            "wall_time_s": 0.0,
+        }
+    )
 
     def count_step(self, agent: str, n: int = 1) -> None:
         self.metrics["steps"] += n
@@ -79,7 +89,9 @@ class ConversationTrace:
         self.metrics["prompt_tokens"] += usage.prompt_tokens or 0
         self.metrics["output_tokens"] += usage.completion_tokens or 0
         details = getattr(usage, "prompt_tokens_details", None)
-        self.metrics["cached_tokens"] += (getattr(details, "cached_tokens", 0) or 0) if details else 0
+        self.metrics["cached_tokens"] += (
+            (getattr(details, "cached_tokens", 0) or 0) if details else 0
+        )
         return context
 
 
@@ -92,15 +104,25 @@ class Orchestrator(abc.ABC):
     output tokens of all requests together (None: unbounded).
     """
 
-    def __init__(self, env: Env, task: Task, client, model: str, *, max_steps: int = 8,
-                 max_context_tokens: int | None = 100_000,
-                 max_generated_tokens: int | None = None,
-                 sampling: dict[str, Any] | None = None, **kw):
+    def __init__(
+        self,
+        env: Env,
+        task: Task,
+        client,
+        model: str,
+        *,
+        max_steps: int = 8,
+        max_context_tokens: int | None = 100_000,
+        max_generated_tokens: int | None = None,
+        sampling: dict[str, Any] | None = None,
+        **kw,
+    ):
         if "max_total_tokens" in kw:
             raise TypeError(
                 "max_total_tokens was removed (it summed prompt tokens over requests): use "
                 "max_context_tokens (bound on prompt + output of each request) and/or "
-                "max_generated_tokens (bound on output tokens of all requests together)")
+                "max_generated_tokens (bound on output tokens of all requests together)"
+            )
         if kw:
             raise TypeError(f"unexpected keyword arguments: {sorted(kw)}")
         self.env = env
@@ -125,11 +147,16 @@ class Orchestrator(abc.ABC):
 
     def over_token_budget(self) -> bool:
         """Whether the latest request passed the context bound, or all output the generated one."""
-        if (self.max_context_tokens is not None and self.last_context is not None
-                and self.last_context > self.max_context_tokens):
+        if (
+            self.max_context_tokens is not None
+            and self.last_context is not None
+            and self.last_context > self.max_context_tokens
+        ):
             return True
-        return (self.max_generated_tokens is not None
-                and self.trace.metrics["output_tokens"] >= self.max_generated_tokens)
+        return (
+            self.max_generated_tokens is not None
+            and self.trace.metrics["output_tokens"] >= self.max_generated_tokens
+        )
 
     async def complete(self, messages, *, agent: str = "main", tools=None, n: int = 1, **kw):
         """One chat completion request, labelled with the agent's name."""
@@ -143,11 +170,13 @@ class Orchestrator(abc.ABC):
             params["n"] = n
         t0 = time.perf_counter()
         resp = await self.client.chat.completions.create(
-            model=self.model, messages=messages, extra_headers={AGENT_HEADER: agent}, **params)
+            model=self.model, messages=messages, extra_headers={AGENT_HEADER: agent}, **params
+        )
         self.last_context = self.trace.count_usage(resp.usage)
         self.last_prompt = getattr(resp.usage, "prompt_tokens", None)
-        self.trace.events.append({"agent": agent, "kind": "completion",
-                                  "latency_s": time.perf_counter() - t0})
+        self.trace.events.append(
+            {"agent": agent, "kind": "completion", "latency_s": time.perf_counter() - t0}
+        )
         return resp
 
 

@@ -26,7 +26,8 @@ a (truncated) answer.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ac2_jax.envs.base import Task, Tool, run_tool
 from ac2_jax.orchestration.base import Orchestrator, SingleTaskUser, run_task
@@ -35,10 +36,14 @@ from ac2_jax.orchestration.base import Orchestrator, SingleTaskUser, run_task
 def _assistant_message(msg) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
     if msg.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name,
-                                           "arguments": c.function.arguments}}
-                             for c in msg.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in msg.tool_calls
+        ]
     return out
 
 
@@ -51,7 +56,7 @@ def tool_format_error(content: str | None, finish_reason: str | None) -> str | N
     start = content.find(TOOL_CALL_OPEN)
     if start < 0:
         return None
-    rest = content[start + len(TOOL_CALL_OPEN):]
+    rest = content[start + len(TOOL_CALL_OPEN) :]
     end = rest.find(TOOL_CALL_CLOSE)
     if end < 0:
         why = "the tool call was truncated (no closing </tool_call>"
@@ -66,10 +71,14 @@ def tool_format_error(content: str | None, finish_reason: str | None) -> str | N
 
 
 def format_error_message(why: str) -> dict[str, str]:
-    return {"role": "user", "content": (
-        f"error: your tool call was not run: {why}. Write each call as "
-        '<tool_call>{"name": "...", "arguments": {...}}</tool_call> with valid JSON, '
-        "or answer without a tool call when done.")}
+    return {
+        "role": "user",
+        "content": (
+            f"error: your tool call was not run: {why}. Write each call as "
+            '<tool_call>{"name": "...", "arguments": {...}}</tool_call> with valid JSON, '
+            "or answer without a tool call when done."
+        ),
+    }
 
 
 class DefaultOrchestrator(Orchestrator):
@@ -103,8 +112,9 @@ class DefaultOrchestrator(Orchestrator):
         step = self.trace.steps_of(self.agent)
         extra = self.transient(step, messages) if self.transient else None
         request = messages + list(extra or [])
-        resp = await self.complete(request, agent=self.agent, n=self.n,
-                                   tools=[t.spec() for t in self.tools] or None)
+        resp = await self.complete(
+            request, agent=self.agent, n=self.n, tools=[t.spec() for t in self.tools] or None
+        )
         self.trace.count_step(self.agent)
         self.last_response_id = getattr(resp, "id", None)  # what choose() records
         choice = self.choose(resp.choices)
@@ -126,8 +136,11 @@ class DefaultOrchestrator(Orchestrator):
                 return  # the hook ended the attempt (it set trace.status)
             msg = await self.step(msgs)
             msgs.append(_assistant_message(msg))
-            if (self.max_context_tokens is not None and self.last_context is not None
-                    and self.last_context > self.max_context_tokens):
+            if (
+                self.max_context_tokens is not None
+                and self.last_context is not None
+                and self.last_context > self.max_context_tokens
+            ):
                 self.trace.status = "token_limit"  # checked per request
                 return
             format_error = tool_format_error(msg.content, self.last_finish_reason)
@@ -187,11 +200,19 @@ class CompactionOrchestrator(DefaultOrchestrator):
     COMPACTOR_SYSTEM_PROMPT = (
         "You are a compactor. You are shown the transcript of an agent working on a task. "
         "Write one short memo of the progress so far: what was asked, what was done, "
-        "results obtained, and what remains. Reply with the memo only.")
+        "results obtained, and what remains. Reply with the memo only."
+    )
     COMPACT_PROMPT = "Summarize the progress so far in one short memo."
 
-    def __init__(self, *args, context_budget: int = 256, max_consecutive_compactions: int = 2,
-                 keep_exchange: bool = True, message_overhead_tokens: int = 0, **kw):
+    def __init__(
+        self,
+        *args,
+        context_budget: int = 256,
+        max_consecutive_compactions: int = 2,
+        keep_exchange: bool = True,
+        message_overhead_tokens: int = 0,
+        **kw,
+    ):
         super().__init__(*args, **kw)
         self.context_budget = context_budget
         # Tokens a chat template adds around each message (role markers, tool-response
@@ -220,8 +241,10 @@ class CompactionOrchestrator(DefaultOrchestrator):
         if prompt is not None:
             if self._before_compaction is not None:
                 if prompt >= self._before_compaction:
-                    self._pending = (f"compaction did not shrink the context ({prompt} "
-                                     f"prompt tokens after, {self._before_compaction} before)")
+                    self._pending = (
+                        f"compaction did not shrink the context ({prompt} "
+                        f"prompt tokens after, {self._before_compaction} before)"
+                    )
                 self._before_compaction = None
             if prompt <= self.context_budget:
                 self._consecutive = 0
@@ -231,32 +254,48 @@ class CompactionOrchestrator(DefaultOrchestrator):
 
     def _fail(self, reason: str) -> None:
         self.trace.status = "agent_error"
-        self.trace.events.append({"agent": "compactor", "kind": "compaction_error",
-                                  "reason": reason})
+        self.trace.events.append(
+            {"agent": "compactor", "kind": "compaction_error", "reason": reason}
+        )
 
     def _estimate(self) -> int:
         if self._main_context is None:
             return 0
-        added = self.trace.messages[self._seen:]
-        return self._main_context + sum(len(m.get("content") or "") // 4
-                                        + self.message_overhead_tokens for m in added)
+        added = self.trace.messages[self._seen :]
+        return self._main_context + sum(
+            len(m.get("content") or "") // 4 + self.message_overhead_tokens for m in added
+        )
 
     def _kept(self) -> tuple[list[dict], list[dict]]:
         """(the current turn's user message, the latest tool exchange), both verbatim."""
         msgs = self.trace.messages
-        turn_i = next((i for i in range(len(msgs) - 1, -1, -1) if msgs[i]["role"] == "user"
-                       and msgs[i].get("content") == self._turn_input), None)
+        turn_i = next(
+            (
+                i
+                for i in range(len(msgs) - 1, -1, -1)
+                if msgs[i]["role"] == "user" and msgs[i].get("content") == self._turn_input
+            ),
+            None,
+        )
         turn = [msgs[turn_i]] if turn_i is not None else []
         start = len(msgs)
-        while start > 0 and (msgs[start - 1]["role"] == "tool" or (
+        while start > 0 and (
+            msgs[start - 1]["role"] == "tool"
+            or (
                 msgs[start - 1]["role"] == "user"
-                and (msgs[start - 1].get("content") or "").startswith("error:"))):
+                and (msgs[start - 1].get("content") or "").startswith("error:")
+            )
+        ):
             start -= 1
         exchange = []
-        if (start < len(msgs) and start > 0 and msgs[start - 1]["role"] == "assistant"
-                and msgs[start - 1].get("tool_calls")
-                and (turn_i is None or start - 1 > turn_i)):
-            exchange = msgs[start - 1:]
+        if (
+            start < len(msgs)
+            and start > 0
+            and msgs[start - 1]["role"] == "assistant"
+            and msgs[start - 1].get("tool_calls")
+            and (turn_i is None or start - 1 > turn_i)
+        ):
+            exchange = msgs[start - 1 :]
         return turn, exchange
 
     def _transcript(self) -> str:
@@ -277,13 +316,17 @@ class CompactionOrchestrator(DefaultOrchestrator):
         if self._estimate() <= self.context_budget:
             return True
         if self._consecutive >= self.max_consecutive_compactions:
-            self._fail(f"context still over the budget ({self._estimate()} > "
-                       f"{self.context_budget} tokens) after {self._consecutive} consecutive "
-                       "compactions")
+            self._fail(
+                f"context still over the budget ({self._estimate()} > "
+                f"{self.context_budget} tokens) after {self._consecutive} consecutive "
+                "compactions"
+            )
             return False
         before = self._estimate()
-        request = [{"role": "system", "content": self.COMPACTOR_SYSTEM_PROMPT},
-                   {"role": "user", "content": f"{self._transcript()}\n\n{self.COMPACT_PROMPT}"}]
+        request = [
+            {"role": "system", "content": self.COMPACTOR_SYSTEM_PROMPT},
+            {"role": "user", "content": f"{self._transcript()}\n\n{self.COMPACT_PROMPT}"},
+        ]
         resp = await self.complete(request, agent="compactor")
         self.trace.count_step("compactor")
         memo = resp.choices[0].message.content or ""
@@ -314,7 +357,9 @@ class SubagentOrchestrator(DefaultOrchestrator):
     def __init__(self, *args, subagent_max_steps: int | None = None, **kw):
         super().__init__(*args, **kw)
         # Each subagent has its own step budget (default: the main agent's).
-        self.subagent_max_steps = self.max_steps if subagent_max_steps is None else subagent_max_steps
+        self.subagent_max_steps = (
+            self.max_steps if subagent_max_steps is None else subagent_max_steps
+        )
         self.subagents: list[str] = []
 
     @property
@@ -322,27 +367,46 @@ class SubagentOrchestrator(DefaultOrchestrator):
         spawn = Tool(
             name="spawn_subagent",
             description="Run a helper agent on a sub-task; returns its answer.",
-            parameters={"type": "object", "properties": {
-                "name": {"type": "string"}, "task": {"type": "string"}},
-                "required": ["name", "task"]},
-            fn=self._spawn, timeout_s=300.0)
+            parameters={
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "task": {"type": "string"}},
+                "required": ["name", "task"],
+            },
+            fn=self._spawn,
+            timeout_s=300.0,
+        )
         return self.env.tools + [spawn]
 
     async def _spawn(self, name: str, task: str) -> str:
         sub_task = Task(task_id=f"{self.trace.task.task_id}/{name}", prompt=task)
-        generated_left = (None if self.max_generated_tokens is None else
-                          max(0, self.max_generated_tokens - self.trace.metrics["output_tokens"]))
-        sub = DefaultOrchestrator(self.env, sub_task, self.client, self.model,
-                                  max_steps=self.subagent_max_steps, sampling=self.sampling,
-                                  max_context_tokens=self.max_context_tokens,
-                                  max_generated_tokens=generated_left)
+        generated_left = (
+            None
+            if self.max_generated_tokens is None
+            else max(0, self.max_generated_tokens - self.trace.metrics["output_tokens"])
+        )
+        sub = DefaultOrchestrator(
+            self.env,
+            sub_task,
+            self.client,
+            self.model,
+            max_steps=self.subagent_max_steps,
+            sampling=self.sampling,
+            max_context_tokens=self.max_context_tokens,
+            max_generated_tokens=generated_left,
+        )
         sub.agent = f"subagent:{name}"
         sub.seed_scope = f"{self.seed_scope}/spawn{len(self.subagents)}"  # its own seeds
         self.subagents.append(name)
         result = await run_task(sub, SingleTaskUser())
         m = self.trace.metrics
-        for k in ("tool_calls", "tool_errors", "tool_format_errors", "prompt_tokens",
-                  "output_tokens", "cached_tokens"):
+        for k in (
+            "tool_calls",
+            "tool_errors",
+            "tool_format_errors",
+            "prompt_tokens",
+            "output_tokens",
+            "cached_tokens",
+        ):
             m[k] += result.metrics[k]
         m["max_context_tokens"] = max(m["max_context_tokens"], result.metrics["max_context_tokens"])
         for agent, n in result.metrics["steps_by_agent"].items():
@@ -363,12 +427,15 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
     so the other responses never get its reward.
     """
 
-    def __init__(self, *args, n: int = 2, select: str | Callable[[str | None], float] = "first",
-                 **kw):
+    def __init__(
+        self, *args, n: int = 2, select: str | Callable[[str | None], float] = "first", **kw
+    ):
         super().__init__(*args, **kw)
         if not (callable(select) or select in ("first", "verify")):
-            raise ValueError(f"MultiResponseOrchestrator: select must be 'first', 'verify' or a "
-                             f"callable, got {select!r}")
+            raise ValueError(
+                f"MultiResponseOrchestrator: select must be 'first', 'verify' or a "
+                f"callable, got {select!r}"
+            )
         self.n = n
         self.select = select
         self.collected: list[list[str | None]] = []
@@ -386,5 +453,6 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
             scores = [self.score(t) for t in texts]
             index = max(range(len(scores)), key=lambda i: (scores[i], -i))
         self.trace.metrics.setdefault("branch_choices", []).append(
-            {"request_id": self.last_response_id, "index": index})
+            {"request_id": self.last_response_id, "index": index}
+        )
         return choices[index]

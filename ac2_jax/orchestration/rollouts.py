@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -42,16 +43,24 @@ class LifecycleClient:
     rollout there, which its timeout ends.)
     """
 
-    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 600.0, *,
-                 retries: int = 2, backoff_s: float = 0.1):
+    def __init__(
+        self,
+        base_url: str,
+        admin_key: str,
+        timeout_s: float = 600.0,
+        *,
+        retries: int = 2,
+        backoff_s: float = 0.1,
+    ):
         if retries < 0:
             raise ValueError(f"LifecycleClient: retries must be >= 0, got {retries}")
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self.calls = 0  # HTTP requests made, retries included
         self._admin = {"Authorization": f"Bearer {admin_key}"}
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s,
-                                       headers=self._admin)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout_s, headers=self._admin
+        )
         self._ssl: ssl.SSLContext | None = None
 
     def rollout_http(self) -> httpx.AsyncClient:
@@ -67,15 +76,18 @@ class LifecycleClient:
             self._ssl = ssl.create_default_context()
         return httpx.AsyncClient(timeout=600.0, verify=self._ssl)
 
-    async def _call(self, method: str, path: str, http: httpx.AsyncClient | None = None,
-                    **kw) -> dict[str, Any]:
+    async def _call(
+        self, method: str, path: str, http: httpx.AsyncClient | None = None, **kw
+    ) -> dict[str, Any]:
         """One lifecycle call, retried as the class says; over `http` (e.g. the
         rollout's own `rollout_http` client) when given, with this client's admin
         key and timeout, else over the shared client."""
         url = path
         if http is not None:
-            url, kw = self.base_url + path, {**kw, "headers": self._admin,
-                                             "timeout": self.timeout_s}
+            url, kw = (
+                self.base_url + path,
+                {**kw, "headers": self._admin, "timeout": self.timeout_s},
+            )
         for i in range(self.retries + 1):
             last = i == self.retries
             self.calls += 1
@@ -88,14 +100,21 @@ class LifecycleClient:
                 if r.status_code < 400:
                     return r.json()
                 if r.status_code < 500 or last:
-                    raise LifecycleError(f"{method} {path}: HTTP {r.status_code}: "
-                                         f"{r.text[:500]}", r.status_code)
+                    raise LifecycleError(
+                        f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code
+                    )
             await asyncio.sleep(self.backoff_s * (i + 1))
         raise AssertionError("unreachable")
 
-    async def create(self, task_id: str, group_id: str | None = None,
-                     metadata: dict | None = None, timeout_s: float | None = None, *,
-                     http: httpx.AsyncClient | None = None) -> dict[str, Any]:
+    async def create(
+        self,
+        task_id: str,
+        group_id: str | None = None,
+        metadata: dict | None = None,
+        timeout_s: float | None = None,
+        *,
+        http: httpx.AsyncClient | None = None,
+    ) -> dict[str, Any]:
         body = {"task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
@@ -104,11 +123,20 @@ class LifecycleClient:
     async def get(self, rollout_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/v1/rollouts/{rollout_id}")
 
-    async def finish(self, rollout_id: str, *, reward: float | None = None,
-                     artifacts: dict | None = None, status: str | None = None,
-                     http: httpx.AsyncClient | None = None) -> dict[str, Any]:
-        body = {k: v for k, v in (("reward", reward), ("artifacts", artifacts),
-                                  ("status", status)) if v is not None}
+    async def finish(
+        self,
+        rollout_id: str,
+        *,
+        reward: float | None = None,
+        artifacts: dict | None = None,
+        status: str | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            k: v
+            for k, v in (("reward", reward), ("artifacts", artifacts), ("status", status))
+            if v is not None
+        }
         return await self._call("POST", f"/v1/rollouts/{rollout_id}/finish", http, json=body)
 
     async def trace(self, rollout_id: str, *, http: httpx.AsyncClient | None = None) -> Trace:
@@ -127,8 +155,9 @@ class LifecycleClient:
         body: dict[str, Any] = {"step": int(step)}
         if learner_step is not None:
             body["learner_step"] = int(learner_step)
-        return int((await self._call("POST", "/v1/admin/load_weights",
-                                     json=body))["policy_version"])
+        return int(
+            (await self._call("POST", "/v1/admin/load_weights", json=body))["policy_version"]
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -158,11 +187,18 @@ def classify_error(exc: BaseException) -> str:
     return "infra_error"
 
 
-async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
-                      make_orchestrator: OrchestratorFactory, model: str, *,
-                      group_id: str | None = None, attempt: int = 0,
-                      metadata: dict | None = None,
-                      timeout_s: float | None = None) -> tuple[Trace, ConversationTrace]:
+async def run_rollout(
+    lifecycle: LifecycleClient,
+    env: Env,
+    task: Task,
+    make_orchestrator: OrchestratorFactory,
+    model: str,
+    *,
+    group_id: str | None = None,
+    attempt: int = 0,
+    metadata: dict | None = None,
+    timeout_s: float | None = None,
+) -> tuple[Trace, ConversationTrace]:
     """One attempt: create rollout -> run loop -> verify -> finish -> trace.
 
     The attempt ends "finished" when the agent answered (the verifier's reward,
@@ -185,8 +221,18 @@ async def run_rollout(lifecycle: LifecycleClient, env: Env, task: Task,
     # harness makes concurrent model calls): see rollout_http.
     http = lifecycle.rollout_http()
     try:
-        return await _run_rollout(lifecycle, http, env, task, make_orchestrator, model,
-                                  group_id, attempt, metadata, timeout_s)
+        return await _run_rollout(
+            lifecycle,
+            http,
+            env,
+            task,
+            make_orchestrator,
+            model,
+            group_id,
+            attempt,
+            metadata,
+            timeout_s,
+        )
     finally:
         await http.aclose()
 
@@ -197,27 +243,43 @@ def _harness_events(conv: ConversationTrace) -> list[dict]:
     return [ev for ev in conv.events if ev.get("kind") != "completion"]
 
 
-async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, group_id, attempt,
-                       metadata, timeout_s) -> tuple[Trace, ConversationTrace]:
-    info = await lifecycle.create(task.task_id, group_id=group_id,
-                                  metadata={"attempt": attempt, "domain": task.domain,
-                                            **(metadata or {})},
-                                  timeout_s=timeout_s, http=http)
+async def _run_rollout(
+    lifecycle, http, env, task, make_orchestrator, model, group_id, attempt, metadata, timeout_s
+) -> tuple[Trace, ConversationTrace]:
+    info = await lifecycle.create(
+        task.task_id,
+        group_id=group_id,
+        metadata={"attempt": attempt, "domain": task.domain, **(metadata or {})},
+        timeout_s=timeout_s,
+        http=http,
+    )
     # The openai client borrows `http` (closed by run_rollout, after finish and trace).
-    client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
-                                max_retries=0, timeout=600.0, http_client=http)
+    client = openai.AsyncOpenAI(
+        base_url=info["base_url"],
+        api_key=info["api_key"],
+        max_retries=0,
+        timeout=600.0,
+        http_client=http,
+    )
     orch, t0 = None, time.monotonic()
     try:
         orch = make_orchestrator(env, task, client, model)
         conv = await asyncio.wait_for(run_task(orch, SingleTaskUser()), timeout_s)
         reward = env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
-        artifacts = {"answer": conv.answer, "orchestrator_status": conv.status,
-                     "metrics": conv.metrics, "events": _harness_events(conv)}
+        artifacts = {
+            "answer": conv.answer,
+            "orchestrator_status": conv.status,
+            "metrics": conv.metrics,
+            "events": _harness_events(conv),
+        }
     except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
         # A TimeoutError is our deadline only once timeout_s has passed (not one of the harness's).
-        deadline = (isinstance(e, asyncio.TimeoutError) and timeout_s is not None
-                    and time.monotonic() - t0 >= timeout_s)
+        deadline = (
+            isinstance(e, asyncio.TimeoutError)
+            and timeout_s is not None
+            and time.monotonic() - t0 >= timeout_s
+        )
         status, reward = ("timed_out" if deadline else classify_error(e)), None
         conv = orch.trace if orch is not None else ConversationTrace(task=task)
         conv.status = status
@@ -226,11 +288,16 @@ async def _run_rollout(lifecycle, http, env, task, make_orchestrator, model, gro
         # branch choices of a multi-response harness, and its events) reaches the
         # trace whatever the status: without branch_choices RL could not tell which
         # response was continued.
-        artifacts = {"error": error, "orchestrator_status": status, "metrics": conv.metrics,
-                     "events": _harness_events(conv)}
+        artifacts = {
+            "error": error,
+            "orchestrator_status": status,
+            "metrics": conv.metrics,
+            "events": _harness_events(conv),
+        }
     try:
-        await lifecycle.finish(info["rollout_id"], reward=reward, status=status,
-                               artifacts=artifacts, http=http)
+        await lifecycle.finish(
+            info["rollout_id"], reward=reward, status=status, artifacts=artifacts, http=http
+        )
     except LifecycleError as e:
         if e.status_code != 409:  # 409: the endpoint ended it first; its status stands
             raise

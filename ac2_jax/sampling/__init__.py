@@ -3,9 +3,9 @@
 from ac2_jax.sampling.base import (
     ContextLengthError,
     OnTokens,
-    SampleResult,
     Sampler,
     SamplerError,
+    SampleResult,
     SamplerUnavailable,
     SamplingParams,
     check_prompt,

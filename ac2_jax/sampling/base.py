@@ -71,14 +71,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 FINISH_REASONS = ("stop", "length")
 
 INT32_MAX = 2**31 - 1
-MAX_STOP = 16             # stop strings per request
-MAX_STOP_CHARS = 512      # characters per stop string
-MAX_STOP_TOKEN_IDS = 64   # stop token ids per request
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 512  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64  # stop token ids per request
 TEMPERATURE_RANGE = (1e-4, 1e4)  # besides 0 (greedy); smaller ones overflow fp32 logits
 
 OnTokens = Callable[[list[int], list[float]], None]  # (new ids, their logprobs)
@@ -145,39 +146,46 @@ class SamplingParams:
         t = _real("temperature", self.temperature)
         lo, hi = TEMPERATURE_RANGE
         if t != 0.0 and not lo <= t <= hi:
-            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or in "
-                             f"[{lo}, {hi}], got {t}")
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or in [{lo}, {hi}], got {t}"
+            )
         top_p = _real("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {top_p}")
         stop = self.stop
         if isinstance(stop, str) or not isinstance(stop, (list, tuple)):
-            raise ValueError(f"SamplingParams.stop must be a list of strings, got "
-                             f"{type(stop).__name__}")
+            raise ValueError(
+                f"SamplingParams.stop must be a list of strings, got {type(stop).__name__}"
+            )
         if len(stop) > MAX_STOP:
             raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most {MAX_STOP}")
         for x in stop:
             if not isinstance(x, str) or not x or len(x) > MAX_STOP_CHARS:
-                raise ValueError(f"SamplingParams.stop must hold non-empty strings of at most "
-                                 f"{MAX_STOP_CHARS} characters, got {str(x)[:40]!r}")
+                raise ValueError(
+                    f"SamplingParams.stop must hold non-empty strings of at most "
+                    f"{MAX_STOP_CHARS} characters, got {str(x)[:40]!r}"
+                )
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got "
-                             f"{type(ids).__name__}")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a list of ints, got {type(ids).__name__}"
+            )
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"SamplingParams.stop_token_ids has {len(ids)} ids; at most "
-                             f"{MAX_STOP_TOKEN_IDS}")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         return {
-            "temperature": t, "top_p": top_p,
+            "temperature": t,
+            "top_p": top_p,
             "top_k": _int("top_k", self.top_k, -1, INT32_MAX),
             "max_tokens": _int("max_tokens", self.max_tokens, 1, INT32_MAX),
             "stop": tuple(stop),
             "stop_token_ids": tuple(_int("stop_token_ids", i, 0, INT32_MAX) for i in ids),
-            "seed": None if self.seed is None else _int("seed", self.seed, -2**63, 2**64 - 1),
+            "seed": None if self.seed is None else _int("seed", self.seed, -(2**63), 2**64 - 1),
             "top_logprobs": _int("top_logprobs", self.top_logprobs, 0, INT32_MAX),
         }
 
-    def replace(self, **kw) -> "SamplingParams":
+    def replace(self, **kw) -> SamplingParams:
         return dataclasses.replace(self, **kw)
 
 
@@ -200,15 +208,18 @@ class SampleResult:
         if len(self.output_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"SampleResult: {len(self.output_logprobs)} logprobs for "
-                f"{len(self.output_ids)} output ids")
+                f"{len(self.output_ids)} output ids"
+            )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"SampleResult.finish_reason must be one of {FINISH_REASONS}, "
-                f"got {self.finish_reason!r}")
+                f"got {self.finish_reason!r}"
+            )
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"SampleResult: top_logprobs has {len(self.top_logprobs)} rows for "
-                f"{len(self.output_ids)} output ids")
+                f"{len(self.output_ids)} output ids"
+            )
 
 
 @runtime_checkable
@@ -221,24 +232,30 @@ class Sampler(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       on_tokens: OnTokens | None = None) -> SampleResult: ...
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, on_tokens: OnTokens | None = None
+    ) -> SampleResult: ...
 
     def load_weights(self, step: int | None = None) -> int: ...
 
 
-def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> None:
+def check_prompt(
+    prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None
+) -> None:
     """Raises the protocol's errors for a prompt a sampler cannot take."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty; a sampler needs at least one prompt token")
     if len(prompt_ids) >= max_context:
         raise ContextLengthError(
             f"prompt has {len(prompt_ids)} tokens but the sampler's context holds "
-            f"{max_context} (prompt + at least one output token)")
+            f"{max_context} (prompt + at least one output token)"
+        )
     if vocab_size is not None:
         bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"prompt_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
 
 
 def truncate_at_stop(

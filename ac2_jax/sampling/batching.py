@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,16 +28,16 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     future: concurrent.futures.Future
-    seed: int                # 64-bit; drawn by the sampler when params.seed is None
+    seed: int  # 64-bit; drawn by the sampler when params.seed is None
     stop_ids: tuple[int, ...]
-    max_out: int             # min(max_tokens, max_context - len(prompt))
-    version: int = 0         # weights version that samples every token
-    cached: int = 0          # prompt tokens whose prefill was skipped
-    gen: list[int] = dataclasses.field(default_factory=list)       # every sampled token
+    max_out: int  # min(max_tokens, max_context - len(prompt))
+    version: int = 0  # weights version that samples every token
+    cached: int = 0  # prompt tokens whose prefill was skipped
+    gen: list[int] = dataclasses.field(default_factory=list)  # every sampled token
     logprobs: list[float] = dataclasses.field(default_factory=list)
     tops: list | None = None
     on_tokens: Callable | None = None  # (ids, logprobs) of newly accepted tokens
-    sent: int = 0            # output tokens already handed to on_tokens
+    sent: int = 0  # output tokens already handed to on_tokens
 
 
 @dataclasses.dataclass
@@ -55,10 +55,10 @@ class SamplerStats:
     active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     resizes: int = 0
     weight_swaps: int = 0
-    cancelled: int = 0        # requests dropped because their caller gave up
-    request_errors: int = 0   # requests failed with SamplerError (own fault or a crash)
+    cancelled: int = 0  # requests dropped because their caller gave up
+    request_errors: int = 0  # requests failed with SamplerError (own fault or a crash)
     worker_restarts: int = 0  # exceptions that escaped a device step (cache rebuilt)
-    decode_s: float = 0.0   # wall time in decode chunks (device call + read back)
+    decode_s: float = 0.0  # wall time in decode chunks (device call + read back)
     prefill_s: float = 0.0  # wall time in prefill calls (dispatch until the next sync)
     # Every (jitted function, static shape) the worker has called: each new one
     # is one XLA compile (weights of the same structure reuse it). A set that
@@ -72,12 +72,17 @@ class SamplerStats:
     def counters(self) -> dict[str, float]:
         """The cumulative counters as plain numbers; two of them a step apart give
         that step's sampler work (`occupancy_metrics`)."""
-        return {"decode_s": self.decode_s, "prefill_s": self.prefill_s,
-                "decode_steps": self.decode_steps,
-                "row_steps": sum(rows * n for rows, n in self.active_rows.items()),
-                "output_tokens": self.output_tokens, "prefill_tokens": self.prefill_tokens,
-                "cached_tokens": self.cached_tokens, "compiled_shapes": self.compiled_shapes,
-                "resizes": self.resizes}
+        return {
+            "decode_s": self.decode_s,
+            "prefill_s": self.prefill_s,
+            "decode_steps": self.decode_steps,
+            "row_steps": sum(rows * n for rows, n in self.active_rows.items()),
+            "output_tokens": self.output_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "compiled_shapes": self.compiled_shapes,
+            "resizes": self.resizes,
+        }
 
 
 def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, float]:
@@ -90,12 +95,19 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
     """
     d = {k: after[k] - before[k] for k in after}
     active = d["row_steps"] / d["decode_steps"] if d["decode_steps"] else 0.0
-    return {"decode_s": d["decode_s"], "prefill_s": d["prefill_s"],
-            "decode_steps": d["decode_steps"], "mean_active_rows": active,
-            "occupancy": active / max_batch, "output_tokens": d["output_tokens"],
-            "prefill_tokens": d["prefill_tokens"], "cached_tokens": d["cached_tokens"],
-            "new_shapes": d["compiled_shapes"], "resizes": d["resizes"],
-            "decode_tokens_per_s": d["output_tokens"] / d["decode_s"] if d["decode_s"] else 0.0}
+    return {
+        "decode_s": d["decode_s"],
+        "prefill_s": d["prefill_s"],
+        "decode_steps": d["decode_steps"],
+        "mean_active_rows": active,
+        "occupancy": active / max_batch,
+        "output_tokens": d["output_tokens"],
+        "prefill_tokens": d["prefill_tokens"],
+        "cached_tokens": d["cached_tokens"],
+        "new_shapes": d["compiled_shapes"],
+        "resizes": d["resizes"],
+        "decode_tokens_per_s": d["output_tokens"] / d["decode_s"] if d["decode_s"] else 0.0,
+    }
 
 
 def resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
@@ -109,9 +121,18 @@ def resolve(req: Request, result=None, exc: BaseException | None = None) -> None
         pass
 
 
-_FIELDS = {"token": np.int32, "pos": np.int32, "active": np.bool_, "n_out": np.int32,
-           "max_out": np.int32, "temperature": np.float32, "top_p": np.float32,
-           "top_k": np.int32, "seed_lo": np.uint32, "seed_hi": np.uint32}
+_FIELDS = {
+    "token": np.int32,
+    "pos": np.int32,
+    "active": np.bool_,
+    "n_out": np.int32,
+    "max_out": np.int32,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int32,
+    "seed_lo": np.uint32,
+    "seed_hi": np.uint32,
+}
 
 
 class SlotTable:
@@ -120,8 +141,8 @@ class SlotTable:
     def __init__(self):
         self.B = 0
         self.req: list[Request | None] = []
-        self.hist: list[np.ndarray] = []   # tokens held in slots 0.. of a free row
-        self.used: list[int] = []          # tick of last use (free rows: LRU reuse)
+        self.hist: list[np.ndarray] = []  # tokens held in slots 0.. of a free row
+        self.used: list[int] = []  # tick of last use (free rows: LRU reuse)
         self.arr = {k: np.zeros(0, t) for k, t in _FIELDS.items()}
         self.tick = 0
 
@@ -145,15 +166,19 @@ class SlotTable:
         Returns the gather index [new_B] for `resize_cache` (B = empty row).
         """
         idx = np.full(new_B, self.B, np.int32)
-        idx[:len(old_rows)] = old_rows
-        keep = lambda lst, empty: [lst[o] for o in old_rows] + [  # noqa: E731
-            empty() for _ in range(new_B - len(old_rows))]
+        idx[: len(old_rows)] = old_rows
+        keep = lambda lst, empty: (
+            [lst[o] for o in old_rows]
+            + [  # noqa: E731
+                empty() for _ in range(new_B - len(old_rows))
+            ]
+        )
         self.req = keep(self.req, lambda: None)
         self.hist = keep(self.hist, lambda: np.zeros(0, np.int32))
         self.used = keep(self.used, lambda: -1)
         for k, a in self.arr.items():
             new = np.zeros(new_B, a.dtype)
-            new[:len(old_rows)] = a[old_rows]
+            new[: len(old_rows)] = a[old_rows]
             self.arr[k] = new
         self.B = new_B
         return idx
@@ -185,10 +210,18 @@ class SlotTable:
         All or nothing: a value that does not fit its field (OverflowError,
         ValueError) raises before the row changes."""
         p = req.params
-        vals = {"token": req.prompt[-1], "pos": len(req.prompt) - 1, "active": True, "n_out": 0,
-                "max_out": req.max_out, "temperature": p.temperature, "top_p": p.top_p,
-                "top_k": p.top_k, "seed_lo": req.seed & 0xFFFFFFFF,
-                "seed_hi": (req.seed >> 32) & 0xFFFFFFFF}
+        vals = {
+            "token": req.prompt[-1],
+            "pos": len(req.prompt) - 1,
+            "active": True,
+            "n_out": 0,
+            "max_out": req.max_out,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "seed_lo": req.seed & 0xFFFFFFFF,
+            "seed_hi": (req.seed >> 32) & 0xFFFFFFFF,
+        }
         vals = {k: _FIELDS[k](v) for k, v in vals.items()}  # np.int32(2**40) raises here
         for k, v in vals.items():
             self.arr[k][row] = v
@@ -199,7 +232,7 @@ class SlotTable:
         """Frees `row`; its slots keep the keys/values of prompt + fed outputs."""
         req = self.req[row]
         seq = np.asarray(req.prompt + req.gen, np.int32)
-        self.hist[row] = seq[:int(self.arr["pos"][row])]
+        self.hist[row] = seq[: int(self.arr["pos"][row])]
         self.req[row] = None
         self.arr["active"][row] = False
         self.tick += 1
@@ -220,7 +253,7 @@ class SlotTable:
         stop = np.full((self.B, ns), -1, np.int32)
         for i, r in enumerate(self.req):
             if r is not None and r.stop_ids:
-                stop[i, :len(r.stop_ids)] = r.stop_ids
+                stop[i, : len(r.stop_ids)] = r.stop_ids
         return Rows(**{k: a.copy() for k, a in self.arr.items()}, stop_ids=stop)
 
     def update(self, rows: Rows) -> None:

@@ -28,23 +28,25 @@ from ac2_jax.models.decoder import KVCache
 class Rows:
     """Per-row decode state, every field [B] (stop_ids [B, NS], -1 = unused)."""
 
-    token: jax.Array        # int32: next input token (last prompt token, then last sample)
-    pos: jax.Array          # int32: its position / cache slot
-    active: jax.Array       # bool: still generating
-    n_out: jax.Array        # int32: output tokens sampled so far
-    max_out: jax.Array      # int32: stop after this many output tokens
+    token: jax.Array  # int32: next input token (last prompt token, then last sample)
+    pos: jax.Array  # int32: its position / cache slot
+    active: jax.Array  # bool: still generating
+    n_out: jax.Array  # int32: output tokens sampled so far
+    max_out: jax.Array  # int32: stop after this many output tokens
     temperature: jax.Array  # float32: 0 = greedy
-    top_p: jax.Array        # float32: 1 = off
-    top_k: jax.Array        # int32: <= 0 = off
-    seed_lo: jax.Array      # uint32
-    seed_hi: jax.Array      # uint32
-    stop_ids: jax.Array     # int32 [B, NS]
+    top_p: jax.Array  # float32: 1 = off
+    top_k: jax.Array  # int32: <= 0 = off
+    seed_lo: jax.Array  # uint32
+    seed_hi: jax.Array  # uint32
+    stop_ids: jax.Array  # int32 [B, NS]
 
 
 def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Array:
     """PRNG keys [B] for output token `index` [B] of rows seeded (seed_lo, seed_hi) [B]."""
+
     def one(lo, hi, i):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), i)
+
     return jax.vmap(one)(seed_lo, seed_hi, index)
 
 
@@ -58,7 +60,9 @@ def first_argmax(x: jax.Array) -> jax.Array:
     m = jnp.max(x, axis=-1, keepdims=True)
     V = x.shape[-1]
     idx = jnp.min(jnp.where(x == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-    return jnp.minimum(idx, V - 1)  # an all-NaN row has no match: clamp like argmax would stay in range
+    return jnp.minimum(
+        idx, V - 1
+    )  # an all-NaN row has no match: clamp like argmax would stay in range
 
 
 def inverse_cdf_draw(logits: jax.Array, u: jax.Array, *, block: int = 64) -> jax.Array:
@@ -74,25 +78,27 @@ def inverse_cdf_draw(logits: jax.Array, u: jax.Array, *, block: int = 64) -> jax
     """
     B, V = logits.shape
     nb = -(-V // block)
-    x = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, nb * block - V)),
-                constant_values=-jnp.inf)
+    x = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf)
     p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)).reshape(B, nb, block)
-    mass = p.sum(-1)                                     # [B, nb]
+    mass = p.sum(-1)  # [B, nb]
     cum = jnp.cumsum(mass, axis=-1)
     target = u.astype(jnp.float32) * cum[:, -1]
     last_block = jnp.max(jnp.where(mass > 0, jnp.arange(nb), 0), axis=-1)  # last with mass
     blk = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last_block)
-    inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]     # [B, block]
-    before = jnp.where(blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None],
-                                                   axis=1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.where(
+        blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], axis=1)[:, 0], 0.0
+    )
     last_tok = jnp.max(jnp.where(inner > 0, jnp.arange(block), 0), axis=-1)
-    j = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1),
-                    last_tok)
+    j = jnp.minimum(
+        jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1), last_tok
+    )
     return (blk * block + j).astype(jnp.int32)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
-                  top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """One token per row from fp32 logits [B, V], and the log-probs it was drawn from.
 
     Returns (tokens [B] int32, logp [B, V]): logp is log_softmax of
@@ -115,10 +121,12 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     return tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_steps", "n_top"),
-                   donate_argnames=("cache",))
-def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Array, *,
-                 n_steps: int, n_top: int):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "n_steps", "n_top"), donate_argnames=("cache",)
+)
+def decode_chunk(
+    graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Array, *, n_steps: int, n_top: int
+):
     """Up to `n_steps` decode steps for all rows; stops early once no row is active.
 
     Returns (cache, rows, out) with out = (tokens [n, B] int32, -1 where the row
@@ -127,8 +135,12 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
     [n, B, n_top], zeros unless `want_top`).
     """
     B = rows.token.shape[0]
-    out0 = (jnp.full((n_steps, B), -1, jnp.int32), jnp.zeros((n_steps, B), jnp.float32),
-            jnp.zeros((n_steps, B, n_top), jnp.int32), jnp.zeros((n_steps, B, n_top), jnp.float32))
+    out0 = (
+        jnp.full((n_steps, B), -1, jnp.int32),
+        jnp.zeros((n_steps, B), jnp.float32),
+        jnp.zeros((n_steps, B, n_top), jnp.int32),
+        jnp.zeros((n_steps, B, n_top), jnp.float32),
+    )
 
     def cond(carry):
         i, _, r, _ = carry
@@ -140,22 +152,29 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
         pos = jnp.where(r.active, r.pos, -1)
         logits, cache = model.decode(r.token[:, None], pos[:, None], cache)
         keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
-        tok, logp = sample_tokens(logits[:, 0].astype(jnp.float32), keys, r.temperature,
-                                  r.top_k, r.top_p)
+        tok, logp = sample_tokens(
+            logits[:, 0].astype(jnp.float32), keys, r.temperature, r.top_k, r.top_p
+        )
         lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         if n_top:
             # Filtered-out candidates are reported at -9999 (finite, JSON-safe).
             t_lp, t_id = jax.lax.cond(
-                want_top, lambda x: tuple(jax.lax.top_k(jnp.maximum(x, -9999.0), n_top)),
+                want_top,
+                lambda x: tuple(jax.lax.top_k(jnp.maximum(x, -9999.0), n_top)),
                 lambda x: (jnp.zeros((B, n_top), x.dtype), jnp.zeros((B, n_top), jnp.int32)),
-                logp)
+                logp,
+            )
             o_tid, o_tlp = o_tid.at[i].set(t_id.astype(jnp.int32)), o_tlp.at[i].set(t_lp)
         emit = r.active
         n_out = r.n_out + emit.astype(jnp.int32)
         hit_stop = jnp.any(tok[:, None] == r.stop_ids, axis=-1)
         active = emit & ~hit_stop & (n_out < r.max_out)
-        r = r.replace(token=jnp.where(emit, tok, r.token), pos=r.pos + emit.astype(jnp.int32),
-                      n_out=n_out, active=active)
+        r = r.replace(
+            token=jnp.where(emit, tok, r.token),
+            pos=r.pos + emit.astype(jnp.int32),
+            n_out=n_out,
+            active=active,
+        )
         o_tok = o_tok.at[i].set(jnp.where(emit, tok, -1))
         o_lp = o_lp.at[i].set(jnp.where(emit, lp, 0.0))
         return i + 1, cache, r, (o_tok, o_lp, o_tid, o_tlp)
@@ -164,8 +183,9 @@ def decode_chunk(graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Arra
     return cache, rows, out
 
 
-def prefill_rows(graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: jax.Array,
-                 positions: jax.Array) -> KVCache:
+def prefill_rows(
+    graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: jax.Array, positions: jax.Array
+) -> KVCache:
     """Writes prompt tokens into cache rows `row_idx` [b] (index >= B: padding).
 
     tokens, positions [b, T]; position -1 marks padding. Only the keys and
@@ -214,4 +234,5 @@ def resize_cache(cache: KVCache, row_idx: jax.Array, *, max_len: int) -> KVCache
         if max_len >= S:
             return jnp.pad(x, [(0, max_len - S) if i == ax else (0, 0) for i in range(x.ndim)])
         return jax.lax.slice_in_dim(x, 0, max_len, axis=ax)
+
     return jax.tree.map(one, cache)

@@ -43,15 +43,23 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from ac2_jax.sampling.base import (OnTokens, SampleResult, Sampler, SamplerError,
-                                   SamplerUnavailable, SamplingParams)
+from ac2_jax.sampling.base import (
+    OnTokens,
+    Sampler,
+    SamplerError,
+    SampleResult,
+    SamplerUnavailable,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
 _ROUTE_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "ac2_jax_route_key", default=None)
+    "ac2_jax_route_key", default=None
+)
 
 
 @contextlib.contextmanager
@@ -73,13 +81,13 @@ class BackendState:
     name: str
     up: bool = True
     in_flight: int = 0
-    requests: int = 0       # requests sent (retries included)
-    errors: int = 0         # requests that failed with SamplerError
-    unavailable: int = 0    # of those, never sent (retried on another backend)
-    keys: int = 0           # route keys given to it (a rollout each)
-    downs: int = 0          # times marked down
+    requests: int = 0  # requests sent (retries included)
+    errors: int = 0  # requests that failed with SamplerError
+    unavailable: int = 0  # of those, never sent (retried on another backend)
+    keys: int = 0  # route keys given to it (a rollout each)
+    downs: int = 0  # times marked down
     last_error: str | None = None
-    retry_at: float = 0.0   # monotonic time of the next probe while down
+    retry_at: float = 0.0  # monotonic time of the next probe while down
     checking: bool = False  # a health check thread is running
 
 
@@ -91,34 +99,46 @@ class FleetSampler:
     max_keys: route keys remembered (least recently used dropped first).
     """
 
-    def __init__(self, backends: Sequence[Sampler], *, names: Sequence[str] | None = None,
-                 retry_s: float = 2.0, max_keys: int = 100_000):
+    def __init__(
+        self,
+        backends: Sequence[Sampler],
+        *,
+        names: Sequence[str] | None = None,
+        retry_s: float = 2.0,
+        max_keys: int = 100_000,
+    ):
         backends = list(backends)
         if not backends:
             raise ValueError("FleetSampler needs at least one backend sampler")
         for i, b in enumerate(backends):
             if not isinstance(b, Sampler):
-                raise TypeError(f"FleetSampler: backend {i} ({type(b).__name__}) is not a "
-                                f"Sampler (generate, load_weights, policy_version, max_context)")
+                raise TypeError(
+                    f"FleetSampler: backend {i} ({type(b).__name__}) is not a "
+                    f"Sampler (generate, load_weights, policy_version, max_context)"
+                )
         if names is None:
             names = [str(getattr(b, "base_url", f"backend{i}")) for i, b in enumerate(backends)]
         if len(names) != len(backends) or len(set(names)) != len(names):
-            raise ValueError(f"FleetSampler: names must be {len(backends)} distinct strings, "
-                             f"got {list(names)}")
+            raise ValueError(
+                f"FleetSampler: names must be {len(backends)} distinct strings, got {list(names)}"
+            )
         versions = {b.policy_version for b in backends}
         if len(versions) > 1:
-            raise ValueError(f"FleetSampler: the backends serve different policy versions "
-                             f"{sorted(versions)}; load one step into each first")
+            raise ValueError(
+                f"FleetSampler: the backends serve different policy versions "
+                f"{sorted(versions)}; load one step into each first"
+            )
         if retry_s <= 0 or max_keys < 1:
-            raise ValueError(f"FleetSampler: retry_s must be > 0 and max_keys >= 1, got "
-                             f"{retry_s}, {max_keys}")
+            raise ValueError(
+                f"FleetSampler: retry_s must be > 0 and max_keys >= 1, got {retry_s}, {max_keys}"
+            )
         self._backends = backends
         self._states = [BackendState(name=str(n)) for n in names]
         self._version = versions.pop()
         self._retry_s, self._max_keys = float(retry_s), int(max_keys)
         self._routes: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.route_evictions = self.moved_keys = self.retried = 0
-        self._lock = threading.Lock()       # the states and routes
+        self._lock = threading.Lock()  # the states and routes
         self._load_lock = threading.Lock()  # weight loads (the fleet's and revivals')
 
     # ------------------------------------------------------------------ protocol
@@ -131,8 +151,13 @@ class FleetSampler:
     def max_context(self) -> int:
         return min(b.max_context for b in self._backends)
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       on_tokens: OnTokens | None = None) -> SampleResult:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens | None = None,
+    ) -> SampleResult:
         """One continuation, sampled by one backend (see the module docstring)."""
         key, tried = _ROUTE_KEY.get(), set()
         while True:
@@ -156,8 +181,7 @@ class FleetSampler:
             with self._lock:
                 live = [i for i, st in enumerate(self._states) if st.up]
             if not live:
-                raise SamplerError(f"FleetSampler.load_weights: no live backend "
-                                   f"({self._errors()})")
+                raise SamplerError(f"FleetSampler.load_weights: no live backend ({self._errors()})")
             got, loaded, first_err = step, 0, None
             for i in live:
                 try:
@@ -168,11 +192,11 @@ class FleetSampler:
                         raise  # a bad step or setup, not a backend failure: nothing loaded
                     first_err = first_err or e
                     with self._lock:
-                        self._mark_down(i, f"load_weights({got}) failed: "
-                                           f"{type(e).__name__}: {e}")
+                        self._mark_down(i, f"load_weights({got}) failed: {type(e).__name__}: {e}")
             if not loaded:
-                raise SamplerError(f"FleetSampler.load_weights: every backend failed "
-                                   f"({self._errors()})") from first_err
+                raise SamplerError(
+                    f"FleetSampler.load_weights: every backend failed ({self._errors()})"
+                ) from first_err
             self._version = got
             return got
 
@@ -181,13 +205,21 @@ class FleetSampler:
     def status(self) -> dict[str, Any]:
         """Per-backend health and load, and the routing counters (JSON-ready)."""
         with self._lock:
-            rows = [{**dataclasses.asdict(st), "policy_version": b.policy_version}
-                    for st, b in zip(self._states, self._backends)]
+            rows = [
+                {**dataclasses.asdict(st), "policy_version": b.policy_version}
+                for st, b in zip(self._states, self._backends)
+            ]
             for r in rows:
                 del r["retry_at"], r["checking"]
-            return {"policy_version": self._version, "live": sum(r["up"] for r in rows),
-                    "route_keys": len(self._routes), "route_evictions": self.route_evictions,
-                    "moved_keys": self.moved_keys, "retried": self.retried, "backends": rows}
+            return {
+                "policy_version": self._version,
+                "live": sum(r["up"] for r in rows),
+                "route_keys": len(self._routes),
+                "route_evictions": self.route_evictions,
+                "moved_keys": self.moved_keys,
+                "retried": self.retried,
+                "backends": rows,
+            }
 
     def route_of(self, key: str) -> str | None:
         """Name of the backend requests with `key` go to (None: not routed yet)."""
@@ -211,8 +243,9 @@ class FleetSampler:
                     self._check_in_thread(i, revive=True)
             live = [i for i, st in enumerate(self._states) if st.up and i not in tried]
             if not live:
-                raise SamplerUnavailable(f"FleetSampler: no live backend for this request "
-                                         f"({self._errors()})")
+                raise SamplerUnavailable(
+                    f"FleetSampler: no live backend for this request ({self._errors()})"
+                )
             i = self._routes.get(key) if key is not None else None
             if i is not None:
                 self._routes.move_to_end(key)
@@ -257,8 +290,9 @@ class FleetSampler:
     def _check_in_thread(self, i: int, *, revive: bool) -> None:
         """Under self._lock: probes backend i in a thread (see `_check`)."""
         self._states[i].checking = True
-        threading.Thread(target=self._check, args=(i, revive), daemon=True,
-                         name=f"fleet-check-{i}").start()
+        threading.Thread(
+            target=self._check, args=(i, revive), daemon=True, name=f"fleet-check-{i}"
+        ).start()
 
     def _check(self, i: int, revive: bool) -> None:
         """Probes backend i; marks it down on failure. revive: it is down, and
@@ -273,8 +307,9 @@ class FleetSampler:
                         b.load_weights(self._version)
                     with self._lock:
                         st.checking, st.up = False, True
-                log.warning("sampler backend %s is up again (policy version %d)", st.name,
-                            b.policy_version)
+                log.warning(
+                    "sampler backend %s is up again (policy version %d)", st.name, b.policy_version
+                )
                 return
             why = None
         except Exception as e:  # noqa: BLE001 - reported in status(), logged
@@ -285,5 +320,7 @@ class FleetSampler:
                 self._mark_down(i, why)
 
     def _errors(self) -> str:
-        return "; ".join(f"{st.name}: {'up' if st.up else 'down'}, last error "
-                         f"{st.last_error or 'none'}" for st in self._states)
+        return "; ".join(
+            f"{st.name}: {'up' if st.up else 'down'}, last error {st.last_error or 'none'}"
+            for st in self._states
+        )

@@ -35,17 +35,25 @@ import dataclasses
 import numbers
 import queue
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
-from ac2_jax.sampling.base import (OnTokens, SampleResult, SamplerError, SamplerUnavailable,
-                                   SamplingParams, check_prompt)
+from ac2_jax.sampling.base import (
+    OnTokens,
+    SamplerError,
+    SampleResult,
+    SamplerUnavailable,
+    SamplingParams,
+    check_prompt,
+)
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
+
 
 class JaxSampler(DeviceLoop):
     """`Sampler` over a `Decoder` (see `ac2_jax.sampling.base` for the contract).
@@ -69,29 +77,46 @@ class JaxSampler(DeviceLoop):
     every shape up front (more of them: one set per row bucket).
     """
 
-    def __init__(self, model: Decoder, *, publish_dir: str | None = None,
-                 max_context: int | None = None, max_batch: int = 16, min_batch: int = 1,
-                 eos_token_ids: Sequence[int] = (), tokenizer: Any = None,
-                 steps_per_sync: int = 8, min_cache_len: int = 64, prefill_chunk: int = 512,
-                 min_prefill_rows: int = 1,
-                 max_top_logprobs: int = 20, cache_dtype: Any = None, seed: int | None = None,
-                 batch_wait_s: float = 0.002, prefix_reuse: bool = True,
-                 fixed_shapes: bool = False):
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        publish_dir: str | None = None,
+        max_context: int | None = None,
+        max_batch: int = 16,
+        min_batch: int = 1,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: Any = None,
+        steps_per_sync: int = 8,
+        min_cache_len: int = 64,
+        prefill_chunk: int = 512,
+        min_prefill_rows: int = 1,
+        max_top_logprobs: int = 20,
+        cache_dtype: Any = None,
+        seed: int | None = None,
+        batch_wait_s: float = 0.002,
+        prefix_reuse: bool = True,
+        fixed_shapes: bool = False,
+    ):
         if not isinstance(model, Decoder):
-            raise TypeError(f"JaxSampler: model must be an ac2_jax.models.Decoder, "
-                            f"got {type(model).__name__}")
+            raise TypeError(
+                f"JaxSampler: model must be an ac2_jax.models.Decoder, got {type(model).__name__}"
+            )
         cfg = model.config
         self._max_context = int(max_context or cfg.max_position_embeddings)
         self.fixed_shapes = bool(fixed_shapes)
         if self.fixed_shapes:
             min_batch, min_cache_len = max_batch, self._max_context
-        for name, v, lo in (("max_context", self._max_context, 2), ("max_batch", max_batch, 1),
-                            ("min_batch", min_batch, 1),
-                            ("steps_per_sync", steps_per_sync, 1),
-                            ("min_cache_len", min_cache_len, 1),
-                            ("prefill_chunk", prefill_chunk, 1),
-                            ("min_prefill_rows", min_prefill_rows, 1),
-                            ("max_top_logprobs", max_top_logprobs, 0)):
+        for name, v, lo in (
+            ("max_context", self._max_context, 2),
+            ("max_batch", max_batch, 1),
+            ("min_batch", min_batch, 1),
+            ("steps_per_sync", steps_per_sync, 1),
+            ("min_cache_len", min_cache_len, 1),
+            ("prefill_chunk", prefill_chunk, 1),
+            ("min_prefill_rows", min_prefill_rows, 1),
+            ("max_top_logprobs", max_top_logprobs, 0),
+        ):
             if int(v) < lo:
                 raise ValueError(f"JaxSampler: {name} must be >= {lo}, got {v}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -113,9 +138,9 @@ class JaxSampler(DeviceLoop):
         self._rng = np.random.default_rng(seed)
 
         self._graphdef, self._state = self._snapshot()
-        self._version = 0          # weights the worker runs now
-        self._latest = 0           # weights new calls will use (policy_version)
-        self._pending = None       # (state, version) waiting for the rows to drain
+        self._version = 0  # weights the worker runs now
+        self._latest = 0  # weights new calls will use (policy_version)
+        self._pending = None  # (state, version) waiting for the rows to drain
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
 
@@ -150,8 +175,13 @@ class JaxSampler(DeviceLoop):
         (the worker thread) it is the version sampling that request."""
         return self._version
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                       *, on_tokens: OnTokens | None = None) -> SampleResult:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        on_tokens: OnTokens | None = None,
+    ) -> SampleResult:
         """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`.
 
         Cancelling the awaiting task cancels the request (queue or row)."""
@@ -165,9 +195,11 @@ class JaxSampler(DeviceLoop):
         buckets. Blocks until done and returns `stats.compiled_shapes`;
         requests wait meanwhile. After it, traffic compiles nothing."""
         if self._min_cache < self._max_context:
-            raise ValueError("JaxSampler.warmup needs a fixed cache length (fixed_shapes=True, "
-                             "or min_cache_len >= max_context): bucketed cache lengths have "
-                             "too many combinations to compile up front")
+            raise ValueError(
+                "JaxSampler.warmup needs a fixed cache length (fixed_shapes=True, "
+                "or min_cache_len >= max_context): bucketed cache lengths have "
+                "too many combinations to compile up front"
+            )
         item = Warmup()
         with self._lock:
             if self._closed:
@@ -188,21 +220,26 @@ class JaxSampler(DeviceLoop):
         """Copies `source`'s weights (same parameter shapes) in as `version`, like
         `load_weights`: running rows finish on the old weights. Returns version."""
         if not isinstance(source, Decoder):
-            raise TypeError(f"JaxSampler.set_weights: source must be a Decoder, got "
-                            f"{type(source).__name__}")
+            raise TypeError(
+                f"JaxSampler.set_weights: source must be a Decoder, got {type(source).__name__}"
+            )
         if isinstance(version, bool) or not isinstance(version, numbers.Integral):
             raise ValueError(f"JaxSampler.set_weights: version must be an int, got {version!r}")
         own, new = nnx.state(self._model, nnx.Param), nnx.state(source, nnx.Param)
         own_leaves = dict(jax.tree_util.tree_leaves_with_path(own))
         new_leaves = dict(jax.tree_util.tree_leaves_with_path(new))
         if own_leaves.keys() != new_leaves.keys():
-            raise ValueError("JaxSampler.set_weights: source has other parameters than the "
-                             "served model (a different architecture)")
+            raise ValueError(
+                "JaxSampler.set_weights: source has other parameters than the "
+                "served model (a different architecture)"
+            )
         for path, a in own_leaves.items():
             if a.shape != new_leaves[path].shape:
-                raise ValueError(f"JaxSampler.set_weights: parameter "
-                                 f"{jax.tree_util.keystr(path)} has shape "
-                                 f"{new_leaves[path].shape}, the served model {a.shape}")
+                raise ValueError(
+                    f"JaxSampler.set_weights: parameter "
+                    f"{jax.tree_util.keystr(path)} has shape "
+                    f"{new_leaves[path].shape}, the served model {a.shape}"
+                )
         cast = jax.tree.map(lambda a, b: b.astype(a.dtype), own, new)
         with self._load_lock:
             nnx.update(self._model, cast)
@@ -275,8 +312,9 @@ class JaxSampler(DeviceLoop):
         if any(getattr(params, k) != v for k, v in checked.items()):
             params = dataclasses.replace(params, **checked)
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
-            raise ValueError(f"generate: prompt_ids must be a sequence of ints, got "
-                             f"{type(prompt_ids).__name__}")
+            raise ValueError(
+                f"generate: prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}"
+            )
         prompt = list(prompt_ids)
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if bad:
@@ -284,18 +322,27 @@ class JaxSampler(DeviceLoop):
         prompt = [int(t) for t in prompt]
         check_prompt(prompt, self._max_context, self._vocab)
         if params.top_logprobs > self._n_top:
-            raise ValueError(f"SamplingParams.top_logprobs={params.top_logprobs} exceeds this "
-                             f"sampler's max_top_logprobs={self._n_top}")
+            raise ValueError(
+                f"SamplingParams.top_logprobs={params.top_logprobs} exceeds this "
+                f"sampler's max_top_logprobs={self._n_top}"
+            )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self._vocab]
         if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids has ids outside the vocabulary "
-                             f"[0, {self._vocab}): {bad[:5]}")
+            raise ValueError(
+                f"SamplingParams.stop_token_ids has ids outside the vocabulary "
+                f"[0, {self._vocab}): {bad[:5]}"
+            )
         seed = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
         stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
-        req = Request(prompt=prompt, params=params, future=concurrent.futures.Future(),
-                      seed=seed & (2**64 - 1), stop_ids=stop_ids,
-                      max_out=min(params.max_tokens, self._max_context - len(prompt)),
-                      on_tokens=on_tokens)
+        req = Request(
+            prompt=prompt,
+            params=params,
+            future=concurrent.futures.Future(),
+            seed=seed & (2**64 - 1),
+            stop_ids=stop_ids,
+            max_out=min(params.max_tokens, self._max_context - len(prompt)),
+            on_tokens=on_tokens,
+        )
         with self._lock:
             if self._closed:  # never queued: another sampler may take it
                 raise SamplerUnavailable("JaxSampler is closed")

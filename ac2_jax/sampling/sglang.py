@@ -67,13 +67,20 @@ import os
 import shutil
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
 from ac2_jax.sampling.base import (
-    ContextLengthError, OnTokens, SampleResult, SamplerError, SamplerUnavailable,
-    SamplingParams, check_prompt)
+    ContextLengthError,
+    OnTokens,
+    SamplerError,
+    SampleResult,
+    SamplerUnavailable,
+    SamplingParams,
+    check_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +142,21 @@ class SGLangSampler:
       `stats["waited"]` counts them.
     """
 
-    def __init__(self, base_url: str, *, max_context: int, model: Any = None,
-                 publish_dir: str | None = None, export_dir: str | None = None,
-                 api_key: str | None = None, timeout_s: float = 600.0, keep_exports: int = 2,
-                 policy_version: int = 0, vocab_size: int | None = None,
-                 max_concurrency: int = 256):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_context: int,
+        model: Any = None,
+        publish_dir: str | None = None,
+        export_dir: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        keep_exports: int = 2,
+        policy_version: int = 0,
+        vocab_size: int | None = None,
+        max_concurrency: int = 256,
+    ):
         if int(max_context) < 3:
             raise ValueError(f"SGLangSampler: max_context must be >= 3, got {max_context}")
         if int(max_concurrency) < 1:
@@ -163,7 +180,7 @@ class SGLangSampler:
         self._ready = threading.Event()  # clear while a weight update runs
         self._ready.set()
         self._load_lock = threading.Lock()
-        self._clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]"
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]
         self._clients = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ protocol
@@ -180,10 +197,12 @@ class SGLangSampler:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            limits = httpx.Limits(max_connections=self._max_conc,
-                                  max_keepalive_connections=self._max_conc)
-            client = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout,
-                                       headers=self._headers, limits=limits)
+            limits = httpx.Limits(
+                max_connections=self._max_conc, max_keepalive_connections=self._max_conc
+            )
+            client = httpx.AsyncClient(
+                base_url=self.base_url, timeout=self._timeout, headers=self._headers, limits=limits
+            )
             self._clients[loop] = client
         return client
 
@@ -193,12 +212,15 @@ class SGLangSampler:
         if room < 1:
             raise ContextLengthError(
                 f"prompt has {len(prompt_ids)} tokens; SGLang's context of {self._context} "
-                f"holds at most {self.max_context} (prompt + output)")
+                f"holds at most {self.max_context} (prompt + output)"
+            )
         sp: dict[str, Any] = {
-            "temperature": float(params.temperature), "top_p": float(params.top_p),
+            "temperature": float(params.temperature),
+            "top_p": float(params.top_p),
             "top_k": int(params.top_k) if params.top_k > 0 else -1,
             "max_new_tokens": int(min(params.max_tokens, room)),
-            "skip_special_tokens": False, "no_stop_trim": True,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
         }
         if params.stop:
             sp["stop"] = list(params.stop)
@@ -206,14 +228,23 @@ class SGLangSampler:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
             sp["sampling_seed"] = int(params.seed)
-        body: dict[str, Any] = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
-                                "return_logprob": True, "logprob_start_len": -1}
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in prompt_ids],
+            "sampling_params": sp,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
         if params.top_logprobs:
             body["top_logprobs_num"] = int(params.top_logprobs)
         return body
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       on_tokens: OnTokens | None = None) -> SampleResult:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens | None = None,
+    ) -> SampleResult:
         if params.top_k > 0 or params.top_p < 1.0:
             # SGLang reports log_softmax(logits / T), before its top-k / top-p
             # filters: those would not be the log-probs of what was sampled.
@@ -221,7 +252,8 @@ class SGLangSampler:
                 f"top_k={params.top_k} / top_p={params.top_p}: SGLang reports log-probs "
                 "before top-k/top-p filtering, so they would not be the behaviour "
                 "log-probs RL needs; use top_k=-1 and top_p=1 with the SGLang sampler "
-                "(temperature is fine)")
+                "(temperature is fine)"
+            )
         if on_tokens is not None and not callable(on_tokens):
             raise TypeError(f"generate: on_tokens must be callable, got {type(on_tokens).__name__}")
         prompt = [int(t) for t in prompt_ids]
@@ -242,8 +274,10 @@ class SGLangSampler:
                 return await self._generate_once(body, params.top_logprobs, on_tokens)
             except _StaleWeights:
                 self._needs_probe = True
-        raise SGLangError(f"SGLang at {self.base_url} still serves weights this client did not "
-                          f"publish after a re-publish (policy version {self._version})")
+        raise SGLangError(
+            f"SGLang at {self.base_url} still serves weights this client did not "
+            f"publish after a re-publish (policy version {self._version})"
+        )
 
     async def _generate_once(self, body, top_n, on_tokens) -> SampleResult:
         if self._in_flight >= self._max_conc:
@@ -256,13 +290,15 @@ class SGLangSampler:
                 if isinstance(data, list):  # a batch of one
                     data = data[0]
                 version = self._checked_version(
-                    (data.get("meta_info") or {}).get("weight_version"), started)
+                    (data.get("meta_info") or {}).get("weight_version"), started
+                )
             else:
                 data, version = await self._stream(body, on_tokens, started)
         except _NOT_SENT as e:
             self._needs_probe = True
-            raise SGLangUnavailable(f"SGLang /generate at {self.base_url} is unreachable: "
-                                    f"{e!r}") from e
+            raise SGLangUnavailable(
+                f"SGLang /generate at {self.base_url} is unreachable: {e!r}"
+            ) from e
         except httpx.HTTPError as e:
             self._needs_probe = True
             raise SGLangError(f"SGLang /generate at {self.base_url} failed: {e!r}") from e
@@ -302,15 +338,20 @@ class SGLangSampler:
                 if "error" in chunk:
                     err = chunk["error"]
                     msg = err.get("message") if isinstance(err, dict) else str(err)
-                    raise self._refusal(400, str(msg)) if sent == 0 else SGLangError(
-                        f"SGLang stream failed after {sent} tokens: {msg}")
+                    raise (
+                        self._refusal(400, str(msg))
+                        if sent == 0
+                        else SGLangError(f"SGLang stream failed after {sent} tokens: {msg}")
+                    )
                 meta = chunk.get("meta_info") or {}
                 if sent == 0:  # before any token leaves
                     version = self._checked_version(meta.get("weight_version"), started)
                 rows = meta.get("output_token_logprobs") or []
                 if len(rows) < sent:
-                    raise SGLangError("SGLang stream chunks are not cumulative (is the server "
-                                      "running with --incremental-streaming-output?)")
+                    raise SGLangError(
+                        "SGLang stream chunks are not cumulative (is the server "
+                        "running with --incremental-streaming-output?)"
+                    )
                 if len(rows) > sent:
                     new = rows[sent:]
                     try:
@@ -357,12 +398,12 @@ class SGLangSampler:
                 return self.server_info
             self.stats["probes"] += 1
             try:
-                with httpx.Client(base_url=self.base_url, timeout=self._timeout,
-                                  headers=self._headers) as http:
+                with httpx.Client(
+                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
+                ) as http:
                     info = self._probe_with(http)
             except _NOT_SENT as e:
-                raise SGLangUnavailable(f"SGLang at {self.base_url} is unreachable: "
-                                        f"{e!r}") from e
+                raise SGLangUnavailable(f"SGLang at {self.base_url} is unreachable: {e!r}") from e
             except httpx.HTTPError as e:
                 raise SGLangError(f"SGLang at {self.base_url} is unreachable: {e!r}") from e
             self._needs_probe = False
@@ -371,8 +412,10 @@ class SGLangSampler:
     def _get(self, http: httpx.Client, path: str) -> Any:
         r = http.get(path)
         if r.status_code != 200:
-            raise SGLangError(f"SGLang {path} at {self.base_url} returned HTTP {r.status_code}"
-                              f" (server not ready?): {error_message(r)}")
+            raise SGLangError(
+                f"SGLang {path} at {self.base_url} returned HTTP {r.status_code}"
+                f" (server not ready?): {error_message(r)}"
+            )
         return r.json() if r.content else None
 
     def _probe_with(self, http: httpx.Client) -> dict[str, Any]:
@@ -382,9 +425,14 @@ class SGLangSampler:
         server_ctx = cards[0].get("max_model_len") if cards else None
         if server_ctx is not None:
             if int(server_ctx) < self._configured:
-                log.warning("SGLang at %s serves a context of %d tokens, less than the "
-                            "configured %d: using %d", self.base_url, int(server_ctx),
-                            self._configured, int(server_ctx))
+                log.warning(
+                    "SGLang at %s serves a context of %d tokens, less than the "
+                    "configured %d: using %d",
+                    self.base_url,
+                    int(server_ctx),
+                    self._configured,
+                    int(server_ctx),
+                )
             self._context = min(self._configured, int(server_ctx))
         reported = info.get("weight_version")
         if self._version_of(reported) is None:
@@ -392,24 +440,31 @@ class SGLangSampler:
             self._republish(http, reported, info.get("model_path"))
             info = self._get(http, "/get_model_info")
             if self._version_of(info.get("weight_version")) is None:
-                raise SGLangError(f"SGLang at {self.base_url} reports weight version "
-                                  f"{info.get('weight_version')!r} after re-publishing version "
-                                  f"{self._version}")
+                raise SGLangError(
+                    f"SGLang at {self.base_url} reports weight version "
+                    f"{info.get('weight_version')!r} after re-publishing version "
+                    f"{self._version}"
+                )
         self.server_info = info
         return info
 
     def _republish(self, http: httpx.Client, reported, model_path) -> None:
-        what = (f"SGLang at {self.base_url} restarted: it serves weight version {reported!r} "
-                f"({model_path}) but the policy is at version {self._version}")
+        what = (
+            f"SGLang at {self.base_url} restarted: it serves weight version {reported!r} "
+            f"({model_path}) but the policy is at version {self._version}"
+        )
         path = self._exports[-1] if self._exports else None
         if path is None or not os.path.isdir(path):
             raise SGLangError(f"{what}, and there is no export to re-publish ({path})")
         log.warning("%s: re-publishing %s", what, path)
-        r = http.post("/update_weights_from_disk",
-                      json={"model_path": path, "weight_version": str(self._version)})
+        r = http.post(
+            "/update_weights_from_disk",
+            json={"model_path": path, "weight_version": str(self._version)},
+        )
         if r.status_code != 200:
-            raise SGLangError(f"{what}; re-publishing {path} failed: HTTP {r.status_code}: "
-                              f"{error_message(r)}")
+            raise SGLangError(
+                f"{what}; re-publishing {path} failed: HTTP {r.status_code}: {error_message(r)}"
+            )
         self.stats["republished"] += 1
 
     # ------------------------------------------------------------------ weights
@@ -428,17 +483,22 @@ class SGLangSampler:
             self._ready.clear()
             self._loading = got  # results of these weights may come back before the reply
             try:
-                with httpx.Client(base_url=self.base_url, timeout=self._timeout,
-                                  headers=self._headers) as http:
-                    r = http.post("/update_weights_from_disk",
-                                  json={"model_path": path, "weight_version": str(got)})
+                with httpx.Client(
+                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
+                ) as http:
+                    r = http.post(
+                        "/update_weights_from_disk",
+                        json={"model_path": path, "weight_version": str(got)},
+                    )
                 try:
                     data = r.json()
                 except ValueError:
                     data = {"success": False, "message": r.text[:500]}
                 if r.status_code != 200 or not data.get("success", False):
-                    raise SGLangError(f"SGLang /update_weights_from_disk({path}) failed: HTTP "
-                                      f"{r.status_code}: {data.get('message')}")
+                    raise SGLangError(
+                        f"SGLang /update_weights_from_disk({path}) failed: HTTP "
+                        f"{r.status_code}: {data.get('message')}"
+                    )
                 self._version = got
             finally:
                 self._loading = None
@@ -465,8 +525,10 @@ def parse_generate_response(data: dict[str, Any], version: int, top_n: int = 0) 
     """SampleResult from SGLang's /generate JSON (see the module docstring)."""
     meta = data.get("meta_info")
     if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
-        raise SGLangError("SGLang /generate response has no meta_info.output_token_logprobs "
-                          "(was return_logprob set?)")
+        raise SGLangError(
+            "SGLang /generate response has no meta_info.output_token_logprobs "
+            "(was return_logprob set?)"
+        )
     rows = meta["output_token_logprobs"] or []
     ids = [int(p[1]) for p in rows]
     logprobs = [float(p[0]) for p in rows]
@@ -480,9 +542,15 @@ def parse_generate_response(data: dict[str, Any], version: int, top_n: int = 0) 
     if top_n:
         top_rows = meta.get("output_top_logprobs") or []
         if len(top_rows) != len(ids):
-            raise SGLangError(f"SGLang returned {len(top_rows)} top-logprob rows for "
-                              f"{len(ids)} tokens")
+            raise SGLangError(
+                f"SGLang returned {len(top_rows)} top-logprob rows for {len(ids)} tokens"
+            )
         top = [[(int(t[1]), float(t[0])) for t in (row or [])][:top_n] for row in top_rows]
-    return SampleResult(output_ids=ids, output_logprobs=logprobs, finish_reason=kind,
-                        policy_version=version, cached_tokens=int(meta.get("cached_tokens") or 0),
-                        top_logprobs=top)
+    return SampleResult(
+        output_ids=ids,
+        output_logprobs=logprobs,
+        finish_reason=kind,
+        policy_version=version,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        top_logprobs=top,
+    )

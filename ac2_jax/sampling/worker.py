@@ -22,12 +22,12 @@ import time
 import jax
 import numpy as np
 
-from ac2_jax.sampling.base import SampleResult, SamplerError, truncate_at_stop
+from ac2_jax.sampling.base import SamplerError, SampleResult, truncate_at_stop
 from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket, resolve
 from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
 
-WAKE = object()   # queue item: look at pending weights
-STOP = object()   # queue item: close
+WAKE = object()  # queue item: look at pending weights
+STOP = object()  # queue item: close
 
 
 class Warmup:
@@ -61,8 +61,10 @@ class DeviceLoop:
                 except Exception as e:  # noqa: BLE001 - a crash: fail what it held, go on
                     self._restart(e)
         finally:
+
             def closed():
                 return SamplerError("JaxSampler was closed before this request finished")
+
             self._fail_running(closed)
             for req in self._waiting:
                 resolve(req, exc=closed())
@@ -110,17 +112,29 @@ class DeviceLoop:
             cache = self._new_cache(B, S)
             for b in bucket_sizes(min(self._min_prefill_rows, B), B):
                 for T in bucket_sizes(min(16, self._prefill_chunk), self._prefill_chunk):
-                    cache = self._prefill_call(cache, B, np.full(b, B, np.int32),
-                                               np.zeros((b, T), np.int32),
-                                               np.full((b, T), -1, np.int32))
+                    cache = self._prefill_call(
+                        cache,
+                        B,
+                        np.full(b, B, np.int32),
+                        np.zeros((b, T), np.int32),
+                        np.full((b, T), -1, np.int32),
+                    )
             rows = SlotTable.idle_rows(B)
-            cache, _, _ = decode_chunk(self._graphdef, self._state, cache, rows, np.bool_(False),
-                                       n_steps=self._steps, n_top=self._n_top)
+            cache, _, _ = decode_chunk(
+                self._graphdef,
+                self._state,
+                cache,
+                rows,
+                np.bool_(False),
+                n_steps=self._steps,
+                n_top=self._n_top,
+            )
             self.stats.shapes.add(("decode_chunk", B, S, rows.stop_ids.shape[1]))
             for new_B in buckets:  # admission grows the rows, compaction shrinks them
                 if new_B != B:
-                    jax.block_until_ready(resize_cache(cache, np.full(new_B, B, np.int32),
-                                                       max_len=S))
+                    jax.block_until_ready(
+                        resize_cache(cache, np.full(new_B, B, np.int32), max_len=S)
+                    )
                     self.stats.shapes.add(("resize_cache", B, S, new_B, S))
             jax.block_until_ready(cache)
         return self.stats.compiled_shapes
@@ -128,8 +142,9 @@ class DeviceLoop:
     def _prefill_call(self, cache, B: int, idx, tok, pos):
         """`prefill_rows` on a [B]-row cache, its three compiled shapes recorded."""
         (b, T), S = tok.shape, cache.max_len
-        self.stats.shapes.update({("prefill", b, S, T), ("take_rows", B, S, b),
-                                  ("put_rows", B, S, b)})
+        self.stats.shapes.update(
+            {("prefill", b, S, T), ("take_rows", B, S, b), ("put_rows", B, S, b)}
+        )
         return prefill_rows(self._graphdef, self._state, cache, idx, tok, pos)
 
     def _new_cache(self, B: int, S: int):
@@ -185,8 +200,10 @@ class DeviceLoop:
         for req in held.values():
             if not req.future.done():
                 self.stats.request_errors += 1
-            err = SamplerError(f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
-                               f"this request was running; the worker restarted")
+            err = SamplerError(
+                f"JaxSampler worker failed ({type(exc).__name__}: {exc}) while "
+                f"this request was running; the worker restarted"
+            )
             err.__cause__ = exc
             resolve(req, exc=err)
         self.stats.worker_restarts += 1
@@ -237,8 +254,11 @@ class DeviceLoop:
         jobs, taken = [], set()
         for req in self._admitting:
             prompt = np.asarray(req.prompt, np.int32)
-            row, reuse = t.pick_row(prompt, taken) if self._prefix_reuse else (
-                next(r for r in t.free_rows() if r not in taken), 0)
+            row, reuse = (
+                t.pick_row(prompt, taken)
+                if self._prefix_reuse
+                else (next(r for r in t.free_rows() if r not in taken), 0)
+            )
             try:
                 t.assign(row, req)  # writes nothing unless every field fits
             except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
@@ -272,8 +292,8 @@ class DeviceLoop:
                 lo, hi = reuse + start, min(reuse + start + T, len(p) - 1)
                 idx[i] = row
                 if hi > lo:
-                    tok[i, :hi - lo] = p[lo:hi]
-                    pos[i, :hi - lo] = np.arange(lo, hi)
+                    tok[i, : hi - lo] = p[lo:hi]
+                    pos[i, : hi - lo] = np.arange(lo, hi)
             self._cache = self._prefill_call(self._cache, t.B, idx, tok, pos)
             self.stats.prefill_calls += 1
         jax.block_until_ready(self._cache)
@@ -287,7 +307,7 @@ class DeviceLoop:
         if not self._waiting and t.B > self._min_batch and len(active) <= t.B // 4:
             # Few rows left: compact, keeping the most recently used free rows' prefixes.
             B = pow2_bucket(len(active), self._min_batch, self._max_batch)
-            spare = sorted(t.free_rows(), key=lambda r: -t.used[r])[:B - len(active)]
+            spare = sorted(t.free_rows(), key=lambda r: -t.used[r])[: B - len(active)]
             self._layout(active + spare, B, self._S)
             active = t.active_rows()
         S = self._need_len(self._steps)
@@ -297,8 +317,14 @@ class DeviceLoop:
         t0 = time.perf_counter()
         rows_in = t.rows()
         self._cache, rows, out = decode_chunk(
-            self._graphdef, self._state, self._cache, rows_in, np.bool_(want_top),
-            n_steps=self._steps, n_top=self._n_top)
+            self._graphdef,
+            self._state,
+            self._cache,
+            rows_in,
+            np.bool_(want_top),
+            n_steps=self._steps,
+            n_top=self._n_top,
+        )
         self.stats.shapes.add(("decode_chunk", t.B, self._S, rows_in.stop_ids.shape[1]))
         rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
         self.stats.decode_s += time.perf_counter() - t0
@@ -331,8 +357,10 @@ class DeviceLoop:
         k = req.params.top_logprobs
         if k:
             req.tops = req.tops or []
-            req.tops.extend(list(zip(i.tolist(), lp.tolist()))
-                            for i, lp in zip(tids[got, row, :k], tlps[got, row, :k]))
+            req.tops.extend(
+                list(zip(i.tolist(), lp.tolist()))
+                for i, lp in zip(tids[got, row, :k], tlps[got, row, :k])
+            )
         done = not bool(t.arr["active"][row])
         keep, cut = len(req.gen), False
         if self._tokenizer is not None and req.params.stop and req.gen:
@@ -344,15 +372,18 @@ class DeviceLoop:
                 # Accepted tokens are never taken back (a non-monotone decode could try).
                 keep, cut, done = max(len(cut_res.output_ids), req.sent), True, True
         if req.on_tokens is not None and keep > req.sent:
-            req.on_tokens(req.gen[req.sent:keep], req.logprobs[req.sent:keep])
+            req.on_tokens(req.gen[req.sent : keep], req.logprobs[req.sent : keep])
             req.sent = keep
         if not done:
             return
         ids = req.gen[:keep]
         res = SampleResult(
-            output_ids=list(ids), output_logprobs=list(req.logprobs[:keep]),
+            output_ids=list(ids),
+            output_logprobs=list(req.logprobs[:keep]),
             finish_reason="stop" if cut or (ids and ids[-1] in req.stop_ids) else "length",
-            policy_version=req.version, cached_tokens=req.cached,
-            top_logprobs=None if req.tops is None else list(req.tops[:keep]))
+            policy_version=req.version,
+            cached_tokens=req.cached,
+            top_logprobs=None if req.tops is None else list(req.tops[:keep]),
+        )
         t.release(row)
         resolve(req, result=res)

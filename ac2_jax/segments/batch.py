@@ -13,7 +13,7 @@ prefixes) fill it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from flax import struct
@@ -84,8 +84,9 @@ def pow2_bucket(n: int, lo: int = 1, hi: int | None = None) -> int:
     return b if hi is None else min(b, int(hi))
 
 
-def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
-                   who: str) -> list[int]:
+def packed_lengths(
+    segments: Sequence[Segment], seq_len: int, truncate: bool, who: str
+) -> list[int]:
     """Each segment's length in the batch; errors name the segment at fault."""
     if not segments:
         raise ValueError(f"{who}: no segments to pack")
@@ -96,7 +97,8 @@ def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
         if len(s) > seq_len and not truncate:
             raise ValueError(
                 f"{who}: segment {i} ({s.task!r}) has {len(s)} tokens, "
-                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True")
+                f"more than seq_len={seq_len}; raise seq_len or pass truncate=True"
+            )
         lengths.append(min(len(s), seq_len))
     return lengths
 
@@ -104,11 +106,21 @@ def packed_lengths(segments: Sequence[Segment], seq_len: int, truncate: bool,
 def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     z = lambda dt: np.zeros((rows, seq_len), dt)  # noqa: E731
     one = lambda: np.ones((rows, seq_len), np.float32)  # noqa: E731
-    return dict(tokens=z(np.int32), targets=z(np.int32), positions=z(np.int32),
-                segment_ids=z(np.int32), loss_mask=z(np.float32),
-                advantages=z(np.float32), sampler_logprobs=z(np.float32),
-                task_ids=z(np.int32), segment_index=z(np.int32), loss_weight=one(),
-                temperature=one(), top_k=z(np.int32), top_p=one())
+    return dict(
+        tokens=z(np.int32),
+        targets=z(np.int32),
+        positions=z(np.int32),
+        segment_ids=z(np.int32),
+        loss_mask=z(np.float32),
+        advantages=z(np.float32),
+        sampler_logprobs=z(np.float32),
+        task_ids=z(np.int32),
+        segment_index=z(np.int32),
+        loss_weight=one(),
+        temperature=one(),
+        top_k=z(np.int32),
+        top_p=one(),
+    )
 
 
 def pad_rows(rows: int, min_rows: int, rows_multiple: int) -> int:
@@ -127,5 +139,6 @@ def pad_batch_rows(batch: PackedBatch, rows: int) -> PackedBatch:
     pad = empty_batch(extra, batch.shape[1])
     if batch.subtree_end is not None:
         pad["subtree_end"] = np.tile(np.arange(batch.shape[1], dtype=np.int32), (extra, 1))
-    return batch.replace(**{k: np.concatenate([np.asarray(getattr(batch, k)), v])
-                            for k, v in pad.items()})
+    return batch.replace(
+        **{k: np.concatenate([np.asarray(getattr(batch, k)), v]) for k, v in pad.items()}
+    )

@@ -7,12 +7,18 @@ common prefixes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.batch import (PackedBatch, empty_batch, packed_lengths, pad_rows,
-                                    pow2_bucket, task_names)
+from ac2_jax.segments.batch import (
+    PackedBatch,
+    empty_batch,
+    packed_lengths,
+    pad_rows,
+    pow2_bucket,
+    task_names,
+)
 from ac2_jax.segments.segments import Segment
 from ac2_jax.segments.tree import pack_segment_tree
 
@@ -38,11 +44,19 @@ def first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[list[int]
     return rows
 
 
-def pack_segments(segments: Sequence[Segment], seq_len: int, *,
-                  truncate: bool = False, min_rows: int = 0,
-                  rows_multiple: int = 1, layout: str = "flat", min_tasks: int = 1,
-                  min_segments: int = 1, all_tasks: Sequence[str] | None = None,
-                  segment_offset: int = 0) -> PackedBatch:
+def pack_segments(
+    segments: Sequence[Segment],
+    seq_len: int,
+    *,
+    truncate: bool = False,
+    min_rows: int = 0,
+    rows_multiple: int = 1,
+    layout: str = "flat",
+    min_tasks: int = 1,
+    min_segments: int = 1,
+    all_tasks: Sequence[str] | None = None,
+    segment_offset: int = 0,
+) -> PackedBatch:
     """Packs segments into rows of `seq_len` tokens.
 
     A segment longer than `seq_len` is an error unless `truncate=True`, which
@@ -60,12 +74,20 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
     """
     if all_tasks is not None or segment_offset:
         if layout != "flat":
-            raise ValueError("pack_segments: all_tasks / segment_offset (one share of a "
-                             "global batch) need layout='flat'")
+            raise ValueError(
+                "pack_segments: all_tasks / segment_offset (one share of a "
+                "global batch) need layout='flat'"
+            )
     if layout == "tree":
-        return pack_segment_tree(segments, seq_len, truncate=truncate,
-                                 min_rows=min_rows, rows_multiple=rows_multiple,
-                                 min_tasks=min_tasks, min_segments=min_segments)
+        return pack_segment_tree(
+            segments,
+            seq_len,
+            truncate=truncate,
+            min_rows=min_rows,
+            rows_multiple=rows_multiple,
+            min_tasks=min_tasks,
+            min_segments=min_segments,
+        )
     if layout != "flat":
         raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
@@ -83,11 +105,15 @@ def pack_segments(segments: Sequence[Segment], seq_len: int, *,
         start = 0
         for local_id, i in enumerate(members, start=1):
             s = segments[i]
-            write_segment(out, r, start, s, lengths[i], task_index[s.task], local_id,
-                          segment_offset + i)
+            write_segment(
+                out, r, start, s, lengths[i], task_index[s.task], local_id, segment_offset + i
+            )
             start += lengths[i]
-    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index), min_tasks),
-                       num_segments=pow2_bucket(segment_offset + len(segments), min_segments))
+    return PackedBatch(
+        **out,
+        num_tasks=pow2_bucket(len(task_index), min_tasks),
+        num_segments=pow2_bucket(segment_offset + len(segments), min_segments),
+    )
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
@@ -96,8 +122,16 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return [sorted(r) for r in first_fit_decreasing(lengths, seq_len)]
 
 
-def write_segment(out: dict[str, np.ndarray], r: int, start: int, s: Segment, n: int,
-                  task_id: int, seg_id: int, seg_index: int) -> None:
+def write_segment(
+    out: dict[str, np.ndarray],
+    r: int,
+    start: int,
+    s: Segment,
+    n: int,
+    task_id: int,
+    seg_id: int,
+    seg_index: int,
+) -> None:
     """Writes the first n tokens of `s` into row r of `out` at columns [start, start + n).
 
     out: `empty_batch` arrays [rows, seq_len]. Per-token arrays follow the

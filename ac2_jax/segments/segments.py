@@ -45,16 +45,26 @@ class Segment:
         n = len(self.tokens)
         self.loss_mask = np.asarray(self.loss_mask, np.float32)
         self.sampler_logprobs = np.asarray(self.sampler_logprobs, np.float32)
-        for name, default, dtype in (("temperature", 1.0, np.float32), ("top_k", 0, np.int32),
-                                     ("top_p", 1.0, np.float32)):
+        for name, default, dtype in (
+            ("temperature", 1.0, np.float32),
+            ("top_k", 0, np.int32),
+            ("top_p", 1.0, np.float32),
+        ):
             value = getattr(self, name)
-            setattr(self, name, np.full(n, default, dtype) if value is None
-                    else np.asarray(value, dtype))
-        lengths = {k: len(getattr(self, k)) for k in ("loss_mask", "sampler_logprobs",
-                                                      "temperature", "top_k", "top_p")}
+            setattr(
+                self,
+                name,
+                np.full(n, default, dtype) if value is None else np.asarray(value, dtype),
+            )
+        lengths = {
+            k: len(getattr(self, k))
+            for k in ("loss_mask", "sampler_logprobs", "temperature", "top_k", "top_p")
+        }
         if any(v != n for v in lengths.values()):
-            raise ValueError(f"Segment({self.task!r}): tokens has {n} entries but {lengths}; "
-                             "every per-token array must have the length of tokens")
+            raise ValueError(
+                f"Segment({self.task!r}): tokens has {n} entries but {lengths}; "
+                "every per-token array must have the length of tokens"
+            )
         if not self.weight >= 0:
             raise ValueError(f"Segment({self.task!r}): weight must be >= 0, got {self.weight}")
 
@@ -73,13 +83,18 @@ def _episode_params(ep) -> dict[str, np.ndarray]:
     len(output_ids)) of the append-only episode.
     """
     n = len(ep.token_ids)
-    out = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32),
-           "top_p": np.ones(n, np.float32)}
+    out = {
+        "temperature": np.ones(n, np.float32),
+        "top_k": np.zeros(n, np.int32),
+        "top_p": np.ones(n, np.float32),
+    }
     for c in ep.completions:
         lo, hi = len(c.prompt_ids), len(c.prompt_ids) + len(c.output_ids)
         if hi > n:
-            raise ValueError(f"episode ({ep.agent!r}) has {n} tokens but a completion's output "
-                             f"ends at {hi}: the completions do not build this episode")
+            raise ValueError(
+                f"episode ({ep.agent!r}) has {n} tokens but a completion's output "
+                f"ends at {hi}: the completions do not build this episode"
+            )
         out["temperature"][lo:hi] = c.temperature
         out["top_k"][lo:hi] = c.top_k
         out["top_p"][lo:hi] = c.top_p
@@ -91,22 +106,37 @@ def _request_segment(trace: Trace, ep, c, advantage: float) -> Segment:
     (1 as recorded; 0 where a rule took it out of training, e.g. an unchosen branch)."""
     n_p, n_o = len(c.prompt_ids), len(c.output_ids)
     n = n_p + n_o
-    return Segment(list(c.prompt_ids) + list(c.output_ids), [0] * n_p + list(ep.loss_mask[n_p:n]),
-                   [0.0] * n_p + list(c.output_logprobs), task=trace.key, advantage=advantage,
-                   agent=ep.agent, policy_version=c.policy_version,
-                   temperature=np.full(n, c.temperature), top_k=np.full(n, c.top_k),
-                   top_p=np.full(n, c.top_p))
+    return Segment(
+        list(c.prompt_ids) + list(c.output_ids),
+        [0] * n_p + list(ep.loss_mask[n_p:n]),
+        [0.0] * n_p + list(c.output_logprobs),
+        task=trace.key,
+        advantage=advantage,
+        agent=ep.agent,
+        policy_version=c.policy_version,
+        temperature=np.full(n, c.temperature),
+        top_k=np.full(n, c.top_k),
+        top_p=np.full(n, c.top_p),
+    )
 
 
 def _episode_segment(trace: Trace, ep, advantage: float) -> Segment:
     version = max((c.policy_version for c in ep.completions), default=0)
-    return Segment(ep.token_ids, ep.loss_mask, ep.sampler_logprobs, task=trace.key,
-                   advantage=advantage, agent=ep.agent, policy_version=version,
-                   **_episode_params(ep))
+    return Segment(
+        ep.token_ids,
+        ep.loss_mask,
+        ep.sampler_logprobs,
+        task=trace.key,
+        advantage=advantage,
+        agent=ep.agent,
+        policy_version=version,
+        **_episode_params(ep),
+    )
 
 
-def segments_from_trace(trace: Trace, mode: str = "episode",
-                        advantage: float = 0.0) -> list[Segment]:
+def segments_from_trace(
+    trace: Trace, mode: str = "episode", advantage: float = 0.0
+) -> list[Segment]:
     """Cuts a trace into segments; `advantage` goes to every one of them."""
     if mode not in ("episode", "request"):
         raise ValueError(f"segments_from_trace: mode must be 'episode' or 'request', got {mode!r}")
@@ -123,7 +153,7 @@ def segments_from_trace(trace: Trace, mode: str = "episode",
 class FitCounts:
     """What `fit_segments` had to cut to respect a length limit (never silent)."""
 
-    truncated_segments: int = 0      # segments longer than the limit
+    truncated_segments: int = 0  # segments longer than the limit
     truncated_agent_tokens: int = 0  # agent tokens the cuts took out of the loss
 
 
@@ -147,7 +177,16 @@ def fit_segments(segments: list[Segment], max_len: int) -> tuple[list[Segment], 
 
 
 def _truncate(s: Segment, n: int) -> Segment:
-    return Segment(s.tokens[:n], s.loss_mask[:n], s.sampler_logprobs[:n], task=s.task,
-                   advantage=s.advantage, agent=s.agent, policy_version=s.policy_version,
-                   weight=s.weight, temperature=s.temperature[:n], top_k=s.top_k[:n],
-                   top_p=s.top_p[:n])
+    return Segment(
+        s.tokens[:n],
+        s.loss_mask[:n],
+        s.sampler_logprobs[:n],
+        task=s.task,
+        advantage=s.advantage,
+        agent=s.agent,
+        policy_version=s.policy_version,
+        weight=s.weight,
+        temperature=s.temperature[:n],
+        top_k=s.top_k[:n],
+        top_p=s.top_p[:n],
+    )

@@ -19,12 +19,18 @@ layout's. (`segment_mean` is not defined on merged tokens.)
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ac2_jax.segments.batch import (PackedBatch, empty_batch, packed_lengths, pad_rows,
-                                    pow2_bucket, task_names)
+from ac2_jax.segments.batch import (
+    PackedBatch,
+    empty_batch,
+    packed_lengths,
+    pad_rows,
+    pow2_bucket,
+    task_names,
+)
 from ac2_jax.segments.segments import Segment
 
 
@@ -35,7 +41,7 @@ class _Node:
         self.key = key
         self.children: dict = {}
         self.segment = segment  # first segment through this node
-        self.count = 0.0     # sum of the paths' loss-mask counts
+        self.count = 0.0  # sum of the paths' loss-mask counts
         self.weighted = 0.0  # sum of count x segment weight
 
 
@@ -45,9 +51,18 @@ def _path_keys(s: Segment, n: int) -> list[tuple]:
         if i + 1 < n:
             m = float(s.loss_mask[i + 1])
             j = i + 1
-            loss_key = ((s.task, float(s.advantage), float(s.sampler_logprobs[j]),
-                         float(s.temperature[j]), int(s.top_k[j]), float(s.top_p[j]))
-                        if m > 0 else None)
+            loss_key = (
+                (
+                    s.task,
+                    float(s.advantage),
+                    float(s.sampler_logprobs[j]),
+                    float(s.temperature[j]),
+                    int(s.top_k[j]),
+                    float(s.top_p[j]),
+                )
+                if m > 0
+                else None
+            )
             keys.append((int(s.tokens[i]), int(s.tokens[i + 1]), loss_key))
         else:
             keys.append((int(s.tokens[i]), None, None))
@@ -100,16 +115,29 @@ def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
         if loss_key is not None:
             row["loss_mask"][r, pos] = node.count
             row["loss_weight"][r, pos] = node.weighted / node.count if node.count else 0.0
-            (row["sampler_logprobs"][r, pos], row["temperature"][r, pos], row["top_k"][r, pos],
-             row["top_p"][r, pos]) = loss_key[2:]
+            (
+                row["sampler_logprobs"][r, pos],
+                row["temperature"][r, pos],
+                row["top_k"][r, pos],
+                row["top_p"][r, pos],
+            ) = loss_key[2:]
         stack.append(("close", pos))
-        stack.extend(("open", c, depth + 1, tree_id) for c in reversed(list(node.children.values())))
+        stack.extend(
+            ("open", c, depth + 1, tree_id) for c in reversed(list(node.children.values()))
+        )
         pos += 1
 
 
-def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bool = False,
-                      min_rows: int = 0, rows_multiple: int = 1, min_tasks: int = 1,
-                      min_segments: int = 1) -> PackedBatch:
+def pack_segment_tree(
+    segments: Sequence[Segment],
+    seq_len: int,
+    *,
+    truncate: bool = False,
+    min_rows: int = 0,
+    rows_multiple: int = 1,
+    min_tasks: int = 1,
+    min_segments: int = 1,
+) -> PackedBatch:
     """Packs segments as prefix tries, one forest per row of `seq_len` tokens.
 
     Segments are sorted by content so that shared prefixes meet, then added
@@ -119,7 +147,9 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segment_tree")
     task_index = {name: i for i, name in enumerate(task_names(segments))}
 
-    order = sorted(range(len(segments)), key=lambda i: (segments[i].tokens[:lengths[i]].tolist(), i))
+    order = sorted(
+        range(len(segments)), key=lambda i: (segments[i].tokens[: lengths[i]].tolist(), i)
+    )
     rows: list[tuple[_Node, int]] = []  # (root, used tokens)
     root, used = _Node(None, -1), 0
     for i in order:
@@ -139,5 +169,8 @@ def pack_segment_tree(segments: Sequence[Segment], seq_len: int, *, truncate: bo
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):
         _layout(root, out, r, task_index, segments)
-    return PackedBatch(**out, num_tasks=pow2_bucket(len(task_index), min_tasks),
-                       num_segments=pow2_bucket(len(segments), min_segments))
+    return PackedBatch(
+        **out,
+        num_tasks=pow2_bucket(len(task_index), min_tasks),
+        num_segments=pow2_bucket(len(segments), min_segments),
+    )

@@ -13,5 +13,13 @@ from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
 from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 
-__all__ = ["APIError", "Rollout", "RolloutRegistry", "TurnMemory", "build_app",
-           "build_prompt_ids", "load_policy", "serve_in_thread"]
+__all__ = [
+    "APIError",
+    "Rollout",
+    "RolloutRegistry",
+    "TurnMemory",
+    "build_app",
+    "build_prompt_ids",
+    "load_policy",
+    "serve_in_thread",
+]

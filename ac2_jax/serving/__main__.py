@@ -19,24 +19,31 @@ flags.DEFINE_string("admin_key", None, "Admin API key (default: a random one, lo
 flags.DEFINE_string("trace_store", None, "JSONL file that receives finished traces.")
 flags.DEFINE_enum("sampler", "jax", ["jax", "sglang"], "Sampler backend.")
 flags.DEFINE_string("sglang_url", None, "SGLang server URL (--sampler=sglang).")
-flags.DEFINE_list("backends", [],
-                  "Sampler fleet: comma-separated URLs of SGLang servers or `python -m "
-                  "ac2_jax.serving.backend` processes; a rollout stays on one, a dead one "
-                  "fails only its in-flight requests. Replaces --sampler.")
+flags.DEFINE_list(
+    "backends",
+    [],
+    "Sampler fleet: comma-separated URLs of SGLang servers or `python -m "
+    "ac2_jax.serving.backend` processes; a rollout stays on one, a dead one "
+    "fails only its in-flight requests. Replaces --sampler.",
+)
 flags.DEFINE_float("backend_timeout_s", 600.0, "HTTP timeout of each --backends request.")
 flags.DEFINE_string("publish_dir", None, "Orbax publish dir read by load_weights.")
 flags.DEFINE_string("export_dir", None, "Where SGLang weight exports are written.")
 flags.DEFINE_integer("max_context", None, "Tokens per sequence (default: the model's).")
 flags.DEFINE_integer("max_batch", 16, "Rows decoded together by the JaxSampler.")
-flags.DEFINE_bool("fixed_shapes", False,
-                  "JaxSampler: always max_batch rows x max_context slots, compiled at start "
-                  "(no compiles, so no memory growth from them, while serving).")
+flags.DEFINE_bool(
+    "fixed_shapes",
+    False,
+    "JaxSampler: always max_batch rows x max_context slots, compiled at start "
+    "(no compiles, so no memory growth from them, while serving).",
+)
 flags.DEFINE_integer("max_tokens", None, "Default max_tokens of a request.")
 flags.DEFINE_float("rollout_timeout_s", None, "Default rollout timeout in seconds.")
 flags.DEFINE_integer("seed", 0, "Seed of the tiny model and of unseeded requests.")
 flags.DEFINE_integer("max_body_bytes", 8 << 20, "Larger request bodies get 413.")
-flags.DEFINE_integer("max_finished_rollouts", 256,
-                     "Finished rollouts whose whole trace stays in memory.")
+flags.DEFINE_integer(
+    "max_finished_rollouts", 256, "Finished rollouts whose whole trace stays in memory."
+)
 flags.DEFINE_bool("expose_docs", False, "Serve /docs, /redoc and /openapi.json.")
 FLAGS = flags.FLAGS
 
@@ -44,18 +51,33 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     sampler, tokenizer, name = load_policy(
-        FLAGS.model, sampler=FLAGS.sampler, max_context=FLAGS.max_context,
-        publish_dir=FLAGS.publish_dir, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
-        max_batch=FLAGS.max_batch, seed=FLAGS.seed, fixed_shapes=FLAGS.fixed_shapes,
-        backends=FLAGS.backends, backend_timeout_s=FLAGS.backend_timeout_s)
+        FLAGS.model,
+        sampler=FLAGS.sampler,
+        max_context=FLAGS.max_context,
+        publish_dir=FLAGS.publish_dir,
+        sglang_url=FLAGS.sglang_url,
+        export_dir=FLAGS.export_dir,
+        max_batch=FLAGS.max_batch,
+        seed=FLAGS.seed,
+        fixed_shapes=FLAGS.fixed_shapes,
+        backends=FLAGS.backends,
+        backend_timeout_s=FLAGS.backend_timeout_s,
+    )
     admin_key = FLAGS.admin_key or "sk-admin-" + secrets.token_urlsafe(16)
     if not FLAGS.admin_key:
         logging.warning("no --admin_key given; using %s", admin_key)
-    api = build_app(sampler, tokenizer, admin_key=admin_key, trace_store=FLAGS.trace_store,
-                    model_name=FLAGS.model_name or name, rollout_timeout_s=FLAGS.rollout_timeout_s,
-                    default_max_tokens=FLAGS.max_tokens, max_body_bytes=FLAGS.max_body_bytes,
-                    max_finished_rollouts=FLAGS.max_finished_rollouts,
-                    expose_docs=FLAGS.expose_docs)
+    api = build_app(
+        sampler,
+        tokenizer,
+        admin_key=admin_key,
+        trace_store=FLAGS.trace_store,
+        model_name=FLAGS.model_name or name,
+        rollout_timeout_s=FLAGS.rollout_timeout_s,
+        default_max_tokens=FLAGS.max_tokens,
+        max_body_bytes=FLAGS.max_body_bytes,
+        max_finished_rollouts=FLAGS.max_finished_rollouts,
+        expose_docs=FLAGS.expose_docs,
+    )
     uvicorn.run(api, host=FLAGS.host, port=FLAGS.port, log_level="info")
 
 

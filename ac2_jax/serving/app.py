@@ -60,9 +60,14 @@ from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
 from ac2_jax.serving.generation import install_generation_routes
-from ac2_jax.serving.rollout_requests import (check_rollout_key_finish, keys_equal,
-                                              parse_create, parse_finish, parse_load_weights,
-                                              rollout_key_view)
+from ac2_jax.serving.rollout_requests import (
+    check_rollout_key_finish,
+    keys_equal,
+    parse_create,
+    parse_finish,
+    parse_load_weights,
+    rollout_key_view,
+)
 from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
 from ac2_jax.trace import TraceStore
 
@@ -89,17 +94,29 @@ def sampler_stats(sampler: Sampler) -> dict[str, Any] | None:
         return dict(stats)
     if stats is None:
         return None
-    return {"compiled_shapes": stats.compiled_shapes, "output_tokens": stats.output_tokens,
-            "request_errors": stats.request_errors, "worker_restarts": stats.worker_restarts}
+    return {
+        "compiled_shapes": stats.compiled_shapes,
+        "output_tokens": stats.output_tokens,
+        "request_errors": stats.request_errors,
+        "worker_restarts": stats.worker_restarts,
+    }
 
 
-def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
-              trace_store: TraceStore | str | None = None, model_name: str = "ac2-policy",
-              rollout_timeout_s: float | None = None, default_max_tokens: int | None = None,
-              sweep_interval_s: float = 1.0, max_finished_rollouts: int = 256,
-              max_body_bytes: int = req_lib.MAX_BODY_BYTES,
-              max_json_depth: int = req_lib.MAX_JSON_DEPTH,
-              expose_docs: bool = False) -> FastAPI:
+def build_app(
+    sampler: Sampler,
+    tokenizer: Tokenizer,
+    *,
+    admin_key: str,
+    trace_store: TraceStore | str | None = None,
+    model_name: str = "ac2-policy",
+    rollout_timeout_s: float | None = None,
+    default_max_tokens: int | None = None,
+    sweep_interval_s: float = 1.0,
+    max_finished_rollouts: int = 256,
+    max_body_bytes: int = req_lib.MAX_BODY_BYTES,
+    max_json_depth: int = req_lib.MAX_JSON_DEPTH,
+    expose_docs: bool = False,
+) -> FastAPI:
     """The endpoint app. `app.state.registry` holds the rollouts.
 
     trace_store: a TraceStore or a JSONL path; finished traces are appended.
@@ -117,8 +134,9 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         raise ValueError("build_app: admin_key must be a non-empty string")
     if isinstance(trace_store, str):
         trace_store = TraceStore(trace_store)
-    registry = RolloutRegistry(trace_store, default_timeout_s=rollout_timeout_s,
-                               max_finished=max_finished_rollouts)
+    registry = RolloutRegistry(
+        trace_store, default_timeout_s=rollout_timeout_s, max_finished=max_finished_rollouts
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -134,8 +152,11 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             task.cancel()
 
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json")
-    app = FastAPI(title="ac2_jax OpenAI-compatible endpoint", lifespan=lifespan,
-                  **(docs if expose_docs else {k: None for k in docs}))
+    app = FastAPI(
+        title="ac2_jax OpenAI-compatible endpoint",
+        lifespan=lifespan,
+        **(docs if expose_docs else {k: None for k in docs}),
+    )
     app.state.registry = registry
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
@@ -151,8 +172,12 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             return
         registry.count(rollout, "server_errors")
         try:
-            await asyncio.to_thread(registry.finish, rollout, status="infra_error",
-                                    artifacts={"error": f"{type(exc).__name__}: {exc}"})
+            await asyncio.to_thread(
+                registry.finish,
+                rollout,
+                status="infra_error",
+                artifacts={"error": f"{type(exc).__name__}: {exc}"},
+            )
         except Exception:  # noqa: BLE001 - e.g. it ended meanwhile; the 500 goes out anyway
             logging.exception("could not end rollout %s as infra_error", rollout.rollout_id)
 
@@ -163,8 +188,9 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         scheme, _, key = header.partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'",
-                           code="missing_api_key")
+            raise APIError(
+                401, "Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+            )
         if keys_equal(key, admin_key):
             return _Principal(None)
         rollout = await asyncio.to_thread(registry.by_key, key)  # its sweep may fsync
@@ -189,15 +215,28 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
     async def read_json(request: Request) -> Any:
         return await req_lib.read_json(request, max_body_bytes, max_json_depth)
 
-    install_generation_routes(app, sampler=sampler, tokenizer=tokenizer, registry=registry,
-                              model_name=model_name, default_max_tokens=default_max_tokens,
-                              authenticate=authenticate, read_json=read_json)
+    install_generation_routes(
+        app,
+        sampler=sampler,
+        tokenizer=tokenizer,
+        registry=registry,
+        model_name=model_name,
+        default_max_tokens=default_max_tokens,
+        authenticate=authenticate,
+        read_json=read_json,
+    )
 
     @app.get("/v1/models")
     async def models(request: Request):
         principal = await authenticate(request)
-        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "ac2_jax",
-                 "max_model_len": sampler.max_context, "policy_version": sampler.policy_version}
+        entry = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ac2_jax",
+            "max_model_len": sampler.max_context,
+            "policy_version": sampler.policy_version,
+        }
         stats = sampler_stats(sampler)
         if principal.is_admin:
             entry["learner_step"] = app.state.learner_step
@@ -213,20 +252,34 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             try:  # load_published checks shapes first and swaps only once all is read
                 version = await asyncio.to_thread(sampler.load_weights, args["step"])
             except FileNotFoundError as e:
-                raise APIError(404, f"Step {args['step']} is not published: {e}",
-                               param="step", code="step_not_found") from None
+                raise APIError(
+                    404,
+                    f"Step {args['step']} is not published: {e}",
+                    param="step",
+                    code="step_not_found",
+                ) from None
             except ValueError as e:
-                raise APIError(409, f"The sampler cannot load step {args['step']} (start the "
-                               f"endpoint with --publish_dir, and publish weights of the served "
-                               f"architecture): {e}", param="step",
-                               code="weights_not_loaded") from None
+                raise APIError(
+                    409,
+                    f"The sampler cannot load step {args['step']} (start the "
+                    f"endpoint with --publish_dir, and publish weights of the served "
+                    f"architecture): {e}",
+                    param="step",
+                    code="weights_not_loaded",
+                ) from None
             except SamplerError as e:
-                raise APIError(503, f"No sampler backend loaded step {args['step']}: {e}",
-                               code="sampler_unavailable") from None
+                raise APIError(
+                    503,
+                    f"No sampler backend loaded step {args['step']}: {e}",
+                    code="sampler_unavailable",
+                ) from None
             if args["learner_step"] is not None:
                 app.state.learner_step = args["learner_step"]
-        return {"object": "weights", "policy_version": int(version),
-                "learner_step": app.state.learner_step}
+        return {
+            "object": "weights",
+            "policy_version": int(version),
+            "learner_step": app.state.learner_step,
+        }
 
     @app.post("/v1/rollouts")
     async def create_rollout(request: Request):
@@ -234,10 +287,15 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
         args = parse_create(await read_json(request))
         rollout = await asyncio.to_thread(lambda: registry.create(**args))
         base_url = str(request.base_url).rstrip("/") + "/v1"
-        return {"rollout_id": rollout.rollout_id, "base_url": base_url,
-                "api_key": rollout.api_key, "model": model_name,
-                "task_id": rollout.trace.task_id, "attempt_id": rollout.trace.attempt_id,
-                "group_id": rollout.trace.group_id}
+        return {
+            "rollout_id": rollout.rollout_id,
+            "base_url": base_url,
+            "api_key": rollout.api_key,
+            "model": model_name,
+            "task_id": rollout.trace.task_id,
+            "attempt_id": rollout.trace.attempt_id,
+            "group_id": rollout.trace.group_id,
+        }
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout_status(rollout_id: str, request: Request):
@@ -262,8 +320,11 @@ def build_app(sampler: Sampler, tokenizer: Tokenizer, *, admin_key: str,
             raise
         except Exception:  # noqa: BLE001 - e.g. the trace store's disk
             logging.exception("finishing rollout %s failed", rollout_id)
-            raise APIError(500, f"Could not store the trace of {rollout_id}; nothing changed",
-                           code="trace_store_error") from None
+            raise APIError(
+                500,
+                f"Could not store the trace of {rollout_id}; nothing changed",
+                code="trace_store_error",
+            ) from None
         return view(principal, await asyncio.to_thread(registry.summary, rollout))
 
     @app.get("/v1/rollouts/{rollout_id}/trace")

@@ -78,25 +78,46 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
     context = sampler.max_context  # SGLang's context_len: input + max_new_tokens < context
     vocab = sampler.vocab_size
     state = {"model_path": model_path}
-    counts = {"requests": 0, "finished": 0, "failed": 0, "refused": 0, "cancelled": 0,
-              "in_flight": 0, "weight_updates": 0}
+    counts = {
+        "requests": 0,
+        "finished": 0,
+        "failed": 0,
+        "refused": 0,
+        "cancelled": 0,
+        "in_flight": 0,
+        "weight_updates": 0,
+    }
     update_lock = threading.Lock()
-    app = FastAPI(title="ac2_jax sampler backend (SGLang protocol)", docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="ac2_jax sampler backend (SGLang protocol)",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.sampler = sampler
     app.state.counts = counts
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError):
-        return JSONResponse({"object": "error", "message": str(exc), "type": "Bad Request",
-                             "param": None, "code": 400}, status_code=400)
+        return JSONResponse(
+            {
+                "object": "error",
+                "message": str(exc),
+                "type": "Bad Request",
+                "param": None,
+                "code": 400,
+            },
+            status_code=400,
+        )
 
     def checked(req: GenerateRequest) -> SamplingParams:
         """SGLang's admission checks, then SamplingParams (ValueError -> 400)."""
         n, sp = len(req.input_ids), req.sampling_params
         if n >= context:
-            raise ValueError(f"The input ({n} tokens) is longer than the model's context "
-                             f"length ({context} tokens).")
+            raise ValueError(
+                f"The input ({n} tokens) is longer than the model's context "
+                f"length ({context} tokens)."
+            )
         new = sp.get("max_new_tokens")
         new = context - 1 - n if new is None else new
         if not isinstance(new, int) or new < 1:
@@ -107,28 +128,41 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
                 f"{context} tokens. You requested a total of {new + n} tokens: {n} tokens from "
                 f"the input messages and {new} tokens for the completion. Please reduce the "
                 f"number of tokens in the input messages or the completion to fit within the "
-                f"limit.")
+                f"limit."
+            )
         if any(not 0 <= t < vocab for t in req.input_ids):
-            raise ValueError(f"The input_ids contain values outside the vocabulary "
-                             f"[0, {vocab}).")
+            raise ValueError(f"The input_ids contain values outside the vocabulary [0, {vocab}).")
         return SamplingParams(
-            temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
-            top_k=sp.get("top_k", -1), max_tokens=new, stop=sp.get("stop") or (),
-            stop_token_ids=sp.get("stop_token_ids") or (), seed=sp.get("sampling_seed"),
-            top_logprobs=req.top_logprobs_num)
+            temperature=sp.get("temperature", 1.0),
+            top_p=sp.get("top_p", 1.0),
+            top_k=sp.get("top_k", -1),
+            max_tokens=new,
+            stop=sp.get("stop") or (),
+            stop_token_ids=sp.get("stop_token_ids") or (),
+            seed=sp.get("sampling_seed"),
+            top_logprobs=req.top_logprobs_num,
+        )
 
     def body(req, ids, lps, version, top=None, finish=None, cached=0) -> dict:
-        meta = {"id": "", "finish_reason": finish, "prompt_tokens": len(req.input_ids),
-                "completion_tokens": len(ids), "cached_tokens": cached,
-                "weight_version": str(version),
-                "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)]}
+        meta = {
+            "id": "",
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": cached,
+            "weight_version": str(version),
+            "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)],
+        }
         if top is not None:
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row] for row in top]
         return {"text": tokenizer.decode(ids), "output_ids": list(ids), "meta_info": meta}
 
     def finish_of(r) -> dict:
-        return ({"type": "stop", "matched": r.output_ids[-1]} if r.finish_reason == "stop"
-                else {"type": "length", "length": len(r.output_ids)})
+        return (
+            {"type": "stop", "matched": r.output_ids[-1]}
+            if r.finish_reason == "stop"
+            else {"type": "length", "length": len(r.output_ids)}
+        )
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
@@ -138,9 +172,10 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
         except ValueError as e:
             counts["refused"] += 1
             if req.stream:
-                return StreamingResponse(iter([_sse({"error": {"message": str(e)}}),
-                                               b"data: [DONE]\n\n"]),
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    iter([_sse({"error": {"message": str(e)}}), b"data: [DONE]\n\n"]),
+                    media_type="text/event-stream",
+                )
             return _error(str(e))
         if req.stream:
             return StreamingResponse(stream(req, params), media_type="text/event-stream")
@@ -159,8 +194,15 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
         finally:
             counts["in_flight"] -= 1
         counts["finished"] += 1
-        return body(req, r.output_ids, r.output_logprobs, r.policy_version, r.top_logprobs,
-                    finish_of(r), r.cached_tokens)
+        return body(
+            req,
+            r.output_ids,
+            r.output_logprobs,
+            r.policy_version,
+            r.top_logprobs,
+            finish_of(r),
+            r.cached_tokens,
+        )
 
     async def stream(req: GenerateRequest, params: SamplingParams):
         loop = asyncio.get_running_loop()
@@ -189,8 +231,17 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
                 yield _sse({"error": {"message": f"the sampler failed: {e}"}})
             else:
                 counts["finished"] += 1
-                yield _sse(body(req, ids, lps, r.policy_version, r.top_logprobs, finish_of(r),
-                                r.cached_tokens))
+                yield _sse(
+                    body(
+                        req,
+                        ids,
+                        lps,
+                        r.policy_version,
+                        r.top_logprobs,
+                        finish_of(r),
+                        r.cached_tokens,
+                    )
+                )
             yield b"data: [DONE]\n\n"
             done = True
         finally:
@@ -200,9 +251,13 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
                 task.cancel()
 
     def model_info() -> dict:
-        return {"model_path": state["model_path"], "tokenizer_path": model_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": str(sampler.policy_version)}
+        return {
+            "model_path": state["model_path"],
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(sampler.policy_version),
+        }
 
     app.get("/get_model_info")(model_info)
 
@@ -217,17 +272,33 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": model_path, "object": "model", "created": 0,
-                                            "owned_by": "ac2_jax", "root": model_path,
-                                            "max_model_len": context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_path,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ac2_jax",
+                    "root": model_path,
+                    "max_model_len": context,
+                }
+            ],
+        }
 
     @app.get("/get_server_info")
     def server_info():
         st = sampler.stats
-        return {**counts, "weight_version": str(sampler.policy_version),
-                "context_len": context, "output_tokens": st.output_tokens,
-                "compiled_shapes": st.compiled_shapes, "request_errors": st.request_errors,
-                "weight_swaps": st.weight_swaps, "cancelled_in_sampler": st.cancelled}
+        return {
+            **counts,
+            "weight_version": str(sampler.policy_version),
+            "context_len": context,
+            "output_tokens": st.output_tokens,
+            "compiled_shapes": st.compiled_shapes,
+            "request_errors": st.request_errors,
+            "weight_swaps": st.weight_swaps,
+            "cancelled_in_sampler": st.cancelled,
+        }
 
     @app.post("/update_weights_from_disk")
     async def update(request: Request):
@@ -239,8 +310,10 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
             return refuse("the body must be JSON with model_path (an HF checkpoint directory)")
         path, version = data["model_path"], data.get("weight_version")
         if not str(version).lstrip("-").isdigit():
-            return refuse(f"weight_version must be an integer (the policy version these "
-                          f"weights are), got {version!r}")
+            return refuse(
+                f"weight_version must be an integer (the policy version these "
+                f"weights are), got {version!r}"
+            )
         if not os.path.exists(os.path.join(path, "config.json")):
             return refuse(f"no HF checkpoint (config.json) at {path}")
 
@@ -248,18 +321,24 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
             with update_lock:
                 model, _ = load_hf_checkpoint(path)
                 sampler.set_weights(model, int(version))
+
         try:
             await asyncio.to_thread(load)
         except (ValueError, TypeError, OSError) as e:
             return refuse(f"could not load {path}: {type(e).__name__}: {e}")
         state["model_path"] = path
         counts["weight_updates"] += 1
-        return {"success": True, "message": f"Succeeded to update model weights. Weight "
-                f"version updated to {int(version)}.", "num_paused_requests": 0}
+        return {
+            "success": True,
+            "message": f"Succeeded to update model weights. Weight "
+            f"version updated to {int(version)}.",
+            "num_paused_requests": 0,
+        }
 
     def refuse(message: str) -> JSONResponse:
-        return JSONResponse({"success": False, "message": message, "num_paused_requests": 0},
-                            status_code=400)
+        return JSONResponse(
+            {"success": False, "message": message, "num_paused_requests": 0}, status_code=400
+        )
 
     return app
 
@@ -281,15 +360,22 @@ def main(argv):
     import uvicorn
 
     from ac2_jax.serving.server import load_policy
+
     F = flags.FLAGS
     sampler, tokenizer, name = load_policy(
-        F.model, sampler="jax", max_context=F.max_context, max_batch=F.max_batch, seed=F.seed,
-        fixed_shapes=F.fixed_shapes)
+        F.model,
+        sampler="jax",
+        max_context=F.max_context,
+        max_batch=F.max_batch,
+        seed=F.seed,
+        fixed_shapes=F.fixed_shapes,
+    )
     api = build_backend_app(sampler, tokenizer, model_path=name)
     uvicorn.run(api, host=F.host, port=F.port, log_level="info")
 
 
 if __name__ == "__main__":
     from absl import app as absl_app
+
     _define_flags()
     absl_app.run(main)

@@ -18,21 +18,28 @@ from ac2_jax.serving.requests import ChatRequest, CompletionRequest
 
 # ---------------------------------------------------------------------------- responses
 
+
 @dataclasses.dataclass
 class Choice:
     """What the client sees of one sampled result."""
 
     index: int
-    text: str                       # visible text (stop string and EOS removed)
-    content: str | None             # chat content after tool-call parsing
+    text: str  # visible text (stop string and EOS removed)
+    content: str | None  # chat content after tool-call parsing
     tool_calls: list[dict]
-    finish_reason: str              # stop | length | tool_calls
+    finish_reason: str  # stop | length | tool_calls
     result: SampleResult
-    malformed_tool_calls: int = 0   # tool-call blocks that did not parse (left in content)
+    malformed_tool_calls: int = 0  # tool-call blocks that did not parse (left in content)
 
 
-def choice_from_result(index: int, result: SampleResult, matched_stop: str | None,
-                       tokenizer: Tokenizer, parse_tools: bool, prefix: str = "") -> Choice:
+def choice_from_result(
+    index: int,
+    result: SampleResult,
+    matched_stop: str | None,
+    tokenizer: Tokenizer,
+    parse_tools: bool,
+    prefix: str = "",
+) -> Choice:
     """prefix: text that opened the assistant turn before sampling (a forced
     tool-call opening); it is part of the text the tool calls are parsed from."""
     ids = result.output_ids
@@ -44,8 +51,15 @@ def choice_from_result(index: int, result: SampleResult, matched_stop: str | Non
     parsed = tokenizer.parse_tool_calls(text) if parse_tools else (text, [])
     content, calls = parsed
     finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
-    return Choice(index, text, content if (content or not calls) else None, calls, finish, result,
-                  int(getattr(parsed, "malformed", 0)))
+    return Choice(
+        index,
+        text,
+        content if (content or not calls) else None,
+        calls,
+        finish,
+        result,
+        int(getattr(parsed, "malformed", 0)),
+    )
 
 
 def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
@@ -64,8 +78,9 @@ def chat_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int) -> dic
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int,
-                        offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer: Tokenizer, result: SampleResult, top_n: int, offset: int = 0
+) -> dict:
     """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset
     (counted from `offset`: the characters of tokens already sent when streaming)."""
     tokens = [tokenizer.decode([t]) for t in result.output_ids]
@@ -75,10 +90,15 @@ def completion_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int,
         pos += len(s)
     tops = None
     if top_n and result.top_logprobs is not None:
-        tops = [{tokenizer.decode([t]): float(l) for t, l in row[:top_n]}
-                for row in result.top_logprobs]
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in result.output_logprobs],
-            "top_logprobs": tops, "text_offset": offsets}
+        tops = [
+            {tokenizer.decode([t]): float(l) for t, l in row[:top_n]} for row in result.top_logprobs
+        ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [float(x) for x in result.output_logprobs],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def new_id(prefix: str) -> str:
@@ -87,10 +107,14 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_len: int, results: list[SampleResult]) -> dict:
     completion = sum(len(r.output_ids) for r in results)
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
-            "total_tokens": prompt_len + completion,
-            "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results),
-                                                           default=0)}}
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": max((r.cached_tokens for r in results), default=0)
+        },
+    }
 
 
 def chat_message(choice: Choice) -> dict:
@@ -100,27 +124,65 @@ def chat_message(choice: Choice) -> dict:
     return msg
 
 
-def chat_response(model: str, choices: list[Choice], prompt_len: int, tokenizer: Tokenizer,
-                  req: ChatRequest, policy_version: int, response_id: str | None = None) -> dict:
+def chat_response(
+    model: str,
+    choices: list[Choice],
+    prompt_len: int,
+    tokenizer: Tokenizer,
+    req: ChatRequest,
+    policy_version: int,
+    response_id: str | None = None,
+) -> dict:
     out = []
     for c in choices:
-        item = {"index": c.index, "message": chat_message(c), "finish_reason": c.finish_reason,
-                "logprobs": (chat_logprobs(tokenizer, c.result, req.top_logprobs)
-                             if req.logprobs else None)}
+        item = {
+            "index": c.index,
+            "message": chat_message(c),
+            "finish_reason": c.finish_reason,
+            "logprobs": (
+                chat_logprobs(tokenizer, c.result, req.top_logprobs) if req.logprobs else None
+            ),
+        }
         out.append(item)
-    return {"id": response_id or new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": out,
-            "usage": usage(prompt_len, [c.result for c in choices]),
-            "system_fingerprint": f"policy-{policy_version}", "policy_version": policy_version}
+    return {
+        "id": response_id or new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage(prompt_len, [c.result for c in choices]),
+        "system_fingerprint": f"policy-{policy_version}",
+        "policy_version": policy_version,
+    }
 
 
-def completion_response(model: str, choices: list[Choice], prompt_len: int,
-                        tokenizer: Tokenizer, req: CompletionRequest,
-                        policy_version: int, response_id: str | None = None) -> dict:
-    out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-            "logprobs": (completion_logprobs(tokenizer, c.result, req.top_logprobs)
-                         if req.logprobs else None)} for c in choices]
-    return {"id": response_id or new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": out,
-            "usage": usage(prompt_len, [c.result for c in choices]),
-            "system_fingerprint": f"policy-{policy_version}", "policy_version": policy_version}
+def completion_response(
+    model: str,
+    choices: list[Choice],
+    prompt_len: int,
+    tokenizer: Tokenizer,
+    req: CompletionRequest,
+    policy_version: int,
+    response_id: str | None = None,
+) -> dict:
+    out = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": (
+                completion_logprobs(tokenizer, c.result, req.top_logprobs) if req.logprobs else None
+            ),
+        }
+        for c in choices
+    ]
+    return {
+        "id": response_id or new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage(prompt_len, [c.result for c in choices]),
+        "system_fingerprint": f"policy-{policy_version}",
+        "policy_version": policy_version,
+    }

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,17 +21,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error",
-          503: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
     """An error answered as OpenAI JSON with `status`."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,8 +55,14 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
@@ -51,8 +73,9 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
-def install_error_handlers(app: FastAPI,
-                           on_crash: Callable[[Request, Exception], None] | None = None) -> None:
+def install_error_handlers(
+    app: FastAPI, on_crash: Callable[[Request, Exception], None] | None = None
+) -> None:
     """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped.
 
     on_crash(request, exc) (a function or coroutine function) runs first on an
@@ -79,16 +102,25 @@ def install_error_handlers(app: FastAPI,
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return APIError(400, f"Invalid request: {loc or 'body'}: {first.get('msg', 'invalid')}",
-                        param=loc or None, code="invalid_request").response()
+        return APIError(
+            400,
+            f"Invalid request: {loc or 'body'}: {first.get('msg', 'invalid')}",
+            param=loc or None,
+            code="invalid_request",
+        ).response()
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
-        logger.error("crash on %s %s", request.method, request.url.path,
-                     exc_info=(type(exc), exc, exc.__traceback__))
+        logger.error(
+            "crash on %s %s",
+            request.method,
+            request.url.path,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
         if on_crash is not None:
             result = on_crash(request, exc)
             if inspect.isawaitable(result):
                 await result
-        return APIError(500, "Internal server error (the server log has the cause)",
-                        code="internal_error").response()
+        return APIError(
+            500, "Internal server error (the server log has the cause)", code="internal_error"
+        ).response()

@@ -39,24 +39,58 @@ MAX_TOP_LOGPROBS = 20
 MAX_TOOLS = 128
 MAX_AGENT_LEN = 128
 MAX_USER_LEN = 256
-SEED_RANGE = (-2**63, 2**64 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 
-_COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
-           "logprobs", "stream", "stream_options", "user", "agent", "metadata", "logit_bias",
-           "presence_penalty", "frequency_penalty"}
-CHAT_FIELDS = _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls",
-                         "response_format", "max_completion_tokens", "top_logprobs"}
+_COMMON = {
+    "model",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "user",
+    "agent",
+    "metadata",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "max_completion_tokens",
+    "top_logprobs",
+}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # OpenAI fields this server does not implement: null is taken as absent, a value is a 400.
-UNIMPLEMENTED = {"functions", "function_call", "store", "service_tier", "modalities", "audio",
-                 "prediction", "reasoning_effort", "web_search_options", "min_p",
-                 "repetition_penalty"}
+UNIMPLEMENTED = {
+    "functions",
+    "function_call",
+    "store",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "min_p",
+    "repetition_penalty",
+}
 
 
 # ------------------------------------------------------------------------------ bodies
+
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
@@ -69,8 +103,7 @@ def _depth(obj: Any) -> int:
         value, d = stack.pop()
         if isinstance(value, (dict, list)):
             deepest = max(deepest, d)
-            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict)
-                                              else value))
+            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
     return deepest
 
 
@@ -79,8 +112,9 @@ def loads_strict(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise bad_request(f"Request body is not valid UTF-8 (byte {e.start})",
-                          code="invalid_encoding") from None
+        raise bad_request(
+            f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding"
+        ) from None
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -91,16 +125,19 @@ def loads_strict(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     else:
         too_deep = _depth(value) > max_depth
     if too_deep:
-        raise bad_request(f"Request body nests deeper than {max_depth} levels",
-                          code="json_too_deep")
+        raise bad_request(
+            f"Request body nests deeper than {max_depth} levels", code="json_too_deep"
+        )
     return value
 
 
-async def read_json(request, max_bytes: int = MAX_BODY_BYTES,
-                    max_depth: int = MAX_JSON_DEPTH) -> Any:
+async def read_json(
+    request, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH
+) -> Any:
     """The request's body, read up to `max_bytes` (413 past it), as strict JSON."""
-    too_big = APIError(413, f"Request body is larger than {max_bytes} bytes",
-                       code="request_too_large")
+    too_big = APIError(
+        413, f"Request body is larger than {max_bytes} bytes", code="request_too_large"
+    )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_big
@@ -114,6 +151,7 @@ async def read_json(request, max_bytes: int = MAX_BODY_BYTES,
 
 
 # ------------------------------------------------------------------------------ requests
+
 
 @dataclasses.dataclass
 class GenerationRequest:
@@ -139,7 +177,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = dataclasses.field(default_factory=list)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # None/"auto", "none", "required", {function}
-    forced_tool: str | None = None         # the named function of tool_choice
+    forced_tool: str | None = None  # the named function of tool_choice
 
     @property
     def parse_tools(self) -> bool:
@@ -189,16 +227,19 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         if key in UNIMPLEMENTED and value is None:
             continue
         what = "is not implemented by this server" if key in UNIMPLEMENTED else "is unknown"
-        raise bad_request(f"Field '{key}' {what}; remove it", param=key,
-                          code="unsupported_field")
+        raise bad_request(f"Field '{key}' {what}; remove it", param=key, code="unsupported_field")
     bias = body.get("logit_bias")
     if bias is not None and (not isinstance(bias, dict) or bias):
-        raise bad_request("'logit_bias' is not supported (only {} or null)", param="logit_bias",
-                          code="unsupported_field")
+        raise bad_request(
+            "'logit_bias' is not supported (only {} or null)",
+            param="logit_bias",
+            code="unsupported_field",
+        )
     for key in ("presence_penalty", "frequency_penalty"):
         if _num(body, key, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]") != 0.0:
-            raise bad_request(f"'{key}' is not supported (only 0 or null)", param=key,
-                              code="unsupported_field")
+            raise bad_request(
+                f"'{key}' is not supported (only 0 or null)", param=key, code="unsupported_field"
+            )
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -206,30 +247,43 @@ def _stop(body: dict) -> tuple[str, ...]:
     if stop is None:
         return ()
     stop = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
-        raise bad_request(f"'stop' must be a string or a list of up to {MAX_STOP} non-empty "
-                          f"strings of at most {MAX_STOP_CHARS} characters", param="stop")
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise bad_request(
+            f"'stop' must be a string or a list of up to {MAX_STOP} non-empty "
+            f"strings of at most {MAX_STOP_CHARS} characters",
+            param="stop",
+        )
     return tuple(stop)
 
 
 def _label(body: dict) -> str | None:
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_LEN):
-        raise bad_request(f"'user' must be a string of at most {MAX_USER_LEN} characters",
-                          param="user")
+        raise bad_request(
+            f"'user' must be a string of at most {MAX_USER_LEN} characters", param="user"
+        )
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise bad_request("'metadata' must be an object", param="metadata")
         if "agent" in metadata:
-            raise bad_request("'metadata.agent' does not label the agent; send the X-Agent "
-                              "header or the top-level 'agent' field", param="metadata.agent")
+            raise bad_request(
+                "'metadata.agent' does not label the agent; send the X-Agent "
+                "header or the top-level 'agent' field",
+                param="metadata.agent",
+            )
     agent = body.get("agent")
-    if agent is not None and (not isinstance(agent, str) or not agent
-                              or len(agent) > MAX_AGENT_LEN):
-        raise bad_request(f"'agent' must be a non-empty string of at most {MAX_AGENT_LEN} "
-                          "characters", param="agent")
+    if agent is not None and (
+        not isinstance(agent, str) or not agent or len(agent) > MAX_AGENT_LEN
+    ):
+        raise bad_request(
+            f"'agent' must be a non-empty string of at most {MAX_AGENT_LEN} characters",
+            param="agent",
+        )
     return agent
 
 
@@ -254,19 +308,28 @@ def _parse_common(body: Any, cls, allowed: set[str]):
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true",
-                              param="stream_options")
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad_request("'stream_options' must be {\"include_usage\": bool}",
-                              param="stream_options")
+            raise bad_request(
+                "'stream_options' must be {\"include_usage\": bool}", param="stream_options"
+            )
     return cls(
-        model=model, n=_int(body, "n", 1, MAX_N, 1), max_tokens=max_tokens,
+        model=model,
+        n=_int(body, "n", 1, MAX_N, 1),
+        max_tokens=max_tokens,
         temperature=_num(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
         top_p=_num(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=_int(body, "top_k", -1, INT32_MAX, -1), stop=_stop(body),
-        seed=_int(body, "seed", *SEED_RANGE), logprobs=bool(logprobs) or top_logprobs > 0,
-        top_logprobs=top_logprobs, stream=stream,
-        include_usage=_bool(options or {}, "include_usage"), agent=_label(body))
+        top_k=_int(body, "top_k", -1, INT32_MAX, -1),
+        stop=_stop(body),
+        seed=_int(body, "seed", *SEED_RANGE),
+        logprobs=bool(logprobs) or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+        stream=stream,
+        include_usage=_bool(options or {}, "include_usage"),
+        agent=_label(body),
+    )
 
 
 def _text_content(content: Any, where: str) -> str | None:
@@ -275,16 +338,22 @@ def _text_content(content: Any, where: str) -> str | None:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(
-                    part.get("text"), str):
+            if (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 parts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"{where}.content: only text parts are supported, got {kind!r}",
-                                  param=f"{where}.content")
+                raise bad_request(
+                    f"{where}.content: only text parts are supported, got {kind!r}",
+                    param=f"{where}.content",
+                )
         return "\n".join(parts)
-    raise bad_request(f"{where}.content must be a string or a list of text parts",
-                      param=f"{where}.content")
+    raise bad_request(
+        f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
+    )
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -298,8 +367,9 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise bad_request(f"{where} must be an object", param=where)
         role = m.get("role")
         if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {list(ROLES)}, got {role!r}",
-                              param=f"{where}.role")
+            raise bad_request(
+                f"{where}.role must be one of {list(ROLES)}, got {role!r}", param=f"{where}.role"
+            )
         msg = {k: m[k] for k in _MESSAGE_KEYS if m.get(k) is not None}
         msg["role"] = "system" if role == "developer" else role
         content = _text_content(m.get("content"), where)
@@ -312,16 +382,21 @@ def normalize_messages(messages: Any) -> list[dict]:
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise bad_request(f"{where}.tool_calls[{j}].function.name is required",
-                                      param=f"{where}.tool_calls")
+                    raise bad_request(
+                        f"{where}.tool_calls[{j}].function.name is required",
+                        param=f"{where}.tool_calls",
+                    )
             if content is None and not calls:
-                raise bad_request(f"{where}: an assistant message needs content or tool_calls",
-                                  param=f"{where}.content")
+                raise bad_request(
+                    f"{where}: an assistant message needs content or tool_calls",
+                    param=f"{where}.content",
+                )
             if calls:
                 msg["tool_calls"] = calls
         elif content is None:
-            raise bad_request(f"{where}.content is required for role {role!r}",
-                              param=f"{where}.content")
+            raise bad_request(
+                f"{where}.content is required for role {role!r}", param=f"{where}.content"
+            )
         out.append(msg)
     return out
 
@@ -333,20 +408,28 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[Any, str | None]
     names = [t["function"]["name"] for t in tools or ()]
     if choice == "required":
         forced = None
-    elif (isinstance(choice, dict) and choice.get("type") == "function"
-          and isinstance(choice.get("function"), dict)
-          and isinstance(choice["function"].get("name"), str)):
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
         forced = choice["function"]["name"]
         if forced not in names:
-            raise bad_request(f"'tool_choice' names function {forced!r}, which is not in "
-                              f"'tools' ({names})", param="tool_choice")
+            raise bad_request(
+                f"'tool_choice' names function {forced!r}, which is not in 'tools' ({names})",
+                param="tool_choice",
+            )
     else:
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                          param="tool_choice")
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if not names:
-        raise bad_request("'tool_choice' requires a tool call but 'tools' is empty",
-                          param="tool_choice")
+        raise bad_request(
+            "'tool_choice' requires a tool call but 'tools' is empty", param="tool_choice"
+        )
     return choice, forced
 
 
@@ -355,11 +438,21 @@ def parse_chat_request(body: Any) -> ChatRequest:
     req.messages = normalize_messages(body.get("messages"))
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS or not all(
-                isinstance(t, dict) and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str) for t in tools):
-            raise bad_request(f"'tools' must be a list of up to {MAX_TOOLS} "
-                              "{type: function, function: {name, ...}}", param="tools")
+        if (
+            not isinstance(tools, list)
+            or len(tools) > MAX_TOOLS
+            or not all(
+                isinstance(t, dict)
+                and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)
+                for t in tools
+            )
+        ):
+            raise bad_request(
+                f"'tools' must be a list of up to {MAX_TOOLS} "
+                "{type: function, function: {name, ...}}",
+                param="tools",
+            )
         req.tools = tools or None
     req.tool_choice, req.forced_tool = _tool_choice(body, req.tools)
     _bool(body, "parallel_tool_calls", True)
@@ -367,9 +460,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind != "text":
-            raise bad_request(f"'response_format' {kind!r} is not supported: this server has no "
-                              "constrained decoding (only {\"type\": \"text\"})",
-                              param="response_format", code="unsupported_field")
+            raise bad_request(
+                f"'response_format' {kind!r} is not supported: this server has no "
+                'constrained decoding (only {"type": "text"})',
+                param="response_format",
+                code="unsupported_field",
+            )
     return req
 
 
@@ -380,15 +476,24 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         req.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         req.prompt = prompt
     else:
-        raise bad_request("'prompt' must be a non-empty string or list of token ids "
-                          "(batches of several prompts are not supported)", param="prompt")
+        raise bad_request(
+            "'prompt' must be a non-empty string or list of token ids "
+            "(batches of several prompts are not supported)",
+            param="prompt",
+        )
     best_of = body.get("best_of")
-    unsupported = {"echo": _bool(body, "echo"), "suffix": bool(body.get("suffix")),
-                   "best_of": best_of is not None and (best_of != 1 or isinstance(best_of, bool))}
+    unsupported = {
+        "echo": _bool(body, "echo"),
+        "suffix": bool(body.get("suffix")),
+        "best_of": best_of is not None and (best_of != 1 or isinstance(best_of, bool)),
+    }
     for key, used in unsupported.items():
         if used:
             raise bad_request(f"'{key}' is not supported", param=key, code="unsupported_field")

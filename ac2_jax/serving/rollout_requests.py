@@ -24,6 +24,8 @@ from ac2_jax.serving.errors import APIError, bad_request
 # rollout as "finished"), and so what a rollout key is never shown.
 ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
 ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
+
+
 class CreateBody(BaseModel):
     """POST /v1/rollouts (admin)."""
 
@@ -69,9 +71,11 @@ def _validated(model: type[BaseModel], body: Any) -> BaseModel:
         err = e.errors()[0]
         param = str(err["loc"][0]) if err["loc"] else None
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"Field '{param}' is unknown (expected some of "
-                              f"{list(model.model_fields)})", param=param,
-                              code="unsupported_field") from None
+            raise bad_request(
+                f"Field '{param}' is unknown (expected some of {list(model.model_fields)})",
+                param=param,
+                code="unsupported_field",
+            ) from None
         if err["type"] == "missing":
             raise bad_request(f"'{param}' is required", param=param) from None
         raise bad_request(f"'{param}': {err['msg']}", param=param) from None
@@ -120,15 +124,24 @@ def check_rollout_key_finish(args: dict[str, Any]) -> None:
     status, metrics, hints and artifacts come from the admin key, whose finish
     still grades a rollout its key ended.
     """
-    refused = [f for f in ADMIN_ONLY_FINISH_FIELDS
-               if (args.get("status") != "finished" if f == "status" else f in args)]
+    refused = [
+        f
+        for f in ADMIN_ONLY_FINISH_FIELDS
+        if (args.get("status") != "finished" if f == "status" else f in args)
+    ]
     if refused:
-        what = ", ".join(f"'status' to {args['status']!r}" if f == "status" else f"'{f}'"
-                         for f in refused)
-        raise APIError(403, f"Only the admin key may set {what}; a rollout key may only end "
-                       "its own rollout, with an empty body or {\"status\": \"finished\"}. "
-                       "Send the reward, status, metrics, hints and artifacts with the admin "
-                       "key", param=refused[0], code="admin_only")
+        what = ", ".join(
+            f"'status' to {args['status']!r}" if f == "status" else f"'{f}'" for f in refused
+        )
+        raise APIError(
+            403,
+            f"Only the admin key may set {what}; a rollout key may only end "
+            'its own rollout, with an empty body or {"status": "finished"}. '
+            "Send the reward, status, metrics, hints and artifacts with the admin "
+            "key",
+            param=refused[0],
+            code="admin_only",
+        )
     args["by_rollout_key"] = True
 
 
@@ -145,11 +158,12 @@ def check_json(value: Any, param: str) -> None:
     try:
         same = json.loads(json.dumps(value, allow_nan=False)) == value
     except (TypeError, ValueError) as e:
-        raise bad_request(f"'{param}' must be JSON with finite numbers: {e}",
-                          param=param) from None
+        raise bad_request(f"'{param}' must be JSON with finite numbers: {e}", param=param) from None
     if not same:
-        raise bad_request(f"'{param}' does not survive a JSON round trip (keys must be "
-                          "strings, sequences lists)", param=param)
+        raise bad_request(
+            f"'{param}' does not survive a JSON round trip (keys must be strings, sequences lists)",
+            param=param,
+        )
 
 
 def keys_equal(a: str, b: str) -> bool:

@@ -31,11 +31,11 @@ import threading
 import time
 from typing import Any
 
-from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
-from ac2_jax.trace.types import LEGACY_STATUSES, TRACE_STATUSES
 from ac2_jax.serving.errors import APIError, bad_request
 from ac2_jax.serving.rollout_requests import check_json, check_rollout_key_finish
 from ac2_jax.serving.splice import TurnMemory
+from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
+from ac2_jax.trace.types import LEGACY_STATUSES, TRACE_STATUSES
 
 # How a rollout may end (the failure taxonomy of `Trace.status`); an old "failed"
 # is taken as "infra_error" (our fault, never trained).
@@ -80,28 +80,42 @@ class Rollout:
         """Status, completions so far, token counts and policy versions."""
         t = self.trace
         return {
-            "rollout_id": self.rollout_id, "task_id": t.task_id, "attempt_id": t.attempt_id,
-            "group_id": t.group_id, "status": t.status, "reward": t.reward,
-            "num_completions": len(self.completions), "completions": list(self.completions),
+            "rollout_id": self.rollout_id,
+            "task_id": t.task_id,
+            "attempt_id": t.attempt_id,
+            "group_id": t.group_id,
+            "status": t.status,
+            "reward": t.reward,
+            "num_completions": len(self.completions),
+            "completions": list(self.completions),
             "num_episodes": len(t.episodes),
             "agents": sorted({e.agent for e in t.episodes}),
             "prompt_tokens": sum(c["prompt_tokens"] for c in self.completions),
             "completion_tokens": sum(c["completion_tokens"] for c in self.completions),
             "agent_tokens": t.num_agent_tokens,
             "policy_versions": sorted({c["policy_version"] for c in self.completions}),
-            "wall_time_s": (self.wall_time_s if self.wall_time_s is not None
-                            else time.monotonic() - self.started),
-            "ended_by_key": self.ended_by_key, "final": self.final,
-            **self.counters, "metadata": t.metadata,
+            "wall_time_s": (
+                self.wall_time_s
+                if self.wall_time_s is not None
+                else time.monotonic() - self.started
+            ),
+            "ended_by_key": self.ended_by_key,
+            "final": self.final,
+            **self.counters,
+            "metadata": t.metadata,
         }
 
 
 class RolloutRegistry:
     """All rollouts of one server. Thread-safe."""
 
-    def __init__(self, trace_store: TraceStore | None = None,
-                 default_timeout_s: float | None = None, max_finished: int = 256,
-                 max_summaries: int = 100_000):
+    def __init__(
+        self,
+        trace_store: TraceStore | None = None,
+        default_timeout_s: float | None = None,
+        max_finished: int = 256,
+        max_summaries: int = 100_000,
+    ):
         self.trace_store = trace_store
         self.default_timeout_s = default_timeout_s
         self._lock = threading.RLock()  # held across store writes: take it off the loop
@@ -118,13 +132,23 @@ class RolloutRegistry:
 
     # -- creation and lookup
 
-    def create(self, task_id: str, group_id: str | None = None, attempt_id: str | None = None,
-               metadata: dict | None = None, timeout_s: float | None = None) -> Rollout:
+    def create(
+        self,
+        task_id: str,
+        group_id: str | None = None,
+        attempt_id: str | None = None,
+        metadata: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> Rollout:
         check_json(metadata, "metadata")
         rollout_id = "ro-" + secrets.token_hex(8)
         api_key = "sk-rollout-" + secrets.token_urlsafe(24)
-        trace = Trace(task_id=task_id, attempt_id=attempt_id or rollout_id, group_id=group_id,
-                      metadata=dict(metadata or {}))
+        trace = Trace(
+            task_id=task_id,
+            attempt_id=attempt_id or rollout_id,
+            group_id=group_id,
+            metadata=dict(metadata or {}),
+        )
         trace.metadata.setdefault("rollout_id", rollout_id)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         rollout = Rollout(rollout_id, api_key, trace, timeout)
@@ -174,12 +198,20 @@ class RolloutRegistry:
             rollout = self._by_key.get(api_key)
             dead = self._dead_keys.get(api_key)
         if dead is not None and dead.ended_by_key:
-            raise APIError(401, f"This API key ended its own rollout {dead.rollout_id}, so it "
-                           "no longer works: no more completions or changes with it. The "
-                           "admin still grades the rollout", code="rollout_ended_by_key")
+            raise APIError(
+                401,
+                f"This API key ended its own rollout {dead.rollout_id}, so it "
+                "no longer works: no more completions or changes with it. The "
+                "admin still grades the rollout",
+                code="rollout_ended_by_key",
+            )
         if dead is not None:
-            raise APIError(401, f"This API key belonged to rollout {dead.rollout_id}, which is "
-                           f"{dead.status}; its key no longer works", code="rollout_finished")
+            raise APIError(
+                401,
+                f"This API key belonged to rollout {dead.rollout_id}, which is "
+                f"{dead.status}; its key no longer works",
+                code="rollout_finished",
+            )
         return rollout
 
     def __len__(self) -> int:
@@ -196,8 +228,13 @@ class RolloutRegistry:
 
     # -- recording
 
-    def record(self, rollout: Rollout, agent: str, completions: list[Completion],
-               turns: list[tuple[str | None, list[dict], list[int]]]) -> list[int]:
+    def record(
+        self,
+        rollout: Rollout,
+        agent: str,
+        completions: list[Completion],
+        turns: list[tuple[str | None, list[dict], list[int]]],
+    ) -> list[int]:
         """Records the completions of one request and remembers its turns.
 
         Returns the index of the episode each completion went to. 409 if the
@@ -205,30 +242,49 @@ class RolloutRegistry:
         """
         with self._lock:
             if rollout.ended_by_key and not rollout.final:
-                raise APIError(409, f"Rollout {rollout.rollout_id} was ended by its own key; "
-                               "the completion was not recorded", code="rollout_ended_by_key")
+                raise APIError(
+                    409,
+                    f"Rollout {rollout.rollout_id} was ended by its own key; "
+                    "the completion was not recorded",
+                    code="rollout_ended_by_key",
+                )
             if not rollout.running:
-                raise APIError(409, f"Rollout {rollout.rollout_id} is {rollout.status}; the "
-                               "completion was not recorded", code="rollout_finished")
+                raise APIError(
+                    409,
+                    f"Rollout {rollout.rollout_id} is {rollout.status}; the "
+                    "completion was not recorded",
+                    code="rollout_finished",
+                )
             episodes = []
             for comp in completions:
                 ep = rollout.recorder.record(agent, comp)
                 episodes.append(next(i for i, e in enumerate(rollout.trace.episodes) if e is ep))
-                rollout.completions.append({
-                    "agent": agent, "episode": episodes[-1],
-                    "prompt_tokens": len(comp.prompt_ids),
-                    "completion_tokens": len(comp.output_ids),
-                    "policy_version": comp.policy_version,
-                    "finish_reason": comp.finish_reason})
+                rollout.completions.append(
+                    {
+                        "agent": agent,
+                        "episode": episodes[-1],
+                        "prompt_tokens": len(comp.prompt_ids),
+                        "completion_tokens": len(comp.output_ids),
+                        "policy_version": comp.policy_version,
+                        "finish_reason": comp.finish_reason,
+                    }
+                )
             for content, calls, ids in turns:
                 rollout.memory.remember(content, calls, ids)
             return episodes
 
     # -- finishing
 
-    def finish(self, rollout: Rollout, status: str = "finished", reward: float | None = None,
-               artifacts: dict | None = None, hints: list[str] | None = None,
-               metrics: dict | None = None, by_rollout_key: bool = False) -> Rollout:
+    def finish(
+        self,
+        rollout: Rollout,
+        status: str = "finished",
+        reward: float | None = None,
+        artifacts: dict | None = None,
+        hints: list[str] | None = None,
+        metrics: dict | None = None,
+        by_rollout_key: bool = False,
+    ) -> Rollout:
         """Ends the rollout for good: grades it, stores its trace and kills its key
         (409 if already final). A rollout its own key ended is graded here as usual.
 
@@ -240,30 +296,48 @@ class RolloutRegistry:
         for name, value in (("artifacts", artifacts), ("metrics", metrics), ("hints", hints)):
             check_json(value, name)
         if status not in END_STATUSES:
-            raise bad_request(f"'status' must be one of {list(END_STATUSES)}, got {status!r}",
-                              param="status")
+            raise bad_request(
+                f"'status' must be one of {list(END_STATUSES)}, got {status!r}", param="status"
+            )
         if by_rollout_key:
-            check_rollout_key_finish({k: v for k, v in (
-                ("status", status), ("reward", reward), ("artifacts", artifacts),
-                ("hints", hints), ("metrics", metrics)) if v is not None})
+            check_rollout_key_finish(
+                {
+                    k: v
+                    for k, v in (
+                        ("status", status),
+                        ("reward", reward),
+                        ("artifacts", artifacts),
+                        ("hints", hints),
+                        ("metrics", metrics),
+                    )
+                    if v is not None
+                }
+            )
             return self._end_by_key(rollout)
         with self._lock:
             if rollout.final:
-                raise APIError(409, f"Rollout {rollout.rollout_id} is already {rollout.status}",
-                               code="rollout_finished")
+                raise APIError(
+                    409,
+                    f"Rollout {rollout.rollout_id} is already {rollout.status}",
+                    code="rollout_finished",
+                )
             t = rollout.trace
             new_metadata = dict(t.metadata)
             if artifacts is not None:
                 new_metadata["artifacts"] = artifacts
             wall = time.monotonic() - rollout.started
-            new_metrics = {**t.metrics, "num_completions": len(rollout.completions),
-                           "num_episodes": len(t.episodes), "agent_tokens": t.num_agent_tokens,
-                           "prompt_tokens": sum(c["prompt_tokens"] for c in rollout.completions),
-                           "completion_tokens": sum(c["completion_tokens"]
-                                                    for c in rollout.completions),
-                           "policy_versions": sorted({c["policy_version"]
-                                                      for c in rollout.completions}),
-                           "wall_time_s": wall, **rollout.counters, **(metrics or {})}
+            new_metrics = {
+                **t.metrics,
+                "num_completions": len(rollout.completions),
+                "num_episodes": len(t.episodes),
+                "agent_tokens": t.num_agent_tokens,
+                "prompt_tokens": sum(c["prompt_tokens"] for c in rollout.completions),
+                "completion_tokens": sum(c["completion_tokens"] for c in rollout.completions),
+                "policy_versions": sorted({c["policy_version"] for c in rollout.completions}),
+                "wall_time_s": wall,
+                **rollout.counters,
+                **(metrics or {}),
+            }
             if rollout.ended_by_key:
                 new_metrics["ended_by_key_s"] = rollout.ended_by_key_s
             old = (t.status, t.reward, t.metadata, t.metrics, list(t.hints))
@@ -302,8 +376,11 @@ class RolloutRegistry:
         """Stops the rollout at its key's request (see `finish`); 409 unless running."""
         with self._lock:
             if not rollout.running:
-                raise APIError(409, f"Rollout {rollout.rollout_id} is already {rollout.status}",
-                               code="rollout_finished")
+                raise APIError(
+                    409,
+                    f"Rollout {rollout.rollout_id} is already {rollout.status}",
+                    code="rollout_finished",
+                )
             rollout.trace.status = "finished"
             rollout.ended_by_key_s = time.monotonic() - rollout.started
             self._by_key.pop(rollout.api_key, None)
@@ -316,8 +393,11 @@ class RolloutRegistry:
         not graded) past its deadline as `timed_out`."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            late = [r for r in (*self._by_key.values(), *self._ungraded.values())
-                    if r.deadline is not None and now >= r.deadline]
+            late = [
+                r
+                for r in (*self._by_key.values(), *self._ungraded.values())
+                if r.deadline is not None and now >= r.deadline
+            ]
             for r in late:
                 if not r.final:
                     try:

@@ -7,21 +7,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
 
-def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout_s: float = 60.0) -> tuple[str, Callable[[], None]]:
+def serve_in_thread(
+    app, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0
+) -> tuple[str, Callable[[], None]]:
     """Starts uvicorn for `app` in a daemon thread; returns (base_url, stop).
 
     port=0 picks a free port. base_url is like "http://127.0.0.1:PORT" (add
     "/v1" for OpenAI clients). stop() shuts the server down and joins the
     thread; calling it twice is harmless.
     """
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     errors: list[BaseException] = []
 
@@ -51,11 +53,21 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0,
     return f"http://{url_host}:{bound}", stop
 
 
-def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = None,
-                publish_dir: str | None = None, sglang_url: str | None = None,
-                export_dir: str | None = None, max_batch: int = 16, seed: int = 0,
-                tokenizer_dir: str | None = None, fixed_shapes: bool = False,
-                backends: Sequence[str] = (), backend_timeout_s: float = 600.0):
+def load_policy(
+    model: str,
+    *,
+    sampler: str = "jax",
+    max_context: int | None = None,
+    publish_dir: str | None = None,
+    sglang_url: str | None = None,
+    export_dir: str | None = None,
+    max_batch: int = 16,
+    seed: int = 0,
+    tokenizer_dir: str | None = None,
+    fixed_shapes: bool = False,
+    backends: Sequence[str] = (),
+    backend_timeout_s: float = 600.0,
+):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
@@ -76,8 +88,10 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
 
     backends = [u.strip() for u in backends if u.strip()]
     if backends and (sglang_url or fixed_shapes):
-        raise ValueError("--backends replaces the embedded or single SGLang sampler: drop "
-                         "--sglang_url / --fixed_shapes (a backend process takes those)")
+        raise ValueError(
+            "--backends replaces the embedded or single SGLang sampler: drop "
+            "--sglang_url / --fixed_shapes (a backend process takes those)"
+        )
     if len(set(backends)) != len(backends):
         raise ValueError(f"--backends lists a URL twice: {backends}")
     if sampler not in ("jax", "sglang"):
@@ -88,40 +102,72 @@ def load_policy(model: str, *, sampler: str = "jax", max_context: int | None = N
         raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
     from flax import nnx  # heavy imports only once the arguments are known to be good
 
-    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models import Decoder, DecoderConfig, Tokenizer, build_tiny_tokenizer
     from ac2_jax.models.hf_io import load_hf_checkpoint
-    from ac2_jax.models import Tokenizer, build_tiny_tokenizer
 
     if model == "tiny":
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
-        decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size),
-                          rngs=nnx.Rngs(seed))
+        decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size), rngs=nnx.Rngs(seed))
         name = "tiny"
     else:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model)
         decoder, _ = load_hf_checkpoint(model)
         name = os.path.basename(os.path.normpath(model))
-    context = max_context or min(decoder.config.max_position_embeddings,
-                                 tokenizer.model_max_length or 1 << 30)
+    context = max_context or min(
+        decoder.config.max_position_embeddings, tokenizer.model_max_length or 1 << 30
+    )
     if backends:
         from ac2_jax.sampling import FleetSampler, SGLangSampler
-        return FleetSampler([
-            SGLangSampler(url, max_context=context, model=decoder, publish_dir=publish_dir,
-                          export_dir=(None if export_dir is None
-                                      else os.path.join(export_dir, f"backend{i}")),
-                          vocab_size=tokenizer.vocab_size, timeout_s=backend_timeout_s)
-            for i, url in enumerate(backends)]), tokenizer, name
+
+        return (
+            FleetSampler(
+                [
+                    SGLangSampler(
+                        url,
+                        max_context=context,
+                        model=decoder,
+                        publish_dir=publish_dir,
+                        export_dir=(
+                            None if export_dir is None else os.path.join(export_dir, f"backend{i}")
+                        ),
+                        vocab_size=tokenizer.vocab_size,
+                        timeout_s=backend_timeout_s,
+                    )
+                    for i, url in enumerate(backends)
+                ]
+            ),
+            tokenizer,
+            name,
+        )
     if sampler == "jax":
         from ac2_jax.sampling.jax_sampler import JaxSampler
-        jax_sampler = JaxSampler(decoder, publish_dir=publish_dir, max_context=context,
-                                 max_batch=max_batch, eos_token_ids=tokenizer.stop_token_ids,
-                                 tokenizer=tokenizer, seed=seed, fixed_shapes=fixed_shapes)
+
+        jax_sampler = JaxSampler(
+            decoder,
+            publish_dir=publish_dir,
+            max_context=context,
+            max_batch=max_batch,
+            eos_token_ids=tokenizer.stop_token_ids,
+            tokenizer=tokenizer,
+            seed=seed,
+            fixed_shapes=fixed_shapes,
+        )
         if fixed_shapes:
             jax_sampler.warmup()
         return jax_sampler, tokenizer, name
     if fixed_shapes:
         raise ValueError("--fixed_shapes is a JaxSampler option (SGLang manages its own shapes)")
     from ac2_jax.sampling.sglang import SGLangSampler
-    return (SGLangSampler(sglang_url, max_context=context, model=decoder,
-                          publish_dir=publish_dir, export_dir=export_dir,
-                          vocab_size=tokenizer.vocab_size), tokenizer, name)
+
+    return (
+        SGLangSampler(
+            sglang_url,
+            max_context=context,
+            model=decoder,
+            publish_dir=publish_dir,
+            export_dir=export_dir,
+            vocab_size=tokenizer.vocab_size,
+        ),
+        tokenizer,
+        name,
+    )

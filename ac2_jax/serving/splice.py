@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ac2_jax.models.tokenizer import Tokenizer
 
@@ -56,8 +57,9 @@ class TurnMemory:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def remember(self, content: str | None, tool_calls: Sequence[dict] | None,
-                 output_ids: Sequence[int]) -> None:
+    def remember(
+        self, content: str | None, tool_calls: Sequence[dict] | None, output_ids: Sequence[int]
+    ) -> None:
         if not output_ids:
             return
         with self._lock:
@@ -70,9 +72,12 @@ class TurnMemory:
             return self._turns.get(turn_key(message.get("content"), message.get("tool_calls")))
 
 
-def build_prompt_ids(tokenizer: Tokenizer, messages: Sequence[dict],
-                     tools: Sequence[dict] | None = None, memory: TurnMemory | None = None,
-                     ) -> tuple[list[int], int]:
+def build_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    memory: TurnMemory | None = None,
+) -> tuple[list[int], int]:
     """Prompt ids for `messages` (+ generation prompt), with remembered turns spliced.
 
     Returns (prompt_ids, number of spliced turns). Falls back to plain

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from starlette.responses import StreamingResponse
 
@@ -39,7 +40,9 @@ class TokenFeed:
     def on_tokens(self, index: int) -> Callable[[list[int], list[float]], None]:
         def feed(ids, logprobs):
             self.loop.call_soon_threadsafe(
-                self.queue.put_nowait, ("tokens", index, list(ids), list(logprobs)))
+                self.queue.put_nowait, ("tokens", index, list(ids), list(logprobs))
+            )
+
         return feed
 
     def done(self, index: int) -> Callable[[Any], None]:
@@ -63,8 +66,9 @@ class TextStream:
     prefix: text already in the assistant turn (a forced tool-call opening).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], parse_tools: bool,
-                 prefix: str = ""):
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str], parse_tools: bool, prefix: str = ""
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.parse_tools = parse_tools
@@ -72,9 +76,9 @@ class TextStream:
         self.open = tool_call_open(tokenizer)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
-        self.sent = ""              # text sent so far
-        self.sent_tokens = 0        # tokens whose logprobs were sent
-        self.frozen = False         # a stop string or tool call seen: the rest comes at the end
+        self.sent = ""  # text sent so far
+        self.sent_tokens = 0  # tokens whose logprobs were sent
+        self.frozen = False  # a stop string or tool call seen: the rest comes at the end
 
     def push(self, ids: list[int], logprobs: list[float]) -> tuple[str, list[int], list[float]]:
         """Adds tokens; returns (text delta, token ids and logprobs now safe to show)."""
@@ -88,20 +92,20 @@ class TextStream:
         text = self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
         cuts = [text.find(s) for s in self.stop if s in text]
         if cuts:
-            text, self.frozen = text[:min(cuts)], True
+            text, self.frozen = text[: min(cuts)], True
         else:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
             held = self.stop + ((self.open,) if self.parse_tools else ())
-            text = text[:len(text) - _held_suffix(text, held)]
+            text = text[: len(text) - _held_suffix(text, held)]
         if self.parse_tools:
             if self.open in text:
-                text, self.frozen = text[:text.find(self.open)], True
+                text, self.frozen = text[: text.find(self.open)], True
             text = text.strip()
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent += delta
         new_ids, new_lps = [], []
         if not cuts:  # no stop string yet: every token so far is kept
-            new_ids, new_lps = self.ids[self.sent_tokens:], self.logprobs[self.sent_tokens:]
+            new_ids, new_lps = self.ids[self.sent_tokens :], self.logprobs[self.sent_tokens :]
             self.sent_tokens = len(self.ids)
         return delta, new_ids, new_lps
 
@@ -109,10 +113,13 @@ class TextStream:
         """What is left to send of the final `content` (as non-streamed)."""
         content = content or ""
         if not content.startswith(self.sent):
-            logging.error("streamed text %r is not a prefix of the final content %r",
-                          self.sent[:80], content[:80])
+            logging.error(
+                "streamed text %r is not a prefix of the final content %r",
+                self.sent[:80],
+                content[:80],
+            )
             return ""
-        return content[len(self.sent):]
+        return content[len(self.sent) :]
 
 
 class WatchedStreamingResponse(StreamingResponse):

@@ -1,11 +1,27 @@
 """Traces: every conversation of one task attempt, as append-only episodes."""
 
-from ac2_jax.trace.agents import (COMPACTOR, MAIN, SUBAGENT_PREFIX, SUBAGENT_WILDCARD,
-                                  agent_group, agent_matches, check_agent_pattern, is_subagent)
+from ac2_jax.trace.agents import (
+    COMPACTOR,
+    MAIN,
+    SUBAGENT_PREFIX,
+    SUBAGENT_WILDCARD,
+    agent_group,
+    agent_matches,
+    check_agent_pattern,
+    is_subagent,
+)
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.store import TraceStore, TraceStoreError
-from ac2_jax.trace.types import (LEGACY_STATUSES, TRACE_STATUSES, Completion, Episode, Message,
-                                 Trace, messages_fingerprint, new_attempt_id)
+from ac2_jax.trace.types import (
+    LEGACY_STATUSES,
+    TRACE_STATUSES,
+    Completion,
+    Episode,
+    Message,
+    Trace,
+    messages_fingerprint,
+    new_attempt_id,
+)
 
 __all__ = [
     "COMPACTOR",

@@ -9,10 +9,18 @@ refused with a message that says how to write it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-__all__ = ["COMPACTOR", "MAIN", "SUBAGENT_PREFIX", "SUBAGENT_WILDCARD", "agent_group",
-           "agent_matches", "check_agent_pattern", "is_subagent"]
+__all__ = [
+    "COMPACTOR",
+    "MAIN",
+    "SUBAGENT_PREFIX",
+    "SUBAGENT_WILDCARD",
+    "agent_group",
+    "agent_matches",
+    "check_agent_pattern",
+    "is_subagent",
+]
 
 MAIN = "main"
 COMPACTOR = "compactor"
@@ -32,16 +40,19 @@ def agent_group(label: str) -> str:
 
 def check_agent_pattern(pattern: object, where: str) -> str:
     """`pattern` if it is an agent label or "subagent:*"; else a ValueError naming `where`."""
-    how = (f'use an agent label ("{MAIN}", "{COMPACTOR}", "subagent:<name>") or '
-           f'"{SUBAGENT_WILDCARD}" (every subagent)')
+    how = (
+        f'use an agent label ("{MAIN}", "{COMPACTOR}", "subagent:<name>") or '
+        f'"{SUBAGENT_WILDCARD}" (every subagent)'
+    )
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"{where}: {pattern!r} is not an agent label: {how}")
     if "*" in pattern and pattern != SUBAGENT_WILDCARD:
-        raise ValueError(f"{where}: {pattern!r}: the only wildcard is {SUBAGENT_WILDCARD!r}; "
-                         f"{how}")
+        raise ValueError(f"{where}: {pattern!r}: the only wildcard is {SUBAGENT_WILDCARD!r}; {how}")
     if pattern in ("subagent", SUBAGENT_PREFIX):
-        raise ValueError(f"{where}: {pattern!r} names no agent; did you mean "
-                         f"{SUBAGENT_WILDCARD!r} (every subagent)?")
+        raise ValueError(
+            f"{where}: {pattern!r} names no agent; did you mean "
+            f"{SUBAGENT_WILDCARD!r} (every subagent)?"
+        )
     return pattern
 
 

@@ -43,7 +43,7 @@ class TraceRecorder:
             if episode is None:
                 episode = Episode(agent=agent)
                 self.trace.episodes.append(episode)
-            new_prompt = completion.prompt_ids[len(episode.token_ids):]
+            new_prompt = completion.prompt_ids[len(episode.token_ids) :]
             episode.token_ids.extend(new_prompt)
             episode.loss_mask.extend([0] * len(new_prompt))
             episode.sampler_logprobs.extend([0.0] * len(new_prompt))

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 from ac2_jax.trace.types import Trace
 
@@ -35,8 +35,11 @@ class TraceStore:
 
     def append(self, trace: Trace) -> None:
         """Writes one trace as one line, flushed and fsynced."""
-        line = json.dumps({"schema": SCHEMA_VERSION, "trace": trace.to_dict()},
-                          separators=(",", ":"), allow_nan=False)
+        line = json.dumps(
+            {"schema": SCHEMA_VERSION, "trace": trace.to_dict()},
+            separators=(",", ":"),
+            allow_nan=False,
+        )
         with self._lock:
             # A previous writer may have died mid-line; never glue onto it.
             needs_newline = False
@@ -64,7 +67,7 @@ class TraceStore:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if not os.path.exists(self.path):
             return
-        with open(self.path, "r", encoding="utf-8", errors="replace") as f:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue

@@ -38,7 +38,7 @@ class Message:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Message":
+    def from_dict(cls, d: dict[str, Any]) -> Message:
         return cls(
             role=d["role"],
             content=d.get("content"),
@@ -106,7 +106,7 @@ class Completion:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Completion":
+    def from_dict(cls, d: dict[str, Any]) -> Completion:
         return cls(**d)
 
     def to_delta(self, previous: list[dict[str, Any]] | None) -> None:
@@ -116,7 +116,11 @@ class Completion:
         if full is None:
             return
         start = 0
-        if previous is not None and len(previous) <= len(full) and full[:len(previous)] == previous:
+        if (
+            previous is not None
+            and len(previous) <= len(full)
+            and full[: len(previous)] == previous
+        ):
             start = len(previous)
         self.messages, self.messages_delta = None, list(full[start:])
         self.messages_start, self.messages_sha = start, messages_fingerprint(full)
@@ -150,12 +154,15 @@ class Episode:
             elif c.messages_sha is not None:
                 base = full or []
                 if c.messages_start > len(base):
-                    raise ValueError(f"completion {i}: messages_start {c.messages_start} is past "
-                                     f"the previous list ({len(base)} messages)")
-                full = base[:c.messages_start] + list(c.messages_delta or [])
+                    raise ValueError(
+                        f"completion {i}: messages_start {c.messages_start} is past "
+                        f"the previous list ({len(base)} messages)"
+                    )
+                full = base[: c.messages_start] + list(c.messages_delta or [])
                 if messages_fingerprint(full) != c.messages_sha:
-                    raise ValueError(f"completion {i}: rebuilt messages do not match their "
-                                     "fingerprint")
+                    raise ValueError(
+                        f"completion {i}: rebuilt messages do not match their fingerprint"
+                    )
             else:
                 full = None
             out.append(full)
@@ -163,8 +170,9 @@ class Episode:
 
     def with_messages(self) -> list[Completion]:
         """Copies of the completions, each with its full `messages`."""
-        return [dataclasses.replace(c, messages=m)
-                for c, m in zip(self.completions, self.messages_at())]
+        return [
+            dataclasses.replace(c, messages=m) for c, m in zip(self.completions, self.messages_at())
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,7 +184,7 @@ class Episode:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Episode":
+    def from_dict(cls, d: dict[str, Any]) -> Episode:
         return cls(
             agent=d["agent"],
             token_ids=list(d["token_ids"]),
@@ -242,7 +250,7 @@ class Trace:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Trace":
+    def from_dict(cls, d: dict[str, Any]) -> Trace:
         status = d.get("status", "running")
         return cls(
             task_id=d["task_id"],

@@ -6,15 +6,30 @@ use, so `import ac2_jax.viz` for trace pages does not import matplotlib.
 
 import importlib
 
-from ac2_jax.viz.trace_html import (BASE_CSS, compaction_html, episode_html, esc, kv_table,
-                                    message_html, page, place_compactions, token_texts,
-                                    tool_call_html, trace_html, trace_section, turns_html,
-                                    write_trace_html)
+from ac2_jax.viz.trace_html import (
+    BASE_CSS,
+    compaction_html,
+    episode_html,
+    esc,
+    kv_table,
+    message_html,
+    page,
+    place_compactions,
+    token_texts,
+    tool_call_html,
+    trace_html,
+    trace_section,
+    turns_html,
+    write_trace_html,
+)
 
-_LAZY = {"curves_figure": "ac2_jax.viz.curves", "load_metrics": "ac2_jax.viz.curves",
-         "plot_curves": "ac2_jax.viz.curves",
-         "distill_report_html": "ac2_jax.viz.distill_report",
-         "write_distill_report": "ac2_jax.viz.distill_report"}
+_LAZY = {
+    "curves_figure": "ac2_jax.viz.curves",
+    "load_metrics": "ac2_jax.viz.curves",
+    "plot_curves": "ac2_jax.viz.curves",
+    "distill_report_html": "ac2_jax.viz.distill_report",
+    "write_distill_report": "ac2_jax.viz.distill_report",
+}
 
 
 def __getattr__(name):

@@ -14,7 +14,8 @@ import json
 import math
 import numbers
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -63,16 +64,24 @@ def load_metrics(source) -> Series:
             elif arr.ndim == 2 and arr.shape[1] == 2:
                 out[k] = (arr[:, 0], arr[:, 1])
             else:
-                raise ValueError(f"load_metrics: metric {k!r} must be [values] or [[step, value]], "
-                                 f"got shape {arr.shape}")
+                raise ValueError(
+                    f"load_metrics: metric {k!r} must be [values] or [[step, value]], "
+                    f"got shape {arr.shape}"
+                )
         return out
     if isinstance(source, (list, tuple)):
         return _from_records(source)
-    raise TypeError(f"load_metrics: expected a path, records or a dict, got {type(source).__name__}")
+    raise TypeError(
+        f"load_metrics: expected a path, records or a dict, got {type(source).__name__}"
+    )
 
 
-def curves_figure(metrics, keys: Sequence[str] | None = None,
-                  labels: Sequence[str] | None = None, title: str | None = None) -> Figure:
+def curves_figure(
+    metrics,
+    keys: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Figure:
     """One subplot per metric key (default: all, sorted). Returns the Figure."""
     series = load_metrics(metrics)
     keys = sorted(series) if keys is None else list(keys)
@@ -101,9 +110,13 @@ def curves_figure(metrics, keys: Sequence[str] | None = None,
     return fig
 
 
-def plot_curves(metrics, path_png: str | pathlib.Path | None = None,
-                keys: Sequence[str] | None = None, labels: Sequence[str] | None = None,
-                title: str | None = None) -> bytes:
+def plot_curves(
+    metrics,
+    path_png: str | pathlib.Path | None = None,
+    keys: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    title: str | None = None,
+) -> bytes:
     """Plots training curves to PNG; writes `path_png` if given; returns the PNG bytes."""
     buf = io.BytesIO()
     curves_figure(metrics, keys, labels, title).savefig(buf, format="png")

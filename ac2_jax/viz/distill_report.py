@@ -15,7 +15,8 @@ from __future__ import annotations
 import base64
 import math
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ac2_jax.viz.curves import plot_curves
 from ac2_jax.viz.trace_html import esc, kv_table, page, token_texts, trace_section
@@ -52,7 +53,9 @@ def _positions(name: str, positions: Sequence[int], n: int) -> list[int]:
     out = [int(p) for p in positions]
     bad = [p for p in out if not 0 <= p < n]
     if bad:
-        raise ValueError(f"distill_report_html: {name} positions {bad} are outside the {n} response tokens")
+        raise ValueError(
+            f"distill_report_html: {name} positions {bad} are outside the {n} response tokens"
+        )
     return out
 
 
@@ -72,8 +75,10 @@ def _response(tokens: list[str], div: list[float], cands: set[int], sel: set[int
     for i, (text, d) in enumerate(zip(tokens, div)):
         h = min(max(d / top, 0.0), 1.0) if math.isfinite(d) else 0.0
         cls = "tok" + (" cand" if i in cands else "") + (" sel" if i in sel else "")
-        spans.append(f'<span class="{cls}" data-pos="{i}" data-div="{d:.6g}" style="--h:{h:.3f}" '
-                     f'title="pos {i} · divergence {d:.4g}">{esc(text)}</span>')
+        spans.append(
+            f'<span class="{cls}" data-pos="{i}" data-div="{d:.6g}" style="--h:{h:.3f}" '
+            f'title="pos {i} · divergence {d:.4g}">{esc(text)}</span>'
+        )
     return "".join(spans)
 
 
@@ -81,17 +86,30 @@ def _candidate_table(tokens, div, cands: list[int], sel: set[int]) -> str:
     rows = "".join(
         f'<tr class="{"sel" if p in sel else "cand"}"><td>{rank}</td><td>{p}</td>'
         f"<td>{esc(repr(tokens[p]))}</td><td>{div[p]:.4g}</td><td>{'yes' if p in sel else ''}</td></tr>"
-        for rank, p in enumerate(sorted(cands, key=lambda q: (-div[q], q))))
-    return ('<table class="cands"><tr><th>rank</th><th>pos</th><th>token</th><th>divergence</th>'
-            f"<th>judge selected</th></tr>{rows}</table>")
+        for rank, p in enumerate(sorted(cands, key=lambda q: (-div[q], q)))
+    )
+    return (
+        '<table class="cands"><tr><th>rank</th><th>pos</th><th>token</th><th>divergence</th>'
+        f"<th>judge selected</th></tr>{rows}</table>"
+    )
 
 
-def distill_report_html(*, prompt: str, hint: str, response_tokens: Sequence, divergence: Sequence[float],
-                        candidates: Sequence[int] = (), selected: Sequence[int] = (),
-                        teacher_prompt: str | None = None, tokenizer=None, metrics=None,
-                        curves: dict[str, str] | None = None, trace=None,
-                        info: dict[str, Any] | None = None,
-                        title: str = "Self-distillation report") -> str:
+def distill_report_html(
+    *,
+    prompt: str,
+    hint: str,
+    response_tokens: Sequence,
+    divergence: Sequence[float],
+    candidates: Sequence[int] = (),
+    selected: Sequence[int] = (),
+    teacher_prompt: str | None = None,
+    tokenizer=None,
+    metrics=None,
+    curves: dict[str, str] | None = None,
+    trace=None,
+    info: dict[str, Any] | None = None,
+    title: str = "Self-distillation report",
+) -> str:
     """The report page as a string.
 
     prompt: the student's context (trace text). hint: the inserted hint;
@@ -109,27 +127,36 @@ def distill_report_html(*, prompt: str, hint: str, response_tokens: Sequence, di
         tokens = token_texts(tokens, tokenizer)
     div = [float(d) for d in divergence]
     if len(div) != len(tokens):
-        raise ValueError(f"distill_report_html: {len(div)} divergences for {len(tokens)} response tokens")
+        raise ValueError(
+            f"distill_report_html: {len(div)} divergences for {len(tokens)} response tokens"
+        )
     cands = _positions("candidate", candidates, len(tokens))
     sel = set(_positions("selected", selected, len(tokens)))
     n_t, n_s = len(cands), len(sel)
-    body = [f"<h1>{esc(title)}</h1>", kv_table(info) if info else "",
-            "<h2>Student context (trace / prompt)</h2>", f'<pre class="ctx" id="student">{esc(prompt)}</pre>',
-            "<h2>Teacher context (hint inserted)</h2>",
-            f'<pre class="ctx" id="teacher">{_teacher_context(prompt, hint, teacher_prompt)}</pre>',
-            "<h2>Response: teacher-student divergence</h2>",
-            '<p class="toggles">'
-            '<label><input type="radio" name="view" id="view-all" value="all" checked> all tokens</label>'
-            f'<label><input type="radio" name="view" id="view-topT" value="topT"> top-T candidates ({n_t})</label>'
-            f'<label><input type="radio" name="view" id="view-topS" value="topS"> judge top-S ({n_s})</label></p>',
-            f'<div class="tokens" id="response" data-view="all">{_response(tokens, div, set(cands), sel)}</div>',
-            "<h2>Candidates by divergence</h2>", _candidate_table(tokens, div, cands, sel)]
+    body = [
+        f"<h1>{esc(title)}</h1>",
+        kv_table(info) if info else "",
+        "<h2>Student context (trace / prompt)</h2>",
+        f'<pre class="ctx" id="student">{esc(prompt)}</pre>',
+        "<h2>Teacher context (hint inserted)</h2>",
+        f'<pre class="ctx" id="teacher">{_teacher_context(prompt, hint, teacher_prompt)}</pre>',
+        "<h2>Response: teacher-student divergence</h2>",
+        '<p class="toggles">'
+        '<label><input type="radio" name="view" id="view-all" value="all" checked> all tokens</label>'
+        f'<label><input type="radio" name="view" id="view-topT" value="topT"> top-T candidates ({n_t})</label>'
+        f'<label><input type="radio" name="view" id="view-topS" value="topS"> judge top-S ({n_s})</label></p>',
+        f'<div class="tokens" id="response" data-view="all">{_response(tokens, div, set(cands), sel)}</div>',
+        "<h2>Candidates by divergence</h2>",
+        _candidate_table(tokens, div, cands, sel),
+    ]
     if metrics is not None:
         curves = DEFAULT_CURVES if curves is None else curves
         png = plot_curves(metrics, keys=list(curves.values()), labels=list(curves.keys()))
-        body += ["<h2>Training curves</h2>",
-                 f'<img class="curves" alt="training curves: {esc(", ".join(curves))}" '
-                 f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">']
+        body += [
+            "<h2>Training curves</h2>",
+            f'<img class="curves" alt="training curves: {esc(", ".join(curves))}" '
+            f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">',
+        ]
     if trace is not None:
         body += ["<h2>Full trace</h2>", trace_section(trace, tokenizer)]
     return page(title, "".join(body), css=_CSS, script=_JS)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import html
 import json
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ac2_jax.trace import Trace
 
@@ -69,7 +70,8 @@ def kv_table(d: dict[str, Any]) -> str:
     """A two-column table of a dict, values JSON-encoded unless strings."""
     rows = "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
-        for k, v in d.items())
+        for k, v in d.items()
+    )
     return f'<table class="kv">{rows}</table>'
 
 
@@ -89,16 +91,19 @@ def _output_text(ids, tokenizer) -> str:
 
 def _hermes(text: str):
     from ac2_jax.models.tool_parsers import parse_tool_calls  # only with a tokenizer
+
     return parse_tool_calls(text)
 
 
 def tool_call_html(call: dict[str, Any]) -> str:
     """One OpenAI tool call as `.tool-call` (name, arguments, id)."""
     fn = call.get("function") or {}
-    return (f'<div class="tool-call" data-name="{esc(fn.get("name", ""))}" '
-            f'data-id="{esc(call.get("id", ""))}">&#128295; <b class="tool-name">'
-            f'{esc(fn.get("name", "?"))}</b>(<span class="tool-args">'
-            f'{esc(fn.get("arguments", ""))}</span>)</div>')
+    return (
+        f'<div class="tool-call" data-name="{esc(fn.get("name", ""))}" '
+        f'data-id="{esc(call.get("id", ""))}">&#128295; <b class="tool-name">'
+        f'{esc(fn.get("name", "?"))}</b>(<span class="tool-args">'
+        f"{esc(fn.get('arguments', ''))}</span>)</div>"
+    )
 
 
 def message_html(msg: dict[str, Any], extra_class: str = "") -> str:
@@ -129,27 +134,37 @@ def turns_html(episode, tokenizer=None, tool_parser: Callable | None = None) -> 
     for k, (c, full) in enumerate(zip(episode.completions, lists)):
         added = []
         if full is not None:
-            start = len(prev) if prev is not None and full[:len(prev)] == prev else 0
+            start = len(prev) if prev is not None and full[: len(prev)] == prev else 0
             added = full[start:]
             if start and added and added[0].get("role") == "assistant":
                 added = added[1:]
         prev = full
         if tokenizer is not None:
             content, calls = parse(_output_text(c.output_ids, tokenizer))[:2]
-            out = message_html({"role": "assistant", "content": content, "tool_calls": calls},
-                               " output")
+            out = message_html(
+                {"role": "assistant", "content": content, "tool_calls": calls}, " output"
+            )
         else:
-            out = (f'<div class="msg role-assistant output"><span class="role">assistant</span>'
-                   f"{len(c.output_ids)} tokens (ids below)</div>")
-        parts.append(f'<div class="turn" data-k="{k}"><div class="added">'
-                     f'{"".join(message_html(m) for m in added)}</div>{out}'
-                     f'<span class="badge">finish: {esc(c.finish_reason)}</span>'
-                     f'<span class="badge">policy v{esc(c.policy_version)}</span></div>')
+            out = (
+                f'<div class="msg role-assistant output"><span class="role">assistant</span>'
+                f"{len(c.output_ids)} tokens (ids below)</div>"
+            )
+        parts.append(
+            f'<div class="turn" data-k="{k}"><div class="added">'
+            f"{''.join(message_html(m) for m in added)}</div>{out}"
+            f'<span class="badge">finish: {esc(c.finish_reason)}</span>'
+            f'<span class="badge">policy v{esc(c.policy_version)}</span></div>'
+        )
     return (f'<p class="cut">{esc(note)}</p>' if note else "") + "".join(parts)
 
 
-def episode_html(episode, index: int, tokenizer=None, max_tokens: int | None = None,
-                 tool_parser: Callable | None = None) -> str:
+def episode_html(
+    episode,
+    index: int,
+    tokenizer=None,
+    max_tokens: int | None = None,
+    tool_parser: Callable | None = None,
+) -> str:
     """One episode: agent label, counts, its requests (messages, tool calls) and tokens."""
     ids = list(episode.token_ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
@@ -161,31 +176,43 @@ def episode_html(episode, index: int, tokenizer=None, max_tokens: int | None = N
         title = f"#{i} id {tid}"
         if agent and i < len(episode.sampler_logprobs):
             title += f" logprob {episode.sampler_logprobs[i]:.4f}"
-        spans.append(f'<span class="tok {cls}" data-i="{i}" data-id="{int(tid)}" '
-                     f'title="{esc(title)}">{esc(text)}</span>')
-    more = (f'<p class="cut">… {len(ids) - len(shown)} more tokens not shown</p>'
-            if len(shown) < len(ids) else "")
+        spans.append(
+            f'<span class="tok {cls}" data-i="{i}" data-id="{int(tid)}" '
+            f'title="{esc(title)}">{esc(text)}</span>'
+        )
+    more = (
+        f'<p class="cut">… {len(ids) - len(shown)} more tokens not shown</p>'
+        if len(shown) < len(ids)
+        else ""
+    )
     kind = "text" if tokenizer is not None else "ids"
     turns = turns_html(episode, tokenizer, tool_parser) if episode.completions else ""
-    return (f'<section class="episode" data-agent="{esc(episode.agent)}" data-index="{index}">'
-            f'<h3>Episode {index}: <span class="agent-label">{esc(episode.agent)}</span></h3>'
-            f'<p><span class="badge">{len(ids)} tokens</span>'
-            f'<span class="badge">{episode.num_agent_tokens} agent tokens</span>'
-            f'<span class="badge">{len(episode.completions)} requests</span></p>'
-            f'<div class="turns">{turns}</div>'
-            f'<div class="tokens {kind}">{"".join(spans)}</div>{more}</section>')
+    return (
+        f'<section class="episode" data-agent="{esc(episode.agent)}" data-index="{index}">'
+        f'<h3>Episode {index}: <span class="agent-label">{esc(episode.agent)}</span></h3>'
+        f'<p><span class="badge">{len(ids)} tokens</span>'
+        f'<span class="badge">{episode.num_agent_tokens} agent tokens</span>'
+        f'<span class="badge">{len(episode.completions)} requests</span></p>'
+        f'<div class="turns">{turns}</div>'
+        f'<div class="tokens {kind}">{"".join(spans)}</div>{more}</section>'
+    )
 
 
 def compaction_html(event: dict[str, Any], n: int) -> str:
     """The marker where compaction cut the main agent's history: the memo that replaced it."""
     ok = event.get("memo_ok")
-    verdict = ("" if ok is None else
-               f'<span class="badge {"memo-ok" if ok else "memo-lost"}">memo_ok: '
-               f'{"yes" if ok else "no"}</span>')
-    return (f'<div class="compaction" data-n="{n}" data-memo-ok="{esc(ok)}">'
-            f'<b>&#9986; Compaction {n}</b>: the main agent\'s history was cut here; it '
-            f'restarts from this memo. {verdict}<div class="memo">{esc(event.get("memo", ""))}'
-            f"</div></div>")
+    verdict = (
+        ""
+        if ok is None
+        else f'<span class="badge {"memo-ok" if ok else "memo-lost"}">memo_ok: '
+        f"{'yes' if ok else 'no'}</span>"
+    )
+    return (
+        f'<div class="compaction" data-n="{n}" data-memo-ok="{esc(ok)}">'
+        f"<b>&#9986; Compaction {n}</b>: the main agent's history was cut here; it "
+        f'restarts from this memo. {verdict}<div class="memo">{esc(event.get("memo", ""))}'
+        f"</div></div>"
+    )
 
 
 def place_compactions(trace: Trace) -> tuple[dict[int, list[tuple[int, dict]]], list[dict]]:
@@ -193,8 +220,9 @@ def place_compactions(trace: Trace) -> tuple[dict[int, list[tuple[int, dict]]], 
     compaction event goes after the episode of the n-th compactor request (module
     docstring); compaction events past the compactor's requests, and events of
     other kinds, are returned as unplaced."""
-    requests = [i for i, e in enumerate(trace.episodes) if e.agent == "compactor"
-                for _ in e.completions]
+    requests = [
+        i for i, e in enumerate(trace.episodes) if e.agent == "compactor" for _ in e.completions
+    ]
     after: dict[int, list[tuple[int, dict]]] = {}
     unplaced, n = [], 0
     for ev in trace.events:
@@ -206,8 +234,12 @@ def place_compactions(trace: Trace) -> tuple[dict[int, list[tuple[int, dict]]], 
     return after, unplaced
 
 
-def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = None,
-                  tool_parser: Callable | None = None) -> str:
+def trace_section(
+    trace: Trace | dict,
+    tokenizer=None,
+    max_tokens: int | None = None,
+    tool_parser: Callable | None = None,
+) -> str:
     """The trace as an HTML fragment (header, outcome, metrics, episodes, compactions)."""
     if isinstance(trace, dict):
         trace = Trace.from_dict(trace)
@@ -227,7 +259,9 @@ def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = 
         f'<span class="badge">{compactions} compactions</span></p>',
         f'<p class="agents">{" &#8594; ".join(esc(e.agent) for e in trace.episodes)}</p>',
         f"<h3>Hints</h3><ul>{hints}</ul>" if hints else "",
-        f'<h3>Metrics</h3><div class="metrics">{kv_table(trace.metrics)}</div>' if trace.metrics else "",
+        f'<h3>Metrics</h3><div class="metrics">{kv_table(trace.metrics)}</div>'
+        if trace.metrics
+        else "",
         '<p class="legend"><span class="tok agent">agent token (trained)</span>'
         '<span class="tok ctx">context token</span></p>',
     ]
@@ -236,8 +270,10 @@ def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = 
         parts += [compaction_html(ev, n) for n, ev in after.get(i, [])]
     if unplaced:
         items = "".join(f'<li class="event">{kv_table(ev)}</li>' for ev in unplaced)
-        parts.append(f'<h3>Events not placed between episodes ({len(unplaced)})</h3>'
-                     f'<ul class="unplaced">{items}</ul>')
+        parts.append(
+            f"<h3>Events not placed between episodes ({len(unplaced)})</h3>"
+            f'<ul class="unplaced">{items}</ul>'
+        )
     parts.append("</div>")
     return "".join(parts)
 
@@ -245,12 +281,20 @@ def trace_section(trace: Trace | dict, tokenizer=None, max_tokens: int | None = 
 def page(title: str, body: str, css: str = "", script: str = "") -> str:
     """A complete standalone HTML document."""
     js = f"<script>{script}</script>" if script else ""
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f"<style>{BASE_CSS}{css}</style></head><body>{body}{js}</body></html>")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f"<style>{BASE_CSS}{css}</style></head><body>{body}{js}</body></html>"
+    )
 
 
-def trace_html(trace: Trace | dict, tokenizer=None, *, title: str | None = None,
-               max_tokens: int | None = None, tool_parser: Callable | None = None) -> str:
+def trace_html(
+    trace: Trace | dict,
+    tokenizer=None,
+    *,
+    title: str | None = None,
+    max_tokens: int | None = None,
+    tool_parser: Callable | None = None,
+) -> str:
     """A standalone HTML page for one trace (see the module docstring). tool_parser:
     text -> (content, tool calls), for outputs decoded with `tokenizer`."""
     body = trace_section(trace, tokenizer, max_tokens, tool_parser)
@@ -260,8 +304,9 @@ def trace_html(trace: Trace | dict, tokenizer=None, *, title: str | None = None,
     return page(title, f"<h1>{esc(title)}</h1>{body}")
 
 
-def write_trace_html(path: str | pathlib.Path, trace: Trace | dict, tokenizer=None,
-                     **kwargs) -> pathlib.Path:
+def write_trace_html(
+    path: str | pathlib.Path, trace: Trace | dict, tokenizer=None, **kwargs
+) -> pathlib.Path:
     """Writes `trace_html(...)` to `path` (parents created); returns the path."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,10 @@ def from_nested(nested: dict, like):
         node = nested
         for k in _path(path):
             if not isinstance(node, dict) or k not in node:
-                raise KeyError(f"checkpoints: the checkpoint has no entry "
-                               f"{'/'.join(_path(path))}; does the model/optimizer match?")
+                raise KeyError(
+                    f"checkpoints: the checkpoint has no entry "
+                    f"{'/'.join(_path(path))}; does the model/optimizer match?"
+                )
             node = node[k]
         leaves.append(node)
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -71,8 +73,9 @@ def abstract_target(target, shardings=None):
     default = SingleDeviceSharding(jax.local_devices()[0])
     if shardings is None:
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", None) or default, target)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                        target, shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), target, shardings
+    )
 
 
 class Checkpointer:
@@ -82,24 +85,38 @@ class Checkpointer:
     files are complete; `close()` before the process exits.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 async_save: bool = True, save_interval_steps: int = 1):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        save_interval_steps: int = 1,
+    ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"Checkpointer: max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                               save_interval_steps=save_interval_steps,
-                                               enable_async_checkpointing=async_save,
-                                               create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data"))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "data")
+        )
 
     def save(self, step: int, state, data: dict | None = None, *, force: bool = False) -> bool:
         """Saves the global state (for pmap pass `TrainStep.host_state(state)`).
         Returns whether a save started (see save_interval_steps)."""
-        return self.manager.save(int(step), force=force, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(to_nested(state)),
-            data=ocp.args.JsonSave(dict(data or {}))))
+        return self.manager.save(
+            int(step),
+            force=force,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(to_nested(state)),
+                data=ocp.args.JsonSave(dict(data or {})),
+            ),
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -119,11 +136,17 @@ class Checkpointer:
             raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
         abstract = to_nested(abstract_target(target, shardings))
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+                ),
+            )
         except ValueError as e:
-            raise ValueError(f"Checkpointer.restore: step {step} in {self.directory} does not "
-                             f"match the target state (model or optimizer differ?): {e}") from e
+            raise ValueError(
+                f"Checkpointer.restore: step {step} in {self.directory} does not "
+                f"match the target state (model or optimizer differ?): {e}"
+            ) from e
         return from_nested(out["state"], target), dict(out["data"] or {}), step
 
     def wait(self) -> None:
@@ -140,8 +163,9 @@ class Checkpointer:
         self.close()
 
 
-def publish(graphdef, state, publish_dir: str | os.PathLike, step: int | None = None,
-            keep: int = 3) -> str:
+def publish(
+    graphdef, state, publish_dir: str | os.PathLike, step: int | None = None, keep: int = 3
+) -> str:
     """Writes the state's weights as the sampler's next policy; returns the path.
 
     Uses `ac2_jax.models.params_io.publish_weights` (an Orbax
@@ -152,5 +176,4 @@ def publish(graphdef, state, publish_dir: str | os.PathLike, step: int | None = 
     from ac2_jax.models import params_io
 
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    return params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step,
-                                     keep=keep)
+    return params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step, keep=keep)

@@ -25,7 +25,8 @@ Orbax saves from every process and restores onto any process count or mesh
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -38,9 +39,14 @@ from ac2_jax.training.core.sharding import batch_sharding
 T = TypeVar("T")
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
-               cpu_collectives: str = "gloo") -> None:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_collectives: str = "gloo",
+) -> None:
     """Starts JAX's multi-controller runtime (`jax.distributed.initialize`).
 
     With no arguments JAX detects the cluster (TPU pods, SLURM, Kubernetes /
@@ -48,13 +54,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     (gloo; set before any computation; accelerators ignore the setting).
     """
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id,
-                               local_device_ids=local_device_ids)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+    )
 
 
-def process_share(items: Sequence[T], process_index: int | None = None,
-                  process_count: int | None = None) -> list[T]:
+def process_share(
+    items: Sequence[T], process_index: int | None = None, process_count: int | None = None
+) -> list[T]:
     """This process's items: every process_count-th one from process_index on
     (a deterministic split; every process sees the same full list)."""
     i = jax.process_index() if process_index is None else process_index
@@ -76,8 +86,12 @@ def _pad_rows(local, extra: int):
     """`extra` empty rows appended (a PackedBatch's by `pad_batch_rows`, other leaves zeros)."""
     if isinstance(local, PackedBatch):
         return pad_batch_rows(local, local.shape[0] + extra)
-    return jax.tree.map(lambda x: np.concatenate(
-        [np.asarray(x), np.zeros((extra, *np.shape(x)[1:]), np.asarray(x).dtype)]), local)
+    return jax.tree.map(
+        lambda x: np.concatenate(
+            [np.asarray(x), np.zeros((extra, *np.shape(x)[1:]), np.asarray(x).dtype)]
+        ),
+        local,
+    )
 
 
 def global_batch(local, mesh: Mesh):

@@ -31,16 +31,31 @@ class MetricsLogger:
         self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
+
             self._writer = SummaryWriter(os.path.join(directory, "tensorboard"))
         self._console = None
         if console:
             from rich.console import Console
+
             self._console = Console(stderr=True)
         self.dropped: dict[str, int] = {}
 
-    def log(self, step: int, metrics: dict[str, Any], *, prefix: str | None = None,
-            keys=("reward_mean", "pass_rate", "loss", "kl_to_sampler", "entropy",
-                  "time_sampling_s", "time_training_s")) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        *,
+        prefix: str | None = None,
+        keys=(
+            "reward_mean",
+            "pass_rate",
+            "loss",
+            "kl_to_sampler",
+            "entropy",
+            "time_sampling_s",
+            "time_training_s",
+        ),
+    ) -> None:
         scalars = {}
         for k, v in metrics.items():
             name = f"{prefix}/{k}" if prefix else k

@@ -1,7 +1,7 @@
 """Loss functions for the train step, and the token weights that make them exact
 under sharding, pmap and gradient accumulation.
 
-The normaliser is `ac2_jax.losses.loss_weights` (re-exported here): every
+The normaliser is `ac2_jax.losses.loss_weights`: every
 aggregation is linear in the per-token losses once its normalizers (per-task /
 per-segment / total token counts) are fixed, and those depend only on the
 batch, never on the params. So the step computes `w = loss_weights(full
@@ -28,9 +28,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ac2_jax.losses import (MODES, LMHead, chunked_token_logprobs, loss_weights,
-                            policy_gradient_loss, policy_gradient_metrics, token_entropy,
-                            token_logprobs)
+from ac2_jax.losses import (
+    MODES,
+    LMHead,
+    chunked_token_logprobs,
+    policy_gradient_loss,
+    policy_gradient_metrics,
+    token_entropy,
+    token_logprobs,
+)
 from ac2_jax.registry import Registry
 
 OLD_LOGPROBS = ("detached", "sampler", "extras")
@@ -41,17 +47,22 @@ def lm_head_of(model) -> LMHead:
     `lm_head_of(model).logits(h)` equals `model.logits(h)`."""
     head = getattr(model, "head", None)
     if not callable(head):
-        raise TypeError(f"lm_head_of: {type(model).__name__} has no head(); a model the "
-                        "chunked losses read must meet ac2_jax.models.CausalLM (logits, "
-                        "hidden_states, head)")
+        raise TypeError(
+            f"lm_head_of: {type(model).__name__} has no head(); a model the "
+            "chunked losses read must meet ac2_jax.models.CausalLM (logits, "
+            "hidden_states, head)"
+        )
     return head()
 
 
 def _check_chunk_size(name, chunk_size):
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
-        raise ValueError(f"{name}.chunk_size must be None (dense logits) or a positive int "
-                         f"(positions per chunk, e.g. 1024), got {chunk_size!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(
+            f"{name}.chunk_size must be None (dense logits) or a positive int "
+            f"(positions per chunk, e.g. 1024), got {chunk_size!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +87,11 @@ class StepModel:
 
     def logits(self, batch) -> jax.Array:
         """fp32 logits [R, L, V] of a packed batch (the dense path)."""
-        return self.module()(batch.tokens, batch.positions, batch.segment_ids,
-                             batch.subtree_end)
+        return self.module()(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
 
-    def hidden(self, tokens, positions, segment_ids, subtree_end=None, *,
-               teacher: bool = False) -> jax.Array:
+    def hidden(
+        self, tokens, positions, segment_ids, subtree_end=None, *, teacher: bool = False
+    ) -> jax.Array:
         """Final normed hidden states [R, L, D] of packed rows ([R, L] int inputs)."""
         return self.module(teacher).hidden_states(tokens, positions, segment_ids, subtree_end)
 
@@ -105,12 +116,14 @@ def apply_loss(loss_fn, model: StepModel, batch, extras):
 def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
     """Learner log-probs [R, L] of batch.targets under the distribution the sampler drew
     them from (the batch's temperature / top_k / top_p), comparable to sampler_logprobs."""
-    return token_logprobs(logits, batch.targets, temperature=batch.temperature,
-                          top_k=batch.top_k, top_p=batch.top_p)
+    return token_logprobs(
+        logits, batch.targets, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p
+    )
 
 
-def model_logprobs(model: StepModel, batch, *, behaviour: bool, entropy: bool,
-                   chunk_size: int | None):
+def model_logprobs(
+    model: StepModel, batch, *, behaviour: bool, entropy: bool, chunk_size: int | None
+):
     """(log p [R, L], entropy [R, L] or None) of batch.targets under the model.
 
     behaviour: under the batch's sampling parameters (`behaviour_logprobs`),
@@ -120,14 +133,21 @@ def model_logprobs(model: StepModel, batch, *, behaviour: bool, entropy: bool,
     """
     if chunk_size is None:
         logits = model.logits(batch)
-        logp = (behaviour_logprobs(logits, batch) if behaviour
-                else token_logprobs(logits, batch.targets))
+        logp = (
+            behaviour_logprobs(logits, batch)
+            if behaviour
+            else token_logprobs(logits, batch.targets)
+        )
         return logp, (jax.lax.stop_gradient(token_entropy(logits)) if entropy else None)
     h = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
-    sampling = (dict(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p)
-                if behaviour else {})
-    out = chunked_token_logprobs(h, model.head(), batch.targets, chunk_size=chunk_size,
-                                 with_entropy=entropy, **sampling)
+    sampling = (
+        dict(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p)
+        if behaviour
+        else {}
+    )
+    out = chunked_token_logprobs(
+        h, model.head(), batch.targets, chunk_size=chunk_size, with_entropy=entropy, **sampling
+    )
     return out if entropy else (out, None)
 
 
@@ -138,8 +158,9 @@ class LossFn(Protocol):
     mode: str
     normalizer: float | None
 
-    def __call__(self, logits: jax.Array, batch, extras: dict | None
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+    def __call__(
+        self, logits: jax.Array, batch, extras: dict | None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
 # The train step's objectives by name: a config picks one with `kind` (e.g.
@@ -164,8 +185,9 @@ class Objective(abc.ABC):
     normalizer: float | None
 
     @abc.abstractmethod
-    def __call__(self, logits: jax.Array, batch, extras: dict | None
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+    def __call__(
+        self, logits: jax.Array, batch, extras: dict | None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
 def _check_mode(name, mode):
@@ -205,8 +227,12 @@ class SFTLoss(Objective):
     def from_model(self, model: StepModel, batch, extras=None):
         if self.chunk_size is None:
             return self(model.logits(batch), batch, extras)
-        return self._finish(*model_logprobs(model, batch, behaviour=False, entropy=self.entropy,
-                                            chunk_size=self.chunk_size), batch)
+        return self._finish(
+            *model_logprobs(
+                model, batch, behaviour=False, entropy=self.entropy, chunk_size=self.chunk_size
+            ),
+            batch,
+        )
 
 
 @OBJECTIVES.register("ppo")
@@ -234,8 +260,10 @@ class PolicyGradientLoss(Objective):
         _check_mode("PolicyGradientLoss", self.mode)
         _check_chunk_size("PolicyGradientLoss", self.chunk_size)
         if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"PolicyGradientLoss.old_logprobs must be one of {OLD_LOGPROBS}, "
-                             f"got {self.old_logprobs!r}")
+            raise ValueError(
+                f"PolicyGradientLoss.old_logprobs must be one of {OLD_LOGPROBS}, "
+                f"got {self.old_logprobs!r}"
+            )
 
     def _finish(self, logp, ent, batch, extras):
         m = batch.loss_mask.astype(jnp.float32)
@@ -245,14 +273,29 @@ class PolicyGradientLoss(Objective):
             old = batch.sampler_logprobs
         else:
             if not extras or "old_logprobs" not in extras:
-                raise ValueError("PolicyGradientLoss(old_logprobs='extras') needs "
-                                 "extras={'old_logprobs': [rows, seq_len]} in the step call")
+                raise ValueError(
+                    "PolicyGradientLoss(old_logprobs='extras') needs "
+                    "extras={'old_logprobs': [rows, seq_len]} in the step call"
+                )
             old = extras["old_logprobs"]
-        per_token = policy_gradient_loss(logp, old, batch.sampler_logprobs, batch.advantages, m,
-                                         clip_eps=self.clip_eps, tis_cap=self.tis_cap)
+        per_token = policy_gradient_loss(
+            logp,
+            old,
+            batch.sampler_logprobs,
+            batch.advantages,
+            m,
+            clip_eps=self.clip_eps,
+            tis_cap=self.tis_cap,
+        )
         # policy_gradient_metrics returns sum(m x) / max(sum m, 1); undo the division.
-        means = policy_gradient_metrics(jax.lax.stop_gradient(logp), old, batch.sampler_logprobs,
-                                        m, batch.advantages, clip_eps=self.clip_eps)
+        means = policy_gradient_metrics(
+            jax.lax.stop_gradient(logp),
+            old,
+            batch.sampler_logprobs,
+            m,
+            batch.advantages,
+            clip_eps=self.clip_eps,
+        )
         n = jnp.maximum(m.sum(), 1.0)
         sums = {k: v * n for k, v in means.items()}
         if self.entropy:
@@ -266,5 +309,10 @@ class PolicyGradientLoss(Objective):
     def from_model(self, model: StepModel, batch, extras=None):
         if self.chunk_size is None:
             return self(model.logits(batch), batch, extras)
-        return self._finish(*model_logprobs(model, batch, behaviour=True, entropy=self.entropy,
-                                            chunk_size=self.chunk_size), batch, extras)
+        return self._finish(
+            *model_logprobs(
+                model, batch, behaviour=True, entropy=self.entropy, chunk_size=self.chunk_size
+            ),
+            batch,
+            extras,
+        )

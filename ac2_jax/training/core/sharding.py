@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models.axes import DEFAULT_RULES, AxisRules, Fallback
 
@@ -32,8 +33,10 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Me
     devices = list(jax.devices() if devices is None else devices)
     n = data * fsdp * tensor
     if min(data, fsdp, tensor) < 1 or n > len(devices):
-        raise ValueError(f"make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} needs "
-                         f"{n} devices (each >= 1); {len(devices)} available")
+        raise ValueError(
+            f"make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} needs "
+            f"{n} devices (each >= 1); {len(devices)} available"
+        )
     return Mesh(np.asarray(devices[:n], dtype=object).reshape(data, fsdp, tensor), AXES)
 
 
@@ -47,8 +50,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.shape)))
 
 
-def param_shardings(params: nnx.State, mesh: Mesh, rules: AxisRules | None = None,
-                    fallbacks: list[Fallback] | None = None):
+def param_shardings(
+    params: nnx.State,
+    mesh: Mesh,
+    rules: AxisRules | None = None,
+    fallbacks: list[Fallback] | None = None,
+):
     """NamedSharding per param (same tree), from the params' logical axis names and
     `rules` (default AxisRules()). Replicated dimensions of indivisible="replicate"
     rules are appended to `fallbacks` when given."""
@@ -56,24 +63,30 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: AxisRules | None = Non
     found: list[Fallback] = []
 
     def one(path, spec, x):
-        where = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                         for k in path if getattr(k, "name", None) != "value")
+        where = ".".join(
+            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+            for k in path
+            if getattr(k, "name", None) != "value"
+        )
         for name in tuple(spec):
             if name is not None and not isinstance(name, str):
-                raise ValueError(f"sharding {where}: annotate params with logical axis names "
-                                 f"(one per dimension), got {spec}")
+                raise ValueError(
+                    f"sharding {where}: annotate params with logical axis names "
+                    f"(one per dimension), got {spec}"
+                )
         out, fb = rules.fit(tuple(spec), x.shape, mesh, where)
         found.extend(fb)
         return NamedSharding(mesh, out)
 
     specs = nnx.get_partition_spec(params)
-    tree = jax.tree_util.tree_map_with_path(one, specs, params,
-                                            is_leaf=lambda s: isinstance(s, P))
+    tree = jax.tree_util.tree_map_with_path(one, specs, params, is_leaf=lambda s: isinstance(s, P))
     if found:
-        logging.warning("sharding: %d param dimensions replicated because their mesh axes do "
-                        "not divide them (AxisRules(indivisible='replicate')): %s", len(found),
-                        ", ".join(f"{f.where}[{f.dim}] {f.size} over {f.mesh_axes}"
-                                  for f in found[:8]))
+        logging.warning(
+            "sharding: %d param dimensions replicated because their mesh axes do "
+            "not divide them (AxisRules(indivisible='replicate')): %s",
+            len(found),
+            ", ".join(f"{f.where}[{f.dim}] {f.size} over {f.mesh_axes}" for f in found[:8]),
+        )
     if fallbacks is not None:
         fallbacks.extend(found)
     return tree
@@ -83,8 +96,9 @@ def follow_params(tree, params, param_sh, default):
     """Shardings for `tree` (e.g. an optimizer state): a leaf whose key path ends
     with a param's path and has its shape gets that param's sharding."""
     by_path = {}
-    for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                             jax.tree.leaves(param_sh)):
+    for (path, x), sh in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_sh)
+    ):
         by_path[tuple(path)] = (tuple(x.shape), sh)
 
     def pick(path, x):
@@ -97,15 +111,20 @@ def follow_params(tree, params, param_sh, default):
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def state_shardings(state, mesh: Mesh, rules: AxisRules | None = None,
-                    fallbacks: list[Fallback] | None = None):
+def state_shardings(
+    state, mesh: Mesh, rules: AxisRules | None = None, fallbacks: list[Fallback] | None = None
+):
     """A TrainState (or its abstract shape) -> the same tree of NamedShardings
     (params by `rules`, see `param_shardings`)."""
     rep = NamedSharding(mesh, P())
     psh = param_shardings(state.params, mesh, rules, fallbacks)
-    return state.replace(step=rep, params=psh,
-                         opt_state=follow_params(state.opt_state, state.params, psh, rep),
-                         rng=rep, rest=jax.tree.map(lambda _: rep, state.rest))
+    return state.replace(
+        step=rep,
+        params=psh,
+        opt_state=follow_params(state.opt_state, state.params, psh, rep),
+        rng=rep,
+        rest=jax.tree.map(lambda _: rep, state.rest),
+    )
 
 
 def shard_state(state, mesh: Mesh, rules: AxisRules | None = None):
@@ -115,9 +134,11 @@ def shard_state(state, mesh: Mesh, rules: AxisRules | None = None):
 
 def check_rows(rows: int, ways: int, grad_accum: int, where: str) -> None:
     if rows % grad_accum or (rows // grad_accum) % ways:
-        raise ValueError(f"{where}: batch has {rows} rows; they must split into grad_accum="
-                         f"{grad_accum} micro-batches of a multiple of {ways} rows (data-parallel "
-                         f"shards); pack with rows_multiple={ways * grad_accum}")
+        raise ValueError(
+            f"{where}: batch has {rows} rows; they must split into grad_accum="
+            f"{grad_accum} micro-batches of a multiple of {ways} rows (data-parallel "
+            f"shards); pack with rows_multiple={ways * grad_accum}"
+        )
 
 
 def shard_batch(batch, mesh: Mesh):
@@ -128,6 +149,7 @@ def shard_batch(batch, mesh: Mesh):
 
 
 # ----------------------------------------------------------------------------- pmap
+
 
 def replicate(tree, devices=None):
     """Copies every leaf to each device, stacked on a new leading axis (pmap input)."""
@@ -149,10 +171,12 @@ def unreplicate(tree):
 
 def split_rows(tree, n: int):
     """[rows, ...] -> [n, rows // n, ...] for every leaf (rows must divide)."""
+
     def f(x):
         if x.shape[0] % n:
             raise ValueError(f"split_rows: {x.shape[0]} rows do not split over {n} devices")
         return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
     return jax.tree.map(f, tree)
 
 

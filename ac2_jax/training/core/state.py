@@ -43,17 +43,23 @@ class OptimizerConfig:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, "
-                             f"got {self.schedule!r}")
+            raise ValueError(
+                f"OptimizerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+            )
         if self.learning_rate < 0:
-            raise ValueError(f"OptimizerConfig.learning_rate must be >= 0, got {self.learning_rate}")
+            raise ValueError(
+                f"OptimizerConfig.learning_rate must be >= 0, got {self.learning_rate}"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.schedule == "cosine" and (self.total_steps is None
-                                          or self.total_steps <= self.warmup_steps):
-            raise ValueError("OptimizerConfig: schedule='cosine' needs total_steps > "
-                             f"warmup_steps, got total_steps={self.total_steps}, "
-                             f"warmup_steps={self.warmup_steps}")
+        if self.schedule == "cosine" and (
+            self.total_steps is None or self.total_steps <= self.warmup_steps
+        ):
+            raise ValueError(
+                "OptimizerConfig: schedule='cosine' needs total_steps > "
+                f"warmup_steps, got total_steps={self.total_steps}, "
+                f"warmup_steps={self.warmup_steps}"
+            )
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ValueError(f"OptimizerConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
 
@@ -75,9 +81,14 @@ class OptimizerConfig:
     def build(self) -> optax.GradientTransformation:
         """The optax transformation (clip -> AdamW). Deterministic: build it anywhere."""
         min_ndim = self.decay_min_ndim
-        adamw = optax.adamw(self.lr_schedule(), b1=self.b1, b2=self.b2, eps=self.eps,
-                            weight_decay=self.weight_decay,
-                            mask=lambda params: jax.tree.map(lambda p: p.ndim >= min_ndim, params))
+        adamw = optax.adamw(
+            self.lr_schedule(),
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= min_ndim, params),
+        )
         if self.clip_norm is None:
             return adamw
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
@@ -105,12 +116,15 @@ def as_transform(optimizer) -> optax.GradientTransformation:
         return optimizer.build()
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    raise TypeError("optimizer must be an OptimizerConfig or an optax.GradientTransformation, "
-                    f"got {type(optimizer).__name__}")
+    raise TypeError(
+        "optimizer must be an OptimizerConfig or an optax.GradientTransformation, "
+        f"got {type(optimizer).__name__}"
+    )
 
 
-def create_train_state(model: nnx.Module, optimizer, rng: int | jax.Array = 0
-                       ) -> tuple[nnx.GraphDef, TrainState]:
+def create_train_state(
+    model: nnx.Module, optimizer, rng: int | jax.Array = 0
+) -> tuple[nnx.GraphDef, TrainState]:
     """Splits `model` and initializes the optimizer. Returns (graphdef, state).
 
     `rng` is an int seed or a raw uint32[2] key (typed keys are unwrapped so the
@@ -124,8 +138,13 @@ def create_train_state(model: nnx.Module, optimizer, rng: int | jax.Array = 0
     elif jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     opt_state = as_transform(optimizer).init(params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                       rng=jnp.asarray(rng, jnp.uint32), rest=rest)
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        rng=jnp.asarray(rng, jnp.uint32),
+        rest=rest,
+    )
     return graphdef, state
 
 
@@ -138,9 +157,13 @@ def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainStat
     """
     graphdef, params, rest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     opt_state = jax.eval_shape(as_transform(optimizer).init, params)
-    return graphdef, TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                                opt_state=opt_state, rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
-                                rest=rest)
+    return graphdef, TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        rest=rest,
+    )
 
 
 def num_params(params) -> int:

@@ -8,7 +8,7 @@
 
 The loss is always the *global* batch loss (e.g. the token-weighted task_mean
 over all rows of all devices): per-token weights come from the full batch
-(`objectives.loss_weights`), each device/micro-batch adds `sum(w * l)` and its
+(`losses.loss_weights`), each device/micro-batch adds `sum(w * l)` and its
 gradient, and the sums are the exact full-batch loss and gradient. So pmap,
 mesh, single device and grad_accum=k give the same update (up to fp32
 reduction order).
@@ -28,16 +28,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from ac2_jax.losses import loss_weights
 from ac2_jax.models.axes import AxisRules
 from ac2_jax.segments import PackedBatch
 from ac2_jax.training.core.distributed import global_batch
-from ac2_jax.training.core.objectives import (LossFn, StepModel, apply_loss, loss_weights,
-                                              model_logprobs)
-from ac2_jax.training.core.sharding import (BATCH_AXES, batch_sharding, batch_ways, check_rows,
-                                       merge_rows, replicate, split_rows, state_shardings,
-                                       unreplicate)
+from ac2_jax.training.core.objectives import LossFn, StepModel, apply_loss, model_logprobs
+from ac2_jax.training.core.sharding import (
+    BATCH_AXES,
+    batch_sharding,
+    batch_ways,
+    check_rows,
+    merge_rows,
+    replicate,
+    split_rows,
+    state_shardings,
+    unreplicate,
+)
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transform
 
 MODES = ("jit", "pmap")
@@ -77,8 +86,11 @@ def fill_micro_batches(tree, grad_accum: int, blocks: int = 1):
     """
     batch, extras = tree
     rows = batch.shape[0]
-    if (grad_accum == 1 or not isinstance(batch.loss_mask, np.ndarray)
-            or rows % (grad_accum * blocks)):  # a bad row count is check_rows' to name
+    if (
+        grad_accum == 1
+        or not isinstance(batch.loss_mask, np.ndarray)
+        or rows % (grad_accum * blocks)
+    ):  # a bad row count is check_rows' to name
         return tree
     has = batch.loss_mask.reshape(rows, -1).any(axis=1)
     order = np.concatenate([np.flatnonzero(has), np.flatnonzero(~has)])
@@ -95,8 +107,18 @@ def fill_micro_batches(tree, grad_accum: int, blocks: int = 1):
     return jax.tree.map(lambda x: x[perm] if aligned(x) else x, tree)
 
 
-def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weights,
-                   grad_accum: int = 1, constrain=lambda y: y, teacher=None):
+def loss_and_grads(
+    graphdef,
+    loss_fn: LossFn,
+    params,
+    rest,
+    batch,
+    extras,
+    weights,
+    grad_accum: int = 1,
+    constrain=lambda y: y,
+    teacher=None,
+):
     """(sum(w * l), metric sums, grads, micro-batches skipped) over the given rows,
     in `grad_accum` pieces.
 
@@ -106,6 +128,7 @@ def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weigh
     nothing to the loss, its metric sums or the gradients, so it is skipped
     (`lax.cond`): padding rows put there (`fill_micro_batches`) cost no compute.
     """
+
     def f(p, b, e, w):
         per_token, sums = apply_loss(loss_fn, StepModel(graphdef, p, rest, teacher), b, e)
         return (w * per_token).sum(), sums
@@ -118,9 +141,11 @@ def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weigh
     first = jax.tree.map(lambda x: x[0], xs)
     _, sums_shape = jax.eval_shape(f, params, *first)
     f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
-    init = (jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    init = (
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    )
 
     def run(mb):
         (loss, sums), grads = vg(params, *mb)
@@ -138,25 +163,42 @@ def loss_and_grads(graphdef, loss_fn: LossFn, params, rest, batch, extras, weigh
 
 def _counts(batch):
     m = batch.loss_mask.astype(jnp.float32)
-    return {"tokens": (batch.segment_ids > 0).sum().astype(jnp.float32),
-            "loss_tokens": (m > 0).sum().astype(jnp.float32), "_mask": m.sum()}
+    return {
+        "tokens": (batch.segment_ids > 0).sum().astype(jnp.float32),
+        "loss_tokens": (m > 0).sum().astype(jnp.float32),
+        "_mask": m.sum(),
+    }
 
 
 class TrainStep:
     """`step(state, batch, extras=None) -> (state, metrics)`; see `make_train_step`."""
 
-    def __init__(self, graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
-                 grad_accum: int = 1, lr_schedule=None, devices=None, donate: bool = True,
-                 cpu_memory_scheduler: bool = True, xla_options: dict | None = None,
-                 axis_rules: AxisRules | None = None):
+    def __init__(
+        self,
+        graphdef,
+        loss_fn: LossFn,
+        optimizer,
+        *,
+        mode: str = "jit",
+        mesh=None,
+        grad_accum: int = 1,
+        lr_schedule=None,
+        devices=None,
+        donate: bool = True,
+        cpu_memory_scheduler: bool = True,
+        xla_options: dict | None = None,
+        axis_rules: AxisRules | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
         if mode == "pmap" and mesh is not None:
             raise ValueError("make_train_step: mode='pmap' takes devices=, not mesh=")
         if mode == "pmap" and xla_options:
-            raise ValueError("make_train_step: mode='pmap' compiles without per-step XLA "
-                             f"options, got xla_options={xla_options!r}; set them in "
-                             "XLA_FLAGS or use mode='jit'")
+            raise ValueError(
+                "make_train_step: mode='pmap' compiles without per-step XLA "
+                f"options, got xla_options={xla_options!r}; set them in "
+                "XLA_FLAGS or use mode='jit'"
+            )
         if int(grad_accum) < 1:
             raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
         self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
@@ -180,26 +222,48 @@ class TrainStep:
     def _update(self, state: TrainState, batch, extras, teacher, axis_name):
         constrain = lambda y: y  # noqa: E731
         if self.mesh is not None:
-            row = NamedSharding(self.mesh, P(None, tuple(a for a in BATCH_AXES
-                                                         if a in self.mesh.shape)))
+            row = NamedSharding(
+                self.mesh, P(None, tuple(a for a in BATCH_AXES if a in self.mesh.shape))
+            )
             constrain = lambda y: jax.lax.with_sharding_constraint(y, row)  # noqa: E731
-        weights = loss_weights(batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer,
-                               axis_name=axis_name)
+        weights = loss_weights(
+            batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer, axis_name=axis_name
+        )
         loss, sums, grads, skipped = loss_and_grads(
-            self.graphdef, self.loss_fn, state.params, state.rest, batch, extras, weights,
-            self.grad_accum, constrain, teacher)
-        counts = {**_counts(batch), "micro_batches_skipped": skipped,
-                  "batch_rows": jnp.float32(batch.shape[0])}  # pmap: summed over devices
+            self.graphdef,
+            self.loss_fn,
+            state.params,
+            state.rest,
+            batch,
+            extras,
+            weights,
+            self.grad_accum,
+            constrain,
+            teacher,
+        )
+        counts = {
+            **_counts(batch),
+            "micro_batches_skipped": skipped,
+            "batch_rows": jnp.float32(batch.shape[0]),
+        }  # pmap: summed over devices
         if axis_name is not None:
             loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            rng=jax.random.split(state.rng)[0])
+        new = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            rng=jax.random.split(state.rng)[0],
+        )
         denom = jnp.maximum(counts.pop("_mask"), 1e-8)
-        metrics = {"loss": loss, "grad_norm": grad_norm, **counts,
-                   **{k: v / denom for k, v in sums.items()}}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            **counts,
+            **{k: v / denom for k, v in sums.items()},
+        }
         if self.lr_schedule is not None:
             metrics["lr"] = jnp.asarray(self.lr_schedule(state.step), jnp.float32)
         return new, metrics
@@ -213,16 +277,23 @@ class TrainStep:
     def _build(self, state):
         donate = (0,) if self.donate else ()
         if self.mode == "pmap":
-            self._step = jax.pmap(lambda s, b, e, t: self._update(s, b, e, t, AXIS),
-                                  axis_name=AXIS, devices=self.devices, donate_argnums=donate)
+            self._step = jax.pmap(
+                lambda s, b, e, t: self._update(s, b, e, t, AXIS),
+                axis_name=AXIS,
+                devices=self.devices,
+                donate_argnums=donate,
+            )
             return
         out = None
         if self.mesh is not None:
             self.state_sharding = self._state_sharding(state)
             out = (self.state_sharding, NamedSharding(self.mesh, P()))
-        self._step = jax.jit(lambda s, b, e, t: self._update(s, b, e, t, None),
-                             out_shardings=out, donate_argnums=donate,
-                             compiler_options=self.compiler_options())
+        self._step = jax.jit(
+            lambda s, b, e, t: self._update(s, b, e, t, None),
+            out_shardings=out,
+            donate_argnums=donate,
+            compiler_options=self.compiler_options(),
+        )
 
     def compiler_options(self) -> dict | None:
         """XLA options of the jitted step: the memory-optimized scheduler on CPU
@@ -279,8 +350,10 @@ class TrainStep:
         if self.mesh is not None:
             if jax.process_count() > 1:  # each process holds its rows: one global batch
                 tree = jax.tree.map(
-                    lambda t: None if t is None else global_batch(t, self.mesh), tree,
-                    is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)))
+                    lambda t: None if t is None else global_batch(t, self.mesh),
+                    tree,
+                    is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)),
+                )
                 rows = jax.tree.leaves(tree)[0].shape[0]
                 check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
                 return tree
@@ -316,21 +389,37 @@ class TrainStep:
         chunk = getattr(self.loss_fn, "chunk_size", None)
 
         def f(s, b):
-            return model_logprobs(StepModel(self.graphdef, s.params, s.rest), b, behaviour=True,
-                                  entropy=False, chunk_size=chunk)[0]
+            return model_logprobs(
+                StepModel(self.graphdef, s.params, s.rest),
+                b,
+                behaviour=True,
+                entropy=False,
+                chunk_size=chunk,
+            )[0]
 
         if self._logprobs is None:
-            self._logprobs = (jax.pmap(f, devices=self.devices) if self.mode == "pmap"
-                              else jax.jit(f))
+            self._logprobs = (
+                jax.pmap(f, devices=self.devices) if self.mode == "pmap" else jax.jit(f)
+            )
         out = self._logprobs(state, self._place_rows(batch))
         return merge_rows(out) if self.mode == "pmap" else out
 
 
-def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", mesh=None,
-                    grad_accum: int = 1, lr_schedule=None, devices=None,
-                    donate: bool = True, cpu_memory_scheduler: bool = True,
-                    xla_options: dict | None = None,
-                    axis_rules: AxisRules | None = None) -> TrainStep:
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer,
+    *,
+    mode: str = "jit",
+    mesh=None,
+    grad_accum: int = 1,
+    lr_schedule=None,
+    devices=None,
+    donate: bool = True,
+    cpu_memory_scheduler: bool = True,
+    xla_options: dict | None = None,
+    axis_rules: AxisRules | None = None,
+) -> TrainStep:
     """A compiled train step: `step(state, batch, extras=None) -> (state, metrics)`.
 
     optimizer: OptimizerConfig or optax transformation (the one the state was
@@ -356,10 +445,20 @@ def make_train_step(graphdef, loss_fn: LossFn, optimizer, *, mode: str = "jit", 
     loss token, not computed; under pmap summed over the devices, each of which
     runs its own grad_accum micro-batches).
     """
-    return TrainStep(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh, grad_accum=grad_accum,
-                     lr_schedule=lr_schedule, devices=devices, donate=donate,
-                     cpu_memory_scheduler=cpu_memory_scheduler, xla_options=xla_options,
-                     axis_rules=axis_rules)
+    return TrainStep(
+        graphdef,
+        loss_fn,
+        optimizer,
+        mode=mode,
+        mesh=mesh,
+        grad_accum=grad_accum,
+        lr_schedule=lr_schedule,
+        devices=devices,
+        donate=donate,
+        cpu_memory_scheduler=cpu_memory_scheduler,
+        xla_options=xla_options,
+        axis_rules=axis_rules,
+    )
 
 
 class StepCache:
@@ -383,8 +482,9 @@ class StepCache:
         try:
             hash(key)
         except TypeError as e:
-            raise TypeError(f"StepCache: the configuration is not hashable ({e}); call "
-                            "make_train_step directly") from e
+            raise TypeError(
+                f"StepCache: the configuration is not hashable ({e}); call make_train_step directly"
+            ) from e
         if key not in self.steps:
             self.steps[key] = make_train_step(graphdef, loss_fn, optimizer, **kwargs)
         return self.steps[key]

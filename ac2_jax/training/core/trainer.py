@@ -25,11 +25,12 @@ capacities (`BatchConfig.rows`/`seq_len` large enough for the data).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
-from absl import logging
 import orbax.checkpoint as ocp
+from absl import logging
 
 from ac2_jax.training.core.checkpoints import Checkpointer, from_nested, to_nested
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -75,26 +76,53 @@ class Trainer:
     caller's arrays survive donation).
     """
 
-    def __init__(self, graphdef, state: TrainState, loss_fn: LossFn, optimizer, *,
-                 workdir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-                 keep_checkpoints: int | None = 3, hooks: TrainerHooks | None = None,
-                 mode: str = "jit", mesh=None, grad_accum: int = 1, donate: bool = True,
-                 step_fn: TrainStep | None = None,
-                 make_step: Callable[..., TrainStep] = make_train_step,
-                 logger: MetricsLogger | None = None, tensorboard: bool = True,
-                 progress: bool = False, total_steps: int | None = None,
-                 compile_warmup_steps: int = 1):
+    def __init__(
+        self,
+        graphdef,
+        state: TrainState,
+        loss_fn: LossFn,
+        optimizer,
+        *,
+        workdir: str | os.PathLike | None = None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: int | None = 3,
+        hooks: TrainerHooks | None = None,
+        mode: str = "jit",
+        mesh=None,
+        grad_accum: int = 1,
+        donate: bool = True,
+        step_fn: TrainStep | None = None,
+        make_step: Callable[..., TrainStep] = make_train_step,
+        logger: MetricsLogger | None = None,
+        tensorboard: bool = True,
+        progress: bool = False,
+        total_steps: int | None = None,
+        compile_warmup_steps: int = 1,
+    ):
         if checkpoint_every < 0:
             raise ValueError(f"Trainer: checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and workdir is None:
             raise ValueError("Trainer: checkpoint_every needs a workdir")
         if step_fn is None:
-            step_fn = make_step(graphdef, loss_fn, optimizer, mode=mode, mesh=mesh,
-                                grad_accum=grad_accum, donate=donate)
+            step_fn = make_step(
+                graphdef,
+                loss_fn,
+                optimizer,
+                mode=mode,
+                mesh=mesh,
+                grad_accum=grad_accum,
+                donate=donate,
+            )
         else:
             want = (graphdef, loss_fn, optimizer, mode, mesh, grad_accum)
-            have = (step_fn.graphdef, step_fn.loss_fn, step_fn.optimizer, step_fn.mode,
-                    step_fn.mesh, step_fn.grad_accum)
+            have = (
+                step_fn.graphdef,
+                step_fn.loss_fn,
+                step_fn.optimizer,
+                step_fn.mode,
+                step_fn.mesh,
+                step_fn.grad_accum,
+            )
             names = ("graphdef", "loss_fn", "optimizer", "mode", "mesh", "grad_accum")
             bad = [n for n, a, b in zip(names, want, have) if a != b]
             if bad:
@@ -106,17 +134,20 @@ class Trainer:
         self.workdir = None if workdir is None else os.path.abspath(os.fspath(workdir))
         self.ckpt, self.logger = None, logger
         if self.workdir is not None:
-            self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                     max_to_keep=keep_checkpoints)
+            self.ckpt = Checkpointer(
+                os.path.join(self.workdir, "checkpoints"), max_to_keep=keep_checkpoints
+            )
             if logger is None:
-                self.logger = MetricsLogger(os.path.join(self.workdir, "metrics"),
-                                            tensorboard=tensorboard, console=False)
+                self.logger = MetricsLogger(
+                    os.path.join(self.workdir, "metrics"), tensorboard=tensorboard, console=False
+                )
         self._geometries: set = set()
         self._ahead: set = set()  # geometries compiled by `warmup` that no update used yet
         self.compile_warmup_steps = int(compile_warmup_steps)
         self._progress = self._task = None
         if progress:
             from rich.progress import Progress
+
             self._progress = Progress(*Progress.get_default_columns(), "{task.fields[info]}")
             self._task = self._progress.add_task("train", total=total_steps, info="")
             self._progress.start()
@@ -139,8 +170,10 @@ class Trainer:
 
     def _note_geometry(self, batch, extras, ahead: bool = False) -> None:
         leaves, tree = jax.tree.flatten((batch, extras))
-        key = (tree, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
-                           for x in leaves))
+        key = (
+            tree,
+            tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x))) for x in leaves),
+        )
         if key in self._geometries:
             self._ahead.discard(key)  # an update used what `warmup` compiled
             return
@@ -149,9 +182,14 @@ class Trainer:
                 "Trainer: the batch geometry compiled ahead (warmup) is not this batch's, so "
                 "that compile goes unused (now %s, static %s). Pin the geometry (e.g. "
                 "BatchConfig.rows / seq_len / task_capacity / segment_capacity) or skip the "
-                "warmup.", sorted({tuple(jax.numpy.shape(x)) for x in leaves})[:4],
-                [(k, getattr(batch, k)) for k in ("num_tasks", "num_segments")
-                 if hasattr(batch, k)])
+                "warmup.",
+                sorted({tuple(jax.numpy.shape(x)) for x in leaves})[:4],
+                [
+                    (k, getattr(batch, k))
+                    for k in ("num_tasks", "num_segments")
+                    if hasattr(batch, k)
+                ],
+            )
             self._ahead.clear()
         if ahead:
             self._ahead.add(key)
@@ -163,7 +201,10 @@ class Trainer:
                 "Trainer: loop step %d compiles the train step again (%d batch geometries "
                 "so far; shapes now %s). Each new geometry is a full compile: keep batch "
                 "capacities static (e.g. BatchConfig.rows / seq_len large enough).",
-                self.steps_done + 1, len(self._geometries), shapes[:4])
+                self.steps_done + 1,
+                len(self._geometries),
+                shapes[:4],
+            )
 
     def warmup(self, batch, extras: dict | None = None, teacher=None) -> bool:
         """Compiles the step for `batch`'s geometry without running it (nothing is
@@ -203,8 +244,9 @@ class Trainer:
             self.save()
         if self._progress is not None:
             loss = metrics.get("loss")
-            self._progress.update(self._task, advance=1,
-                                  info="" if loss is None else f"loss={float(loss):.4g}")
+            self._progress.update(
+                self._task, advance=1, info="" if loss is None else f"loss={float(loss):.4g}"
+            )
         return n
 
     def step(self, batch, extras: dict | None = None) -> dict[str, float]:

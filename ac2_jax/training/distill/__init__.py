@@ -1,21 +1,65 @@
 """Self-distillation (OPSD, RMSD): hinted teacher pairs (`data`), on-policy sources, the trainer."""
 
-from ac2_jax.training.distill.data import (DistillExample, HintConfig, PairedBatch,
-                                           insert_hint, make_example, pack_pairs, sft_segments)
+from ac2_jax.training.distill.data import (
+    DistillExample,
+    HintConfig,
+    PairedBatch,
+    insert_hint,
+    make_example,
+    pack_pairs,
+    sft_segments,
+)
+from ac2_jax.training.distill.loss import (
+    DistillLoss,
+    divergence,
+    relevance_scores,
+    teacher_extras,
+    teacher_hidden,
+    teacher_logits,
+)
+from ac2_jax.training.distill.sources import (
+    Graded,
+    HintTask,
+    PromptCache,
+    SampleConfig,
+    aresample_examples,
+    arollout_and_grade,
+    asample,
+    publish_policy,
+    resample_examples,
+    rollout_and_grade,
+    sample,
+)
 from ac2_jax.training.distill.traces import examples_from_traces
-from ac2_jax.training.distill.sources import (Graded, HintTask, PromptCache, SampleConfig,
-                                              aresample_examples, arollout_and_grade, asample,
-                                              publish_policy, resample_examples,
-                                              rollout_and_grade, sample)
-from ac2_jax.training.distill.loss import (DistillLoss, divergence, relevance_scores,
-                                           teacher_extras, teacher_hidden, teacher_logits)
 from ac2_jax.training.distill.trainer import DistillConfig, Relevance, SelfDistiller
 
 __all__ = [
-    "DistillConfig", "DistillExample", "DistillLoss", "Graded", "HintConfig", "HintTask",
-    "PairedBatch", "PromptCache", "Relevance", "SampleConfig", "SelfDistiller",
-    "aresample_examples", "arollout_and_grade", "asample", "divergence", "examples_from_traces",
-    "insert_hint", "make_example", "pack_pairs", "publish_policy", "resample_examples",
-    "relevance_scores", "rollout_and_grade", "sample", "sft_segments", "teacher_extras",
-    "teacher_hidden", "teacher_logits",
+    "DistillConfig",
+    "DistillExample",
+    "DistillLoss",
+    "Graded",
+    "HintConfig",
+    "HintTask",
+    "PairedBatch",
+    "PromptCache",
+    "Relevance",
+    "SampleConfig",
+    "SelfDistiller",
+    "aresample_examples",
+    "arollout_and_grade",
+    "asample",
+    "divergence",
+    "examples_from_traces",
+    "insert_hint",
+    "make_example",
+    "pack_pairs",
+    "publish_policy",
+    "resample_examples",
+    "relevance_scores",
+    "rollout_and_grade",
+    "sample",
+    "sft_segments",
+    "teacher_extras",
+    "teacher_hidden",
+    "teacher_logits",
 ]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -58,8 +58,9 @@ class HintConfig:
 
     def __post_init__(self):
         if self.placement not in HINT_PLACEMENTS:
-            raise ValueError(f"HintConfig.placement must be one of {HINT_PLACEMENTS}, "
-                             f"got {self.placement!r}")
+            raise ValueError(
+                f"HintConfig.placement must be one of {HINT_PLACEMENTS}, got {self.placement!r}"
+            )
         if "{hint}" not in self.template:
             raise ValueError(f"HintConfig.template must contain '{{hint}}', got {self.template!r}")
 
@@ -67,8 +68,9 @@ class HintConfig:
         return self.template.replace("{hint}", hint)
 
 
-def hinted_messages(messages: Sequence[dict], hint: str, config: HintConfig = HintConfig()
-                    ) -> list[dict]:
+def hinted_messages(
+    messages: Sequence[dict], hint: str, config: HintConfig = HintConfig()
+) -> list[dict]:
     """The teacher's messages: a copy of `messages` with the hint inserted."""
     if not hint:
         raise ValueError("hinted_messages: the hint is empty")
@@ -108,7 +110,7 @@ def _pick_split(tokenizer, tt, p, n, text) -> int:
     while valid[-1] > 0 and tt[valid[-1] - 1] == tt[valid[-1] - 1 + n]:
         valid.append(valid[-1] - 1)
     special = set(tokenizer.hf.get_added_tokens_decoder())
-    holds = [q for q in valid if text in tokenizer.decode(tt[q:q + n])] or valid
+    holds = [q for q in valid if text in tokenizer.decode(tt[q : q + n])] or valid
     return next((q for q in holds if tt[q] in special), holds[0])
 
 
@@ -129,7 +131,7 @@ def _anchor(student_text: str, stored_text: str, chars: int) -> int | None:
     cs = len(os.path.commonprefix([s[::-1][:n], d[::-1][:n]]))
     if chars >= len(s) - cs:
         return len(d) - (len(s) - chars)
-    a, b, x = s[cp:len(s) - cs], d[cp:len(d) - cs], chars - cp
+    a, b, x = s[cp : len(s) - cs], d[cp : len(d) - cs], chars - cp
     for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
         if tag == "equal" and i1 <= x <= i2:
             return cp + j1 + (x - i1)
@@ -149,13 +151,20 @@ def _token_boundary(tokenizer, ids: list[int], text: str, chars: int) -> int | N
 
 
 def _contents(messages: Sequence[dict]) -> list[str]:
-    return [m["content"].strip() for m in messages
-            if isinstance(m.get("content"), str) and m["content"].strip()]
+    return [
+        m["content"].strip()
+        for m in messages
+        if isinstance(m.get("content"), str) and m["content"].strip()
+    ]
 
 
-def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
-                config: HintConfig = HintConfig(), prompt_ids: Sequence[int] | None = None
-                ) -> tuple[list[int], list[int], tuple[int, int]]:
+def insert_hint(
+    tokenizer,
+    messages: Sequence[dict],
+    hint: str,
+    config: HintConfig = HintConfig(),
+    prompt_ids: Sequence[int] | None = None,
+) -> tuple[list[int], list[int], tuple[int, int]]:
     """(student ids, teacher ids, (start, end)): teacher = student with ids inserted at start.
 
     Both prompts end with the generation prompt. `prompt_ids` (e.g. a stored
@@ -167,17 +176,20 @@ def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
     the hint cannot enter as one contiguous token run.
     """
     student_text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-    teacher_text = tokenizer.apply_chat_template(hinted_messages(messages, hint, config),
-                                                 add_generation_prompt=True)
+    teacher_text = tokenizer.apply_chat_template(
+        hinted_messages(messages, hint, config), add_generation_prompt=True
+    )
     canon, tt = tokenizer.encode(student_text), tokenizer.encode(teacher_text)
     p = _common_prefix(canon, tt, min(len(canon), len(tt)))
     s = _common_prefix(canon[::-1], tt[::-1], min(len(canon), len(tt)) - p)
     if p + s != len(canon) or len(tt) <= len(canon):
-        raise ValueError("insert_hint: the hint changes the tokenization of the surrounding "
-                         f"context (placement {config.placement!r}); use another placement "
-                         "or template")
+        raise ValueError(
+            "insert_hint: the hint changes the tokenization of the surrounding "
+            f"context (placement {config.placement!r}); use another placement "
+            "or template"
+        )
     p = _pick_split(tokenizer, tt, p, len(tt) - len(canon), config.text(hint))
-    ins = tt[p:p + len(tt) - len(canon)]
+    ins = tt[p : p + len(tt) - len(canon)]
     if prompt_ids is None or list(prompt_ids) == canon:
         return list(canon), list(tt), (p, p + len(ins))
     ids = [int(t) for t in prompt_ids]
@@ -186,13 +198,17 @@ def insert_hint(tokenizer, messages: Sequence[dict], hint: str,
     for c in _contents(messages):
         pos = stored.find(c, pos)
         if pos < 0:
-            raise ValueError("insert_hint: prompt_ids do not decode to a rendering of messages "
-                             f"(no {c[:40]!r}); pass the messages of that request")
+            raise ValueError(
+                "insert_hint: prompt_ids do not decode to a rendering of messages "
+                f"(no {c[:40]!r}); pass the messages of that request"
+            )
     at = _anchor(student_text, stored, len(tokenizer.decode(canon[:p])))
     k = None if at is None else _token_boundary(tokenizer, ids, stored, at)
     if k is None:
-        raise ValueError("insert_hint: prompt_ids have no token boundary where the hint goes "
-                         f"(placement {config.placement!r})")
+        raise ValueError(
+            "insert_hint: prompt_ids have no token boundary where the hint goes "
+            f"(placement {config.placement!r})"
+        )
     return ids, ids[:k] + ins + ids[k:], (k, k + len(ins))
 
 
@@ -234,15 +250,21 @@ class DistillExample:
         if not self.student_prompt or not self.teacher_prompt:
             raise ValueError(f"DistillExample({self.task!r}): prompts must be non-empty")
         if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response):
-            raise ValueError(f"DistillExample({self.task!r}): {len(self.response_logprobs)} "
-                             f"response_logprobs for {len(self.response)} response tokens")
-        if self.response_mask is not None and (len(self.response_mask) != len(self.response)
-                                               or not sum(self.response_mask) > 0):
-            raise ValueError(f"DistillExample({self.task!r}): response_mask needs one entry per "
-                             f"response token ({len(self.response)}) and at least one > 0")
+            raise ValueError(
+                f"DistillExample({self.task!r}): {len(self.response_logprobs)} "
+                f"response_logprobs for {len(self.response)} response tokens"
+            )
+        if self.response_mask is not None and (
+            len(self.response_mask) != len(self.response) or not sum(self.response_mask) > 0
+        ):
+            raise ValueError(
+                f"DistillExample({self.task!r}): response_mask needs one entry per "
+                f"response token ({len(self.response)}) and at least one > 0"
+            )
         if not self.weight >= 0:
-            raise ValueError(f"DistillExample({self.task!r}): weight must be >= 0, "
-                             f"got {self.weight}")
+            raise ValueError(
+                f"DistillExample({self.task!r}): weight must be >= 0, got {self.weight}"
+            )
 
     def trained_mask(self) -> np.ndarray:
         """[len(response)] float32: 1 where a response token is trained (the count)."""
@@ -255,12 +277,27 @@ class DistillExample:
         return int(self.trained_mask().sum())
 
 
-def make_example(tokenizer, messages: Sequence[dict], response: Sequence[int], hint: str,
-                 task: str, config: HintConfig = HintConfig(), **kwargs) -> DistillExample:
+def make_example(
+    tokenizer,
+    messages: Sequence[dict],
+    response: Sequence[int],
+    hint: str,
+    task: str,
+    config: HintConfig = HintConfig(),
+    **kwargs,
+) -> DistillExample:
     """A DistillExample for a chat prompt (`messages`) and a response's ids."""
     student, teacher, span = insert_hint(tokenizer, messages, hint, config)
-    return DistillExample(student, teacher, [int(t) for t in response], hint, task,
-                          hint_span=span, messages=[dict(m) for m in messages], **kwargs)
+    return DistillExample(
+        student,
+        teacher,
+        [int(t) for t in response],
+        hint,
+        task,
+        hint_span=span,
+        messages=[dict(m) for m in messages],
+        **kwargs,
+    )
 
 
 @dataclasses.dataclass
@@ -282,7 +319,7 @@ class PairedBatch:
     def gather_response(self, arr: np.ndarray, i: int) -> np.ndarray:
         """Example i's response slice [n, ...] of a student-aligned array [R, L, ...]."""
         r, c, _, n = self.spans[i]
-        return np.asarray(arr)[r, c:c + n]
+        return np.asarray(arr)[r, c : c + n]
 
 
 def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
@@ -294,17 +331,27 @@ def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
     mask[resp] = e.trained_mask()  # a count; the weight multiplies the loss
     if e.response_logprobs is not None:
         lps[resp] = e.response_logprobs
-    params = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32),
-              "top_p": np.ones(n, np.float32)}
+    params = {
+        "temperature": np.ones(n, np.float32),
+        "top_k": np.zeros(n, np.int32),
+        "top_p": np.ones(n, np.float32),
+    }
     if e.temperature is not None:
         for k in params:
             params[k][resp] = getattr(e, k)
-    return Segment(list(prompt) + list(e.response), mask, lps, task=e.task, weight=e.weight,
-                   **params)
+    return Segment(
+        list(prompt) + list(e.response), mask, lps, task=e.task, weight=e.weight, **params
+    )
 
 
-def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: int = 0,
-               rows_multiple: int = 1, min_capacity: int = 0) -> PairedBatch:
+def pack_pairs(
+    examples: Sequence[DistillExample],
+    seq_len: int,
+    *,
+    min_rows: int = 0,
+    rows_multiple: int = 1,
+    min_capacity: int = 0,
+) -> PairedBatch:
     """Packs examples into aligned student and teacher rows of `seq_len` tokens.
 
     Example i is segment i of both batches, in the same row (the segments
@@ -322,8 +369,10 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
     for i, e in enumerate(examples):
         n = max(len(e.student_prompt), len(e.teacher_prompt)) + len(e.response)
         if n > seq_len:
-            raise ValueError(f"pack_pairs: example {i} ({e.task!r}) needs {n} tokens, more "
-                             f"than seq_len={seq_len}")
+            raise ValueError(
+                f"pack_pairs: example {i} ({e.task!r}) needs {n} tokens, more "
+                f"than seq_len={seq_len}"
+            )
         lengths.append(n)
     tasks = {name: j for j, name in enumerate(sorted({e.task for e in examples}))}
     bins = pack_rows(lengths, seq_len)
@@ -340,14 +389,17 @@ def pack_pairs(examples: Sequence[DistillExample], seq_len: int, *, min_rows: in
                 write_segment(out, r, start, seg, len(seg), tasks[e.task], seg_id, i)
             n = len(e.response)
             cs, ct = s0 + len(e.student_prompt) - 1, t0 + len(e.teacher_prompt) - 1
-            index[r, cs:cs + n] = np.where(e.trained_mask() > 0, np.arange(ct, ct + n), 0)
+            index[r, cs : cs + n] = np.where(e.trained_mask() > 0, np.arange(ct, ct + n), 0)
             spans[i] = (r, cs, ct, n)
             s0 += len(e.student_prompt) + n
             t0 += len(e.teacher_prompt) + n
-    kw = dict(num_tasks=pow2_bucket(max(len(tasks), min_capacity)),
-              num_segments=pow2_bucket(max(len(examples), min_capacity)))
-    return PairedBatch(PackedBatch(**stu, **kw), PackedBatch(**tea, **kw), index, spans,
-                       list(examples))
+    kw = dict(
+        num_tasks=pow2_bucket(max(len(tasks), min_capacity)),
+        num_segments=pow2_bucket(max(len(examples), min_capacity)),
+    )
+    return PairedBatch(
+        PackedBatch(**stu, **kw), PackedBatch(**tea, **kw), index, spans, list(examples)
+    )
 
 
 def sft_segments(examples: Sequence[DistillExample]) -> list[Segment]:

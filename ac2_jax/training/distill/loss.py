@@ -20,8 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ac2_jax.losses import (DIVERGENCES, MODES, chunked_logits_map, distill_loss, reverse_kl,
-                            sampled_token_advantage, token_logprobs)
+from ac2_jax.losses import (
+    DIVERGENCES,
+    MODES,
+    chunked_logits_map,
+    distill_loss,
+    reverse_kl,
+    sampled_token_advantage,
+    token_logprobs,
+)
 from ac2_jax.training.core.objectives import StepModel
 from ac2_jax.training.core.train_step import forward
 from ac2_jax.training.distill.data import PairedBatch
@@ -33,18 +40,28 @@ def teacher_extras(paired: PairedBatch) -> dict[str, np.ndarray]:
     """The step's extras for a paired batch: the teacher rows' tokens, positions and
     segment ids, and `teacher_index` ([R, L] int each, split with the batch rows)."""
     t = paired.teacher
-    return {"teacher_tokens": t.tokens, "teacher_positions": t.positions,
-            "teacher_segment_ids": t.segment_ids, "teacher_index": paired.teacher_index}
+    return {
+        "teacher_tokens": t.tokens,
+        "teacher_positions": t.positions,
+        "teacher_segment_ids": t.segment_ids,
+        "teacher_index": paired.teacher_index,
+    }
 
 
 def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
     """Teacher hidden states [R, L, D] in the student layout (gradient stopped)."""
     missing = [k for k in TEACHER_KEYS if k not in (extras or {})]
     if missing:
-        raise ValueError(f"DistillLoss needs extras with the teacher rows, missing {missing}; "
-                         "build them with teacher_extras(pack_pairs(...))")
-    h = model.hidden(extras["teacher_tokens"], extras["teacher_positions"],
-                     extras["teacher_segment_ids"], teacher=True)
+        raise ValueError(
+            f"DistillLoss needs extras with the teacher rows, missing {missing}; "
+            "build them with teacher_extras(pack_pairs(...))"
+        )
+    h = model.hidden(
+        extras["teacher_tokens"],
+        extras["teacher_positions"],
+        extras["teacher_segment_ids"],
+        teacher=True,
+    )
     index = extras["teacher_index"].astype(jnp.int32)
     return jax.lax.stop_gradient(jnp.take_along_axis(h, index[..., None], axis=1))
 
@@ -52,11 +69,15 @@ def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
 def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
     """fn([student logits, teacher logits], per_token) densely or chunk by chunk."""
     if chunk_size is None:
-        return fn([model.project(student_hidden), model.project(teacher_h, teacher=True)],
-                  per_token)
-    return chunked_logits_map(fn, [(student_hidden, model.head()),
-                                   (teacher_h, model.head(teacher=True))], per_token,
-                              chunk_size=chunk_size)
+        return fn(
+            [model.project(student_hidden), model.project(teacher_h, teacher=True)], per_token
+        )
+    return chunked_logits_map(
+        fn,
+        [(student_hidden, model.head()), (teacher_h, model.head(teacher=True))],
+        per_token,
+        chunk_size=chunk_size,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,33 +104,50 @@ class DistillLoss:
 
     def __post_init__(self):
         if self.kind not in DIVERGENCES:
-            raise ValueError(f"DistillLoss.kind must be a registered divergence "
-                             f"({', '.join(DIVERGENCES.names())}), got {self.kind!r}")
+            raise ValueError(
+                f"DistillLoss.kind must be a registered divergence "
+                f"({', '.join(DIVERGENCES.names())}), got {self.kind!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
         c = self.chunk_size
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"DistillLoss.chunk_size must be None (dense logits) or a positive "
-                             f"int (positions per chunk), got {c!r}")
+            raise ValueError(
+                f"DistillLoss.chunk_size must be None (dense logits) or a positive "
+                f"int (positions per chunk), got {c!r}"
+            )
 
     def _terms(self, logits, x):
         """Per-position loss and metric values of student / teacher logits [..., V]."""
         s, t = logits[0], jax.lax.stop_gradient(logits[1])
-        loss = distill_loss(s, t, x["targets"], kind=self.kind, beta=self.beta, top_k=self.top_k,
-                            temperature=self.temperature, mask=x["mask"])
+        loss = distill_loss(
+            s,
+            t,
+            x["targets"],
+            kind=self.kind,
+            beta=self.beta,
+            top_k=self.top_k,
+            temperature=self.temperature,
+            mask=x["mask"],
+        )
         s = jax.lax.stop_gradient(s)
-        return {"loss": loss, "kl": reverse_kl(s, t),
-                "student_logp": token_logprobs(s, x["targets"]),
-                "teacher_logp": token_logprobs(t, x["targets"])}
+        return {
+            "loss": loss,
+            "kl": reverse_kl(s, t),
+            "student_logp": token_logprobs(s, x["targets"]),
+            "teacher_logp": token_logprobs(t, x["targets"]),
+        }
 
     def _finish(self, terms, m):
         return terms.pop("loss"), {k: (v * m).sum() for k, v in terms.items()}
 
     def __call__(self, logits, batch, extras=None):
         if not extras or "teacher_logits" not in extras:
-            raise ValueError("DistillLoss called on logits needs extras={'teacher_logits': "
-                             "[rows, seq_len, vocab]}; the train step runs the teacher itself "
-                             "(from_model, extras=teacher_extras(paired))")
+            raise ValueError(
+                "DistillLoss called on logits needs extras={'teacher_logits': "
+                "[rows, seq_len, vocab]}; the train step runs the teacher itself "
+                "(from_model, extras=teacher_extras(paired))"
+            )
         m = batch.loss_mask.astype(jnp.float32)
         x = {"targets": batch.targets, "mask": m}
         return self._finish(self._terms([logits, extras["teacher_logits"]], x), m)
@@ -118,8 +156,9 @@ class DistillLoss:
         th = teacher_hidden(model, extras)
         sh = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
         m = batch.loss_mask.astype(jnp.float32)
-        terms = _apply(self._terms, model, sh, th, {"targets": batch.targets, "mask": m},
-                       self.chunk_size)
+        terms = _apply(
+            self._terms, model, sh, th, {"targets": batch.targets, "mask": m}, self.chunk_size
+        )
         return self._finish(terms, m)
 
 
@@ -139,13 +178,31 @@ def _rank(kind, beta, top_k, temperature, logits, x):
     if kind == "sampled":
         d = jnp.abs(sampled_token_advantage(s, t, x["targets"], temperature=temperature))
         return jnp.where(x["mask"] > 0, d, 0.0)
-    return distill_loss(s, t, x["targets"], kind=kind, beta=beta, top_k=top_k,
-                        temperature=temperature, mask=x["mask"])
+    return distill_loss(
+        s,
+        t,
+        x["targets"],
+        kind=kind,
+        beta=beta,
+        top_k=top_k,
+        temperature=temperature,
+        mask=x["mask"],
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind", "beta", "top_k", "temperature"))
-def divergence(graphdef, params, rest, student_batch, t_logits, *, kind="reverse_kl", beta=0.5,
-               top_k=None, temperature=1.0) -> jax.Array:
+def divergence(
+    graphdef,
+    params,
+    rest,
+    student_batch,
+    t_logits,
+    *,
+    kind="reverse_kl",
+    beta=0.5,
+    top_k=None,
+    temperature=1.0,
+) -> jax.Array:
     """Dense reference: per-position teacher-student divergence [R, L] (0 off the
     loss mask) from given teacher logits [R, L, V]."""
     s = forward(graphdef, params, rest, student_batch)
@@ -154,8 +211,9 @@ def divergence(graphdef, params, rest, student_batch, t_logits, *, kind="reverse
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
-def relevance_scores(graphdef, params, teacher_params, rest, student_batch, extras,
-                     loss: DistillLoss) -> tuple[jax.Array, jax.Array]:
+def relevance_scores(
+    graphdef, params, teacher_params, rest, student_batch, extras, loss: DistillLoss
+) -> tuple[jax.Array, jax.Array]:
     """(divergence [R, L] as `divergence` ranks it, teacher argmax token [R, L]) with
     the teacher run here (teacher_params None: params) and `loss.chunk_size` chunking."""
     model = StepModel(graphdef, params, rest, teacher_params)
@@ -163,9 +221,17 @@ def relevance_scores(graphdef, params, teacher_params, rest, student_batch, extr
     sh = model.hidden(b.tokens, b.positions, b.segment_ids, b.subtree_end)
 
     def fn(logits, x):
-        return {"div": _rank(loss.kind, loss.beta, loss.top_k, loss.temperature, logits, x),
-                "argmax": jnp.argmax(logits[1], axis=-1).astype(jnp.int32)}
+        return {
+            "div": _rank(loss.kind, loss.beta, loss.top_k, loss.temperature, logits, x),
+            "argmax": jnp.argmax(logits[1], axis=-1).astype(jnp.int32),
+        }
 
-    out = _apply(fn, model, sh, teacher_hidden(model, extras),
-                 {"targets": b.targets, "mask": b.loss_mask}, loss.chunk_size)
+    out = _apply(
+        fn,
+        model,
+        sh,
+        teacher_hidden(model, extras),
+        {"targets": b.targets, "mask": b.loss_mask},
+        loss.chunk_size,
+    )
     return out["div"], out["argmax"]

@@ -24,17 +24,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from ac2_jax.sampling.base import SampleResult, Sampler, SamplingParams
+from ac2_jax.sampling.base import Sampler, SampleResult, SamplingParams
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
 SOURCES = ("student", "teacher")
 
 
-def publish_policy(sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike,
-                   step: int, keep: int = 2) -> int:
+def publish_policy(
+    sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike, step: int, keep: int = 2
+) -> int:
     """Publishes the state's weights as `step` and loads them into `sampler`
     (built with this publish_dir); returns the sampler's policy_version."""
     publish(graphdef, state, publish_dir, step, keep=keep)
@@ -81,13 +83,24 @@ class SampleConfig:
 
     def params(self, stop_token_ids: Sequence[int], seed: int) -> SamplingParams:
         """The request's SamplingParams (ValueError naming a bad field)."""
-        return SamplingParams(temperature=self.temperature, top_k=max(int(self.top_k), 0),
-                              top_p=self.top_p, max_tokens=self.max_new_tokens,
-                              stop_token_ids=tuple(stop_token_ids), seed=seed)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=max(int(self.top_k), 0),
+            top_p=self.top_p,
+            max_tokens=self.max_new_tokens,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
+        )
 
 
-async def asample(sampler: Sampler, prompts: Sequence[Sequence[int]], sampling: SampleConfig,
-                  *, stop_token_ids: Sequence[int], seed: int = 0) -> list[SampleResult]:
+async def asample(
+    sampler: Sampler,
+    prompts: Sequence[Sequence[int]],
+    sampling: SampleConfig,
+    *,
+    stop_token_ids: Sequence[int],
+    seed: int = 0,
+) -> list[SampleResult]:
     """One continuation per prompt, requested concurrently (prompt i: seed + i).
 
     Each result holds the sampled ids (with the stop token that ended it) and
@@ -95,16 +108,28 @@ async def asample(sampler: Sampler, prompts: Sequence[Sequence[int]], sampling: 
     """
     if not prompts:
         raise ValueError("sample: no prompts")
-    return list(await asyncio.gather(*(
-        sampler.generate(list(p), sampling.params(stop_token_ids, seed + i))
-        for i, p in enumerate(prompts))))
+    return list(
+        await asyncio.gather(
+            *(
+                sampler.generate(list(p), sampling.params(stop_token_ids, seed + i))
+                for i, p in enumerate(prompts)
+            )
+        )
+    )
 
 
-def sample(sampler: Sampler, prompts: Sequence[Sequence[int]], sampling: SampleConfig, *,
-           stop_token_ids: Sequence[int], seed: int = 0) -> list[SampleResult]:
+def sample(
+    sampler: Sampler,
+    prompts: Sequence[Sequence[int]],
+    sampling: SampleConfig,
+    *,
+    stop_token_ids: Sequence[int],
+    seed: int = 0,
+) -> list[SampleResult]:
     """`asample` from sync code."""
-    return _sync(asample(sampler, prompts, sampling, stop_token_ids=stop_token_ids, seed=seed),
-                 "sample")
+    return _sync(
+        asample(sampler, prompts, sampling, stop_token_ids=stop_token_ids, seed=seed), "sample"
+    )
 
 
 class PromptCache:
@@ -123,22 +148,36 @@ class PromptCache:
     def student(self, task: HintTask) -> list[int]:
         key = (task.task_id, None)
         if key not in self._memo:
-            self._memo[key] = self.tokenizer.apply_chat_template(list(task.messages),
-                                                                 tokenize=True)
+            self._memo[key] = self.tokenizer.apply_chat_template(list(task.messages), tokenize=True)
         return self._memo[key]
 
 
 def _example(task, hint, prompts, res: SampleResult, sampling: SampleConfig):
     student, teacher, span = prompts(task, hint)
-    return DistillExample(student, teacher, list(res.output_ids), hint, task.task_id,
-                          hint_span=span, response_logprobs=list(res.output_logprobs),
-                          messages=list(task.messages), temperature=float(sampling.temperature),
-                          top_k=max(int(sampling.top_k), 0), top_p=float(sampling.top_p))
+    return DistillExample(
+        student,
+        teacher,
+        list(res.output_ids),
+        hint,
+        task.task_id,
+        hint_span=span,
+        response_logprobs=list(res.output_logprobs),
+        messages=list(task.messages),
+        temperature=float(sampling.temperature),
+        top_k=max(int(sampling.top_k), 0),
+        top_p=float(sampling.top_p),
+    )
 
 
-async def aresample_examples(sampler: Sampler, tasks: Sequence[HintTask], prompts: PromptCache,
-                             sampling: SampleConfig = SampleConfig(), *,
-                             source: str = "student", seed: int = 0) -> list[DistillExample]:
+async def aresample_examples(
+    sampler: Sampler,
+    tasks: Sequence[HintTask],
+    prompts: PromptCache,
+    sampling: SampleConfig = SampleConfig(),
+    *,
+    source: str = "student",
+    seed: int = 0,
+) -> list[DistillExample]:
     """(b) One fresh response per hinted task from the sampler's policy.
 
     source="student" samples from the plain prompt (on-policy distillation);
@@ -151,17 +190,26 @@ async def aresample_examples(sampler: Sampler, tasks: Sequence[HintTask], prompt
         raise ValueError(f"resample_examples: tasks without a hint: {missing[:5]}")
     pairs = [prompts(t, t.hint) for t in tasks]
     ctx = [p[0] if source == "student" else p[1] for p in pairs]
-    outs = await asample(sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids,
-                         seed=seed)
+    outs = await asample(
+        sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids, seed=seed
+    )
     return [_example(t, t.hint, prompts, res, sampling) for t, res in zip(tasks, outs)]
 
 
-def resample_examples(sampler: Sampler, tasks: Sequence[HintTask], prompts: PromptCache,
-                      sampling: SampleConfig = SampleConfig(), *, source: str = "student",
-                      seed: int = 0) -> list[DistillExample]:
+def resample_examples(
+    sampler: Sampler,
+    tasks: Sequence[HintTask],
+    prompts: PromptCache,
+    sampling: SampleConfig = SampleConfig(),
+    *,
+    source: str = "student",
+    seed: int = 0,
+) -> list[DistillExample]:
     """`aresample_examples` from sync code."""
-    return _sync(aresample_examples(sampler, tasks, prompts, sampling, source=source, seed=seed),
-                 "resample_examples")
+    return _sync(
+        aresample_examples(sampler, tasks, prompts, sampling, source=source, seed=seed),
+        "resample_examples",
+    )
 
 
 @dataclasses.dataclass
@@ -176,17 +224,24 @@ class Graded:
         return self.hint is None
 
 
-async def arollout_and_grade(sampler: Sampler, tasks: Sequence[HintTask], grader: Grader,
-                             prompts: PromptCache, sampling: SampleConfig = SampleConfig(), *,
-                             seed: int = 0) -> tuple[list[DistillExample], list[Graded]]:
+async def arollout_and_grade(
+    sampler: Sampler,
+    tasks: Sequence[HintTask],
+    grader: Grader,
+    prompts: PromptCache,
+    sampling: SampleConfig = SampleConfig(),
+    *,
+    seed: int = 0,
+) -> tuple[list[DistillExample], list[Graded]]:
     """(c) Roll out each task, grade it, and return (examples for the failures, all grades).
 
     A failure's example pairs the student's own response with a teacher
     prompt carrying the grader's hint.
     """
     ctx = [prompts.student(t) for t in tasks]
-    outs = await asample(sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids,
-                         seed=seed)
+    outs = await asample(
+        sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids, seed=seed
+    )
     graded, examples = [], []
     for t, res in zip(tasks, outs):
         text = prompts.tokenizer.decode(res.output_ids, skip_special_tokens=True)
@@ -197,9 +252,17 @@ async def arollout_and_grade(sampler: Sampler, tasks: Sequence[HintTask], grader
     return examples, graded
 
 
-def rollout_and_grade(sampler: Sampler, tasks: Sequence[HintTask], grader: Grader,
-                      prompts: PromptCache, sampling: SampleConfig = SampleConfig(), *,
-                      seed: int = 0) -> tuple[list[DistillExample], list[Graded]]:
+def rollout_and_grade(
+    sampler: Sampler,
+    tasks: Sequence[HintTask],
+    grader: Grader,
+    prompts: PromptCache,
+    sampling: SampleConfig = SampleConfig(),
+    *,
+    seed: int = 0,
+) -> tuple[list[DistillExample], list[Graded]]:
     """`arollout_and_grade` from sync code."""
-    return _sync(arollout_and_grade(sampler, tasks, grader, prompts, sampling, seed=seed),
-                 "rollout_and_grade")
+    return _sync(
+        arollout_and_grade(sampler, tasks, grader, prompts, sampling, seed=seed),
+        "rollout_and_grade",
+    )

@@ -9,12 +9,11 @@ taught is skipped whole and counted by reason; the others go on.
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ac2_jax.trace.agents import (SUBAGENT_WILDCARD, agent_matches, check_agent_pattern,
-                                  is_subagent)
+from ac2_jax.trace.agents import SUBAGENT_WILDCARD, agent_matches, check_agent_pattern, is_subagent
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
@@ -27,8 +26,10 @@ def hint_config_for(config: HintConfig | Mapping[str, HintConfig], agent: str) -
     for key in (agent, SUBAGENT_WILDCARD if is_subagent(agent) else None, "*"):
         if key is not None and key in config:
             return config[key]
-    raise ValueError(f"examples_from_traces: no HintConfig for agent {agent!r} (keys "
-                     f"{sorted(config)}); add it, '{SUBAGENT_WILDCARD}' or '*'")
+    raise ValueError(
+        f"examples_from_traces: no HintConfig for agent {agent!r} (keys "
+        f"{sorted(config)}); add it, '{SUBAGENT_WILDCARD}' or '*'"
+    )
 
 
 def _sampling(c) -> tuple:
@@ -40,8 +41,12 @@ def _mergeable(run: list, item: tuple) -> bool:
     output, and the hint enters at the same place with the same ids."""
     (first, teacher0, (a, b)), (prev, _, _), (c, teacher, span) = run[0], run[-1], item
     done = list(prev.prompt_ids) + list(prev.output_ids)
-    return (list(c.prompt_ids[:len(done)]) == done and span == (a, b)
-            and teacher[a:b] == teacher0[a:b] and _sampling(c) == _sampling(first))
+    return (
+        list(c.prompt_ids[: len(done)]) == done
+        and span == (a, b)
+        and teacher[a:b] == teacher0[a:b]
+        and _sampling(c) == _sampling(first)
+    )
 
 
 def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
@@ -52,17 +57,34 @@ def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
     mask, lps = np.zeros(len(response)), np.zeros(len(response))
     for c, _, _ in run:
         lo = len(c.prompt_ids) - p0
-        mask[lo:lo + len(c.output_ids)] = 1.0
-        lps[lo:lo + len(c.output_ids)] = c.output_logprobs
+        mask[lo : lo + len(c.output_ids)] = 1.0
+        lps[lo : lo + len(c.output_ids)] = c.output_logprobs
     temperature, top_k, top_p = _sampling(first)
-    return DistillExample(list(first.prompt_ids), teacher, response, hint, task, hint_span=span,
-                          response_logprobs=lps.tolist(), messages=list(first.messages),
-                          response_mask=None if len(run) == 1 else mask.tolist(), agent=agent,
-                          temperature=temperature, top_k=top_k, top_p=top_p)
+    return DistillExample(
+        list(first.prompt_ids),
+        teacher,
+        response,
+        hint,
+        task,
+        hint_span=span,
+        response_logprobs=lps.tolist(),
+        messages=list(first.messages),
+        response_mask=None if len(run) == 1 else mask.tolist(),
+        agent=agent,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
 
 
-COUNTS = ("traces", "traces_without_hints", "completions", "empty_outputs", "examples",
-          "skipped_traces")
+COUNTS = (
+    "traces",
+    "traces_without_hints",
+    "completions",
+    "empty_outputs",
+    "examples",
+    "skipped_traces",
+)
 # Why a hinted trace gives no example at all (counted as "skipped/<reason>").
 SKIP_REASONS = {
     "no_messages": "a completion has no recorded messages (needed to place the hint)",
@@ -77,8 +99,9 @@ class _SkipTrace(Exception):
         self.reason = reason
 
 
-def _trace_examples(tr: Trace, tokenizer, config, agents, hint: str, merge: bool,
-                    counts: dict) -> list[DistillExample]:
+def _trace_examples(
+    tr: Trace, tokenizer, config, agents, hint: str, merge: bool, counts: dict
+) -> list[DistillExample]:
     """The examples of one hinted trace; `_SkipTrace` when one cannot be made."""
     out = []
     for ep in tr.episodes:
@@ -113,10 +136,15 @@ def _trace_examples(tr: Trace, tokenizer, config, agents, hint: str, merge: bool
     return out
 
 
-def examples_from_traces(traces: Sequence[Trace], tokenizer,
-                         config: HintConfig | Mapping[str, HintConfig] = HintConfig(),
-                         agents: str | Sequence[str] | None = None, hint_join: str = "\n",
-                         merge: bool = True, counts: dict | None = None) -> list[DistillExample]:
+def examples_from_traces(
+    traces: Sequence[Trace],
+    tokenizer,
+    config: HintConfig | Mapping[str, HintConfig] = HintConfig(),
+    agents: str | Sequence[str] | None = None,
+    hint_join: str = "\n",
+    merge: bool = True,
+    counts: dict | None = None,
+) -> list[DistillExample]:
     """(a) Offline: every completion of every selected episode of each hinted trace.
 
     agents: None (main, compactor, subagents: every episode) or agent labels
@@ -143,7 +171,7 @@ def examples_from_traces(traces: Sequence[Trace], tokenizer,
     call; the others go on. `counts` (a dict, if given) adds up the skips and
     the examples made.
     """
-    for pattern in ((agents,) if isinstance(agents, str) else agents or ()):
+    for pattern in (agents,) if isinstance(agents, str) else agents or ():
         check_agent_pattern(pattern, "examples_from_traces: agents")
     if not isinstance(config, HintConfig):
         for key in config:
@@ -159,16 +187,25 @@ def examples_from_traces(traces: Sequence[Trace], tokenizer,
             counts["traces_without_hints"] += 1
             continue
         try:
-            out.extend(_trace_examples(tr, tokenizer, config, agents, hint_join.join(tr.hints),
-                                       merge, counts))
+            out.extend(
+                _trace_examples(
+                    tr, tokenizer, config, agents, hint_join.join(tr.hints), merge, counts
+                )
+            )
         except _SkipTrace as e:
             counts["skipped_traces"] += 1
             key = f"skipped/{e.reason}"
             counts[key] = counts.get(key, 0) + 1
             if e.reason not in logged:
                 logged.add(e.reason)
-                logging.warning("examples_from_traces: skipping trace %r (%s: %s: %s); later "
-                                "traces skipped for this reason are only counted (counts[%r])",
-                                tr.key, e.reason, SKIP_REASONS[e.reason], e, key)
+                logging.warning(
+                    "examples_from_traces: skipping trace %r (%s: %s: %s); later "
+                    "traces skipped for this reason are only counted (counts[%r])",
+                    tr.key,
+                    e.reason,
+                    SKIP_REASONS[e.reason],
+                    e,
+                    key,
+                )
     counts["examples"] += len(out)
     return out

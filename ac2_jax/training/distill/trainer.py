@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +44,17 @@ from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.batch import pow2_bucket
-from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
-from ac2_jax.training.distill.loss import (DistillLoss, divergence,  # noqa: F401 (re-exported)
-                                           relevance_scores, teacher_extras, teacher_logits)
 from ac2_jax.training.core.objectives import SFTLoss
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
+from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
+from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
+    DistillLoss,
+    divergence,
+    relevance_scores,
+    teacher_extras,
+    teacher_logits,
+)
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")
@@ -94,20 +99,28 @@ class DistillConfig:
 
     def __post_init__(self):
         if self.checkpoint_every < 0:
-            raise ValueError(f"DistillConfig.checkpoint_every must be >= 0, got "
-                             f"{self.checkpoint_every}")
+            raise ValueError(
+                f"DistillConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}"
+            )
         if self.method not in METHODS:
             raise ValueError(f"DistillConfig.method must be one of {METHODS}, got {self.method!r}")
         if self.teacher not in TEACHERS:
-            raise ValueError(f"DistillConfig.teacher must be one of {TEACHERS}, "
-                             f"got {self.teacher!r}")
+            raise ValueError(
+                f"DistillConfig.teacher must be one of {TEACHERS}, got {self.teacher!r}"
+            )
         if not 0.0 <= self.ema_decay <= 1.0:
             raise ValueError(f"DistillConfig.ema_decay must be in [0, 1], got {self.ema_decay}")
         self.loss()
 
     def loss(self) -> DistillLoss:
-        return DistillLoss(self.kind, self.beta, self.top_k, self.temperature, self.mode,
-                           chunk_size=self.chunk_size)
+        return DistillLoss(
+            self.kind,
+            self.beta,
+            self.top_k,
+            self.temperature,
+            self.mode,
+            chunk_size=self.chunk_size,
+        )
 
 
 @dataclasses.dataclass
@@ -132,31 +145,59 @@ class SelfDistiller(TrainerHooks):
     `restore()` loads the latest and returns the number of updates done.
     """
 
-    def __init__(self, graphdef, state, config: DistillConfig, optimizer, *,
-                 judge: Judge | None = None, tokenizer=None, mesh=None, donate: bool = True,
-                 step_fn: TrainStep | None = None, workdir: str | os.PathLike | None = None,
-                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False,
-                 total_steps: int | None = None):
+    def __init__(
+        self,
+        graphdef,
+        state,
+        config: DistillConfig,
+        optimizer,
+        *,
+        judge: Judge | None = None,
+        tokenizer=None,
+        mesh=None,
+        donate: bool = True,
+        step_fn: TrainStep | None = None,
+        workdir: str | os.PathLike | None = None,
+        make_step: Callable[..., TrainStep] = make_train_step,
+        progress: bool = False,
+        total_steps: int | None = None,
+    ):
         if config.method == "rmsd" and (judge is None or tokenizer is None):
             raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
         if config.checkpoint_every and workdir is None:
-            raise ValueError(f"SelfDistiller: DistillConfig.checkpoint_every="
-                             f"{config.checkpoint_every} needs a workdir")
+            raise ValueError(
+                f"SelfDistiller: DistillConfig.checkpoint_every="
+                f"{config.checkpoint_every} needs a workdir"
+            )
         self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
         loss = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
         if step_fn is not None and (step_fn.loss_fn != loss or step_fn.mode != "jit"):
-            raise ValueError(f"SelfDistiller: step_fn has loss {step_fn.loss_fn} (mode "
-                             f"{step_fn.mode!r}); this config needs {loss} under jit")
+            raise ValueError(
+                f"SelfDistiller: step_fn has loss {step_fn.loss_fn} (mode "
+                f"{step_fn.mode!r}); this config needs {loss} under jit"
+            )
         if mesh is None:  # commit to one device: same placement every run, no recompiles
             state = jax.device_put(state, jax.local_devices()[0])
-        self.trainer = Trainer(graphdef, state, loss, optimizer, workdir=workdir,
-                               checkpoint_every=config.checkpoint_every,
-                               keep_checkpoints=config.keep_checkpoints, hooks=self, mesh=mesh,
-                               donate=donate, step_fn=step_fn, make_step=make_step,
-                               progress=progress, total_steps=total_steps)
+        self.trainer = Trainer(
+            graphdef,
+            state,
+            loss,
+            optimizer,
+            workdir=workdir,
+            checkpoint_every=config.checkpoint_every,
+            keep_checkpoints=config.keep_checkpoints,
+            hooks=self,
+            mesh=mesh,
+            donate=donate,
+            step_fn=step_fn,
+            make_step=make_step,
+            progress=progress,
+            total_steps=total_steps,
+        )
         # A copy (new buffers, same placement as the state) survives the step's donation.
-        self.teacher_params = (jax.tree.map(jnp.copy, self.state.params)
-                               if config.teacher != "live" else None)
+        self.teacher_params = (
+            jax.tree.map(jnp.copy, self.state.params) if config.teacher != "live" else None
+        )
         self.last_relevance: Relevance | None = None
 
     @property
@@ -176,8 +217,9 @@ class SelfDistiller(TrainerHooks):
     def load_state_dict(self, data: dict) -> None:
         mine = self.state_dict()
         if data != mine:
-            raise ValueError(f"SelfDistiller: the checkpoint was trained with {data}, this "
-                             f"distiller is {mine}")
+            raise ValueError(
+                f"SelfDistiller: the checkpoint was trained with {data}, this distiller is {mine}"
+            )
 
     def extra_state(self):
         return None if self.teacher_params is None else {"teacher_params": self.teacher_params}
@@ -204,8 +246,13 @@ class SelfDistiller(TrainerHooks):
 
     def teacher_logits(self, paired: PairedBatch) -> jax.Array:
         """Dense teacher logits [R, L, V] in the student layout (diagnostics only)."""
-        return teacher_logits(self.graphdef, self.current_teacher_params(), self.state.rest,
-                              paired.teacher, paired.teacher_index)
+        return teacher_logits(
+            self.graphdef,
+            self.current_teacher_params(),
+            self.state.rest,
+            paired.teacher,
+            paired.teacher_index,
+        )
 
     # -- RMSD
 
@@ -216,14 +263,18 @@ class SelfDistiller(TrainerHooks):
         tok = self.tokenizer
         for i, e in enumerate(paired.examples):
             r, c, _, n = paired.spans[i]
-            d, cm, tm = div[r, c:c + n], cand[r, c:c + n], tmax[r, c:c + n]
+            d, cm, tm = div[r, c : c + n], cand[r, c : c + n], tmax[r, c : c + n]
             ranked = ranked_positions(cm, d)
             picked = []
             if ranked:
                 ex = JudgeExample(
-                    prompt=tok.decode(e.student_prompt), response=tok.decode(e.response),
-                    response_tokens=[tok.decode([t]) for t in e.response], hint=e.hint,
-                    candidates=ranked, teacher_tokens=[tok.decode([int(t)]) for t in tm])
+                    prompt=tok.decode(e.student_prompt),
+                    response=tok.decode(e.response),
+                    response_tokens=[tok.decode([t]) for t in e.response],
+                    hint=e.hint,
+                    candidates=ranked,
+                    teacher_tokens=[tok.decode([int(t)]) for t in tm],
+                )
                 picked = [p for p in self.judge.select(ex) if p in set(ranked)]
             jm[r, [c + p for p in picked]] = 1.0
             rel.divergence.append(d)
@@ -235,8 +286,15 @@ class SelfDistiller(TrainerHooks):
     def relevance(self, paired: PairedBatch) -> tuple[np.ndarray, Relevance]:
         """(kept mask [R, L], per-example details) at the current student params."""
         cfg, b = self.config, paired.student
-        div, tmax = relevance_scores(self.graphdef, self.state.params, self.teacher_params,
-                                     self.state.rest, b, teacher_extras(paired), cfg.loss())
+        div, tmax = relevance_scores(
+            self.graphdef,
+            self.state.params,
+            self.teacher_params,
+            self.state.rest,
+            b,
+            teacher_extras(paired),
+            cfg.loss(),
+        )
         cand = candidate_mask(div, b.loss_mask, cfg.top_t, cfg.threshold, b.segment_ids)
         jm, rel = self._judge_mask(paired, div, cand, tmax)
         kept = relevance_mask(div, b.loss_mask, jm, cfg.top_t, cfg.threshold, b.segment_ids)
@@ -250,8 +308,9 @@ class SelfDistiller(TrainerHooks):
         if cfg.method == "sft":
             b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
             cap = pow2_bucket(cfg.groups)
-            return b.replace(num_tasks=max(b.num_tasks, cap),
-                             num_segments=max(b.num_segments, cap)), None
+            return b.replace(
+                num_tasks=max(b.num_tasks, cap), num_segments=max(b.num_segments, cap)
+            ), None
         paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
         batch = paired.student
         self.last_relevance = None
@@ -272,9 +331,13 @@ class SelfDistiller(TrainerHooks):
             if kept or not self.config.skip_empty:
                 out = self.trainer.update(batch, extras, teacher=self.teacher_params)
                 if self.config.teacher == "ema":
-                    self.teacher_params = _ema(self.teacher_params, self.state.params,
-                                               jnp.float32(self.config.ema_decay))
-                out.update(skipped=0.0, kept_tokens=kept,
-                           response_tokens=float(sum(e.num_trained for e in examples)))
+                    self.teacher_params = _ema(
+                        self.teacher_params, self.state.params, jnp.float32(self.config.ema_decay)
+                    )
+                out.update(
+                    skipped=0.0,
+                    kept_tokens=kept,
+                    response_tokens=float(sum(e.num_trained for e in examples)),
+                )
         self.trainer.end_step(out)
         return out

@@ -13,24 +13,42 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from ac2_jax.segments import (PackedBatch, Segment, pack_segments, pad_batch_rows,
-                              segments_from_trace, task_names)
+from ac2_jax.segments import (
+    PackedBatch,
+    Segment,
+    pack_segments,
+    pad_batch_rows,
+    segments_from_trace,
+    task_names,
+)
 from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.rl.branches import BranchCounts, continued_path
-from ac2_jax.training.rl.data import (BatchConfig, BatchStats, agent_trained, check_sampled,
-                                      group_name, informative_groups, select_traces,
-                                      trace_advantages)
+from ac2_jax.training.rl.data import (
+    BatchConfig,
+    BatchStats,
+    agent_trained,
+    check_sampled,
+    group_name,
+    informative_groups,
+    select_traces,
+    trace_advantages,
+)
 
 
-def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConfig, *,
-                process_index: int = 0, process_count: int = 1
-                ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
+def build_batch(
+    traces: Sequence[Trace],
+    learner_version: int,
+    config: BatchConfig,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
     """Traces -> (packed batch or None when nothing trainable, stats, advantages):
     `batch_segments` then `pack_rl_batch`. With process_count > 1 the batch holds
     only process `process_index`'s share of the segments (a multi-host learner:
@@ -40,12 +58,22 @@ def build_batch(traces: Sequence[Trace], learner_version: int, config: BatchConf
     segments, stats, adv = batch_segments(traces, learner_version, config)
     if not segments:
         return None, stats, adv
-    return (pack_rl_batch(segments, stats.row_len, config, process_index=process_index,
-                          process_count=process_count), stats, adv)
+    return (
+        pack_rl_batch(
+            segments,
+            stats.row_len,
+            config,
+            process_index=process_index,
+            process_count=process_count,
+        ),
+        stats,
+        adv,
+    )
 
 
-def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchConfig
-                   ) -> tuple[list[Segment], BatchStats, np.ndarray]:
+def batch_segments(
+    traces: Sequence[Trace], learner_version: int, config: BatchConfig
+) -> tuple[list[Segment], BatchStats, np.ndarray]:
     """Traces -> (the batch's segments, stats, advantages); deterministic and
     host-side, so every process of a multi-host learner computes the same.
     `stats.row_len` is the row length to pack them with (`pack_rl_batch`).
@@ -78,8 +106,10 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
     seen: set[str] = set()
     for t in kept:
         if t.key in seen:
-            raise ValueError(f"build_batch: two traces share the key {t.key!r} (task_id/attempt_id)"
-                             "; give every attempt its own attempt_id, or their losses merge")
+            raise ValueError(
+                f"build_batch: two traces share the key {t.key!r} (task_id/attempt_id)"
+                "; give every attempt its own attempt_id, or their losses merge"
+            )
         seen.add(t.key)
     adv = trace_advantages(kept, config.normalize_std)
     sizes = collections.Counter(group_name(t) for t in kept)
@@ -95,43 +125,64 @@ def batch_segments(traces: Sequence[Trace], learner_version: int, config: BatchC
             if left_out:
                 stats.excluded_episodes += len(left_out)
                 stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in left_out)
-                t = dataclasses.replace(t, episodes=[e for e in t.episodes if agent_trained(
-                    e.agent, config.train_agents)])
+                t = dataclasses.replace(
+                    t,
+                    episodes=[e for e in t.episodes if agent_trained(e.agent, config.train_agents)],
+                )
         check_sampled(t)  # only what trains
         for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
             if s.num_agent_tokens:
                 s.weight = w
                 segments.append(s)
-    stats.unchosen_responses, stats.unchosen_tokens = (branches.unchosen_responses,
-                                                       branches.unchosen_tokens)
-    stats.unknown_branch_groups, stats.unknown_branch_tokens = (branches.unknown_groups,
-                                                                branches.unknown_tokens)
+    stats.unchosen_responses, stats.unchosen_tokens = (
+        branches.unchosen_responses,
+        branches.unchosen_tokens,
+    )
+    stats.unknown_branch_groups, stats.unknown_branch_tokens = (
+        branches.unknown_groups,
+        branches.unknown_tokens,
+    )
     if not segments:
         return [], stats, adv
     row_len = config.row_len(max(len(s) for s in segments))
     stats.row_len = row_len
     stats.long_segments = sum(config.seq_len < len(s) <= row_len for s in segments)
     segments, cut = fit_segments(segments, row_len)
-    stats.truncated_segments, stats.truncated_agent_tokens = (cut.truncated_segments,
-                                                              cut.truncated_agent_tokens)
+    stats.truncated_segments, stats.truncated_agent_tokens = (
+        cut.truncated_segments,
+        cut.truncated_agent_tokens,
+    )
     for s in segments:
         stats.trained_tokens[s.agent] += s.num_agent_tokens
     return segments, stats, adv
 
 
-def warmup_batch(config: BatchConfig, *, process_index: int = 0,
-                 process_count: int = 1) -> PackedBatch:
+def warmup_batch(
+    config: BatchConfig, *, process_index: int = 0, process_count: int = 1
+) -> PackedBatch:
     """A batch of the geometry `config` packs to when nothing grows: one trained
     token, `pack_rl_batch`'s rows, row length and static capacities. For compiling
     the step ahead (`RLTrainer.warmup_step`); never trained on."""
-    seg = Segment(np.zeros(2, np.int32), np.array([0.0, 1.0], np.float32),
-                  np.zeros(2, np.float32), task="warmup", advantage=1.0)
-    return pack_rl_batch([seg], config.seq_len, config, process_index=process_index,
-                         process_count=process_count)
+    seg = Segment(
+        np.zeros(2, np.int32),
+        np.array([0.0, 1.0], np.float32),
+        np.zeros(2, np.float32),
+        task="warmup",
+        advantage=1.0,
+    )
+    return pack_rl_batch(
+        [seg], config.seq_len, config, process_index=process_index, process_count=process_count
+    )
 
 
-def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig, *,
-                  process_index: int = 0, process_count: int = 1) -> PackedBatch:
+def pack_rl_batch(
+    segments: Sequence[Segment],
+    row_len: int,
+    config: BatchConfig,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> PackedBatch:
     """`batch_segments`' segments -> a PackedBatch of [rows, row_len].
 
     With process_count = n > 1: only this process's share (every n-th segment
@@ -148,20 +199,33 @@ def pack_rl_batch(segments: Sequence[Segment], row_len: int, config: BatchConfig
     share, extra = list(segments), {}
     if n > 1:
         if config.layout != "flat":
-            raise ValueError(f"pack_rl_batch: a batch split over {n} processes needs "
-                             f"BatchConfig.layout='flat', got {config.layout!r}: set it to "
-                             "'flat' (experiments: --config.rl.batch.layout=flat); one share "
-                             "of a prefix-tree batch is not offered")
+            raise ValueError(
+                f"pack_rl_batch: a batch split over {n} processes needs "
+                f"BatchConfig.layout='flat', got {config.layout!r}: set it to "
+                "'flat' (experiments: --config.rl.batch.layout=flat); one share "
+                "of a prefix-tree batch is not offered"
+            )
         share = list(segments[i::n])
-        extra = dict(all_tasks=task_names(segments),
-                     segment_offset=sum(len(segments[j::n]) for j in range(i)))
+        extra = dict(
+            all_tasks=task_names(segments),
+            segment_offset=sum(len(segments[j::n]) for j in range(i)),
+        )
     if not share:  # fewer segments than processes: this one adds empty rows
-        return PackedBatch(**empty_batch(pad_rows(0, rows, multiple), row_len),
-                           num_tasks=max(config.task_capacity, 1),
-                           num_segments=max(config.segment_capacity, 1))
-    batch = pack_segments(share, row_len, min_rows=rows, rows_multiple=multiple,
-                          layout=config.layout, min_tasks=max(config.task_capacity, 1),
-                          min_segments=max(config.segment_capacity, 1), **extra)
+        return PackedBatch(
+            **empty_batch(pad_rows(0, rows, multiple), row_len),
+            num_tasks=max(config.task_capacity, 1),
+            num_segments=max(config.segment_capacity, 1),
+        )
+    batch = pack_segments(
+        share,
+        row_len,
+        min_rows=rows,
+        rows_multiple=multiple,
+        layout=config.layout,
+        min_tasks=max(config.task_capacity, 1),
+        min_segments=max(config.segment_capacity, 1),
+        **extra,
+    )
     if batch.shape[0] > rows > 0:  # more rows than configured: rows x 2^k, few shapes
         unit = math.lcm(rows, multiple)
         batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))

@@ -39,11 +39,11 @@ class BranchCounts:
     """What `continued_path` left out of one trace (or, summed, of a batch)."""
 
     unchosen_responses: int = 0  # responses of known groups that were not continued
-    unchosen_tokens: int = 0     # their sampled tokens
-    unknown_groups: int = 0      # multi-response requests with no recorded choice
-    unknown_tokens: int = 0      # the sampled tokens of all their responses
+    unchosen_tokens: int = 0  # their sampled tokens
+    unknown_groups: int = 0  # multi-response requests with no recorded choice
+    unknown_tokens: int = 0  # the sampled tokens of all their responses
 
-    def add(self, other: "BranchCounts") -> None:
+    def add(self, other: BranchCounts) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -58,12 +58,16 @@ def branch_groups(trace: Trace) -> list[list[Slot]]:
     groups: dict[tuple, list[tuple[int, Slot]]] = {}
     for i, ep in enumerate(trace.episodes):
         for j, c in enumerate(ep.completions):
-            key = ((ep.agent, "id", c.request_id) if c.request_id is not None
-                   else (ep.agent, "prompt", tuple(c.prompt_ids)))
+            key = (
+                (ep.agent, "id", c.request_id)
+                if c.request_id is not None
+                else (ep.agent, "prompt", tuple(c.prompt_ids))
+            )
             order = c.choice_index if c.request_id is not None else len(groups.get(key, ()))
             groups.setdefault(key, []).append((order, (i, j)))
-    return [[slot for _, slot in sorted(members)] for members in groups.values()
-            if len(members) > 1]
+    return [
+        [slot for _, slot in sorted(members)] for members in groups.values() if len(members) > 1
+    ]
 
 
 def recorded_choices(trace: Trace) -> dict[str, int]:
@@ -94,8 +98,14 @@ def left_out_responses(trace: Trace) -> tuple[set[Slot], set[Slot]]:
         rid = trace.episodes[i].completions[j].request_id
         chosen = None
         if rid is not None and rid in choices:
-            chosen = next((s for s in members if trace.episodes[s[0]].completions[
-                s[1]].choice_index == choices[rid]), None)
+            chosen = next(
+                (
+                    s
+                    for s in members
+                    if trace.episodes[s[0]].completions[s[1]].choice_index == choices[rid]
+                ),
+                None,
+            )
         if chosen is None:
             unknown.update(members)
         else:
@@ -148,5 +158,8 @@ def unchosen_branch_episodes(trace: Trace) -> set[int]:
     (`continued_path`): episodes that leave the batch whole. An episode that
     also holds continued turns stays, with its left-out responses masked."""
     kept, _ = continued_path(trace)
-    return {i for i, (old, new) in enumerate(zip(trace.episodes, kept.episodes))
-            if old.num_agent_tokens and not new.num_agent_tokens}
+    return {
+        i
+        for i, (old, new) in enumerate(zip(trace.episodes, kept.episodes))
+        if old.num_agent_tokens and not new.num_agent_tokens
+    }

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from ac2_jax.envs.base import Env, hashed_seed
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
@@ -66,15 +67,28 @@ class EndpointCollector:
     `stored(rl_step)` is what a previous run stored for a step (resume).
     """
 
-    def __init__(self, lifecycle: LifecycleClient, env: Env, make_orchestrator: OrchestratorFactory,
-                 model_name: str, store: TraceStore, *, tasks_per_step: int,
-                 attempts_per_task: int, seed: int = 0, concurrency: int = 64,
-                 infra_retries: int = 2, rollout_deadline_s: float | None = None):
+    def __init__(
+        self,
+        lifecycle: LifecycleClient,
+        env: Env,
+        make_orchestrator: OrchestratorFactory,
+        model_name: str,
+        store: TraceStore,
+        *,
+        tasks_per_step: int,
+        attempts_per_task: int,
+        seed: int = 0,
+        concurrency: int = 64,
+        infra_retries: int = 2,
+        rollout_deadline_s: float | None = None,
+    ):
         if infra_retries < 0:
             raise ValueError(f"EndpointCollector: infra_retries must be >= 0, got {infra_retries}")
         if rollout_deadline_s is not None and not rollout_deadline_s > 0:
-            raise ValueError("EndpointCollector: rollout_deadline_s must be > 0 or None, got "
-                             f"{rollout_deadline_s}")
+            raise ValueError(
+                "EndpointCollector: rollout_deadline_s must be > 0 or None, got "
+                f"{rollout_deadline_s}"
+            )
         self.rollout_deadline_s, self.concurrency = rollout_deadline_s, concurrency
         self.lifecycle, self.env, self.make = lifecycle, env, make_orchestrator
         self.model_name, self.store = model_name, store
@@ -91,8 +105,9 @@ class EndpointCollector:
         self._step: tuple[int, dict[tuple, Trace], set[str]] | None = None
 
     def tasks(self, rl_step: int):
-        return self.env.sample_tasks(self.tasks_per_step, seed=self.seed * 1_000_003 + rl_step,
-                                     split="train")
+        return self.env.sample_tasks(
+            self.tasks_per_step, seed=self.seed * 1_000_003 + rl_step, split="train"
+        )
 
     def stored(self, rl_step: int) -> list[Trace]:
         """The traces a previous run stored for `rl_step` (not yet collected again)."""
@@ -106,14 +121,20 @@ class EndpointCollector:
         """The attempts of n more tasks of `rl_step` (refill `round` >= 1), and how
         many of the n were left out because the step has run them already."""
         if self._step is None or self._step[0] != rl_step:
-            raise ValueError(f"EndpointCollector.refill: rl_step {rl_step} is not the step "
-                             "being collected; call collect(rl_step) first")
-        tasks = self.env.sample_tasks(n, seed=refill_seed(self.seed, rl_step, round),
-                                      split="train")
+            raise ValueError(
+                f"EndpointCollector.refill: rl_step {rl_step} is not the step "
+                "being collected; call collect(rl_step) first"
+            )
+        tasks = self.env.sample_tasks(n, seed=refill_seed(self.seed, rl_step, round), split="train")
         fresh = [t for t in tasks if t.task_id not in self._step[2]]
         if len(fresh) < len(tasks):
-            logging.warning("rl_step %d refill %d: %d of %d tasks were run in this step already; "
-                            "left out", rl_step, round, len(tasks) - len(fresh), len(tasks))
+            logging.warning(
+                "rl_step %d refill %d: %d of %d tasks were run in this step already; left out",
+                rl_step,
+                round,
+                len(tasks) - len(fresh),
+                len(tasks),
+            )
         return await self._attempts(rl_step, fresh, round), len(tasks) - len(fresh)
 
     async def _attempts(self, rl_step: int, tasks, round: int) -> list[Trace]:
@@ -128,13 +149,23 @@ class EndpointCollector:
                 if trace.status != "infra_error":
                     break
                 error = trace.metadata.get("artifacts", {}).get("error")
-                logging.warning("rl_step %d, %s attempt %d: infra_error (%s); %s", rl_step,
-                                task.task_id, attempt, error,
-                                "retrying" if retries < self.infra_retries else "giving up")
+                logging.warning(
+                    "rl_step %d, %s attempt %d: infra_error (%s); %s",
+                    rl_step,
+                    task.task_id,
+                    attempt,
+                    error,
+                    "retrying" if retries < self.infra_retries else "giving up",
+                )
             trace.attempt_id = str(attempt)
             trace.group_id = f"{rl_step}:{task.task_id}"
-            trace.metadata.update(rl_step=rl_step, attempt=attempt, domain=task.domain,
-                                  infra_retries=retries, refill=round)
+            trace.metadata.update(
+                rl_step=rl_step,
+                attempt=attempt,
+                domain=task.domain,
+                infra_retries=retries,
+                refill=round,
+            )
             # Flushed and fsynced in a worker thread: on the event loop each fsync
             # would stall every other rollout's requests.
             await asyncio.to_thread(self.store.append, trace)
@@ -142,9 +173,11 @@ class EndpointCollector:
 
         dup = sorted(k for k, n in collections.Counter(t.task_id for t in tasks).items() if n > 1)
         if dup:  # ids key groups and resume: duplicates would merge unrelated tasks
-            raise ValueError(f"EndpointCollector: rl_step {rl_step} has duplicate task ids "
-                             f"{dup[:5]}; task ids must be unique within a step (a DomainMixer "
-                             "prefixes them with the domain)")
+            raise ValueError(
+                f"EndpointCollector: rl_step {rl_step} has duplicate task ids "
+                f"{dup[:5]}; task ids must be unique within a step (a DomainMixer "
+                "prefixes them with the domain)"
+            )
         used.update(t.task_id for t in tasks)
         jobs = [one(task, a) for task in tasks for a in range(self.attempts)]
         return list(await asyncio.gather(*jobs))
@@ -162,13 +195,23 @@ class EndpointCollector:
 
         try:
             async with self.sem:
-                trace, _ = await run_rollout(self.lifecycle, env, task, make, self.model_name,
-                                             group_id=f"{rl_step}:{task.task_id}", attempt=attempt,
-                                             metadata={"rl_step": rl_step},
-                                             timeout_s=self.rollout_deadline_s)
+                trace, _ = await run_rollout(
+                    self.lifecycle,
+                    env,
+                    task,
+                    make,
+                    self.model_name,
+                    group_id=f"{rl_step}:{task.task_id}",
+                    attempt=attempt,
+                    metadata={"rl_step": rl_step},
+                    timeout_s=self.rollout_deadline_s,
+                )
         except Exception as e:  # noqa: BLE001 - e.g. the endpoint is down: ours, counted
-            return Trace(task_id=task.task_id, status="infra_error",
-                         metadata={"artifacts": {"error": f"{type(e).__name__}: {e}"}})
+            return Trace(
+                task_id=task.task_id,
+                status="infra_error",
+                metadata={"artifacts": {"error": f"{type(e).__name__}: {e}"}},
+            )
         trace.metadata["rollout_id"] = trace.attempt_id  # the endpoint's id for it
         return trace
 

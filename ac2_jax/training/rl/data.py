@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,10 +38,10 @@ class BatchConfig:
     # How ended traces train (DESIGN.md "Failures"): "finished" with the verifier's
     # reward, wrong answers included; "infra_error" never (no setting changes that).
     agent_error_reward: float | None = None  # None: the verifier's reward (0 if none)
-    timed_out_reward: float | None = None    # None: timed-out traces are dropped
-    failed: str | None = None       # removed (was "zero" | "drop"); setting it is an error
-    max_staleness: int = 1          # policy versions a trace may lag the learner
-    stale: str = "drop"             # older traces: dropped, or down-weighted
+    timed_out_reward: float | None = None  # None: timed-out traces are dropped
+    failed: str | None = None  # removed (was "zero" | "drop"); setting it is an error
+    max_staleness: int = 1  # policy versions a trace may lag the learner
+    stale: str = "drop"  # older traces: dropped, or down-weighted
     stale_weight: float = 0.5
     # Rows grow (seq_len x 2^k) up to this many tokens to hold a longer segment
     # whole; only past it is a segment's end cut (counted). None: 4 x seq_len.
@@ -73,23 +73,32 @@ class BatchConfig:
                 "finished, agent_error, timed_out or infra_error, and infra_error (our fault) "
                 "is never trained. Remove `failed` and set agent_error_reward (None = the "
                 "verifier's reward) and timed_out_reward (None = drop); the old 'zero' was "
-                "agent_error_reward=0.0, timed_out_reward=0.0")
+                "agent_error_reward=0.0, timed_out_reward=0.0"
+            )
         for name in ("agent_error_reward", "timed_out_reward"):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
         if self.stale not in STALE_POLICIES:
-            raise ValueError(f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}")
+            raise ValueError(
+                f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}"
+            )
         if not 0.0 <= self.stale_weight <= 1.0:
-            raise ValueError(f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
-                             f"loss of stale traces), got {self.stale_weight!r}")
+            raise ValueError(
+                f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
+                f"loss of stale traces), got {self.stale_weight!r}"
+            )
         for name in ("task_capacity", "segment_capacity"):
             if getattr(self, name) < 0:
-                raise ValueError(f"BatchConfig.{name} must be >= 0 (0: from the RL config), "
-                                 f"got {getattr(self, name)}")
+                raise ValueError(
+                    f"BatchConfig.{name} must be >= 0 (0: from the RL config), "
+                    f"got {getattr(self, name)}"
+                )
         if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
-            raise ValueError(f"BatchConfig.max_seq_len ({self.max_seq_len}) must be >= seq_len "
-                             f"({self.seq_len}), or None for 4 x seq_len")
+            raise ValueError(
+                f"BatchConfig.max_seq_len ({self.max_seq_len}) must be >= seq_len "
+                f"({self.seq_len}), or None for 4 x seq_len"
+            )
 
     def row_len(self, longest: int) -> int:
         """Row length for a batch whose longest segment has `longest` tokens:
@@ -103,11 +112,15 @@ class BatchConfig:
 def _check_train_agents(agents) -> None:
     if agents is None:
         return
-    how = ('pass a tuple of agent labels, e.g. train_agents=("main",) or ("main", "compactor", '
-           '"subagent:*"), or None to train every episode')
+    how = (
+        'pass a tuple of agent labels, e.g. train_agents=("main",) or ("main", "compactor", '
+        '"subagent:*"), or None to train every episode'
+    )
     if not isinstance(agents, tuple):
-        raise ValueError(f"BatchConfig.train_agents must be a tuple or None, got "
-                         f"{type(agents).__name__} {agents!r}: {how}")
+        raise ValueError(
+            f"BatchConfig.train_agents must be a tuple or None, got "
+            f"{type(agents).__name__} {agents!r}: {how}"
+        )
     if not agents:
         raise ValueError(f"BatchConfig.train_agents=() would train nothing: {how}")
     for a in agents:
@@ -139,16 +152,16 @@ class BatchStats:
     finished: int = 0
     agent_errors: int = 0
     timed_out: int = 0
-    dropped_timed_out: int = 0      # with timed_out_reward=None
-    infra_errors: int = 0           # never trained (also: traces that never ended)
-    dropped_no_reward: int = 0      # finished, but no reward was given
+    dropped_timed_out: int = 0  # with timed_out_reward=None
+    infra_errors: int = 0  # never trained (also: traces that never ended)
+    dropped_no_reward: int = 0  # finished, but no reward was given
     dropped_stale: int = 0
     downweighted: int = 0
-    empty: int = 0                  # kept traces with no agent token (in their baseline)
-    no_completions: int = 0         # of those, traces that never called the model (no version)
-    row_len: int = 0                # the batch's row length (> seq_len when it grew)
-    long_segments: int = 0          # segments over seq_len, kept whole in grown rows
-    truncated_segments: int = 0     # segments over max_seq_len (their end is cut)
+    empty: int = 0  # kept traces with no agent token (in their baseline)
+    no_completions: int = 0  # of those, traces that never called the model (no version)
+    row_len: int = 0  # the batch's row length (> seq_len when it grew)
+    long_segments: int = 0  # segments over seq_len, kept whole in grown rows
+    truncated_segments: int = 0  # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
     # Multi-response requests (`branches.continued_path`): responses not continued and
     # their sampled tokens; requests whose choice was not recorded (none of their
@@ -157,9 +170,9 @@ class BatchStats:
     unchosen_tokens: int = 0
     unknown_branch_groups: int = 0
     unknown_branch_tokens: int = 0
-    excluded_episodes: int = 0      # episodes of kept traces whose agent is not in train_agents
+    excluded_episodes: int = 0  # episodes of kept traces whose agent is not in train_agents
     excluded_agent_tokens: int = 0  # their agent tokens (in no batch)
-    lone_traces: int = 0            # kept traces alone in their group: advantage 0, no signal
+    lone_traces: int = 0  # kept traces alone in their group: advantage 0, no signal
     zero_advantage_groups: int = 0  # groups of kept traces with one reward (or one trace)
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     staleness_mean: float = 0.0
@@ -169,8 +182,9 @@ class BatchStats:
     trained_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def select_traces(traces: Sequence[Trace], learner_version: int, config: BatchConfig
-                  ) -> tuple[list[Trace], list[float], BatchStats]:
+def select_traces(
+    traces: Sequence[Trace], learner_version: int, config: BatchConfig
+) -> tuple[list[Trace], list[float], BatchStats]:
     """Applies the failure and staleness rules. Returns (kept, weights, stats).
 
     Kept traces carry the reward they train with (a copy when the config
@@ -281,4 +295,5 @@ def check_sampled(trace: Trace) -> None:
                 raise ValueError(
                     f"trace {trace.key!r} ({ep.agent!r}) was sampled with temperature "
                     f"{c.temperature}: greedy tokens have no behaviour distribution, so RL "
-                    "cannot train on them; collect RL rollouts with temperature > 0")
+                    "cannot train on them; collect RL rollouts with temperature > 0"
+                )

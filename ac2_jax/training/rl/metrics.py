@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ac2_jax.trace.agents import agent_group
 from ac2_jax.trace.types import Trace
@@ -37,8 +38,10 @@ def compaction_events(trace: Trace) -> list[dict[str, Any]]:
 def memo_results(traces: Sequence[Trace]) -> list[list[bool]]:
     """Per trace, the `memo_ok` verdicts of its compaction events that carry one
     (e.g. for a CI clustered by attempt)."""
-    return [[bool(e["memo_ok"]) for e in compaction_events(t) if e.get("memo_ok") is not None]
-            for t in traces]
+    return [
+        [bool(e["memo_ok"]) for e in compaction_events(t) if e.get("memo_ok") is not None]
+        for t in traces
+    ]
 
 
 def trace_agent_metrics(traces: Sequence[Trace]) -> dict[str, float]:
@@ -64,8 +67,9 @@ def trace_agent_metrics(traces: Sequence[Trace]) -> dict[str, float]:
         "agent_tokens": float(sum(tokens.values())),
         **{f"agent_tokens/{g}": float(v) for g, v in sorted(tokens.items())},
         **{f"episodes/{g}": v / n for g, v in sorted(episodes.items())},
-        "compactions_per_attempt": (sum(len(compaction_events(t)) for t in traces) / n
-                                    if n else 0.0),
+        "compactions_per_attempt": (
+            sum(len(compaction_events(t)) for t in traces) / n if n else 0.0
+        ),
         "memos_judged": float(len(verdicts)),
     }
     if verdicts:
@@ -81,8 +85,10 @@ def staleness_histogram(traces: Sequence[Trace], learner_version: int) -> dict[s
     version and are not in it (`BatchStats.no_completions` counts the kept ones)."""
     versions = (trace_version(t) for t in traces)
     lags = collections.Counter(max(0, learner_version - v) for v in versions if v is not None)
-    return {f"staleness_hist/{lag}": float(lags.get(lag, 0))
-            for lag in range(max(lags) + 1 if lags else 0)}
+    return {
+        f"staleness_hist/{lag}": float(lags.get(lag, 0))
+        for lag in range(max(lags) + 1 if lags else 0)
+    }
 
 
 def batch_metrics(stats: BatchStats) -> dict[str, float]:

@@ -47,7 +47,8 @@ import logging
 import os
 import re
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -68,7 +69,7 @@ class StepMarkers:
         self.directory = os.path.abspath(os.fspath(directory))
 
     @classmethod
-    def of(cls, store: TraceStore) -> "StepMarkers":
+    def of(cls, store: TraceStore) -> StepMarkers:
         """The markers next to a store: `rollouts.jsonl` -> `rollouts.steps/`."""
         return cls(os.path.splitext(os.path.abspath(store.path))[0] + ".steps")
 
@@ -103,8 +104,9 @@ class StepMarkers:
         """The complete steps, ascending."""
         if not os.path.isdir(self.directory):
             return []
-        return sorted(int(m.group(1)) for n in os.listdir(self.directory)
-                      if (m := _MARKER.match(n)))
+        return sorted(
+            int(m.group(1)) for n in os.listdir(self.directory) if (m := _MARKER.match(n))
+        )
 
     def next_step(self) -> int:
         """The first step without a marker (where a restarted collector goes on)."""
@@ -137,10 +139,17 @@ class StoreCollector:
     out because a later run of the same attempt was stored.
     """
 
-    def __init__(self, store: TraceStore, markers: StepMarkers | None = None, *,
-                 tasks_per_step: int | None = None, attempts_per_task: int | None = None,
-                 max_staleness: int | None = None, poll_s: float = 0.2,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        store: TraceStore,
+        markers: StepMarkers | None = None,
+        *,
+        tasks_per_step: int | None = None,
+        attempts_per_task: int | None = None,
+        max_staleness: int | None = None,
+        poll_s: float = 0.2,
+        timeout_s: float | None = None,
+    ):
         self.store, self.markers = store, markers or StepMarkers.of(store)
         self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
         self.max_staleness, self.poll_s, self.timeout_s = max_staleness, poll_s, timeout_s
@@ -150,41 +159,54 @@ class StoreCollector:
         t0, last_log = time.monotonic(), time.monotonic()
         while (marker := self.markers.read(rl_step)) is None:
             if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
-                raise TimeoutError(f"StoreCollector: no marker for rl_step {rl_step} in "
-                                   f"{self.markers.directory} after {self.timeout_s} s; is "
-                                   "the collector process running?")
+                raise TimeoutError(
+                    f"StoreCollector: no marker for rl_step {rl_step} in "
+                    f"{self.markers.directory} after {self.timeout_s} s; is "
+                    "the collector process running?"
+                )
             if time.monotonic() - last_log > 60:
-                logging.info("learner: waiting for rl_step %d's traces (%.0f s)", rl_step,
-                             time.monotonic() - t0)
+                logging.info(
+                    "learner: waiting for rl_step %d's traces (%.0f s)",
+                    rl_step,
+                    time.monotonic() - t0,
+                )
                 last_log = time.monotonic()
             await asyncio.sleep(self.poll_s)
         self._check(rl_step, marker)
         return marker
 
     def _check(self, rl_step: int, marker: dict[str, Any]) -> None:
-        for ours, theirs, mine in (("tasks_per_step", "tasks_per_step", self.tasks_per_step),
-                                   ("attempts_per_task", "attempts_per_task", self.attempts)):
+        for ours, theirs, mine in (
+            ("tasks_per_step", "tasks_per_step", self.tasks_per_step),
+            ("attempts_per_task", "attempts_per_task", self.attempts),
+        ):
             if mine is not None and marker.get(theirs) != mine:
-                raise ValueError(f"StoreCollector: rl_step {rl_step} was collected with "
-                                 f"{theirs}={marker.get(theirs)}, the learner has "
-                                 f"RLConfig.{ours}={mine}; run both processes with one config")
+                raise ValueError(
+                    f"StoreCollector: rl_step {rl_step} was collected with "
+                    f"{theirs}={marker.get(theirs)}, the learner has "
+                    f"RLConfig.{ours}={mine}; run both processes with one config"
+                )
         lead = marker.get("max_staleness")
         if self.max_staleness is not None and lead is not None and lead > self.max_staleness:
-            raise ValueError(f"StoreCollector: the collector runs up to {lead} steps ahead "
-                             f"(max_staleness={lead}) but the learner's "
-                             f"BatchConfig.max_staleness is {self.max_staleness}: its traces "
-                             "would be dropped as stale. Give both the same max_staleness")
+            raise ValueError(
+                f"StoreCollector: the collector runs up to {lead} steps ahead "
+                f"(max_staleness={lead}) but the learner's "
+                f"BatchConfig.max_staleness is {self.max_staleness}: its traces "
+                "would be dropped as stale. Give both the same max_staleness"
+            )
 
     async def collect(self, rl_step: int) -> list[Trace]:
         marker = await self.wait_marker(rl_step)
         traces, dup = await asyncio.to_thread(step_traces, self.store, rl_step)
         self.duplicates += dup
         if len(traces) != marker["traces"]:
-            raise RuntimeError(f"StoreCollector: {self.store.path} holds {len(traces)} traces "
-                               f"of rl_step {rl_step} but its marker says {marker['traces']}: "
-                               "a stored line was lost or the store was replaced; delete the "
-                               f"marker {self.markers.path(rl_step)} and restart the collector "
-                               "to run the missing attempts again")
+            raise RuntimeError(
+                f"StoreCollector: {self.store.path} holds {len(traces)} traces "
+                f"of rl_step {rl_step} but its marker says {marker['traces']}: "
+                "a stored line was lost or the store was replaced; delete the "
+                f"marker {self.markers.path(rl_step)} and restart the collector "
+                "to run the missing attempts again"
+            )
         return traces
 
     def stored(self, rl_step: int) -> list[Trace]:
@@ -204,16 +226,21 @@ async def _models(lifecycle: LifecycleClient) -> dict[str, Any] | None:
         raise
 
 
-async def wait_for_endpoint(lifecycle: LifecycleClient, *, poll_s: float = 0.2,
-                            timeout_s: float | None = None) -> dict[str, Any]:
+async def wait_for_endpoint(
+    lifecycle: LifecycleClient, *, poll_s: float = 0.2, timeout_s: float | None = None
+) -> dict[str, Any]:
     """Polls GET /v1/models until the endpoint answers (it may start after this
     process); returns the model entry. A 4xx (e.g. a wrong admin key) is raised."""
     return await wait_for_learner(lifecycle, None, poll_s=poll_s, timeout_s=timeout_s)
 
 
-async def wait_for_learner(lifecycle: LifecycleClient, learner_step: int | None, *,
-                           poll_s: float = 0.2, timeout_s: float | None = None
-                           ) -> dict[str, Any]:
+async def wait_for_learner(
+    lifecycle: LifecycleClient,
+    learner_step: int | None,
+    *,
+    poll_s: float = 0.2,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
     """Polls the admin's GET /v1/models until the endpoint reports a learner that has
     finished >= `learner_step` loop steps (and so serves its weights after them);
     returns that model entry (policy_version, learner_step). learner_step None:
@@ -223,25 +250,39 @@ async def wait_for_learner(lifecycle: LifecycleClient, learner_step: int | None,
     while True:
         entry = await _models(lifecycle)
         have = None if entry is None else entry.get("learner_step")
-        if entry is not None and (learner_step is None
-                                  or (have is not None and have >= learner_step)):
+        if entry is not None and (
+            learner_step is None or (have is not None and have >= learner_step)
+        ):
             return entry
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-            seen = ("no answer from the endpoint at " + lifecycle.base_url if entry is None
-                    else f"the endpoint reports learner_step={have}, needed >= {learner_step}")
-            raise TimeoutError(f"wait_for_learner: {seen} after {timeout_s} s; are the "
-                               "endpoint and the learner process running, with these URLs?")
+            seen = (
+                "no answer from the endpoint at " + lifecycle.base_url
+                if entry is None
+                else f"the endpoint reports learner_step={have}, needed >= {learner_step}"
+            )
+            raise TimeoutError(
+                f"wait_for_learner: {seen} after {timeout_s} s; are the "
+                "endpoint and the learner process running, with these URLs?"
+            )
         if time.monotonic() - last_log > 60:
-            logging.info("collector: waiting for the learner (learner_step %s, need %d)", have,
-                         learner_step)
+            logging.info(
+                "collector: waiting for the learner (learner_step %s, need %d)", have, learner_step
+            )
             last_log = time.monotonic()
         await asyncio.sleep(poll_s)
 
 
-async def run_collector(collector: EndpointCollector, lifecycle: LifecycleClient,
-                        markers: StepMarkers, *, steps: int, max_staleness: int = 0,
-                        poll_s: float = 0.2, timeout_s: float | None = None,
-                        log: Callable[[str], Any] = logging.info) -> list[int]:
+async def run_collector(
+    collector: EndpointCollector,
+    lifecycle: LifecycleClient,
+    markers: StepMarkers,
+    *,
+    steps: int,
+    max_staleness: int = 0,
+    poll_s: float = 0.2,
+    timeout_s: float | None = None,
+    log: Callable[[str], Any] = logging.info,
+) -> list[int]:
     """The collector process's loop: steps `markers.next_step()` .. steps - 1
     (see the module docstring); returns the steps it collected."""
     if max_staleness < 0:
@@ -254,20 +295,28 @@ async def run_collector(collector: EndpointCollector, lifecycle: LifecycleClient
         mixer.update(collector.stored(s))
     done = []
     for s in range(start, steps):
-        served = await wait_for_learner(lifecycle, s - max_staleness, poll_s=poll_s,
-                                        timeout_s=timeout_s)
+        served = await wait_for_learner(
+            lifecycle, s - max_staleness, poll_s=poll_s, timeout_s=timeout_s
+        )
         traces = await collector.collect(s)
         if mixer is not None:
             mixer.update(traces)
-        versions = sorted({c.policy_version for t in traces for e in t.episodes
-                           for c in e.completions})
-        markers.mark(s, {"traces": len(traces), "tasks_per_step": collector.tasks_per_step,
-                         "attempts_per_task": collector.attempts,
-                         "max_staleness": max_staleness,
-                         "learner_step": served["learner_step"],
-                         "served_version": served["policy_version"],
-                         "policy_versions": versions,
-                         "infra_errors": sum(t.status == "infra_error" for t in traces)})
+        versions = sorted(
+            {c.policy_version for t in traces for e in t.episodes for c in e.completions}
+        )
+        markers.mark(
+            s,
+            {
+                "traces": len(traces),
+                "tasks_per_step": collector.tasks_per_step,
+                "attempts_per_task": collector.attempts,
+                "max_staleness": max_staleness,
+                "learner_step": served["learner_step"],
+                "served_version": served["policy_version"],
+                "policy_versions": versions,
+                "infra_errors": sum(t.status == "infra_error" for t in traces),
+            },
+        )
         log(f"collected rl_step={s} traces={len(traces)} versions={versions}")
         done.append(s)
     return done
@@ -280,29 +329,39 @@ def tell_endpoint(lifecycle: LifecycleClient) -> Callable[[int, int], Awaitable[
     the trainer calls (steps_done, version). The two agree until a step updates nothing
     (every group tied, zero advantage): then steps_done is ahead of the version, and the
     swapped call asked for a step never published (404) and stopped the learner."""
+
     async def tell(steps_done: int, version: int) -> int:
         return await lifecycle.load_weights(version, learner_step=steps_done)
+
     return tell
 
 
-async def run_learner(trainer, lifecycle: LifecycleClient, *, poll_s: float = 0.2,
-                      timeout_s: float | None = None,
-                      log: Callable[[str], Any] = logging.info) -> list[dict[str, Any]]:
+async def run_learner(
+    trainer,
+    lifecycle: LifecycleClient,
+    *,
+    poll_s: float = 0.2,
+    timeout_s: float | None = None,
+    log: Callable[[str], Any] = logging.info,
+) -> list[dict[str, Any]]:
     """The learner process's loop: once the endpoint answers, `trainer.run()`
     after publishing the starting weights of a fresh run (so the endpoint
     serves exactly the learner's weights from step 0 on). trainer: an
     RLTrainer over a StoreCollector, with `on_progress` telling the endpoint
     (`tell_endpoint(lifecycle)`)."""
     if trainer.on_progress is None:
-        raise ValueError("run_learner: the RLTrainer needs on_progress (e.g. "
-                         "tell_endpoint(LifecycleClient(endpoint, admin_key))) so the endpoint "
-                         "serves its weights and the collector can pace itself")
+        raise ValueError(
+            "run_learner: the RLTrainer needs on_progress (e.g. "
+            "tell_endpoint(LifecycleClient(endpoint, admin_key))) so the endpoint "
+            "serves its weights and the collector can pace itself"
+        )
     await wait_for_endpoint(lifecycle, poll_s=poll_s, timeout_s=timeout_s)
     if trainer.start_step == 0:
         await asyncio.to_thread(trainer.publish)
     log(f"learner: start_step={trainer.start_step} version={trainer.version}")
     history = await trainer.run()
     for m in history:
-        log(f"trained rl_step={m['rl_step']} version={m['policy_version']} "
-            f"traces={m['traces']:.0f}")
+        log(
+            f"trained rl_step={m['rl_step']} version={m['policy_version']} traces={m['traces']:.0f}"
+        )
     return history

@@ -38,7 +38,8 @@ import inspect
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,12 +53,22 @@ from ac2_jax.training.core.objectives import Objective, PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer
-# The collectors live in collectors.py; importable from here as before.
-from ac2_jax.training.rl.collectors import (Collector, EndpointCollector,  # noqa: F401
-                                            ReplayCollector, refill_seed)
 from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch, warmup_batch
-from ac2_jax.training.rl.data import (BatchConfig, group_name, informative_groups, select_traces,
-                                      trace_rewards)
+
+# The collectors live in collectors.py; importable from here as before.
+from ac2_jax.training.rl.collectors import (  # noqa: F401
+    Collector,
+    EndpointCollector,
+    ReplayCollector,
+    refill_seed,
+)
+from ac2_jax.training.rl.data import (
+    BatchConfig,
+    group_name,
+    informative_groups,
+    select_traces,
+    trace_rewards,
+)
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
@@ -100,17 +111,20 @@ class RLConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch.rows % self.grad_accum:
-            raise ValueError(f"RLConfig: batch.rows={self.batch.rows} must split into "
-                             f"grad_accum={self.grad_accum} micro-batches: make rows a "
-                             "multiple of grad_accum")
-        if (self.mode == "async" and self.batch.max_staleness < 1
-                and self.batch.stale == "drop"):
+            raise ValueError(
+                f"RLConfig: batch.rows={self.batch.rows} must split into "
+                f"grad_accum={self.grad_accum} micro-batches: make rows a "
+                "multiple of grad_accum"
+            )
+        if self.mode == "async" and self.batch.max_staleness < 1 and self.batch.stale == "drop":
             # Async collects step s+1 with the weights of update s - 1: every trace lags
             # one version, so max_staleness=0 with stale="drop" drops every batch.
-            raise ValueError("RLConfig: mode='async' needs batch.max_staleness >= 1 (its traces "
-                             "lag one version) or batch.stale='downweight'; with "
-                             f"max_staleness={self.batch.max_staleness} and stale='drop' "
-                             "every step would be dropped")
+            raise ValueError(
+                "RLConfig: mode='async' needs batch.max_staleness >= 1 (its traces "
+                "lag one version) or batch.stale='downweight'; with "
+                f"max_staleness={self.batch.max_staleness} and stale='drop' "
+                "every step would be dropped"
+            )
 
 
 class RLTrainer:
@@ -137,29 +151,48 @@ class RLTrainer:
     occupancy, decode / prefill seconds, new compiles).
     """
 
-    def __init__(self, model, collector: Collector, config: RLConfig, workdir: str, *,
-                 on_publish: Callable[[int], Any] | None = None,
-                 on_progress: Callable[[int, int], Any] | None = None, train_mode: str = "jit",
-                 mesh=None, logger: MetricsLogger | None = None,
-                 make_step: Callable[..., TrainStep] = make_train_step, progress: bool = False,
-                 sampler_counters: Callable[[], dict] | None = None):
-        for ours, theirs in (("tasks_per_step", "tasks_per_step"),
-                             ("attempts_per_task", "attempts"), ("concurrency", "concurrency")):
+    def __init__(
+        self,
+        model,
+        collector: Collector,
+        config: RLConfig,
+        workdir: str,
+        *,
+        on_publish: Callable[[int], Any] | None = None,
+        on_progress: Callable[[int, int], Any] | None = None,
+        train_mode: str = "jit",
+        mesh=None,
+        logger: MetricsLogger | None = None,
+        make_step: Callable[..., TrainStep] = make_train_step,
+        progress: bool = False,
+        sampler_counters: Callable[[], dict] | None = None,
+    ):
+        for ours, theirs in (
+            ("tasks_per_step", "tasks_per_step"),
+            ("attempts_per_task", "attempts"),
+            ("concurrency", "concurrency"),
+        ):
             have = getattr(collector, theirs, None)
             if have is not None and have != getattr(config, ours):
-                raise ValueError(f"RLTrainer: RLConfig.{ours}={getattr(config, ours)} but the "
-                                 f"collector's {theirs} is {have}; configure both alike")
+                raise ValueError(
+                    f"RLTrainer: RLConfig.{ours}={getattr(config, ours)} but the "
+                    f"collector's {theirs} is {have}; configure both alike"
+                )
         if config.dynamic_sampling and not callable(getattr(collector, "refill", None)):
-            raise ValueError(f"RLTrainer: RLConfig.dynamic_sampling needs a collector with "
-                             f"refill(rl_step, round, n) (e.g. EndpointCollector); "
-                             f"{type(collector).__name__} has none")
+            raise ValueError(
+                f"RLTrainer: RLConfig.dynamic_sampling needs a collector with "
+                f"refill(rl_step, round, n) (e.g. EndpointCollector); "
+                f"{type(collector).__name__} has none"
+            )
         self.config, self.collector, self.on_publish = config, collector, on_publish
         self.on_progress, self.sampler_counters = on_progress, sampler_counters
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
-            config.batch, task_capacity=config.batch.task_capacity or traces,
+            config.batch,
+            task_capacity=config.batch.task_capacity or traces,
             segment_capacity=config.batch.segment_capacity or traces,
-            drop_zero_advantage=config.batch.drop_zero_advantage or config.dynamic_sampling)
+            drop_zero_advantage=config.batch.drop_zero_advantage or config.dynamic_sampling,
+        )
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.publish_dir = os.path.join(self.workdir, "published")
@@ -168,24 +201,38 @@ class RLTrainer:
                 raise ValueError(
                     f"RLTrainer: this is process {jax.process_index()} of "
                     f"{jax.process_count()} (jax.distributed) but mesh=None; pass a mesh over "
-                    "every process's devices, e.g. make_mesh(data=jax.device_count())")
+                    "every process's devices, e.g. make_mesh(data=jax.device_count())"
+                )
             if config.batch.layout != "flat":  # fail now, not after the first collection
                 raise ValueError(
                     f"RLTrainer: a learner over {jax.process_count()} processes packs shares "
                     f"of each batch, which needs RLConfig.batch.layout='flat', got "
-                    f"{config.batch.layout!r} (experiments: --config.rl.batch.layout=flat)")
+                    f"{config.batch.layout!r} (experiments: --config.rl.batch.layout=flat)"
+                )
             if logger is None and jax.process_index() > 0:
                 # Every process logs its (identical) metrics, each to its own file.
-                logger = MetricsLogger(os.path.join(self.workdir, "metrics",
-                                                    f"process{jax.process_index()}"),
-                                       tensorboard=False, console=False)
+                logger = MetricsLogger(
+                    os.path.join(self.workdir, "metrics", f"process{jax.process_index()}"),
+                    tensorboard=False,
+                    console=False,
+                )
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
-        self.trainer = Trainer(self.graphdef, state, config.loss, config.optimizer,
-                               workdir=self.workdir, checkpoint_every=1,
-                               keep_checkpoints=config.keep_checkpoints,
-                               mode=train_mode, mesh=mesh, grad_accum=config.grad_accum,
-                               make_step=make_step, logger=logger,
-                               progress=progress, total_steps=config.steps)
+        self.trainer = Trainer(
+            self.graphdef,
+            state,
+            config.loss,
+            config.optimizer,
+            workdir=self.workdir,
+            checkpoint_every=1,
+            keep_checkpoints=config.keep_checkpoints,
+            mode=train_mode,
+            mesh=mesh,
+            grad_accum=config.grad_accum,
+            make_step=make_step,
+            logger=logger,
+            progress=progress,
+            total_steps=config.steps,
+        )
         self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
         self._published: int | None = None
         self.history: list[dict[str, Any]] = []
@@ -198,15 +245,20 @@ class RLTrainer:
         """Feeds the mixer the stored traces of the steps done, as the killed run did."""
         stored = getattr(self.collector, "stored", None)
         if stored is None:
-            logging.warning("RLTrainer: resuming at rl_step %d with an adaptive DomainMixer but "
-                            "the collector keeps no stored traces; the mixer starts empty",
-                            self.start_step)
+            logging.warning(
+                "RLTrainer: resuming at rl_step %d with an adaptive DomainMixer but "
+                "the collector keeps no stored traces; the mixer starts empty",
+                self.start_step,
+            )
             return
         for s in range(self.start_step):
             recorded = self.mixer.update(stored(s))
             if not recorded:
-                logging.warning("RLTrainer: no stored results of rl_step %d for the adaptive "
-                                "DomainMixer; its weights differ from the run that trained it", s)
+                logging.warning(
+                    "RLTrainer: no stored results of rl_step %d for the adaptive "
+                    "DomainMixer; its weights differ from the run that trained it",
+                    s,
+                )
 
     @property
     def step_fn(self) -> TrainStep:
@@ -250,9 +302,13 @@ class RLTrainer:
         if not any(seg.advantage and seg.num_agent_tokens for seg in segments):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
             return m
-        batch = pack_rl_batch(segments, stats.row_len, self._batch_config,
-                              process_index=jax.process_index(),
-                              process_count=jax.process_count())
+        batch = pack_rl_batch(
+            segments,
+            stats.row_len,
+            self._batch_config,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
         m.update(self.trainer.update(batch))
         m["skipped_update"] = 0.0
         return m
@@ -265,12 +321,17 @@ class RLTrainer:
         compiled ahead (`Trainer.warmup`) or the compile failed (logged: the first
         update then compiles, and fails loudly if the step is broken)."""
         try:
-            return self.trainer.warmup(warmup_batch(self._batch_config,
-                                                    process_index=jax.process_index(),
-                                                    process_count=jax.process_count()))
+            return self.trainer.warmup(
+                warmup_batch(
+                    self._batch_config,
+                    process_index=jax.process_index(),
+                    process_count=jax.process_count(),
+                )
+            )
         except Exception:  # noqa: BLE001 - an optimisation; the update compiles anyway
-            logging.exception("RLTrainer: compiling the train step ahead failed; the first "
-                              "update compiles it")
+            logging.exception(
+                "RLTrainer: compiling the train step ahead failed; the first update compiles it"
+            )
             return False
 
     async def _refill(self, rl_step: int, traces: list[Trace]) -> tuple[list[Trace], dict]:
@@ -285,16 +346,22 @@ class RLTrainer:
         have = informative(traces)
         while have < cfg.tasks_per_step and m["refills"] < cfg.max_refills:
             m["refills"] += 1
-            more, repeated = await self.collector.refill(rl_step, int(m["refills"]),
-                                                         cfg.tasks_per_step - have)
+            more, repeated = await self.collector.refill(
+                rl_step, int(m["refills"]), cfg.tasks_per_step - have
+            )
             traces = traces + more
             m["refill_tasks"] += len({group_name(t) for t in more})
             m["refill_repeats"] += repeated
             have = informative(traces)
         m["informative_groups"] = float(have)
         if have < cfg.tasks_per_step:
-            logging.warning("rl_step %d: %d informative groups of %d wanted after %d refills",
-                            rl_step, have, cfg.tasks_per_step, cfg.max_refills)
+            logging.warning(
+                "rl_step %d: %d informative groups of %d wanted after %d refills",
+                rl_step,
+                have,
+                cfg.tasks_per_step,
+                cfg.max_refills,
+            )
         return traces, m
 
     def publish(self) -> int:
@@ -330,8 +397,11 @@ class RLTrainer:
         seen = self.sampler_counters() if self.sampler_counters else None
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         # The step compiles while the first rollouts are collected (minutes at real size).
-        warm = (asyncio.ensure_future(asyncio.to_thread(self.warmup_step))
-                if cfg.compile_ahead else None)
+        warm = (
+            asyncio.ensure_future(asyncio.to_thread(self.warmup_step))
+            if cfg.compile_ahead
+            else None
+        )
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
             traces = await pending
@@ -344,8 +414,12 @@ class RLTrainer:
             t_sample = time.perf_counter() - t0
             if seen is not None:
                 now = self.sampler_counters()
-                extra.update({f"sampler/{k}": v for k, v in
-                              occupancy_metrics(seen, now, now["max_batch"]).items()})
+                extra.update(
+                    {
+                        f"sampler/{k}": v
+                        for k, v in occupancy_metrics(seen, now, now["max_batch"]).items()
+                    }
+                )
                 seen = now
             if cfg.mode == "async" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
@@ -361,8 +435,13 @@ class RLTrainer:
                 # Off the event loop: rollouts of the next step keep streaming meanwhile.
                 await asyncio.to_thread(self.publish)
             t3 = time.perf_counter()
-            m.update(rl_step=s, time_sampling_s=t_sample, time_training_s=t2 - t1,
-                     time_publishing_s=t3 - t2, time_step_s=time.perf_counter() - t0)
+            m.update(
+                rl_step=s,
+                time_sampling_s=t_sample,
+                time_training_s=t2 - t1,
+                time_publishing_s=t3 - t2,
+                time_step_s=time.perf_counter() - t0,
+            )
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
             await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:

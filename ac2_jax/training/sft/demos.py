@@ -9,15 +9,20 @@ and including the end-of-turn token.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ac2_jax.segments import Segment
 
 
-def demo_segment(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                 task: str = "demo", agent: str = "main") -> Segment:
+def demo_segment(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    task: str = "demo",
+    agent: str = "main",
+) -> Segment:
     """One segment for one demo conversation (loss on assistant outputs), labelled
     with the `agent` that speaks in it (per-agent SFT figures read the label)."""
     eos = tokenizer.eos_token
@@ -26,14 +31,18 @@ def demo_segment(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | No
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(tokenizer.apply_chat_template(messages[:i], tools=tools,
-                                                  add_generation_prompt=True))
-        rendered = tokenizer.apply_chat_template(messages[:i + 1], tools=tools,
-                                                 add_generation_prompt=False)
+        start = len(
+            tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True)
+        )
+        rendered = tokenizer.apply_chat_template(
+            messages[: i + 1], tools=tools, add_generation_prompt=False
+        )
         end = rendered.rindex(eos) + len(eos)
         if full[:end] != rendered[:end]:
-            raise ValueError(f"demo_segment: the template does not render message {i} "
-                             "append-only; cannot cut it into turns")
+            raise ValueError(
+                f"demo_segment: the template does not render message {i} "
+                "append-only; cannot cut it into turns"
+            )
         spans.append((start, end))
     if not spans:
         raise ValueError("demo_segment: the demo has no assistant message to train on")
@@ -44,5 +53,6 @@ def demo_segment(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | No
         tokens += prompt + output
         mask += [0] * len(prompt) + [1] * len(output)
         pos = end
-    return Segment(np.array(tokens), np.array(mask, np.float32), np.zeros(len(tokens)), task=task,
-                   agent=agent)
+    return Segment(
+        np.array(tokens), np.array(mask, np.float32), np.zeros(len(tokens)), task=task, agent=agent
+    )

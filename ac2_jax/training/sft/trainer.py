@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from flax import nnx
@@ -53,19 +53,29 @@ class SFTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
-            raise ValueError(f"SFTConfig.checkpoint_every must be >= 0, got "
-                             f"{self.checkpoint_every}")
+            raise ValueError(
+                f"SFTConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}"
+            )
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ValueError(f"SFTConfig.keep_checkpoints must be >= 1 or None, got "
-                             f"{self.keep_checkpoints}")
+            raise ValueError(
+                f"SFTConfig.keep_checkpoints must be >= 1 or None, got {self.keep_checkpoints}"
+            )
 
 
 class SFTData:
     """Random-access batches: `batch(i)` is the i-th training batch [batch_rows, seq_len]."""
 
-    def __init__(self, segments: Sequence[Segment], seq_len: int, batch_rows: int, *,
-                 seed: int = 0, shuffle: bool = True, truncate: bool = False,
-                 layout: str = "flat"):
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        seq_len: int,
+        batch_rows: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        truncate: bool = False,
+        layout: str = "flat",
+    ):
         if not any(s.num_agent_tokens for s in segments):
             raise ValueError("SFTData: no segment has a loss-mask token to train on")
         self.segments, self.seq_len, self.batch_rows = list(segments), seq_len, batch_rows
@@ -78,15 +88,18 @@ class SFTData:
         self._lengths = lengths
         for t in self.tasks:
             if not self._fits(t):
-                raise ValueError(f"SFTData: task {self.segments[t[0]].task!r} needs more than "
-                                 f"batch_rows={batch_rows} rows of {seq_len} tokens; raise "
-                                 "batch_rows or seq_len")
+                raise ValueError(
+                    f"SFTData: task {self.segments[t[0]].task!r} needs more than "
+                    f"batch_rows={batch_rows} rows of {seq_len} tokens; raise "
+                    "batch_rows or seq_len"
+                )
         self._epochs: list[list[list[int]]] = []  # per epoch: batches of segment indices
         # Static capacities from a bound over every possible batch (not each batch's own
         # counts, which would change the compiled step from batch to batch).
         self.segment_capacity = pow2_bucket(self._most_that_fit(lengths))
-        self.task_capacity = pow2_bucket(self._most_that_fit(
-            [sum(lengths[i] for i in t) for t in self.tasks]))
+        self.task_capacity = pow2_bucket(
+            self._most_that_fit([sum(lengths[i] for i in t) for t in self.tasks])
+        )
 
     def _most_that_fit(self, sizes: list[int]) -> int:
         """Most items (of these token sizes) one batch can hold: the shortest first,
@@ -103,8 +116,12 @@ class SFTData:
     def _fits(self, members: list[int]) -> bool:
         """Whether these segments pack into batch_rows rows (in this layout)."""
         if self.layout == "tree":  # shared prefixes take less room than their flat lengths
-            rows = pack_segments([self.segments[i] for i in members], self.seq_len,
-                                 truncate=self.truncate, layout="tree").shape[0]
+            rows = pack_segments(
+                [self.segments[i] for i in members],
+                self.seq_len,
+                truncate=self.truncate,
+                layout="tree",
+            ).shape[0]
         else:
             rows = len(first_fit_decreasing([self._lengths[i] for i in members], self.seq_len))
         return rows <= self.batch_rows
@@ -114,8 +131,11 @@ class SFTData:
         (found by doubling then bisection, so a batch costs O(log n) packings)."""
         while len(self._epochs) <= epoch:
             e = len(self._epochs)
-            order = (np.random.default_rng([self.seed, e]).permutation(len(self.tasks))
-                     if self.shuffle else np.arange(len(self.tasks)))
+            order = (
+                np.random.default_rng([self.seed, e]).permutation(len(self.tasks))
+                if self.shuffle
+                else np.arange(len(self.tasks))
+            )
             take = lambda a, b: [i for t in order[a:b] for i in self.tasks[t]]  # noqa: E731
             batches, a, n = [], 0, len(order)
             while a < n:
@@ -141,9 +161,15 @@ class SFTData:
             k -= len(self._plan(epoch))
             epoch += 1
         members = sorted(self._plan(epoch)[k])
-        return pack_segments([self.segments[j] for j in members], self.seq_len,
-                             truncate=self.truncate, layout=self.layout, min_rows=self.batch_rows,
-                             min_tasks=self.task_capacity, min_segments=self.segment_capacity)
+        return pack_segments(
+            [self.segments[j] for j in members],
+            self.seq_len,
+            truncate=self.truncate,
+            layout=self.layout,
+            min_rows=self.batch_rows,
+            min_tasks=self.task_capacity,
+            min_segments=self.segment_capacity,
+        )
 
 
 @dataclasses.dataclass
@@ -172,20 +198,29 @@ class _SFTHooks(TrainerHooks):
     def load_state_dict(self, data: dict) -> None:
         bad = {k: (data.get(k), v) for k, v in self.data.items() if data.get(k) != v}
         if bad:
-            raise ValueError("run_sft: the checkpoint's data order differs from this run: "
-                             + ", ".join(f"{k}: checkpoint {a!r}, now {b!r}"
-                                         for k, (a, b) in bad.items()))
+            raise ValueError(
+                "run_sft: the checkpoint's data order differs from this run: "
+                + ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in bad.items())
+            )
 
     def on_step_end(self, step: int, metrics: dict) -> None:
         if self.log is not None:
             self.log(step, {**metrics, "step": step})
 
 
-def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = SFTConfig(),
-            optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3), *,
-            mode: str = "jit", mesh=None, workdir: str | os.PathLike | None = None,
-            log: Callable[[int, dict], None] | None = None, progress: bool = False,
-            make_step: Callable[..., TrainStep] = make_train_step) -> SFTResult:
+def run_sft(
+    model: nnx.Module,
+    segments: Sequence[Segment],
+    config: SFTConfig = SFTConfig(),
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3),
+    *,
+    mode: str = "jit",
+    mesh=None,
+    workdir: str | os.PathLike | None = None,
+    log: Callable[[int, dict], None] | None = None,
+    progress: bool = False,
+    make_step: Callable[..., TrainStep] = make_train_step,
+) -> SFTResult:
     """Trains `model` (its current weights are the start) for config.steps steps.
 
     With a `workdir` the run resumes from its latest checkpoint
@@ -195,17 +230,35 @@ def run_sft(model: nnx.Module, segments: Sequence[Segment], config: SFTConfig = 
     metrics dict per step taken (with "step", 1-based).
     """
     if config.checkpoint_every and workdir is None:
-        raise ValueError(f"run_sft: SFTConfig.checkpoint_every={config.checkpoint_every} needs "
-                         "a workdir")
-    data = SFTData(segments, config.seq_len, config.batch_rows, seed=config.seed,
-                   shuffle=config.shuffle, truncate=config.truncate, layout=config.layout)
+        raise ValueError(
+            f"run_sft: SFTConfig.checkpoint_every={config.checkpoint_every} needs a workdir"
+        )
+    data = SFTData(
+        segments,
+        config.seq_len,
+        config.batch_rows,
+        seed=config.seed,
+        shuffle=config.shuffle,
+        truncate=config.truncate,
+        layout=config.layout,
+    )
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
-    trainer = Trainer(graphdef, state, SFTLoss(mode=config.mode, chunk_size=config.chunk_size), optimizer, workdir=workdir,
-                      checkpoint_every=config.checkpoint_every,
-                      keep_checkpoints=config.keep_checkpoints,
-                      hooks=_SFTHooks(config, len(data.segments), log), mode=mode, mesh=mesh,
-                      grad_accum=config.grad_accum, make_step=make_step, progress=progress,
-                      total_steps=config.steps)
+    trainer = Trainer(
+        graphdef,
+        state,
+        SFTLoss(mode=config.mode, chunk_size=config.chunk_size),
+        optimizer,
+        workdir=workdir,
+        checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
+        hooks=_SFTHooks(config, len(data.segments), log),
+        mode=mode,
+        mesh=mesh,
+        grad_accum=config.grad_accum,
+        make_step=make_step,
+        progress=progress,
+        total_steps=config.steps,
+    )
     try:
         start = trainer.restore() if workdir is not None else 0
         history = []
