@@ -1,5 +1,6 @@
-"""One train step is the same update on 1 device, a (data=4, fsdp=2) mesh, pmap
-over 8 devices, and with gradient accumulation (fp32; params rtol 1e-5, atol
+"""One train step (jit over a mesh; one device is a one-device mesh) is the same
+update on 1 device, a (data=4, fsdp=2) mesh, and with gradient accumulation; its
+pure pieces under pmap over 8 devices give the same loss and gradient (fp32; params rtol 1e-5, atol
 1e-6; loss and grad norm rtol 1e-5). The RL loss (PPO-clip with TIS, task_mean)
 is used: it exercises every part of the SFT path plus the ratio terms. The chunked
 loss path (chunk_size) gives the same update."""
@@ -10,16 +11,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
+from ac2_jax.losses import aggregate_loss, loss_weights, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments, pad_batch_rows
 from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
                               StepCache, create_train_state, make_mesh, make_train_step)
-from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward
+from ac2_jax.training.core.sharding import replicate, split_rows, unreplicate
+from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward, loss_and_grads
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
 # AdamW's first update is lr * g / (|g| + eps) ~ lr * sign(g): it turns fp32 reduction-order
@@ -64,7 +67,7 @@ def run_step(batch, loss=LOSS, **kw):
     graphdef, state = fresh()
     step = make_train_step(graphdef, loss, OPT, **kw)
     state, metrics = step(step.place(state), batch)
-    return jax.device_get(step.host_state(state)), jax.device_get(metrics)
+    return jax.device_get(state), jax.device_get(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_single_device_step_loss_and_metrics(batch, reference):
 def test_mesh_data4_fsdp2_equals_single_device(batch, reference):
     mesh = make_mesh(data=4, fsdp=2)
     graphdef, state = fresh()
-    step = make_train_step(graphdef, LOSS, OPT, mode="jit", mesh=mesh)
+    step = make_train_step(graphdef, LOSS, OPT, mesh=mesh)
     placed = step.place(state)
     spec = P("fsdp", "tensor")  # the model's names for up_proj [hidden, intermediate]
     assert placed.params["layers"][0]["mlp"]["up_proj"][...].sharding.spec == spec
@@ -116,8 +119,31 @@ def test_mesh_data4_fsdp2_equals_single_device(batch, reference):
     assert_same_update(reference, (jax.device_get(new), jax.device_get(metrics)))
 
 
-def test_pmap_8_equals_single_device(batch, reference):
-    assert_same_update(reference, run_step(batch, mode="pmap", devices=jax.devices()[:8]))
+def test_without_a_mesh_the_step_runs_on_a_one_device_mesh(batch):
+    graphdef, state = fresh()
+    step = make_train_step(graphdef, LOSS, OPT)
+    assert step.mesh.devices.size == 1 and step.devices == jax.local_devices()[:1]
+    leaf = step.place(state).params["layers"][0]["mlp"]["up_proj"][...]
+    assert leaf.sharding.mesh == step.mesh and len(leaf.devices()) == 1
+
+
+def test_pure_pieces_under_pmap_8_give_the_single_device_loss_and_gradient(batch, reference):
+    """`loss_weights(axis_name=)` and `loss_and_grads` under jax.pmap over 8 devices,
+    each on its 2 rows, psummed: the single-device step's loss and gradient norm
+    (fp32, rtol 1e-5)."""
+    graphdef, state = fresh()
+    devices = jax.devices()[:8]
+
+    def f(s, b):
+        w = loss_weights(b, LOSS.mode, normalizer=LOSS.normalizer, axis_name="d")
+        loss, _, grads, _ = loss_and_grads(graphdef, LOSS, s.params, s.rest, b, None, w)
+        return jax.lax.psum((loss, grads), "d")
+
+    out = jax.pmap(f, axis_name="d", devices=devices)(replicate(state, devices),
+                                                      split_rows(batch, 8))
+    loss, grads = unreplicate(out)
+    np.testing.assert_allclose(loss, reference[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(optax.global_norm(grads), reference[1]["grad_norm"], rtol=1e-5)
 
 
 def test_grad_accum_2_equals_full_batch(batch, reference):
@@ -129,7 +155,7 @@ def _reversed_rows(b):
                         if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == b.shape[0]})
 
 
-@pytest.mark.parametrize("mode", ["jit", "mesh", "pmap"])
+@pytest.mark.parametrize("mode", ["one_device", "mesh"])
 def test_grad_accum_skips_micro_batches_without_loss_tokens(batch, reference, mode):
     """A fixed geometry bigger than the data: the 16-row batch with 48 empty rows
     added, run as 4 micro-batches of 16. The step puts the rows with loss tokens in
@@ -139,12 +165,10 @@ def test_grad_accum_skips_micro_batches_without_loss_tokens(batch, reference, mo
     tolerances of `assert_same_update`)."""
     padded = _reversed_rows(pad_batch_rows(batch, 64))
     assert not padded.loss_mask[:48].any()  # the empty rows lead
-    kw = {"jit": {}, "mesh": dict(mesh=make_mesh(data=4, fsdp=2)),
-          "pmap": dict(mode="pmap", devices=jax.devices()[:4])}[mode]
+    kw = {"one_device": {}, "mesh": dict(mesh=make_mesh(data=4, fsdp=2))}[mode]
     got = run_step(padded, grad_accum=4, **kw)
     assert_same_update(reference, got)
-    want = {"jit": 3, "mesh": 3, "pmap": 12}[mode]  # pmap: each device's micro-batches
-    assert got[1]["micro_batches_skipped"] == want and got[1]["batch_rows"] == 64
+    assert got[1]["micro_batches_skipped"] == 3 and got[1]["batch_rows"] == 64
     assert reference[1]["micro_batches_skipped"] == 0
 
 
@@ -160,9 +184,9 @@ def test_chunked_loss_step_equals_dense(batch, reference):
                                learner_logprobs(graphdef, state, batch), rtol=1e-5, atol=1e-5)
 
 
-def test_logprobs_under_pmap_match_the_model(batch):
+def test_logprobs_on_a_mesh_match_the_model(batch):
     graphdef, state = fresh()
-    step = make_train_step(graphdef, SFTLoss(), OPT, mode="pmap", devices=jax.devices()[:8])
+    step = make_train_step(graphdef, SFTLoss(), OPT, mesh=make_mesh(data=4, fsdp=2))
     got = step.logprobs(step.place(state), batch)
     np.testing.assert_allclose(got, learner_logprobs(graphdef, state, batch), rtol=1e-5,
                                atol=1e-5)
@@ -229,14 +253,12 @@ def test_cpu_step_keeps_one_gradient_sized_set_of_temporaries():
         ma.temp_size_in_bytes / nbytes(abstract.params))
     assert make_train_step(graphdef, LOSS, OPT, cpu_memory_scheduler=False
                            ).compiler_options() is None
-    with pytest.raises(ValueError, match="mode='jit' only"):
-        make_train_step(graphdef, LOSS, OPT, mode="pmap").lower(abstract, b)
 
 
 def test_xla_options_reach_the_step_compile(batch, reference):
     """`xla_options` go into the step's compile on top of the CPU scheduler: a valid
     one computes the same update (fp32, rtol 1e-5), an unknown one fails naming
-    itself, and pmap (no per-jit options) refuses them."""
+    itself."""
     graphdef, _ = fresh()
     opts = {"xla_cpu_prefer_vector_width": 512}
     step = make_train_step(graphdef, LOSS, OPT, xla_options=opts)
@@ -246,14 +268,10 @@ def test_xla_options_reach_the_step_compile(batch, reference):
     assert_same_update(reference, run_step(batch, xla_options=opts))
     with pytest.raises(Exception, match="xla_cpu_no_such_option"):
         run_step(batch, xla_options={"xla_cpu_no_such_option": True})
-    with pytest.raises(ValueError, match="xla_options"):
-        make_train_step(graphdef, LOSS, OPT, mode="pmap", xla_options=opts)
 
 
 def test_bad_configuration_is_named(batch):
     graphdef, state = fresh()
-    with pytest.raises(ValueError, match="mode must be one of"):
-        make_train_step(graphdef, LOSS, OPT, mode="vmap")
     with pytest.raises(ValueError, match="grad_accum"):
         make_train_step(graphdef, LOSS, OPT, grad_accum=0)
     with pytest.raises(TypeError, match="OptimizerConfig"):

@@ -136,11 +136,10 @@ def test_bad_configuration_is_named(tmp_path):
         Trainer(graphdef, state, LOSS, OPT, make_step=STEPS).restore()
 
 
-@pytest.mark.parametrize("layout", ["pmap", "mesh"])
-def test_resume_under_pmap_and_a_mesh(tmp_path, layout):
-    """The checkpoint holds the global state; a resumed pmap / data-4 x fsdp-2 run equals
+def test_resume_on_a_mesh(tmp_path):
+    """The checkpoint holds the global state; a resumed data-4 x fsdp-2 run equals
     the straight one (fp32, rtol 1e-6)."""
-    kw = dict(mode="pmap") if layout == "pmap" else dict(mesh=make_mesh(data=4, fsdp=2))
+    kw = dict(mesh=make_mesh(data=4, fsdp=2))
     rows = [pack_segments(_segs(i, 8), 16, min_rows=8) for i in range(3)]
     graphdef, state = fresh()
     straight = Trainer(graphdef, state, LOSS, OPT, make_step=STEPS, **kw)
@@ -214,9 +213,6 @@ def test_warmup_compiles_the_step_ahead_and_counts_its_geometry():
     with _BackendCompiles() as first:
         m = t.update(batch(1))
     assert first.n == 0 and m["compiled_steps"] == 1.0
-    # A pmap step is not compiled ahead (nothing done, said by the return value).
-    p = Trainer(graphdef, fresh()[1], LOSS, OPT, mode="pmap")
-    assert p.warmup(batch(0)) is False and p.compiled_steps == 0
 
 
 def test_a_warmup_of_another_geometry_than_the_first_batch_is_warned(caplog):

@@ -5,8 +5,8 @@ key) and a JSON `data` position (where the data stream is), so a resumed run
 takes exactly the step an uninterrupted one would. The state is stored as a
 nested dict keyed by its pytree paths ('params/layers/0/mlp/up_proj/value'),
 which keeps the files independent of the pytree classes, and restored onto
-whatever shardings the target carries (another mesh, one device, or host for
-pmap followed by `TrainStep.place`).
+whatever shardings the target carries (another mesh, one device, or host
+followed by `TrainStep.place`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Checkpointer:
         )
 
     def save(self, step: int, state, data: dict | None = None, *, force: bool = False) -> bool:
-        """Saves the global state (for pmap pass `TrainStep.host_state(state)`).
+        """Saves the (global, possibly sharded) state.
         Returns whether a save started (see save_interval_steps)."""
         return self.manager.save(
             int(step),
@@ -170,8 +170,7 @@ def publish(
 
     Uses `ac2_jax.models.params_io.publish_weights` (an Orbax
     CheckpointManager directory of params: readers only see finalized steps,
-    newest `keep` kept). step defaults to state.step. Pass the global state
-    (pmap: `TrainStep.host_state`).
+    newest `keep` kept). step defaults to state.step.
     """
     from ac2_jax.models import params_io
 

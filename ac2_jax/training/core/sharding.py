@@ -1,4 +1,5 @@
-"""Meshes, NamedShardings of the train state, and pmap replication.
+"""Meshes, NamedShardings of the train state, and (for the pure pieces under pmap)
+replication.
 
 The mesh has axes ('data', 'fsdp', 'tensor'). Params carry logical axis
 names (`nnx.get_partition_spec`: "embed", "heads", ...) and one rules table

@@ -1,16 +1,17 @@
-"""The train step: one pure function, compiled three ways.
+"""The train step: one pure function, jitted over a mesh.
 
-* mode="jit", mesh=None: one device (or whatever jit picks).
-* mode="jit", mesh=Mesh(('data','fsdp','tensor')): params and optimizer state
-  sharded by the model's partition specs, batch rows over ('data','fsdp');
-  GSPMD inserts the collectives.
-* mode="pmap": state replicated, rows split over devices, gradients psummed.
+Params and optimizer state are sharded by the model's logical axes
+(`models.axes`, mapped to the mesh's ('data', 'fsdp', 'tensor') axes), batch
+rows split over ('data', 'fsdp'); GSPMD inserts the collectives. One device is
+a one-device mesh: there is one compiled path. The pure pieces
+(`loss_and_grads`, `fill_micro_batches`, `losses.loss_weights` with its
+`axis_name`) also run under `jax.pmap` (tests/test_train_step.py).
 
 The loss is always the *global* batch loss (e.g. the token-weighted task_mean
 over all rows of all devices): per-token weights come from the full batch
 (`losses.loss_weights`), each device/micro-batch adds `sum(w * l)` and its
-gradient, and the sums are the exact full-batch loss and gradient. So pmap,
-mesh, single device and grad_accum=k give the same update (up to fp32
+gradient, and the sums are the exact full-batch loss and gradient. So a
+mesh, a single device and grad_accum=k give the same update (up to fp32
 reduction order).
 
 The loss reads the model through `objectives.apply_loss`: from dense logits,
@@ -22,13 +23,15 @@ donated); without it a teacher is the live params, gradient stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.losses import loss_weights
@@ -41,16 +44,11 @@ from ac2_jax.training.core.sharding import (
     batch_sharding,
     batch_ways,
     check_rows,
-    merge_rows,
-    replicate,
-    split_rows,
+    make_mesh,
     state_shardings,
-    unreplicate,
 )
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transform
 
-MODES = ("jit", "pmap")
-AXIS = "batch"
 # XLA:CPU's default scheduler orders for concurrency: at real size it computes every
 # leaf's clipped gradient before any AdamW update consumes one, so a second params-sized
 # set of temporaries is live at once (Qwen3-0.6B: 4.78 GB of step temporaries, 2.71 GB
@@ -171,7 +169,12 @@ def _counts(batch):
 
 
 class TrainStep:
-    """`step(state, batch, extras=None) -> (state, metrics)`; see `make_train_step`."""
+    """`step(state, batch, extras=None) -> (state, metrics)`; see `make_train_step`.
+
+    One path: the step is jitted over a mesh with shardings. Without a mesh it
+    is a one-device mesh (the first local device), so one device, a data x
+    fsdp x tensor mesh and many processes compile the same function.
+    """
 
     def __init__(
         self,
@@ -179,56 +182,46 @@ class TrainStep:
         loss_fn: LossFn,
         optimizer,
         *,
-        mode: str = "jit",
-        mesh=None,
+        mesh: Mesh | None = None,
         grad_accum: int = 1,
         lr_schedule=None,
-        devices=None,
         donate: bool = True,
         cpu_memory_scheduler: bool = True,
         xla_options: dict | None = None,
         axis_rules: AxisRules | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"make_train_step: mode must be one of {MODES}, got {mode!r}")
-        if mode == "pmap" and mesh is not None:
-            raise ValueError("make_train_step: mode='pmap' takes devices=, not mesh=")
-        if mode == "pmap" and xla_options:
-            raise ValueError(
-                "make_train_step: mode='pmap' compiles without per-step XLA "
-                f"options, got xla_options={xla_options!r}; set them in "
-                "XLA_FLAGS or use mode='jit'"
-            )
         if int(grad_accum) < 1:
             raise ValueError(f"make_train_step: grad_accum must be >= 1, got {grad_accum}")
-        self.graphdef, self.loss_fn, self.mode, self.mesh = graphdef, loss_fn, mode, mesh
+        self.graphdef, self.loss_fn = graphdef, loss_fn
+        self.mesh: Mesh = make_mesh(devices=jax.local_devices()[:1]) if mesh is None else mesh
         self.grad_accum, self.donate = int(grad_accum), donate
         self.tx, self.optimizer = as_transform(optimizer), optimizer
         if lr_schedule is None and isinstance(optimizer, OptimizerConfig):
             lr_schedule = optimizer.lr_schedule()
         self.lr_schedule = lr_schedule
-        self.devices = list(jax.local_devices() if devices is None else devices)
         self.cpu_memory_scheduler = cpu_memory_scheduler
         self.xla_options = dict(xla_options or {})
-        self.state_sharding = None
-        # Logical axis -> mesh axes of the params (mesh only); dimensions the rules
-        # replicated because they do not divide (indivisible="replicate") are listed.
+        self.state_sharding: TrainState | None = None  # a TrainState of NamedShardings
+        # Logical axis -> mesh axes of the params; dimensions the rules replicated
+        # because they do not divide (indivisible="replicate") are listed.
         self.axis_rules = AxisRules() if axis_rules is None else axis_rules
         self.sharding_fallbacks: list = []
-        self._step = self._logprobs = None
+        self._step: Any = None
+        self._logprobs: Any = None
+
+    @property
+    def devices(self) -> list:
+        """The mesh's devices (one, without a mesh)."""
+        return list(self.mesh.devices.flat)
 
     # -- the pure step
 
-    def _update(self, state: TrainState, batch, extras, teacher, axis_name):
-        constrain = lambda y: y  # noqa: E731
-        if self.mesh is not None:
-            row = NamedSharding(
-                self.mesh, P(None, tuple(a for a in BATCH_AXES if a in self.mesh.shape))
-            )
-            constrain = lambda y: jax.lax.with_sharding_constraint(y, row)  # noqa: E731
-        weights = loss_weights(
-            batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer, axis_name=axis_name
+    def _update(self, state: TrainState, batch, extras, teacher):
+        row = NamedSharding(
+            self.mesh, P(None, tuple(a for a in BATCH_AXES if a in self.mesh.shape))
         )
+        constrain = lambda y: jax.lax.with_sharding_constraint(y, row)  # noqa: E731
+        weights = loss_weights(batch, self.loss_fn.mode, normalizer=self.loss_fn.normalizer)
         loss, sums, grads, skipped = loss_and_grads(
             self.graphdef,
             self.loss_fn,
@@ -245,13 +238,12 @@ class TrainStep:
             **_counts(batch),
             "micro_batches_skipped": skipped,
             "batch_rows": jnp.float32(batch.shape[0]),
-        }  # pmap: summed over devices
-        if axis_name is not None:
-            loss, sums, grads, counts = jax.lax.psum((loss, sums, grads, counts), axis_name)
+        }
         grad_norm = optax.global_norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = state.replace(
+        new = dataclasses.replace(  # a flax struct dataclass is a dataclass
+            state,
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
@@ -270,42 +262,34 @@ class TrainStep:
 
     # -- compilation
 
-    def _state_sharding(self, state):
-        self.sharding_fallbacks = []
-        return state_shardings(state, self.mesh, self.axis_rules, self.sharding_fallbacks)
+    def _shardings(self, state) -> TrainState:
+        if self.state_sharding is None:
+            self.sharding_fallbacks = []
+            self.state_sharding = state_shardings(
+                state, self.mesh, self.axis_rules, self.sharding_fallbacks
+            )
+        return self.state_sharding
 
     def _build(self, state):
-        donate = (0,) if self.donate else ()
-        if self.mode == "pmap":
-            self._step = jax.pmap(
-                lambda s, b, e, t: self._update(s, b, e, t, AXIS),
-                axis_name=AXIS,
-                devices=self.devices,
-                donate_argnums=donate,
-            )
-            return
-        out = None
-        if self.mesh is not None:
-            self.state_sharding = self._state_sharding(state)
-            out = (self.state_sharding, NamedSharding(self.mesh, P()))
+        out = (self._shardings(state), NamedSharding(self.mesh, P()))
         self._step = jax.jit(
-            lambda s, b, e, t: self._update(s, b, e, t, None),
+            self._update,
             out_shardings=out,
-            donate_argnums=donate,
+            donate_argnums=(0,) if self.donate else (),
             compiler_options=self.compiler_options(),
         )
 
     def compiler_options(self) -> dict | None:
-        """XLA options of the jitted step: the memory-optimized scheduler on CPU
-        (`CPU_MEMORY_SCHEDULER`; pmap takes no options), then `xla_options` over
-        it; None when there are none."""
+        """XLA options of the step: the memory-optimized scheduler on CPU
+        (`CPU_MEMORY_SCHEDULER`), then `xla_options` over it; None when there
+        are none."""
         cpu = all(d.platform == "cpu" for d in self.devices)
         out = dict(CPU_MEMORY_SCHEDULER) if cpu and self.cpu_memory_scheduler else {}
         out.update(self.xla_options)
         return out or None
 
     def place(self, state: TrainState, copy: bool = True) -> TrainState:
-        """A (host / unreplicated) state where this step wants it.
+        """A host (or restored) state on the mesh, sharded as the step wants it.
 
         copy=True: always new buffers, so donating them never deletes the arrays
         of the model or state it came from (both stay alive: at real size a
@@ -314,73 +298,47 @@ class TrainStep:
         deletes them (and the model's, if the state came from
         `create_train_state(model)`): drop every other reference.
         """
-        if self.mode == "pmap":
-            return replicate(state, self.devices)
-        if self.mesh is not None:
-            if self.state_sharding is None:
-                self.state_sharding = self._state_sharding(state)
-            return jax.device_put(state, self.state_sharding, may_alias=not copy)
-        return jax.device_put(state, self.devices[0], may_alias=not copy)
+        return jax.device_put(state, self._shardings(state), may_alias=not copy)
 
     def lower(self, state: TrainState, batch, extras: dict | None = None, teacher=None):
-        """The jitted step lowered for (state, batch, extras) without running it: e.g.
+        """The step lowered for (state, batch, extras) without running it: e.g.
         `.compile().memory_analysis()` from an abstract state (`abstract_train_state`),
-        which needs no parameter memory. mode="jit" only."""
-        if self.mode != "jit":
-            raise ValueError(f"TrainStep.lower: mode='jit' only, got {self.mode!r}")
+        which needs no parameter memory."""
         if self._step is None:
             self._build(state)
         batch, extras = self._place_rows(self._fill((batch, extras)))
         return self._step.lower(state, batch, extras, self._place_teacher(teacher))
 
-    def host_state(self, state: TrainState) -> TrainState:
-        """The global (unreplicated) state, e.g. for checkpoints and publishing."""
-        return unreplicate(state) if self.mode == "pmap" else state
-
     def _fill(self, tree):
         """Rows with loss tokens first in the micro-batches (`fill_micro_batches`)."""
-        blocks = len(self.devices) if self.mode == "pmap" else 1
-        return fill_micro_batches(tree, self.grad_accum, blocks)
+        return fill_micro_batches(tree, self.grad_accum)
 
     def _place_rows(self, tree):
         rows = jax.tree.leaves(tree)[0].shape[0]
-        if self.mode == "pmap":
-            check_rows(rows, len(self.devices), self.grad_accum, "train step (pmap)")
-            return split_rows(tree, len(self.devices))
-        if self.mesh is not None:
-            if jax.process_count() > 1:  # each process holds its rows: one global batch
-                tree = jax.tree.map(
-                    lambda t: None if t is None else global_batch(t, self.mesh),
-                    tree,
-                    is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)),
-                )
-                rows = jax.tree.leaves(tree)[0].shape[0]
-                check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
-                return tree
-            check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step (mesh)")
-            return jax.device_put(tree, batch_sharding(self.mesh))
-        check_rows(rows, 1, self.grad_accum, "train step")
-        return tree
+        if self.mesh.is_multi_process:  # each process holds its rows: one global batch
+            tree = jax.tree.map(
+                lambda t: None if t is None else global_batch(t, self.mesh),
+                tree,
+                is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)),
+            )
+            rows = jax.tree.leaves(tree)[0].shape[0]
+            check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step")
+            return tree
+        check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step")
+        return jax.device_put(tree, batch_sharding(self.mesh))
 
     def _place_teacher(self, teacher):
         if teacher is None:
             return None
-        if self.mode == "pmap":
-            return replicate(teacher, self.devices)
-        if self.mesh is not None:
-            return jax.device_put(teacher, self.state_sharding.params)
-        return teacher
+        assert self.state_sharding is not None, "the step is built before a teacher is placed"
+        return jax.device_put(teacher, self.state_sharding.params)
 
     def __call__(self, state: TrainState, batch, extras: dict | None = None, teacher=None):
         if self._step is None:
-            self._build(self.host_state(state) if self.mode == "pmap" else state)
+            self._build(state)
         batch, extras = self._place_rows(self._fill((batch, extras)))
-        if self.mesh is not None:
-            state = jax.device_put(state, self.state_sharding)
-        state, metrics = self._step(state, batch, extras, self._place_teacher(teacher))
-        if self.mode == "pmap":
-            metrics = unreplicate(metrics)
-        return state, metrics
+        state = jax.device_put(state, self.state_sharding)
+        return self._step(state, batch, extras, self._place_teacher(teacher))
 
     def logprobs(self, state: TrainState, batch) -> jax.Array:
         """Learner log-probs of batch.targets [R, L] under the batch's sampling
@@ -389,20 +347,12 @@ class TrainStep:
         chunk = getattr(self.loss_fn, "chunk_size", None)
 
         def f(s, b):
-            return model_logprobs(
-                StepModel(self.graphdef, s.params, s.rest),
-                b,
-                behaviour=True,
-                entropy=False,
-                chunk_size=chunk,
-            )[0]
+            model = StepModel(self.graphdef, s.params, s.rest)
+            return model_logprobs(model, b, behaviour=True, entropy=False, chunk_size=chunk)[0]
 
         if self._logprobs is None:
-            self._logprobs = (
-                jax.pmap(f, devices=self.devices) if self.mode == "pmap" else jax.jit(f)
-            )
-        out = self._logprobs(state, self._place_rows(batch))
-        return merge_rows(out) if self.mode == "pmap" else out
+            self._logprobs = jax.jit(f)
+        return self._logprobs(state, self._place_rows(batch))
 
 
 def make_train_step(
@@ -410,11 +360,9 @@ def make_train_step(
     loss_fn: LossFn,
     optimizer,
     *,
-    mode: str = "jit",
-    mesh=None,
+    mesh: Mesh | None = None,
     grad_accum: int = 1,
     lr_schedule=None,
-    devices=None,
     donate: bool = True,
     cpu_memory_scheduler: bool = True,
     xla_options: dict | None = None,
@@ -424,17 +372,17 @@ def make_train_step(
 
     optimizer: OptimizerConfig or optax transformation (the one the state was
     created with). loss_fn: e.g. `SFTLoss()` / `PolicyGradientLoss()`.
+    mesh: a ('data', 'fsdp', 'tensor') mesh (`make_mesh`); None = one device.
     Batch rows must split into grad_accum micro-batches of a multiple of the
     data-parallel shard count. `step.place(state)` puts a fresh or restored
-    state on the mesh / replicas; `step.host_state(state)` gives the global
-    state back. The input state is donated (donate=False keeps it).
+    state on the mesh. The input state is donated (donate=False keeps it).
     `step(state, batch, extras, teacher=params)` hands losses that run a
     teacher a frozen copy of the params (default: the live params).
     cpu_memory_scheduler: on CPU, compile with XLA's memory-optimized scheduler
     (`CPU_MEMORY_SCHEDULER`: one params-sized set of temporaries fewer at peak).
     xla_options: further XLA debug options for this step's compile only, e.g.
     {"xla_cpu_use_onednn": True} (names: `XLA_FLAGS=--help`; an unknown name or
-    value fails at the first step with XLA's error); mode='jit' only.
+    value fails at the first step with XLA's error).
     axis_rules: how the params' logical axes map to the mesh's axes
     (`models.axes.AxisRules`; default DEFAULT_RULES, an indivisible dimension
     is an error); `step.sharding_fallbacks` lists what indivisible="replicate"
@@ -442,18 +390,15 @@ def make_train_step(
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr, the
     loss's token-mean metrics (entropy, clip_frac, kl_to_sampler), batch_rows
     (the global batch's rows) and micro_batches_skipped (micro-batches without a
-    loss token, not computed; under pmap summed over the devices, each of which
-    runs its own grad_accum micro-batches).
+    loss token, not computed).
     """
     return TrainStep(
         graphdef,
         loss_fn,
         optimizer,
-        mode=mode,
         mesh=mesh,
         grad_accum=grad_accum,
         lr_schedule=lr_schedule,
-        devices=devices,
         donate=donate,
         cpu_memory_scheduler=cpu_memory_scheduler,
         xla_options=xla_options,

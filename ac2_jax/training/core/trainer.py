@@ -65,8 +65,8 @@ class TrainerHooks:
 class Trainer:
     """The train state, its compiled step, checkpoints, metrics and progress.
 
-    step_fn: a TrainStep to reuse (same graphdef, loss, optimizer and mode);
-    else `make_step(graphdef, loss_fn, optimizer, mode=, mesh=, grad_accum=,
+    step_fn: a TrainStep to reuse (same graphdef, loss, optimizer and mesh);
+    else `make_step(graphdef, loss_fn, optimizer, mesh=, grad_accum=,
     donate=)` builds one (pass a `StepCache` to share compiled steps).
     workdir: checkpoints in `workdir/checkpoints`, metrics in
     `workdir/metrics` unless `logger` is given; None keeps nothing on disk
@@ -87,7 +87,6 @@ class Trainer:
         checkpoint_every: int = 0,
         keep_checkpoints: int | None = 3,
         hooks: TrainerHooks | None = None,
-        mode: str = "jit",
         mesh=None,
         grad_accum: int = 1,
         donate: bool = True,
@@ -108,22 +107,22 @@ class Trainer:
                 graphdef,
                 loss_fn,
                 optimizer,
-                mode=mode,
                 mesh=mesh,
                 grad_accum=grad_accum,
                 donate=donate,
             )
         else:
-            want = (graphdef, loss_fn, optimizer, mode, mesh, grad_accum)
+            # mesh=None is "the step's own": a one-device mesh when it was made.
+            mesh = step_fn.mesh if mesh is None else mesh
+            want = (graphdef, loss_fn, optimizer, mesh, grad_accum)
             have = (
                 step_fn.graphdef,
                 step_fn.loss_fn,
                 step_fn.optimizer,
-                step_fn.mode,
                 step_fn.mesh,
                 step_fn.grad_accum,
             )
-            names = ("graphdef", "loss_fn", "optimizer", "mode", "mesh", "grad_accum")
+            names = ("graphdef", "loss_fn", "optimizer", "mesh", "grad_accum")
             bad = [n for n, a, b in zip(names, want, have) if a != b]
             if bad:
                 raise ValueError(f"Trainer: step_fn differs from this trainer in {bad}")
@@ -155,8 +154,8 @@ class Trainer:
     # -- state
 
     def host_state(self) -> TrainState:
-        """The global (unreplicated) state: for checkpoints, publishing, evals."""
-        return self.step_fn.host_state(self.state)
+        """The global state (sharded over the mesh): for checkpoints, publishing, evals."""
+        return self.state
 
     def model(self):
         return self.host_state().model(self.graphdef)
@@ -212,11 +211,11 @@ class Trainer:
         still being collected: the first `update` of that geometry then reuses the
         executable (JAX's compilation cache) instead of compiling. The geometry
         counts as the trainer's warm-up one (`compiled_steps`); an update of another
-        geometry before one of it is warned (that compile went unused). Only a jitted step
+        geometry before one of it is warned (that compile went unused). Only a step
         on one process is compiled ahead; otherwise nothing is done and False is
         returned (the first update compiles, as without warmup). It reads the
         state: never run it while an update (which donates the state) runs."""
-        if self.step_fn.mode != "jit" or jax.process_count() > 1:
+        if jax.process_count() > 1:
             return False
         self._note_geometry(batch, extras, ahead=True)
         self.step_fn.lower(self.state, batch, extras, teacher).compile()

@@ -137,8 +137,8 @@ class SelfDistiller(TrainerHooks):
     """Holds the `Trainer` and the teacher; `update(examples)` takes one step.
 
     graphdef/state from `create_train_state`. judge: needed for method
-    "rmsd" (with a tokenizer to show it text). The step runs under jit
-    (optionally with a mesh; not pmap) and runs the teacher forward itself
+    "rmsd" (with a tokenizer to show it text). The step (one device
+    unless a mesh is given) runs the teacher forward itself
     (frozen teacher params go in as the step's `teacher`). Pass an earlier distiller's `step_fn` (same loss
     and optimizer) to reuse its compiled step, e.g. across seeds.
     workdir: checkpoints (`config.checkpoint_every`) and train/ metrics;
@@ -171,10 +171,9 @@ class SelfDistiller(TrainerHooks):
             )
         self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
         loss = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
-        if step_fn is not None and (step_fn.loss_fn != loss or step_fn.mode != "jit"):
+        if step_fn is not None and step_fn.loss_fn != loss:
             raise ValueError(
-                f"SelfDistiller: step_fn has loss {step_fn.loss_fn} (mode "
-                f"{step_fn.mode!r}); this config needs {loss} under jit"
+                f"SelfDistiller: step_fn has loss {step_fn.loss_fn}; this config needs {loss}"
             )
         if mesh is None:  # commit to one device: same placement every run, no recompiles
             state = jax.device_put(state, jax.local_devices()[0])
