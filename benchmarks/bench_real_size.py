@@ -108,8 +108,8 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
 
     from ac2_jax.models.decoder import Decoder
     from ac2_jax.models.hf_io import load_hf_config
-    from ac2_jax.training import (OptimizerConfig, abstract_train_state, create_train_state,
-                                  make_train_step)
+    from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
+    from ac2_jax.training.core import abstract_train_state
     from experiments.configs import qwen3
     from experiments.real_size import load_preset, preset_runtime
 

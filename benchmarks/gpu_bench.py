@@ -189,8 +189,10 @@ def bench_train(a, s: dict) -> dict:
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, create_train_state,
-                                  make_train_step, num_params)
+    from ac2_jax.training import (
+        OptimizerConfig, PolicyGradientLoss, create_train_state, make_train_step,
+    )
+    from ac2_jax.training.core import num_params
     if a.preset:
         cfg = preset_config(a)[0]
         if a.no_remat:

@@ -16,8 +16,8 @@ from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.types import Completion, Episode, Trace
-from ac2_jax.training import (OptimizerConfig, SFTConfig, create_train_state, read_metrics,
-                              run_sft)
+from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
+from ac2_jax.training.core import read_metrics
 from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
 from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, hinted_messages,

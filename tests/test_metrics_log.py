@@ -5,7 +5,7 @@ import math
 import os
 import struct
 
-from ac2_jax.training import MetricsLogger, read_metrics
+from ac2_jax.training.core import MetricsLogger, read_metrics
 
 
 def test_prefixes_and_dropped_values_are_counted(tmp_path):

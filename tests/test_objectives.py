@@ -9,8 +9,9 @@ import pytest
 from ac2_jax.losses import (MODES, aggregate_loss, policy_gradient_loss, policy_gradient_metrics,
                             token_entropy, token_logprobs)
 from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.losses import loss_weights
 from ac2_jax.training.core.objectives import (PolicyGradientLoss, SFTLoss, StepModel, apply_loss,
-                                              lm_head_of, loss_weights)
+                                              lm_head_of)
 
 N_DEV = 8
 

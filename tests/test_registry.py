@@ -19,7 +19,8 @@ from ac2_jax.losses import LMHead, attention_mask, token_logprobs
 from ac2_jax.models import (FAMILIES, CausalLM, DecoderConfig, ModelFamily, build_model,
                             config_from_hf, register_family)
 from ac2_jax.registry import Registry
-from ac2_jax.training import OBJECTIVES, Objective, PolicyGradientLoss
+from ac2_jax.training import OBJECTIVES, PolicyGradientLoss
+from ac2_jax.training.core import Objective
 from ac2_jax.training.rl import BatchConfig, RLConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLTrainer
 from rl_traces import rl_trace

@@ -31,7 +31,8 @@ from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Trace, TraceStore
-from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, StepCache, read_metrics
+from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
+from ac2_jax.training.core import StepCache, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 from experiments.toy_envs import AlternatingEnv, LengthParityEnv

@@ -12,8 +12,9 @@ from flax import nnx
 from ac2_jax.losses import aggregate_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment
-from ac2_jax.training import (Checkpointer, OptimizerConfig, SFTConfig, SFTData, StepCache,
-                              read_metrics, run_sft)
+from ac2_jax.training import Checkpointer, OptimizerConfig, SFTConfig, run_sft
+from ac2_jax.training.core import StepCache, read_metrics
+from ac2_jax.training.sft import SFTData
 from ac2_jax.training.core.train_step import forward
 
 CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)

@@ -19,8 +19,11 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.losses import aggregate_loss, loss_weights, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment, pack_segments, pad_batch_rows
-from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, SFTLoss, abstract_train_state,
-                              StepCache, create_train_state, make_mesh, make_train_step)
+from ac2_jax.training import (
+    OptimizerConfig, PolicyGradientLoss, SFTLoss, create_train_state, make_mesh,
+    make_train_step,
+)
+from ac2_jax.training.core import abstract_train_state, StepCache
 from ac2_jax.training.core.sharding import replicate, split_rows, unreplicate
 from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward, loss_and_grads
 

@@ -11,13 +11,45 @@
 resume exactly from Orbax checkpoints and log the same way.
 """
 
-from ac2_jax.training.core import *  # noqa: F401,F403
-from ac2_jax.training.core import __all__ as _core
-from ac2_jax.training.distill import *  # noqa: F401,F403
-from ac2_jax.training.distill import __all__ as _distill
-from ac2_jax.training.rl import *  # noqa: F401,F403
-from ac2_jax.training.rl import __all__ as _rl
-from ac2_jax.training.sft import *  # noqa: F401,F403
-from ac2_jax.training.sft import __all__ as _sft
+# The entry points of the three drivers and what they share; everything else is
+# imported from its subpackage (`ac2_jax.training.core`, `.rl`, `.sft`, `.distill`),
+# whose own `__all__` is the full surface.
+from ac2_jax.training.core import (
+    OBJECTIVES,
+    Checkpointer,
+    OptimizerConfig,
+    PolicyGradientLoss,
+    SFTLoss,
+    Trainer,
+    TrainerHooks,
+    TrainState,
+    create_train_state,
+    make_mesh,
+    make_train_step,
+    publish,
+)
+from ac2_jax.training.distill import DistillConfig, SelfDistiller
+from ac2_jax.training.rl import BatchConfig, RLConfig, RLTrainer
+from ac2_jax.training.sft import SFTConfig, run_sft
 
-__all__ = sorted({*_core, *_rl, *_sft, *_distill})
+__all__ = [
+    "OBJECTIVES",
+    "BatchConfig",
+    "Checkpointer",
+    "DistillConfig",
+    "OptimizerConfig",
+    "PolicyGradientLoss",
+    "RLConfig",
+    "RLTrainer",
+    "SFTConfig",
+    "SFTLoss",
+    "SelfDistiller",
+    "TrainState",
+    "Trainer",
+    "TrainerHooks",
+    "create_train_state",
+    "make_mesh",
+    "make_train_step",
+    "publish",
+    "run_sft",
+]
