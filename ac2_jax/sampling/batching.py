@@ -167,12 +167,11 @@ class SlotTable:
         """
         idx = np.full(new_B, self.B, np.int32)
         idx[: len(old_rows)] = old_rows
-        keep = lambda lst, empty: (
-            [lst[o] for o in old_rows]
-            + [  # noqa: E731
-                empty() for _ in range(new_B - len(old_rows))
-            ]
-        )
+
+        def keep(lst, empty):
+            pad = [empty() for _ in range(new_B - len(old_rows))]
+            return [lst[o] for o in old_rows] + pad
+
         self.req = keep(self.req, lambda: None)
         self.hist = keep(self.hist, lambda: np.zeros(0, np.int32))
         self.used = keep(self.used, lambda: -1)

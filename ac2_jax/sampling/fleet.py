@@ -159,7 +159,7 @@ class FleetSampler:
         on_tokens: OnTokens | None = None,
     ) -> SampleResult:
         """One continuation, sampled by one backend (see the module docstring)."""
-        key, tried = _ROUTE_KEY.get(), set()
+        key, tried = _ROUTE_KEY.get(), set[int]()
         while True:
             i = self._pick(key, tried)
             st = self._states[i]
@@ -207,7 +207,7 @@ class FleetSampler:
         with self._lock:
             rows = [
                 {**dataclasses.asdict(st), "policy_version": b.policy_version}
-                for st, b in zip(self._states, self._backends)
+                for st, b in zip(self._states, self._backends, strict=True)
             ]
             for r in rows:
                 del r["retry_at"], r["checking"]

@@ -358,8 +358,8 @@ class DeviceLoop:
         if k:
             req.tops = req.tops or []
             req.tops.extend(
-                list(zip(i.tolist(), lp.tolist()))
-                for i, lp in zip(tids[got, row, :k], tlps[got, row, :k])
+                list(zip(i.tolist(), lp.tolist(), strict=True))
+                for i, lp in zip(tids[got, row, :k], tlps[got, row, :k], strict=True)
             )
         done = not bool(t.arr["active"][row])
         keep, cut = len(req.gen), False
