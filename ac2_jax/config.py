@@ -162,7 +162,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 f"{path}: expected {len(args)} items ({_type_name(tp)}), "
                 f"got {len(value)}: {value!r}"
             )
-        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(
+            _convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
     if origin is list or tp is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")

@@ -228,7 +228,8 @@ class LLMJudge(Judge):
             prompt = "...(earlier text cut)..." + prompt[-self.max_prompt_chars :]
         cap = f" Select at most {self.top_s}." if self.top_s else ""
         user = (
-            f"## Trace (context before the response)\n{prompt}\n\n## Response\n{example.response}\n\n"
+            f"## Trace (context before the response)\n{prompt}\n\n"
+            f"## Response\n{example.response}\n\n"
             f"## Hint\n{example.hint}\n\n## Candidate tokens (position: token)\n"
             + "\n".join(lines)
             + f"\n\nWhich candidate positions are relevant to the hint?{cap} "

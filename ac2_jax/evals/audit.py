@@ -271,13 +271,13 @@ def audit_traces(
     if by_checkpoint:
         per_ckpt = [
             _by_task(ts, task_map, f"checkpoint {label!r}")
-            for label, ts in zip(labels, by_checkpoint.values())
+            for label, ts in zip(labels, by_checkpoint.values(), strict=True)
         ]
         for task_id in sorted({tid for g in per_ckpt for tid in g}):
             curve = [_pass_rate(g.get(task_id, []), config.pass_threshold) for g in per_ckpt]
             curves[task_id] = curve
-            points = [(label, r) for label, r in zip(labels, curve) if r is not None]
-            for (a, ra), (b, rb) in zip(points, points[1:]):
+            points = [(label, r) for label, r in zip(labels, curve, strict=True) if r is not None]
+            for (a, ra), (b, rb) in zip(points, points[1:], strict=False):
                 if abs(rb - ra) >= config.jump_threshold:
                     flag("sudden_jump", task_id, checkpoints=[a, b], pass_rates=[ra, rb])
 

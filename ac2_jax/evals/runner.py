@@ -173,7 +173,7 @@ async def evaluate(
     async def one(i: int, task: Task, a: int):
         s = None if seed is None else attempt_seed(seed, i, a, k)
         async with sem:
-            for retry in range(infra_retries + 1):
+            for retry in range(infra_retries + 1):  # noqa: B007 - read after the loop
                 trace, _ = await run_rollout(
                     lifecycle,
                     env,

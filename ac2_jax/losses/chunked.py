@@ -139,7 +139,7 @@ def chunked_logits_map(
     @functools.partial(jax.checkpoint, prevent_cse=False)  # saves nothing: recomputed
     def body(heads, x):
         hs, tok = x
-        return fn([head.logits(h) for head, h in zip(heads, hs)], tok)
+        return fn([head.logits(h) for head, h in zip(heads, hs, strict=True)], tok)
 
     _, ys = jax.lax.scan(lambda carry, x: (carry, body(heads, x)), None, xs)
     return jax.tree.map(join, ys)

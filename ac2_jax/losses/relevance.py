@@ -143,7 +143,7 @@ def selection_mask(
     if len(offs) != rows:
         raise ValueError(f"selection_mask: {len(offs)} offsets for {rows} rows")
     out = np.zeros((rows, length), np.float32)
-    for r, (positions, off) in enumerate(zip(selections, offs)):
+    for r, (positions, off) in enumerate(zip(selections, offs, strict=True)):
         for p in positions:
             col = off + int(p)
             if not 0 <= col < length:

@@ -125,7 +125,7 @@ class AxisRules:
         """
         names = tuple(names) + (None,) * (len(shape) - len(tuple(names)))
         spec, fallbacks, out = self.spec(names, mesh), [], []
-        for dim, (size, entry, name) in enumerate(zip(shape, tuple(spec), names)):
+        for dim, (size, entry, name) in enumerate(zip(shape, tuple(spec), names, strict=True)):
             axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
             ways = math.prod(mesh.shape[a] for a in axes)
             if size % ways == 0:

@@ -133,19 +133,19 @@ def _forward(bq, bk, q, k, v, mask):
     scale = 1.0 / math.sqrt(hd)
 
     def body(carry):
-        i, acc, m, l = carry
+        i, acc, m, lsum = carry
         tile = _Tile(order[i], nq, nk, bq, bk, mask)
         s = jnp.einsum("kgqd,ksd->kgqs", tile.q(qt), tile.k(kt)) * scale
         s = jnp.where(tile.allowed, s, -jnp.inf)
-        m_old, l_old = tile.q(m), tile.q(l)
+        m_old, l_old = tile.q(m), tile.q(lsum)
         m_new = jnp.maximum(m_old, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m_old - m_new)
         pv = jnp.einsum("kgqs,ksd->kgqd", p, tile.k(vt))
         acc = tile.set_q(acc, tile.q(acc) * alpha[..., None] + pv)
         m = tile.set_q(m, m_new)
-        l = tile.set_q(l, l_old * alpha + p.sum(-1))
-        return i + 1, acc, m, l
+        lsum = tile.set_q(lsum, l_old * alpha + p.sum(-1))
+        return i + 1, acc, m, lsum
 
     init = (
         jnp.int32(0),
@@ -153,9 +153,9 @@ def _forward(bq, bk, q, k, v, mask):
         jnp.full(qt.shape[:-1], NEG, jnp.float32),
         jnp.zeros(qt.shape[:-1], jnp.float32),
     )
-    _, acc, m, l = jax.lax.while_loop(lambda c: c[0] < count, body, init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
+    _, acc, m, lsum = jax.lax.while_loop(lambda c: c[0] < count, body, init)
+    seen = lsum > 0
+    l_safe = jnp.where(seen, lsum, 1.0)
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)  # [B, K, G, Lq, hd]
     lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)  # [B, K, G, Lq]
     return _q_unlayout(out, q.dtype), lse, count

@@ -138,7 +138,7 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
         arr = np.asarray(jax.device_get(var[...]))
         layer_keys = _per_layer(key, model.config)
         arrays = [arr] if len(layer_keys) == 1 else list(arr)
-        for layer_key, a in zip(layer_keys, arrays):
+        for layer_key, a in zip(layer_keys, arrays, strict=True):
             out[_hf_name(layer_key)] = np.ascontiguousarray(
                 a.T if _transposed(layer_key, a.ndim) else a
             )

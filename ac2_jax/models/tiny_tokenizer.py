@@ -91,9 +91,9 @@ def tiny_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
             rng.choice(["b", "y", "unit", "n"]): rng.choice(["c", "f", 3, "paris"]),
         }
         lines.append(
-            '<|im_start|>assistant\n<tool_call>\n{"name": "%s", "arguments": %s}\n'
-            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n%s\n"
-            "</tool_response><|im_end|>" % (name, json.dumps(args), rng.randint(0, 9999))
+            f'<|im_start|>assistant\n<tool_call>\n{{"name": "{name}", "arguments": '
+            f"{json.dumps(args)}}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n"
+            f"{rng.randint(0, 9999)}\n</tool_response><|im_end|>"
         )
     lines += [
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>",
@@ -142,7 +142,7 @@ def build_tiny_tokenizer(
     elif chunks:
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(r"\d{1,%d}" % digit_group), behavior="isolated"),
+                pre_tokenizers.Split(Regex(rf"\d{{1,{digit_group}}}"), behavior="isolated"),
                 byte_level,
             ]
         )

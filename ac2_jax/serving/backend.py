@@ -151,7 +151,7 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
             "completion_tokens": len(ids),
             "cached_tokens": cached,
             "weight_version": str(version),
-            "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)],
+            "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps, strict=True)],
         }
         if top is not None:
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row] for row in top]

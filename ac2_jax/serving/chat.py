@@ -70,10 +70,10 @@ def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
 def chat_logprobs(tokenizer: Tokenizer, result: SampleResult, top_n: int) -> dict:
     """OpenAI `choice.logprobs` for every sampled token (the stop token included)."""
     content = []
-    for i, (tid, lp) in enumerate(zip(result.output_ids, result.output_logprobs)):
+    for i, (tid, lp) in enumerate(zip(result.output_ids, result.output_logprobs, strict=True)):
         entry = _token_entry(tokenizer, tid, lp)
         tops = (result.top_logprobs or [[]] * len(result.output_ids))[i][:top_n]
-        entry["top_logprobs"] = [_token_entry(tokenizer, t, l) for t, l in tops]
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in tops]
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -91,7 +91,8 @@ def completion_logprobs(
     tops = None
     if top_n and result.top_logprobs is not None:
         tops = [
-            {tokenizer.decode([t]): float(l) for t, l in row[:top_n]} for row in result.top_logprobs
+            {tokenizer.decode([t]): float(lp) for t, lp in row[:top_n]}
+            for row in result.top_logprobs
         ]
     return {
         "tokens": tokens,

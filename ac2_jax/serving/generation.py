@@ -434,7 +434,7 @@ def install_generation_routes(
             yield sse(APIError(500, "Internal server error", code="internal_error").body())
             return
         version[0] = max(c.result.policy_version for c in choices)
-        for c, s in zip(choices, streams):
+        for c, s in zip(choices, streams, strict=True):
             r, k = c.result, (s.sent_tokens if incremental_lps else 0)
             part = SampleResult(
                 r.output_ids[k:],

@@ -171,7 +171,8 @@ class Episode:
     def with_messages(self) -> list[Completion]:
         """Copies of the completions, each with its full `messages`."""
         return [
-            dataclasses.replace(c, messages=m) for c, m in zip(self.completions, self.messages_at())
+            dataclasses.replace(c, messages=m)
+            for c, m in zip(self.completions, self.messages_at(), strict=True)
         ]
 
     def to_dict(self) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def curves_figure(
     cols = min(3, len(keys))
     rows = -(-len(keys) // cols)
     fig = Figure(figsize=(4.2 * cols, 3.0 * rows), dpi=100)
-    for i, (k, label) in enumerate(zip(keys, labels)):
+    for i, (k, label) in enumerate(zip(keys, labels, strict=True)):
         ax = fig.add_subplot(rows, cols, i + 1)
         xs, ys = series[k]
         ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=k)

@@ -72,7 +72,7 @@ def _response(tokens: list[str], div: list[float], cands: set[int], sel: set[int
     finite = [d for d in div if math.isfinite(d)]
     top = max(finite) if finite and max(finite) > 0 else 1.0
     spans = []
-    for i, (text, d) in enumerate(zip(tokens, div)):
+    for i, (text, d) in enumerate(zip(tokens, div, strict=True)):
         h = min(max(d / top, 0.0), 1.0) if math.isfinite(d) else 0.0
         cls = "tok" + (" cand" if i in cands else "") + (" sel" if i in sel else "")
         spans.append(
@@ -85,7 +85,8 @@ def _response(tokens: list[str], div: list[float], cands: set[int], sel: set[int
 def _candidate_table(tokens, div, cands: list[int], sel: set[int]) -> str:
     rows = "".join(
         f'<tr class="{"sel" if p in sel else "cand"}"><td>{rank}</td><td>{p}</td>'
-        f"<td>{esc(repr(tokens[p]))}</td><td>{div[p]:.4g}</td><td>{'yes' if p in sel else ''}</td></tr>"
+        f"<td>{esc(repr(tokens[p]))}</td><td>{div[p]:.4g}</td>"
+        f"<td>{'yes' if p in sel else ''}</td></tr>"
         for rank, p in enumerate(sorted(cands, key=lambda q: (-div[q], q)))
     )
     return (
@@ -142,10 +143,14 @@ def distill_report_html(
         f'<pre class="ctx" id="teacher">{_teacher_context(prompt, hint, teacher_prompt)}</pre>',
         "<h2>Response: teacher-student divergence</h2>",
         '<p class="toggles">'
-        '<label><input type="radio" name="view" id="view-all" value="all" checked> all tokens</label>'
-        f'<label><input type="radio" name="view" id="view-topT" value="topT"> top-T candidates ({n_t})</label>'
-        f'<label><input type="radio" name="view" id="view-topS" value="topS"> judge top-S ({n_s})</label></p>',
-        f'<div class="tokens" id="response" data-view="all">{_response(tokens, div, set(cands), sel)}</div>',
+        '<label><input type="radio" name="view" id="view-all" value="all" checked>'
+        " all tokens</label>"
+        '<label><input type="radio" name="view" id="view-topT" value="topT">'
+        f" top-T candidates ({n_t})</label>"
+        '<label><input type="radio" name="view" id="view-topS" value="topS">'
+        f" judge top-S ({n_s})</label></p>",
+        '<div class="tokens" id="response" data-view="all">'
+        f"{_response(tokens, div, set(cands), sel)}</div>",
         "<h2>Candidates by divergence</h2>",
         _candidate_table(tokens, div, cands, sel),
     ]

@@ -69,7 +69,8 @@ def esc(x: Any) -> str:
 def kv_table(d: dict[str, Any]) -> str:
     """A two-column table of a dict, values JSON-encoded unless strings."""
     rows = "".join(
-        f"<tr><td>{esc(k)}</td><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
+        f"<tr><td>{esc(k)}</td>"
+        f"<td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
         for k, v in d.items()
     )
     return f'<table class="kv">{rows}</table>'
@@ -131,7 +132,7 @@ def turns_html(episode, tokenizer=None, tool_parser: Callable | None = None) -> 
         note = ""
     parse = tool_parser or _hermes
     parts, prev = [], None
-    for k, (c, full) in enumerate(zip(episode.completions, lists)):
+    for k, (c, full) in enumerate(zip(episode.completions, lists, strict=True)):
         added = []
         if full is not None:
             start = len(prev) if prev is not None and full[: len(prev)] == prev else 0
@@ -170,7 +171,7 @@ def episode_html(
     shown = ids if max_tokens is None else ids[:max_tokens]
     texts = token_texts(shown, tokenizer)
     spans = []
-    for i, (tid, text) in enumerate(zip(shown, texts)):
+    for i, (tid, text) in enumerate(zip(shown, texts, strict=True)):
         agent = i < len(episode.loss_mask) and episode.loss_mask[i] > 0
         cls = "agent" if agent else "ctx"
         title = f"#{i} id {tid}"
@@ -252,7 +253,8 @@ def trace_section(
     parts = [
         f'<div class="trace" data-task="{esc(trace.task_id)}">',
         f"<h2>Trace {esc(trace.key)}</h2>",
-        f'<p><span class="badge status status-{esc(trace.status)}">status: {esc(trace.status)}</span>'
+        f'<p><span class="badge status status-{esc(trace.status)}">'
+        f"status: {esc(trace.status)}</span>"
         f'<span class="badge reward">reward: {esc(reward)}</span>'
         f'<span class="badge">group: {esc(trace.group_id)}</span>'
         f'<span class="badge">{len(trace.episodes)} episodes</span>'
