@@ -230,6 +230,7 @@ class SlotTable:
     def release(self, row: int) -> Request:
         """Frees `row`; its slots keep the keys/values of prompt + fed outputs."""
         req = self.req[row]
+        assert req is not None, f"release of empty row {row}"
         seq = np.asarray(req.prompt + req.gen, np.int32)
         self.hist[row] = seq[: int(self.arr["pos"][row])]
         self.req[row] = None

@@ -140,9 +140,7 @@ class JaxSampler(DeviceLoop):
         self._graphdef, self._state = self._snapshot()
         self._version = 0  # weights the worker runs now
         self._latest = 0  # weights new calls will use (policy_version)
-        self._pending: tuple[Any, int] | None = (
-            None  # (state, version) waiting for the rows to drain
-        )
+        self._pending = None  # (state, version) waiting for the rows to drain
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
 

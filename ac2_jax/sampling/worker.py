@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import queue
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,6 +51,8 @@ def bucket_sizes(lo: int, hi: int) -> list[int]:
 class DeviceLoop:
     """Worker-thread methods of `JaxSampler` (a mixin: it uses the sampler's
     config, `_queue`, `_lock`, `_pending`, `_graphdef`/`_state`, `stats`)."""
+
+    _pending: tuple[Any, int] | None  # (state, version) waiting for the rows to drain
 
     # ------------------------------------------------------------------ worker
 
