@@ -98,7 +98,7 @@ def follow_params(tree, params, param_sh, default):
     with a param's path and has its shape gets that param's sharding."""
     by_path = {}
     for (path, x), sh in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_sh)
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_sh), strict=True
     ):
         by_path[tuple(path)] = (tuple(x.shape), sh)
 

@@ -123,7 +123,7 @@ class Trainer:
                 step_fn.grad_accum,
             )
             names = ("graphdef", "loss_fn", "optimizer", "mesh", "grad_accum")
-            bad = [n for n, a, b in zip(names, want, have) if a != b]
+            bad = [n for n, a, b in zip(names, want, have, strict=True) if a != b]
             if bad:
                 raise ValueError(f"Trainer: step_fn differs from this trainer in {bad}")
         self.graphdef, self.step_fn = graphdef, step_fn
@@ -242,6 +242,7 @@ class Trainer:
         if self.checkpoint_every and n % self.checkpoint_every == 0:
             self.save()
         if self._progress is not None:
+            assert self._task is not None  # set together with _progress
             loss = metrics.get("loss")
             self._progress.update(
                 self._task, advance=1, info="" if loss is None else f"loss={float(loss):.4g}"
@@ -298,6 +299,7 @@ class Trainer:
         self.state = self.step_fn.place(tree)
         self.steps_done = int(data["steps_done"])
         if self._progress is not None:
+            assert self._task is not None  # set together with _progress
             self._progress.update(self._task, completed=self.steps_done)
         return self.steps_done
 

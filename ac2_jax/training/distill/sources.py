@@ -31,6 +31,8 @@ from ac2_jax.sampling.base import Sampler, SampleResult, SamplingParams
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
+_DEFAULT_HINT = HintConfig()
+
 SOURCES = ("student", "teacher")
 
 
@@ -135,7 +137,7 @@ def sample(
 class PromptCache:
     """Memoizes `insert_hint` per (task, hint): prompts repeat across steps."""
 
-    def __init__(self, tokenizer, config: HintConfig = HintConfig()):
+    def __init__(self, tokenizer, config: HintConfig = _DEFAULT_HINT):
         self.tokenizer, self.config = tokenizer, config
         self._memo: dict = {}
 
@@ -193,7 +195,7 @@ async def aresample_examples(
     outs = await asample(
         sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids, seed=seed
     )
-    return [_example(t, t.hint, prompts, res, sampling) for t, res in zip(tasks, outs)]
+    return [_example(t, t.hint, prompts, res, sampling) for t, res in zip(tasks, outs, strict=True)]
 
 
 def resample_examples(
@@ -243,7 +245,7 @@ async def arollout_and_grade(
         sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids, seed=seed
     )
     graded, examples = [], []
-    for t, res in zip(tasks, outs):
+    for t, res in zip(tasks, outs, strict=True):
         text = prompts.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         hint = grader(t, text)
         graded.append(Graded(t, list(res.output_ids), text, hint))

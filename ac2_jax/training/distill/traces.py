@@ -17,6 +17,8 @@ from ac2_jax.trace.agents import SUBAGENT_WILDCARD, agent_matches, check_agent_p
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
 
+_DEFAULT_HINT = HintConfig()
+
 
 def hint_config_for(config: HintConfig | Mapping[str, HintConfig], agent: str) -> HintConfig:
     """One HintConfig for all agents, or the most specific key of a mapping: the
@@ -139,7 +141,7 @@ def _trace_examples(
 def examples_from_traces(
     traces: Sequence[Trace],
     tokenizer,
-    config: HintConfig | Mapping[str, HintConfig] = HintConfig(),
+    config: HintConfig | Mapping[str, HintConfig] = _DEFAULT_HINT,
     agents: str | Sequence[str] | None = None,
     hint_join: str = "\n",
     merge: bool = True,

@@ -139,8 +139,8 @@ class SelfDistiller(TrainerHooks):
     graphdef/state from `create_train_state`. judge: needed for method
     "rmsd" (with a tokenizer to show it text). The step (one device
     unless a mesh is given) runs the teacher forward itself
-    (frozen teacher params go in as the step's `teacher`). Pass an earlier distiller's `step_fn` (same loss
-    and optimizer) to reuse its compiled step, e.g. across seeds.
+    (frozen teacher params go in as the step's `teacher`). Pass an earlier
+    distiller's `step_fn` (same loss and optimizer) to reuse its compiled step, e.g. across seeds.
     workdir: checkpoints (`config.checkpoint_every`) and train/ metrics;
     `restore()` loads the latest and returns the number of updates done.
     """
@@ -274,6 +274,7 @@ class SelfDistiller(TrainerHooks):
                     candidates=ranked,
                     teacher_tokens=[tok.decode([int(t)]) for t in tm],
                 )
+                assert self.judge is not None  # __init__ requires one for "rmsd"
                 picked = [p for p in self.judge.select(ex) if p in set(ranked)]
             jm[r, [c + p for p in picked]] = 1.0
             rel.divergence.append(d)

@@ -98,7 +98,7 @@ def batch_segments(
     informative = informative_groups(kept)
     stats.zero_advantage_groups = len({group_name(t) for t in kept} - informative)
     if config.drop_zero_advantage:
-        pairs = [(t, w) for t, w in zip(kept, weights) if group_name(t) in informative]
+        pairs = [(t, w) for t, w in zip(kept, weights, strict=True) if group_name(t) in informative]
         stats.dropped_zero_advantage = len(kept) - len(pairs)
         kept, weights = [t for t, _ in pairs], [w for _, w in pairs]
     if not kept:
@@ -117,7 +117,7 @@ def batch_segments(
     segments = []
     stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
     branches = BranchCounts()
-    for t, a, w in zip(kept, adv, weights):
+    for t, a, w in zip(kept, adv, weights, strict=True):
         t, left_out = continued_path(t)  # never trained on the continued branch's reward
         branches.add(left_out)
         if config.train_agents is not None:

@@ -160,6 +160,6 @@ def unchosen_branch_episodes(trace: Trace) -> set[int]:
     kept, _ = continued_path(trace)
     return {
         i
-        for i, (old, new) in enumerate(zip(trace.episodes, kept.episodes))
+        for i, (old, new) in enumerate(zip(trace.episodes, kept.episodes, strict=True))
         if old.num_agent_tokens and not new.num_agent_tokens
     }

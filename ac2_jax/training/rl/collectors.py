@@ -97,7 +97,8 @@ class EndpointCollector:
         self.infra_retries = infra_retries
         # Rollouts a previous (killed) run already stored, read once; each step
         # takes its own out when it is collected.
-        self._stored: dict[int, dict[tuple, Trace]] = {}
+        # (Traces without an rl_step tag land under None.)
+        self._stored: dict[int | None, dict[tuple, Trace]] = {}
         for t in store.read(on_error="skip"):
             key = (t.task_id, t.metadata.get("attempt"))
             self._stored.setdefault(t.metadata.get("rl_step"), {})[key] = t
@@ -138,6 +139,7 @@ class EndpointCollector:
         return await self._attempts(rl_step, fresh, round), len(tasks) - len(fresh)
 
     async def _attempts(self, rl_step: int, tasks, round: int) -> list[Trace]:
+        assert self._step is not None  # set by collect() first
         _, done, used = self._step
 
         async def one(task, attempt):

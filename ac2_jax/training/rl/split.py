@@ -292,6 +292,7 @@ async def run_collector(
     env = collector.env
     mixer = env if isinstance(env, DomainMixer) and env.adaptive is not None else None
     for s in range(start if mixer is not None else 0):  # as the learner would have fed it
+        assert mixer is not None  # the range is empty otherwise
         mixer.update(collector.stored(s))
     done = []
     for s in range(start, steps):

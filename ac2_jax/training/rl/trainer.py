@@ -241,6 +241,7 @@ class RLTrainer:
 
     def _replay_mixer(self) -> None:
         """Feeds the mixer the stored traces of the steps done, as the killed run did."""
+        assert self.mixer is not None  # only called with an adaptive mixer
         stored = getattr(self.collector, "stored", None)
         if stored is None:
             logging.warning(

@@ -26,6 +26,8 @@ from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_trai
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
+_DEFAULT_OPTIMIZER = OptimizerConfig(learning_rate=1e-3)
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
@@ -136,7 +138,7 @@ class SFTData:
                 if self.shuffle
                 else np.arange(len(self.tasks))
             )
-            take = lambda a, b: [i for t in order[a:b] for i in self.tasks[t]]  # noqa: E731
+            take = lambda a, b, order=order: [i for t in order[a:b] for i in self.tasks[t]]  # noqa: E731
             batches, a, n = [], 0, len(order)
             while a < n:
                 lo, step = a + 1, 1  # tasks[a:lo] fits (every task fits alone)
@@ -212,7 +214,7 @@ def run_sft(
     model: nnx.Module,
     segments: Sequence[Segment],
     config: SFTConfig = SFTConfig(),
-    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3),
+    optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
     *,
     mesh=None,
     workdir: str | os.PathLike | None = None,
