@@ -55,7 +55,7 @@ flags.DEFINE_integer("process_id", None, "learn: this process's index in [0, num
 FLAGS = flags.FLAGS
 # env.kind -> the toy envs (a random tiny model, the tiny tokenizer): "parity" rewards
 # the answer's length parity (the toy variant), "alternating" the k-th check of a task
-# k % 2 (no group ties, so every step updates: tests/test_split.py).
+# k % 2 (no group ties, so every step updates: tests/training/rl/test_split.py).
 TOY_ENVS = {"parity": LengthParityEnv, "alternating": AlternatingEnv}
 
 

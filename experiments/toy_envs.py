@@ -37,7 +37,7 @@ class AlternatingEnv(LengthParityEnv):
     The count lives in the instance, so in the collector's process: a collector killed
     and restarted mid-step starts again at k = 1 for the attempts it still runs (a
     shared count would be a channel between processes the split driver does not have).
-    One kill still leaves no group of 4 tied (tests/test_split.py): the restarted
+    One kill still leaves no group of 4 tied (tests/training/rl/test_split.py): the restarted
     process runs m of the group's attempts with k = 1..m (rewards 1, 0, ...), mixed
     when m >= 2; when m <= 1 the killed one stored 4 - m >= 3 attempts with distinct
     k in 1..4, which hold both parities. (Several kills, or an attempt verified again

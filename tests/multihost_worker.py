@@ -1,4 +1,4 @@
-"""One process of a multi-host learner run (tests/test_distributed.py starts it).
+"""One process of a multi-host learner run (tests/training/core/test_distributed.py starts it).
 
     python tests/multihost_worker.py --out DIR --workdir W --steps 3 \
         [--process_id I --num_processes N --port P --local_devices 4]

@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "training", "rl"))
 
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tool functions for tests/test_sandbox.py: module-level (picklable by reference),
+"""Tool functions for tests/envs/test_sandbox.py: module-level (picklable by reference),
 standard library only, so a sandbox child imports them fast."""
 
 import ctypes

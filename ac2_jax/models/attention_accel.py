@@ -2,7 +2,7 @@
 
 Untested here on the devices they are for (this project's CPU machine has
 none). The two Pallas wrappers are checked on CPU in Pallas interpret mode
-against the dense reference (tests/test_attention_accel.py); the cuDNN path
+against the dense reference (tests/models/test_attention_accel.py); the cuDNN path
 has no CPU mode and is unchecked until a GPU is lent.
 
 Masks: cuDNN takes the dense mask (as a bias) plus its causal flag, so it

@@ -179,7 +179,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     Same values as `_dot`; its backward forms the weight gradient x^T dy as one
     dot_general contracting the token axes of x and dy as they lie. JAX's own
     transpose of the einsum led XLA:CPU to copy dy transposed, [out, tokens],
-    for an Eigen dot; this form lets XLA pick the layout (tests/test_layers.py:
+    for an Eigen dot; this form lets XLA pick the layout (tests/models/test_layers.py:
     same gradients, fp32). Used for the attention's projections
     (`DecoderConfig.proj_backward`).
     """
@@ -236,7 +236,7 @@ def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Arr
 
     x [..., D]; wg, wu [D, F]; wd [F, D], all in one dtype (the compute dtype).
     Values and gradients equal the plain form up to fp32 summation order
-    (tests/test_layers.py); it saves x, g = x @ wg, u = x @ wu for the backward,
+    (tests/models/test_layers.py); it saves x, g = x @ wg, u = x @ wu for the backward,
     as autodiff does. Why: the MLP was 0.32-0.41 of the train step and its
     autodiff backward XLA:CPU's largest layout copies (`DecoderConfig.mlp_backward`).
     """

@@ -60,7 +60,7 @@ def _long(c):
     # ~240, a call 23 and a tool result one number (+ message_overhead_tokens=10 in the
     # orchestrator's estimate): at 246 every prompt fits and every call passes the
     # budget, so the main agent makes one call per episode and is compacted after each
-    # (tests/test_long_horizon.py checks the demonstrations against it).
+    # (tests/experiments/test_long_horizon.py checks the demonstrations against it).
     c.harness = ml_collections.ConfigDict(dict(kind="compaction", context_budget=246,
                                                keep_exchange=False, message_overhead_tokens=10,
                                                max_consecutive_compactions=2))

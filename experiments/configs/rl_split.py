@@ -11,7 +11,7 @@ Variants (`--config=experiments/configs/rl_split.py:toy`):
            most steps update; a step of 2 groups x 4 ties, and skips its update,
            about 1 time in 64), 3 RL steps of 2 tasks x 4 attempts; with
            `--config.env.kind=alternating` the k-th check of a task rewards k % 2
-           instead, so no group ties and every step updates (tests/test_split.py)
+           instead, so no group ties and every step updates (tests/training/rl/test_split.py)
 """
 
 import ml_collections

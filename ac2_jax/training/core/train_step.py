@@ -5,7 +5,7 @@ Params and optimizer state are sharded by the model's logical axes
 rows split over ('data', 'fsdp'); GSPMD inserts the collectives. One device is
 a one-device mesh: there is one compiled path. The pure pieces
 (`loss_and_grads`, `fill_micro_batches`, `losses.loss_weights` with its
-`axis_name`) also run under `jax.pmap` (tests/test_train_step.py).
+`axis_name`) also run under `jax.pmap` (tests/training/core/test_train_step.py).
 
 The loss is always the *global* batch loss (e.g. the token-weighted task_mean
 over all rows of all devices): per-token weights come from the full batch

@@ -5,7 +5,7 @@ sampler failures and CPU work off the event loop.
 is under test here): it emits the first token of its script at once and the
 rest only after the test opens its gate, so ordering (not timing) shows what
 streams when.
-Streams against the real JaxSampler are in tests/test_app.py.
+Streams against the real JaxSampler are in tests/serving/test_app.py.
 """
 
 import asyncio

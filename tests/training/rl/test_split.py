@@ -29,7 +29,7 @@ from ac2_jax.models.params_io import latest_published
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, step_traces
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 ADMIN = "sk-admin-split"
 CONFIG = "experiments/configs/rl_split.py:toy"
 # AlternatingEnv, not the toy variant's length parity: with that a step of 2 groups x 4 tied

@@ -27,7 +27,7 @@ def test_alternating_rewards_the_kth_check_of_each_task_k_mod_2():
 def _group_after_one_kill(verified: int, stored: tuple[int, ...], attempts: int = 4):
     """Rewards of one group of `attempts` when a collector process verified `verified`
     of them, stored those with the k in `stored`, was killed, and a fresh process (a new
-    AlternatingEnv) ran the rest: what tests/test_split.py's SIGKILL can leave."""
+    AlternatingEnv) ran the rest: what tests/training/rl/test_split.py's SIGKILL can leave."""
     task = AlternatingEnv().sample_tasks(1, seed=0)[0]
     killed, restarted = AlternatingEnv(), AlternatingEnv()
     rewards = {k: killed.verify(task, "") for k in range(1, verified + 1)}

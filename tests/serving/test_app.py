@@ -494,7 +494,7 @@ def test_rollout_key_reads_its_own_rollout_without_admin_metadata_and_can_end_it
         assert "metadata" not in done.json() and not done.json()["final"]
         status, err = api_error(own.get(f"/v1/rollouts/{rid}"))  # the key is spent
         assert status == 401 and "no longer works" in err["message"]
-    # Not final: nothing stored until the admin grades it (tests/test_rollouts.py).
+    # Not final: nothing stored until the admin grades it (tests/serving/test_rollouts.py).
     assert not [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]
     assert admin.post(f"/v1/rollouts/{rid}/finish", json={"reward": 0.0}).status_code == 200
     (stored,) = [t for t in env["store"].load() if t.metadata["rollout_id"] == rid]

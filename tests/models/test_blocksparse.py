@@ -9,7 +9,7 @@ import pytest
 
 from ac2_jax.models import (AttentionMask, blocksparse_attention,
                             blocksparse_attention_with_count, dense_attention)
-from tests.test_attention_mask import flat_rows, tree_rows
+from tests.models.test_attention_mask import flat_rows, tree_rows
 
 TOL = 1e-5
 B, H, K, HD = 2, 4, 2, 8

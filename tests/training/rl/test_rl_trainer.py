@@ -447,7 +447,8 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     import sys
     import time
 
-    worker = os.path.join(os.path.dirname(__file__), "rl_kill_worker.py")
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    worker = os.path.join(tests, "rl_kill_worker.py")
     workdir = str(tmp_path / "run")
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
     proc = subprocess.Popen([sys.executable, worker, workdir, "3"], stdout=subprocess.PIPE,

@@ -216,7 +216,7 @@ def test_task_mean_is_the_token_mean_of_each_attempts_trained_episodes(layout):
 
 
 def test_subagent_wildcard_and_exact_labels_leave_out_their_episodes():
-    """The labels `agent_trained` matches (tests/test_rl_data.py) decide which episodes
+    """The labels `agent_trained` matches (tests/training/rl/test_rl_data.py) decide which episodes
     put tokens in the batch; the others are counted, and none of their tokens train."""
     traces = [_compacting_trace("a", 0, 1.0, agents=("main", "subagent:helper", "compactor",
                                                       "subagent:calc", "main")),

@@ -6,7 +6,7 @@ for a live and a frozen teacher, fp32: per-token losses and metric sums rtol/ato
 1e-5; param gradients (through the whole model) rtol 1e-5 with atol 1e-5 x the
 leaf's largest entry. RMSD scores equal `divergence`; a chunked distiller with a
 fixed teacher reports the reference loss. (The loss-level chunked/dense equality of every
-kind, values and gradients at 1e-5, is tests/test_chunked.py.)
+kind, values and gradients at 1e-5, is tests/losses/test_chunked.py.)
 """
 
 import dataclasses
@@ -73,7 +73,7 @@ def _value_and_grad(call, params, batch):
 
 def test_in_step_chunked_teacher_equals_host_logits(setup):
     """Live and frozen teacher: the step's chunked in-step teacher == host-side dense
-    teacher logits. (The dense in-step path is the one tests/test_distill_trainer runs.)"""
+    teacher logits. (The dense in-step path is the one tests/training/distill/test_distill_trainer runs.)"""
     g, st, _, paired, frozen = setup
     loss = DistillLoss(kind="jsd", beta=0.3, top_k=6, temperature=1.3)
     b, extras = paired.student, teacher_extras(paired)
@@ -108,7 +108,7 @@ def test_relevance_scores_equal_the_dense_divergence(setup):
         t_logits = teacher_logits(g, t_params, st.rest, paired.teacher, paired.teacher_index)
         want = divergence(g, st.params, st.rest, paired.student, t_logits, kind=loss.kind)
         assert np.abs(np.asarray(want)).max() > 1e-4
-        # chunked; the dense path (chunk_size None) runs in tests/test_distill_trainer's RMSD
+        # chunked; the dense path (chunk_size None) runs in tests/training/distill/test_distill_trainer's RMSD
         div, tmax = relevance_scores(g, st.params, teacher, st.rest, paired.student,
                                      teacher_extras(paired),
                                      dataclasses.replace(loss, chunk_size=7))

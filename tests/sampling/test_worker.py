@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.sampling import SamplerError, SamplingParams
-from tests.test_jax_sampler import (GREEDY, _same, _sampler, gen,  # noqa: F401
+from tests.sampling.test_jax_sampler import (GREEDY, _same, _sampler, gen,  # noqa: F401
                                     model, prompt_of, run, sampler)
 
 

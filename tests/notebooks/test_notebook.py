@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 _MAGIC = re.compile(r"^(\s*)[!%].*$")
 
 

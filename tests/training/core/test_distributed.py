@@ -25,7 +25,8 @@ import pytest
 from ac2_jax.segments import Segment, pack_segments, task_names
 from ac2_jax.training.core import distributed
 
-WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(TESTS, "multihost_worker.py")
 
 
 def _free_port() -> int:

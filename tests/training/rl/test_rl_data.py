@@ -1,7 +1,7 @@
 """Which traces train: failure taxonomy and staleness rules, group advantages, BatchConfig.
 
 The traces -> segments -> packed batch part (`batching`) has its own file,
-tests/test_rl_batching.py.
+tests/training/rl/test_rl_batching.py.
 """
 
 import collections

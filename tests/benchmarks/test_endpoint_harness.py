@@ -19,7 +19,7 @@ from benchmarks.endpoint_harness import (ServerProcess, audit, find_markers, los
                                          marker)
 
 ADMIN = "sk-harness-admin"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
 CHILD_ENV = {"XLA_FLAGS": ""}  # the server as deployed: one CPU device
 # Small shapes: few compiles, fast decode steps on CPU.
 SERVER_FLAGS = ["--max_tokens=2", "--max_context=256", "--max_batch=8"]
