@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import queue
+import threading
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 
 from ac2_jax.sampling.base import SamplerError, SampleResult, truncate_at_stop
-from ac2_jax.sampling.batching import Request, SlotTable, pow2_bucket, resolve
+from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
 
 WAKE = object()  # queue item: look at pending weights
@@ -52,7 +53,32 @@ class DeviceLoop:
     """Worker-thread methods of `JaxSampler` (a mixin: it uses the sampler's
     config, `_queue`, `_lock`, `_pending`, `_graphdef`/`_state`, `stats`)."""
 
+    # What the mixin reads and writes; `JaxSampler.__init__` sets every one of them.
     _pending: tuple[Any, int] | None  # (state, version) waiting for the rows to drain
+    _queue: queue.SimpleQueue
+    _lock: threading.Lock
+    _waiting: collections.deque[Request]
+    _admitting: list[Request]
+    _table: SlotTable
+    _cache: Any
+    _S: int
+    stats: SamplerStats
+    _graphdef: Any
+    _state: Any
+    _version: int
+    _model: Any
+    _tokenizer: Any
+    _cache_dtype: Any
+    _max_context: int
+    _max_batch: int
+    _min_batch: int
+    _min_cache: int
+    _min_prefill_rows: int
+    _prefill_chunk: int
+    _steps: int
+    _n_top: int
+    _batch_wait: float
+    _prefix_reuse: bool
 
     # ------------------------------------------------------------------ worker
 
