@@ -314,18 +314,16 @@ class TrainStep:
         return fill_micro_batches(tree, self.grad_accum)
 
     def _place_rows(self, tree):
-        rows = jax.tree.leaves(tree)[0].shape[0]
-        if self.mesh.is_multi_process:  # each process holds its rows: one global batch
+        many = self.mesh.is_multi_process
+        if many:  # each process holds its rows: one global batch
             tree = jax.tree.map(
                 lambda t: None if t is None else global_batch(t, self.mesh),
                 tree,
                 is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)),
             )
-            rows = jax.tree.leaves(tree)[0].shape[0]
-            check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step")
-            return tree
+        rows = jax.tree.leaves(tree)[0].shape[0]
         check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step")
-        return jax.device_put(tree, batch_sharding(self.mesh))
+        return tree if many else jax.device_put(tree, batch_sharding(self.mesh))
 
     def _place_teacher(self, teacher):
         if teacher is None:

@@ -175,8 +175,6 @@ class SelfDistiller(TrainerHooks):
             raise ValueError(
                 f"SelfDistiller: step_fn has loss {step_fn.loss_fn}; this config needs {loss}"
             )
-        if mesh is None:  # commit to one device: same placement every run, no recompiles
-            state = jax.device_put(state, jax.local_devices()[0])
         self.trainer = Trainer(
             graphdef,
             state,
