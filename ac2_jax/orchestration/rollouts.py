@@ -6,6 +6,10 @@ reward, fetch its token-level trace. `run_rollout` is one attempt end to end:
 create, run the orchestrator loop with an OpenAI client bound to the rollout
 key, verify, finish. This is how RL collects traces, and how any harness can.
 `classify_error` says whose fault a failed attempt was (docs/design.md "Failures").
+
+`openai` is imported only when a rollout runs (`run_rollout` builds its
+client): importing this module, and the training packages above it, needs
+no openai (a GPU machine that only benchmarks training may lack it).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import openai
 
 from ac2_jax.envs.base import AgentError, Env, Task
 from ac2_jax.orchestration.base import ConversationTrace, Orchestrator, SingleTaskUser, run_task
@@ -115,7 +118,11 @@ class LifecycleClient:
         *,
         http: httpx.AsyncClient | None = None,
     ) -> dict[str, Any]:
-        body = {"task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
+        body: dict[str, Any] = {
+            "task_id": task_id,
+            "group_id": group_id,
+            "metadata": metadata or {},
+        }
         if timeout_s is not None:
             body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
         return await self._call("POST", "/v1/rollouts", http, json=body)
@@ -163,6 +170,18 @@ class LifecycleClient:
         await self._http.aclose()
 
 
+def _openai_module():
+    """`openai`, imported on first use, or an ImportError naming what to install."""
+    try:
+        import openai
+    except ImportError as e:
+        raise ImportError(
+            "ac2_jax.orchestration.run_rollout needs the `openai` package: "
+            "pip install 'ac2_jax[serve]' (or pip install 'openai>=1.30')"
+        ) from e
+    return openai
+
+
 OrchestratorFactory = Callable[[Env, Task, Any, str], Orchestrator]
 
 
@@ -180,6 +199,10 @@ def classify_error(exc: BaseException) -> str:
     """
     if isinstance(exc, AgentError):
         return "agent_error"
+    try:
+        import openai
+    except ImportError:  # then no openai error can have been raised
+        return "infra_error"
     if isinstance(exc, openai.BadRequestError) and exc.code == "context_length_exceeded":
         return "agent_error"
     if isinstance(exc, openai.APIStatusError) and exc.code == "rollout_ended_by_key":
@@ -215,6 +238,7 @@ async def run_rollout(
     the rollout's timeout and also enforced here: an agent loop still running
     after it is cancelled and the rollout finished as "timed_out" (no reward).
     """
+    _openai_module()  # no openai: fail here, before a rollout is created
     if hasattr(env, "env_for"):  # a DomainMixer: the task's own env runs and verifies it
         env = env.env_for(task)
     # One client for all of this rollout's calls (one pooled connection unless its
@@ -254,7 +278,7 @@ async def _run_rollout(
         http=http,
     )
     # The openai client borrows `http` (closed by run_rollout, after finish and trace).
-    client = openai.AsyncOpenAI(
+    client = _openai_module().AsyncOpenAI(
         base_url=info["base_url"],
         api_key=info["api_key"],
         max_retries=0,

@@ -9,23 +9,30 @@ is trained.
 
 import asyncio
 import dataclasses
+import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
+from serving_helpers import served_random_model
 
 from ac2_jax.envs import AgentError, Env, Task
-from ac2_jax.orchestration import (DefaultOrchestrator, LifecycleClient, MultiResponseOrchestrator,
-                                  run_rollout)
+from ac2_jax.orchestration import (
+    DefaultOrchestrator,
+    LifecycleClient,
+    MultiResponseOrchestrator,
+    run_rollout,
+)
 from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch
-from serving_helpers import served_random_model
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}
@@ -135,7 +142,8 @@ def test_sampler_error_is_infra_error(endpoint):
     finally:
         stop()
     # The endpoint ended the rollout itself; run_rollout keeps that status.
-    assert trace.status == "infra_error" and "SGLangUnavailable" in trace.metadata["artifacts"]["error"]
+    assert trace.status == "infra_error"
+    assert "SGLangUnavailable" in trace.metadata["artifacts"]["error"]
     assert conv.status == "infra_error" and never_trained(trace)
 
 
@@ -280,8 +288,9 @@ def test_rollouts_share_one_ssl_context_and_close_their_clients(endpoint, monkey
 def test_each_rollout_speaks_over_its_own_client_only(endpoint):
     """create, the model calls, finish and trace of a rollout all go over its own
     HTTP client (one connection), the lifecycle calls with the lifecycle client's
-    timeout; the lifecycle client's shared pool sends none of them. Through one shared pool, httpcore checks every pooled connection on each
-    request: with 64 rollouts at once that scan was most of the collector's time."""
+    timeout; the lifecycle client's shared pool sends none of them. Through one
+    shared pool, httpcore checks every pooled connection on each request: with 64
+    rollouts at once that scan was most of the collector's time."""
     sent = {}
 
     def hook(name):
@@ -352,7 +361,7 @@ def _branch_members(trace, agent="main"):
     members share one prompt; the first recorded is choice 0, then 1, ... (the
     endpoint records a request's n responses in order)."""
     groups: dict[tuple, list] = {}
-    for i, ep in enumerate(trace.episodes):
+    for ep in trace.episodes:
         if ep.agent == agent:
             for c in ep.completions:
                 groups.setdefault(tuple(c.prompt_ids), []).append(c)
@@ -406,3 +415,24 @@ def test_the_continued_path_of_later_choices_trains_every_token_once(endpoint):
     batch, stats, _ = build_batch([trace], 0, BatchConfig(seq_len=256, rows=1))
     trained = sorted(np.asarray(batch.targets)[np.asarray(batch.loss_mask) > 0].tolist())
     assert trained == sorted(t for c in continued for t in c.output_ids)
+
+
+def test_the_training_packages_import_without_openai():
+    """A GPU machine that only benchmarks training (benchmarks/gpu_bench.py) may lack
+    openai: rollouts imports it when a rollout runs, and says what to install."""
+    probe = (
+        "import sys; sys.modules['openai'] = None\n"  # None in sys.modules: import fails
+        "import ac2_jax.training, ac2_jax.training.rl\n"
+        "from ac2_jax.orchestration import classify_error, rollouts\n"
+        "assert classify_error(RuntimeError('x')) == 'infra_error'\n"
+        "try:\n"
+        "    rollouts._openai_module()\n"
+        "except ImportError as e:\n"
+        "    assert 'ac2_jax[serve]' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('openai imported')\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
