@@ -24,6 +24,7 @@ capacities (`BatchConfig.rows`/`seq_len` large enough for the data).
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Callable
 from typing import Any
@@ -41,25 +42,48 @@ from ac2_jax.training.core.train_step import TrainStep, make_train_step
 EXTRA = "driver"  # the checkpoint subtree holding `TrainerHooks.extra_state()`
 
 
-class TrainerHooks:
-    """What a driver adds to the loop; override what it needs."""
+class TrainerHooks(abc.ABC):
+    """The plug-in contract: what a driver (RL, SFT, self-distillation) adds to the loop.
 
+    Every driver implements it (`RLTrainer` and `SelfDistiller` are hooks, `run_sft`
+    passes its own) and hands it to its `Trainer`: checkpoint state goes only
+    through it, into the Trainer's checkpoint (no driver writes checkpoint files of
+    its own). A driver must say what its checkpoint holds (`state_dict`) and check
+    it on resume (`load_state_dict`); the array state and the step callback are
+    optional. Order in a loop step: update, log, `on_step_end`, checkpoint
+    (`state_dict`, `extra_state`). On `Trainer.restore`: `load_state_dict` first
+    (a mismatch is named before any array loads), then `load_extra_state`.
+    """
+
+    @abc.abstractmethod
     def state_dict(self) -> dict:
-        """JSON-serialisable driver state saved with each checkpoint (data position...)."""
-        return {}
+        """JSON-serialisable driver state saved with each checkpoint (data position,
+        what decides the data order...); `{}` when there is none."""
 
+    @abc.abstractmethod
     def load_state_dict(self, data: dict) -> None:
-        """Restores `state_dict()`; raise ValueError naming what does not match."""
+        """Restores `state_dict()` (`{}` from a checkpoint without one); raise ValueError
+        naming what does not match this run."""
 
     def extra_state(self) -> Any:
         """A pytree of arrays saved with the checkpoint (e.g. teacher params), or None."""
         return None
 
-    def load_extra_state(self, tree: Any) -> None:
+    def load_extra_state(self, tree: Any) -> None:  # noqa: B027 - optional: a no-op
         """Restores `extra_state()` (same structure and placement as the current one)."""
 
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:  # noqa: B027 - optional
         """Called after loop step `step` (1-based) is logged, before its checkpoint."""
+
+
+class _NoHooks(TrainerHooks):
+    """A loop without driver state (the `Trainer` default)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, data: dict) -> None:
+        pass
 
 
 class Trainer:
@@ -127,7 +151,9 @@ class Trainer:
             if bad:
                 raise ValueError(f"Trainer: step_fn differs from this trainer in {bad}")
         self.graphdef, self.step_fn = graphdef, step_fn
-        self.hooks = hooks if hooks is not None else TrainerHooks()
+        if hooks is not None and not isinstance(hooks, TrainerHooks):
+            raise TypeError(f"Trainer: hooks must be a TrainerHooks, got {type(hooks).__name__}")
+        self.hooks: TrainerHooks = hooks if hooks is not None else _NoHooks()
         self.state = step_fn.place(state)
         self.steps_done, self.checkpoint_every = 0, int(checkpoint_every)
         self.workdir = None if workdir is None else os.path.abspath(os.fspath(workdir))
@@ -273,9 +299,8 @@ class Trainer:
         ckpt = self._checkpointer()
         if ckpt.latest_step() == self.steps_done:
             return False
-        tree, extra = self.host_state(), self.hooks.extra_state()
-        if extra is not None:
-            tree = {**to_nested(tree), EXTRA: extra}
+        state, extra = self.host_state(), self.hooks.extra_state()
+        tree: Any = state if extra is None else {**to_nested(state), EXTRA: extra}
         data = {"steps_done": self.steps_done, "driver": self.hooks.state_dict()}
         return ckpt.save(self.steps_done, tree, data, force=True)
 
@@ -292,11 +317,13 @@ class Trainer:
         self.hooks.load_state_dict(dict(data.get("driver", {})))
         target, extra = self.host_state(), self.hooks.extra_state()
         like = target if extra is None else {**to_nested(target), EXTRA: extra}
-        tree, _, _ = ckpt.restore(like, step)
-        if extra is not None:
-            self.hooks.load_extra_state(tree.pop(EXTRA))
-            tree = from_nested(tree, target)
-        self.state = self.step_fn.place(tree)
+        restored, _, _ = ckpt.restore(like, step)
+        state: TrainState = restored
+        if extra is not None:  # {**train state as a nested dict, EXTRA: driver pytree}
+            nested = dict(restored)
+            self.hooks.load_extra_state(nested.pop(EXTRA))
+            state = from_nested(nested, target)
+        self.state = self.step_fn.place(state)
         self.steps_done = int(data["steps_done"])
         if self._progress is not None:
             assert self._task is not None  # set together with _progress

@@ -35,11 +35,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -52,7 +53,7 @@ from ac2_jax.training.core.metrics_log import MetricsLogger
 from ac2_jax.training.core.objectives import Objective, PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
-from ac2_jax.training.core.trainer import Trainer
+from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch, warmup_batch
 
 # The collectors live in collectors.py; importable from here as before.
@@ -72,6 +73,8 @@ from ac2_jax.training.rl.data import (
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
+# What decides step s's tasks and attempts: a checkpoint of another stream must not be resumed.
+_DATA_KEYS = ("seed", "tasks_per_step", "attempts_per_task")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +130,27 @@ class RLConfig:
             )
 
 
-class RLTrainer:
+class _RefillCollector(Collector, Protocol):
+    """A collector dynamic sampling can refill (`RLConfig.dynamic_sampling`)."""
+
+    async def refill(self, rl_step: int, round: int, n: int) -> tuple[list[Trace], int]: ...
+
+
+def _json_like(tree: Any) -> Any:
+    """`tree` as it reads back from a JSON checkpoint (tuples -> lists, str keys)."""
+    return json.loads(json.dumps(tree))
+
+
+class RLTrainer(TrainerHooks):
     """The RL loop around a model. `on_publish(version)` makes the sampler reload.
+
+    Its own `TrainerHooks` (as SelfDistiller is): the checkpoint holds, besides the
+    train state and the loop step (= the next rl_step; the data position), what
+    decides the task stream (seed, tasks_per_step, attempts_per_task: a resume
+    with others is a ValueError) and the adaptive mixer's recorded results (the
+    mixer is rebuilt by replaying the stored traces of the steps done; a replay
+    that differs from the checkpoint's is warned). The rollouts themselves live in
+    the collector's store (`rollouts.jsonl`, crash-safe, not checkpoint state).
 
     `on_progress(steps_done, version)` (a function or coroutine function) runs
     when `run` starts and after each loop step's checkpoint began: a learner in
@@ -216,6 +238,9 @@ class RLTrainer:
                     console=False,
                 )
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
+        env = getattr(collector, "env", None)
+        self.mixer = env if isinstance(env, DomainMixer) and env.adaptive is not None else None
+        self._checkpoint_mixer: dict | None = None  # the restored checkpoint's mixer state
         self.trainer = Trainer(
             self.graphdef,
             state,
@@ -230,14 +255,34 @@ class RLTrainer:
             logger=logger,
             progress=progress,
             total_steps=config.steps,
+            hooks=self,
         )
         self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
         self._published: int | None = None
         self.history: list[dict[str, Any]] = []
-        env = getattr(collector, "env", None)
-        self.mixer = env if isinstance(env, DomainMixer) and env.adaptive is not None else None
         if self.mixer is not None and self.start_step > 0:
             self._replay_mixer()
+
+    # -- checkpoints (TrainerHooks)
+
+    def state_dict(self) -> dict:
+        out: dict[str, Any] = {k: getattr(self.config, k) for k in _DATA_KEYS}
+        out["mixer"] = None if self.mixer is None else self.mixer.state()
+        return out  # the data position itself is the trainer's steps_done
+
+    def load_state_dict(self, data: dict) -> None:
+        # Checkpoints written before these keys were saved hold none of them.
+        bad = {
+            k: (data[k], getattr(self.config, k))
+            for k in _DATA_KEYS
+            if k in data and data[k] != getattr(self.config, k)
+        }
+        if bad:
+            raise ValueError(
+                "RLTrainer: the checkpoint's task stream differs from this run: "
+                + ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in bad.items())
+            )
+        self._checkpoint_mixer = data.get("mixer")
 
     def _replay_mixer(self) -> None:
         """Feeds the mixer the stored traces of the steps done, as the killed run did."""
@@ -258,6 +303,14 @@ class RLTrainer:
                     "DomainMixer; its weights differ from the run that trained it",
                     s,
                 )
+        want = self._checkpoint_mixer
+        if want is not None and _json_like(self.mixer.state()) != want:
+            logging.warning(
+                "RLTrainer: the adaptive DomainMixer replayed from the stored traces of "
+                "rl_steps 0..%d differs from the checkpoint's (the store changed since?); "
+                "its weights differ from the run that trained it",
+                self.start_step - 1,
+            )
 
     @property
     def step_fn(self) -> TrainStep:
@@ -341,11 +394,13 @@ class RLTrainer:
         def informative(ts):
             return len(informative_groups(select_traces(ts, version, self._batch_config)[0]))
 
+        # __init__ refused dynamic sampling for a collector without refill.
+        refiller = cast(_RefillCollector, self.collector)
         m = {"refills": 0.0, "refill_tasks": 0.0, "refill_repeats": 0.0}
         have = informative(traces)
         while have < cfg.tasks_per_step and m["refills"] < cfg.max_refills:
             m["refills"] += 1
-            more, repeated = await self.collector.refill(
+            more, repeated = await refiller.refill(
                 rl_step, int(m["refills"]), cfg.tasks_per_step - have
             )
             traces = traces + more
@@ -393,7 +448,8 @@ class RLTrainer:
         if self.start_step > 0:
             await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
         await self._progress()
-        seen = self.sampler_counters() if self.sampler_counters else None
+        counters = self.sampler_counters
+        seen = counters() if counters is not None else None
         pending = asyncio.ensure_future(self.collector.collect(self.start_step))
         # The step compiles while the first rollouts are collected (minutes at real size).
         warm = (
@@ -411,8 +467,8 @@ class RLTrainer:
                 self.mixer.update(traces)
                 extra.update(self.mixer.metrics())
             t_sample = time.perf_counter() - t0
-            if seen is not None:
-                now = self.sampler_counters()
+            if counters is not None and seen is not None:
+                now = counters()
                 extra.update(
                     {
                         f"sampler/{k}": v

@@ -3,6 +3,9 @@ metrics, exact resume with the driver's own state (JSON + a pytree), hook order.
 
 Resume equality is exact in fp32 (assert_array_equal): same ops, same order."""
 
+import asyncio
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +237,104 @@ def test_a_warmup_of_another_geometry_than_the_first_batch_is_warned(caplog):
         r.update(batch(1))
         r.update(pack_segments(_segs(2), 16, min_rows=4))  # a later new geometry: not this
     assert "compiled ahead" not in caplog.text
+
+
+def test_hooks_are_the_one_plug_in_contract():
+    """TrainerHooks is abstract in what a checkpoint holds (state_dict/load_state_dict);
+    every driver implements it and hands itself (or its hooks) to its Trainer."""
+    from ac2_jax.training.distill.trainer import SelfDistiller
+    from ac2_jax.training.rl.trainer import RLTrainer
+    from ac2_jax.training.sft.trainer import _SFTHooks
+
+    with pytest.raises(TypeError):
+        TrainerHooks()
+    assert all(issubclass(c, TrainerHooks) for c in (RLTrainer, SelfDistiller, _SFTHooks))
+    with pytest.raises(TypeError, match="hooks must be a TrainerHooks"):
+        Trainer(*fresh(), LOSS, OPT, hooks=object(), make_step=STEPS)
+
+
+# -- exact resume of the three drivers (issue 33), in one place: N loop steps straight ==
+# K steps, close, a new driver (fresh model) restored from the workdir, N - K more. The
+# train state (params, optimizer state, step) and the driver's array state (the EMA
+# teacher) are bitwise equal in fp32 (assert_array_equal): same ops, same order.
+
+N, K = 4, 2
+
+
+def _sft(workdir, steps):
+    from ac2_jax.training.sft.trainer import SFTConfig, run_sft
+
+    segs = [s for i in range(4) for s in _segs(10 + i, n=1)]
+    segs = [dataclasses.replace(s, task=f"t{i}") for i, s in enumerate(segs)]
+    config = SFTConfig(seq_len=16, batch_rows=2, steps=steps, seed=3, checkpoint_every=1)
+    result = run_sft(Decoder(CFG, rngs=nnx.Rngs(0)), segs, config, OPT, workdir=workdir,
+                     make_step=STEPS)
+    return result.state, None
+
+
+def _distill(workdir, steps):
+    from ac2_jax.training.distill.data import DistillExample
+    from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
+
+    rng = np.random.default_rng(0)
+
+    def example(i):
+        prompt, hint = rng.integers(1, 32, 5).tolist(), rng.integers(1, 32, 3).tolist()
+        return DistillExample(prompt, prompt[:2] + hint + prompt[2:],
+                              rng.integers(1, 32, 4 + i % 3).tolist(), "hint", f"task/{i}",
+                              hint_span=(2, 5))
+
+    batches = [[example(2 * i), example(2 * i + 1)] for i in range(N)]
+    graphdef, state = fresh()
+    config = DistillConfig(teacher="ema", ema_decay=0.5, rows=2, seq_len=32,
+                           checkpoint_every=1)
+    d = SelfDistiller(graphdef, state, config, OPT, workdir=workdir, make_step=STEPS)
+    for i in range(d.restore(), steps):
+        d.update(batches[i])
+    d.close()
+    return d.state, d.teacher_params
+
+
+def _rl(workdir, steps):
+    from ac2_jax.trace import Completion, Trace, TraceRecorder
+    from ac2_jax.training.rl.data import BatchConfig
+    from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
+
+    rng = np.random.default_rng(0)
+    traces = []
+    for s in range(N):  # 2 tasks x 2 attempts a step; rewards differ within each group
+        for g in range(2):
+            for a in range(2):
+                t = Trace(task_id=f"task{g}", attempt_id=str(a), group_id=f"{s}:task{g}",
+                          reward=float(a), status="finished", metadata={"rl_step": s})
+                out = rng.integers(1, 32, 3 + a).tolist()
+                TraceRecorder(t).record("main", Completion(
+                    rng.integers(1, 32, 4).tolist(), out, [-1.5] * len(out), policy_version=s))
+                traces.append(t)
+    config = RLConfig(steps=steps, tasks_per_step=2, attempts_per_task=2,
+                      batch=BatchConfig(seq_len=32, rows=4), optimizer=OPT)
+    trainer = RLTrainer(Decoder(CFG, rngs=nnx.Rngs(0)), ReplayCollector(traces), config,
+                        str(workdir), make_step=STEPS)
+    history = asyncio.run(trainer.run())
+    trainer.close()
+    assert all(h["skipped_update"] == 0.0 for h in history)
+    return trainer.trainer.host_state(), None
+
+
+@pytest.mark.parametrize("drive", [_rl, _sft, _distill], ids=["rl", "sft", "distill"])
+def test_every_driver_resumes_exactly(tmp_path, drive):
+    straight, straight_extra = drive(tmp_path / "straight", N)
+    first, _ = drive(tmp_path / "resumed", K)
+    assert int(first.step) == K
+    resumed, resumed_extra = drive(tmp_path / "resumed", N)  # restores step K
+    assert int(resumed.step) == int(straight.step) == N
+    changed = [not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(first.params), jax.tree.leaves(resumed.params), strict=True)]
+    assert any(changed), "the resumed run trained nothing"
+    pairs = [(straight, resumed), (straight_extra, resumed_extra)]
+    for want, got in pairs:
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    rows = read_metrics(str(tmp_path / "resumed" / "metrics" / "metrics.jsonl"))
+    # One train/ line a step: the second run started at K (a rerun from 0 would log 1, 2 again).
+    assert [r["step"] for r in rows] == list(range(1, N + 1))
