@@ -257,7 +257,11 @@ class RLTrainer(TrainerHooks):
             total_steps=config.steps,
             hooks=self,
         )
-        self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
+        try:
+            self.start_step = self.trainer.restore()  # = loop steps done = the next rl_step
+        except BaseException:
+            self.trainer.close()  # e.g. a checkpoint of another task stream (ValueError)
+            raise
         self._published: int | None = None
         self.history: list[dict[str, Any]] = []
         if self.mixer is not None and self.start_step > 0:

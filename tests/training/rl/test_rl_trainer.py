@@ -491,6 +491,22 @@ def test_async_with_zero_staleness_and_drop_is_refused():
     RLConfig(mode="sync", batch=BatchConfig(max_staleness=0))
 
 
+def test_resume_refuses_another_task_stream(tmp_path):
+    """The checkpoint (RLTrainer's TrainerHooks.state_dict) holds what decides step s's
+    tasks: a resume with another seed / tasks_per_step / attempts_per_task is named."""
+    trainer = RLTrainer(_model(64), ReplayCollector([]), _config(1), str(tmp_path),
+                        make_step=STEPS)
+    asyncio.run(trainer.run())  # one loop step (nothing to train), checkpointed
+    trainer.close()
+    with pytest.raises(ValueError, match="seed: checkpoint 0, now 1"):
+        RLTrainer(_model(64), ReplayCollector([]), dataclasses.replace(_config(2), seed=1),
+                  str(tmp_path), make_step=STEPS)
+    again = RLTrainer(_model(64), ReplayCollector([]), _config(2), str(tmp_path),
+                      make_step=STEPS)
+    again.close()
+    assert again.start_step == 1
+
+
 def test_publish_runs_off_the_event_loop(served, tmp_path):
     """Orbax save + sampler reload used to run on the event loop, stalling every rollout."""
     import threading
