@@ -441,9 +441,12 @@ class MultiResponseOrchestrator(DefaultOrchestrator):
         self.collected: list[list[str | None]] = []
 
     def score(self, text: str | None) -> float:
-        if self.select == "verify":
+        select = self.select
+        if select == "verify":
             return float(self.env.verify(self.trace.task, text))
-        return float(self.select(text))
+        if not callable(select):  # "first" keeps choice 0 and scores nothing
+            raise TypeError(f"MultiResponseOrchestrator.score: select={select!r} gives no score")
+        return float(select(text))
 
     def choose(self, choices):
         texts = [c.message.content for c in choices]

@@ -233,7 +233,11 @@ class Sampler(Protocol):
     def max_context(self) -> int: ...
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, on_tokens: OnTokens | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens | None = None,
     ) -> SampleResult: ...
 
     def load_weights(self, step: int | None = None) -> int: ...

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -110,7 +111,13 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
     }
 
 
-def resolve(req: Request, result=None, exc: BaseException | None = None) -> None:
+class _HasFuture(Protocol):
+    """A queue item a caller waits on (a `Request`, the worker's `Warmup`)."""
+
+    future: concurrent.futures.Future
+
+
+def resolve(req: _HasFuture, result=None, exc: BaseException | None = None) -> None:
     """Completes a request's future unless the caller already gave up on it."""
     try:
         if exc is not None:
@@ -150,6 +157,13 @@ class SlotTable:
 
     def active_rows(self) -> list[int]:
         return [i for i in range(self.B) if self.req[i] is not None]
+
+    def held(self, row: int) -> Request:
+        """The request in `row`, an active row."""
+        req = self.req[row]
+        if req is None:
+            raise RuntimeError(f"SlotTable: row {row} holds no request")
+        return req
 
     def free_rows(self) -> list[int]:
         return [i for i in range(self.B) if self.req[i] is None]

@@ -18,27 +18,32 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from ac2_jax.losses.logprobs import sampling_logits
 from ac2_jax.models.decoder import KVCache
+
+# A `Rows` field: numpy on the host (`SlotTable.rows()`, and after `jax.device_get`),
+# a jax array inside the jitted calls.
+RowArray = jax.Array | np.ndarray
 
 
 @struct.dataclass
 class Rows:
     """Per-row decode state, every field [B] (stop_ids [B, NS], -1 = unused)."""
 
-    token: jax.Array  # int32: next input token (last prompt token, then last sample)
-    pos: jax.Array  # int32: its position / cache slot
-    active: jax.Array  # bool: still generating
-    n_out: jax.Array  # int32: output tokens sampled so far
-    max_out: jax.Array  # int32: stop after this many output tokens
-    temperature: jax.Array  # float32: 0 = greedy
-    top_p: jax.Array  # float32: 1 = off
-    top_k: jax.Array  # int32: <= 0 = off
-    seed_lo: jax.Array  # uint32
-    seed_hi: jax.Array  # uint32
-    stop_ids: jax.Array  # int32 [B, NS]
+    token: RowArray  # int32: next input token (last prompt token, then last sample)
+    pos: RowArray  # int32: its position / cache slot
+    active: RowArray  # bool: still generating
+    n_out: RowArray  # int32: output tokens sampled so far
+    max_out: RowArray  # int32: stop after this many output tokens
+    temperature: RowArray  # float32: 0 = greedy
+    top_p: RowArray  # float32: 1 = off
+    top_k: RowArray  # int32: <= 0 = off
+    seed_lo: RowArray  # uint32
+    seed_hi: RowArray  # uint32
+    stop_ids: RowArray  # int32 [B, NS]
 
 
 def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Array:

@@ -182,23 +182,23 @@ class FleetSampler:
                 live = [i for i, st in enumerate(self._states) if st.up]
             if not live:
                 raise SamplerError(f"FleetSampler.load_weights: no live backend ({self._errors()})")
-            got, loaded, first_err = step, 0, None
+            got, first_err = step, None
+            version: int | None = None  # what the backends loaded (None: none yet)
             for i in live:
                 try:
-                    got = int(self._backends[i].load_weights(got))
-                    loaded += 1
+                    version = got = int(self._backends[i].load_weights(got))
                 except Exception as e:  # noqa: BLE001 - that backend is out until it loads
-                    if loaded == 0 and not isinstance(e, SamplerError):
+                    if version is None and not isinstance(e, SamplerError):
                         raise  # a bad step or setup, not a backend failure: nothing loaded
                     first_err = first_err or e
                     with self._lock:
                         self._mark_down(i, f"load_weights({got}) failed: {type(e).__name__}: {e}")
-            if not loaded:
+            if version is None:
                 raise SamplerError(
                     f"FleetSampler.load_weights: every backend failed ({self._errors()})"
                 ) from first_err
-            self._version = got
-            return got
+            self._version = version
+            return version
 
     # ------------------------------------------------------------------ status
 
@@ -238,20 +238,22 @@ class FleetSampler:
         """The backend for this request (in-flight counted); SamplerUnavailable if none."""
         with self._lock:
             now = time.monotonic()
-            for i, st in enumerate(self._states):
+            for j, st in enumerate(self._states):
                 if not st.up and not st.checking and now >= st.retry_at:
-                    self._check_in_thread(i, revive=True)
-            live = [i for i, st in enumerate(self._states) if st.up and i not in tried]
+                    self._check_in_thread(j, revive=True)
+            live = [j for j, st in enumerate(self._states) if st.up and j not in tried]
             if not live:
                 raise SamplerUnavailable(
                     f"FleetSampler: no live backend for this request ({self._errors()})"
                 )
-            i = self._routes.get(key) if key is not None else None
-            if i is not None:
-                self._routes.move_to_end(key)
-                if i not in live:
-                    self.moved_keys += 1
-                    i = None
+            i: int | None = None
+            if key is not None:
+                i = self._routes.get(key)
+                if i is not None:
+                    self._routes.move_to_end(key)
+                    if i not in live:
+                        self.moved_keys += 1
+                        i = None
             if i is None:
                 i = min(live, key=lambda j: (self._states[j].in_flight, self._states[j].keys, j))
                 if key is not None:

@@ -204,7 +204,7 @@ class DeviceLoop:
 
     def _drop_if_cancelled(self, row: int) -> bool:
         """Frees `row` if its caller gave up (counted)."""
-        if not self._table.req[row].future.cancelled():
+        if not self._table.held(row).future.cancelled():
             return False
         self._table.release(row)
         self.stats.cancelled += 1
@@ -266,7 +266,8 @@ class DeviceLoop:
         """Cache slots the active rows need for the next `steps` decode steps."""
         t, need = self._table, 1
         for r in t.active_rows():
-            last = len(t.req[r].prompt) + t.req[r].max_out - 1  # last position ever written
+            req = t.held(r)
+            last = len(req.prompt) + req.max_out - 1  # last position ever written
             need = max(need, min(int(t.arr["pos"][r]) + steps, last))
         return pow2_bucket(need, self._min_cache, self._max_context)
 
@@ -280,7 +281,7 @@ class DeviceLoop:
         if self._cache is None or n > len(t.free_rows()):
             B = pow2_bucket(n_active + n, self._min_batch, self._max_batch)
             self._layout(list(range(t.B)), max(B, t.B), max(self._S, self._min_cache))
-        jobs, taken = [], set()
+        jobs, taken = [], set[int]()
         for req in self._admitting:
             prompt = np.asarray(req.prompt, np.int32)
             row, reuse = (
@@ -342,7 +343,7 @@ class DeviceLoop:
         S = self._need_len(self._steps)
         if S > self._S:
             self._layout(list(range(t.B)), t.B, S)
-        want_top = any(t.req[r].params.top_logprobs > 0 for r in active)
+        want_top = any(t.held(r).params.top_logprobs > 0 for r in active)
         t0 = time.perf_counter()
         rows_in = t.rows()
         self._cache, rows, out = decode_chunk(
@@ -367,7 +368,7 @@ class DeviceLoop:
         for r in active:
             if self._drop_if_cancelled(r):
                 continue
-            req = t.req[r]
+            req = t.held(r)
             try:
                 self._accept(r, toks, lps, tids, tlps)
             except Exception as e:  # noqa: BLE001 - this request's fault only
@@ -377,7 +378,7 @@ class DeviceLoop:
         """Per-request host work after a chunk: take the row's new tokens, apply
         stop strings, hand accepted tokens to on_tokens, resolve when done."""
         t, st = self._table, self.stats
-        req = t.req[row]
+        req = t.held(row)
         got = toks[:, row] >= 0
         new = toks[got, row].tolist()
         req.gen += new

@@ -34,7 +34,10 @@ def test_assign_release_and_prefix_reuse():
     # Two tokens generated; the last one was never fed, so 4 + 1 slots hold keys.
     a.gen = [20, 21]
     t.arr["pos"][row] = 5
+    assert t.held(row) is a
     assert t.release(row) is a and t.active_rows() == []
+    with pytest.raises(RuntimeError, match="holds no request"):
+        t.held(row)
     np.testing.assert_array_equal(t.hist[row], [10, 11, 12, 13, 20])
     # The next turn extends that sequence: its row and 5 reusable tokens are found.
     assert t.pick_row(np.array([10, 11, 12, 13, 20, 21, 30]), set()) == (row, 5)
