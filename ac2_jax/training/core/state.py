@@ -10,6 +10,7 @@ module inside the step.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +131,8 @@ def create_train_state(
     `rng` is an int seed or a raw uint32[2] key (typed keys are unwrapped so the
     state stays checkpointable as a plain array).
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, *others = nnx.split(model, nnx.Param, ...)
+    (rest,) = others  # the `...` filter: everything that is not a Param
     if not jax.tree.leaves(params):
         raise ValueError("create_train_state: the model has no nnx.Param to train")
     if isinstance(rng, int):
@@ -155,13 +157,15 @@ def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainStat
     `Checkpointer.restore`) and a source of shardings for models too big to
     initialize just to be overwritten.
     """
-    graphdef, params, rest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    graphdef, params, *others = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    (rest,) = others
     opt_state = jax.eval_shape(as_transform(optimizer).init, params)
+    # Abstract leaves where the state holds arrays: the same tree, shapes and dtypes only.
     return graphdef, TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32),
+        step=cast(jax.Array, jax.ShapeDtypeStruct((), jnp.int32)),
         params=params,
         opt_state=opt_state,
-        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        rng=cast(jax.Array, jax.ShapeDtypeStruct((2,), jnp.uint32)),
         rest=rest,
     )
 

@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -340,7 +341,14 @@ def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
         for k in params:
             params[k][resp] = getattr(e, k)
     return Segment(
-        list(prompt) + list(e.response), mask, lps, task=e.task, weight=e.weight, **params
+        np.asarray(list(prompt) + list(e.response), np.int32),
+        mask,
+        lps,
+        task=e.task,
+        weight=e.weight,
+        temperature=params["temperature"],
+        top_k=params["top_k"],
+        top_p=params["top_p"],
     )
 
 
@@ -393,12 +401,12 @@ def pack_pairs(
             spans[i] = (r, cs, ct, n)
             s0 += len(e.student_prompt) + n
             t0 += len(e.teacher_prompt) + n
-    kw = dict(
+    kw: dict[str, Any] = dict(
         num_tasks=pow2_bucket(max(len(tasks), min_capacity)),
         num_segments=pow2_bucket(max(len(examples), min_capacity)),
     )
     return PairedBatch(
-        PackedBatch(**stu, **kw), PackedBatch(**tea, **kw), index, spans, list(examples)
+        PackedBatch(**{**stu, **kw}), PackedBatch(**{**tea, **kw}), index, spans, list(examples)
     )
 
 
@@ -408,5 +416,13 @@ def sft_segments(examples: Sequence[DistillExample]) -> list[Segment]:
     for e in examples:
         toks = list(e.student_prompt) + list(e.response)
         mask = [0.0] * len(e.student_prompt) + e.trained_mask().tolist()
-        segs.append(Segment(toks, mask, np.zeros(len(toks)), task=e.task, weight=e.weight))
+        segs.append(
+            Segment(
+                np.asarray(toks, np.int32),
+                np.asarray(mask, np.float32),
+                np.zeros(len(toks)),
+                task=e.task,
+                weight=e.weight,
+            )
+        )
     return segs

@@ -141,7 +141,9 @@ class DistillLoss:
     def _finish(self, terms, m):
         return terms.pop("loss"), {k: (v * m).sum() for k, v in terms.items()}
 
-    def __call__(self, logits, batch, extras=None):
+    def __call__(
+        self, logits: jax.Array, batch, extras: dict | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         if not extras or "teacher_logits" not in extras:
             raise ValueError(
                 "DistillLoss called on logits needs extras={'teacher_logits': "

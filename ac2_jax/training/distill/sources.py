@@ -190,7 +190,7 @@ async def aresample_examples(
     missing = [t.task_id for t in tasks if not t.hint]
     if missing:
         raise ValueError(f"resample_examples: tasks without a hint: {missing[:5]}")
-    pairs = [prompts(t, t.hint) for t in tasks]
+    pairs = [prompts(t, t.hint or "") for t in tasks]  # every hint is set (checked above)
     ctx = [p[0] if source == "student" else p[1] for p in pairs]
     outs = await asample(
         sampler, ctx, sampling, stop_token_ids=prompts.tokenizer.stop_token_ids, seed=seed

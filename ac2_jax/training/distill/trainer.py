@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.batch import pow2_bucket
-from ac2_jax.training.core.objectives import SFTLoss
+from ac2_jax.training.core.objectives import LossFn, SFTLoss
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
@@ -170,7 +171,9 @@ class SelfDistiller(TrainerHooks):
                 f"{config.checkpoint_every} needs a workdir"
             )
         self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
-        loss = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
+        # cast: LossFn declares mode/normalizer as settable attributes; a frozen loss has
+        # them read-only (objectives.py), which mypy counts as not matching the protocol.
+        loss = cast(LossFn, SFTLoss(mode=config.mode) if config.method == "sft" else config.loss())
         if step_fn is not None and step_fn.loss_fn != loss:
             raise ValueError(
                 f"SelfDistiller: step_fn has loss {step_fn.loss_fn}; this config needs {loss}"
@@ -267,10 +270,10 @@ class SelfDistiller(TrainerHooks):
                 ex = JudgeExample(
                     prompt=tok.decode(e.student_prompt),
                     response=tok.decode(e.response),
-                    response_tokens=[tok.decode([t]) for t in e.response],
+                    response_tokens=tuple(tok.decode([t]) for t in e.response),
                     hint=e.hint,
-                    candidates=ranked,
-                    teacher_tokens=[tok.decode([int(t)]) for t in tm],
+                    candidates=tuple(ranked),
+                    teacher_tokens=tuple(tok.decode([int(t)]) for t in tm),
                 )
                 assert self.judge is not None  # __init__ requires one for "rmsd"
                 picked = [p for p in self.judge.select(ex) if p in set(ranked)]
@@ -293,9 +296,10 @@ class SelfDistiller(TrainerHooks):
             teacher_extras(paired),
             cfg.loss(),
         )
-        cand = candidate_mask(div, b.loss_mask, cfg.top_t, cfg.threshold, b.segment_ids)
+        mask, seg_ids = jnp.asarray(b.loss_mask), jnp.asarray(b.segment_ids)
+        cand = candidate_mask(div, mask, cfg.top_t, cfg.threshold, seg_ids)
         jm, rel = self._judge_mask(paired, div, cand, tmax)
-        kept = relevance_mask(div, b.loss_mask, jm, cfg.top_t, cfg.threshold, b.segment_ids)
+        kept = relevance_mask(div, mask, jnp.asarray(jm), cfg.top_t, cfg.threshold, seg_ids)
         return np.asarray(kept), rel
 
     # -- one update
@@ -306,15 +310,15 @@ class SelfDistiller(TrainerHooks):
         if cfg.method == "sft":
             b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
             cap = pow2_bucket(cfg.groups)
-            return b.replace(
-                num_tasks=max(b.num_tasks, cap), num_segments=max(b.num_segments, cap)
+            return dataclasses.replace(
+                b, num_tasks=max(b.num_tasks, cap), num_segments=max(b.num_segments, cap)
             ), None
         paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
         batch = paired.student
         self.last_relevance = None
         if cfg.method == "rmsd":
             kept, self.last_relevance = self.relevance(paired)
-            batch = batch.replace(loss_mask=kept)
+            batch = dataclasses.replace(batch, loss_mask=kept)
         return batch, teacher_extras(paired)
 
     def update(self, examples: Sequence[DistillExample]) -> dict[str, float]:

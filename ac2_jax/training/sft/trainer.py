@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 from flax import nnx
@@ -21,7 +22,7 @@ from flax import nnx
 from ac2_jax.segments import PackedBatch, Segment, pack_segments, pow2_bucket
 from ac2_jax.segments.batch import packed_lengths
 from ac2_jax.segments.packing import first_fit_decreasing
-from ac2_jax.training.core.objectives import SFTLoss
+from ac2_jax.training.core.objectives import LossFn, SFTLoss
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
@@ -244,10 +245,13 @@ def run_sft(
         layout=config.layout,
     )
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
+    # cast: LossFn declares mode/normalizer as settable attributes; a frozen loss has
+    # them read-only (objectives.py), which mypy counts as not matching the protocol.
+    loss = cast(LossFn, SFTLoss(mode=config.mode, chunk_size=config.chunk_size))
     trainer = Trainer(
         graphdef,
         state,
-        SFTLoss(mode=config.mode, chunk_size=config.chunk_size),
+        loss,
         optimizer,
         workdir=workdir,
         checkpoint_every=config.checkpoint_every,
