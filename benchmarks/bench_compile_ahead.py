@@ -33,7 +33,7 @@ def one(size: str, warm: bool) -> dict:
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.segments import Segment
+    from ac2_jax.training.rl import rl_segment
     from ac2_jax.training import (OptimizerConfig, PolicyGradientLoss, Trainer,
                                   create_train_state)
     from ac2_jax.training.rl.batching import pack_rl_batch, warmup_batch
@@ -50,7 +50,7 @@ def one(size: str, warm: bool) -> dict:
                      segment_capacity=n)
     rng = np.random.default_rng(0)
     mask = (np.arange(length) >= length // 2).astype(np.float32)
-    real = pack_rl_batch([Segment(rng.integers(0, 640, length), mask, np.full(length, -1.0),
+    real = pack_rl_batch([rl_segment(rng.integers(0, 640, length), mask, np.full(length, -1.0),
                                   task=f"t{i}", advantage=float(rng.normal()))
                           for i in range(n)], seq_len, bc)
     out = {"warmup_s": 0.0}

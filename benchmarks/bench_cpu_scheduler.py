@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step
 from benchmarks.common import write_json
 from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens
@@ -29,7 +30,7 @@ from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens
 def compare(name: str, rounds: int) -> dict:
     """Min step seconds of each scheduler over `rounds` alternating steps, and their ratio."""
     c, (_, rows, seq_len) = config_of(name), SIZES[name]
-    segs = [Segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
+    segs = [rl_segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
             for i, r in enumerate(tokens(c, rows, seq_len))]
     batch = pack_segments(segs, seq_len)
     opt = OptimizerConfig(learning_rate=LR, weight_decay=WD, clip_norm=CLIP, b2=0.999)

@@ -30,7 +30,7 @@ def main():
     for seq_len in map(int, args.seq_lens.split(",")):
         lengths = np.clip(rng.lognormal(np.log(args.median), args.sigma, args.n), 16, seq_len)
         lengths = lengths.astype(int)
-        segs = [Segment(np.ones(n, np.int32), np.ones(n), np.zeros(n), task=f"t{i % 64}")
+        segs = [Segment(np.ones(n, np.int32), np.ones(n), task=f"t{i % 64}")
                 for i, n in enumerate(lengths)]
         t0 = time.perf_counter()
         b = pack_segments(segs, seq_len)

@@ -72,7 +72,8 @@ def _jax_problem(case: str, config, n: int, chunk: int):
     """(batch, extras, loss) of one `case` row of n tokens."""
     import numpy as np
 
-    from ac2_jax.segments import Segment, pack_segments
+    from ac2_jax.segments import pack_segments
+    from ac2_jax.training.rl import rl_segment
     from ac2_jax.training import PolicyGradientLoss
     from ac2_jax.training.distill.data import DistillExample, pack_pairs
     from ac2_jax.training.distill.loss import DistillLoss, teacher_extras
@@ -80,7 +81,7 @@ def _jax_problem(case: str, config, n: int, chunk: int):
     ids = _tokens(n, config.vocab_size)
     if case == "jax_rl":
         half = n // 2
-        seg = Segment(ids, np.r_[np.zeros(half), np.ones(n - half)], np.full(n, -1.0),
+        seg = rl_segment(ids, np.r_[np.zeros(half), np.ones(n - half)], np.full(n, -1.0),
                       task="t0", advantage=1.0)
         return pack_segments([seg], n), None, PolicyGradientLoss(mode="task_mean",
                                                                  chunk_size=chunk or None)

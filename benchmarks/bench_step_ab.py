@@ -31,7 +31,8 @@ from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder  # noqa: E402
 from ac2_jax.models.config import RUNTIME_FIELDS  # noqa: E402
-from ac2_jax.segments import Segment, pack_segments  # noqa: E402
+from ac2_jax.segments import pack_segments  # noqa: E402
+from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step  # noqa: E402
 from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
@@ -81,7 +82,7 @@ def compare(size: str, a: dict, b: dict, rounds: int, xla_a: dict | None = None,
     """Min / median step seconds of variants a and b (DecoderConfig runtime choices,
     and XLA options of each step's compile) over `rounds` alternating steps."""
     base, (_, rows, seq_len) = config_of(size), SIZES[size]
-    segs = [Segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
+    segs = [rl_segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
             for i, r in enumerate(tokens(base, rows, seq_len))]
     batch = pack_segments(segs, seq_len)
     opt = OptimizerConfig(learning_rate=LR, weight_decay=WD, clip_norm=CLIP, b2=0.999)

@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.segments import Segment, pack_segments  # noqa: E402
+from ac2_jax.segments import pack_segments  # noqa: E402
+from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import (OptimizerConfig, SFTLoss, create_train_state,  # noqa: E402
                               make_train_step)
 from benchmarks.bench_roofline import roofline  # noqa: E402
@@ -65,7 +66,7 @@ def jax_setup(c: DecoderConfig, rows: int, seq_len: int, donate: bool = True):
     """(step, placed state, batch): the jitted SFT step of this benchmark, one
     segment per row, AdamW + clipping (also profiled by benchmarks.profile_step)."""
     ids = tokens(c, rows, seq_len)
-    segs = [Segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
+    segs = [rl_segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
             for i, r in enumerate(ids)]
     batch = pack_segments(segs, seq_len)
     opt = OptimizerConfig(learning_rate=LR, weight_decay=WD, clip_norm=CLIP, b2=0.999)

@@ -17,14 +17,15 @@ from flax import nnx
 
 from ac2_jax.losses import aggregate_loss, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from benchmarks.common import parser, print_table, time_fn, write_json
 
 
 def group(n=8, prompt=512, resp=128, vocab=1024):
     rng = np.random.default_rng(0)
     p = rng.integers(1, vocab, prompt).tolist()
-    return [Segment(p + rng.integers(1, vocab, resp).tolist(), [0] * prompt + [1] * resp,
+    return [rl_segment(p + rng.integers(1, vocab, resp).tolist(), [0] * prompt + [1] * resp,
                     [0.0] * prompt + [-1.0] * resp, task=f"g/{i}", advantage=float(i % 2) - 0.5)
             for i in range(n)]
 
@@ -33,7 +34,7 @@ def fork(n=4, hist=384, resp=128, vocab=1024):
     rng = np.random.default_rng(1)
     h = rng.integers(1, vocab, hist).tolist()
     hmask = [0] * (hist // 2) + [1] * (hist // 4) + [0] * (hist - hist // 2 - hist // 4)
-    return [Segment(h + rng.integers(1, vocab, resp).tolist(), hmask + [1] * resp,
+    return [rl_segment(h + rng.integers(1, vocab, resp).tolist(), hmask + [1] * resp,
                     [-1.0 * m for m in hmask] + [-1.0] * resp, task="fork/0", advantage=0.5)
             for _ in range(n)]
 
@@ -49,8 +50,8 @@ def main():
         def f(p):
             logits = nnx.merge(graphdef, p)(b.tokens, b.positions, b.segment_ids, b.subtree_end)
             lp = token_logprobs(logits, b.targets)
-            per_tok = policy_gradient_loss(lp, jax.lax.stop_gradient(lp), b.sampler_logprobs,
-                                           b.advantages, b.loss_mask)
+            per_tok = policy_gradient_loss(lp, jax.lax.stop_gradient(lp), b.features["sampler_logprobs"],
+                                           b.features["advantages"], b.loss_mask)
             return aggregate_loss(per_tok, b, "task_mean")
         return jax.value_and_grad(f)(params)
 

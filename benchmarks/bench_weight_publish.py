@@ -39,7 +39,8 @@ from flax import nnx  # noqa: E402
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
-from ac2_jax.segments import Segment, pack_segments  # noqa: E402
+from ac2_jax.segments import pack_segments  # noqa: E402
+from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import (
     OptimizerConfig, PolicyGradientLoss, create_train_state, make_train_step, publish,
 )
@@ -77,7 +78,7 @@ def rl_batch(c: DecoderConfig, n: int, seg_len: int, seed: int = 0):
     for i in range(n):
         mask = np.r_[np.zeros(half), np.ones(seg_len - half)]
         lp = np.where(mask > 0, -rng.uniform(0.5, 3.0, seg_len), 0.0)
-        segs.append(Segment(rng.integers(0, c.vocab_size, seg_len), mask, lp, task=f"t{i}",
+        segs.append(rl_segment(rng.integers(0, c.vocab_size, seg_len), mask, lp, task=f"t{i}",
                             advantage=0.5 if i % 2 else -0.5))
     return pack_segments(segs, seg_len), [s.tokens[:half].tolist() for s in segs]
 

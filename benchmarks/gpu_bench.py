@@ -168,7 +168,8 @@ def bench_matmul(n: int) -> dict:
 def packed_batch(vocab: int, rows: int, seq_len: int, per_row: int):
     import numpy as np
 
-    from ac2_jax.segments import Segment, pack_segments
+    from ac2_jax.segments import pack_segments
+    from ac2_jax.training.rl import rl_segment
     rng = np.random.default_rng(0)
     n = seq_len // per_row
     half = n // 2
@@ -176,7 +177,7 @@ def packed_batch(vocab: int, rows: int, seq_len: int, per_row: int):
     for i in range(rows * per_row):
         mask = np.r_[np.zeros(half), np.ones(n - half)]
         lp = np.where(mask > 0, -rng.uniform(0.5, 3.0, n), 0.0)
-        segs.append(Segment(rng.integers(0, vocab, n), mask, lp, task=f"t{i // 2}",
+        segs.append(rl_segment(rng.integers(0, vocab, n), mask, lp, task=f"t{i // 2}",
                             advantage=0.5 if i % 4 < 2 else -0.5))
     batch = pack_segments(segs, seq_len)
     assert batch.tokens.shape == (rows, seq_len), batch.tokens.shape

@@ -53,7 +53,8 @@ def main():
     from jax.experimental import multihost_utils
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.segments import Segment, pack_segments, task_names
+    from ac2_jax.segments import pack_segments, task_names
+    from ac2_jax.training.rl import rl_segment
     from ac2_jax.training import OptimizerConfig, SFTLoss, Trainer, create_train_state
     from ac2_jax.training.core.checkpoints import publish
     from ac2_jax.training.core.sharding import make_mesh
@@ -63,7 +64,7 @@ def main():
     segs = []
     for i in range(12):  # 6 tasks, 2 segments each, 5-15 tokens
         n = int(rng.integers(5, 16))
-        segs.append(Segment(rng.integers(0, 64, n), [0] * 2 + [1] * (n - 2), np.zeros(n),
+        segs.append(rl_segment(rng.integers(0, 64, n), [0] * 2 + [1] * (n - 2), np.zeros(n),
                             task=f"task{i // 2}"))
     mesh = make_mesh(data=8)
     mine = distributed.process_share(segs)

@@ -92,7 +92,7 @@ class Reinforce(Objective):
     def __call__(self, logits, batch, extras=None):
         logp = token_logprobs(logits, batch.targets)
         m = batch.loss_mask.astype(jnp.float32)
-        return -self.scale * batch.advantages * logp, {"reinforce_logp": (m * logp).sum()}
+        return -self.scale * batch.features["advantages"] * logp, {"reinforce_logp": (m * logp).sum()}
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ prefixes) fill it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flax import struct
@@ -27,14 +29,19 @@ class PackedBatch:
 
     tokens, targets, positions (reset per segment), segment_ids (1.. within a
     row, 0 = padding): int32. loss_mask (the count of trained predictions,
-    defines N_task), loss_weight (multiplies the loss), advantages,
-    sampler_logprobs: float32, aligned with targets. temperature, top_p
+    defines N_task), loss_weight (multiplies the loss): float32, aligned
+    with targets. temperature, top_p
     (float32), top_k (int32): the sampling parameters the target was drawn
     with; the policy-gradient loss re-scores targets under them (1 / 0 / 1 =
     the raw distribution). task_ids: int32 index of the token's task in
     `task_names(segments)` (the loss's per-task groups). segment_index: int32
     global segment number (for `segment_mean`). subtree_end: int32, only for
     tree layouts (token k is seen by queries k..subtree_end[k]); None for flat.
+    features: the segments' named per-token features ([rows, seq_len] each,
+    float32 or int32, aligned with targets like loss_mask: column p holds the
+    value of the token `targets[p]`; 0 off the trained predictions), e.g. the
+    RL advantages and sampler log-probs (`ac2_jax.training.rl.features`). The
+    packers carry them without reading them.
 
     num_tasks / num_segments are static capacities (the next power of two of
     the real counts; unused ids hold no tokens), so batches of similar size
@@ -46,8 +53,6 @@ class PackedBatch:
     positions: np.ndarray
     segment_ids: np.ndarray
     loss_mask: np.ndarray
-    advantages: np.ndarray
-    sampler_logprobs: np.ndarray
     task_ids: np.ndarray
     segment_index: np.ndarray
     loss_weight: np.ndarray
@@ -55,12 +60,22 @@ class PackedBatch:
     top_k: np.ndarray
     top_p: np.ndarray
     subtree_end: np.ndarray | None = None
+    features: dict[str, np.ndarray] = struct.field(default_factory=dict)
     num_tasks: int = struct.field(pytree_node=False, default=0)
     num_segments: int = struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
+
+    def feature(self, name: str) -> np.ndarray:
+        """`features[name]`, or an error naming the features this batch has."""
+        if name not in self.features:
+            raise KeyError(
+                f"PackedBatch has no feature {name!r} (it has {sorted(self.features)}); "
+                "the segments packed into it must carry it (Segment.features)"
+            )
+        return self.features[name]
 
     @property
     def num_real_tokens(self) -> int:
@@ -103,7 +118,26 @@ def packed_lengths(
     return lengths
 
 
-def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+def feature_dtypes(segments: Sequence[Segment], who: str) -> dict[str, np.dtype]:
+    """The features every segment carries, with their dtypes; all must agree."""
+    first = segments[0]
+    want = {k: v.dtype for k, v in first.features.items()}
+    for i, s in enumerate(segments):
+        got = {k: v.dtype for k, v in s.features.items()}
+        if got != want:
+            raise ValueError(
+                f"{who}: segment {i} ({s.task!r}) has features {sorted(got.items())} but "
+                f"segment 0 ({first.task!r}) has {sorted(want.items())}; every segment of "
+                "a batch must carry the same features"
+            )
+    return want
+
+
+def empty_batch(
+    rows: int, seq_len: int, features: Mapping[str, np.dtype] | None = None
+) -> dict[str, Any]:
+    """The zero arrays of a batch (`PackedBatch(**empty_batch(...))` fields),
+    with a zero [rows, seq_len] array for each named feature."""
     z = lambda dt: np.zeros((rows, seq_len), dt)  # noqa: E731
     one = lambda: np.ones((rows, seq_len), np.float32)  # noqa: E731
     return dict(
@@ -112,14 +146,13 @@ def empty_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
         positions=z(np.int32),
         segment_ids=z(np.int32),
         loss_mask=z(np.float32),
-        advantages=z(np.float32),
-        sampler_logprobs=z(np.float32),
         task_ids=z(np.int32),
         segment_index=z(np.int32),
         loss_weight=one(),
         temperature=one(),
         top_k=z(np.int32),
         top_p=one(),
+        features={k: z(dt) for k, dt in (features or {}).items()},
     )
 
 
@@ -136,9 +169,14 @@ def pad_batch_rows(batch: PackedBatch, rows: int) -> PackedBatch:
         raise ValueError(f"pad_batch_rows: the batch has {batch.shape[0]} rows, more than {rows}")
     if extra == 0:
         return batch
-    pad = empty_batch(extra, batch.shape[1])
+    pad = empty_batch(extra, batch.shape[1], {k: v.dtype for k, v in batch.features.items()})
+    features = pad.pop("features")
     if batch.subtree_end is not None:
         pad["subtree_end"] = np.tile(np.arange(batch.shape[1], dtype=np.int32), (extra, 1))
-    return batch.replace(
-        **{k: np.concatenate([np.asarray(getattr(batch, k)), v]) for k, v in pad.items()}
-    )
+    changes: dict[str, Any] = {
+        k: np.concatenate([np.asarray(getattr(batch, k)), v]) for k, v in pad.items()
+    }
+    changes["features"] = {
+        k: np.concatenate([np.asarray(batch.features[k]), v]) for k, v in features.items()
+    }
+    return dataclasses.replace(batch, **changes)

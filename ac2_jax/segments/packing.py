@@ -14,6 +14,7 @@ import numpy as np
 from ac2_jax.segments.batch import (
     PackedBatch,
     empty_batch,
+    feature_dtypes,
     packed_lengths,
     pad_rows,
     pow2_bucket,
@@ -100,7 +101,8 @@ def pack_segments(
     if segment_offset < 0:
         raise ValueError(f"pack_segments: segment_offset must be >= 0, got {segment_offset}")
     bins = pack_rows(lengths, seq_len)
-    out = empty_batch(pad_rows(len(bins), min_rows, rows_multiple), seq_len)
+    features = feature_dtypes(segments, "pack_segments")
+    out = empty_batch(pad_rows(len(bins), min_rows, rows_multiple), seq_len, features)
     for r, members in enumerate(bins):
         start = 0
         for local_id, i in enumerate(members, start=1):
@@ -147,9 +149,9 @@ def write_segment(
     out["segment_ids"][r, sl] = seg_id
     out["loss_mask"][r, pred] = s.loss_mask[1:n]
     out["loss_weight"][r, sl] = s.weight
-    out["sampler_logprobs"][r, pred] = s.sampler_logprobs[1:n]
     for k in ("temperature", "top_k", "top_p"):
         out[k][r, pred] = getattr(s, k)[1:n]
-    out["advantages"][r, sl] = s.advantage
+    for k, v in s.features.items():
+        out["features"][k][r, pred] = v[1:n]
     out["task_ids"][r, sl] = task_id
     out["segment_index"][r, sl] = seg_index

@@ -9,7 +9,7 @@ exactly its ancestors (`ac2_jax.losses.tree_attention_mask`).
 Trie nodes are keyed by (token, next token, loss key), not by token alone, so
 every node has exactly one prediction target and the batch keeps the flat
 layout's `targets` convention. The loss key is None when the prediction is not
-trained, else (task, advantage, sampler log-prob, sampling params): trained
+trained, else (task, sampling params, the segment's features there): trained
 tokens merge only when their loss terms are identical. A merged node's
 `loss_mask` is the number of paths through it (the count) and its
 `loss_weight` their mean weight, so count x weight is the sum of the paths'
@@ -20,12 +20,14 @@ layout's. (`segment_mean` is not defined on merged tokens.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ac2_jax.segments.batch import (
     PackedBatch,
     empty_batch,
+    feature_dtypes,
     packed_lengths,
     pad_rows,
     pow2_bucket,
@@ -45,8 +47,8 @@ class _Node:
         self.weighted = 0.0  # sum of count x segment weight
 
 
-def _path_keys(s: Segment, n: int) -> list[tuple]:
-    keys = []
+def _path_keys(s: Segment, n: int) -> list[tuple[Any, ...]]:
+    keys: list[tuple[Any, ...]] = []
     for i in range(n):
         if i + 1 < n:
             m = float(s.loss_mask[i + 1])
@@ -54,11 +56,10 @@ def _path_keys(s: Segment, n: int) -> list[tuple]:
             loss_key = (
                 (
                     s.task,
-                    float(s.advantage),
-                    float(s.sampler_logprobs[j]),
                     float(s.temperature[j]),
                     int(s.top_k[j]),
                     float(s.top_p[j]),
+                    *(v[j].item() for v in s.features.values()),
                 )
                 if m > 0
                 else None
@@ -72,10 +73,10 @@ def _path_keys(s: Segment, n: int) -> list[tuple]:
 def _shared_length(root: _Node, keys: list[tuple]) -> int:
     node, depth = root, 0
     for k in keys:
-        node = node.children.get(k)
-        if node is None:
+        child = node.children.get(k)
+        if child is None:
             break
-        depth += 1
+        node, depth = child, depth + 1
     return depth
 
 
@@ -96,7 +97,9 @@ def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
     pos = 0
     # Entries: ("open", node, depth, tree_id) or ("close", index): a node's
     # subtree ends where the DFS is when its close entry comes off the stack.
-    stack = [("open", c, 0, t) for t, c in enumerate(root.children.values(), start=1)][::-1]
+    stack: list[tuple[Any, ...]] = [
+        ("open", c, 0, t) for t, c in enumerate(root.children.values(), start=1)
+    ][::-1]
     while stack:
         entry = stack.pop()
         if entry[0] == "close":
@@ -111,16 +114,16 @@ def _layout(root: _Node, row: dict, r: int, task_index: dict, segments) -> None:
         row["segment_ids"][r, pos] = tree_id
         row["segment_index"][r, pos] = node.segment
         row["task_ids"][r, pos] = task_index[s.task if loss_key is None else loss_key[0]]
-        row["advantages"][r, pos] = s.advantage if loss_key is None else loss_key[1]
         if loss_key is not None:
             row["loss_mask"][r, pos] = node.count
             row["loss_weight"][r, pos] = node.weighted / node.count if node.count else 0.0
             (
-                row["sampler_logprobs"][r, pos],
                 row["temperature"][r, pos],
                 row["top_k"][r, pos],
                 row["top_p"][r, pos],
-            ) = loss_key[2:]
+            ) = loss_key[1:4]
+            for name, value in zip(row["features"], loss_key[4:], strict=True):
+                row["features"][name][r, pos] = value
         stack.append(("close", pos))
         stack.extend(
             ("open", c, depth + 1, tree_id) for c in reversed(list(node.children.values()))
@@ -164,7 +167,7 @@ def pack_segment_tree(
     rows.append((root, used))
 
     n_rows = pad_rows(len(rows), min_rows, rows_multiple)
-    out = empty_batch(n_rows, seq_len)
+    out = empty_batch(n_rows, seq_len, feature_dtypes(segments, "pack_segment_tree"))
     # Padding tokens see only themselves.
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):

@@ -170,7 +170,7 @@ def _collect(served, tasks_per_step=2, attempts=4):
 
 
 def _trained_tokens(batch) -> float:
-    return float((batch.loss_mask * batch.loss_weight * (batch.advantages != 0)).sum())
+    return float((batch.loss_mask * batch.loss_weight * (batch.features["advantages"] != 0)).sum())
 
 
 def test_multi_episode_traces_reach_the_batch_with_compactor_tokens_trained(served):

@@ -18,7 +18,7 @@ def _segments(seed=0):
         for _ in range(n_segs):
             n = int(rng.integers(4, 15))
             mask = (rng.random(n) < 0.6).astype(np.float32)
-            segs.append(Segment(rng.integers(1, 50, n), mask, np.zeros(n), task=task))
+            segs.append(Segment(rng.integers(1, 50, n), mask, task=task))
     return segs
 
 
@@ -81,7 +81,7 @@ def test_equal_under_jit_pmap_and_mesh(mode):
 
 
 def _weighted(segs, w):
-    return [Segment(s.tokens, s.loss_mask, s.sampler_logprobs, task=s.task, weight=w) for s in segs]
+    return [Segment(s.tokens, s.loss_mask, task=s.task, weight=w) for s in segs]
 
 
 def _theta_loss(batch, mode="task_mean"):
@@ -106,7 +106,7 @@ def test_mixed_fresh_and_stale_batch_matches_hand_formula_flat_and_tree():
     """L = mean over tasks of sum_t w m l / N_task, N_task the unweighted count."""
     segs = _segments(4)
     w = {"t0": 1.0, "t1": 0.25, "t2": 0.5}
-    segs = [Segment(s.tokens, s.loss_mask, s.sampler_logprobs, task=s.task, weight=w[s.task])
+    segs = [Segment(s.tokens, s.loss_mask, task=s.task, weight=w[s.task])
             for s in segs]
     by_task = {}
     for s in segs:

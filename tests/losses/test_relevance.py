@@ -94,7 +94,7 @@ def test_masked_token_mean_and_relevance_loss_hand_formula():
     segs = []
     for task, n in (("a", 9), ("a", 6), ("b", 7), ("c", 5)):
         segs.append(Segment(rng.integers(1, 30, n), (rng.random(n) < 0.8).astype(np.float32),
-                            np.zeros(n), task=task))
+                            task=task))
     batch = pack_segments(segs, seq_len=16, rows_multiple=8)
     per_token = rng.normal(size=batch.shape).astype(np.float32)
     div = rng.random(batch.shape).astype(np.float32)

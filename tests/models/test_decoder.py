@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig, to_layout, with_layout
 from ac2_jax.segments import Segment, pack_segments, segments_from_trace
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 
 V = 64  # divisible by the mesh axes of the sharding test
@@ -298,7 +299,7 @@ def test_blocksparse_attention_in_the_decoder_equals_dense(model):
     rng = np.random.default_rng(6)
     prompt, branches = rng.integers(0, V, 12).tolist(), [rng.integers(0, V, 6).tolist()
                                                          for _ in range(3)]
-    segs = [Segment(prompt + b, [0] * 12 + [1] * 6, [0.0] * 18, task="g") for b in branches]
+    segs = [Segment(prompt + b, [0] * 12 + [1] * 6, task="g") for b in branches]
     batch = pack_segments(segs, L, layout="tree", min_rows=ROWS)
     assert batch.subtree_end is not None and batch.shape == (ROWS, L)
 
@@ -346,7 +347,7 @@ def test_bf16_compute_with_fp32_master_weights(model):
     assert logits.dtype == jnp.float32
     assert 0 < float(jnp.abs(logits - ref).max()) <= 0.05 * float(jnp.abs(ref).max())
     rng = np.random.default_rng(7)
-    segs = [Segment(rng.integers(0, V, 20), np.r_[np.zeros(8), np.ones(12)], -np.ones(20),
+    segs = [rl_segment(rng.integers(0, V, 20), np.r_[np.zeros(8), np.ones(12)], -np.ones(20),
                     task=f"t{i}", advantage=float(i) - 0.5) for i in range(2)]
     batch = pack_segments(segs, L, min_rows=2)
     graphdef, state = create_train_state(bf16, OptimizerConfig(learning_rate=1e-2))

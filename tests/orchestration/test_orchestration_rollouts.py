@@ -201,7 +201,7 @@ def test_wrong_answer_is_finished_with_reward_0_and_trained(endpoint):
     batch, stats, adv = build_batch([wrong, right, crashed], 0, BatchConfig(seq_len=128, rows=2))
     np.testing.assert_allclose(adv, [-0.5, 0.5])
     assert stats.finished == 2 and stats.infra_errors == 1
-    agent_adv = batch.advantages[batch.loss_mask > 0]
+    agent_adv = batch.features["advantages"][batch.loss_mask > 0]
     assert batch.loss_mask.sum() == wrong.num_agent_tokens + right.num_agent_tokens
     assert (agent_adv < 0).sum() == wrong.num_agent_tokens > 0
 

@@ -140,12 +140,12 @@ def test_on_policy_ratio_and_tis_are_one_through_the_training_batch(sampler, mod
     logp = np.asarray(behaviour_logprobs(logits, batch))
     m = batch.loss_mask > 0
     assert m.sum() == 60
-    np.testing.assert_allclose(logp[m], batch.sampler_logprobs[m], atol=2e-5, rtol=0)
-    ratio_to_sampler = np.exp(logp[m] - batch.sampler_logprobs[m])
+    np.testing.assert_allclose(logp[m], batch.features["sampler_logprobs"][m], atol=2e-5, rtol=0)
+    ratio_to_sampler = np.exp(logp[m] - batch.features["sampler_logprobs"][m])
     np.testing.assert_allclose(ratio_to_sampler, 1.0, atol=3e-5)
     if top_k > 0:  # the raw distribution would be far off: the old bug
         raw = np.asarray(token_logprobs(logits, batch.targets))
-        assert np.abs(raw[m] - batch.sampler_logprobs[m]).max() > 0.1
+        assert np.abs(raw[m] - batch.features["sampler_logprobs"][m]).max() > 0.1
 
 
 def test_greedy_is_argmax_of_full_forward(sampler, model):

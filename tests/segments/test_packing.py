@@ -3,14 +3,23 @@
 import numpy as np
 import pytest
 
-from ac2_jax.segments import Segment, pack_segments, task_names
+from ac2_jax.segments import Segment, pad_batch_rows, pack_segments, task_names
 from ac2_jax.segments.batch import pow2_bucket
+
+
+def _rl_seg(tokens, mask, lp, *, task, advantage=0.0, **kw):
+    """A segment carrying the two features an RL batch has (names only; the
+    packers do not read them)."""
+    n = len(tokens)
+    return Segment(tokens, mask, task=task, features={
+        "sampler_logprobs": np.asarray(lp, np.float32),
+        "advantages": np.full(n, advantage, np.float32)}, **kw)
 
 
 def _seg(n, task, start=1, adv=1.0):
     toks = np.arange(start, start + n)
     mask = (np.arange(n) >= n // 2).astype(np.float32)
-    return Segment(toks, mask, -0.1 * mask, task=task, advantage=adv)
+    return _rl_seg(toks, mask, -0.1 * mask, task=task, advantage=adv)
 
 
 def test_first_fit_decreasing_and_alignment():
@@ -28,7 +37,7 @@ def test_first_fit_decreasing_and_alignment():
     np.testing.assert_array_equal(b.targets[1], [2, 3, 4, 5, 0, 101, 102, 0])
     # loss_mask[p] is the mask of targets[p]: a (n=5) masks tokens 2..4, b (n=3) 1..2.
     np.testing.assert_array_equal(b.loss_mask[1], [0, 1, 1, 1, 0, 1, 1, 0])
-    np.testing.assert_allclose(b.sampler_logprobs[1], [0, -.1, -.1, -.1, 0, -.1, -.1, 0], atol=1e-7)
+    np.testing.assert_allclose(b.features["sampler_logprobs"][1], [0, -.1, -.1, -.1, 0, -.1, -.1, 0], atol=1e-7)
     np.testing.assert_array_equal(b.task_ids[1], [0, 0, 0, 0, 0, 1, 1, 1])
     # Padding row content: row 2 holds 4 tokens then padding.
     np.testing.assert_array_equal(b.segment_ids[2], [1, 1, 1, 1, 0, 0, 0, 0])
@@ -55,7 +64,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="no segments"):
         pack_segments([], seq_len=4)
     with pytest.raises(ValueError, match="empty"):
-        pack_segments([Segment([], [], [], task="x")], seq_len=4)
+        pack_segments([Segment([], [], task="x")], seq_len=4)
     with pytest.raises(ValueError, match="layout"):
         pack_segments([_seg(3, "a")], seq_len=4, layout="zigzag")
 
@@ -73,3 +82,39 @@ def test_pow2_bucket_is_the_one_bucketing_helper():
     from ac2_jax.training.rl import batching as rl_batching, data as rl_data
     assert batching.pow2_bucket is data.pow2_bucket is rl_data.pow2_bucket is pow2_bucket
     assert rl_batching.pow2_bucket is pow2_bucket
+
+
+def test_features_are_carried_by_name_aligned_with_targets():
+    # A feature the packers know nothing about: an int per token.
+    segs = [Segment([1, 2, 3, 4], [0, 1, 1, 1], task="a", features={"tag": [10, 11, 12, 13]}),
+            Segment([5, 6, 7], [0, 0, 1], task="b", features={"tag": [20, 21, 22]})]
+    for layout in ("flat", "tree"):
+        b = pack_segments(segs, seq_len=8, layout=layout, min_rows=2)
+        assert set(b.features) == {"tag"} and b.features["tag"].dtype == np.int32
+        trained = b.loss_mask > 0
+        # column p holds the value of targets[p]'s token: 11, 12, 13 then 22
+        assert sorted(b.features["tag"][trained].tolist()) == [11, 12, 13, 22]
+        assert sorted(b.targets[trained].tolist()) == [2, 3, 4, 7]
+        padded = pad_batch_rows(b, 4)
+        assert padded.features["tag"].shape == (4, 8) and padded.features["tag"][2:].sum() == 0
+
+
+def test_segments_of_one_batch_must_carry_the_same_features():
+    a = Segment([1, 2], [0, 1], task="a", features={"x": [0.0, 1.0]})
+    b = Segment([3, 4], [0, 1], task="b")
+    for layout in ("flat", "tree"):
+        with pytest.raises(ValueError, match=r"segment 1 \('b'\) has features \[\]"):
+            pack_segments([a, b], seq_len=4, layout=layout)
+    with pytest.raises(KeyError, match="no feature 'advantages'.*it has \\['x'\\]"):
+        pack_segments([a], seq_len=4).feature("advantages")
+
+
+def test_tree_merges_trained_tokens_only_where_their_features_agree():
+    same = [Segment([1, 2, 3], [0, 1, 1], task="t", features={"v": [0.0, 0.5, 0.5]})
+            for _ in range(2)]
+    other = [same[0], Segment([1, 2, 3], [0, 1, 1], task="t", features={"v": [0.0, 0.5, 0.9]})]
+    merged = pack_segments(same, seq_len=8, layout="tree")
+    split = pack_segments(other, seq_len=8, layout="tree")
+    assert merged.num_real_tokens == 3 and merged.loss_mask.sum() == 4
+    # token 3's feature differs: its prediction (from token 2) is kept apart
+    assert split.num_real_tokens == 5

@@ -7,6 +7,15 @@ from ac2_jax.losses import aggregate_loss, tree_attention_mask
 from ac2_jax.segments import Segment, pack_segments
 
 
+def _rl_seg(tokens, mask, lp, *, task, advantage=0.0, **kw):
+    """A segment carrying the two features an RL batch has (names only; the
+    packers do not read them)."""
+    n = len(tokens)
+    return Segment(tokens, mask, task=task, features={
+        "sampler_logprobs": np.asarray(lp, np.float32),
+        "advantages": np.full(n, advantage, np.float32)}, **kw)
+
+
 def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
     """A GRPO-like group: one shared prompt, n sampled responses, one task each."""
     rng = np.random.default_rng(seed)
@@ -15,7 +24,7 @@ def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
     for a in range(n_attempts):
         resp = [41 + a] + rng.integers(1, 40, resp_len - 1).tolist()
         lp = (-rng.random(resp_len)).tolist()
-        segs.append(Segment(prompt + resp, [0] * prompt_len + [1] * resp_len,
+        segs.append(_rl_seg(prompt + resp, [0] * prompt_len + [1] * resp_len,
                             [0.0] * prompt_len + lp, task=f"t/{a}", advantage=float(a) - 1.5))
     return segs
 
@@ -29,7 +38,7 @@ def fork_segments(seed=1):
     segs = []
     for b in range(3):
         resp = rng.integers(1, 40, 4).tolist()
-        segs.append(Segment(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
+        segs.append(_rl_seg(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
                             task="fork/0", advantage=0.5))
     return segs
 
@@ -92,8 +101,10 @@ def test_group_layout_shares_the_prompt_once():
         last = idx[-1]
         assert sorted(np.nonzero(mask[last])[0].tolist()) == sorted(idx)
         np.testing.assert_allclose(tree.loss_mask[r, idx[:-1]], s.loss_mask[1:])
-        np.testing.assert_allclose(tree.sampler_logprobs[r, idx[:-1]], s.sampler_logprobs[1:])
-        np.testing.assert_allclose(tree.advantages[r, idx[:-1]][s.loss_mask[1:] > 0], s.advantage)
+        np.testing.assert_allclose(tree.features["sampler_logprobs"][r, idx[:-1]],
+                                   s.features["sampler_logprobs"][1:])
+        np.testing.assert_allclose(tree.features["advantages"][r, idx[:-1]][s.loss_mask[1:] > 0],
+                                   s.features["advantages"][0])
 
 
 def test_shared_agent_tokens_sum_their_weights():
@@ -137,8 +148,9 @@ def _pg_loss_fn(graphdef, batch):
         model = nnx.merge(graphdef, params)
         logits = model(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
         lp = token_logprobs(logits, batch.targets)
-        per_tok = policy_gradient_loss(lp, jax.lax.stop_gradient(lp), batch.sampler_logprobs,
-                                       batch.advantages, batch.loss_mask, tis_cap=2.0)
+        per_tok = policy_gradient_loss(lp, jax.lax.stop_gradient(lp),
+                                       batch.features["sampler_logprobs"],
+                                       batch.features["advantages"], batch.loss_mask, tis_cap=2.0)
         return aggregate_loss(per_tok, batch, "task_mean")
     return loss
 

@@ -38,6 +38,9 @@ from ac2_jax.losses import (
     token_logprobs,
 )
 from ac2_jax.registry import Registry
+from ac2_jax.segments import SAMPLER_LOGPROBS
+
+ADVANTAGES = "advantages"  # the batch feature: each trained token's advantage
 
 OLD_LOGPROBS = ("detached", "sampler", "extras")
 
@@ -155,8 +158,11 @@ class LossFn(Protocol):
     """What the train step needs from a loss (optionally also `from_model`, see
     `apply_loss`)."""
 
-    mode: str
-    normalizer: float | None
+    @property
+    def mode(self) -> str: ...  # read-only: frozen dataclass losses satisfy it
+
+    @property
+    def normalizer(self) -> float | None: ...
 
     def __call__(
         self, logits: jax.Array, batch, extras: dict | None
@@ -227,10 +233,12 @@ class SFTLoss(Objective):
     def from_model(self, model: StepModel, batch, extras=None):
         if self.chunk_size is None:
             return self(model.logits(batch), batch, extras)
+        logp, ent = model_logprobs(
+            model, batch, behaviour=False, entropy=self.entropy, chunk_size=self.chunk_size
+        )
         return self._finish(
-            *model_logprobs(
-                model, batch, behaviour=False, entropy=self.entropy, chunk_size=self.chunk_size
-            ),
+            logp,
+            ent,
             batch,
         )
 
@@ -243,8 +251,10 @@ class PolicyGradientLoss(Objective):
     `old_logprobs` is where the PPO ratio's denominator comes from:
     "detached" (the current learner log-probs, gradient stopped: one update
     per batch, TIS then corrects learner vs sampler), "sampler" (the batch's
-    sampler_logprobs) or "extras" (extras["old_logprobs"] [R, L], e.g. from
+    sampler log-probs) or "extras" (extras["old_logprobs"] [R, L], e.g. from
     `TrainStep.logprobs` before several updates on one batch).
+    Reads the batch features `ADVANTAGES` and `SAMPLER_LOGPROBS` (what
+    `ac2_jax.training.rl.pack_rl_batch` packs).
     chunk_size: as in `SFTLoss`. Metrics: entropy, clip_frac, kl_to_sampler.
     """
 
@@ -267,10 +277,11 @@ class PolicyGradientLoss(Objective):
 
     def _finish(self, logp, ent, batch, extras):
         m = batch.loss_mask.astype(jnp.float32)
+        sampler, advantages = batch.feature(SAMPLER_LOGPROBS), batch.feature(ADVANTAGES)
         if self.old_logprobs == "detached":
             old = jax.lax.stop_gradient(logp)
         elif self.old_logprobs == "sampler":
-            old = batch.sampler_logprobs
+            old = sampler
         else:
             if not extras or "old_logprobs" not in extras:
                 raise ValueError(
@@ -281,8 +292,8 @@ class PolicyGradientLoss(Objective):
         per_token = policy_gradient_loss(
             logp,
             old,
-            batch.sampler_logprobs,
-            batch.advantages,
+            sampler,
+            advantages,
             m,
             clip_eps=self.clip_eps,
             tis_cap=self.tis_cap,
@@ -291,9 +302,9 @@ class PolicyGradientLoss(Objective):
         means = policy_gradient_metrics(
             jax.lax.stop_gradient(logp),
             old,
-            batch.sampler_logprobs,
+            sampler,
             m,
-            batch.advantages,
+            advantages,
             clip_eps=self.clip_eps,
         )
         n = jnp.maximum(m.sum(), 1.0)
@@ -309,10 +320,12 @@ class PolicyGradientLoss(Objective):
     def from_model(self, model: StepModel, batch, extras=None):
         if self.chunk_size is None:
             return self(model.logits(batch), batch, extras)
+        logp, ent = model_logprobs(
+            model, batch, behaviour=True, entropy=self.entropy, chunk_size=self.chunk_size
+        )
         return self._finish(
-            *model_logprobs(
-                model, batch, behaviour=True, entropy=self.entropy, chunk_size=self.chunk_size
-            ),
+            logp,
+            ent,
             batch,
             extras,
         )

@@ -37,6 +37,7 @@ import numpy as np
 from ac2_jax.segments import PackedBatch, Segment
 from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.packing import pack_rows, write_segment
+from ac2_jax.segments.segments import SAMPLER_LOGPROBS
 
 HINT_PLACEMENTS = ("system", "before_turn", "after_user")
 
@@ -343,7 +344,7 @@ def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
     return Segment(
         np.asarray(list(prompt) + list(e.response), np.int32),
         mask,
-        lps,
+        features={SAMPLER_LOGPROBS: lps},
         task=e.task,
         weight=e.weight,
         temperature=params["temperature"],
@@ -385,7 +386,8 @@ def pack_pairs(
     tasks = {name: j for j, name in enumerate(sorted({e.task for e in examples}))}
     bins = pack_rows(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
-    stu, tea = empty_batch(n_rows, seq_len), empty_batch(n_rows, seq_len)
+    features = {SAMPLER_LOGPROBS: np.dtype(np.float32)}
+    stu, tea = empty_batch(n_rows, seq_len, features), empty_batch(n_rows, seq_len, features)
     index = np.zeros((n_rows, seq_len), np.int32)
     spans: list = [None] * len(examples)
     for r, members in enumerate(bins):
@@ -420,7 +422,6 @@ def sft_segments(examples: Sequence[DistillExample]) -> list[Segment]:
             Segment(
                 np.asarray(toks, np.int32),
                 np.asarray(mask, np.float32),
-                np.zeros(len(toks)),
                 task=e.task,
                 weight=e.weight,
             )

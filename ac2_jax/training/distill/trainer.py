@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -171,9 +170,7 @@ class SelfDistiller(TrainerHooks):
                 f"{config.checkpoint_every} needs a workdir"
             )
         self.graphdef, self.config, self.judge, self.tokenizer = graphdef, config, judge, tokenizer
-        # cast: LossFn declares mode/normalizer as settable attributes; a frozen loss has
-        # them read-only (objectives.py), which mypy counts as not matching the protocol.
-        loss = cast(LossFn, SFTLoss(mode=config.mode) if config.method == "sft" else config.loss())
+        loss: LossFn = SFTLoss(mode=config.mode) if config.method == "sft" else config.loss()
         if step_fn is not None and step_fn.loss_fn != loss:
             raise ValueError(
                 f"SelfDistiller: step_fn has loss {step_fn.loss_fn}; this config needs {loss}"

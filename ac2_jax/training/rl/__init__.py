@@ -30,6 +30,13 @@ from ac2_jax.training.rl.data import (
     trace_rewards,
     trace_version,
 )
+from ac2_jax.training.rl.features import (
+    ADVANTAGES,
+    RL_FEATURES,
+    carries_signal,
+    rl_segment,
+    with_advantage,
+)
 from ac2_jax.training.rl.metrics import (
     batch_metrics,
     compaction_events,
@@ -50,6 +57,7 @@ from ac2_jax.training.rl.split import (
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
+    "ADVANTAGES",
     "BatchConfig",
     "BatchStats",
     "BranchCounts",
@@ -57,6 +65,7 @@ __all__ = [
     "EndpointCollector",
     "RLConfig",
     "RLTrainer",
+    "RL_FEATURES",
     "ReplayCollector",
     "StepMarkers",
     "StoreCollector",
@@ -66,16 +75,18 @@ __all__ = [
     "batch_segments",
     "branch_groups",
     "build_batch",
+    "carries_signal",
     "check_sampled",
     "compaction_events",
     "continued_path",
     "group_name",
-    "left_out_responses",
-    "recorded_choices",
     "informative_groups",
+    "left_out_responses",
     "memo_results",
     "pack_rl_batch",
+    "recorded_choices",
     "refill_seed",
+    "rl_segment",
     "run_collector",
     "run_learner",
     "select_traces",
@@ -89,4 +100,5 @@ __all__ = [
     "unchosen_branch_episodes",
     "wait_for_endpoint",
     "wait_for_learner",
+    "with_advantage",
 ]

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from ac2_jax.training.rl.data import (
     select_traces,
     trace_advantages,
 )
+from ac2_jax.training.rl.features import RL_FEATURES, rl_segment, with_advantage
 
 
 def build_batch(
@@ -121,17 +123,18 @@ def batch_segments(
         t, left_out = continued_path(t)  # never trained on the continued branch's reward
         branches.add(left_out)
         if config.train_agents is not None:
-            left_out = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
-            if left_out:
-                stats.excluded_episodes += len(left_out)
-                stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in left_out)
+            excluded = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
+            if excluded:
+                stats.excluded_episodes += len(excluded)
+                stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in excluded)
                 t = dataclasses.replace(
                     t,
                     episodes=[e for e in t.episodes if agent_trained(e.agent, config.train_agents)],
                 )
         check_sampled(t)  # only what trains
-        for s in segments_from_trace(t, mode=config.segment_mode, advantage=float(a)):
+        for s in segments_from_trace(t, mode=config.segment_mode):
             if s.num_agent_tokens:
+                s = with_advantage(s, float(a))
                 s.weight = w
                 segments.append(s)
     stats.unchosen_responses, stats.unchosen_tokens = (
@@ -163,7 +166,7 @@ def warmup_batch(
     """A batch of the geometry `config` packs to when nothing grows: one trained
     token, `pack_rl_batch`'s rows, row length and static capacities. For compiling
     the step ahead (`RLTrainer.warmup_step`); never trained on."""
-    seg = Segment(
+    seg = rl_segment(
         np.zeros(2, np.int32),
         np.array([0.0, 1.0], np.float32),
         np.zeros(2, np.float32),
@@ -196,7 +199,7 @@ def pack_rl_batch(
     if not 0 <= i < n:
         raise ValueError(f"pack_rl_batch: process_index {i} not in [0, {n})")
     rows, multiple = -(-config.rows // n), -(-max(config.rows_multiple, 1) // n)
-    share, extra = list(segments), {}
+    share, extra = list(segments), dict[str, Any]()
     if n > 1:
         if config.layout != "flat":
             raise ValueError(
@@ -212,7 +215,7 @@ def pack_rl_batch(
         )
     if not share:  # fewer segments than processes: this one adds empty rows
         return PackedBatch(
-            **empty_batch(pad_rows(0, rows, multiple), row_len),
+            **empty_batch(pad_rows(0, rows, multiple), row_len, RL_FEATURES),
             num_tasks=max(config.task_capacity, 1),
             num_segments=max(config.segment_capacity, 1),
         )

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses import group_advantages
@@ -268,7 +269,9 @@ def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np
     names = [group_name(t) for t in traces]
     index = {n: i for i, n in enumerate(dict.fromkeys(names))}
     groups = np.array([index[n] for n in names], np.int32)
-    return np.asarray(group_advantages(trace_rewards(traces), groups, normalize_std))
+    return np.asarray(
+        group_advantages(jnp.asarray(trace_rewards(traces)), jnp.asarray(groups), normalize_std)
+    )
 
 
 def informative_groups(kept: Sequence[Trace]) -> set[str]:

@@ -70,6 +70,7 @@ from ac2_jax.training.rl.data import (
     select_traces,
     trace_rewards,
 )
+from ac2_jax.training.rl.features import carries_signal
 from ac2_jax.training.rl.metrics import batch_metrics, staleness_histogram, trace_agent_metrics
 
 RL_MODES = ("sync", "async")
@@ -355,7 +356,7 @@ class RLTrainer(TrainerHooks):
         }
         # Decided on the whole batch's segments (every one has agent tokens), so every
         # process of a multi-host learner skips or steps together.
-        if not any(seg.advantage and seg.num_agent_tokens for seg in segments):
+        if not any(carries_signal(seg) for seg in segments):
             m["skipped_update"] = 1.0  # nothing to learn from (e.g. all rewards equal)
             return m
         batch = pack_rl_batch(

@@ -53,6 +53,4 @@ def demo_segment(
         tokens += prompt + output
         mask += [0] * len(prompt) + [1] * len(output)
         pos = end
-    return Segment(
-        np.array(tokens), np.array(mask, np.float32), np.zeros(len(tokens)), task=task, agent=agent
-    )
+    return Segment(np.array(tokens), np.array(mask, np.float32), task=task, agent=agent)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import numpy as np
 from flax import nnx
@@ -245,9 +244,7 @@ def run_sft(
         layout=config.layout,
     )
     graphdef, state = create_train_state(model, optimizer, rng=config.seed)
-    # cast: LossFn declares mode/normalizer as settable attributes; a frozen loss has
-    # them read-only (objectives.py), which mypy counts as not matching the protocol.
-    loss = cast(LossFn, SFTLoss(mode=config.mode, chunk_size=config.chunk_size))
+    loss: LossFn = SFTLoss(mode=config.mode, chunk_size=config.chunk_size)
     trainer = Trainer(
         graphdef,
         state,

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import load_published
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
     Checkpointer, OptimizerConfig, SFTLoss, create_train_state, make_mesh, make_train_step,
     publish,
@@ -29,7 +30,7 @@ SAVE_AT = 2
 def make_batch(i: int):
     """The i-th batch of a fixed data stream (the data position is just i)."""
     rng = np.random.default_rng(1000 + i)
-    segs = [Segment(rng.integers(0, 48, 12), (rng.random(12) > 0.3).astype(np.float32),
+    segs = [rl_segment(rng.integers(0, 48, 12), (rng.random(12) > 0.3).astype(np.float32),
                     np.zeros(12), task=f"t{k % 3}") for k in range(8)]
     return pack_segments(segs, 12, rows_multiple=8)
 

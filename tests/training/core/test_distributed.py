@@ -22,7 +22,8 @@ import sys
 import numpy as np
 import pytest
 
-from ac2_jax.segments import Segment, pack_segments, task_names
+from ac2_jax.segments import pack_segments, task_names
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.training.core import distributed
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,7 +164,7 @@ def test_process_share_and_offsets_cover_the_batch_once():
 
 
 def test_a_share_keeps_global_task_ids_and_segment_numbers():
-    segs = [Segment(np.arange(4), [0, 1, 1, 1], np.zeros(4), task=t) for t in "abcab"]
+    segs = [rl_segment(np.arange(4), [0, 1, 1, 1], np.zeros(4), task=t) for t in "abcab"]
     share = distributed.process_share(segs, 1, 2)  # segments 1, 3: tasks b, a
     b = pack_segments(share, 8, all_tasks=task_names(segs), segment_offset=3, min_segments=8)
     assert sorted(set(np.asarray(b.task_ids)[b.segment_ids > 0].tolist())) == [0, 1]

@@ -8,7 +8,8 @@ import pytest
 
 from ac2_jax.losses import (MODES, aggregate_loss, policy_gradient_loss, policy_gradient_metrics,
                             token_entropy, token_logprobs)
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.losses import loss_weights
 from ac2_jax.training.core.objectives import (PolicyGradientLoss, SFTLoss, StepModel, apply_loss,
                                               lm_head_of)
@@ -23,7 +24,7 @@ def make_batch(seed=0, rows_multiple=8):
         for _ in range(int(rng.integers(1, 4))):
             n = int(rng.integers(4, 12))
             mask = (rng.random(n) > 0.3).astype(np.float32)
-            segs.append(Segment(rng.integers(0, 30, n), mask, -rng.random(n), task=f"task{t}",
+            segs.append(rl_segment(rng.integers(0, 30, n), mask, -rng.random(n), task=f"task{t}",
                                 advantage=float(rng.normal()), weight=float(rng.uniform(0.5, 2))))
     return pack_segments(segs, 12, rows_multiple=rows_multiple)
 
@@ -79,23 +80,23 @@ def test_policy_gradient_loss_sources_of_old_logprobs(old):
     logits = jnp.asarray(rng.normal(size=(*batch.shape, 30)), jnp.float32)
     logp = token_logprobs(logits, batch.targets)
     extras = {"old_logprobs": logp + 0.1 * jnp.asarray(rng.normal(size=batch.shape), jnp.float32)}
-    old_lp = {"detached": logp, "sampler": batch.sampler_logprobs,
+    old_lp = {"detached": logp, "sampler": batch.features["sampler_logprobs"],
               "extras": extras["old_logprobs"]}[old]
     fn = PolicyGradientLoss(old_logprobs=old, clip_eps=0.1)
     per_token, sums = fn(logits, batch, extras)
-    want = policy_gradient_loss(logp, old_lp, batch.sampler_logprobs, batch.advantages,
+    want = policy_gradient_loss(logp, old_lp, batch.features["sampler_logprobs"], batch.features["advantages"],
                                 batch.loss_mask, clip_eps=0.1)
     np.testing.assert_allclose(per_token, want, rtol=1e-6, atol=1e-7)
-    means = policy_gradient_metrics(logp, old_lp, batch.sampler_logprobs, batch.loss_mask,
-                                    batch.advantages, 0.1)
+    means = policy_gradient_metrics(logp, old_lp, batch.features["sampler_logprobs"], batch.loss_mask,
+                                    batch.features["advantages"], 0.1)
     n = float(batch.loss_mask.sum())
     for k in ("clip_frac", "kl_to_sampler"):
         np.testing.assert_allclose(float(sums[k]) / n, float(means[k]), rtol=1e-5)
     if old == "detached":
         # The ratio is 1 everywhere, so the gradient is the plain PG gradient -A * w * dlogp.
         g = jax.grad(lambda lg: (fn(lg, batch)[0]).sum())(logits)
-        w = jnp.minimum(jnp.exp(logp - batch.sampler_logprobs), 2.0)
-        coef = jnp.where(batch.loss_mask > 0, -batch.advantages * w, 0.0)
+        w = jnp.minimum(jnp.exp(logp - batch.features["sampler_logprobs"]), 2.0)
+        coef = jnp.where(batch.loss_mask > 0, -batch.features["advantages"] * w, 0.0)
         g_want = jax.grad(lambda lg: (coef * token_logprobs(lg, batch.targets)).sum())(logits)
         np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
 
@@ -145,7 +146,8 @@ def test_chunked_losses_equal_dense_values_and_grads():
     a time) give the dense per-token losses, metric sums and param gradients (1e-5)."""
     _, graphdef, params, rest = _tiny_model(tie=True)
     batch = _sampled_batch()
-    batch = batch.replace(sampler_logprobs=-np.abs(batch.sampler_logprobs))
+    batch = batch.replace(features={**batch.features,
+                                    "sampler_logprobs": -np.abs(batch.features["sampler_logprobs"])})
     w = loss_weights(batch, "task_mean")
     pairs = [(SFTLoss(), SFTLoss(chunk_size=7)),
              (PolicyGradientLoss(old_logprobs="sampler"),

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.models.axes import AxisRules
 from ac2_jax.training.core.sharding import (batch_sharding, make_mesh, merge_rows,
                                             param_shardings, replicate, shard_batch, shard_state,
@@ -65,7 +66,7 @@ def test_state_shardings_follow_the_model_names():
 
 
 def test_batch_rows_split_over_data_and_fsdp():
-    segs = [Segment(np.arange(5), np.ones(5), np.zeros(5), task=f"t{i}") for i in range(8)]
+    segs = [rl_segment(np.arange(5), np.ones(5), np.zeros(5), task=f"t{i}") for i in range(8)]
     batch = pack_segments(segs, 10, rows_multiple=8)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     placed = shard_batch(batch, mesh)

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.losses import aggregate_loss, loss_weights, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.segments import Segment, pack_segments, pad_batch_rows
+from ac2_jax.segments import pack_segments, pad_batch_rows
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
     OptimizerConfig, PolicyGradientLoss, SFTLoss, create_train_state, make_mesh,
     make_train_step,
@@ -58,12 +59,13 @@ def batch():
     for t in range(5):
         for _ in range(int(rng.integers(1, 5))):
             n = int(rng.integers(4, 16))
-            segs.append(Segment(rng.integers(0, 48, n), (rng.random(n) > 0.4).astype(np.float32),
+            segs.append(rl_segment(rng.integers(0, 48, n), (rng.random(n) > 0.4).astype(np.float32),
                                 np.zeros(n), task=f"t{t}", advantage=float(rng.normal())))
     b = pack_segments(segs, 16, rows_multiple=16)
     graphdef, state = fresh()
     noise = rng.normal(0, 0.3, b.shape).astype(np.float32)
-    return b.replace(sampler_logprobs=np.asarray(learner_logprobs(graphdef, state, b)) + noise)
+    lp = np.asarray(learner_logprobs(graphdef, state, b)) + noise
+    return b.replace(features={**b.features, "sampler_logprobs": lp})
 
 
 def run_step(batch, loss=LOSS, **kw):
@@ -94,8 +96,8 @@ def test_single_device_step_loss_and_metrics(batch, reference):
     state, metrics = reference
     graphdef, init = fresh()
     logp = learner_logprobs(graphdef, init, batch)
-    per_token = policy_gradient_loss(logp, batch.sampler_logprobs, batch.sampler_logprobs,
-                                     batch.advantages, batch.loss_mask, clip_eps=0.2)
+    per_token = policy_gradient_loss(logp, batch.features["sampler_logprobs"], batch.features["sampler_logprobs"],
+                                     batch.features["advantages"], batch.loss_mask, clip_eps=0.2)
     want = aggregate_loss(per_token, batch, "task_mean")
     np.testing.assert_allclose(metrics["loss"], float(want), rtol=1e-5)
     assert metrics["tokens"] == batch.num_real_tokens
@@ -154,8 +156,7 @@ def test_grad_accum_2_equals_full_batch(batch, reference):
 
 
 def _reversed_rows(b):
-    return b.replace(**{k: np.asarray(v)[::-1] for k, v in vars(b).items()
-                        if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == b.shape[0]})
+    return jax.tree_util.tree_map(lambda v: np.asarray(v)[::-1], b)  # every [rows, ...] leaf
 
 
 @pytest.mark.parametrize("mode", ["one_device", "mesh"])
@@ -246,7 +247,7 @@ def test_cpu_step_keeps_one_gradient_sized_set_of_temporaries():
                              intermediate_size=192, scan_layers=True, remat="full")
     graphdef, abstract = abstract_train_state(lambda: Decoder(cfg), OPT)
     ids = np.arange(8) % 4096
-    b = pack_segments([Segment(ids, np.ones(8), np.zeros(8), task="t", advantage=1.0)], 8)
+    b = pack_segments([rl_segment(ids, np.ones(8), np.zeros(8), task="t", advantage=1.0)], 8)
     step = make_train_step(graphdef, LOSS, OPT)
     assert step.compiler_options() == CPU_MEMORY_SCHEDULER
     ma = step.lower(abstract, b).compile().memory_analysis()

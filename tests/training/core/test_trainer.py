@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
     OptimizerConfig, SFTLoss, Trainer, TrainerHooks, create_train_state, make_mesh,
 )
@@ -31,7 +32,7 @@ def fresh():
 
 def _segs(i, n=2):
     rng = np.random.default_rng(i)
-    return [Segment(rng.integers(0, 32, 10), [0] + [1] * 9, np.zeros(10), task=f"t{k}")
+    return [rl_segment(rng.integers(0, 32, 10), [0] + [1] * 9, np.zeros(10), task=f"t{k}")
             for k in range(n)]
 
 

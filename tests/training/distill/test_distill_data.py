@@ -26,7 +26,7 @@ from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
-from ac2_jax.segments import Segment, pack_segments
+from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
 from ac2_jax.training.distill.data import (DistillExample, HintConfig, insert_hint,
                                           make_example, pack_pairs)
 from ac2_jax.training.distill.traces import examples_from_traces
@@ -284,9 +284,9 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
         p, n = len(prompt), len(prompt) + len(e.response)
         t = 1.0 if e.temperature is None else e.temperature
         k, tp = (0, 1.0) if e.temperature is None else (e.top_k, e.top_p)
-        return Segment(prompt + e.response, [0] * p + e.trained_mask().tolist(),
-                       [0.0] * p + (e.response_logprobs or [0.0] * len(e.response)), e.task,
-                       weight=e.weight, temperature=[1.0] * p + [t] * len(e.response),
+        lps = [0.0] * p + (e.response_logprobs or [0.0] * len(e.response))
+        return Segment(prompt + e.response, [0] * p + e.trained_mask().tolist(), task=e.task,
+                       features={SAMPLER_LOGPROBS: lps}, weight=e.weight, temperature=[1.0] * p + [t] * len(e.response),
                        top_k=[0] * p + [k] * len(e.response),
                        top_p=[1.0] * p + [tp] * len(e.response))
 
@@ -298,10 +298,13 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
         want = pack_segments([segment(e, p) for e, p in zip(exs, prompts)], 12)
         got = getattr(paired, side)
         for field in ("tokens", "targets", "positions", "segment_ids", "loss_mask",
-                      "advantages", "sampler_logprobs", "task_ids", "segment_index",
-                      "loss_weight", "temperature", "top_k", "top_p"):
+                      "task_ids", "segment_index", "loss_weight", "temperature", "top_k",
+                      "top_p"):
             np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
                                           err_msg=f"{side}.{field}")
+        assert got.features.keys() == want.features.keys() == {SAMPLER_LOGPROBS}
+        np.testing.assert_array_equal(got.features[SAMPLER_LOGPROBS],
+                                      want.features[SAMPLER_LOGPROBS], err_msg=side)
     s, t, idx = paired.student, paired.teacher, paired.teacher_index
     rows, cols = np.nonzero(s.loss_mask)
     np.testing.assert_array_equal(t.targets[rows, idx[rows, cols]], s.targets[rows, cols])

@@ -31,11 +31,11 @@ def test_a_long_episode_keeps_every_agent_token_in_a_grown_row():
     batch, stats, _ = build_batch([t, _trace("long", 1, 0.0)], 0, BatchConfig(seq_len=16, rows=1))
     assert batch.shape[1] == stats.row_len == 64 and stats.long_segments == 1
     assert stats.truncated_agent_tokens == 0
-    from_long = (batch.loss_mask > 0) & (batch.advantages > 0)
+    from_long = (batch.loss_mask > 0) & (batch.features["advantages"] > 0)
     assert from_long.sum() == t.num_agent_tokens == 30
     assert sorted(batch.targets[from_long].tolist()) == sorted(
         x for c in t.episodes[0].completions for x in c.output_ids)
-    np.testing.assert_allclose(sorted(batch.sampler_logprobs[from_long].tolist()),
+    np.testing.assert_allclose(sorted(batch.features["sampler_logprobs"][from_long].tolist()),
                                sorted(-0.1 * (k + 1) for k in range(5) for _ in range(6)), rtol=1e-6)
 
 
@@ -66,7 +66,7 @@ def test_sampling_params_reach_the_batch():
     c.temperature, c.top_k, c.top_p = 0.3, 20, 0.9
     for layout in ("flat", "tree"):
         batch, _, _ = build_batch([t, _trace("a", 1, 0.0)], 0, BatchConfig(seq_len=16, layout=layout))
-        first = (batch.loss_mask > 0) & (batch.advantages > 0)
+        first = (batch.loss_mask > 0) & (batch.features["advantages"] > 0)
         assert first.sum() == 3
         np.testing.assert_allclose(batch.temperature[first], 0.3, rtol=1e-6)
         assert (batch.top_k[first] == 20).all()
@@ -78,7 +78,7 @@ def test_build_batch_shapes_and_advantages():
     batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=4))
     assert batch.shape == (4, 16) and stats.traces == 4
     assert batch.loss_mask.sum() == sum(2 + i for i in range(4))
-    assert set(np.round(batch.advantages[batch.loss_mask > 0], 6)) == {-0.5, 0.5}
+    assert set(np.round(batch.features["advantages"][batch.loss_mask > 0], 6)) == {-0.5, 0.5}
     tree, _, _ = build_batch(traces, 0, BatchConfig(seq_len=64, rows=1, layout="tree"))
     assert tree.subtree_end is not None and tree.num_real_tokens < batch.num_real_tokens
 
@@ -115,7 +115,7 @@ def test_zero_advantage_groups_are_counted_and_left_out_on_request():
     assert dropped.loss_mask.sum() == 4 + 5
     # b's tokens train with the same advantages either way (tolerance 1e-6).
     for batch in (full, dropped):
-        got = sorted(np.round(batch.advantages[batch.loss_mask > 0], 6).tolist())
+        got = sorted(np.round(batch.features["advantages"][batch.loss_mask > 0], 6).tolist())
         assert [a for a in got if a != 0.0] == [-0.5] * 5 + [0.5] * 4
     none, stats, _ = build_batch(traces[:2], 0, dataclasses.replace(config,
                                                                     drop_zero_advantage=True))
@@ -178,6 +178,10 @@ def test_main_only_batch_is_the_batch_of_the_main_episodes(layout, mode, seq_len
         a, b = getattr(got, f.name), getattr(want, f.name)
         if isinstance(b, np.ndarray):
             np.testing.assert_array_equal(a, b, err_msg=f.name)
+        elif f.name == "features":
+            assert a.keys() == b.keys()
+            for k in b:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         else:
             assert a == b, f.name
     compactor = [e for t in traces for e in t.episodes if e.agent == "compactor"]
@@ -289,9 +293,9 @@ def test_process_shares_pack_the_one_process_batch():
     assert [s.shape[0] for s in shares] == [2, 2] and whole.shape[0] == 4
     assert sum(float(s.loss_mask.sum()) for s in shares) == float(whole.loss_mask.sum()) == 10
     got = sorted((int(t), float(a)) for s in shares for t, a, m in zip(
-        np.ravel(s.task_ids), np.ravel(s.advantages), np.ravel(s.loss_mask)) if m)
+        np.ravel(s.task_ids), np.ravel(s.features["advantages"]), np.ravel(s.loss_mask)) if m)
     want = sorted((int(t), float(a)) for t, a, m in zip(
-        np.ravel(whole.task_ids), np.ravel(whole.advantages), np.ravel(whole.loss_mask)) if m)
+        np.ravel(whole.task_ids), np.ravel(whole.features["advantages"]), np.ravel(whole.loss_mask)) if m)
     assert got == want
     numbers = [int(i) for s in shares for i in np.unique(s.segment_index[s.segment_ids > 0])]
     assert sorted(numbers) == [0, 1, 2]

@@ -84,7 +84,7 @@ def test_the_trained_tokens_are_the_continued_path_each_once(data):
         batch, stats, _ = build_batch([trace, other], 0,
                                       BatchConfig(seq_len=64, segment_mode=mode))
         got = collections.Counter(np.asarray(batch.targets)[
-            (np.asarray(batch.loss_mask) > 0) & (np.asarray(batch.advantages) > 0)].tolist())
+            (np.asarray(batch.loss_mask) > 0) & (np.asarray(batch.features["advantages"]) > 0)].tolist())
         assert got == want, mode
         assert (stats.unchosen_responses, stats.unchosen_tokens, stats.unknown_branch_groups,
                 stats.unknown_branch_tokens) == (counts.unchosen_responses,

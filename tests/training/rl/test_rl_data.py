@@ -53,7 +53,7 @@ def test_wrong_answer_trains_with_negative_advantage_and_infra_error_never_does(
     batch, stats, adv = build_batch(traces, 0, BatchConfig(seq_len=16, rows=3))
     np.testing.assert_allclose(adv, [0.5, -0.5])
     assert batch.loss_mask.sum() == 3 + 4 and stats.infra_errors == 1
-    agent_adv = np.round(batch.advantages[batch.loss_mask > 0], 6)
+    agent_adv = np.round(batch.features["advantages"][batch.loss_mask > 0], 6)
     assert sorted(agent_adv.tolist()) == [-0.5] * 4 + [0.5] * 3
     none, stats, _ = build_batch(traces[2:], 0, BatchConfig(seq_len=16))
     assert none is None and stats.infra_errors == 1
@@ -147,7 +147,7 @@ def test_a_trace_without_completions_is_never_stale_and_stays_in_its_baseline():
     np.testing.assert_allclose(trace_advantages(kept), [1 / 3, 1 / 3, -2 / 3], rtol=1e-6)
     batch, stats, adv = build_batch(traces, 5, BatchConfig(seq_len=16, max_staleness=1))
     assert batch.loss_mask.sum() == 6 and stats.no_completions == 1  # it trains no token
-    np.testing.assert_allclose(sorted(set(np.round(batch.advantages[batch.loss_mask > 0], 6))),
+    np.testing.assert_allclose(sorted(set(np.round(batch.features["advantages"][batch.loss_mask > 0], 6))),
                                [round(1 / 3, 6)])
 
 
@@ -216,7 +216,7 @@ def test_what_trains_counts_and_is_skipped_follows_the_signal_rules(data):
     want, skipped = _reference(traces, learner, cfg)
     segments, stats, _ = batching.batch_segments(traces, learner, cfg)
     # What trains: each kept trace with tokens, all of them, at its advantage and weight.
-    got = {s.task: (s.advantage, s.weight, s.num_agent_tokens) for s in segments}
+    got = {s.task: (s.features["advantages"][0], s.weight, s.num_agent_tokens) for s in segments}
     assert set(got) == {k for k, (_, _, n) in want.items() if n}
     for k, (adv, w, n) in got.items():
         np.testing.assert_allclose((adv, w, n), want[k], rtol=1e-6, atol=1e-6)

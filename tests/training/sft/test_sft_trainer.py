@@ -30,7 +30,7 @@ def model():
 def demos(n=4, length=12, seed=0):
     """n random sequences; the first token is the 'prompt', the rest is trained."""
     rng = np.random.default_rng(seed)
-    return [Segment(rng.integers(0, 32, length), [0] + [1] * (length - 1), np.zeros(length),
+    return [Segment(rng.integers(0, 32, length), [0] + [1] * (length - 1),
                     task=f"demo{i}") for i in range(n)]
 
 
@@ -109,7 +109,7 @@ def test_a_task_is_never_split_across_steps():
     """Packing once and batching rows put one task's segments into different steps, each
     normalised as if it were the whole task."""
     rng = np.random.default_rng(7)
-    segs = [Segment(rng.integers(1, 32, 9), [0] + [1] * 8, np.zeros(9), task=f"t{i // 3}")
+    segs = [Segment(rng.integers(1, 32, 9), [0] + [1] * 8, task=f"t{i // 3}")
             for i in range(12)]  # 4 tasks x 3 segments; a row of 16 holds one segment
     data = SFTData(segs, 16, 4, seed=1)
     seen = []
@@ -131,7 +131,7 @@ def test_bad_input_is_named():
         SFTConfig(checkpoint_every=-1)
     with pytest.raises(ValueError, match="checkpoint_every=2 needs a workdir"):
         run_sft(None, [], SFTConfig(checkpoint_every=2))
-    no_loss = [Segment([1, 2, 3], [0, 0, 0], [0, 0, 0], task="x")]
+    no_loss = [Segment([1, 2, 3], [0, 0, 0], task="x")]
     with pytest.raises(ValueError, match="no segment has a loss-mask token"):
         SFTData(no_loss, 8, 1)
 
@@ -143,7 +143,7 @@ def test_varied_batches_compile_the_step_once(model):
     segs = []
     for i in range(24):
         n = int(rng.integers(3, 16))
-        segs.append(Segment(rng.integers(0, 32, n), [0] + [1] * (n - 1), np.zeros(n),
+        segs.append(Segment(rng.integers(0, 32, n), [0] + [1] * (n - 1),
                             task=f"t{i}"))
     data = SFTData(segs, 16, 4, seed=2)
     counts = {(data.batch(i).num_tasks, data.batch(i).num_segments) for i in range(8)}
