@@ -1,8 +1,9 @@
 """Rollout lifecycle requests: create/finish bodies, what a rollout key may do and see.
 
 `parse_create` / `parse_finish` / `parse_load_weights` validate bodies (already strict JSON) with
-the pydantic models `CreateBody` / `FinishBody` (strict types, unknown fields
-forbidden) for `RolloutRegistry.create` / `finish`: 400 naming the field, and
+the pydantic models `CreateBody` / `FinishBody` / `LoadWeightsBody` (strict types, unknown
+fields forbidden) through `schemas.validate`, the one validation layer of the routes, for
+`RolloutRegistry.create` / `finish`: 400 naming the field, and
 values that would not round-trip through JSON are refused, so nothing stored
 can later fail to serialise.
 A rollout key may only end its own rollout as "finished"
@@ -14,16 +15,21 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ac2_jax.serving.errors import APIError, bad_request
+from ac2_jax.serving.schemas import validate, whole
 
 # What only the admin may write when finishing (a rollout key may only end its
 # rollout as "finished"), and so what a rollout key is never shown.
 ADMIN_ONLY_FINISH_FIELDS = ("reward", "status", "metrics", "hints", "artifacts")
 ADMIN_ONLY_VIEW_FIELDS = ("metadata", "hints", "metrics")
+
+# Reported at the field (not at a key or item inside it); `check_json` then checks the values.
+Id = Annotated[str | int, whole("must be a string or an integer")] | None
+JsonObject = Annotated[dict[str, Any], whole("must be an object with string keys")] | None
 
 
 class CreateBody(BaseModel):
@@ -31,9 +37,9 @@ class CreateBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     task_id: str = Field(min_length=1)
-    group_id: str | int | None = None
-    attempt_id: str | int | None = None
-    metadata: dict[str, Any] | None = None
+    group_id: Id = None
+    attempt_id: Id = None
+    metadata: JsonObject = None
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
@@ -43,9 +49,9 @@ class FinishBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     status: str | None = None
     reward: float | None = Field(None, allow_inf_nan=False)
-    artifacts: dict[str, Any] | None = None
-    metrics: dict[str, Any] | None = None
-    hints: list[str] | None = None
+    artifacts: JsonObject = None
+    metrics: JsonObject = None
+    hints: Annotated[list[str], whole("must be a list of strings")] | None = None
 
 
 class LoadWeightsBody(BaseModel):
@@ -61,33 +67,13 @@ CREATE_FIELDS = tuple(CreateBody.model_fields)
 FINISH_FIELDS = tuple(FinishBody.model_fields)
 
 
-def _validated(model: type[BaseModel], body: Any) -> BaseModel:
-    """`model` from a parsed JSON body; a 400 naming the first bad field."""
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
-        if err["type"] == "extra_forbidden":
-            raise bad_request(
-                f"Field '{param}' is unknown (expected some of {list(model.model_fields)})",
-                param=param,
-                code="unsupported_field",
-            ) from None
-        if err["type"] == "missing":
-            raise bad_request(f"'{param}' is required", param=param) from None
-        raise bad_request(f"'{param}': {err['msg']}", param=param) from None
-
-
 def parse_create(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.create` from a JSON body."""
-    req = _validated(CreateBody, body)
+    req = validate(CreateBody, body)
     out: dict[str, Any] = {"task_id": req.task_id}
-    for key in ("group_id", "attempt_id"):
-        if getattr(req, key) is not None:
-            out[key] = str(getattr(req, key))
+    for key, value in (("group_id", req.group_id), ("attempt_id", req.attempt_id)):
+        if value is not None:
+            out[key] = str(value)
     if req.metadata is not None:
         check_json(req.metadata, "metadata")
         out["metadata"] = req.metadata
@@ -98,20 +84,24 @@ def parse_create(body: Any) -> dict[str, Any]:
 
 def parse_finish(body: Any) -> dict[str, Any]:
     """Validated arguments of `RolloutRegistry.finish` from a JSON body."""
-    req = _validated(FinishBody, body)
+    req = validate(FinishBody, body)
     out: dict[str, Any] = {"status": req.status or "finished"}
     if req.reward is not None:
         out["reward"] = float(req.reward)
-    for key in ("artifacts", "metrics", "hints"):
-        if getattr(req, key) is not None:
-            check_json(getattr(req, key), key)
-            out[key] = getattr(req, key)
+    for key, value in (
+        ("artifacts", req.artifacts),
+        ("metrics", req.metrics),
+        ("hints", req.hints),
+    ):
+        if value is not None:
+            check_json(value, key)
+            out[key] = value
     return out
 
 
 def parse_load_weights(body: Any) -> dict[str, Any]:
     """Validated {step, learner_step} of POST /v1/admin/load_weights (400 naming the field)."""
-    req = _validated(LoadWeightsBody, body)
+    req = validate(LoadWeightsBody, body)
     return {"step": req.step, "learner_step": req.learner_step}
 
 
