@@ -87,8 +87,9 @@ def sampler_stats(sampler: Sampler) -> dict[str, Any] | None:
     """What the admin sees of the sampler: a fleet's `status()` (each backend's
     health and load), a JaxSampler's compile set and errors, an SGLang
     client's counters; None for a sampler with none of these."""
-    if callable(getattr(sampler, "status", None)):
-        return sampler.status()
+    status = getattr(sampler, "status", None)
+    if callable(status):
+        return status()
     stats = getattr(sampler, "stats", None)
     if isinstance(stats, dict):
         return dict(stats)
@@ -205,7 +206,7 @@ def build_app(
 
     async def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
         # Another rollout's id gets the registry's own 404, whether it exists or not.
-        if not principal.is_admin and principal.rollout.rollout_id != rollout_id:
+        if principal.rollout is not None and principal.rollout.rollout_id != rollout_id:
             raise RolloutRegistry.not_found(rollout_id)
         return await asyncio.to_thread(registry.get, rollout_id)
 

@@ -308,8 +308,8 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("model_path"), str):
             return refuse("the body must be JSON with model_path (an HF checkpoint directory)")
-        path, version = data["model_path"], data.get("weight_version")
-        if not str(version).lstrip("-").isdigit():
+        path, version = data["model_path"], str(data.get("weight_version"))
+        if not version.lstrip("-").isdigit():
             return refuse(
                 f"weight_version must be an integer (the policy version these "
                 f"weights are), got {version!r}"

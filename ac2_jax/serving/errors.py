@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,7 +74,7 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 
 def install_error_handlers(
-    app: FastAPI, on_crash: Callable[[Request, Exception], None] | None = None
+    app: FastAPI, on_crash: Callable[[Request, Exception], Awaitable[None] | None] | None = None
 ) -> None:
     """Makes every error of `app` (ours, routing, validation, crashes) OpenAI-shaped.
 

@@ -161,7 +161,7 @@ def load_policy(
 
     return (
         SGLangSampler(
-            sglang_url,
+            sglang_url or "",  # checked above: --sampler=sglang needs --sglang_url
             max_context=context,
             model=decoder,
             publish_dir=publish_dir,

@@ -72,6 +72,15 @@ class TurnMemory:
             return self._turns.get(turn_key(message.get("content"), message.get("tool_calls")))
 
 
+def _rendered_ids(
+    tokenizer: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None
+) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)
+    if isinstance(ids, str):
+        raise TypeError("apply_chat_template(tokenize=True) returned text, not token ids")
+    return list(ids)
+
+
 def build_prompt_ids(
     tokenizer: Tokenizer,
     messages: Sequence[dict],
@@ -83,25 +92,27 @@ def build_prompt_ids(
     Returns (prompt_ids, number of spliced turns). Falls back to plain
     rendering when the template drops or repeats a turn's content.
     """
-    spliced = {}
+    spliced: dict[int, list[int]] = {}
     if memory is not None:
         for i, m in enumerate(messages):
-            ids = memory.lookup(m)
-            if ids:
-                spliced[i] = ids
+            remembered = memory.lookup(m)
+            if remembered:
+                spliced[i] = remembered
     if not spliced:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=True), 0
+        return _rendered_ids(tokenizer, messages, tools), 0
     msgs = [dict(m) for m in messages]
     for i in spliced:
         msgs[i] = {"role": "assistant", "content": _SENTINEL.format(i)}
     text = tokenizer.apply_chat_template(msgs, tools=tools)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
     ids: list[int] = []
     pos = 0
     for i in sorted(spliced):
         mark = _SENTINEL.format(i)
         at = text.find(mark, pos)
         if at < 0 or text.count(mark) != 1:
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=True), 0
+            return _rendered_ids(tokenizer, messages, tools), 0
         ids += tokenizer.encode(text[pos:at])
         ids += spliced[i]
         pos = at + len(mark)
