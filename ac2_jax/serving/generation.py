@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 
@@ -53,7 +52,6 @@ from ac2_jax.serving.streaming import (
 from ac2_jax.trace import Completion
 
 AGENT_HEADER = "x-agent"
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
 def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest) -> str:
@@ -162,9 +160,8 @@ def install_generation_routes(
             return [
                 base if req.seed is None else base.replace(seed=req.seed + i) for i in range(req.n)
             ]
-        except ValueError as e:
-            m = _PARAM_RE.search(str(e))
-            raise bad_request(str(e), param=m.group(1) if m else None) from None
+        except ValueError as e:  # the request's fields were checked by `schemas` already
+            raise bad_request(f"The sampling parameters were refused: {e}") from None
 
     async def run(request: Request, principal, gen: Generation, rollout_failed: Callable):
         """The samples, with errors mapped; a SamplerError ends the rollout (503)."""

@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ac2_jax.sampling.base import INT32_MAX, MAX_STOP, MAX_STOP_CHARS
+from ac2_jax.sampling.base import INT32_MAX, MAX_STOP, MAX_STOP_CHARS, TEMPERATURE_RANGE
 from ac2_jax.serving.errors import APIError, bad_request
 
 MAX_N = 64
@@ -344,6 +344,13 @@ class SamplingBody(BaseModel):
     web_search_options: Unimplemented = None
     min_p: Unimplemented = None
     repetition_penalty: Unimplemented = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_in_range(cls, value: float | None) -> float | None:
+        if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
+            raise _error("invalid_value", f"must be 0 (greedy) or at least {TEMPERATURE_RANGE[0]}")
+        return value
 
     @field_validator("stream_options")
     @classmethod
