@@ -1,0 +1,167 @@
+"""The streaming path of the sampling routes: server-sent events.
+
+Tokens go out as the sampler accepts them (`streaming.TextStream`); once
+sampling ends the choices are finished and recorded like a plain request,
+then the rest of each choice (tool calls, final logprobs), its finish
+reason, the usage and `[DONE]` follow. Errors after the headers are sent are
+reported in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ac2_jax.sampling import SampleResult
+from ac2_jax.serving import chat as chat_lib
+from ac2_jax.serving.errors import APIError
+from ac2_jax.serving.sample_run import (
+    RequestState,
+    ServeContext,
+    finish_choices,
+    record,
+    rollout_failed,
+    run_generation,
+    sse,
+)
+from ac2_jax.serving.streaming import TextStream
+
+
+class ChunkWriter:
+    """Builds one request's SSE chunks and their choice pieces."""
+
+    def __init__(self, ctx: ServeContext, st: RequestState):
+        self.ctx = ctx
+        self.req = st.req
+        self.chat = st.chat
+        self.cid = st.response_id
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if st.chat else "text_completion"
+        self.version = ctx.sampler.policy_version
+        self.offsets = [0] * st.req.n  # text_offset of the next legacy logprob entry
+
+    def chunk(self, choices, usage=None) -> str:
+        obj = {
+            "id": self.cid,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "system_fingerprint": f"policy-{self.version}",
+            "choices": choices,
+        }
+        if self.req.include_usage:
+            obj["usage"] = usage
+        return sse(obj)
+
+    def piece(self, i, text, part: SampleResult | None, finish=None, extra=None) -> dict:
+        req, tokenizer = self.req, self.ctx.tokenizer
+        lp = None
+        if req.logprobs and part is not None and part.output_ids:
+            if self.chat:
+                lp = chat_lib.chat_logprobs(tokenizer, part, req.top_logprobs)
+            else:
+                lp = chat_lib.completion_logprobs(
+                    tokenizer, part, req.top_logprobs, self.offsets[i]
+                )
+                self.offsets[i] += sum(len(t) for t in lp["tokens"])
+        if self.chat:
+            delta = dict(extra or {})
+            if text:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+def incremental_logprobs(req) -> bool:
+    """Whether logprobs go out with the tokens. on_tokens carries no top-logprobs:
+    with top_logprobs > 0 every entry comes with the final result instead."""
+    return bool(req.logprobs and req.top_logprobs == 0)
+
+
+async def stream_tokens(
+    st: RequestState, out: ChunkWriter, streams: list[TextStream]
+) -> AsyncIterator[str]:
+    """Chunks of the tokens as they arrive, until every sample is done."""
+    incremental_lps = incremental_logprobs(st.req)
+    feed = st.gen.feed
+    assert feed is not None
+    pending = st.req.n
+    while pending:
+        items = [await feed.queue.get()]
+        while not feed.queue.empty():  # coalesce what is already waiting
+            items.append(feed.queue.get_nowait())
+        new: dict[int, tuple[list, list]] = {}
+        for item in items:
+            if item[0] == "done":
+                pending -= 1
+            else:
+                ids, lps = new.setdefault(item[1], ([], []))
+                ids += item[2]
+                lps += item[3]
+        for i, (ids, lps) in sorted(new.items()):
+            # Decoding grows with the text: in a worker thread, off the event loop.
+            text, shown, shown_lps = await asyncio.to_thread(streams[i].push, ids, lps)
+            part = (
+                SampleResult(shown, shown_lps, "length", 0) if incremental_lps and shown else None
+            )
+            if text or part is not None:
+                yield out.chunk([out.piece(i, text, part)])
+
+
+def final_chunks(st: RequestState, out: ChunkWriter, choices, streams: list[TextStream]):
+    """The rest of each choice, its finish reason, the usage and [DONE]."""
+    req, chat = st.req, st.chat
+    incremental_lps = incremental_logprobs(req)
+    out.version = max(c.result.policy_version for c in choices)
+    for c, s in zip(choices, streams, strict=True):
+        r, k = c.result, (s.sent_tokens if incremental_lps else 0)
+        part = SampleResult(
+            r.output_ids[k:],
+            r.output_logprobs[k:],
+            "length",
+            0,
+            top_logprobs=r.top_logprobs[k:] if r.top_logprobs else None,
+        )
+        text = s.rest(c.content if chat else c.text)
+        extra = (
+            {"tool_calls": [{"index": j, **call} for j, call in enumerate(c.tool_calls)]}
+            if chat and c.tool_calls
+            else None
+        )
+        if text or extra or (req.logprobs and part.output_ids):
+            yield out.chunk([out.piece(c.index, text, part, extra=extra)])
+        yield out.chunk([out.piece(c.index, "", None, finish=c.finish_reason)])
+    if req.include_usage:
+        yield out.chunk([], chat_lib.usage(len(st.prompt_ids), [c.result for c in choices]))
+    yield "data: [DONE]\n\n"
+
+
+async def stream_events(ctx: ServeContext, st: RequestState) -> AsyncIterator[str]:
+    """The whole event stream of one streaming request."""
+    req, gen = st.req, st.gen
+    out = ChunkWriter(ctx, st)
+    streams = [TextStream(ctx.tokenizer, req.stop, st.parse_tools, st.prefix) for _ in range(req.n)]
+    if st.chat:
+        opening = {"role": "assistant", "content": ""}
+        yield out.chunk([out.piece(i, "", None, extra=opening) for i in range(req.n)])
+    async for event in stream_tokens(st, out, streams):
+        yield event
+    try:
+        results = await run_generation(ctx, st.principal, gen)
+        choices, turns = await asyncio.to_thread(finish_choices, ctx, results, st)
+        gen.settled = True  # done sampling: recorded even if the client leaves now
+        await record(ctx, st, choices, time.monotonic() - st.t0, turns)
+    except APIError as e:
+        gen.settled = True
+        yield sse(e.body())
+        return
+    except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
+        gen.settled = True
+        logging.exception("a streamed request failed")
+        await rollout_failed(ctx, st.principal, e, counter="server_errors")
+        yield sse(APIError(500, "Internal server error", code="internal_error").body())
+        return
+    for event in final_chunks(st, out, choices, streams):
+        yield event
