@@ -30,10 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ac2_jax.envs.base import Env, Task, hashed_seed
-from ac2_jax.trace.types import Trace
-
-# Traces with a verdict on the agent: they count as results; others are skipped (counted).
-RESULT_STATUSES = ("finished", "agent_error")
+from ac2_jax.trace.types import RESULT_STATUSES, Trace
 
 
 def domain_seed(seed: int, domain: str) -> int:
@@ -140,7 +137,7 @@ class DomainMixer:
         A trace's domain: its metadata["domain"], else its task id's prefix."""
         recorded = 0
         for t in sorted(traces, key=lambda t: (t.task_id, t.attempt_id)):
-            if t.status not in RESULT_STATUSES:
+            if t.status not in RESULT_STATUSES:  # no verdict on the agent: skipped, counted
                 self.skipped[t.status] += 1
                 continue
             domain = t.metadata.get("domain") or self._domain_of(t.task_id)

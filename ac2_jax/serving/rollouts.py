@@ -35,11 +35,8 @@ from ac2_jax.serving.errors import APIError, bad_request
 from ac2_jax.serving.rollout_requests import check_json, check_rollout_key_finish
 from ac2_jax.serving.splice import TurnMemory
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
-from ac2_jax.trace.types import LEGACY_STATUSES, TRACE_STATUSES
+from ac2_jax.trace.types import END_STATUSES
 
-# How a rollout may end (the failure taxonomy of `Trace.status`); an old "failed"
-# is taken as "infra_error" (our fault, never trained).
-END_STATUSES = tuple(s for s in TRACE_STATUSES if s != "running")
 COUNTERS = ("aborted_completions", "sampler_errors", "server_errors", "malformed_tool_calls")
 
 
@@ -292,7 +289,6 @@ class RolloutRegistry:
         else set): it stops recording and its key dies, but it is neither final
         nor stored; the admin's finish (or the timeout) still ends it.
         """
-        status = LEGACY_STATUSES.get(status, status)
         for name, value in (("artifacts", artifacts), ("metrics", metrics), ("hints", hints)):
             check_json(value, name)
         if status not in END_STATUSES:

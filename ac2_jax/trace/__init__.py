@@ -13,12 +13,14 @@ from ac2_jax.trace.agents import (
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.store import TraceStore, TraceStoreError
 from ac2_jax.trace.types import (
-    LEGACY_STATUSES,
+    END_STATUSES,
+    RESULT_STATUSES,
     TRACE_STATUSES,
     Completion,
     Episode,
     Message,
     Trace,
+    TraceStatus,
     messages_fingerprint,
     new_attempt_id,
 )
@@ -34,9 +36,11 @@ __all__ = [
     "is_subagent",
     "Completion",
     "Episode",
-    "LEGACY_STATUSES",
+    "END_STATUSES",
+    "RESULT_STATUSES",
     "Message",
     "TRACE_STATUSES",
+    "TraceStatus",
     "Trace",
     "TraceRecorder",
     "TraceStore",

@@ -7,6 +7,7 @@ trace stored on disk reads back equal to the one in memory.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import uuid
@@ -201,10 +202,31 @@ class Episode:
 # reward). "timed_out": the endpoint's deadline passed (trained or dropped, by
 # config). "infra_error": our fault, e.g. a sampler, network or harness crash
 # (never trained). "running" until then.
-TRACE_STATUSES = ("running", "finished", "agent_error", "timed_out", "infra_error")
-# Statuses older stores wrote, read as today's. "failed" was written for any
-# exception during a rollout, mostly our outages: it must never be trained.
-LEGACY_STATUSES = {"failed": "infra_error"}
+class TraceStatus(enum.StrEnum):
+    """The one status vocabulary of a trace (members are the strings stored)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    AGENT_ERROR = "agent_error"
+    TIMED_OUT = "timed_out"
+    INFRA_ERROR = "infra_error"
+
+    @classmethod
+    def parse(cls, value: Any, what: str = "status") -> TraceStatus:
+        """`value` as a status, or a ValueError naming it and the allowed ones."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"{what} must be one of {list(TRACE_STATUSES)}, got {value!r}"
+            ) from None
+
+
+TRACE_STATUSES = tuple(s.value for s in TraceStatus)
+# How an attempt may end (everything but running).
+END_STATUSES = tuple(s.value for s in TraceStatus if s is not TraceStatus.RUNNING)
+# Ends with a verdict on the agent (the environment graded it): results for a mixer.
+RESULT_STATUSES = (TraceStatus.FINISHED.value, TraceStatus.AGENT_ERROR.value)
 
 
 @dataclasses.dataclass
@@ -252,7 +274,7 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trace:
-        status = d.get("status", "running")
+        status = TraceStatus.parse(d.get("status", "running"), "Trace.status")
         return cls(
             task_id=d["task_id"],
             attempt_id=d.get("attempt_id") or new_attempt_id(),
@@ -260,7 +282,7 @@ class Trace:
             episodes=[Episode.from_dict(e) for e in d.get("episodes", [])],
             reward=d.get("reward"),
             hints=list(d.get("hints", [])),
-            status=LEGACY_STATUSES.get(status, status),
+            status=status.value,
             metrics=dict(d.get("metrics", {})),
             metadata=dict(d.get("metadata", {})),
         )

@@ -118,16 +118,21 @@ def test_rollout_key_view_hides_what_the_admin_writes():
     assert trace["metadata"]["expected"] == "42"  # the admin's view is untouched
 
 
-def test_end_statuses_are_the_failure_taxonomy_and_failed_means_infra_error(tmp_path):
+def test_end_statuses_are_the_failure_taxonomy_and_others_are_refused(tmp_path):
     store = TraceStore(str(tmp_path / "t.jsonl"))
     reg = RolloutRegistry(store)
     for status in ("finished", "agent_error", "timed_out", "infra_error"):
         reg.finish(reg.create("t"), status=status)
-    reg.finish(reg.create("t"), status="failed")  # what older harnesses send: our fault
     assert [t.status for t in store.load()] == ["finished", "agent_error", "timed_out",
-                                                "infra_error", "infra_error"]
-    with pytest.raises(APIError, match="infra_error"):
-        reg.finish(reg.create("t"), status="crashed")
+                                                "infra_error"]
+    # "failed" (an old harness's word) and anything else: a 400 naming the field, and the
+    # rollout stays open (nothing stored for it)
+    for bad in ("failed", "crashed", "running"):
+        r = reg.create("t")
+        with pytest.raises(APIError, match="infra_error") as err:
+            reg.finish(r, status=bad)
+        assert err.value.status == 400 and err.value.param == "status"
+    assert len(store.load()) == 4
 
 
 # -- A rollout ended by its own key (issue 12 item 6 follow-up): the key stops

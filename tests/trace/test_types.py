@@ -1,9 +1,11 @@
-"""Trace types: the failure taxonomy of `Trace.status`, and old stored statuses."""
+"""Trace types: the one status vocabulary of `Trace.status` (TraceStatus)."""
 
 import json
 
+import pytest
+
 from ac2_jax.trace import Completion, Trace, TraceStore
-from ac2_jax.trace.types import TRACE_STATUSES
+from ac2_jax.trace.types import END_STATUSES, RESULT_STATUSES, TRACE_STATUSES, TraceStatus
 
 
 def test_statuses_are_the_failure_taxonomy():
@@ -13,15 +15,19 @@ def test_statuses_are_the_failure_taxonomy():
         assert Trace.from_dict(json.loads(json.dumps(t.to_dict()))) == t
 
 
-def test_old_failed_traces_load_as_infra_error(tmp_path):
-    """Old stores wrote "failed" for any crashed rollout (mostly our outages): never trained."""
+def test_one_status_enum_and_an_unknown_status_is_refused(tmp_path):
+    """One vocabulary (TraceStatus); no shim: an old "failed" is an error naming it."""
+    assert TRACE_STATUSES == tuple(TraceStatus)
+    assert END_STATUSES == tuple(s for s in TRACE_STATUSES if s != "running")
+    assert set(RESULT_STATUSES) < set(END_STATUSES)
+    assert json.dumps(Trace("t", status=TraceStatus.TIMED_OUT).to_dict()["status"]) == '"timed_out"'
+    old = {"task_id": "t", "attempt_id": "3", "episodes": [], "status": "failed"}
+    with pytest.raises(ValueError, match=r"Trace.status must be one of .*got 'failed'"):
+        Trace.from_dict(old)
     path = tmp_path / "old.jsonl"
-    old = {"task_id": "t", "attempt_id": "3", "group_id": "g", "episodes": [], "reward": 0.0,
-           "hints": [], "status": "failed", "metrics": {}, "metadata": {"rl_step": 2}}
     path.write_text(json.dumps({"schema": 1, "trace": old}) + "\n")
-    (loaded,) = TraceStore(str(path)).load()
-    assert loaded.status == "infra_error" and loaded.reward == 0.0
-    assert loaded.metadata == {"rl_step": 2}
+    with pytest.raises(ValueError, match="failed"):
+        TraceStore(str(path)).load()
 
 
 def test_default_attempt_ids_keep_attempts_apart():
