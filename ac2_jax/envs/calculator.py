@@ -94,7 +94,7 @@ class CalculatorEnv(Env):
         # (parity of a hash of the expression), so held-out tasks are unseen.
         want = 0 if split == "train" else 1
         rng = random.Random(f"{self.name}:{split}:{seed}")
-        tasks = []
+        tasks: list[Task] = []
         while len(tasks) < n:
             expr = self._expression(rng)
             if sum(map(ord, expr)) % 2 != want:
@@ -249,7 +249,7 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
         want = 0 if split == "train" else 1
         rng = random.Random(f"{self.name}:{split}:{seed}")
-        tasks = []
+        tasks: list[Task] = []
         while len(tasks) < n:
             start, op, values = self._chain(rng)
             prompt = _chain_task_prompt(start, op, len(values))

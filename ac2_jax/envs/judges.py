@@ -161,7 +161,8 @@ class RuleJudge(Judge):
                 and any(word in kw or kw in word for kw in keywords)
             ):
                 return True
-        return self.diff and example.teacher_tokens[pos] != text
+        teacher = example.teacher_tokens
+        return self.diff and teacher is not None and teacher[pos] != text
 
     def _select(self, example: JudgeExample) -> list[int]:
         if self.diff and example.teacher_tokens is None:

@@ -99,7 +99,9 @@ class DomainMixer:
         self.weights = {name: float(weights.get(name, 0.0)) for name in envs}
         self.adaptive = adaptive
         window = adaptive.window if adaptive else 1
-        self._results = {name: collections.deque(maxlen=window) for name in envs}
+        self._results: dict[str, collections.deque[float]] = {
+            name: collections.deque(maxlen=window) for name in envs
+        }
         self.skipped: collections.Counter = collections.Counter()  # traces update() skipped
 
     def base_shares(self) -> dict[str, float]:

@@ -249,6 +249,8 @@ async def run_sandboxed(
             logging.warning("sandboxed tool %s: %s", name, error)  # ours: the env's setup
         if error is not None:
             return error + _section("stderr", err) + _section("stdout", out), False
+        if result is None:  # no error means the tool wrote its result
+            raise RuntimeError(f"sandboxed tool {name}: no result and no error")
         return result["text"] + _section("stdout", out) + _section("stderr", err), True
     finally:
         await asyncio.to_thread(_remove, root)

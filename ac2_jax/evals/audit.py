@@ -255,7 +255,7 @@ def audit_traces(
                     attempt_id=t.attempt_id,
                     reward=reward,
                 )
-            if reward != float(t.reward):
+            if t.reward is not None and reward != float(t.reward):
                 flag(
                     "nondeterministic_verifier",
                     t.task_id,

@@ -53,7 +53,10 @@ class TokenPrices:
 
     def exact(self) -> tuple[Fraction, Fraction, Fraction]:
         """(cached, uncached, output) prices as exact fractions of a dollar."""
-        return tuple(_price(getattr(self, f.name), f.name) for f in dataclasses.fields(self))
+        cached, uncached, output = (
+            _price(getattr(self, f.name), f.name) for f in dataclasses.fields(self)
+        )
+        return cached, uncached, output
 
 
 @dataclasses.dataclass(frozen=True)

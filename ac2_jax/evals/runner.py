@@ -66,7 +66,7 @@ class EvalResult:
                 f"EvalResult {self.name}: tasks {missing[:5]} have no scored "
                 f"attempt (infra_error); compare_results drops and counts them"
             )
-        return [per[t] for t in self.task_ids]
+        return [v for t in self.task_ids if (v := per[t]) is not None]  # none is None (above)
 
     @property
     def pass_rate(self) -> Estimate:
@@ -249,11 +249,16 @@ def compare_results(
             "runs; pass the same seed (and k) to evaluate"
         )
     a, b = after.per_task(metric), before.per_task(metric)
-    paired = [t for t in after.task_ids if a[t] is not None and b[t] is not None]
-    dropped = [t for t in after.task_ids if t not in paired]
+    both = {
+        t: (x, y) for t in after.task_ids if (x := a[t]) is not None and (y := b[t]) is not None
+    }
+    paired = list(both)
+    dropped = [t for t in after.task_ids if t not in both]
     if not paired:
         raise ValueError("compare_results: no task was scored in both runs")
     est = paired_difference(
-        [a[t] for t in paired], [b[t] for t in paired], after.level if level is None else level
+        [x for x, _ in both.values()],
+        [y for _, y in both.values()],
+        after.level if level is None else level,
     )
     return Comparison(metric, est, len(paired), dropped)

@@ -69,7 +69,7 @@ def _check_level(level: float, who: str) -> float:
     return float(level)
 
 
-def _values(values: Sequence[float], who: str) -> np.ndarray:
+def _values(values: Sequence[float] | np.ndarray, who: str) -> np.ndarray:
     x = np.asarray(values, np.float64)
     if x.ndim != 1 or len(x) == 0:
         raise ValueError(f"{who}: need a non-empty 1-D sequence of numbers, got shape {x.shape}")
@@ -104,7 +104,7 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> Estimate:
     return Estimate(p, max(0.0, center - half), min(1.0, center + half), n, level, "wilson")
 
 
-def mean_interval(values: Sequence[float], level: float = 0.95) -> Estimate:
+def mean_interval(values: Sequence[float] | np.ndarray, level: float = 0.95) -> Estimate:
     """Mean with a Student-t interval (n - 1 dof); n = 1 gives (-inf, inf)."""
     x = _values(values, "mean_interval")
     _check_level(level, "mean_interval")

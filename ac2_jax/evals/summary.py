@@ -191,6 +191,7 @@ def group_summary(
     scored = {t: [r for r in rs if r.scored] for t, rs in tasks.items()}
     max_k = max_k or max(len(rs) for rs in tasks.values())
     counts = [(len(rs), sum(r.passed for r in rs)) for rs in scored.values() if rs]
+    pass_rate: Estimate | None
     if counts and all(n == 1 for n, _ in counts):
         pass_rate = wilson_interval(sum(c for _, c in counts), len(counts), level)
     else:

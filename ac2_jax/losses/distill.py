@@ -129,9 +129,9 @@ def generalized_jsd(
             "kind='forward_kl' (beta -> 0) or 'reverse_kl' (beta -> 1) for the ends"
         )
     ls, lt = _log_probs(student_logits, teacher_logits, temperature, top_k)
-    beta = jnp.asarray(beta, jnp.float32)
-    log_m = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
-    return beta * _kl(lt, log_m) + (1.0 - beta) * _kl(ls, log_m)
+    b = jnp.asarray(beta, jnp.float32)
+    log_m = jnp.logaddexp(jnp.log(b) + lt, jnp.log1p(-b) + ls)
+    return b * _kl(lt, log_m) + (1.0 - b) * _kl(ls, log_m)
 
 
 def sampled_token_advantage(

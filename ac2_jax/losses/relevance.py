@@ -138,7 +138,7 @@ def selection_mask(
     offs = (
         [int(offsets)] * rows
         if isinstance(offsets, numbers.Integral)
-        else [int(o) for o in offsets]
+        else [int(o) for o in offsets]  # type: ignore[union-attr]  # Integral checked above
     )
     if len(offs) != rows:
         raise ValueError(f"selection_mask: {len(offs)} offsets for {rows} rows")

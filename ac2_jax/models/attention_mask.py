@@ -62,7 +62,8 @@ class AttentionMask:
     @property
     def shape(self) -> tuple[int, int, int]:
         """(B, Lq, Lk)."""
-        return (*self.q_index.shape, self.kv_index.shape[1])
+        b, lq = self.q_index.shape
+        return (b, lq, self.kv_index.shape[1])
 
     def dense(self) -> jax.Array:
         """The mask as [B, Lq, Lk] bool (True = may attend)."""

@@ -73,6 +73,13 @@ _WORDS = (
 _TOOLS = ("add", "multiply", "subtract", "get_weather", "search", "read_file", "lookup")
 
 
+def _token_id(hf: HFTokenizer, token: str) -> int:
+    i = hf.token_to_id(token)
+    if i is None:
+        raise ValueError(f"tiny tokenizer: {token!r} is not in its vocabulary")
+    return int(i)
+
+
 def tiny_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
     """Deterministic synthetic text: words, digits, arithmetic, chat, tool JSON."""
     rng = random.Random(seed)
@@ -165,7 +172,7 @@ def build_tiny_tokenizer(
         hf,
         chat_template=TINY_CHAT_TEMPLATE,
         special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-        extra_stop_token_ids=[hf.token_to_id("<|endoftext|>")],
+        extra_stop_token_ids=[_token_id(hf, "<|endoftext|>")],
         model_max_length=4096,
     )
     split = [c for c in chunks if len(hf.encode(c, add_special_tokens=False).ids) != 1]

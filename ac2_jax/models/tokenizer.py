@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
@@ -56,7 +56,7 @@ class Tokenizer:
         tokenizer: HFTokenizer,
         *,
         chat_template: str | dict | None = None,
-        special_tokens: dict[str, str] | None = None,
+        special_tokens: Mapping[str, str | None] | None = None,
         extra_stop_token_ids: Iterable[int] = (),
         model_max_length: int | None = None,
         tool_parser: str = "hermes",
