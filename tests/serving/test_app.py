@@ -205,7 +205,7 @@ def test_bad_requests_are_4xx_and_change_nothing(env):
     a, b, c = create(env, "err-a"), create(env, "err-b"), create(env, "err-c")
     client_a = client_for(a)
     client_a.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
-    env["admin"].post(f"/v1/rollouts/{c['rollout_id']}/finish", json={"status": "failed"})
+    env["admin"].post(f"/v1/rollouts/{c['rollout_id']}/finish", json={"status": "infra_error"})
     admin = env["admin"]
 
     def snapshot():
@@ -435,7 +435,7 @@ def test_rollout_key_cannot_grade_its_own_rollout_and_refusals_change_nothing(en
     refused = [({"reward": 1.0}, "reward"), ({"reward": 0}, "reward"),
                ({"status": "finished", "reward": 1.0}, "reward"),
                ({"metrics": {"accuracy": 1.0}}, "metrics"),
-               ({"status": "failed"}, "status"), ({"status": "timed_out"}, "status"),
+               ({"status": "infra_error"}, "status"), ({"status": "timed_out"}, "status"),
                ({"hints": ["the answer is 17"]}, "hints"),
                ({"artifacts": {"answer": "17"}}, "artifacts")]
     with key_client(env, info) as own:
