@@ -154,7 +154,7 @@ class DecoderConfig:
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides) -> DecoderConfig:
         """A few-thousand-parameter model for tests and CPU demos (GQA, qk_norm)."""
-        kw = dict(
+        kw: dict[str, Any] = dict(
             vocab_size=vocab_size,
             hidden_size=32,
             intermediate_size=64,
@@ -276,7 +276,7 @@ def decoder_config_from_hf(
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         dtype=dtype,
         param_dtype=dtype if param_dtype is None else param_dtype,
-        family=model_type,
+        family=str(model_type),
         rope_scaling=scaling,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         **runtime,

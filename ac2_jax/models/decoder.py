@@ -97,7 +97,8 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[2] if self.stacked else len(self.k)
+        k = self.k
+        return len(k) if isinstance(k, tuple) else k.shape[2]
 
 
 class Decoder(nnx.Module):
@@ -113,6 +114,7 @@ class Decoder(nnx.Module):
         self.embed_tokens = _param(
             rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype, ("vocab", "embed")
         )
+        self.layers: Block | nnx.List
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
@@ -171,16 +173,16 @@ class Decoder(nnx.Module):
         _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
         c = self.config
         backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
-        mask = AttentionMask.packed(segment_ids, subtree_end)
-        if backend == "dense":
-            mask = mask.dense()
+        packed = AttentionMask.packed(segment_ids, subtree_end)
+        mask: AttentionMask | jax.Array = packed.dense() if backend == "dense" else packed
         rope = rope_cos_sin(positions, self._inv_freq())  # once for all layers
 
         def layer(w, x, rope, mask):
             return block_apply(c, w, x, rope, mask, backend)[0]
 
         if c.remat != "none":
-            layer = jax.checkpoint(layer, policy=_POLICIES[c.remat], prevent_cse=not c.scan_layers)
+            policy = _POLICIES[str(c.remat)]  # a bool remat is a name after __post_init__
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not c.scan_layers)
         x = self.embed(tokens)
         params = self._layer_params()
         if c.scan_layers:
@@ -264,7 +266,7 @@ class Decoder(nnx.Module):
         positions = positions.astype(jnp.int32)
         slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
         backend = self._backend("decode", tokens.shape[1])
-        mask = AttentionMask.decode(positions, S)
+        mask: AttentionMask | jax.Array = AttentionMask.decode(positions, S)
         if backend == "dense":  # = mask.dense(); written as before, so the compiled step
             # (and its fp32 rounding) is unchanged for the sampler
             mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & (positions >= 0)[
@@ -285,13 +287,14 @@ class Decoder(nnx.Module):
             x, (k_new, v_new) = jax.lax.scan(body, x, (params, jnp.arange(c.num_layers)))
             rows = jnp.arange(tokens.shape[0])[None, :, None]
             at = (rows, slots[None], jnp.arange(c.num_layers)[:, None, None])
+            assert not isinstance(ck, tuple) and not isinstance(cv, tuple)  # a scan cache
             ck = ck.at[at].set(k_new, mode="drop")  # [layers, B, T, F] into [B, S, layers, F]
             cv = cv.at[at].set(v_new, mode="drop")
         else:
-            ck, cv = list(ck), list(cv)
+            ks, vs = list(ck), list(cv)
             for i in range(c.num_layers):
-                x, (ck[i], cv[i], _, _) = layer(params[i], x, cache=(ck[i], cv[i], None, slots))
-            ck, cv = tuple(ck), tuple(cv)
+                x, (ks[i], vs[i], _, _) = layer(params[i], x, cache=(ks[i], vs[i], None, slots))
+            ck, cv = tuple(ks), tuple(vs)
         x = self.norm(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]

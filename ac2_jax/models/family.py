@@ -129,9 +129,9 @@ def register_family(model_type: str, *, replace: bool = False):
     return add
 
 
-def get_family(model_type: str) -> ModelFamily:
+def get_family(model_type: str | None) -> ModelFamily:
     """The family registered as `model_type` (ValueError listing the known ones)."""
-    return FAMILIES.get(model_type)
+    return FAMILIES.get(str(model_type))
 
 
 def build_model(config: Any, rngs: nnx.Rngs | None = None) -> CausalLM:
