@@ -531,7 +531,7 @@ class _FakeRunCollector(EndpointCollector):
 
     async def _run(self, task, attempt, rl_step):
         self.ran.append((task.domain, task.task_id, attempt))
-        return Trace(task_id=task.task_id, status="done", reward=1.0,
+        return Trace(task_id=task.task_id, status="finished", reward=1.0,
                      metadata={"ran_domain": task.domain, "prompt": task.prompt})
 
 
