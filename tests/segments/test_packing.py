@@ -5,21 +5,13 @@ import pytest
 
 from ac2_jax.segments import Segment, pad_batch_rows, pack_segments, task_names
 from ac2_jax.segments.batch import pow2_bucket
-
-
-def _rl_seg(tokens, mask, lp, *, task, advantage=0.0, **kw):
-    """A segment carrying the two features an RL batch has (names only; the
-    packers do not read them)."""
-    n = len(tokens)
-    return Segment(tokens, mask, task=task, features={
-        "sampler_logprobs": np.asarray(lp, np.float32),
-        "advantages": np.full(n, advantage, np.float32)}, **kw)
+from rl_like_segments import rl_like_segment
 
 
 def _seg(n, task, start=1, adv=1.0):
     toks = np.arange(start, start + n)
     mask = (np.arange(n) >= n // 2).astype(np.float32)
-    return _rl_seg(toks, mask, -0.1 * mask, task=task, advantage=adv)
+    return rl_like_segment(toks, mask, -0.1 * mask, task=task, advantage=adv)
 
 
 def test_first_fit_decreasing_and_alignment():

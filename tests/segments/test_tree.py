@@ -4,16 +4,8 @@ import numpy as np
 import pytest
 
 from ac2_jax.losses import aggregate_loss, tree_attention_mask
-from ac2_jax.segments import Segment, pack_segments
-
-
-def _rl_seg(tokens, mask, lp, *, task, advantage=0.0, **kw):
-    """A segment carrying the two features an RL batch has (names only; the
-    packers do not read them)."""
-    n = len(tokens)
-    return Segment(tokens, mask, task=task, features={
-        "sampler_logprobs": np.asarray(lp, np.float32),
-        "advantages": np.full(n, advantage, np.float32)}, **kw)
+from ac2_jax.segments import pack_segments
+from rl_like_segments import rl_like_segment
 
 
 def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
@@ -24,7 +16,7 @@ def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
     for a in range(n_attempts):
         resp = [41 + a] + rng.integers(1, 40, resp_len - 1).tolist()
         lp = (-rng.random(resp_len)).tolist()
-        segs.append(_rl_seg(prompt + resp, [0] * prompt_len + [1] * resp_len,
+        segs.append(rl_like_segment(prompt + resp, [0] * prompt_len + [1] * resp_len,
                             [0.0] * prompt_len + lp, task=f"t/{a}", advantage=float(a) - 1.5))
     return segs
 
@@ -38,7 +30,7 @@ def fork_segments(seed=1):
     segs = []
     for b in range(3):
         resp = rng.integers(1, 40, 4).tolist()
-        segs.append(_rl_seg(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
+        segs.append(rl_like_segment(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
                             task="fork/0", advantage=0.5))
     return segs
 
