@@ -177,7 +177,7 @@ class RolloutRegistry:
         call it off the event loop); None if not evicted or not found."""
         if self.evicted_summary(rollout_id) is None or self.trace_store is None:
             return None
-        for t in self.trace_store.read(on_error="skip"):
+        for t in self.trace_store.iter_traces(on_error="skip"):
             if t.metadata.get("rollout_id") == rollout_id:
                 return t.to_dict()
         return None

@@ -1,10 +1,11 @@
 """TraceStore: append-only JSONL of traces on disk.
 
 One trace per line, `{"schema": 1, "trace": {...}}`. Each append is flushed
-and fsynced, so a crash loses at most the line being written. Reading
-streams line by line; a corrupt or truncated line raises `TraceStoreError`
-naming the file and line, or is skipped with a warning when
-`on_error="skip"`. Valid lines are never lost. JSON only, never pickle.
+and fsynced, so a crash loses at most the line being written. `read()`
+returns a list; `iter_traces()` (and iterating the store) streams line by
+line, for stores too large to hold. Either way a corrupt or truncated line
+raises `TraceStoreError` naming the file and line, or is skipped with a
+warning when `on_error="skip"`. Valid lines are never lost. JSON only, never pickle.
 """
 
 from __future__ import annotations
@@ -59,12 +60,23 @@ class TraceStore:
             self.append(t)
 
     def __iter__(self) -> Iterator[Trace]:
-        return self.read()
+        return self.iter_traces()
 
-    def read(self, on_error: str = "raise") -> Iterator[Trace]:
-        """Streams traces. on_error: "raise" (default) or "skip" (warn)."""
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    def read(self, on_error: str = "raise") -> list[Trace]:
+        """All traces, as a list. on_error: "raise" (default) or "skip" (warn).
+
+        Reads the whole file into memory; `iter_traces` streams it instead.
+        """
+        _check_on_error(on_error)
+        return list(self._stream(on_error, stacklevel=3))
+
+    def iter_traces(self, on_error: str = "raise") -> Iterator[Trace]:
+        """Streams traces one line at a time (a generator; nothing is read until
+        iterated). on_error: "raise" (default) or "skip" (warn), as `read`."""
+        _check_on_error(on_error)
+        return self._stream(on_error, stacklevel=2)
+
+    def _stream(self, on_error: str, stacklevel: int) -> Iterator[Trace]:
         if not os.path.exists(self.path):
             return
         with open(self.path, encoding="utf-8", errors="replace") as f:
@@ -77,15 +89,22 @@ class TraceStore:
                     msg = f"{self.path}:{lineno}: unreadable trace line ({e})"
                     if on_error == "raise":
                         raise TraceStoreError(msg) from e
-                    warnings.warn(msg + "; skipped", stacklevel=2)
+                    warnings.warn(msg + "; skipped", stacklevel=stacklevel)
                     continue
                 yield trace
 
     def load(self, on_error: str = "raise") -> list[Trace]:
-        return list(self.read(on_error=on_error))
+        """The same as `read`."""
+        _check_on_error(on_error)
+        return list(self._stream(on_error, stacklevel=3))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.read(on_error="skip"))
+        return sum(1 for _ in self.iter_traces(on_error="skip"))
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
 
 
 def _parse_line(line: str) -> Trace:

@@ -58,3 +58,47 @@ def test_truncated_and_garbage_lines_reported(tmp_path):
 def test_bad_on_error_value(tmp_path):
     with pytest.raises(ValueError, match="on_error"):
         list(TraceStore(tmp_path / "x.jsonl").read(on_error="ignore"))
+
+
+def test_read_is_a_list_and_iter_traces_streams(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    store = TraceStore(path)
+    store.extend([_trace(i) for i in range(3)])
+    read = store.read()
+    assert isinstance(read, list) and store.read()[0].task_id == "task0"
+    assert [t.task_id for t in read] == [t.task_id for t in store.load()]
+    # The generator reads lazily: a line appended after it started is still seen,
+    # and a bad line after the first is only met when iteration reaches it.
+    it = store.iter_traces()
+    assert next(it).task_id == "task0"
+    with open(path, "a") as f:
+        f.write("not json\n")
+    store.append(_trace(3))
+    assert next(it).task_id == "task1" and next(it).task_id == "task2"
+    with pytest.raises(TraceStoreError, match=r"traces\.jsonl:4"):
+        next(it)
+    with pytest.warns(UserWarning, match=r"traces\.jsonl:4"):
+        assert [t.task_id for t in store.iter_traces(on_error="skip")] == [
+            "task0", "task1", "task2", "task3"]
+    for read in (store.read, lambda: [t for t in store]):  # iterating: on_error="raise"
+        with pytest.raises(TraceStoreError, match=r"traces\.jsonl:4"):
+            read()
+    assert TraceStore(tmp_path / "missing.jsonl").read() == []
+    assert list(TraceStore(tmp_path / "missing.jsonl").iter_traces()) == []
+
+
+def test_skip_warnings_point_at_the_caller(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text("garbage\n")
+    store = TraceStore(path)
+    for read in (store.read, store.load, lambda **kw: list(store.iter_traces(**kw))):
+        with pytest.warns(UserWarning) as record:
+            assert read(on_error="skip") == []
+        assert record[0].filename == __file__
+
+
+def test_bad_on_error_value_is_refused_at_the_call(tmp_path):
+    store = TraceStore(tmp_path / "x.jsonl")
+    for method in (store.read, store.load, store.iter_traces):
+        with pytest.raises(ValueError, match="on_error"):
+            method(on_error="ignore")

@@ -99,7 +99,7 @@ class EndpointCollector:
         # takes its own out when it is collected.
         # (Traces without an rl_step tag land under None.)
         self._stored: dict[int | None, dict[tuple, Trace]] = {}
-        for t in store.read(on_error="skip"):
+        for t in store.iter_traces(on_error="skip"):
             key = (t.task_id, t.metadata.get("attempt"))
             self._stored.setdefault(t.metadata.get("rl_step"), {})[key] = t
         # The step being collected: its stored attempts and the task ids it has run.

@@ -121,7 +121,7 @@ def step_traces(store: TraceStore, rl_step: int) -> tuple[list[Trace], int]:
     stored wins), and how many duplicates that left out."""
     by_key: dict[tuple, Trace] = {}
     n = 0
-    for t in store.read(on_error="skip"):  # a torn last line: warned, skipped
+    for t in store.iter_traces(on_error="skip"):  # a torn last line: warned, skipped
         if t.metadata.get("rl_step") == rl_step:
             by_key[(t.task_id, t.metadata.get("attempt"))] = t
             n += 1
