@@ -5,13 +5,23 @@
 SSE, `requests` and `rollout_requests` for body validation);
 `serve_in_thread(app)` runs it on 127.0.0.1 for tests and notebooks;
 `python -m ac2_jax.serving` runs it as a process.
+
+Needs the serve extra (fastapi, uvicorn): without it, importing any of
+`ac2_jax.serving` raises `ac2_jax.extras.MissingExtraError`, one line naming
+`pip install 'ac2_jax[serve]'`.
 """
 
-from ac2_jax.serving.app import build_app
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
-from ac2_jax.serving.server import load_policy, serve_in_thread
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.extras import require
+
+# Before any module of the package imports them.
+require("fastapi", "serve", what="ac2_jax.serving")
+require("uvicorn", "serve", what="ac2_jax.serving")
+
+from ac2_jax.serving.app import build_app  # noqa: E402
+from ac2_jax.serving.errors import APIError  # noqa: E402
+from ac2_jax.serving.rollouts import Rollout, RolloutRegistry  # noqa: E402
+from ac2_jax.serving.server import load_policy, serve_in_thread  # noqa: E402
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids  # noqa: E402
 
 __all__ = [
     "APIError",

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
+
+from ac2_jax.extras import require
+
+require("matplotlib", "viz", what="ac2_jax.viz.curves")
+
+from matplotlib.figure import Figure  # noqa: E402
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
 
