@@ -31,6 +31,8 @@ EXTRAS = {
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "openai>=1.30"],
     # Training curves (ac2_jax.viz.curves).
     "viz": ["matplotlib>=3.8"],
+    # Weights & Biases metrics (MetricsLogger(wandb=...)).
+    "wandb": ["wandb>=0.16"],
     # GPU serving at scale (CUDA machines only).
     "sglang": ["sglang[all]"],
 }
