@@ -21,6 +21,7 @@ from flax import nnx
 from ac2_jax.segments import PackedBatch, Segment, pack_segments, pow2_bucket
 from ac2_jax.segments.batch import packed_lengths
 from ac2_jax.segments.packing import first_fit_decreasing
+from ac2_jax.training.core.metrics_log import MetricsLogger
 from ac2_jax.training.core.objectives import LossFn, SFTLoss
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
@@ -219,6 +220,7 @@ def run_sft(
     mesh=None,
     workdir: str | os.PathLike | None = None,
     log: Callable[[int, dict], None] | None = None,
+    logger: MetricsLogger | None = None,
     progress: bool = False,
     make_step: Callable[..., TrainStep] = make_train_step,
 ) -> SFTResult:
@@ -226,7 +228,9 @@ def run_sft(
 
     With a `workdir` the run resumes from its latest checkpoint
     (`workdir/checkpoints`), saves every `config.checkpoint_every` steps and at
-    the end, and logs `train/...` metrics to `workdir/metrics`. log(step,
+    the end, and logs `train/...` metrics to `workdir/metrics`. logger: where
+    the `train/...` metrics go instead (with or without a workdir; e.g. the
+    run's own TensorBoard); it stays open, for the caller to close. log(step,
     metrics) is called after every step. Returns the final state and one
     metrics dict per step taken (with "step", 1-based).
     """
@@ -257,6 +261,7 @@ def run_sft(
         mesh=mesh,
         grad_accum=config.grad_accum,
         make_step=make_step,
+        logger=logger,
         progress=progress,
         total_steps=config.steps,
     )
@@ -272,4 +277,6 @@ def run_sft(
         trainer.wait()
         return SFTResult(graphdef, trainer.host_state(), history)
     finally:
+        if logger is not None:
+            trainer.logger = None  # the caller's: not closed with the trainer
         trainer.close()

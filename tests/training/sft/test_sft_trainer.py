@@ -3,6 +3,7 @@ rtol 1e-6), and its batches are a pure function of (seed, batch index)."""
 
 import dataclasses
 import functools
+import os
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ from ac2_jax.losses import aggregate_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment
 from ac2_jax.training import Checkpointer, OptimizerConfig, SFTConfig, run_sft
-from ac2_jax.training.core import StepCache, read_metrics
+from ac2_jax.training.core import MetricsLogger, StepCache, read_metrics
 from ac2_jax.training.sft import SFTData
 from ac2_jax.training.core.train_step import forward
 
@@ -161,3 +162,33 @@ def test_chunked_log_probs_train_like_dense(model):
                                              chunk_size=4), OPT)
     np.testing.assert_allclose([h["loss"] for h in chunked.history],
                                [h["loss"] for h in dense.history], rtol=1e-5)
+
+
+class _CountingLogger(MetricsLogger):
+    closes = 0
+
+    def close(self):
+        self.closes += 1
+        super().close()
+
+
+@pytest.mark.parametrize("with_workdir", [False, True])
+def test_a_given_logger_gets_the_metrics_and_stays_open(model, tmp_path, with_workdir):
+    """logger=: train/ metrics reach its metrics.jsonl and TensorBoard, with or without
+    a workdir (whose own metrics/ is then not made); the caller closes it."""
+    logger = _CountingLogger(str(tmp_path / "run"), tensorboard=True, console=False)
+    wd = tmp_path / "sft" if with_workdir else None
+    config = SFTConfig(seq_len=16, batch_rows=4, steps=3, shuffle=False)
+    result = run_sft(model, demos(), config, OPT, workdir=wd, logger=logger, make_step=STEPS)
+    assert logger.closes == 0
+    logger.log(4, {"later": 1.0})  # still the caller's to use
+    logger.close()
+    rows = read_metrics(logger.path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["train/loss"] for r in rows[:3]],
+                               [h["loss"] for h in result.history], rtol=1e-6)
+    events = os.listdir(tmp_path / "run" / "tensorboard")
+    assert events and all(e.startswith("events.out.tfevents") for e in events)
+    assert sum(os.path.getsize(tmp_path / "run" / "tensorboard" / e) for e in events) > 0
+    if with_workdir:
+        assert not (wd / "metrics").exists() and (wd / "checkpoints").exists()
