@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import random
-import secrets
 import time
 
 import jax
@@ -27,15 +26,14 @@ from flax import nnx
 
 from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, demonstration
-from ac2_jax.evals import TokenPrices, compare_results, evaluate
+from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.hf_io import save_hf_checkpoint
 from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
-from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.serving.app import build_app
-from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.orchestration import DefaultOrchestrator
+from ac2_jax.recipes import (EvalConfig, PathsConfig, RLRecipeConfig, RolloutConfig,
+                             SamplerConfig, arl)
+from ac2_jax.recipes.common import serve_policy
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.sft.demos import demo_segment
@@ -172,32 +170,38 @@ def prepare(cfg, workdir: str, log=print):
     return env, tokenizer, model, sft_history, time.perf_counter() - t0
 
 
+def recipe_config(cfg) -> RLRecipeConfig:
+    """The RL recipe's config for this job (`ac2_jax.recipes`): the same RL,
+    rollout, eval and sampler settings, and this job's layout of the workdir
+    (rl/ for the learner and its rollouts, report/ for everything reported)."""
+    workdir = os.path.abspath(cfg.workdir)
+    ro, ev = cfg.rollout, cfg.eval
+    return RLRecipeConfig(
+        seed=cfg.seed,
+        paths=PathsConfig(workdir=workdir, publish=os.path.join(workdir, "rl", "published"),
+                          traces=os.path.join(workdir, "rl"),
+                          reports=os.path.join(workdir, "report"),
+                          metrics=os.path.join(workdir, "report", "metrics")),
+        rl=typed_configs(cfg)["rl"],
+        rollout=RolloutConfig(temperature=ro.temperature, max_tokens=ro.max_tokens,
+                              max_steps=ro.max_steps, infra_retries=ro.infra_retries),
+        sampler=SamplerConfig(max_context=cfg.model.max_position_embeddings,
+                              warmup=cfg.sampler.warmup, model_name=MODEL_NAME),
+        eval=EvalConfig(num_tasks=ev.num_tasks, attempts=ev.attempts,
+                        temperature=ev.temperature, concurrency=ev.concurrency,
+                        prices=dict(ev.prices)),
+    )
+
+
 @contextlib.asynccontextmanager
 async def serving(cfg, model, tokenizer, publish_dir: str, max_batch: int, trace_store: str):
-    """The endpoint over an embedded JaxSampler of `model` (real HTTP on 127.0.0.1);
-    yields (sampler, lifecycle client) and shuts both down after."""
-    eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
-    context = cfg.model.max_position_embeddings
-    warm = cfg.sampler.warmup
-    # warmup: the cache always holds max_context slots (rows still follow the load)
-    # and every shape is compiled here, once; without it the RL steps kept
-    # compiling new prefill shapes (BUILD_NOTES "The RL loop's sampling").
-    sampler = JaxSampler(model, publish_dir=publish_dir, max_context=context,
-                         max_batch=max_batch, eos_token_ids=eos, tokenizer=tokenizer,
-                         seed=cfg.seed, **({"min_cache_len": context} if warm else {}))
-    if warm:
-        sampler.warmup()
-    admin_key = secrets.token_hex(16)
-    app = build_app(sampler, tokenizer, admin_key=admin_key, model_name=MODEL_NAME,
-                    trace_store=trace_store)
-    base_url, stop = serve_in_thread(app)
-    lifecycle = LifecycleClient(base_url, admin_key)
-    try:
-        yield sampler, lifecycle
-    finally:
-        await lifecycle.aclose()
-        stop()
-        sampler.close()
+    """The endpoint over an embedded JaxSampler of `model` (the recipes' `serve_policy`,
+    traces in the folder of `trace_store`); yields (sampler, lifecycle client)."""
+    rcfg = recipe_config(cfg)
+    async with serve_policy(model, tokenizer, publish_dir=publish_dir,
+                            traces_dir=os.path.dirname(trace_store), sampler=rcfg.sampler,
+                            rollout=rcfg.rollout, max_batch=max_batch, seed=cfg.seed) as out:
+        yield out
 
 
 def eval_plan(cfg, env):
@@ -233,34 +237,25 @@ async def train_rl(cfg, rl_config: RLConfig, model, sampler, lifecycle, env, rl_
 
 async def _pipeline(cfg, log=print) -> dict:
     t_start = time.perf_counter()
-    rl_config = typed_configs(cfg)["rl"]  # config mismatches fail before any work
-    workdir = os.path.abspath(cfg.workdir)
+    rcfg = recipe_config(cfg)  # config mismatches fail before any work
+    workdir = rcfg.paths.resolved().workdir
     report_dir = os.path.join(workdir, "report")
     os.makedirs(report_dir, exist_ok=True)
     env, tokenizer, model, sft_history, t_sft = prepare(cfg, workdir, log)
 
-    rl_dir = os.path.join(workdir, "rl")
-    async with serving(cfg, model, tokenizer, os.path.join(rl_dir, "published"),
-                       rl_config.concurrency,
-                       os.path.join(workdir, "served_traces.jsonl")) as (sampler, lifecycle):
-        eval_tasks, eval_make, eval_kw = eval_plan(cfg, env)
-        t0 = time.perf_counter()
-        before = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="sft",
-                                **eval_kw)
-        t_eval = time.perf_counter() - t0
-        log(f"before RL (SFT): pass rate {before.pass_rate}")
-        t0 = time.perf_counter()
-        history, final_model, store = await train_rl(cfg, rl_config, model, sampler, lifecycle,
-                                                     env, rl_dir,
-                                                     os.path.join(report_dir, "metrics"))
-        t_rl = time.perf_counter() - t0
-        after = await evaluate(lifecycle, env, eval_tasks, eval_make, MODEL_NAME, name="rl",
-                               **eval_kw)
-        log(f"after RL: pass rate {after.pass_rate}")
+    # Evals, RL and the HF export: the RL recipe, with this job's harness.
+    t0 = time.perf_counter()
+    result = await arl((model, tokenizer), env, rcfg,
+                       harness=lambda sampling, max_steps: orchestrator_factory(
+                           sampling, max_steps, cfg))
+    t_rl = time.perf_counter() - t0
+    before, after = result.evals["before"], result.evals["after"]
+    before.name, after.name = "sft", "rl"
+    store, rl_dir = result.traces, os.path.join(workdir, "rl")
+    log(f"before RL (SFT): pass rate {before.pass_rate}")
+    log(f"after RL: pass rate {after.pass_rate}")
 
     diff = compare_results(after, before, "pass").estimate
-    save_hf_checkpoint(final_model, os.path.join(report_dir, "final_hf"))
-    tokenizer.save_pretrained(os.path.join(report_dir, "final_hf"))
     metrics_path = os.path.join(report_dir, "metrics", "metrics.jsonl")
     logged = set().union(*(r.keys() for r in read_metrics(metrics_path)))
     plot_curves(metrics_path, os.path.join(report_dir, "learning_curve.png"),
@@ -273,8 +268,8 @@ async def _pipeline(cfg, log=print) -> dict:
         "sft_pass_rate": before.to_dict(), "rl_pass_rate": after.to_dict(),
         "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high],
                         "excludes_zero": diff.excludes_zero()},
-        "rl_steps": len(history), "times_s": {"sft": t_sft, "eval": t_eval, "rl": t_rl,
-                                              "total": time.perf_counter() - t_start},
+        "rl_steps": result.report["steps"], "times_s": {"sft": t_sft, "evals_and_rl": t_rl,
+                                         "total": time.perf_counter() - t_start},
         "orbax_checkpoints": os.path.join(rl_dir, "checkpoints"),
         "hf_export": os.path.join(report_dir, "final_hf"),
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 LAYERS = ["trace", "segments", "losses", "models", "sampling", "serving", "envs",
-          "orchestration", "training", "evals", "viz"]
+          "orchestration", "training", "evals", "viz", "recipes"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ac2_jax"
 SETUP = ROOT.parent / "setup.py"

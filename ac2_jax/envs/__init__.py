@@ -1,4 +1,5 @@
-"""Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing."""
+"""Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing,
+and the contract a recipe checks an env against (`check_env`)."""
 
 from ac2_jax.envs.base import (
     AgentError,
@@ -21,6 +22,7 @@ from ac2_jax.envs.calculator import (
     parse_chain_state,
     safe_eval,
 )
+from ac2_jax.envs.contract import EnvError, check_env, load_env, needs_of
 from ac2_jax.envs.judges import (
     Judge,
     JudgeError,
@@ -40,6 +42,7 @@ __all__ = [
     "ChainCalculatorEnv",
     "DomainMixer",
     "Env",
+    "EnvError",
     "Judge",
     "JudgeError",
     "JudgeExample",
@@ -51,6 +54,7 @@ __all__ = [
     "Tool",
     "chain_memo",
     "chain_policy",
+    "check_env",
     "check_sandboxable",
     "demonstration",
     "difficulty_factor",
@@ -58,6 +62,8 @@ __all__ = [
     "hashed_seed",
     "hint_keywords",
     "last_integer",
+    "load_env",
+    "needs_of",
     "parse_chain_state",
     "parse_judge_reply",
     "run_sandboxed",

@@ -14,6 +14,7 @@ way in, so a scanned learner can publish to a per-layer sampler and back.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 
@@ -110,6 +111,17 @@ def _check_matches(saved, target, path: str) -> None:
                 f"{tuple(flat_saved[name].shape)} in {path}, the model has "
                 f"{tuple(flat_target[name].shape)}"
             )
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's "Given directory is read only" warning: samplers read the publish
+    folder read-only on purpose (the learner alone writes it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 def _manager(

@@ -141,7 +141,8 @@ class SelfDistiller(TrainerHooks):
     unless a mesh is given) runs the teacher forward itself
     (frozen teacher params go in as the step's `teacher`). Pass an earlier
     distiller's `step_fn` (same loss and optimizer) to reuse its compiled step, e.g. across seeds.
-    workdir: checkpoints (`config.checkpoint_every`) and train/ metrics;
+    workdir: checkpoints (`config.checkpoint_every`) and train/ metrics
+    (`logger`, a MetricsLogger, replaces its workdir/metrics sink);
     `restore()` loads the latest and returns the number of updates done.
     """
 
@@ -161,6 +162,7 @@ class SelfDistiller(TrainerHooks):
         make_step: Callable[..., TrainStep] = make_train_step,
         progress: bool = False,
         total_steps: int | None = None,
+        logger=None,
     ):
         if config.method == "rmsd" and (judge is None or tokenizer is None):
             raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
@@ -190,6 +192,7 @@ class SelfDistiller(TrainerHooks):
             make_step=make_step,
             progress=progress,
             total_steps=total_steps,
+            logger=logger,
         )
         # A copy (new buffers, same placement as the state) survives the step's donation.
         self.teacher_params = (

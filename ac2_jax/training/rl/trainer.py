@@ -171,7 +171,9 @@ class RLTrainer(TrainerHooks):
     `sampler_counters` (e.g. `JaxSampler.counters`): each step's metrics then
     carry `sampler/...`, what the sampler did since the previous step's
     traces came in (`sampling.occupancy_metrics`: mean active rows and
-    occupancy, decode / prefill seconds, new compiles).
+    occupancy, decode / prefill seconds, new compiles). `publish_dir`: where
+    each update's weights are published for the sampler (default
+    `workdir/published`; the sampler must be built with the same folder).
     """
 
     def __init__(
@@ -188,6 +190,7 @@ class RLTrainer(TrainerHooks):
         make_step: Callable[..., TrainStep] = make_train_step,
         progress: bool = False,
         sampler_counters: Callable[[], dict] | None = None,
+        publish_dir: str | os.PathLike | None = None,
     ):
         for ours, theirs in (
             ("tasks_per_step", "tasks_per_step"),
@@ -217,7 +220,11 @@ class RLTrainer(TrainerHooks):
         )
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
-        self.publish_dir = os.path.join(self.workdir, "published")
+        self.publish_dir = (
+            os.path.abspath(publish_dir)
+            if publish_dir is not None
+            else os.path.join(self.workdir, "published")
+        )
         if jax.process_count() > 1:
             if mesh is None:
                 raise ValueError(
@@ -503,10 +510,10 @@ class RLTrainer(TrainerHooks):
                 time_step_s=time.perf_counter() - t0,
             )
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            self.history.append(m)  # before on_progress, which may read it
             await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
-            self.history.append(m)
         self.trainer.wait()
         return self.history
 

@@ -1,0 +1,179 @@
+"""The environment contract, checked at start-up: what a recipe needs of an env.
+
+An environment is an `Env` (envs/base.py) with:
+
+- tasks:     `sample_tasks(n, seed, split)` -> `Task`s, deterministic, unique
+             ids, train and eval splits apart;
+- a harness: `make_harness(task, client, model_name, *, sampling, max_steps)`
+             returning an orchestrator (optional: the default is the tool loop,
+             `DefaultOrchestrator`); `sampling` is the request sampling dict.
+             An external program that talks to the endpoint is a harness too:
+             its orchestrator runs the program with the rollout's base URL;
+- a verifier: `verify(task, answer)` -> a float in `reward_range`;
+- tools:     the `tools` the harness offers (optional);
+- for SFT:   `demonstration(task)` -> an OpenAI-format chat that solves it;
+- for distillation: `hint(task)` -> the hint text (None: no hint for it).
+
+`load_env("pkg.module:Factory")` builds one from an import path (a class or
+a function, called with no arguments); `check_env(env, recipe)` raises one
+`EnvError` listing every missing or broken piece.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ac2_jax.envs.base import Env, Task, Tool
+
+__all__ = ["EnvError", "check_env", "load_env", "needs_of"]
+
+# What each recipe needs beyond tasks and a verifier.
+_NEEDS = {"rl": (), "sft": ("demonstration",), "distill": ("hint",)}
+
+
+class EnvError(ValueError):
+    """An environment that does not meet the contract; the message lists every problem."""
+
+
+def needs_of(recipe: str) -> tuple[str, ...]:
+    """The optional methods `recipe` requires ("rl", "sft", "distill")."""
+    if recipe not in _NEEDS:
+        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(_NEEDS)}")
+    return _NEEDS[recipe]
+
+
+def load_env(spec: str | Env | Callable[[], Env]) -> Env:
+    """An Env from an instance, a factory, or an import path "pkg.module:Factory"."""
+    if isinstance(spec, Env):
+        return spec
+    if callable(spec):
+        obj: Any = spec
+        where = getattr(spec, "__qualname__", repr(spec))
+    else:
+        module_name, sep, attr = str(spec).partition(":")
+        if not sep or not module_name or not attr:
+            raise EnvError(f"--env {spec!r}: expected an import path 'pkg.module:Factory'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise EnvError(
+                f"--env {spec!r}: cannot import {module_name!r} ({e}); run from the "
+                "folder that holds the package or put it on PYTHONPATH"
+            ) from None
+        obj = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise EnvError(f"--env {spec!r}: {module_name} has no attribute {part!r}")
+            obj = getattr(obj, part)
+        where = spec
+    env = obj
+    if (inspect.isclass(obj) or callable(obj)) and not isinstance(obj, Env):
+        try:
+            env = obj()
+        except Exception as e:  # noqa: BLE001 - reported with the spec that failed
+            raise EnvError(
+                f"--env {where}: calling it with no arguments raised {type(e).__name__}: {e}"
+            ) from e
+    if not isinstance(env, Env):
+        raise EnvError(
+            f"--env {where}: built a {type(env).__name__}, not an ac2_jax.envs.Env "
+            "(subclass Env: sample_tasks and verify)"
+        )
+    return env
+
+
+def _probe_tasks(env: Env, problems: list[str]) -> list[Task]:
+    tasks: dict[str, list[Task]] = {}
+    for split in ("train", "eval"):
+        try:
+            got = env.sample_tasks(4, seed=0, split=split)
+            again = env.sample_tasks(4, seed=0, split=split)
+        except Exception as e:  # noqa: BLE001 - reported as a contract problem
+            problems.append(f"sample_tasks(4, seed=0, split={split!r}) raised {e!r}")
+            continue
+        if not isinstance(got, list) or not all(isinstance(t, Task) for t in got):
+            problems.append(f"sample_tasks must return a list of Task, got {type(got).__name__}")
+            continue
+        if len(got) != 4:
+            problems.append(f"sample_tasks(4, ...) returned {len(got)} tasks")
+        ids = [t.task_id for t in got]
+        if len(set(ids)) != len(ids):
+            problems.append(f"sample_tasks({split!r}) repeats task ids: {ids}")
+        if ids != [t.task_id for t in again]:
+            problems.append(f"sample_tasks({split!r}) is not deterministic in its seed")
+        tasks[split] = got
+    if "train" in tasks and "eval" in tasks:
+        shared = {t.task_id for t in tasks["train"]} & {t.task_id for t in tasks["eval"]}
+        if shared:
+            problems.append(f"train and eval splits share task ids {sorted(shared)}")
+    return tasks.get("train", [])
+
+
+def check_env(env: Env, recipe: str = "rl") -> Env:
+    """Checks `env` against the contract for `recipe`; returns it.
+
+    Raises EnvError naming every problem: tasks (deterministic, unique ids,
+    disjoint splits), the verifier (a float in reward_range for no answer and
+    for the reference answer, which must earn the top reward), tools (Tool
+    objects, distinct names), a callable `make_harness` if given, and the
+    recipe's own needs (`demonstration` for sft, `hint` for distill).
+    """
+    problems: list[str] = []
+    name = type(env).__name__
+    tasks = _probe_tasks(env, problems)
+    low, high = env.reward_range
+    try:
+        tools = list(env.tools)
+        if not all(isinstance(t, Tool) for t in tools):
+            problems.append("tools must be ac2_jax.envs.Tool objects")
+        elif len({t.name for t in tools}) != len(tools):
+            problems.append(f"tool names repeat: {[t.name for t in tools]}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"tools raised {e!r}")
+    harness = getattr(env, "make_harness", None)
+    if harness is not None and not callable(harness):
+        problems.append(
+            "make_harness must be callable: (task, client, model_name, *, sampling, "
+            "max_steps) -> orchestrator"
+        )
+    for task in tasks[:2]:
+        ref = env.reference_answer(task)
+        for answer in (None,) if ref is None else (None, ref):
+            try:
+                reward = env.verify(task, answer)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"verify({task.task_id!r}, {answer!r:.40}) raised {e!r}")
+                continue
+            if not isinstance(reward, (int, float)) or not low <= reward <= high:
+                problems.append(
+                    f"verify({task.task_id!r}, ...) gave {reward!r}, outside reward_range "
+                    f"{env.reward_range}"
+                )
+            elif answer is not None and reward < high:
+                problems.append(
+                    f"reference_answer({task.task_id!r}) earns {reward}, not the top reward {high}"
+                )
+    for method in needs_of(recipe):
+        fn = getattr(env, method, None)
+        if not callable(fn):
+            what = "an OpenAI-format chat solving it" if method == "demonstration" else "a str"
+            problems.append(f"recipe {recipe!r} needs {name}.{method}(task) -> {what}")
+            continue
+        for task in tasks[:1]:
+            try:
+                got = fn(task)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{method}({task.task_id!r}) raised {e!r}")
+                continue
+            if method == "demonstration" and not (
+                isinstance(got, list) and got and got[-1].get("role") == "assistant"
+            ):
+                problems.append(f"demonstration({task.task_id!r}) must end with an assistant turn")
+            if method == "hint" and got is not None and not isinstance(got, str):
+                problems.append(f"hint({task.task_id!r}) must be a str or None")
+    if problems:
+        raise EnvError(f"{name} does not meet the env contract: " + "; ".join(problems))
+    return env

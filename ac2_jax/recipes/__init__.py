@@ -1,0 +1,60 @@
+"""Recipes: train your model on your environment, from Python or the launcher.
+
+    from ac2_jax import recipes
+    recipes.rl("path/to/hf_model", "my_pkg.envs:MyEnv", recipes.RLRecipeConfig())
+    recipes.sft(model, env, recipes.SFTRecipeConfig())
+    recipes.distill(model, env, recipes.DistillRecipeConfig())
+
+    python -m ac2_jax.train --recipe=rl --env=my_pkg.envs:MyEnv --model=path/to/hf_model \
+        --config=my_config.py:variant --config.rl.optimizer.learning_rate=5e-4
+
+A model is an HF directory, a preset name (`MODELS`: "tiny") or a (model,
+tokenizer) pair; an env is an `Env`, a factory, or an import path
+(`ac2_jax.envs.contract`: what each recipe needs of it).
+"""
+
+from ac2_jax.recipes.common import MODELS, Progress, load_model
+from ac2_jax.recipes.config import (
+    DemosConfig,
+    DistillLoopConfig,
+    DistillRecipeConfig,
+    EvalConfig,
+    LogConfig,
+    PathsConfig,
+    RLRecipeConfig,
+    RolloutConfig,
+    SamplerConfig,
+    SFTRecipeConfig,
+)
+from ac2_jax.recipes.distill import adistill, distill
+from ac2_jax.recipes.rl import arl, rl
+from ac2_jax.recipes.sft import sft
+
+# Recipe name -> (its config class, its entry point).
+RECIPES = {
+    "rl": (RLRecipeConfig, rl),
+    "sft": (SFTRecipeConfig, sft),
+    "distill": (DistillRecipeConfig, distill),
+}
+
+__all__ = [
+    "MODELS",
+    "RECIPES",
+    "DemosConfig",
+    "DistillLoopConfig",
+    "DistillRecipeConfig",
+    "EvalConfig",
+    "LogConfig",
+    "PathsConfig",
+    "Progress",
+    "RLRecipeConfig",
+    "RolloutConfig",
+    "SFTRecipeConfig",
+    "SamplerConfig",
+    "adistill",
+    "arl",
+    "distill",
+    "load_model",
+    "rl",
+    "sft",
+]

@@ -1,0 +1,202 @@
+"""What the recipes share: the model, the served policy, the harness, progress, outputs.
+
+`load_model(spec)` takes an HF directory (config.json + safetensors + the
+tokenizer's files) or a registered preset name (`MODELS`; "tiny": a random
+2-layer model with a small tokenizer, for smoke runs). `serve_policy` runs
+the endpoint over an embedded `JaxSampler` of the model on 127.0.0.1 (real
+HTTP); every rollout of every recipe goes through it, as a production
+harness's would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ac2_jax.config_cli import to_dict
+from ac2_jax.envs import Env
+from ac2_jax.registry import Registry
+from ac2_jax.training.core.metrics_log import MetricsLogger
+
+__all__ = [
+    "MODELS",
+    "Progress",
+    "RecipeResult",
+    "harness_factory",
+    "load_model",
+    "metrics_logger",
+    "serve_policy",
+    "write_json",
+]
+
+# Model presets by name: fn(workdir) -> (model, tokenizer).
+MODELS: Registry[Callable[[str], tuple[Any, Any]]] = Registry("model preset")
+
+LINE_WIDTH = 120
+
+
+@dataclasses.dataclass
+class RecipeResult:
+    """What a recipe leaves: its report (also in paths.reports/report.json), the
+    trained model, the held-out evals by name ("before", "after") and the rollouts."""
+
+    report: dict[str, Any]
+    model: Any
+    evals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    traces: Any = None  # the TraceStore of the training rollouts
+
+
+@MODELS.register("tiny")
+def _tiny(workdir: str):
+    """A random 2-layer decoder and a small byte-level BPE tokenizer (smoke runs)."""
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(os.path.join(workdir, "tiny_tokenizer"), vocab_size=512)
+    config = DecoderConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        tie_embeddings=True,
+    )  # fmt: skip
+    return Decoder(config, rngs=nnx.Rngs(0)), tokenizer
+
+
+def load_model(spec: Any, workdir: str = ".") -> tuple[Any, Any]:
+    """(model, tokenizer) from an HF directory, a preset name, or a (model, tokenizer) pair."""
+    if isinstance(spec, tuple) and len(spec) == 2:
+        return spec
+    spec = str(spec)
+    if os.path.isdir(spec):
+        from ac2_jax.models.hf_io import load_hf_checkpoint
+        from ac2_jax.models.tokenizer import Tokenizer
+
+        model, _ = load_hf_checkpoint(spec)
+        return model, Tokenizer.from_pretrained(spec)
+    if spec in MODELS:
+        return MODELS.get(spec)(workdir)
+    raise ValueError(
+        f"--model {spec!r}: not a directory (an HF model: config.json + *.safetensors + "
+        f"tokenizer.json) nor a preset ({', '.join(MODELS.names())})"
+    )
+
+
+def harness_factory(env: Env, sampling: dict, max_steps: int) -> Callable[..., Any]:
+    """The orchestrator factory of every rollout: the env's `make_harness`, else the
+    tool loop (`DefaultOrchestrator`). Each orchestrator gets its own sampling dict."""
+    from ac2_jax.orchestration import DefaultOrchestrator
+
+    custom = getattr(env, "make_harness", None)
+
+    def make(env_, task, client, model_name):
+        if custom is not None:
+            return custom(task, client, model_name, sampling=dict(sampling), max_steps=max_steps)
+        return DefaultOrchestrator(
+            env_, task, client, model_name, max_steps=max_steps, sampling=dict(sampling)
+        )
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def serve_policy(
+    model, tokenizer, *, publish_dir: str, traces_dir: str, sampler, rollout, max_batch: int,
+    seed: int = 0,
+) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
+    """The endpoint over an embedded JaxSampler of `model`; yields (sampler, lifecycle).
+
+    sampler: a `SamplerConfig`; rollout: a `RolloutConfig` (its max_tokens is the
+    default of requests that set none). Served traces go to traces_dir/served.jsonl.
+    """
+    from ac2_jax.orchestration import LifecycleClient
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.serving.app import build_app
+    from ac2_jax.serving.server import serve_in_thread
+
+    eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+    context = sampler.max_context or model.config.max_position_embeddings
+    extra = {"min_cache_len": context} if sampler.warmup else {}
+    jax_sampler = JaxSampler(
+        model, publish_dir=publish_dir, max_context=context, max_batch=max_batch,
+        eos_token_ids=eos, tokenizer=tokenizer, seed=seed, **extra,
+    )  # fmt: skip
+    if sampler.warmup:
+        jax_sampler.warmup()
+    os.makedirs(traces_dir, exist_ok=True)
+    admin_key = secrets.token_hex(16)
+    app = build_app(
+        jax_sampler, tokenizer, admin_key=admin_key, model_name=sampler.model_name,
+        trace_store=os.path.join(traces_dir, "served.jsonl"),
+        default_max_tokens=rollout.max_tokens,
+    )  # fmt: skip
+    base_url, stop = serve_in_thread(app)
+    lifecycle = LifecycleClient(base_url, admin_key)
+    try:
+        yield jax_sampler, lifecycle
+    finally:
+        await lifecycle.aclose()
+        stop()
+        jax_sampler.close()
+
+
+def metrics_logger(directory: str, log) -> MetricsLogger:
+    """The run's metrics sink (metrics.jsonl, TensorBoard, W&B as `log` says); the
+    console gets `Progress` lines instead of the logger's own."""
+    kwargs: dict[str, Any] = {}
+    if log.wandb:
+        kwargs["wandb"] = {"project": log.wandb_project} if log.wandb_project else True
+    return MetricsLogger(directory, tensorboard=log.tensorboard, console=False, **kwargs)
+
+
+def write_json(path: str, obj: Any) -> str:
+    """Writes `obj` (a dataclass config or plain data) as indented JSON; returns path."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_dict(obj), f, indent=2)
+    return path
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.1f}m"
+
+
+class Progress:
+    """One line per step of a phase: `[rl] 3/10  4.1 s/step  ETA 29s  loss=0.012 ...`,
+    never wider than 120 characters (keys beyond the width are left out)."""
+
+    def __init__(self, phase: str, total: int, *, enabled: bool = True, out=None):
+        self.phase, self.total, self.enabled = phase, total, enabled
+        self.out = out if out is not None else sys.stderr
+        self.t0 = time.perf_counter()
+        self.done = 0
+
+    def line(self, done: int, metrics: dict[str, Any] | None = None, note: str = "") -> str:
+        self.done = done
+        dt = time.perf_counter() - self.t0
+        rate = dt / done if done else 0.0
+        eta = rate * max(self.total - done, 0)
+        text = f"[{self.phase}] {done}/{self.total}  {rate:.2f} s/step  ETA {_fmt_s(eta)}"
+        for k, v in (metrics or {}).items():
+            item = f"  {k}={v:.4g}" if isinstance(v, (int, float)) else f"  {k}={v}"
+            if len(text) + len(item) + len(note) + 2 > LINE_WIDTH:
+                break
+            text += item
+        if note:
+            text += f"  {note}"
+        return text[:LINE_WIDTH]
+
+    def step(self, done: int, metrics: dict[str, Any] | None = None, note: str = "") -> None:
+        if self.enabled:
+            print(self.line(done, metrics, note), file=self.out, flush=True)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{self.phase}] {text}"[:LINE_WIDTH], file=self.out, flush=True)

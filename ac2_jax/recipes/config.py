@@ -1,0 +1,164 @@
+"""The recipes' configs: one typed schema per recipe, one place per setting.
+
+Each recipe config is a frozen dataclass of sections; the library's own
+configs (`RLConfig`, `SFTConfig`, `DistillConfig`, `OptimizerConfig`,
+`HintConfig`) are sections as they are, never copied: RL concurrency is
+`rl.concurrency` and nothing else (the collector and the sampler's batch
+follow it). Every field can be set from the command line
+(`--config.rl.optimizer.learning_rate=5e-4`, `ac2_jax.config_cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ac2_jax.training import DistillConfig, OptimizerConfig, RLConfig, SFTConfig
+from ac2_jax.training.distill.data import HintConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsConfig:
+    """Where a run writes. Each location but `workdir` defaults to a folder in it."""
+
+    workdir: str = "runs/run"
+    publish: str | None = None  # published weights the sampler loads (workdir/published)
+    traces: str | None = None  # every served trace and the rollouts (workdir/traces)
+    reports: str | None = None  # report.json, config.json, HF export (workdir/report)
+    metrics: str | None = None  # metrics.jsonl + TensorBoard (workdir/metrics)
+
+    def resolved(self) -> RunPaths:
+        """Every location as an absolute path."""
+        work = os.path.abspath(self.workdir)
+
+        def pick(value: str | None, default: str) -> str:
+            return os.path.abspath(value) if value else os.path.join(work, default)
+
+        return RunPaths(
+            workdir=work,
+            publish=pick(self.publish, "published"),
+            traces=pick(self.traces, "traces"),
+            reports=pick(self.reports, "report"),
+            metrics=pick(self.metrics, "metrics"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """`PathsConfig.resolved()`: every location, absolute."""
+
+    workdir: str
+    publish: str
+    traces: str
+    reports: str
+    metrics: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How each attempt samples and runs (the harness's sampling and limits)."""
+
+    temperature: float = 1.0
+    max_tokens: int = 128  # per request; also the endpoint's default for requests without one
+    max_steps: int = 4  # requests per attempt (the default tool-loop harness)
+    infra_retries: int = 2
+    deadline_s: float | None = None  # wall-clock bound of one attempt (None: none)
+
+    def __post_init__(self):
+        if self.max_tokens < 1 or self.max_steps < 1:
+            raise ValueError("RolloutConfig: max_tokens and max_steps must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """The embedded sampler. warmup: compile every shape before the first request
+    (the first request then never waits on a compile)."""
+
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    warmup: bool = True
+    model_name: str = "policy"  # the `model` clients send
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation before and after training (num_tasks=0: none)."""
+
+    num_tasks: int = 0
+    attempts: int = 1
+    temperature: float = 0.0
+    concurrency: int = 16
+    # USD per million tokens {cached_input, uncached_input, output} for the cost figures.
+    prices: dict[str, float] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What the run shows and where metrics go (metrics.jsonl always)."""
+
+    progress: bool = True  # one compact line per step of each phase (rate, ETA)
+    tensorboard: bool = True
+    wandb: bool = False  # Weights & Biases (needs `pip install wandb`)
+    wandb_project: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DemosConfig:
+    """SFT data: `num_tasks` train tasks solved by the env's `demonstration(task)`,
+    or a JSONL `file` of chats ({"messages": [...], "tools": [...]?} per line)."""
+
+    num_tasks: int = 64
+    file: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RLRecipeConfig:
+    seed: int = 0
+    paths: PathsConfig = PathsConfig()
+    rl: RLConfig = RLConfig(
+        steps=10, tasks_per_step=4, attempts_per_task=4, concurrency=16, compile_ahead=False
+    )
+    rollout: RolloutConfig = RolloutConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTRecipeConfig:
+    seed: int = 0
+    paths: PathsConfig = PathsConfig()
+    demos: DemosConfig = DemosConfig()
+    sft: SFTConfig = SFTConfig(steps=100, checkpoint_every=50)
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+    log: LogConfig = LogConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLoopConfig:
+    """Each step rolls out `tasks_per_step` train tasks `attempts_per_task` times
+    through the endpoint with the current policy, attaches each task's hint
+    (`env.hint(task)`) and distills the traces (`examples_from_traces`)."""
+
+    steps: int = 10
+    tasks_per_step: int = 4
+    attempts_per_task: int = 1
+    concurrency: int = 16
+    judge: str = "keywords"  # RMSD's judge: "keywords" or "diff" (a RuleJudge)
+
+    def __post_init__(self):
+        if min(self.steps, self.tasks_per_step, self.attempts_per_task, self.concurrency) < 1:
+            raise ValueError("DistillLoopConfig: steps, tasks and concurrency must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillRecipeConfig:
+    seed: int = 0
+    paths: PathsConfig = PathsConfig()
+    loop: DistillLoopConfig = DistillLoopConfig()
+    distill: DistillConfig = DistillConfig(seq_len=512, rows=2, checkpoint_every=1)
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+    hint: HintConfig = HintConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()

@@ -1,0 +1,137 @@
+"""The distillation recipe: on-policy self-distillation (OPSD, RMSD) from hints.
+
+    report = recipes.distill("path/to/hf_model", "my_pkg.envs:MyEnv",
+                             recipes.DistillRecipeConfig())
+
+Each step rolls `loop.tasks_per_step` train tasks out `loop.attempts_per_task`
+times through the endpoint with the current policy (the student), attaches
+each task's hint (`env.hint(task)`) to its traces, and distills every
+completion of every episode from the hinted teacher (`examples_from_traces`,
+`SelfDistiller`: `distill.method` "opsd", "rmsd" with a rule judge, or
+"sft"). The new weights are published and served for the next step. Traces
+that cannot be taught are skipped whole and counted (`skipped_traces`,
+`skipped/<reason>` in the step's metrics); a step with no example makes no
+update and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.recipes.common import (
+    Progress,
+    RecipeResult,
+    harness_factory,
+    load_model,
+    metrics_logger,
+    serve_policy,
+    write_json,
+)
+from ac2_jax.recipes.config import DistillRecipeConfig
+from ac2_jax.recipes.rl import evaluate_policy
+
+__all__ = ["adistill", "distill"]
+
+
+def _judge(name: str):
+    from ac2_jax.envs import RuleJudge
+
+    if name == "keywords":
+        return RuleJudge(use_hint_keywords=True)
+    if name == "diff":
+        return RuleJudge(use_hint_keywords=False, diff=True)
+    raise ValueError(f"loop.judge must be 'keywords' or 'diff', got {name!r}")
+
+
+async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
+    """`distill` inside a running event loop."""
+    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.trace import TraceStore
+    from ac2_jax.training import SelfDistiller, create_train_state
+    from ac2_jax.training.distill.sources import publish_policy
+    from ac2_jax.training.distill.traces import examples_from_traces
+    from ac2_jax.training.rl.trainer import EndpointCollector
+
+    cfg = config if config is not None else DistillRecipeConfig()
+    paths, loop = cfg.paths.resolved(), cfg.loop
+    env = check_env(load_env(env), "distill")
+    model, tokenizer = load_model(model, paths.workdir)
+    write_json(os.path.join(paths.reports, "config.json"), cfg)
+    graphdef, state = create_train_state(model, cfg.optimizer, rng=cfg.seed)
+    logger = metrics_logger(paths.metrics, cfg.log)
+    dist = SelfDistiller(
+        graphdef, state, cfg.distill, cfg.optimizer,
+        judge=_judge(loop.judge) if cfg.distill.method == "rmsd" else None, tokenizer=tokenizer,
+        workdir=os.path.join(paths.workdir, "distill"), logger=logger,
+    )  # fmt: skip
+    start = dist.restore()
+    progress = Progress(f"distill:{cfg.distill.method}", loop.steps, enabled=cfg.log.progress)
+    progress.say(f"env {type(env).__name__}, workdir {paths.workdir}, resuming at {start}")
+    t_start, history = time.perf_counter(), []
+    try:
+        async with serve_policy(
+            model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
+            sampler=cfg.sampler, rollout=cfg.rollout, max_batch=loop.concurrency, seed=cfg.seed,
+        ) as (sampler, lifecycle):  # fmt: skip
+            if start:
+                publish_policy(sampler, graphdef, dist.state, paths.publish, start)
+            before = await evaluate_policy(cfg, env, lifecycle, "before", progress)
+            sampling = {
+                "temperature": cfg.rollout.temperature,
+                "max_tokens": cfg.rollout.max_tokens,
+            }
+            collector = EndpointCollector(
+                lifecycle, env, harness_factory(env, sampling, cfg.rollout.max_steps),
+                cfg.sampler.model_name, TraceStore(os.path.join(paths.traces, "rollouts.jsonl")),
+                tasks_per_step=loop.tasks_per_step, attempts_per_task=loop.attempts_per_task,
+                seed=cfg.seed + 1, concurrency=loop.concurrency,
+                infra_retries=cfg.rollout.infra_retries, rollout_deadline_s=cfg.rollout.deadline_s,
+            )  # fmt: skip
+            for step in range(start, loop.steps):
+                tasks = {t.task_id: t for t in collector.tasks(step)}
+                traces = [t for t in await collector.collect(step) if t.status != "infra_error"]
+                for tr in traces:
+                    hint = env.hint(tasks[tr.task_id])
+                    tr.hints = [hint] if hint else []
+                counts: dict[str, Any] = {}
+                examples = examples_from_traces(traces, tokenizer, cfg.hint, counts=counts)
+                m = await asyncio.to_thread(dist.update, examples)
+                m = {**m, **{k: float(v) for k, v in counts.items()}}
+                history.append(m)
+                publish_policy(sampler, graphdef, dist.state, paths.publish, step + 1)
+                note = "(no update: no example kept)" if m.get("skipped") else ""
+                shown: dict[str, Any] = {
+                    k: m[k] for k in ("loss", "kept_tokens", "examples") if k in m
+                }
+                progress.step(step + 1, shown, note)
+            after = await evaluate_policy(cfg, env, lifecycle, "after", progress)
+        dist.save()
+        final = dist.state.model(graphdef)
+    finally:
+        dist.close()
+    export = os.path.join(paths.reports, "final_hf")
+    save_hf_checkpoint(final, export)
+    tokenizer.save_pretrained(export)
+    report: dict[str, Any] = {
+        "recipe": "distill",
+        "method": cfg.distill.method,
+        "steps": len(history),
+        "skipped_steps": sum(1 for m in history if m.get("skipped")),
+        "hf_export": export,
+        "time_s": time.perf_counter() - t_start,
+    }
+    if before is not None and after is not None:
+        report["eval"] = {"before": before.pass_rate, "after": after.pass_rate}
+    write_json(os.path.join(paths.reports, "report.json"), report)
+    progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
+    evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}
+    return RecipeResult(report, final, evals, collector.store)
+
+
+def distill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
+    """Self-distills `model` on `env`'s hinted tasks; returns a RecipeResult."""
+    return asyncio.run(adistill(model, env, config))

@@ -1,0 +1,151 @@
+"""The RL recipe: task-level RL of any model on any environment.
+
+    from ac2_jax import recipes
+    report = recipes.rl("path/to/hf_model", "my_pkg.envs:MyEnv", recipes.RLRecipeConfig())
+
+Each step the collector runs `rl.tasks_per_step` x `rl.attempts_per_task`
+attempts through the endpoint (the env's harness or the tool loop), the
+verifier rewards each trace, and `RLTrainer` trains every episode of every
+trace, checkpoints, and publishes the weights the sampler serves next. With
+`eval.num_tasks` > 0 held-out tasks are evaluated before and after. A
+killed run resumes from its checkpoint with no rollout lost (the store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from functools import partial
+from typing import Any
+
+from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.recipes.common import (
+    Progress,
+    RecipeResult,
+    harness_factory,
+    load_model,
+    metrics_logger,
+    serve_policy,
+    write_json,
+)
+from ac2_jax.recipes.config import RLRecipeConfig
+
+__all__ = ["arl", "evaluate_policy", "rl"]
+
+
+async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, harness=None):
+    """The held-out eval of `cfg.eval` through the endpoint (None when num_tasks is 0)."""
+    from ac2_jax.evals import TokenPrices, evaluate
+
+    if cfg.eval.num_tasks <= 0:
+        return None
+    tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
+    sampling = {"temperature": cfg.eval.temperature, "max_tokens": cfg.rollout.max_tokens}
+    make = (harness or partial(harness_factory, env))(sampling, cfg.rollout.max_steps)
+    prices = TokenPrices(**cfg.eval.prices) if cfg.eval.prices else None
+    t0 = time.perf_counter()
+    result = await evaluate(
+        lifecycle, env, tasks, make, cfg.sampler.model_name, name=name, k=cfg.eval.attempts,
+        concurrency=cfg.eval.concurrency, seed=cfg.seed, prices=prices,
+    )  # fmt: skip
+    progress.say(
+        f"eval {name}: pass rate {result.pass_rate:.3f} over {len(tasks)} tasks x "
+        f"{cfg.eval.attempts} ({time.perf_counter() - t0:.0f}s)"
+    )
+    return result
+
+
+def _note(m: dict[str, Any]) -> str:
+    """Why a step trained nothing, in words (its loss is then absent or 0)."""
+    if m.get("skipped_update"):
+        return "(no update: no trace carried a signal; e.g. every group's rewards tied)"
+    return ""
+
+
+async def arl(
+    model: Any, env: Any, config: RLRecipeConfig | None = None, *, harness=None
+) -> RecipeResult:
+    """`rl` inside a running event loop. harness: `(sampling, max_steps) -> orchestrator
+    factory`, for callers whose harness needs more than the env (default:
+    `harness_factory(env, ...)`, the env's make_harness or the tool loop)."""
+    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.trace import TraceStore
+    from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer
+
+    cfg = config if config is not None else RLRecipeConfig()
+    paths = cfg.paths.resolved()
+    env = check_env(load_env(env), "rl")
+    model, tokenizer = load_model(model, paths.workdir)
+    write_json(os.path.join(paths.reports, "config.json"), cfg)
+    rl_cfg = cfg.rl
+    progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
+    progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    t_start = time.perf_counter()
+    async with serve_policy(
+        model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
+        sampler=cfg.sampler, rollout=cfg.rollout, max_batch=rl_cfg.concurrency, seed=cfg.seed,
+    ) as (sampler, lifecycle):  # fmt: skip
+        before = await evaluate_policy(cfg, env, lifecycle, "before", progress, harness)
+        sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens}
+        store = TraceStore(os.path.join(paths.traces, "rollouts.jsonl"))
+        make = (harness or partial(harness_factory, env))(sampling, cfg.rollout.max_steps)
+        collector = EndpointCollector(
+            lifecycle, env, make, cfg.sampler.model_name, store,
+            tasks_per_step=rl_cfg.tasks_per_step, attempts_per_task=rl_cfg.attempts_per_task,
+            seed=cfg.seed + 1, concurrency=rl_cfg.concurrency,
+            infra_retries=cfg.rollout.infra_retries, rollout_deadline_s=cfg.rollout.deadline_s,
+        )  # fmt: skip
+        trainer = RLTrainer(
+            model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
+            publish_dir=paths.publish, on_publish=sampler.load_weights,
+            logger=metrics_logger(paths.metrics, cfg.log), sampler_counters=sampler.counters,
+        )  # fmt: skip
+
+        def on_progress(steps_done: int, version: int) -> None:
+            if trainer.history and steps_done > trainer.start_step:
+                m = trainer.history[-1]
+                # The PPO surrogate's value is ~0 on-policy by construction (ratio 1,
+                # advantages of mean 0): grad_norm shows the update, loss is left out.
+                keys = ("pass_rate", "reward_mean", "grad_norm", "kl_to_sampler")
+                shown = {k: m[k] for k in keys if k in m}
+                progress.step(steps_done, shown, _note(m))
+
+        trainer.on_progress = on_progress
+        try:
+            history = await trainer.run()
+            final = trainer.model()
+        finally:
+            trainer.close()
+        after = await evaluate_policy(cfg, env, lifecycle, "after", progress, harness)
+    export = os.path.join(paths.reports, "final_hf")
+    save_hf_checkpoint(final, export)
+    tokenizer.save_pretrained(export)
+    report: dict[str, Any] = {
+        "recipe": "rl",
+        "steps": len(history),
+        "final_pass_rate": history[-1].get("pass_rate") if history else None,
+        "hf_export": export,
+        "published": paths.publish,
+        "time_s": time.perf_counter() - t_start,
+    }
+    if before is not None and after is not None:
+        from ac2_jax.evals import compare_results
+
+        diff = compare_results(after, before, "pass").estimate
+        report["eval"] = {
+            "before": before.pass_rate,
+            "after": after.pass_rate,
+            "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
+        }
+    write_json(os.path.join(paths.reports, "report.json"), report)
+    progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
+    evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}
+    return RecipeResult(report, final, evals, store)
+
+
+def rl(model: Any, env: Any, config: RLRecipeConfig | None = None) -> RecipeResult:
+    """Trains `model` (an HF directory, a preset name or a (model, tokenizer) pair)
+    by task-level RL on `env` (an Env, a factory, or "pkg.module:Factory").
+    Returns a RecipeResult (its report also in paths.reports/report.json)."""
+    return asyncio.run(arl(model, env, config))

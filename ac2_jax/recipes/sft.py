@@ -1,0 +1,109 @@
+"""The SFT recipe: supervised fine-tuning on demonstrations of an environment's tasks.
+
+    report = recipes.sft("path/to/hf_model", "my_pkg.envs:MyEnv", recipes.SFTRecipeConfig())
+
+The data is `demos.num_tasks` train tasks, each solved by the env's
+`demonstration(task)` (an OpenAI-format chat, tool calls included), or the
+chats of a JSONL `demos.file` (`{"messages": [...], "tools": [...]}` per
+line; then no env is needed). The loss is on the assistant turns. The run
+checkpoints (`sft.checkpoint_every`) and resumes; metrics go to
+metrics.jsonl and TensorBoard; the model is exported in HF format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.recipes.common import (
+    Progress,
+    RecipeResult,
+    load_model,
+    metrics_logger,
+    write_json,
+)
+from ac2_jax.recipes.config import SFTRecipeConfig
+
+__all__ = ["demo_chats", "sft"]
+
+
+def demo_chats(env, config: SFTRecipeConfig) -> list[tuple[str, list[dict], list[dict] | None]]:
+    """(task id, messages, tools) of every demonstration the config names."""
+    demos = config.demos
+    if demos.file:
+        out = []
+        with open(demos.file) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    messages = row["messages"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(
+                        f"demos.file {demos.file} line {i + 1}: expected "
+                        f'{{"messages": [...], "tools": [...]?}} ({e!r})'
+                    ) from None
+                out.append((str(row.get("task", f"demo-{i}")), messages, row.get("tools")))
+        return out
+    tools = [t.spec() for t in env.tools] or None
+    tasks = env.sample_tasks(demos.num_tasks, seed=config.seed, split="train")
+    return [(t.task_id, env.demonstration(t), tools) for t in tasks]
+
+
+def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> RecipeResult:
+    """Fine-tunes `model` (HF directory, preset name, or (model, tokenizer)) on the
+    demonstrations of `env` (or of `config.demos.file`); returns a RecipeResult."""
+    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.training import run_sft
+    from ac2_jax.training.sft.demos import demo_segment
+
+    cfg = config if config is not None else SFTRecipeConfig()
+    paths = cfg.paths.resolved()
+    if not cfg.demos.file:
+        if env is None:
+            raise ValueError("sft: give an env (--env) or a demos.file of chats")
+        env = check_env(load_env(env), "sft")
+    model, tokenizer = load_model(model, paths.workdir)
+    write_json(os.path.join(paths.reports, "config.json"), cfg)
+    t_start = time.perf_counter()
+    segments = [
+        demo_segment(tokenizer, messages, tools, task=task)
+        for task, messages, tools in demo_chats(env, cfg)
+    ]
+    progress = Progress("sft", cfg.sft.steps, enabled=cfg.log.progress)
+    progress.say(f"{len(segments)} demonstrations, workdir {paths.workdir}")
+    every = max(1, cfg.sft.steps // 20)
+    logger = metrics_logger(paths.metrics, cfg.log)
+
+    def log(step: int, m: dict) -> None:
+        if step % every == 0 or step == cfg.sft.steps:
+            progress.step(step, {k: m[k] for k in ("loss", "grad_norm") if k in m})
+
+    try:
+        result = run_sft(
+            model, segments, cfg.sft, cfg.optimizer, workdir=os.path.join(paths.workdir, "sft"),
+            log=log, logger=logger,
+        )  # fmt: skip
+    finally:
+        logger.close()
+    export = os.path.join(paths.reports, "final_hf")
+    final: Any = result.model()
+    save_hf_checkpoint(final, export)
+    tokenizer.save_pretrained(export)
+    history = result.history
+    report = {
+        "recipe": "sft",
+        "steps": len(history),
+        "demonstrations": len(segments),
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "hf_export": export,
+        "time_s": time.perf_counter() - t_start,
+    }
+    write_json(os.path.join(paths.reports, "report.json"), report)
+    progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
+    return RecipeResult(report, final)

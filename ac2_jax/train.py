@@ -1,0 +1,138 @@
+"""The launcher: one command trains any model on any environment.
+
+    python -m ac2_jax.train --recipe=rl --env=my_pkg.envs:MyEnv --model=path/to/hf_model \
+        --config=my_config.py:variant --config.rl.optimizer.learning_rate=5e-4 \
+        --workdir=runs/mine
+
+--recipe: rl, sft or distill (`ac2_jax.recipes`). --env: an import path
+"pkg.module:Factory" (the current folder is importable). --model: an HF
+directory or a preset ("tiny"). --config: a Python file whose
+`get_config(variant=None)` returns a dict of the fields it sets (optional).
+Any `--config.FIELD=VALUE` sets one field of the recipe's config, listed in
+the file or not (`--config.help` lists them all). --workdir is
+`--config.paths.workdir`. A mistake in any of these is one line on stderr
+(exit status 2); the resolved config is written to the run's report folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+USAGE = (
+    "usage: python -m ac2_jax.train --recipe={rl,sft,distill} --env=pkg.module:Factory "
+    "--model=DIR|tiny [--config=FILE.py[:variant]] [--config.FIELD=VALUE ...] [--workdir=DIR]"
+)
+_FLAGS = ("recipe", "env", "model", "config", "workdir")
+
+
+class UsageError(ValueError):
+    """A launcher argument that is missing or unknown."""
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """(flags, config overrides) of a command line (`--name=value` or `--name value`)."""
+    flags: dict[str, str] = {}
+    overrides: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}; {USAGE}")
+        name, eq, value = arg[2:].partition("=")
+        if name.startswith("config."):
+            if not eq:
+                if i >= len(args):
+                    raise UsageError(f"--{name} needs a value (--{name}=VALUE)")
+                value, i = args[i], i + 1
+            overrides.append(f"{name.removeprefix('config.')}={value}")
+            continue
+        if name in ("help", "h"):
+            flags["help"] = "1"
+            continue
+        if name not in _FLAGS:
+            import difflib
+
+            close = difflib.get_close_matches(name, _FLAGS, n=1)
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            raise UsageError(f"unknown flag --{name}{hint} ({USAGE})")
+        if not eq:
+            if i >= len(args):
+                raise UsageError(f"--{name} needs a value")
+            value, i = args[i], i + 1
+        flags[name] = value
+    return flags, overrides
+
+
+def quiet_libraries() -> None:
+    """Known library noise, silenced at the source: absl/Orbax INFO lines (one per
+    checkpoint), JAX's probe of absent TPU/GPU backends, httpx's line per request."""
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    for name in ("jax._src.xla_bridge", "httpx", "orbax", "absl"):
+        logging.getLogger(name).setLevel(logging.ERROR if "jax" in name else logging.WARNING)
+
+
+def build(argv: Sequence[str]):
+    """(entry point, model, env, typed config) for a command line; raises one-line errors."""
+    from ac2_jax.config_cli import load_config
+    from ac2_jax.recipes import RECIPES
+
+    flags, overrides = parse_args(argv)
+    recipe = flags.get("recipe")
+    if recipe is None:
+        raise UsageError(f"--recipe is required; {USAGE}")
+    if recipe not in RECIPES:
+        raise UsageError(f"--recipe={recipe!r}: known recipes are {', '.join(RECIPES)}")
+    cls, entry = RECIPES[recipe]
+    if "help" in flags or overrides == ["help="]:
+        from ac2_jax.config_cli import schema_paths
+
+        lines = [f"  --config.{p}" for p in schema_paths(cls)]
+        raise SystemExit(f"{USAGE}\nfields of {cls.__name__}:\n" + "\n".join(lines))
+    if "workdir" in flags:
+        overrides = [f"paths.workdir={flags['workdir']}", *overrides]
+    config = load_config(cls, flags.get("config"), overrides)
+    if "model" not in flags:
+        raise UsageError("--model is required: an HF directory or a preset ('tiny')")
+    env = flags.get("env")
+    if env is None and not (recipe == "sft" and config.demos.file):
+        raise UsageError("--env is required: an import path 'pkg.module:Factory'")
+    return entry, flags["model"], env, config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns the exit status (2 on a bad argument)."""
+    from ac2_jax.config import ConfigError
+    from ac2_jax.envs.contract import EnvError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --env=pkg.module:Factory from the current folder
+    quiet_libraries()
+    try:
+        entry, model, env, config = build(argv)
+        if env is not None:
+            from ac2_jax.envs.contract import load_env
+
+            env = load_env(env)
+        entry(model, env, config)
+    except (UsageError, ConfigError, EnvError, ImportError) as e:
+        message = " ".join(str(e).split("\n")[0].split())
+        print(f"ac2_jax.train: error: {message}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        if "--model" not in str(e):
+            raise
+        print(f"ac2_jax.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
