@@ -1,34 +1,43 @@
-"""Train an agent with task-level RL (the main job).
+"""Train an agent with task-level RL (the main job): SFT warm start, eval, RL, eval.
 
     python experiments/train_agent.py --config=experiments/configs/calculator.py \
         --config.rl.optimizer.learning_rate=5e-4 --config.workdir=runs/calc
     python experiments/train_agent.py --config=experiments/configs/calculator.py:quick
 
 The part after ':' picks a variant of the config file (`get_config(variant)`).
+The evals and RL run through the RL recipe (`ac2_jax.recipes.arl`); to train
+your own model on your own env, use `python -m ac2_jax.train` instead. The
+report (JSON, plots, trace pages) goes to WORKDIR/report; the console gets
+one line per step and the headline figures.
 """
 
-import json
-import logging
 import os
 import sys
 
 from absl import app
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ac2_jax.train import quiet_libraries  # noqa: E402
 from experiments import calculator_agent  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/calculator.py")
 
 
+def _rate(r: dict) -> str:
+    lo, hi = r["pass_rate_ci95"]
+    return f"{r['pass_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
 def main(argv):
     del argv
-    absl_logging.set_verbosity(absl_logging.WARNING)   # Orbax logs every save at INFO
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request
+    quiet_libraries()
     report = calculator_agent.run(_CONFIG.value)
-    print(json.dumps(report, indent=2))
-    print(f"report: {_CONFIG.value.workdir}/report")
+    imp = report["improvement"]
+    print(f"pass rate: SFT {_rate(report['sft_pass_rate'])} -> RL {_rate(report['rl_pass_rate'])}")
+    print(f"improvement {imp['mean']:+.3f} [{imp['ci95'][0]:+.3f}, {imp['ci95'][1]:+.3f}]"
+          f" in {report['rl_steps']} RL steps, {report['times_s']['total']:.0f}s")
+    print(f"report: {os.path.abspath(_CONFIG.value.workdir)}/report/report.json")
 
 
 if __name__ == "__main__":

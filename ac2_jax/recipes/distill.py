@@ -49,6 +49,7 @@ def _judge(name: str):
 
 async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
     """`distill` inside a running event loop."""
+    import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
     from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training import SelfDistiller, create_train_state
@@ -125,7 +126,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
         "time_s": time.perf_counter() - t_start,
     }
     if before is not None and after is not None:
-        report["eval"] = {"before": before.pass_rate, "after": after.pass_rate}
+        report["eval"] = {"before": before.pass_rate.mean, "after": after.pass_rate.mean}
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}

@@ -50,7 +50,7 @@ async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, ha
         concurrency=cfg.eval.concurrency, seed=cfg.seed, prices=prices,
     )  # fmt: skip
     progress.say(
-        f"eval {name}: pass rate {result.pass_rate:.3f} over {len(tasks)} tasks x "
+        f"eval {name}: pass rate {result.pass_rate.mean:.3f} over {len(tasks)} tasks x "
         f"{cfg.eval.attempts} ({time.perf_counter() - t0:.0f}s)"
     )
     return result
@@ -69,6 +69,7 @@ async def arl(
     """`rl` inside a running event loop. harness: `(sampling, max_steps) -> orchestrator
     factory`, for callers whose harness needs more than the env (default:
     `harness_factory(env, ...)`, the env's make_harness or the tool loop)."""
+    import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
     from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer
@@ -134,8 +135,8 @@ async def arl(
 
         diff = compare_results(after, before, "pass").estimate
         report["eval"] = {
-            "before": before.pass_rate,
-            "after": after.pass_rate,
+            "before": before.pass_rate.mean,
+            "after": after.pass_rate.mean,
             "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
         }
     write_json(os.path.join(paths.reports, "report.json"), report)

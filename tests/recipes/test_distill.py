@@ -1,0 +1,33 @@
+"""The distillation recipe: hinted rollouts through the endpoint, OPSD and RMSD steps."""
+
+import json
+
+from ac2_jax.config_cli import load_config
+from ac2_jax.recipes import DistillRecipeConfig, distill, load_model
+from tests.recipe_helpers import ParityEnv
+
+SMALL = ["loop.steps=1", "loop.tasks_per_step=2", "loop.concurrency=4", "rollout.max_tokens=8",
+         "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false"]
+
+
+def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
+    model = load_model("tiny", str(tmp_path / "build"))
+    cfg = load_config(DistillRecipeConfig, None, [*SMALL, f"paths.workdir={tmp_path / 'run'}"])
+    r = distill(model, ParityEnv(), cfg).report
+    assert r["steps"] == 1 and r["skipped_steps"] == 0
+    (m,) = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
+    assert m["train/kept_tokens"] > 0 and m["train/examples"] == 2
+    assert m["train/skipped_traces"] == 0
+    # Resume: a second step on the same workdir trains only step 2.
+    cfg2 = load_config(DistillRecipeConfig, None,
+                       [*SMALL, "loop.steps=2", f"paths.workdir={tmp_path / 'run'}"])
+    assert distill(model, ParityEnv(), cfg2).report["steps"] == 1
+
+
+def test_a_step_with_nothing_kept_makes_no_update_and_says_so(tmp_path):
+    # RMSD with a keyword judge: the toy answers hold none of the hint's words.
+    model = load_model("tiny", str(tmp_path / "build"))
+    cfg = load_config(DistillRecipeConfig, None, [*SMALL, "distill.method=rmsd",
+                                                  f"paths.workdir={tmp_path / 'run'}"])
+    r = distill(model, ParityEnv(), cfg).report
+    assert r["skipped_steps"] == r["steps"] == 1
