@@ -12,7 +12,7 @@ import re
 
 PACKAGES = ("trace", "segments", "losses", "models", "sampling", "envs", "orchestration",
             "training", "training.core", "training.rl", "training.sft", "training.distill",
-            "evals", "serving", "viz")
+            "evals", "serving", "viz", "recipes")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 START, END = "<!-- public-api:start -->", "<!-- public-api:end -->"
 
