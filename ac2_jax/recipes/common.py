@@ -175,13 +175,17 @@ class Progress:
     def __init__(self, phase: str, total: int, *, enabled: bool = True, out=None):
         self.phase, self.total, self.enabled = phase, total, enabled
         self.out = out if out is not None else sys.stderr
-        self.t0 = time.perf_counter()
+        self.t0, self.first = time.perf_counter(), 0
         self.done = 0
+
+    def start(self, done: int = 0) -> None:
+        """Starts the clock (rates and ETAs count from here, `done` steps in)."""
+        self.t0, self.first = time.perf_counter(), done
 
     def line(self, done: int, metrics: dict[str, Any] | None = None, note: str = "") -> str:
         self.done = done
         dt = time.perf_counter() - self.t0
-        rate = dt / done if done else 0.0
+        rate = dt / (done - self.first) if done > self.first else 0.0
         eta = rate * max(self.total - done, 0)
         text = f"[{self.phase}] {done}/{self.total}  {rate:.2f} s/step  ETA {_fmt_s(eta)}"
         for k, v in (metrics or {}).items():

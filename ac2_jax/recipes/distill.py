@@ -92,6 +92,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                 seed=cfg.seed + 1, concurrency=loop.concurrency,
                 infra_retries=cfg.rollout.infra_retries, rollout_deadline_s=cfg.rollout.deadline_s,
             )  # fmt: skip
+            progress.start(start)
             for step in range(start, loop.steps):
                 tasks = {t.task_id: t for t in collector.tasks(step)}
                 traces = [t for t in await collector.collect(step) if t.status != "infra_error"]

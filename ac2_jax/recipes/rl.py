@@ -113,6 +113,7 @@ async def arl(
                 progress.step(steps_done, shown, _note(m))
 
         trainer.on_progress = on_progress
+        progress.start(trainer.start_step)
         try:
             history = await trainer.run()
             final = trainer.model()
