@@ -101,7 +101,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     tr.hints = [hint] if hint else []
                 counts: dict[str, Any] = {}
                 examples = examples_from_traces(traces, tokenizer, cfg.hint, counts=counts)
-                m = await asyncio.to_thread(dist.update, examples)
+                m = await asyncio.to_thread(dist.update, examples)  # logs train/...
+                # What the step's traces gave: examples made, traces skipped (by reason).
+                logger.log(step + 1, counts, prefix="data")
                 m = {**m, **{k: float(v) for k, v in counts.items()}}
                 history.append(m)
                 publish_policy(sampler, graphdef, dist.state, paths.publish, step + 1)

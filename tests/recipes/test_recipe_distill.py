@@ -15,9 +15,11 @@ def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
     cfg = load_config(DistillRecipeConfig, None, [*SMALL, f"paths.workdir={tmp_path / 'run'}"])
     r = distill(model, ParityEnv(), cfg).report
     assert r["steps"] == 1 and r["skipped_steps"] == 0
-    (m,) = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
-    assert m["train/kept_tokens"] > 0 and m["train/examples"] == 2
-    assert m["train/skipped_traces"] == 0
+    m = {}
+    for line in open(tmp_path / "run" / "metrics" / "metrics.jsonl"):
+        m.update(json.loads(line))  # the step's train/ and data/ lines
+    assert m["step"] == 1 and m["train/kept_tokens"] > 0
+    assert m["data/examples"] == 2 and m["data/skipped_traces"] == 0
     # Resume: a second step on the same workdir trains only step 2.
     cfg2 = load_config(DistillRecipeConfig, None,
                        [*SMALL, "loop.steps=2", f"paths.workdir={tmp_path / 'run'}"])
