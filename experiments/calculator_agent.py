@@ -30,10 +30,9 @@ from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.orchestration import DefaultOrchestrator
 from ac2_jax.recipes import (EvalConfig, PathsConfig, RLRecipeConfig, RolloutConfig,
                              SamplerConfig, arl)
-from ac2_jax.recipes.common import serve_policy
+from ac2_jax.recipes.common import harness_factory, serve_policy
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.sft.demos import demo_segment
@@ -143,11 +142,7 @@ def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):
     tool loop, or with `cfg` of the long variant the compacting harness."""
     if cfg is not None and is_long(cfg):
         return long_horizon.compaction_factory(cfg, cfg_sampling, max_steps)
-
-    def make(env, task, client, model_name):
-        return DefaultOrchestrator(env, task, client, model_name, max_steps=max_steps,
-                                   sampling=dict(cfg_sampling))
-    return make
+    return harness_factory(cfg_sampling, max_steps)
 
 
 def prepare(cfg, workdir: str, log=print):

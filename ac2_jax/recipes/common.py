@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ac2_jax.config_cli import to_dict
-from ac2_jax.envs import Env
 from ac2_jax.registry import Registry
 from ac2_jax.training.core.metrics_log import MetricsLogger
 
@@ -89,18 +88,18 @@ def load_model(spec: Any, workdir: str = ".") -> tuple[Any, Any]:
     )
 
 
-def harness_factory(env: Env, sampling: dict, max_steps: int) -> Callable[..., Any]:
-    """The orchestrator factory of every rollout: the env's `make_harness`, else the
-    tool loop (`DefaultOrchestrator`). Each orchestrator gets its own sampling dict."""
+def harness_factory(sampling: dict, max_steps: int) -> Callable[..., Any]:
+    """The orchestrator factory of every rollout: the env's `make_harness` (looked up on
+    the env each rollout runs in, so a DomainMixer's domains may differ), else the tool
+    loop (`DefaultOrchestrator`). Each orchestrator gets its own sampling dict."""
     from ac2_jax.orchestration import DefaultOrchestrator
 
-    custom = getattr(env, "make_harness", None)
-
-    def make(env_, task, client, model_name):
+    def make(env, task, client, model_name):
+        custom = getattr(env, "make_harness", None)
         if custom is not None:
             return custom(task, client, model_name, sampling=dict(sampling), max_steps=max_steps)
         return DefaultOrchestrator(
-            env_, task, client, model_name, max_steps=max_steps, sampling=dict(sampling)
+            env, task, client, model_name, max_steps=max_steps, sampling=dict(sampling)
         )
 
     return make

@@ -86,7 +86,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                 "max_tokens": cfg.rollout.max_tokens,
             }
             collector = EndpointCollector(
-                lifecycle, env, harness_factory(env, sampling, cfg.rollout.max_steps),
+                lifecycle, env, harness_factory(sampling, cfg.rollout.max_steps),
                 cfg.sampler.model_name, TraceStore(os.path.join(paths.traces, "rollouts.jsonl")),
                 tasks_per_step=loop.tasks_per_step, attempts_per_task=loop.attempts_per_task,
                 seed=cfg.seed + 1, concurrency=loop.concurrency,
@@ -95,11 +95,13 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             progress.start(start)
             for step in range(start, loop.steps):
                 tasks = {t.task_id: t for t in collector.tasks(step)}
-                traces = [t for t in await collector.collect(step) if t.status != "infra_error"]
+                collected = await collector.collect(step)
+                traces = [t for t in collected if t.status != "infra_error"]
                 for tr in traces:
                     hint = env.hint(tasks[tr.task_id])
                     tr.hints = [hint] if hint else []
-                counts: dict[str, Any] = {}
+                # infra_error traces (our fault, retried by the collector) are never taught.
+                counts: dict[str, Any] = {"infra_error_traces": len(collected) - len(traces)}
                 examples = examples_from_traces(traces, tokenizer, cfg.hint, counts=counts)
                 m = await asyncio.to_thread(dist.update, examples)  # logs train/...
                 # What the step's traces gave: examples made, traces skipped (by reason).

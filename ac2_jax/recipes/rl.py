@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from functools import partial
 from typing import Any
 
 from ac2_jax.envs.contract import check_env, load_env
@@ -42,7 +41,7 @@ async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, ha
         return None
     tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
     sampling = {"temperature": cfg.eval.temperature, "max_tokens": cfg.rollout.max_tokens}
-    make = (harness or partial(harness_factory, env))(sampling, cfg.rollout.max_steps)
+    make = (harness or harness_factory)(sampling, cfg.rollout.max_steps)
     prices = TokenPrices(**cfg.eval.prices) if cfg.eval.prices else None
     t0 = time.perf_counter()
     result = await evaluate(
@@ -68,7 +67,7 @@ async def arl(
 ) -> RecipeResult:
     """`rl` inside a running event loop. harness: `(sampling, max_steps) -> orchestrator
     factory`, for callers whose harness needs more than the env (default:
-    `harness_factory(env, ...)`, the env's make_harness or the tool loop)."""
+    `harness_factory`: the env's make_harness or the tool loop)."""
     import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
     from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.trace import TraceStore
@@ -90,7 +89,7 @@ async def arl(
         before = await evaluate_policy(cfg, env, lifecycle, "before", progress, harness)
         sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens}
         store = TraceStore(os.path.join(paths.traces, "rollouts.jsonl"))
-        make = (harness or partial(harness_factory, env))(sampling, cfg.rollout.max_steps)
+        make = (harness or harness_factory)(sampling, cfg.rollout.max_steps)
         collector = EndpointCollector(
             lifecycle, env, make, cfg.sampler.model_name, store,
             tasks_per_step=rl_cfg.tasks_per_step, attempts_per_task=rl_cfg.attempts_per_task,

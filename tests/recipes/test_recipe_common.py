@@ -41,9 +41,9 @@ def test_the_harness_is_the_envs_own_or_the_tool_loop():
             return "custom"
 
     sampling = {"temperature": 0.5}
-    assert harness_factory(WithHarness(), sampling, 3)(None, "t", None, "m") == "custom"
+    assert harness_factory(sampling, 3)(WithHarness(), "t", None, "m") == "custom"
     assert made == [("t", "m", sampling, 3)] and made[0][2] is not sampling  # its own copy
     env = ParityEnv()
     task = env.sample_tasks(1, 0)[0]
-    orch = harness_factory(env, sampling, 2)(env, task, None, "m")
+    orch = harness_factory(sampling, 2)(env, task, None, "m")
     assert isinstance(orch, DefaultOrchestrator) and orch.sampling == sampling

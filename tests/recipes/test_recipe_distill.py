@@ -20,6 +20,7 @@ def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
         m.update(json.loads(line))  # the step's train/ and data/ lines
     assert m["step"] == 1 and m["train/kept_tokens"] > 0
     assert m["data/examples"] == 2 and m["data/skipped_traces"] == 0
+    assert m["data/infra_error_traces"] == 0
     # Resume: a second step on the same workdir trains only step 2.
     cfg2 = load_config(DistillRecipeConfig, None,
                        [*SMALL, "loop.steps=2", f"paths.workdir={tmp_path / 'run'}"])
