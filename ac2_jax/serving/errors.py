@@ -1,10 +1,13 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+"""API-shaped errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+and Anthropic's `{"type": "error", "error": {"type", "message"}}` on the
+Anthropic routes (`ANTHROPIC_PATHS`).
 
 Every failure the endpoint reports (bad JSON, auth, unknown model or route,
 context overflow, validation) goes through `APIError`, so clients such as
-the official `openai` package raise the matching exception class
-(BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
-ConflictError, ...) with our message.
+the official `openai` and `anthropic` packages raise the matching exception
+class (BadRequestError, AuthenticationError, PermissionDeniedError,
+NotFoundError, ConflictError, ...) with our message. The status is the same
+whichever shape the body takes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,28 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+# Routes whose errors take Anthropic's shape (the Messages API and its sub-routes).
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def error_style(path: str) -> str:
+    """The error shape of `path`: "anthropic" on the Anthropic routes, else "openai"."""
+    return "anthropic" if path.startswith(ANTHROPIC_PATHS) else "openai"
 
 
 class APIError(Exception):
@@ -64,9 +89,15 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape: the type by status, our message (param named in it)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, style: str = "openai") -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = self.anthropic_body() if style == "anthropic" else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
@@ -84,8 +115,8 @@ def install_error_handlers(
     """
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response(error_style(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -95,10 +126,11 @@ def install_error_handlers(
             msg = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             msg = str(exc.detail)
-        return APIError(exc.status_code, msg, code=f"http_{exc.status_code}").response()
+        err = APIError(exc.status_code, msg, code=f"http_{exc.status_code}")
+        return err.response(error_style(request.url.path))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
@@ -107,7 +139,7 @@ def install_error_handlers(
             f"Invalid request: {loc or 'body'}: {first.get('msg', 'invalid')}",
             param=loc or None,
             code="invalid_request",
-        ).response()
+        ).response(error_style(request.url.path))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
@@ -123,4 +155,4 @@ def install_error_handlers(
                 await result
         return APIError(
             500, "Internal server error (the server log has the cause)", code="internal_error"
-        ).response()
+        ).response(error_style(request.url.path))

@@ -42,17 +42,23 @@ from ac2_jax.serving.sample_run import (
     sse,
 )
 from ac2_jax.serving.splice import build_prompt_ids
-from ac2_jax.serving.stream_generation import stream_events
+from ac2_jax.serving.stream_generation import EventWriter, stream_events
 from ac2_jax.serving.streaming import TOOL_CALL_OPEN, TokenFeed, WatchedStreamingResponse
 
 __all__ = [
     "AGENT_HEADER",
     "Generation",
     "build_prompt_ids",
+    "chat_prompt_ids",
     "forced_prefix",
     "install_generation_routes",
+    "serve_request",
     "sse",
 ]
+
+# How a request API answers a finished, recorded request: (state, choices,
+# policy_version) -> the JSON body.
+Render = Callable[[RequestState, list[chat_lib.Choice], int], dict]
 
 AGENT_HEADER = "x-agent"
 
@@ -168,16 +174,38 @@ async def start_request(
     )
 
 
-def serve_stream(ctx: ServeContext, st: RequestState) -> WatchedStreamingResponse:
+def serve_stream(
+    ctx: ServeContext, st: RequestState, writer: EventWriter | None = None
+) -> WatchedStreamingResponse:
     async def on_close(_completed: bool) -> None:
         if not st.gen.settled:
             abort(ctx, st)
 
-    body = stream_events(ctx, st)
+    body = stream_events(ctx, st, writer)
     return WatchedStreamingResponse(body, on_close=on_close, media_type="text/event-stream")
 
 
-async def serve_plain(ctx: ServeContext, st: RequestState) -> JSONResponse:
+def openai_render(ctx: ServeContext) -> Render:
+    """Chat / text completion bodies (the two OpenAI routes)."""
+
+    def render(st: RequestState, choices: list[chat_lib.Choice], version: int) -> dict:
+        build = chat_lib.chat_response if st.chat else chat_lib.completion_response
+        return build(
+            ctx.model_name,
+            choices,
+            len(st.prompt_ids),
+            ctx.tokenizer,
+            st.req,
+            version,
+            st.response_id,
+        )
+
+    return render
+
+
+async def serve_plain(
+    ctx: ServeContext, st: RequestState, render: Render | None = None
+) -> JSONResponse:
     """Samples, records and answers one non-streaming request (499 if the client left)."""
     gen = st.gen
     work = asyncio.ensure_future(run_generation(ctx, st.principal, gen))
@@ -195,18 +223,33 @@ async def serve_plain(ctx: ServeContext, st: RequestState) -> JSONResponse:
     choices, turns = await asyncio.to_thread(finish_choices, ctx, results, st)
     await record(ctx, st, choices, time.monotonic() - st.t0, turns)
     version = max(c.result.policy_version for c in choices)
-    build = chat_lib.chat_response if st.chat else chat_lib.completion_response
-    return JSONResponse(
-        build(
-            ctx.model_name,
-            choices,
-            len(st.prompt_ids),
-            ctx.tokenizer,
-            st.req,
-            version,
-            st.response_id,
+    return JSONResponse((render or openai_render(ctx))(st, choices, version))
+
+
+async def serve_request(
+    ctx: ServeContext,
+    st: RequestState,
+    render: Render | None = None,
+    writer: EventWriter | None = None,
+):
+    """Answers a started request: the event stream (`writer`, OpenAI chunks by
+    default) or, once sampled and recorded, the JSON body `render` makes."""
+    if st.req.stream:
+        return serve_stream(ctx, st, writer)
+    return await serve_plain(ctx, st, render)
+
+
+async def chat_prompt_ids(ctx: ServeContext, principal, req: req_lib.ChatRequest) -> list[int]:
+    """The rendered prompt of a chat request (the rollout's spliced token
+    history where it continues one); 400 when the template cannot render it."""
+    memory = principal.rollout.memory if principal.rollout else None
+    try:
+        prompt_ids, _ = await asyncio.to_thread(
+            build_prompt_ids, ctx.tokenizer, req.messages, req.tools, memory
         )
-    )
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+        raise bad_request(f"Could not render the chat template: {e}", param="messages") from None
+    return prompt_ids
 
 
 def install_generation_routes(
@@ -219,15 +262,14 @@ def install_generation_routes(
     default_max_tokens: int | None,
     authenticate: Callable,
     read_json: Callable,
-) -> None:
-    """Adds the two sampling routes to `app` (see the module docstring)."""
+) -> ServeContext:
+    """Adds the two sampling routes to `app` (see the module docstring) and
+    returns their `ServeContext` (other request APIs serve through it)."""
     ctx = ServeContext(sampler, tokenizer, registry, model_name, default_max_tokens)
 
     async def serve(request, principal, req, agent, prompt_ids, messages, chat: bool):
         st = await start_request(ctx, request, principal, req, agent, prompt_ids, messages, chat)
-        if req.stream:
-            return serve_stream(ctx, st)
-        return await serve_plain(ctx, st)
+        return await serve_request(ctx, st)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -235,15 +277,7 @@ def install_generation_routes(
         req = req_lib.parse_chat_request(await read_json(request))
         check_model(ctx, req.model)
         agent = agent_label(request, req)
-        memory = principal.rollout.memory if principal.rollout else None
-        try:
-            prompt_ids, _ = await asyncio.to_thread(
-                build_prompt_ids, tokenizer, req.messages, req.tools, memory
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
-            raise bad_request(
-                f"Could not render the chat template: {e}", param="messages"
-            ) from None
+        prompt_ids = await chat_prompt_ids(ctx, principal, req)
         return await serve(request, principal, req, agent, prompt_ids, req.messages, chat=True)
 
     @app.post("/v1/completions")
@@ -265,3 +299,5 @@ def install_generation_routes(
         if not prompt_ids:
             raise bad_request("'prompt' encodes to no tokens", param="prompt")
         return await serve(request, principal, req, agent, prompt_ids, None, chat=False)
+
+    return ctx

@@ -1,18 +1,23 @@
 """The streaming path of the sampling routes: server-sent events.
 
-Tokens go out as the sampler accepts them (`streaming.TextStream`); once
-sampling ends the choices are finished and recorded like a plain request,
-then the rest of each choice (tool calls, final logprobs), its finish
-reason, the usage and `[DONE]` follow. Errors after the headers are sent are
-reported in the stream.
+`stream_events(ctx, st, writer)` is the one streaming skeleton of every
+request API: tokens go out as the sampler accepts them
+(`streaming.TextStream`); once sampling ends the choices are finished and
+recorded like a plain request, then the rest of each choice (tool calls,
+final logprobs), its finish reason and the usage follow. Errors after the
+headers are sent are reported in the stream. What the events look like is
+the `EventWriter`'s business: `ChunkWriter` writes OpenAI chat / text
+completion chunks; the Anthropic Messages and OpenAI Responses routes bring
+their own.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving import chat as chat_lib
@@ -29,8 +34,34 @@ from ac2_jax.serving.sample_run import (
 from ac2_jax.serving.streaming import TextStream
 
 
-class ChunkWriter:
-    """Builds one request's SSE chunks and their choice pieces."""
+class EventWriter(abc.ABC):
+    """How one request API streams: the events around the shared skeleton.
+
+    Each method returns the SSE strings to send (`sample_run.sse` frames one).
+    `delta` gets a choice's new visible text and, when logprobs go out with
+    the tokens (`incremental_logprobs`), the tokens behind it.
+    """
+
+    @abc.abstractmethod
+    def opening(self) -> Iterable[str]:
+        """Sent before the first token."""
+
+    @abc.abstractmethod
+    def delta(self, index: int, text: str, part: SampleResult | None) -> Iterable[str]:
+        """New text (and tokens) of choice `index`."""
+
+    @abc.abstractmethod
+    def final(self, choices: list, streams: list[TextStream]) -> Iterable[str]:
+        """After recording: the rest of each choice (`stream.rest(...)`), tool
+        calls, finish reasons, usage and the end of the stream."""
+
+    @abc.abstractmethod
+    def error(self, err: APIError) -> Iterable[str]:
+        """An error once the headers are out (the stream ends after it)."""
+
+
+class ChunkWriter(EventWriter):
+    """OpenAI chat / text completion chunks for one request."""
 
     def __init__(self, ctx: ServeContext, st: RequestState):
         self.ctx = ctx
@@ -41,6 +72,7 @@ class ChunkWriter:
         self.kind = "chat.completion.chunk" if st.chat else "text_completion"
         self.version = ctx.sampler.policy_version
         self.offsets = [0] * st.req.n  # text_offset of the next legacy logprob entry
+        self.prompt_len = len(st.prompt_ids)
 
     def chunk(self, choices, usage=None) -> str:
         obj = {
@@ -73,6 +105,20 @@ class ChunkWriter:
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
+    def opening(self) -> Iterable[str]:
+        if self.chat:
+            opening = {"role": "assistant", "content": ""}
+            yield self.chunk([self.piece(i, "", None, extra=opening) for i in range(self.req.n)])
+
+    def delta(self, index: int, text: str, part: SampleResult | None) -> Iterable[str]:
+        yield self.chunk([self.piece(index, text, part)])
+
+    def final(self, choices: list, streams: list[TextStream]) -> Iterable[str]:
+        return final_chunks(self, choices, streams)
+
+    def error(self, err: APIError) -> Iterable[str]:
+        yield sse(err.body())
+
 
 def incremental_logprobs(req) -> bool:
     """Whether logprobs go out with the tokens. on_tokens carries no top-logprobs:
@@ -81,7 +127,7 @@ def incremental_logprobs(req) -> bool:
 
 
 async def stream_tokens(
-    st: RequestState, out: ChunkWriter, streams: list[TextStream]
+    st: RequestState, out: EventWriter, streams: list[TextStream]
 ) -> AsyncIterator[str]:
     """Chunks of the tokens as they arrive, until every sample is done."""
     incremental_lps = incremental_logprobs(st.req)
@@ -107,12 +153,13 @@ async def stream_tokens(
                 SampleResult(shown, shown_lps, "length", 0) if incremental_lps and shown else None
             )
             if text or part is not None:
-                yield out.chunk([out.piece(i, text, part)])
+                for event in out.delta(i, text, part):
+                    yield event
 
 
-def final_chunks(st: RequestState, out: ChunkWriter, choices, streams: list[TextStream]):
+def final_chunks(out: ChunkWriter, choices, streams: list[TextStream]):
     """The rest of each choice, its finish reason, the usage and [DONE]."""
-    req, chat = st.req, st.chat
+    req, chat = out.req, out.chat
     incremental_lps = incremental_logprobs(req)
     out.version = max(c.result.policy_version for c in choices)
     for c, s in zip(choices, streams, strict=True):
@@ -134,18 +181,20 @@ def final_chunks(st: RequestState, out: ChunkWriter, choices, streams: list[Text
             yield out.chunk([out.piece(c.index, text, part, extra=extra)])
         yield out.chunk([out.piece(c.index, "", None, finish=c.finish_reason)])
     if req.include_usage:
-        yield out.chunk([], chat_lib.usage(len(st.prompt_ids), [c.result for c in choices]))
+        yield out.chunk([], chat_lib.usage(out.prompt_len, [c.result for c in choices]))
     yield "data: [DONE]\n\n"
 
 
-async def stream_events(ctx: ServeContext, st: RequestState) -> AsyncIterator[str]:
-    """The whole event stream of one streaming request."""
+async def stream_events(
+    ctx: ServeContext, st: RequestState, out: EventWriter | None = None
+) -> AsyncIterator[str]:
+    """The whole event stream of one streaming request (OpenAI chunks unless
+    another `EventWriter` is given)."""
     req, gen = st.req, st.gen
-    out = ChunkWriter(ctx, st)
+    out = out if out is not None else ChunkWriter(ctx, st)
     streams = [TextStream(ctx.tokenizer, req.stop, st.parse_tools, st.prefix) for _ in range(req.n)]
-    if st.chat:
-        opening = {"role": "assistant", "content": ""}
-        yield out.chunk([out.piece(i, "", None, extra=opening) for i in range(req.n)])
+    for event in out.opening():
+        yield event
     async for event in stream_tokens(st, out, streams):
         yield event
     try:
@@ -155,13 +204,15 @@ async def stream_events(ctx: ServeContext, st: RequestState) -> AsyncIterator[st
         await record(ctx, st, choices, time.monotonic() - st.t0, turns)
     except APIError as e:
         gen.settled = True
-        yield sse(e.body())
+        for event in out.error(e):
+            yield event
         return
     except Exception as e:  # noqa: BLE001 - headers are out: report in the stream
         gen.settled = True
         logging.exception("a streamed request failed")
         await rollout_failed(ctx, st.principal, e, counter="server_errors")
-        yield sse(APIError(500, "Internal server error", code="internal_error").body())
+        for event in out.error(APIError(500, "Internal server error", code="internal_error")):
+            yield event
         return
-    for event in final_chunks(st, out, choices, streams):
+    for event in out.final(choices, streams):
         yield event
