@@ -20,6 +20,7 @@ REQUIRES = [
     "safetensors>=0.4",        # HF checkpoint I/O
     "tokenizers>=0.19",
     "jinja2>=3.1",             # chat templates
+    "llguidance>=1.9",         # grammar-constrained decoding (sampling.constraints)
     "httpx>=0.27",             # LifecycleClient, SGLangSampler
     "openai>=1.30",            # orchestrators reach the model through an OpenAI client
     "tensorboardX>=2.6",       # training metrics (imported when a logger is made)

@@ -21,6 +21,20 @@ Contract
       applies the same parameters (``token_logprobs(..., temperature=, top_k=,
       top_p=)``). Greedy (temperature 0) results carry the log-probs with no
       temperature (there is no behaviour distribution to record).
+    * ``params.constraint`` (an llguidance grammar, `ac2_jax.sampling.constraints`):
+      output tokens are drawn from the masked distribution and
+      ``output_logprobs`` are log-probs under the mask, in this order (the
+      learner applies the same): logits -> ids the grammar disallows set to
+      -inf -> ``sampling_logits`` (temperature, top_k, top_p) -> log_softmax;
+      greedy is the argmax of the masked logits. A position whose mask allows
+      one token has log-prob 0. The mask before output_ids[i] is row i of
+      ``constraints.replay_masks(grammar, tokenizer, output_ids)``: the turn's
+      end token (``constraints.end_token_id``, which must be a stop id) is
+      allowed only where the grammar accepts and is the only one allowed once
+      the grammar is complete; other ids only where the grammar allows them.
+      Nothing is cut short: if ``max_tokens`` runs out first, finish_reason is
+      "length" as usual. A sampler that cannot apply a grammar raises
+      ValueError naming ``constraint``.
     * ``finish_reason`` is ``"stop"`` (a stop token or stop string ended it) or
       ``"length"`` (``max_tokens`` reached, or ``max_context`` total tokens).
     * ``policy_version`` is the version of the weights that sampled *every*
@@ -80,6 +94,7 @@ INT32_MAX = 2**31 - 1
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64  # stop token ids per request
+MAX_CONSTRAINT_CHARS = 1 << 20  # characters of one grammar
 TEMPERATURE_RANGE = (1e-4, 1e4)  # besides 0 (greedy); smaller ones overflow fp32 logits
 
 OnTokens = Callable[[list[int], list[float]], None]  # (new ids, their logprobs)
@@ -123,8 +138,10 @@ class SamplingParams:
     and top_p == 1 disable those filters (top_k >= vocab keeps every token).
     top_logprobs > 0 asks for that many (token_id, logprob) pairs per output
     position in `SampleResult.top_logprobs`. seed: any 64-bit int (signed or
-    not). Lists are stored as tuples (params stay hashable). Every field is
-    checked on construction (`checked`): ValueError naming the field.
+    not). constraint: an llguidance grammar the output must follow (see the
+    module docstring), None for none. Lists are stored as tuples (params stay
+    hashable). Every field is checked on construction (`checked`): ValueError
+    naming the field.
     """
 
     temperature: float = 1.0
@@ -135,6 +152,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0
+    constraint: str | None = None
 
     def __post_init__(self):
         for name, value in self.checked().items():
@@ -174,6 +192,16 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
             )
+        grammar = self.constraint
+        if grammar is not None and (
+            not isinstance(grammar, str)
+            or not grammar.strip()
+            or len(grammar) > MAX_CONSTRAINT_CHARS
+        ):
+            raise ValueError(
+                f"SamplingParams.constraint must be None or a non-empty grammar string of at "
+                f"most {MAX_CONSTRAINT_CHARS} characters, got {type(grammar).__name__}"
+            )
         return {
             "temperature": t,
             "top_p": top_p,
@@ -183,6 +211,7 @@ class SamplingParams:
             "stop_token_ids": tuple(_int("stop_token_ids", i, 0, INT32_MAX) for i in ids),
             "seed": None if self.seed is None else _int("seed", self.seed, -(2**63), 2**64 - 1),
             "top_logprobs": _int("top_logprobs", self.top_logprobs, 0, INT32_MAX),
+            "constraint": grammar,
         }
 
     def replace(self, **kw) -> SamplingParams:

@@ -13,7 +13,7 @@ import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class Request:
     tops: list | None = None
     on_tokens: Callable | None = None  # (ids, logprobs) of newly accepted tokens
     sent: int = 0  # output tokens already handed to on_tokens
+    matcher: Any = None  # constraints.GrammarMatcher of params.constraint (None: free)
 
 
 @dataclasses.dataclass

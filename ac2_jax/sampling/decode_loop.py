@@ -126,19 +126,42 @@ def sample_tokens(
     return tok, logp
 
 
+def unpack_mask(mask: jax.Array, V: int) -> jax.Array:
+    """bool [B, V] from bitmask words [B, ceil(V/32)] (bit j of word w: id 32w + j)."""
+    ids = jnp.arange(V, dtype=jnp.int32)
+    word = jnp.take(mask.astype(jnp.uint32), ids // 32, axis=1)
+    return ((word >> (ids % 32).astype(jnp.uint32)) & 1).astype(bool)
+
+
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "n_steps", "n_top"), donate_argnames=("cache",)
 )
 def decode_chunk(
-    graphdef, state, cache: KVCache, rows: Rows, want_top: jax.Array, *, n_steps: int, n_top: int
+    graphdef,
+    state,
+    cache: KVCache,
+    rows: Rows,
+    want_top: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    n_steps: int,
+    n_top: int,
 ):
     """Up to `n_steps` decode steps for all rows; stops early once no row is active.
+
+    mask: None, or uint32 bitmask words [B, ceil(V/32)] of the ids each row's
+    next token may take (grammar constraints; all bits set for a free row),
+    with n_steps=1: the logits of disallowed ids become -inf before
+    `sample_tokens`, so tokens, greedy picks and log-probs are all under the
+    mask. None compiles the unmasked chunk as it always was.
 
     Returns (cache, rows, out) with out = (tokens [n, B] int32, -1 where the row
     emitted nothing; logprobs [n, B] fp32 under the sampling distribution
     (`sample_tokens`); top_ids, top_lps
     [n, B, n_top], zeros unless `want_top`).
     """
+    if mask is not None and n_steps != 1:
+        raise ValueError(f"decode_chunk: a mask holds for one step, got n_steps={n_steps}")
     B = rows.token.shape[0]
     out0 = (
         jnp.full((n_steps, B), -1, jnp.int32),
@@ -157,9 +180,11 @@ def decode_chunk(
         pos = jnp.where(r.active, r.pos, -1)
         logits, cache = model.decode(r.token[:, None], pos[:, None], cache)
         keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
-        tok, logp = sample_tokens(
-            logits[:, 0].astype(jnp.float32), keys, r.temperature, r.top_k, r.top_p
-        )
+        step_logits = logits[:, 0].astype(jnp.float32)
+        if mask is not None:
+            allowed = unpack_mask(mask, step_logits.shape[-1])
+            step_logits = jnp.where(allowed, step_logits, -jnp.inf)
+        tok, logp = sample_tokens(step_logits, keys, r.temperature, r.top_k, r.top_p)
         lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         if n_top:
             # Filtered-out candidates are reported at -9999 (finite, JSON-safe).

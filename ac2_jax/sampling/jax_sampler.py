@@ -15,6 +15,13 @@ rows still bucketed) or `fixed_shapes=True` (rows fixed too: one decode
 shape) bounds the set, and `warmup()` compiles it all up front, after which
 no traffic compiles anything (`stats.compiled_shapes`).
 
+Grammar-constrained requests (`SamplingParams.constraint`, see
+`constraints`) decode one step per device call while any is in the batch:
+before each step the worker computes each constrained row's allowed ids on
+the host and passes them as a bitmask (all ones for the other rows); after
+it, each sampled token advances its row's matcher. With no constrained row
+the chunks run exactly as before (no mask input).
+
 Requests are validated here, in the caller (ValueError naming the field),
 before they reach the worker; the worker (`worker.DeviceLoop`) keeps one
 request's failure from touching another and streams accepted tokens to each
@@ -52,6 +59,7 @@ from ac2_jax.sampling.base import (
     check_prompt,
 )
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
+from ac2_jax.sampling.constraints import GrammarMatcher, end_token_id
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
 
 
@@ -63,6 +71,8 @@ class JaxSampler(DeviceLoop):
     count is a power of two >= min_batch (min_batch = max_batch: one shape).
     eos_token_ids: always stop tokens (plus each request's stop_token_ids).
     tokenizer: anything with `.decode(ids) -> str`; enables stop strings here.
+    An `ac2_jax.models.Tokenizer` also enables `SamplingParams.constraint`
+    (grammars; its EOS must be a stop token of the request).
     steps_per_sync: decode steps per device call (host checks stops between).
     prefill_chunk: most prompt tokens per row per prefill call (longer prompts
     take several). min_prefill_rows: smallest row bucket of a prefill call
@@ -184,8 +194,12 @@ class JaxSampler(DeviceLoop):
     ) -> SampleResult:
         """One continuation of `prompt_ids`; see `ac2_jax.sampling.base`.
 
-        Cancelling the awaiting task cancels the request (queue or row)."""
-        req = self._make_request(prompt_ids, params, on_tokens)
+        Cancelling the awaiting task cancels the request (queue or row). A
+        `params.constraint` is compiled in a worker thread (not on the loop)."""
+        matcher = None
+        if isinstance(params, SamplingParams) and params.constraint is not None:
+            matcher = await asyncio.to_thread(self._matcher, params)
+        req = self._make_request(prompt_ids, params, on_tokens, matcher)
         return await asyncio.wrap_future(req.future)
 
     def warmup(self) -> int:
@@ -301,7 +315,28 @@ class JaxSampler(DeviceLoop):
         graphdef, state = nnx.split(self._model)
         return graphdef, jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
-    def _make_request(self, prompt_ids, params, on_tokens=None) -> Request:
+    def _matcher(self, params: SamplingParams) -> GrammarMatcher:
+        """The matcher of `params.constraint` over this model's vocabulary; ValueError
+        naming `constraint` when it cannot be applied."""
+        if self._tokenizer is None or getattr(self._tokenizer, "hf", None) is None:
+            raise ValueError(
+                "SamplingParams.constraint needs the JaxSampler's tokenizer (an "
+                "ac2_jax.models.Tokenizer): build it with tokenizer="
+            )
+        end = end_token_id(self._tokenizer)
+        stops = set(self._eos) | set(params.stop_token_ids)
+        if end not in stops:
+            raise ValueError(
+                f"SamplingParams.constraint: the grammar ends the turn with token {end} "
+                f"(the tokenizer's EOS), which is not a stop token of this request: add it "
+                f"to stop_token_ids or the sampler's eos_token_ids"
+            )
+        try:
+            return GrammarMatcher(params.constraint or "", self._tokenizer, self._vocab)
+        except ValueError as e:
+            raise ValueError(f"SamplingParams.constraint: {e}") from None
+
+    def _make_request(self, prompt_ids, params, on_tokens=None, matcher=None) -> Request:
         """Validates everything here, in the caller: the worker only sees good requests."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -332,6 +367,8 @@ class JaxSampler(DeviceLoop):
                 f"SamplingParams.stop_token_ids has ids outside the vocabulary "
                 f"[0, {self._vocab}): {bad[:5]}"
             )
+        if params.constraint is not None and matcher is None:
+            matcher = self._matcher(params)
         seed = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
         stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
         req = Request(
@@ -342,6 +379,7 @@ class JaxSampler(DeviceLoop):
             stop_ids=stop_ids,
             max_out=min(params.max_tokens, self._max_context - len(prompt)),
             on_tokens=on_tokens,
+            matcher=matcher,
         )
         with self._lock:
             if self._closed:  # never queued: another sampler may take it

@@ -79,6 +79,7 @@ class DeviceLoop:
     _n_top: int
     _batch_wait: float
     _prefix_reuse: bool
+    _vocab: int
 
     # ------------------------------------------------------------------ worker
 
@@ -134,8 +135,8 @@ class DeviceLoop:
         """Runs every jitted shape a fixed cache length can produce on scratch
         caches (the live cache and rows are untouched): per row bucket B the
         cache, its prefill row / length buckets, the decode chunk (up to 4 stop
-        ids), and the re-layout to every other row bucket. Returns the number
-        of shapes known afterwards."""
+        ids) and its one-step masked form (constrained rows), and the re-layout
+        to every other row bucket. Returns the number of shapes known afterwards."""
         S, buckets = self._max_context, bucket_sizes(self._min_batch, self._max_batch)
         for B in buckets:
             cache = self._new_cache(B, S)
@@ -159,6 +160,17 @@ class DeviceLoop:
                 n_top=self._n_top,
             )
             self.stats.shapes.add(("decode_chunk", B, S, rows.stop_ids.shape[1]))
+            cache, _, _ = decode_chunk(  # the one-step chunk of constrained rows
+                self._graphdef,
+                self._state,
+                cache,
+                rows,
+                np.bool_(False),
+                np.full((B, -(-self._vocab // 32)), 0xFFFFFFFF, np.uint32),
+                n_steps=1,
+                n_top=self._n_top,
+            )
+            self.stats.shapes.add(("decode_masked", B, S, rows.stop_ids.shape[1]))
             for new_B in buckets:  # admission grows the rows, compaction shrinks them
                 if new_B != B:
                     jax.block_until_ready(
@@ -340,7 +352,13 @@ class DeviceLoop:
             spare = sorted(t.free_rows(), key=lambda r: -t.used[r])[: B - len(active)]
             self._layout(active + spare, B, self._S)
             active = t.active_rows()
-        S = self._need_len(self._steps)
+        mask = self._masks(active)
+        if mask is not None:
+            active = t.active_rows()  # a row whose grammar failed is gone
+            if not active:
+                return
+        steps = self._steps if mask is None else 1
+        S = self._need_len(steps)
         if S > self._S:
             self._layout(list(range(t.B)), t.B, S)
         want_top = any(t.held(r).params.top_logprobs > 0 for r in active)
@@ -352,10 +370,12 @@ class DeviceLoop:
             self._cache,
             rows_in,
             np.bool_(want_top),
-            n_steps=self._steps,
+            mask,
+            n_steps=steps,
             n_top=self._n_top,
         )
-        self.stats.shapes.add(("decode_chunk", t.B, self._S, rows_in.stop_ids.shape[1]))
+        kind = "decode_chunk" if mask is None else "decode_masked"
+        self.stats.shapes.add((kind, t.B, self._S, rows_in.stop_ids.shape[1]))
         rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
         self.stats.decode_s += time.perf_counter() - t0
         t.update(rows)
@@ -374,6 +394,23 @@ class DeviceLoop:
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_row(r, req, e)
 
+    def _masks(self, active: list[int]) -> np.ndarray | None:
+        """Bitmask words [B, W] of the next token of every row (all ones where no
+        grammar holds), or None when no active row has a constraint. A row whose
+        grammar fails here fails its request alone (its row is freed)."""
+        t = self._table
+        held = [r for r in active if t.held(r).matcher is not None]
+        if not held:
+            return None
+        mask = np.full((t.B, -(-self._vocab // 32)), 0xFFFFFFFF, np.uint32)
+        for r in held:
+            req = t.held(r)
+            try:
+                req.matcher.fill_bitmask(mask[r])
+            except Exception as e:  # noqa: BLE001 - this request's grammar only
+                self._fail_row(r, req, e)
+        return mask
+
     def _accept(self, row: int, toks, lps, tids, tlps) -> None:
         """Per-request host work after a chunk: take the row's new tokens, apply
         stop strings, hand accepted tokens to on_tokens, resolve when done."""
@@ -381,6 +418,9 @@ class DeviceLoop:
         req = t.held(row)
         got = toks[:, row] >= 0
         new = toks[got, row].tolist()
+        if req.matcher is not None:
+            for tok in new:  # a token outside the grammar fails the request here
+                req.matcher.consume(tok)
         req.gen += new
         req.logprobs += lps[got, row].tolist()
         st.output_tokens += len(new)

@@ -71,6 +71,11 @@ class Completion:
     `choice_index` this completion's index among its n choices: the n
     completions of one request share the id. None where not recorded (older
     stores, traces built by hand).
+
+    `constraint` is the llguidance grammar the output was sampled under (None:
+    unconstrained): `output_logprobs` are then log-probs under the grammar's
+    mask, which `ac2_jax.sampling.constraints.replay_masks(constraint,
+    tokenizer, output_ids)` rebuilds position by position.
     """
 
     prompt_ids: list[int]
@@ -89,6 +94,7 @@ class Completion:
     messages_sha: str | None = None
     request_id: str | None = None
     choice_index: int = 0
+    constraint: str | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -104,6 +110,8 @@ class Completion:
                 del d[k]
         if self.request_id is None:  # as older stores wrote it
             del d["request_id"], d["choice_index"]
+        if self.constraint is None:  # as older stores wrote it
+            del d["constraint"]
         return d
 
     @classmethod
