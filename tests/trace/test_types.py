@@ -46,6 +46,15 @@ def test_completion_records_its_sampling_params():
     assert (Completion.from_dict(old).temperature, Completion.from_dict(old).top_k) == (1.0, 0)
 
 
+def test_completion_records_its_constraint_and_old_ones_load_without_it():
+    g = '{"grammars": [{"json_schema": {"type": "object"}}]}'
+    c = Completion([1, 2], [3], [0.0], constraint=g)
+    assert Completion.from_dict(json.loads(json.dumps(c.to_dict()))).constraint == g
+    free = Completion([1, 2], [3], [-0.2])
+    assert "constraint" not in free.to_dict()  # written as older stores wrote it
+    assert Completion.from_dict(free.to_dict()).constraint is None
+
+
 def test_old_traces_with_full_messages_on_every_completion_load(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     old = {"prompt_ids": [1], "output_ids": [2], "output_logprobs": [-0.5], "policy_version": 0,
