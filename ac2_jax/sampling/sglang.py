@@ -50,6 +50,14 @@ with `--enable-fp32-lm-head`: the behaviour log-probs the protocol promises.
 Its top-k / top-p filters act after that, so `generate` refuses them
 (ValueError). Seeds are honoured only with `--enable-deterministic-inference`.
 
+Grammars: `SamplingParams.constraint` is refused (ValueError naming it).
+SGLang's structured-output fields (`json_schema`, `regex`, `ebnf`,
+`structural_tag`) run the server's own grammar backend (xgrammar unless it
+was launched with `--grammar-backend llguidance`) with its own JSON
+whitespace rules, so neither its token masks nor the log-probs it reports
+would be the masks the learner replays (`constraints.replay_masks`): serve
+constrained requests with the JaxSampler.
+
 Weights: `load_weights(step)` loads the published Orbax step into a Decoder
 on this host (`params_io.load_published`), writes it as HF safetensors
 (`hf_io.save_hf_checkpoint`) under `export_dir/step_<step>`, and posts
@@ -245,6 +253,14 @@ class SGLangSampler:
         *,
         on_tokens: OnTokens | None = None,
     ) -> SampleResult:
+        if params.constraint is not None:
+            raise ValueError(
+                "SamplingParams.constraint is not supported by the SGLangSampler: SGLang's "
+                "json_schema/regex/ebnf/structural_tag fields run its own grammar backend, "
+                "whose masks and log-probs are not the ones the learner replays "
+                "(sampling.constraints.replay_masks); use the JaxSampler for constrained "
+                "requests"
+            )
         if params.top_k > 0 or params.top_p < 1.0:
             # SGLang reports log_softmax(logits / T), before its top-k / top-p
             # filters: those would not be the log-probs of what was sampled.

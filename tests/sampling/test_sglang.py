@@ -82,6 +82,16 @@ def test_top_k_and_top_p_are_refused_before_any_request(server, tok):
     assert fake.log == []  # nothing reached the server
 
 
+def test_a_grammar_constraint_is_refused_before_any_request(server, tok):
+    """SGLang's grammar backends would not apply the masks the learner replays."""
+    from ac2_jax.sampling import any_json_grammar
+    fake, url = server
+    s = SGLangSampler(url, max_context=CONTEXT, vocab_size=tok.vocab_size)
+    with pytest.raises(ValueError, match="constraint is not supported by the SGLangSampler"):
+        run(s.generate(tok.encode("hi"), SamplingParams(constraint=any_json_grammar())))
+    assert fake.log == []  # nothing reached the server
+
+
 def test_generate_sends_native_json_and_reads_logprobs(server, tok):
     fake, url = server
     s = SGLangSampler(url, max_context=CONTEXT, vocab_size=tok.vocab_size)
