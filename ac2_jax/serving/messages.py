@@ -1,0 +1,391 @@
+"""The Anthropic Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
+
+A request is validated (`messages_schemas`, 400 naming the field, in
+Anthropic's error shape), translated into the OpenAI chat messages and tools
+a Chat Completions client would send for the same conversation, and served
+by the one path of every request API (`chat_prompt_ids`, `start_request`,
+`serve_request`): the same chat template, the same splicing of the rollout's
+sampled ids, the same token-level recording. A conversation held through
+this API is one episode, and so is one that switches between it and
+/v1/chat/completions mid-rollout. The recorded `Completion.request_id` is
+the `msg_...` id the client sees.
+
+Request fields (null is taken as absent):
+  model            honoured: 404 unless it is the served model.
+  max_tokens       honoured; required, >= 1 (0, Anthropic's cache pre-warming, is refused).
+  system           honoured: a string or text blocks (joined with "\\n"), the system message.
+  messages         honoured: role user | assistant; content a string or blocks:
+                   text; tool_use {id, name, input, caller: direct} (assistant) -> its
+                   tool call (SDK dumps echo caller / toolset_name / citations as null);
+                   tool_result {tool_use_id, content: string | text blocks, is_error}
+                   (user) -> a tool message, before the user's text of that message;
+                   is_error true starts the tool message with "Error: ".
+                   Refused: image and document blocks (text-only model, named at their
+                   `source`), thinking and other block types, text `citations` other
+                   than null, and a last message from the assistant (prefill).
+  tools            honoured: client tools {name, description, input_schema, type: "custom"}
+                   rendered as OpenAI functions; server tools (web_search_..., bash_...,
+                   ...) are refused by their `type`, tool fields Anthropic added later
+                   (strict, input_examples, defer_loading, ...) as unknown.
+  tool_choice      honoured as Chat Completions' tool_choice: auto -> "auto", none ->
+                   "none" (tools rendered, calls stay text), any -> "required",
+                   {type: tool, name} -> that function, forced alike (`structured`).
+                   disable_parallel_tool_use: true -> parallel_tool_calls false: a forced
+                   (constrained) call turn holds one call; unconstrained, every call the
+                   model writes is returned.
+  stop_sequences   honoured: stop_reason "stop_sequence" and the one that matched.
+  temperature      honoured, Anthropic's range [0, 1] (0 is greedy); top_p (0, 1] and
+  top_p, top_k     top_k >= 0 (0 = off) honoured.
+  stream           honoured: Anthropic's named SSE events (`MessageEventWriter`).
+  thinking         refused unless {"type": "disabled"}: the policy has no thinking mode here.
+  metadata         {user_id}: accepted, not acted on (Anthropic's end-user id; never the
+                   agent label).
+  cache_control    on system/text/tool_use/tool_result blocks, tools and the body:
+                   {type: ephemeral, ttl?} accepted as a no-op (the sampler's prefix cache
+                   is automatic; usage reports what it reused as cache_read_input_tokens).
+  service_tier     "auto" | "standard_only": accepted; this server has one tier, the
+                   standard one, which satisfies both.
+  agent, seed      extensions (send them with `extra_body`): the agent label (the X-Agent
+                   header wins, then `agent`, else "main") and the sampling seed.
+Any other field is a 400 naming it. Headers: `x-api-key` (or Bearer) authenticates,
+X-Agent labels; anthropic-version and anthropic-beta are not read (nothing here depends
+on them). count_tokens takes the fields that shape the prompt
+(model, system, messages, tools, tool_choice, thinking, cache_control), renders them as
+/v1/messages would (forced tool-call opening included) and answers {"input_tokens": n}.
+
+Responses: content is a text block (if the answer has text) then one tool_use
+block per call (`toolu_` + the call's id; input: the arguments as a JSON
+object, or {"arguments": <what the model wrote>} when they are not one, a
+turn that then renders from text when sent back);
+stop_reason is end_turn | max_tokens | stop_sequence | tool_use. usage splits
+the prompt as Anthropic does: input_tokens + cache_read_input_tokens (reused
+from the prefix cache) + cache_creation_input_tokens (always 0) is the whole
+prompt, which count_tokens counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from ac2_jax.sampling import SampleResult
+from ac2_jax.serving import chat as chat_lib
+from ac2_jax.serving import requests as req_lib
+from ac2_jax.serving import schemas
+from ac2_jax.serving.errors import APIError, bad_request
+from ac2_jax.serving.generation import (
+    agent_label,
+    chat_prompt_ids,
+    check_model,
+    forced_prefix,
+    serve_request,
+    start_request,
+)
+from ac2_jax.serving.messages_schemas import UNION_TAGS, CreateBody, PromptBody
+from ac2_jax.serving.sample_run import RequestState, ServeContext
+from ac2_jax.serving.stream_generation import EventWriter
+from ac2_jax.serving.streaming import TextStream
+
+__all__ = [
+    "MessageEventWriter",
+    "chat_request",
+    "install_messages_routes",
+    "message_body",
+    "validate",
+]
+
+# ------------------------------------------------------------------------------ requests
+
+
+def _untagged(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """An error location as the client wrote the field: union tags left out."""
+    return tuple(
+        part
+        for i, part in enumerate(loc)
+        if not (
+            i >= 2
+            and isinstance(loc[i - 1], int)
+            and isinstance(loc[i - 2], str)
+            and part in UNION_TAGS.get(str(loc[i - 2]), ())
+        )
+    )
+
+
+B = TypeVar("B", bound=PromptBody)  # the body model of a route
+
+
+def validate(model_cls: type[B], body: Any) -> B:
+    """`model_cls` from a parsed JSON body, or the 400 naming the first bad field
+    (`schemas.api_error`, union tags left out of its name)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError(err["type"], "{message}", {"message": err["msg"]}),
+                loc=_untagged(err["loc"]),
+                input=err["input"],
+            )
+            for err in e.errors()
+        ]
+        untagged = ValidationError.from_exception_data(e.title, errors)
+        raise schemas.api_error(model_cls, untagged) from None
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as tool_use `input`: the JSON object they are; anything
+    else (the model's mistake) as {"arguments": value}, so no output is lost."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = arguments
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _tool_choice(body: PromptBody) -> tuple[str | dict | None, str | None]:
+    """(ChatRequest.tool_choice, forced_tool) of Anthropic's tool_choice."""
+    choice = body.tool_choice
+    if choice is None:
+        return None, None
+    if choice.type == "tool":
+        name = choice.name
+        return {"type": "function", "function": {"name": name}}, name
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type], None
+
+
+def chat_request(body: PromptBody) -> req_lib.ChatRequest:
+    """The ChatRequest a Chat Completions client would send for `body`."""
+    try:
+        messages = req_lib.normalize_messages(body.chat_messages())
+    except APIError as e:  # the schema's rules should make this unreachable
+        raise bad_request(f"The messages do not translate to chat messages: {e.message}") from None
+    tool_choice, forced_tool = _tool_choice(body)
+    one_call = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
+    fields: dict[str, Any] = dict(
+        model=body.model,
+        messages=messages,
+        tools=body.chat_tools(),
+        tool_choice=tool_choice,
+        forced_tool=forced_tool,
+        parallel_tool_calls=False if one_call else None,
+    )
+    if isinstance(body, CreateBody):
+        fields.update(
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=-1 if body.top_k is None else body.top_k,
+            stop=tuple(body.stop_sequences or ()),
+            seed=body.seed,
+            stream=bool(body.stream),
+            agent=body.agent,
+        )
+    return req_lib.ChatRequest(**fields)
+
+
+# ------------------------------------------------------------------------------ responses
+
+
+def stop_of(ctx: ServeContext, st: RequestState, choice: chat_lib.Choice) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a choice."""
+    if choice.finish_reason == "tool_calls":
+        return "tool_use", None
+    if choice.finish_reason == "length":
+        return "max_tokens", None
+    ids, stop = list(choice.result.output_ids), st.req.stop
+    if stop and ids and ids[-1] not in ctx.tokenizer.stop_token_ids:
+        full = ctx.tokenizer.decode(ids)  # the stop string that ended it, as truncate_at_stop
+        hits = [(full.find(s) + len(s), s) for s in stop if s in full]
+        if hits:
+            return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def usage_of(st: RequestState, result: SampleResult) -> dict[str, int]:
+    prompt = len(st.prompt_ids)
+    cached = min(int(result.cached_tokens), prompt)
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": len(result.output_ids),
+    }
+
+
+def tool_use_blocks(choice: chat_lib.Choice) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "tool_use",
+            "id": tool_use_id(call["id"]),
+            "name": call["function"]["name"],
+            "input": tool_input(call["function"]["arguments"]),
+        }
+        for call in choice.tool_calls
+    ]
+
+
+def message_body(ctx: ServeContext, st: RequestState, choice: chat_lib.Choice) -> dict[str, Any]:
+    """The Message object of one answered request."""
+    content: list[dict[str, Any]] = []
+    if choice.content:
+        content.append({"type": "text", "text": choice.content})
+    content += tool_use_blocks(choice)
+    stop_reason, stop_sequence = stop_of(ctx, st, choice)
+    return {
+        "id": st.response_id,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": usage_of(st, choice.result),
+    }
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class MessageEventWriter(EventWriter):
+    """Anthropic's stream: message_start, ping, per block content_block_start /
+    content_block_delta (text_delta; input_json_delta for tool_use) /
+    content_block_stop, message_delta (stop_reason, usage), message_stop;
+    `event: error` for an error once the headers are out."""
+
+    def __init__(self, ctx: ServeContext, st: RequestState):
+        self.ctx = ctx
+        self.st = st
+        self.text_open = False  # the text block (index 0) has started
+
+    def opening(self) -> Iterable[str]:
+        message: dict[str, Any] = {
+            "id": self.st.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.ctx.model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": len(self.st.prompt_ids),
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "output_tokens": 0,
+            },
+        }
+        yield event("message_start", {"type": "message_start", "message": message})
+        yield event("ping", {"type": "ping"})
+
+    def text(self, text: str) -> Iterable[str]:
+        if not self.text_open:
+            self.text_open = True
+            block = {"type": "text", "text": ""}
+            yield event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": block},
+            )
+        delta = {"type": "text_delta", "text": text}
+        yield event(
+            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+        )
+
+    def delta(self, index: int, text: str, part: SampleResult | None) -> Iterable[str]:
+        if text:
+            yield from self.text(text)
+
+    def final(self, choices: list, streams: list[TextStream]) -> Iterable[str]:
+        (choice,), (stream,) = choices, streams
+        rest = stream.rest(choice.content)
+        if rest:
+            yield from self.text(rest)
+        index = 0
+        if self.text_open:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            index = 1
+        for block in tool_use_blocks(choice):
+            start = {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {**block, "input": {}},
+            }
+            yield event("content_block_start", start)
+            delta = {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(block["input"], ensure_ascii=False),
+            }
+            yield event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+            index += 1
+        stop_reason, stop_sequence = stop_of(self.ctx, self.st, choice)
+        yield event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": usage_of(self.st, choice.result),
+            },
+        )
+        yield event("message_stop", {"type": "message_stop"})
+
+    def error(self, err: APIError) -> Iterable[str]:
+        yield event("error", err.anthropic_body())
+
+
+# ------------------------------------------------------------------------------ routes
+
+
+def install_messages_routes(
+    app: FastAPI, ctx: ServeContext, *, authenticate: Callable, read_json: Callable
+) -> None:
+    """Adds POST /v1/messages and POST /v1/messages/count_tokens to `app`."""
+
+    def render(st: RequestState, choices: list[chat_lib.Choice], _version: int) -> dict:
+        (choice,) = choices
+        return message_body(ctx, st, choice)
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request):
+        principal = await authenticate(request)
+        body = validate(CreateBody, await read_json(request))
+        check_model(ctx, body.model)
+        req = chat_request(body)
+        agent = agent_label(request, req)
+        prompt_ids = await chat_prompt_ids(ctx, principal, req)
+        st = await start_request(
+            ctx, request, principal, req, agent, prompt_ids, req.messages, chat=True
+        )
+        st.response_id = new_message_id()  # before anything is sent or recorded
+        writer = MessageEventWriter(ctx, st) if req.stream else None
+        return await serve_request(ctx, st, render, writer)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        principal = await authenticate(request)
+        body = validate(PromptBody, await read_json(request))
+        check_model(ctx, body.model)
+        req = chat_request(body)
+        prompt_ids = await chat_prompt_ids(ctx, principal, req)
+        prefix = forced_prefix(ctx.tokenizer, req)  # start_request adds it to the prompt
+        prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
+        return {"input_tokens": len(prompt_ids) + len(prefix_ids)}
