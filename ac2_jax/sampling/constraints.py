@@ -108,21 +108,25 @@ def ll_tokenizer(tokenizer: Any):
 def _styled(schema: dict) -> dict:
     """`schema` with the JSON_STYLE options (its own "x-guidance" wins)."""
     if not isinstance(schema, dict):
-        raise ValueError(f"a JSON schema must be an object (dict), got {type(schema).__name__}")
+        raise TypeError(f"a JSON schema must be an object (dict), got {type(schema).__name__}")
     own = schema.get("x-guidance", {})
     if not isinstance(own, dict):
-        raise ValueError(f'the schema\'s "x-guidance" must be an object, got {own!r}')
+        raise TypeError(f'"x-guidance" must be an object, got {own!r}')
     return {**schema, "x-guidance": {**JSON_STYLE, **own}}
+
+
+def _schema_text(schema: dict, what: str = "the JSON schema") -> str:
+    """`_styled(schema)` as JSON text; ValueError naming `what` if it is not JSON."""
+    try:
+        return json.dumps(_styled(schema), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: not a JSON schema: {e}") from None
 
 
 def json_schema_grammar(schema: dict) -> str:
     """Grammar of one JSON value valid under `schema` (a JSON-schema dict), in
     the compact `JSON_STYLE`. Not checked here: see `check_grammar`."""
-    try:
-        text = json.dumps(_styled(schema), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"the JSON schema is not JSON-serialisable: {e}") from None
-    return _llg().LLMatcher.grammar_from_json_schema(text)
+    return _llg().LLMatcher.grammar_from_json_schema(_schema_text(schema))
 
 
 def any_json_grammar() -> str:
@@ -161,7 +165,12 @@ def _literal(tokenizer: Any, text: str) -> str:
 
 
 def tool_call_grammar(
-    tokenizer: Any, tools: Sequence[dict], name: str | None = None, *, parallel: bool = True
+    tokenizer: Any,
+    tools: Sequence[dict],
+    name: str | None = None,
+    *,
+    parallel: bool = True,
+    or_json: dict | None = None,
 ) -> str:
     """Grammar of a whole tool-call turn in the tokenizer's tool-call format.
 
@@ -170,6 +179,8 @@ def tool_call_grammar(
     `tools` (only `name` when given) and ARGS valid under that tool's
     JSON-schema `parameters` (JSON_STYLE; no parameters: `{}`). One call, or
     one or more with `parallel`; then the turn ends (`end_token_id`).
+    or_json: a JSON schema; the turn may instead be one JSON value valid
+    under it (a JSON answer when the model may also call tools).
     ValueError for a format other than Hermes, bad tools or an unknown name.
     """
     parser: Any = getattr(tokenizer, "tool_parser", None)
@@ -184,17 +195,16 @@ def tool_call_grammar(
         if not fns:
             raise ValueError(f"tool_call_grammar: no tool named {name!r} in tools")
     open_, close = _literal(tokenizer, parser.block_open), _literal(tokenizer, parser.block_close)
-    rules = ['start: call ("\\n" call)*' if parallel else "start: call"]
+    rules = ["start: calls" + (" | answer" if or_json is not None else "")]
+    rules.append('calls: call ("\\n" call)*' if parallel else "calls: call")
+    if or_json is not None:
+        rules.append(f"answer: %json {_schema_text(or_json, 'or_json')}")
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(fns))))
     for i, (fn, params) in enumerate(fns):
         head = parser.named_opening(fn)[len(parser.block_open) :]
         head_lit = json.dumps(head, ensure_ascii=False)
         rules.append(f'call_{i}: {open_} {head_lit} args_{i} "}}\\n" {close}')
-        try:
-            schema = json.dumps(_styled(params), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"tool_call_grammar: {fn}'s parameters are not JSON: {e}") from None
-        rules.append(f"args_{i}: %json {schema}")
+        rules.append(f"args_{i}: %json {_schema_text(params, f'{fn} parameters')}")
     return _llg().LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
 
 

@@ -9,9 +9,12 @@ cancels its samples and records nothing trainable: the rollout counts it in
 `infra_error`. Streaming sends tokens as the sampler accepts them
 (`streaming.TextStream`).
 
-tool_choice "required" / {"function": {"name"}} forces a call by writing
-the tool-call opening (`<tool_call>\\n`, plus `{"name": ..., "arguments": `
-for a named one) at the start of the assistant turn: those tokens go to the
+tool_choice "required" / {"function": {"name"}} and response_format
+json_object / json_schema constrain the output to a grammar
+(`structured.request_constraint`, carried by `SamplingParams.constraint` and
+recorded on the trace). For a tokenizer whose tool-call format has no
+grammar, tool_choice forces a call by writing the tool-call opening
+(`forced_prefix`) at the start of the assistant turn: those tokens go to the
 prompt (loss mask 0), the model writes the rest.
 """
 
@@ -44,6 +47,7 @@ from ac2_jax.serving.sample_run import (
 from ac2_jax.serving.splice import build_prompt_ids
 from ac2_jax.serving.stream_generation import EventWriter, stream_events
 from ac2_jax.serving.streaming import TOOL_CALL_OPEN, TokenFeed, WatchedStreamingResponse
+from ac2_jax.serving.structured import grammar_forces_calls, request_constraint
 
 __all__ = [
     "AGENT_HEADER",
@@ -65,7 +69,10 @@ AGENT_HEADER = "x-agent"
 
 def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest) -> str:
     """Text that opens the assistant turn to force a tool call ("" if none), in
-    the tokenizer's tool-call format (`tool_parser.opening` / `named_opening`)."""
+    the tokenizer's tool-call format (`tool_parser.opening` / `named_opening`).
+    "" where a grammar forces the call instead (`structured.grammar_forces_calls`)."""
+    if grammar_forces_calls(tokenizer):
+        return ""
     parser = getattr(tokenizer, "tool_parser", None)
     if req.tool_choice == "required":
         return parser.opening if parser is not None else TOOL_CALL_OPEN + "\n"
@@ -96,9 +103,13 @@ def agent_label(request: Request, req: req_lib.GenerationRequest) -> str:
 
 
 def sampling_params(
-    ctx: ServeContext, prompt_len: int, req: req_lib.GenerationRequest
+    ctx: ServeContext,
+    prompt_len: int,
+    req: req_lib.GenerationRequest,
+    constraint: str | None = None,
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice, max_tokens capped by the context left."""
+    """One SamplingParams per choice, max_tokens capped by the context left;
+    `constraint`: the grammar of the answer (`structured.request_constraint`)."""
     max_context = ctx.sampler.max_context
     if prompt_len >= max_context:
         raise bad_request(
@@ -119,6 +130,7 @@ def sampling_params(
             stop_token_ids=ctx.tokenizer.stop_token_ids,
             seed=req.seed,
             top_logprobs=req.top_logprobs,
+            constraint=constraint,
         )
         return [base if req.seed is None else base.replace(seed=req.seed + i) for i in range(req.n)]
     except ValueError as e:  # the request's fields were checked by `schemas` already
@@ -147,11 +159,13 @@ async def start_request(
     messages: list[dict] | None,
     chat: bool,
 ) -> RequestState:
-    """Adds the forced prefix, builds the params and starts the samples."""
+    """Adds the forced prefix or the answer's grammar, builds the params and
+    starts the samples."""
     prefix = forced_prefix(ctx.tokenizer, req) if chat else ""
     prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
+    constraint = await asyncio.to_thread(request_constraint, ctx.tokenizer, req) if chat else None
     full_prompt = list(prompt_ids) + prefix_ids
-    params = sampling_params(ctx, len(full_prompt), req)
+    params = sampling_params(ctx, len(full_prompt), req, constraint)
     route = principal.rollout.rollout_id if principal.rollout is not None else None
     response_id = chat_lib.new_id("chatcmpl" if chat else "cmpl")
     t0 = time.monotonic()
@@ -171,6 +185,7 @@ async def start_request(
         prefix_ids=prefix_ids,
         t0=t0,
         response_id=response_id,
+        constraint=constraint,
     )
 
 

@@ -13,14 +13,16 @@ Accepted and deliberately not acted on (documented, not silent):
   metadata             OpenAI's stored-completion tags; nothing is stored for them.
                        `metadata.agent` is refused: label agents with the `X-Agent`
                        header or the top-level `agent` extension field.
-  parallel_tool_calls  every tool call the model writes is returned, whatever its
-                       value: the model is not constrained to one call.
 
 tool_choice: "auto" (default) parses tool calls from the output; "none" still
 renders the tools into the prompt but parses nothing (calls stay text);
-"required" and a named function force a call (see `generation`).
-response_format: only {"type": "text"}; json_object and json_schema are 400s
-(no constrained decoding, so JSON output could not be guaranteed).
+"required" and a named function force a call: the output is constrained to
+whole calls of the tools (`structured`). parallel_tool_calls: false holds a
+constrained tool-call turn to one call; otherwise (and with unconstrained
+output) every call the model writes is returned.
+response_format: "text" (default); "json_object" / "json_schema" constrain the
+answer to a JSON object / a value of the schema (`structured`; "strict" true
+or false, the answer always validates).
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ class ChatRequest(GenerationRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # None/"auto", "none", "required", {function}
     forced_tool: str | None = None  # the named function of tool_choice
+    parallel_tool_calls: bool | None = None  # False: a constrained call turn holds one call
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     @property
     def parse_tools(self) -> bool:
@@ -189,6 +193,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=req.tools or None,
         tool_choice=req.tool_choice,
         forced_tool=req.forced_tool,
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=req.response_format,
     )
 
 

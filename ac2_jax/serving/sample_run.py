@@ -99,6 +99,7 @@ class RequestState:
     prefix_ids: list[int]
     t0: float
     response_id: str
+    constraint: str | None = None  # the answer's grammar (SamplingParams.constraint)
 
 
 async def rollout_failed(
@@ -171,6 +172,7 @@ async def record(ctx: ServeContext, st: RequestState, choices, elapsed: float, t
             top_p=float(req.top_p),
             request_id=st.response_id,
             choice_index=int(c.index),
+            constraint=st.constraint,
         )
         for c in choices
     ]

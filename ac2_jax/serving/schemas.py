@@ -187,17 +187,6 @@ def _empty_bias(value: Any) -> Any:
     raise _error(UNSUPPORTED, "is not supported (only {} or null)")
 
 
-def _text_format(value: Any) -> Any:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if value is None or kind == "text":
-        return value
-    raise _error(
-        UNSUPPORTED,
-        f"{kind!r} is not supported: this server has no constrained decoding "
-        '(only {"type": "text"})',
-    )
-
-
 class _Shape(BaseModel):
     """A sub-object of which only some keys are checked; the rest pass as sent."""
 
@@ -215,6 +204,44 @@ class FunctionShape(_Shape):
 class NamedToolChoice(_Shape):
     type: Literal["function"]
     function: FunctionName
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = (
+    Annotated[
+        dict[str, Any],
+        shaped(
+            TextFormat | JsonObjectFormat | JsonSchemaFormat,
+            'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name": "[a-zA-Z0-9_-]{1,64}", "schema": {...}, "strict": bool, '
+            '"description": str}}',
+        ),
+    ]
+    | None
+)
 
 
 class Metadata(_Shape):
@@ -398,9 +425,10 @@ class ChatCompletionBody(SamplingBody):
         ]
         | None
     ) = None
-    # Every tool call the model writes is returned, whatever this says.
+    # false: a constrained tool-call turn (`serving.structured`) holds one call.
     parallel_tool_calls: bool | None = None
-    response_format: Annotated[Any, PlainValidator(_text_format)] = None
+    # json_object / json_schema: the answer is constrained to it (`serving.structured`).
+    response_format: ResponseFormat = None
 
     @field_validator("tool_choice")
     @classmethod

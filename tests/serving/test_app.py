@@ -594,9 +594,9 @@ def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
             ({"logit_bias": {"5": 3}}, "logit_bias"),
             ({"presence_penalty": 0.5}, "presence_penalty"),
             ({"frequency_penalty": 0.5}, "frequency_penalty"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-             "response_format"),
+            ({"response_format": {"type": "yaml"}}, "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
             ({"stream_options": {"include_usage": True}}, "stream_options"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"metadata": {"agent": "x"}}, "metadata.agent")):

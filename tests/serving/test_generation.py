@@ -47,6 +47,7 @@ class GatedSampler:
         self.gate.set()
 
     async def generate(self, prompt_ids, params, *, on_tokens=None):
+        self.last_params = params
         if self.fail_with is not None:
             raise self.fail_with
         out = self.script[:params.max_tokens]
@@ -203,10 +204,15 @@ def test_slow_rendering_does_not_stall_the_event_loop(served, monkeypatch):
     assert result["r"].choices[0].message.content == "one"
 
 
-def test_forced_tool_call_prefix_is_prompt_side(served):
+def test_forced_tool_call_is_a_grammar_on_the_sampled_tokens(served):
+    """A named tool_choice puts nothing into the prompt: the request's params carry
+    the tool-call grammar, the whole call is output (loss mask 1) and the trace
+    records the grammar. (This double does not apply it; tests/serving/
+    test_structured.py samples under it with the JaxSampler.)"""
+    from ac2_jax.sampling import tool_call_grammar
     tok = served["tok"]
     sampler = served["sampler"]
-    sampler.script = tok.encode('{"a": 1}}\n</tool_call>')
+    sampler.script = tok.encode('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
     sampler.open_all()
     info, client = new_rollout(served)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
@@ -215,11 +221,13 @@ def test_forced_tool_call_prefix_is_prompt_side(served):
         tool_choice={"type": "function", "function": {"name": "add"}})
     (call,) = resp.choices[0].message.tool_calls
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1}
+    assert sampler.last_params.constraint == tool_call_grammar(tok, tools, "add")
     trace = served["admin"].get(f"/v1/rollouts/{info['rollout_id']}/trace").json()
     (ep,) = trace["episodes"]
     (comp,) = ep["completions"]
-    prefix = tok.encode('<tool_call>\n{"name": "add", "arguments": ')
-    assert comp["prompt_ids"][-len(prefix):] == prefix and comp["output_ids"] == sampler.script
+    assert comp["constraint"] == sampler.last_params.constraint
+    assert tok.decode(comp["prompt_ids"]).endswith("<|im_start|>assistant\n")  # no opening
+    assert comp["output_ids"] == sampler.script
     assert ep["loss_mask"] == [0] * len(comp["prompt_ids"]) + [1] * len(sampler.script)
     assert resp.usage.prompt_tokens == len(comp["prompt_ids"])
 

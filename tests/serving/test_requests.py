@@ -73,8 +73,13 @@ def test_messages_are_normalized():
     ({"logit_bias": {"5": 10}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"frequency_penalty": 9}, "frequency_penalty"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": "{}"}}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -97,6 +102,16 @@ def test_tool_choice_forms():
     assert req.tool_choice == "required" and req.forced_tool is None and req.parse_tools
     assert not rq.parse_chat_request(body(tools=TOOLS, tool_choice="none")).parse_tools
     assert not rq.parse_chat_request(body(tool_choice="none")).parse_tools
+
+
+def test_response_format_and_parallel_tool_calls_reach_the_request():
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                                  "schema": {"type": "integer"}}}
+    req = rq.parse_chat_request(body(response_format=fmt, parallel_tool_calls=False))
+    assert req.response_format == fmt and req.parallel_tool_calls is False
+    assert rq.parse_chat_request(body(response_format={"type": "json_object"})).response_format \
+        == {"type": "json_object"}
+    assert rq.parse_chat_request(body()).response_format is None
 
 
 def test_body_must_be_an_object():
