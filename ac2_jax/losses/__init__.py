@@ -1,5 +1,5 @@
-"""Pure JAX loss pieces: log-probs (dense and chunked from hidden states), masks, aggregation,
-policy gradient, distill, relevance."""
+"""Pure JAX loss pieces: log-probs (dense and chunked from hidden states), grammar masks
+(constraints), masks, aggregation, policy gradient, distill, relevance."""
 
 from ac2_jax.losses.aggregation import MODES, aggregate_loss, loss_weights
 from ac2_jax.losses.chunked import (
@@ -10,6 +10,7 @@ from ac2_jax.losses.chunked import (
     chunked_token_entropy,
     chunked_token_logprobs,
 )
+from ac2_jax.losses.constraints import constrain_logits, unpack_masks
 from ac2_jax.losses.distill import (
     DISTILL_KINDS,
     DIVERGENCES,
@@ -46,6 +47,7 @@ __all__ = [
     "chunked_token_entropy",
     "chunked_token_logprobs",
     "candidate_mask",
+    "constrain_logits",
     "distill_loss",
     "forward_kl",
     "generalized_jsd",
@@ -69,4 +71,5 @@ __all__ = [
     "token_entropy",
     "token_logprobs",
     "tree_attention_mask",
+    "unpack_masks",
 ]

@@ -155,13 +155,17 @@ def chunked_token_logprobs(
     top_p=None,
     chunk_size: int,
     with_entropy: bool = False,
+    constraint_ids: jax.Array | None = None,
+    constraint_masks: jax.Array | None = None,
 ):
     """`token_logprobs(head.logits(hidden), targets, ...)` chunk by chunk.
 
     hidden [..., L, D]; targets [..., L] int; temperature / top_k / top_p: None,
-    scalars or [..., L] (the sampling distribution, see `sampling_logits`).
-    Returns log p [..., L]; with_entropy: (log p, entropy of the raw softmax
-    [..., L], gradient stopped: a metric) from one pass over the logits.
+    scalars or [..., L] (the sampling distribution, see `sampling_logits`);
+    constraint_ids [..., L] and constraint_masks uint32 [K, W]: grammar masks
+    applied first (`constrain_logits`; the table is whole in every chunk).
+    Returns log p [..., L]; with_entropy: (log p, entropy of the raw, unmasked
+    softmax [..., L], gradient stopped: a metric) from one pass over the logits.
     """
     lead = tuple(hidden.shape[:-1])
     if tuple(targets.shape) != lead:
@@ -176,14 +180,31 @@ def chunked_token_logprobs(
         )
         tok["k"] = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), lead)
         tok["p"] = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), lead)
+    if (constraint_ids is None) != (constraint_masks is None):
+        raise ValueError(
+            "chunked_token_logprobs: constraint_ids and constraint_masks go together; "
+            "pass both or neither"
+        )
+    if constraint_ids is not None:
+        if tuple(constraint_ids.shape) != lead:
+            raise ValueError(
+                f"chunked_token_logprobs: constraint_ids {constraint_ids.shape} must be "
+                f"hidden.shape[:-1] = {lead}"
+            )
+        tok["cid"] = constraint_ids.astype(jnp.int32)
 
     def fn(logits, x):
         (z,) = logits
+        masks = {}
+        if constraint_masks is not None:
+            masks = dict(constraint_ids=x["cid"], constraint_masks=constraint_masks)
         out = {
             "logp": (
-                token_logprobs(z, x["targets"], temperature=x["t"], top_k=x["k"], top_p=x["p"])
+                token_logprobs(
+                    z, x["targets"], temperature=x["t"], top_k=x["k"], top_p=x["p"], **masks
+                )
                 if sampling
-                else token_logprobs(z, x["targets"])
+                else token_logprobs(z, x["targets"], **masks)
             )
         }
         if with_entropy:

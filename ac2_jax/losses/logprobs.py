@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ac2_jax.losses.constraints import constrain_logits
+
 
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, keep) -> jax.Array:
     V = logits.shape[-1]
@@ -54,15 +56,32 @@ def sampling_logits(
 
 
 def token_logprobs(
-    logits: jax.Array, targets: jax.Array, *, temperature=None, top_k=None, top_p=None
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    constraint_ids: jax.Array | None = None,
+    constraint_masks: jax.Array | None = None,
 ) -> jax.Array:
     """log p(targets) in fp32, under softmax(logits) or the sampling distribution.
 
     logits: [..., L, V]; targets: [..., L] int. With any of temperature /
     top_k / top_p given (scalars or [..., L]), p is `sampling_logits`'s
-    distribution (the target is always kept). Returns [..., L].
+    distribution (the target is always kept). With constraint_masks (uint32
+    [K, W]) and constraint_ids ([..., L]), grammar-constrained positions are
+    masked first (`constrain_logits`), as the sampler drew them: mask, then
+    the sampling transform, then log_softmax. Returns [..., L].
     """
     targets = targets.astype(jnp.int32)
+    if (constraint_ids is None) != (constraint_masks is None):
+        raise ValueError(
+            "token_logprobs: constraint_ids and constraint_masks go together "
+            "(a per-position id into a table of masks); pass both or neither"
+        )
+    if constraint_ids is not None and constraint_masks is not None:
+        logits = constrain_logits(logits, constraint_ids, constraint_masks, keep=targets)
     if temperature is None and top_k is None and top_p is None:
         logits = logits.astype(jnp.float32)
     else:

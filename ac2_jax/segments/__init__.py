@@ -10,8 +10,11 @@ from ac2_jax.segments.batch import (
     pow2_bucket,
     task_names,
 )
+from ac2_jax.segments.constraints import merge_constraint_tables, resolve_constraints
+from ac2_jax.segments.mask_bits import MaskTable, mask_words, pack_mask_bits, unpack_mask_bits
 from ac2_jax.segments.packing import first_fit_decreasing, pack_rows, pack_segments, write_segment
 from ac2_jax.segments.segments import (
+    CONSTRAINT_ID,
     SAMPLER_LOGPROBS,
     FitCounts,
     Segment,
@@ -21,14 +24,19 @@ from ac2_jax.segments.segments import (
 from ac2_jax.segments.tree import pack_segment_tree
 
 __all__ = [
+    "CONSTRAINT_ID",
     "SAMPLER_LOGPROBS",
     "FitCounts",
+    "MaskTable",
     "PackedBatch",
     "Segment",
     "empty_batch",
     "feature_dtypes",
     "first_fit_decreasing",
     "fit_segments",
+    "mask_words",
+    "merge_constraint_tables",
+    "pack_mask_bits",
     "pack_rows",
     "pack_segment_tree",
     "pack_segments",
@@ -36,7 +44,9 @@ __all__ = [
     "pad_batch_rows",
     "pad_rows",
     "pow2_bucket",
+    "resolve_constraints",
     "segments_from_trace",
     "task_names",
+    "unpack_mask_bits",
     "write_segment",
 ]

@@ -41,7 +41,12 @@ class PackedBatch:
     float32 or int32, aligned with targets like loss_mask: column p holds the
     value of the token `targets[p]`; 0 off the trained predictions), e.g. the
     RL advantages and sampler log-probs (`ac2_jax.training.rl.features`). The
-    packers carry them without reading them.
+    packers carry them without reading them. constraint_masks: the batch's
+    table of grammar masks, packed bits uint32 [K, ceil(V / 32)] (K a static
+    capacity, a power of two) that the int32 feature `CONSTRAINT_ID` indexes
+    (k >= 1: row k - 1; 0: unconstrained); None (no leaf) when no token is
+    constrained (`ac2_jax.segments.constraints`). It is not row-aligned: the
+    train step hands it whole to every micro-batch and device.
 
     num_tasks / num_segments are static capacities (the next power of two of
     the real counts; unused ids hold no tokens), so batches of similar size
@@ -61,6 +66,7 @@ class PackedBatch:
     top_p: np.ndarray
     subtree_end: np.ndarray | None = None
     features: dict[str, np.ndarray] = struct.field(default_factory=dict)
+    constraint_masks: np.ndarray | None = None
     num_tasks: int = struct.field(pytree_node=False, default=0)
     num_segments: int = struct.field(pytree_node=False, default=0)
 

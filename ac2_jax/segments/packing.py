@@ -20,6 +20,7 @@ from ac2_jax.segments.batch import (
     pow2_bucket,
     task_names,
 )
+from ac2_jax.segments.constraints import resolve_constraints
 from ac2_jax.segments.segments import Segment
 from ac2_jax.segments.tree import pack_segment_tree
 
@@ -57,6 +58,8 @@ def pack_segments(
     min_segments: int = 1,
     all_tasks: Sequence[str] | None = None,
     segment_offset: int = 0,
+    min_masks: int = 1,
+    constraint_masks: np.ndarray | None = None,
 ) -> PackedBatch:
     """Packs segments into rows of `seq_len` tokens.
 
@@ -72,6 +75,11 @@ def pack_segments(
     its own segments): `all_tasks` lists every task name of the global batch
     (task ids index it, so the same task has the same id on every process) and
     `segment_offset` is the global number of this share's first segment.
+
+    Grammar masks (`ac2_jax.segments.constraints`): the segments' own tables
+    become the batch's `constraint_masks` (`pow2_bucket(masks, min_masks)`
+    rows); a share of a global batch passes the global table instead
+    (`constraint_masks=`, ids already batch-wide). No mask: None, as before.
     """
     if all_tasks is not None or segment_offset:
         if layout != "flat":
@@ -88,10 +96,13 @@ def pack_segments(
             rows_multiple=rows_multiple,
             min_tasks=min_tasks,
             min_segments=min_segments,
+            min_masks=min_masks,
+            constraint_masks=constraint_masks,
         )
     if layout != "flat":
         raise ValueError(f"pack_segments: layout must be 'flat' or 'tree', got {layout!r}")
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segments")
+    segments, table = resolve_constraints(segments, constraint_masks, min_masks, "pack_segments")
 
     names = task_names(segments) if all_tasks is None else tuple(all_tasks)
     task_index = {name: i for i, name in enumerate(names)}
@@ -113,6 +124,7 @@ def pack_segments(
             start += lengths[i]
     return PackedBatch(
         **out,
+        constraint_masks=table,
         num_tasks=pow2_bucket(len(task_index), min_tasks),
         num_segments=pow2_bucket(segment_offset + len(segments), min_segments),
     )

@@ -13,9 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from ac2_jax.segments.mask_bits import MaskTable, pack_mask_bits
 from ac2_jax.trace.types import Trace
 
 SAMPLER_LOGPROBS = "sampler_logprobs"  # the feature `segments_from_trace` records
+# The feature of grammar-constrained tokens: 0 = free, k >= 1 = row k - 1 of the mask
+# table (`Segment.constraint_masks`, then `PackedBatch.constraint_masks`; `constraints`).
+CONSTRAINT_ID = "constraint_id"
 
 
 def _feature_array(task: str, name: str, value: Any) -> np.ndarray:
@@ -47,6 +51,11 @@ class Segment:
     the packers carry into `PackedBatch.features` without knowing what it
     means: a trace's recorded `sampler_logprobs` (`segments_from_trace`), the
     RL advantages `ac2_jax.training.rl` adds, anything a new loss needs.
+
+    `constraint_masks` (uint32 [m, W], `mask_bits.pack_mask_bits`): the
+    allowed sets of the segment's grammar-constrained tokens; the feature
+    `CONSTRAINT_ID` says which row each token was sampled under (0: none).
+    The packers merge the segments' tables into the batch's.
     """
 
     # Per-token fields take any array-like and hold numpy arrays [n] after
@@ -61,6 +70,7 @@ class Segment:
     top_k: Any = None
     top_p: Any = None
     features: dict[str, Any] = dataclasses.field(default_factory=dict)
+    constraint_masks: Any = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, np.int32)
@@ -95,6 +105,30 @@ class Segment:
             )
         if not self.weight >= 0:
             raise ValueError(f"Segment({self.task!r}): weight must be >= 0, got {self.weight}")
+        if self.constraint_masks is not None:
+            self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        m = np.asarray(self.constraint_masks)
+        if m.dtype != np.uint32 or m.ndim != 2:
+            raise ValueError(
+                f"Segment({self.task!r}): constraint_masks must be packed bits uint32 [m, W] "
+                f"(segments.pack_mask_bits of bool [m, V]), got {m.dtype} {m.shape}"
+            )
+        ids = self.features.get(CONSTRAINT_ID)
+        if ids is None or ids.min(initial=0) < 0 or ids.max(initial=0) > len(m):
+            raise ValueError(
+                f"Segment({self.task!r}): constraint_masks has {len(m)} masks; "
+                f"features[{CONSTRAINT_ID!r}] must give each token 0 or a row 1..{len(m)}"
+            )
+        self.constraint_masks = m
+
+    def with_constraints(self, ids: Any, masks: Any) -> Segment:
+        """This segment with constraint ids ([n] int, feature `CONSTRAINT_ID`) into
+        `masks` (uint32 [m, W], or None: ids that index a batch's table)."""
+        return dataclasses.replace(
+            self, features={**self.features, CONSTRAINT_ID: ids}, constraint_masks=masks
+        )
 
     def with_features(self, **features: Any) -> Segment:
         """This segment with `features` added (or replaced); the rest shared."""
@@ -133,12 +167,12 @@ def _episode_params(ep) -> dict[str, np.ndarray]:
     return out
 
 
-def _request_segment(trace: Trace, ep, c) -> Segment:
+def _request_segment(trace: Trace, ep, c, masks_of) -> Segment:
     """prompt ++ output of one request; the output's mask is the episode's there
     (1 as recorded; 0 where a rule took it out of training, e.g. an unchosen branch)."""
     n_p, n_o = len(c.prompt_ids), len(c.output_ids)
     n = n_p + n_o
-    return Segment(
+    seg = Segment(
         list(c.prompt_ids) + list(c.output_ids),
         [0] * n_p + list(ep.loss_mask[n_p:n]),
         task=trace.key,
@@ -148,11 +182,12 @@ def _request_segment(trace: Trace, ep, c) -> Segment:
         top_p=np.full(n, c.top_p),
         features={SAMPLER_LOGPROBS: [0.0] * n_p + list(c.output_logprobs)},
     )
+    return _with_constraints(seg, trace, ep, [c], masks_of)
 
 
-def _episode_segment(trace: Trace, ep) -> Segment:
+def _episode_segment(trace: Trace, ep, masks_of) -> Segment:
     params: dict[str, Any] = _episode_params(ep)
-    return Segment(
+    seg = Segment(
         ep.token_ids,
         ep.loss_mask,
         task=trace.key,
@@ -160,19 +195,75 @@ def _episode_segment(trace: Trace, ep) -> Segment:
         features={SAMPLER_LOGPROBS: ep.sampler_logprobs},
         **params,
     )
+    return _with_constraints(seg, trace, ep, ep.completions, masks_of)
 
 
-def segments_from_trace(trace: Trace, mode: str = "episode") -> list[Segment]:
+def _with_constraints(seg: Segment, trace: Trace, ep, completions, masks_of) -> Segment:
+    """`seg` with the masks of its constrained, trained output tokens (none: as it is).
+
+    A completion's output sits at [len(prompt_ids), + len(output_ids)) of the
+    segment (both views: the episode, or prompt ++ output)."""
+    table, ids = MaskTable(), np.zeros(len(seg), np.int32)
+    for c in completions:
+        if getattr(c, "constraint", None) is None:
+            continue
+        lo, out = len(c.prompt_ids), np.asarray(c.output_ids, np.int64)
+        trained = np.flatnonzero(np.asarray(seg.loss_mask[lo : lo + len(out)]) > 0)
+        if not len(trained):
+            continue
+        where = f"trace {trace.key!r} ({ep.agent!r}), the completion at token {lo}"
+        if masks_of is None:
+            raise ValueError(
+                f"segments_from_trace: {where} was sampled under a grammar (Completion."
+                "constraint) and trains; pass constraint_masks=(completion -> bool "
+                "[len(output_ids), V]) so the learner re-scores it under the same masks "
+                "(training.rl: batch_segments(tokenizer=...) replays them)"
+            )
+        masks = np.asarray(masks_of(c))
+        if masks.dtype != np.bool_ or masks.ndim != 2 or len(masks) != len(out):
+            raise ValueError(
+                f"segments_from_trace: constraint_masks gave {masks.dtype} {masks.shape} for "
+                f"{where}; want bool [{len(out)}, V] (one allowed set per output token)"
+            )
+        V = masks.shape[1]
+        ok = (out[trained] < V) & masks[trained, np.minimum(out[trained], V - 1)]
+        bad = trained[~ok]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"segments_from_trace: {where}: output token {i} (id {int(out[i])}) is not "
+                "in the allowed set its mask gives; the replayed masks are not the ones "
+                "it was sampled under (grammar, tokenizer or output_ids differ)"
+            )
+        ids[lo + trained] = table.add(pack_mask_bits(masks[trained]), "segments_from_trace")
+    if not len(table):
+        return seg
+    return seg.with_constraints(ids, table.table())
+
+
+def segments_from_trace(
+    trace: Trace, mode: str = "episode", *, constraint_masks: Any = None
+) -> list[Segment]:
     """Cuts a trace into segments, each with the log-probs the sampler recorded
-    for its tokens as the feature `SAMPLER_LOGPROBS` (0 on context tokens)."""
+    for its tokens as the feature `SAMPLER_LOGPROBS` (0 on context tokens).
+
+    constraint_masks: completion -> bool [len(output_ids), V], the allowed set at
+    each output token, for completions sampled under a grammar
+    (`Completion.constraint`; `training.rl` replays them with the sampler's
+    tokenizer). A segment with such trained tokens carries their masks
+    (`Segment.constraint_masks`, feature `CONSTRAINT_ID`). A constrained
+    completion that trains with constraint_masks=None is an error.
+    """
     if mode not in ("episode", "request"):
         raise ValueError(f"segments_from_trace: mode must be 'episode' or 'request', got {mode!r}")
     segments: list[Segment] = []
     for ep in trace.episodes:
         if mode == "episode":
-            segments.append(_episode_segment(trace, ep))
+            segments.append(_episode_segment(trace, ep, constraint_masks))
         else:
-            segments.extend(_request_segment(trace, ep, c) for c in ep.completions)
+            segments.extend(
+                _request_segment(trace, ep, c, constraint_masks) for c in ep.completions
+            )
     return segments
 
 

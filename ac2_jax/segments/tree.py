@@ -33,6 +33,7 @@ from ac2_jax.segments.batch import (
     pow2_bucket,
     task_names,
 )
+from ac2_jax.segments.constraints import resolve_constraints
 from ac2_jax.segments.segments import Segment
 
 
@@ -140,6 +141,8 @@ def pack_segment_tree(
     rows_multiple: int = 1,
     min_tasks: int = 1,
     min_segments: int = 1,
+    min_masks: int = 1,
+    constraint_masks: np.ndarray | None = None,
 ) -> PackedBatch:
     """Packs segments as prefix tries, one forest per row of `seq_len` tokens.
 
@@ -148,6 +151,9 @@ def pack_segment_tree(
     `pack_segments`; the result also has `subtree_end`.
     """
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segment_tree")
+    segments, table = resolve_constraints(
+        segments, constraint_masks, min_masks, "pack_segment_tree"
+    )
     task_index = {name: i for i, name in enumerate(task_names(segments))}
 
     order = sorted(
@@ -174,6 +180,7 @@ def pack_segment_tree(
         _layout(root, out, r, task_index, segments)
     return PackedBatch(
         **out,
+        constraint_masks=table,
         num_tasks=pow2_bucket(len(task_index), min_tasks),
         num_segments=pow2_bucket(len(segments), min_segments),
     )

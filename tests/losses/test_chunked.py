@@ -10,6 +10,7 @@ import pytest
 from ac2_jax.losses import (DISTILL_KINDS, LMHead, chunked_distill_loss, chunked_logits_map,
                             chunked_token_entropy, chunked_token_logprobs, distill_loss,
                             token_entropy, token_logprobs)
+from tests.constrained_case import constrained_case, masked_reference
 
 B, L, D, V = 2, 9, 8, 37
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -181,3 +182,20 @@ def test_bad_input_is_named():
         chunked_distill_loss(h, LMHead(w), h, LMHead(w[:, :5]), chunk_size=4)
     with pytest.raises(TypeError, match="LMHead"):
         chunked_logits_map(lambda z, x: z[0], [(h, w)], chunk_size=4)
+
+
+def test_chunked_logprobs_equal_dense_and_keep_free_positions_bit_for_bit():
+    c = constrained_case(2)
+    params = dict(temperature=c["t"], top_k=c["k"], top_p=c["p"])
+    masks = dict(constraint_ids=jnp.asarray(c["ids"]), constraint_masks=c["table"])
+    for chunk in (5, 12):
+        (lp, ent) = jax.jit(lambda h: chunked_token_logprobs(
+            h, c["head"], c["targets"], chunk_size=chunk, with_entropy=True, **params, **masks))(
+            c["hidden"])
+        on = c["ids"] > 0
+        np.testing.assert_allclose(np.asarray(lp)[on], masked_reference(c)[on], rtol=0, atol=1e-6)
+        plain, ent0 = chunked_token_logprobs(c["hidden"], c["head"], c["targets"],
+                                             chunk_size=chunk, with_entropy=True, **params)
+        np.testing.assert_array_equal(np.asarray(lp)[~on], np.asarray(plain)[~on])
+        # Entropy is the raw softmax's (a metric of the model): finite, unchanged by masks.
+        np.testing.assert_array_equal(np.asarray(ent), np.asarray(ent0))

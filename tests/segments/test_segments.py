@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, segments_from_trace
+from ac2_jax.segments import (CONSTRAINT_ID, SAMPLER_LOGPROBS, Segment, segments_from_trace,
+                              unpack_mask_bits)
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 
 
@@ -58,3 +59,70 @@ def test_features_are_per_token_numbers_checked_by_name():
         Segment([1, 2, 3], [0, 1, 1], task="x", features={"a": ["p", "q", "r"]})
     with pytest.raises(TypeError):  # the old positional sampler_logprobs is refused loudly
         Segment([1, 2], [0, 1], [0.0, 0.0], task="x")
+
+
+# -- grammar-constrained completions (Completion.constraint): their masks ride along
+
+
+def _constrained_trace():
+    """main: a free request (4 5), then a constrained one (7 8) and the compactor's
+    constrained one (10)."""
+    t = Trace(task_id="t", attempt_id="1")
+    rec = TraceRecorder(t)
+    rec.record("main", Completion([1, 2, 3], [4, 5], [-0.5, -0.25]))
+    rec.record("main", Completion([1, 2, 3, 4, 5, 6], [7, 8], [-0.1, 0.0], constraint="g"))
+    rec.record("compactor", Completion([8, 9], [10], [-1.0], constraint="g"))
+    return t
+
+
+V = 12
+
+
+def _masks_of(c):
+    """A hand-made mask per output token: the token itself and token 11."""
+    m = np.zeros((len(c.output_ids), V), bool)
+    m[np.arange(len(c.output_ids)), c.output_ids] = True
+    m[:, 11] = True
+    return m
+
+
+@pytest.mark.parametrize("mode", ["episode", "request"])
+def test_constrained_tokens_carry_their_masks(mode):
+    segs = segments_from_trace(_constrained_trace(), mode=mode, constraint_masks=_masks_of)
+    by_tokens = {tuple(s.tokens.tolist()): s for s in segs}
+    main = by_tokens[(1, 2, 3, 4, 5, 6, 7, 8)]
+    np.testing.assert_array_equal(main.features[CONSTRAINT_ID], [0, 0, 0, 0, 0, 0, 1, 2])
+    got = unpack_mask_bits(main.constraint_masks, V)
+    assert got.shape == (2, V)
+    assert np.flatnonzero(got[0]).tolist() == [7, 11] and np.flatnonzero(got[1]).tolist() == [8, 11]
+    comp = by_tokens[(8, 9, 10)]
+    np.testing.assert_array_equal(comp.features[CONSTRAINT_ID], [0, 0, 1])
+    if mode == "request":  # the free request's segment has no table
+        free = by_tokens[(1, 2, 3, 4, 5)]
+        assert free.constraint_masks is None and CONSTRAINT_ID not in free.features
+
+
+def test_untrained_constrained_tokens_get_no_mask():
+    t = _constrained_trace()
+    t.episodes[0].loss_mask[6:8] = [0, 0]  # e.g. an unchosen branch
+    seen = []
+    segs = segments_from_trace(t, constraint_masks=lambda c: seen.append(c) or _masks_of(c))
+    assert segs[0].constraint_masks is None and len(seen) == 1  # only the compactor's replayed
+
+
+def test_constrained_tokens_without_masks_or_with_wrong_ones_are_errors():
+    t = _constrained_trace()
+    with pytest.raises(ValueError, match="sampled under a grammar.*constraint_masks="):
+        segments_from_trace(t)
+    with pytest.raises(ValueError, match=r"want bool \[2, V\]"):
+        segments_from_trace(t, constraint_masks=lambda c: np.ones((1, V), bool))
+
+    def wrong(c):
+        m = _masks_of(c)
+        m[:, c.output_ids[0]] = False
+        return m
+
+    with pytest.raises(ValueError, match="output token 0 .* not in the allowed set"):
+        segments_from_trace(t, constraint_masks=wrong)
+    with pytest.raises(ValueError, match="output token 0 .*not in the allowed set"):
+        segments_from_trace(t, constraint_masks=lambda c: np.ones((len(c.output_ids), 3), bool))

@@ -13,6 +13,7 @@ from ac2_jax.training.core.objectives import (
     StepModel,
     apply_loss,
     behaviour_logprobs,
+    constraint_args,
     lm_head_of,
     model_logprobs,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "abstract_train_state",
     "apply_loss",
     "behaviour_logprobs",
+    "constraint_args",
     "create_train_state",
     "global_batch",
     "lm_head_of",

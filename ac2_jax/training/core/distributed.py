@@ -31,10 +31,11 @@ from typing import TypeVar
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ac2_jax.segments import PackedBatch, pad_batch_rows
-from ac2_jax.training.core.sharding import batch_sharding
+from ac2_jax.training.core.sharding import batch_sharding, split_constraint_masks
 
 T = TypeVar("T")
 
@@ -102,12 +103,23 @@ def global_batch(local, mesh: Mesh):
     num_segments) are agreed across processes first: the smaller are padded
     with empty rows / raised (empty rows and unused ids carry no loss), so
     every process compiles the same step. Global rows = agreed local rows x
-    process count, in process order.
+    process count, in process order. A grammar-mask table (`constraint_masks`,
+    with batch-wide ids: the same table on every process, as
+    `training.rl.pack_rl_batch` builds it) is replicated, its capacity agreed.
     """
+    local, table = split_constraint_masks(local)
     leaves = jax.tree.leaves(local)
     rows = int(np.shape(leaves[0])[0])
     caps = [getattr(local, "num_tasks", 0), getattr(local, "num_segments", 0)]
-    agreed_rows, tasks, segments = (int(v) for v in _agree([rows] + caps))
+    masks = 0 if table is None else int(np.shape(table)[0])
+    agreed_rows, tasks, segments, agreed_masks = (int(v) for v in _agree([rows] + caps + [masks]))
+    if (table is None) != (agreed_masks == 0):
+        raise ValueError(
+            f"global_batch: process {jax.process_index()} has "
+            f"{'no' if table is None else 'a'} grammar-mask table (constraint_masks) but "
+            "another process differs; every share of one batch must carry the global "
+            "table (training.rl.pack_rl_batch does)"
+        )
     if agreed_rows > rows:
         local = _pad_rows(local, agreed_rows - rows)
     if hasattr(local, "replace") and hasattr(local, "num_tasks"):
@@ -119,4 +131,13 @@ def global_batch(local, mesh: Mesh):
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * n, *x.shape[1:]))
 
-    return jax.tree.map(make, local)
+    out = jax.tree.map(make, local)
+    if table is None:
+        return out
+    table = np.asarray(table)
+    full = np.zeros((agreed_masks, *table.shape[1:]), table.dtype)
+    full[: len(table)] = table
+    replicated = NamedSharding(mesh, P())
+    return out.replace(
+        constraint_masks=jax.make_array_from_process_local_data(replicated, full, full.shape)
+    )

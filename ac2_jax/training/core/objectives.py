@@ -38,7 +38,7 @@ from ac2_jax.losses import (
     token_logprobs,
 )
 from ac2_jax.registry import Registry
-from ac2_jax.segments import SAMPLER_LOGPROBS
+from ac2_jax.segments import CONSTRAINT_ID, SAMPLER_LOGPROBS
 
 ADVANTAGES = "advantages"  # the batch feature: each trained token's advantage
 
@@ -116,11 +116,33 @@ def apply_loss(loss_fn, model: StepModel, batch, extras):
     return loss_fn(model.logits(batch), batch, extras)
 
 
+def constraint_args(batch) -> dict:
+    """The grammar masks of a batch as `token_logprobs` keywords: {} when the batch has
+    no mask table (`PackedBatch.constraint_masks` None: the unconstrained path, as
+    it always compiled), else its `CONSTRAINT_ID` feature and table."""
+    table = getattr(batch, "constraint_masks", None)
+    if table is None:
+        return {}
+    if CONSTRAINT_ID not in batch.features:
+        raise ValueError(
+            "the batch has constraint_masks but no feature "
+            f"{CONSTRAINT_ID!r} to index them; pack segments that carry it "
+            "(segments_from_trace(constraint_masks=...), pack_segments)"
+        )
+    return dict(constraint_ids=batch.features[CONSTRAINT_ID], constraint_masks=table)
+
+
 def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
     """Learner log-probs [R, L] of batch.targets under the distribution the sampler drew
-    them from (the batch's temperature / top_k / top_p), comparable to sampler_logprobs."""
+    them from (the batch's temperature / top_k / top_p, after the grammar mask of
+    constrained tokens: `constraint_args`), comparable to sampler_logprobs."""
     return token_logprobs(
-        logits, batch.targets, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p
+        logits,
+        batch.targets,
+        temperature=batch.temperature,
+        top_k=batch.top_k,
+        top_p=batch.top_p,
+        **constraint_args(batch),
     )
 
 
@@ -129,10 +151,11 @@ def model_logprobs(
 ):
     """(log p [R, L], entropy [R, L] or None) of batch.targets under the model.
 
-    behaviour: under the batch's sampling parameters (`behaviour_logprobs`),
-    else the raw softmax. Entropy (of the raw softmax) has its gradient
-    stopped. chunk_size None: from dense logits; else from hidden states and
-    the head, `chunk_size` positions at a time (no [R, L, V] array).
+    behaviour: under the batch's sampling parameters and grammar masks
+    (`behaviour_logprobs`), else the raw softmax. Entropy (of the raw,
+    unmasked softmax: a metric of the model) has its gradient stopped.
+    chunk_size None: from dense logits; else from hidden states and the head,
+    `chunk_size` positions at a time (no [R, L, V] array).
     """
     if chunk_size is None:
         logits = model.logits(batch)
@@ -144,7 +167,12 @@ def model_logprobs(
         return logp, (jax.lax.stop_gradient(token_entropy(logits)) if entropy else None)
     h = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
     sampling = (
-        dict(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p)
+        dict(
+            temperature=batch.temperature,
+            top_k=batch.top_k,
+            top_p=batch.top_p,
+            **constraint_args(batch),
+        )
         if behaviour
         else {}
     )
@@ -254,8 +282,10 @@ class PolicyGradientLoss(Objective):
     sampler log-probs) or "extras" (extras["old_logprobs"] [R, L], e.g. from
     `TrainStep.logprobs` before several updates on one batch).
     Reads the batch features `ADVANTAGES` and `SAMPLER_LOGPROBS` (what
-    `ac2_jax.training.rl.pack_rl_batch` packs).
-    chunk_size: as in `SFTLoss`. Metrics: entropy, clip_frac, kl_to_sampler.
+    `ac2_jax.training.rl.pack_rl_batch` packs), and re-scores grammar-constrained
+    tokens under their masks (`behaviour_logprobs`), so on-policy ratios are 1.
+    chunk_size: as in `SFTLoss`. Metrics: entropy (of the raw, unmasked
+    softmax), clip_frac, kl_to_sampler.
     """
 
     mode: str = "task_mean"

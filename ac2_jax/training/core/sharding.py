@@ -142,11 +142,36 @@ def check_rows(rows: int, ways: int, grad_accum: int, where: str) -> None:
         )
 
 
+def split_constraint_masks(batch):
+    """(batch without its grammar-mask table, the table or None). The table
+    (`PackedBatch.constraint_masks` [K, W]) is the one leaf of a batch that is not
+    [rows, ...]: it goes whole (replicated) to every device and micro-batch."""
+    table = getattr(batch, "constraint_masks", None)
+    if table is None:
+        return batch, None
+    return batch.replace(constraint_masks=None), table
+
+
+def place_batch(tree, mesh: Mesh):
+    """Places a batch pytree on `mesh`: every [rows, ...] leaf with rows over
+    ('data', 'fsdp'); a PackedBatch's constraint_masks table replicated."""
+
+    def put(t):
+        rows, table = split_constraint_masks(t)
+        placed = jax.device_put(rows, batch_sharding(mesh))
+        if table is None:
+            return placed
+        return placed.replace(constraint_masks=jax.device_put(table, NamedSharding(mesh, P())))
+
+    return jax.tree.map(put, tree, is_leaf=lambda t: hasattr(t, "constraint_masks"))
+
+
 def shard_batch(batch, mesh: Mesh):
-    """Places a batch pytree (every leaf [rows, ...]) with rows over ('data', 'fsdp')."""
-    rows = jax.tree.leaves(batch)[0].shape[0]
+    """Places a batch pytree (every leaf [rows, ...], except a PackedBatch's
+    constraint_masks, replicated) with rows over ('data', 'fsdp')."""
+    rows = jax.tree.leaves(split_constraint_masks(batch)[0])[0].shape[0]
     check_rows(rows, batch_ways(mesh), 1, "shard_batch")
-    return jax.device_put(batch, batch_sharding(mesh))
+    return place_batch(batch, mesh)
 
 
 # ----------------------------------------------------------------------------- pmap

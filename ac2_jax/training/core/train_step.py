@@ -41,10 +41,11 @@ from ac2_jax.training.core.distributed import global_batch
 from ac2_jax.training.core.objectives import LossFn, StepModel, apply_loss, model_logprobs
 from ac2_jax.training.core.sharding import (
     BATCH_AXES,
-    batch_sharding,
     batch_ways,
     check_rows,
     make_mesh,
+    place_batch,
+    split_constraint_masks,
     state_shardings,
 )
 from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transform
@@ -80,9 +81,11 @@ def fill_micro_batches(tree, grad_accum: int, blocks: int = 1):
     device runs its own micro-batches); the rows of each micro-batch are dealt
     evenly over the blocks. Host (numpy) batches only; others are returned as
     they are. Row order never changes the loss: its weights come from task and
-    segment ids, and every row is its own sequence.
+    segment ids, and every row is its own sequence. A batch's constraint_masks
+    table (not row-aligned) stays as it is.
     """
     batch, extras = tree
+    batch, table = split_constraint_masks(batch)
     rows = batch.shape[0]
     if (
         grad_accum == 1
@@ -102,7 +105,8 @@ def fill_micro_batches(tree, grad_accum: int, blocks: int = 1):
     if (perm == i).all():
         return tree
     aligned = lambda x: hasattr(x, "shape") and x.ndim and x.shape[0] == rows  # noqa: E731
-    return jax.tree.map(lambda x: x[perm] if aligned(x) else x, tree)
+    batch, extras = jax.tree.map(lambda x: x[perm] if aligned(x) else x, (batch, extras))
+    return (batch if table is None else batch.replace(constraint_masks=table)), extras
 
 
 def loss_and_grads(
@@ -125,6 +129,7 @@ def loss_and_grads(
     and returned in the params' dtype. A micro-batch without a loss token adds
     nothing to the loss, its metric sums or the gradients, so it is skipped
     (`lax.cond`): padding rows put there (`fill_micro_batches`) cost no compute.
+    The batch's constraint_masks table (not row-aligned) goes whole to each.
     """
 
     def f(p, b, e, w):
@@ -135,9 +140,15 @@ def loss_and_grads(
     if grad_accum == 1:
         (loss, sums), grads = vg(params, batch, extras, weights)
         return loss, sums, grads, jnp.zeros((), jnp.float32)
+    batch, table = split_constraint_masks(batch)
+
+    def whole(mb):  # a micro-batch with the batch's mask table, if any
+        b, e, w = mb
+        return (b if table is None else b.replace(constraint_masks=table)), e, w
+
     xs = jax.tree.map(lambda x: _micro(x, grad_accum, constrain), (batch, extras, weights))
     first = jax.tree.map(lambda x: x[0], xs)
-    _, sums_shape = jax.eval_shape(f, params, *first)
+    _, sums_shape = jax.eval_shape(f, params, *whole(first))
     f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
     init = (
         jnp.zeros((), jnp.float32),
@@ -146,7 +157,7 @@ def loss_and_grads(
     )
 
     def run(mb):
-        (loss, sums), grads = vg(params, *mb)
+        (loss, sums), grads = vg(params, *whole(mb))
         return f32(loss), f32(sums), f32(grads)
 
     def body(carry, mb):
@@ -321,9 +332,9 @@ class TrainStep:
                 tree,
                 is_leaf=lambda t: t is None or isinstance(t, (PackedBatch, dict)),
             )
-        rows = jax.tree.leaves(tree)[0].shape[0]
+        rows = jax.tree.leaves(tree)[0].shape[0]  # a batch's first leaf: tokens
         check_rows(rows, batch_ways(self.mesh), self.grad_accum, "train step")
-        return tree if many else jax.device_put(tree, batch_sharding(self.mesh))
+        return tree if many else place_batch(tree, self.mesh)
 
     def _place_teacher(self, teacher):
         if teacher is None:

@@ -6,6 +6,15 @@ packs them into one PackedBatch, or one process's share of it. Split in two so
 that every process of a multi-host learner computes the same segments and packs
 only its share. Pure host-side functions, shared by the sync and async loops
 so both build identical batches from identical traces.
+
+Grammar-constrained completions (`Completion.constraint`) train under the
+masks they were sampled with: `batch_segments(tokenizer=...)` replays them
+(`ac2_jax.sampling.constraints.replay_masks`) for every trained output
+token, the segments carry them (`segments_from_trace(constraint_masks=)`) and
+`pack_rl_batch` numbers them batch-wide into the batch's table
+(`PackedBatch.constraint_masks`, `BatchConfig.mask_capacity`); the loss
+re-scores those tokens under their masks. A batch without one is packed
+exactly as before (no table, no feature).
 """
 
 from __future__ import annotations
@@ -13,22 +22,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ac2_jax.segments import (
+    CONSTRAINT_ID,
     PackedBatch,
     Segment,
+    merge_constraint_tables,
     pack_segments,
     pad_batch_rows,
+    resolve_constraints,
     segments_from_trace,
     task_names,
 )
 from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
-from ac2_jax.trace.types import Trace
+from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training.rl.branches import BranchCounts, continued_path
 from ac2_jax.training.rl.data import (
     BatchConfig,
@@ -50,14 +62,19 @@ def build_batch(
     *,
     process_index: int = 0,
     process_count: int = 1,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
 ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
     """Traces -> (packed batch or None when nothing trainable, stats, advantages):
     `batch_segments` then `pack_rl_batch`. With process_count > 1 the batch holds
     only process `process_index`'s share of the segments (a multi-host learner:
     every process selects from the same traces, packs its share, and the train
     step assembles the global batch); None when the global batch has no segment.
+    tokenizer / vocab_size: for grammar-constrained completions (`batch_segments`).
     """
-    segments, stats, adv = batch_segments(traces, learner_version, config)
+    segments, stats, adv = batch_segments(
+        traces, learner_version, config, tokenizer=tokenizer, vocab_size=vocab_size
+    )
     if not segments:
         return None, stats, adv
     return (
@@ -73,8 +90,44 @@ def build_batch(
     )
 
 
+def replayed_masks(tokenizer: Any, vocab_size: int | None = None) -> Callable[..., np.ndarray]:
+    """completion -> bool [len(output_ids), V]: the grammar masks a constrained
+    completion was sampled under, replayed with the sampler's tokenizer
+    (`sampling.constraints.replay_masks`; V = vocab_size, the model's, default the
+    tokenizer's). What `segments_from_trace(constraint_masks=)` takes."""
+    from ac2_jax.sampling.constraints import replay_masks
+
+    def masks(c: Completion) -> np.ndarray:
+        grammar = getattr(c, "constraint", None)
+        if grammar is None:
+            raise ValueError("replayed_masks: the completion has no constraint (grammar)")
+        return np.asarray(replay_masks(grammar, tokenizer, c.output_ids, vocab_size=vocab_size))
+
+    return masks
+
+
+def _check_can_replay(trace: Trace, tokenizer: Any) -> None:
+    if tokenizer is not None:
+        return
+    for ep in trace.episodes:
+        for c in ep.completions:
+            lo, hi = len(c.prompt_ids), len(c.prompt_ids) + len(c.output_ids)
+            if getattr(c, "constraint", None) is not None and any(ep.loss_mask[lo:hi]):
+                raise ValueError(
+                    f"trace {trace.key!r} ({ep.agent!r}) has a completion sampled under a "
+                    "grammar (Completion.constraint, e.g. tool_choice='required') that "
+                    "trains; the learner replays its masks with the sampler's tokenizer: "
+                    "pass tokenizer= (RLTrainer(tokenizer=...), batch_segments / build_batch)"
+                )
+
+
 def batch_segments(
-    traces: Sequence[Trace], learner_version: int, config: BatchConfig
+    traces: Sequence[Trace],
+    learner_version: int,
+    config: BatchConfig,
+    *,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
 ) -> tuple[list[Segment], BatchStats, np.ndarray]:
     """Traces -> (the batch's segments, stats, advantages); deterministic and
     host-side, so every process of a multi-host learner computes the same.
@@ -92,7 +145,10 @@ def batch_segments(
     `stats.unchosen_*` / `unknown_branch_*`); then episodes whose agent is
     not in `config.train_agents` (`stats.excluded_episodes` /
     `excluded_agent_tokens`): they shaped the reward, so the advantage is the
-    whole attempt's, but they put no tokens in the batch. Groups without a reward spread
+    whole attempt's, but they put no tokens in the batch. Trained tokens of
+    grammar-constrained completions carry their replayed masks (`tokenizer`:
+    the sampler's; `vocab_size`: the model's; without a tokenizer such a
+    token is an error, never trained unmasked). Groups without a reward spread
     are counted (`stats.zero_advantage_groups`) and, with
     `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
     """
@@ -119,6 +175,7 @@ def batch_segments(
     segments = []
     stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
     branches = BranchCounts()
+    masks = None if tokenizer is None else replayed_masks(tokenizer, vocab_size)
     for t, a, w in zip(kept, adv, weights, strict=True):
         t, left_out = continued_path(t)  # never trained on the continued branch's reward
         branches.add(left_out)
@@ -132,7 +189,8 @@ def batch_segments(
                     episodes=[e for e in t.episodes if agent_trained(e.agent, config.train_agents)],
                 )
         check_sampled(t)  # only what trains
-        for s in segments_from_trace(t, mode=config.segment_mode):
+        _check_can_replay(t, tokenizer)
+        for s in segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks):
             if s.num_agent_tokens:
                 s = with_advantage(s, float(a))
                 s.weight = w
@@ -194,11 +252,16 @@ def pack_rl_batch(
     `config.rows` / `rows_multiple` divided among the n processes (rounded up),
     so the n shares make one global batch whose task_mean loss is exactly the
     one-process batch's (`distributed.global_batch` agrees rows and capacities).
+    Grammar masks: the segments' tables are merged over all segments first, so
+    every share carries the same global table (`constraint_masks`, at least
+    `config.mask_capacity` rows) and ids.
     """
     n, i = int(process_count), int(process_index)
     if not 0 <= i < n:
         raise ValueError(f"pack_rl_batch: process_index {i} not in [0, {n})")
     rows, multiple = -(-config.rows // n), -(-max(config.rows_multiple, 1) // n)
+    # Grammar masks numbered over the whole batch (every process alike), one table.
+    segments, table = merge_constraint_tables(segments, "pack_rl_batch")
     share, extra = list(segments), dict[str, Any]()
     if n > 1:
         if config.layout != "flat":
@@ -213,9 +276,15 @@ def pack_rl_batch(
             all_tasks=task_names(segments),
             segment_offset=sum(len(segments[j::n]) for j in range(i)),
         )
+    min_masks = max(config.mask_capacity, 1)
     if not share:  # fewer segments than processes: this one adds empty rows
+        features: dict[str, np.dtype] = dict(RL_FEATURES)
+        if table is not None:
+            features[CONSTRAINT_ID] = np.dtype(np.int32)
+            table = resolve_constraints([], table, min_masks, "pack_rl_batch")[1]
         return PackedBatch(
-            **empty_batch(pad_rows(0, rows, multiple), row_len, RL_FEATURES),
+            **empty_batch(pad_rows(0, rows, multiple), row_len, features),
+            constraint_masks=table,
             num_tasks=max(config.task_capacity, 1),
             num_segments=max(config.segment_capacity, 1),
         )
@@ -227,6 +296,8 @@ def pack_rl_batch(
         layout=config.layout,
         min_tasks=max(config.task_capacity, 1),
         min_segments=max(config.segment_capacity, 1),
+        min_masks=min_masks,
+        constraint_masks=table,
         **extra,
     )
     if batch.shape[0] > rows > 0:  # more rows than configured: rows x 2^k, few shapes

@@ -53,6 +53,10 @@ class BatchConfig:
     # more grows to the next power of two: one more compile, warned).
     task_capacity: int = 0
     segment_capacity: int = 0
+    # Floor of the grammar-mask table's rows (PackedBatch.constraint_masks: distinct
+    # masks of constrained tokens, the next power of two): a static shape like the
+    # capacities above. 0: the batch's own count. Batches without a mask have none.
+    mask_capacity: int = 0
     # Leave out groups whose kept traces all train with one reward (or that keep
     # fewer than two): advantage 0, they only dilute the loss (counted in
     # BatchStats.dropped_zero_advantage). RLConfig.dynamic_sampling turns it on.
@@ -89,10 +93,10 @@ class BatchConfig:
                 f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
                 f"loss of stale traces), got {self.stale_weight!r}"
             )
-        for name in ("task_capacity", "segment_capacity"):
+        for name in ("task_capacity", "segment_capacity", "mask_capacity"):
             if getattr(self, name) < 0:
                 raise ValueError(
-                    f"BatchConfig.{name} must be >= 0 (0: from the RL config), "
+                    f"BatchConfig.{name} must be >= 0 (0: from the RL config / the batch), "
                     f"got {getattr(self, name)}"
                 )
         if self.max_seq_len is not None and self.max_seq_len < self.seq_len:

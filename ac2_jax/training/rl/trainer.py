@@ -174,6 +174,10 @@ class RLTrainer(TrainerHooks):
     occupancy, decode / prefill seconds, new compiles). `publish_dir`: where
     each update's weights are published for the sampler (default
     `workdir/published`; the sampler must be built with the same folder).
+    `tokenizer`: the sampler's, needed when traces hold grammar-constrained
+    completions (tool_choice="required"): their masks are replayed with it
+    (over the model's vocabulary) so the loss re-scores those tokens as they
+    were sampled; without it such a trace is an error.
     """
 
     def __init__(
@@ -191,6 +195,7 @@ class RLTrainer(TrainerHooks):
         progress: bool = False,
         sampler_counters: Callable[[], dict] | None = None,
         publish_dir: str | os.PathLike | None = None,
+        tokenizer: Any = None,
     ):
         for ours, theirs in (
             ("tasks_per_step", "tasks_per_step"),
@@ -211,6 +216,8 @@ class RLTrainer(TrainerHooks):
             )
         self.config, self.collector, self.on_publish = config, collector, on_publish
         self.on_progress, self.sampler_counters = on_progress, sampler_counters
+        self.tokenizer = tokenizer
+        self._vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
             config.batch,
@@ -345,7 +352,13 @@ class RLTrainer(TrainerHooks):
         version = self.version
         # Every process selects and segments the same traces alike (host-side,
         # deterministic); each packs only its share (the step makes one global batch).
-        segments, stats, adv = batch_segments(traces, version, self._batch_config)
+        segments, stats, adv = batch_segments(
+            traces,
+            version,
+            self._batch_config,
+            tokenizer=self.tokenizer,
+            vocab_size=self._vocab_size,
+        )
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {

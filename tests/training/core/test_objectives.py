@@ -1,6 +1,8 @@
 """Loss weights reproduce aggregate_loss exactly (any mode, split or pmapped); loss fns;
 the chunked (hidden states + head) path of the loss fns equals the dense one (1e-5)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,173 @@ def test_chunked_losses_equal_dense_values_and_grads():
         SFTLoss(chunk_size=0)
     with pytest.raises(ValueError, match="chunk_size must be None"):
         PolicyGradientLoss(chunk_size=2.5)
+
+
+# ----------------------------------------------------------------- grammar-constrained tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _constrained_model():
+    """The tiny untied model of these tests, built once: (model, graphdef, params, rest)."""
+    return _tiny_model(tie=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _constrained_segments(seed: int = 11, V: int = 30):
+    """6 segments of 3 tasks sharing 2 prompts (so the tree merges) whose outputs the
+    model samples token by token as the sampler does: per-token temperature / top_k /
+    top_p, and at about 60% of the output tokens a hand-made grammar mask (random, ~40%
+    of the vocabulary) applied first; the sampler log-probs are recorded
+    (log_softmax(sampling_logits(masked logits))[token])."""
+    from ac2_jax.losses import sampling_logits
+    from ac2_jax.segments import pack_mask_bits
+    model = _constrained_model()[0]
+
+    @jax.jit
+    def draw(tokens, n, allowed, t, k, p, key):
+        logits = model(tokens[None], jnp.arange(16)[None], (jnp.arange(16) < n)[None] * 1)[0, n - 1]
+        z = sampling_logits(jnp.where(allowed, logits, -jnp.inf), t, k, p)
+        tok = jax.random.categorical(key, z)
+        return tok, jax.nn.log_softmax(z)[tok]
+
+    rng = np.random.default_rng(seed)
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    prompts = [rng.integers(0, V, 5) for _ in range(2)]
+    segs = []
+    for i in range(6):
+        toks, lps, ids, masks = list(prompts[i % 2]), [0.0] * 5, [0] * 5, []
+        n = 5 + int(rng.integers(3, 7))
+        t = rng.choice([0.7, 1.0, 1.3], n).astype(np.float32)
+        k = rng.choice([0, 4, 12], n).astype(np.int32)
+        p = rng.choice([1.0, 0.85], n).astype(np.float32)
+        while len(toks) < n:
+            j = len(toks)
+            allowed, constrained = np.ones(V, bool), rng.random() < 0.6
+            if constrained:
+                allowed = rng.random(V) < 0.4
+                allowed[rng.integers(V)] = True
+                masks.append(allowed)
+            tok, lp = draw(jnp.asarray(np.r_[toks, np.zeros(16 - j)], jnp.int32), j, allowed,
+                           t[j], k[j], p[j], next(keys))
+            toks.append(int(tok))
+            lps.append(float(lp))
+            ids.append(len(masks) if constrained else 0)
+        mask = (np.arange(n) >= 5).astype(np.float32)
+        seg = rl_segment(np.asarray(toks), mask, np.asarray(lps), task=f"t{i % 3}",
+                         advantage=float(rng.normal()), temperature=t, top_k=k, top_p=p)
+        segs.append(seg.with_constraints(np.asarray(ids, np.int32),
+                                         pack_mask_bits(np.asarray(masks, bool).reshape(-1, V))))
+    return tuple(segs)
+
+
+def _constrained_batch(layout: str, seed: int = 11):
+    """`_constrained_segments` packed `layout` (rows of 64, a table of 32 masks)."""
+    return pack_segments(list(_constrained_segments(seed)), 64, layout=layout, rows_multiple=2,
+                         min_masks=32)
+
+
+def _unconstrained(batch):
+    """The same batch with its grammar masks dropped (today's unmasked re-score)."""
+    from ac2_jax.segments import CONSTRAINT_ID
+    return batch.replace(constraint_masks=None,
+                         features={k: v for k, v in batch.features.items() if k != CONSTRAINT_ID})
+
+
+def _masked_reference(logits, batch):
+    """log_softmax(sampling_logits(masked logits))[target] per position, as the sampler
+    records it (numpy masks from the batch's table)."""
+    from ac2_jax.losses import sampling_logits
+    from ac2_jax.segments import CONSTRAINT_ID, unpack_mask_bits
+    ids = batch.features[CONSTRAINT_ID]
+    masks = unpack_mask_bits(batch.constraint_masks, logits.shape[-1])
+    allowed = np.where(ids[..., None] > 0, masks[np.maximum(ids - 1, 0)], True)
+    z = sampling_logits(jnp.where(allowed, logits, -jnp.inf), batch.temperature, batch.top_k,
+                        batch.top_p)
+    lp = jax.nn.log_softmax(z, axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, batch.targets[..., None], axis=-1)[..., 0])
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_constrained_tokens_are_scored_under_their_masks(layout, chunk_size):
+    """model_logprobs (behaviour: what PolicyGradientLoss and TrainStep.logprobs use), dense
+    and chunked: a constrained position's log-prob is the masked sampling distribution's
+    (fp32, atol 1e-6); every other position and the entropy are bit for bit the unmasked."""
+    from ac2_jax.segments import CONSTRAINT_ID
+    from ac2_jax.training.core.objectives import model_logprobs
+    model, graphdef, params, rest = _constrained_model()
+    batch = _constrained_batch(layout)
+    ids = batch.features[CONSTRAINT_ID]
+    on, off = (ids > 0) & (batch.loss_mask > 0), (ids == 0) & (batch.segment_ids > 0)
+    assert on.sum() >= 10 and batch.constraint_masks.shape == (32, 1)
+    if layout == "tree":  # shared prompts merged
+        assert batch.num_real_tokens < _constrained_batch("flat").num_real_tokens
+
+    @jax.jit
+    def run(b):
+        m = StepModel(graphdef, params, rest)
+        lp, ent = model_logprobs(m, b, behaviour=True, entropy=True, chunk_size=chunk_size)
+        if chunk_size is None:
+            logits = m.logits(b)
+        else:
+            h = m.hidden(b.tokens, b.positions, b.segment_ids, b.subtree_end)
+            logits = jax.vmap(lambda x: m.head().logits(x))(h)
+        return lp, ent, logits
+
+    lp, ent, logits = run(batch)
+    lp0, ent0, _ = run(_unconstrained(batch))
+    np.testing.assert_allclose(np.asarray(lp)[on], _masked_reference(logits, batch)[on],
+                               rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(lp)[off], np.asarray(lp0)[off])
+    np.testing.assert_array_equal(np.asarray(ent), np.asarray(ent0))
+    assert np.abs(np.asarray(lp0)[on] - np.asarray(lp)[on]).max() > 0.05  # masks matter here
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_on_policy_ratios_are_1_under_the_masks(chunk_size):
+    """Tokens sampled under masks with the sampler's log-probs recorded, re-scored by the
+    same weights: the PPO ratio exp(logp - sampler_logp) is 1 (|r - 1| < 1e-5, fp32) at
+    every trained position, clip_frac 0, kl_to_sampler ~0; the unmasked re-score (today's)
+    is far from 1 at the constrained ones."""
+    from ac2_jax.segments import CONSTRAINT_ID
+    from ac2_jax.training.core.objectives import model_logprobs
+    model, graphdef, params, rest = _constrained_model()
+    batch = _constrained_batch("flat", seed=12)
+    m = StepModel(graphdef, params, rest)
+    sampler = batch.features["sampler_logprobs"]
+    loss = PolicyGradientLoss(old_logprobs="sampler", chunk_size=chunk_size)
+    trained = batch.loss_mask > 0
+    on = trained & (batch.features[CONSTRAINT_ID] > 0)
+    for b, ok in ((batch, True), (_unconstrained(batch), False)):
+        lp, _ = model_logprobs(m, b, behaviour=True, entropy=False, chunk_size=chunk_size)
+        ratio = np.exp(np.asarray(lp) - sampler)
+        _, sums = apply_loss(loss, m, b, None)
+        if ok:
+            assert np.abs(ratio[trained] - 1).max() < 1e-5
+            assert float(sums["clip_frac"]) == 0 and abs(float(sums["kl_to_sampler"])) < 1e-5
+        else:
+            assert np.abs(ratio[on] - 1).max() > 0.1 and float(sums["kl_to_sampler"]) > 1e-3
+
+
+def test_a_batch_without_masks_traces_the_same_ops_as_before():
+    """No table (constraint_masks None): behaviour_logprobs is today's token_logprobs call,
+    op for op (same jaxpr), and the batch has no leaf beyond the [rows, seq_len] ones."""
+    from ac2_jax.training.core.objectives import behaviour_logprobs
+    batch = _unconstrained(_constrained_batch("flat"))
+    assert all(x.shape == batch.shape for x in jax.tree.leaves(batch))
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(*batch.shape, 30)), jnp.float32)
+
+    def today(lg, b):
+        return token_logprobs(lg, b.targets, temperature=b.temperature, top_k=b.top_k,
+                              top_p=b.top_p)
+
+    assert str(jax.make_jaxpr(behaviour_logprobs)(logits, batch)) == str(
+        jax.make_jaxpr(today)(logits, batch))
+
+
+def test_a_table_without_ids_is_an_error():
+    from ac2_jax.training.core.objectives import behaviour_logprobs
+    batch = _constrained_batch("flat")
+    bad = batch.replace(features={k: v for k, v in batch.features.items() if k != "constraint_id"})
+    with pytest.raises(ValueError, match="no feature 'constraint_id'"):
+        behaviour_logprobs(jnp.zeros((*batch.shape, 30)), bad)

@@ -294,3 +294,71 @@ def test_benchmark_flop_count_matches_the_model():
         leaves = jax.tree.leaves(abstract.params)
         matrices = sum(x.size for x in leaves if len(x.shape) == 2)
         assert bench.matmul_params(c) == matrices  # tied embeddings: the lm head, once
+
+
+# --------------------------------------------------------------- grammar-constrained tokens
+
+
+@pytest.fixture(scope="module")
+def constrained_batch():
+    """The `batch` fixture's kind of data with about half the trained tokens under a
+    hand-made grammar mask (random, ~40% of the vocabulary, holding the token) and a
+    table of 64 masks; sampler log-probs near the learner's masked ones."""
+    from ac2_jax.segments import pack_mask_bits
+    rng = np.random.default_rng(3)
+    segs = []
+    for t in range(5):
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(4, 16))
+            toks = rng.integers(0, 48, n)
+            mask = (rng.random(n) > 0.4).astype(np.float32)
+            s = rl_segment(toks, mask, np.zeros(n), task=f"t{t}", advantage=float(rng.normal()),
+                           temperature=np.full(n, 0.8))
+            on = np.flatnonzero((mask > 0) & (rng.random(n) < 0.5))
+            masks = rng.random((len(on), 48)) < 0.4
+            masks[np.arange(len(on)), toks[on]] = True
+            ids = np.zeros(n, np.int32)
+            ids[on] = np.arange(1, len(on) + 1)
+            segs.append(s.with_constraints(ids, pack_mask_bits(masks)))
+    b = pack_segments(segs, 16, rows_multiple=16, min_masks=32)
+    assert b.constraint_masks.shape == (64, 2)  # 33..64 distinct masks
+    graphdef, state = fresh()
+    lp = np.asarray(make_train_step(graphdef, LOSS, OPT).logprobs(state, b))
+    noise = rng.normal(0, 0.3, b.shape).astype(np.float32)
+    return b.replace(features={**b.features, "sampler_logprobs": lp + noise})
+
+
+def _rows_reversed(b):
+    """Every [rows, ...] leaf reversed; the (batch-level) mask table as it is."""
+    table = b.constraint_masks
+    return jax.tree_util.tree_map(lambda v: np.asarray(v)[::-1],
+                                  b.replace(constraint_masks=None)).replace(constraint_masks=table)
+
+
+def test_constrained_batch_same_update_on_a_mesh_with_accumulation_and_chunks(constrained_batch):
+    """The mask table is not row-aligned: it goes whole to every device and micro-batch.
+    Padded to 64 rows (as many as the table has masks: a row permutation would scramble a
+    table taken for rows), rows reversed, on a (data=4, fsdp=2) mesh, grad_accum=4 (so
+    fill_micro_batches reorders rows), chunked: the single-device dense update."""
+    ref = run_step(constrained_batch)
+    padded = _rows_reversed(pad_batch_rows(constrained_batch, 64))
+    assert padded.shape[0] == padded.constraint_masks.shape[0] == 64
+    assert_same_update(ref, run_step(padded, dataclasses.replace(LOSS, chunk_size=6),
+                                     grad_accum=4, mesh=make_mesh(data=4, fsdp=2)))
+
+
+def test_logprobs_of_a_constrained_batch_on_a_mesh(constrained_batch):
+    """TrainStep.logprobs (PPO old log-probs) on a mesh, chunked: the masked log-probs of
+    the single-device dense path (fp32, 1e-5); the table is placed replicated."""
+    from ac2_jax.training.core.objectives import StepModel, model_logprobs
+    from ac2_jax.training.core.sharding import shard_batch
+    graphdef, state = fresh()
+    want = model_logprobs(StepModel(graphdef, state.params, state.rest), constrained_batch,
+                          behaviour=True, entropy=False, chunk_size=None)[0]
+    step = make_train_step(graphdef, dataclasses.replace(LOSS, chunk_size=6), OPT,
+                           mesh=make_mesh(data=4, fsdp=2))
+    got = step.logprobs(step.place(state), constrained_batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    placed = shard_batch(constrained_batch, make_mesh(data=8))
+    assert placed.constraint_masks.sharding.is_fully_replicated
+    assert not placed.tokens.sharding.is_fully_replicated

@@ -1,5 +1,6 @@
 """Traces -> segments -> packed RL batch (`batching`): long segments, exclusions,
-zero-advantage groups, row growth, process shares."""
+zero-advantage groups, row growth, process shares, grammar-constrained completions
+(masks replayed with the real llguidance matcher and the tiny tokenizer)."""
 
 import dataclasses
 
@@ -320,3 +321,120 @@ def test_a_greedy_episode_of_an_agent_left_out_is_not_checked():
         e.num_agent_tokens for tr in (t, other) for e in tr.episodes if e.agent == "main")
     with pytest.raises(ValueError, match="temperature 0"):  # trained greedy tokens still raise
         build_batch([t, other], 0, BatchConfig(seq_len=32))
+
+
+# -- grammar-constrained completions: their masks replayed (the sampler's tokenizer)
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
+MODEL_V = 800  # the model's vocabulary: larger than the tiny tokenizer's 768
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def _walk(grammar, tok, seed):
+    """Output ids that follow `grammar` (random allowed tokens, then the end token)."""
+    from ac2_jax.sampling.constraints import GrammarMatcher, end_token_id
+    m, rng, out = GrammarMatcher(grammar, tok), np.random.default_rng(seed), []
+    end = end_token_id(tok)
+    while not out or out[-1] != end:
+        allowed = np.flatnonzero(m.allowed())
+        t = end if end in allowed and len(out) > 12 else int(rng.choice(allowed))
+        m.consume(t)
+        out.append(t)
+    return out
+
+
+def _tool_trace(tok, task, attempt, reward, free_first=True):
+    """A free request, then a tool call sampled under the tool-call grammar."""
+    from ac2_jax.sampling.constraints import tool_call_grammar
+    grammar = tool_call_grammar(tok, [ADD])
+    t = Trace(task_id=task, attempt_id=str(attempt), group_id=f"g:{task}", reward=reward,
+              status="finished")
+    rec, ids = TraceRecorder(t), [1, 2, 3]
+    if free_first:
+        rec.record("main", Completion(list(ids), [40, 41], [-0.5, -0.5]))
+        ids = ids + [40, 41, 5]
+    out = _walk(grammar, tok, seed=attempt)
+    rec.record("main", Completion(list(ids), out, [-0.25] * len(out), constraint=grammar))
+    return t, grammar, len(ids), out
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_constrained_completions_train_under_their_replayed_masks(tok, layout):
+    """build_batch(tokenizer=): every trained token of a constrained completion has an id
+    whose table row is replay_masks' row for it (over the model's vocabulary); free tokens
+    have id 0; the table holds each distinct mask once, at least mask_capacity rows."""
+    from ac2_jax.sampling.constraints import replay_masks
+    from ac2_jax.segments import CONSTRAINT_ID, unpack_mask_bits
+    (t0, grammar, n_p, out0), (t1, _, _, out1) = (_tool_trace(tok, "a", 0, 1.0),
+                                                  _tool_trace(tok, "a", 1, 0.0))
+    config = BatchConfig(seq_len=64, rows=2, layout=layout, mask_capacity=64)
+    batch, _, _ = build_batch([t0, t1], 0, config, tokenizer=tok, vocab_size=MODEL_V)
+    table = unpack_mask_bits(batch.constraint_masks, MODEL_V)
+    assert batch.constraint_masks.shape == (64, 25)  # ceil(800 / 32) words
+    want = {}
+    for out in (out0, out1):
+        masks = replay_masks(grammar, tok, out, vocab_size=MODEL_V)
+        ctx = [1, 2, 3, 40, 41, 5] + out
+        for i, y in enumerate(out):
+            want[(tuple(ctx[:n_p + i]), y)] = masks[i]
+    ids = batch.features[CONSTRAINT_ID]
+    counted = 0.0
+    for r in range(batch.shape[0]):
+        for p in np.flatnonzero(batch.loss_mask[r] > 0):
+            k, y, path = ids[r, p], int(batch.targets[r, p]), _context(batch, r, p)
+            if (path, y) not in want:  # the free request's tokens
+                assert path in ((1, 2, 3), (1, 2, 3, 40)) and k == 0
+                continue
+            assert k > 0
+            np.testing.assert_array_equal(table[k - 1], want[(path, y)])
+            counted += batch.loss_mask[r, p]  # a merged tree node counts its paths
+    assert counted == len(out0) + len(out1)
+    assert len(np.unique(ids[ids > 0])) < len(out0) + len(out1)  # equal masks stored once
+
+
+def _context(batch, r, p):
+    """The tokens a position sees (its ancestors in a tree row), in order, and itself."""
+    toks, seg = batch.tokens[r], batch.segment_ids[r]
+    if batch.subtree_end is None:
+        start = np.flatnonzero(seg[: p + 1] != seg[p])
+        start = start[-1] + 1 if len(start) else 0
+        return tuple(int(x) for x in toks[start: p + 1])
+    end = batch.subtree_end[r]
+    return tuple(int(toks[j]) for j in range(p + 1) if end[j] >= p)
+
+
+def test_constrained_completions_need_the_tokenizer(tok):
+    t0, *_ = _tool_trace(tok, "a", 0, 1.0)
+    t1, *_ = _tool_trace(tok, "a", 1, 0.0)
+    with pytest.raises(ValueError, match=r"sampled under a\s+grammar.*pass tokenizer="):
+        build_batch([t0, t1], 0, BatchConfig(seq_len=64))
+
+
+def test_free_batches_are_packed_as_before_and_shares_carry_one_table(tok):
+    """No constrained token: no table, no feature. Process shares of a constrained batch
+    each carry the whole batch's table and ids (one global numbering), also an empty one."""
+    from ac2_jax.segments import CONSTRAINT_ID
+    free, _, _ = build_batch([_trace("a", 0, 1.0), _trace("a", 1, 0.0)], 0,
+                             BatchConfig(seq_len=16), tokenizer=tok)
+    assert free.constraint_masks is None and CONSTRAINT_ID not in free.features
+    traces = [_tool_trace(tok, "a", i, float(i % 2), free_first=bool(i % 2))[0] for i in range(3)]
+    config = BatchConfig(seq_len=64, rows=4, rows_multiple=4)
+    segments, stats, _ = batch_segments(traces, 0, config, tokenizer=tok)
+    whole = pack_rl_batch(segments, stats.row_len, config)
+    shares = [pack_rl_batch(segments, stats.row_len, config, process_index=i, process_count=2)
+              for i in range(2)]
+    for s in shares:
+        np.testing.assert_array_equal(s.constraint_masks, whole.constraint_masks)
+    got = sorted(int(k) for s in shares for k in s.features[CONSTRAINT_ID][s.loss_mask > 0])
+    assert got == sorted(int(k) for k in whole.features[CONSTRAINT_ID][whole.loss_mask > 0])
+    lone = pack_rl_batch(segments[:1], stats.row_len, config, process_index=1, process_count=2)
+    assert lone.constraint_masks.shape == whole.constraint_masks.shape
+    assert CONSTRAINT_ID in lone.features and float(lone.loss_mask.sum()) == 0
