@@ -100,6 +100,7 @@ async def arl(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
             publish_dir=paths.publish, on_publish=sampler.load_weights,
             logger=metrics_logger(paths.metrics, cfg.log), sampler_counters=sampler.counters,
+            tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
         )  # fmt: skip
 
         def on_progress(steps_done: int, version: int) -> None:
