@@ -173,3 +173,22 @@ def test_a_share_keeps_global_task_ids_and_segment_numbers():
         pack_segments(segs, 8, all_tasks=["a"])
     with pytest.raises(ValueError, match="layout='flat'"):
         pack_segments(segs, 8, all_tasks=task_names(segs), layout="tree")
+
+
+def test_global_batch_replicates_the_grammar_mask_table():
+    """A share's constraint_masks (the same global table on every process) becomes one
+    replicated array; the row leaves are sharded over the batch axes as before. (One
+    process here: the two-process runs above train batches without masks.)"""
+    from ac2_jax.segments import pack_mask_bits
+    from ac2_jax.training.core.sharding import make_mesh
+    masks = np.zeros((3, 40), bool)
+    masks[[0, 1, 2], [1, 2, 3]] = True
+    segs = [rl_segment(np.arange(4), [0, 1, 1, 1], np.zeros(4), task=t).with_constraints(
+        np.array([0, 1, 2, 3], np.int32), pack_mask_bits(masks)) for t in "ab"]
+    local = pack_segments(segs, 8, rows_multiple=8, min_masks=4)
+    out = distributed.global_batch(local, make_mesh(data=8))
+    assert out.constraint_masks.shape == (4, 2)
+    assert out.constraint_masks.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out.constraint_masks), local.constraint_masks)
+    assert not out.tokens.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out.tokens), local.tokens)
