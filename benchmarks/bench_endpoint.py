@@ -3,9 +3,13 @@
 
 Latency: one request at a time, HTTP and direct calls interleaved (so machine
 load hits both alike); p50 / p99 of each and of the paired difference
-(HTTP minus the direct call next to it). Two HTTP rows: the admin key (nothing
-recorded) and a rollout key (each completion recorded into the rollout's
-trace, as in RL). Throughput: C concurrent clients (asyncio tasks; HTTP: one
+(HTTP minus the direct call next to it). HTTP rows: Chat Completions with the
+admin key (nothing recorded) and with a rollout key (each completion recorded
+into the rollout's trace, as in RL), and the same rollout-key request through
+the Anthropic Messages route (`anthropic` SDK, `http_messages`) and the OpenAI
+Responses route (`client.responses`, `http_responses`): same prompt, same
+greedy tokens, so their difference to `http_rollout` is the cost of the API's
+translation and response shape. Throughput: C concurrent clients (asyncio tasks; HTTP: one
 AsyncOpenAI client and one rollout per task), each sending requests back to
 back; requests/s and output tokens/s. The server runs in a thread of this
 process (`serve_in_thread`), so client, server and sampler share the CPUs.
@@ -129,22 +133,49 @@ class Bench:
                                                     temperature=0, max_tokens=self.max_tokens)
         return resp.usage.completion_tokens
 
+    async def messages(self, client) -> int:
+        """The same request through POST /v1/messages (the `anthropic` SDK)."""
+        system = [m["content"] for m in MESSAGES if m["role"] == "system"]
+        resp = await client.messages.create(
+            model=MODEL, max_tokens=self.max_tokens, temperature=0,
+            messages=[m for m in MESSAGES if m["role"] != "system"],
+            **({"system": system[0]} if system else {}))
+        return resp.usage.output_tokens
+
+    async def responses(self, client: openai.AsyncOpenAI) -> int:
+        """The same request through POST /v1/responses."""
+        resp = await client.responses.create(model=MODEL, input=MESSAGES, temperature=0,
+                                             max_output_tokens=self.max_tokens)
+        return resp.usage.output_tokens
+
     async def latency(self, n: int) -> dict[str, list[float]]:
-        """n rounds of (direct, http admin, http rollout), in rotating order."""
+        """n rounds of (direct, http admin, http rollout, messages, responses), in
+        rotating order. Each API gets its own rollout (each is one conversation
+        repeated, so one episode that grows no prompt)."""
+        import anthropic
+
         admin, rollout = self.admin_client(), await self.rollout_client("latency")
+        resp_client = await self.rollout_client("latency-responses")
+        r = await self.admin_http.post("/v1/rollouts", json={"task_id": "latency-messages"})
+        r.raise_for_status()
+        msg_client = anthropic.AsyncAnthropic(base_url=self.url, api_key=r.json()["api_key"],
+                                              max_retries=0, timeout=600)
         calls = {"direct": self.direct, "http_admin": lambda: self.http(admin),
-                 "http_rollout": lambda: self.http(rollout)}
+                 "http_rollout": lambda: self.http(rollout),
+                 "http_messages": lambda: self.messages(msg_client),
+                 "http_responses": lambda: self.responses(resp_client)}
         times: dict[str, list[float]] = {k: [] for k in calls}
         names = list(calls)
         for i in range(n):
-            for name in names[i % 3:] + names[:i % 3]:
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
                 t0 = time.perf_counter()
                 got = await calls[name]()
                 times[name].append(time.perf_counter() - t0)
                 if got != self.max_tokens:
                     raise RuntimeError(f"{name} returned {got} tokens, expected {self.max_tokens}")
-        await admin.close()
-        await rollout.close()
+        for c in (admin, rollout, resp_client, msg_client):
+            await c.close()
         return times
 
     async def throughput(self, kind: str, clients: int, per_client: int) -> dict:

@@ -10,6 +10,18 @@ from ac2_jax.orchestration.base import (
     request_seed,
     run_task,
 )
+from ac2_jax.orchestration.cli_agent import (
+    CLIAgent,
+    CLIAgentEnv,
+    CLIAgentError,
+    CLIAgentHarness,
+    CLIResult,
+    Launch,
+    claude_code,
+    codex,
+    fix_the_tests_tasks,
+    unittest_passes,
+)
 from ac2_jax.orchestration.default import (
     CompactionOrchestrator,
     DefaultOrchestrator,
@@ -27,9 +39,15 @@ from ac2_jax.orchestration.rollouts import (
 
 __all__ = [
     "AGENT_HEADER",
+    "CLIAgent",
+    "CLIAgentEnv",
+    "CLIAgentError",
+    "CLIAgentHarness",
+    "CLIResult",
     "CompactionOrchestrator",
     "ConversationTrace",
     "DefaultOrchestrator",
+    "Launch",
     "LifecycleClient",
     "LifecycleError",
     "MultiResponseOrchestrator",
@@ -39,9 +57,13 @@ __all__ = [
     "SubagentOrchestrator",
     "User",
     "classify_error",
+    "claude_code",
+    "codex",
+    "fix_the_tests_tasks",
     "format_error_message",
     "request_seed",
     "run_rollout",
     "run_task",
     "tool_format_error",
+    "unittest_passes",
 ]

@@ -5,6 +5,17 @@ Routes
                               max_tokens/max_completion_tokens, temperature,
                               top_p, stop, seed, stream (SSE, `data: [DONE]`)
   POST /v1/completions        prompt (text or token ids), same sampling fields
+  POST /v1/messages           the Anthropic Messages API (`messages`: blocks, tools,
+                              tool_choice, stop_sequences, streaming in Anthropic's
+                              events, Anthropic-shaped errors); /v1/messages/count_tokens
+  POST /v1/responses          the OpenAI Responses API (`responses`: input items,
+                              function tools, previous_response_id chains per rollout,
+                              streaming events); GET /v1/responses/{id}
+                              Every sampling route renders through the model's chat
+                              template into the same token-level recording (one episode
+                              per append-only conversation, whatever API carried it);
+                              tool_choice required / named and JSON output formats are
+                              decoded under a grammar (`structured`)
   GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes and
                                     errors; for a FleetSampler each backend's health and load)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
@@ -28,7 +39,8 @@ Finished rollouts past `max_finished_rollouts` leave memory: the admin still
 gets their status (a summary without the per-completion list, `evicted: true`)
 and their trace (read back from the trace store).
 
-Auth is `Authorization: Bearer <key>`. The admin key reaches everything and
+Auth is `Authorization: Bearer <key>` or `x-api-key: <key>` (what Anthropic
+clients send; Bearer wins when both are present). The admin key reaches everything and
 its completions are not recorded. A rollout key reaches only its own rollout;
 its completions are recorded under the agent label from the `X-Agent` header,
 else the request's top-level `agent` extension field, else "main" (OpenAI's
@@ -60,6 +72,8 @@ from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
 from ac2_jax.serving.generation import install_generation_routes
+from ac2_jax.serving.messages import install_messages_routes
+from ac2_jax.serving.responses import install_responses_routes
 from ac2_jax.serving.rollout_requests import (
     check_rollout_key_finish,
     keys_equal,
@@ -187,10 +201,13 @@ def build_app(
     async def authenticate(request: Request) -> _Principal:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        key = key or request.headers.get("x-api-key", "").strip()
+        if not key:
             raise APIError(
-                401, "Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+                401,
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="missing_api_key",
             )
         if keys_equal(key, admin_key):
             return _Principal(None)
@@ -216,7 +233,7 @@ def build_app(
     async def read_json(request: Request) -> Any:
         return await req_lib.read_json(request, max_body_bytes, max_json_depth)
 
-    install_generation_routes(
+    ctx = install_generation_routes(
         app,
         sampler=sampler,
         tokenizer=tokenizer,
@@ -226,6 +243,8 @@ def build_app(
         authenticate=authenticate,
         read_json=read_json,
     )
+    install_messages_routes(app, ctx, authenticate=authenticate, read_json=read_json)
+    install_responses_routes(app, ctx, authenticate=authenticate, read_json=read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -37,7 +37,16 @@ Request fields (null is taken as absent):
   temperature      honoured, Anthropic's range [0, 1] (0 is greedy); top_p (0, 1] and
   top_p, top_k     top_k >= 0 (0 = off) honoured.
   stream           honoured: Anthropic's named SSE events (`MessageEventWriter`).
-  thinking         refused unless {"type": "disabled"}: the policy has no thinking mode here.
+  thinking         {"type": "disabled"} and {"type": "adaptive"} accepted (adaptive lets the
+                   model decide whether to think; this policy never does: no thinking
+                   blocks); "enabled" (a thinking budget) is refused: no thinking mode here.
+  context_management  {edits: [{type: clear_thinking_<date>, keep}]} accepted, a no-op
+                   (a conversation here has no thinking blocks to clear); other edits
+                   (clear_tool_uses_..., which rewrite the conversation) are refused.
+  output_config    format {type: json_schema, schema} honoured: the answer is decoded
+                   under the schema's grammar, as Chat Completions' response_format
+                   (`structured`); effort (low | medium | high | max) accepted, not acted
+                   on (one policy, no effort levels). Claude Code sends all three.
   metadata         {user_id}: accepted, not acted on (Anthropic's end-user id; never the
                    agent label).
   cache_control    on system/text/tool_use/tool_result blocks, tools and the body:
@@ -50,7 +59,8 @@ Request fields (null is taken as absent):
 Any other field is a 400 naming it. Headers: `x-api-key` (or Bearer) authenticates,
 X-Agent labels; anthropic-version and anthropic-beta are not read (nothing here depends
 on them). count_tokens takes the fields that shape the prompt
-(model, system, messages, tools, tool_choice, thinking, cache_control), renders them as
+(model, system, messages, tools, tool_choice, thinking, cache_control, context_management,
+output_config), renders them as
 /v1/messages would (forced tool-call opening included) and answers {"input_tokens": n}.
 
 Responses: content is a text block (if the answer has text) then one tool_use
@@ -170,6 +180,14 @@ def _tool_choice(body: PromptBody) -> tuple[str | dict | None, str | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], None
 
 
+def response_format(body: PromptBody) -> dict | None:
+    """output_config.format as Chat Completions' response_format (None: text)."""
+    fmt = body.output_config.format if body.output_config else None
+    if fmt is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+
+
 def chat_request(body: PromptBody) -> req_lib.ChatRequest:
     """The ChatRequest a Chat Completions client would send for `body`."""
     try:
@@ -185,6 +203,7 @@ def chat_request(body: PromptBody) -> req_lib.ChatRequest:
         tool_choice=tool_choice,
         forced_tool=forced_tool,
         parallel_tool_calls=False if one_call else None,
+        response_format=response_format(body),
     )
     if isinstance(body, CreateBody):
         fields.update(

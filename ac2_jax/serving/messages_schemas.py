@@ -328,12 +328,47 @@ class ToolChoice(_Strict):
 
 
 def _thinking(value: Any) -> Any:
-    if value is None or value == {"type": "disabled"}:
+    # "adaptive" lets the model decide whether to think; this policy never does, so
+    # the answer has no thinking blocks (as an adaptive answer that chose not to).
+    if value is None or value in ({"type": "disabled"}, {"type": "adaptive"}):
         return value
     raise _error(
         UNSUPPORTED,
-        'is not supported: this server has no extended thinking (only {"type": "disabled"})',
+        "is not supported: this server has no extended thinking (only "
+        '{"type": "disabled"} or {"type": "adaptive"}, under which it never thinks)',
     )
+
+
+class ContextEdit(_Strict):
+    """One context-management edit: only clearing thinking blocks, of which a
+    conversation here never has any (so it changes nothing)."""
+
+    type: Annotated[str, Field(pattern=r"^clear_thinking_\d+$")]
+    keep: Any = None
+
+
+class ContextManagement(_Strict):
+    """Anthropic's context_management: clear_thinking edits accepted (a no-op: there
+    are no thinking blocks); any other edit (clear_tool_uses_..., which would
+    rewrite the conversation the policy saw) is refused at its `type`."""
+
+    edits: list[ContextEdit] = Field(default_factory=list, max_length=16)
+
+
+class OutputFormat(_Strict):
+    """Structured output: the answer is a JSON value of `schema` (decoded under its
+    grammar, `structured`), as Chat Completions' response_format json_schema."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """output_config: `format` honoured (structured output); `effort` accepted, not
+    acted on (one policy, one way of answering: no effort levels to choose)."""
+
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 # ------------------------------------------------------------------------------ bodies
@@ -355,6 +390,8 @@ class PromptBody(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: Annotated[Any, PlainValidator(_thinking)] = None
     cache_control: CacheControl | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("messages")
     @classmethod

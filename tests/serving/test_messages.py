@@ -386,7 +386,19 @@ FIELDS = {
     "OpenAI's n": ({"n": 2}, "n"),
     "OpenAI's stop": ({"stop": ["x"]}, "stop"),
     "container": ({"container": "c-1"}, "container"),
-    "output_config": ({"output_config": {"effort": "low"}}, "output_config"),
+    # What Claude Code sends (observed from a run of the real CLI, 2.1.197).
+    "thinking adaptive": ({"thinking": {"type": "adaptive"}}, None),
+    "output_config effort": ({"output_config": {"effort": "high"}}, None),
+    "output_config bad effort": ({"output_config": {"effort": "extreme"}},
+                                 "output_config.effort"),
+    "output_config format": ({"output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object"}}}}, None),
+    "output_config other format": ({"output_config": {"format": {"type": "regex"}}},
+                                   "output_config.format.type"),
+    "context_management clear thinking": ({"context_management": {"edits": [
+        {"type": "clear_thinking_20251015", "keep": "all"}]}}, None),
+    "context_management clear tool uses": ({"context_management": {"edits": [
+        {"type": "clear_tool_uses_20250919"}]}}, "context_management.edits[0].type"),
 }
 
 
