@@ -48,7 +48,9 @@ class _Node:
         self.weighted = 0.0  # sum of count x segment weight
 
 
-def _path_keys(s: Segment, n: int) -> list[tuple[Any, ...]]:
+def _path_keys(s: Segment, n: int, names: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Trie keys of the first n tokens of `s`; feature values in the order `names` (the
+    batch's: `_layout` writes them back by position, whatever each segment's dict order)."""
     keys: list[tuple[Any, ...]] = []
     for i in range(n):
         if i + 1 < n:
@@ -60,7 +62,7 @@ def _path_keys(s: Segment, n: int) -> list[tuple[Any, ...]]:
                     float(s.temperature[j]),
                     int(s.top_k[j]),
                     float(s.top_p[j]),
-                    *(v[j].item() for v in s.features.values()),
+                    *(s.features[name][j].item() for name in names),
                 )
                 if m > 0
                 else None
@@ -155,6 +157,8 @@ def pack_segment_tree(
         segments, constraint_masks, min_masks, "pack_segment_tree"
     )
     task_index = {name: i for i, name in enumerate(task_names(segments))}
+    features = feature_dtypes(segments, "pack_segment_tree")
+    names = list(features)
 
     order = sorted(
         range(len(segments)), key=lambda i: (segments[i].tokens[: lengths[i]].tolist(), i)
@@ -162,7 +166,7 @@ def pack_segment_tree(
     rows: list[tuple[_Node, int]] = []  # (root, used tokens)
     root, used = _Node(None, -1), 0
     for i in order:
-        keys = _path_keys(segments[i], lengths[i])
+        keys = _path_keys(segments[i], lengths[i], names)
         extra = len(keys) - _shared_length(root, keys)
         if used + extra > seq_len:
             rows.append((root, used))
@@ -173,7 +177,7 @@ def pack_segment_tree(
     rows.append((root, used))
 
     n_rows = pad_rows(len(rows), min_rows, rows_multiple)
-    out = empty_batch(n_rows, seq_len, feature_dtypes(segments, "pack_segment_tree"))
+    out = empty_batch(n_rows, seq_len, features)
     # Padding tokens see only themselves.
     out["subtree_end"] = np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1))
     for r, (root, _) in enumerate(rows):

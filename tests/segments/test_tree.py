@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.losses import aggregate_loss, tree_attention_mask
-from ac2_jax.segments import pack_segments
+from ac2_jax.segments import Segment, pack_mask_bits, pack_segments
 from rl_like_segments import rl_like_segment
 
 
@@ -182,3 +182,21 @@ def test_model_logprobs_loss_and_grads_equal_flat(make):
         # Relative to the gradient's scale (fp32, 1e-5).
         assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(a)), 1e-8)
 
+
+
+def test_features_in_another_dict_order_land_under_their_names():
+    """Segments whose features were added in different orders (e.g. a grammar mask id
+    before the advantages on one, after on another) pack each value under its own name,
+    as the flat layout does (the trie keys used each segment's own dict order)."""
+    m = np.zeros((1, 40), bool)
+    m[0, 5] = True
+    a = Segment([1, 2, 3], [0, 1, 1], task="a", features={"sampler_logprobs": [0, -.1, -.2]}
+                ).with_features(advantages=np.full(3, .5, np.float32))
+    b = Segment([7, 8, 5], [0, 1, 1], task="b", features={"sampler_logprobs": [0, -.3, -.4]}
+                ).with_constraints(np.array([0, 0, 1], np.int32), pack_mask_bits(m)
+                                   ).with_features(advantages=np.full(3, .7, np.float32))
+    assert list(b.features) == ["sampler_logprobs", "constraint_id", "advantages"]
+    tree, flat = (pack_segments([a, b], 16, layout=lay) for lay in ("tree", "flat"))
+    for name in flat.features:
+        np.testing.assert_array_equal(tree.features[name][0, :6], flat.features[name][0, :6])
+    np.testing.assert_allclose(tree.features["advantages"][0, :6], [.5, .5, 0, .7, .7, 0], atol=1e-7)
