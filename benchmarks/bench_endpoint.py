@@ -136,8 +136,8 @@ class Bench:
     async def messages(self, client) -> int:
         """The same request through POST /v1/messages (the `anthropic` SDK)."""
         system = [m["content"] for m in MESSAGES if m["role"] == "system"]
-        resp = await client.messages.create(
-            model=MODEL, max_tokens=self.max_tokens, temperature=0,
+        resp = await client.messages.create(  # the SDK (2.x) takes temperature in extra_body
+            model=MODEL, max_tokens=self.max_tokens, extra_body={"temperature": 0},
             messages=[m for m in MESSAGES if m["role"] != "system"],
             **({"system": system[0]} if system else {}))
         return resp.usage.output_tokens

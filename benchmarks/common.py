@@ -30,9 +30,31 @@ def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
+def cpu_record() -> dict[str, object]:
+    """The CPU model, its vector extensions (AVX2, AVX-512, AMX) and the thread
+    settings: figures differ by instruction set, so every benchmark records them."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", platform.machine()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8")
+    threads = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "XLA_FLAGS", "MKL_NUM_THREADS")
+               if k in os.environ}
+    return {"cpu_model": model, "vector_extensions": [f for f in wanted if f in flags],
+            "threads": threads}
+
+
 def machine() -> dict[str, object]:
     import jax
-    return {"machine": platform.machine(), "cpus": os.cpu_count(),
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), **cpu_record(),
             "jax": jax.__version__, "backend": jax.default_backend(),
             "date": time.strftime("%Y-%m-%d")}
 

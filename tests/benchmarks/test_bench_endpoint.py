@@ -28,3 +28,20 @@ def test_process_mode_16_rollouts_x_4_turns_nothing_lost_or_cross_wired(tmp_path
     assert all(s["rss_bytes"] > 0 for s in res["rss"]) and res["rss_end_bytes"] > 0
     with open(out) as f:
         assert json.load(f)["rows"] == json.loads(json.dumps(res["rows"]))
+
+
+def test_thread_mode_latency_rows_cover_every_request_api(tmp_path):
+    """Toy size: the latency table has the direct call and each HTTP route (chat
+    completions with the admin and a rollout key, messages, responses), every
+    request returning the same number of greedy tokens."""
+    out = tmp_path / "bench.json"
+    lat, tp = bench_endpoint.main([
+        "--clients=2", "--latency_requests=3", "--throughput_requests=4", "--max_tokens=4",
+        "--out", str(out)])
+    assert [r["impl"] for r in lat] == [
+        "direct", "http_admin", "http_rollout", "http_messages", "http_responses"]
+    assert all(r["n"] == 3 and r["p50_ms"] > 0 for r in lat)
+    assert {r["impl"] for r in tp} == {"direct", "http"}
+    with open(out) as f:
+        saved = json.load(f)
+    assert saved["machine"]["cpu_model"] and "vector_extensions" in saved["machine"]

@@ -488,3 +488,23 @@ def test_an_error_mid_stream_is_an_anthropic_error_event(tmp_path):
     finally:
         sampler.gate.set()
         stop()
+
+
+def test_output_config_format_decodes_the_answer_under_its_schema(env):
+    """Claude Code's structured output (its title request): the answer is a JSON value
+    of the schema, decoded under its grammar and recorded with that grammar."""
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12}},
+              "required": ["title"], "additionalProperties": False}
+    info = create(env, "structured")
+    client, _ = rollout_clients(info)
+    for seed in range(3):
+        resp = client.messages.create(
+            model="tiny", max_tokens=48, messages=[USER_MSG],
+            extra_body={"output_config": {"effort": "high", "format": {
+                "type": "json_schema", "schema": schema}}, "seed": seed})
+        (block,) = resp.content
+        value = json.loads(block.text)
+        assert set(value) == {"title"} and isinstance(value["title"], str), block.text
+        assert resp.stop_reason == "end_turn"
+    completions = [c for ep in trace_of(env, info)["episodes"] for c in ep["completions"]]
+    assert len(completions) == 3 and all(c.get("constraint") for c in completions)
