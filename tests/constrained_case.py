@@ -1,5 +1,5 @@
 """A batch of logits with hand-made grammar masks, for the tests of the learner's
-masked log-probs (tests/losses/test_constraints.py, test_logprobs.py, test_chunked.py).
+masked log-probs (tests/losses/test_losses_constraints.py, test_logprobs.py, test_chunked.py).
 
 `constrained_case(seed)`: logits from hidden states and a head, K distinct masks
 (about half the vocabulary each), ids putting about half the positions under one,
