@@ -168,7 +168,7 @@ def test_builtin_families_load_on_first_lookup():
         config = DecoderConfig.tiny(family=family, qk_norm=family == "qwen3")
         hf = config.to_hf_config()
         assert hf["model_type"] == family and config_from_hf(hf) == config
-    with pytest.raises(ValueError, match=r"registered family of this decoder \(llama, qwen3"):
+    with pytest.raises(ValueError, match=r"registered family of this decoder \(llama, mistral, qwen2, qwen3"):
         DecoderConfig.tiny(family="toy")  # unknown here, and not a DecoderConfig family
     with pytest.raises(TypeError, match="build_model: family 'qwen3' takes a DecoderConfig"):
         build_model(ToyConfig(vocab_size=4, family="qwen3"))

@@ -1,5 +1,5 @@
 """Models: the model protocol (`CausalLM`) and family registry (`register_family`), the
-Flax NNX decoder (the Qwen3 and Llama families), HF and Orbax weight I/O,
+Flax NNX decoder (the Qwen3, Llama, Qwen2 / Qwen2.5 and Mistral families), HF and Orbax weight I/O,
 the tokenizer with its chat templates and tool-call parsers."""
 
 from ac2_jax.models.attention import attention, choose_backend, dense_attention
@@ -31,6 +31,7 @@ from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer, tiny_corpus
 from ac2_jax.models.tokenizer import Tokenizer
 from ac2_jax.models.tool_parsers import (
     HermesParser,
+    MistralParser,
     ParsedText,
     Qwen3CoderParser,
     ToolCallParser,
@@ -77,6 +78,7 @@ __all__ = [
     "compile_chat_template",
     "ToolCallParser",
     "HermesParser",
+    "MistralParser",
     "Qwen3CoderParser",
     "ParsedText",
     "register_parser",

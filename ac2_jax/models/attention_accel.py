@@ -50,6 +50,11 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
 
 
 def _flat_rows(name: str, mask: AttentionMask) -> None:
+    if mask.window is not None:
+        raise ValueError(
+            f"{name} attention takes no sliding window here; use 'dense', 'blocksparse' "
+            "or 'cudnn' (the decoder does for a config with sliding_window)"
+        )
     if mask.tree or not mask.causal:
         raise ValueError(
             f"{name} attention takes flat packed rows only (segment ids + "

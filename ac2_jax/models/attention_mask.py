@@ -6,7 +6,9 @@ Query i sees key j iff
     or kv_index[j] <= q_index[i] <= kv_end[j] and segments agree
 
 where segments agree means q_segment[i] == kv_segment[j] > 0 for flat rows
-and both > 0 for tree rows. `packed` gives exactly
+and both > 0 for tree rows. With a sliding `window` w (Mistral), key j must
+also be within it: q_pos[i] - kv_pos[j] < w, by the tokens' positions
+(q_pos / kv_pos; default q_index / kv_index), which restart per segment. `packed` gives exactly
 `ac2_jax.losses.attention_mask` (flat rows: causal within a segment; tree
 rows: ancestors only, kv_end = subtree_end); `decode` gives the KV-cache
 mask (a query at position p sees cache slots 0..p). Blocked kernels read
@@ -30,7 +32,9 @@ class AttentionMask:
     q_index, q_segment: [B, Lq]; kv_index, kv_segment, kv_end: [B, Lk].
     Static: `tree`: segments need only be real (> 0), not equal; `causal`:
     self-attention of packed rows (q_index == kv_index == arange), so the
-    mask lies inside the causal triangle.
+    mask lies inside the causal triangle. `window`: None, or the sliding
+    window over positions q_pos / kv_pos ([B, Lq] / [B, Lk]; None = the
+    indices).
     """
 
     q_index: jax.Array
@@ -40,24 +44,58 @@ class AttentionMask:
     kv_end: jax.Array
     tree: bool = struct.field(pytree_node=False, default=False)
     causal: bool = struct.field(pytree_node=False, default=False)
+    q_pos: jax.Array | None = None
+    kv_pos: jax.Array | None = None
+    window: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def packed(cls, segment_ids: jax.Array, subtree_end: jax.Array | None = None) -> AttentionMask:
+    def packed(
+        cls,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+        *,
+        positions: jax.Array | None = None,
+        window: int | None = None,
+    ) -> AttentionMask:
         """Self-attention of packed rows: segment_ids [B, L] (0 = padding), subtree_end
-        [B, L] for tree rows (DFS layout) or None for flat rows."""
+        [B, L] for tree rows (DFS layout) or None for flat rows. With a sliding
+        `window`, `positions` [B, L] (restarting per segment) measure it."""
         seg = segment_ids.astype(jnp.int32)
         idx = jnp.broadcast_to(jnp.arange(seg.shape[-1], dtype=jnp.int32), seg.shape)
         end = jnp.full_like(seg, BIG) if subtree_end is None else subtree_end.astype(jnp.int32)
-        return cls(idx, idx, seg, seg, end, tree=subtree_end is not None, causal=True)
+        pos = None
+        if window is not None:
+            if positions is None:
+                raise ValueError("AttentionMask.packed: a sliding window needs the positions")
+            pos = positions.astype(jnp.int32)
+        return cls(
+            idx, idx, seg, seg, end, subtree_end is not None, True, pos, pos, _window(window)
+        )
 
     @classmethod
-    def decode(cls, positions: jax.Array, max_len: int) -> AttentionMask:
-        """T new tokens at positions [B, T] (-1 = padding) against cache slots 0..max_len-1."""
+    def decode(cls, positions: jax.Array, max_len: int, window: int | None = None) -> AttentionMask:
+        """T new tokens at positions [B, T] (-1 = padding) against cache slots
+        0..max_len-1 (slot p holds position p), within `window` when given."""
         pos = positions.astype(jnp.int32)
         B = pos.shape[0]
         slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (B, max_len))
         ones = jnp.ones((B, max_len), jnp.int32)
-        return cls(pos, slots, (pos >= 0).astype(jnp.int32), ones, jnp.full_like(ones, BIG))
+        return cls(
+            pos,
+            slots,
+            (pos >= 0).astype(jnp.int32),
+            ones,
+            jnp.full_like(ones, BIG),
+            window=_window(window),
+        )
+
+    @property
+    def query_pos(self) -> jax.Array:
+        return self.q_index if self.q_pos is None else self.q_pos
+
+    @property
+    def key_pos(self) -> jax.Array:
+        return self.kv_index if self.kv_pos is None else self.kv_pos
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -69,8 +107,10 @@ class AttentionMask:
         """The mask as [B, Lq, Lk] bool (True = may attend)."""
         qi, ki = self.q_index[:, :, None], self.kv_index[:, None, :]
         qs, ks = self.q_segment[:, :, None], self.kv_segment[:, None, :]
-        seg = (qs > 0) & (ks > 0) if self.tree else (qs == ks) & (qs > 0)
-        return (qi == ki) | ((ki <= qi) & (qi <= self.kv_end[:, None, :]) & seg)
+        return visible(
+            self, qi, ki, qs, ks, self.kv_end[:, None, :],
+            self.query_pos[:, :, None], self.key_pos[:, None, :],
+        )  # fmt: skip
 
     def pad(self, lq: int, lk: int) -> AttentionMask:
         """Padded to lq queries / lk keys; the added ones see / are seen by nothing."""
@@ -89,6 +129,9 @@ class AttentionMask:
             p(self.kv_end, lk, -1),
             tree=self.tree,
             causal=self.causal and lq == lk,
+            q_pos=None if self.q_pos is None else p(self.q_pos, lq, BIG),  # outside every window
+            kv_pos=None if self.kv_pos is None else p(self.kv_pos, lk, 0),
+            window=self.window,
         )
 
     def tiles(self, block_q: int, block_k: int) -> jax.Array:
@@ -124,4 +167,27 @@ class AttentionMask:
             seg = (Q(qs_hi) > 0) & (K(ks_hi) > 0)
         else:
             seg = (Q(qs_lo) <= K(ks_hi)) & (K(ks_lo) <= Q(qs_hi))
-        return itself | (reach & seg)
+        out = itself | (reach & seg)
+        if self.window is not None:  # every pair has q_pos - kv_pos >= q_lo - kv_hi
+            qp_lo = blocks(self.query_pos, block_q, jnp.min)
+            kp_hi = blocks(self.key_pos, block_k, jnp.max)
+            out &= Q(qp_lo) - K(kp_hi) < self.window
+        return out
+
+
+def visible(mask: AttentionMask, qi, ki, qs, ks, ke, qp, kp) -> jax.Array:
+    """The may-attend rule of `mask` on broadcastable index / segment / end /
+    position arrays (`dense` and the blocked kernels' tiles share it)."""
+    seg = (qs > 0) & (ks > 0) if mask.tree else (qs == ks) & (qs > 0)
+    out = (qi == ki) | ((ki <= qi) & (qi <= ke) & seg)
+    if mask.window is not None:
+        out &= qp - kp < mask.window
+    return out
+
+
+def _window(window: int | None) -> int | None:
+    if window is None:
+        return None
+    if int(window) <= 0:
+        raise ValueError(f"AttentionMask: window must be None or > 0, got {window}")
+    return int(window)

@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.models.attention_mask import NEG, AttentionMask
+from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
 
 
 def blocksparse_attention(
@@ -100,9 +100,10 @@ class _Tile:
         qi, qs = row(mask.q_index, self.qa, bq), row(mask.q_segment, self.qa, bq)
         ki, ks = row(mask.kv_index, self.ka, bk), row(mask.kv_segment, self.ka, bk)
         ke = row(mask.kv_end, self.ka, bk)
-        qi, qs, ki, ks, ke = qi[:, None], qs[:, None], ki[None], ks[None], ke[None]
-        seg = (qs > 0) & (ks > 0) if mask.tree else (qs == ks) & (qs > 0)
-        self.allowed = (qi == ki) | ((ki <= qi) & (qi <= ke) & seg)  # [bq, bk]
+        qp, kp = row(mask.query_pos, self.qa, bq), row(mask.key_pos, self.ka, bk)
+        self.allowed = visible(  # [bq, bk]
+            mask, qi[:, None], ki[None], qs[:, None], ks[None], ke[None], qp[:, None], kp[None]
+        )
 
     def q(self, x):  # [B, K, G, Lq, ...] -> [K, G, bq, ...]
         start = (self.b, 0, 0, self.qa) + (0,) * (x.ndim - 4)

@@ -44,8 +44,12 @@ class DecoderConfig:
 
     `dtype` is the compute dtype (activations, KV cache), `param_dtype` the
     storage dtype of the weights; logits are always fp32. `qk_norm` applies a
-    per-head RMSNorm to q and k before RoPE (Qwen3). `rope_scaling` is None or
-    an HF rope dict of type "llama3".
+    per-head RMSNorm to q and k before RoPE (Qwen3). `attention_bias` adds
+    biases to the q, k and v projections, not o (Qwen2). `sliding_window`:
+    None, or every layer's query at position p sees only keys at positions
+    > p - sliding_window of its own segment (Mistral); the KV cache then
+    holds at most that many slots per row (`Decoder.init_cache`).
+    `rope_scaling` is None or an HF rope dict of type "llama3".
 
     Runtime choices (not in the HF config; `RUNTIME_FIELDS`):
     `scan_layers` stores the layers' params stacked [num_layers, ...] and runs
@@ -86,6 +90,7 @@ class DecoderConfig:
     family: str = "qwen3"
     attention_bias: bool = False
     rope_scaling: dict | None = None
+    sliding_window: int | None = None
     initializer_range: float = 0.02
     remat: str | bool = "none"
     scan_layers: bool = False
@@ -122,8 +127,10 @@ class DecoderConfig:
                 f"DecoderConfig.family must be a registered family of this "
                 f"decoder ({', '.join(decoders)}), got {self.family!r}"
             )
-        if self.attention_bias:
-            raise ValueError("DecoderConfig.attention_bias=True is not supported")
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise ValueError(
+                f"DecoderConfig.sliding_window must be None or > 0, got {self.sliding_window}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -220,7 +227,7 @@ def decoder_hf_config(config: DecoderConfig, architecture: str) -> dict[str, Any
         "rope_scaling": config.rope_scaling,
         "rope_parameters": rope,
         "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False,
+        "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
         "initializer_range": config.initializer_range,
         "torch_dtype": dtype_name(config.param_dtype),
@@ -233,12 +240,15 @@ def decoder_config_from_hf(
     hf: dict[str, Any],
     *,
     qk_norm: bool,
+    attention_bias: bool = False,
+    sliding_window: int | None = None,
     dtype: Any = jnp.float32,
     param_dtype: Any = None,
     **runtime,
 ) -> DecoderConfig:
     """A DecoderConfig from the `config.json` fields every family of this decoder
-    shares (`family` = hf["model_type"]); `qk_norm` is the family's."""
+    shares (`family` = hf["model_type"]); `qk_norm`, `attention_bias` (q/k/v
+    biases) and `sliding_window` are the family's."""
     bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad:
         raise ValueError(
@@ -247,10 +257,21 @@ def decoder_config_from_hf(
     model_type = hf.get("model_type")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"from_hf_config: hidden_act {hf['hidden_act']!r} is not supported")
-    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
-        raise ValueError("from_hf_config: attention_bias / mlp_bias are not supported")
-    if hf.get("use_sliding_window", False):
-        raise ValueError("from_hf_config: sliding-window attention is not supported")
+    if (hf.get("attention_bias", False) and not attention_bias) or hf.get("mlp_bias", False):
+        raise ValueError(
+            f"from_hf_config: attention_bias / mlp_bias are not supported for {model_type!r} "
+            "(an o_proj / MLP bias); only Qwen2's q/k/v biases are (model_type 'qwen2')"
+        )
+    sliding = sliding_layers(hf)
+    if sliding:
+        raise ValueError(
+            f"from_hf_config: {model_type!r} config.json has sliding-window layers {sliding} "
+            f"(use_sliding_window={hf.get('use_sliding_window')!r}, sliding_window="
+            f"{hf.get('sliding_window')!r}, max_window_layers={hf.get('max_window_layers')!r}, "
+            "layer_types); per-layer windows are not supported: set use_sliding_window to "
+            "false (as Qwen2.5 / Qwen3 ship) or use a family whose every layer is windowed "
+            "(model_type 'mistral')"
+        )
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or None
@@ -278,6 +299,22 @@ def decoder_config_from_hf(
         param_dtype=dtype if param_dtype is None else param_dtype,
         family=str(model_type),
         rope_scaling=scaling,
+        attention_bias=attention_bias,
+        sliding_window=sliding_window,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         **runtime,
     )
+
+
+def sliding_layers(hf: dict[str, Any]) -> list[int]:
+    """The layers a Qwen-style `config.json` makes sliding-window layers, as
+    transformers reads it: its `layer_types`, else, with `use_sliding_window`
+    and a `sliding_window`, layers >= `max_window_layers`."""
+    n = int(hf.get("num_hidden_layers", 0))
+    types = hf.get("layer_types")
+    if types is not None:
+        return [i for i, t in enumerate(types) if t != "full_attention"]
+    if not hf.get("use_sliding_window", False) or hf.get("sliding_window") is None:
+        return []
+    first = hf.get("max_window_layers")
+    return list(range(int(first if first is not None else 0), n))

@@ -146,8 +146,9 @@ class Decoder(nnx.Module):
         return self.head().logits(hidden)
 
     def _backend(self, kind: str, q_len: int) -> str:
+        """The attention kernel; a sliding window runs on those that take any mask."""
         c = self.config
-        return choose_backend(
+        backend = choose_backend(
             c.attention_backend,
             kind=kind,
             q_len=q_len,
@@ -155,6 +156,9 @@ class Decoder(nnx.Module):
             head_dim=c.head_dim,
             block=c.attention_block,
         )
+        if c.sliding_window is not None and backend in ("pallas_gpu", "splash_tpu"):
+            return "dense"
+        return backend
 
     def _layer_params(self):
         """The layers' params as a pure dict: stacked, or {i: layer i}."""
@@ -173,7 +177,9 @@ class Decoder(nnx.Module):
         _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
         c = self.config
         backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
-        packed = AttentionMask.packed(segment_ids, subtree_end)
+        packed = AttentionMask.packed(
+            segment_ids, subtree_end, positions=positions, window=c.sliding_window
+        )
         mask: AttentionMask | jax.Array = packed.dense() if backend == "dense" else packed
         rope = rope_cos_sin(positions, self._inv_freq())  # once for all layers
 
@@ -266,8 +272,11 @@ class Decoder(nnx.Module):
         positions = positions.astype(jnp.int32)
         slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
         backend = self._backend("decode", tokens.shape[1])
-        mask: AttentionMask | jax.Array = AttentionMask.decode(positions, S)
-        if backend == "dense":  # = mask.dense(); written as before, so the compiled step
+        structure = AttentionMask.decode(positions, S, c.sliding_window)
+        mask: AttentionMask | jax.Array = structure
+        if c.sliding_window is not None and backend == "dense":
+            mask = structure.dense()
+        elif backend == "dense":  # = mask.dense(); written as before, so the compiled step
             # (and its fp32 rounding) is unchanged for the sampler
             mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & (positions >= 0)[
                 :, :, None

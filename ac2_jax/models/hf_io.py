@@ -1,4 +1,4 @@
-"""HF checkpoint I/O: Qwen3 / Llama `config.json` + safetensors <-> Decoder.
+"""HF checkpoint I/O: `config.json` + safetensors <-> Decoder (Qwen3, Llama, Qwen2, Mistral).
 
 Reads and writes with the `safetensors` numpy API (no torch). Our matrices
 are [in, out]; HF's are [out, in], so 2-D weights other than the embedding
@@ -29,7 +29,12 @@ INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+_BIASES = {"q_bias": "q_proj.bias", "k_bias": "k_proj.bias", "v_bias": "v_proj.bias"}
+
+
 def _hf_name(path: tuple) -> str:
+    if str(path[-1]) in _BIASES:  # Qwen2's attention biases
+        return "model." + ".".join([*(str(p) for p in path[:-1]), _BIASES[str(path[-1])]])
     name = ".".join(str(p) for p in path)
     if name == "lm_head":
         return "lm_head.weight"

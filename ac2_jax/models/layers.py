@@ -41,6 +41,10 @@ def _ones(_key, shape, dtype):
     return jnp.ones(shape, dtype)
 
 
+def _zeros(_key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
 # ----------------------------------------------------------------------------- pure pieces
 
 
@@ -134,9 +138,10 @@ def attention_apply(
     """
     B, L, _ = x.shape
     H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
-    q = _proj(c, x, w["q_proj"]).reshape(B, L, H, hd)
-    k = _proj(c, x, w["k_proj"]).reshape(B, L, K, hd)
-    v = _proj(c, x, w["v_proj"]).reshape(B, L, K, hd)
+    q, k, v = (_proj(c, x, w[f"{n}_proj"]) for n in "qkv")
+    if c.attention_bias:  # Qwen2: q/k/v biases (o has none)
+        q, k, v = (y + w[f"{n}_bias"].astype(dt) for y, n in zip((q, k, v), "qkv", strict=True))
+    q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, K, hd), v.reshape(B, L, K, hd)
     if c.qk_norm:
         q = rms_norm(w["q_norm"]["weight"], q, c.rms_eps, dt)
         k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
@@ -297,6 +302,10 @@ class Attention(nnx.Module):
         self.k_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
         self.v_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
         self.o_proj = _param(rngs, init, (H * hd, D), pd, ("heads", "embed"), stack)
+        if c.attention_bias:  # HF's q_proj.bias etc. (`hf_io`); zeros, as HF initialises them
+            self.q_bias = _param(None, _zeros, (H * hd,), pd, ("heads",), stack)
+            self.k_bias = _param(None, _zeros, (K * hd,), pd, ("kv",), stack)
+            self.v_bias = _param(None, _zeros, (K * hd,), pd, ("kv",), stack)
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
             self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)

@@ -10,6 +10,9 @@ Registered formats:
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 - "qwen3_coder" (Qwen3-Coder XML): `<tool_call>\\n<function=NAME>\\n
   <parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`.
+- "mistral" (Mistral v3+ tokenizers): `[TOOL_CALLS][{"name": ..., "arguments":
+  {...}}, ...]`, the calls one JSON array after the marker; call ids are 9
+  alphanumerics, the only ids Mistral's chat templates take back.
 
 Every parser scans with `str.find` from a cursor that only moves forward and
 decodes each block once, so its work is linear in the text length (no
@@ -335,6 +338,70 @@ class Qwen3CoderParser(ToolCallParser):
         return new_call(name, json.dumps(args, ensure_ascii=False))
 
 
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+class MistralParser(ToolCallParser):
+    """`[TOOL_CALLS][{"name": str, "arguments": {...}}, ...]` (Mistral v3+ tokenizers).
+
+    The array is decoded once from the marker (`json.JSONDecoder.raw_decode`,
+    linear in what it reads); text after it stays content. A marker not followed
+    by a well-formed array ends parsing: it and the rest stay text (so no text
+    is decoded twice). Ids are 9 alphanumerics, as Mistral's templates require.
+    """
+
+    name = "mistral"
+    opening = block_open = "[TOOL_CALLS]"
+    _decoder = json.JSONDecoder()
+
+    def named_opening(self, function_name: str) -> str:
+        name = json.dumps(function_name, ensure_ascii=False)
+        return self.opening + '[{"name": ' + name + ', "arguments": '
+
+    def parse_block(self, body, schema):
+        obj = _loads(body) if isinstance(body, str) else body
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", {})
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        call = new_call(obj["name"], args)
+        call["id"] = "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return call
+
+    def parse(self, text: str, tools: Sequence[dict] | None = None) -> ParsedText:
+        if not isinstance(text, str):
+            raise TypeError(f"parse: text must be str, got {type(text).__name__}")
+        end = min(len(text), self.max_chars)
+        scan = _Scan(text, end)
+        kept: list[str] = []
+        calls: list[dict[str, Any]] = []
+        malformed, pos = 0, 0
+        while pos < end:
+            start = scan.find(self.block_open, pos)
+            if start < 0:
+                break
+            at = start + len(self.block_open)
+            while at < end and text[at].isspace():
+                at += 1
+            try:  # reads text in place; past `end` only once, as it then stops
+                arr, after = self._decoder.raw_decode(text, at)
+            except (ValueError, RecursionError):
+                arr, after = None, end
+            scan.steps += after - start
+            block = [self.parse_block(o, None) for o in arr] if isinstance(arr, list) else []
+            if after > end or not block or None in block:
+                malformed += 1
+                break
+            kept.append(text[pos:start])
+            calls.extend(block)
+            pos = after
+        kept.append(text[pos:])
+        content = "".join(kept).strip() if calls else text.strip()
+        return ParsedText(
+            content, calls, steps=scan.steps, malformed=malformed, unparsed_chars=len(text) - end
+        )
+
+
 PARSERS: Registry[ToolCallParser] = Registry("tool parser")
 _LOCK = threading.Lock()
 
@@ -362,6 +429,7 @@ def parser_names() -> list[str]:
 
 register_parser(HermesParser.name, HermesParser())
 register_parser(Qwen3CoderParser.name, Qwen3CoderParser())
+register_parser(MistralParser.name, MistralParser())
 
 
 def parse_tool_calls(text: str, tools: Sequence[dict] | None = None) -> ParsedText:
