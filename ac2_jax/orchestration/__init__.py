@@ -17,6 +17,9 @@ from ac2_jax.orchestration.cli_agent import (
     CLIAgentHarness,
     CLIResult,
     Launch,
+    exit_status_outcome,
+)
+from ac2_jax.orchestration.cli_presets import (
     claude_code,
     codex,
     fix_the_tests_tasks,
@@ -59,6 +62,7 @@ __all__ = [
     "classify_error",
     "claude_code",
     "codex",
+    "exit_status_outcome",
     "fix_the_tests_tasks",
     "format_error_message",
     "request_seed",

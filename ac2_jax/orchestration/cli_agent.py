@@ -11,18 +11,22 @@ directory it left.
     recipes.rl("path/to/model", env, config)      # or python -m ac2_jax.train
 
 `CLIAgent` says how to launch one program: its argv and environment for a
-(prompt, model, base_url, api_key, scratch home). `claude_code()` speaks the
-Anthropic Messages API (`ANTHROPIC_BASE_URL`, `x-api-key`), `codex()` the
-OpenAI Responses API (a `model_providers` entry with `wire_api="responses"`).
-Both are launched headless (`claude -p`, `codex exec`) with a private HOME,
-telemetry and auto-update off, and options that keep their requests within
-what the endpoint serves (documented at each preset).
+(prompt, model, base_url, api_key, scratch home), and how to read its
+outcome. The presets (`cli_presets`): `claude_code()` speaks the Anthropic
+Messages API, `codex()` the OpenAI Responses API.
 
-Outcomes: exit status 0 -> the attempt finished and `Env.verify` grades the
-directory (the answer it gets is the JSON of `CLIResult`); a non-zero exit
--> `CLIAgentError` (an infra_error: a program that fails, e.g. because the
-endpoint refused one of its requests, is never trained on); past the
-timeout the whole process group is killed and the attempt ends as timed_out.
+Outcomes (`CLIAgent.outcome(result)`): "finished" (by default exit status 0)
+-> `Env.verify` grades the directory (the answer it gets is the JSON of
+`CLIResult`); "step_limit" (the agent ran out of its own turn budget, e.g.
+Claude Code's `error_max_turns`) -> the attempt ends as agent_error and the
+directory is still graded, as the tool loop's step limit is; "error" (any
+other non-zero exit) -> `CLIAgentError`, an infra_error: a program that
+fails, e.g. because the endpoint refused one of its requests, is never
+trained on. Past the timeout the attempt is `CLIAgentError` too (infra_error:
+a slow sampler must not punish the policy; `run_rollout(timeout_s=)` is the
+deadline that ends an attempt as timed_out). Whatever the outcome, the
+program's whole process group is killed when it ends (a server it left
+running in the background too), and the directory is removed after grading.
 The last lines of the program's output are kept in the error and the result.
 """
 
@@ -36,7 +40,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -52,13 +55,13 @@ __all__ = [
     "CLIAgentHarness",
     "CLIResult",
     "Launch",
-    "claude_code",
-    "codex",
-    "fix_the_tests_tasks",
-    "unittest_passes",
+    "exit_status_outcome",
 ]
 
+OUTCOMES = ("finished", "step_limit", "error")
+
 TAIL_CHARS = 4000  # of stdout / stderr kept in a result or error
+POLL_S = 0.05  # how often a running program is checked for its exit
 
 
 class CLIAgentError(RuntimeError):
@@ -77,109 +80,23 @@ class Launch:
     home: str  # a private HOME for the program's own config and caches
 
 
+def exit_status_outcome(result: CLIResult) -> str:
+    """The default `CLIAgent.outcome`: exit status 0 is "finished", else "error"."""
+    return "finished" if result.exit_code == 0 else "error"
+
+
 @dataclasses.dataclass(frozen=True)
 class CLIAgent:
     """One command-line agent: `argv(launch)` and `environ(launch)` (added to a
-    minimal environment: PATH, LANG, and the program's HOME). `api` names the
-    request API it speaks ("anthropic" or "responses"), for reports."""
+    minimal environment: PATH, LANG, and the program's HOME); `outcome(result)`
+    reads how it ended: one of `OUTCOMES` (see the module docstring). `api`
+    names the request API it speaks ("anthropic" or "responses"), for reports."""
 
     name: str
     api: str
     argv: Callable[[Launch], list[str]]
     environ: Callable[[Launch], dict[str, str]]
-
-
-def _root_url(base_url: str) -> str:
-    base = base_url.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
-
-
-def claude_code(
-    executable: str = "claude",
-    *,
-    system_prompt: str | None = "You are a coding agent. Work in the current directory.",
-    tools: Sequence[str] = ("Bash", "Read", "Write", "Edit"),
-    max_turns: int = 8,
-) -> CLIAgent:
-    """Claude Code (`npm install @anthropic-ai/claude-code`), headless (`claude -p`).
-
-    `--bare` skips hooks, plugins and CLAUDE.md discovery; `system_prompt`
-    replaces the default one (None keeps Claude Code's own, about 20k tokens:
-    the served model needs the context for it); `tools` are the built-in tools
-    offered (`--tools`); `--dangerously-skip-permissions` lets it act in its
-    scratch directory without asking (IS_SANDBOX=1 allows that as root). It
-    sends `thinking: {"type": "adaptive"}`, `output_config.effort`,
-    `context_management` (clear_thinking) and `cache_control`, which the
-    endpoint's /v1/messages accepts (serving/messages.py says how).
-    """
-
-    def argv(launch: Launch) -> list[str]:
-        out = [executable, "-p", launch.prompt, "--bare", "--model", launch.model]
-        out += ["--output-format", "json", "--max-turns", str(max_turns)]
-        out += ["--dangerously-skip-permissions", "--tools", ",".join(tools)]
-        if system_prompt is not None:
-            out += ["--system-prompt", system_prompt]
-        return out
-
-    def environ(launch: Launch) -> dict[str, str]:
-        return {
-            "ANTHROPIC_BASE_URL": _root_url(launch.base_url),
-            "ANTHROPIC_API_KEY": launch.api_key,
-            "IS_SANDBOX": "1",
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_AUTOUPDATER": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        }
-
-    return CLIAgent("claude-code", "anthropic", argv, environ)
-
-
-def codex(
-    executable: str = "codex",
-    *,
-    instructions: str | None = "You are a coding agent. Use exec_command to run shell commands.",
-) -> CLIAgent:
-    """Codex (`npm install @openai/codex`), headless (`codex exec`).
-
-    The rollout is a `model_providers.ac2` entry (`wire_api = "responses"`, the
-    key in AC2_ROLLOUT_KEY). Web search, multi-agent and goal tools are turned
-    off (the endpoint refuses built-in tools and tool namespaces by name),
-    reasoning summaries off; `instructions` replace Codex's base instructions
-    (`model_instructions_file`; None keeps its own, about 5k tokens). The
-    sandbox is off (`danger-full-access`): the scratch directory is the
-    boundary, as in a container.
-    """
-
-    def argv(launch: Launch) -> list[str]:
-        provider = (
-            f'{{name="ac2",base_url="{launch.base_url}",env_key="AC2_ROLLOUT_KEY",'
-            f'wire_api="responses"}}'
-        )
-        overrides = [
-            "model_provider=ac2",
-            f"model_providers.ac2={provider}",
-            'web_search="disabled"',
-            "features.multi_agent=false",
-            "features.goals=false",
-            'model_reasoning_summary="none"',
-            'sandbox_mode="danger-full-access"',
-            'approval_policy="never"',
-        ]
-        if instructions is not None:
-            path = os.path.join(launch.home, "instructions.md")
-            with open(path, "w") as f:
-                f.write(instructions)
-            overrides.append(f'model_instructions_file="{path}"')
-        out = [executable, "exec", "--skip-git-repo-check", "-m", launch.model]
-        out += ["--cd", launch.workdir]
-        for o in overrides:
-            out += ["-c", o]
-        return out + [launch.prompt]
-
-    def environ(launch: Launch) -> dict[str, str]:
-        return {"AC2_ROLLOUT_KEY": launch.api_key}  # its config lives in HOME/.codex
-
-    return CLIAgent("codex", "responses", argv, environ)
+    outcome: Callable[[CLIResult], str] = exit_status_outcome
 
 
 @dataclasses.dataclass
@@ -206,8 +123,10 @@ def _tail(data: bytes) -> str:
 
 
 async def run_cli(agent: CLIAgent, launch: Launch, timeout_s: float) -> CLIResult:
-    """Runs the program to its end (TimeoutError past `timeout_s`, after killing
-    its whole process group); CLIAgentError when it cannot start."""
+    """Runs the program to its end (TimeoutError past `timeout_s`); CLIAgentError
+    when it cannot start. Its output goes to files in its HOME (a pipe would be
+    held open by any child it leaves running); when it exits, times out or the
+    caller is cancelled, its whole process group is killed."""
     env = {
         "PATH": os.environ.get("PATH", ""),
         "LANG": os.environ.get("LANG", "C.UTF-8"),
@@ -215,30 +134,42 @@ async def run_cli(agent: CLIAgent, launch: Launch, timeout_s: float) -> CLIResul
         **agent.environ(launch),
     }
     argv = agent.argv(launch)
+    paths = [os.path.join(launch.home, f"cli.{name}") for name in ("stdout", "stderr")]
     t0 = time.monotonic()
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=launch.workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: a timeout kills all of it
-        )
+        with open(paths[0], "wb") as out, open(paths[1], "wb") as err:
+            proc = subprocess.Popen(
+                argv,
+                cwd=launch.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # its own process group, killed as a whole
+            )
     except OSError as e:
         raise CLIAgentError(f"{agent.name}: could not start {argv[0]!r}: {e}") from e
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except (TimeoutError, asyncio.CancelledError):
-        with contextlib.suppress(ProcessLookupError):
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{agent.name} ran past {timeout_s:g}s")
+            await asyncio.sleep(POLL_S)
+    finally:  # done, timed out or cancelled: nothing it started outlives it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(proc.wait(), 10)
-        raise
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)  # reaped at once after SIGKILL
+    out_tail, err_tail = (_tail_of(p) for p in paths)
     return CLIResult(
-        launch.workdir, int(proc.returncode or 0), _tail(out), _tail(err), time.monotonic() - t0
+        launch.workdir, int(proc.returncode or 0), out_tail, err_tail, time.monotonic() - t0
     )
+
+
+def _tail_of(path: str) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 4 * TAIL_CHARS))
+        return _tail(f.read())
 
 
 class CLIAgentHarness(Orchestrator):
@@ -255,28 +186,41 @@ class CLIAgentHarness(Orchestrator):
 
     async def run(self, turn_input: str) -> None:
         env = self.cli_env
-        workdir = tempfile.mkdtemp(prefix="ac2-cli-", dir=env.scratch_root)
-        home = os.path.join(workdir, ".home")
-        os.makedirs(home)
-        env.setup(self.trace.task, workdir)
-        base_url = str(self.client.base_url).rstrip("/")
-        launch = Launch(turn_input, self.model, base_url, str(self.client.api_key), workdir, home)
+        workdir = os.path.realpath(tempfile.mkdtemp(prefix="ac2-cli-", dir=env.scratch_root))
         try:
-            result = await run_cli(env.agent, launch, env.timeout_s)
+            home = os.path.join(workdir, ".home")
+            os.makedirs(home)
+            env.setup(self.trace.task, workdir)
+            base_url = str(self.client.base_url).rstrip("/")
+            key = str(self.client.api_key)
+            launch = Launch(turn_input, self.model, base_url, key, workdir, home)
+            try:
+                result = await run_cli(env.agent, launch, env.timeout_s)
+            except TimeoutError:
+                raise CLIAgentError(
+                    f"{env.agent.name} ran past its timeout of {env.timeout_s:g}s (killed)"
+                ) from None
+            outcome = env.agent.outcome(result)
+            if outcome not in OUTCOMES:
+                raise ValueError(
+                    f"{env.agent.name}: outcome() gave {outcome!r}, not one of {OUTCOMES}"
+                )
         except BaseException:
             env.cleanup(workdir)
             raise
         self.trace.metrics["cli_exit_code"] = result.exit_code
         self.trace.metrics["cli_wall_s"] = result.wall_s
-        self.trace.events.append({"kind": "cli", "agent": env.agent.name, **_event(result)})
-        if result.exit_code != 0:
+        self.trace.events.append(
+            {"kind": "cli", "agent": env.agent.name, "outcome": outcome, **_event(result)}
+        )
+        if outcome == "error":
             env.cleanup(workdir)
             raise CLIAgentError(
                 f"{env.agent.name} exited with status {result.exit_code}: "
                 f"{result.stderr[-1000:] or result.stdout[-1000:]}"
             )
-        self.trace.answer = result.to_json()
-        self.trace.status = "finished"
+        self.trace.answer = result.to_json()  # graded either way: the directory is its work
+        self.trace.status = outcome
 
 
 def _event(result: CLIResult) -> dict[str, Any]:
@@ -332,10 +276,15 @@ class CLIAgentEnv(Env):
         ]
 
     def setup(self, task: Task, workdir: str) -> None:
+        """Writes the task's files into `workdir` (relative paths inside it only)."""
+        workdir = os.path.realpath(workdir)
         for rel, text in task.metadata.get("files", {}).items():
-            path = os.path.join(workdir, rel)
-            if os.path.commonpath([workdir, os.path.abspath(path)]) != workdir:
-                raise ValueError(f"task {task.task_id}: file {rel!r} is outside the directory")
+            path = os.path.realpath(os.path.join(workdir, rel))
+            if not rel or os.path.isabs(rel) or os.path.commonpath([workdir, path]) != workdir:
+                raise ValueError(
+                    f"task {task.task_id}: file {rel!r} is outside the directory (task files "
+                    "are relative paths inside it)"
+                )
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
@@ -353,52 +302,10 @@ class CLIAgentEnv(Env):
         finally:
             self.cleanup(result.workdir)
 
-    def make_harness(self, task: Task, client, model_name: str, *, sampling=None, max_steps=8):
+    def make_harness(
+        self, task: Task, client, model_name: str, *, sampling=None, max_steps=8
+    ) -> CLIAgentHarness:
         """The harness the recipes use (`recipes.common.harness_factory`)."""
         return CLIAgentHarness(
             self, task, client, model_name, sampling=sampling, max_steps=max_steps
         )
-
-
-# ------------------------------------------------------------------------------ tasks
-
-_BUGGY = {
-    "add": ("def add(a, b):\n    return a - b\n", "add(2, 3)", 5),
-    "mul": ("def mul(a, b):\n    return a + b\n", "mul(4, 5)", 20),
-    "neg": ("def neg(a):\n    return a\n", "neg(7)", -7),
-    "sq": ("def sq(a):\n    return a * 2\n", "sq(6)", 36),
-}
-
-
-def fix_the_tests_tasks() -> list[Task]:
-    """ "Make the tests pass" tasks: a one-line bug in calc.py and a unittest file
-    that shows it. Grade them with `unittest_passes`."""
-    tasks = []
-    for i, (name, (code, call, want)) in enumerate(sorted(_BUGGY.items())):
-        test = (
-            "import unittest\nfrom calc import *\n\n\nclass T(unittest.TestCase):\n"
-            f"    def test_it(self):\n        self.assertEqual({call}, {want})\n"
-        )
-        tasks.append(
-            Task(
-                task_id=f"fix-{name}",
-                prompt="The test in test_calc.py fails. Fix calc.py so that it passes.",
-                metadata={
-                    "files": {"calc.py": code, "test_calc.py": test},
-                    "split": "eval" if i == 0 else "train",
-                },
-            )
-        )
-    return tasks
-
-
-def unittest_passes(task: Task, workdir: str, result: CLIResult) -> float:
-    """1.0 when `python -m unittest` passes in the directory the agent left."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "unittest", "-q"],
-        cwd=workdir,
-        capture_output=True,
-        timeout=60,
-        env={"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1"},
-    )
-    return float(proc.returncode == 0)
