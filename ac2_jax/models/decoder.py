@@ -47,7 +47,7 @@ from flax import nnx, struct
 
 from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import attention, choose_backend
-from ac2_jax.models.attention_mask import AttentionMask
+from ac2_jax.models.attention_mask import BIG, AttentionMask
 from ac2_jax.models.config import DecoderConfig
 from ac2_jax.models.layers import (
     Block,
@@ -68,16 +68,24 @@ _POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_bat
 @struct.dataclass
 class KVCache:
     """Keys and values of every layer. Slot p of row b holds the keys / values of that
-    row's token at position p; every leaf is [batch, ...] with max_len slots on `seq_axis`.
+    row's token at position p; every leaf is [batch, ...] with `slots` slots on `seq_axis`.
 
     Per-layer models: k, v are tuples of num_layers arrays [B, K, S, hd]
     (heads-major: a decode step's attention reads them without a transposed
     copy). Scanned models: k, v are single arrays [B, S, num_layers, K * hd],
     carried through the layer scan. `seq_axis` is the slot axis of every leaf.
+
+    Sliding window (static `window`, the model's): a cache for `max_len`
+    positions (static `length`) longer than the window is a ring of `window`
+    slots, position p in slot p mod window (`ring`), so its memory stays at the
+    window however long the sequence grows; a query sees exactly the last
+    `window` positions, which the ring still holds.
     """
 
     k: tuple | jax.Array
     v: tuple | jax.Array
+    window: int | None = struct.field(pytree_node=False, default=None)
+    length: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def stacked(self) -> bool:
@@ -92,8 +100,23 @@ class KVCache:
         return 1 if self.stacked else 2
 
     @property
-    def max_len(self) -> int:
+    def slots(self) -> int:
+        """Slots held per row (the window for a ring)."""
         return jax.tree.leaves(self.k)[0].shape[self.seq_axis]
+
+    @property
+    def max_len(self) -> int:
+        """Positions a row may take (0..max_len-1)."""
+        return self.slots if self.length is None else self.length
+
+    @property
+    def ring(self) -> bool:
+        return self.window is not None and self.window < self.max_len
+
+    @staticmethod
+    def slots_for(max_len: int, window: int | None) -> int:
+        """Slots of a cache for `max_len` positions under `window`."""
+        return max_len if window is None else min(max_len, window)
 
     @property
     def num_layers(self) -> int:
@@ -223,13 +246,17 @@ class Decoder(nnx.Module):
         """
         c = self.config
         dt = c.dtype if dtype is None else dtype
+        W = c.sliding_window
+        meta = {} if W is None else {"window": W, "length": max_len}
+        S = KVCache.slots_for(max_len, W)  # a ring of W slots when max_len > W
         if c.scan_layers:
-            shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
-            return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
-        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+            shape = (batch, S, c.num_layers, c.num_kv_heads * c.head_dim)
+            return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), **meta)
+        shape = (batch, c.num_kv_heads, S, c.head_dim)
         return KVCache(
             k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
             v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+            **meta,
         )
 
     def decode(
@@ -268,11 +295,21 @@ class Decoder(nnx.Module):
             )
         if cache.batch != tokens.shape[0]:
             raise ValueError(f"decode: cache batch {cache.batch} != tokens batch {tokens.shape[0]}")
+        if cache.window != c.sliding_window:
+            raise ValueError(
+                f"decode: cache window {cache.window} != the model's sliding_window "
+                f"{c.sliding_window}; build it with model.init_cache"
+            )
         S = cache.max_len
         positions = positions.astype(jnp.int32)
         slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: the write is dropped
         backend = self._backend("decode", tokens.shape[1])
-        structure = AttentionMask.decode(positions, S, c.sliding_window)
+        append = False
+        if cache.ring:
+            assert cache.window is not None  # a ring has one
+            structure, slots, append = _ring_mask(positions, cache.slots, cache.window)
+        else:
+            structure = AttentionMask.decode(positions, S, c.sliding_window)
         mask: AttentionMask | jax.Array = structure
         if c.sliding_window is not None and backend == "dense":
             mask = structure.dense()
@@ -290,7 +327,7 @@ class Decoder(nnx.Module):
 
             def body(x, xs):
                 w, i = xs
-                x, (k_new, v_new, _, _) = layer(w, x, cache=(ck, cv, i, slots))
+                x, (k_new, v_new, *_) = layer(w, x, cache=(ck, cv, i, slots, append))
                 return x, (k_new, v_new)
 
             x, (k_new, v_new) = jax.lax.scan(body, x, (params, jnp.arange(c.num_layers)))
@@ -302,12 +339,51 @@ class Decoder(nnx.Module):
         else:
             ks, vs = list(ck), list(cv)
             for i in range(c.num_layers):
-                x, (ks[i], vs[i], _, _) = layer(params[i], x, cache=(ks[i], vs[i], None, slots))
+                x, (ks[i], vs[i], *_) = layer(
+                    params[i], x, cache=(ks[i], vs[i], None, slots, append)
+                )
             ck, cv = tuple(ks), tuple(vs)
         x = self.norm(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
-        return self.logits(x), KVCache(k=ck, v=cv)
+        return self.logits(x), KVCache(k=ck, v=cv, window=cache.window, length=cache.length)
+
+
+def _ring_mask(positions: jax.Array, C: int, window: int) -> tuple[AttentionMask, jax.Array, bool]:
+    """(mask, write slots, append) of T new tokens [B, T] against a ring of C slots.
+
+    A row's positions are contiguous (its history 0..first-1, then this call's).
+    One token (T = 1, a step) is written first, into slot p mod C, evicting
+    position p - C, which is outside the window; slot s then holds position
+    p - ((p - s) mod C). A chunk (T > 1) would evict keys its own earlier
+    tokens still see, so it attends over the ring as it was (slot s holding
+    first-1 - ((first-1 - s) mod C)) followed by its own keys (`append`), and
+    then writes only its last C tokens (more would land on one slot twice).
+    Slots of negative positions (never written by this row) are masked.
+    """
+    B, T = positions.shape
+    real = positions >= 0
+    s = jnp.arange(C, dtype=jnp.int32)[None]
+    if T == 1:
+        p = positions[:, :1]
+        held = p - jnp.mod(p - s, C)
+        kv = jnp.where((held >= 0) & (p >= 0), held, BIG)
+        slots = jnp.where(real, jnp.mod(positions, C), C)
+        append = False
+    else:
+        first = jnp.min(jnp.where(real, positions, BIG), axis=1, keepdims=True)
+        last = jnp.max(positions, axis=1, keepdims=True)
+        prev = first - 1
+        held = prev - jnp.mod(prev - s, C)
+        old = jnp.where((held >= 0) & (first < BIG), held, BIG)
+        kv = jnp.concatenate([old, jnp.where(real, positions, BIG)], axis=1)
+        slots = jnp.where(real & (positions > last - C), jnp.mod(positions, C), C)
+        append = True
+    ones = jnp.ones(kv.shape, jnp.int32)
+    mask = AttentionMask(
+        positions, kv, real.astype(jnp.int32), ones, jnp.full_like(ones, BIG), window=window
+    )
+    return mask, slots, append
 
 
 def _check_2d(**arrays):

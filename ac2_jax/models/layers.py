@@ -125,9 +125,11 @@ def attention_apply(
     rope: the (cos, sin) tables of `rope_cos_sin` for x's positions.
 
     mask: an AttentionMask or a dense [B, L, S] bool mask (see
-    `models.attention.attention`). cache: None, or (k, v, layer, slots) with
-    the slots [B, L] of the new keys / values (index S drops a write);
-    attention runs over the layer's whole cache with them written in.
+    `models.attention.attention`). cache: None, or (k, v, layer, slots, append)
+    with the slots [B, L] of the new keys / values (index S drops a write);
+    attention runs over the layer's whole cache with them written in, or with
+    `append` over the cache as it was followed by the new keys ([S + L] keys:
+    a sliding-window ring's chunk, `decoder._ring_mask`).
     Per-layer (layer None): k, v are this layer's caches [B, K, S, hd]
     (heads-major, so decode reads them in place) and come back updated.
     Stacked: k, v are all layers' caches [B, S, num_layers, K * hd], read only;
@@ -147,24 +149,35 @@ def attention_apply(
         k = rms_norm(w["k_norm"]["weight"], k, c.rms_eps, dt)
     q, k = rotate(q, rope), rotate(k, rope)
     if cache is not None:
-        ck, cv, layer, slots = cache
+        ck, cv, layer, slots, append = cache
         rows = jnp.arange(B)[:, None]
         if layer is None:  # [B, K, S, hd]: new [B, L, K, hd] land at (row, :, slot)
+            old_k, old_v = ck, cv
             ck = ck.at[rows, :, slots].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[rows, :, slots].set(v.astype(cv.dtype), mode="drop")
-            k, v = ck, cv
+            if append:  # a ring's chunk: the ring as it was, then the chunk's own keys
+                k, v = (
+                    jnp.concatenate([o, jnp.swapaxes(n.astype(o.dtype), 1, 2)], axis=2)
+                    for o, n in ((old_k, k), (old_v, v))
+                )
+            else:
+                k, v = ck, cv
         else:
             S = ck.shape[1]
             k_new, v_new = (x.reshape(B, L, K * hd).astype(ck.dtype) for x in (k, v))
-            k, v = (
-                jax.lax.dynamic_index_in_dim(c, layer, 2, keepdims=False)
-                .at[rows, slots]
-                .set(new, mode="drop")
-                .reshape(B, S, K, hd)
-                for c, new in ((ck, k_new), (cv, v_new))
-            )
+            layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, 2, keepdims=False) for c in (ck, cv)]
+            if append:
+                k, v = (
+                    jnp.concatenate([o, n], axis=1).reshape(B, S + L, K, hd)
+                    for o, n in zip(layer_kv, (k_new, v_new), strict=True)
+                )
+            else:
+                k, v = (
+                    o.at[rows, slots].set(n, mode="drop").reshape(B, S, K, hd)
+                    for o, n in zip(layer_kv, (k_new, v_new), strict=True)
+                )
             ck, cv = k_new, v_new
-        cache = (ck, cv, layer, slots)
+        cache = (ck, cv, layer, slots, append)
     out = attention(
         q,
         k.astype(dt),

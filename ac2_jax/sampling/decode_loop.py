@@ -255,14 +255,18 @@ def prefill_sub(graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def resize_cache(cache: KVCache, row_idx: jax.Array, *, max_len: int) -> KVCache:
-    """New cache whose row i is old row `row_idx[i]` (out of range: empty), `max_len` slots."""
+    """New cache whose row i is old row `row_idx[i]` (out of range: empty), for `max_len`
+    positions. A sliding-window cache keeps at most its window of slots: a row's
+    positions below both sizes sit in the same slots either way (p mod window = p)."""
     ax = cache.seq_axis
+    want = KVCache.slots_for(max_len, cache.window)
 
     def one(x):
         x = jnp.take(x, row_idx, axis=0, mode="fill", fill_value=0)
         S = x.shape[ax]
-        if max_len >= S:
-            return jnp.pad(x, [(0, max_len - S) if i == ax else (0, 0) for i in range(x.ndim)])
-        return jax.lax.slice_in_dim(x, 0, max_len, axis=ax)
+        if want >= S:
+            return jnp.pad(x, [(0, want - S) if i == ax else (0, 0) for i in range(x.ndim)])
+        return jax.lax.slice_in_dim(x, 0, want, axis=ax)
 
-    return jax.tree.map(one, cache)
+    out = jax.tree.map(one, cache)
+    return out if cache.window is None else out.replace(length=max_len)

@@ -79,6 +79,10 @@ class JaxSampler(DeviceLoop):
     (larger: fewer compiles, more padded compute).
     max_top_logprobs: largest `top_logprobs` a request may ask for.
     seed: draws the seeds of requests that give none.
+    prefix_reuse: a new request may start from the prompt prefix a free row
+    already holds. Off for a model with a sliding window: its rows are rings
+    (`KVCache.ring`) that hold the last window positions of the earlier
+    request, not those before the shared prefix's end.
     fixed_shapes: always max_batch rows x max_context cache slots (min_batch and
     min_cache_len are then max_batch and max_context): more padded decode work
     at low load, a small fixed set of compiles (what a server wants).
@@ -144,7 +148,8 @@ class JaxSampler(DeviceLoop):
         self._min_cache, self._prefill_chunk = int(min_cache_len), int(prefill_chunk)
         self._min_prefill_rows = int(min_prefill_rows)
         self._n_top, self._cache_dtype = int(max_top_logprobs), cache_dtype
-        self._batch_wait, self._prefix_reuse = float(batch_wait_s), bool(prefix_reuse)
+        self._batch_wait = float(batch_wait_s)
+        self._prefix_reuse = bool(prefix_reuse) and getattr(cfg, "sliding_window", None) is None
         self._rng = np.random.default_rng(seed)
 
         self._graphdef, self._state = self._snapshot()

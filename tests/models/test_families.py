@@ -9,6 +9,7 @@ within 1e-5 (fp32), for the packed-row forward, for prefill + decode through
 (HF save -> our load -> our save) gives bit-identical tensors and config.
 """
 
+import asyncio
 import json
 
 import jax
@@ -228,3 +229,87 @@ def test_blocksparse_window_in_the_decoder_equals_transformers(tmp_path):
     t = jnp.asarray([tokens])
     out = logprobs(forward(model, t, jnp.arange(len(tokens))[None], jnp.ones_like(t)))[0]
     assert np.abs(out - hf_logprobs(hf, tokens)).max() <= TOL
+
+
+def test_sliding_window_ring_cache_stays_at_the_window(tmp_path):
+    """Mistral with window 5: a cache for 64 positions is a ring of 5 slots per layer, and
+    its memory stays there while two rows grow to 41 positions, through chunks longer
+    than the window (prefill of 7 and 9 after 16 steps) and single steps, one row
+    left-padded. Every log-prob equals transformers' dense forward (1e-5), per-layer
+    and with stacked layers; a resize to more positions keeps the ring."""
+    from ac2_jax.sampling.decode_loop import resize_cache
+
+    hf = hf_model("mistral-window", seed=7)
+    hf.save_pretrained(tmp_path)
+    rng = np.random.default_rng(8)
+    seqs = [rng.integers(0, VOCAB, 41).tolist(), rng.integers(0, VOCAB, 38).tolist()]
+    refs = [hf_logprobs(hf, s) for s in seqs]
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    for scan in (False, True):
+        model, _ = load_hf_checkpoint(str(tmp_path), scan_layers=scan)
+        cache = model.init_cache(2, 64)
+        assert cache.ring and cache.slots == WINDOW and cache.max_len == 64
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+        shapes = [x.shape for x in jax.tree.leaves(cache)]
+        got: list[list] = [[], []]
+        offset = [0, 3]  # row 1 runs 3 positions behind, left-padded with -1 in each chunk
+
+        def run(cache, length, a):
+            T = length
+            toks, pos = np.zeros((2, T), np.int32), np.full((2, T), -1, np.int32)
+            for r in range(2):
+                ps = [p for p in range(a - offset[r], a - offset[r] + T) if 0 <= p < len(seqs[r])]
+                if ps:
+                    toks[r, T - len(ps):] = [seqs[r][p] for p in ps]
+                    pos[r, T - len(ps):] = ps
+            logits, cache = step(model, jnp.asarray(toks), jnp.asarray(pos), cache)
+            lp = logprobs(logits)
+            for r in range(2):
+                got[r].extend(lp[r, t] for t in range(T) if pos[r, t] >= 0)
+            return cache
+
+        a = 0
+        for T in [7] + [1] * 16 + [9] + [1] * 9:
+            cache = run(cache, T, a)
+            a += T
+            assert [x.shape for x in jax.tree.leaves(cache)] == shapes
+            assert sum(x.nbytes for x in jax.tree.leaves(cache)) == nbytes
+        for r in range(2):
+            n = len(got[r])
+            assert n > 30 and np.abs(np.stack(got[r]) - refs[r][:n]).max() <= TOL
+        bigger = resize_cache(cache, jnp.arange(2), max_len=128)
+        assert bigger.slots == WINDOW and bigger.max_len == 128
+        small = model.init_cache(2, 4)  # fewer positions than the window: plain slots
+        assert not small.ring and small.slots == 4
+        assert resize_cache(small, jnp.arange(2), max_len=32).slots == WINDOW
+
+
+def test_jax_sampler_with_a_window_equals_transformers(tmp_path):
+    """The embedded sampler on Mistral with window 5: its rows are rings of 5 slots, and
+    the log-prob of every sampled token equals transformers' dense forward of the whole
+    sequence (1e-5), for prompts shorter and longer than the window, batched."""
+    from ac2_jax.sampling import SamplingParams
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+
+    hf = hf_model("mistral-window", seed=9)
+    hf.save_pretrained(tmp_path)
+    model, _ = load_hf_checkpoint(str(tmp_path))
+    sampler = JaxSampler(model, max_context=64, max_batch=4, min_batch=4, min_cache_len=64,
+                         steps_per_sync=4, prefill_chunk=8, seed=0, max_top_logprobs=0)
+    try:
+        prompts = [[3, 4, 5], list(range(10, 30)), list(range(40, 51))]
+        params = SamplingParams(temperature=1.0, max_tokens=20, seed=1)
+
+        async def go():
+            return await asyncio.gather(*(sampler.generate(p, params) for p in prompts))
+
+        results = asyncio.run(go())
+        assert sampler._cache.ring and sampler._cache.slots == WINDOW
+        for p, r in zip(prompts, results):
+            seq = p + list(r.output_ids)
+            ref = hf_logprobs(hf, seq)[len(p) - 1:-1]
+            want = ref[np.arange(len(r.output_ids)), r.output_ids]
+            assert len(r.output_ids) == 20
+            assert np.abs(np.asarray(r.output_logprobs) - want).max() <= TOL
+    finally:
+        sampler.close()
