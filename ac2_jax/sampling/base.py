@@ -78,6 +78,12 @@ Contract
 
 ``sampler.max_context: int``
     Most tokens (prompt + output) one sequence may hold.
+
+``sampler.supports_constraints: bool`` (optional; absent means False)
+    Whether ``params.constraint`` grammars are decoded (JaxSampler) or refused
+    (SGLangSampler). The endpoint reads it before it builds a request: without
+    grammars, tool_choice falls back to the forced tool-call opening and JSON
+    output formats are refused with a 400.
 """
 
 from __future__ import annotations

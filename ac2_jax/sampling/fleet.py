@@ -148,6 +148,11 @@ class FleetSampler:
         return self._version
 
     @property
+    def supports_constraints(self) -> bool:
+        """Grammar-constrained requests only when every backend decodes them."""
+        return all(getattr(b, "supports_constraints", False) for b in self._backends)
+
+    @property
     def max_context(self) -> int:
         return min(b.max_context for b in self._backends)
 

@@ -91,6 +91,9 @@ class JaxSampler(DeviceLoop):
     every shape up front (more of them: one set per row bucket).
     """
 
+    # Decodes `SamplingParams.constraint` (masks the learner replays: `constraints`).
+    supports_constraints = True
+
     def __init__(
         self,
         model: Decoder,

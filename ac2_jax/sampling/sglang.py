@@ -150,6 +150,9 @@ class SGLangSampler:
       `stats["waited"]` counts them.
     """
 
+    # `SamplingParams.constraint` is refused (see the module docstring).
+    supports_constraints = False
+
     def __init__(
         self,
         base_url: str,

@@ -47,7 +47,11 @@ from ac2_jax.serving.sample_run import (
 from ac2_jax.serving.splice import build_prompt_ids
 from ac2_jax.serving.stream_generation import EventWriter, stream_events
 from ac2_jax.serving.streaming import TOOL_CALL_OPEN, TokenFeed, WatchedStreamingResponse
-from ac2_jax.serving.structured import grammar_forces_calls, request_constraint
+from ac2_jax.serving.structured import (
+    grammar_forces_calls,
+    request_constraint,
+    sampler_grammars,
+)
 
 __all__ = [
     "AGENT_HEADER",
@@ -67,11 +71,12 @@ Render = Callable[[RequestState, list[chat_lib.Choice], int], dict]
 AGENT_HEADER = "x-agent"
 
 
-def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest) -> str:
+def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest, grammars: bool = True) -> str:
     """Text that opens the assistant turn to force a tool call ("" if none), in
     the tokenizer's tool-call format (`tool_parser.opening` / `named_opening`).
-    "" where a grammar forces the call instead (`structured.grammar_forces_calls`)."""
-    if grammar_forces_calls(tokenizer):
+    "" where a grammar forces the call instead (`structured.grammar_forces_calls`,
+    and `grammars`: the sampler decodes them, `structured.sampler_grammars`)."""
+    if grammars and grammar_forces_calls(tokenizer):
         return ""
     parser = getattr(tokenizer, "tool_parser", None)
     if req.tool_choice == "required":
@@ -161,9 +166,12 @@ async def start_request(
 ) -> RequestState:
     """Adds the forced prefix or the answer's grammar, builds the params and
     starts the samples."""
-    prefix = forced_prefix(ctx.tokenizer, req) if chat else ""
+    grammars = sampler_grammars(ctx.sampler)
+    prefix = forced_prefix(ctx.tokenizer, req, grammars) if chat else ""
     prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
-    constraint = await asyncio.to_thread(request_constraint, ctx.tokenizer, req) if chat else None
+    constraint = (
+        await asyncio.to_thread(request_constraint, ctx.tokenizer, req, grammars) if chat else None
+    )
     full_prompt = list(prompt_ids) + prefix_ids
     params = sampling_params(ctx, len(full_prompt), req, constraint)
     route = principal.rollout.rollout_id if principal.rollout is not None else None

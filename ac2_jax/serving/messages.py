@@ -102,6 +102,7 @@ from ac2_jax.serving.messages_schemas import UNION_TAGS, CreateBody, PromptBody
 from ac2_jax.serving.sample_run import RequestState, ServeContext
 from ac2_jax.serving.stream_generation import EventWriter
 from ac2_jax.serving.streaming import TextStream
+from ac2_jax.serving.structured import sampler_grammars
 
 __all__ = [
     "MessageEventWriter",
@@ -405,6 +406,7 @@ def install_messages_routes(
         check_model(ctx, body.model)
         req = chat_request(body)
         prompt_ids = await chat_prompt_ids(ctx, principal, req)
-        prefix = forced_prefix(ctx.tokenizer, req)  # start_request adds it to the prompt
+        # start_request adds it to the prompt
+        prefix = forced_prefix(ctx.tokenizer, req, sampler_grammars(ctx.sampler))
         prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
         return {"input_tokens": len(prompt_ids) + len(prefix_ids)}

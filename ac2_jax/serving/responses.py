@@ -92,7 +92,12 @@ from ac2_jax.serving.responses_schemas import InputItem, ResponsesBody
 from ac2_jax.serving.rollouts import Rollout
 from ac2_jax.serving.sample_run import ServeContext
 from ac2_jax.serving.schemas import UNSUPPORTED, validate
-from ac2_jax.serving.structured import forces_call, grammar_forces_calls, response_schema
+from ac2_jax.serving.structured import (
+    forces_call,
+    grammar_forces_calls,
+    response_schema,
+    sampler_grammars,
+)
 
 __all__ = ["MAX_STORED", "ResponseStore", "chat_messages", "install_responses_routes"]
 
@@ -218,17 +223,21 @@ def response_format(body: ResponsesBody) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def check_strict(tokenizer: Any, body: ResponsesBody, req: req_lib.ChatRequest) -> None:
-    """A strict tool needs its calls decoded under a grammar (`structured`)."""
+def check_strict(
+    tokenizer: Any, body: ResponsesBody, req: req_lib.ChatRequest, grammars: bool = True
+) -> None:
+    """A strict tool needs its calls decoded under a grammar (`structured`; grammars:
+    the sampler decodes them, `structured.sampler_grammars`)."""
     strict = [i for i, t in enumerate(body.tools or ()) if t.strict]
     constrained = forces_call(req) or (
         response_schema(req.response_format) is not None and req.parse_tools
     )
-    if strict and not (constrained and grammar_forces_calls(tokenizer)):
+    if strict and not (constrained and grammars and grammar_forces_calls(tokenizer)):
         raise bad_request(
             f"'tools[{strict[0]}].strict' true is honoured only where the calls are decoded "
             "under their schema: tool_choice 'required' or a named function, or a JSON "
-            "text.format, with a model whose tool-call format has a grammar (Hermes); "
+            "text.format, with a model whose tool-call format has a grammar (Hermes) "
+            "and a sampler that decodes grammars (the JaxSampler); "
             "send strict false or null",
             param=f"tools[{strict[0]}].strict",
             code=UNSUPPORTED,
@@ -298,7 +307,7 @@ def install_responses_routes(
         items = prior + new
         messages = req_lib.normalize_messages(chat_messages(body.instructions, items))
         req = chat_request(body, messages)
-        check_strict(ctx.tokenizer, body, req)
+        check_strict(ctx.tokenizer, body, req, sampler_grammars(ctx.sampler))
         agent = agent_label(request, req)
         try:
             prompt_ids = await chat_prompt_ids(ctx, principal, req)

@@ -18,10 +18,11 @@ request API that builds a `ChatRequest` gets it through
 The constrained tokens are sampled (and trained on) with their log-probs
 under the grammar's mask; the grammar is recorded on the trace's
 `Completion.constraint`. A tokenizer whose tool-call format has no grammar
-builder (`grammar_forces_calls` false: only Hermes has one) keeps the older
+builder (`grammar_forces_calls` false: only Hermes has one), or a sampler
+that decodes no grammars (`sampler_grammars` false: SGLang), keeps the older
 mechanism for tool_choice, the call opening written into the prompt
-(`generation.forced_prefix`). A schema (or tool parameters) llguidance
-refuses is a 400 naming the field.
+(`generation.forced_prefix`), and refuses JSON output formats. A schema (or
+tool parameters) llguidance refuses is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from ac2_jax.sampling.constraints import (
 from ac2_jax.serving.errors import bad_request
 from ac2_jax.serving.requests import ChatRequest
 
-__all__ = ["forces_call", "grammar_forces_calls", "request_constraint", "response_schema"]
+__all__ = [
+    "forces_call",
+    "grammar_forces_calls",
+    "request_constraint",
+    "response_schema",
+    "sampler_grammars",
+]
 
 
 def grammar_forces_calls(tokenizer: Any) -> bool:
@@ -71,13 +78,22 @@ def _checked(grammar_of, tokenizer: Any, param: str) -> str:
     return grammar
 
 
-def request_constraint(tokenizer: Any, req: ChatRequest) -> str | None:
+def sampler_grammars(sampler: Any) -> bool:
+    """Whether `sampler` decodes grammars (`Sampler.supports_constraints`)."""
+    return bool(getattr(sampler, "supports_constraints", False))
+
+
+def request_constraint(tokenizer: Any, req: ChatRequest, grammars: bool = True) -> str | None:
     """The llguidance grammar `req`'s answer must follow, or None (see the module
-    docstring). 400 naming the field for a schema the grammar cannot take."""
+    docstring). 400 naming the field for a schema the grammar cannot take.
+
+    grammars: whether the sampler decodes grammars (`sampler_grammars`). Without
+    them tool_choice keeps the forced tool-call opening (no guarantee that the
+    call parses, as before grammars) and a JSON output format is refused."""
     parallel = req.parallel_tool_calls is not False
     schema = response_schema(req.response_format)
     if forces_call(req):
-        if not grammar_forces_calls(tokenizer):
+        if not (grammars and grammar_forces_calls(tokenizer)):
             return None  # the forced prefix opens the call instead
         return _checked(
             lambda: tool_call_grammar(
@@ -88,6 +104,13 @@ def request_constraint(tokenizer: Any, req: ChatRequest) -> str | None:
         )
     if schema is None:
         return None
+    if not grammars:
+        raise bad_request(
+            "'response_format' needs grammar-constrained decoding, which this server's "
+            "sampler does not do (SGLang: its grammar backends' masks cannot be replayed by "
+            "the learner); drop response_format or serve with the embedded JaxSampler",
+            param="response_format",
+        )
     answer = _checked(lambda: json_schema_grammar(schema), tokenizer, "response_format")
     if not req.parse_tools:
         return answer

@@ -279,3 +279,46 @@ def test_recorded_logprobs_are_the_learners_masked_rescore(env, sampling):
     forced = np.flatnonzero(masks.sum(-1) == 1)
     assert len(forced) > 5 and all(comp["output_logprobs"][i] == 0.0 for i in forced)
     assert out[-1] == tok.eos_token_id and comp["finish_reason"] == "tool_calls"
+
+
+def test_a_sampler_without_grammars_keeps_the_forced_opening_and_refuses_json(tok, tmp_path):
+    """An endpoint over SGLang (its reproduction, `sglang_fake`): the SGLangSampler
+    decodes no grammars (`supports_constraints` False), so tool_choice required opens
+    the call in the prompt as before grammars (a 200, no grammar on the request),
+    and a JSON output format is a 400 naming it, on every API, before any sampling."""
+    from sglang_fake import FakeSGLang
+
+    from ac2_jax.sampling import SGLangSampler
+    from ac2_jax.serving.structured import sampler_grammars
+
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size, max_position_embeddings=512),
+                    rngs=nnx.Rngs(0))
+    fake = FakeSGLang(model, tok, context_len=512)
+    fake_url, stop_fake = serve_in_thread(fake.app)
+    sampler = SGLangSampler(fake_url, max_context=512, vocab_size=tok.vocab_size)
+    assert not sampler_grammars(sampler)
+    url, stop = serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0)
+        resp = client.chat.completions.create(model="tiny", messages=USER, tools=[ADD],
+                                              tool_choice="required", max_tokens=4)
+        assert resp.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        (body,) = [b for kind, b in fake.log if kind == "generate"]
+        opening = tok.tool_parser.opening
+        assert tok.decode(body["input_ids"]).endswith(opening)  # the forced opening
+        assert not any(k in body["sampling_params"] for k in ("json_schema", "ebnf", "regex"))
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": {"type": "object"}}})
+        assert e.value.body["param"] == "response_format"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="tiny", input="hi", max_output_tokens=4,
+                                    text={"format": {"type": "json_object"}})
+        assert e.value.body["param"] == "response_format"
+        assert len([k for k, _ in fake.log if k == "generate"]) == 1  # refused up front
+    finally:
+        stop()
+        stop_fake()
+        fake.close()

@@ -196,7 +196,16 @@ def unreplicate(tree):
 
 
 def split_rows(tree, n: int):
-    """[rows, ...] -> [n, rows // n, ...] for every leaf (rows must divide)."""
+    """[rows, ...] -> [n, rows // n, ...] for every leaf (rows must divide).
+
+    A PackedBatch with grammar masks is refused: its `constraint_masks` table is
+    not row-aligned (each device needs all of it); the train step (`TrainStep`,
+    jit over a mesh) places it whole."""
+    if getattr(tree, "constraint_masks", None) is not None:
+        raise ValueError(
+            "split_rows: this PackedBatch carries constraint_masks, a table every device "
+            "needs whole, not rows to split; train it with TrainStep (jit over a mesh)"
+        )
 
     def f(x):
         if x.shape[0] % n:

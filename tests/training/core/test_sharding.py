@@ -87,3 +87,17 @@ def test_replicate_split_and_merge_round_trip():
     np.testing.assert_array_equal(merge_rows(split)["x"], rows["x"])
     with pytest.raises(ValueError, match="do not split over 3 devices"):
         split_rows(rows, 3)
+
+
+def test_split_rows_refuses_a_batch_with_grammar_masks():
+    """The mask table is not rows: split over devices, each would read the wrong masks."""
+    import dataclasses
+
+    from ac2_jax.segments import Segment
+
+    seg = Segment(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], task="t")
+    batch = pack_segments([seg] * 4, seq_len=8)
+    assert split_rows(batch, 2).tokens.shape[0] == 2
+    masked = dataclasses.replace(batch, constraint_masks=np.ones((4, 1), np.uint32))
+    with pytest.raises(ValueError, match="constraint_masks"):
+        split_rows(masked, 2)
