@@ -215,18 +215,23 @@ def _with_constraints(seg: Segment, trace: Trace, ep, completions, masks_of) -> 
         if masks_of is None:
             raise ValueError(
                 f"segments_from_trace: {where} was sampled under a grammar (Completion."
-                "constraint) and trains; pass constraint_masks=(completion -> bool "
-                "[len(output_ids), V]) so the learner re-scores it under the same masks "
+                "constraint) and trains; pass constraint_masks=(completion -> bool [len("
+                "output_ids), V] or packed uint32 [len(output_ids), W]) so the learner "
+                "re-scores it under the same masks "
                 "(training.rl: batch_segments(tokenizer=...) replays them)"
             )
         masks = np.asarray(masks_of(c))
-        if masks.dtype != np.bool_ or masks.ndim != 2 or len(masks) != len(out):
+        if masks.dtype not in (np.bool_, np.uint32) or masks.ndim != 2 or len(masks) != len(out):
             raise ValueError(
                 f"segments_from_trace: constraint_masks gave {masks.dtype} {masks.shape} for "
-                f"{where}; want bool [{len(out)}, V] (one allowed set per output token)"
+                f"{where}; want bool [{len(out)}, V] or packed uint32 [{len(out)}, W] (one "
+                "allowed set per output token)"
             )
-        V = masks.shape[1]
-        ok = (out[trained] < V) & masks[trained, np.minimum(out[trained], V - 1)]
+        words = pack_mask_bits(masks) if masks.dtype == np.bool_ else masks
+        t = out[trained]
+        in_range = t < 32 * words.shape[1]
+        word = words[trained, np.minimum(t // 32, words.shape[1] - 1)]
+        ok = in_range & (((word >> (t % 32).astype(np.uint32)) & 1) == 1)
         bad = trained[~ok]
         if len(bad):
             i = int(bad[0])
@@ -235,7 +240,7 @@ def _with_constraints(seg: Segment, trace: Trace, ep, completions, masks_of) -> 
                 "in the allowed set its mask gives; the replayed masks are not the ones "
                 "it was sampled under (grammar, tokenizer or output_ids differ)"
             )
-        ids[lo + trained] = table.add(pack_mask_bits(masks[trained]), "segments_from_trace")
+        ids[lo + trained] = table.add(words[trained], "segments_from_trace")
     if not len(table):
         return seg
     return seg.with_constraints(ids, table.table())
@@ -247,8 +252,9 @@ def segments_from_trace(
     """Cuts a trace into segments, each with the log-probs the sampler recorded
     for its tokens as the feature `SAMPLER_LOGPROBS` (0 on context tokens).
 
-    constraint_masks: completion -> bool [len(output_ids), V], the allowed set at
-    each output token, for completions sampled under a grammar
+    constraint_masks: completion -> bool [len(output_ids), V] (or the same packed,
+    uint32 [len(output_ids), ceil(V / 32)]), the allowed set at each output
+    token, for completions sampled under a grammar
     (`Completion.constraint`; `training.rl` replays them with the sampler's
     tokenizer). A segment with such trained tokens carries their masks
     (`Segment.constraint_masks`, feature `CONSTRAINT_ID`). A constrained

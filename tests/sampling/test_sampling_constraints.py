@@ -269,6 +269,9 @@ def test_replay_masks_equal_the_masks_the_sampler_applied(sampler, tok, monkeypa
         got = np.unpackbits(np.stack(applied[id(m)]).view(np.uint8), axis=-1,
                             bitorder="little")[:, :V].astype(bool)
         np.testing.assert_array_equal(got, replay_masks(g, tok, r.output_ids, vocab_size=V))
+        packed = replay_masks(g, tok, r.output_ids, vocab_size=V, packed=True)
+        assert packed.dtype == np.uint32  # the sampler's own words, bit for bit
+        np.testing.assert_array_equal(packed, np.stack(applied[id(m)]))
     assert len(results[3].output_ids) == 20  # the free row ran its course beside them
 
 

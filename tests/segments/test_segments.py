@@ -102,6 +102,28 @@ def test_constrained_tokens_carry_their_masks(mode):
         assert free.constraint_masks is None and CONSTRAINT_ID not in free.features
 
 
+def test_packed_masks_give_the_segments_that_bool_masks_give():
+    """constraint_masks may hand over the sampler's packed bits (1/8 of the memory of
+    bool [n, V]; what training.rl replays): same ids and tables, and a token outside
+    its packed mask is refused alike."""
+    from ac2_jax.segments import pack_mask_bits
+
+    as_bool = segments_from_trace(_constrained_trace(), constraint_masks=_masks_of)
+    as_bits = segments_from_trace(_constrained_trace(),
+                                  constraint_masks=lambda c: pack_mask_bits(_masks_of(c)))
+    for a, b in zip(as_bool, as_bits, strict=True):
+        np.testing.assert_array_equal(a.features[CONSTRAINT_ID], b.features[CONSTRAINT_ID])
+        np.testing.assert_array_equal(a.constraint_masks, b.constraint_masks)
+
+    def off_by_one(c):
+        m = _masks_of(c)
+        m[0, c.output_ids[0]] = False
+        return pack_mask_bits(m)
+
+    with pytest.raises(ValueError, match="not in the allowed set"):
+        segments_from_trace(_constrained_trace(), constraint_masks=off_by_one)
+
+
 def test_untrained_constrained_tokens_get_no_mask():
     t = _constrained_trace()
     t.episodes[0].loss_mask[6:8] = [0, 0]  # e.g. an unchosen branch
@@ -114,7 +136,7 @@ def test_constrained_tokens_without_masks_or_with_wrong_ones_are_errors():
     t = _constrained_trace()
     with pytest.raises(ValueError, match="sampled under a grammar.*constraint_masks="):
         segments_from_trace(t)
-    with pytest.raises(ValueError, match=r"want bool \[2, V\]"):
+    with pytest.raises(ValueError, match=r"want bool \[2, V\] or packed"):
         segments_from_trace(t, constraint_masks=lambda c: np.ones((1, V), bool))
 
     def wrong(c):

@@ -123,3 +123,4 @@ def test_errors_say_what_is_wrong():
         own.with_constraints(np.array([0, 0, 2], np.int32), own.constraint_masks)
     with pytest.raises(ValueError, match="same vocabulary"):
         pack_segments([own, _seg([9, 1], "t1", [np.ones(V + 64, bool)])], seq_len=8)
+

@@ -91,17 +91,18 @@ def build_batch(
 
 
 def replayed_masks(tokenizer: Any, vocab_size: int | None = None) -> Callable[..., np.ndarray]:
-    """completion -> bool [len(output_ids), V]: the grammar masks a constrained
-    completion was sampled under, replayed with the sampler's tokenizer
-    (`sampling.constraints.replay_masks`; V = vocab_size, the model's, default the
-    tokenizer's). What `segments_from_trace(constraint_masks=)` takes."""
+    """completion -> packed uint32 [len(output_ids), ceil(V / 32)]: the grammar masks
+    a constrained completion was sampled under, replayed with the sampler's tokenizer
+    (`sampling.constraints.replay_masks(packed=True)`: the bits, never a bool
+    [n, V] array; V = vocab_size, the model's, default the tokenizer's). What
+    `segments_from_trace(constraint_masks=)` takes."""
     from ac2_jax.sampling.constraints import replay_masks
 
     def masks(c: Completion) -> np.ndarray:
         grammar = getattr(c, "constraint", None)
         if grammar is None:
             raise ValueError("replayed_masks: the completion has no constraint (grammar)")
-        return np.asarray(replay_masks(grammar, tokenizer, c.output_ids, vocab_size=vocab_size))
+        return replay_masks(grammar, tokenizer, c.output_ids, vocab_size=vocab_size, packed=True)
 
     return masks
 
