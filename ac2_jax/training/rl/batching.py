@@ -216,6 +216,12 @@ def batch_segments(
     )
     for s in segments:
         stats.trained_tokens[s.agent] += s.num_agent_tokens
+        if s.constraint_masks is not None:
+            ids = s.features[CONSTRAINT_ID]
+            stats.constrained_tokens += int(((ids > 0) & (s.loss_mask > 0)).sum())
+    tables = [s.constraint_masks for s in segments if s.constraint_masks is not None]
+    if tables:
+        stats.grammar_masks = len({row.tobytes() for t in tables for row in np.asarray(t)})
     return segments, stats, adv
 
 

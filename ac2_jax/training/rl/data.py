@@ -182,6 +182,10 @@ class BatchStats:
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    # Trained tokens sampled under a grammar (re-scored under their replayed masks),
+    # and the distinct masks among them (the rows of the batch's mask table).
+    constrained_tokens: int = 0
+    grammar_masks: int = 0
     # Agent tokens in the batch per agent label (after exclusions and cuts; 0 for a
     # label of the kept traces that put none in): `rl.metrics.batch_metrics` logs them.
     trained_tokens: dict[str, int] = dataclasses.field(default_factory=dict)

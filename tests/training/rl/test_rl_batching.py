@@ -376,7 +376,7 @@ def test_constrained_completions_train_under_their_replayed_masks(tok, layout):
     (t0, grammar, n_p, out0), (t1, _, _, out1) = (_tool_trace(tok, "a", 0, 1.0),
                                                   _tool_trace(tok, "a", 1, 0.0))
     config = BatchConfig(seq_len=64, rows=2, layout=layout, mask_capacity=64)
-    batch, _, _ = build_batch([t0, t1], 0, config, tokenizer=tok, vocab_size=MODEL_V)
+    batch, stats, _ = build_batch([t0, t1], 0, config, tokenizer=tok, vocab_size=MODEL_V)
     table = unpack_mask_bits(batch.constraint_masks, MODEL_V)
     assert batch.constraint_masks.shape == (64, 25)  # ceil(800 / 32) words
     want = {}
@@ -398,6 +398,9 @@ def test_constrained_completions_train_under_their_replayed_masks(tok, layout):
             counted += batch.loss_mask[r, p]  # a merged tree node counts its paths
     assert counted == len(out0) + len(out1)
     assert len(np.unique(ids[ids > 0])) < len(out0) + len(out1)  # equal masks stored once
+    # Counted in the step's metrics: the constrained trained tokens and distinct masks.
+    assert stats.constrained_tokens == len(out0) + len(out1)
+    assert stats.grammar_masks == len(np.unique(ids[ids > 0]))
 
 
 def _context(batch, r, p):
