@@ -332,10 +332,34 @@ def main_process(args) -> dict:
     return res
 
 
+def main_fleet(args) -> dict:
+    """--mode=fleet: `clients` (one count) client processes x `turns` against the endpoint
+    over a fleet while weights are published (benchmarks/endpoint_fleet_load.py)."""
+    from benchmarks.common import machine
+    from benchmarks.endpoint_fleet_load import run as fleet_run
+
+    clients = max(int(c) for c in args.clients.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench_endpoint_fleet_") as tmp:
+        res = fleet_run(tmp, clients=clients, turns=args.turns, backends=args.backends,
+                        max_tokens=args.max_tokens, max_context=args.max_context,
+                        publish_every_s=args.publish_every_s)
+    res["load_average"] = os.getloadavg()
+    print_table([res], ["clients", "client_processes", "turns", "backends", "requests", "wall_s",
+                        "req_per_s", "latency_p50_ms", "latency_p99_ms", "lost", "missing",
+                        "cross_wired", "weight_loads_ok"])
+    write_json(args.out, {"benchmark": "endpoint_fleet", "config": vars(args),
+                          "machine": machine(), **res})
+    return res
+
+
 def main(argv=None):
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["thread", "process"], default="thread",
-                   help="thread: server in this process vs direct sampler; process: see above")
+    p.add_argument("--mode", choices=["thread", "process", "fleet"], default="thread",
+                   help="thread: server in this process vs direct sampler; process: see above; "
+                   "fleet: benchmarks/endpoint_fleet_load.py (client processes, a fleet, "
+                   "weights published meanwhile)")
+    p.add_argument("--backends", type=int, default=2, help="(fleet) sampler backends")
+    p.add_argument("--publish_every_s", type=float, default=5.0, help="(fleet)")
     p.add_argument("--turns", type=int, default=8, help="(process) turns per rollout")
     p.add_argument("--rollouts_per_client", type=int, default=2, help="(process)")
     p.add_argument("--max_context", type=int, default=512, help="(process) server context")
@@ -356,6 +380,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.mode == "process":
         return main_process(args)
+    if args.mode == "fleet":
+        return main_fleet(args)
     max_batch = max(int(c) for c in args.clients.split(","))
     with tempfile.TemporaryDirectory(prefix="bench_endpoint_") as tmp:
         tok, sampler, prompt_ids, params, seed = build(args.max_tokens, max_batch, tmp)

@@ -159,7 +159,7 @@ async def run_load(url: str, admin_key: str, *, rollouts: int, turns: int, concu
 
     if rss_pid is not None:
         await sample_rss()
-    t0 = time.perf_counter()
+    t0, t_start = time.perf_counter(), time.time()
     try:
         await asyncio.gather(*(one(i) for i in range(rollouts)))
     finally:
@@ -170,6 +170,7 @@ async def run_load(url: str, admin_key: str, *, rollouts: int, turns: int, concu
     lat = sorted(x for r in results for x in r["latency_s"])
     return {"run_id": run_id, "url": url, "rollouts": rollouts, "turns": turns,
             "concurrency": concurrency, "max_tokens": max_tokens, "wall_s": wall,
+            "t_start": t_start, "t_end": t_start + wall,
             "requests": done, "req_per_s": done / wall,
             "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
             "finished": sum(r["status"] == "finished" for r in results),
@@ -341,7 +342,11 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("--progress", default=None,
                    help="append one JSON line per ended rollout here (flushed)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--start_at", type=float, default=None,
+                   help="wall-clock time (time.time()) to start at: client processes together")
     a = p.parse_args(argv)
+    if a.start_at is not None:
+        time.sleep(max(0.0, a.start_at - time.time()))
     progress = open(a.progress, "a") if a.progress else None
 
     def on_done(res):

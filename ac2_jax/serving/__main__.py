@@ -1,6 +1,8 @@
 """`python -m ac2_jax.serving --model=tiny --port=8000 --admin_key=...`
 
-Serves the OpenAI-compatible endpoint and the rollout lifecycle API.
+Serves the OpenAI-compatible endpoint and the rollout lifecycle API. With
+--publish_dir holding finalized steps it serves the newest one from the start
+(a restarted endpoint does not fall back to the launch weights).
 """
 
 import secrets
@@ -8,6 +10,7 @@ import secrets
 import uvicorn
 from absl import app, flags, logging
 
+from ac2_jax.sampling.base import SamplerError
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import load_policy
 
@@ -63,6 +66,15 @@ def main(argv):
         backends=FLAGS.backends,
         backend_timeout_s=FLAGS.backend_timeout_s,
     )
+    if FLAGS.publish_dir:
+        from ac2_jax.models.params_io import latest_published
+
+        step = latest_published(FLAGS.publish_dir)
+        if step is not None:  # a restart serves the newest publish, not the launch weights
+            try:
+                logging.info("serving step %d of %s", sampler.load_weights(step), FLAGS.publish_dir)
+            except SamplerError as e:  # e.g. every fleet backend down: the learner's next tell
+                logging.warning("serving the launch weights: step %d not loaded (%s)", step, e)
     admin_key = FLAGS.admin_key or "sk-admin-" + secrets.token_urlsafe(16)
     if not FLAGS.admin_key:
         logging.warning("no --admin_key given; using %s", admin_key)

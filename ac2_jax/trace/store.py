@@ -43,17 +43,38 @@ class TraceStore:
         )
         with self._lock:
             # A previous writer may have died mid-line; never glue onto it.
+            size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
             needs_newline = False
-            if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            if size > 0:
                 with open(self.path, "rb") as f:
                     f.seek(-1, os.SEEK_END)
                     needs_newline = f.read(1) != b"\n"
-            with open(self.path, "a", encoding="utf-8") as f:
-                if needs_newline:
-                    f.write("\n")
-                f.write(line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    if needs_newline:
+                        f.write("\n")
+                    f.write(line + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise self._write_failed(e, size) from e
+
+    def _write_failed(self, e: OSError, size: int) -> OSError:
+        """A failed append (a full disk: ENOSPC, EDQUOT; EIO): cuts the file back to
+        `size`, so no torn line follows the traces already stored, and says so."""
+        try:
+            os.truncate(self.path, size)
+            kept = f"cut back to its {size} bytes before this write (every trace stored is intact)"
+        except OSError as e2:  # e.g. the disk went away altogether
+            kept = (
+                f"could not be cut back to {size} bytes ({e2}); a reader skips the torn last line"
+            )
+        return OSError(
+            e.errno,
+            f"TraceStore: could not append a trace to {self.path} ({e.strerror or e}); "
+            f"the file is {kept}. Free space on its disk (or raise the quota) and "
+            "start the writer again (a collector runs the attempts not stored again)",
+        )
 
     def extend(self, traces) -> None:
         for t in traces:

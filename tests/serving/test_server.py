@@ -96,3 +96,43 @@ def test_command_line_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_restarted_server_serves_the_newest_publish(tmp_path):
+    """`python -m ac2_jax.serving --publish_dir=D` started (or restarted) where D holds
+    finalized steps serves the newest one, not the launch weights as version 0 (issue 42's
+    fault harness: an endpoint restarted after the learner's last publish served version 0
+    for good; a collector is still paced by the learner, which tells it learner_step)."""
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
+    from ac2_jax.models.params_io import publish_weights
+
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    publish = str(tmp_path / "published")
+    for step in (2, 4):
+        publish_weights(Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size),
+                                rngs=nnx.Rngs(step)), publish, step)
+    os.makedirs(os.path.join(publish, "5.orbax-checkpoint-tmp-1"))  # a publish cut short
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ac2_jax.serving", "--model=tiny", f"--port={port}",
+         "--admin_key=sk-cli", f"--publish_dir={publish}", "--max_context=128"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                              headers={"Authorization": "Bearer sk-cli"})
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        entry = r.json()["data"][0]
+        assert entry["policy_version"] == 4 and entry["learner_step"] is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -102,3 +102,34 @@ def test_bad_on_error_value_is_refused_at_the_call(tmp_path):
     for method in (store.read, store.load, store.iter_traces):
         with pytest.raises(ValueError, match="on_error"):
             method(on_error="ignore")
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_every_stored_trace_readable(tmp_path,
+                                                                          monkeypatch):
+    """ENOSPC mid-append (issue 42's fault harness: a quota on the store's disk cuts the
+    write where the disk fills): the error names the store and the fix, the file is cut
+    back to the traces stored before, so a strict read still holds every one of them
+    and nothing torn; once there is room again appends go on."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fault_harness import quota_open
+
+    from ac2_jax.trace import store as store_mod
+
+    path = tmp_path / "rollouts.jsonl"
+    store = TraceStore(path)
+    store.extend([_trace(0), _trace(1)])
+    before = path.read_bytes()
+    monkeypatch.setattr(store_mod, "open", quota_open(str(path), len(before) + 40),
+                        raising=False)
+    with pytest.raises(OSError, match=r"TraceStore: could not append .*rollouts.jsonl.*No "
+                                      r"space left on device.*Free space") as e:
+        store.append(_trace(2))
+    assert e.value.errno == 28  # errno.ENOSPC kept for callers
+    assert path.read_bytes() == before  # nothing lost, no torn line
+    assert [t.task_id for t in store.read(on_error="raise")] == ["task0", "task1"]
+    monkeypatch.setattr(store_mod, "open", open, raising=False)  # room again
+    store.append(_trace(2))
+    assert [t.task_id for t in store.read(on_error="raise")] == ["task0", "task1", "task2"]

@@ -33,7 +33,12 @@ of the step is in the store and records their count, so the learner never
 trains a partial step and notices a lost line. A restarted collector resumes
 at the first step without a marker, reusing the attempts already stored for
 it (EndpointCollector); a restarted learner resumes from its Orbax checkpoint
-(RLTrainer), republishes and tells the endpoint.
+(RLTrainer), republishes and tells the endpoint. A restarted endpoint knows no
+learner_step: the learner tells it again as soon as it reports another one than
+the last told (`run_learner`), or the collector, paced on it, and the learner,
+waiting for the collector's next step, would wait for each other for good; an
+endpoint that is down when told is told once it is back, without stopping the
+learner. (tests/training/rl/test_faults.py injects these faults and more.)
 
 Dynamic sampling (refills) needs the learner to ask the collector for more
 tasks mid-step; the split driver does not offer it (RLTrainer refuses it).
@@ -42,6 +47,7 @@ tasks mid-step; the split driver does not offer it (RLTrainer refuses it).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -337,6 +343,59 @@ def tell_endpoint(lifecycle: LifecycleClient) -> Callable[[int, int], Awaitable[
     return tell
 
 
+class _ToldEndpoint:
+    """The learner's `on_progress`, remembered: `keep` tells the endpoint again
+    whenever it reports another learner_step than the last one told (a restarted
+    endpoint knows none: the collector, paced on it, would wait for good while
+    the learner waits for the collector's next step), and an endpoint that is
+    down when told is told once it is back, instead of stopping the learner.
+    Tells run one at a time, so a late one never rolls a newer one back."""
+
+    def __init__(self, tell: Callable[[int, int], Any], lifecycle: LifecycleClient):
+        self.tell, self.lifecycle = tell, lifecycle
+        self.last: tuple[int, int] | None = None
+        self.lock = asyncio.Lock()
+        self.retold = 0  # times the endpoint had to be told again
+
+    async def __call__(self, steps_done: int, version: int) -> None:
+        async with self.lock:
+            self.last = (steps_done, version)
+            await self._send()
+
+    async def _send(self) -> None:
+        assert self.last is not None
+        try:
+            out = self.tell(*self.last)
+            if inspect.isawaitable(out):
+                await out
+        except (httpx.TransportError, LifecycleError) as e:
+            if isinstance(e, LifecycleError) and (e.status_code or 500) < 500:
+                raise  # a 4xx (a bad key, a step not published) is ours: stop
+            logging.warning(
+                "learner: could not tell the endpoint (steps_done, version) = %s (%s); "
+                "telling it again once it answers",
+                self.last,
+                e,
+            )
+
+    async def keep(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            async with self.lock:
+                if self.last is None:
+                    continue
+                entry = await _models(self.lifecycle)
+                if entry is not None and entry.get("learner_step") != self.last[0]:
+                    self.retold += 1
+                    logging.warning(
+                        "learner: the endpoint reports learner_step=%s, not %d (restarted?); "
+                        "telling it again",
+                        entry.get("learner_step"),
+                        self.last[0],
+                    )
+                    await self._send()
+
+
 async def run_learner(
     trainer,
     lifecycle: LifecycleClient,
@@ -360,7 +419,14 @@ async def run_learner(
     if trainer.start_step == 0:
         await asyncio.to_thread(trainer.publish)
     log(f"learner: start_step={trainer.start_step} version={trainer.version}")
-    history = await trainer.run()
+    told = _ToldEndpoint(trainer.on_progress, lifecycle)
+    trainer.on_progress = told
+    keeper = asyncio.ensure_future(told.keep(poll_s * 5))
+    try:
+        history = await trainer.run()
+    finally:
+        keeper.cancel()
+        trainer.on_progress = told.tell
     for m in history:
         log(
             f"trained rl_step={m['rl_step']} version={m['policy_version']} traces={m['traces']:.0f}"
