@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Field,
     PlainValidator,
@@ -31,7 +32,7 @@ from pydantic import (
     field_validator,
 )
 
-from ac2_jax.sampling.base import INT32_MAX, MAX_STOP, TEMPERATURE_RANGE
+from ac2_jax.sampling.base import INT32_MAX, MAX_STOP
 from ac2_jax.serving.messages_blocks import (
     TOOL_NAME,
     AssistantMessage,
@@ -53,7 +54,13 @@ from ac2_jax.serving.schemas import (
     SEED_RANGE,
     UNSUPPORTED,
     StopText,
+    greedy_or_sampling,
 )
+
+# Anthropic's temperature range is [0, 1] (0 greedy).
+AnthropicTemperature = Annotated[
+    float | None, Field(ge=0, le=1, allow_inf_nan=False), AfterValidator(greedy_or_sampling)
+]
 
 # ------------------------------------------------------------------------------ tools
 
@@ -238,7 +245,7 @@ class CreateBody(PromptBody):
 
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     stop_sequences: Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    temperature: AnthropicTemperature = None
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     metadata: Metadata | None = None
@@ -247,10 +254,3 @@ class CreateBody(PromptBody):
     # Extensions: the agent label (the X-Agent header wins) and a sampling seed.
     agent: str | None = Field(None, min_length=1, max_length=MAX_AGENT_LEN)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_in_range(cls, value: float | None) -> float | None:
-        if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
-            raise _error("invalid_value", f"must be 0 (greedy) or at least {TEMPERATURE_RANGE[0]}")
-        return value

@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ac2_jax.sampling.base import INT32_MAX, TEMPERATURE_RANGE
+from ac2_jax.sampling.base import INT32_MAX
 from ac2_jax.serving.schemas import (
     MAX_AGENT_LEN,
     MAX_TOOLS,
@@ -39,6 +39,7 @@ from ac2_jax.serving.schemas import (
     SEED_RANGE,
     UNSUPPORTED,
     Metadata,
+    Temperature,
     Unimplemented,
     shaped,
 )
@@ -304,7 +305,7 @@ class ResponsesBody(_Strict):
     ) = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    temperature: Temperature = None
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: (
@@ -354,13 +355,6 @@ class ResponsesBody(_Strict):
     prompt: Unimplemented = None
     prompt_cache_retention: Unimplemented = None
     context_management: Unimplemented = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_in_range(cls, value: float | None) -> float | None:
-        if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
-            raise _error("invalid_value", f"must be 0 (greedy) or at least {TEMPERATURE_RANGE[0]}")
-        return value
 
     @field_validator("stream_options")
     @classmethod

@@ -109,6 +109,19 @@ def validate(model_cls: type[M], body: Any) -> M:
 # ------------------------------------------------------------------------------ field kinds
 
 
+def greedy_or_sampling(value: float | None) -> float | None:
+    """A temperature is 0 (greedy) or at least the sampler's smallest (TEMPERATURE_RANGE)."""
+    if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
+        raise _error("invalid_value", f"must be 0 (greedy) or at least {TEMPERATURE_RANGE[0]}")
+    return value
+
+
+# An OpenAI request's temperature: null, 0 (greedy) or [TEMPERATURE_RANGE[0], 2].
+Temperature = Annotated[
+    float | None, Field(ge=0, le=2, allow_inf_nan=False), AfterValidator(greedy_or_sampling)
+]
+
+
 def whole(expected: str) -> WrapValidator:
     """Any error inside the value is one error at the field: "`expected`"."""
 
@@ -344,7 +357,7 @@ class SamplingBody(BaseModel):
     model: str = Field(min_length=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    temperature: Temperature = None
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     stop: Stop = None
@@ -371,13 +384,6 @@ class SamplingBody(BaseModel):
     web_search_options: Unimplemented = None
     min_p: Unimplemented = None
     repetition_penalty: Unimplemented = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_in_range(cls, value: float | None) -> float | None:
-        if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
-            raise _error("invalid_value", f"must be 0 (greedy) or at least {TEMPERATURE_RANGE[0]}")
-        return value
 
     @field_validator("stream_options")
     @classmethod
