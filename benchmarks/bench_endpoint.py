@@ -345,8 +345,8 @@ def main_fleet(args) -> dict:
                         publish_every_s=args.publish_every_s)
     res["load_average"] = os.getloadavg()
     print_table([res], ["clients", "client_processes", "turns", "backends", "requests", "wall_s",
-                        "req_per_s", "latency_p50_ms", "latency_p99_ms", "lost", "missing",
-                        "cross_wired", "weight_loads_ok"])
+                        "req_per_s", "latency_p50_ms", "latency_p99_ms", "start_spread_s",
+                        "lost", "missing", "cross_wired", "weight_loads_ok"])
     write_json(args.out, {"benchmark": "endpoint_fleet", "config": vars(args),
                           "machine": machine(), **res})
     return res

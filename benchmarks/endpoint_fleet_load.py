@@ -95,7 +95,7 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
         url = server.start(300)
         tok = build_tiny_tokenizer(os.path.join(tmp, "tok"))  # the server's: same corpus
         if warmup:  # unmeasured: every backend compiles its shapes for this traffic
-            _clients(url, tmp, "warm", clients, turns, max_tokens, time.time() + 3 + clients / 8)
+            _clients(url, tmp, "warm", clients, turns, max_tokens, _start_at(clients))
         stop = os.path.join(tmp, "stop_publisher")
         loads_out = os.path.join(tmp, "loads.json")
         penv = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
@@ -111,8 +111,7 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
                 with open(os.path.join(tmp, "publisher.log")) as f:
                     raise RuntimeError(f"publisher exited: {f.read()[-2000:]}")
             time.sleep(0.2)
-        reports = _clients(url, tmp, "load", clients, turns, max_tokens,
-                           time.time() + 3 + clients / 8)
+        reports = _clients(url, tmp, "load", clients, turns, max_tokens, _start_at(clients))
         open(stop, "w").close()
         pub.wait(timeout=600)
         status = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {ADMIN}"},
@@ -140,12 +139,19 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
     return {"clients": clients, "client_processes": len(reports), "turns": turns,
             "backends": backends, "max_tokens": max_tokens,
             "requests": len(lat), "wall_s": t1 - t0, "req_per_s": len(lat) / (t1 - t0),
+            "start_spread_s": max(r["t_start"] for r in reports) - t0,
             "latency_p50_ms": 1e3 * _pct(lat, 50), "latency_p99_ms": 1e3 * _pct(lat, 99),
             "lost": lost, "missing": missing, "duplicates": dup, "cross_wired": len(cross),
             "cross_wired_examples": cross[:3],
             "weight_loads": len(loads), "weight_loads_ok": sum(x["status"] == 200 for x in loads),
             "load_s_p50": _pct([x["load_s"] for x in loads], 50),
             "versions_sampled": versions, "fleet": status.get("sampler_stats")}
+
+
+def _start_at(clients: int) -> float:
+    """When the client processes start: after each has imported its modules (~1 CPU
+    second each, on 2 cores), so the load begins at once rather than in a trickle."""
+    return time.time() + 3 + 0.75 * clients
 
 
 def _clients(url: str, tmp: str, tag: str, n: int, turns: int, max_tokens: int,

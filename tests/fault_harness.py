@@ -18,7 +18,8 @@ faults and when they strike:
                                    error, the store holding every byte written before;
                                    then started again without the quota
 
-`check` then reads what the run left and returns every invariant's verdict
+`check` (tests/fault_invariants.py; processes and the quota shim are in
+tests/fault_procs.py) then reads what the run left and returns every invariant's verdict
 (`violations` lists the broken ones): each rollout the collector started was
 trained once or skipped with a reason; no trace stored twice; the learner's
 steps contiguous across restarts; its final weights equal a fault-free learner
@@ -31,86 +32,27 @@ soak many more (benchmarks/fault_soak.py).
 
 from __future__ import annotations
 
-import builtins
-import collections
 import dataclasses
-import errno
 import json
 import os
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 from typing import Any
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_invariants  # noqa: E402
+from fault_procs import ROOT, Role, _reads_strictly, free_port, prefix_bytes, quota_open  # noqa: E402, F401
+
 WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 ADMIN = "sk-admin-faults"
 CONFIG = "experiments/configs/rl_split.py:toy"
 KINDS = ("kill_learner", "kill_collector", "pause_learner", "pause_collector",
          "restart_endpoint", "hang_backend", "disk_full")
-
-
-# ------------------------------------------------------------------ a full disk
-
-def prefix_bytes(prefix: str) -> int:
-    """Bytes of the files whose path starts with `prefix` (the store and its markers)."""
-    d, stem = os.path.split(prefix)
-    total = 0
-    for root, _, files in os.walk(d):
-        for n in files:
-            p = os.path.join(root, n)
-            if p.startswith(prefix):
-                try:
-                    total += os.path.getsize(p)
-                except OSError:
-                    pass
-    return total
-
-
-class _QuotaFile:
-    def __init__(self, f, name: str, prefix: str, quota: int):
-        self._f, self._name, self._prefix, self._quota = f, name, prefix, quota
-
-    def write(self, s):
-        self._f.flush()
-        data = s.encode() if isinstance(s, str) else s
-        room = self._quota - prefix_bytes(self._prefix)
-        if len(data) <= room:
-            return self._f.write(s)
-        if room > 0:  # the disk takes what fits, as a real one does
-            cut = data[:room]
-            self._f.write(cut.decode(errors="ignore") if isinstance(s, str) else cut)
-            self._f.flush()
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._name)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
-def quota_open(prefix: str, quota: int):
-    """An `open` whose writes to files under path `prefix` fail with ENOSPC once
-    those files would hold more than `quota` bytes (tests only)."""
-    prefix = os.path.abspath(prefix)
-
-    def opener(file, mode="r", *args, **kw):
-        f = builtins.open(file, mode, *args, **kw)
-        if any(c in mode for c in "wax+") and os.path.abspath(os.fspath(file)).startswith(prefix):
-            return _QuotaFile(f, os.fspath(file), prefix, quota)
-        return f
-
-    return opener
 
 
 # ------------------------------------------------------------------ the plan
@@ -127,89 +69,21 @@ class Fault:
 def plan(seed: int, n: int, mean_gap_s: float = 4.0, kinds=KINDS,
          collector_first: bool = False) -> list[Fault]:
     """n faults, every kind at least once when n >= len(kinds), order and times by seed.
-    collector_first: the collector's faults before the others (it exits once the last
-    step is marked, well before the learner: a short run would skip them)."""
+    collector_first: the collector's faults first (it exits once the last step is
+    marked, well before the learner: a short run would skip them), then the learner's,
+    then the endpoint's and the backends' (up all along)."""
     rng = random.Random(seed)
     ks = [kinds[i % len(kinds)] for i in range(n)]
     rng.shuffle(ks)
-    if collector_first:
-        ks.sort(key=lambda k: k not in ("kill_collector", "pause_collector", "disk_full"))
+    if collector_first:  # then the learner's, then the endpoint's and backends' (always up)
+        ks.sort(key=lambda k: (k not in ("kill_collector", "pause_collector", "disk_full"))
+                + (k in ("restart_endpoint", "hang_backend")))
     out = []
     for k in ks:
         hold = rng.uniform(0.5, 3.0) if k.startswith("pause") else rng.uniform(5.0, 8.0)
         out.append(Fault(k, rng.uniform(0.5, 2 * mean_gap_s), hold if k.startswith(
             ("pause", "hang")) else 0.0, rng.randrange(1 << 16)))
     return out
-
-
-def _reads_strictly(path: str) -> bool:
-    """The store reads with strict errors (no torn line) past the lines a kill tore."""
-    from ac2_jax.trace.store import _parse_line
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    if not lines:
-        return True
-    try:
-        _parse_line(lines[-1])
-        return True
-    except Exception:  # noqa: BLE001 - a torn last line
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------------ processes
-
-class Role:
-    """One process of the job, started again as often as needed (each run logged)."""
-
-    def __init__(self, name: str, argv: list[str], logdir: str):
-        self.name, self.argv, self.logdir = name, argv, logdir
-        self.proc: subprocess.Popen | None = None
-        self.runs: list[dict[str, Any]] = []  # pid, log, why it ended
-
-    def start(self, extra_env: dict[str, str] | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(extra_env or {}))
-        log = os.path.join(self.logdir, f"{self.name}.{len(self.runs)}.log")
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=f,
-                                         stderr=subprocess.STDOUT)
-        self.runs.append({"pid": self.proc.pid, "log": log, "end": None, "rc": None})
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def done(self) -> bool:  # finished its work
-        return self.proc is not None and self.proc.poll() == 0
-
-    def signal(self, sig: int) -> None:
-        if self.alive:
-            self.proc.send_signal(sig)
-
-    def kill(self, why: str) -> None:
-        if self.alive:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=60)
-            self.runs[-1].update(end=why, rc=self.proc.returncode)
-
-    def reap(self) -> int | None:
-        """The exit code once it exited on its own (recorded), else None."""
-        if self.proc is None or self.proc.poll() is None or self.runs[-1]["end"]:
-            return None
-        rc = self.proc.returncode
-        self.runs[-1].update(end="exited", rc=rc)
-        return rc
-
-    def log(self, i: int = -1) -> str:
-        with open(self.runs[i]["log"], errors="replace") as f:
-            return f.read()
 
 
 class FaultJob:
@@ -347,7 +221,10 @@ class FaultJob:
             time.sleep(f.hold_s)
             target.signal(signal.SIGCONT)
         elif f.kind == "restart_endpoint":
-            self.restarted_after_learner |= self.learner.done
+            # After the learner's last tell (it may still be exiting) nobody tells the new
+            # endpoint its learner_step: nothing is paced on it any more.
+            self.restarted_after_learner |= self.learner.done or any(
+                p["learner_step"] == self.steps for p in self.served)
             self.endpoint.kill(f.kind)
             self.sleep(self.rng.uniform(0.0, 0.5))
             self.endpoint.start()
@@ -449,117 +326,12 @@ class FaultJob:
             r.kill("stopped")
         self.admin.close()
 
-    # -- invariants
-
     def replay(self) -> dict[str, Any]:
-        out = os.path.join(self.w, "replay.json")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-        p = subprocess.run([sys.executable, WORKER, "replay", self.w, out], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
-        if p.returncode != 0:
-            return {"error": (p.stdout + p.stderr)[-3000:]}
-        return json.load(open(out))
+        return fault_invariants.replay(self)
 
     def check(self, final: dict[str, Any] | None = None) -> dict[str, Any]:
-        import warnings
-
-        from ac2_jax.trace import TraceStore
-        from ac2_jax.training.rl.split import StepMarkers
-        v: list[str] = []
-        store = TraceStore(self.store_path)
-        with warnings.catch_warnings(record=True) as torn:
-            warnings.simplefilter("always")
-            traces = store.read(on_error="skip")
-        markers = StepMarkers.of(store)
-        if markers.steps() != list(range(self.steps)):
-            v.append(f"marked steps {markers.steps()} != 0..{self.steps - 1}")
-        # No trace stored twice: one line per (step, task, attempt), one per endpoint rollout.
-        keys = collections.Counter((t.metadata.get("rl_step"), t.task_id, t.metadata.get("attempt"))
-                                   for t in traces)
-        twice = {k: n for k, n in keys.items() if n > 1}
-        rids = collections.Counter(t.metadata.get("rollout_id") for t in traces
-                                   if t.metadata.get("rollout_id"))
-        if twice or any(n > 1 for n in rids.values()):
-            v.append(f"stored twice: {list(twice)[:5]} {[r for r, n in rids.items() if n > 1][:5]}")
-        final_by_key = {(t.metadata.get("rl_step"), t.task_id, t.metadata.get("attempt")): t
-                        for t in traces}
-        for s in range(self.steps):
-            m = markers.read(s) or {}
-            have = sum(1 for k in final_by_key if k[0] == s)
-            if m.get("traces") != have:
-                v.append(f"rl_step {s}: marker says {m.get('traces')} traces, store holds {have}")
-        # Every rollout the collector started: trained once, or skipped with a reason.
-        died = {r["pid"] for r in self.collector.runs if r["end"] not in (None, "exited")
-                or r["rc"] not in (0, None)}
-        journal = [json.loads(x) for x in open(self.journal)] if os.path.exists(
-            self.journal) else []
-        ends = {j["rollout_id"]: j["status"] for j in journal if j["event"] == "end"
-                and j.get("rollout_id")}
-        fate: collections.Counter = collections.Counter()
-        for j in (j for j in journal if j["event"] == "start"):
-            t = final_by_key.get((j["rl_step"], j["task"], j["attempt"]))
-            if t is not None and t.metadata.get("rollout_id") == j["rollout_id"]:
-                fate["trained" if t.status != "infra_error" else "skipped: infra_error"] += 1
-            elif ends.get(j["rollout_id"]) == "infra_error":
-                fate["skipped: infra_error, retried"] += 1
-            elif j["pid"] in died:
-                fate["skipped: collector died before storing it"] += 1
-            else:
-                fate["VIOLATION: started, never stored, not accounted"] += 1
-                v.append(f"rollout {j['rollout_id']} (rl_step {j['rl_step']}, {j['task']} "
-                         f"attempt {j['attempt']}) started by a live collector, never stored")
-        started = {j["rollout_id"] for j in journal if j["event"] == "start"}
-        unknown = [k for k, t in final_by_key.items()
-                   if t.status != "infra_error" and t.metadata.get("rollout_id") not in started]
-        if unknown:
-            v.append(f"stored traces of no journaled rollout: {unknown[:5]}")
-        # The learner's steps: contiguous across restarts (a resume repeats at most the
-        # step whose checkpoint the kill interrupted), all of them trained.
-        metrics = [json.loads(x) for x in open(os.path.join(self.rl, "metrics", "metrics.jsonl"))]
-        seq = [int(m["train/rl_step"]) for m in metrics]
-        if not seq or seq[0] != 0 or seq[-1] != self.steps - 1 or any(
-                b - a not in (0, 1) for a, b in zip(seq, seq[1:], strict=False)):
-            v.append(f"learner steps not contiguous: {seq}")
-        last = {int(m["train/rl_step"]): m for m in metrics}
-        for s, m in last.items():
-            mk = markers.read(s) or {}
-            if m["train/traces"] != mk.get("traces"):
-                v.append(f"rl_step {s}: trained {m['train/traces']} traces of {mk.get('traces')}")
-        # Served: only ever a finalized publish; at the end the newest, on every backend.
-        bad = [p for p in self.served if p["version"] not in self.finalized_ever | {0}]
-        if bad:
-            v.append(f"served versions never finalized: {bad[:3]}")
-        final = final or {}
-        latest = max(self._finalized(), default=None)
-        told = final.get("learner_step")
-        if final.get("policy_version") != latest or not (
-                told == self.steps or (told is None and self.restarted_after_learner)):
-            v.append(f"endpoint ends on {final}, latest publish {latest}")
-        for b in (final.get("sampler_stats") or {}).get("backends", []):
-            if not b["up"] or b["policy_version"] != latest:
-                v.append(f"backend {b['name']} ends up={b['up']} at {b['policy_version']}")
-        partial = [n for n in os.listdir(self.published) if not n.isdigit()]
-        rep = self.replay()
-        if rep.get("max_abs_diff") != 0.0:
-            v.append(f"final weights differ from the fault-free replay: {rep}")
-        for d in self.disk_full:
-            if d["outcome"] == "ENOSPC" and not (d["clear_error"] and d["store_error"]
-                                                 and d["kept_prefix"] and d["no_torn_line"]):
-                v.append(f"full disk: {d}")
-        if self.unexpected:
-            v.append(f"unexpected exits: {[(u['role'], u['rc']) for u in self.unexpected]}")
-        kinds = collections.Counter(f"{f.kind}: {f.outcome}" for f in self.faults)
-        return {"seed": self.seed, "steps": self.steps, "violations": v,
-                "faults": dict(kinds), "rollouts": dict(fate),
-                "traces": len(traces), "torn_lines_skipped": len(torn),
-                "stored_infra_errors": sum(t.status == "infra_error"
-                                           for t in final_by_key.values()),
-                "learner_runs": len(self.learner.runs), "collector_runs": len(self.collector.runs),
-                "learner_steps_logged": seq, "served_polls": len(self.served),
-                "served_versions": sorted({p["version"] for p in self.served}),
-                "partial_publish_dirs_left": partial, "disk_full": self.disk_full,
-                "replay": rep, "unexpected": self.unexpected}
+        """Every invariant's verdict (tests/fault_invariants.py)."""
+        return fault_invariants.check(self, final)
 
     def final_state(self) -> dict[str, Any]:
         return self.admin.get("/v1/models").json()["data"][0]

@@ -23,6 +23,7 @@ params to the faulted learner's latest published ones.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import sys
@@ -42,18 +43,25 @@ def _install_journal(path: str) -> None:
         os.write(fd, (json.dumps({**rec, "pid": os.getpid()}) + "\n").encode())
 
     create, run = LifecycleClient.create, EndpointCollector._run
+    # The endpoint's id of the run in progress (an attempt's task: its create and its
+    # end share the context): a run that ends in an exception after its create returns
+    # an infra_error trace without the id, and its end must still name the rollout.
+    current = contextvars.ContextVar("fault_rollout", default=None)
 
     async def journaled_create(self, task_id, group_id=None, metadata=None, timeout_s=None,
                                **kw):
         info = await create(self, task_id, group_id, metadata, timeout_s, **kw)
         md = metadata or {}
+        current.set(info["rollout_id"])
         note(event="start", rollout_id=info["rollout_id"], task=task_id,
              rl_step=md.get("rl_step"), attempt=md.get("attempt"))
         return info
 
     async def journaled_run(self, task, attempt, rl_step):
+        current.set(None)
         trace = await run(self, task, attempt, rl_step)
-        note(event="end", rollout_id=trace.metadata.get("rollout_id"), task=task.task_id,
+        note(event="end", rollout_id=trace.metadata.get("rollout_id") or current.get(),
+             task=task.task_id,
              rl_step=rl_step, attempt=attempt, status=trace.status)
         return trace
 
@@ -62,7 +70,7 @@ def _install_journal(path: str) -> None:
 
 
 def _install_quota(spec: str) -> None:
-    from fault_harness import quota_open
+    from fault_procs import quota_open
 
     from ac2_jax.trace import store
     from ac2_jax.training.rl import split

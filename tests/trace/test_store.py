@@ -114,7 +114,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_every_stored_trace_readable(tmp
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fault_harness import quota_open
+    from fault_procs import quota_open
 
     from ac2_jax.trace import store as store_mod
 
