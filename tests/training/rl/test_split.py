@@ -286,3 +286,57 @@ def test_run_learner_needs_a_way_to_tell_the_endpoint():
 
     with pytest.raises(ValueError, match="needs on_progress"):
         asyncio.run(run_learner(Trainer(), None))
+
+
+def test_the_learner_survives_a_down_endpoint_and_tells_one_that_forgot(tmp_path, caplog):
+    """run_learner's tells (`_ToldEndpoint`, issue 42): an endpoint that is down when told
+    is warned about, not raised (the learner goes on, and tells it once it is back); an
+    endpoint that reports another learner_step than the last told (a restarted one
+    reports none) is told again by `keep`, so a collector paced on it goes on."""
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig, publish_weights
+    from ac2_jax.orchestration import LifecycleClient
+    from ac2_jax.training.rl import tell_endpoint
+    from ac2_jax.training.rl.split import _ToldEndpoint
+    from serving_helpers import served_random_model
+
+    async def down():
+        lifecycle = LifecycleClient(f"http://127.0.0.1:{_free_port()}", ADMIN, retries=0)
+        told = _ToldEndpoint(tell_endpoint(lifecycle), lifecycle)
+        try:
+            await told(2, 1)  # nobody listens there
+        finally:
+            await lifecycle.aclose()
+        return told.last
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(down()) == (2, 1)
+    assert "telling it again once it answers" in caplog.text
+
+    publish = str(tmp_path / "published")
+    with served_random_model(tmp_path, ADMIN, publish_dir=publish) as (url, tok):
+        model = Decoder(DecoderConfig.tiny(
+            vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_heads=2,
+            num_kv_heads=1, head_dim=16, max_position_embeddings=256), rngs=nnx.Rngs(1))
+        publish_weights(model, publish, 1)
+
+        async def forgot():
+            lifecycle = LifecycleClient(url, ADMIN)
+            told = _ToldEndpoint(tell_endpoint(lifecycle), lifecycle)
+            told.last = (2, 1)  # told before this endpoint (re)started: it knows nothing
+            assert (await lifecycle.models())["learner_step"] is None
+            keeper = asyncio.ensure_future(told.keep(0.05))
+            try:
+                for _ in range(200):
+                    entry = await lifecycle.models()
+                    if entry["learner_step"] is not None:
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                keeper.cancel()
+                await lifecycle.aclose()
+            return entry, told.retold
+
+        entry, retold = asyncio.run(forgot())
+    assert entry["learner_step"] == 2 and entry["policy_version"] == 1 and retold == 1
