@@ -28,7 +28,10 @@ WAIT_S = 60  # a generous bound on waits for the server thread; never asserted o
 
 
 class GatedSampler:
-    """Emits `script[0]`, then the rest once `gate` is set; records cancellations."""
+    """Emits `script[0]`, then the rest once `gate` is set; records cancellations.
+    It takes grammars (`supports_constraints`) and records them, not applying them."""
+
+    supports_constraints = True
 
     def __init__(self, script: list[int], max_context: int = 512):
         self.script = list(script)
