@@ -59,6 +59,7 @@ __all__ = [
     "build_prompt_ids",
     "chat_prompt_ids",
     "forced_prefix",
+    "forced_prefix_ids",
     "install_generation_routes",
     "serve_request",
     "sse",
@@ -154,6 +155,14 @@ def abort(ctx: ServeContext, st: RequestState) -> None:
         ctx.registry.count(st.principal.rollout, "aborted_completions", st.req.n)
 
 
+async def forced_prefix_ids(ctx: ServeContext, req: req_lib.ChatRequest) -> tuple[str, list[int]]:
+    """The forced tool-call opening of a chat request for this server's sampler
+    (`forced_prefix`) and its token ids: what `start_request` appends to the prompt
+    (and /v1/messages/count_tokens counts)."""
+    prefix = forced_prefix(ctx.tokenizer, req, sampler_grammars(ctx.sampler))
+    return prefix, (await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else [])
+
+
 async def start_request(
     ctx: ServeContext,
     request: Request,
@@ -167,8 +176,7 @@ async def start_request(
     """Adds the forced prefix or the answer's grammar, builds the params and
     starts the samples."""
     grammars = sampler_grammars(ctx.sampler)
-    prefix = forced_prefix(ctx.tokenizer, req, grammars) if chat else ""
-    prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
+    prefix, prefix_ids = await forced_prefix_ids(ctx, req) if chat else ("", [])
     constraint = (
         await asyncio.to_thread(request_constraint, ctx.tokenizer, req, grammars) if chat else None
     )

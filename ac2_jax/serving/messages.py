@@ -75,7 +75,6 @@ prompt, which count_tokens counts.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -91,7 +90,7 @@ from ac2_jax.serving.generation import (
     agent_label,
     chat_prompt_ids,
     check_model,
-    forced_prefix,
+    forced_prefix_ids,
     serve_request,
     start_request,
 )
@@ -103,7 +102,6 @@ from ac2_jax.serving.messages_output import (
 )
 from ac2_jax.serving.messages_schemas import CreateBody, PromptBody
 from ac2_jax.serving.sample_run import RequestState, ServeContext
-from ac2_jax.serving.structured import sampler_grammars
 
 __all__ = [
     "MessageEventWriter",
@@ -237,7 +235,5 @@ def install_messages_routes(
         check_model(ctx, body.model)
         req = chat_request(body)
         prompt_ids = await chat_prompt_ids(ctx, principal, req)
-        # start_request adds it to the prompt
-        prefix = forced_prefix(ctx.tokenizer, req, sampler_grammars(ctx.sampler))
-        prefix_ids = await asyncio.to_thread(ctx.tokenizer.encode, prefix) if prefix else []
+        _prefix, prefix_ids = await forced_prefix_ids(ctx, req)  # as start_request adds it
         return {"input_tokens": len(prompt_ids) + len(prefix_ids)}

@@ -41,6 +41,7 @@ from ac2_jax.serving.schemas import (
     Metadata,
     Temperature,
     Unimplemented,
+    only_when_streaming,
     shaped,
 )
 
@@ -356,12 +357,7 @@ class ResponsesBody(_Strict):
     prompt_cache_retention: Unimplemented = None
     context_management: Unimplemented = None
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and not info.data.get("stream"):
-            raise _error("invalid_value", "is only allowed when 'stream' is true")
-        return value
+    _only_when_streaming = field_validator("stream_options")(only_when_streaming)
 
     @field_validator("tool_choice")
     @classmethod

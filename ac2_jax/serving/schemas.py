@@ -109,6 +109,14 @@ def validate(model_cls: type[M], body: Any) -> M:
 # ------------------------------------------------------------------------------ field kinds
 
 
+def only_when_streaming(cls: Any, value: Any, info: ValidationInfo) -> Any:
+    """A `stream_options` field's validator (`field_validator("stream_options")(...)`):
+    only with `stream` true."""
+    if value is not None and not info.data.get("stream"):
+        raise _error("invalid_value", "is only allowed when 'stream' is true")
+    return value
+
+
 def greedy_or_sampling(value: float | None) -> float | None:
     """A temperature is 0 (greedy) or at least the sampler's smallest (TEMPERATURE_RANGE)."""
     if value is not None and value != 0 and value < TEMPERATURE_RANGE[0]:
@@ -385,12 +393,7 @@ class SamplingBody(BaseModel):
     min_p: Unimplemented = None
     repetition_penalty: Unimplemented = None
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and not info.data.get("stream"):
-            raise _error("invalid_value", "is only allowed when 'stream' is true")
-        return value
+    _only_when_streaming = field_validator("stream_options")(only_when_streaming)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
