@@ -41,7 +41,8 @@ EXTRAS = {
 # and everything the test suite exercises.
 # ruff and mypy are pinned: "zero findings" in scripts/test.sh is a statement about
 # one version of each (a newer release adds rules and inferences).
-EXTRAS["dev"] = sorted({"pytest>=8", "hypothesis>=6", "torch", "transformers>=4.51", "anthropic",
+EXTRAS["dev"] = sorted({"pytest>=8", "hypothesis>=6", "torch", "transformers>=4.51", "peft>=0.17",
+                        "anthropic",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"]})
 
 setup(

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from ac2_jax.models.family import FAMILIES, config_from_hf, get_family
+from ac2_jax.models.lora import LoRAConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
@@ -26,6 +27,7 @@ RUNTIME_FIELDS = (
     "attention_block",
     "mlp_backward",
     "proj_backward",
+    "lora",
 )
 BACKWARDS = ("custom", "autodiff")
 
@@ -71,6 +73,8 @@ class DecoderConfig:
     `proj_backward` likewise for the attention's q/k/v/o projections:
     "custom" (`models.layers.linear`, weight gradients x^T dy contracting
     the token axes as they lie) or "autodiff".
+    `lora`: None, or a `models.lora.LoRAConfig`: the decoder then holds
+    low-rank adapters on the projections it names (a dict is read as one).
     """
 
     vocab_size: int
@@ -98,6 +102,7 @@ class DecoderConfig:
     attention_block: int = 128
     mlp_backward: str = "custom"
     proj_backward: str = "custom"
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.remat, bool):
@@ -157,6 +162,19 @@ class DecoderConfig:
                     "supported (only 'default' and 'llama3')"
                 )
         dtype_name(self.dtype), dtype_name(self.param_dtype)
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise TypeError(
+                f"DecoderConfig.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
+            )
+
+    @property
+    def base_dtype(self) -> Any:
+        """The storage dtype of the base weights: `lora.base_dtype` if set, else param_dtype."""
+        if self.lora is not None and self.lora.base_dtype is not None:
+            return jnp.dtype(self.lora.base_dtype)
+        return self.param_dtype
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides) -> DecoderConfig:

@@ -58,6 +58,7 @@ from ac2_jax.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from ac2_jax.models.lora import LoRAScale
 
 # attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
 __all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
@@ -134,19 +135,20 @@ class Decoder(nnx.Module):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         c = self.config = config
         init = nnx.initializers.normal(c.initializer_range)
+        pd = c.base_dtype  # param_dtype, or LoRA's frozen-base dtype
         self.embed_tokens = _param(
-            rngs, init, (c.vocab_size, c.hidden_size), c.param_dtype, ("vocab", "embed")
+            rngs, init, (c.vocab_size, c.hidden_size), pd, ("vocab", "embed")
         )
         self.layers: Block | nnx.List
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
             self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd)
         if not c.tie_embeddings:
-            self.lm_head = _param(
-                rngs, init, (c.hidden_size, c.vocab_size), c.param_dtype, ("embed", "vocab")
-            )
+            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), pd, ("embed", "vocab"))
+        if c.lora is not None and c.lora.slots is not None:  # a bank: each slot's scale
+            self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
 
     # -- shared pieces
 
@@ -184,8 +186,23 @@ class Decoder(nnx.Module):
         return backend
 
     def _layer_params(self):
-        """The layers' params as a pure dict: stacked, or {i: layer i}."""
+        """The layers' params (and adapters) as a pure dict: stacked, or {i: layer i}."""
         return nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+
+    def _lora_rows(self, adapter_ids: jax.Array | None, batch: int):
+        """(slot ids [B], scale [B]) of an adapter bank's rows (None: every row slot 0,
+        the base model); None for a model without a bank."""
+        c = self.config
+        if c.lora is None or c.lora.slots is None:
+            if adapter_ids is not None:
+                raise ValueError(
+                    "Decoder: adapter_ids given, but the model has no adapter bank "
+                    "(DecoderConfig.lora.slots)"
+                )
+            return None
+        ids = jnp.zeros((batch,), jnp.int32) if adapter_ids is None else adapter_ids
+        ids = ids.astype(jnp.int32)
+        return ids, jnp.take(self.lora_scale[...], ids, axis=0)
 
     # -- training / scoring
 
@@ -195,10 +212,13 @@ class Decoder(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array,
         subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Final normed hidden states [B, L, D] of packed rows (see `__call__`)."""
+        """Final normed hidden states [B, L, D] of packed rows (see `__call__`).
+        adapter_ids [B] int: each row's slot of an adapter bank (`models.lora`)."""
         _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
         c = self.config
+        lora = self._lora_rows(adapter_ids, tokens.shape[0])
         backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
         packed = AttentionMask.packed(
             segment_ids, subtree_end, positions=positions, window=c.sliding_window
@@ -207,7 +227,7 @@ class Decoder(nnx.Module):
         rope = rope_cos_sin(positions, self._inv_freq())  # once for all layers
 
         def layer(w, x, rope, mask):
-            return block_apply(c, w, x, rope, mask, backend)[0]
+            return block_apply(c, w, x, rope, mask, backend, lora=lora)[0]
 
         if c.remat != "none":
             policy = _POLICIES[str(c.remat)]  # a bool remat is a name after __post_init__
@@ -227,6 +247,7 @@ class Decoder(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array,
         subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Logits of packed rows.
 
@@ -234,7 +255,8 @@ class Decoder(nnx.Module):
         row, 0 = padding), subtree_end (tree packing only): [B, L] int.
         Returns fp32 logits [B, L, V]; logits[b, p] predicts the token after p.
         """
-        return self.logits(self.hidden_states(tokens, positions, segment_ids, subtree_end))
+        hidden = self.hidden_states(tokens, positions, segment_ids, subtree_end, adapter_ids)
+        return self.logits(hidden)
 
     # -- sampling with a KV cache
 
@@ -266,6 +288,7 @@ class Decoder(nnx.Module):
         cache: KVCache,
         *,
         logits_at: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs T new tokens per row against the cache: prefill (T > 1) or a step (T = 1).
 
@@ -281,7 +304,8 @@ class Decoder(nnx.Module):
         `logits_at` [B] int is given (the logits of token t = logits_at[b] of
         each row, e.g. the last prompt token after prefill). Shapes are static,
         so jit it once per (B, T); a step costs O(max_len) attention and O(1)
-        everything else.
+        everything else. adapter_ids [B] int: each row's slot of an adapter bank
+        (`models.lora`; None: slot 0, the base model).
         """
         _check_2d(tokens=tokens, positions=positions)
         c = self.config
@@ -319,7 +343,8 @@ class Decoder(nnx.Module):
                 :, :, None
             ]
         rope = rope_cos_sin(jnp.maximum(positions, 0), self._inv_freq())  # once for all layers
-        layer = functools.partial(block_apply, c, rope=rope, mask=mask, backend=backend)
+        lora = self._lora_rows(adapter_ids, tokens.shape[0])
+        layer = functools.partial(block_apply, c, rope=rope, mask=mask, backend=backend, lora=lora)
         x = self.embed(tokens)
         params = self._layer_params()
         ck, cv = cache.k, cache.v

@@ -23,6 +23,9 @@ from safetensors.numpy import save_file
 
 from ac2_jax.models.config import DecoderConfig
 from ac2_jax.models.decoder import Decoder
+from ac2_jax.models.lora import LoRAScale
+
+_ADAPTER = nnx.Any(nnx.LoRAParam, LoRAScale)  # the variables a base checkpoint lacks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,8 +102,10 @@ def load_hf_checkpoint(
 
     `dtype` is the compute dtype; weights are stored in `param_dtype`
     (default: `dtype`). `runtime` sets DecoderConfig's runtime fields
-    (scan_layers, remat, attention_backend, attention_block). Sharded
-    checkpoints (with an index) are read too.
+    (scan_layers, remat, attention_backend, attention_block, lora). Sharded
+    checkpoints (with an index) are read too. With `lora` (a `LoRAConfig`)
+    the checkpoint is the frozen base and the adapters start fresh (B = 0:
+    the model's outputs are the base's).
     """
     config = load_hf_config(path, dtype, param_dtype, **runtime)
     where = _read_tensors(path)
@@ -108,8 +113,12 @@ def load_hf_checkpoint(
     flat = nnx.to_flat_state(state)
     handles: dict[str, Any] = {}
     leaves = []
+    adapters = dict(nnx.to_flat_state(fresh_adapters(config))) if config.lora else {}
     try:
         for key, var in flat:
+            if key in adapters:
+                leaves.append((key, adapters[key]))
+                continue
             layer_keys = _per_layer(key, config)
             want = tuple(var.shape[1:] if len(layer_keys) > 1 else var.shape)
             parts = []
@@ -136,8 +145,21 @@ def load_hf_checkpoint(
     return model, config
 
 
+def fresh_adapters(config: DecoderConfig) -> nnx.State:
+    """The adapter variables (LoRA A, B; a bank's scales) a `Decoder(config)` starts
+    with, computed without materialising its base weights (XLA drops them)."""
+    return jax.jit(lambda: nnx.state(Decoder(config, rngs=nnx.Rngs(0)), _ADAPTER))()
+
+
 def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
-    """HF-named numpy weights of `model` (in its param dtype, [out, in] layout)."""
+    """HF-named numpy weights of `model` (in its param dtype, [out, in] layout).
+    A model with LoRA adapters has no such form: merge them first
+    (`models.peft_io.merge_lora`) or save them in PEFT's (`save_peft_adapter`)."""
+    if model.config.lora is not None:
+        raise ValueError(
+            "hf_state_dict / save_hf_checkpoint: the model has LoRA adapters; save a full "
+            "checkpoint of merge_lora(model), or the adapters alone with save_peft_adapter"
+        )
     out = {}
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         arr = np.asarray(jax.device_get(var[...]))

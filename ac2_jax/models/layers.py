@@ -21,12 +21,16 @@ from flax import nnx
 from ac2_jax.models.attention import attention
 from ac2_jax.models.axes import active_rules
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.lora import lora_delta
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None) -> nnx.Param:
-    """A Param annotated with logical axis names (`models.axes`; a leading "layers"
-    when stacked). Under a mesh (`jax.set_mesh`) it is sharded now, by the active
-    rules (`axes.axis_rules`, default `DEFAULT_RULES`)."""
+def _param(
+    rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None = None, kind=nnx.Param
+) -> nnx.Param:
+    """A Param (or a subclass `kind`, e.g. `nnx.LoRAParam`) annotated with logical
+    axis names (`models.axes`; a leading "layers" when stacked). Under a mesh
+    (`jax.set_mesh`) it is sharded now, by the active rules (`axes.axis_rules`,
+    default `DEFAULT_RULES`)."""
     if stack is not None:
         shape, names = (stack, *shape), ("layers", *names)
     value = init(rngs.params() if rngs is not None else None, shape, dtype)
@@ -34,7 +38,7 @@ def _param(rngs: nnx.Rngs | None, init, shape, dtype, names, stack: int | None =
     if not mesh.empty:
         spec, _ = active_rules().fit(names, shape, mesh, f"a param {tuple(shape)} {names}")
         value = jax.lax.with_sharding_constraint(value, spec)
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    return kind(value, out_sharding=names, eager_sharding=False)
 
 
 def _ones(_key, shape, dtype):
@@ -104,12 +108,27 @@ def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w.astype(dtype))
 
 
-def _proj(c: DecoderConfig, x: jax.Array, w: jax.Array) -> jax.Array:
-    """An attention projection x [..., in] @ w [in, out] in the compute dtype, through
-    `linear`'s VJP when `c.proj_backward` is "custom"."""
+def _proj(c: DecoderConfig, x: jax.Array, w: dict, name: str, lora=None) -> jax.Array:
+    """Attention projection `name` ("q", "k", "v", "o"): x [..., in] @ w[name_proj]
+    [in, out] in the compute dtype, through `linear`'s VJP when `c.proj_backward`
+    is "custom", plus its LoRA adapter's delta where it has one (`_adapted`)."""
+    wp = w[f"{name}_proj"]
     if c.proj_backward == "custom":
-        return linear(x.astype(c.dtype), w.astype(c.dtype))
-    return _dot(x, w, c.dtype)
+        y = linear(x.astype(c.dtype), wp.astype(c.dtype))
+    else:
+        y = _dot(x, wp, c.dtype)
+    return _adapted(c, y, x, w, name, lora)
+
+
+def _adapted(c: DecoderConfig, y: jax.Array, x: jax.Array, w: dict, name: str, lora) -> jax.Array:
+    """y plus the LoRA delta of projection `name` on input x, if `w` holds its
+    adapter (`w[name_lora]`, `models.lora`). lora: None, or (slot ids [B], scale
+    [B]) for a bank of adapters."""
+    lw = w.get(f"{name}_lora")
+    if lw is None:
+        return y
+    scale = c.lora.scale if c.lora is not None else None
+    return y + lora_delta(x.astype(c.dtype), lw, scale, lora, c.dtype)
 
 
 def attention_apply(
@@ -120,6 +139,7 @@ def attention_apply(
     mask,
     backend: str,
     cache=None,
+    lora=None,
 ):
     """Self-attention of one layer. x [B, L, D]; w: the `self_attn` params;
     rope: the (cos, sin) tables of `rope_cos_sin` for x's positions.
@@ -136,11 +156,12 @@ def attention_apply(
     layer is this layer's index, and the new keys / values [B, L, K * hd] come
     back in their place (the caller writes them once for all layers: a
     loop-carried cache would be copied per layer).
+    lora: None, or a bank's (slot ids [B], scale [B]) (`_adapted`).
     Returns (out [B, L, D], cache).
     """
     B, L, _ = x.shape
     H, K, hd, dt = c.num_heads, c.num_kv_heads, c.head_dim, c.dtype
-    q, k, v = (_proj(c, x, w[f"{n}_proj"]) for n in "qkv")
+    q, k, v = (_proj(c, x, w, n, lora) for n in "qkv")
     if c.attention_bias:  # Qwen2: q/k/v biases (o has none)
         q, k, v = (y + w[f"{n}_bias"].astype(dt) for y, n in zip((q, k, v), "qkv", strict=True))
     q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, K, hd), v.reshape(B, L, K, hd)
@@ -187,7 +208,7 @@ def attention_apply(
         block=c.attention_block,
         kv_heads_major=cache is not None and cache[2] is None,
     )
-    return _proj(c, out.reshape(B, L, H * hd), w["o_proj"]), cache
+    return _proj(c, out.reshape(B, L, H * hd), w, "o", lora), cache
 
 
 @jax.custom_vjp
@@ -264,14 +285,19 @@ def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Arr
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array) -> jax.Array:
+def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
     """SwiGLU: down(silu(gate x) * up x). x [B, L, D]; w: the `mlp` params.
-    `c.mlp_backward` "custom" differentiates through `swiglu`'s own VJP."""
+    `c.mlp_backward` "custom" differentiates through `swiglu`'s own VJP; an MLP
+    with LoRA adapters runs the plain form with their deltas added (`_adapted`)."""
     wg, wu, wd = (w[k].astype(c.dtype) for k in ("gate_proj", "up_proj", "down_proj"))
-    if c.mlp_backward == "custom":
+    adapters = any(f"{n}_lora" in w for n in ("gate", "up", "down"))
+    if c.mlp_backward == "custom" and not adapters:
         return swiglu(x.astype(c.dtype), wg, wu, wd)
-    g, u = _dot(x, wg, c.dtype), _dot(x, wu, c.dtype)
-    return _dot(jax.nn.silu(g) * u, wd, c.dtype)
+    x = x.astype(c.dtype)
+    g = _adapted(c, _dot(x, wg, c.dtype), x, w, "gate", lora)
+    u = _adapted(c, _dot(x, wu, c.dtype), x, w, "up", lora)
+    h = jax.nn.silu(g) * u
+    return _adapted(c, _dot(h, wd, c.dtype), h, w, "down", lora)
 
 
 def block_apply(
@@ -282,15 +308,17 @@ def block_apply(
     mask,
     backend: str,
     cache=None,
+    lora=None,
 ):
     """One pre-norm layer: x + attn(norm x), then + mlp(norm x). w: a Block's params
     (one layer); x [B, L, D] in the compute dtype; rope: `rope_cos_sin` tables,
-    built once per forward for all layers. Returns (x, cache)."""
+    built once per forward for all layers; lora: None, or an adapter bank's
+    (slot ids [B], scale [B]). Returns (x, cache)."""
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
-    a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache)
+    a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache, lora)
     x = x + a
     h = rms_norm(w["post_attention_layernorm"]["weight"], x, c.rms_eps, c.dtype)
-    return x + mlp_apply(c, w["mlp"], h), cache
+    return x + mlp_apply(c, w["mlp"], h, lora), cache
 
 
 # ----------------------------------------------------------------------------- modules
@@ -307,10 +335,44 @@ class RMSNorm(nnx.Module):
         return rms_norm(self.weight[...], x, self.eps, self.dtype)
 
 
+def _lora_init(key, shape, dtype):
+    """A's init as PEFT's (Kaiming-uniform, a = sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))."""
+    bound = 1.0 / math.sqrt(shape[-2])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRAWeights(nnx.Module):
+    """One projection's adapter: a [in, r] and b [r, out] (`nnx.LoRAParam`), b zero.
+    With `c.lora.slots` = N both get a leading [N] axis and start at zero (a bank
+    whose slots are written by `models.lora_bank`)."""
+
+    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, n_in: int, n_out: int, names, stack):
+        assert c.lora is not None
+        r, pd, n = c.lora.rank, c.param_dtype, c.lora.slots
+        bank = () if n is None else (n,)
+        a_init = _zeros if n is not None else _lora_init
+        a_names, b_names = (
+            (*[None] * len(bank), names[0], None),
+            (*[None] * len(bank), None, names[1]),
+        )
+        self.a = _param(rngs, a_init, (*bank, n_in, r), pd, a_names, stack, nnx.LoRAParam)
+        self.b = _param(None, _zeros, (*bank, r, n_out), pd, b_names, stack, nnx.LoRAParam)
+
+
+def _add_lora(module: nnx.Module, c: DecoderConfig, rngs, shapes: dict, stack) -> None:
+    """Adds `<name>_lora` adapters to `module` for the targets of `c.lora` among `shapes`
+    ({name: (in, out, logical names)})."""
+    if c.lora is None:
+        return
+    for name, (n_in, n_out, names) in shapes.items():
+        if name in c.lora.targets:
+            setattr(module, f"{name}_lora", LoRAWeights(c, rngs, n_in, n_out, names, stack))
+
+
 class Attention(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         init = nnx.initializers.normal(c.initializer_range)
-        D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.param_dtype
+        D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.base_dtype
         self.q_proj = _param(rngs, init, (D, H * hd), pd, ("embed", "heads"), stack)
         self.k_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
         self.v_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
@@ -322,24 +384,36 @@ class Attention(nnx.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
             self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
+        shapes = {
+            "q": (D, H * hd, ("embed", "heads")),
+            "k": (D, K * hd, ("embed", "kv")),
+            "v": (D, K * hd, ("embed", "kv")),
+            "o": (H * hd, D, ("heads", "embed")),
+        }
+        _add_lora(self, c, rngs, shapes, stack)
 
 
 class MLP(nnx.Module):
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         init = nnx.initializers.normal(c.initializer_range)
-        D, F, pd = c.hidden_size, c.intermediate_size, c.param_dtype
+        D, F, pd = c.hidden_size, c.intermediate_size, c.base_dtype
         self.gate_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
         self.up_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
         self.down_proj = _param(rngs, init, (F, D), pd, ("mlp", "embed"), stack)
+        shapes = {
+            "gate": (D, F, ("embed", "mlp")),
+            "up": (D, F, ("embed", "mlp")),
+            "down": (F, D, ("mlp", "embed")),
+        }
+        _add_lora(self, c, rngs, shapes, stack)
 
 
 class Block(nnx.Module):
     """One layer's params, or `stack` layers' params stacked on a leading axis."""
 
     def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack)
+        pd = c.base_dtype
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
         self.self_attn = Attention(c, rngs, stack)
-        self.post_attention_layernorm = RMSNorm(
-            c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack
-        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
         self.mlp = MLP(c, rngs, stack)

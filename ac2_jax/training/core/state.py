@@ -1,7 +1,9 @@
 """Train state and optimizer: a functional (graphdef, TrainState) pair.
 
 The model is split once into a static `graphdef`, its trainable `params`
-(every `nnx.Param`) and the `rest` of its state. `TrainState` is a plain
+(every `nnx.Param`; only the adapters, `nnx.LoRAParam`, of a model with LoRA
+adapters: `models.lora.trainable_filter`) and the `rest` of its state (a LoRA
+model's frozen base weights among it). `TrainState` is a plain
 pytree, so one step function compiles under `jax.jit` (with NamedSharding),
 `jax.pmap` and Orbax alike; `nnx.merge(graphdef, params, rest)` rebuilds the
 module inside the step.
@@ -16,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+
+from ac2_jax.models.lora import trainable_filter
 
 SCHEDULES = ("constant", "cosine")
 
@@ -131,8 +135,8 @@ def create_train_state(
     `rng` is an int seed or a raw uint32[2] key (typed keys are unwrapped so the
     state stays checkpointable as a plain array).
     """
-    graphdef, params, *others = nnx.split(model, nnx.Param, ...)
-    (rest,) = others  # the `...` filter: everything that is not a Param
+    graphdef, params, *others = nnx.split(model, trainable_filter(model), ...)
+    (rest,) = others  # the `...` filter: everything not trained (a LoRA model's base too)
     if not jax.tree.leaves(params):
         raise ValueError("create_train_state: the model has no nnx.Param to train")
     if isinstance(rng, int):
@@ -157,7 +161,8 @@ def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainStat
     `Checkpointer.restore`) and a source of shardings for models too big to
     initialize just to be overwritten.
     """
-    graphdef, params, *others = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    abstract = nnx.eval_shape(make_model)
+    graphdef, params, *others = nnx.split(abstract, trainable_filter(abstract), ...)
     (rest,) = others
     opt_state = jax.eval_shape(as_transform(optimizer).init, params)
     # Abstract leaves where the state holds arrays: the same tree, shapes and dtypes only.
