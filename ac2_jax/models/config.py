@@ -168,6 +168,8 @@ class DecoderConfig:
             raise TypeError(
                 f"DecoderConfig.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
             )
+        if self.lora is not None:
+            get_family(self.family).check_lora_targets(self.lora.targets)
 
     @property
     def base_dtype(self) -> Any:

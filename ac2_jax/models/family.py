@@ -95,6 +95,18 @@ class ModelFamily(abc.ABC):
     name: str = ""  # set by `register_family`
     hf_architecture: str = ""
     config_class: type = object
+    # The projections its model can hold LoRA adapters on (`models.lora.TARGETS`
+    # names); `check_lora_targets` refuses a LoRAConfig naming others.
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def check_lora_targets(self, targets) -> None:
+        """Raises ValueError naming any of `targets` this family has no adapter for."""
+        missing = [t for t in targets if t not in self.lora_targets]
+        if missing:
+            raise ValueError(
+                f"LoRA targets {missing} are not adaptable in family {self.name!r} "
+                f"(it adapts {list(self.lora_targets)})"
+            )
 
     @abc.abstractmethod
     def build(self, config: Any, rngs: nnx.Rngs) -> CausalLM:
