@@ -22,6 +22,13 @@ computing with a real tiny Decoder through a `JaxSampler`:
 * `GET /health_generate`: 200, or 503 while the server is not ready.
 * `POST /update_weights_from_disk`: `{success, message, num_paused_requests}`,
   200 or 400; the weight version becomes the request's `weight_version`.
+* `POST /load_lora_adapter {lora_name, lora_path}` / `POST /unload_lora_adapter
+  {lora_name}`: `{success, error_message, loaded_adapters}`, 200 or 400 (a
+  taken or unknown name, a directory that is no PEFT adapter); `/generate`
+  with `lora_path` naming an adapter that is not loaded is a 400 with SGLang's
+  message ("The following requested LoRA adapters are not loaded: ...").
+  Needs a model with an adapter bank (`LoRAConfig(slots=N)`), like SGLang's
+  `--enable-lora`; without one every load is refused.
 * `restart()`: what an SGLang process restart leaves behind: the launch
   weights, the launch `--weight-version` and model path.
 """
@@ -56,6 +63,7 @@ class GenerateReq(BaseModel):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    lora_path: str | None = None
 
 
 class FakeSGLang:
@@ -93,6 +101,9 @@ class FakeSGLang:
         app.get("/get_model_info")(self.model_info)
         app.get("/health_generate")(self.health_generate)
         app.get("/v1/models")(self.models)
+        app.post("/load_lora_adapter")(self.load_lora)
+        app.post("/unload_lora_adapter")(self.unload_lora)
+        self.loras: dict[str, str] = {}
 
     def _sampler(self, model) -> JaxSampler:
         return JaxSampler(model, max_context=self.context_len, tokenizer=self.tok,
@@ -142,6 +153,9 @@ class FakeSGLang:
                 f"tokens from the input messages and {new} tokens for the completion. Please "
                 f"reduce the number of tokens in the input messages or the completion to fit "
                 f"within the limit.")
+        if req.lora_path is not None and req.lora_path not in self.loras:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: "
+                             f"{req.lora_path}\nLoaded adapters: {self.loras.keys()}.")
         if any(t >= self.tok.vocab_size for t in req.input_ids):
             raise ValueError(f"The input_ids {req.input_ids} contains values greater than the "
                              f"vocab size ({self.tok.vocab_size}).")
@@ -152,7 +166,7 @@ class FakeSGLang:
             temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
             max_tokens=sp["max_new_tokens"], stop=sp.get("stop", ()),
             stop_token_ids=sp.get("stop_token_ids", ()), seed=sp.get("sampling_seed"),
-            top_logprobs=req.top_logprobs_num)
+            top_logprobs=req.top_logprobs_num, adapter=req.lora_path)
 
     def _out(self, req: GenerateReq, ids, lps, top, finish) -> dict:
         meta = {"id": "abc", "finish_reason": finish, "prompt_tokens": len(req.input_ids),
@@ -255,3 +269,29 @@ class FakeSGLang:
             message += f" Weight version updated to {self.version}."
         self.log.append(("update_end", body))
         return {"success": True, "message": message, "num_paused_requests": 0}
+
+    def _lora_answer(self, error: str | None):
+        body = {"success": error is None, "error_message": error,
+                "loaded_adapters": dict(self.loras)}
+        return JSONResponse(body, status_code=200 if error is None else 400)
+
+    def load_lora(self, body: dict):
+        self.log.append(("load_lora_adapter", body))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if name in self.loras:
+            return self._lora_answer(f"LoRA adapter {name} is already loaded")
+        try:
+            self.sampler.add_adapter(name, path)
+        except (ValueError, OSError, KeyError) as e:
+            return self._lora_answer(f"Failed to load LoRA adapter {name}: {e}")
+        self.loras[name] = path
+        return self._lora_answer(None)
+
+    def unload_lora(self, body: dict):
+        self.log.append(("unload_lora_adapter", body))
+        name = body.get("lora_name")
+        if name not in self.loras:
+            return self._lora_answer(f"LoRA adapter {name} is not loaded")
+        self.sampler.remove_adapter(name)
+        del self.loras[name]
+        return self._lora_answer(None)

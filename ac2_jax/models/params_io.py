@@ -6,6 +6,11 @@ into a temporary directory and renames it when complete, and lists only
 finalized steps, so a reader (`latest_published`, `load_published`) never
 sees a half-written step. The manager keeps the newest `keep` steps.
 
+A model with LoRA adapters (`models.lora`) publishes its adapters alone (the
+trained part: `trainable_filter`) plus the adapters' config (item "lora"): a
+sampler that holds the same base loads them with `load_published`, or into a
+bank slot with `read_published_adapter` + `peft_io.write_slot`.
+
 Params are saved in the model's own layer layout; restoring converts a
 checkpoint of the other layout (stacked `scan_layers` <-> per-layer) on the
 way in, so a scanned learner can publish to a per-layer sampler and back.
@@ -19,12 +24,15 @@ import os
 import threading
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from ac2_jax.models.lora import LoRAConfig, trainable_filter
 from ac2_jax.models.stacking import is_stacked, to_layout
 
-PARAMS = "params"  # the one item of a publish step
+PARAMS = "params"  # the params item of a publish step
+LORA = "lora"  # a LoRA model's step also holds its LoRAConfig (JSON)
 
 
 def _checkpointer() -> ocp.Checkpointer:
@@ -32,7 +40,14 @@ def _checkpointer() -> ocp.Checkpointer:
 
 
 def _params(model: nnx.Module) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    """What is saved and published: every Param, or a LoRA model's adapters alone."""
+    return nnx.to_pure_dict(nnx.state(model, trainable_filter(model)))
+
+
+def _lora_config(model: nnx.Module) -> LoRAConfig | None:
+    config = getattr(model, "config", None)
+    lora = getattr(config, "lora", None)
+    return lora if trainable_filter(model) is nnx.LoRAParam else None
 
 
 def save_params(model: nnx.Module, path: str, overwrite: bool = False) -> None:
@@ -59,7 +74,7 @@ def restore_params(model: nnx.Module, path: str) -> None:
 def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
     """Checks the saved tree (`meta`) against the model's params, then loads
     `restore(target)` into the model (target: ShapeDtypeStructs with shardings)."""
-    state = nnx.state(model, nnx.Param)
+    state = nnx.state(model, trainable_filter(model))
     pure = nnx.to_pure_dict(state)
     meta = getattr(meta, "item_metadata", meta)  # StepMetadata wraps the TreeMetadata
     saved = getattr(meta, "tree", meta)
@@ -134,13 +149,13 @@ def _manager(
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=False,
     )
-    return ocp.CheckpointManager(
-        publish_dir, options=options, item_handlers={PARAMS: ocp.StandardCheckpointHandler()}
-    )
+    handlers = {PARAMS: ocp.StandardCheckpointHandler(), LORA: ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(publish_dir, options=options, item_handlers=handlers)
 
 
 def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 3) -> str:
-    """Publishes the params as `step`; returns the step's directory.
+    """Publishes the params (a LoRA model's adapters alone) as `step`; returns the
+    step's directory.
 
     Publishing a step at or below the latest replaces it and deletes the
     newer steps first (a run resumed from an earlier checkpoint rolls the
@@ -157,11 +172,11 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     with _manager(publish_dir, keep=keep) as mgr:
         for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
             mgr.delete(newer)
-        mgr.save(
-            step,
-            force=True,
-            args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(_params(model))}),
-        )
+        items = {PARAMS: ocp.args.StandardSave(_params(model))}
+        lora = _lora_config(model)
+        if lora is not None:
+            items[LORA] = ocp.args.JsonSave(lora.to_dict())
+        mgr.save(step, force=True, args=ocp.args.Composite(**items))
         mgr.wait_until_finished()
     return os.path.join(publish_dir, str(step))
 
@@ -226,3 +241,41 @@ def load_published(model: nnx.Module, publish_dir: str, step: int | None = None)
             where,
         )
     return step
+
+
+def read_published_adapter(
+    publish_dir: str, step: int | None = None
+) -> tuple[dict, LoRAConfig, int]:
+    """(adapters as a pure dict of numpy arrays, their LoRAConfig, step) of a step a
+    LoRA model published (the latest when step is None), e.g. for a bank slot
+    (`peft_io.write_slot`). ValueError if the step holds a full model."""
+    publish_dir = os.path.abspath(publish_dir)
+    with _reader(publish_dir) as mgr:
+        steps = sorted(mgr.all_steps())
+        if not steps:
+            raise FileNotFoundError(f"read_published_adapter: nothing published in {publish_dir}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"read_published_adapter: step {step} is not in {publish_dir} (kept: {steps})"
+            )
+        if not os.path.isdir(os.path.join(publish_dir, str(step), LORA)):
+            raise ValueError(
+                f"read_published_adapter: step {step} of {publish_dir} holds a full model, "
+                "not LoRA adapters"
+            )
+        got = mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                **{PARAMS: ocp.args.StandardRestore(), LORA: ocp.args.JsonRestore()}
+            ),
+        )
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), _int_keys(got[PARAMS]))
+    return params, LoRAConfig(**dict(got[LORA])), step
+
+
+def _int_keys(tree):
+    """A restored pure dict with its layer keys ("0", "1", ... on disk) as ints."""
+    if not isinstance(tree, dict):
+        return tree
+    return {int(k) if str(k).isdigit() else k: _int_keys(v) for k, v in tree.items()}

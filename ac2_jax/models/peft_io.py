@@ -233,10 +233,11 @@ def write_slot(bank: Decoder, slot: int, adapters: dict, lora: LoRAConfig) -> No
     extra = set(lora.targets) - set(bank_lora.targets)
     if extra:
         raise ValueError(f"write_slot: adapter targets {sorted(extra)} are not in the bank's")
-    src = to_layout(adapters, stacked=bank.config.scan_layers)
+    src = to_layout(adapters, stacked=bool(bank.config.scan_layers)) if adapters else {}
     state = nnx.state(bank, nnx.LoRAParam)
     values = nnx.to_pure_dict(state)
     r = lora.rank
+    written = [0]
 
     def walk(src: dict | None, dst: dict):
         for k in dst:
@@ -248,10 +249,16 @@ def write_slot(bank: Decoder, slot: int, adapters: dict, lora: LoRAConfig) -> No
             if src is not None:
                 part = jnp.asarray(src[k], x.dtype)
                 new = new.at[..., :r].set(part) if k == "a" else new.at[..., :r, :].set(part)
+                written[0] += 1
             at = (slice(None),) * (x.ndim - 3) + (int(slot),)  # the slot axis
             dst[k] = x.at[at].set(new)
 
     walk(src, values)
+    if written[0] != len(jax.tree.leaves(src)):
+        raise ValueError(
+            f"write_slot: {len(jax.tree.leaves(src)) - written[0]} adapter arrays fit no "
+            "place in the bank (another architecture, or layer keys not 0..n-1)"
+        )
     nnx.replace_by_pure_dict(state, values)
     nnx.update(bank, state)
-    bank.lora_scale[...] = bank.lora_scale[...].at[slot].set(lora.scale)
+    bank.lora_scale.value = bank.lora_scale.value.at[slot].set(lora.scale)

@@ -79,6 +79,13 @@ Contract
 ``sampler.max_context: int``
     Most tokens (prompt + output) one sequence may hold.
 
+``sampler.adapters() -> list[str]`` (optional; absent means none)
+    The LoRA adapters this sampler serves by name (`models.lora`).
+    ``params.adapter`` names one of them: the request samples from the base
+    plus that adapter, and its ``output_logprobs`` are that model's. A sampler
+    that does not serve the named adapter raises ValueError naming ``adapter``
+    (never the base model in its place).
+
 ``sampler.supports_constraints: bool`` (optional; absent means False)
     Whether ``params.constraint`` grammars are decoded (JaxSampler) or refused
     (SGLangSampler). The endpoint reads it before it builds a request: without
@@ -91,6 +98,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -101,9 +109,23 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64  # stop token ids per request
 MAX_CONSTRAINT_CHARS = 1 << 20  # characters of one grammar
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a LoRA adapter's name
 TEMPERATURE_RANGE = (1e-4, 1e4)  # besides 0 (greedy); smaller ones overflow fp32 logits
 
 OnTokens = Callable[[list[int], list[float]], None]  # (new ids, their logprobs)
+
+
+def check_adapter_name(name, field: str) -> str | None:
+    """`name` if None or a valid adapter name (letters, digits, ".", "_", "-"; at most
+    128), else ValueError naming `field`."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(
+            f"{field} must be an adapter name (letters, digits, '.', '_', '-', starting "
+            f"with a letter or digit, at most 128 characters), got {name!r}"
+        )
+    return name
 
 
 class ContextLengthError(ValueError):
@@ -145,8 +167,9 @@ class SamplingParams:
     top_logprobs > 0 asks for that many (token_id, logprob) pairs per output
     position in `SampleResult.top_logprobs`. seed: any 64-bit int (signed or
     not). constraint: an llguidance grammar the output must follow (see the
-    module docstring), None for none. Lists are stored as tuples (params stay
-    hashable). Every field is checked on construction (`checked`): ValueError
+    module docstring), None for none. adapter: the LoRA adapter to sample with
+    (by name, `sampler.adapters()`), None for the base model. Lists are stored
+    as tuples (params stay hashable). Every field is checked on construction (`checked`): ValueError
     naming the field.
     """
 
@@ -159,6 +182,7 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0
     constraint: str | None = None
+    adapter: str | None = None
 
     def __post_init__(self):
         for name, value in self.checked().items():
@@ -218,6 +242,7 @@ class SamplingParams:
             "seed": None if self.seed is None else _int("seed", self.seed, -(2**63), 2**64 - 1),
             "top_logprobs": _int("top_logprobs", self.top_logprobs, 0, INT32_MAX),
             "constraint": grammar,
+            "adapter": check_adapter_name(self.adapter, "SamplingParams.adapter"),
         }
 
     def replace(self, **kw) -> SamplingParams:

@@ -40,6 +40,7 @@ class Request:
     on_tokens: Callable | None = None  # (ids, logprobs) of newly accepted tokens
     sent: int = 0  # output tokens already handed to on_tokens
     matcher: Any = None  # constraints.GrammarMatcher of params.constraint (None: free)
+    slot: int = 0  # adapter bank slot of params.adapter (0: the base model), set at admission
 
 
 @dataclasses.dataclass
@@ -140,6 +141,7 @@ _FIELDS = {
     "top_k": np.int32,
     "seed_lo": np.uint32,
     "seed_hi": np.uint32,
+    "adapter": np.int32,
 }
 
 
@@ -150,6 +152,7 @@ class SlotTable:
         self.B = 0
         self.req: list[Request | None] = []
         self.hist: list[np.ndarray] = []  # tokens held in slots 0.. of a free row
+        self.hist_adapter: list[int] = []  # the adapter slot those keys/values came from
         self.used: list[int] = []  # tick of last use (free rows: LRU reuse)
         self.arr = {k: np.zeros(0, t) for k, t in _FIELDS.items()}
         self.tick = 0
@@ -172,6 +175,7 @@ class SlotTable:
     def clear_history(self) -> None:
         """Forget cached prefixes (their keys/values came from other weights)."""
         self.hist = [np.zeros(0, np.int32) for _ in range(self.B)]
+        self.hist_adapter = [0] * self.B
 
     # -- layout
 
@@ -189,6 +193,7 @@ class SlotTable:
 
         self.req = keep(self.req, lambda: None)
         self.hist = keep(self.hist, lambda: np.zeros(0, np.int32))
+        self.hist_adapter = keep(self.hist_adapter, lambda: 0)
         self.used = keep(self.used, lambda: -1)
         for k, a in self.arr.items():
             new = np.zeros(new_B, a.dtype)
@@ -197,15 +202,17 @@ class SlotTable:
         self.B = new_B
         return idx
 
-    def pick_row(self, prompt: np.ndarray, taken: set[int]) -> tuple[int, int]:
-        """(free row, reusable prefix length) for a prompt; prefers the longest
-        cached prefix, then the least recently used row. At most len-1 tokens
-        are reused (the last prompt token is fed by the first decode step)."""
+    def pick_row(self, prompt: np.ndarray, taken: set[int], adapter: int = 0) -> tuple[int, int]:
+        """(free row, reusable prefix length) for a prompt sampled with adapter slot
+        `adapter`; prefers the longest cached prefix (of a row that held the same
+        adapter: another's keys and values differ), then the least recently used
+        row. At most len-1 tokens are reused (the last prompt token is fed by the
+        first decode step)."""
         best = None
         for r in self.free_rows():
             if r in taken:
                 continue
-            h = self.hist[r]
+            h = self.hist[r] if self.hist_adapter[r] == adapter else self.hist[r][:0]
             n = min(len(h), len(prompt) - 1)
             same = h[:n] == prompt[:n]
             lcp = int(n if same.all() else np.argmin(same))
@@ -235,6 +242,7 @@ class SlotTable:
             "top_k": p.top_k,
             "seed_lo": req.seed & 0xFFFFFFFF,
             "seed_hi": (req.seed >> 32) & 0xFFFFFFFF,
+            "adapter": req.slot,
         }
         vals = {k: _FIELDS[k](v) for k, v in vals.items()}  # np.int32(2**40) raises here
         for k, v in vals.items():
@@ -248,6 +256,7 @@ class SlotTable:
         assert req is not None, f"release of empty row {row}"
         seq = np.asarray(req.prompt + req.gen, np.int32)
         self.hist[row] = seq[: int(self.arr["pos"][row])]
+        self.hist_adapter[row] = int(self.arr["adapter"][row])
         self.req[row] = None
         self.arr["active"][row] = False
         self.tick += 1

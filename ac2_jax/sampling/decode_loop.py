@@ -44,6 +44,7 @@ class Rows:
     seed_lo: RowArray  # uint32
     seed_hi: RowArray  # uint32
     stop_ids: RowArray  # int32 [B, NS]
+    adapter: RowArray  # int32: adapter bank slot (0 = the base model)
 
 
 def row_keys(seed_lo: jax.Array, seed_hi: jax.Array, index: jax.Array) -> jax.Array:
@@ -178,7 +179,9 @@ def decode_chunk(
         i, cache, r, (o_tok, o_lp, o_tid, o_tlp) = carry
         model = nnx.merge(graphdef, state)
         pos = jnp.where(r.active, r.pos, -1)
-        logits, cache = model.decode(r.token[:, None], pos[:, None], cache)
+        logits, cache = model.decode(
+            r.token[:, None], pos[:, None], cache, **adapter_kw(model, r.adapter)
+        )
         keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
         step_logits = logits[:, 0].astype(jnp.float32)
         if mask is not None:
@@ -213,12 +216,26 @@ def decode_chunk(
     return cache, rows, out
 
 
+def adapter_kw(model, slots: jax.Array) -> dict:
+    """`decode`'s adapter_ids for rows of adapter bank slots [B], for a model with a
+    bank (`models.lora`, `LoRAConfig.slots`); nothing for any other model."""
+    lora = getattr(model.config, "lora", None)
+    return {} if lora is None or lora.slots is None else {"adapter_ids": slots}
+
+
 def prefill_rows(
-    graphdef, state, cache: KVCache, row_idx: jax.Array, tokens: jax.Array, positions: jax.Array
+    graphdef,
+    state,
+    cache: KVCache,
+    row_idx: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    adapters: jax.Array,
 ) -> KVCache:
     """Writes prompt tokens into cache rows `row_idx` [b] (index >= B: padding).
 
-    tokens, positions [b, T]; position -1 marks padding. Only the keys and
+    tokens, positions [b, T]; position -1 marks padding; adapters [b]: each
+    row's adapter bank slot (0 = the base model; see `adapter_kw`). Only the keys and
     values are kept; the logits of the prompt are not needed (the last prompt
     token is fed by the first decode step, which samples from it).
 
@@ -229,7 +246,7 @@ def prefill_rows(
     shape once, not once per row bucket (the demo's RL compiled new prefill
     shapes at every step: BUILD_NOTES "The RL loop's sampling").
     """
-    sub = prefill_sub(graphdef, state, take_rows(cache, row_idx), tokens, positions)
+    sub = prefill_sub(graphdef, state, take_rows(cache, row_idx), tokens, positions, adapters)
     return put_rows(cache, row_idx, sub)
 
 
@@ -246,10 +263,13 @@ def put_rows(cache: KVCache, row_idx: jax.Array, sub: KVCache) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("sub",))
-def prefill_sub(graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax.Array) -> KVCache:
+def prefill_sub(
+    graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax.Array, adapters: jax.Array
+) -> KVCache:
     """The prompt tokens [b, T] written into a [b]-row cache (see `prefill_rows`)."""
     model = nnx.merge(graphdef, state)
-    _, sub = model.decode(tokens, positions, sub, logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+    first = jnp.zeros(tokens.shape[:1], jnp.int32)
+    _, sub = model.decode(tokens, positions, sub, logits_at=first, **adapter_kw(model, adapters))
     return sub
 
 

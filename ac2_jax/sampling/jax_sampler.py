@@ -50,12 +50,16 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
+from ac2_jax.models.lora import LoRAConfig, adapter_params
+from ac2_jax.models.params_io import read_published_adapter
+from ac2_jax.models.peft_io import load_peft_adapter, read_peft_config, write_slot
 from ac2_jax.sampling.base import (
     OnTokens,
     SamplerError,
     SampleResult,
     SamplerUnavailable,
     SamplingParams,
+    check_adapter_name,
     check_prompt,
 )
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
@@ -156,6 +160,10 @@ class JaxSampler(DeviceLoop):
         self._rng = np.random.default_rng(seed)
 
         self._graphdef, self._state = self._snapshot()
+        lora = getattr(cfg, "lora", None)
+        self._bank_slots = 0 if lora is None or lora.slots is None else int(lora.slots)
+        self._staged_slots: dict[str, int] = {}  # adapter name -> bank slot (new calls)
+        self._running_slots: dict[str, int] = {}  # ... of the weights the worker runs
         self._version = 0  # weights the worker runs now
         self._latest = 0  # weights new calls will use (policy_version)
         self._pending = None  # (state, version) waiting for the rows to drain
@@ -268,13 +276,82 @@ class JaxSampler(DeviceLoop):
             self._stage(int(version))
         return int(version)
 
-    def _stage(self, version: int) -> None:
-        """Hands the model's current weights to the worker as `version`."""
+    def _stage(self, version: int, slots: dict[str, int] | None = None) -> None:
+        """Hands the model's current weights (and adapter names, when `slots` is
+        given) to the worker as `version`."""
         _, state = self._snapshot()
         with self._lock:
             self._pending = (state, version)
             self._latest = version
+            if slots is not None:
+                self._staged_slots = dict(slots)
         self._queue.put(WAKE)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served by name (`SamplingParams.adapter`)."""
+        with self._lock:
+            return sorted(self._staged_slots)
+
+    def add_adapter(self, name: str, source: Any, lora: LoRAConfig | None = None) -> int:
+        """Serves `source` as adapter `name` (replacing one of that name) in a slot
+        of the model's adapter bank (`LoRAConfig(slots=N)`); returns the slot.
+
+        source: a Decoder with one adapter (its `config.lora`), a PEFT adapter
+        directory, or a pure dict of adapters (`models.lora.adapter_params`) with
+        its `lora`. Nothing is merged into the base and nothing recompiles (the
+        bank's arrays change, not their shapes). Like `load_weights`, running
+        rows finish first; requests after it returns may name the adapter."""
+        check_adapter_name(name, "add_adapter: name")
+        if not self._bank_slots:
+            raise ValueError(
+                "JaxSampler.add_adapter: the served model has no adapter bank; build it "
+                "with DecoderConfig(lora=LoRAConfig(slots=N, rank=...))"
+            )
+        if isinstance(source, str):
+            lora = read_peft_config(source)
+            params = adapter_params(load_peft_adapter(self._model, source, slots=None))
+        elif isinstance(source, nnx.Module):
+            lora = getattr(getattr(source, "config", None), "lora", None)
+            if lora is None or lora.slots is not None:
+                raise ValueError("JaxSampler.add_adapter: source has no single adapter")
+            params = adapter_params(source)
+        else:
+            if lora is None:
+                raise ValueError("JaxSampler.add_adapter: a dict of adapters needs its lora")
+            params = source
+        with self._load_lock:
+            slots = dict(self._staged_slots)
+            used = set(slots.values())
+            free = [i for i in range(1, self._bank_slots) if i not in used]
+            slot = slots.get(name, free[0] if free else None)
+            if slot is None:
+                raise ValueError(
+                    f"JaxSampler.add_adapter: all {self._bank_slots - 1} adapter slots are "
+                    f"in use ({sorted(slots)}); remove_adapter one or build a larger bank"
+                )
+            write_slot(self._model, slot, params, lora)
+            slots[name] = slot
+            self._stage(self._latest, slots)
+        return slot
+
+    def load_adapter(self, name: str, publish_dir: str, step: int | None = None) -> int:
+        """Serves the adapter a LoRA learner published (`publish_weights`) in
+        `publish_dir` (step None: the latest) as `name`; returns the step."""
+        params, lora, got = read_published_adapter(publish_dir, step)
+        self.add_adapter(name, params, lora)
+        return got
+
+    def remove_adapter(self, name: str) -> None:
+        """Stops serving adapter `name` (its slot is zeroed); running rows finish first."""
+        with self._load_lock:
+            slots = dict(self._staged_slots)
+            if name not in slots:
+                raise ValueError(f"JaxSampler.remove_adapter: no adapter {name!r}")
+            bank = self._model.config.lora
+            write_slot(self._model, slots.pop(name), {}, dataclasses.replace(bank, slots=None))
+            self._stage(self._latest, slots)
 
     def counters(self) -> dict:
         """`stats.counters()` plus max_batch, for `occupancy_metrics` (e.g. the RL
@@ -377,6 +454,11 @@ class JaxSampler(DeviceLoop):
             )
         if params.constraint is not None and matcher is None:
             matcher = self._matcher(params)
+        if params.adapter is not None and params.adapter not in self._staged_slots:
+            raise ValueError(
+                f"SamplingParams.adapter: this sampler serves no adapter {params.adapter!r} "
+                f"(it serves {self.adapters()}; add_adapter adds one)"
+            )
         seed = int(self._rng.integers(0, 2**63)) if params.seed is None else params.seed
         stop_ids = tuple(dict.fromkeys(self._eos + params.stop_token_ids))
         req = Request(

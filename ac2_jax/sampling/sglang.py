@@ -50,6 +50,10 @@ with `--enable-fp32-lm-head`: the behaviour log-probs the protocol promises.
 Its top-k / top-p filters act after that, so `generate` refuses them
 (ValueError). Seeds are honoured only with `--enable-deterministic-inference`.
 
+LoRA adapters: `load_adapter(name, peft_dir)` / `remove_adapter(name)` load
+them into SGLang (`sampling/sglang_lora.py`); `SamplingParams.adapter` is sent
+as `lora_path`.
+
 Grammars: `SamplingParams.constraint` is refused (ValueError naming it).
 SGLang's structured-output fields (`json_schema`, `regex`, `ebnf`,
 `structural_tag`) run the server's own grammar backend (xgrammar unless it
@@ -89,6 +93,7 @@ from ac2_jax.sampling.base import (
     SamplingParams,
     check_prompt,
 )
+from ac2_jax.sampling.sglang_lora import SGLangAdapters
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +139,7 @@ def request_error(status: int, message: str, where: str) -> Exception:
     return SGLangError(f"SGLang {where} returned HTTP {status}: {message}")
 
 
-class SGLangSampler:
+class SGLangSampler(SGLangAdapters):
     """`Sampler` backed by an SGLang server at `base_url`.
 
     max_context: the context length SGLang serves (`--context-length`); the
@@ -193,6 +198,8 @@ class SGLangSampler:
         self._load_lock = threading.Lock()
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]
         self._clients = weakref.WeakKeyDictionary()
+        self._adapters: dict[str, str] = {}
+        self._adapter_lock = threading.Lock()
 
     # ------------------------------------------------------------------ protocol
 
@@ -247,6 +254,9 @@ class SGLangSampler:
         }
         if params.top_logprobs:
             body["top_logprobs_num"] = int(params.top_logprobs)
+        if params.adapter is not None:
+            self.check_adapter(params.adapter)
+            body["lora_path"] = params.adapter
         return body
 
     async def generate(

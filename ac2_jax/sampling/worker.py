@@ -67,6 +67,8 @@ class DeviceLoop:
     _state: Any
     _version: int
     _model: Any
+    _staged_slots: dict[str, int]  # adapter name -> bank slot of the staged weights
+    _running_slots: dict[str, int]  # ... of the weights the worker runs
     _tokenizer: Any
     _cache_dtype: Any
     _max_context: int
@@ -148,6 +150,7 @@ class DeviceLoop:
                         np.full(b, B, np.int32),
                         np.zeros((b, T), np.int32),
                         np.full((b, T), -1, np.int32),
+                        np.zeros(b, np.int32),
                     )
             rows = SlotTable.idle_rows(B)
             cache, _, _ = decode_chunk(
@@ -180,13 +183,13 @@ class DeviceLoop:
             jax.block_until_ready(cache)
         return self.stats.compiled_shapes
 
-    def _prefill_call(self, cache, B: int, idx, tok, pos):
+    def _prefill_call(self, cache, B: int, idx, tok, pos, adapters):
         """`prefill_rows` on a [B]-row cache, its three compiled shapes recorded."""
         (b, T), S = tok.shape, cache.max_len
         self.stats.shapes.update(
             {("prefill", b, S, T), ("take_rows", B, S, b), ("put_rows", B, S, b)}
         )
-        return prefill_rows(self._graphdef, self._state, cache, idx, tok, pos)
+        return prefill_rows(self._graphdef, self._state, cache, idx, tok, pos, adapters)
 
     def _new_cache(self, B: int, S: int):
         """An empty cache committed to its device, like every cache a jitted call
@@ -206,6 +209,7 @@ class DeviceLoop:
             pending = self._pending
             if pending is not None and not t.active_rows():
                 (self._state, self._version), self._pending = pending, None
+                self._running_slots = dict(self._staged_slots)
                 t.clear_history()
                 self.stats.weight_swaps += 1
                 pending = None
@@ -296,12 +300,14 @@ class DeviceLoop:
         jobs, taken = [], set[int]()
         for req in self._admitting:
             prompt = np.asarray(req.prompt, np.int32)
+            slot = self._running_slots.get(req.params.adapter or "", 0)
             row, reuse = (
-                t.pick_row(prompt, taken)
+                t.pick_row(prompt, taken, slot)
                 if self._prefix_reuse
                 else (next(r for r in t.free_rows() if r not in taken), 0)
             )
             try:
+                req.slot = self._adapter_slot(req)
                 t.assign(row, req)  # writes nothing unless every field fits
             except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
                 self._fail_request(req, e)
@@ -316,6 +322,16 @@ class DeviceLoop:
         self._admitting = []
         self.stats.cached_tokens += sum(r for _, _, r in jobs)
 
+    def _adapter_slot(self, req: Request) -> int:
+        """The bank slot of the request's adapter in the running weights (0: none);
+        SamplerError if it was removed after the request was accepted."""
+        name = req.params.adapter
+        if name is None:
+            return 0
+        if name not in self._running_slots:
+            raise SamplerError(f"adapter {name!r} was removed before this request started")
+        return self._running_slots[name]
+
     def _prefill(self, jobs) -> None:
         """Writes prompt[reuse:-1] of each job into its row, in chunks of <= prefill_chunk."""
         jobs = [(row, p, reuse) for row, p, reuse in jobs if len(p) - 1 > reuse]
@@ -328,15 +344,16 @@ class DeviceLoop:
         t0 = time.perf_counter()
         for start in range(0, longest, T):
             idx = np.full(b, t.B, np.int32)
+            ada = np.zeros(b, np.int32)
             tok = np.zeros((b, T), np.int32)
             pos = np.full((b, T), -1, np.int32)
             for i, (row, p, reuse) in enumerate(jobs):
                 lo, hi = reuse + start, min(reuse + start + T, len(p) - 1)
-                idx[i] = row
+                idx[i], ada[i] = row, t.arr["adapter"][row]
                 if hi > lo:
                     tok[i, : hi - lo] = p[lo:hi]
                     pos[i, : hi - lo] = np.arange(lo, hi)
-            self._cache = self._prefill_call(self._cache, t.B, idx, tok, pos)
+            self._cache = self._prefill_call(self._cache, t.B, idx, tok, pos, ada)
             self.stats.prefill_calls += 1
         jax.block_until_ready(self._cache)
         self.stats.prefill_s += time.perf_counter() - t0

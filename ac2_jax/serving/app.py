@@ -71,7 +71,7 @@ from ac2_jax.models.tokenizer import Tokenizer
 from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
-from ac2_jax.serving.generation import install_generation_routes
+from ac2_jax.serving.generation import install_generation_routes, served_adapters
 from ac2_jax.serving.messages import install_messages_routes
 from ac2_jax.serving.responses import install_responses_routes
 from ac2_jax.serving.rollout_requests import (
@@ -262,7 +262,11 @@ def build_app(
             entry["learner_step"] = app.state.learner_step
         if principal.is_admin and stats is not None:  # operators watch these
             entry["sampler_stats"] = stats
-        return {"object": "list", "data": [entry]}
+        adapters = [  # LoRA adapters on the same base, by "<model>@<adapter>"
+            {**entry, "id": f"{model_name}@{a}", "parent": model_name, "adapter": a}
+            for a in served_adapters(sampler)
+        ]
+        return {"object": "list", "data": [entry, *adapters]}
 
     @app.post("/v1/admin/load_weights")
     async def load_weights(request: Request):

@@ -89,14 +89,33 @@ def forced_prefix(tokenizer: Tokenizer, req: req_lib.ChatRequest, grammars: bool
     return ""
 
 
+def model_adapter(ctx: ServeContext, name: str) -> str | None:
+    """The LoRA adapter a request's `model` names: None for the served model's name,
+    `a` for "<model_name>@a" (an adapter the sampler serves: `Sampler.adapters`);
+    404 model_not_found for anything else."""
+    base, at, adapter = str(name).partition("@")
+    served = served_adapters(ctx.sampler)
+    if base == ctx.model_name and not at:
+        return None
+    if base == ctx.model_name and adapter in served:
+        return adapter
+    names = [ctx.model_name, *(f"{ctx.model_name}@{a}" for a in served)]
+    raise APIError(
+        404,
+        f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def check_model(ctx: ServeContext, name: str) -> None:
-    if name != ctx.model_name:
-        raise APIError(
-            404,
-            f"The model {name!r} does not exist; this server serves {ctx.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    model_adapter(ctx, name)
+
+
+def served_adapters(sampler) -> list[str]:
+    """The adapters `sampler` serves by name ([] for one without `adapters()`)."""
+    adapters = getattr(sampler, "adapters", None)
+    return list(adapters()) if callable(adapters) else []
 
 
 def agent_label(request: Request, req: req_lib.GenerationRequest) -> str:
@@ -137,6 +156,7 @@ def sampling_params(
             seed=req.seed,
             top_logprobs=req.top_logprobs,
             constraint=constraint,
+            adapter=model_adapter(ctx, req.model),
         )
         return [base if req.seed is None else base.replace(seed=req.seed + i) for i in range(req.n)]
     except ValueError as e:  # the request's fields were checked by `schemas` already

@@ -173,6 +173,7 @@ async def record(ctx: ServeContext, st: RequestState, choices, elapsed: float, t
             request_id=st.response_id,
             choice_index=int(c.index),
             constraint=st.constraint,
+            adapter=req.model.partition("@")[2] or None,  # checked: generation.model_adapter
         )
         for c in choices
     ]

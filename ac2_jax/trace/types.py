@@ -76,6 +76,10 @@ class Completion:
     unconstrained): `output_logprobs` are then log-probs under the grammar's
     mask, which `ac2_jax.sampling.constraints.replay_masks(constraint,
     tokenizer, output_ids)` rebuilds position by position.
+
+    `adapter` names the LoRA adapter the request sampled with (the endpoint's
+    `model` "<name>@<adapter>"; None: the served model itself): the learner
+    that trains on it must score with the same adapter.
     """
 
     prompt_ids: list[int]
@@ -95,6 +99,7 @@ class Completion:
     request_id: str | None = None
     choice_index: int = 0
     constraint: str | None = None
+    adapter: str | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -112,6 +117,8 @@ class Completion:
             del d["request_id"], d["choice_index"]
         if self.constraint is None:  # as older stores wrote it
             del d["constraint"]
+        if self.adapter is None:  # as older stores wrote it
+            del d["adapter"]
         return d
 
     @classmethod

@@ -15,8 +15,14 @@ from flax import nnx
 
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
-from ac2_jax.sampling import (ContextLengthError, Sampler, SamplerError, SamplerUnavailable,
-                              SamplingParams, truncate_at_stop)
+from ac2_jax.sampling import (
+    ContextLengthError,
+    Sampler,
+    SamplerError,
+    SamplerUnavailable,
+    SamplingParams,
+    truncate_at_stop,
+)
 from ac2_jax.sampling.jax_sampler import JaxSampler
 
 CTX = 32
@@ -511,3 +517,66 @@ def test_warmup_needs_a_fixed_cache_length(model):
             s.warmup()
     finally:
         s.close()
+
+
+# ----------------------------------------------------------------- LoRA adapters
+
+
+def _adapted(base, seed, **lora_kw):
+    """`base` plus one random adapter (A and B drawn: a fresh B is zero)."""
+    from ac2_jax.models.lora import LoRAConfig
+    lora = LoRAConfig(**{"rank": 4, "alpha": 8.0, **lora_kw})
+    m = Decoder(CONFIG.replace(lora=lora), rngs=nnx.Rngs(seed))
+    nnx.update(m, nnx.state(base, nnx.Not(nnx.LoRAParam)))
+    state = nnx.state(m, nnx.LoRAParam)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    nnx.update(m, jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape)
+                                            for k, x in zip(keys, leaves, strict=True)]))
+    return m
+
+
+def test_two_adapters_interleaved_in_one_batch_each_give_their_own_outputs(model):
+    """A bank sampler serves the base and two adapters (different ranks and
+    targets) to requests interleaved in one batch: each request's greedy tokens
+    and log-probs are those of its own model (a plain sampler of it, and the
+    learner's forward within 1e-5). Writing an adapter compiles nothing."""
+    from ac2_jax.models.lora import LoRAConfig
+    a = _adapted(model, 1)
+    b = _adapted(model, 2, rank=2, targets=("q", "v", "down"), rslora=True)
+    bank = Decoder(CONFIG.replace(lora=LoRAConfig(rank=4, slots=4)), rngs=nnx.Rngs(0))
+    nnx.update(bank, nnx.state(model, nnx.Param))
+    prompts = [prompt_of(i) for i in range(6)]
+    names = ["a", "b", None, "b", "a", None]
+    refs = {}
+    for name, m in (("a", a), ("b", b), (None, model)):
+        with _sampler(m) as plain:
+            refs[name] = gen_many(plain, [(p, GREEDY) for p in prompts])
+    with _sampler(bank) as s:
+        assert s.adapters() == []
+        with pytest.raises(ValueError, match="adapter"):
+            gen(s, prompts[0], GREEDY.replace(adapter="a"))
+        assert s.add_adapter("a", a) == 1 and s.add_adapter("b", b) == 2
+        assert s.adapters() == ["a", "b"]
+        got = gen_many(s, [(p, GREEDY.replace(adapter=n)) for p, n in zip(prompts, names)])
+        assert s.stats.max_active >= 6  # one batch
+        shapes = s.stats.compiled_shapes
+        s.add_adapter("a", b)  # replace: same shapes, nothing compiles
+        again = gen(s, prompts[0], GREEDY.replace(adapter="a"))
+        assert s.stats.compiled_shapes == shapes
+        s.remove_adapter("b")
+        with pytest.raises(ValueError, match="serves no adapter 'b'"):
+            gen(s, prompts[0], GREEDY.replace(adapter="b"))
+    for i, (n, r) in enumerate(zip(names, got)):
+        ref = refs[n][i]
+        assert r.output_ids == ref.output_ids, (i, n)
+        np.testing.assert_allclose(r.output_logprobs, ref.output_logprobs, atol=1e-5)
+    assert again.output_ids == refs["b"][0].output_ids
+    # the learner's forward of each adapter's own model gives the same log-probs
+    for i in (0, 1):
+        m = {"a": a, "b": b}[names[i]]
+        seq = prompts[i] + got[i].output_ids
+        (_, lps), = learner(m, [seq])
+        np.testing.assert_allclose(lps[len(prompts[i]) - 1:-1], got[i].output_logprobs,
+                                   atol=1e-5)
+    assert refs["a"][0].output_ids != refs[None][0].output_ids  # the adapters matter

@@ -15,15 +15,20 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
+from serving_helpers import forward_logprobs
+from sglang_fake import FakeSGLang
 
 from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
 from ac2_jax.sampling import ContextLengthError, SamplerError, SamplingParams
 from ac2_jax.sampling.sglang import (
-    SGLangError, SGLangSampler, error_message, parse_generate_response, request_error)
+    SGLangError,
+    SGLangSampler,
+    error_message,
+    parse_generate_response,
+    request_error,
+)
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
-from serving_helpers import forward_logprobs
-from sglang_fake import FakeSGLang
 
 CONTEXT = 128  # the fake's --context-length
 
@@ -468,3 +473,53 @@ def test_failed_update_keeps_the_version(server, tok, tmp_path):
     assert s.policy_version == 1
     with pytest.raises(ValueError, match="needs model"):
         SGLangSampler(url, max_context=8).load_weights()
+
+
+def test_lora_adapters_load_route_and_refuse_like_sglang(tok, base, tmp_path):
+    """load_adapter posts SGLang's /load_lora_adapter with a PEFT directory;
+    `SamplingParams.adapter` goes out as `lora_path` and samples that adapter (the
+    log-probs of base + adapter's forward); a name the client did not load is
+    refused before sending; the server's own 400s (a taken name, a name not
+    loaded) come back as ValueError with SGLang's message."""
+    import jax
+
+    from ac2_jax.models.lora import LoRAConfig
+    from ac2_jax.models.peft_io import save_peft_adapter
+    cfg = base.config
+    bank = Decoder(cfg.replace(lora=LoRAConfig(rank=4, slots=3)), rngs=nnx.Rngs(0))
+    nnx.update(bank, nnx.state(base, nnx.Param))
+    one = Decoder(cfg.replace(lora=LoRAConfig(rank=2, targets=("q", "v"))), rngs=nnx.Rngs(3))
+    nnx.update(one, nnx.state(base, nnx.Not(nnx.LoRAParam)))
+    leaves, tree = jax.tree.flatten(nnx.state(one, nnx.LoRAParam))
+    nnx.update(one, jax.tree.unflatten(tree, [0.5 * jax.random.normal(jax.random.PRNGKey(i),
+                                                                      x.shape)
+                                              for i, x in enumerate(leaves)]))
+    save_peft_adapter(one, str(tmp_path / "peft"))
+    fake = FakeSGLang(bank, tok, context_len=CONTEXT, weight_version="0")
+    url, stop = serve_in_thread(fake.app)
+    try:
+        s = SGLangSampler(url, max_context=CONTEXT, vocab_size=tok.vocab_size)
+        params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, adapter="exp1")
+        with pytest.raises(ValueError, match="adapter"):
+            run(s.generate([5, 6, 7], params))
+        assert not [e for e in fake.log if e[0] == "generate"]  # refused before sending
+        s.load_adapter("exp1", str(tmp_path / "peft"))
+        assert s.adapters() == ["exp1"]
+        assert fake.log[-1] == ("load_lora_adapter", {"lora_name": "exp1",
+                                                      "lora_path": str(tmp_path / "peft")})
+        r = run(s.generate([5, 6, 7], params))
+        assert fake.log[-1][1]["lora_path"] == "exp1"
+        lps = forward_logprobs(one, [5, 6, 7] + r.output_ids)[3:]
+        np.testing.assert_allclose(r.output_logprobs, lps, atol=1e-4)
+        with pytest.raises(ValueError, match="already loaded"):
+            s.load_adapter("exp1", str(tmp_path / "peft"))
+        s.remove_adapter("exp1")
+        assert s.adapters() == []
+        # the server refuses a name it does not hold, with SGLang's message
+        body = s.request_body([5, 6, 7], SamplingParams(max_tokens=4))
+        r = httpx.post(url + "/generate", json={**body, "lora_path": "exp1"})
+        assert r.status_code == 400
+        assert "requested LoRA adapters are not loaded" in r.json()["error"]["message"]
+    finally:
+        stop()
+        fake.close()

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ac2_jax.models import build_tiny_tokenizer
-from ac2_jax.sampling import SampleResult, SamplerError
+from ac2_jax.sampling import SamplerError, SampleResult
 from ac2_jax.serving import generation
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
@@ -247,3 +247,82 @@ def test_malformed_tool_calls_are_counted_on_the_rollout(served):
     assert "{not json}" in resp.choices[0].message.content  # left as text, and counted
     status = served["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
     assert status["malformed_tool_calls"] == 1
+
+
+def test_model_at_adapter_routes_to_that_lora_adapter(tmp_path):
+    """`model: "tiny@a"` samples with adapter a of the sampler's bank (the same
+    tokens and log-probs as a server of base + a alone), `tiny` with the base;
+    /v1/models lists the adapters; an unknown adapter is a 404 naming the served
+    ones; the trace records the adapter."""
+    import httpx
+    import jax
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.lora import LoRAConfig
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, initializer_range=0.3,
+                             max_position_embeddings=128)
+    base = Decoder(cfg, rngs=nnx.Rngs(0))
+    one = Decoder(cfg.replace(lora=LoRAConfig(rank=4)), rngs=nnx.Rngs(1))
+    nnx.update(one, nnx.state(base, nnx.Not(nnx.LoRAParam)))
+    leaves, tree = jax.tree.flatten(nnx.state(one, nnx.LoRAParam))
+    keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
+    nnx.update(one, jax.tree.unflatten(tree, [0.5 * jax.random.normal(k, x.shape)
+                                              for k, x in zip(keys, leaves, strict=True)]))
+    bank = Decoder(cfg.replace(lora=LoRAConfig(rank=4, slots=2)), rngs=nnx.Rngs(0))
+    nnx.update(bank, nnx.state(base, nnx.Param))
+    kw = dict(max_context=128, max_batch=2, min_batch=2, min_cache_len=128,
+              eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
+    messages = [{"role": "user", "content": "hello there"}]
+
+    def ask(url, model):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                           max_tokens=8, logprobs=True)
+        return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]
+
+    with JaxSampler(one, **kw) as alone, JaxSampler(base, **kw) as plain:
+        url, stop = serve_in_thread(build_app(alone, tok, admin_key=ADMIN, model_name="tiny"))
+        try:
+            want_a = ask(url, "tiny")
+        finally:
+            stop()
+        url, stop = serve_in_thread(build_app(plain, tok, admin_key=ADMIN, model_name="tiny"))
+        try:
+            want_base = ask(url, "tiny")
+        finally:
+            stop()
+    assert want_a != want_base
+    store = TraceStore(str(tmp_path / "traces.jsonl"))
+    with JaxSampler(bank, **kw) as served:
+        served.add_adapter("a", one)
+        app = build_app(served, tok, admin_key=ADMIN, model_name="tiny", trace_store=store)
+        url, stop = serve_in_thread(app)
+        try:
+            got_a, got_base = ask(url, "tiny@a"), ask(url, "tiny")
+            assert got_a[0] == want_a[0] and got_base[0] == want_base[0]
+            assert got_a[1] == pytest.approx(want_a[1], abs=1e-5)
+            ids = [m["id"] for m in httpx.get(url + "/v1/models", headers={
+                "Authorization": f"Bearer {ADMIN}"}).json()["data"]]
+            assert ids == ["tiny", "tiny@a"]
+            r = httpx.post(url + "/v1/chat/completions", headers={
+                "Authorization": f"Bearer {ADMIN}"}, json={"model": "tiny@b",
+                                                            "messages": messages})
+            assert r.status_code == 404, r.text
+            err = r.json()["error"]
+            assert err["code"] == "model_not_found" and "'tiny@a'" in err["message"]
+            info = httpx.post(url + "/v1/rollouts", headers={"Authorization": f"Bearer {ADMIN}"},
+                              json={"task_id": "t"}).json()
+            client = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                                   max_retries=0, timeout=120)
+            client.chat.completions.create(model="tiny@a", messages=messages, max_tokens=4)
+            httpx.post(f"{url}/v1/rollouts/{info['rollout_id']}/finish",
+                       headers={"Authorization": f"Bearer {ADMIN}"}, json={"reward": 1.0})
+        finally:
+            stop()
+    (trace,) = store.read()
+    comps = [c for ep in trace.episodes for c in ep.completions]
+    assert comps and all(c.adapter == "a" for c in comps)
