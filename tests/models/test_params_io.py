@@ -155,3 +155,33 @@ def test_interrupted_publish_is_never_seen(models, tmp_path, monkeypatch):
     publish_weights(models[2], pub, step=3)
     assert load_published(target, pub) == 3
     assert_same(target, models[2])
+
+
+def test_a_lora_model_publishes_its_adapters_alone(tmp_path):
+    """publish_weights of a LoRA model writes the adapters and their config, not the
+    base: a sampler model with the same base loads them (load_published), and
+    read_published_adapter gives them to a bank; a full-model step is refused."""
+    from ac2_jax.models.lora import LoRAConfig, adapter_params
+    from ac2_jax.models.params_io import read_published_adapter
+
+    lora = LoRAConfig(rank=2, alpha=3.0, targets=("q", "down"), rslora=True)
+    learner = Decoder(CONFIG.replace(lora=lora, scan_layers=True), rngs=nnx.Rngs(0))
+    state = nnx.state(learner, nnx.LoRAParam)
+    nnx.update(learner, jax.tree.map(lambda x: x + 0.5, state))
+    publish_weights(learner, str(tmp_path / "pub"), 7)
+    step_dir = tmp_path / "pub" / "7"
+    size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+    publish_weights(Decoder(CONFIG, rngs=nnx.Rngs(0)), str(tmp_path / "full"), 7)
+    full = sum(f.stat().st_size for f in (tmp_path / "full" / "7").rglob("*") if f.is_file())
+    assert size < full / 2  # the base did not travel
+    sampler = Decoder(CONFIG.replace(lora=lora), rngs=nnx.Rngs(0))  # per-layer layout
+    assert load_published(sampler, str(tmp_path / "pub")) == 7
+    got = adapter_params(sampler)
+    want = adapter_params(with_layout(learner, False))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    params, cfg, step = read_published_adapter(str(tmp_path / "pub"))
+    assert (cfg, step) == (lora, 7)
+    assert jax.tree.structure(params) == jax.tree.structure(adapter_params(learner))
+    with pytest.raises(ValueError, match="full model"):
+        read_published_adapter(str(tmp_path / "full"))
