@@ -28,6 +28,7 @@ from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, demonstration
 from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.recipes import (EvalConfig, PathsConfig, RLRecipeConfig, RolloutConfig,
@@ -185,6 +186,8 @@ def recipe_config(cfg) -> RLRecipeConfig:
         eval=EvalConfig(num_tasks=ev.num_tasks, attempts=ev.attempts,
                         temperature=ev.temperature, concurrency=ev.concurrency,
                         prices=dict(ev.prices)),
+        lora=(None if cfg.get("lora") is None
+              else from_config(LoRAConfig, cfg.lora, path="lora")),
     )
 
 

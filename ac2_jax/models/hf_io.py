@@ -1,4 +1,6 @@
-"""HF checkpoint I/O: `config.json` + safetensors <-> Decoder (Qwen3, Llama, Qwen2, Mistral).
+"""HF checkpoint I/O: `config.json` + safetensors <-> a model of a registered family
+(Qwen3, Llama, Qwen2, Mistral: `Decoder`; Gemma 3: `models.gemma3.Gemma3`), built by
+`build_model` from the config its `model_type` reads.
 
 Reads and writes with the `safetensors` numpy API (no torch). Our matrices
 are [in, out]; HF's are [out, in], so 2-D weights other than the embedding
@@ -23,6 +25,7 @@ from safetensors.numpy import save_file
 
 from ac2_jax.models.config import DecoderConfig
 from ac2_jax.models.decoder import Decoder
+from ac2_jax.models.family import build_model, config_from_hf, get_family
 from ac2_jax.models.lora import LoRAScale
 
 _ADAPTER = nnx.Any(nnx.LoRAParam, LoRAScale)  # the variables a base checkpoint lacks
@@ -59,7 +62,7 @@ def _per_layer(key: tuple, config: DecoderConfig) -> list[tuple]:
 
 
 def _abstract(config: DecoderConfig):
-    return nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
 
 
 def _read_tensors(path: str) -> dict[str, Any]:
@@ -90,9 +93,7 @@ def load_hf_config(
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
     with open(cfg_path) as f:
-        return DecoderConfig.from_hf_config(
-            json.load(f), dtype=dtype, param_dtype=param_dtype, **runtime
-        )
+        return config_from_hf(json.load(f), dtype=dtype, param_dtype=param_dtype, **runtime)
 
 
 def load_hf_checkpoint(
@@ -108,6 +109,9 @@ def load_hf_checkpoint(
     the model's outputs are the base's).
     """
     config = load_hf_config(path, dtype, param_dtype, **runtime)
+    own = getattr(get_family(config.family), "load_hf_weights", None)
+    if own is not None:  # a family with its own tensor layout (MoE experts: models.qwen3_moe)
+        return own(config, path), config
     where = _read_tensors(path)
     graphdef, state = _abstract(config)
     flat = nnx.to_flat_state(state)
@@ -145,10 +149,11 @@ def load_hf_checkpoint(
     return model, config
 
 
-def fresh_adapters(config: DecoderConfig) -> nnx.State:
-    """The adapter variables (LoRA A, B; a bank's scales) a `Decoder(config)` starts
-    with, computed without materialising its base weights (XLA drops them)."""
-    return jax.jit(lambda: nnx.state(Decoder(config, rngs=nnx.Rngs(0)), _ADAPTER))()
+def fresh_adapters(config: DecoderConfig, seed: int = 0) -> nnx.State:
+    """The adapter variables (LoRA A, B; a bank's scales) a model of `config` built
+    with `nnx.Rngs(seed)` starts with, computed without materialising its base
+    weights (XLA drops them)."""
+    return jax.jit(lambda: nnx.state(build_model(config, nnx.Rngs(seed)), _ADAPTER))()
 
 
 def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
@@ -160,6 +165,9 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
             "hf_state_dict / save_hf_checkpoint: the model has LoRA adapters; save a full "
             "checkpoint of merge_lora(model), or the adapters alone with save_peft_adapter"
         )
+    own = getattr(get_family(model.config.family), "hf_state_dict", None)
+    if own is not None:  # a family with its own tensor layout (MoE experts: models.qwen3_moe)
+        return own(model)
     out = {}
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         arr = np.asarray(jax.device_get(var[...]))

@@ -29,12 +29,15 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from ac2_jax.models.decoder import Decoder
+from ac2_jax.models.family import build_model
+from ac2_jax.models.hf_io import fresh_adapters
 from ac2_jax.models.lora import LoRAConfig, LoRAScale, adapter_params
 from ac2_jax.models.stacking import to_layout
 
 __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
+    "add_lora",
     "load_peft_adapter",
     "merge_lora",
     "read_peft_config",
@@ -150,7 +153,7 @@ def load_peft_adapter(model: Decoder, path: str, **lora_overrides: Any) -> Decod
         lora = LoRAConfig(**{**lora.to_dict(), k: v})
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
     config = model.config.replace(lora=lora)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
     base = dict(nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.LoRAParam, LoRAScale)))))
     used, leaves = set(), []
     for key, var in nnx.to_flat_state(state):
@@ -185,6 +188,27 @@ def load_peft_adapter(model: Decoder, path: str, **lora_overrides: Any) -> Decod
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
+def add_lora(model: Decoder, lora: LoRAConfig, seed: int = 0) -> Decoder:
+    """A new Decoder: `model`'s weights (shared, not copied; base_dtype casts them)
+    with fresh adapters of `lora` (A drawn from `seed`, B = 0: the outputs are
+    `model`'s). `model` must have no adapters yet."""
+    if model.config.lora is not None:
+        raise ValueError("add_lora: the model has adapters already (merge_lora first)")
+    config = model.config.replace(lora=lora)
+    fresh = fresh_adapters(config, seed)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
+    base = dict(nnx.to_flat_state(nnx.state(model)))
+    new = dict(nnx.to_flat_state(fresh))
+    leaves = []
+    for key, var in nnx.to_flat_state(state):
+        if key in new:
+            leaves.append((key, new[key]))
+        else:
+            value = base[key][...]
+            leaves.append((key, var.replace(value.astype(var.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
 def merge_lora(model: Decoder) -> Decoder:
     """A Decoder without adapters whose weights are W + scale * A B (in fp32, stored
     in the config's param_dtype): what the LoRA model computes, as one matrix."""
@@ -192,7 +216,7 @@ def merge_lora(model: Decoder) -> Decoder:
     if lora.slots is not None:
         raise ValueError("merge_lora: the model is an adapter bank; merge one adapter")
     config = model.config.replace(lora=None)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
     own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     values = nnx.to_pure_dict(state)
 

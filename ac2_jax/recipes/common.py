@@ -28,6 +28,7 @@ __all__ = [
     "MODELS",
     "Progress",
     "RecipeResult",
+    "export_model",
     "harness_factory",
     "load_model",
     "metrics_logger",
@@ -69,8 +70,37 @@ def _tiny(workdir: str):
     return Decoder(config, rngs=nnx.Rngs(0)), tokenizer
 
 
-def load_model(spec: Any, workdir: str = ".") -> tuple[Any, Any]:
-    """(model, tokenizer) from an HF directory, a preset name, or a (model, tokenizer) pair."""
+def load_model(spec: Any, workdir: str = ".", lora: Any = None, seed: int = 0) -> tuple[Any, Any]:
+    """(model, tokenizer) from an HF directory, a preset name, or a (model, tokenizer)
+    pair; with `lora` (a `LoRAConfig`) the model gets fresh adapters (`add_lora`)
+    and only they train."""
+    model, tokenizer = _load_model(spec, workdir)
+    if lora is not None and getattr(model.config, "lora", None) is None:
+        from ac2_jax.models.peft_io import add_lora
+
+        model = add_lora(model, lora, seed)
+    return model, tokenizer
+
+
+def export_model(model: Any, tokenizer: Any, path: str) -> dict[str, str]:
+    """Writes `model` as an HF checkpoint (+ tokenizer) at `path`; a model with LoRA
+    adapters is merged there and its adapters also go to `path`/adapter in PEFT's
+    format. Returns {"hf_export": path, "adapter": ...}."""
+    from ac2_jax.models.hf_io import save_hf_checkpoint
+
+    out = {"hf_export": path}
+    if getattr(model.config, "lora", None) is not None:
+        from ac2_jax.models.peft_io import merge_lora, save_peft_adapter
+
+        out["adapter"] = os.path.join(path, "adapter")
+        save_peft_adapter(model, out["adapter"])
+        model = merge_lora(model)
+    save_hf_checkpoint(model, path)
+    tokenizer.save_pretrained(path)
+    return out
+
+
+def _load_model(spec: Any, workdir: str) -> tuple[Any, Any]:
     if isinstance(spec, tuple) and len(spec) == 2:
         return spec
     spec = str(spec)

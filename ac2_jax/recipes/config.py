@@ -6,6 +6,12 @@ configs (`RLConfig`, `SFTConfig`, `DistillConfig`, `OptimizerConfig`,
 `rl.concurrency` and nothing else (the collector and the sampler's batch
 follow it). Every field can be set from the command line
 (`--config.rl.optimizer.learning_rate=5e-4`, `ac2_jax.config_cli`).
+
+`lora` (every recipe): None trains every weight; a `LoRAConfig`
+(`--config.lora.rank=16`) trains low-rank adapters on the model as loaded
+(its weights frozen): the optimizer holds the adapters only, the sampler
+serves base + adapters, each publish sends the adapters alone, and the
+export is the merged HF checkpoint plus the adapters in PEFT's format.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.training import DistillConfig, OptimizerConfig, RLConfig, SFTConfig
 from ac2_jax.training.distill.data import HintConfig
 
@@ -121,6 +128,7 @@ class RLRecipeConfig:
     sampler: SamplerConfig = SamplerConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+    lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,7 @@ class SFTRecipeConfig:
     sft: SFTConfig = SFTConfig(steps=100, checkpoint_every=50)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     log: LogConfig = LogConfig()
+    lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +171,4 @@ class DistillRecipeConfig:
     sampler: SamplerConfig = SamplerConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+    lora: LoRAConfig | None = None  # train adapters only (see the module docstring)

@@ -25,6 +25,7 @@ from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
+    export_model,
     harness_factory,
     load_model,
     metrics_logger,
@@ -50,7 +51,6 @@ def _judge(name: str):
 async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
     """`distill` inside a running event loop."""
     import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
-    from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training import SelfDistiller, create_train_state
     from ac2_jax.training.distill.sources import publish_policy
@@ -60,7 +60,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     cfg = config if config is not None else DistillRecipeConfig()
     paths, loop = cfg.paths.resolved(), cfg.loop
     env = check_env(load_env(env), "distill")
-    model, tokenizer = load_model(model, paths.workdir)
+    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     graphdef, state = create_train_state(model, cfg.optimizer, rng=cfg.seed)
     logger = metrics_logger(paths.metrics, cfg.log)
@@ -120,14 +120,13 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     finally:
         dist.close()
     export = os.path.join(paths.reports, "final_hf")
-    save_hf_checkpoint(final, export)
-    tokenizer.save_pretrained(export)
+    exported = export_model(final, tokenizer, export)
     report: dict[str, Any] = {
         "recipe": "distill",
         "method": cfg.distill.method,
         "steps": len(history),
         "skipped_steps": sum(1 for m in history if m.get("skipped")),
-        "hf_export": export,
+        **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "time_s": time.perf_counter() - t_start,
     }
     if before is not None and after is not None:

@@ -22,6 +22,7 @@ from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
+    export_model,
     harness_factory,
     load_model,
     metrics_logger,
@@ -69,14 +70,13 @@ async def arl(
     factory`, for callers whose harness needs more than the env (default:
     `harness_factory`: the env's make_harness or the tool loop)."""
     import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
-    from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer
 
     cfg = config if config is not None else RLRecipeConfig()
     paths = cfg.paths.resolved()
     env = check_env(load_env(env), "rl")
-    model, tokenizer = load_model(model, paths.workdir)
+    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     rl_cfg = cfg.rl
     progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
@@ -121,13 +121,12 @@ async def arl(
             trainer.close()
         after = await evaluate_policy(cfg, env, lifecycle, "after", progress, harness)
     export = os.path.join(paths.reports, "final_hf")
-    save_hf_checkpoint(final, export)
-    tokenizer.save_pretrained(export)
+    exported = export_model(final, tokenizer, export)
     report: dict[str, Any] = {
         "recipe": "rl",
         "steps": len(history),
         "final_pass_rate": history[-1].get("pass_rate") if history else None,
-        "hf_export": export,
+        **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "published": paths.publish,
         "time_s": time.perf_counter() - t_start,
     }

@@ -21,6 +21,7 @@ from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
+    export_model,
     load_model,
     metrics_logger,
     write_json,
@@ -57,7 +58,6 @@ def demo_chats(env, config: SFTRecipeConfig) -> list[tuple[str, list[dict], list
 def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> RecipeResult:
     """Fine-tunes `model` (HF directory, preset name, or (model, tokenizer)) on the
     demonstrations of `env` (or of `config.demos.file`); returns a RecipeResult."""
-    from ac2_jax.models.hf_io import save_hf_checkpoint
     from ac2_jax.training import run_sft
     from ac2_jax.training.sft.demos import demo_segment
 
@@ -67,7 +67,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
         if env is None:
             raise ValueError("sft: give an env (--env) or a demos.file of chats")
         env = check_env(load_env(env), "sft")
-    model, tokenizer = load_model(model, paths.workdir)
+    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     t_start = time.perf_counter()
     segments = [
@@ -92,8 +92,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
         logger.close()
     export = os.path.join(paths.reports, "final_hf")
     final: Any = result.model()
-    save_hf_checkpoint(final, export)
-    tokenizer.save_pretrained(export)
+    exported = export_model(final, tokenizer, export)
     history = result.history
     report = {
         "recipe": "sft",
@@ -101,7 +100,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
         "demonstrations": len(segments),
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
-        "hf_export": export,
+        **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "time_s": time.perf_counter() - t_start,
     }
     write_json(os.path.join(paths.reports, "report.json"), report)

@@ -18,6 +18,10 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            imperfect demos (main + compactor), async RL on every episode
            of every trace
   long_quick  a smoke run of `long`
+  lora     the default job with RL training LoRA adapters (rank 16 on every
+           projection) on the SFT warm start, which stays frozen; the
+           optimizer holds the adapters only, each publish sends them alone
+  lora_quick  a smoke run of `lora`
 """
 
 import ml_collections
@@ -105,7 +109,18 @@ def _long_quick(c):
     return c
 
 
-VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick}
+def _lora(c):
+    c.workdir = "runs/calculator_lora"
+    # A LoRAConfig section (None in the other variants: every weight trains).
+    c.lora = ml_collections.ConfigDict(dict(rank=16, alpha=32.0))
+    # Adapters start at zero and move the model through a rank-16 bottleneck: the
+    # usual LoRA practice is a ~10x larger learning rate than full fine-tuning's.
+    c.rl.optimizer.learning_rate = 1e-3
+    return c
+
+
+VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick,
+            "lora": _lora, "lora_quick": lambda c: _quick(_lora(c))}
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -168,4 +183,6 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # The embedded sampler: warmup=True fixes its cache at max_position_embeddings
     # slots and compiles every shape before the first eval (none during RL).
     c.sampler = ml_collections.ConfigDict(dict(warmup=True))
+    # LoRA for RL (a LoRAConfig: rank, alpha, targets, ...): None trains every weight.
+    c.lora = config_dict.placeholder(ml_collections.ConfigDict)
     return apply(c)

@@ -67,3 +67,38 @@ def test_requests_without_max_tokens_stop_at_the_configured_default(tmp_path):
 
     out = asyncio.run(ask())
     assert out.usage.completion_tokens <= 5
+
+
+def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path):
+    """`lora.rank=4`: the optimizer holds the adapters only (the base is frozen:
+    unchanged after the step), each publish carries the adapters alone, and the
+    export is the merged HF checkpoint plus the adapter in PEFT's format."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.models.peft_io import read_peft_config
+
+    model, tok = load_model("tiny", str(tmp_path / "build"))
+    base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
+                                             "lora.rank=4", "lora.alpha=8",
+                                             "rl.optimizer.learning_rate=1e-2"])
+    result = rl((model, tok), ParityEnv(), cfg)
+    final = result.model
+    assert final.config.lora.rank == 4
+    for key, var in nnx.to_flat_state(nnx.state(final, nnx.Param)):
+        if isinstance(var, nnx.LoRAParam):
+            continue
+        np.testing.assert_array_equal(np.asarray(var[...]), base[key])  # frozen
+    b = [v for k, v in nnx.to_flat_state(nnx.state(final, nnx.LoRAParam)) if k[-1] == "b"]
+    assert any(np.abs(np.asarray(x[...])).max() > 0 for x in b)  # the adapters trained
+    step = tmp_path / "run" / "published" / "1"
+    assert {"lora", "params"} <= set(os.listdir(step))
+    report = result.report
+    assert read_peft_config(report["adapter"]).rank == 4
+    merged, _ = load_hf_checkpoint(report["hf_export"])
+    t = jax.numpy.asarray([[5, 9, 13, 2]])
+    args = (t, jax.numpy.arange(4)[None], jax.numpy.ones_like(t))
+    np.testing.assert_allclose(merged(*args), final(*args), atol=1e-4)
