@@ -67,6 +67,16 @@ from ac2_jax.sampling.constraints import GrammarMatcher, end_token_id
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
 
 
+def _decodes(model: Any) -> bool:
+    """Whether `model` has the decoder cache API the sampler drives (`Decoder`'s:
+    `init_cache`, `decode`; every registered family's model)."""
+    return (
+        isinstance(model, nnx.Module)
+        and all(callable(getattr(model, name, None)) for name in ("init_cache", "decode"))
+        and hasattr(model, "config")
+    )
+
+
 class JaxSampler(DeviceLoop):
     """`Sampler` over a `Decoder` (see `ac2_jax.sampling.base` for the contract).
 
@@ -119,9 +129,11 @@ class JaxSampler(DeviceLoop):
         prefix_reuse: bool = True,
         fixed_shapes: bool = False,
     ):
-        if not isinstance(model, Decoder):
+        if not _decodes(model):
             raise TypeError(
-                f"JaxSampler: model must be an ac2_jax.models.Decoder, got {type(model).__name__}"
+                "JaxSampler: model must be a decoder with a KV cache (an nnx.Module with "
+                "config, init_cache and decode, e.g. ac2_jax.models.Decoder), got "
+                f"{type(model).__name__}"
             )
         cfg = model.config
         self._max_context = int(max_context or cfg.max_position_embeddings)
@@ -249,9 +261,10 @@ class JaxSampler(DeviceLoop):
     def set_weights(self, source: Decoder, version: int) -> int:
         """Copies `source`'s weights (same parameter shapes) in as `version`, like
         `load_weights`: running rows finish on the old weights. Returns version."""
-        if not isinstance(source, Decoder):
+        if not _decodes(source):
             raise TypeError(
-                f"JaxSampler.set_weights: source must be a Decoder, got {type(source).__name__}"
+                f"JaxSampler.set_weights: source must be a decoder model, got "
+                f"{type(source).__name__}"
             )
         if isinstance(version, bool) or not isinstance(version, numbers.Integral):
             raise ValueError(f"JaxSampler.set_weights: version must be an int, got {version!r}")
