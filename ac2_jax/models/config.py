@@ -10,7 +10,7 @@ this decoder shares; a family adds its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
@@ -54,6 +54,11 @@ class DecoderConfig:
     `rope_scaling` is None or an HF rope dict of type "llama3".
 
     Runtime choices (not in the HF config; `RUNTIME_FIELDS`):
+    `scan_layers` and `remat` default to "auto": `models.memory_plan` picks
+    them when the config is built (and logs why): scan_layers=True with
+    remat="full" for models of >= 100M params or whose fast plan would not fit
+    half the device's memory, else per-layer and "none". An explicit value is
+    kept; `replace` keeps the resolved ones (pass "auto" again to re-plan).
     `scan_layers` stores the layers' params stacked [num_layers, ...] and runs
     them under `jax.lax.scan` (compile time independent of depth). Decoding
     then copies each layer's weights and cache slice out of the stacked
@@ -96,8 +101,8 @@ class DecoderConfig:
     rope_scaling: dict | None = None
     sliding_window: int | None = None
     initializer_range: float = 0.02
-    remat: str | bool = "none"
-    scan_layers: bool = False
+    remat: str | bool = "auto"
+    scan_layers: bool | Literal["auto"] = "auto"
     attention_backend: str = "auto"
     attention_block: int = 128
     mlp_backward: str = "custom"
@@ -107,9 +112,14 @@ class DecoderConfig:
     def __post_init__(self):
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT:
+        if self.remat not in (*REMAT, "auto"):
             raise ValueError(
-                f"DecoderConfig.remat must be one of {REMAT} (or a bool), got {self.remat!r}"
+                f"DecoderConfig.remat must be one of {REMAT}, 'auto' (or a bool), "
+                f"got {self.remat!r}"
+            )
+        if isinstance(self.scan_layers, str) and self.scan_layers != "auto":
+            raise ValueError(
+                f"DecoderConfig.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -154,6 +164,12 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if "auto" in (self.scan_layers, self.remat):  # the memory plan picks (and logs)
+            from ac2_jax.models.memory_plan import resolve_runtime
+
+            for name, value in resolve_runtime(self).items():
+                if getattr(self, name) == "auto":
+                    object.__setattr__(self, name, value)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("default", "llama3"):

@@ -16,6 +16,10 @@ A loss may instead read the model: with a `from_model(model: StepModel, batch,
 extras)` method the step calls that (`apply_loss`), so the loss can take
 hidden states and the head and never build [R, L, V] logits (`chunk_size`:
 `ac2_jax.losses.chunked_logits_map`), or run a teacher inside the step.
+`chunk_size="auto"` (the default of SFTLoss / PolicyGradientLoss) picks dense
+logits or a chunk from the batch's shape and the vocabulary when the step is
+traced (`models.memory_plan.logprob_chunk_for`: chunked once the rows' fp32
+logits exceed 320 MiB, e.g. 512 positions of one row at a 151,936 vocabulary).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ac2_jax.losses import (
     token_entropy,
     token_logprobs,
 )
+from ac2_jax.models.memory_plan import AUTO, logprob_chunk_for
 from ac2_jax.registry import Registry
 from ac2_jax.segments import CONSTRAINT_ID, SAMPLER_LOGPROBS
 
@@ -59,13 +64,24 @@ def lm_head_of(model) -> LMHead:
 
 
 def _check_chunk_size(name, chunk_size):
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if (
+        chunk_size is not None
+        and chunk_size != AUTO
+        and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1)
     ):
         raise ValueError(
-            f"{name}.chunk_size must be None (dense logits) or a positive int "
+            f"{name}.chunk_size must be None (dense logits), 'auto' or a positive int "
             f"(positions per chunk, e.g. 1024), got {chunk_size!r}"
         )
+
+
+def resolve_chunk_size(chunk_size, model: StepModel, batch) -> int | None:
+    """A loss's chunk_size for this batch: as set, or for "auto" dense logits (None)
+    or the chunk `logprob_chunk_for` picks from [rows, length] and the vocabulary."""
+    if chunk_size != AUTO:
+        return chunk_size
+    rows, length = batch.tokens.shape[:2]
+    return logprob_chunk_for(rows, length, model.head().vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +163,7 @@ def behaviour_logprobs(logits: jax.Array, batch) -> jax.Array:
 
 
 def model_logprobs(
-    model: StepModel, batch, *, behaviour: bool, entropy: bool, chunk_size: int | None
+    model: StepModel, batch, *, behaviour: bool, entropy: bool, chunk_size: int | str | None
 ):
     """(log p [R, L], entropy [R, L] or None) of batch.targets under the model.
 
@@ -155,8 +171,10 @@ def model_logprobs(
     (`behaviour_logprobs`), else the raw softmax. Entropy (of the raw,
     unmasked softmax: a metric of the model) has its gradient stopped.
     chunk_size None: from dense logits; else from hidden states and the head,
-    `chunk_size` positions at a time (no [R, L, V] array).
+    `chunk_size` positions at a time (no [R, L, V] array); "auto": either, by
+    the batch's shape (`resolve_chunk_size`).
     """
+    chunk_size = resolve_chunk_size(chunk_size, model, batch)
     if chunk_size is None:
         logits = model.logits(batch)
         logp = (
@@ -239,13 +257,14 @@ class SFTLoss(Objective):
     """Masked next-token NLL: l_t = -log p(target_t). Metric: entropy.
 
     chunk_size: None reads dense logits; an int reads hidden states and
-    projects `chunk_size` positions at a time (same values, no [R, L, V]).
+    projects `chunk_size` positions at a time (same values, no [R, L, V]);
+    "auto" (default) picks one of the two per batch shape (`resolve_chunk_size`).
     """
 
     mode: str = "task_mean"
     normalizer: float | None = None
     entropy: bool = True
-    chunk_size: int | None = None
+    chunk_size: int | str | None = AUTO
 
     def __post_init__(self):
         _check_mode("SFTLoss", self.mode)
@@ -259,10 +278,11 @@ class SFTLoss(Objective):
         return self._finish(token_logprobs(logits, batch.targets), ent, batch)
 
     def from_model(self, model: StepModel, batch, extras=None):
-        if self.chunk_size is None:
+        chunk = resolve_chunk_size(self.chunk_size, model, batch)
+        if chunk is None:
             return self(model.logits(batch), batch, extras)
         logp, ent = model_logprobs(
-            model, batch, behaviour=False, entropy=self.entropy, chunk_size=self.chunk_size
+            model, batch, behaviour=False, entropy=self.entropy, chunk_size=chunk
         )
         return self._finish(
             logp,
@@ -294,7 +314,7 @@ class PolicyGradientLoss(Objective):
     tis_cap: float | None = 2.0
     old_logprobs: str = "detached"
     entropy: bool = True
-    chunk_size: int | None = None
+    chunk_size: int | str | None = AUTO
 
     def __post_init__(self):
         _check_mode("PolicyGradientLoss", self.mode)
@@ -348,10 +368,11 @@ class PolicyGradientLoss(Objective):
         return self._finish(behaviour_logprobs(logits, batch), ent, batch, extras)
 
     def from_model(self, model: StepModel, batch, extras=None):
-        if self.chunk_size is None:
+        chunk = resolve_chunk_size(self.chunk_size, model, batch)
+        if chunk is None:
             return self(model.logits(batch), batch, extras)
         logp, ent = model_logprobs(
-            model, batch, behaviour=True, entropy=self.entropy, chunk_size=self.chunk_size
+            model, batch, behaviour=True, entropy=self.entropy, chunk_size=chunk
         )
         return self._finish(
             logp,

@@ -19,6 +19,13 @@ or (losses with `from_model`) from hidden states chunk by chunk and from a
 teacher run inside the step: `step(state, batch, extras, teacher=params)`
 passes a frozen teacher's params (same structure as state.params; never
 donated); without it a teacher is the live params, gradient stopped.
+
+Memory: a DecoderConfig's "auto" runtime fields (scan_layers, remat,
+attention_backend) and the losses' chunk_size "auto" are the memory plan
+(`models.memory_plan`); the step logs it (logger `ac2_jax.models.memory_plan`,
+one INFO line: each choice and why, the estimate against the device's memory)
+each time it compiles for a new batch shape, and warns when the estimate
+exceeds the device's memory.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.losses import loss_weights
 from ac2_jax.models.axes import AxisRules
+from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.memory_plan import log_step_plan
 from ac2_jax.segments import PackedBatch
 from ac2_jax.training.core.distributed import global_batch
 from ac2_jax.training.core.objectives import LossFn, StepModel, apply_loss, model_logprobs
@@ -227,7 +236,23 @@ class TrainStep:
 
     # -- the pure step
 
+    def _log_plan(self, state: TrainState, batch) -> None:
+        """Logs the memory plan for this batch shape: runs when the step is traced,
+        so once per compiled shape. Models without a DecoderConfig are skipped."""
+        config = getattr(
+            StepModel(self.graphdef, state.params, state.rest).module(), "config", None
+        )
+        if isinstance(config, DecoderConfig):
+            log_step_plan(
+                config,
+                rows=max(batch.tokens.shape[0] // self.grad_accum, 1),
+                tokens=batch.tokens.shape[1],
+                logprob_chunk=getattr(self.loss_fn, "chunk_size", None),
+                device=self.devices[0],
+            )
+
     def _update(self, state: TrainState, batch, extras, teacher):
+        self._log_plan(state, batch)
         row = NamedSharding(
             self.mesh, P(None, tuple(a for a in BATCH_AXES if a in self.mesh.shape))
         )
@@ -352,7 +377,7 @@ class TrainStep:
     def logprobs(self, state: TrainState, batch) -> jax.Array:
         """Learner log-probs of batch.targets [R, L] under the batch's sampling
         parameters (`behaviour_logprobs`: e.g. PPO old log-probs), chunked like
-        the loss (its `chunk_size`, if any)."""
+        the loss (its `chunk_size`, if any; "auto" by the batch's shape)."""
         chunk = getattr(self.loss_fn, "chunk_size", None)
 
         def f(s, b):
@@ -387,6 +412,8 @@ def make_train_step(
     state on the mesh. The input state is donated (donate=False keeps it).
     `step(state, batch, extras, teacher=params)` hands losses that run a
     teacher a frozen copy of the params (default: the live params).
+    The model's memory plan (scan, remat, attention kernel, the loss's log-prob
+    chunking: `models.memory_plan`) is logged when the step compiles.
     cpu_memory_scheduler: on CPU, compile with XLA's memory-optimized scheduler
     (`CPU_MEMORY_SCHEDULER`: one params-sized set of temporaries fewer at peak).
     xla_options: further XLA debug options for this step's compile only, e.g.

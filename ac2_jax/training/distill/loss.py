@@ -29,6 +29,7 @@ from ac2_jax.losses import (
     sampled_token_advantage,
     token_logprobs,
 )
+from ac2_jax.models.memory_plan import AUTO, logprob_chunk_for
 from ac2_jax.training.core.objectives import StepModel
 from ac2_jax.training.core.train_step import forward
 from ac2_jax.training.distill.data import PairedBatch
@@ -67,7 +68,11 @@ def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
 
 
 def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
-    """fn([student logits, teacher logits], per_token) densely or chunk by chunk."""
+    """fn([student logits, teacher logits], per_token) densely or chunk by chunk
+    ("auto": chunked when both sides' fp32 logits exceed `logprob_chunk_for`'s bound)."""
+    if chunk_size == AUTO:
+        rows, length = student_hidden.shape[:2]
+        chunk_size = logprob_chunk_for(2 * rows, length, model.head().vocab_size)
     if chunk_size is None:
         return fn(
             [model.project(student_hidden), model.project(teacher_h, teacher=True)], per_token
@@ -87,7 +92,8 @@ class DistillLoss:
     In the train step (`from_model`) the teacher runs inside it on the rows
     of `teacher_extras` (live: the params; or the step's `teacher` params),
     gradient stopped. chunk_size None: dense logits; an int: both sides are
-    projected `chunk_size` positions at a time (same values, no [R, L, V]).
+    projected `chunk_size` positions at a time (same values, no [R, L, V]);
+    "auto" (default): one of the two by the batch's shape (`models.memory_plan`).
     Called directly, `loss(logits, batch, extras)` takes extras
     ["teacher_logits"] [R, L, V] aligned with the batch (the dense reference).
     Metrics: kl (reverse KL, student || teacher), student_logp, teacher_logp
@@ -100,7 +106,7 @@ class DistillLoss:
     temperature: float = 1.0
     mode: str = "task_mean"
     normalizer: float | None = None
-    chunk_size: int | None = None
+    chunk_size: int | str | None = AUTO
 
     def __post_init__(self):
         if self.kind not in DIVERGENCES:
@@ -111,10 +117,10 @@ class DistillLoss:
         if self.mode not in MODES:
             raise ValueError(f"DistillLoss.mode must be one of {MODES}, got {self.mode!r}")
         c = self.chunk_size
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        if c is not None and c != AUTO and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(
-                f"DistillLoss.chunk_size must be None (dense logits) or a positive "
-                f"int (positions per chunk), got {c!r}"
+                f"DistillLoss.chunk_size must be None (dense logits), 'auto' or a "
+                f"positive int (positions per chunk), got {c!r}"
             )
 
     def _terms(self, logits, x):

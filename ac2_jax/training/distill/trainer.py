@@ -76,7 +76,7 @@ class DistillConfig:
     checkpoint_every: updates between checkpoints when run with a workdir
     (0: only explicit `save()`); keep_checkpoints: newest kept (None: all).
     chunk_size: positions per chunk of the loss's logits (`DistillLoss`;
-    None: dense [R, L, V] logits).
+    None: dense [R, L, V] logits; "auto": by the batch's shape).
     """
 
     method: str = "opsd"
@@ -95,7 +95,7 @@ class DistillConfig:
     skip_empty: bool = True
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
-    chunk_size: int | None = None
+    chunk_size: int | str | None = "auto"
 
     def __post_init__(self):
         if self.checkpoint_every < 0:

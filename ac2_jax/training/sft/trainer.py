@@ -46,7 +46,8 @@ class SFTConfig:
     truncate: bool = False
     layout: str = "flat"  # "tree": shared prefixes (system prompt, tools) computed once
     mode: str = "task_mean"
-    chunk_size: int | None = None  # log-probs chunk_size positions at a time (None: dense)
+    # log-probs chunk_size positions at a time (None: dense; "auto": by the batch's shape)
+    chunk_size: int | str | None = "auto"
     grad_accum: int = 1
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
