@@ -34,3 +34,22 @@ def test_a_step_with_nothing_kept_makes_no_update_and_says_so(tmp_path):
                                                   f"paths.workdir={tmp_path / 'run'}"])
     r = distill(model, ParityEnv(), cfg).report
     assert r["skipped_steps"] == r["steps"] == 1
+
+
+def test_opsd_with_lora_trains_the_adapters_only(tmp_path):
+    import numpy as np
+    from flax import nnx
+    model, tok = load_model("tiny", str(tmp_path / "build"))
+    base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    cfg = load_config(DistillRecipeConfig, None, [*SMALL, f"paths.workdir={tmp_path / 'run'}",
+                                                  "lora.rank=4", "optimizer.learning_rate=1e-2"])
+    result = distill((model, tok), ParityEnv(), cfg)
+    assert result.report["steps"] == 1 and "adapter" in result.report
+    final = result.model
+    moved = 0
+    for key, var in nnx.to_flat_state(nnx.state(final, nnx.Param)):
+        if isinstance(var, nnx.LoRAParam):
+            moved += int(np.abs(np.asarray(var[...])).max() > 0 and key[-1] == "b")
+        else:
+            np.testing.assert_array_equal(np.asarray(var[...]), base[key])
+    assert moved > 0

@@ -45,3 +45,20 @@ def test_sft_without_env_or_file_says_what_to_give(tmp_path):
     cfg = load_config(SFTRecipeConfig, None, [f"paths.workdir={tmp_path}"])
     with pytest.raises(ValueError, match="give an env"):
         sft("tiny", None, cfg)
+
+
+def test_sft_with_lora_learns_through_the_adapters_alone(tmp_path):
+    """`lora.rank=8`: the loss falls with the base frozen; the export is merged HF +
+    the PEFT adapter."""
+    from ac2_jax.models.peft_io import read_peft_config
+    cfg = load_config(SFTRecipeConfig, None, [
+        f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=8", "sft.steps=12",
+        "sft.batch_rows=4", "sft.seq_len=128", "sft.checkpoint_every=0", "lora.rank=8",
+        "lora.alpha=16", "optimizer.learning_rate=1e-1", "log.progress=false"])
+    result = sft(load_model("tiny", str(tmp_path / "build")), ParityEnv(), cfg)
+    r = result.report
+    # A random base with its embeddings and head frozen learns slower than a full
+    # fine-tune (6.31 -> 5.13 here, full: below half); with the adapters frozen it
+    # would not move at all.
+    assert r["final_loss"] < 0.9 * r["first_loss"]
+    assert result.model.config.lora.rank == 8 and read_peft_config(r["adapter"]).rank == 8
