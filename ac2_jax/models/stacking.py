@@ -56,8 +56,9 @@ def with_layout(model: Decoder, scan_layers: bool, **changes) -> Decoder:
     other config `changes` (e.g. remat, dtype; params cast to the new param_dtype).
     A new model; `model` is untouched."""
     config = model.config.replace(scan_layers=scan_layers, **changes)
-    graphdef, params, *rest = nnx.split(nnx.eval_shape(lambda: Decoder(config)), nnx.Param, ...)
+    graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config)), nnx.Param, ...)
     values = to_layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)), scan_layers)
     values = jax.tree.map(lambda a, x: jnp.asarray(x, a.dtype), nnx.to_pure_dict(params), values)
     nnx.replace_by_pure_dict(params, values)
-    return nnx.merge(graphdef, params, *rest)
+    rest = nnx.state(model, nnx.Not(nnx.Param))  # not per layer (e.g. a LoRA bank's scales)
+    return nnx.merge(graphdef, params, rest)
