@@ -1,6 +1,7 @@
 """Models: the model protocol (`CausalLM`) and family registry (`register_family`), the
-Flax NNX decoder (the Qwen3, Llama, Qwen2 / Qwen2.5 and Mistral families), HF and Orbax weight I/O,
-the tokenizer with its chat templates and tool-call parsers."""
+Flax NNX decoder (the Qwen3, Llama, Qwen2 / Qwen2.5 and Mistral families), the Gemma 3 text
+decoder (`Gemma3`, family "gemma3_text"), HF and Orbax weight I/O, the tokenizer with its chat
+templates and tool-call parsers."""
 
 from ac2_jax.models.attention import attention, choose_backend, dense_attention
 from ac2_jax.models.attention_mask import AttentionMask
@@ -17,6 +18,7 @@ from ac2_jax.models.family import (
     get_family,
     register_family,
 )
+from ac2_jax.models.gemma3 import Gemma3, Gemma3Config
 from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from ac2_jax.models.layers import apply_rope, rope_inv_freq
 from ac2_jax.models.params_io import (
@@ -45,6 +47,8 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "KVCache",
+    "Gemma3",
+    "Gemma3Config",
     "CausalLM",
     "FAMILIES",
     "ModelFamily",

@@ -1,6 +1,8 @@
 """The built-in model families: Qwen3, Llama, Qwen2 / Qwen2.5 and Mistral, all the
-`Decoder` of `DecoderConfig`; Qwen3-MoE / Qwen2-MoE (`models.qwen3_moe`: `MoEDecoder`
-of `MoEDecoderConfig`), registered by importing their module here.
+`Decoder` of `DecoderConfig`; Gemma 3 (`gemma3_text`), in its own module
+(`models.gemma3`: `Gemma3` of `Gemma3Config`), registered by importing it here;
+Qwen3-MoE / Qwen2-MoE (`models.qwen3_moe`: `MoEDecoder` of `MoEDecoderConfig`),
+likewise.
 
 They differ in the per-head q/k RMSNorm (Qwen3's `qk_norm`), the q/k/v
 projection biases (Qwen2's `attention_bias`), the sliding window of every
@@ -16,6 +18,7 @@ from typing import Any
 from flax import nnx
 
 import ac2_jax.models.qwen3_moe  # noqa: F401  (registers "qwen3_moe", "qwen2_moe")
+from ac2_jax.models import gemma3  # noqa: F401  (registers "gemma3_text")
 from ac2_jax.models.config import DecoderConfig, decoder_config_from_hf, decoder_hf_config
 from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.family import ModelFamily, register_family

@@ -1,0 +1,787 @@
+"""Gemma 3 text decoder (HF `Gemma3ForCausalLM`, model_type "gemma3_text") in Flax NNX.
+
+What differs from `Decoder` (the math of transformers' `modeling_gemma3.py`):
+
+* RMSNorm scales by (1 + w), in fp32, then casts (weights start at zero);
+  four per layer: input, post_attention (on the attention's output, before
+  the residual add), pre_feedforward, post_feedforward (on the MLP's output).
+* Embeddings are multiplied by sqrt(hidden_size) (cast to the embedding's
+  dtype first, as HF does); the head is tied by default.
+* MLP: down(gelu_tanh(gate x) * up x).
+* Attention: per-head q/k RMSNorm (the (1 + w) kind), scores scaled by
+  query_pre_attn_scalar ** -0.5 (folded into q's norm weight here, so the
+  shared kernels' 1/sqrt(head_dim) gives it: RoPE is linear, the scale
+  commutes with it).
+* Layers are "sliding_attention" (a query at position p sees keys at
+  positions > p - sliding_window of its segment; RoPE base `rope_local_theta`)
+  or "full_attention" (causal; RoPE base `rope_theta` with `rope_scaling`,
+  None or "linear"), per `layer_types`.
+
+The projections, q/k norms, RoPE, the KV cache and LoRA adapters are
+`models.layers`' (`attention_apply`, `_proj` / `_adapted`, `MLP`,
+`_add_lora`), run with `Gemma3Config.layer_config()`, the `DecoderConfig`
+view of one layer's shape. The per-layer window and RoPE choice are data (a
+flag per layer, scanned beside the stacked params under `scan_layers`): a
+windowed `AttentionMask` whose positions are zeroed on full layers is the
+full mask; dense masks and RoPE tables are picked with `jnp.where`.
+
+KV cache: `init_cache` is full-length on every layer (a `KVCache` with no
+window): sliding layers mask it by their window but keep every slot, so a
+sliding layer's cache grows with the sequence (no ring here, unlike
+`Decoder`'s windowed cache). `decode` has `Decoder.decode`'s contract.
+
+Not supported (refused by name): logit / attention soft-capping (Gemma 2's;
+null in every Gemma 3), bidirectional attention, attention biases, another
+activation, RoPE types other than default / linear, the multimodal
+`Gemma3ForConditionalGeneration` checkpoints (model_type "gemma3"), and
+`mlp_backward="custom"` (that custom VJP is SwiGLU's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ac2_jax.losses import LMHead
+from ac2_jax.models.attention import choose_backend
+from ac2_jax.models.attention_mask import AttentionMask
+from ac2_jax.models.config import ATTENTION_BACKENDS, REMAT, DecoderConfig, dtype_name
+from ac2_jax.models.decoder import _POLICIES, KVCache, _check_2d
+from ac2_jax.models.family import FAMILIES, ModelFamily, get_family, register_family
+from ac2_jax.models.layers import (
+    MLP,
+    _adapted,
+    _add_lora,
+    _dot,
+    _param,
+    _zeros,
+    attention_apply,
+    rope_cos_sin,
+)
+from ac2_jax.models.lora import LoRAConfig, LoRAScale
+
+__all__ = ["Gemma3", "Gemma3Config", "Gemma3Family", "gemma3_config_from_hf"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+RUNTIME_FIELDS = (
+    "scan_layers",
+    "remat",
+    "attention_backend",
+    "attention_block",
+    "mlp_backward",
+    "proj_backward",
+    "lora",
+)
+_HF_ZERO = {  # config.json fields Gemma 3 sets this way, and we support only this way
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+    "attention_bias": False,
+}
+
+
+def default_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """HF's default: every `pattern`-th layer full, the others sliding."""
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config:
+    """Hyper-parameters of a Gemma 3 text decoder (HF `Gemma3TextConfig`'s names in brackets).
+
+    layer_types [layer_types]: one of "sliding_attention" / "full_attention"
+    per layer (empty: HF's default, every 6th layer full). sliding_window
+    [sliding_window]: the window of the sliding layers (None: they see the
+    whole causal context). rope_theta: the full layers' RoPE base, with
+    `rope_scaling` (None or {"rope_type": "linear", "factor": f});
+    rope_local_theta: the sliding layers' ([rope_parameters] full_attention /
+    sliding_attention). query_pre_attn_scalar: scores are scaled by its
+    -1/2 power. pad / bos / eos token ids are carried for the config.json.
+    dtype / param_dtype and the runtime fields (`RUNTIME_FIELDS`) as in
+    `DecoderConfig` (scan_layers / remat "auto": `models.memory_plan` picks);
+    `mlp_backward` must be "autodiff".
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = 4096
+    query_pre_attn_scalar: float = 256
+    rope_theta: float = 1_000_000.0
+    rope_local_theta: float = 10_000.0
+    rope_scaling: dict | None = None
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 131_072
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    family: str = "gemma3_text"
+    initializer_range: float = 0.02
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | tuple[int, ...] | None = 1
+    remat: str | bool = "auto"
+    scan_layers: bool | str = "auto"
+    attention_backend: str = "auto"
+    attention_block: int = 128
+    mlp_backward: str = "autodiff"
+    proj_backward: str = "custom"
+    lora: LoRAConfig | None = None
+
+    def __post_init__(self):
+        setattr_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        if isinstance(self.remat, bool):
+            setattr_("remat", "full" if self.remat else "none")
+        if not self.layer_types:
+            setattr_("layer_types", default_layer_types(int(self.num_layers)))
+        setattr_("layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, list):
+            setattr_("eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.lora, dict):
+            setattr_("lora", LoRAConfig(**self.lora))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"Gemma3Config.{name} must be > 0, got {getattr(self, name)}")
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(
+                f"Gemma3Config.layer_types must name {SLIDING!r} or {FULL!r} for each of the "
+                f"{self.num_layers} layers, got {self.layer_types}"
+            )
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise ValueError(
+                f"Gemma3Config.sliding_window must be None or > 0, got {self.sliding_window}"
+            )
+        if not float(self.query_pre_attn_scalar) > 0:
+            raise ValueError(
+                f"Gemma3Config.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}"
+            )
+        kind = _rope_kind(self.rope_scaling)
+        if kind not in ("default", "linear"):
+            raise ValueError(
+                f"Gemma3Config.rope_scaling: rope_type {kind!r} is not supported "
+                "(only 'default' and 'linear')"
+            )
+        if self.remat not in (*REMAT, "auto"):
+            raise ValueError(
+                f"Gemma3Config.remat must be one of {REMAT}, 'auto' (or a bool), got {self.remat!r}"
+            )
+        if isinstance(self.scan_layers, str) and self.scan_layers != "auto":
+            raise ValueError(
+                f"Gemma3Config.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"Gemma3Config.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.mlp_backward != "autodiff":
+            raise ValueError(
+                f"Gemma3Config.mlp_backward must be 'autodiff' (Gemma's GeGLU MLP has no "
+                f"custom backward; 'custom' is SwiGLU's), got {self.mlp_backward!r}"
+            )
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise TypeError(
+                f"Gemma3Config.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
+            )
+        if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
+            raise ValueError(
+                f"Gemma3Config.family must be a family of this config ('gemma3_text'), "
+                f"got {self.family!r}"
+            )
+        if self.lora is not None:
+            get_family(self.family).check_lora_targets(self.lora.targets)
+        if "auto" in (self.scan_layers, self.remat):  # as DecoderConfig: the memory plan picks
+            from ac2_jax.models.memory_plan import resolve_runtime
+
+            for name, value in resolve_runtime(self).items():
+                if getattr(self, name) == "auto":
+                    setattr_(name, value)
+        self.layer_config()  # validates the shape (heads, head_dim, dtypes, backward)
+
+    def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
+        return hash(
+            repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
+        )
+
+    @property
+    def qk_norm(self) -> bool:  # for `models.memory_plan`'s parameter count
+        return True
+
+    @property
+    def attention_bias(self) -> bool:
+        return False
+
+    @property
+    def sliding(self) -> tuple[bool, ...]:
+        """Per layer: whether it is a sliding-window layer (local RoPE, windowed mask)."""
+        return tuple(t == SLIDING for t in self.layer_types)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer's mask has a window."""
+        return self.sliding_window is not None and any(self.sliding)
+
+    @property
+    def base_dtype(self) -> Any:
+        """The storage dtype of the base weights: `lora.base_dtype` if set, else param_dtype."""
+        if self.lora is not None and self.lora.base_dtype is not None:
+            return jnp.dtype(self.lora.base_dtype)
+        return self.param_dtype
+
+    def layer_config(self) -> DecoderConfig:
+        """The `DecoderConfig` view of one layer that `models.layers`' functions read
+        (shapes, dtypes, qk-norm, kernels, LoRA); its family and RoPE fields are unused."""
+        return DecoderConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            qk_norm=True,
+            rms_eps=self.rms_eps,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            family="qwen3",  # a DecoderConfig family; nothing here reads it
+            initializer_range=self.initializer_range,
+            attention_backend=self.attention_backend,
+            attention_block=self.attention_block,
+            mlp_backward="autodiff",
+            proj_backward=self.proj_backward,
+            lora=self.lora,
+            scan_layers=bool(self.scan_layers),  # explicit: nothing to plan for a view
+            remat="none",
+        )
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, **overrides) -> Gemma3Config:
+        """A few-thousand-parameter Gemma 3 (4 layers: sliding, full, sliding, full)."""
+        kw: dict[str, Any] = dict(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            layer_types=(SLIDING, FULL, SLIDING, FULL),
+            sliding_window=8,
+            query_pre_attn_scalar=8,
+            max_position_embeddings=2048,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **changes) -> Gemma3Config:
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF `config.json` dict (Gemma3ForCausalLM)."""
+        return get_family(self.family).config_to_hf(self)
+
+
+def _rope_kind(scaling: dict | None) -> str:
+    if scaling is None:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_inv_freqs(c: Gemma3Config) -> tuple[np.ndarray, np.ndarray]:
+    """(local, global) inverse RoPE frequencies [head_dim // 2]: the sliding layers'
+    (base rope_local_theta) and the full layers' (base rope_theta, divided by a
+    linear scaling's factor)."""
+    d = c.head_dim
+
+    def inv(base: float) -> np.ndarray:
+        return 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+
+    glob = inv(c.rope_theta)
+    if _rope_kind(c.rope_scaling) == "linear":
+        assert c.rope_scaling is not None
+        glob = glob / float(c.rope_scaling["factor"])
+    return inv(c.rope_local_theta).astype(np.float32), glob.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def gemma_norm(weight: jax.Array, x: jax.Array, eps: float, dtype) -> jax.Array:
+    """x / rms(x) * (1 + weight) over the last axis, in fp32, then cast (HF's Gemma3RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(dtype)
+
+
+def _attention(c: Gemma3Config, v: DecoderConfig, w: dict, x, rope, mask, backend, cache, lora):
+    """Gemma's attention through `layers.attention_apply`: its q/k norm weights become
+    (1 + w), q's times sqrt(head_dim / query_pre_attn_scalar) (the kernels divide
+    scores by sqrt(head_dim))."""
+    s = math.sqrt(c.head_dim / float(c.query_pre_attn_scalar))
+    qn = (1.0 + w["q_norm"]["weight"].astype(jnp.float32)) * s
+    kn = 1.0 + w["k_norm"]["weight"].astype(jnp.float32)
+    view = {**w, "q_norm": {"weight": qn}, "k_norm": {"weight": kn}}
+    return attention_apply(v, view, x, rope, mask, backend, cache, lora)
+
+
+def mlp_apply(v: DecoderConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
+    """down(gelu_tanh(gate x) * up x), each projection plus its LoRA delta if it has one."""
+    dt = v.dtype
+    x = x.astype(dt)
+    g = _adapted(v, _dot(x, w["gate_proj"], dt), x, w, "gate", lora)
+    u = _adapted(v, _dot(x, w["up_proj"], dt), x, w, "up", lora)
+    h = jax.nn.gelu(g, approximate=True) * u
+    return _adapted(v, _dot(h, w["down_proj"], dt), h, w, "down", lora)
+
+
+def block_apply(c: Gemma3Config, v: DecoderConfig, w: dict, x, rope, mask, backend, cache, lora):
+    """One Gemma 3 layer: x + post_norm(attn(norm x)), then + post_ff_norm(mlp(pre_ff_norm x)).
+    Returns (x, cache) (`layers.attention_apply`'s cache contract)."""
+    eps, dt = c.rms_eps, c.dtype
+    h = gemma_norm(w["input_layernorm"]["weight"], x, eps, dt)
+    a, cache = _attention(c, v, w["self_attn"], h, rope, mask, backend, cache, lora)
+    x = x + gemma_norm(w["post_attention_layernorm"]["weight"], a, eps, dt)
+    h = gemma_norm(w["pre_feedforward_layernorm"]["weight"], x, eps, dt)
+    m = mlp_apply(v, w["mlp"], h, lora)
+    return x + gemma_norm(w["post_feedforward_layernorm"]["weight"], m, eps, dt), cache
+
+
+def _pick(flag, sliding, full):
+    """The sliding layer's (mask or RoPE tables) where `flag`, else the full layer's.
+
+    flag: a Python bool (layers in a loop) or a traced bool (under scan). A
+    windowed AttentionMask becomes the full one by zeroing its positions (the
+    window compares position differences), so blocked kernels keep one mask
+    structure for every layer."""
+    if isinstance(flag, bool):
+        return sliding if flag else full
+    if sliding is full:
+        return full
+    if isinstance(sliding, AttentionMask):
+        f = flag.astype(jnp.int32)
+        return sliding.replace(q_pos=sliding.query_pos * f, kv_pos=sliding.key_pos * f)
+    return jax.tree.map(lambda s, a: jnp.where(flag, s, a), sliding, full)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Norm(nnx.Module):
+    """Gemma's RMSNorm weight [dim] ([stack, dim] when stacked), zero at init (scale 1 + w)."""
+
+    def __init__(self, dim: int, eps: float, dtype, param_dtype, stack: int | None = None):
+        self.eps, self.dtype = eps, dtype
+        self.weight = _param(None, _zeros, (dim,), param_dtype, (None,), stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return gemma_norm(self.weight[...], x, self.eps, self.dtype)
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections ([in, out]), q/k norms (Gemma's), LoRA adapters per config."""
+
+    def __init__(self, c: Gemma3Config, rngs: nnx.Rngs, stack: int | None = None):
+        v = c.layer_config()
+        init = nnx.initializers.normal(c.initializer_range)
+        D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.base_dtype
+        shapes = {
+            "q": (D, H * hd, ("embed", "heads")),
+            "k": (D, K * hd, ("embed", "kv")),
+            "v": (D, K * hd, ("embed", "kv")),
+            "o": (H * hd, D, ("heads", "embed")),
+        }
+        for name, (n_in, n_out, names) in shapes.items():
+            setattr(self, f"{name}_proj", _param(rngs, init, (n_in, n_out), pd, names, stack))
+        self.q_norm = Norm(hd, c.rms_eps, c.dtype, pd, stack)
+        self.k_norm = Norm(hd, c.rms_eps, c.dtype, pd, stack)
+        _add_lora(self, v, rngs, shapes, stack)
+
+
+class Block(nnx.Module):
+    """One layer's params (HF names), or `stack` layers' stacked on a leading axis."""
+
+    def __init__(self, c: Gemma3Config, rngs: nnx.Rngs, stack: int | None = None):
+        D, eps, dt, pd = c.hidden_size, c.rms_eps, c.dtype, c.base_dtype
+        self.input_layernorm = Norm(D, eps, dt, pd, stack)
+        self.self_attn = Attention(c, rngs, stack)
+        self.post_attention_layernorm = Norm(D, eps, dt, pd, stack)
+        self.pre_feedforward_layernorm = Norm(D, eps, dt, pd, stack)
+        self.mlp = MLP(c.layer_config(), rngs, stack)
+        self.post_feedforward_layernorm = Norm(D, eps, dt, pd, stack)
+
+
+class Gemma3(nnx.Module):
+    """Scaled embeddings, num_layers x Gemma 3 layer, Norm, head (tied by default).
+
+    Meets `models.family.CausalLM` for packed rows and has `Decoder`'s cache
+    API (`init_cache`, `decode`); param names and layouts as `Decoder`'s
+    (`layers.{i}.self_attn.q_proj` ..., stacked under `scan_layers`), so
+    `hf_io`, `stacking` and `peft_io` read and write it.
+    """
+
+    def __init__(self, config: Gemma3Config, rngs: nnx.Rngs | None = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        c = self.config = config
+        init = nnx.initializers.normal(c.initializer_range)
+        pd = c.base_dtype
+        self.embed_tokens = _param(
+            rngs, init, (c.vocab_size, c.hidden_size), pd, ("vocab", "embed")
+        )
+        self.layers: Block | nnx.List
+        if c.scan_layers:
+            self.layers = Block(c, rngs, stack=c.num_layers)
+        else:
+            self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
+        self.norm = Norm(c.hidden_size, c.rms_eps, c.dtype, pd)
+        if not c.tie_embeddings:
+            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), pd, ("embed", "vocab"))
+        if c.lora is not None and c.lora.slots is not None:
+            self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
+
+    # -- shared pieces
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, L] -> [B, L, D] times sqrt(hidden_size) (in the embedding's dtype, as
+        HF rounds it), in the compute dtype."""
+        table = self.embed_tokens[...]
+        scale = jnp.asarray(self.config.hidden_size**0.5, jnp.float32).astype(table.dtype)
+        return (jnp.take(table, tokens, axis=0) * scale).astype(self.config.dtype)
+
+    def head(self) -> LMHead:
+        """The output projection: the embedding [V, D] when tied, else lm_head [D, V]."""
+        if self.config.tie_embeddings:
+            return LMHead(self.embed_tokens[...], "vd")
+        return LMHead(self.lm_head[...], "dv")
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states [..., D] -> fp32 logits [..., V] (`head().logits`)."""
+        return self.head().logits(hidden)
+
+    def _backend(self, kind: str, q_len: int) -> str:
+        c = self.config
+        backend = choose_backend(
+            c.attention_backend,
+            kind=kind,
+            q_len=q_len,
+            dtype=c.dtype,
+            head_dim=c.head_dim,
+            block=c.attention_block,
+        )
+        if c.windowed and backend in ("pallas_gpu", "splash_tpu"):
+            return "dense"  # they take no window
+        return backend
+
+    def _ropes(self, positions: jax.Array):
+        """(local, global) `rope_cos_sin` tables of positions [B, L]."""
+        local, glob = rope_inv_freqs(self.config)
+        return tuple(rope_cos_sin(positions, jnp.asarray(f)) for f in (local, glob))
+
+    def _lora_rows(self, adapter_ids: jax.Array | None, batch: int):
+        c = self.config
+        if c.lora is None or c.lora.slots is None:
+            if adapter_ids is not None:
+                raise ValueError(
+                    "Gemma3: adapter_ids given, but the model has no adapter bank "
+                    "(Gemma3Config.lora.slots)"
+                )
+            return None
+        ids = jnp.zeros((batch,), jnp.int32) if adapter_ids is None else adapter_ids
+        ids = ids.astype(jnp.int32)
+        return ids, jnp.take(self.lora_scale[...], ids, axis=0)
+
+    def _run_layers(self, x, ropes, masks, backend, lora, cache=None):
+        """All layers over x; `cache` as `Decoder.decode` passes it (None: packed rows).
+        Returns (x, new k / v for a stacked cache or the per-layer tuples)."""
+        c, v = self.config, self.config.layer_config()
+        params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        flags = c.sliding
+
+        def layer(w, x, rope, mask, kv=None):
+            return block_apply(c, v, w, x, rope, mask, backend, kv, lora)
+
+        if cache is None and c.remat != "none":
+            layer = jax.checkpoint(
+                layer, policy=_POLICIES[str(c.remat)], prevent_cse=not c.scan_layers
+            )
+        if c.scan_layers:
+
+            def body(x, xs):
+                w, flag, i = xs
+                rope, mask = _pick(flag, *ropes), _pick(flag, *masks)
+                if cache is None:
+                    return layer(w, x, rope, mask)[0], None
+                ck, cv, slots = cache
+                x, (k_new, v_new, *_) = layer(w, x, rope, mask, (ck, cv, i, slots, False))
+                return x, (k_new, v_new)
+
+            xs = (params, jnp.asarray(flags), jnp.arange(c.num_layers))
+            return jax.lax.scan(body, x, xs)
+        out = None
+        if cache is not None:
+            ks, vs, slots = list(cache[0]), list(cache[1]), cache[2]
+        for i in range(c.num_layers):
+            rope, mask = _pick(flags[i], *ropes), _pick(flags[i], *masks)
+            if cache is None:
+                x = layer(params[i], x, rope, mask)[0]
+            else:
+                x, (ks[i], vs[i], *_) = layer(
+                    params[i], x, rope, mask, (ks[i], vs[i], None, slots, False)
+                )
+        if cache is not None:
+            out = (tuple(ks), tuple(vs))
+        return x, out
+
+    def _masks(self, full: AttentionMask, sliding: AttentionMask, backend: str):
+        """(sliding, full) masks in the form the backend takes (the same object twice when
+        no layer is windowed)."""
+        if backend == "dense":
+            d_full = full.dense()
+            return (d_full if sliding is full else sliding.dense()), d_full
+        return sliding, full
+
+    # -- training / scoring
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final normed hidden states [B, L, D] of packed rows (see `__call__`)."""
+        _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
+        c = self.config
+        lora = self._lora_rows(adapter_ids, tokens.shape[0])
+        backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
+        full = AttentionMask.packed(segment_ids, subtree_end)
+        sliding = full
+        if c.windowed:
+            sliding = AttentionMask.packed(
+                segment_ids, subtree_end, positions=positions, window=c.sliding_window
+            )
+        masks = self._masks(full, sliding, backend)
+        x, _ = self._run_layers(self.embed(tokens), self._ropes(positions), masks, backend, lora)
+        return self.norm(x)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """fp32 logits [B, L, V] of packed rows: tokens, positions (restarting per
+        segment: a window counts from the segment's start), segment_ids (0 =
+        padding), subtree_end (tree rows) [B, L] int; adapter_ids [B]: each
+        row's adapter-bank slot."""
+        return self.logits(
+            self.hidden_states(tokens, positions, segment_ids, subtree_end, adapter_ids)
+        )
+
+    # -- sampling with a KV cache
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty full-length cache for `batch` rows of up to `max_len` positions (every
+        layer keeps max_len slots; sliding layers mask by their window, no ring)."""
+        c = self.config
+        dt = c.dtype if dtype is None else dtype
+        if c.scan_layers:
+            shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
+            return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        return KVCache(
+            k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+            v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
+        )
+
+    def decode(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        *,
+        logits_at: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """T new tokens per row against the cache: prefill (T > 1) or a step (T = 1).
+
+        `Decoder.decode`'s contract: positions [B, T] are also the cache slots
+        (-1: padding, writes nothing; >= max_len: dropped); query (b, t) sees
+        slots 0..positions[b, t] of row b, and on sliding layers only those
+        within the window. Returns (fp32 logits [B, T, V], or [B, V] at
+        `logits_at` [B], new cache). adapter_ids [B]: adapter-bank slots.
+        """
+        _check_2d(tokens=tokens, positions=positions)
+        c = self.config
+        if cache.stacked != c.scan_layers or cache.num_layers != c.num_layers:
+            layout = lambda stacked: "stacked" if stacked else "per-layer"  # noqa: E731
+            raise ValueError(
+                f"decode: cache is {layout(cache.stacked)} with {cache.num_layers} layers, "
+                f"the model wants {layout(c.scan_layers)} with {c.num_layers}; build it "
+                "with model.init_cache"
+            )
+        if cache.batch != tokens.shape[0]:
+            raise ValueError(f"decode: cache batch {cache.batch} != tokens batch {tokens.shape[0]}")
+        if cache.window is not None:
+            raise ValueError("decode: Gemma3 takes a full-length cache; build it with init_cache")
+        S = cache.max_len
+        positions = positions.astype(jnp.int32)
+        slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: dropped
+        backend = self._backend("decode", tokens.shape[1])
+        full = AttentionMask.decode(positions, S)
+        sliding = AttentionMask.decode(positions, S, c.sliding_window) if c.windowed else full
+        masks = self._masks(full, sliding, backend)
+        ropes = self._ropes(jnp.maximum(positions, 0))
+        lora = self._lora_rows(adapter_ids, tokens.shape[0])
+        x, new = self._run_layers(
+            self.embed(tokens), ropes, masks, backend, lora, (cache.k, cache.v, slots)
+        )
+        assert new is not None
+        ck, cv = new
+        if c.scan_layers:  # write all layers' new keys / values once: [layers, B, T, F]
+            rows = jnp.arange(tokens.shape[0])[None, :, None]
+            at = (rows, slots[None], jnp.arange(c.num_layers)[:, None, None])
+            assert not isinstance(cache.k, tuple) and not isinstance(cache.v, tuple)
+            ck = cache.k.at[at].set(ck, mode="drop")
+            cv = cache.v.at[at].set(cv, mode="drop")
+        x = self.norm(x)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
+        return self.logits(x), KVCache(k=ck, v=cv)
+
+
+# ----------------------------------------------------------------------------- HF config
+
+
+def gemma3_config_from_hf(
+    hf: dict[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
+) -> Gemma3Config:
+    """A Gemma3Config from a `gemma3_text` config.json: transformers 5's form
+    (`rope_parameters` per layer type, `layer_types`) or the form the Gemma 3
+    checkpoints shipped with (`rope_theta`, `rope_local_base_freq`,
+    `rope_scaling`, `sliding_window_pattern`). `runtime`: `RUNTIME_FIELDS`."""
+    bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    if bad:
+        raise ValueError(
+            f"from_hf_config: {bad} come from config.json; only {RUNTIME_FIELDS} may be passed"
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"from_hf_config: gemma3_text hidden_activation {act!r} is not supported")
+    for field, want in _HF_ZERO.items():
+        if hf.get(field, want) not in (want, None):
+            raise ValueError(
+                f"from_hf_config: gemma3_text {field}={hf[field]!r} is not supported "
+                f"(only {want!r})"
+            )
+    n = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern", 6))
+    types = hf.get("layer_types") or default_layer_types(n, pattern)
+    rope = hf.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        glob = dict(rope.get(FULL) or {})
+        local = dict(rope.get(SLIDING) or {})
+    else:  # the shipped form
+        glob = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    if _rope_kind(local) != "default":
+        raise ValueError(
+            f"from_hf_config: gemma3_text sliding layers' rope_type {_rope_kind(local)!r} is "
+            "not supported (only 'default')"
+        )
+    theta = float(glob.pop("rope_theta", 1e6))
+    scaling = None if _rope_kind(glob) == "default" else glob
+    heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id", 1)
+    return Gemma3Config(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or 256),
+        layer_types=tuple(types),
+        sliding_window=hf.get("sliding_window", 4096),
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        rope_theta=theta,
+        rope_local_theta=float(local.get("rope_theta", 1e4)),
+        rope_scaling=scaling,
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
+        dtype=dtype,
+        param_dtype=dtype if param_dtype is None else param_dtype,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        pad_token_id=hf.get("pad_token_id", 0),
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        **runtime,
+    )
+
+
+def gemma3_hf_config(c: Gemma3Config) -> dict[str, Any]:
+    """The config.json transformers writes for `Gemma3ForCausalLM` of `c`."""
+    glob = {**(c.rope_scaling or {"rope_type": "default"}), "rope_theta": float(c.rope_theta)}
+    eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": c.family,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+        "rms_norm_eps": c.rms_eps,
+        "use_cache": True,
+        "pad_token_id": c.pad_token_id,
+        "eos_token_id": eos,
+        "bos_token_id": c.bos_token_id,
+        "tie_word_embeddings": c.tie_embeddings,
+        "rope_parameters": {
+            FULL: glob,
+            SLIDING: {"rope_type": "default", "rope_theta": float(c.rope_local_theta)},
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "query_pre_attn_scalar": c.query_pre_attn_scalar,
+        "sliding_window": c.sliding_window,
+        "layer_types": list(c.layer_types),
+        **_HF_ZERO,
+        "dtype": dtype_name(c.param_dtype),
+    }
+
+
+@register_family("gemma3_text")
+class Gemma3Family(ModelFamily):
+    """Gemma 3's text decoder (`Gemma3ForCausalLM`): `Gemma3` of a `Gemma3Config`."""
+
+    hf_architecture = "Gemma3ForCausalLM"
+    config_class = Gemma3Config
+
+    def build(self, config: Gemma3Config, rngs: nnx.Rngs) -> Gemma3:
+        return Gemma3(config, rngs=rngs)
+
+    def config_from_hf(self, hf: dict[str, Any], **kwargs: Any) -> Gemma3Config:
+        return gemma3_config_from_hf(hf, **kwargs)
+
+    def config_to_hf(self, config: Gemma3Config) -> dict[str, Any]:
+        return gemma3_hf_config(config)
