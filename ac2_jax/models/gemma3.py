@@ -30,30 +30,36 @@ window): sliding layers mask it by their window but keep every slot, so a
 sliding layer's cache grows with the sequence (no ring here, unlike
 `Decoder`'s windowed cache). `decode` has `Decoder.decode`'s contract.
 
-Not supported (refused by name): logit / attention soft-capping (Gemma 2's;
-null in every Gemma 3), bidirectional attention, attention biases, another
-activation, RoPE types other than default / linear, the multimodal
-`Gemma3ForConditionalGeneration` checkpoints (model_type "gemma3"), and
-`mlp_backward="custom"` (that custom VJP is SwiGLU's).
+The config and its `config.json` mapping are `models.gemma3_config`'s.
+Not supported (refused by name there): logit / attention soft-capping
+(Gemma 2's; null in every Gemma 3), bidirectional attention, attention
+biases, another activation, RoPE types other than default / linear, and
+`mlp_backward="custom"` (that custom VJP is SwiGLU's). The multimodal
+`Gemma3ForConditionalGeneration` checkpoints (model_type "gemma3") are no
+family here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
-from ac2_jax.models.config import ATTENTION_BACKENDS, REMAT, DecoderConfig, dtype_name
+from ac2_jax.models.config import DecoderConfig
 from ac2_jax.models.decoder import _POLICIES, KVCache, _check_2d
-from ac2_jax.models.family import FAMILIES, ModelFamily, get_family, register_family
+from ac2_jax.models.family import ModelFamily, register_family
+from ac2_jax.models.gemma3_config import (
+    Gemma3Config,
+    gemma3_config_from_hf,
+    gemma3_hf_config,
+    rope_inv_freqs,
+)
 from ac2_jax.models.layers import (
     MLP,
     _adapted,
@@ -64,254 +70,9 @@ from ac2_jax.models.layers import (
     attention_apply,
     rope_cos_sin,
 )
-from ac2_jax.models.lora import LoRAConfig, LoRAScale
+from ac2_jax.models.lora import LoRAScale
 
-__all__ = ["Gemma3", "Gemma3Config", "Gemma3Family", "gemma3_config_from_hf"]
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-RUNTIME_FIELDS = (
-    "scan_layers",
-    "remat",
-    "attention_backend",
-    "attention_block",
-    "mlp_backward",
-    "proj_backward",
-    "lora",
-)
-_HF_ZERO = {  # config.json fields Gemma 3 sets this way, and we support only this way
-    "final_logit_softcapping": None,
-    "attn_logit_softcapping": None,
-    "use_bidirectional_attention": False,
-    "attention_bias": False,
-}
-
-
-def default_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
-    """HF's default: every `pattern`-th layer full, the others sliding."""
-    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
-
-
-@dataclasses.dataclass(frozen=True)
-class Gemma3Config:
-    """Hyper-parameters of a Gemma 3 text decoder (HF `Gemma3TextConfig`'s names in brackets).
-
-    layer_types [layer_types]: one of "sliding_attention" / "full_attention"
-    per layer (empty: HF's default, every 6th layer full). sliding_window
-    [sliding_window]: the window of the sliding layers (None: they see the
-    whole causal context). rope_theta: the full layers' RoPE base, with
-    `rope_scaling` (None or {"rope_type": "linear", "factor": f});
-    rope_local_theta: the sliding layers' ([rope_parameters] full_attention /
-    sliding_attention). query_pre_attn_scalar: scores are scaled by its
-    -1/2 power. pad / bos / eos token ids are carried for the config.json.
-    dtype / param_dtype and the runtime fields (`RUNTIME_FIELDS`) as in
-    `DecoderConfig` (scan_layers / remat "auto": `models.memory_plan` picks);
-    `mlp_backward` must be "autodiff".
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = 4096
-    query_pre_attn_scalar: float = 256
-    rope_theta: float = 1_000_000.0
-    rope_local_theta: float = 10_000.0
-    rope_scaling: dict | None = None
-    rms_eps: float = 1e-6
-    tie_embeddings: bool = True
-    max_position_embeddings: int = 131_072
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    family: str = "gemma3_text"
-    initializer_range: float = 0.02
-    pad_token_id: int | None = 0
-    bos_token_id: int | None = 2
-    eos_token_id: int | tuple[int, ...] | None = 1
-    remat: str | bool = "auto"
-    scan_layers: bool | str = "auto"
-    attention_backend: str = "auto"
-    attention_block: int = 128
-    mlp_backward: str = "autodiff"
-    proj_backward: str = "custom"
-    lora: LoRAConfig | None = None
-
-    def __post_init__(self):
-        setattr_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        if isinstance(self.remat, bool):
-            setattr_("remat", "full" if self.remat else "none")
-        if not self.layer_types:
-            setattr_("layer_types", default_layer_types(int(self.num_layers)))
-        setattr_("layer_types", tuple(self.layer_types))
-        if isinstance(self.eos_token_id, list):
-            setattr_("eos_token_id", tuple(self.eos_token_id))
-        if isinstance(self.lora, dict):
-            setattr_("lora", LoRAConfig(**self.lora))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"Gemma3Config.{name} must be > 0, got {getattr(self, name)}")
-        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
-            raise ValueError(
-                f"Gemma3Config.layer_types must name {SLIDING!r} or {FULL!r} for each of the "
-                f"{self.num_layers} layers, got {self.layer_types}"
-            )
-        if self.sliding_window is not None and int(self.sliding_window) <= 0:
-            raise ValueError(
-                f"Gemma3Config.sliding_window must be None or > 0, got {self.sliding_window}"
-            )
-        if not float(self.query_pre_attn_scalar) > 0:
-            raise ValueError(
-                f"Gemma3Config.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}"
-            )
-        kind = _rope_kind(self.rope_scaling)
-        if kind not in ("default", "linear"):
-            raise ValueError(
-                f"Gemma3Config.rope_scaling: rope_type {kind!r} is not supported "
-                "(only 'default' and 'linear')"
-            )
-        if self.remat not in (*REMAT, "auto"):
-            raise ValueError(
-                f"Gemma3Config.remat must be one of {REMAT}, 'auto' (or a bool), got {self.remat!r}"
-            )
-        if isinstance(self.scan_layers, str) and self.scan_layers != "auto":
-            raise ValueError(
-                f"Gemma3Config.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"Gemma3Config.attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.mlp_backward != "autodiff":
-            raise ValueError(
-                f"Gemma3Config.mlp_backward must be 'autodiff' (Gemma's GeGLU MLP has no "
-                f"custom backward; 'custom' is SwiGLU's), got {self.mlp_backward!r}"
-            )
-        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
-            raise TypeError(
-                f"Gemma3Config.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
-            )
-        if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
-            raise ValueError(
-                f"Gemma3Config.family must be a family of this config ('gemma3_text'), "
-                f"got {self.family!r}"
-            )
-        if self.lora is not None:
-            get_family(self.family).check_lora_targets(self.lora.targets)
-        if "auto" in (self.scan_layers, self.remat):  # as DecoderConfig: the memory plan picks
-            from ac2_jax.models.memory_plan import resolve_runtime
-
-            for name, value in resolve_runtime(self).items():
-                if getattr(self, name) == "auto":
-                    setattr_(name, value)
-        self.layer_config()  # validates the shape (heads, head_dim, dtypes, backward)
-
-    def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
-        return hash(
-            repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
-        )
-
-    @property
-    def qk_norm(self) -> bool:  # for `models.memory_plan`'s parameter count
-        return True
-
-    @property
-    def attention_bias(self) -> bool:
-        return False
-
-    @property
-    def sliding(self) -> tuple[bool, ...]:
-        """Per layer: whether it is a sliding-window layer (local RoPE, windowed mask)."""
-        return tuple(t == SLIDING for t in self.layer_types)
-
-    @property
-    def windowed(self) -> bool:
-        """Whether any layer's mask has a window."""
-        return self.sliding_window is not None and any(self.sliding)
-
-    @property
-    def base_dtype(self) -> Any:
-        """The storage dtype of the base weights: `lora.base_dtype` if set, else param_dtype."""
-        if self.lora is not None and self.lora.base_dtype is not None:
-            return jnp.dtype(self.lora.base_dtype)
-        return self.param_dtype
-
-    def layer_config(self) -> DecoderConfig:
-        """The `DecoderConfig` view of one layer that `models.layers`' functions read
-        (shapes, dtypes, qk-norm, kernels, LoRA); its family and RoPE fields are unused."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            qk_norm=True,
-            rms_eps=self.rms_eps,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            family="qwen3",  # a DecoderConfig family; nothing here reads it
-            initializer_range=self.initializer_range,
-            attention_backend=self.attention_backend,
-            attention_block=self.attention_block,
-            mlp_backward="autodiff",
-            proj_backward=self.proj_backward,
-            lora=self.lora,
-            scan_layers=bool(self.scan_layers),  # explicit: nothing to plan for a view
-            remat="none",
-        )
-
-    @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> Gemma3Config:
-        """A few-thousand-parameter Gemma 3 (4 layers: sliding, full, sliding, full)."""
-        kw: dict[str, Any] = dict(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            layer_types=(SLIDING, FULL, SLIDING, FULL),
-            sliding_window=8,
-            query_pre_attn_scalar=8,
-            max_position_embeddings=2048,
-        )
-        kw.update(overrides)
-        return cls(**kw)
-
-    def replace(self, **changes) -> Gemma3Config:
-        return dataclasses.replace(self, **changes)
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The HF `config.json` dict (Gemma3ForCausalLM)."""
-        return get_family(self.family).config_to_hf(self)
-
-
-def _rope_kind(scaling: dict | None) -> str:
-    if scaling is None:
-        return "default"
-    return str(scaling.get("rope_type", scaling.get("type", "default")))
-
-
-def rope_inv_freqs(c: Gemma3Config) -> tuple[np.ndarray, np.ndarray]:
-    """(local, global) inverse RoPE frequencies [head_dim // 2]: the sliding layers'
-    (base rope_local_theta) and the full layers' (base rope_theta, divided by a
-    linear scaling's factor)."""
-    d = c.head_dim
-
-    def inv(base: float) -> np.ndarray:
-        return 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
-
-    glob = inv(c.rope_theta)
-    if _rope_kind(c.rope_scaling) == "linear":
-        assert c.rope_scaling is not None
-        glob = glob / float(c.rope_scaling["factor"])
-    return inv(c.rope_local_theta).astype(np.float32), glob.astype(np.float32)
+__all__ = ["Gemma3", "Gemma3Config", "Gemma3Family"]
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -661,113 +422,6 @@ class Gemma3(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
         return self.logits(x), KVCache(k=ck, v=cv)
-
-
-# ----------------------------------------------------------------------------- HF config
-
-
-def gemma3_config_from_hf(
-    hf: dict[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
-) -> Gemma3Config:
-    """A Gemma3Config from a `gemma3_text` config.json: transformers 5's form
-    (`rope_parameters` per layer type, `layer_types`) or the form the Gemma 3
-    checkpoints shipped with (`rope_theta`, `rope_local_base_freq`,
-    `rope_scaling`, `sliding_window_pattern`). `runtime`: `RUNTIME_FIELDS`."""
-    bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-    if bad:
-        raise ValueError(
-            f"from_hf_config: {bad} come from config.json; only {RUNTIME_FIELDS} may be passed"
-        )
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"from_hf_config: gemma3_text hidden_activation {act!r} is not supported")
-    for field, want in _HF_ZERO.items():
-        if hf.get(field, want) not in (want, None):
-            raise ValueError(
-                f"from_hf_config: gemma3_text {field}={hf[field]!r} is not supported "
-                f"(only {want!r})"
-            )
-    n = int(hf["num_hidden_layers"])
-    pattern = int(hf.get("sliding_window_pattern", 6))
-    types = hf.get("layer_types") or default_layer_types(n, pattern)
-    rope = hf.get("rope_parameters") or {}
-    if FULL in rope or SLIDING in rope:
-        glob = dict(rope.get(FULL) or {})
-        local = dict(rope.get(SLIDING) or {})
-    else:  # the shipped form
-        glob = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
-        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 1e4)}
-    if _rope_kind(local) != "default":
-        raise ValueError(
-            f"from_hf_config: gemma3_text sliding layers' rope_type {_rope_kind(local)!r} is "
-            "not supported (only 'default')"
-        )
-    theta = float(glob.pop("rope_theta", 1e6))
-    scaling = None if _rope_kind(glob) == "default" else glob
-    heads = int(hf["num_attention_heads"])
-    eos = hf.get("eos_token_id", 1)
-    return Gemma3Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or 256),
-        layer_types=tuple(types),
-        sliding_window=hf.get("sliding_window", 4096),
-        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-        rope_theta=theta,
-        rope_local_theta=float(local.get("rope_theta", 1e4)),
-        rope_scaling=scaling,
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
-        dtype=dtype,
-        param_dtype=dtype if param_dtype is None else param_dtype,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
-        pad_token_id=hf.get("pad_token_id", 0),
-        bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        **runtime,
-    )
-
-
-def gemma3_hf_config(c: Gemma3Config) -> dict[str, Any]:
-    """The config.json transformers writes for `Gemma3ForCausalLM` of `c`."""
-    glob = {**(c.rope_scaling or {"rope_type": "default"}), "rope_theta": float(c.rope_theta)}
-    eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
-    return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": c.family,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": c.max_position_embeddings,
-        "initializer_range": c.initializer_range,
-        "rms_norm_eps": c.rms_eps,
-        "use_cache": True,
-        "pad_token_id": c.pad_token_id,
-        "eos_token_id": eos,
-        "bos_token_id": c.bos_token_id,
-        "tie_word_embeddings": c.tie_embeddings,
-        "rope_parameters": {
-            FULL: glob,
-            SLIDING: {"rope_type": "default", "rope_theta": float(c.rope_local_theta)},
-        },
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "query_pre_attn_scalar": c.query_pre_attn_scalar,
-        "sliding_window": c.sliding_window,
-        "layer_types": list(c.layer_types),
-        **_HF_ZERO,
-        "dtype": dtype_name(c.param_dtype),
-    }
 
 
 @register_family("gemma3_text")
