@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +185,7 @@ def load_peft_adapter(model: Decoder, path: str, **lora_overrides: Any) -> Decod
             f"load_peft_adapter: {len(unused)} tensors of {path} fit no adapter of "
             f"this model, e.g. {unused[0]!r}"
         )
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    return cast(Decoder, nnx.merge(graphdef, nnx.from_flat_state(leaves)))
 
 
 def add_lora(model: Decoder, lora: LoRAConfig, seed: int = 0) -> Decoder:
@@ -206,7 +206,7 @@ def add_lora(model: Decoder, lora: LoRAConfig, seed: int = 0) -> Decoder:
         else:
             value = base[key][...]
             leaves.append((key, var.replace(value.astype(var.dtype))))
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    return cast(Decoder, nnx.merge(graphdef, nnx.from_flat_state(leaves)))
 
 
 def merge_lora(model: Decoder) -> Decoder:
@@ -238,7 +238,7 @@ def merge_lora(model: Decoder) -> Decoder:
 
     walk(own, values)
     nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+    return cast(Decoder, nnx.merge(graphdef, state))
 
 
 def write_slot(bank: Decoder, slot: int, adapters: dict, lora: LoRAConfig) -> None:

@@ -56,7 +56,7 @@ def with_layout(model: Decoder, scan_layers: bool, **changes) -> Decoder:
     other config `changes` (e.g. remat, dtype; params cast to the new param_dtype).
     A new model; `model` is untouched."""
     config = model.config.replace(scan_layers=scan_layers, **changes)
-    graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config)), nnx.Param, ...)
+    graphdef, params, *_ = nnx.split(nnx.eval_shape(lambda: Decoder(config)), nnx.Param, ...)
     values = to_layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)), scan_layers)
     values = jax.tree.map(lambda a, x: jnp.asarray(x, a.dtype), nnx.to_pure_dict(params), values)
     nnx.replace_by_pure_dict(params, values)
