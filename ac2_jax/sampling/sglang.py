@@ -502,6 +502,12 @@ class SGLangSampler(SGLangAdapters):
         """Exports a published step to HF safetensors and hot-swaps it into SGLang."""
         if self._model is None or self._publish_dir is None or self._export_dir is None:
             raise ValueError("SGLangSampler.load_weights needs model, publish_dir and export_dir")
+        if getattr(getattr(self._model, "config", None), "lora", None) is not None:
+            raise ValueError(
+                "SGLangSampler.load_weights: the policy trains LoRA adapters; publishing them "
+                "to SGLang as the policy is not wired (serve them with load_adapter(name, "
+                "peft_dir) and SamplingParams.adapter, or sample with the JaxSampler)"
+            )
         from ac2_jax.models.hf_io import save_hf_checkpoint
         from ac2_jax.models.params_io import load_published
 
