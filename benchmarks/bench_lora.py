@@ -28,6 +28,11 @@ hidden):
   is gone, ``load_published`` of each into a sampler-side model (per-layer layout; for
   the adapters a LoRA model on the same base): seconds, and bytes of each step directory.
 
+Peak RSS: ``peak_rss_gb`` is the child's whole-life high-water mark; the train cases
+also split it into ``load_peak_gb`` (loading the checkpoint, building the state) and
+``step_peak_rss_gb`` (the steps alone: VmHWM is reset through /proc/self/clear_refs
+after loading).
+
 Rows report ``trainable_params`` (what the optimizer updates) and, for the jax cases,
 ``opt_state_values`` (every value in the AdamW state) and ``frozen_params`` (the rest).
 
@@ -106,6 +111,19 @@ def need_gb(case: str, shape: dict, tokens: int) -> float:
 # ---------------------------------------------------------------- children
 
 
+def _reset_peak(timeline: list) -> float:
+    """Ends the load phase: returns its high-water mark (GB) and resets VmHWM
+    (/proc/self/clear_refs 5), so the peak read after the steps is the steps' own."""
+    _mark(timeline, "load phase peak (VmHWM reset)")
+    load_peak = peak_rss_bytes() / GB
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return load_peak
+
+
 def _lora_config(args, bf16: bool):
     from ac2_jax.models.lora import LoRAConfig
     return LoRAConfig(rank=args.rank, alpha=args.alpha,
@@ -155,6 +173,7 @@ def _jax_step(args) -> dict:
     _mark(timeline, "create_train_state")
     state = step.place(state, copy=False)
     _mark(timeline, "place")
+    load_peak = _reset_peak(timeline)
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
@@ -162,7 +181,7 @@ def _jax_step(args) -> dict:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
         _mark(timeline, f"step {i + 1}")
-    return {"load_s": load_s, "first_step_s": times[0],
+    return {"load_s": load_s, "load_peak_gb": load_peak, "first_step_s": times[0],
             "step_s": times[-1] if args.steps > 1 else None, "loss": float(m["loss"]),
             "grad_norm": float(m["grad_norm"]), "xla_bytes": xla, "rss_timeline": timeline,
             **counts, "lora": None if lora is None else lora.to_dict(),
@@ -192,6 +211,7 @@ def _torch_step(args, checkpointing: bool) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     ids = torch.from_numpy(_tokens(args.n, model.config.vocab_size).astype("int64"))[None]
+    load_peak = _reset_peak(timeline)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -202,7 +222,7 @@ def _torch_step(args, checkpointing: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         _mark(timeline, f"step {len(times)}")
-    return {"load_s": load_s, "first_step_s": times[0],
+    return {"load_s": load_s, "load_peak_gb": load_peak, "first_step_s": times[0],
             "step_s": times[-1] if args.steps > 1 else None, "loss": float(loss.detach()),
             "trainable_params": int(sum(p.numel() for p in params)),
             "frozen_params": int(sum(p.numel() for p in model.parameters()
@@ -267,6 +287,7 @@ def _tunix_step(args) -> dict:
     inputs = {"input_tokens": ids, "input_mask": mask,
               "positions": sft_utils.build_positions_from_mask(mask),
               "attention_mask": sft_utils.make_causal_attn_mask(mask)}
+    load_peak = _reset_peak(timeline)
     times = []
     # nnx.jit traces the step again on its second call (measured: the tiny preset's
     # step 2 took as long as step 1, steps 3-4 were fast), so "next step" is step 3.
@@ -278,7 +299,7 @@ def _tunix_step(args) -> dict:
         _mark(timeline, f"step {i + 1}")
     lora = nnx.state(model, nnx.LoRAParam)
     from importlib.metadata import version
-    return {"load_s": load_s, "first_step_s": times[0],
+    return {"load_s": load_s, "load_peak_gb": load_peak, "first_step_s": times[0],
             "step_s": times[-1] if args.steps > 1 else None, "step_times": times,
             "loss": float(loss), "grad_norm": float(gnorm), "trainable_params": _size(lora),
             "frozen_params": _size(nnx.state(model, nnx.Not(nnx.LoRAParam))),
@@ -380,7 +401,10 @@ def child(args) -> dict:
         out = _tunix_step(args)
     else:
         out = _jax_step(args)
-    out["peak_rss_gb"] = peak_rss_bytes() / GB
+    # The process's peak: the load phase's (before the reset) or the steps' (after it).
+    if "load_peak_gb" in out:
+        out["step_peak_rss_gb"] = peak_rss_bytes() / GB
+    out["peak_rss_gb"] = max(peak_rss_bytes() / GB, out.get("load_peak_gb", 0.0))
     return out
 
 

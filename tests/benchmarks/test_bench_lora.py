@@ -20,6 +20,9 @@ def test_tiny_lora_step_and_publish_run_in_children(tmp_path):
         assert r["peak_rss_gb"] > 0.05 and r["rss_timeline"][0][0] == "start"
     lora, publish = rows
     assert lora["first_step_s"] > 0 and lora["step_s"] > 0 and lora["loss"] == lora["loss"]
+    # The peak splits into the load phase's and the steps' own (VmHWM reset between).
+    assert 0 < lora["step_peak_rss_gb"] <= lora["peak_rss_gb"] + 1e-6
+    assert lora["peak_rss_gb"] == max(lora["load_peak_gb"], lora["step_peak_rss_gb"])
     # The optimizer holds the adapters only: rank 16 on all seven projections of 3 layers
     # (d=32, q 64, kv 32, mlp 64), AdamW's mu + nu of them (+ its step count).
     d, q, kv, f, r = 32, 64, 32, 64, 16
