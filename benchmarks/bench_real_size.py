@@ -7,6 +7,11 @@ Each case runs in its own child process (peak RSS = the child's VmHWM):
   checkpoint of the preset (experiments/configs/qwen3.py: Qwen3-0.6B shape by
   default) loaded with the preset's runtime choices (scanned layers, remat,
   block-sparse attention) and chunked log-probs (``--chunk``).
+* ``jax_default``: the same RL step with every default and no preset named:
+  ``load_hf_checkpoint(ckpt)``, ``PolicyGradientLoss()``, ``make_train_step(graphdef,
+  loss, opt)``, ``step(state, batch)`` (no ``place``). The memory plan
+  (``ac2_jax.models.memory_plan``) picks scan, remat, the attention kernel and the
+  log-prob chunking; the lines it logged are in the row (``plan``).
 * ``jax_opsd``: one OPSD step (reverse KL to the live teacher, which runs
   inside the step on a prompt with a 32-token hint), same settings.
 * ``torch``: transformers + torch, the same checkpoint, one step of
@@ -26,6 +31,7 @@ donated alias and temporary bytes, compiled from an abstract state before any
 weights load).
 
     python -m benchmarks.bench_real_size --tokens 1024,4096 --cases jax_rl,jax_opsd,torch
+    python -m benchmarks.bench_real_size --tokens 1024 --cases jax_default,torch --steps 2
     python -m benchmarks.bench_real_size --variant tiny --tokens 64   (a smoke run)
 """
 
@@ -41,9 +47,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks.common import parser, print_table, write_json  # noqa: E402
+from benchmarks.common import machine, parser, print_table, write_json  # noqa: E402
 
-CASES = ("jax_rl", "jax_opsd", "torch", "jax_decode", "jax_sched")
+CASES = ("jax_rl", "jax_default", "jax_opsd", "torch", "jax_decode", "jax_sched")
 
 
 def _tokens(n: int, vocab: int, seed: int = 0):
@@ -73,10 +79,10 @@ def _jax_problem(case: str, config, n: int, chunk: int):
     import numpy as np
 
     from ac2_jax.segments import pack_segments
-    from ac2_jax.training.rl import rl_segment
     from ac2_jax.training import PolicyGradientLoss
     from ac2_jax.training.distill.data import DistillExample, pack_pairs
     from ac2_jax.training.distill.loss import DistillLoss, teacher_extras
+    from ac2_jax.training.rl import rl_segment
 
     ids = _tokens(n, config.vocab_size)
     if case == "jax_rl":
@@ -147,6 +153,54 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
             "config": {k: str(getattr(config, k)) for k in (
                 "scan_layers", "remat", "attention_backend", "dtype")},
             "memory_scheduler": memory_scheduler, "place_copy": place_copy}
+
+
+def _jax_default(ckpt: str, n: int, steps: int) -> dict:
+    """The RL step as a user writes it without knowing any preset: every default."""
+    import logging
+
+    import jax
+
+    from ac2_jax.models import load_hf_checkpoint
+    from ac2_jax.training import (
+        OptimizerConfig,
+        PolicyGradientLoss,
+        create_train_state,
+        make_train_step,
+    )
+
+    plan: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            plan.append(record.getMessage())
+
+    logger = logging.getLogger("ac2_jax.models.memory_plan")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    timeline: list = []
+    _mark(timeline, "start")
+    opt = OptimizerConfig(learning_rate=1e-6, weight_decay=0.1, clip_norm=1.0)
+    t0 = time.perf_counter()
+    model, config = load_hf_checkpoint(ckpt)
+    load_s = time.perf_counter() - t0
+    _mark(timeline, "load checkpoint")
+    graphdef, state = create_train_state(model, opt)
+    del model
+    _mark(timeline, "create_train_state")
+    batch, _, _ = _jax_problem("jax_rl", config, n, 0)
+    step = make_train_step(graphdef, PolicyGradientLoss(), opt)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+        _mark(timeline, f"step {i + 1}")
+    return {"load_s": load_s, "first_step_s": times[0], "step_s": times[-1] if steps > 1 else None,
+            "loss": float(m["loss"]), "rss_timeline": timeline, "plan": plan,
+            "config": {k: str(getattr(config, k)) for k in (
+                "scan_layers", "remat", "attention_backend", "dtype")}}
 
 
 def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
@@ -257,6 +311,8 @@ def child(args) -> dict:
     elif args.case == "jax_sched":
         out = _scheduler_speed(args.ckpt, args.variant, args.n, args.chunk, args.steps,
                                args.sched_layers)
+    elif args.case == "jax_default":
+        out = _jax_default(args.ckpt, args.n, args.steps)
     elif args.case == "jax_decode":
         out = _decode(args.ckpt, args.variant, args.decode_batch, args.decode_tokens)
     else:
@@ -301,6 +357,7 @@ def main(argv=None):
     from experiments.configs import qwen3
     from experiments.real_size import write_random_checkpoint
 
+    print(json.dumps({"machine": machine()}), flush=True)
     tmp = tempfile.TemporaryDirectory()
     ckpt = args.ckpt or write_random_checkpoint(qwen3.get_config(args.variant).shape,
                                                 os.path.join(tmp.name, "ckpt"))

@@ -103,7 +103,9 @@ def load_hf_checkpoint(
 
     `dtype` is the compute dtype; weights are stored in `param_dtype`
     (default: `dtype`). `runtime` sets DecoderConfig's runtime fields
-    (scan_layers, remat, attention_backend, attention_block, lora). Sharded
+    (scan_layers, remat, attention_backend, attention_block, lora); those left
+    out keep their defaults: scan_layers / remat "auto", chosen (and logged) by
+    `models.memory_plan` from the model's size and the device's memory. Sharded
     checkpoints (with an index) are read too. With `lora` (a `LoRAConfig`)
     the checkpoint is the frozen base and the adapters start fresh (B = 0:
     the model's outputs are the base's).
