@@ -102,6 +102,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from ac2_jax.trace.routing import decode_routing, encode_routing
+
 FINISH_REASONS = ("stop", "length")
 
 INT32_MAX = 2**31 - 1
@@ -254,7 +256,11 @@ class SampleResult:
     """One sampled continuation; see the module docstring for the meaning.
 
     top_logprobs[i] lists (token_id, logprob) pairs, best first, for output
-    position i (None unless asked for).
+    position i (None unless asked for). routed_experts (mixture-of-experts
+    models on the JaxSampler): the experts each token of prompt + output went
+    to, as `Completion.routed_experts` stores them (`trace.routing`; -1 where
+    not recorded: a reused prompt prefix, the last output token); None
+    otherwise. The endpoint copies it into the trace.
     """
 
     output_ids: list[int]
@@ -263,6 +269,7 @@ class SampleResult:
     policy_version: int
     cached_tokens: int = 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    routed_experts: str | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -348,10 +355,15 @@ def truncate_at_stop(
             lo = mid + 1
     keep = lo
     top = result.top_logprobs[:keep] if result.top_logprobs is not None else None
+    routed = result.routed_experts
+    if routed is not None:  # covers prompt + output: keep prompt + the kept tokens
+        ids = decode_routing(routed)
+        routed = encode_routing(ids[: len(ids) - len(result.output_ids) + keep])
     return dataclasses.replace(
         result,
         output_ids=list(result.output_ids[:keep]),
         output_logprobs=list(result.output_logprobs[:keep]),
         finish_reason="stop",
         top_logprobs=top,
+        routed_experts=routed,
     ), matched

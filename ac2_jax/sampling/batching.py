@@ -41,6 +41,9 @@ class Request:
     sent: int = 0  # output tokens already handed to on_tokens
     matcher: Any = None  # constraints.GrammarMatcher of params.constraint (None: free)
     slot: int = 0  # adapter bank slot of params.adapter (0: the base model), set at admission
+    # MoE models: the experts of each position's token [prompt + max_out, layers, k], -1
+    # until recorded (`worker.record_routing`); None for other models.
+    routing: Any = None
 
 
 @dataclasses.dataclass

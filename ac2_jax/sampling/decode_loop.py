@@ -159,16 +159,20 @@ def decode_chunk(
     Returns (cache, rows, out) with out = (tokens [n, B] int32, -1 where the row
     emitted nothing; logprobs [n, B] fp32 under the sampling distribution
     (`sample_tokens`); top_ids, top_lps
-    [n, B, n_top], zeros unless `want_top`).
+    [n, B, n_top], zeros unless `want_top`; routing: for a mixture-of-experts
+    model (`moe_routing`) the experts each step's input token went to, int32
+    [n, B, moe layers, k] (-1 where the row fed nothing), else None).
     """
     if mask is not None and n_steps != 1:
         raise ValueError(f"decode_chunk: a mask holds for one step, got n_steps={n_steps}")
     B = rows.token.shape[0]
+    routed = moe_routing(nnx.merge(graphdef, state))
     out0 = (
         jnp.full((n_steps, B), -1, jnp.int32),
         jnp.zeros((n_steps, B), jnp.float32),
         jnp.zeros((n_steps, B, n_top), jnp.int32),
         jnp.zeros((n_steps, B, n_top), jnp.float32),
+        None if routed is None else jnp.full((n_steps, B, *routed), -1, jnp.int32),
     )
 
     def cond(carry):
@@ -176,12 +180,15 @@ def decode_chunk(
         return (i < n_steps) & jnp.any(r.active)
 
     def body(carry):
-        i, cache, r, (o_tok, o_lp, o_tid, o_tlp) = carry
+        i, cache, r, (o_tok, o_lp, o_tid, o_tlp, o_rt) = carry
         model = nnx.merge(graphdef, state)
         pos = jnp.where(r.active, r.pos, -1)
-        logits, cache = model.decode(
-            r.token[:, None], pos[:, None], cache, **adapter_kw(model, r.adapter)
-        )
+        logits, cache, *rt = model.decode(
+            r.token[:, None], pos[:, None], cache, **adapter_kw(model, r.adapter),
+            **({} if o_rt is None else {"return_routing": True}),
+        )  # fmt: skip
+        if o_rt is not None:  # the experts of the token this step fed (r.token at pos)
+            o_rt = o_rt.at[i].set(jnp.where(r.active[:, None, None], rt[0][:, 0], -1))
         keys = row_keys(r.seed_lo, r.seed_hi, r.n_out)
         step_logits = logits[:, 0].astype(jnp.float32)
         if mask is not None:
@@ -210,10 +217,19 @@ def decode_chunk(
         )
         o_tok = o_tok.at[i].set(jnp.where(emit, tok, -1))
         o_lp = o_lp.at[i].set(jnp.where(emit, lp, 0.0))
-        return i + 1, cache, r, (o_tok, o_lp, o_tid, o_tlp)
+        return i + 1, cache, r, (o_tok, o_lp, o_tid, o_tlp, o_rt)
 
     _, cache, rows, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, out0))
     return cache, rows, out
+
+
+def moe_routing(model) -> tuple[int, int] | None:
+    """(moe layers, k) of a mixture-of-experts model, whose decode can return the
+    experts each token went to (`models.moe_decoder`); None for any other model."""
+    layers = getattr(model.config, "moe_layers", None)
+    if not layers or not hasattr(model, "forward_with_router"):
+        return None
+    return len(layers), int(model.config.num_experts_per_tok)
 
 
 def adapter_kw(model, slots: jax.Array) -> dict:
@@ -231,13 +247,15 @@ def prefill_rows(
     tokens: jax.Array,
     positions: jax.Array,
     adapters: jax.Array,
-) -> KVCache:
+) -> tuple[KVCache, jax.Array | None]:
     """Writes prompt tokens into cache rows `row_idx` [b] (index >= B: padding).
 
     tokens, positions [b, T]; position -1 marks padding; adapters [b]: each
     row's adapter bank slot (0 = the base model; see `adapter_kw`). Only the keys and
     values are kept; the logits of the prompt are not needed (the last prompt
-    token is fed by the first decode step, which samples from it).
+    token is fed by the first decode step, which samples from it). Returns
+    (cache, routing): for a mixture-of-experts model (`moe_routing`) the
+    experts each prompt token went to, [b, T, moe layers, k]; else None.
 
     Three jitted calls: `take_rows` and `put_rows` (cheap copies, one compile
     per (B, b, S)) around `prefill_sub`, the model's forward, whose compile
@@ -246,8 +264,10 @@ def prefill_rows(
     shape once, not once per row bucket (the demo's RL compiled new prefill
     shapes at every step: BUILD_NOTES "The RL loop's sampling").
     """
-    sub = prefill_sub(graphdef, state, take_rows(cache, row_idx), tokens, positions, adapters)
-    return put_rows(cache, row_idx, sub)
+    sub, routing = prefill_sub(
+        graphdef, state, take_rows(cache, row_idx), tokens, positions, adapters
+    )
+    return put_rows(cache, row_idx, sub), routing
 
 
 @jax.jit
@@ -265,12 +285,18 @@ def put_rows(cache: KVCache, row_idx: jax.Array, sub: KVCache) -> KVCache:
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("sub",))
 def prefill_sub(
     graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax.Array, adapters: jax.Array
-) -> KVCache:
-    """The prompt tokens [b, T] written into a [b]-row cache (see `prefill_rows`)."""
+) -> tuple[KVCache, jax.Array | None]:
+    """The prompt tokens [b, T] written into a [b]-row cache, and their routing
+    (see `prefill_rows`)."""
     model = nnx.merge(graphdef, state)
     first = jnp.zeros(tokens.shape[:1], jnp.int32)
-    _, sub = model.decode(tokens, positions, sub, logits_at=first, **adapter_kw(model, adapters))
-    return sub
+    kw = adapter_kw(model, adapters)
+    if moe_routing(model) is None:
+        return model.decode(tokens, positions, sub, logits_at=first, **kw)[1], None
+    _, sub, routing = model.decode(
+        tokens, positions, sub, logits_at=first, return_routing=True, **kw
+    )
+    return sub, routing
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))

@@ -27,6 +27,7 @@ import numpy as np
 from ac2_jax.sampling.base import SamplerError, SampleResult, truncate_at_stop
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
+from ac2_jax.trace.routing import encode_routing
 
 WAKE = object()  # queue item: look at pending weights
 STOP = object()  # queue item: close
@@ -47,6 +48,18 @@ def bucket_sizes(lo: int, hi: int) -> list[int]:
         if b >= hi:
             return out
         b *= 2
+
+
+def record_routing(req: Request, positions: np.ndarray, ids: np.ndarray) -> None:
+    """Records the experts [n, moe layers, k] of the request's tokens at `positions`
+    [n] (negative: padding, skipped) in `req.routing` ([prompt + max_out, layers, k],
+    -1 until recorded: the positions of a reused prefix stay -1)."""
+    ids = np.asarray(ids)
+    if req.routing is None:
+        req.routing = np.full((len(req.prompt) + req.max_out, *ids.shape[1:]), -1, np.int32)
+    positions = np.asarray(positions)
+    ok = (positions >= 0) & (positions < len(req.routing))
+    req.routing[positions[ok]] = ids[: len(positions)][ok]
 
 
 class DeviceLoop:
@@ -144,7 +157,7 @@ class DeviceLoop:
             cache = self._new_cache(B, S)
             for b in bucket_sizes(min(self._min_prefill_rows, B), B):
                 for T in bucket_sizes(min(16, self._prefill_chunk), self._prefill_chunk):
-                    cache = self._prefill_call(
+                    cache, _ = self._prefill_call(
                         cache,
                         B,
                         np.full(b, B, np.int32),
@@ -353,8 +366,12 @@ class DeviceLoop:
                 if hi > lo:
                     tok[i, : hi - lo] = p[lo:hi]
                     pos[i, : hi - lo] = np.arange(lo, hi)
-            self._cache = self._prefill_call(self._cache, t.B, idx, tok, pos, ada)
+            self._cache, routing = self._prefill_call(self._cache, t.B, idx, tok, pos, ada)
             self.stats.prefill_calls += 1
+            if routing is not None:  # the experts each prompt token went to (MoE)
+                routing = np.asarray(jax.device_get(routing))
+                for i, (row, _, _) in enumerate(jobs):
+                    record_routing(t.held(row), pos[i], routing[i])
         jax.block_until_ready(self._cache)
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_rows += len(jobs)
@@ -393,7 +410,7 @@ class DeviceLoop:
         )
         kind = "decode_chunk" if mask is None else "decode_masked"
         self.stats.shapes.add((kind, t.B, self._S, rows_in.stop_ids.shape[1]))
-        rows, (toks, lps, tids, tlps) = jax.device_get((rows, out))
+        rows, (toks, lps, tids, tlps, rts) = jax.device_get((rows, out))
         self.stats.decode_s += time.perf_counter() - t0
         t.update(rows)
         steps = int((toks >= 0).any(axis=1).sum())
@@ -407,7 +424,7 @@ class DeviceLoop:
                 continue
             req = t.held(r)
             try:
-                self._accept(r, toks, lps, tids, tlps)
+                self._accept(r, toks, lps, tids, tlps, rts)
             except Exception as e:  # noqa: BLE001 - this request's fault only
                 self._fail_row(r, req, e)
 
@@ -428,13 +445,17 @@ class DeviceLoop:
                 self._fail_row(r, req, e)
         return mask
 
-    def _accept(self, row: int, toks, lps, tids, tlps) -> None:
+    def _accept(self, row: int, toks, lps, tids, tlps, rts=None) -> None:
         """Per-request host work after a chunk: take the row's new tokens, apply
-        stop strings, hand accepted tokens to on_tokens, resolve when done."""
+        stop strings, hand accepted tokens to on_tokens, resolve when done.
+        rts: the chunk's routing [n, B, moe layers, k] (MoE models), else None."""
         t, st = self._table, self.stats
         req = t.held(row)
         got = toks[:, row] >= 0
         new = toks[got, row].tolist()
+        if rts is not None:  # step i fed position len(prompt) - 1 + (tokens before it)
+            fed = len(req.prompt) - 1 + len(req.gen) + np.arange(len(new))
+            record_routing(req, fed, rts[got, row])
         if req.matcher is not None:
             for tok in new:  # a token outside the grammar fails the request here
                 req.matcher.consume(tok)
@@ -471,6 +492,11 @@ class DeviceLoop:
             policy_version=req.version,
             cached_tokens=req.cached,
             top_logprobs=None if req.tops is None else list(req.tops[:keep]),
+            routed_experts=(
+                None
+                if req.routing is None
+                else encode_routing(req.routing[: len(req.prompt) + len(ids)])
+            ),
         )
         t.release(row)
         resolve(req, result=res)

@@ -8,6 +8,7 @@ from ac2_jax.segments.batch import (
     pad_batch_rows,
     pad_rows,
     pow2_bucket,
+    routing_shape,
     task_names,
 )
 from ac2_jax.segments.constraints import merge_constraint_tables, resolve_constraints
@@ -45,6 +46,7 @@ __all__ = [
     "pad_rows",
     "pow2_bucket",
     "resolve_constraints",
+    "routing_shape",
     "segments_from_trace",
     "task_names",
     "unpack_mask_bits",

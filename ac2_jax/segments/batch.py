@@ -47,6 +47,12 @@ class PackedBatch:
     (k >= 1: row k - 1; 0: unconstrained); None (no leaf) when no token is
     constrained (`ac2_jax.segments.constraints`). It is not row-aligned: the
     train step hands it whole to every micro-batch and device.
+    routing: None (no leaf), or int32 [rows, seq_len, moe layers, k], the
+    experts a mixture-of-experts sampler routed each token to, aligned with
+    `tokens` (the inputs; unlike the per-prediction arrays): what the
+    learner replays (`models.moe_decoder`, routing replay); -1 where not
+    recorded (that token routes itself). Row-aligned like `tokens`, so it
+    splits with the rows.
 
     num_tasks / num_segments are static capacities (the next power of two of
     the real counts; unused ids hold no tokens), so batches of similar size
@@ -67,6 +73,7 @@ class PackedBatch:
     subtree_end: np.ndarray | None = None
     features: dict[str, np.ndarray] = struct.field(default_factory=dict)
     constraint_masks: np.ndarray | None = None
+    routing: np.ndarray | None = None
     num_tasks: int = struct.field(pytree_node=False, default=0)
     num_segments: int = struct.field(pytree_node=False, default=0)
 
@@ -122,6 +129,14 @@ def packed_lengths(
             )
         lengths.append(min(len(s), seq_len))
     return lengths
+
+
+def routing_shape(segments: Sequence[Segment], who: str) -> tuple[int, int] | None:
+    """(moe layers, k) of the segments' recorded routing; None when none has any."""
+    shapes = {s.routing.shape[1:] for s in segments if s.routing is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"{who}: segments record routing of different shapes {sorted(shapes)}")
+    return next(iter(shapes), None)
 
 
 def feature_dtypes(segments: Sequence[Segment], who: str) -> dict[str, np.dtype]:
@@ -185,4 +200,7 @@ def pad_batch_rows(batch: PackedBatch, rows: int) -> PackedBatch:
     changes["features"] = {
         k: np.concatenate([np.asarray(batch.features[k]), v]) for k, v in features.items()
     }
+    if batch.routing is not None:  # padding rows record nothing
+        r = np.asarray(batch.routing)
+        changes["routing"] = np.concatenate([r, np.full((extra, *r.shape[1:]), -1, r.dtype)])
     return dataclasses.replace(batch, **changes)

@@ -18,6 +18,7 @@ from ac2_jax.segments.batch import (
     packed_lengths,
     pad_rows,
     pow2_bucket,
+    routing_shape,
     task_names,
 )
 from ac2_jax.segments.constraints import resolve_constraints
@@ -114,6 +115,9 @@ def pack_segments(
     bins = pack_rows(lengths, seq_len)
     features = feature_dtypes(segments, "pack_segments")
     out = empty_batch(pad_rows(len(bins), min_rows, rows_multiple), seq_len, features)
+    routed = routing_shape(segments, "pack_segments")
+    if routed is not None:  # -1: not recorded (padding, segments without a record)
+        out["routing"] = np.full((*out["tokens"].shape, *routed), -1, np.int32)
     for r, members in enumerate(bins):
         start = 0
         for local_id, i in enumerate(members, start=1):
@@ -165,5 +169,7 @@ def write_segment(
         out[k][r, pred] = getattr(s, k)[1:n]
     for k, v in s.features.items():
         out["features"][k][r, pred] = v[1:n]
+    if s.routing is not None and "routing" in out:  # aligned with the inputs
+        out["routing"][r, sl] = s.routing[:n]
     out["task_ids"][r, sl] = task_id
     out["segment_index"][r, sl] = seg_index

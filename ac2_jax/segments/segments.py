@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ac2_jax.segments.mask_bits import MaskTable, pack_mask_bits
+from ac2_jax.trace.routing import decode_routing
 from ac2_jax.trace.types import Trace
 
 SAMPLER_LOGPROBS = "sampler_logprobs"  # the feature `segments_from_trace` records
@@ -56,6 +57,12 @@ class Segment:
     allowed sets of the segment's grammar-constrained tokens; the feature
     `CONSTRAINT_ID` says which row each token was sampled under (0: none).
     The packers merge the segments' tables into the batch's.
+
+    `routing` (mixture-of-experts samplers): int32 [n, moe layers, k], the
+    experts the sampler routed each token to, aligned with `tokens` (the
+    inputs, not the predictions); -1 where not recorded (the learner routes
+    that token itself). The flat packer carries it into `PackedBatch.routing`
+    for routing replay. None: nothing recorded.
     """
 
     # Per-token fields take any array-like and hold numpy arrays [n] after
@@ -71,10 +78,18 @@ class Segment:
     top_p: Any = None
     features: dict[str, Any] = dataclasses.field(default_factory=dict)
     constraint_masks: Any = None
+    routing: Any = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, np.int32)
         n = len(self.tokens)
+        if self.routing is not None:
+            self.routing = np.asarray(self.routing, np.int32)
+            if self.routing.ndim != 3 or len(self.routing) != n:
+                raise ValueError(
+                    f"Segment({self.task!r}): routing must be [n tokens = {n}, moe layers, k], "
+                    f"got shape {self.routing.shape}"
+                )
         self.loss_mask = np.asarray(self.loss_mask, np.float32)
         for name, default, dtype in (
             ("temperature", 1.0, np.float32),
@@ -181,8 +196,31 @@ def _request_segment(trace: Trace, ep, c, masks_of) -> Segment:
         top_k=np.full(n, c.top_k),
         top_p=np.full(n, c.top_p),
         features={SAMPLER_LOGPROBS: [0.0] * n_p + list(c.output_logprobs)},
+        routing=_routing(n, [c]),
     )
     return _with_constraints(seg, trace, ep, [c], masks_of)
+
+
+def _routing(n: int, completions) -> np.ndarray | None:
+    """[n, layers, k] routing of a segment's first n tokens from its completions'
+    records (each covers its prompt ++ output, a prefix of the segment; a later
+    completion's record of a token wins where it has one); None if none has one."""
+    out = None
+    for c in completions:
+        text = getattr(c, "routed_experts", None)
+        if text is None:
+            continue
+        r = decode_routing(text)[:n]
+        if out is None:
+            out = np.full((n, *r.shape[1:]), -1, np.int32)
+        if r.shape[1:] != out.shape[1:]:
+            raise ValueError(
+                f"segments_from_trace: completions record routing of {out.shape[1:]} and "
+                f"{r.shape[1:]} (moe layers, k): one episode, two models"
+            )
+        seen = np.all(r >= 0, axis=(1, 2))
+        out[: len(r)][seen] = r[seen]
+    return out
 
 
 def _episode_segment(trace: Trace, ep, masks_of) -> Segment:
@@ -193,6 +231,7 @@ def _episode_segment(trace: Trace, ep, masks_of) -> Segment:
         task=trace.key,
         agent=ep.agent,
         features={SAMPLER_LOGPROBS: ep.sampler_logprobs},
+        routing=_routing(len(ep.token_ids), ep.completions),
         **params,
     )
     return _with_constraints(seg, trace, ep, ep.completions, masks_of)
@@ -309,4 +348,5 @@ def _truncate(s: Segment, n: int) -> Segment:
         top_k=s.top_k[:n],
         top_p=s.top_p[:n],
         features={k: v[:n] for k, v in s.features.items()},
+        routing=None if s.routing is None else s.routing[:n],
     )

@@ -31,6 +31,7 @@ from ac2_jax.segments.batch import (
     packed_lengths,
     pad_rows,
     pow2_bucket,
+    routing_shape,
     task_names,
 )
 from ac2_jax.segments.constraints import resolve_constraints
@@ -152,6 +153,12 @@ def pack_segment_tree(
     to the current row while its trie fits. Same arguments and errors as
     `pack_segments`; the result also has `subtree_end`.
     """
+    if routing_shape(segments, "pack_segment_tree") is not None:
+        raise ValueError(
+            "pack_segment_tree: the segments carry recorded MoE routing (routing replay); a "
+            "merged prefix has one routing, the samplers' may differ: pack them flat "
+            "(layout='flat'), or leave the routing out (RL: BatchConfig.moe_routing='recompute')"
+        )
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segment_tree")
     segments, table = resolve_constraints(
         segments, constraint_masks, min_masks, "pack_segment_tree"

@@ -11,6 +11,7 @@ from ac2_jax.trace.agents import (
     is_subagent,
 )
 from ac2_jax.trace.recorder import TraceRecorder
+from ac2_jax.trace.routing import decode_routing, encode_routing, routing_length
 from ac2_jax.trace.store import TraceStore, TraceStoreError
 from ac2_jax.trace.types import (
     END_STATUSES,
@@ -47,4 +48,7 @@ __all__ = [
     "TraceStoreError",
     "messages_fingerprint",
     "new_attempt_id",
+    "decode_routing",
+    "encode_routing",
+    "routing_length",
 ]

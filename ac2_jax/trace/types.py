@@ -13,6 +13,8 @@ import json
 import uuid
 from typing import Any
 
+from ac2_jax.trace.routing import routing_length
+
 
 def messages_fingerprint(messages: list[dict[str, Any]]) -> str:
     """sha256 (hex, 16 chars) of a message list's canonical JSON."""
@@ -80,6 +82,11 @@ class Completion:
     `adapter` names the LoRA adapter the request sampled with (the endpoint's
     `model` "<name>@<adapter>"; None: the served model itself): the learner
     that trains on it must score with the same adapter.
+
+    `routed_experts` (mixture-of-experts samplers): the experts each token of
+    prompt_ids + output_ids was routed to, per MoE layer, compactly
+    (`trace.routing.encode_routing`); the learner replays them (routing
+    replay). None where the sampler records none.
     """
 
     prompt_ids: list[int]
@@ -100,6 +107,7 @@ class Completion:
     choice_index: int = 0
     constraint: str | None = None
     adapter: str | None = None
+    routed_experts: str | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
@@ -107,6 +115,13 @@ class Completion:
                 f"Completion: output_logprobs has {len(self.output_logprobs)} entries "
                 f"but output_ids has {len(self.output_ids)}"
             )
+        if self.routed_experts is not None:
+            n = len(self.prompt_ids) + len(self.output_ids)
+            if routing_length(self.routed_experts) != n:
+                raise ValueError(
+                    f"Completion: routed_experts covers {routing_length(self.routed_experts)} "
+                    f"tokens but prompt_ids + output_ids has {n}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -119,6 +134,8 @@ class Completion:
             del d["constraint"]
         if self.adapter is None:  # as older stores wrote it
             del d["adapter"]
+        if self.routed_experts is None:  # as older stores wrote it
+            del d["routed_experts"]
         return d
 
     @classmethod

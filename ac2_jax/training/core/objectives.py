@@ -105,14 +105,33 @@ class StepModel:
         return nnx.merge(self.graphdef, jax.lax.stop_gradient(p), self.rest)
 
     def logits(self, batch) -> jax.Array:
-        """fp32 logits [R, L, V] of a packed batch (the dense path)."""
-        return self.module()(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+        """fp32 logits [R, L, V] of a packed batch (the dense path); a batch with
+        recorded MoE routing (`PackedBatch.routing`) replays it."""
+        module = self.module()
+        return module(
+            batch.tokens,
+            batch.positions,
+            batch.segment_ids,
+            batch.subtree_end,
+            **routing_kw(module, getattr(batch, "routing", None)),
+        )
 
     def hidden(
-        self, tokens, positions, segment_ids, subtree_end=None, *, teacher: bool = False
+        self,
+        tokens,
+        positions,
+        segment_ids,
+        subtree_end=None,
+        *,
+        teacher: bool = False,
+        routing=None,
     ) -> jax.Array:
-        """Final normed hidden states [R, L, D] of packed rows ([R, L] int inputs)."""
-        return self.module(teacher).hidden_states(tokens, positions, segment_ids, subtree_end)
+        """Final normed hidden states [R, L, D] of packed rows ([R, L] int inputs);
+        routing: None, or the recorded MoE routing to replay ([R, L, layers, k])."""
+        module = self.module(teacher)
+        return module.hidden_states(
+            tokens, positions, segment_ids, subtree_end, **routing_kw(module, routing)
+        )
 
     def project(self, hidden: jax.Array, *, teacher: bool = False) -> jax.Array:
         """The model's own fp32 logits [..., V] of hidden states [..., D] (dense)."""
@@ -121,6 +140,21 @@ class StepModel:
     def head(self, teacher: bool = False) -> LMHead:
         """The output projection (for the chunked path: `LMHead.logits` == `project`)."""
         return lm_head_of(self.module(teacher))
+
+
+def routing_kw(module, routing) -> dict:
+    """The `routing=` keyword of a model's forward for a batch's recorded MoE routing
+    (routing replay, `models.moe_decoder`): {} when there is none; an error for a
+    model that has no experts to route."""
+    if routing is None:
+        return {}
+    if not hasattr(module, "forward_with_router"):
+        raise ValueError(
+            f"the batch carries recorded MoE routing (PackedBatch.routing) but the model "
+            f"({type(module).__name__}) has no experts; train it with "
+            "BatchConfig.moe_routing='recompute' (no routing in the batch)"
+        )
+    return {"routing": routing}
 
 
 def apply_loss(loss_fn, model: StepModel, batch, extras):
@@ -183,7 +217,13 @@ def model_logprobs(
             else token_logprobs(logits, batch.targets)
         )
         return logp, (jax.lax.stop_gradient(token_entropy(logits)) if entropy else None)
-    h = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
+    h = model.hidden(
+        batch.tokens,
+        batch.positions,
+        batch.segment_ids,
+        batch.subtree_end,
+        routing=getattr(batch, "routing", None),
+    )
     sampling = (
         dict(
             temperature=batch.temperature,

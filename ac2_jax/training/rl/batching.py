@@ -35,6 +35,7 @@ from ac2_jax.segments import (
     pack_segments,
     pad_batch_rows,
     resolve_constraints,
+    routing_shape,
     segments_from_trace,
     task_names,
 )
@@ -192,6 +193,8 @@ def batch_segments(
         check_sampled(t)  # only what trains
         _check_can_replay(t, tokenizer)
         for s in segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks):
+            if config.moe_routing == "recompute":
+                s.routing = None  # the learner routes every token itself
             if s.num_agent_tokens:
                 s = with_advantage(s, float(a))
                 s.weight = w
@@ -216,6 +219,8 @@ def batch_segments(
     )
     for s in segments:
         stats.trained_tokens[s.agent] += s.num_agent_tokens
+        if s.routing is not None:
+            stats.replayed_routing_tokens += int(np.all(s.routing >= 0, axis=(1, 2)).sum())
         if s.constraint_masks is not None:
             ids = s.features[CONSTRAINT_ID]
             stats.constrained_tokens += int(((ids > 0) & (s.loss_mask > 0)).sum())
@@ -269,6 +274,7 @@ def pack_rl_batch(
     rows, multiple = -(-config.rows // n), -(-max(config.rows_multiple, 1) // n)
     # Grammar masks numbered over the whole batch (every process alike), one table.
     segments, table = merge_constraint_tables(segments, "pack_rl_batch")
+    routed = routing_shape(segments, "pack_rl_batch")  # every share carries it alike
     share, extra = list(segments), dict[str, Any]()
     if n > 1:
         if config.layout != "flat":
@@ -289,12 +295,13 @@ def pack_rl_batch(
         if table is not None:
             features[CONSTRAINT_ID] = np.dtype(np.int32)
             table = resolve_constraints([], table, min_masks, "pack_rl_batch")[1]
-        return PackedBatch(
+        empty = PackedBatch(
             **empty_batch(pad_rows(0, rows, multiple), row_len, features),
             constraint_masks=table,
             num_tasks=max(config.task_capacity, 1),
             num_segments=max(config.segment_capacity, 1),
         )
+        return _with_routing(empty, routed)
     batch = pack_segments(
         share,
         row_len,
@@ -310,4 +317,12 @@ def pack_rl_batch(
     if batch.shape[0] > rows > 0:  # more rows than configured: rows x 2^k, few shapes
         unit = math.lcm(rows, multiple)
         batch = pad_batch_rows(batch, unit * pow2_bucket(-(-batch.shape[0] // unit)))
-    return batch
+    return _with_routing(batch, routed)
+
+
+def _with_routing(batch: PackedBatch, shape: tuple[int, int] | None) -> PackedBatch:
+    """`batch` with a routing leaf when the global batch has one (a share whose own
+    segments recorded none replays nothing: -1, each token routes itself)."""
+    if shape is None or batch.routing is not None:
+        return batch
+    return dataclasses.replace(batch, routing=np.full((*batch.shape, *shape), -1, np.int32))

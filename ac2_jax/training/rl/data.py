@@ -21,6 +21,7 @@ from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
 
 STALE_POLICIES = ("drop", "downweight")
+MOE_ROUTING = ("replay", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +70,19 @@ class BatchConfig:
     # agent-token-weighted mean of the segments that do train. E.g. the main-only
     # ablation: train_agents=("main",).
     train_agents: tuple[str, ...] | None = None
+    # Mixture-of-experts policies: "replay" trains every token through the experts
+    # the sampler routed it to, where the trace records them (Completion.
+    # routed_experts -> Segment.routing -> PackedBatch.routing; routing replay,
+    # R3); "recompute" lets the learner route every token itself (the batch
+    # carries no routing). Needs layout="flat" when traces record routing.
+    moe_routing: str = "replay"
 
     def __post_init__(self):
         _check_train_agents(self.train_agents)
+        if self.moe_routing not in MOE_ROUTING:
+            raise ValueError(
+                f"BatchConfig.moe_routing must be one of {MOE_ROUTING}, got {self.moe_routing!r}"
+            )
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
@@ -186,6 +197,8 @@ class BatchStats:
     # and the distinct masks among them (the rows of the batch's mask table).
     constrained_tokens: int = 0
     grammar_masks: int = 0
+    # Tokens whose recorded MoE routing the learner replays (moe_routing="replay").
+    replayed_routing_tokens: int = 0
     # Agent tokens in the batch per agent label (after exclusions and cuts; 0 for a
     # label of the kept traces that put none in): `rl.metrics.batch_metrics` logs them.
     trained_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
