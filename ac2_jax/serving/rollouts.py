@@ -37,7 +37,13 @@ from ac2_jax.serving.splice import TurnMemory
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
 from ac2_jax.trace.types import END_STATUSES
 
-COUNTERS = ("aborted_completions", "sampler_errors", "server_errors", "malformed_tool_calls")
+COUNTERS = (
+    "aborted_completions",
+    "sampler_errors",
+    "server_errors",
+    "malformed_tool_calls",
+    "routing_not_recorded",  # MoE routing that did not cover its completion (not replayed)
+)
 
 
 class Rollout:

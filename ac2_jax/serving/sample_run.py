@@ -30,7 +30,7 @@ from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving.errors import APIError, bad_request
 from ac2_jax.serving.rollouts import RolloutRegistry
 from ac2_jax.serving.streaming import TokenFeed
-from ac2_jax.trace import Completion
+from ac2_jax.trace import Completion, routing_length
 
 
 def sse(obj: dict) -> str:
@@ -139,6 +139,15 @@ async def run_generation(ctx: ServeContext, principal, gen: Generation):
         raise bad_request(f"The sampler rejected the request: {e}") from None
 
 
+def routing_of(result, prompt_len: int) -> str | None:
+    """The result's recorded expert routing (MoE samplers: prompt + output tokens) when it
+    covers exactly the completion's tokens, else None (the caller counts it)."""
+    routed = result.routed_experts
+    if routed is None or routing_length(routed) != prompt_len + len(result.output_ids):
+        return None
+    return routed
+
+
 def finish_choices(ctx: ServeContext, results, st: RequestState):
     """The choices the samples make (stops cut, tool calls parsed), and their turns."""
     tokenizer = ctx.tokenizer
@@ -174,9 +183,15 @@ async def record(ctx: ServeContext, st: RequestState, choices, elapsed: float, t
             choice_index=int(c.index),
             constraint=st.constraint,
             adapter=req.model.partition("@")[2] or None,  # checked: generation.model_adapter
+            routed_experts=routing_of(c.result, len(st.prompt_ids)),
         )
         for c in choices
     ]
+    unmatched = sum(1 for c in choices if c.result.routed_experts is not None) - sum(
+        1 for comp in comps if comp.routed_experts is not None
+    )
+    if unmatched:  # the learner routes those tokens itself: counted, never silent
+        ctx.registry.count(principal.rollout, "routing_not_recorded", unmatched)
     await asyncio.to_thread(ctx.registry.record, principal.rollout, st.agent, comps, list(turns))
     malformed = sum(c.malformed_tool_calls for c in choices)
     if malformed:
