@@ -22,7 +22,10 @@ import jax.numpy as jnp
 from ac2_jax.models import attention_accel
 from ac2_jax.models.attention_mask import NEG, AttentionMask
 from ac2_jax.models.blocksparse import blocksparse_attention
-from ac2_jax.models.config import ATTENTION_BACKENDS
+
+# The kernels by name ("auto": by platform and shape, `choose_backend`); DecoderConfig's
+# `attention_backend` takes one of them.
+ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
 
 
 def choose_backend(

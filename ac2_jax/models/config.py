@@ -14,12 +14,12 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from ac2_jax.models.attention import ATTENTION_BACKENDS
 from ac2_jax.models.family import FAMILIES, config_from_hf, get_family
 from ac2_jax.models.lora import LoRAConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT = ("none", "full", "save_dots")
-ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
 RUNTIME_FIELDS = (
     "scan_layers",
     "remat",
