@@ -46,6 +46,7 @@ from pydantic import BaseModel
 from ac2_jax.models import load_hf_checkpoint
 from ac2_jax.sampling import SamplerError, SamplingParams
 from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.serving.server import SAMPLER_LAYOUT
 
 
 class GenerateRequest(BaseModel):
@@ -319,7 +320,7 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
 
         def load():
             with update_lock:
-                model, _ = load_hf_checkpoint(path)
+                model, _ = load_hf_checkpoint(path, **SAMPLER_LAYOUT)
                 sampler.set_weights(model, int(version))
 
         try:

@@ -11,6 +11,11 @@ from collections.abc import Callable, Sequence
 
 import uvicorn
 
+# How a sampler loads a checkpoint: per-layer weights, whatever the memory plan would
+# pick for training (scanned decode copies each layer's weights and cache slice out of
+# the stacked arrays every step: ~1.6x slower on CPU, BUILD_NOTES issue 15), no remat.
+SAMPLER_LAYOUT = {"scan_layers": False, "remat": "none"}
+
 
 def serve_in_thread(
     app, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 60.0
@@ -111,7 +116,7 @@ def load_policy(
         name = "tiny"
     else:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model)
-        decoder, _ = load_hf_checkpoint(model)
+        decoder, _ = load_hf_checkpoint(model, **SAMPLER_LAYOUT)
         name = os.path.basename(os.path.normpath(model))
     context = max_context or min(
         decoder.config.max_position_embeddings, tokenizer.model_max_length or 1 << 30
