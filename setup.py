@@ -41,9 +41,14 @@ EXTRAS = {
 # and everything the test suite exercises.
 # ruff and mypy are pinned: "zero findings" in scripts/test.sh is a statement about
 # one version of each (a newer release adds rules and inferences).
+# The docs site (tests/test_docs.py builds it with --strict) and the notebooks (run under a
+# real Jupyter kernel by tests/notebooks/) are tested too.
+DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
 EXTRAS["dev"] = sorted({"pytest>=8", "hypothesis>=6", "torch", "transformers>=4.51", "peft>=0.17",
                         "anthropic",
-                        "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"]})
+                        "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
+                        *DOCS, *NOTEBOOKS})
 
 setup(
     name="ac2_jax",

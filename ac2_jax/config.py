@@ -60,8 +60,8 @@ def from_config(cls: type, cfg: Any, *, path: str = "", **overrides: Any) -> Any
       `cls(**fields)`.
 
     Raises:
-      ConfigError naming the key path on an unknown, missing, doubly set or
-      ill-typed key, or when `cls` itself rejects a value.
+      ConfigError: naming the key path on an unknown, missing, doubly set or
+        ill-typed key, or when `cls` itself rejects a value.
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"from_config: cls must be a dataclass type, got {cls!r}")

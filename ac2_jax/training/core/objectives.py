@@ -339,7 +339,7 @@ class PolicyGradientLoss(Objective):
     `old_logprobs` is where the PPO ratio's denominator comes from:
     "detached" (the current learner log-probs, gradient stopped: one update
     per batch, TIS then corrects learner vs sampler), "sampler" (the batch's
-    sampler log-probs) or "extras" (extras["old_logprobs"] [R, L], e.g. from
+    sampler log-probs) or "extras" (`extras["old_logprobs"]` [R, L], e.g. from
     `TrainStep.logprobs` before several updates on one batch).
     Reads the batch features `ADVANTAGES` and `SAMPLER_LOGPROBS` (what
     `ac2_jax.training.rl.pack_rl_batch` packs), and re-scores grammar-constrained

@@ -94,8 +94,8 @@ class DistillLoss:
     gradient stopped. chunk_size None: dense logits; an int: both sides are
     projected `chunk_size` positions at a time (same values, no [R, L, V]);
     "auto" (default): one of the two by the batch's shape (`models.memory_plan`).
-    Called directly, `loss(logits, batch, extras)` takes extras
-    ["teacher_logits"] [R, L, V] aligned with the batch (the dense reference).
+    Called directly, `loss(logits, batch, extras)` takes
+    `extras["teacher_logits"]` [R, L, V] aligned with the batch (the dense reference).
     Metrics: kl (reverse KL, student || teacher), student_logp, teacher_logp
     of the targets.
     """
