@@ -37,7 +37,8 @@ def site(tmp_path_factory):
 
 
 def test_every_page_in_the_nav_is_built(site):
-    for page in ("index", "concepts", "design", "launch", "results", "howto/harness-and-env",
+    for page in ("index", "concepts", "design", "launch", "results", "build-notes",
+                 "howto/harness-and-env",
                  "howto/models-and-lora", "howto/distillation", "howto/async-rl",
                  "howto/scaling-out", "reference"):
         built = site / ("index.html" if page == "index" else f"{page}/index.html")
