@@ -157,7 +157,7 @@ def pack_segment_tree(
         raise ValueError(
             "pack_segment_tree: the segments carry recorded MoE routing (routing replay); a "
             "merged prefix has one routing, the samplers' may differ: pack them flat "
-            "(layout='flat'), or leave the routing out (RL: BatchConfig.moe_routing='recompute')"
+            "(layout='flat'), or leave the routing out (RL: rl.moe.routing='recompute')"
         )
     lengths = packed_lengths(segments, seq_len, truncate, "pack_segment_tree")
     segments, table = resolve_constraints(

@@ -152,7 +152,7 @@ def routing_kw(module, routing) -> dict:
         raise ValueError(
             f"the batch carries recorded MoE routing (PackedBatch.routing) but the model "
             f"({type(module).__name__}) has no experts; train it with "
-            "BatchConfig.moe_routing='recompute' (no routing in the batch)"
+            "rl.moe.routing='recompute' (no routing in the batch)"
         )
     return {"routing": routing}
 

@@ -21,6 +21,7 @@ from ac2_jax.training.rl.collectors import (
 from ac2_jax.training.rl.data import (
     BatchConfig,
     BatchStats,
+    MoEConfig,
     agent_trained,
     check_sampled,
     group_name,
@@ -59,6 +60,7 @@ from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 __all__ = [
     "ADVANTAGES",
     "BatchConfig",
+    "MoEConfig",
     "BatchStats",
     "BranchCounts",
     "Collector",

@@ -65,16 +65,23 @@ def build_batch(
     process_count: int = 1,
     tokenizer: Any = None,
     vocab_size: int | None = None,
+    moe_routing: str = "replay",
 ) -> tuple[PackedBatch | None, BatchStats, np.ndarray]:
     """Traces -> (packed batch or None when nothing trainable, stats, advantages):
     `batch_segments` then `pack_rl_batch`. With process_count > 1 the batch holds
     only process `process_index`'s share of the segments (a multi-host learner:
     every process selects from the same traces, packs its share, and the train
     step assembles the global batch); None when the global batch has no segment.
-    tokenizer / vocab_size: for grammar-constrained completions (`batch_segments`).
+    tokenizer / vocab_size: for grammar-constrained completions (`batch_segments`);
+    moe_routing: `MoEConfig.routing` ("recompute": the batch carries no routing).
     """
     segments, stats, adv = batch_segments(
-        traces, learner_version, config, tokenizer=tokenizer, vocab_size=vocab_size
+        traces,
+        learner_version,
+        config,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        moe_routing=moe_routing,
     )
     if not segments:
         return None, stats, adv
@@ -130,6 +137,7 @@ def batch_segments(
     *,
     tokenizer: Any = None,
     vocab_size: int | None = None,
+    moe_routing: str = "replay",
 ) -> tuple[list[Segment], BatchStats, np.ndarray]:
     """Traces -> (the batch's segments, stats, advantages); deterministic and
     host-side, so every process of a multi-host learner computes the same.
@@ -193,7 +201,7 @@ def batch_segments(
         check_sampled(t)  # only what trains
         _check_can_replay(t, tokenizer)
         for s in segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks):
-            if config.moe_routing == "recompute":
+            if moe_routing == "recompute":  # MoEConfig.routing (rl.moe.routing)
                 s.routing = None  # the learner routes every token itself
             if s.num_agent_tokens:
                 s = with_advantage(s, float(a))

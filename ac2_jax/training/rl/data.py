@@ -25,6 +25,24 @@ MOE_ROUTING = ("replay", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts policies (`RLConfig.moe`; configs: `rl.moe.routing`).
+
+    routing: "replay" trains every token through the experts the sampler routed
+    it to, where the trace records them (Completion.routed_experts ->
+    Segment.routing -> PackedBatch.routing; routing replay, R3); "recompute"
+    lets the learner route every token itself (the batch carries no routing).
+    Replay needs layout="flat" when traces record routing.
+    """
+
+    routing: str = "replay"
+
+    def __post_init__(self):
+        if self.routing not in MOE_ROUTING:
+            raise ValueError(f"rl.moe.routing must be one of {MOE_ROUTING}, got {self.routing!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchConfig:
     """How traces become a batch. `rows` is the minimum row count (static shapes); a
     batch that needs more grows to rows x 2^k (few distinct compiled shapes). To
@@ -70,19 +88,9 @@ class BatchConfig:
     # agent-token-weighted mean of the segments that do train. E.g. the main-only
     # ablation: train_agents=("main",).
     train_agents: tuple[str, ...] | None = None
-    # Mixture-of-experts policies: "replay" trains every token through the experts
-    # the sampler routed it to, where the trace records them (Completion.
-    # routed_experts -> Segment.routing -> PackedBatch.routing; routing replay,
-    # R3); "recompute" lets the learner route every token itself (the batch
-    # carries no routing). Needs layout="flat" when traces record routing.
-    moe_routing: str = "replay"
 
     def __post_init__(self):
         _check_train_agents(self.train_agents)
-        if self.moe_routing not in MOE_ROUTING:
-            raise ValueError(
-                f"BatchConfig.moe_routing must be one of {MOE_ROUTING}, got {self.moe_routing!r}"
-            )
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
@@ -197,7 +205,7 @@ class BatchStats:
     # and the distinct masks among them (the rows of the batch's mask table).
     constrained_tokens: int = 0
     grammar_masks: int = 0
-    # Tokens whose recorded MoE routing the learner replays (moe_routing="replay").
+    # Tokens whose recorded MoE routing the learner replays (rl.moe.routing="replay").
     replayed_routing_tokens: int = 0
     # Agent tokens in the batch per agent label (after exclusions and cuts; 0 for a
     # label of the kept traces that put none in): `rl.metrics.batch_metrics` logs them.

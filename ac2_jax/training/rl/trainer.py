@@ -65,6 +65,7 @@ from ac2_jax.training.rl.collectors import (  # noqa: F401
 )
 from ac2_jax.training.rl.data import (
     BatchConfig,
+    MoEConfig,
     group_name,
     informative_groups,
     select_traces,
@@ -87,6 +88,8 @@ class RLConfig:
     seed: int = 0
     concurrency: int = 64
     batch: BatchConfig = BatchConfig()
+    # Mixture-of-experts policies: routing replay or not (`MoEConfig`).
+    moe: MoEConfig = MoEConfig()
     # The step runs each batch as grad_accum micro-batches of batch.rows / grad_accum
     # rows and skips those without a loss token: batch.rows can be the most a step
     # needs (one compiled geometry) while a step with less data computes only its rows.
@@ -358,6 +361,7 @@ class RLTrainer(TrainerHooks):
             self._batch_config,
             tokenizer=self.tokenizer,
             vocab_size=self._vocab_size,
+            moe_routing=self.config.moe.routing,
         )
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])

@@ -8,7 +8,7 @@ endpoint does, `segments_from_trace` and the flat packer carry them into
 `PackedBatch.routing`, and the train step's log-probs (`model_logprobs`)
 replay them: the learner's log-probs of the sampled tokens then match the
 sampler's recorded ones far more closely than when it routes by itself
-(`BatchConfig.moe_routing="recompute"`, no routing in the batch).
+(`rl.moe.routing="recompute"`, no routing in the batch).
 """
 
 import asyncio
@@ -120,9 +120,9 @@ def test_stop_cut_keeps_the_routing_of_the_kept_tokens():
 
 def test_rl_batches_carry_routing_unless_recompute(sampled):
     """build_batch: the batch replays the recorded routing (counted), every share of a
-    multi-process batch carries it alike; moe_routing="recompute" packs none; a
+    multi-process batch carries it alike; rl.moe.routing="recompute" packs none; a
     prefix tree cannot merge two samplers' routings and says so."""
-    from ac2_jax.training.rl import BatchConfig, build_batch
+    from ac2_jax.training.rl import BatchConfig, MoEConfig, RLConfig, build_batch
 
     _, results = sampled
     trace = _trace(results)
@@ -133,9 +133,10 @@ def test_rl_batches_carry_routing_unless_recompute(sampled):
     assert batch.routing is not None and stats.replayed_routing_tokens == recorded
     share, _, _ = build_batch([trace], 0, config, process_index=3, process_count=4)
     assert share.routing.shape == (*share.shape, 2, 2)  # a share whose segments record none
-    plain, stats, _ = build_batch([trace], 0, dataclasses.replace(config, moe_routing="recompute"))
+    plain, stats, _ = build_batch([trace], 0, config, moe_routing="recompute")
     assert plain.routing is None and stats.replayed_routing_tokens == 0
     with pytest.raises(ValueError, match="pack them flat"):
         build_batch([trace], 0, dataclasses.replace(config, layout="tree"))
-    with pytest.raises(ValueError, match="moe_routing must be one of"):
-        BatchConfig(moe_routing="both")
+    with pytest.raises(ValueError, match="rl.moe.routing must be one of"):
+        MoEConfig(routing="both")
+    assert RLConfig().moe.routing == "replay"
