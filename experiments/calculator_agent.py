@@ -28,6 +28,7 @@ from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, demonstration
 from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.family import get_family
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
@@ -91,8 +92,11 @@ def _render_for_corpus(msgs, tools) -> str:
 
 
 def build_model(cfg, vocab_size: int) -> Decoder:
-    config = from_config(DecoderConfig, cfg.model, path="model", vocab_size=vocab_size)
-    return Decoder(config, rngs=nnx.Rngs(cfg.seed))
+    """The policy of `cfg.model`: a DecoderConfig, or the config class of the family it
+    names (`model.family`, e.g. "qwen3_moe": MoEDecoderConfig)."""
+    family = get_family(cfg.model.get("family", "qwen3"))
+    config = from_config(family.config_class, cfg.model, path="model", vocab_size=vocab_size)
+    return family.build(config, nnx.Rngs(cfg.seed))
 
 
 # RL step k draws its tasks with seed `collector_seed * 1_000_003 + k` (EndpointCollector).

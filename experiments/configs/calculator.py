@@ -22,6 +22,12 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            projection) on the SFT warm start, which stays frozen; the
            optimizer holds the adapters only, each publish sends them alone
   lora_quick  a smoke run of `lora`
+  moe      the default job with a tiny mixture-of-experts policy (Qwen3-MoE: 8
+           experts of width 48, top 2, the first layer dense): its active
+           parameters match the default's MLP; RL replays the experts the
+           sampler routed each token to (rl.moe.routing="replay"), which needs
+           flat rows (the tree packer carries no routing)
+  moe_quick  a smoke run of `moe`
 """
 
 import ml_collections
@@ -119,8 +125,26 @@ def _lora(c):
     return c
 
 
+def _moe(c):
+    c.workdir = "runs/calculator_moe"
+    c.model.update(family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=48, mlp_only_layers=(0,), norm_topk_prob=True)
+    # Recorded routing is replayed from flat rows: one attempt (~300-450 tokens) per
+    # 512-token row, so a step of 8 x 8 attempts needs up to 64 rows (4 micro-batches).
+    c.rl.update(grad_accum=4, compile_ahead=False)
+    c.rl.batch.update(layout="flat", rows=64)
+    return c
+
+
 VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick,
-            "lora": _lora, "lora_quick": lambda c: _quick(_lora(c))}
+            "lora": _lora, "lora_quick": lambda c: _quick(_lora(c)),
+            "moe": _moe, "moe_quick": lambda c: _moe_quick(c)}
+
+
+def _moe_quick(c):
+    c = _quick(_moe(c))
+    c.rl.grad_accum = 1  # the smoke run's 2 rows
+    return c
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
