@@ -153,3 +153,21 @@ def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
     assert abs(est.high - est.mean - half) < 1e-9
     single = pooled_arm_difference([str(tmp_path / "a")])
     assert abs(single.mean - np.mean([0.5, 0.5, 0.0])) < 1e-12
+
+
+def test_moe_variant_pipeline_records_and_replays_routing(tmp_path):
+    """calculator.py:moe_quick: the job runs with a Qwen3-MoE policy, its rollouts
+    carry the sampler's routing (flat rows replay it), and the export loads as
+    qwen3_moe. The lora variants configure adapters for RL only."""
+    cfg = get_config("moe_quick")
+    cfg.workdir = str(tmp_path / "run")
+    report = calculator_agent.run(cfg, log=lambda *a: None)
+    assert report["rl_steps"] == 1
+    lines = open(os.path.join(cfg.workdir, "rl", "rollouts.jsonl")).read()
+    assert '"routed_experts"' in lines
+    _, config = load_hf_checkpoint(os.path.join(cfg.workdir, "report", "final_hf"))
+    assert config.family == "qwen3_moe" and config.num_experts == 8
+    for variant in ("lora", "lora_quick"):
+        rcfg = calculator_agent.recipe_config(get_config(variant))
+        assert rcfg.lora is not None and rcfg.lora.rank == 16
+    assert calculator_agent.recipe_config(get_config("quick")).lora is None
