@@ -23,10 +23,11 @@ hidden):
   the torch counterpart of the jax step's remat "full".
 * ``tunix_lora``: the same LoRA step with tunix + qwix, in a separate virtualenv
   (``--tunix_python``): see ``_tunix_step``.
-* ``publish`` (once per shape): ``publish_weights`` of the LoRA learner (adapters alone)
-  and of the full learner (scanned layout), then, as a sampler would after the learner
-  is gone, ``load_published`` of each into a sampler-side model (per-layer layout; for
-  the adapters a LoRA model on the same base): seconds, and bytes of each step directory.
+* ``publish`` (once per shape, two children): a learner process ``publish_weights`` the
+  LoRA learner (adapters alone) and the full learner (scanned layout); then a sampler
+  process ``load_published`` each into a sampler-side model (per-layer layout, or the
+  stacked one with ``--serve_scan 1``; for the adapters a LoRA model on the same base):
+  seconds, and bytes of each step directory.
 
 Peak RSS: ``peak_rss_gb`` is the child's whole-life high-water mark; the train cases
 also split it into ``load_peak_gb`` (loading the checkpoint, building the state) and
@@ -55,12 +56,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks.bench_real_size import (  # noqa: E402
     _jax_problem,
-    _mark,
     _tokens,
     argparse_hidden,
     peak_rss_bytes,
     step_memory,
 )
+from benchmarks.bench_real_size import _mark as _timeline_mark  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
 CASES = ("jax_full", "jax_lora", "jax_lora_bf16", "torch_peft", "torch_peft_gc", "tunix_lora",
@@ -109,6 +110,13 @@ def need_gb(case: str, shape: dict, tokens: int) -> float:
 
 
 # ---------------------------------------------------------------- children
+
+
+def _mark(timeline: list, phase: str) -> None:
+    """bench_real_size's mark, also printed to stderr: a child killed by the memory
+    guard leaves its last phases in the row's error."""
+    _timeline_mark(timeline, phase)
+    print("MARK " + json.dumps(timeline[-1]), file=sys.stderr, flush=True)
 
 
 def _reset_peak(timeline: list) -> float:
@@ -314,18 +322,60 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _publish(args) -> dict:
-    """publish_weights (learner, scanned) then load_published (sampler, per-layer) of the
-    adapters alone and of the full model; seconds and bytes."""
-    import gc
-
+def _adapter_sum(model) -> float:
     import jax
     import numpy as np
+
+    from ac2_jax.models.lora import adapter_params
+    return sum(float(np.asarray(x, np.float64).sum())
+               for x in jax.tree.leaves(adapter_params(model)))
+
+
+def _publish_learner(args) -> dict:
+    """The learner side of `publish`: publish_weights of the LoRA learner (adapters
+    alone) and of the full learner (scanned layout) into args.publish_dir."""
+    import jax
     from flax import nnx
 
     from ac2_jax.models import load_hf_checkpoint
     from ac2_jax.models.lora import adapter_params
-    from ac2_jax.models.params_io import load_published, publish_weights
+    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.peft_io import add_lora
+    from experiments.configs import qwen3
+    from experiments.real_size import preset_runtime
+
+    timeline: list = []
+    _mark(timeline, "start")
+    learner, _ = load_hf_checkpoint(args.ckpt, **preset_runtime(qwen3.get_config(args.variant)))
+    learner_lora = add_lora(learner, _lora_config(args, False), seed=1)
+    # Adapters that are not the fresh B = 0 ones, so the sampler's copy is checked.
+    state = nnx.state(learner_lora, nnx.LoRAParam)
+    nnx.update(learner_lora, jax.tree.map(lambda x: x + 0.01, state))
+    _mark(timeline, "learner loaded")
+    out: dict = {"learner_timeline": timeline, "adapter_sum": _adapter_sum(learner_lora),
+                 "trainable_params": _size(adapter_params(learner_lora))}
+    for kind, model in (("lora", learner_lora), ("full", learner)):
+        times = []
+        for i in range(args.publish_repeats):
+            t0 = time.perf_counter()
+            step_dir = publish_weights(model, os.path.join(args.publish_dir, kind), step=i,
+                                       keep=1)
+            times.append(time.perf_counter() - t0)
+        out[f"{kind}_publish_s"] = times
+        out[f"{kind}_bytes"] = _dir_bytes(step_dir)
+        _mark(timeline, f"publish {kind}")
+    return out
+
+
+def _publish_sampler(args) -> dict:
+    """The sampler side of `publish` (its own process, as a sampler is):
+    load_published of the adapters into a LoRA model on the same base, and of the
+    full step into the plain model; per-layer layout unless --serve_scan 1."""
+    import jax
+    from flax import nnx
+
+    from ac2_jax.models import load_hf_checkpoint
+    from ac2_jax.models.params_io import load_published
     from ac2_jax.models.peft_io import add_lora
     from experiments.configs import qwen3
     from experiments.real_size import preset_runtime
@@ -333,53 +383,38 @@ def _publish(args) -> dict:
     timeline: list = []
     _mark(timeline, "start")
     runtime = preset_runtime(qwen3.get_config(args.variant))
-    lora = _lora_config(args, False)
-    work = tempfile.mkdtemp(prefix="ac2_lora_publish_", dir=args.work_dir)
-    dirs = {"lora": os.path.join(work, "lora"), "full": os.path.join(work, "full")}
-    learner, _ = load_hf_checkpoint(args.ckpt, **runtime)
-    learner_lora = add_lora(learner, lora, seed=1)
-    # Adapters that are not the fresh B = 0 ones, so the sampler's copy is checked.
-    state = nnx.state(learner_lora, nnx.LoRAParam)
-    nnx.update(learner_lora, jax.tree.map(lambda x: x + 0.01, state))
-    want = sum(float(np.asarray(x, np.float64).sum())
-               for x in jax.tree.leaves(adapter_params(learner_lora)))
-    _mark(timeline, "learner loaded")
-    out: dict = {"rss_timeline": timeline}
-    for kind, model in (("lora", learner_lora), ("full", learner)):
-        times = []
-        for i in range(args.publish_repeats):
-            t0 = time.perf_counter()
-            step_dir = publish_weights(model, dirs[kind], step=i, keep=1)
-            times.append(time.perf_counter() - t0)
-        out[f"{kind}_publish_s"] = times
-        out[f"{kind}_bytes"] = _dir_bytes(step_dir)
-        _mark(timeline, f"publish {kind}")
-    out["trainable_params"] = _size(adapter_params(learner_lora))
-    del learner, learner_lora, model, state
-    gc.collect()
-    _mark(timeline, "learner dropped")
-    # The sampler side: per-layer weights (bench_real_size's decode layout).
-    sampler, _ = load_hf_checkpoint(args.ckpt, **{**runtime, "scan_layers": False})
-    sampler_lora = add_lora(sampler, lora, seed=2)
+    sampler, _ = load_hf_checkpoint(args.ckpt, **{**runtime,
+                                                 "scan_layers": bool(args.serve_scan)})
+    sampler_lora = add_lora(sampler, _lora_config(args, False), seed=2)
     _mark(timeline, "sampler loaded")
+    out: dict = {"sampler_timeline": timeline, "serve_scan": bool(args.serve_scan)}
     for kind, model in (("lora", sampler_lora), ("full", sampler)):
         times = []
         for _ in range(args.publish_repeats):
             t0 = time.perf_counter()
-            load_published(model, dirs[kind])
+            load_published(model, os.path.join(args.publish_dir, kind))
             jax.block_until_ready(nnx.state(model))
             times.append(time.perf_counter() - t0)
         out[f"{kind}_load_s"] = times
         _mark(timeline, f"load_published {kind}")
-    got = sum(float(np.asarray(x, np.float64).sum())
-              for x in jax.tree.leaves(adapter_params(sampler_lora)))
+    out["adapter_sum"] = _adapter_sum(sampler_lora)
+    return out
+
+
+def publish_row(learner: dict, sampler: dict) -> dict:
+    """The publish row from its two children: bytes, seconds, ratios."""
+    out = {k: v for k, v in learner.items() if k not in ("peak_rss_gb", "adapter_sum")}
+    out.update({k: v for k, v in sampler.items() if k not in ("peak_rss_gb", "adapter_sum")})
+    out["learner_peak_rss_gb"] = learner["peak_rss_gb"]
+    out["sampler_peak_rss_gb"] = sampler["peak_rss_gb"]
+    out["peak_rss_gb"] = max(learner["peak_rss_gb"], sampler["peak_rss_gb"])
+    want, got = learner["adapter_sum"], sampler["adapter_sum"]
     out["adapter_roundtrip_ok"] = bool(abs(got - want) <= 1e-6 * max(1.0, abs(want)))
     for kind in ("lora", "full"):
         out[f"{kind}_publish_to_serve_s"] = min(out[f"{kind}_publish_s"]) + min(
             out[f"{kind}_load_s"])
     out["bytes_ratio"] = out["lora_bytes"] / out["full_bytes"]
     out["time_ratio"] = out["lora_publish_to_serve_s"] / out["full_publish_to_serve_s"]
-    subprocess.run(["rm", "-rf", work], check=False)
     return out
 
 
@@ -393,8 +428,10 @@ def _write_ckpt(args) -> dict:
 def child(args) -> dict:
     if args.case == "write_ckpt":
         out = _write_ckpt(args)
-    elif args.case == "publish":
-        out = _publish(args)
+    elif args.case == "publish_learner":
+        out = _publish_learner(args)
+    elif args.case == "publish_sampler":
+        out = _publish_sampler(args)
     elif args.case in ("torch_peft", "torch_peft_gc"):
         out = _torch_step(args, args.case == "torch_peft_gc")
     elif args.case == "tunix_lora":
@@ -511,11 +548,33 @@ def run_child(cmd: list, need: float, args, python: str | None = None) -> dict:
     row = {"wall_s": round(time.time() - t0, 1), "waited_for_lock_s": round(waited_lock, 1),
            "loadavg": os.getloadavg()[0]}
     if killed:
-        return {**row, "error": killed, "guard_max_rss_gb": round(top, 2)}
+        marks = [x[5:] for x in stderr.splitlines() if x.startswith("MARK ")][-3:]
+        return {**row, "error": killed + (f"; last phases [phase, VmRSS, VmHWM]: "
+                                          f"{', '.join(marks)}" if marks else ""),
+                "guard_max_rss_gb": round(top, 2)}
     line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode == 0 and line:
         return {**row, **json.loads(line[-1][7:])}
     return {**row, "error": f"exit {proc.returncode}: {stderr[-600:]}"}
+
+
+def _run_publish(cmd: list, need: float, args) -> dict:
+    """The learner child publishes, then the sampler child loads (one after the other,
+    each its own process)."""
+    work = tempfile.mkdtemp(prefix="ac2_lora_publish_", dir=args.work_dir)
+    try:
+        sides = {}
+        for side in ("learner", "sampler"):
+            side_cmd = [x if x != "publish" else f"publish_{side}" for x in cmd]
+            sides[side] = run_child(side_cmd + ["--publish_dir", work], need, args)
+            if "error" in sides[side]:
+                return {"error": f"{side}: {sides[side]['error']}",
+                        **{f"{side}_{k}": v for k, v in sides[side].items() if k != "error"}}
+        row = publish_row(sides["learner"], sides["sampler"])
+        row["wall_s"] = sides["learner"]["wall_s"] + sides["sampler"]["wall_s"]
+        return row
+    finally:
+        subprocess.run(["rm", "-rf", work], check=False)
 
 
 def _checkpoint(variant: str, args) -> str:
@@ -540,6 +599,10 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (0: dense logits)")
     p.add_argument("--steps", type=int, default=2, help="train steps per case (the first compiles)")
     p.add_argument("--publish_repeats", type=int, default=2)
+    p.add_argument("--serve_scan", type=int, default=0,
+                   help="publish: 1 loads into a sampler-side model of the learner's stacked "
+                        "layout (0: per-layer, the CPU sampler's; loading a full step then "
+                        "converts the layout)")
     p.add_argument("--ckpt_dir", default="/tmp/ac2_lora_ckpts",
                    help="random HF checkpoints, one folder per variant (written if missing)")
     p.add_argument("--work_dir", default=None, help="where publish writes (default: $TMPDIR)")
@@ -558,6 +621,7 @@ def main(argv=None):
     p.add_argument("--variant", default="default", help=argparse_hidden())
     p.add_argument("--ckpt", default=None, help=argparse_hidden())
     p.add_argument("--n", type=int, default=0, help=argparse_hidden())
+    p.add_argument("--publish_dir", default=None, help=argparse_hidden())
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
@@ -598,11 +662,15 @@ def main(argv=None):
                 cmd = ["--child", "1", "--case", case, "--n", str(n), "--ckpt", ckpt,
                        "--variant", variant, "--chunk", str(args.chunk), "--steps",
                        str(args.steps), "--rank", str(args.rank), "--alpha", str(args.alpha),
-                       "--publish_repeats", str(args.publish_repeats)]
+                       "--publish_repeats", str(args.publish_repeats),
+                       "--serve_scan", str(args.serve_scan)]
                 if args.work_dir:
                     cmd += ["--work_dir", args.work_dir]
                 python = args.tunix_python if case == "tunix_lora" else None
-                row.update(run_child(cmd, need, args, python))
+                if case == "publish":
+                    row.update(_run_publish(cmd, need, args))
+                else:
+                    row.update(run_child(cmd, need, args, python))
                 emit(row)
     print_table(rows, ["case", "variant", "tokens", "peak_rss_gb", "first_step_s", "step_s",
                        "trainable_params", "lora_bytes", "full_bytes", "error"])

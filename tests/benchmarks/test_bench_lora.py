@@ -17,8 +17,16 @@ def test_tiny_lora_step_and_publish_run_in_children(tmp_path):
     assert [r["case"] for r in rows] == ["jax_lora", "publish"]
     for r in rows:
         assert "error" not in r, r
-        assert r["peak_rss_gb"] > 0.05 and r["rss_timeline"][0][0] == "start"
+        assert r["peak_rss_gb"] > 0.05
     lora, publish = rows
+    assert lora["rss_timeline"][0][0] == "start"
+    # publish: a learner process publishes, then a sampler process loads.
+    assert [p for p, _, _ in publish["learner_timeline"]] == [
+        "start", "learner loaded", "publish lora", "publish full"]
+    assert [p for p, _, _ in publish["sampler_timeline"]] == [
+        "start", "sampler loaded", "load_published lora", "load_published full"]
+    assert publish["peak_rss_gb"] == max(publish["learner_peak_rss_gb"],
+                                         publish["sampler_peak_rss_gb"])
     assert lora["first_step_s"] > 0 and lora["step_s"] > 0 and lora["loss"] == lora["loss"]
     # The peak splits into the load phase's and the steps' own (VmHWM reset between).
     assert 0 < lora["step_peak_rss_gb"] <= lora["peak_rss_gb"] + 1e-6
