@@ -23,8 +23,10 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            optimizer holds the adapters only, each publish sends them alone
   lora_quick  a smoke run of `lora`
   moe      the default job with a tiny mixture-of-experts policy (Qwen3-MoE: 8
-           experts of width 48, top 2, the first layer dense): its active
-           parameters match the default's MLP; RL replays the experts the
+           experts of width 96, top 2, the first layer dense): its active
+           MLP width matches the default's (192); SFT runs 800 steps (the
+           routed model learns the copy later than the dense one: at 400
+           steps it passed no held-out task); RL replays the experts the
            sampler routed each token to (rl.moe.routing="replay"), which needs
            flat rows (the tree packer carries no routing)
   moe_quick  a smoke run of `moe`
@@ -128,7 +130,8 @@ def _lora(c):
 def _moe(c):
     c.workdir = "runs/calculator_moe"
     c.model.update(family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                   moe_intermediate_size=48, mlp_only_layers=(0,), norm_topk_prob=True)
+                   moe_intermediate_size=96, mlp_only_layers=(0,), norm_topk_prob=True)
+    c.sft.steps = 800  # sft_optimizer.total_steps follows (a reference)
     # Recorded routing is replayed from flat rows: one attempt (~300-450 tokens) per
     # 512-token row, so a step of 8 x 8 attempts needs up to 64 rows (4 micro-batches).
     c.rl.update(grad_accum=4, compile_ahead=False)
