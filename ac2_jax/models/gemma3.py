@@ -25,10 +25,11 @@ flag per layer, scanned beside the stacked params under `scan_layers`): a
 windowed `AttentionMask` whose positions are zeroed on full layers is the
 full mask; dense masks and RoPE tables are picked with `jnp.where`.
 
-KV cache: `init_cache` is full-length on every layer (a `KVCache` with no
-window): sliding layers mask it by their window but keep every slot, so a
-sliding layer's cache grows with the sequence (no ring here, unlike
-`Decoder`'s windowed cache). `decode` has `Decoder.decode`'s contract.
+KV cache (`models.gemma3_cache`): `init_cache` gives a `HybridCache`, the
+sliding layers' `KVCache` (past `sliding_window` positions a ring of W slots
+per row, so its memory stays at the window however long the sequence grows)
+and the full layers' (max_len slots), each in the model's layout. `decode`
+has `Decoder.decode`'s contract.
 
 The config and its `config.json` mapping are `models.gemma3_config`'s.
 Not supported (refused by name there): logit / attention soft-capping
@@ -52,8 +53,9 @@ from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.decoder import _POLICIES, KVCache, _check_2d
+from ac2_jax.models.decoder import _POLICIES, _check_2d
 from ac2_jax.models.family import ModelFamily, register_family
+from ac2_jax.models.gemma3_cache import HybridCache, check_cache, init_hybrid_cache, run_cached
 from ac2_jax.models.gemma3_config import (
     Gemma3Config,
     gemma3_config_from_hf,
@@ -261,47 +263,30 @@ class Gemma3(nnx.Module):
         ids = ids.astype(jnp.int32)
         return ids, jnp.take(self.lora_scale[...], ids, axis=0)
 
-    def _run_layers(self, x, ropes, masks, backend, lora, cache=None):
-        """All layers over x; `cache` as `Decoder.decode` passes it (None: packed rows).
-        Returns (x, new k / v for a stacked cache or the per-layer tuples)."""
+    def _run_layers(self, x, ropes, masks, backend, lora):
+        """All layers over packed rows x (no cache); the sliding / full mask and RoPE
+        picked per layer (`_pick`)."""
         c, v = self.config, self.config.layer_config()
         params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
         flags = c.sliding
 
-        def layer(w, x, rope, mask, kv=None):
-            return block_apply(c, v, w, x, rope, mask, backend, kv, lora)
+        def layer(w, x, rope, mask):
+            return block_apply(c, v, w, x, rope, mask, backend, None, lora)[0]
 
-        if cache is None and c.remat != "none":
+        if c.remat != "none":
             layer = jax.checkpoint(
                 layer, policy=_POLICIES[str(c.remat)], prevent_cse=not c.scan_layers
             )
         if c.scan_layers:
 
             def body(x, xs):
-                w, flag, i = xs
-                rope, mask = _pick(flag, *ropes), _pick(flag, *masks)
-                if cache is None:
-                    return layer(w, x, rope, mask)[0], None
-                ck, cv, slots = cache
-                x, (k_new, v_new, *_) = layer(w, x, rope, mask, (ck, cv, i, slots, False))
-                return x, (k_new, v_new)
+                w, flag = xs
+                return layer(w, x, _pick(flag, *ropes), _pick(flag, *masks)), None
 
-            xs = (params, jnp.asarray(flags), jnp.arange(c.num_layers))
-            return jax.lax.scan(body, x, xs)
-        out = None
-        if cache is not None:
-            ks, vs, slots = list(cache[0]), list(cache[1]), cache[2]
+            return jax.lax.scan(body, x, (params, jnp.asarray(flags)))[0]
         for i in range(c.num_layers):
-            rope, mask = _pick(flags[i], *ropes), _pick(flags[i], *masks)
-            if cache is None:
-                x = layer(params[i], x, rope, mask)[0]
-            else:
-                x, (ks[i], vs[i], *_) = layer(
-                    params[i], x, rope, mask, (ks[i], vs[i], None, slots, False)
-                )
-        if cache is not None:
-            out = (tuple(ks), tuple(vs))
-        return x, out
+            x = layer(params[i], x, _pick(flags[i], *ropes), _pick(flags[i], *masks))
+        return x
 
     def _masks(self, full: AttentionMask, sliding: AttentionMask, backend: str):
         """(sliding, full) masks in the form the backend takes (the same object twice when
@@ -333,7 +318,7 @@ class Gemma3(nnx.Module):
                 segment_ids, subtree_end, positions=positions, window=c.sliding_window
             )
         masks = self._masks(full, sliding, backend)
-        x, _ = self._run_layers(self.embed(tokens), self._ropes(positions), masks, backend, lora)
+        x = self._run_layers(self.embed(tokens), self._ropes(positions), masks, backend, lora)
         return self.norm(x)
 
     def __call__(
@@ -354,74 +339,52 @@ class Gemma3(nnx.Module):
 
     # -- sampling with a KV cache
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty full-length cache for `batch` rows of up to `max_len` positions (every
-        layer keeps max_len slots; sliding layers mask by their window, no ring)."""
-        c = self.config
-        dt = c.dtype if dtype is None else dtype
-        if c.scan_layers:
-            shape = (batch, max_len, c.num_layers, c.num_kv_heads * c.head_dim)
-            return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
-        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        return KVCache(
-            k=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
-            v=tuple(jnp.zeros(shape, dt) for _ in range(c.num_layers)),
-        )
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> HybridCache:
+        """An empty cache for `batch` rows of up to `max_len` positions: the sliding
+        layers' a ring of `sliding_window` slots when max_len is longer, the full
+        layers' max_len slots (`models.gemma3_cache`). dtype: default the compute dtype."""
+        dt = self.config.dtype if dtype is None else dtype
+        return init_hybrid_cache(self.config, batch, max_len, dt)
 
     def decode(
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        cache: KVCache,
+        cache: HybridCache,
         *,
         logits_at: jax.Array | None = None,
         adapter_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, HybridCache]:
         """T new tokens per row against the cache: prefill (T > 1) or a step (T = 1).
 
-        `Decoder.decode`'s contract: positions [B, T] are also the cache slots
-        (-1: padding, writes nothing; >= max_len: dropped); query (b, t) sees
-        slots 0..positions[b, t] of row b, and on sliding layers only those
-        within the window. Returns (fp32 logits [B, T, V], or [B, V] at
+        `Decoder.decode`'s contract: positions [B, T] (-1: padding, writes
+        nothing; >= max_len: dropped); a row's positions are contiguous over its
+        calls (0.. for a new request). Query (b, t) sees positions 0..positions[b, t]
+        of row b, and on sliding layers only those within the window (which their
+        ring holds; a chunk longer than the window attends over the ring as it was
+        plus its own keys). Returns (fp32 logits [B, T, V], or [B, V] at
         `logits_at` [B], new cache). adapter_ids [B]: adapter-bank slots.
         """
         _check_2d(tokens=tokens, positions=positions)
         c = self.config
-        if cache.stacked != c.scan_layers or cache.num_layers != c.num_layers:
-            layout = lambda stacked: "stacked" if stacked else "per-layer"  # noqa: E731
-            raise ValueError(
-                f"decode: cache is {layout(cache.stacked)} with {cache.num_layers} layers, "
-                f"the model wants {layout(c.scan_layers)} with {c.num_layers}; build it "
-                "with model.init_cache"
-            )
-        if cache.batch != tokens.shape[0]:
-            raise ValueError(f"decode: cache batch {cache.batch} != tokens batch {tokens.shape[0]}")
-        if cache.window is not None:
-            raise ValueError("decode: Gemma3 takes a full-length cache; build it with init_cache")
-        S = cache.max_len
+        check_cache(c, cache, tokens.shape[0])
         positions = positions.astype(jnp.int32)
-        slots = jnp.where(positions >= 0, positions, S)  # S is out of bounds: dropped
         backend = self._backend("decode", tokens.shape[1])
-        full = AttentionMask.decode(positions, S)
-        sliding = AttentionMask.decode(positions, S, c.sliding_window) if c.windowed else full
-        masks = self._masks(full, sliding, backend)
-        ropes = self._ropes(jnp.maximum(positions, 0))
         lora = self._lora_rows(adapter_ids, tokens.shape[0])
-        x, new = self._run_layers(
-            self.embed(tokens), ropes, masks, backend, lora, (cache.k, cache.v, slots)
+        v = c.layer_config()
+
+        def layer(w, x, rope, mask, kv):
+            return block_apply(c, v, w, x, rope, mask, backend, kv, lora)
+
+        params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        ropes = self._ropes(jnp.maximum(positions, 0))
+        x, cache = run_cached(
+            layer, c, params, self.embed(tokens), ropes, positions, cache, backend
         )
-        assert new is not None
-        ck, cv = new
-        if c.scan_layers:  # write all layers' new keys / values once: [layers, B, T, F]
-            rows = jnp.arange(tokens.shape[0])[None, :, None]
-            at = (rows, slots[None], jnp.arange(c.num_layers)[:, None, None])
-            assert not isinstance(cache.k, tuple) and not isinstance(cache.v, tuple)
-            ck = cache.k.at[at].set(ck, mode="drop")
-            cv = cache.v.at[at].set(cv, mode="drop")
         x = self.norm(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
-        return self.logits(x), KVCache(k=ck, v=cv)
+        return self.logits(x), cache
 
 
 @register_family("gemma3_text")

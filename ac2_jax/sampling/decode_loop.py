@@ -303,7 +303,15 @@ def prefill_sub(
 def resize_cache(cache: KVCache, row_idx: jax.Array, *, max_len: int) -> KVCache:
     """New cache whose row i is old row `row_idx[i]` (out of range: empty), for `max_len`
     positions. A sliding-window cache keeps at most its window of slots: a row's
-    positions below both sizes sit in the same slots either way (p mod window = p)."""
+    positions below both sizes sit in the same slots either way (p mod window = p).
+    A cache made of several `KVCache`s (Gemma 3's `HybridCache`: a ring for its sliding
+    layers, full length for the others) resizes each one by its own window."""
+    return jax.tree.map(
+        lambda c: _resize(c, row_idx, max_len), cache, is_leaf=lambda x: isinstance(x, KVCache)
+    )
+
+
+def _resize(cache: KVCache, row_idx: jax.Array, max_len: int) -> KVCache:
     ax = cache.seq_axis
     want = KVCache.slots_for(max_len, cache.window)
 

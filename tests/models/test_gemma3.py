@@ -7,7 +7,9 @@ head_dim), two RoPE bases far apart with linear scaling on the full layers,
 tied embeddings; random fp32 weights of std 0.1 and perturbed norms (Gemma's
 start at zero). Log-probs within 1e-5 (fp32) for packed rows, prefill + decode
 (two rows, one left-padded), stacked layers (forward and decode), the
-block-sparse kernel and the embedded sampler; the HF round trip is bit-exact;
+block-sparse kernel and the embedded sampler; the sliding layers' KV cache is a
+ring of the window whose memory stays put while rows grow to 9 windows, decoding
+as the dense forward does (also across a resize); the HF round trip is bit-exact;
 random LoRA adapters exported with `save_peft_adapter` give PEFT's log-probs.
 Also: the config.json form Gemma 3 checkpoints shipped with, the refusals, and
 Gemma's chat template rendered as transformers renders it.
@@ -165,6 +167,67 @@ def test_prefill_and_decode_logprobs_equal_transformers(pair):
             assert np.abs(np.stack(got[r]) - refs[r]).max() <= TOL, (scan, r)
 
 
+def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
+    """The sliding layers' cache (3 of 4 layers) is a ring of WINDOW slots when the cache
+    is longer, the full layer's is max_len long, and their memory does not move while
+    two rows (one 3 positions behind, left-padded) grow to 45 and 42 positions (9
+    windows) through chunks longer than the window (7, 9, 11) and single steps, nor
+    across `resize_cache` to 128 positions mid-way (the full layer grows, the ring
+    stays). Every log-prob equals the dense forward of the whole row (ours and
+    transformers', 1e-5), per-layer and stacked."""
+    from ac2_jax.sampling.decode_loop import resize_cache
+
+    hf, path = pair
+    rng = np.random.default_rng(6)
+    seqs = [rng.integers(0, VOCAB, 45).tolist(), rng.integers(0, VOCAB, 42).tolist()]
+    theirs = [hf_logprobs(hf, s) for s in seqs]
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    offset = [0, 3]
+
+    def slots(part):
+        return {x.shape[part.seq_axis] for x in jax.tree.leaves(part)}
+
+    for scan in (False, True):
+        model, config = load_hf_checkpoint(str(path), scan_layers=scan)
+        dense = [one_row(model, s) for s in seqs]
+        for r in range(2):
+            assert np.abs(dense[r] - theirs[r]).max() <= TOL
+        cache = model.init_cache(2, 64)
+        assert cache.ring and cache.max_len == 64 and cache.stacked == scan
+        assert (cache.sliding.num_layers, cache.full.num_layers) == (3, 1)
+        assert slots(cache.sliding) == {WINDOW} and slots(cache.full) == {64}
+        long = model.init_cache(2, 4096)  # the ring does not grow with the context
+        assert [x.shape for x in jax.tree.leaves(long.sliding)] == [
+            x.shape for x in jax.tree.leaves(cache.sliding)
+        ]
+        got: list[list] = [[], []]
+        a = 0
+        for T in [7] + [1] * 10 + [9] + [1] * 6 + ["resize"] + [11] + [1] * 8:
+            if T == "resize":
+                cache = resize_cache(cache, jnp.arange(2), max_len=128)
+                assert slots(cache.sliding) == {WINDOW} and slots(cache.full) == {128}
+                assert cache.ring and cache.max_len == 128
+                continue
+            before = [(x.shape, x.nbytes) for x in jax.tree.leaves(cache)]
+            toks, pos = np.zeros((2, T), np.int32), np.full((2, T), -1, np.int32)
+            for r in range(2):
+                ps = [p for p in range(a - offset[r], a - offset[r] + T) if 0 <= p < len(seqs[r])]
+                if ps:
+                    toks[r, T - len(ps) :] = [seqs[r][p] for p in ps]
+                    pos[r, T - len(ps) :] = ps
+            logits, cache = step(model, jnp.asarray(toks), jnp.asarray(pos), cache)
+            assert [(x.shape, x.nbytes) for x in jax.tree.leaves(cache)] == before
+            lp = logprobs(logits)
+            for r in range(2):
+                got[r].extend(lp[r, t] for t in range(T) if pos[r, t] >= 0)
+            a += T
+        for r in range(2):
+            n = len(got[r])
+            assert n > 8 * WINDOW, n
+            assert np.abs(np.stack(got[r]) - dense[r][:n]).max() <= TOL, (scan, r)
+            assert np.abs(np.stack(got[r]) - theirs[r][:n]).max() <= TOL, (scan, r)
+
+
 def test_stacked_layers_and_blocksparse_equal_transformers(pair):
     """Stacked layers (the per-layer window and RoPE are scanned flags), with the dense
     and the block-sparse kernel (tiles of 8 over 40 tokens, per-layer and stacked)."""
@@ -253,7 +316,8 @@ def test_lora_export_loads_in_peft_with_same_logprobs(pair, tmp_path):
 
 
 def test_jax_sampler_equals_transformers(pair):
-    """The embedded sampler on Gemma 3 (full-length cache, windowed sliding layers): the
+    """The embedded sampler on Gemma 3 (its sliding layers' rows are rings of the window,
+    the full layer's grow as the sampler resizes the cache from 8 positions): the
     log-prob of every sampled token equals transformers' forward (1e-5), batched.
     """
     from ac2_jax.sampling import SamplingParams
@@ -266,7 +330,7 @@ def test_jax_sampler_equals_transformers(pair):
         max_context=48,
         max_batch=2,
         min_batch=2,
-        min_cache_len=48,
+        min_cache_len=8,
         steps_per_sync=4,
         prefill_chunk=8,
         seed=0,
@@ -279,7 +343,13 @@ def test_jax_sampler_equals_transformers(pair):
         async def go():
             return await asyncio.gather(*(sampler.generate(p, params) for p in prompts))
 
-        for p, r in zip(prompts, asyncio.run(go()), strict=True):
+        results = asyncio.run(go())
+        cache = sampler._cache
+        assert sampler.stats.resizes >= 1 and cache.ring and cache.max_len > 8
+        sliding, full = cache.sliding, cache.full
+        assert {x.shape[sliding.seq_axis] for x in jax.tree.leaves(sliding)} == {WINDOW}
+        assert {x.shape[full.seq_axis] for x in jax.tree.leaves(full)} == {cache.max_len}
+        for p, r in zip(prompts, results, strict=True):
             ref = hf_logprobs(hf, p + list(r.output_ids))[len(p) - 1 : -1]
             want = ref[np.arange(len(r.output_ids)), r.output_ids]
             assert len(r.output_ids) == 12
