@@ -322,6 +322,12 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
+def _partial(fields: dict) -> None:
+    """Figures a child has so far, on stderr: a child the memory guard kills later
+    still reports them (`run_child`)."""
+    print("PARTIAL " + json.dumps(fields), file=sys.stderr, flush=True)
+
+
 def _adapter_sum(model) -> float:
     import jax
     import numpy as np
@@ -364,6 +370,7 @@ def _publish_learner(args) -> dict:
         out[f"{kind}_publish_s"] = times
         out[f"{kind}_bytes"] = _dir_bytes(step_dir)
         _mark(timeline, f"publish {kind}")
+        _partial({f"{kind}_publish_s": times, f"{kind}_bytes": out[f"{kind}_bytes"]})
     return out
 
 
@@ -397,6 +404,7 @@ def _publish_sampler(args) -> dict:
             times.append(time.perf_counter() - t0)
         out[f"{kind}_load_s"] = times
         _mark(timeline, f"load_published {kind}")
+        _partial({f"{kind}_load_s": times})
     out["adapter_sum"] = _adapter_sum(sampler_lora)
     return out
 
@@ -549,6 +557,9 @@ def run_child(cmd: list, need: float, args, python: str | None = None) -> dict:
            "loadavg": os.getloadavg()[0]}
     if killed:
         marks = [x[5:] for x in stderr.splitlines() if x.startswith("MARK ")][-3:]
+        for x in stderr.splitlines():
+            if x.startswith("PARTIAL "):
+                row.update(json.loads(x[8:]))
         return {**row, "error": killed + (f"; last phases [phase, VmRSS, VmHWM]: "
                                           f"{', '.join(marks)}" if marks else ""),
                 "guard_max_rss_gb": round(top, 2)}
@@ -567,9 +578,10 @@ def _run_publish(cmd: list, need: float, args) -> dict:
         for side in ("learner", "sampler"):
             side_cmd = [x if x != "publish" else f"publish_{side}" for x in cmd]
             sides[side] = run_child(side_cmd + ["--publish_dir", work], need, args)
-            if "error" in sides[side]:
-                return {"error": f"{side}: {sides[side]['error']}",
-                        **{f"{side}_{k}": v for k, v in sides[side].items() if k != "error"}}
+            if "error" in sides[side]:  # what the sides measured before it, kept
+                kept = {k: v for k, v in sides.get("learner", {}).items() if side != "learner"}
+                return {**kept, **{k: v for k, v in sides[side].items() if k != "error"},
+                        "error": f"{side}: {sides[side]['error']}"}
         row = publish_row(sides["learner"], sides["sampler"])
         row["wall_s"] = sides["learner"]["wall_s"] + sides["sampler"]["wall_s"]
         return row
