@@ -305,6 +305,7 @@ def _tunix_step(args) -> dict:
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - t0)
         _mark(timeline, f"step {i + 1}")
+        _partial({"step_times": times})
     lora = nnx.state(model, nnx.LoRAParam)
     from importlib.metadata import version
     return {"load_s": load_s, "load_peak_gb": load_peak, "first_step_s": times[0],
