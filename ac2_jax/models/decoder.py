@@ -125,30 +125,45 @@ class KVCache:
         return len(k) if isinstance(k, tuple) else k.shape[2]
 
 
+def embedding(c, rngs: nnx.Rngs) -> nnx.Param:
+    """The token embedding [V, D] of a decoder of config `c` (its frozen-base dtype)."""
+    init = nnx.initializers.normal(c.initializer_range)
+    return _param(rngs, init, (c.vocab_size, c.hidden_size), c.base_dtype, ("vocab", "embed"))
+
+
+def add_head(model: nnx.Module, c, rngs: nnx.Rngs, norm: nnx.Module) -> None:
+    """Sets what follows the layers on `model`: the final `norm`, the lm_head [D, V]
+    unless tied, and an adapter bank's per-slot scales (`models.lora`). Called after
+    the layers are built, so the rng stream draws in the order the layers expect."""
+    setattr(model, "norm", norm)  # noqa: B010 - any decoder class
+    if not c.tie_embeddings:
+        init = nnx.initializers.normal(c.initializer_range)
+        shape = (c.hidden_size, c.vocab_size)
+        setattr(model, "lm_head", _param(rngs, init, shape, c.base_dtype, ("embed", "vocab")))  # noqa: B010
+    if c.lora is not None and c.lora.slots is not None:  # a bank: each slot's scale
+        setattr(model, "lora_scale", LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32)))  # noqa: B010
+
+
 class Decoder(nnx.Module):
     """Embeddings, num_layers x (RMSNorm, GQA attention, RMSNorm, SwiGLU), RMSNorm, lm_head.
 
     With `tie_embeddings` the lm_head is the embedding matrix.
     """
 
+    norm: nnx.Module  # set by `add_head`, as lm_head (untied) and lora_scale (a bank)
+    lm_head: nnx.Param
+    lora_scale: LoRAScale
+
     def __init__(self, config: DecoderConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         c = self.config = config
-        init = nnx.initializers.normal(c.initializer_range)
-        pd = c.base_dtype  # param_dtype, or LoRA's frozen-base dtype
-        self.embed_tokens = _param(
-            rngs, init, (c.vocab_size, c.hidden_size), pd, ("vocab", "embed")
-        )
+        self.embed_tokens = embedding(c, rngs)
         self.layers: Block | nnx.List
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
             self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd)
-        if not c.tie_embeddings:
-            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), pd, ("embed", "vocab"))
-        if c.lora is not None and c.lora.slots is not None:  # a bank: each slot's scale
-            self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
+        add_head(self, c, rngs, RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.base_dtype))
 
     # -- shared pieces
 

@@ -53,7 +53,7 @@ from ac2_jax.losses import LMHead
 from ac2_jax.models.attention import choose_backend
 from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
-from ac2_jax.models.decoder import _POLICIES, _check_2d
+from ac2_jax.models.decoder import _POLICIES, _check_2d, add_head, embedding
 from ac2_jax.models.family import ModelFamily, register_family
 from ac2_jax.models.gemma3_cache import HybridCache, check_cache, init_hybrid_cache, run_cached
 from ac2_jax.models.gemma3_config import (
@@ -193,24 +193,20 @@ class Gemma3(nnx.Module):
     `hf_io`, `stacking` and `peft_io` read and write it.
     """
 
+    norm: nnx.Module  # set by `decoder.add_head`, as lm_head (untied) and lora_scale
+    lm_head: nnx.Param
+    lora_scale: LoRAScale
+
     def __init__(self, config: Gemma3Config, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         c = self.config = config
-        init = nnx.initializers.normal(c.initializer_range)
-        pd = c.base_dtype
-        self.embed_tokens = _param(
-            rngs, init, (c.vocab_size, c.hidden_size), pd, ("vocab", "embed")
-        )
+        self.embed_tokens = embedding(c, rngs)
         self.layers: Block | nnx.List
         if c.scan_layers:
             self.layers = Block(c, rngs, stack=c.num_layers)
         else:
             self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
-        self.norm = Norm(c.hidden_size, c.rms_eps, c.dtype, pd)
-        if not c.tie_embeddings:
-            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), pd, ("embed", "vocab"))
-        if c.lora is not None and c.lora.slots is not None:
-            self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
+        add_head(self, c, rngs, Norm(c.hidden_size, c.rms_eps, c.dtype, c.base_dtype))
 
     # -- shared pieces
 

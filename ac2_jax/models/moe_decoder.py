@@ -32,7 +32,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ac2_jax.models.attention_mask import AttentionMask
-from ac2_jax.models.decoder import _POLICIES, Decoder, KVCache, _check_2d, _ring_mask
+from ac2_jax.models.decoder import (
+    _POLICIES,
+    Decoder,
+    KVCache,
+    _check_2d,
+    _ring_mask,
+    add_head,
+    embedding,
+)
 from ac2_jax.models.layers import (
     MLP,
     Attention,
@@ -45,7 +53,6 @@ from ac2_jax.models.layers import (
     rms_norm,
     rope_cos_sin,
 )
-from ac2_jax.models.lora import LoRAScale
 from ac2_jax.models.moe import MoEDecoderConfig, RouterStats, experts_apply, route
 
 __all__ = ["MoEBlock", "MoEDecoder", "SparseMoE", "sparse_moe_apply"]
@@ -135,11 +142,7 @@ class MoEDecoder(Decoder):
     def __init__(self, config: MoEDecoderConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         c = self.config = config
-        init = nnx.initializers.normal(c.initializer_range)
-        pd = c.base_dtype
-        self.embed_tokens = _param(
-            rngs, init, (c.vocab_size, c.hidden_size), pd, ("vocab", "embed")
-        )
+        self.embed_tokens = embedding(c, rngs)
         self.dense_layers: Block | None
         if c.scan_layers:
             self.layers = MoEBlock(c, rngs, stack=len(c.moe_layers))  # type: ignore[assignment]
@@ -151,11 +154,7 @@ class MoEDecoder(Decoder):
             self.layers = nnx.List(
                 [MoEBlock(c, rngs) if i in moe else Block(c, rngs) for i in range(c.num_layers)]
             )
-        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd)
-        if not c.tie_embeddings:
-            self.lm_head = _param(rngs, init, (c.hidden_size, c.vocab_size), pd, ("embed", "vocab"))
-        if c.lora is not None and c.lora.slots is not None:
-            self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
+        add_head(self, c, rngs, RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.base_dtype))
 
     def _runs(self) -> list[tuple[bool, int, int, int]]:
         """(is_moe, first layer, layers, offset in its stack) of each run of layers of
