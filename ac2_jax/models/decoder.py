@@ -55,6 +55,7 @@ from ac2_jax.models.layers import (
     _param,
     apply_rope,
     block_apply,
+    layer_params,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -202,7 +203,7 @@ class Decoder(nnx.Module):
 
     def _layer_params(self):
         """The layers' params (and adapters) as a pure dict: stacked, or {i: layer i}."""
-        return nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        return layer_params(self.config, self.layers)
 
     def _lora_rows(self, adapter_ids: jax.Array | None, batch: int):
         """(slot ids [B], scale [B]) of an adapter bank's rows (None: every row slot 0,

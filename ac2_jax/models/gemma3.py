@@ -70,6 +70,8 @@ from ac2_jax.models.layers import (
     _param,
     _zeros,
     attention_apply,
+    from_bits,
+    layer_params,
     rope_cos_sin,
 )
 from ac2_jax.models.lora import LoRAScale
@@ -111,7 +113,7 @@ def mlp_apply(v: DecoderConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
 def block_apply(c: Gemma3Config, v: DecoderConfig, w: dict, x, rope, mask, backend, cache, lora):
     """One Gemma 3 layer: x + post_norm(attn(norm x)), then + post_ff_norm(mlp(pre_ff_norm x)).
     Returns (x, cache) (`layers.attention_apply`'s cache contract)."""
-    eps, dt = c.rms_eps, c.dtype
+    eps, dt, w = c.rms_eps, c.dtype, from_bits(v, w)
     h = gemma_norm(w["input_layernorm"]["weight"], x, eps, dt)
     a, cache = _attention(c, v, w["self_attn"], h, rope, mask, backend, cache, lora)
     x = x + gemma_norm(w["post_attention_layernorm"]["weight"], a, eps, dt)
@@ -263,7 +265,7 @@ class Gemma3(nnx.Module):
         """All layers over packed rows x (no cache); the sliding / full mask and RoPE
         picked per layer (`_pick`)."""
         c, v = self.config, self.config.layer_config()
-        params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        params = layer_params(v, self.layers)
         flags = c.sliding
 
         def layer(w, x, rope, mask):
@@ -372,7 +374,7 @@ class Gemma3(nnx.Module):
         def layer(w, x, rope, mask, kv):
             return block_apply(c, v, w, x, rope, mask, backend, kv, lora)
 
-        params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        params = layer_params(v, self.layers)
         ropes = self._ropes(jnp.maximum(positions, 0))
         x, cache = run_cached(
             layer, c, params, self.embed(tokens), ropes, positions, cache, backend

@@ -49,6 +49,47 @@ def _zeros(_key, shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
+# ----------------------------------------------------------------------------- layer params
+
+
+def layer_params(c: DecoderConfig, layers: nnx.Module) -> dict:
+    """The params (and adapters) of a model's layers as a pure dict for its layer
+    loop: stacked [num_layers, ...] or {i: layer i}.
+
+    A LoRA model's frozen 16-bit base weights (`LoRAConfig.base_dtype`) travel as
+    their bits (uint16) and each layer turns them back inside the loop body
+    (`from_bits`, first thing in every block). Why: XLA:CPU slices no bf16
+    array; its float normalisation rewrites the scan's per-layer dynamic-slice
+    into a slice of an fp32 copy of the whole stack, which it then hoists out of
+    the loop: an fp32 copy of every layer's base weights live through the step,
+    more memory than the 16-bit base saved (BUILD_NOTES, "LoRA: the frozen bf16
+    base"). Integer slices stay 16-bit. Bits carry no gradient, so only frozen
+    weights (never an adapter's A or B) take this form.
+    """
+    params = nnx.to_pure_dict(nnx.state(layers, nnx.Param))
+    if c.lora is None or jnp.dtype(c.base_dtype).itemsize != 2:
+        return params
+
+    def bits(path, x):
+        adapter = any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
+        if adapter or x.dtype != jnp.dtype(c.base_dtype):
+            return x
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+    return jax.tree_util.tree_map_with_path(bits, params)
+
+
+def from_bits(c: DecoderConfig, w: dict) -> dict:
+    """One layer's params as `layer_params` passed them, with its frozen 16-bit base
+    weights back in `c.base_dtype` (no uint16 param exists otherwise)."""
+    if c.lora is None:
+        return w
+    dt = jnp.dtype(c.base_dtype)
+    return jax.tree.map(
+        lambda x: jax.lax.bitcast_convert_type(x, dt) if x.dtype == jnp.uint16 else x, w
+    )
+
+
 # ----------------------------------------------------------------------------- pure pieces
 
 
@@ -314,6 +355,7 @@ def block_apply(
     (one layer); x [B, L, D] in the compute dtype; rope: `rope_cos_sin` tables,
     built once per forward for all layers; lora: None, or an adapter bank's
     (slot ids [B], scale [B]). Returns (x, cache)."""
+    w = from_bits(c, w)
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
     a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache, lora)
     x = x + a

@@ -19,7 +19,7 @@ defaults), 2.70 GB with all four lean choices (BUILD_NOTES, issue 41):
   on CPU block-sparse tiles from rows of 4 x attention_block tokens, dense below.
 - chunked log-probs (the losses' `chunk_size` "auto"): the loss
   projects `chunk` positions at a time when dense fp32 logits of the rows would
-  exceed LOGITS_CHUNK_BYTES (151,936-token vocabulary, one row: 512 positions;
+  exceed LOGITS_CHUNK_BYTES (151,936-token vocabulary, one row: 256 positions;
   `logprob_chunk_for`).
 
 Lean (scan + full remat) is chosen for models of at least LEAN_PARAMS parameters,
@@ -48,7 +48,11 @@ AUTO = "auto"
 LEAN_PARAMS = 100_000_000  # parameters from which scan + remat "full" are the default
 MEMORY_FRACTION = 0.5  # the fast plan must fit in this share of the device's memory
 REFERENCE_TOKENS = 4096  # tokens per step assumed when a config is built (no batch yet)
-LOGITS_CHUNK_BYTES = 320 * 2**20  # dense fp32 logits above this are chunked
+# Dense fp32 logits above this are chunked. 160 MiB, not 320: a chunk's logits (with
+# their softmax and gradient) are most of a LoRA step's fixed temporaries, 2.01 -> 1.07 GB
+# at the Qwen3-0.6B shape from 512 to 256 positions (BUILD_NOTES, "LoRA: the frozen
+# bf16 base, the load and the log-prob chunk").
+LOGITS_CHUNK_BYTES = 160 * 2**20
 LOGITS_COPIES = 2.5  # logits, their softmax / log-probs and gradient (measured 2.4x)
 GB = 1e9
 

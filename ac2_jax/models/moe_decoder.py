@@ -49,6 +49,8 @@ from ac2_jax.models.layers import (
     _param,
     attention_apply,
     block_apply,
+    from_bits,
+    layer_params,
     mlp_apply,
     rms_norm,
     rope_cos_sin,
@@ -126,6 +128,7 @@ def sparse_moe_apply(
 
 def moe_block_apply(c, w, x, rope, mask, backend, real, cache=None, lora=None, replay=None):
     """One MoE layer: x + attn(norm x), then + moe(norm x). Returns (x, cache, stats)."""
+    w = from_bits(c, w)
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
     a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache, lora)
     x = x + a
@@ -173,7 +176,7 @@ class MoEDecoder(Decoder):
         c = self.config
         kvs, stats = [], []
         if not c.scan_layers:
-            params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+            params = layer_params(c, self.layers)
             moe_pos = {i: j for j, i in enumerate(c.moe_layers)}
             for i in range(c.num_layers):
                 j = moe_pos.get(i)
@@ -183,9 +186,9 @@ class MoEDecoder(Decoder):
                 if st is not None:
                     stats.append(st)
             return x, kvs, jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        stacks = {True: nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))}
+        stacks = {True: layer_params(c, self.layers)}
         if self.dense_layers is not None:
-            stacks[False] = nnx.to_pure_dict(nnx.state(self.dense_layers, nnx.Param))
+            stacks[False] = layer_params(c, self.dense_layers)
         for is_moe, first, n, off in self._runs():
             w = stacks[is_moe]
             if n != len(c.moe_layers if is_moe else c.dense_layers):

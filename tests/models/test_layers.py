@@ -104,3 +104,78 @@ def test_linear_custom_vjp_equals_autodiff(x_shape):
     for got, want in zip((custom[0], *jax.jit(custom[1])(dy)), (plain[0], *plain[1](dy))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want),
                                    rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+def _lora_model(layers: int, base_dtype, seed=0):
+    from flax import nnx
+
+    from ac2_jax.models import Decoder
+    from ac2_jax.models.lora import LoRAConfig
+
+    c = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=16, scan_layers=True, remat="full",
+                      lora=LoRAConfig(rank=4, alpha=8, base_dtype=base_dtype))
+    return Decoder(c, rngs=nnx.Rngs(seed))
+
+
+def _adapter_grads(model, tokens):
+    from flax import nnx
+
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    L = tokens.shape[1]
+    pos, seg = jnp.arange(L)[None], jnp.ones((1, L), jnp.int32)
+
+    def f(lora, rest):
+        return (nnx.merge(graphdef, lora, rest)(tokens, pos, seg) ** 2).mean()
+
+    return jax.jit(jax.grad(f)), lora, rest
+
+
+def test_frozen_bf16_base_travels_the_layer_scan_as_bits_with_equal_gradients():
+    """`layer_params` passes a LoRA model's frozen bf16 base weights through the layer
+    scan as uint16 bits (`from_bits` turns them back per layer): the adapters'
+    gradients equal those of the same model with those weights held in fp32 (fp32
+    compute both; 1e-5 relative to each gradient's largest entry: XLA fuses
+    the two differently), and no uint16 reaches the layers' math."""
+    from flax import nnx
+
+    from ac2_jax.models.layers import layer_params
+
+    half, full = _lora_model(3, "bfloat16"), _lora_model(3, None)
+    for m in (half, full):  # non-zero B: every adapter has a gradient through the base
+        rng = np.random.default_rng(1)
+        for path, v in nnx.to_flat_state(nnx.state(m, nnx.LoRAParam)):
+            v.set_value(jnp.asarray(rng.normal(size=v.shape, scale=0.1), v.dtype))
+    bits = layer_params(half.config, half.layers)
+    assert bits["mlp"]["gate_proj"].dtype == jnp.uint16
+    assert bits["mlp"]["gate_lora"]["a"].dtype == jnp.float32  # adapters never as bits
+    hb, hf = nnx.state(half, nnx.Param), nnx.state(full, nnx.Param)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(hb), nnx.to_flat_state(hf), strict=True):
+        if a.get_value().dtype == jnp.bfloat16:
+            b.set_value(a.get_value().astype(jnp.float32))
+    tokens = jnp.asarray(rng.integers(0, 128, (1, 24)), jnp.int32)
+    grads = [fn(lora, rest) for fn, lora, rest in
+             (_adapter_grads(m, tokens) for m in (half, full))]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        assert float(jnp.abs(b).max()) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_frozen_bf16_base_costs_no_fp32_copy_of_every_layer():
+    """XLA:CPU slices no bf16 array: a bf16 stack scanned as it is becomes a slice of
+    an fp32 copy of the whole stack, hoisted out of the loop (BUILD_NOTES "LoRA: the
+    frozen bf16 base"). With the bits the step's temporaries grow by less than
+    0.75x an fp32 copy of a layer's base weights per added layer."""
+    from flax import nnx
+
+    def temp(layers):
+        fn, lora, rest = _adapter_grads(_lora_model(layers, "bfloat16"),
+                                        jnp.zeros((1, 32), jnp.int32))
+        return fn.lower(lora, rest).compile().memory_analysis().temp_size_in_bytes
+
+    model = _lora_model(1, None)
+    layer = sum(x.size for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param)))
+    lora = sum(x.size for x in jax.tree.leaves(nnx.state(model.layers, nnx.LoRAParam)))
+    fp32_layer = 4 * (layer - lora)
+    per_layer = (temp(6) - temp(2)) / 4
+    assert per_layer < 0.75 * fp32_layer, (per_layer, fp32_layer)

@@ -98,12 +98,12 @@ def test_default_train_step_of_a_large_shaped_model_picks_the_lean_choices_and_l
     assert "1 x 1,024 tokens" in line
     assert "scan_layers=True, remat=full (as auto: 187M params >= 100M)" in line
     assert "attention=blocksparse (auto on cpu: rows of 1,024 tokens, block 128)" in line
-    assert "log-probs chunked 512 (auto: dense logits 622 MB > 336 MB)" in line
-    # The choices reached the step: logits come 512 positions at a time, never the row's.
-    assert "512x151936xf32" in hlo and "1024x151936xf32" not in hlo
+    assert "log-probs chunked 256 (auto: dense logits 622 MB > 168 MB)" in line
+    # The choices reached the step: logits come 256 positions at a time, never the row's.
+    assert "256x151936xf32" in hlo and "1024x151936xf32" not in hlo
 
     p = mp.plan(config, tokens=1024, device_memory_bytes=24 * 2**30)
-    assert (p.lean, p.scan_layers, p.remat, p.logprob_chunk) == (True, True, "full", 512)
+    assert (p.lean, p.scan_layers, p.remat, p.logprob_chunk) == (True, True, "full", 256)
     assert p.attention_backend == "blocksparse"
     assert mp.plan(config, tokens=256).attention_backend == "dense"  # short rows: dense
 
@@ -139,7 +139,7 @@ def test_explicit_values_win(qwen3_cut, caplog):
     assert "scan_layers=False (set; auto would pick True)" in line
     assert "remat=save_dots (set; auto would pick full)" in line
     assert "attention=dense (set)" in line
-    assert "log-probs dense (set by the loss; auto would pick chunk 512)" in line
+    assert "log-probs dense (set by the loss; auto would pick chunk 256)" in line
     assert "1024x151936xf32" in hlo
     # One field explicit, the other auto; a small model may be made lean by hand.
     assert load_hf_config(qwen3_cut, remat="none").scan_layers is True
@@ -180,8 +180,8 @@ def test_param_count_matches_the_model_and_chunks_follow_the_logits_bytes():
     config = DecoderConfig.tiny(vocab_size=64, tie_embeddings=False)
     params = nnx.state(Decoder(config, rngs=nnx.Rngs(0)), nnx.Param)
     assert mp.param_count(config) == sum(x.size for x in jax.tree.leaves(params))
-    assert mp.logprob_chunk_for(1, 1024, 151_936) == 512
-    assert mp.logprob_chunk_for(1, 4096, 151_936) == 512
-    assert mp.logprob_chunk_for(4, 4096, 151_936) == 128
+    assert mp.logprob_chunk_for(1, 1024, 151_936) == 256
+    assert mp.logprob_chunk_for(1, 4096, 151_936) == 256
+    assert mp.logprob_chunk_for(4, 4096, 151_936) == 64
     assert mp.logprob_chunk_for(16, 64, 256) is None  # small logits: dense
     assert mp.available_memory_bytes() > 0 and mp.host_memory_bytes() > 0

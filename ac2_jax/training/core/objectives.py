@@ -19,7 +19,7 @@ hidden states and the head and never build [R, L, V] logits (`chunk_size`:
 `chunk_size="auto"` (the default of SFTLoss / PolicyGradientLoss) picks dense
 logits or a chunk from the batch's shape and the vocabulary when the step is
 traced (`models.memory_plan.logprob_chunk_for`: chunked once the rows' fp32
-logits exceed 320 MiB, e.g. 512 positions of one row at a 151,936 vocabulary).
+logits exceed 160 MiB, e.g. 256 positions of one row at a 151,936 vocabulary).
 """
 
 from __future__ import annotations
