@@ -609,7 +609,9 @@ def main(argv=None):
                                       "torch_peft_gc,tunix_lora,publish")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
-    p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (0: dense logits)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="log-prob chunk (0: dense logits; 256 is what the memory plan's \"auto\" "
+                        "picks at these shapes)")
     p.add_argument("--steps", type=int, default=2, help="train steps per case (the first compiles)")
     p.add_argument("--publish_repeats", type=int, default=2)
     p.add_argument("--serve_scan", type=int, default=0,
