@@ -36,7 +36,7 @@ LORA = "lora"  # a LoRA model's step also holds its LoRAConfig (JSON)
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
 
 
 def _params(model: nnx.Module) -> dict:
@@ -55,7 +55,7 @@ def save_params(model: nnx.Module, path: str, overwrite: bool = False) -> None:
     path = os.path.abspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"save_params: {path} exists; pass overwrite=True to replace it")
-    _checkpointer().save(path, _params(model), force=overwrite)
+    _checkpointer().save(path, args=ocp.args.PyTreeSave(_params(model)), force=overwrite)
 
 
 def restore_params(model: nnx.Module, path: str) -> None:
@@ -68,7 +68,12 @@ def restore_params(model: nnx.Module, path: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"restore_params: no checkpoint at {path}")
     ckpt = _checkpointer()
-    _restore_into(model, ckpt.metadata(path), lambda target: ckpt.restore(path, target), path)
+    _restore_into(
+        model,
+        ckpt.metadata(path),
+        lambda target: ckpt.restore(path, args=_partial_restore(target)),
+        path,
+    )
 
 
 def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
@@ -86,7 +91,7 @@ def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
             pure,
         )
         _check_matches(saved, target, where)
-        values = restore(target)
+        values = _restore_in_groups(restore, target)
     else:  # the other layer layout: restore replicated as saved, convert, place
         first = jax.tree.leaves(pure)[0].sharding
         rep = (
@@ -98,10 +103,62 @@ def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), other)
         _check_matches(saved, target, where)
         values = jax.tree.map(
-            lambda v, x: jax.device_put(v, x.sharding), to_layout(restore(target), stacked), pure
+            lambda v, x: jax.device_put(v, x.sharding),
+            to_layout(_restore_in_groups(restore, target), stacked),
+            pure,
         )
     nnx.replace_by_pure_dict(state, values)
     nnx.update(model, state)
+
+
+GROUP_BYTES = 256 * 2**20  # params restored per Orbax call (`_restore_in_groups`)
+
+
+def _partial_restore(target) -> ocp.args.PyTreeRestore:
+    """Orbax restore args for `target`: ShapeDtypeStructs (with shardings) are read,
+    `ocp.PLACEHOLDER` leaves are skipped."""
+    skip = lambda x: x is ocp.PLACEHOLDER  # noqa: E731
+    args = jax.tree.map(
+        lambda x: (
+            x
+            if skip(x)
+            else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+        ),
+        target,
+        is_leaf=skip,
+    )
+    return ocp.args.PyTreeRestore(item=target, restore_args=args)
+
+
+def _restore_in_groups(restore, target):
+    """`restore(target)` a group of about GROUP_BYTES of params at a time (the other
+    leaves `ocp.PLACEHOLDER`), so a load holds the model's current params, the new
+    ones and one group of Orbax's read buffers, not a second copy of everything
+    (0.6B-1.7B shapes: a full publish loaded at ~2.5x the params on top, BUILD_NOTES
+    "LoRA: memory, time and publish"). Nothing reaches the model until every group is
+    read: `_restore_into` swaps them in at once."""
+    leaves, treedef = jax.tree_util.tree_flatten(target)
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, x in enumerate(leaves):
+        nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        if groups[-1] and size + nbytes > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    values: list = [None] * len(leaves)
+    for group in groups:
+        wanted = set(group)
+        part = [x if i in wanted else ocp.PLACEHOLDER for i, x in enumerate(leaves)]
+        got = jax.tree_util.tree_leaves(
+            restore(jax.tree_util.tree_unflatten(treedef, part)),
+            is_leaf=lambda x: x is ocp.PLACEHOLDER,
+        )
+        for i in group:
+            values[i] = got[i]
+        del got
+    return jax.tree_util.tree_unflatten(treedef, values)
 
 
 def _check_matches(saved, target, path: str) -> None:
@@ -149,7 +206,7 @@ def _manager(
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=False,
     )
-    handlers = {PARAMS: ocp.StandardCheckpointHandler(), LORA: ocp.JsonCheckpointHandler()}
+    handlers = {PARAMS: ocp.PyTreeCheckpointHandler(), LORA: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(publish_dir, options=options, item_handlers=handlers)
 
 
@@ -172,7 +229,7 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     with _manager(publish_dir, keep=keep) as mgr:
         for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
             mgr.delete(newer)
-        items = {PARAMS: ocp.args.StandardSave(_params(model))}
+        items = {PARAMS: ocp.args.PyTreeSave(_params(model))}
         lora = _lora_config(model)
         if lora is not None:
             items[LORA] = ocp.args.JsonSave(lora.to_dict())
@@ -236,7 +293,7 @@ def load_published(model: nnx.Module, publish_dir: str, step: int | None = None)
             model,
             mgr.item_metadata(step)[PARAMS],
             lambda target: mgr.restore(
-                step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)})
+                step, args=ocp.args.Composite(**{PARAMS: _partial_restore(target)})
             )[PARAMS],
             where,
         )
@@ -267,7 +324,7 @@ def read_published_adapter(
         got = mgr.restore(
             step,
             args=ocp.args.Composite(
-                **{PARAMS: ocp.args.StandardRestore(), LORA: ocp.args.JsonRestore()}
+                **{PARAMS: ocp.args.PyTreeRestore(), LORA: ocp.args.JsonRestore()}
             ),
         )
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), _int_keys(got[PARAMS]))

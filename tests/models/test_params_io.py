@@ -185,3 +185,64 @@ def test_a_lora_model_publishes_its_adapters_alone(tmp_path):
     assert jax.tree.structure(params) == jax.tree.structure(adapter_params(learner))
     with pytest.raises(ValueError, match="full model"):
         read_published_adapter(str(tmp_path / "full"))
+
+
+def test_loads_read_a_group_of_params_at_a_time(models, tmp_path, monkeypatch):
+    """`load_published` and `restore_params` read about GROUP_BYTES of params per Orbax
+    call (the rest skipped as placeholders), so a load holds one group of read buffers
+    beside the model, not a second copy of everything; the params land exactly, in
+    either layout, and nothing reaches the model before every group is read."""
+    from ac2_jax.models import params_io
+
+    a, b, _ = models
+    publish_weights(a, str(tmp_path / "pub"), 1)
+    save_params(a, str(tmp_path / "ckpt"))
+    calls = []
+    real = params_io._partial_restore
+    monkeypatch.setattr(params_io, "_partial_restore",
+                        lambda target: calls.append(target) or real(target))
+    monkeypatch.setattr(params_io, "GROUP_BYTES", 4096)
+    n_leaves = len(params(a))
+    for load in (lambda m: load_published(m, str(tmp_path / "pub")),
+                 lambda m: restore_params(m, str(tmp_path / "ckpt"))):
+        for scan in (False, True):
+            calls.clear()
+            target = with_layout(Decoder(CONFIG, rngs=nnx.Rngs(1)), scan)
+            load(target)
+            assert_same(with_layout(a, scan), target)
+            assert 1 < len(calls) <= n_leaves
+            for call in calls:  # each call reads a strict part of the tree
+                read = [x for x in jax.tree.leaves(call, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+                        if x is not ocp.PLACEHOLDER]
+                assert 0 < len(read) < n_leaves
+    # A read that fails part way leaves the model as it was.
+    target = Decoder(CONFIG, rngs=nnx.Rngs(2))
+    before = params(target)
+
+    def flaky(target):
+        calls.append(target)
+        if len(calls) > 2:
+            raise OSError("the disk went away")
+        return real(target)
+
+    monkeypatch.setattr(params_io, "_partial_restore", flaky)
+    calls.clear()
+    with pytest.raises(OSError, match="disk went away"):
+        load_published(target, str(tmp_path / "pub"))
+    assert len(calls) == 3
+    for x, y in zip(before, params(target), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_step_written_by_orbax_standard_save_still_loads(models, tmp_path):
+    """Publish steps written before the loads read by groups (Orbax StandardSave) load."""
+    a, _, _ = models
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(str(tmp_path), options=options,
+                               item_handlers={PARAMS: ocp.StandardCheckpointHandler()}) as mgr:
+        mgr.save(3, args=ocp.args.Composite(
+            **{PARAMS: ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(a, nnx.Param)))}))
+        mgr.wait_until_finished()
+    target = Decoder(CONFIG, rngs=nnx.Rngs(1))
+    assert load_published(target, str(tmp_path)) == 3
+    assert_same(a, target)
