@@ -10,4 +10,4 @@ export JAX_PLATFORMS=cpu
 ruff check ac2_jax
 ruff format --check ac2_jax
 mypy ac2_jax
-python -m pytest -q -p no:cacheprovider tests "$@"
+python -m pytest -q -p no:cacheprovider --durations=30 tests "$@"
