@@ -90,6 +90,38 @@ def from_bits(c: DecoderConfig, w: dict) -> dict:
     )
 
 
+_STACKS = ("layers", "dense_layers")  # the module attributes `layer_params` reads
+
+
+def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
+    """`state` (a model's variables, or ShapeDtypeStructs of them) with a LoRA model's
+    frozen 16-bit layer weights as uint16 bits (`to_bits`), or back in `c.base_dtype`.
+
+    A train state keeps them as bits (`training.core.create_train_state`), so the step
+    receives the bits and slices them per layer with no copy at all: turning a bf16
+    stack into bits inside the step is a real copy on XLA:CPU (a 16-bit copy of every
+    layer, live through the step). `TrainState.model` turns them back. The embedding,
+    head, final norm and every adapter keep their dtype."""
+    if getattr(c, "lora", None) is None or jnp.dtype(c.base_dtype).itemsize != 2:
+        return state
+    src, dst = (jnp.dtype(c.base_dtype), jnp.dtype(jnp.uint16))
+    if not to_bits:
+        src, dst = dst, src
+    leaves = []
+    for path, var in nnx.to_flat_state(state):
+        keys = [str(k) for k in path]
+        frozen = keys[0] in _STACKS and not any(k.endswith("_lora") for k in keys)
+        if frozen and var.dtype == src:
+            value = var.get_value()
+            if isinstance(value, jax.ShapeDtypeStruct):
+                value = jax.ShapeDtypeStruct(value.shape, dst, sharding=value.sharding)
+            else:
+                value = jax.lax.bitcast_convert_type(value, dst)
+            var = var.replace(value)
+        leaves.append((path, var))
+    return nnx.from_flat_state(leaves)
+
+
 # ----------------------------------------------------------------------------- pure pieces
 
 

@@ -167,5 +167,10 @@ def test_lora_train_state_trains_adapters_only(base):
     assert sum(x.size for x in trained) == n_adapter
     opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert sum(x.size for x in opt_leaves) == 2 * n_adapter  # Adam's mu and nu, adapters only
+    # The layers' frozen bf16 weights sit in the state as their bits (`frozen_bits`);
+    # the model the state gives back has them in bf16.
     base_w = [x for x in jax.tree.leaves(state.rest) if x.ndim == 2]
-    assert base_w and all(x.dtype == jnp.bfloat16 for x in base_w)
+    assert base_w and all(x.dtype in (jnp.bfloat16, jnp.uint16) for x in base_w)
+    back = [x for x in jax.tree.leaves(nnx.state(state.model(graphdef), nnx.Param))
+            if x.ndim == 2 and x.dtype != jnp.float32]
+    assert back and all(x.dtype == jnp.bfloat16 for x in back)

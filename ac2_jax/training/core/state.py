@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from ac2_jax.models.layers import frozen_bits
 from ac2_jax.models.lora import trainable_filter
 
 SCHEDULES = ("constant", "cosine")
@@ -111,8 +112,12 @@ class TrainState:
     rest: nnx.State
 
     def model(self, graphdef: nnx.GraphDef) -> nnx.Module:
-        """The module with these params (a copy; use inside or outside jit)."""
-        return nnx.merge(graphdef, self.params, self.rest, copy=True)
+        """The module with these params (a copy; use inside or outside jit), its frozen
+        weights in their own dtype (`rest` may hold them as bits: `frozen_bits`)."""
+        model = nnx.merge(graphdef, self.params, self.rest, copy=True)
+        config = getattr(model, "config", None)
+        nnx.update(model, frozen_bits(config, nnx.state(model), to_bits=False))
+        return model
 
 
 def as_transform(optimizer) -> optax.GradientTransformation:
@@ -149,7 +154,7 @@ def create_train_state(
         params=params,
         opt_state=opt_state,
         rng=jnp.asarray(rng, jnp.uint32),
-        rest=rest,
+        rest=frozen_bits(getattr(model, "config", None), rest),
     )
     return graphdef, state
 
@@ -171,7 +176,7 @@ def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainStat
         params=params,
         opt_state=opt_state,
         rng=cast(jax.Array, jax.ShapeDtypeStruct((2,), jnp.uint32)),
-        rest=rest,
+        rest=frozen_bits(getattr(abstract, "config", None), rest),
     )
 
 
