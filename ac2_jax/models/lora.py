@@ -53,6 +53,7 @@ __all__ = [
     "adapter_params",
     "has_lora",
     "lora_delta",
+    "lora_update",
     "trainable_filter",
 ]
 
