@@ -89,6 +89,7 @@ class FakeSGLang:
         self.log: list[tuple[str, Any]] = []
         self.in_flight = self.peak_in_flight = 0
         self.hold_for: int | None = None
+        self.held_all = False  # hold_for's n were in flight at once
         self.fail_with: int | None = None  # answer /generate with this 5xx (SGLang's shape)
         self.stream_hold: threading.Event | None = None  # pause streams after one chunk
         self.update_started = threading.Event()
@@ -201,8 +202,11 @@ class FakeSGLang:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             if self.hold_for is not None:
+                # Released together once n were in flight at once (not "while fewer are in
+                # flight": the first to leave would hold the rest to the deadline).
+                self.held_all = self.held_all or self.in_flight >= self.hold_for
                 deadline = asyncio.get_running_loop().time() + 30
-                while self.in_flight < self.hold_for and asyncio.get_running_loop().time() < deadline:
+                while not self.held_all and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(0.005)
                 return self._out(req, [1], [-1.0], None, {"type": "length", "length": 1})
             r = await self.sampler.generate(req.input_ids, self._params(req))
