@@ -67,14 +67,12 @@ def layer_params(c: DecoderConfig, layers: nnx.Module) -> dict:
     weights (never an adapter's A or B) take this form.
     """
     params = nnx.to_pure_dict(nnx.state(layers, nnx.Param))
-    if c.lora is None or jnp.dtype(c.base_dtype).itemsize != 2:
+    if not _has_bits(c):
         return params
 
     def bits(path, x):
-        adapter = any(str(getattr(k, "key", k)).endswith("_lora") for k in path)
-        if adapter or x.dtype != jnp.dtype(c.base_dtype):
-            return x
-        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+        frozen = not _is_adapter([str(getattr(k, "key", k)) for k in path])
+        return _bitcast(x, jnp.uint16) if frozen and x.dtype == c.base_dtype else x
 
     return jax.tree_util.tree_map_with_path(bits, params)
 
@@ -84,13 +82,26 @@ def from_bits(c: DecoderConfig, w: dict) -> dict:
     weights back in `c.base_dtype` (no uint16 param exists otherwise)."""
     if c.lora is None:
         return w
-    dt = jnp.dtype(c.base_dtype)
-    return jax.tree.map(
-        lambda x: jax.lax.bitcast_convert_type(x, dt) if x.dtype == jnp.uint16 else x, w
-    )
+    return jax.tree.map(lambda x: _bitcast(x, c.base_dtype) if x.dtype == jnp.uint16 else x, w)
 
 
 _STACKS = ("layers", "dense_layers")  # the module attributes `layer_params` reads
+
+
+def _has_bits(c) -> bool:
+    """Whether a model of config `c` holds frozen 16-bit base weights (LoRA)."""
+    return getattr(c, "lora", None) is not None and jnp.dtype(c.base_dtype).itemsize == 2
+
+
+def _is_adapter(keys: list[str]) -> bool:
+    return any(k.endswith("_lora") for k in keys)
+
+
+def _bitcast(x, dtype):
+    """x with its bits read as `dtype` (same width); a ShapeDtypeStruct's dtype alone."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return jax.lax.bitcast_convert_type(x, dtype)
 
 
 def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
@@ -102,7 +113,7 @@ def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
     stack into bits inside the step is a real copy on XLA:CPU (a 16-bit copy of every
     layer, live through the step). `TrainState.model` turns them back. The embedding,
     head, final norm and every adapter keep their dtype."""
-    if getattr(c, "lora", None) is None or jnp.dtype(c.base_dtype).itemsize != 2:
+    if not _has_bits(c):
         return state
     src, dst = (jnp.dtype(c.base_dtype), jnp.dtype(jnp.uint16))
     if not to_bits:
@@ -110,14 +121,8 @@ def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
     leaves = []
     for path, var in nnx.to_flat_state(state):
         keys = [str(k) for k in path]
-        frozen = keys[0] in _STACKS and not any(k.endswith("_lora") for k in keys)
-        if frozen and var.dtype == src:
-            value = var.get_value()
-            if isinstance(value, jax.ShapeDtypeStruct):
-                value = jax.ShapeDtypeStruct(value.shape, dst, sharding=value.sharding)
-            else:
-                value = jax.lax.bitcast_convert_type(value, dst)
-            var = var.replace(value)
+        if keys[0] in _STACKS and not _is_adapter(keys) and var.dtype == src:
+            var = var.replace(_bitcast(var.get_value(), dst))
         leaves.append((path, var))
     return nnx.from_flat_state(leaves)
 

@@ -114,18 +114,22 @@ def _restore_into(model: nnx.Module, meta, restore, where: str) -> None:
 GROUP_BYTES = 256 * 2**20  # params restored per Orbax call (`_restore_in_groups`)
 
 
+def _skipped(x) -> bool:
+    """A leaf a partial restore leaves out."""
+    return x is ocp.PLACEHOLDER
+
+
 def _partial_restore(target) -> ocp.args.PyTreeRestore:
     """Orbax restore args for `target`: ShapeDtypeStructs (with shardings) are read,
     `ocp.PLACEHOLDER` leaves are skipped."""
-    skip = lambda x: x is ocp.PLACEHOLDER  # noqa: E731
     args = jax.tree.map(
         lambda x: (
             x
-            if skip(x)
+            if _skipped(x)
             else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
         ),
         target,
-        is_leaf=skip,
+        is_leaf=_skipped,
     )
     return ocp.args.PyTreeRestore(item=target, restore_args=args)
 
@@ -152,8 +156,7 @@ def _restore_in_groups(restore, target):
         wanted = set(group)
         part = [x if i in wanted else ocp.PLACEHOLDER for i, x in enumerate(leaves)]
         got = jax.tree_util.tree_leaves(
-            restore(jax.tree_util.tree_unflatten(treedef, part)),
-            is_leaf=lambda x: x is ocp.PLACEHOLDER,
+            restore(jax.tree_util.tree_unflatten(treedef, part)), is_leaf=_skipped
         )
         for i in group:
             values[i] = got[i]

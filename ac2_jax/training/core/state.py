@@ -115,8 +115,10 @@ class TrainState:
         """The module with these params (a copy; use inside or outside jit), its frozen
         weights in their own dtype (`rest` may hold them as bits: `frozen_bits`)."""
         model = nnx.merge(graphdef, self.params, self.rest, copy=True)
-        config = getattr(model, "config", None)
-        nnx.update(model, frozen_bits(config, nnx.state(model), to_bits=False))
+        state = nnx.state(model)
+        back = frozen_bits(getattr(model, "config", None), state, to_bits=False)
+        if back is not state:  # only a LoRA model with a 16-bit base holds bits
+            nnx.update(model, back)
         return model
 
 
