@@ -208,7 +208,11 @@ async def serving(cfg, model, tokenizer, publish_dir: str, max_batch: int, trace
 
 def eval_plan(cfg, env):
     """(held-out tasks, orchestrator factory, evaluate() keywords): the same for every eval."""
-    tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed, split="eval")
+    # eval.task_seed (when set) fixes the held-out tasks across runs of different seeds,
+    # so per-task differences pool over seeds (experiments/compaction_ablation.py).
+    task_seed = cfg.eval.get("task_seed")
+    tasks = env.sample_tasks(cfg.eval.num_tasks, seed=cfg.seed if task_seed is None else task_seed,
+                             split="eval")
     make = orchestrator_factory({"temperature": cfg.eval.temperature,
                                  "max_tokens": cfg.rollout.max_tokens},
                                 cfg.rollout.max_steps, cfg)
@@ -218,11 +222,12 @@ def eval_plan(cfg, env):
 
 
 async def train_rl(cfg, rl_config: RLConfig, model, sampler, lifecycle, env, rl_dir: str,
-                   metrics_dir: str):
-    """Task-level RL through the endpoint. Returns (history, trained model, rollout store)."""
+                   metrics_dir: str, collector_cls=EndpointCollector):
+    """Task-level RL through the endpoint. Returns (history, trained model, rollout store).
+    `collector_cls`: an EndpointCollector subclass (e.g. one that rewards another figure)."""
     ro = cfg.rollout
     store = TraceStore(os.path.join(rl_dir, "rollouts.jsonl"))
-    collector = EndpointCollector(
+    collector = collector_cls(
         lifecycle, env, orchestrator_factory({"temperature": ro.temperature,
                                               "max_tokens": ro.max_tokens}, ro.max_steps, cfg),
         MODEL_NAME, store, tasks_per_step=rl_config.tasks_per_step,

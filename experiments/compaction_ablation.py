@@ -1,15 +1,24 @@
-"""Does training the compactor by task reward teach it anything? (issue 18)
+"""Does training the compactor by the task reward teach it anything? (issues 18, 38)
 
-    python experiments/compaction_ablation.py --config=experiments/configs/calculator.py:long \
-        --config.workdir=runs/compaction_ablation
+    python experiments/compaction_ablation.py --config=experiments/configs/calculator.py:long_memo \
+        --config.workdir=runs/long_memo --seeds=3
 
-SFT once, then RL twice from the same SFT weights with the same seeds: the
-whole trace in the loss (main and compactor episodes) vs the main agent's
-episodes only (`rl.batch.train_agents=("main",)`). Then the same held-out
-eval of SFT, RL-whole and RL-main-only: pass rate and memo fidelity (share of
-memos that carry the running value) with 95% CIs, and paired differences.
-Writes `workdir/report/ablation.json` and `ablation.md`; per RL step, the
-train pass rate and memo fidelity of each arm from its rollouts.
+Per seed: SFT once, then RL once per arm from the same SFT weights with the same
+RL seeds; the arms differ only in which episodes are in the loss and what
+rewards them (`ARMS`):
+  whole           every episode (main and compactor), the task reward
+  main_only       the main agent's episodes only (`rl.batch.train_agents=("main",)`)
+  compactor_only  the compactor's episodes only
+  memo_reward     the compactor's episodes only, rewarded by the attempt's memo
+                  fidelity (share of its memos that carry the value) instead of the
+                  task: a dedicated summary reward, the upper-bound reference
+The config's `ablation.arms` picks them (`long`: whole and main_only). Then the
+same held-out eval of SFT and every arm: pass rate and memo fidelity with 95%
+CIs, paired differences, where the main agent slips, and per RL step the
+rollouts' pass rate and memo fidelity. Writes `<seed workdir>/report/ablation.json`
+and `ablation.md`; with --seeds=N the seeds are `seed`..`seed+N-1` (both the
+warm start's and RL's), each in `workdir/seed_<k>`, and `ablation_analysis`
+pools them into `workdir/report/pooled.{json,md}` and `curves.png`.
 """
 
 from __future__ import annotations
@@ -25,13 +34,65 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ac2_jax.evals import compare_results, evaluate, mean_interval  # noqa: E402
+from ac2_jax.evals import compare_results, evaluate  # noqa: E402
 from ac2_jax.models.params_io import restore_params  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
+from ac2_jax.training.rl.collectors import EndpointCollector  # noqa: E402
 from experiments import calculator_agent as ca  # noqa: E402
 from experiments import long_horizon  # noqa: E402
+from experiments.ablation_analysis import (  # noqa: E402,F401 (re-exported)
+    eval_pass_by_task,
+    pool_seeds,
+    pooled_arm_difference,
+)
 
-ARMS = {"whole": None, "main_only": ("main",)}
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One arm: the agents whose episodes are in the loss (None: all) and the reward."""
+
+    train_agents: tuple[str, ...] | None
+    reward: str = "task"  # "task" (the verifier's) or "memo" (the attempt's memo fidelity)
+
+
+ARMS = {"whole": Arm(None), "main_only": Arm(("main",)),
+        "compactor_only": Arm(("compactor",)), "memo_reward": Arm(("compactor",), "memo")}
+DEFAULT_ARMS = ("whole", "main_only")
+
+
+def memo_fidelity(trace) -> float:
+    """Share of the attempt's judged memos that carry the value (0 when none was judged)."""
+    judged = [float(e["memo_ok"]) for e in trace.events if "memo_ok" in e]
+    return float(np.mean(judged)) if judged else 0.0
+
+
+class MemoRewardCollector(EndpointCollector):
+    """The endpoint's rollouts with each trace's reward replaced by its memo fidelity
+    (the store keeps the task reward, so the curves still show the task's pass rate)."""
+
+    @staticmethod
+    def _rewarded(traces):
+        return [t if t.status == "infra_error" else dataclasses.replace(
+            t, reward=memo_fidelity(t)) for t in traces]
+
+    async def collect(self, rl_step: int):
+        return self._rewarded(await super().collect(rl_step))
+
+    async def refill(self, rl_step: int, round: int, n: int):
+        traces, skipped = await super().refill(rl_step, round, n)
+        return self._rewarded(traces), skipped
+
+    def stored(self, rl_step: int):
+        return self._rewarded(super().stored(rl_step))
+
+
+def arm_names(cfg) -> tuple[str, ...]:
+    names = tuple(cfg.get("ablation", {}).get("arms", DEFAULT_ARMS))
+    unknown = [n for n in names if n not in ARMS]
+    if unknown or "whole" not in names or "main_only" not in names:
+        raise ValueError(f"ablation.arms must name arms of {sorted(ARMS)} including 'whole' "
+                         f"and 'main_only' (the primary comparison), got {names}")
+    return names
 
 
 def arm_config(rl_config, train_agents):
@@ -45,7 +106,8 @@ def arm_config(rl_config, train_agents):
 
 
 def step_curves(store_path: str) -> list[dict]:
-    """Per RL step of stored rollouts: train pass rate and memo fidelity (pooled)."""
+    """Per RL step of stored rollouts: the task pass rate and memo fidelity (pooled).
+    Each step's tasks are fresh draws the policy has not trained on yet."""
     by_step: dict[int, list] = {}
     for t in TraceStore(store_path).read(on_error="skip"):
         step = (t.metadata or {}).get("rl_step")
@@ -62,40 +124,15 @@ def step_curves(store_path: str) -> list[dict]:
     return out
 
 
-def eval_pass_by_task(store_path: str, eval_name: str) -> dict[str, float]:
-    """{task id: share of its attempts that passed} over the eval `eval_name`'s traces
-    in a store (an arm's `served_<arm>.jsonl` holds its RL rollouts and its eval)."""
-    by_task: dict[str, list[float]] = {}
-    for t in TraceStore(store_path).read(on_error="skip"):
-        if (t.metadata or {}).get("eval") == eval_name:
-            by_task.setdefault(t.task_id, []).append(float((t.reward or 0.0) >= 1.0))
-    return {k: float(np.mean(v)) for k, v in by_task.items()}
-
-
-def pooled_arm_difference(workdirs, level: float = 0.95):
-    """Whole - main-only pass rate pooled over ablation runs on the same held-out tasks
-    (e.g. two warm starts): per task, the mean over runs of (whole - main-only), then a
-    t interval over tasks. Only tasks every run evaluated in both arms count."""
-    per_run = []
-    for w in workdirs:
-        whole = eval_pass_by_task(os.path.join(w, "served_whole.jsonl"), "rl_whole")
-        main = eval_pass_by_task(os.path.join(w, "served_main_only.jsonl"), "rl_main_only")
-        per_run.append({k: whole[k] - main[k] for k in whole.keys() & main.keys()})
-    tasks = sorted(set.intersection(*(set(d) for d in per_run)))
-    if len(tasks) < 2:
-        raise ValueError(f"pooled_arm_difference: {len(tasks)} tasks in common across "
-                         f"{list(workdirs)}; the runs must share their held-out tasks")
-    return mean_interval([float(np.mean([d[k] for d in per_run])) for k in tasks], level)
-
-
 def _est(e) -> str:
     return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "n/a"
 
 
 def markdown(report: dict) -> str:
+    names = list(report["evals"])
     rows = ["| held-out eval | pass rate [95% CI] | memo fidelity [95% CI] | memos judged "
             "| compactions / attempt | episodes / trace |", "|---|---|---|---|---|---|"]
-    for name in ("sft", "rl_whole", "rl_main_only"):
+    for name in names:
         r, a = report["evals"][name], report["evals"][name]["agents"]
         rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(a['memo_fidelity'])} "
                     f"| {a['memos_judged']} | {a['compactions_per_attempt']:.2f} "
@@ -106,21 +143,22 @@ def markdown(report: dict) -> str:
         rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['memo_fidelity'])} |")
     rows += ["", "| held-out eval | main: first calls right | later calls right | answers right |",
              "|---|---|---|---|"]
-    for name in ("sft", "rl_whole", "rl_main_only"):
+    for name in names:
         m = report["evals"][name].get("main_requests", {})
         cells = [f"{m[k]['correct']}/{m[k]['n']} ({m[k]['rate']:.3f})" if k in m else "n/a"
                  for k in ("first_call", "later_call", "answer")]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     methods = {e["pass_rate"]["method"] for e in report["evals"].values()}
+    curves = report["rl_curves"]
     rows += ["", f"{report['eval_tasks']} held-out tasks x {report['eval_attempts']} attempt(s); "
              f"pass rate CI: {', '.join(sorted(methods))}; memo fidelity CI: clustered-t over "
              "tasks; differences: paired t over tasks.", "",
-             "| RL step | whole: train pass | whole: memo fidelity | main only: train pass "
-             "| main only: memo fidelity |", "|---|---|---|---|---|"]
-    curves = report["rl_curves"]
+             "| RL step | " + " | ".join(f"{a}: rollout pass | {a}: memo fidelity"
+                                        for a in curves) + " |",
+             "|---|" + "---|---|" * len(curves)]
     for i in range(max(len(c) for c in curves.values())):
         cells = []
-        for arm in ARMS:
+        for arm in curves:
             c = curves[arm][i] if i < len(curves[arm]) else None
             cells += [f"{c['pass_rate']:.3f}" if c else "", f"{c['memo_fidelity']:.3f}"
                       if c and c["memo_fidelity"] is not None else ""]
@@ -131,7 +169,8 @@ def markdown(report: dict) -> str:
 async def _run(cfg, log=print) -> dict:
     t_start = time.perf_counter()
     rl_config = ca.typed_configs(cfg)["rl"]
-    arms = {arm: arm_config(rl_config, agents) for arm, agents in ARMS.items()}  # fail early
+    arms = {name: (arm_config(rl_config, ARMS[name].train_agents), ARMS[name])
+            for name in arm_names(cfg)}  # fail early
     workdir = os.path.abspath(cfg.workdir)
     report_dir = os.path.join(workdir, "report")
     os.makedirs(report_dir, exist_ok=True)
@@ -147,38 +186,42 @@ async def _run(cfg, log=print) -> dict:
                                         name="sft", **eval_kw)
         times["eval_sft"] = time.perf_counter() - t0
         log(f"SFT: pass rate {results['sft'].pass_rate}")
-    for arm, arm_rl in arms.items():
+    for name, (arm_rl, arm) in arms.items():
         arm_model = ca.build_model(cfg, tokenizer.vocab_size)
-        restore_params(arm_model, sft_dir)  # both arms start from the same SFT weights
-        rl_dir = os.path.join(workdir, f"rl_{arm}")
+        restore_params(arm_model, sft_dir)  # every arm starts from the same SFT weights
+        rl_dir = os.path.join(workdir, f"rl_{name}")
         async with ca.serving(cfg, arm_model, tokenizer, os.path.join(rl_dir, "published"),
-                              arm_rl.concurrency, os.path.join(workdir, f"served_{arm}.jsonl")
+                              arm_rl.concurrency, os.path.join(workdir, f"served_{name}.jsonl")
                               ) as (sampler, lifecycle):
             t0 = time.perf_counter()
             await ca.train_rl(cfg, arm_rl, arm_model, sampler, lifecycle, env, rl_dir,
-                              os.path.join(report_dir, f"metrics_{arm}"))
-            times[f"rl_{arm}"] = time.perf_counter() - t0
+                              os.path.join(report_dir, f"metrics_{name}"),
+                              collector_cls=(MemoRewardCollector if arm.reward == "memo"
+                                             else EndpointCollector))
+            times[f"rl_{name}"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            results[f"rl_{arm}"] = await evaluate(lifecycle, env, eval_tasks, eval_make,
-                                                  ca.MODEL_NAME, name=f"rl_{arm}", **eval_kw)
-            times[f"eval_rl_{arm}"] = time.perf_counter() - t0
-            log(f"RL ({arm}): pass rate {results[f'rl_{arm}'].pass_rate}")
-        curves[arm] = step_curves(os.path.join(rl_dir, "rollouts.jsonl"))
+            results[f"rl_{name}"] = await evaluate(lifecycle, env, eval_tasks, eval_make,
+                                                   ca.MODEL_NAME, name=f"rl_{name}", **eval_kw)
+            times[f"eval_rl_{name}"] = time.perf_counter() - t0
+            log(f"RL ({name}): pass rate {results[f'rl_{name}'].pass_rate}")
+        curves[name] = step_curves(os.path.join(rl_dir, "rollouts.jsonl"))
 
     def diff(a, b):
         memo = long_horizon.memo_fidelity_difference(results[a], results[b])
         return {"pass": compare_results(results[a], results[b], "pass").estimate.to_dict(),
                 "memo_fidelity": memo.to_dict() if memo else None}
 
+    differences = {f"rl_{n} - sft": diff(f"rl_{n}", "sft") for n in arms}
+    differences.update({f"rl_{n} - rl_main_only": diff(f"rl_{n}", "rl_main_only")
+                        for n in arms if n != "main_only"})
     times["total"] = time.perf_counter() - t_start
     report = {
+        "seed": cfg.seed, "arms": list(arms),
         "evals": {name: {"pass_rate": r.pass_rate.to_dict(),
                          "agents": long_horizon.agent_figures(r),
                          "main_requests": long_horizon.main_request_accuracy(r.traces, tokenizer)}
                   for name, r in results.items()},
-        "differences": {"rl_whole - sft": diff("rl_whole", "sft"),
-                        "rl_main_only - sft": diff("rl_main_only", "sft"),
-                        "rl_whole - rl_main_only": diff("rl_whole", "rl_main_only")},
+        "differences": differences,
         "rl_curves": curves, "eval_tasks": len(eval_tasks), "eval_attempts": cfg.eval.attempts,
         "rl_steps": rl_config.steps, "times_s": times,
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,
@@ -192,11 +235,34 @@ async def _run(cfg, log=print) -> dict:
 
 
 def run(cfg, log=print) -> dict:
-    """The ablation; returns the report dict (also written to workdir/report)."""
+    """The ablation for `cfg.seed`; returns the report dict (also written to workdir/report)."""
     if not ca.is_long(cfg):
         raise ValueError("compaction_ablation needs the compacting harness: use "
-                         "--config=experiments/configs/calculator.py:long (or long_quick)")
+                         "--config=experiments/configs/calculator.py:long (or long_memo)")
     return asyncio.run(_run(cfg, log))
+
+
+def seed_workdir(workdir: str, seed: int) -> str:
+    return os.path.join(workdir, f"seed_{seed}")
+
+
+def run_seeds(cfg, seeds: int, log=print) -> dict:
+    """The ablation for seeds `cfg.seed`..`cfg.seed + seeds - 1`, each in its own
+    `workdir/seed_<k>` (a finished seed's report is reused), then pooled
+    (`ablation_analysis.pool_seeds`). Returns the pooled report."""
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    workdirs = []
+    for k in range(cfg.seed, cfg.seed + seeds):
+        one = cfg.copy_and_resolve_references()
+        one.seed, one.workdir = k, seed_workdir(cfg.workdir, k)
+        workdirs.append(one.workdir)
+        if os.path.exists(os.path.join(one.workdir, "report", "ablation.json")):
+            log(f"seed {k}: report found in {one.workdir}, reused")
+            continue
+        log(f"seed {k}: ablation in {one.workdir}")
+        run(one, log)
+    return pool_seeds(workdirs, os.path.join(cfg.workdir, "report"))
 
 
 def main(argv):
@@ -204,13 +270,20 @@ def main(argv):
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    report = run(_CONFIG.value)
-    print(open(os.path.join(_CONFIG.value.workdir, "report", "ablation.md")).read())
-    print(json.dumps(report["times_s"]))
+    cfg = _CONFIG.value
+    if _SEEDS.value is None:
+        report = run(cfg)
+        print(open(os.path.join(cfg.workdir, "report", "ablation.md")).read())
+        print(json.dumps(report["times_s"]))
+    else:
+        run_seeds(cfg, _SEEDS.value)
+        print(open(os.path.join(cfg.workdir, "report", "pooled.md")).read())
 
 
 if __name__ == "__main__":
-    from absl import app
+    from absl import app, flags
     from ml_collections import config_flags
     _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/calculator.py:long")
+    _SEEDS = flags.DEFINE_integer("seeds", None, "Run seeds seed..seed+N-1 (each in "
+                                  "workdir/seed_<k>) and pool them; unset: one run in workdir.")
     app.run(main)

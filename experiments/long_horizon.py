@@ -33,7 +33,7 @@ from ac2_jax.training.sft.demos import demo_segment
 def build_chain_env(cfg) -> ChainCalculatorEnv:
     e = cfg.env
     return ChainCalculatorEnv(ops_range=tuple(e.ops_range), value_range=tuple(e.value_range),
-                              operand_range=tuple(e.operand_range))
+                              operand_range=tuple(e.operand_range), signs=e.get("signs", "+-"))
 
 
 def compaction_factory(cfg, sampling: dict, max_steps: int):
@@ -84,14 +84,14 @@ class PolicyClient:
 
 
 def record_demos(env, tasks, tokenizer, make_orchestrator, rng: random.Random, *,
-                 memo_error_prob: float, main_slip_prob: float):
+                 memo_error_prob: float, main_slip_prob: float, memo_error: str = "garble"):
     """Runs the real orchestrator on each task, one after the other, with the
     scripted policy. Returns [(ConversationTrace, [(agent, messages, tools,
     reply), ...]) per task]. Callable from inside an event loop (the pipeline's):
     the demos then run on their own loop in a worker thread."""
     def policy(agent, messages, tools):
         return chain_policy(agent, messages, rng, memo_error_prob=memo_error_prob,
-                            main_slip_prob=main_slip_prob)
+                            main_slip_prob=main_slip_prob, memo_error=memo_error)
 
     async def all_demos():
         out = []
@@ -132,7 +132,8 @@ def long_demo_segments(cfg, env, tasks, tokenizer, make_orchestrator, rng, log=p
     segments, stats = [], {"demos": 0, "passed": 0, "memos": 0, "memos_ok": 0, "segments": {}}
     demos = record_demos(env, tasks, tokenizer, make_orchestrator, rng,
                          memo_error_prob=cfg.demos.memo_error_prob,
-                         main_slip_prob=cfg.demos.main_slip_prob)
+                         main_slip_prob=cfg.demos.main_slip_prob,
+                         memo_error=cfg.demos.get("memo_error", "garble"))
     for t, (conv, requests) in zip(tasks, demos):
         stats["demos"] += 1
         stats["passed"] += int(env.verify(t, conv.answer) >= 1.0)

@@ -211,7 +211,8 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
 
     "Start at 512. Apply +37, 4 times." with every running value in
     `value_range` (3 digits) and the operand in `operand_range` (2 digits),
-    rejection-sampled, so the prompt has a fixed width whatever the count. The
+    rejection-sampled, so the prompt has a fixed width whatever the count;
+    `signs` are the operations drawn from ("+-", or "+" alone). The
     tool does one operation per call, so a task needs one call per operation.
     Train and eval tasks come from disjoint halves of the prompt space (hash
     parity).
@@ -224,21 +225,24 @@ class ChainCalculatorEnv(StepwiseCalculatorEnv):
         ops_range: tuple[int, int] = (3, 5),
         value_range: tuple[int, int] = (100, 999),
         operand_range: tuple[int, int] = (10, 99),
+        signs: str = "+-",
     ):
         super().__init__()
+        if not signs or set(signs) - set("+-"):
+            raise ValueError(f'ChainCalculatorEnv: signs must be "+", "-" or "+-", got {signs!r}')
         if not 1 <= ops_range[0] <= ops_range[1] <= 9:
             raise ValueError(
                 f"ChainCalculatorEnv: ops_range must be (lo, hi) with "
                 f"1 <= lo <= hi <= 9 (one-digit counts), got {ops_range}"
             )
         self.ops_range, self.value_range = tuple(ops_range), tuple(value_range)
-        self.operand_range = tuple(operand_range)
+        self.operand_range, self.signs = tuple(operand_range), signs
 
     def _chain(self, rng: random.Random) -> tuple[int, str, list[int]]:
         lo, hi = self.value_range
         while True:
             value = start = rng.randint(lo, hi)
-            op = f"{rng.choice('+-')}{rng.randint(*self.operand_range)}"
+            op = f"{rng.choice(self.signs)}{rng.randint(*self.operand_range)}"
             values = []
             for _ in range(rng.randint(*self.ops_range)):
                 value = safe_eval(f"{value}{op}")
@@ -317,6 +321,7 @@ def chain_policy(
     *,
     memo_error_prob: float = 0.0,
     main_slip_prob: float = 0.0,
+    memo_error: str = "garble",
 ) -> dict:
     """The scripted demonstrator of ChainCalculatorEnv under compaction: the
     assistant message it sends for one request of `agent` ("main" or "compactor").
@@ -328,18 +333,27 @@ def chain_policy(
     orchestrator's transcript ("role: text" lines, calls as "[call ...]") and
     writes `chain_memo` of the state (the latest tool result, the operation,
     the count left);
-    with `memo_error_prob` the value has one digit wrong, so the main agent,
-    restarting from the memo, goes wrong.
+    with `memo_error_prob` the memo's value is wrong, so the main agent,
+    restarting from the memo, goes wrong: `memo_error` "garble" changes one
+    digit; "stale" keeps the value from before the latest tool result (the
+    count still goes down), the update a careless summary drops.
     """
+    if memo_error not in ("garble", "stale"):
+        raise ValueError(f'chain_policy: memo_error must be "garble" or "stale", got {memo_error!r}')
     if agent == "compactor":
         lines = (messages[-1].get("content") or "").splitlines()
-        texts = [tuple(line.split(": ", 1)) for line in lines if ": " in line]
-        state = _chain_state([(r, t) for r, t in texts])
+        texts = [(r, t) for r, t in (line.split(": ", 1) for line in lines if ": " in line)]
+        state = _chain_state(texts)
         if state is None:
             return {"role": "assistant", "content": "No progress yet."}
         value, left, op = state
         if rng.random() < memo_error_prob:
-            value = _garble(value, rng)
+            if memo_error == "stale":
+                results = [i for i, (r, _) in enumerate(texts) if r == "tool"]
+                before = _chain_state(texts[: results[-1]]) if results else None
+                value = before[0] if before is not None else value
+            else:
+                value = _garble(value, rng)
         return {"role": "assistant", "content": chain_memo(value, op, left)}
     state = _chain_state([(m["role"], m.get("content") or "") for m in messages])
     if state is None:

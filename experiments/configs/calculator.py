@@ -106,8 +106,38 @@ def _long(c):
     return c
 
 
+def _long_memo(c):
+    c = _long(c)
+    c.workdir = "runs/calculator_long_memo"
+    # Compactor-bound (issue 38): the main step is easy (additions only, 2-3 of them, no
+    # slips in the demos) and the compactor is the weak link: half its demo memos are
+    # stale (the value before the latest tool result; the count still goes down), so
+    # most failures are memo failures. A stale memo is one other number with the same
+    # weight in the demos, so sampling at temperature 0.3 does not sharpen it away
+    # (a garbled digit spreads its weight over ~27 numbers and would).
+    c.env.update(ops_range=(2, 3), signs="+")
+    c.demos.update(memo_error_prob=0.5, main_slip_prob=0.0)
+    c.demos.memo_error = "stale"
+    # The same held-out tasks whatever the seed: per-task differences pool over seeds.
+    c.eval.update(num_tasks=200, attempts=2)
+    c.eval.task_seed = 1000
+    # 16 tasks x 8 attempts: ~0.2 of attempts pass at memo fidelity ~0.5, so most groups
+    # have mixed outcomes; an attempt is 2-3 compactions (<= 7 episodes).
+    c.rl.update(steps=10, tasks_per_step=16, attempts_per_task=8)
+    c.rl.batch.update(rows=16, task_capacity=128, segment_capacity=1024)
+    # experiments/compaction_ablation.py's arms (its ARMS); `long` runs the first two.
+    c.ablation = ml_collections.ConfigDict(dict(
+        arms=("whole", "main_only", "compactor_only", "memo_reward")))
+    return c
+
+
 def _long_quick(c):
-    c = _quick(_long(c))
+    return _quick_long(_long(c))
+
+
+def _quick_long(c):
+    """A smoke run of a compacting variant."""
+    c = _quick(c)
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
     c.sft.batch_rows = 6  # a whole demo (its main and compactor episodes) per batch
     c.sft_restarts = ((2, 3e-3),)
@@ -140,6 +170,7 @@ def _moe(c):
 
 
 VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick,
+            "long_memo": _long_memo, "long_memo_quick": lambda c: _quick_long(_long_memo(c)),
             "lora": _lora, "lora_quick": lambda c: _quick(_lora(c)),
             "moe": _moe, "moe_quick": lambda c: _moe_quick(c)}
 

@@ -137,3 +137,37 @@ def test_chain_policy_follows_the_memo_and_its_errors_propagate():
                for _ in range(20)]
     assert all(m.endswith(". Apply -29, 1 times.") and m != "Start at 454. Apply -29, 1 times."
                and len(m) == len(task) for m in garbled)
+
+
+def test_chain_policy_stale_memo_keeps_the_value_before_the_latest_result():
+    import random
+    rng = random.Random(0)
+    task = "Start at 512. Apply -29, 3 times."
+    transcript = (f"user: {task}\nuser: Progress so far: Start at 483. Apply -29, 2 times.\n"
+                  'assistant: [call calculator({"expression": "483-29"})]\ntool: 454\n\nSummarize')
+    request = [{"role": "system", "content": "c"}, {"role": "user", "content": transcript}]
+    # The count goes down, the value does not: 483 is the memo's value before the call.
+    stale = chain_policy("compactor", request, rng, memo_error_prob=1.0, memo_error="stale")
+    assert stale["content"] == "Start at 483. Apply -29, 1 times."
+    first = (f"user: {task}\n"
+             'assistant: [call calculator({"expression": "512-29"})]\ntool: 483\n\nSummarize')
+    stale1 = chain_policy("compactor", [{"role": "user", "content": first}], rng,
+                          memo_error_prob=1.0, memo_error="stale")
+    assert stale1["content"] == "Start at 512. Apply -29, 2 times."
+    env = ChainCalculatorEnv()
+    history = [{"role": "user", "content": task}, {"role": "tool", "content": "483"}]
+    assert env.judge_memo(None, history, stale1["content"]) is False
+    # Without errors the mode changes nothing; an unknown mode is refused by name.
+    assert chain_policy("compactor", request, rng, memo_error="stale")["content"] == (
+        "Start at 454. Apply -29, 1 times.")
+    with pytest.raises(ValueError, match="memo_error"):
+        chain_policy("compactor", request, rng, memo_error="drop")
+
+
+def test_chain_env_signs():
+    plus = ChainCalculatorEnv(signs="+").sample_tasks(100, seed=0)
+    assert {t.metadata["op"][0] for t in plus} == {"+"}
+    both = ChainCalculatorEnv().sample_tasks(100, seed=0)
+    assert {t.metadata["op"][0] for t in both} == {"+", "-"}
+    with pytest.raises(ValueError, match="signs"):
+        ChainCalculatorEnv(signs="*")

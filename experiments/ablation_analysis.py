@@ -1,0 +1,238 @@
+"""The ablation's analysis over seeds, fixed before the runs (issue 38).
+
+Pre-registered (BUILD_NOTES, "The whole-trace claim where it must show"):
+- Primary outcome: held-out pass rate, whole trace minus main only. Per held-out
+  task, the share of its attempts that passed in each arm of each seed; per task,
+  the mean over seeds of (whole - main only); the estimate is the mean over tasks
+  with a Student-t 95% interval over tasks (`pooled_arm_difference`). Every seed
+  evaluates the same held-out tasks (`eval.task_seed`); a seed is the warm start's
+  seed and RL's together. "Shown" means the interval excludes 0 above; "reversed",
+  below; else "not shown".
+- Secondary, the same way: the link's fidelity (memo fidelity: share of an
+  attempt's judged memos that carry the value; per task, the share over its
+  attempts), for every arm against main only; and per arm and seed the
+  compactions per attempt and the main agent's calls right (counts).
+- The reference arm (a dedicated memo reward) is read as: the share of its memo
+  fidelity gain over main only that the whole trace's task reward recovers.
+Whatever comes out is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from ac2_jax.evals import mean_interval
+from ac2_jax.trace import TraceStore
+
+PRIMARY = ("whole", "main_only")
+LABELS = {"memo_ok": "memo fidelity", "helper_ok": "helper fidelity"}
+
+
+def _eval_traces(store_path: str, eval_name: str):
+    for t in TraceStore(store_path).read(on_error="skip"):
+        if (t.metadata or {}).get("eval") == eval_name:
+            yield t
+
+
+def eval_pass_by_task(store_path: str, eval_name: str) -> dict[str, float]:
+    """{task id: share of its attempts that passed} over the eval `eval_name`'s traces
+    in a store (an arm's `served_<arm>.jsonl` holds its RL rollouts and its eval)."""
+    by_task: dict[str, list[float]] = {}
+    for t in _eval_traces(store_path, eval_name):
+        by_task.setdefault(t.task_id, []).append(float((t.reward or 0.0) >= 1.0))
+    return {k: float(np.mean(v)) for k, v in by_task.items()}
+
+
+def eval_judged_by_task(store_path: str, eval_name: str, key: str = "memo_ok"
+                        ) -> dict[str, float]:
+    """{task id: share of its judged links (events carrying `key`) that were right},
+    over tasks with at least one judged link."""
+    by_task: dict[str, list[float]] = {}
+    for t in _eval_traces(store_path, eval_name):
+        by_task.setdefault(t.task_id, []).extend(float(e[key]) for e in t.events if key in e)
+    return {k: float(np.mean(v)) for k, v in by_task.items() if v}
+
+
+def _per_task(workdir: str, arm: str, figure: str) -> dict[str, float]:
+    """Per task figure of one arm's held-out eval in a run's workdir: its traces carry
+    metadata["eval"] = "sft" / "rl_<arm>" in the endpoint's store (`served.jsonl`; older
+    runs kept one `served_<arm>.jsonl` per arm)."""
+    name = "sft" if arm == "sft" else f"rl_{arm}"
+    out: dict[str, float] = {}
+    for f in sorted(os.listdir(workdir)):
+        if f.startswith("served") and f.endswith(".jsonl"):
+            store = os.path.join(workdir, f)
+            out.update(eval_pass_by_task(store, name) if figure == "pass"
+                       else eval_judged_by_task(store, name, figure))
+    return out
+
+
+def pooled_arm_difference(workdirs, a: str = "whole", b: str = "main_only",
+                          figure: str = "pass", level: float = 0.95):
+    """Arm a - arm b on the same held-out tasks, pooled over runs (seeds): per task,
+    the mean over runs of (a - b), then a t interval over tasks. Only tasks every
+    run has in both arms count. figure: "pass", or an event key ("memo_ok")."""
+    per_run = []
+    for w in workdirs:
+        x, y = _per_task(w, a, figure), _per_task(w, b, figure)
+        per_run.append({k: x[k] - y[k] for k in x.keys() & y.keys()})
+    return _pooled(per_run, f"pooled_arm_difference({a} - {b}, {figure})", workdirs, level)
+
+
+def pooled_arm_level(workdirs, arm: str, figure: str = "pass", level: float = 0.95):
+    """One arm's figure pooled over runs: per task the mean over runs, t interval over tasks."""
+    per_run = [_per_task(w, arm, figure) for w in workdirs]
+    return _pooled(per_run, f"pooled_arm_level({arm}, {figure})", workdirs, level)
+
+
+def _pooled(per_run, who, workdirs, level):
+    tasks = sorted(set.intersection(*(set(d) for d in per_run)))
+    if len(tasks) < 2:
+        raise ValueError(f"{who}: {len(tasks)} tasks in common across {list(workdirs)}; the "
+                         "runs must share their held-out tasks (and judge a link in them)")
+    return mean_interval([float(np.mean([d[k] for d in per_run])) for k in tasks], level)
+
+
+def _or_none(fn, *args):
+    """`fn(*args).to_dict()`, or None where a judged figure has fewer than 2 tasks (an
+    untrained model that wrote no judged memo); the pass rate always has its tasks."""
+    try:
+        return fn(*args).to_dict()
+    except ValueError:
+        if args[-1] == "pass":
+            raise
+        return None
+
+
+def verdict(estimate) -> str:
+    if estimate.low > 0:
+        return "shown"
+    if estimate.high < 0:
+        return "reversed"
+    return "not shown"
+
+
+def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok") -> dict:
+    """The pooled analysis of per-seed ablation runs (each workdir holds one seed's
+    `report/ablation.json` and stores): writes `pooled.json`, `pooled.md` and
+    `curves.png` into `report_dir`; returns the pooled dict."""
+    reports = [json.load(open(os.path.join(w, "report", "ablation.json"))) for w in workdirs]
+    arms = reports[0]["arms"]
+    if any(r["arms"] != arms for r in reports):
+        raise ValueError(f"pool_seeds: the runs have different arms: {[r['arms'] for r in reports]}")
+    pooled = {"seeds": [r["seed"] for r in reports], "arms": arms, "judged": judged,
+              "levels": {}, "differences": {}}
+    for arm in ["sft"] + arms:
+        pooled["levels"][arm] = {f: _or_none(pooled_arm_level, workdirs, arm, f)
+                                 for f in ("pass", judged)}
+    for arm in ["sft"] + [a for a in arms if a != "main_only"]:
+        pooled["differences"][f"{arm} - main_only"] = {
+            f: _or_none(pooled_arm_difference, workdirs, arm, "main_only", f)
+            for f in ("pass", judged)}
+    primary = pooled_arm_difference(workdirs, *PRIMARY, "pass")
+    pooled["primary"] = {"estimate": primary.to_dict(), "verdict": verdict(primary)}
+    if "memo_reward" in arms:
+        ref, got = (pooled["differences"][f"{a} - main_only"][judged]
+                    for a in ("memo_reward", "whole"))
+        ok = ref is not None and got is not None and ref["mean"] > 0
+        pooled["recovered_share"] = got["mean"] / ref["mean"] if ok else None
+    pooled["per_seed"] = [{"seed": r["seed"], "evals": {
+        name: {"pass_rate": e["pass_rate"], "fidelity": e["agents"]["memo_fidelity"],
+               "compactions_per_attempt": e["agents"]["compactions_per_attempt"],
+               "main_requests": e["main_requests"]} for name, e in r["evals"].items()},
+        "differences": r["differences"]} for r in reports]
+    pooled["curves"] = {arm: [r["rl_curves"][arm] for r in reports] for arm in arms}
+    os.makedirs(report_dir, exist_ok=True)
+    with open(os.path.join(report_dir, "pooled.json"), "w") as f:
+        json.dump(pooled, f, indent=2)
+    with open(os.path.join(report_dir, "pooled.md"), "w") as f:
+        f.write(pooled_markdown(pooled))
+    plot_curves(pooled, os.path.join(report_dir, "curves.png"))
+    return pooled
+
+
+def _e(e) -> str:
+    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "n/a"
+
+
+def _calls(m: dict) -> str:
+    n = sum(m[k]["n"] for k in ("first_call", "later_call") if k in m)
+    ok = sum(m[k]["correct"] for k in ("first_call", "later_call") if k in m)
+    return f"{ok}/{n} ({ok / n:.3f})" if n else "n/a"
+
+
+def pooled_markdown(p: dict) -> str:
+    j, label = p["judged"], LABELS.get(p["judged"], p["judged"])
+    pr = p["primary"]
+    rows = [f"**Primary (pre-registered): held-out pass, whole - main only, pooled over seeds "
+            f"{p['seeds']}: {_e(pr['estimate'])} ({pr['estimate']['n']} tasks): "
+            f"{pr['verdict']}.**", "",
+            f"| arm | seed | pass rate [95% CI] | {label} [95% CI] | main calls right "
+            "| compactions / attempt |", "|---|---|---|---|---|---|"]
+    for arm in ["sft"] + p["arms"]:
+        name = "sft" if arm == "sft" else f"rl_{arm}"
+        for s in p["per_seed"]:
+            e = s["evals"][name]
+            rows.append(f"| {arm} | {s['seed']} | {_e(e['pass_rate'])} | {_e(e['fidelity'])} "
+                        f"| {_calls(e['main_requests'])} | {e['compactions_per_attempt']:.2f} |")
+        lv = p["levels"][arm]
+        rows.append(f"| **{arm}** | pooled | {_e(lv['pass'])} | {_e(lv[j])} | | |")
+    rows += ["", f"| pooled difference (per task over seeds) | pass [95% CI] | {label} [95% CI] |",
+             "|---|---|---|"]
+    for name, d in p["differences"].items():
+        rows.append(f"| {name} | {_e(d['pass'])} | {_e(d[j])} |")
+    rows += ["", "| per-seed difference (paired t over tasks) | "
+             + " | ".join(f"seed {s['seed']}: pass" for s in p["per_seed"]) + " |",
+             "|---|" + "---|" * len(p["per_seed"])]
+    for name in p["per_seed"][0]["differences"]:
+        rows.append(f"| {name} | " + " | ".join(_e(s["differences"][name]["pass"])
+                                               for s in p["per_seed"]) + " |")
+    if p.get("recovered_share") is not None:
+        rows += ["", f"Share of the dedicated memo reward's fidelity gain over main only that "
+                 f"the whole trace recovers: {p['recovered_share']:.2f}."]
+    return "\n".join(rows) + "\n"
+
+
+def plot_curves(p: dict, path: str) -> None:
+    """Per RL step and arm: the rollouts' pass rate and memo fidelity (each step's tasks
+    are fresh, not yet trained on; thin lines per seed, thick the mean over seeds);
+    and the held-out pass and fidelity after RL, pooled over seeds (95% CIs)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
+    colors = {}
+    for k, (arm, runs) in enumerate(p["curves"].items()):
+        color = colors.setdefault(arm, f"C{k}")
+        for ax, key in zip(axes[:2], ("pass_rate", "memo_fidelity")):
+            series = []
+            for run in runs:
+                xs = [c["rl_step"] for c in run if c[key] is not None]
+                ys = [c[key] for c in run if c[key] is not None]
+                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+                series.append(dict(zip(xs, ys)))
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            ax.plot(steps, [np.mean([s[x] for s in series]) for x in steps], color=color,
+                    linewidth=2, label=arm)
+    axes[0].set(title="rollout pass rate (fresh tasks)", xlabel="RL step")
+    axes[1].set(title="rollout memo fidelity", xlabel="RL step")
+    axes[0].legend(fontsize=8)
+    names = ["sft"] + p["arms"]
+    for off, (fig_key, marker) in enumerate((("pass", "o"), (p["judged"], "s"))):
+        shown = [(i, p["levels"][a][fig_key]) for i, a in enumerate(names)
+                 if p["levels"][a][fig_key] is not None]
+        if not shown:
+            continue
+        means = np.array([e["mean"] for _, e in shown])
+        err = [means - [e["low"] for _, e in shown], [e["high"] for _, e in shown] - means]
+        xs = np.array([i for i, _ in shown]) + (off - 0.5) * 0.3
+        axes[2].errorbar(xs, means, yerr=err, fmt=marker, capsize=3,
+                         label="held-out pass" if off == 0 else "held-out memo fidelity")
+    axes[2].set_xticks(np.arange(len(names)), names, rotation=20, fontsize=8)
+    axes[2].set(title="after RL, pooled over seeds (95% CI)", ylim=(0, 1))
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
