@@ -122,7 +122,8 @@ def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok") -> dict:
     reports = [json.load(open(os.path.join(w, "report", "ablation.json"))) for w in workdirs]
     arms = reports[0]["arms"]
     if any(r["arms"] != arms for r in reports):
-        raise ValueError(f"pool_seeds: the runs have different arms: {[r['arms'] for r in reports]}")
+        raise ValueError("pool_seeds: the runs have different arms: "
+                         f"{[r['arms'] for r in reports]}")
     pooled = {"seeds": [r["seed"] for r in reports], "arms": arms, "judged": judged,
               "levels": {}, "differences": {}}
     for arm in ["sft"] + arms:
@@ -207,13 +208,13 @@ def plot_curves(p: dict, path: str) -> None:
     colors = {}
     for k, (arm, runs) in enumerate(p["curves"].items()):
         color = colors.setdefault(arm, f"C{k}")
-        for ax, key in zip(axes[:2], ("pass_rate", "memo_fidelity")):
+        for ax, key in zip(axes[:2], ("pass_rate", "memo_fidelity"), strict=True):
             series = []
             for run in runs:
                 xs = [c["rl_step"] for c in run if c[key] is not None]
                 ys = [c[key] for c in run if c[key] is not None]
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
-                series.append(dict(zip(xs, ys)))
+                series.append(dict(zip(xs, ys, strict=True)))
             steps = sorted(set.intersection(*(set(s) for s in series)))
             ax.plot(steps, [np.mean([s[x] for s in series]) for x in steps], color=color,
                     linewidth=2, label=arm)

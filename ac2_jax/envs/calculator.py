@@ -339,7 +339,9 @@ def chain_policy(
     count still goes down), the update a careless summary drops.
     """
     if memo_error not in ("garble", "stale"):
-        raise ValueError(f'chain_policy: memo_error must be "garble" or "stale", got {memo_error!r}')
+        raise ValueError(
+            f'chain_policy: memo_error must be "garble" or "stale", got {memo_error!r}'
+        )
     if agent == "compactor":
         lines = (messages[-1].get("content") or "").splitlines()
         texts = [(r, t) for r, t in (line.split(": ", 1) for line in lines if ": " in line)]
