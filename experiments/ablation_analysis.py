@@ -26,6 +26,7 @@ import numpy as np
 
 from ac2_jax.evals import mean_interval
 from ac2_jax.trace import TraceStore
+from experiments.long_horizon import FIDELITIES
 
 PRIMARY = ("whole", "main_only")
 LABELS = {"memo_ok": "memo fidelity", "helper_ok": "helper fidelity"}
@@ -141,7 +142,7 @@ def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok") -> dict:
         ok = ref is not None and got is not None and ref["mean"] > 0
         pooled["recovered_share"] = got["mean"] / ref["mean"] if ok else None
     pooled["per_seed"] = [{"seed": r["seed"], "evals": {
-        name: {"pass_rate": e["pass_rate"], "fidelity": e["agents"]["memo_fidelity"],
+        name: {"pass_rate": e["pass_rate"], "fidelity": e["agents"][FIDELITIES[judged]],
                "compactions_per_attempt": e["agents"]["compactions_per_attempt"],
                "main_requests": e["main_requests"]} for name, e in r["evals"].items()},
         "differences": r["differences"]} for r in reports]
@@ -208,7 +209,7 @@ def plot_curves(p: dict, path: str) -> None:
     colors = {}
     for k, (arm, runs) in enumerate(p["curves"].items()):
         color = colors.setdefault(arm, f"C{k}")
-        for ax, key in zip(axes[:2], ("pass_rate", "memo_fidelity"), strict=True):
+        for ax, key in zip(axes[:2], ("pass_rate", "fidelity"), strict=True):
             series = []
             for run in runs:
                 xs = [c["rl_step"] for c in run if c[key] is not None]
@@ -219,7 +220,8 @@ def plot_curves(p: dict, path: str) -> None:
             ax.plot(steps, [np.mean([s[x] for s in series]) for x in steps], color=color,
                     linewidth=2, label=arm)
     axes[0].set(title="rollout pass rate (fresh tasks)", xlabel="RL step")
-    axes[1].set(title="rollout memo fidelity", xlabel="RL step")
+    label = LABELS.get(p["judged"], p["judged"])
+    axes[1].set(title=f"rollout {label}", xlabel="RL step")
     axes[0].legend(fontsize=8)
     names = ["sft"] + p["arms"]
     for off, (fig_key, marker) in enumerate((("pass", "o"), (p["judged"], "s"))):
@@ -231,7 +233,7 @@ def plot_curves(p: dict, path: str) -> None:
         err = [means - [e["low"] for _, e in shown], [e["high"] for _, e in shown] - means]
         xs = np.array([i for i, _ in shown]) + (off - 0.5) * 0.3
         axes[2].errorbar(xs, means, yerr=err, fmt=marker, capsize=3,
-                         label="held-out pass" if off == 0 else "held-out memo fidelity")
+                         label="held-out pass" if off == 0 else f"held-out {label}")
     axes[2].set_xticks(np.arange(len(names)), names, rotation=20, fontsize=8)
     axes[2].set(title="after RL, pooled over seeds (95% CI)", ylim=(0, 1))
     axes[2].legend(fontsize=8)

@@ -25,9 +25,9 @@ import jax
 from flax import nnx
 
 from ac2_jax.config import from_config
-from ac2_jax.envs import CalculatorEnv, demonstration
+from ac2_jax.envs import CalculatorEnv, chain_policy, demonstration
 from ac2_jax.evals import TokenPrices, compare_results
-from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models import Decoder
 from ac2_jax.models.family import get_family
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import restore_params, save_params
@@ -41,7 +41,7 @@ from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
 from ac2_jax.viz import plot_curves, write_trace_html
-from experiments import long_horizon
+from experiments import long_horizon, subagent_helper
 
 MODEL_NAME = "ac2-calculator"
 
@@ -54,9 +54,34 @@ def typed_configs(cfg) -> dict:
             "rl": from_config(RLConfig, cfg.rl, path="rl")}
 
 
+def harness_kind(cfg) -> str:
+    return "default" if cfg.get("harness") is None else cfg.harness.kind
+
+
 def is_long(cfg) -> bool:
-    """The long-horizon variant: the compacting harness."""
-    return cfg.get("harness") is not None and cfg.harness.kind == "compaction"
+    """The long-horizon variants: a multi-agent harness ("compaction": the compacting
+    agent of `long_horizon`; "subagent": the delegating agent of `subagent_helper`)
+    whose demonstrations are recorded through the real orchestrator."""
+    return harness_kind(cfg) in ("compaction", "subagent")
+
+
+def demo_policy(cfg, rng: random.Random):
+    """The scripted demonstrator of a long variant: policy(agent, messages, tools)."""
+    if harness_kind(cfg) == "subagent":
+        return subagent_helper.demo_policy(cfg, rng)
+    return long_horizon.compaction_policy(cfg, rng)
+
+
+def judged_key(cfg) -> str:
+    """The harness event key that judges the weak link: memos, or helper answers."""
+    return "helper_ok" if harness_kind(cfg) == "subagent" else "memo_ok"
+
+
+def main_request_accuracy(cfg, traces, tokenizer) -> dict:
+    """Where the main agent slips (per kind of request), for the variant's harness."""
+    if harness_kind(cfg) == "subagent":
+        return subagent_helper.main_request_accuracy(traces, tokenizer)
+    return long_horizon.main_request_accuracy(traces, tokenizer)
 
 
 def build_env(cfg) -> CalculatorEnv:
@@ -75,7 +100,12 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
     tasks = env.sample_tasks(200, seed=cfg.seed + 7, split="train")
     if is_long(cfg):
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
-        for msgs, tools_ in long_horizon.corpus_conversations(env, tasks, make, rng):
+        # The compacting variant's corpus keeps the policy it was built with (10% garbled
+        # memos): the same corpus, the same vocabulary, the same `long` runs.
+        policy = (demo_policy(cfg, rng) if harness_kind(cfg) == "subagent" else
+                  lambda agent, m, tools: chain_policy(
+                      agent, m, rng, memo_error_prob=0.1, main_slip_prob=0.0))
+        for msgs, tools_ in long_horizon.corpus_conversations(env, tasks, make, policy):
             corpus.append(_render_for_corpus(msgs, tools_ or []))
     for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
@@ -116,7 +146,8 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     tasks = sft_tasks(cfg, env)
     if is_long(cfg):  # recorded through the real orchestrator, one segment per request
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
-        segments, _ = long_horizon.long_demo_segments(cfg, env, tasks, tokenizer, make, rng, log)
+        segments, _ = long_horizon.long_demo_segments(env, tasks, tokenizer, make,
+                                                      demo_policy(cfg, rng), log, judged_key(cfg))
     else:
         segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
                                  tools, task=t.task_id) for t in tasks]
@@ -145,8 +176,10 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
 def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):
     """The harness of every rollout (the long variant's demos, evals, RL): the
     tool loop, or with `cfg` of the long variant the compacting harness."""
-    if cfg is not None and is_long(cfg):
+    if cfg is not None and harness_kind(cfg) == "compaction":
         return long_horizon.compaction_factory(cfg, cfg_sampling, max_steps)
+    if cfg is not None and harness_kind(cfg) == "subagent":
+        return subagent_helper.subagent_factory(cfg, cfg_sampling, max_steps)
     return harness_factory(cfg_sampling, max_steps)
 
 
@@ -284,7 +317,7 @@ async def _pipeline(cfg, log=print) -> dict:
     if is_long(cfg):  # per-agent figures of the held-out evals
         report["agents"] = {"sft": long_horizon.agent_figures(before),
                             "rl": long_horizon.agent_figures(after)}
-        memo_diff = long_horizon.memo_fidelity_difference(after, before)
+        memo_diff = long_horizon.memo_fidelity_difference(after, before, judged_key(cfg))
         report["memo_fidelity_improvement"] = memo_diff.to_dict() if memo_diff else None
     with open(os.path.join(report_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)

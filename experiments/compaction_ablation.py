@@ -56,7 +56,8 @@ class Arm:
 
 
 ARMS = {"whole": Arm(None), "main_only": Arm(("main",)),
-        "compactor_only": Arm(("compactor",)), "memo_reward": Arm(("compactor",), "memo")}
+        "compactor_only": Arm(("compactor",)), "memo_reward": Arm(("compactor",), "memo"),
+        "helper_only": Arm(("subagent:helper",))}
 DEFAULT_ARMS = ("whole", "main_only")
 
 
@@ -89,9 +90,9 @@ class MemoRewardCollector(EndpointCollector):
 def arm_names(cfg) -> tuple[str, ...]:
     names = tuple(cfg.get("ablation", {}).get("arms", DEFAULT_ARMS))
     unknown = [n for n in names if n not in ARMS]
-    if unknown or "whole" not in names or "main_only" not in names:
-        raise ValueError(f"ablation.arms must name arms of {sorted(ARMS)} including 'whole' "
-                         f"and 'main_only' (the primary comparison), got {names}")
+    if not names or unknown or names[:2] != ("whole", "main_only"):
+        raise ValueError(f"ablation.arms must name arms of {sorted(ARMS)}, starting with "
+                         f"'whole', 'main_only' (the primary comparison), got {names}")
     return names
 
 
@@ -105,9 +106,10 @@ def arm_config(rl_config, train_agents):
         rl_config.batch, train_agents=train_agents))
 
 
-def step_curves(store_path: str) -> list[dict]:
-    """Per RL step of stored rollouts: the task pass rate and memo fidelity (pooled).
-    Each step's tasks are fresh draws the policy has not trained on yet."""
+def step_curves(store_path: str, key: str = "memo_ok") -> list[dict]:
+    """Per RL step of stored rollouts: the task pass rate and the fidelity of the link
+    the events' `key` judges (memos; helper answers), pooled. Each step's tasks are
+    fresh draws the policy has not trained on yet."""
     by_step: dict[int, list] = {}
     for t in TraceStore(store_path).read(on_error="skip"):
         step = (t.metadata or {}).get("rl_step")
@@ -116,11 +118,11 @@ def step_curves(store_path: str) -> list[dict]:
     out = []
     for step in sorted(by_step):
         ts = by_step[step]
-        memos = [e["memo_ok"] for t in ts for e in t.events if "memo_ok" in e]
+        judged = [e[key] for t in ts for e in t.events if e.get(key) is not None]
         out.append({"rl_step": step, "traces": len(ts),
                     "pass_rate": float(np.mean([(t.reward or 0.0) >= 1.0 for t in ts])),
-                    "memo_fidelity": float(np.mean(memos)) if memos else None,
-                    "memos": len(memos)})
+                    "fidelity": float(np.mean(judged)) if judged else None,
+                    "judged": len(judged)})
     return out
 
 
@@ -129,18 +131,20 @@ def _est(e) -> str:
 
 
 def markdown(report: dict) -> str:
-    names = list(report["evals"])
-    rows = ["| held-out eval | pass rate [95% CI] | memo fidelity [95% CI] | memos judged "
+    names, key = list(report["evals"]), report["judged"]
+    figure = long_horizon.FIDELITIES[key]
+    label = figure.replace("_", " ")
+    rows = [f"| held-out eval | pass rate [95% CI] | {label} [95% CI] | judged "
             "| compactions / attempt | episodes / trace |", "|---|---|---|---|---|---|"]
     for name in names:
         r, a = report["evals"][name], report["evals"][name]["agents"]
-        rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(a['memo_fidelity'])} "
-                    f"| {a['memos_judged']} | {a['compactions_per_attempt']:.2f} "
+        rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(a[figure])} "
+                    f"| {a[f'{key}_judged']} | {a['compactions_per_attempt']:.2f} "
                     f"| {a['episodes_per_trace']:.2f} |")
-    rows += ["", "| paired difference (tasks) | pass rate [95% CI] | memo fidelity [95% CI] |",
+    rows += ["", f"| paired difference (tasks) | pass rate [95% CI] | {label} [95% CI] |",
              "|---|---|---|"]
     for name, d in report["differences"].items():
-        rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['memo_fidelity'])} |")
+        rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['fidelity'])} |")
     rows += ["", "| held-out eval | main: first calls right | later calls right | answers right |",
              "|---|---|---|---|"]
     for name in names:
@@ -151,17 +155,17 @@ def markdown(report: dict) -> str:
     methods = {e["pass_rate"]["method"] for e in report["evals"].values()}
     curves = report["rl_curves"]
     rows += ["", f"{report['eval_tasks']} held-out tasks x {report['eval_attempts']} attempt(s); "
-             f"pass rate CI: {', '.join(sorted(methods))}; memo fidelity CI: clustered-t over "
+             f"pass rate CI: {', '.join(sorted(methods))}; {label} CI: clustered-t over "
              "tasks; differences: paired t over tasks.", "",
-             "| RL step | " + " | ".join(f"{a}: rollout pass | {a}: memo fidelity"
+             "| RL step | " + " | ".join(f"{a}: rollout pass | {a}: {label}"
                                         for a in curves) + " |",
              "|---|" + "---|---|" * len(curves)]
     for i in range(max(len(c) for c in curves.values())):
         cells = []
         for arm in curves:
             c = curves[arm][i] if i < len(curves[arm]) else None
-            cells += [f"{c['pass_rate']:.3f}" if c else "", f"{c['memo_fidelity']:.3f}"
-                      if c and c["memo_fidelity"] is not None else ""]
+            cells += [f"{c['pass_rate']:.3f}" if c else "", f"{c['fidelity']:.3f}"
+                      if c and c["fidelity"] is not None else ""]
         rows.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -171,6 +175,7 @@ async def _run(cfg, log=print) -> dict:
     rl_config = ca.typed_configs(cfg)["rl"]
     arms = {name: (arm_config(rl_config, ARMS[name].train_agents), ARMS[name])
             for name in arm_names(cfg)}  # fail early
+    key = ca.judged_key(cfg)
     workdir = os.path.abspath(cfg.workdir)
     report_dir = os.path.join(workdir, "report")
     os.makedirs(report_dir, exist_ok=True)
@@ -204,22 +209,22 @@ async def _run(cfg, log=print) -> dict:
                                                    ca.MODEL_NAME, name=f"rl_{name}", **eval_kw)
             times[f"eval_rl_{name}"] = time.perf_counter() - t0
             log(f"RL ({name}): pass rate {results[f'rl_{name}'].pass_rate}")
-        curves[name] = step_curves(os.path.join(rl_dir, "rollouts.jsonl"))
+        curves[name] = step_curves(os.path.join(rl_dir, "rollouts.jsonl"), key)
 
     def diff(a, b):
-        memo = long_horizon.memo_fidelity_difference(results[a], results[b])
+        link = long_horizon.memo_fidelity_difference(results[a], results[b], key)
         return {"pass": compare_results(results[a], results[b], "pass").estimate.to_dict(),
-                "memo_fidelity": memo.to_dict() if memo else None}
+                "fidelity": link.to_dict() if link else None}
 
     differences = {f"rl_{n} - sft": diff(f"rl_{n}", "sft") for n in arms}
     differences.update({f"rl_{n} - rl_main_only": diff(f"rl_{n}", "rl_main_only")
                         for n in arms if n != "main_only"})
     times["total"] = time.perf_counter() - t_start
     report = {
-        "seed": cfg.seed, "arms": list(arms),
+        "seed": cfg.seed, "arms": list(arms), "judged": key,
         "evals": {name: {"pass_rate": r.pass_rate.to_dict(),
                          "agents": long_horizon.agent_figures(r),
-                         "main_requests": long_horizon.main_request_accuracy(r.traces, tokenizer)}
+                         "main_requests": ca.main_request_accuracy(cfg, r.traces, tokenizer)}
                   for name, r in results.items()},
         "differences": differences,
         "rl_curves": curves, "eval_tasks": len(eval_tasks), "eval_attempts": cfg.eval.attempts,
@@ -237,8 +242,9 @@ async def _run(cfg, log=print) -> dict:
 def run(cfg, log=print) -> dict:
     """The ablation for `cfg.seed`; returns the report dict (also written to workdir/report)."""
     if not ca.is_long(cfg):
-        raise ValueError("compaction_ablation needs the compacting harness: use "
-                         "--config=experiments/configs/calculator.py:long (or long_memo)")
+        raise ValueError("compaction_ablation needs a multi-agent harness: use "
+                         "--config=experiments/configs/calculator.py:long (or long_memo, "
+                         "sub_helper)")
     return asyncio.run(_run(cfg, log))
 
 
@@ -262,7 +268,7 @@ def run_seeds(cfg, seeds: int, log=print) -> dict:
             continue
         log(f"seed {k}: ablation in {one.workdir}")
         run(one, log)
-    return pool_seeds(workdirs, os.path.join(cfg.workdir, "report"))
+    return pool_seeds(workdirs, os.path.join(cfg.workdir, "report"), ca.judged_key(cfg))
 
 
 def main(argv):

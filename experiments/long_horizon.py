@@ -83,15 +83,20 @@ class PolicyClient:
                       "total_tokens": full}})
 
 
-def record_demos(env, tasks, tokenizer, make_orchestrator, rng: random.Random, *,
-                 memo_error_prob: float, main_slip_prob: float, memo_error: str = "garble"):
+def compaction_policy(cfg, rng: random.Random):
+    """policy(agent, messages, tools) of the compacting variant's demonstrations."""
+    d = cfg.demos
+    return lambda agent, messages, tools: chain_policy(
+        agent, messages, rng, memo_error_prob=d.memo_error_prob,
+        main_slip_prob=d.main_slip_prob, memo_error=d.get("memo_error", "garble"))
+
+
+def record_demos(env, tasks, tokenizer, make_orchestrator, policy):
     """Runs the real orchestrator on each task, one after the other, with the
-    scripted policy. Returns [(ConversationTrace, [(agent, messages, tools,
-    reply), ...]) per task]. Callable from inside an event loop (the pipeline's):
-    the demos then run on their own loop in a worker thread."""
-    def policy(agent, messages, tools):
-        return chain_policy(agent, messages, rng, memo_error_prob=memo_error_prob,
-                            main_slip_prob=main_slip_prob, memo_error=memo_error)
+    scripted `policy(agent, messages, tools) -> reply`. Returns
+    [(ConversationTrace, [(agent, messages, tools, reply), ...]) per task].
+    Callable from inside an event loop (the pipeline's): the demos then run on
+    their own loop in a worker thread."""
 
     async def all_demos():
         out = []
@@ -126,30 +131,29 @@ def episode_requests(requests: list) -> list:
     return out
 
 
-def long_demo_segments(cfg, env, tasks, tokenizer, make_orchestrator, rng, log=print):
-    """SFT segments of recorded demos: one per episode (main or compactor), every
-    reply of the episode trained; one SFT task per demo (whole demos per batch)."""
-    segments, stats = [], {"demos": 0, "passed": 0, "memos": 0, "memos_ok": 0, "segments": {}}
-    demos = record_demos(env, tasks, tokenizer, make_orchestrator, rng,
-                         memo_error_prob=cfg.demos.memo_error_prob,
-                         main_slip_prob=cfg.demos.main_slip_prob,
-                         memo_error=cfg.demos.get("memo_error", "garble"))
+def long_demo_segments(env, tasks, tokenizer, make_orchestrator, policy, log=print,
+                       judged: str = "memo_ok"):
+    """SFT segments of recorded demos: one per episode (main, compactor, subagent),
+    every reply of the episode trained; one SFT task per demo (whole demos per batch).
+    `judged`: the harness event key counted in the log (memos or helper answers)."""
+    segments, stats = [], {"demos": 0, "passed": 0, "judged": 0, "judged_ok": 0, "segments": {}}
+    demos = record_demos(env, tasks, tokenizer, make_orchestrator, policy)
     for t, (conv, requests) in zip(tasks, demos):
         stats["demos"] += 1
         stats["passed"] += int(env.verify(t, conv.answer) >= 1.0)
-        judged = [e["memo_ok"] for e in conv.events if "memo_ok" in e]
-        stats["memos"] += len(judged)
-        stats["memos_ok"] += sum(judged)
+        verdicts = [e[judged] for e in conv.events if e.get(judged) is not None]
+        stats["judged"] += len(verdicts)
+        stats["judged_ok"] += sum(verdicts)
         for agent, messages, tools, reply in episode_requests(requests):
             segments.append(demo_segment(tokenizer, messages + [reply], tools, task=t.task_id,
                                          agent=agent))
             stats["segments"][agent] = stats["segments"].get(agent, 0) + 1
-    log(f"demos: {stats['demos']} attempts, {stats['passed']} pass; memos ok "
-        f"{stats['memos_ok']}/{stats['memos']}; segments per agent {stats['segments']}")
+    log(f"demos: {stats['demos']} attempts, {stats['passed']} pass; {judged} "
+        f"{stats['judged_ok']}/{stats['judged']}; segments per agent {stats['segments']}")
     return segments, stats
 
 
-def corpus_conversations(env, tasks, make_orchestrator, rng) -> list[tuple[list, list | None]]:
+def corpus_conversations(env, tasks, make_orchestrator, policy) -> list[tuple[list, list | None]]:
     """Message lists of demo requests for the tokenizer's training corpus (the
     usage counts do not matter here, so a character-count tokenizer stands in)."""
     out = []
@@ -162,18 +166,22 @@ def corpus_conversations(env, tasks, make_orchestrator, rng) -> list[tuple[list,
         def encode(self, text):
             return list(range(len(text) // 4))
 
-    for _, requests in record_demos(env, tasks, _Chars(), make_orchestrator, rng,
-                                    memo_error_prob=0.1, main_slip_prob=0.0):
+    for _, requests in record_demos(env, tasks, _Chars(), make_orchestrator, policy):
         out += [(messages + [reply], tools) for _, messages, tools, reply in requests]
     return out
+
+
+# Harness events that judge a link of the attempt, and the figure each one gives.
+FIDELITIES = {"memo_ok": "memo_fidelity", "helper_ok": "helper_fidelity"}
 
 
 def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
     """Per-agent figures of an eval run (an EvalResult with its traces): memo
     fidelity (share of judged memos that carry the value the next step needs;
-    clustered-t interval over tasks), compactions per attempt, episodes per
-    trace, and episodes per agent label per trace."""
-    per_task: dict[str, list[float]] = {}
+    clustered-t interval over tasks) and helper fidelity (share of judged subagent
+    answers that are right; None where nothing was judged), compactions per attempt,
+    episodes per trace, and episodes per agent label per trace."""
+    per_task: dict[str, dict[str, list[float]]] = {k: {} for k in FIDELITIES}
     compactions, episodes, by_agent = [], [], {}
     for rec, tr in zip(result.attempts, result.traces):
         if not rec.scored:
@@ -183,16 +191,21 @@ def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
         episodes.append(len(tr.episodes))
         for ep in tr.episodes:
             by_agent[ep.agent] = by_agent.get(ep.agent, 0) + 1
-        per_task.setdefault(rec.task_id, []).extend(
-            float(e["memo_ok"]) for e in events if "memo_ok" in e)
-    judged = [v for v in per_task.values() if v]
-    fidelity = clustered_interval(judged, level, bounds=(0.0, 1.0)) if len(judged) > 1 else None
+        for key, by_task in per_task.items():
+            by_task.setdefault(rec.task_id, []).extend(
+                float(e[key]) for e in events if e.get(key) is not None)
+    figures: dict[str, Any] = {}
+    for key, name in FIDELITIES.items():
+        judged = [v for v in per_task[key].values() if v]
+        est = clustered_interval(judged, level, bounds=(0.0, 1.0)) if len(judged) > 1 else None
+        figures[name] = est.to_dict() if est else None
+        figures[f"{key}_judged"] = int(sum(len(v) for v in judged))
     n = max(len(episodes), 1)
     scored = [tr for rec, tr in zip(result.attempts, result.traces) if rec.scored]
-    return {"memo_fidelity": fidelity.to_dict() if fidelity else None,
+    return {**figures,
             # The RL step log's figures (agent tokens per agent, ...) on the eval's traces.
             "trace_metrics": trace_agent_metrics(scored),
-            "memos_judged": int(sum(len(v) for v in judged)),
+            "memos_judged": figures["memo_ok_judged"],
             "compactions_per_attempt": float(np.mean(compactions)) if compactions else 0.0,
             "episodes_per_trace": float(np.mean(episodes)) if episodes else 0.0,
             "episodes_per_trace_by_agent": {a: c / n for a, c in sorted(by_agent.items())}}
@@ -234,14 +247,16 @@ def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
     return {k: {"n": n, "correct": ok, "rate": ok / n} for k, (n, ok) in sorted(counts.items())}
 
 
-def memo_fidelity_difference(after, before, level: float = 0.95) -> Estimate | None:
-    """Paired after - before memo fidelity over tasks judged in both runs (paired t)."""
+def memo_fidelity_difference(after, before, key: str = "memo_ok",
+                             level: float = 0.95) -> Estimate | None:
+    """Paired after - before memo fidelity (or the fidelity of the link judged by the
+    events' `key`, e.g. "helper_ok") over tasks judged in both runs (paired t)."""
     def per_task(result):
         out: dict[str, list[float]] = {}
         for rec, tr in zip(result.attempts, result.traces):
             if rec.scored:
                 out.setdefault(rec.task_id, []).extend(
-                    float(e["memo_ok"]) for e in tr.events if "memo_ok" in e)
+                    float(e[key]) for e in tr.events if e.get(key) is not None)
         return {t: float(np.mean(v)) for t, v in out.items() if v}
     a, b = per_task(after), per_task(before)
     both = [t for t in after.task_ids if t in a and t in b]

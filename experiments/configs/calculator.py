@@ -131,6 +131,28 @@ def _long_memo(c):
     return c
 
 
+def _sub_helper(c):
+    c = _long(c)
+    c.workdir = "runs/calculator_sub_helper"
+    # The subagent variant (issue 38; experiments/subagent_helper.py): the main agent
+    # spawns `subagent:helper` on its task word for word and answers with the helper's
+    # number; the helper calls the calculator once per operation. The helper is the weak
+    # link: half its demos answer after the first call with that call's result.
+    c.env.update(ops_range=(2, 2), signs="+")
+    c.harness = ml_collections.ConfigDict(dict(kind="subagent"))
+    c.demos = ml_collections.ConfigDict(dict(num_demos=1024, stop_early_prob=0.5))
+    c.eval.update(num_tasks=200, attempts=2)
+    c.eval.task_seed = 1000
+    # Shorter attempts (4-5 requests of <= 355 tokens) than `long`'s: a shorter restart.
+    c.sft_restarts = ((600, 3e-3),)
+    # A spawn call spells the task out: longer than a calculator call.
+    c.rollout.update(max_tokens=64, max_steps=8)
+    c.rl.update(steps=10, tasks_per_step=16, attempts_per_task=8)
+    c.rl.batch.update(rows=16, task_capacity=128, segment_capacity=1024)
+    c.ablation = ml_collections.ConfigDict(dict(arms=("whole", "main_only")))
+    return c
+
+
 def _long_quick(c):
     return _quick_long(_long(c))
 
@@ -171,6 +193,7 @@ def _moe(c):
 
 VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick,
             "long_memo": _long_memo, "long_memo_quick": lambda c: _quick_long(_long_memo(c)),
+            "sub_helper": _sub_helper, "sub_helper_quick": lambda c: _quick_long(_sub_helper(c)),
             "lora": _lora, "lora_quick": lambda c: _quick(_lora(c)),
             "moe": _moe, "moe_quick": lambda c: _moe_quick(c)}
 

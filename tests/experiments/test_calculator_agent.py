@@ -64,73 +64,6 @@ def test_long_variant_pipeline_reports_per_agent_figures(tmp_path):
     assert "memo_fidelity_improvement" in report
 
 
-def test_compaction_ablation_all_arms_over_seeds(tmp_path):
-    """calculator.py:long_memo_quick: every arm (whole, main only, compactor only, the
-    memo-reward reference) from one SFT per seed, two seeds, pooled."""
-    from experiments import compaction_ablation
-    cfg = get_config("long_memo_quick")
-    cfg.workdir = str(tmp_path / "abl")
-    pooled = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
-    arms = ["whole", "main_only", "compactor_only", "memo_reward"]
-    assert pooled["arms"] == arms and pooled["seeds"] == [0, 1]
-    for seed in (0, 1):
-        report = json.load(open(os.path.join(cfg.workdir, f"seed_{seed}", "report",
-                                             "ablation.json")))
-        assert report["seed"] == seed and set(report["evals"]) == {
-            "sft", *(f"rl_{a}" for a in arms)}
-        # The same held-out tasks in every seed (eval.task_seed), so tasks pool.
-        assert report["eval_tasks"] == cfg.eval.num_tasks
-        assert set(report["differences"]) == {f"rl_{a} - sft" for a in arms} | {
-            f"rl_{a} - rl_main_only" for a in arms if a != "main_only"}
-        for arm in arms:
-            assert [c["rl_step"] for c in report["rl_curves"][arm]] == [0]
-            # Each arm trained from the SFT weights in its own directory.
-            assert os.listdir(os.path.join(cfg.workdir, f"seed_{seed}", f"rl_{arm}",
-                                           "checkpoints"))
-        # Where the main agent slips, per eval: every main request of every trace counted.
-        for name, ev in report["evals"].items():
-            assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
-        md = open(os.path.join(cfg.workdir, f"seed_{seed}", "report", "ablation.md")).read()
-        assert "rl_memo_reward" in md and "memo fidelity" in md and "first calls right" in md
-    assert pooled["primary"]["estimate"]["n"] == cfg.eval.num_tasks
-    assert pooled["primary"]["verdict"] in ("shown", "not shown", "reversed")
-    assert set(pooled["differences"]) == {"sft - main_only", "whole - main_only",
-                                          "compactor_only - main_only",
-                                          "memo_reward - main_only"}
-    report_dir = os.path.join(cfg.workdir, "report")
-    assert os.path.getsize(os.path.join(report_dir, "curves.png")) > 1000
-    assert "Primary (pre-registered)" in open(os.path.join(report_dir, "pooled.md")).read()
-    # The arms that leave agents out count those agents' tokens as excluded.
-    for arm in ("main_only", "compactor_only", "memo_reward"):
-        metrics = [json.loads(line) for line in open(os.path.join(
-            cfg.workdir, "seed_0", "report", f"metrics_{arm}", "metrics.jsonl"))]
-        assert metrics and all("train/excluded_agent_tokens" in m for m in metrics), arm
-    # A finished seed is reused, not run again.
-    again = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
-    assert again["primary"] == pooled["primary"]
-
-
-def test_memo_reward_is_the_attempts_memo_fidelity():
-    from ac2_jax.trace import Trace
-    from experiments.compaction_ablation import MemoRewardCollector, memo_fidelity
-    t = Trace(task_id="t", status="finished", reward=1.0, metadata={"artifacts": {"events": [
-        {"kind": "compaction", "memo_ok": True}, {"kind": "compaction", "memo_ok": False},
-        {"kind": "compaction", "memo_ok": True}]}})
-    assert [e.get("memo_ok") for e in t.events] == [True, False, True]
-    assert abs(memo_fidelity(t) - 2 / 3) < 1e-12
-    assert memo_fidelity(Trace(task_id="u", status="finished", reward=1.0)) == 0.0
-    failed = Trace(task_id="v", status="infra_error", reward=None)
-    out = MemoRewardCollector._rewarded([t, failed])
-    assert abs(out[0].reward - 2 / 3) < 1e-12 and out[1].reward is None and t.reward == 1.0
-
-
-def test_ablation_needs_the_compacting_harness():
-    import pytest
-    from experiments import compaction_ablation
-    with pytest.raises(ValueError, match="calculator.py:long"):
-        compaction_ablation.run(get_config("quick"))
-
-
 def test_sft_restarts_equal_continuing_by_hand():
     """`sft_restarts` (the long variant's warm start): each (steps, lr) trains again
     with a fresh optimizer; the same as running the continued SFT by hand, as the
@@ -161,35 +94,6 @@ def test_sft_restarts_equal_continuing_by_hand():
     assert not all(np.allclose(x, y, atol=1e-6) for x, y in zip(
         jax.tree.leaves(a), jax.tree.leaves(nnx.state(calculator_agent.build_model(
             cfg, tok.vocab_size), nnx.Param))))
-
-
-def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
-    from ac2_jax.trace import Trace, TraceStore
-    from experiments.compaction_ablation import pooled_arm_difference
-
-    def store(run, arm, passes):  # passes: {task: [pass per attempt]}
-        os.makedirs(tmp_path / run, exist_ok=True)
-        s = TraceStore(str(tmp_path / run / f"served_{arm}.jsonl"))
-        for task, ok in passes.items():
-            for a, p in enumerate(ok):
-                s.append(Trace(task_id=task, status="finished", reward=float(p),
-                               metadata={"eval": f"rl_{arm}", "attempt": a}))
-        s.append(Trace(task_id="t0", status="finished", reward=1.0,  # an RL rollout: ignored
-                       metadata={"rl_step": 0}))
-
-    store("a", "whole", {"t0": [1, 1], "t1": [1, 0], "t2": [0, 0]})
-    store("a", "main_only", {"t0": [1, 0], "t1": [0, 0], "t2": [0, 0]})
-    store("b", "whole", {"t0": [1, 1], "t1": [0, 0], "t2": [1, 0], "t3": [1, 1]})
-    store("b", "main_only", {"t0": [0, 0], "t1": [0, 0], "t2": [0, 0], "t3": [0, 0]})
-    est = pooled_arm_difference([str(tmp_path / "a"), str(tmp_path / "b")])
-    # Per task, mean over runs of (whole - main only): t0 (0.5+1)/2, t1 (0.5+0)/2, t2 (0+0.5)/2;
-    # t3 is only in run b and is left out.
-    expected = [0.75, 0.25, 0.25]
-    assert est.n == 3 and abs(est.mean - np.mean(expected)) < 1e-12
-    half = 4.302652729911275 * np.std(expected, ddof=1) / np.sqrt(3)  # t(2) at 95%
-    assert abs(est.high - est.mean - half) < 1e-9
-    single = pooled_arm_difference([str(tmp_path / "a")])
-    assert abs(single.mean - np.mean([0.5, 0.5, 0.0])) < 1e-12
 
 
 def test_moe_variant_pipeline_records_and_replays_routing(tmp_path):

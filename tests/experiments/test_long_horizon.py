@@ -92,6 +92,11 @@ def served(long_setup):
     stop()
 
 
+def _perfect():
+    rng = random.Random(0)
+    return lambda agent, messages, tools: chain_policy(agent, messages, rng)
+
+
 def _make(cfg, budget=None):
     if budget is not None:
         cfg = cfg.copy_and_resolve_references()
@@ -103,8 +108,7 @@ def _make(cfg, budget=None):
 def test_demonstrations_need_compaction_under_the_configured_budget(long_setup):
     cfg, env, tok = long_setup["cfg"], long_setup["env"], long_setup["tok"]
     tasks = env.sample_tasks(60, seed=5)
-    demos = long_horizon.record_demos(env, tasks, tok, _make(cfg), random.Random(0),
-                                      memo_error_prob=0.0, main_slip_prob=0.0)
+    demos = long_horizon.record_demos(env, tasks, tok, _make(cfg), _perfect())
     for t, (conv, requests) in zip(tasks, demos):
         assert conv.status == "finished" and env.verify(t, conv.answer) == 1.0, conv.events
         memos = [e for e in conv.events if e["kind"] == "compaction"]
@@ -122,8 +126,7 @@ def test_demonstrations_need_compaction_under_the_configured_budget(long_setup):
     shortest = min(tasks, key=lambda t: len(t.metadata["ops"]))
     assert len(shortest.metadata["ops"]) == cfg.env.ops_range[0]
     [(conv, _)] = long_horizon.record_demos(env, [shortest], tok, _make(cfg, budget=10**6),
-                                            random.Random(0), memo_error_prob=0.0,
-                                            main_slip_prob=0.0)
+                                            _perfect())
     assert not [e for e in conv.events if e["kind"] == "compaction"]
     assert conv.metrics["max_context_tokens"] > cfg.harness.context_budget
 
@@ -133,11 +136,12 @@ def test_demo_segments_train_main_and_compactor_outputs(long_setup):
     cfg = cfg.copy_and_resolve_references()
     cfg.demos.memo_error_prob = 0.5
     tasks = env.sample_tasks(12, seed=6)
-    segments, stats = long_horizon.long_demo_segments(cfg, env, tasks, tok, _make(cfg),
-                                                      random.Random(0), log=lambda *a: None)
-    assert stats["segments"]["compactor"] == stats["memos"] > 0
-    assert stats["segments"]["main"] == stats["memos"] + len(tasks)  # one per main episode
-    assert 0 < stats["memos_ok"] < stats["memos"]   # some memos were garbled
+    policy = long_horizon.compaction_policy(cfg, random.Random(0))
+    segments, stats = long_horizon.long_demo_segments(env, tasks, tok, _make(cfg), policy,
+                                                      log=lambda *a: None)
+    assert stats["segments"]["compactor"] == stats["judged"] > 0
+    assert stats["segments"]["main"] == stats["judged"] + len(tasks)  # one per main episode
+    assert 0 < stats["judged_ok"] < stats["judged"]   # some memos were garbled
     assert stats["passed"] < stats["demos"]         # and those attempts failed
     texts = [tok.decode(s.tokens.tolist()) for s in segments]
     compactor = [s for s, x in zip(segments, texts) if "<tools>" not in x]

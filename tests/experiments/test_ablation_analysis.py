@@ -1,0 +1,34 @@
+"""experiments/ablation_analysis.py: per-task pooling over runs."""
+
+import os
+
+import numpy as np
+
+
+def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
+    from ac2_jax.trace import Trace, TraceStore
+    from experiments.ablation_analysis import pooled_arm_difference
+
+    def store(run, arm, passes):  # passes: {task: [pass per attempt]}
+        os.makedirs(tmp_path / run, exist_ok=True)
+        s = TraceStore(str(tmp_path / run / f"served_{arm}.jsonl"))
+        for task, ok in passes.items():
+            for a, p in enumerate(ok):
+                s.append(Trace(task_id=task, status="finished", reward=float(p),
+                               metadata={"eval": f"rl_{arm}", "attempt": a}))
+        s.append(Trace(task_id="t0", status="finished", reward=1.0,  # an RL rollout: ignored
+                       metadata={"rl_step": 0}))
+
+    store("a", "whole", {"t0": [1, 1], "t1": [1, 0], "t2": [0, 0]})
+    store("a", "main_only", {"t0": [1, 0], "t1": [0, 0], "t2": [0, 0]})
+    store("b", "whole", {"t0": [1, 1], "t1": [0, 0], "t2": [1, 0], "t3": [1, 1]})
+    store("b", "main_only", {"t0": [0, 0], "t1": [0, 0], "t2": [0, 0], "t3": [0, 0]})
+    est = pooled_arm_difference([str(tmp_path / "a"), str(tmp_path / "b")])
+    # Per task, mean over runs of (whole - main only): t0 (0.5+1)/2, t1 (0.5+0)/2, t2 (0+0.5)/2;
+    # t3 is only in run b and is left out.
+    expected = [0.75, 0.25, 0.25]
+    assert est.n == 3 and abs(est.mean - np.mean(expected)) < 1e-12
+    half = 4.302652729911275 * np.std(expected, ddof=1) / np.sqrt(3)  # t(2) at 95%
+    assert abs(est.high - est.mean - half) < 1e-9
+    single = pooled_arm_difference([str(tmp_path / "a")])
+    assert abs(single.mean - np.mean([0.5, 0.5, 0.0])) < 1e-12

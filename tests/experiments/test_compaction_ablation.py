@@ -1,0 +1,90 @@
+"""experiments/compaction_ablation.py: every arm from one SFT per seed, seeds pooled,
+the memo-fidelity reward, the subagent variant."""
+
+import json
+import os
+
+from experiments.configs.calculator import get_config
+
+
+def test_compaction_ablation_all_arms_over_seeds(tmp_path):
+    """calculator.py:long_memo_quick: every arm (whole, main only, compactor only, the
+    memo-reward reference) from one SFT per seed, two seeds, pooled."""
+    from experiments import compaction_ablation
+    cfg = get_config("long_memo_quick")
+    cfg.workdir = str(tmp_path / "abl")
+    pooled = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
+    arms = ["whole", "main_only", "compactor_only", "memo_reward"]
+    assert pooled["arms"] == arms and pooled["seeds"] == [0, 1]
+    for seed in (0, 1):
+        report = json.load(open(os.path.join(cfg.workdir, f"seed_{seed}", "report",
+                                             "ablation.json")))
+        assert report["seed"] == seed and set(report["evals"]) == {
+            "sft", *(f"rl_{a}" for a in arms)}
+        # The same held-out tasks in every seed (eval.task_seed), so tasks pool.
+        assert report["eval_tasks"] == cfg.eval.num_tasks
+        assert set(report["differences"]) == {f"rl_{a} - sft" for a in arms} | {
+            f"rl_{a} - rl_main_only" for a in arms if a != "main_only"}
+        for arm in arms:
+            assert [c["rl_step"] for c in report["rl_curves"][arm]] == [0]
+            # Each arm trained from the SFT weights in its own directory.
+            assert os.listdir(os.path.join(cfg.workdir, f"seed_{seed}", f"rl_{arm}",
+                                           "checkpoints"))
+        # Where the main agent slips, per eval: every main request of every trace counted.
+        for name, ev in report["evals"].items():
+            assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
+        md = open(os.path.join(cfg.workdir, f"seed_{seed}", "report", "ablation.md")).read()
+        assert "rl_memo_reward" in md and "memo fidelity" in md and "first calls right" in md
+    assert pooled["primary"]["estimate"]["n"] == cfg.eval.num_tasks
+    assert pooled["primary"]["verdict"] in ("shown", "not shown", "reversed")
+    assert set(pooled["differences"]) == {"sft - main_only", "whole - main_only",
+                                          "compactor_only - main_only",
+                                          "memo_reward - main_only"}
+    report_dir = os.path.join(cfg.workdir, "report")
+    assert os.path.getsize(os.path.join(report_dir, "curves.png")) > 1000
+    assert "Primary (pre-registered)" in open(os.path.join(report_dir, "pooled.md")).read()
+    # The arms that leave agents out count those agents' tokens as excluded.
+    for arm in ("main_only", "compactor_only", "memo_reward"):
+        metrics = [json.loads(line) for line in open(os.path.join(
+            cfg.workdir, "seed_0", "report", f"metrics_{arm}", "metrics.jsonl"))]
+        assert metrics and all("train/excluded_agent_tokens" in m for m in metrics), arm
+    # A finished seed is reused, not run again.
+    again = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
+    assert again["primary"] == pooled["primary"]
+
+
+def test_memo_reward_is_the_attempts_memo_fidelity():
+    from ac2_jax.trace import Trace
+    from experiments.compaction_ablation import MemoRewardCollector, memo_fidelity
+    t = Trace(task_id="t", status="finished", reward=1.0, metadata={"artifacts": {"events": [
+        {"kind": "compaction", "memo_ok": True}, {"kind": "compaction", "memo_ok": False},
+        {"kind": "compaction", "memo_ok": True}]}})
+    assert [e.get("memo_ok") for e in t.events] == [True, False, True]
+    assert abs(memo_fidelity(t) - 2 / 3) < 1e-12
+    assert memo_fidelity(Trace(task_id="u", status="finished", reward=1.0)) == 0.0
+    failed = Trace(task_id="v", status="infra_error", reward=None)
+    out = MemoRewardCollector._rewarded([t, failed])
+    assert abs(out[0].reward - 2 / 3) < 1e-12 and out[1].reward is None and t.reward == 1.0
+
+
+def test_ablation_needs_the_compacting_harness():
+    import pytest
+    from experiments import compaction_ablation
+    with pytest.raises(ValueError, match="calculator.py:long"):
+        compaction_ablation.run(get_config("quick"))
+
+
+def test_subagent_variant_ablation(tmp_path):
+    """calculator.py:sub_helper_quick: whole trace vs main only with the delegating
+    harness; every spawn judged (helper_ok), the report names the helper's fidelity."""
+    from experiments import compaction_ablation
+    cfg = get_config("sub_helper_quick")
+    cfg.workdir = str(tmp_path / "sub")
+    pooled = compaction_ablation.run_seeds(cfg, 1, log=lambda *a: None)
+    assert pooled["arms"] == ["whole", "main_only"] and pooled["judged"] == "helper_ok"
+    report = json.load(open(os.path.join(cfg.workdir, "seed_0", "report", "ablation.json")))
+    assert report["judged"] == "helper_ok"
+    for ev in report["evals"].values():
+        assert "helper_fidelity" in ev["agents"]
+        assert sum(v["n"] for v in ev["main_requests"].values()) > 0
+    assert "helper fidelity" in open(os.path.join(cfg.workdir, "report", "pooled.md")).read()
