@@ -18,6 +18,13 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            imperfect demos (main + compactor), async RL on every episode
            of every trace
   long_quick  a smoke run of `long`
+  long_memo  compactor-bound (issue 38): 2-3 additions, no main slips in the
+           demos, half the memos stale; the ablation's four arms
+  long_memo_quick  a smoke run of `long_memo`
+  sub_helper  the subagent variant (issue 38): the main agent spawns
+           `subagent:helper` on its task and answers with its number; half the
+           helper's demos stop after the first call
+  sub_helper_quick  a smoke run of `sub_helper`
   lora     the default job with RL training LoRA adapters (rank 16 on every
            projection) on the SFT warm start, which stays frozen; the
            optimizer holds the adapters only, each publish sends them alone
