@@ -47,7 +47,9 @@ def compaction_factory(cfg, sampling: dict, max_steps: int):
                                       keep_exchange=h.keep_exchange,
                                       message_overhead_tokens=h.get("message_overhead_tokens",
                                                                     0),
-                                      max_consecutive_compactions=h.max_consecutive_compactions)
+                                      max_consecutive_compactions=h.max_consecutive_compactions,
+                                      memo_prefix=h.get("memo_prefix", "Progress so far: "),
+                                      compactor_sampling=h.get("compactor_sampling"))
     return make
 
 

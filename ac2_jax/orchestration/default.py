@@ -192,7 +192,10 @@ class CompactionOrchestrator(DefaultOrchestrator):
     estimate that triggered compaction); after `max_consecutive_compactions`
     compactions without a main prompt under the budget (or at once when one did
     not shrink), the attempt ends as agent_error with the reason in a
-    "compaction_error" event. Prompts, not prompt + output, are compared, so an
+    "compaction_error" event. `memo_prefix` starts the memo's message ("Progress
+    so far: "); `compactor_sampling` overrides `sampling` for the compactor's
+    requests (a summarizer sampled at its own temperature). Prompts, not prompt +
+    output, are compared, so an
     agent that makes one tool call per episode (the long-horizon main job: a
     compaction after every tool result) is not penalized for its own output.
     """
@@ -211,10 +214,17 @@ class CompactionOrchestrator(DefaultOrchestrator):
         max_consecutive_compactions: int = 2,
         keep_exchange: bool = True,
         message_overhead_tokens: int = 0,
+        memo_prefix: str = "Progress so far: ",
+        compactor_sampling: dict | None = None,
         **kw,
     ):
         super().__init__(*args, **kw)
         self.context_budget = context_budget
+        # The memo reaches the main agent as a user message `memo_prefix + memo`.
+        self.memo_prefix = memo_prefix
+        # Sampling overrides for the compactor's requests (e.g. its own temperature),
+        # on top of `sampling`; keys as in `sampling`.
+        self.compactor_sampling = dict(compactor_sampling or {})
         # Tokens a chat template adds around each message (role markers, tool-response
         # tags): a 3-character tool result costs ~15 tokens, not len/4 = 0.
         self.message_overhead_tokens = message_overhead_tokens
@@ -327,7 +337,7 @@ class CompactionOrchestrator(DefaultOrchestrator):
             {"role": "system", "content": self.COMPACTOR_SYSTEM_PROMPT},
             {"role": "user", "content": f"{self._transcript()}\n\n{self.COMPACT_PROMPT}"},
         ]
-        resp = await self.complete(request, agent="compactor")
+        resp = await self.complete(request, agent="compactor", **self.compactor_sampling)
         self.trace.count_step("compactor")
         memo = resp.choices[0].message.content or ""
         self.compactions += 1
@@ -341,7 +351,7 @@ class CompactionOrchestrator(DefaultOrchestrator):
         self.trace.events.append(event)
         head = [m for m in msgs[:1] if m["role"] == "system"]
         turn, exchange = self._kept()
-        progress = [{"role": "user", "content": f"Progress so far: {memo}"}]
+        progress = [{"role": "user", "content": f"{self.memo_prefix}{memo}"}]
         if self.keep_exchange:
             msgs[:] = head + progress + turn + exchange
         else:  # the memo is the latest state: it comes last, right before the agent's turn

@@ -468,6 +468,33 @@ def test_compaction_without_the_exchange_restarts_from_system_turn_and_memo():
     assert event["memo"] == MEMO[0] and event["memo_ok"] is False  # "7" is not in the memo
 
 
+def test_memo_prefix_and_compactor_sampling():
+    """memo_prefix="" hands the memo over in its own words; compactor_sampling changes
+    the compactor's requests only (here its temperature), on top of `sampling`."""
+    from ac2_jax.orchestration.base import SingleTaskUser, run_task
+
+    class KwClient(AgentClient):
+        async def create(self, *, model, messages, extra_headers=None, **kw):
+            self.calls_kw = getattr(self, "calls_kw", []) + [
+                ((extra_headers or {}).get("X-Agent"), kw.get("temperature"), kw.get("seed"))]
+            return await super().create(model=model, messages=messages,
+                                        extra_headers=extra_headers, **kw)
+
+    env = JudgingAddEnv()
+    client = KwClient({"main": [(*ADD34, 90, 20), (*ADD710, 60, 10), (*ANSWER, 80, 10)],
+                       "compactor": [(*MEMO, 50, 10)]})
+    orch = CompactionOrchestrator(env, env.sample_tasks(1, 0)[0], client, "tiny",
+                                  context_budget=100, keep_exchange=False, memo_prefix="",
+                                  sampling={"temperature": 0.3, "seed": 7},
+                                  compactor_sampling={"temperature": 1.0})
+    conv = asyncio.run(run_task(orch, SingleTaskUser()))
+    assert conv.status == "finished"
+    assert client.calls[2][1][-1] == {"role": "user", "content": MEMO[0]}
+    temps = [(agent, t) for agent, t, _ in client.calls_kw]
+    assert temps == [("main", 0.3), ("compactor", 1.0), ("main", 0.3), ("main", 0.3)]
+    assert all(seed is not None for *_, seed in client.calls_kw)  # still seeded per request
+
+
 def test_memo_ok_is_recorded_when_the_env_judges_and_absent_when_it_cannot():
     from ac2_jax.orchestration.base import SingleTaskUser, run_task
     good = ("memo: added 3 + 4 = 7.", "stop")
