@@ -48,8 +48,9 @@ def compaction_factory(cfg, sampling: dict, max_steps: int):
                                       message_overhead_tokens=h.get("message_overhead_tokens",
                                                                     0),
                                       max_consecutive_compactions=h.max_consecutive_compactions,
-                                      memo_prefix=h.get("memo_prefix", "Progress so far: "),
-                                      compactor_sampling=h.get("compactor_sampling"))
+                                      compactor_sampling=h.get("compactor_sampling"),
+                                      **({"memo_prefix": h.memo_prefix} if "memo_prefix" in h
+                                         else {}))
     return make
 
 
