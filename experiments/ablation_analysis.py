@@ -33,9 +33,14 @@ LABELS = {"memo_ok": "memo fidelity", "helper_ok": "helper fidelity"}
 
 
 def _eval_traces(store_path: str, eval_name: str):
+    """The eval's scored attempts: infra errors (retried by `evaluate`, never scored)
+    left out, and of an attempt stored twice (a resumed run) the last."""
+    last = {}
     for t in TraceStore(store_path).read(on_error="skip"):
-        if (t.metadata or {}).get("eval") == eval_name:
-            yield t
+        meta = t.metadata or {}
+        if meta.get("eval") == eval_name and t.status != "infra_error":
+            last[(t.task_id, meta.get("attempt"))] = t
+    return list(last.values())
 
 
 def eval_pass_by_task(store_path: str, eval_name: str) -> dict[str, float]:
@@ -53,7 +58,8 @@ def eval_judged_by_task(store_path: str, eval_name: str, key: str = "memo_ok"
     over tasks with at least one judged link."""
     by_task: dict[str, list[float]] = {}
     for t in _eval_traces(store_path, eval_name):
-        by_task.setdefault(t.task_id, []).extend(float(e[key]) for e in t.events if key in e)
+        by_task.setdefault(t.task_id, []).extend(
+            float(e[key]) for e in t.events if e.get(key) is not None)
     return {k: float(np.mean(v)) for k, v in by_task.items() if v}
 
 
@@ -116,31 +122,54 @@ def verdict(estimate) -> str:
     return "not shown"
 
 
-def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok") -> dict:
+def _eval_store_traces(workdir: str, eval_name: str) -> list:
+    return [t for f in sorted(os.listdir(workdir)) if f.startswith("served")
+            and f.endswith(".jsonl") for t in _eval_traces(os.path.join(workdir, f), eval_name)]
+
+
+def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok",
+               main_accuracy=None) -> dict:
     """The pooled analysis of per-seed ablation runs (each workdir holds one seed's
     `report/ablation.json` and stores): writes `pooled.json`, `pooled.md` and
-    `curves.png` into `report_dir`; returns the pooled dict."""
+    `curves.png` into `report_dir`; returns the pooled dict. `main_accuracy(traces,
+    tokenizer)`, when given, recounts where the main agent slips from each run's eval
+    traces (with the run's tokenizer) instead of taking the count its report holds."""
     reports = [json.load(open(os.path.join(w, "report", "ablation.json"))) for w in workdirs]
     arms = reports[0]["arms"]
-    if any(r["arms"] != arms for r in reports):
-        raise ValueError("pool_seeds: the runs have different arms: "
-                         f"{[r['arms'] for r in reports]}")
+    for field, want in (("arms", arms), ("judged", judged), ("rl_steps", reports[0]["rl_steps"]),
+                        ("eval_tasks", reports[0]["eval_tasks"])):
+        got = [r.get(field) for r in reports]
+        if any(g != want for g in got):
+            raise ValueError(f"pool_seeds: the runs differ in {field!r} ({got}; expected "
+                             f"{want!r}): pool runs of one variant and config only")
     pooled = {"seeds": [r["seed"] for r in reports], "arms": arms, "judged": judged,
               "levels": {}, "differences": {}}
     for arm in ["sft"] + arms:
         pooled["levels"][arm] = {f: _or_none(pooled_arm_level, workdirs, arm, f)
                                  for f in ("pass", judged)}
-    for arm in ["sft"] + [a for a in arms if a != "main_only"]:
-        pooled["differences"][f"{arm} - main_only"] = {
-            f: _or_none(pooled_arm_difference, workdirs, arm, "main_only", f)
-            for f in ("pass", judged)}
+    pairs = [("main_only", "sft")] + [(a, "main_only") for a in arms if a != "main_only"]
+    for a, b in pairs:
+        pooled["differences"][f"{a} - {b}"] = {
+            f: _or_none(pooled_arm_difference, workdirs, a, b, f) for f in ("pass", judged)}
     primary = pooled_arm_difference(workdirs, *PRIMARY, "pass")
     pooled["primary"] = {"estimate": primary.to_dict(), "verdict": verdict(primary)}
     if "memo_reward" in arms:
-        ref, got = (pooled["differences"][f"{a} - main_only"][judged]
-                    for a in ("memo_reward", "whole"))
-        ok = ref is not None and got is not None and ref["mean"] > 0
-        pooled["recovered_share"] = got["mean"] / ref["mean"] if ok else None
+        # Both gains over main only on the tasks judged in all three arms of every run.
+        per = {a: [_per_task(w, a, judged) for w in workdirs]
+               for a in ("memo_reward", "whole", "main_only")}
+        tasks = set.intersection(*(set(d) for runs in per.values() for d in runs))
+
+        def gain(a):
+            return float(np.mean([np.mean([x[t] - y[t] for x, y in zip(
+                per[a], per["main_only"], strict=True)]) for t in tasks])) if tasks else 0.0
+        ref = gain("memo_reward")
+        pooled["recovered_share"] = gain("whole") / ref if ref > 0 else None
+    if main_accuracy is not None:
+        from ac2_jax.models import Tokenizer
+        for w, r in zip(workdirs, reports, strict=True):
+            tok = Tokenizer.from_pretrained(os.path.join(w, "tokenizer"))
+            for name, e in r["evals"].items():
+                e["main_requests"] = main_accuracy(_eval_store_traces(w, name), tok)
     pooled["per_seed"] = [{"seed": r["seed"], "evals": {
         name: {"pass_rate": e["pass_rate"], "fidelity": e["agents"][FIDELITIES[judged]],
                "compactions_per_attempt": e["agents"]["compactions_per_attempt"],
@@ -157,7 +186,9 @@ def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok") -> dict:
 
 
 def _e(e) -> str:
-    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "n/a"
+    if not e or e.get("low") is None:
+        return "n/a" if not e else f"{e['mean']:.3f} [n/a]"
+    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
 
 
 def _calls(m: dict) -> str:

@@ -62,8 +62,10 @@ DEFAULT_ARMS = ("whole", "main_only")
 
 
 def memo_fidelity(trace) -> float:
-    """Share of the attempt's judged memos that carry the value (0 when none was judged)."""
-    judged = [float(e["memo_ok"]) for e in trace.events if "memo_ok" in e]
+    """Share of the attempt's judged memos that carry the value (0 when none was judged:
+    the attempt ended before its first compaction, so it holds no compactor tokens to
+    train and only lowers its group's mean)."""
+    judged = [float(e["memo_ok"]) for e in trace.events if e.get("memo_ok") is not None]
     return float(np.mean(judged)) if judged else 0.0
 
 
@@ -87,12 +89,22 @@ class MemoRewardCollector(EndpointCollector):
         return self._rewarded(super().stored(rl_step))
 
 
+# Arms that need an agent only one harness has.
+_HARNESS_OF = {"compactor_only": "compaction", "memo_reward": "compaction",
+               "helper_only": "subagent"}
+
+
 def arm_names(cfg) -> tuple[str, ...]:
     names = tuple(cfg.get("ablation", {}).get("arms", DEFAULT_ARMS))
     unknown = [n for n in names if n not in ARMS]
     if not names or unknown or names[:2] != ("whole", "main_only"):
         raise ValueError(f"ablation.arms must name arms of {sorted(ARMS)}, starting with "
                          f"'whole', 'main_only' (the primary comparison), got {names}")
+    kind = ca.harness_kind(cfg)
+    misfit = [n for n in names if _HARNESS_OF.get(n, kind) != kind]
+    if misfit:
+        raise ValueError(f"ablation.arms {misfit} train an agent the {kind!r} harness does not "
+                         f"run (each needs: {[_HARNESS_OF[n] for n in misfit]})")
     return names
 
 
@@ -127,7 +139,9 @@ def step_curves(store_path: str, key: str = "memo_ok") -> list[dict]:
 
 
 def _est(e) -> str:
-    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "n/a"
+    if not e or e.get("low") is None:
+        return "n/a" if not e else f"{e['mean']:.3f} [n/a]"
+    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
 
 
 def markdown(report: dict) -> str:
@@ -252,23 +266,35 @@ def seed_workdir(workdir: str, seed: int) -> str:
     return os.path.join(workdir, f"seed_{seed}")
 
 
+def seed_config(cfg, seed: int):
+    """`cfg` for one seed: the warm start's and RL's seeds, in `workdir/seed_<seed>`."""
+    one = cfg.copy_and_resolve_references()
+    # The copy holds the sections' seeds as values, no longer references to `seed`.
+    one.seed, one.sft.seed, one.rl.seed = seed, seed, seed
+    one.workdir = seed_workdir(cfg.workdir, seed)
+    return one
+
+
 def run_seeds(cfg, seeds: int, log=print) -> dict:
     """The ablation for seeds `cfg.seed`..`cfg.seed + seeds - 1`, each in its own
     `workdir/seed_<k>` (a finished seed's report is reused), then pooled
     (`ablation_analysis.pool_seeds`). Returns the pooled report."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if seeds > 1 and cfg.eval.get("task_seed") is None:
+        raise ValueError("--seeds > 1 pools per held-out task, so every seed must evaluate the "
+                         "same tasks: set --config.eval.task_seed (long_memo and sub_helper do)")
     workdirs = []
     for k in range(cfg.seed, cfg.seed + seeds):
-        one = cfg.copy_and_resolve_references()
-        one.seed, one.workdir = k, seed_workdir(cfg.workdir, k)
+        one = seed_config(cfg, k)
         workdirs.append(one.workdir)
         if os.path.exists(os.path.join(one.workdir, "report", "ablation.json")):
             log(f"seed {k}: report found in {one.workdir}, reused")
             continue
         log(f"seed {k}: ablation in {one.workdir}")
         run(one, log)
-    return pool_seeds(workdirs, os.path.join(cfg.workdir, "report"), ca.judged_key(cfg))
+    return pool_seeds(workdirs, os.path.join(cfg.workdir, "report"), ca.judged_key(cfg),
+                      lambda traces, tok: ca.main_request_accuracy(cfg, traces, tok))
 
 
 def main(argv):

@@ -96,25 +96,28 @@ _ANSWER_RE = re.compile(r"The answer is (\d+)")
 
 def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
     """Where the main agent slips: its first request must spawn the helper on the task
-    word for word ("first_call"); a request after the helper's result must answer
-    with the helper's number ("answer": "The answer is V.", V the last number of the
-    prompt, the helper's reply). Returns {kind: {"n", "correct", "rate"}}."""
+    word for word ("first_call"); each later request must answer with the helper's
+    number ("answer": "The answer is V.", V the number of the helper's reply in the
+    prompt; wrong when the helper gave none). Returns {kind: {"n", "correct", "rate"}}."""
     counts: dict[str, list[int]] = {}
     for tr in traces:
+        first = True
         for ep in tr.episodes:
             if ep.agent != "main":
                 continue
             for c in ep.completions:
                 prompt = tokenizer.decode(list(c.prompt_ids))
                 out = tokenizer.decode(list(c.output_ids))
-                if "The answer is" not in prompt:
+                if first:
                     kind = "first_call"
                     task = re.findall(r"Start at \d+\. Apply [+-]\d+, \d+ times\.", prompt)
-                    ok = bool(task) and f'"task": "{task[-1]}"' in out and HELPER in out
+                    ok = (bool(task) and f'"task": "{task[-1]}"' in out
+                          and f'"name": "{HELPER}"' in out)
                 else:
                     kind = "answer"
                     got = _ANSWER_RE.findall(prompt)
                     ok = bool(got) and f"The answer is {int(got[-1])}." in out
+                first = False
                 n_ok = counts.setdefault(kind, [0, 0])
                 n_ok[0] += 1
                 n_ok[1] += int(ok)

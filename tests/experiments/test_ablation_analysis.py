@@ -32,3 +32,23 @@ def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
     assert abs(est.high - est.mean - half) < 1e-9
     single = pooled_arm_difference([str(tmp_path / "a")])
     assert abs(single.mean - np.mean([0.5, 0.5, 0.0])) < 1e-12
+
+
+def test_eval_figures_skip_infra_errors_rollouts_and_repeats(tmp_path):
+    from ac2_jax.trace import Trace, TraceStore
+    from experiments.ablation_analysis import eval_judged_by_task, eval_pass_by_task
+
+    def ev(task, attempt, reward, status="finished", memos=()):
+        return Trace(task_id=task, status=status, reward=reward, metadata={
+            "eval": "rl_whole", "attempt": attempt,
+            "artifacts": {"events": [{"kind": "compaction", "memo_ok": m} for m in memos]}})
+    s = TraceStore(str(tmp_path / "served.jsonl"))
+    s.append(ev("t0", 0, None, "infra_error"))      # retried: not an attempt
+    s.append(ev("t0", 0, 1.0, memos=(True, None)))   # the retry; None: not judged
+    s.append(ev("t0", 1, 0.0, memos=(False,)))
+    s.append(ev("t1", 0, 0.0, memos=(True,)))
+    s.append(ev("t1", 0, 1.0, memos=(True, True)))   # the same attempt again (resumed run)
+    s.append(Trace(task_id="t1", status="finished", reward=0.0, metadata={"rl_step": 0}))
+    assert eval_pass_by_task(str(tmp_path / "served.jsonl"), "rl_whole") == {"t0": 0.5, "t1": 1.0}
+    assert eval_judged_by_task(str(tmp_path / "served.jsonl"), "rl_whole") == {
+        "t0": 0.5, "t1": 1.0}

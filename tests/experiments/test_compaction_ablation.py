@@ -88,3 +88,31 @@ def test_subagent_variant_ablation(tmp_path):
         assert "helper_fidelity" in ev["agents"]
         assert sum(v["n"] for v in ev["main_requests"].values()) > 0
     assert "helper fidelity" in open(os.path.join(cfg.workdir, "report", "pooled.md")).read()
+
+
+def test_seed_config_reseeds_the_warm_start_and_rl():
+    from experiments import calculator_agent as ca
+    from experiments.compaction_ablation import seed_config
+    cfg = get_config("long_memo")
+    one = seed_config(cfg, 2)
+    typed = ca.typed_configs(one)
+    assert (one.seed, typed["sft"].seed, typed["rl"].seed) == (2, 2, 2)
+    assert one.workdir.endswith("seed_2") and cfg.seed == 0
+
+
+def test_run_seeds_and_arms_are_checked_before_any_work(tmp_path):
+    import pytest
+    from experiments import compaction_ablation
+    cfg = get_config("long_quick")  # no eval.task_seed: seeds share no held-out task
+    cfg.workdir = str(tmp_path / "x")
+    with pytest.raises(ValueError, match="task_seed"):
+        compaction_ablation.run_seeds(cfg, 2)
+    sub = get_config("sub_helper_quick")
+    sub.ablation.arms = ("whole", "main_only", "memo_reward")
+    with pytest.raises(ValueError, match="memo_reward"):
+        compaction_ablation.arm_names(sub)
+    memo = get_config("long_memo_quick")
+    memo.ablation.arms = ("main_only", "whole")
+    with pytest.raises(ValueError, match="starting with"):
+        compaction_ablation.arm_names(memo)
+    assert not os.path.exists(cfg.workdir)

@@ -87,6 +87,10 @@ def test_main_request_accuracy_counts_spawns_and_answers(setup):
         comp(task, good), comp(task + good + result, "The answer is 586.")])]),
         Trace(task_id="b", episodes=[Episode(agent="main", completions=[
             comp(task, bad), comp(task + bad + result, "The answer is 568.")])])]
+    # The helper gave no answer: the main agent's second request is still an answer.
+    failed = "<tool_response>\n(subagent helper gave no answer: step_limit)\n</tool_response>"
+    traces.append(Trace(task_id="c", episodes=[Episode(agent="main", completions=[
+        comp(task, good), comp(task + good + failed, "The answer is 586.")])]))
     acc = subagent_helper.main_request_accuracy(traces, tok)
-    assert acc == {"answer": {"n": 2, "correct": 1, "rate": 0.5},
-                   "first_call": {"n": 2, "correct": 1, "rate": 0.5}}
+    assert acc == {"answer": {"n": 3, "correct": 1, "rate": 1 / 3},
+                   "first_call": {"n": 3, "correct": 2, "rate": 2 / 3}}
