@@ -37,7 +37,7 @@ def test_compaction_ablation_all_arms_over_seeds(tmp_path):
         assert "rl_memo_reward" in md and "memo fidelity" in md and "first calls right" in md
     assert pooled["primary"]["estimate"]["n"] == cfg.eval.num_tasks
     assert pooled["primary"]["verdict"] in ("shown", "not shown", "reversed")
-    assert set(pooled["differences"]) == {"sft - main_only", "whole - main_only",
+    assert set(pooled["differences"]) == {"main_only - sft", "whole - main_only",
                                           "compactor_only - main_only",
                                           "memo_reward - main_only"}
     report_dir = os.path.join(cfg.workdir, "report")
