@@ -43,38 +43,46 @@ def _eval_traces(store_path: str, eval_name: str):
     return list(last.values())
 
 
+def _pass_by_task(traces) -> dict[str, float]:
+    by_task: dict[str, list[float]] = {}
+    for t in traces:
+        by_task.setdefault(t.task_id, []).append(float((t.reward or 0.0) >= 1.0))
+    return {k: float(np.mean(v)) for k, v in by_task.items()}
+
+
+def _judged_by_task(traces, key: str) -> dict[str, float]:
+    by_task: dict[str, list[float]] = {}
+    for t in traces:
+        by_task.setdefault(t.task_id, []).extend(
+            float(e[key]) for e in t.events if e.get(key) is not None)
+    return {k: float(np.mean(v)) for k, v in by_task.items() if v}
+
+
 def eval_pass_by_task(store_path: str, eval_name: str) -> dict[str, float]:
     """{task id: share of its attempts that passed} over the eval `eval_name`'s traces
     in a store (an arm's `served_<arm>.jsonl` holds its RL rollouts and its eval)."""
-    by_task: dict[str, list[float]] = {}
-    for t in _eval_traces(store_path, eval_name):
-        by_task.setdefault(t.task_id, []).append(float((t.reward or 0.0) >= 1.0))
-    return {k: float(np.mean(v)) for k, v in by_task.items()}
+    return _pass_by_task(_eval_traces(store_path, eval_name))
 
 
 def eval_judged_by_task(store_path: str, eval_name: str, key: str = "memo_ok"
                         ) -> dict[str, float]:
     """{task id: share of its judged links (events carrying `key`) that were right},
     over tasks with at least one judged link."""
-    by_task: dict[str, list[float]] = {}
-    for t in _eval_traces(store_path, eval_name):
-        by_task.setdefault(t.task_id, []).extend(
-            float(e[key]) for e in t.events if e.get(key) is not None)
-    return {k: float(np.mean(v)) for k, v in by_task.items() if v}
+    return _judged_by_task(_eval_traces(store_path, eval_name), key)
+
+
+def _eval_store_traces(workdir: str, eval_name: str) -> list:
+    """The eval's scored attempts in a run's workdir: its traces carry metadata["eval"] =
+    "sft" / "rl_<arm>" in the endpoint's store (`served.jsonl`; older runs kept one
+    `served_<arm>.jsonl` per arm)."""
+    return [t for f in sorted(os.listdir(workdir)) if f.startswith("served")
+            and f.endswith(".jsonl") for t in _eval_traces(os.path.join(workdir, f), eval_name)]
 
 
 def _per_task(workdir: str, arm: str, figure: str) -> dict[str, float]:
-    """Per task figure of one arm's held-out eval in a run's workdir: its traces carry
-    metadata["eval"] = "sft" / "rl_<arm>" in the endpoint's store (`served.jsonl`; older
-    runs kept one `served_<arm>.jsonl` per arm)."""
-    name = "sft" if arm == "sft" else f"rl_{arm}"
-    out: dict[str, float] = {}
-    for f in sorted(os.listdir(workdir)):
-        if f.startswith("served") and f.endswith(".jsonl"):
-            store = os.path.join(workdir, f)
-            out.update(eval_pass_by_task(store, name) if figure == "pass"
-                       else eval_judged_by_task(store, name, figure))
-    return out
+    """Per task figure ("pass", or an event key) of one arm's held-out eval in a run."""
+    traces = _eval_store_traces(workdir, "sft" if arm == "sft" else f"rl_{arm}")
+    return _pass_by_task(traces) if figure == "pass" else _judged_by_task(traces, figure)
 
 
 def pooled_arm_difference(workdirs, a: str = "whole", b: str = "main_only",
@@ -120,11 +128,6 @@ def verdict(estimate) -> str:
     if estimate.high < 0:
         return "reversed"
     return "not shown"
-
-
-def _eval_store_traces(workdir: str, eval_name: str) -> list:
-    return [t for f in sorted(os.listdir(workdir)) if f.startswith("served")
-            and f.endswith(".jsonl") for t in _eval_traces(os.path.join(workdir, f), eval_name)]
 
 
 def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok",
@@ -185,7 +188,8 @@ def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok",
     return pooled
 
 
-def _e(e) -> str:
+def fmt_estimate(e) -> str:
+    """An Estimate's dict as 'mean [low, high]' ('n/a' for a missing one or interval)."""
     if not e or e.get("low") is None:
         return "n/a" if not e else f"{e['mean']:.3f} [n/a]"
     return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
@@ -201,7 +205,7 @@ def pooled_markdown(p: dict) -> str:
     j, label = p["judged"], LABELS.get(p["judged"], p["judged"])
     pr = p["primary"]
     rows = [f"**Primary (pre-registered): held-out pass, whole - main only, pooled over seeds "
-            f"{p['seeds']}: {_e(pr['estimate'])} ({pr['estimate']['n']} tasks): "
+            f"{p['seeds']}: {fmt_estimate(pr['estimate'])} ({pr['estimate']['n']} tasks): "
             f"{pr['verdict']}.**", "",
             f"| arm | seed | pass rate [95% CI] | {label} [95% CI] | main calls right "
             "| compactions / attempt |", "|---|---|---|---|---|---|"]
@@ -209,19 +213,21 @@ def pooled_markdown(p: dict) -> str:
         name = "sft" if arm == "sft" else f"rl_{arm}"
         for s in p["per_seed"]:
             e = s["evals"][name]
-            rows.append(f"| {arm} | {s['seed']} | {_e(e['pass_rate'])} | {_e(e['fidelity'])} "
-                        f"| {_calls(e['main_requests'])} | {e['compactions_per_attempt']:.2f} |")
+            rows.append(f"| {arm} | {s['seed']} | {fmt_estimate(e['pass_rate'])} "
+                        f"| {fmt_estimate(e['fidelity'])} | {_calls(e['main_requests'])} "
+                        f"| {e['compactions_per_attempt']:.2f} |")
         lv = p["levels"][arm]
-        rows.append(f"| **{arm}** | pooled | {_e(lv['pass'])} | {_e(lv[j])} | | |")
+        rows.append(f"| **{arm}** | pooled | {fmt_estimate(lv['pass'])} "
+                    f"| {fmt_estimate(lv[j])} | | |")
     rows += ["", f"| pooled difference (per task over seeds) | pass [95% CI] | {label} [95% CI] |",
              "|---|---|---|"]
     for name, d in p["differences"].items():
-        rows.append(f"| {name} | {_e(d['pass'])} | {_e(d[j])} |")
+        rows.append(f"| {name} | {fmt_estimate(d['pass'])} | {fmt_estimate(d[j])} |")
     rows += ["", "| per-seed difference (paired t over tasks) | "
              + " | ".join(f"seed {s['seed']}: pass" for s in p["per_seed"]) + " |",
              "|---|" + "---|" * len(p["per_seed"])]
     for name in p["per_seed"][0]["differences"]:
-        rows.append(f"| {name} | " + " | ".join(_e(s["differences"][name]["pass"])
+        rows.append(f"| {name} | " + " | ".join(fmt_estimate(s["differences"][name]["pass"])
                                                for s in p["per_seed"]) + " |")
     if p.get("recovered_share") is not None:
         rows += ["", f"Share of the dedicated memo reward's fidelity gain over main only that "

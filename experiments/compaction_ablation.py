@@ -42,6 +42,7 @@ from experiments import calculator_agent as ca  # noqa: E402
 from experiments import long_horizon  # noqa: E402
 from experiments.ablation_analysis import (  # noqa: E402,F401 (re-exported)
     eval_pass_by_task,
+    fmt_estimate,
     pool_seeds,
     pooled_arm_difference,
 )
@@ -138,12 +139,6 @@ def step_curves(store_path: str, key: str = "memo_ok") -> list[dict]:
     return out
 
 
-def _est(e) -> str:
-    if not e or e.get("low") is None:
-        return "n/a" if not e else f"{e['mean']:.3f} [n/a]"
-    return f"{e['mean']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
-
-
 def markdown(report: dict) -> str:
     names, key = list(report["evals"]), report["judged"]
     figure = long_horizon.FIDELITIES[key]
@@ -152,13 +147,13 @@ def markdown(report: dict) -> str:
             "| compactions / attempt | episodes / trace |", "|---|---|---|---|---|---|"]
     for name in names:
         r, a = report["evals"][name], report["evals"][name]["agents"]
-        rows.append(f"| {name} | {_est(r['pass_rate'])} | {_est(a[figure])} "
+        rows.append(f"| {name} | {fmt_estimate(r['pass_rate'])} | {fmt_estimate(a[figure])} "
                     f"| {a[f'{key}_judged']} | {a['compactions_per_attempt']:.2f} "
                     f"| {a['episodes_per_trace']:.2f} |")
     rows += ["", f"| paired difference (tasks) | pass rate [95% CI] | {label} [95% CI] |",
              "|---|---|---|"]
     for name, d in report["differences"].items():
-        rows.append(f"| {name} | {_est(d['pass'])} | {_est(d['fidelity'])} |")
+        rows.append(f"| {name} | {fmt_estimate(d['pass'])} | {fmt_estimate(d['fidelity'])} |")
     rows += ["", "| held-out eval | main: first calls right | later calls right | answers right |",
              "|---|---|---|---|"]
     for name in names:

@@ -217,6 +217,26 @@ def agent_figures(result, level: float = 0.95) -> dict[str, Any]:
 _STATE_RE = re.compile(r"Start at (\d+)\. Apply ([+-]\d+), (\d+) times\.")
 
 
+def count_main_requests(traces, tokenizer, judge) -> dict[str, dict[str, float]]:
+    """Every request of the main agent, in order per trace, judged by `judge(prompt,
+    output, first) -> (kind, ok)` on the decoded texts (`first`: the attempt's first
+    main request). Returns {kind: {"n", "correct", "rate"}}."""
+    counts: dict[str, list[int]] = {}
+    for tr in traces:
+        first = True
+        for ep in tr.episodes:
+            if ep.agent != "main":
+                continue
+            for c in ep.completions:
+                kind, ok = judge(tokenizer.decode(list(c.prompt_ids)),
+                                 tokenizer.decode(list(c.output_ids)), first)
+                first = False
+                n_ok = counts.setdefault(kind, [0, 0])
+                n_ok[0] += 1
+                n_ok[1] += int(ok)
+    return {k: {"n": n, "correct": ok, "rate": ok / n} for k, (n, ok) in sorted(counts.items())}
+
+
 def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
     """Where the main agent slips: each main request judged against the state it
     was shown (the last "Start at V. Apply OP, N times." of its prompt: the task,
@@ -225,29 +245,16 @@ def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
     on "V OP"), "later_call" (a call after a restart), "answer" (N = 0: "The
     answer is V."). Returns {kind: {"n", "correct", "rate"}}; a request whose
     prompt shows no state counts under "no_state"."""
-    counts: dict[str, list[int]] = {}
-    for tr in traces:
-        first = True
-        for ep in tr.episodes:
-            if ep.agent != "main":
-                continue
-            for c in ep.completions:
-                states = _STATE_RE.findall(tokenizer.decode(list(c.prompt_ids)))
-                out = tokenizer.decode(list(c.output_ids))
-                if not states:
-                    kind, ok = "no_state", False
-                else:
-                    value, op, left = states[-1]
-                    if int(left) == 0:
-                        kind, ok = "answer", f"The answer is {int(value)}." in out
-                    else:
-                        kind = "first_call" if first else "later_call"
-                        ok = f'"expression": "{int(value)}{op}"' in out
-                first = False
-                n_ok = counts.setdefault(kind, [0, 0])
-                n_ok[0] += 1
-                n_ok[1] += int(ok)
-    return {k: {"n": n, "correct": ok, "rate": ok / n} for k, (n, ok) in sorted(counts.items())}
+    def judge(prompt, out, first):
+        states = _STATE_RE.findall(prompt)
+        if not states:
+            return "no_state", False
+        value, op, left = states[-1]
+        if int(left) == 0:
+            return "answer", f"The answer is {int(value)}." in out
+        return ("first_call" if first else "later_call",
+                f'"expression": "{int(value)}{op}"' in out)
+    return count_main_requests(traces, tokenizer, judge)
 
 
 def memo_fidelity_difference(after, before, key: str = "memo_ok",

@@ -20,6 +20,7 @@ import re
 from ac2_jax.envs import chain_policy
 from ac2_jax.envs.calculator import last_integer, parse_chain_state, safe_eval
 from ac2_jax.orchestration.default import SubagentOrchestrator
+from experiments.long_horizon import count_main_requests
 
 HELPER = "helper"
 AGENT = f"subagent:{HELPER}"
@@ -99,26 +100,11 @@ def main_request_accuracy(traces, tokenizer) -> dict[str, dict[str, float]]:
     word for word ("first_call"); each later request must answer with the helper's
     number ("answer": "The answer is V.", V the number of the helper's reply in the
     prompt; wrong when the helper gave none). Returns {kind: {"n", "correct", "rate"}}."""
-    counts: dict[str, list[int]] = {}
-    for tr in traces:
-        first = True
-        for ep in tr.episodes:
-            if ep.agent != "main":
-                continue
-            for c in ep.completions:
-                prompt = tokenizer.decode(list(c.prompt_ids))
-                out = tokenizer.decode(list(c.output_ids))
-                if first:
-                    kind = "first_call"
-                    task = re.findall(r"Start at \d+\. Apply [+-]\d+, \d+ times\.", prompt)
-                    ok = (bool(task) and f'"task": "{task[-1]}"' in out
-                          and f'"name": "{HELPER}"' in out)
-                else:
-                    kind = "answer"
-                    got = _ANSWER_RE.findall(prompt)
-                    ok = bool(got) and f"The answer is {int(got[-1])}." in out
-                first = False
-                n_ok = counts.setdefault(kind, [0, 0])
-                n_ok[0] += 1
-                n_ok[1] += int(ok)
-    return {k: {"n": n, "correct": ok, "rate": ok / n} for k, (n, ok) in sorted(counts.items())}
+    def judge(prompt, out, first):
+        if first:
+            task = re.findall(r"Start at \d+\. Apply [+-]\d+, \d+ times\.", prompt)
+            return "first_call", (bool(task) and f'"task": "{task[-1]}"' in out
+                                  and f'"name": "{HELPER}"' in out)
+        got = _ANSWER_RE.findall(prompt)
+        return "answer", bool(got) and f"The answer is {int(got[-1])}." in out
+    return count_main_requests(traces, tokenizer, judge)
