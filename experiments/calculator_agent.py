@@ -141,6 +141,10 @@ def sft_tasks(cfg, env):
 
 
 def sft_warm_start(cfg, model, tokenizer, env, log=print):
+    weak = cfg.get("sft_weak_link")
+    if weak is not None and not is_long(cfg):
+        raise ValueError("sft_weak_link retrains some agents' episodes: it needs a "
+                         "multi-agent harness (the long variants)")
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     tasks = sft_tasks(cfg, env)
@@ -156,21 +160,40 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     # `sft_restarts` then trains again from there with a fresh optimizer and its own
     # warmup + cosine schedule (cosine with warm restarts).
     for stage, (steps, lr) in enumerate([(None, None)] + list(cfg.get("sft_restarts", ()))):
-        scfg = cfg
-        if steps is not None:
-            scfg = cfg.copy_and_resolve_references()
-            scfg.sft.steps, scfg.sft_optimizer.total_steps = int(steps), int(steps)
-            scfg.sft_optimizer.learning_rate = float(lr)
-        typed = typed_configs(scfg)
-        sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
-        every = max(1, sft_cfg.steps // 10)
         tag = "sft" if stage == 0 else f"sft restart {stage}"
-        result = run_sft(model, segments, sft_cfg, opt,
-                         log=lambda i, m, tag=tag: log(f"{tag} step {i}: loss={m['loss']:.4f}")
-                         if i % every == 0 else None)
-        model = result.model()
-        history += [dict(h, stage=stage) for h in result.history]
+        model, h = _sft_stage(cfg, model, segments, steps, lr, tag, log)
+        history += [dict(x, stage=stage) for x in h]
+    if weak is not None:  # a last stage on other demos, some agents' episodes only
+        wcfg = cfg.copy_and_resolve_references()
+        wcfg.demos.update(dict(weak.demos))
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        weak_segments, _ = long_horizon.long_demo_segments(
+            env, tasks, tokenizer, make, demo_policy(wcfg, rng), log, judged_key(cfg))
+        weak_segments = [s for s in weak_segments if s.agent in tuple(weak.agents)]
+        if not weak_segments:
+            raise ValueError(f"sft_weak_link: no episode of agents {tuple(weak.agents)} in "
+                             "the demos")
+        model, h = _sft_stage(cfg, model, weak_segments, weak.steps, weak.learning_rate,
+                              "sft weak link", log)
+        history += [dict(x, stage="weak_link") for x in h]
     return model, history
+
+
+def _sft_stage(cfg, model, segments, steps, lr, tag: str, log):
+    """One SFT stage: `cfg.sft` / `cfg.sft_optimizer`, or with `steps` and `lr` a fresh
+    optimizer with its own warmup + cosine schedule over `steps`. Returns (model, history)."""
+    scfg = cfg
+    if steps is not None:
+        scfg = cfg.copy_and_resolve_references()
+        scfg.sft.steps, scfg.sft_optimizer.total_steps = int(steps), int(steps)
+        scfg.sft_optimizer.learning_rate = float(lr)
+    typed = typed_configs(scfg)
+    sft_cfg, opt = typed["sft"], typed["sft_optimizer"]
+    every = max(1, sft_cfg.steps // 10)
+    result = run_sft(model, segments, sft_cfg, opt,
+                     log=lambda i, m: log(f"{tag} step {i}: loss={m['loss']:.4f}")
+                     if i % every == 0 else None)
+    return result.model(), result.history
 
 
 def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):

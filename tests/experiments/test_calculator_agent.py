@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from ac2_jax.models.hf_io import load_hf_checkpoint
 from experiments import calculator_agent
@@ -94,6 +95,36 @@ def test_sft_restarts_equal_continuing_by_hand():
     assert not all(np.allclose(x, y, atol=1e-6) for x, y in zip(
         jax.tree.leaves(a), jax.tree.leaves(nnx.state(calculator_agent.build_model(
             cfg, tok.vocab_size), nnx.Param))))
+
+
+def test_sft_weak_link_stage_trains_the_named_agents_episodes_last():
+    """`sft_weak_link` (long_memo's warm start): after the restarts, one more stage on
+    demos re-recorded with its own `demos` settings, keeping only the named agents'
+    episodes; an agent with no episode, or a single-agent harness, is refused by name."""
+    cfg = get_config("long_memo_quick")
+    env = calculator_agent.build_env(cfg)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tok = calculator_agent.build_tokenizer(cfg, d, env)
+    logs = []
+    _, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append)
+    assert [h["stage"] for h in history] == [0] * cfg.sft.steps + [1] * 2 + ["weak_link"] * 2
+    demo_logs = [m for m in logs if m.startswith("demos:")]
+    assert len(demo_logs) == 2  # the first stage's demos, then the weak link's
+    assert any(m.startswith("sft weak link step ") for m in logs)
+    bad = get_config("long_memo_quick")
+    bad.sft_weak_link.agents = ("nobody",)
+    bad.sft_restarts, bad.sft.steps = (), 1
+    with pytest.raises(ValueError, match="no episode of agents \\('nobody',\\)"):
+        calculator_agent.sft_warm_start(
+            bad, calculator_agent.build_model(bad, tok.vocab_size), tok, env, lambda *a: None)
+    single = get_config("quick")
+    single.sft_weak_link = bad.sft_weak_link
+    with pytest.raises(ValueError, match="sft_weak_link .* multi-agent harness"):
+        calculator_agent.sft_warm_start(
+            single, calculator_agent.build_model(single, tok.vocab_size), tok, env,
+            lambda *a: None)
 
 
 def test_moe_variant_pipeline_records_and_replays_routing(tmp_path):
