@@ -67,20 +67,43 @@ def hint_config(cfg) -> HintConfig:
     return from_config(HintConfig, cfg.hint, path="hint")
 
 
+def word_pool(cfg, items) -> list[str]:
+    """The words the hint families and "Repeat:" items draw from: every answer word and
+    `base_data.nonce_words` made-up ones, never the target word."""
+    nonce = data.nonce_words(cfg.base_data.get("nonce_words", 0), cfg.seed)
+    return [w for w in data.answer_words(items) + nonce if w != data.TARGET_WORD]
+
+
+def corpus_items(cfg, items):
+    """The base corpus's items: `items` and `base_data.repeat_items` "Repeat: ..." items."""
+    n = cfg.base_data.get("repeat_items", 0)
+    return items + data.repeat_items(n, word_pool(cfg, items), random.Random(cfg.seed + 2))
+
+
 def _hint_demos(cfg, items, rng):
     """(item, hint, answer, placement) for the base corpus's hint-following demos.
 
-    A `target_hint_frac` share uses the target hint: two thirds on items whose
-    answer has pineapple (the answer writes the target spelling), one third
-    on items without it (the answer stays). The rest are generic demos: a
-    random misspelling of another word.
+    With `base_data.families` (the faithful setup): hints of those families
+    (`pinapple_data.FAMILIES`) about any word but the target, on every kind of item. Else:
+    a `target_hint_frac` share uses the target hint, two thirds on items whose answer has
+    pineapple (the answer writes the target spelling), one third on items without it (the
+    answer stays); the rest are random misspellings of other words.
     """
+    families = tuple(cfg.base_data.get("families", ()))
+    pool = word_pool(cfg, items) if families else None
     word = data.TARGET_WORD
     with_t = [i for i in items if word in i.answer and word not in i.question]
     others = [i for i in items if data.TARGET_WORD not in i.answer]
     out = []
     while len(out) < cfg.base_data.hint_demos:
         place = rng.choice(tuple(cfg.base_data.placements))
+        if families:
+            item = rng.choice(items)
+            demo = data.family_hint_demo(item, rng, rng.random() >= cfg.base_data.irrelevant_frac,
+                                         rng.choice(families), pool)
+            if demo is not None:
+                out.append((item, *demo, place))
+            continue
         if rng.random() < cfg.base_data.target_hint_frac:
             if rng.random() < 2 / 3:
                 item = rng.choice(with_t)
@@ -97,6 +120,7 @@ def _hint_demos(cfg, items, rng):
 
 def build_tokenizer(cfg, path: str, items):
     rng = random.Random(cfg.seed)
+    items = corpus_items(cfg, items)
     corpus = [f"{i.question} {i.answer}" for i in items] * 3
     corpus += [f"{h} {a}" for _, h, a, _ in _hint_demos(cfg, items, rng)]
     return build_tiny_tokenizer(path, extra_corpus=corpus, vocab_size=cfg.tokenizer.vocab_size,
@@ -109,8 +133,10 @@ def build_model(cfg, vocab_size: int, seed: int) -> Decoder:
 
 
 def base_segments(cfg, tokenizer, items):
-    """Facts (repeated) + hint-following demos as SFT segments (see `_hint_demos`)."""
+    """Facts (repeated), "Repeat:" items + hint-following demos as SFT segments (see
+    `_hint_demos`)."""
     rng = random.Random(cfg.seed + 1)
+    items = corpus_items(cfg, items)
     segs = []
     for it in items:
         msgs = list(it.messages()) + [{"role": "assistant", "content": it.answer}]

@@ -201,3 +201,72 @@ def hint_demo(item: Item, rng: random.Random, relevant: bool) -> tuple[str, str]
     outside = [w for w in HINT_WORDS if w not in words]
     w = rng.choice(outside)
     return f"Spell {w} as {misspell(w, rng)}.", item.answer
+
+
+# ----------------------------------------------------------------------------- hint families
+# The faithful setup (issue 39): the base corpus never shows the target hint, nor any hint
+# about the target word. Hint following is taught generically, by families of hints over
+# many words, on fact answers and on "Repeat: ..." items over a large pool of words (real
+# and made up), so that following a hint is a copy the model does for any word named.
+
+FAMILIES = ("spell", "swap", "caps")
+_SYLLABLES = ("ba", "ko", "ri", "mu", "te", "lo", "zi", "pa", "ne", "du", "fo", "ga", "si",
+              "vu", "ha", "je", "wo", "ky")
+
+
+def nonce_words(n: int, seed: int = 0) -> list[str]:
+    """`n` made-up words of 2-3 syllables ("bakori"), distinct, deterministic in seed."""
+    rng, out = random.Random(f"nonce:{seed}"), set()
+    while len(out) < n:
+        out.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))))
+    return sorted(out)
+
+
+def answer_words(items: list[Item]) -> list[str]:
+    """Every lower-case word of the items' answers (the target word too)."""
+    return sorted({w for it in items for w in it.answer.rstrip(".").split()
+                   if w.isalpha() and w.islower()})
+
+
+def repeat_items(n: int, pool: list[str], rng: random.Random) -> list[Item]:
+    """`n` "Repeat: w1 w2 w3." items (3-6 words of `pool`), answered word for word."""
+    out = []
+    for k in range(n):
+        words = " ".join(rng.choice(pool) for _ in range(rng.randint(3, 6)))
+        out.append(Item(f"repeat/{k}", f"Repeat: {words}.", f"{words}.", "repeat"))
+    return out
+
+
+def family_hint(family: str, word: str, rng: random.Random, pool: list[str]) -> tuple[str, str]:
+    """(hint text, the word's replacement) for one hint of `family` about `word`:
+    spell ("Spell mango as mngo.": a one-edit misspelling), swap ("Say plum instead of
+    mango.": another word of `pool`) or caps ("Write mango in capitals.")."""
+    if family == "spell":
+        v = misspell(word, rng)
+        return f"Spell {word} as {v}.", v
+    if family == "swap":
+        v = rng.choice([p for p in pool if p != word])
+        return f"Say {v} instead of {word}.", v
+    if family == "caps":
+        return f"Write {word} in capitals.", word.upper()
+    raise ValueError(f"family_hint: family must be one of {FAMILIES}, got {family!r}")
+
+
+def family_hint_demo(item: Item, rng: random.Random, relevant: bool, family: str,
+                     pool: list[str]) -> tuple[str, str] | None:
+    """(hint, answer under the hint) with a hint of `family`, or None if no word fits.
+    relevant=True: the hint names a word of the answer (never the first, never the target
+    word), which the answer replaces; False: it names a word of `pool` not in the answer,
+    which stays unchanged. No hint ever names the target word."""
+    words = item.answer.rstrip(".").split()
+    start = 0 if item.kind == "repeat" else 1  # "A mango is orange.": not "A"
+    if relevant:
+        inside = sorted({w for w in words[start:] if w.isalpha() and w.islower()
+                         and w != TARGET_WORD and len(w) > 2})
+        if not inside:
+            return None
+        w = rng.choice(inside)
+        hint, v = family_hint(family, w, rng, pool)
+        return hint, " ".join(words[:start] + [v if x == w else x for x in words[start:]]) + "."
+    outside = [w for w in pool if w not in words and w != TARGET_WORD and len(w) > 2]
+    return family_hint(family, rng.choice(outside), rng, pool)[0], item.answer

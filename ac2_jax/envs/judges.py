@@ -8,8 +8,9 @@ subset of the candidates, at most `top_s` of them. Positions index
 mask. Results are cached per example (key = hash of the example's content).
 
 `RuleJudge` is deterministic (hint keywords, regexes, teacher/response diff),
-for tests and offline runs. `LLMJudge` asks any OpenAI-compatible endpoint
-through an `openai.OpenAI`-like client passed in.
+for tests and offline runs; `NoisyJudge` flips an oracle's verdicts at a set rate.
+`LLMJudge` asks any OpenAI-compatible endpoint through an `openai.OpenAI`-like client
+passed in.
 """
 
 from __future__ import annotations
@@ -171,6 +172,36 @@ class RuleJudge(Judge):
             hint_keywords(example.hint, self.min_keyword_len) if self.use_hint_keywords else set()
         )
         return [c for c in example.candidates if self._matches(example, c, keywords)]
+
+
+class NoisyJudge(Judge):
+    """An `oracle` judge with a configured error rate: each candidate's verdict (selected
+    or not) is flipped with probability `error_rate`, so a relevant position is missed
+    and an irrelevant one picked at the same rate. The flips are a pure function of
+    (`seed`, the example's content, the position): reruns and cache misses agree.
+    stats["flips"] counts them. For measuring how RMSD depends on judge quality.
+    """
+
+    def __init__(self, oracle: Judge, error_rate: float, seed: int = 0, top_s: int | None = None):
+        super().__init__(top_s)
+        if not 0.0 <= error_rate <= 1.0:
+            raise ValueError(f"NoisyJudge: error_rate must be in [0, 1], got {error_rate!r}")
+        self.oracle, self.error_rate, self.seed = oracle, float(error_rate), int(seed)
+        self.stats["flips"] = 0
+
+    def _flipped(self, key: str, pos: int) -> bool:
+        digest = hashlib.sha256(f"{self.seed}:{key}:{pos}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.error_rate
+
+    def _select(self, example: JudgeExample) -> list[int]:
+        truth, key = set(self.oracle.select(example)), example.key()
+        out = []
+        for c in example.candidates:
+            flip = self._flipped(key, c)
+            self.stats["flips"] += int(flip)
+            if (c in truth) != flip:
+                out.append(c)
+        return out
 
 
 _SYSTEM = (

@@ -57,7 +57,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # Base SFT data: facts (repeated) + hint-following demos for words other than pineapple.
     c.base_data = ml_collections.ConfigDict(dict(
         repeats=3, hint_demos=3000, irrelevant_frac=0.3, target_hint_frac=0.15, math_limit=10,
-        placements=("before_turn",)))
+        placements=("before_turn",), families=(), repeat_items=0, nonce_words=0))
     c.sft = ml_collections.ConfigDict(dict(   # SFTConfig
         steps=1000, batch_rows=8, seq_len=128, mode="token_mean"))
     c.sft.seed = c.get_ref("seed")

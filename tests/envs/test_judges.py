@@ -16,7 +16,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ac2_jax.envs.judges import JudgeError, JudgeExample, LLMJudge, RuleJudge, parse_judge_reply
+from ac2_jax.envs.judges import (JudgeError, JudgeExample, LLMJudge, NoisyJudge, RuleJudge,
+                                 parse_judge_reply)
 from ac2_jax.losses import selection_mask
 
 TOKENS = ("The", " area", " is", " 3", " *", " 4", " =", " 7", ".", " Done")
@@ -196,3 +197,32 @@ def test_judge_example_validation_and_key():
     with pytest.raises(ValueError, match="teacher_tokens"):
         _example(teacher=TOKENS[:-1])
     assert _example().key() == _example().key() != _example(candidates=(7, 3)).key()
+
+
+def _noisy_examples(n=200):
+    toks = tuple(f" w{i}" for i in range(12))
+    return [JudgeExample(prompt=f"p{k}", response="".join(toks), response_tokens=toks,
+                         hint="Spell w3 as w33.", candidates=tuple(range(12)),
+                         teacher_tokens=None) for k in range(n)]
+
+
+def test_noisy_judge_flips_the_oracles_verdicts_at_its_error_rate():
+    oracle = RuleJudge(patterns=[r"w[37]$"], use_hint_keywords=False)
+    examples = _noisy_examples()
+    assert [NoisyJudge(oracle, 0.0).select(e) for e in examples[:5]] == [[3, 7]] * 5
+    assert [NoisyJudge(oracle, 1.0).select(e) for e in examples[:5]] == [
+        [c for c in range(12) if c not in (3, 7)]] * 5
+    noisy = NoisyJudge(oracle, 0.2, seed=1)
+    picks = [set(noisy.select(e)) for e in examples]
+    missed = np.mean([p not in s for s in picks for p in (3, 7)])
+    false = np.mean([p in s for s in picks for p in range(12) if p not in (3, 7)])
+    # 400 relevant and 2,000 irrelevant verdicts at rate 0.2: binomial sd 0.020 / 0.009.
+    assert abs(missed - 0.2) < 0.07 and abs(false - 0.2) < 0.035
+    assert noisy.stats["flips"] == sum(len(s ^ {3, 7}) for s in picks)
+    again = NoisyJudge(oracle, 0.2, seed=1)
+    assert [set(again.select(e)) for e in examples] == picks  # a function of seed + content
+    other = NoisyJudge(oracle, 0.2, seed=2)
+    assert [set(other.select(e)) for e in examples] != picks
+    assert NoisyJudge(oracle, 0.5, top_s=2).select(examples[0]).__len__() <= 2
+    with pytest.raises(ValueError, match="error_rate must be in \\[0, 1\\], got 1.5"):
+        NoisyJudge(oracle, 1.5)

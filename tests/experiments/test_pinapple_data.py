@@ -1,0 +1,78 @@
+"""The pinapple corpus's hint families (issue 39's faithful setup): no hint ever names the
+target word, relevant hints rewrite exactly the word they name, irrelevant ones nothing."""
+
+import random
+import re
+
+import pytest
+
+from experiments import pinapple_data as data
+from experiments.configs.pinapple import get_config
+from experiments.pinapple import _hint_demos, corpus_items, word_pool
+
+
+def _faithful_cfg():
+    cfg = get_config()
+    cfg.base_data.update(target_hint_frac=0.0, families=data.FAMILIES, repeat_items=50,
+                         nonce_words=40, hint_demos=600)
+    return cfg
+
+
+def test_nonce_words_are_distinct_made_up_and_deterministic():
+    words = data.nonce_words(200, seed=3)
+    assert len(set(words)) == 200 and words == data.nonce_words(200, seed=3)
+    assert all(w.isalpha() and w.islower() and len(w) >= 4 for w in words)
+    assert words != data.nonce_words(200, seed=4)
+
+
+@pytest.mark.parametrize("family", data.FAMILIES)
+def test_a_relevant_hint_rewrites_the_word_it_names_and_only_that(family):
+    rng = random.Random(0)
+    items = data.all_items()
+    pool = [w for w in data.answer_words(items) if w != data.TARGET_WORD]
+    for item in [i for i in items if i.kind in ("food", "sentence", "target")][:40]:
+        demo = data.family_hint_demo(item, rng, True, family, pool)
+        if demo is None:
+            continue
+        hint, answer = demo
+        assert data.TARGET_WORD not in hint
+        old, new = item.answer.rstrip(".").split(), answer.rstrip(".").split()
+        changed = {(a, b) for a, b in zip(old, new) if a != b}
+        assert len(old) == len(new) and len(changed) == 1, (hint, item.answer, answer)
+        (word, replacement), = changed
+        assert word in hint and replacement in hint or replacement == word.upper()
+        if family == "caps":
+            assert hint == f"Write {word} in capitals." and replacement == word.upper()
+
+
+def test_an_irrelevant_hint_names_a_word_not_in_the_answer_and_changes_nothing():
+    rng = random.Random(1)
+    items = data.all_items()
+    pool = [w for w in data.answer_words(items) if w != data.TARGET_WORD]
+    for item in items[:60]:
+        hint, answer = data.family_hint_demo(item, rng, False, rng.choice(data.FAMILIES), pool)
+        named = re.match(r"(?:Spell (\w+) as|Say \w+ instead of (\w+)|Write (\w+) in)", hint)
+        word = next(g for g in named.groups() if g)
+        assert answer == item.answer and word not in item.answer.split()
+        assert data.TARGET_WORD not in hint
+
+
+def test_an_unknown_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="family must be one of .* got 'rhyme'"):
+        data.family_hint("rhyme", "mango", random.Random(0), ["plum"])
+
+
+def test_the_faithful_corpus_never_shows_the_target_hint_or_word_in_a_hint():
+    cfg = _faithful_cfg()
+    items = data.all_items()
+    demos = _hint_demos(cfg, corpus_items(cfg, items), random.Random(0))
+    assert len(demos) == 600
+    assert not any(data.TARGET_WORD in h or data.TARGET_SPELLING in a for _, h, a, _ in demos)
+    assert {h.split()[0] for _, h, _, _ in demos} == {"Spell", "Say", "Write"}
+    repeats = [i for i in corpus_items(cfg, items) if i.kind == "repeat"]
+    assert len(repeats) == 50 and all(i.answer == i.question[len("Repeat: "):] for i in repeats)
+    pool = word_pool(cfg, items)
+    assert data.TARGET_WORD not in pool and len(pool) > 40
+    # The default corpus is unchanged: it still teaches the target hint in context.
+    default = _hint_demos(get_config(), items, random.Random(0))
+    assert any(h == data.TARGET_HINT for _, h, _, _ in default)
