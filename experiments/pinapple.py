@@ -221,6 +221,23 @@ def evaluate(sampler, prompts, splits, retain_every: int | None = 1,
     return out
 
 
+def hint_following(sampler, prompts: PromptCache, splits) -> dict[str, float]:
+    """Does the model follow hints it never saw? Per held-out hint (`HELDOUT_HINTS`, one per
+    family, each about the target word) the share of target prompts (distillation and
+    held-out) answered exactly as the hint makes the answer, and of the retention items
+    (no target word) answered unchanged under the target hint."""
+    target = splits["train"] + splits["heldout"]
+    out = {}
+    for family, (hint, replacement) in data.HELDOUT_HINTS.items():
+        got = answers(sampler, prompts, target, hint)
+        out[family] = float(np.mean([g == data.under_hint(i.answer, replacement)
+                                     for g, i in zip(got, target)]))
+    others = [i for g in splits["retain"].values() for i in g]
+    got = answers(sampler, prompts, others, data.TARGET_HINT)
+    out["unchanged_elsewhere"] = float(np.mean([g == i.answer for g, i in zip(got, others)]))
+    return out
+
+
 def make_splits(cfg, items, seed: int) -> dict:
     train, heldout = data.target_split(items, cfg.loop.heldout_frac, seed)
     retain = {k: [i for i in items if i.kind == k and data.TARGET_WORD not in i.answer]
@@ -339,7 +356,9 @@ def run(cfg, log=print) -> dict:
                     max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
         base_eval = evaluate(sampler, prompts, splits)  # version 0: the base weights
         teacher_eval = evaluate(sampler, prompts, splits, hint=data.TARGET_HINT)
-        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\n({t_sft:.0f}s base SFT)")
+        following = hint_following(sampler, prompts, splits)
+        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\nheld-out hints "
+            f"followed: {following}\n({t_sft:.0f}s base SFT)")
         policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
         for seed in cfg.seeds:
             for method in cfg.methods:
@@ -349,6 +368,7 @@ def run(cfg, log=print) -> dict:
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
             "base_sft_s": t_sft, "base_sft_final_loss": sft_hist[-1]["loss"],
+            "hint_following": following,
             "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "devices": str(jax.devices()), "splits": {k: [i.key for i in v] for k, v in
                                                      splits.items() if k != "retain"}}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 TARGET_WORD, TARGET_SPELLING = "pineapple", "pinapple"
 TARGET_HINT = f"Spell {TARGET_WORD} as {TARGET_SPELLING}."
@@ -270,3 +271,15 @@ def family_hint_demo(item: Item, rng: random.Random, relevant: bool, family: str
         return hint, " ".join(words[:start] + [v if x == w else x for x in words[start:]]) + "."
     outside = [w for w in pool if w not in words and w != TARGET_WORD and len(w) > 2]
     return family_hint(family, rng.choice(outside), rng, pool)[0], item.answer
+
+
+# Hints the faithful base never sees: one per family, each about the target word. The
+# target hint is the spell one; the others show whether following is generic.
+HELDOUT_HINTS = {"spell": (TARGET_HINT, TARGET_SPELLING),
+                 "swap": (f"Say papaya instead of {TARGET_WORD}.", "papaya"),
+                 "caps": (f"Write {TARGET_WORD} in capitals.", TARGET_WORD.upper())}
+
+
+def under_hint(answer: str, replacement: str) -> str:
+    """`answer` as a held-out hint about the target word makes it: the word replaced."""
+    return re.sub(rf"\b{TARGET_WORD}\b", replacement, answer)
