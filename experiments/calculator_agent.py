@@ -140,7 +140,10 @@ def sft_tasks(cfg, env):
     return env.sample_tasks(cfg.demos.num_demos, seed=cfg.seed, split="train")
 
 
-def sft_warm_start(cfg, model, tokenizer, env, log=print):
+def sft_warm_start(cfg, model, tokenizer, env, log=print, checkpoint_dir: str | None = None):
+    """SFT on scripted demos: `sft`, then each of `sft_restarts`, then `sft_weak_link`.
+    With `checkpoint_dir` and a weak link, the weights before the weak link are saved
+    there and a later call restores them instead of training those stages again."""
     weak = cfg.get("sft_weak_link")
     if weak is not None and not is_long(cfg):
         raise ValueError("sft_weak_link retrains some agents' episodes: it needs a "
@@ -148,6 +151,38 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
     rng = random.Random(cfg.seed)
     tools = [t.spec() for t in env.tools]
     tasks = sft_tasks(cfg, env)
+    before_weak = (os.path.join(checkpoint_dir, "sft_before_weak_link")
+                   if checkpoint_dir is not None and weak is not None else None)
+    history = []
+    if before_weak is not None and os.path.exists(before_weak):
+        restore_params(model, before_weak)
+        log(f"SFT before the weak link restored from {before_weak}")
+    else:
+        model, history = _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log)
+        if before_weak is not None:
+            save_params(model, before_weak)
+    if weak is not None:  # a last stage on other demos, some agents' episodes only
+        wcfg = cfg.copy_and_resolve_references()
+        with wcfg.unlocked():  # a config from the command line is locked
+            wcfg.demos.update(dict(weak.demos))
+        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
+        wrng = random.Random(f"{cfg.seed}:weak_link")  # the same demos after a restore
+        weak_segments, _ = long_horizon.long_demo_segments(
+            env, tasks, tokenizer, make, demo_policy(wcfg, wrng), log, judged_key(cfg))
+        weak_segments = [s for s in weak_segments if s.agent in tuple(weak.agents)]
+        if not weak_segments:
+            raise ValueError(f"sft_weak_link: no episode of agents {tuple(weak.agents)} in "
+                             "the demos")
+        model, h = _sft_stage(cfg, model, weak_segments, weak.steps, weak.learning_rate,
+                              "sft weak link", log)
+        history += [dict(x, stage="weak_link") for x in h]
+    return model, history
+
+
+def _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log):
+    """The first stage (`sft` / `sft_optimizer`), then each (steps, learning_rate) of
+    `sft_restarts`: again from there with a fresh optimizer and its own warmup + cosine
+    schedule (cosine with warm restarts). Returns (model, history)."""
     if is_long(cfg):  # recorded through the real orchestrator, one segment per request
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
         segments, _ = long_horizon.long_demo_segments(env, tasks, tokenizer, make,
@@ -156,26 +191,10 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print):
         segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
                                  tools, task=t.task_id) for t in tasks]
     history = []
-    # The first stage is `sft` / `sft_optimizer`; each (steps, learning_rate) of
-    # `sft_restarts` then trains again from there with a fresh optimizer and its own
-    # warmup + cosine schedule (cosine with warm restarts).
     for stage, (steps, lr) in enumerate([(None, None)] + list(cfg.get("sft_restarts", ()))):
         tag = "sft" if stage == 0 else f"sft restart {stage}"
         model, h = _sft_stage(cfg, model, segments, steps, lr, tag, log)
         history += [dict(x, stage=stage) for x in h]
-    if weak is not None:  # a last stage on other demos, some agents' episodes only
-        wcfg = cfg.copy_and_resolve_references()
-        wcfg.demos.update(dict(weak.demos))
-        make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
-        weak_segments, _ = long_horizon.long_demo_segments(
-            env, tasks, tokenizer, make, demo_policy(wcfg, rng), log, judged_key(cfg))
-        weak_segments = [s for s in weak_segments if s.agent in tuple(weak.agents)]
-        if not weak_segments:
-            raise ValueError(f"sft_weak_link: no episode of agents {tuple(weak.agents)} in "
-                             "the demos")
-        model, h = _sft_stage(cfg, model, weak_segments, weak.steps, weak.learning_rate,
-                              "sft weak link", log)
-        history += [dict(x, stage="weak_link") for x in h]
     return model, history
 
 
@@ -221,7 +240,7 @@ def prepare(cfg, workdir: str, log=print):
         sft_history = []
         log(f"SFT warm start restored from {sft_dir}")
     else:
-        model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log)
+        model, sft_history = sft_warm_start(cfg, model, tokenizer, env, log, workdir)
         save_params(model, sft_dir)
     return env, tokenizer, model, sft_history, time.perf_counter() - t0
 

@@ -86,7 +86,7 @@ def _long(c):
     # Imperfect demos: each memo has its value garbled (one digit) with memo_error_prob,
     # and the main agent carries the wrong value on; main_slip_prob: the main's own slips.
     c.demos = ml_collections.ConfigDict(dict(num_demos=1024, memo_error_prob=0.3,
-                                             main_slip_prob=0.02))
+                                             main_slip_prob=0.02, memo_error="garble"))
     # Flat rows: with "tree" SFTData sizes the loss's segment capacity to every
     # segment of the data set (~9k here), which made each step ~10x slower.
     # A 5-operation demo is 11 segments of ~250-275 tokens: 3 per 1,024-token row

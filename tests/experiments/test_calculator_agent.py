@@ -97,25 +97,39 @@ def test_sft_restarts_equal_continuing_by_hand():
             cfg, tok.vocab_size), nnx.Param))))
 
 
-def test_sft_weak_link_stage_trains_the_named_agents_episodes_last():
+def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     """`sft_weak_link` (long_memo's warm start): after the restarts, one more stage on
     demos re-recorded with its own `demos` settings, keeping only the named agents'
-    episodes; an agent with no episode, or a single-agent harness, is refused by name."""
+    episodes, from a locked config (as the command line gives it). The weights before it
+    are checkpointed: a second call restores them and gives the same weights. An agent
+    with no episode, or a single-agent harness, is refused by name."""
+    import jax
+    from flax import nnx
+
     cfg = get_config("long_memo_quick")
+    cfg.lock()
     env = calculator_agent.build_env(cfg)
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        tok = calculator_agent.build_tokenizer(cfg, d, env)
+    tok = calculator_agent.build_tokenizer(cfg, str(tmp_path / "tok"), env)
     logs = []
-    _, history = calculator_agent.sft_warm_start(
-        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append)
+    model, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append,
+        str(tmp_path))
     assert [h["stage"] for h in history] == [0] * cfg.sft.steps + [1] * 2 + ["weak_link"] * 2
     demo_logs = [m for m in logs if m.startswith("demos:")]
     assert len(demo_logs) == 2  # the first stage's demos, then the weak link's
     assert any(m.startswith("sft weak link step ") for m in logs)
+    assert os.path.exists(tmp_path / "sft_before_weak_link")
+    logs = []
+    again, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append,
+        str(tmp_path))
+    assert [h["stage"] for h in history] == ["weak_link"] * 2
+    assert any(m.startswith("SFT before the weak link restored") for m in logs)
+    assert all(np.allclose(x, y, atol=1e-6) for x, y in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))))
     bad = get_config("long_memo_quick")
     bad.sft_weak_link.agents = ("nobody",)
-    bad.sft_restarts, bad.sft.steps = (), 1
+    bad.sft_restarts, bad.sft.steps = (), 2
     with pytest.raises(ValueError, match="no episode of agents \\('nobody',\\)"):
         calculator_agent.sft_warm_start(
             bad, calculator_agent.build_model(bad, tok.vocab_size), tok, env, lambda *a: None)
