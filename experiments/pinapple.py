@@ -357,8 +357,9 @@ def run(cfg, log=print) -> dict:
         base_eval = evaluate(sampler, prompts, splits)  # version 0: the base weights
         teacher_eval = evaluate(sampler, prompts, splits, hint=data.TARGET_HINT)
         following = hint_following(sampler, prompts, splits)
-        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\nheld-out hints "
-            f"followed: {following}\n({t_sft:.0f}s base SFT)")
+        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\nhints about the "
+            f"target word followed (none in a faithful corpus): {following}\n"
+            f"({t_sft:.0f}s base SFT)")
         policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
         for seed in cfg.seeds:
             for method in cfg.methods:
