@@ -175,8 +175,6 @@ def _quick_long(c):
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
     c.sft.batch_rows = 6  # a whole demo (its main and compactor episodes) per batch
     c.sft_restarts = ((2, 3e-3),)
-    if c.get("sft_weak_link") is not None:
-        c.sft_weak_link.steps = 2
     # An untrained model answers at random: short outputs keep the smoke run short.
     c.rollout.update(max_tokens=16, max_steps=3)
     c.eval.update(num_tasks=3, attempts=1)

@@ -98,7 +98,7 @@ def test_sft_restarts_equal_continuing_by_hand():
 
 
 def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
-    """`sft_weak_link` (long_memo's warm start): after the restarts, one more stage on
+    """`sft_weak_link` (tried for long_memo's warm start): after the restarts, one more stage on
     demos re-recorded with its own `demos` settings, keeping only the named agents'
     episodes, from a locked config (as the command line gives it). The weights before it
     are checkpointed: a second call restores them and gives the same weights. An agent
@@ -106,7 +106,12 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     import jax
     from flax import nnx
 
+    import ml_collections
+
+    weak = ml_collections.ConfigDict(dict(steps=2, learning_rate=1e-3, agents=("compactor",),
+                                          demos=dict(memo_error_prob=0.5, memo_error="stale")))
     cfg = get_config("long_memo_quick")
+    cfg.sft_weak_link = weak
     cfg.lock()
     env = calculator_agent.build_env(cfg)
     tok = calculator_agent.build_tokenizer(cfg, str(tmp_path / "tok"), env)
@@ -128,6 +133,7 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     assert all(np.allclose(x, y, atol=1e-6) for x, y in zip(
         jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))))
     bad = get_config("long_memo_quick")
+    bad.sft_weak_link = weak.copy_and_resolve_references()
     bad.sft_weak_link.agents = ("nobody",)
     bad.sft_restarts, bad.sft.steps = (), 2
     with pytest.raises(ValueError, match="no episode of agents \\('nobody',\\)"):
