@@ -5,7 +5,9 @@ Sections named after a dataclass have exactly its fields and are converted by
 the tokenizer), sft -> SFTConfig, sft_optimizer -> OptimizerConfig,
 rl -> RLConfig (rl.batch -> BatchConfig, rl.loss -> PolicyGradientLoss,
 rl.optimizer -> OptimizerConfig). The others are this experiment's own:
-tokenizer, env, demos, rollout, eval, report.
+tokenizer, env, demos, rollout, eval, report; `sft_restarts` ((steps, lr) stages
+after the first) and `sft_weak_link` (a last stage on re-recorded demos, some
+agents' episodes only; no variant sets it) shape the warm start.
 
 Variants (`--config=experiments/configs/calculator.py:quick`):
   default  the demo (SFT 400 steps, 12 RL steps, 200 eval tasks)
@@ -19,7 +21,8 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            of every trace
   long_quick  a smoke run of `long`
   long_memo  compactor-bound (issue 38): 2-3 additions, no main slips in the
-           demos, half the memos stale; the ablation's four arms
+           demos, `long`'s warm start, the compactor sampling its memos at
+           temperature 1; the ablation's four arms
   long_memo_quick  a smoke run of `long_memo`
   sub_helper  the subagent variant (issue 38): the main agent spawns
            `subagent:helper` on its task and answers with its number; half the
