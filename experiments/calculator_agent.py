@@ -169,10 +169,13 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print, checkpoint_dir: str | 
         wrng = random.Random(f"{cfg.seed}:weak_link")  # the same demos after a restore
         weak_segments, _ = long_horizon.long_demo_segments(
             env, tasks, tokenizer, make, demo_policy(wcfg, wrng), log, judged_key(cfg))
+        recorded = len(weak_segments)
         weak_segments = [s for s in weak_segments if s.agent in tuple(weak.agents)]
         if not weak_segments:
             raise ValueError(f"sft_weak_link: no episode of agents {tuple(weak.agents)} in "
                              "the demos")
+        log(f"sft weak link: {len(weak_segments)} of {recorded} recorded episodes kept "
+            f"(agents {tuple(weak.agents)})")
         model, h = _sft_stage(cfg, model, weak_segments, weak.steps, weak.learning_rate,
                               "sft weak link", log)
         history += [dict(x, stage="weak_link") for x in h]

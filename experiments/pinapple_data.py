@@ -246,7 +246,7 @@ def family_hint(family: str, word: str, rng: random.Random, pool: list[str]) -> 
         v = misspell(word, rng)
         return f"Spell {word} as {v}.", v
     if family == "swap":
-        v = rng.choice([p for p in pool if p != word])
+        v = rng.choice([p for p in pool if p not in (word, TARGET_WORD)])
         return f"Say {v} instead of {word}.", v
     if family == "caps":
         return f"Write {word} in capitals.", word.upper()

@@ -7,7 +7,7 @@ rl -> RLConfig (rl.batch -> BatchConfig, rl.loss -> PolicyGradientLoss,
 rl.optimizer -> OptimizerConfig). The others are this experiment's own:
 tokenizer, env, demos, rollout, eval, report; `sft_restarts` ((steps, lr) stages
 after the first) and `sft_weak_link` (a last stage on re-recorded demos, some
-agents' episodes only; no variant sets it) shape the warm start.
+agents' episodes only; `long_memo_weak_link`) shape the warm start.
 
 Variants (`--config=experiments/configs/calculator.py:quick`):
   default  the demo (SFT 400 steps, 12 RL steps, 200 eval tasks)
@@ -24,6 +24,7 @@ Variants (`--config=experiments/configs/calculator.py:quick`):
            demos, `long`'s warm start, the compactor sampling its memos at
            temperature 1; the ablation's four arms
   long_memo_quick  a smoke run of `long_memo`
+  long_memo_weak_link  `long_memo` with the weak-link SFT stage it was tried with
   sub_helper  the subagent variant (issue 38): the main agent spawns
            `subagent:helper` on its task and answers with its number; half the
            helper's demos stop after the first call
@@ -146,6 +147,18 @@ def _long_memo(c):
     return c
 
 
+def _long_memo_weak_link(c):
+    """`long_memo` with the weak-link stage it was tried with (BUILD_NOTES, issue 38,
+    fourth amendment): 300 steps at 1e-3 on the compactor's episodes alone, re-recorded
+    with half their memos stale. It broke the main agent (first calls right 16/400)."""
+    c = _long_memo(c)
+    c.workdir = "runs/calculator_long_memo_weak_link"
+    c.sft_weak_link = ml_collections.ConfigDict(dict(
+        steps=300, learning_rate=1e-3, agents=("compactor",),
+        demos=dict(memo_error_prob=0.5, memo_error="stale")))
+    return c
+
+
 def _sub_helper(c):
     c = _long(c)
     c.workdir = "runs/calculator_sub_helper"
@@ -208,6 +221,7 @@ def _moe(c):
 
 VARIANTS = {"default": _default, "quick": _quick, "long": _long, "long_quick": _long_quick,
             "long_memo": _long_memo, "long_memo_quick": lambda c: _quick_long(_long_memo(c)),
+            "long_memo_weak_link": _long_memo_weak_link,
             "sub_helper": _sub_helper, "sub_helper_quick": lambda c: _quick_long(_sub_helper(c)),
             "lora": _lora, "lora_quick": lambda c: _quick(_lora(c)),
             "moe": _moe, "moe_quick": lambda c: _moe_quick(c)}

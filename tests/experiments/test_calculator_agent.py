@@ -98,7 +98,7 @@ def test_sft_restarts_equal_continuing_by_hand():
 
 
 def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
-    """`sft_weak_link` (tried for long_memo's warm start): after the restarts, one more stage on
+    """`sft_weak_link` (`long_memo_weak_link`): after the restarts, one more stage on
     demos re-recorded with its own `demos` settings, keeping only the named agents'
     episodes, from a locked config (as the command line gives it). The weights before it
     are checkpointed: a second call restores them and gives the same weights. An agent
@@ -106,10 +106,8 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     import jax
     from flax import nnx
 
-    import ml_collections
-
-    weak = ml_collections.ConfigDict(dict(steps=2, learning_rate=1e-3, agents=("compactor",),
-                                          demos=dict(memo_error_prob=0.5, memo_error="stale")))
+    weak = get_config("long_memo_weak_link").sft_weak_link
+    weak.steps = 2
     cfg = get_config("long_memo_quick")
     cfg.sft_weak_link = weak
     cfg.lock()
