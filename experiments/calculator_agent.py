@@ -185,7 +185,10 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print, checkpoint_dir: str | 
 def _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log):
     """The first stage (`sft` / `sft_optimizer`), then each (steps, learning_rate) of
     `sft_restarts`: again from there with a fresh optimizer and its own warmup + cosine
-    schedule (cosine with warm restarts). Returns (model, history)."""
+    schedule (cosine with warm restarts). Then, with `sft_extend` (max_loss, window,
+    steps, learning_rate, max_stages), up to max_stages more such restarts, each only
+    while the mean loss of the last `window` steps is above max_loss.
+    Returns (model, history)."""
     if is_long(cfg):  # recorded through the real orchestrator, one segment per request
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
         segments, _ = long_horizon.long_demo_segments(env, tasks, tokenizer, make,
@@ -194,9 +197,25 @@ def _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log):
         segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
                                  tools, task=t.task_id) for t in tasks]
     history = []
-    for stage, (steps, lr) in enumerate([(None, None)] + list(cfg.get("sft_restarts", ()))):
+    stages = [(None, None)] + [tuple(x) for x in cfg.get("sft_restarts", ())]
+    for stage, (steps, lr) in enumerate(stages):
         tag = "sft" if stage == 0 else f"sft restart {stage}"
         model, h = _sft_stage(cfg, model, segments, steps, lr, tag, log)
+        history += [dict(x, stage=stage) for x in h]
+    ext = cfg.get("sft_extend")
+    for extra in range(ext.max_stages if ext is not None else 0):
+        # Copying is a phase change whose step varies between seeds: one more restart
+        # while the last stage's loss shows it has not come (BUILD_NOTES, issue 38).
+        tail = [x["loss"] for x in history[-ext.window:]]
+        final = sum(tail) / len(tail)
+        if final <= ext.max_loss:
+            log(f"sft extend: final loss {final:.4f} <= {ext.max_loss}, no extension")
+            break
+        stage = len(stages) + extra
+        log(f"sft extend: final loss {final:.4f} > {ext.max_loss}: restart {stage} "
+            f"({ext.steps} steps at lr {ext.learning_rate})")
+        model, h = _sft_stage(cfg, model, segments, ext.steps, ext.learning_rate,
+                              f"sft restart {stage}", log)
         history += [dict(x, stage=stage) for x in h]
     return model, history
 

@@ -6,8 +6,9 @@ the tokenizer), sft -> SFTConfig, sft_optimizer -> OptimizerConfig,
 rl -> RLConfig (rl.batch -> BatchConfig, rl.loss -> PolicyGradientLoss,
 rl.optimizer -> OptimizerConfig). The others are this experiment's own:
 tokenizer, env, demos, rollout, eval, report; `sft_restarts` ((steps, lr) stages
-after the first) and `sft_weak_link` (a last stage on re-recorded demos, some
-agents' episodes only; `long_memo_weak_link`) shape the warm start.
+after the first), `sft_extend` (more restarts while the loss stays high) and
+`sft_weak_link` (a last stage on re-recorded demos, some agents' episodes only;
+`long_memo_weak_link`) shape the warm start.
 
 Variants (`--config=experiments/configs/calculator.py:quick`):
   default  the demo (SFT 400 steps, 12 RL steps, 200 eval tasks)
@@ -134,6 +135,12 @@ def _long_memo(c):
     # starts), and a last stage on the compactor's episodes alone (`sft_weak_link`, 300
     # steps at 1e-3, half the memos stale) broke it: first calls right 0.04.
     c.harness.compactor_sampling = ml_collections.ConfigDict(dict(temperature=1.0))
+    # The copies are a phase change whose step varies with the seed: at 1,200 + 1,500
+    # steps seed 0 had them (final loss 0.07) and seeds 1 and 2 had not (0.29, 0.21).
+    # Up to two more 1,500-step restarts, each only while the mean loss of the last 100
+    # steps is above 0.15 (sixth amendment, BUILD_NOTES issue 38).
+    c.sft_extend = ml_collections.ConfigDict(dict(
+        max_loss=0.15, window=100, steps=1500, learning_rate=3e-3, max_stages=2))
     # The same held-out tasks whatever the seed: per-task differences pool over seeds.
     c.eval.update(num_tasks=200, attempts=2)
     c.eval.task_seed = 1000
@@ -191,6 +198,8 @@ def _quick_long(c):
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
     c.sft.batch_rows = 6  # a whole demo (its main and compactor episodes) per batch
     c.sft_restarts = ((2, 3e-3),)
+    if c.get("sft_extend") is not None:  # an untrained model's loss is high: it extends
+        c.sft_extend.update(window=2, steps=2)
     # An untrained model answers at random: short outputs keep the smoke run short.
     c.rollout.update(max_tokens=16, max_steps=3)
     c.eval.update(num_tasks=3, attempts=1)

@@ -97,6 +97,29 @@ def test_sft_restarts_equal_continuing_by_hand():
             cfg, tok.vocab_size), nnx.Param))))
 
 
+def test_sft_extend_restarts_only_while_the_loss_stays_high():
+    """`sft_extend` (`long_memo`): up to max_stages more restarts, each only while the
+    mean loss of the last `window` steps is above max_loss; none when it is below."""
+    cfg = get_config("long_memo_quick")
+    cfg.sft.steps = 2
+    env = calculator_agent.build_env(cfg)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tok = calculator_agent.build_tokenizer(cfg, d, env)
+    logs = []
+    _, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append)
+    # An untrained model's loss (~log of the vocab) is far above 0.15: both extensions.
+    assert [h["stage"] for h in history] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sum("sft extend: final loss" in m for m in logs) == 2
+    cfg.sft_extend.max_loss = 100.0
+    logs.clear()
+    _, history = calculator_agent.sft_warm_start(
+        cfg, calculator_agent.build_model(cfg, tok.vocab_size), tok, env, logs.append)
+    assert [h["stage"] for h in history] == [0, 0, 1, 1]
+    assert any("no extension" in m for m in logs)
+
+
 def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     """`sft_weak_link` (`long_memo_weak_link`): after the restarts, one more stage on
     demos re-recorded with its own `demos` settings, keeping only the named agents'
