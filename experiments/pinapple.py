@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.config import from_config
-from ac2_jax.envs.judges import RuleJudge
+from ac2_jax.envs.judges import Judge, NoisyJudge, RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
@@ -247,12 +247,51 @@ def make_splits(cfg, items, seed: int) -> dict:
 # ----------------------------------------------------------------------------- distillation
 
 
-def make_judge(name: str) -> RuleJudge:
+def make_judge(name: str, top_s: int | None = None, seed: int = 0) -> Judge:
+    """A judge by name: "keywords" (the oracle here: the tokens of the hint's words),
+    "diff" (where the hinted teacher's argmax differs) or "noisy:<rate>" (the keywords
+    oracle with each verdict flipped at that rate, `NoisyJudge`, flips fixed by `seed`);
+    at most `top_s` selections (S; None: every relevant candidate)."""
     if name == "keywords":
-        return RuleJudge(use_hint_keywords=True)
+        return RuleJudge(use_hint_keywords=True, top_s=top_s)
     if name == "diff":
-        return RuleJudge(use_hint_keywords=False, diff=True)
-    raise ValueError(f"pinapple: judge must be 'keywords' or 'diff', got {name!r}")
+        return RuleJudge(use_hint_keywords=False, diff=True, top_s=top_s)
+    if name.startswith("noisy:"):
+        try:
+            rate = float(name.split(":", 1)[1])
+        except ValueError:
+            rate = -1.0
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"pinapple: judge {name!r}: the error rate after 'noisy:' must "
+                             "be a number in [0, 1], e.g. 'noisy:0.2'")
+        return NoisyJudge(RuleJudge(use_hint_keywords=True), rate, seed=seed, top_s=top_s)
+    raise ValueError(f"pinapple: judge must be 'keywords', 'diff' or 'noisy:<rate>', "
+                     f"got {name!r}")
+
+
+def sweep_settings(cfg) -> list[dict]:
+    """RMSD's extra settings from `cfg.sweep` (top_t, top_s, judge: tuples; an empty one
+    keeps the main runs' value): every combination, in order. [] when nothing is swept."""
+    sw = cfg.get("sweep")
+    if sw is None or not any(len(sw[k]) for k in ("top_t", "top_s", "judge")):
+        return []
+    ts = list(sw.top_t) or [cfg.distill.top_t]
+    ss = list(sw.top_s) or [cfg.loop.get("judge_top_s")]
+    js = list(sw.judge) or [cfg.loop.judge]
+    for j in js:
+        make_judge(j)  # a bad name fails before any work
+    return [{"top_t": t, "top_s": s, "judge": j} for j in js for s in ss for t in ts]
+
+
+def with_setting(cfg, setting: dict | None):
+    """`cfg` with a sweep setting's top_t, top_s and judge (a copy; None: `cfg` itself)."""
+    if setting is None:
+        return cfg
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.distill.top_t = setting["top_t"]
+        c.loop.judge, c.loop.judge_top_s = setting["judge"], setting["top_s"]
+    return c
 
 
 def distill_config(cfg, method: str) -> DistillConfig:
@@ -269,7 +308,7 @@ def _report_example(tokenizer, example, rel) -> dict:
 
 
 def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Policy,
-                log=print) -> dict:
+                log=print, setting: dict | None = None) -> dict:
     """One method from the base state, one seed.
 
     Every step: `prompts_per_step` distillation prompts are rolled out
@@ -282,11 +321,13 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
     (RMSD) the first batch's first example for the report.
     """
     graphdef, base_state = base
+    cfg = with_setting(cfg, setting)
     d, typed = cfg.loop, typed_configs(cfg, method)
     opt = typed["distill_optimizer"]
     _, state = create_train_state(base_state.model(graphdef), opt, rng=seed)
     dist = SelfDistiller(graphdef, state, typed["distill"], opt,
-                         judge=make_judge(d.judge), tokenizer=prompts.tokenizer,
+                         judge=make_judge(d.judge, d.get("judge_top_s"), seed),
+                         tokenizer=prompts.tokenizer,
                          step_fn=step_fns.get(method))
     step_fns[method] = dist.step_fn
     sampling = typed["sampling"]
@@ -329,11 +370,14 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
                       "rollout_pass_rate": float(np.mean(passed))})
     final = evaluate(sampler, prompts, splits)  # all retention items (synced at the last step)
     dt = time.perf_counter() - t0
-    log(f"  {method:4s} seed {seed}: held-out target {final['target']:.2f} (exact "
+    judge = dict(dist.judge.stats) if method == "rmsd" and dist.judge is not None else None
+    tag = "" if setting is None else f" {setting}"
+    log(f"  {method:4s}{tag} seed {seed}: held-out target {final['target']:.2f} (exact "
         f"{final['target_exact']:.2f}, train {final['target_train']:.2f}), retention "
         f"{final['retention']:.3f}, >= {d.target_rate:.0%} at step {reached}, {dt:.0f}s")
     return {"method": method, "seed": seed, "steps_to_target": reached, "final": final,
-            "evals": evals, "train": train, "example": example, "time_s": dt}
+            "evals": evals, "train": train, "example": example, "time_s": dt,
+            "setting": setting, "judge_stats": judge}
 
 def run(cfg, log=print) -> dict:
     """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
@@ -341,6 +385,9 @@ def run(cfg, log=print) -> dict:
     workdir = os.path.abspath(cfg.workdir)
     for method in cfg.methods:  # config mismatches fail before any work
         typed_configs(cfg, method)
+    settings = sweep_settings(cfg)
+    for setting in settings:
+        typed_configs(with_setting(cfg, setting), "rmsd")
     items = data.all_items(cfg.base_data.math_limit)
     tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
     log(f"tokenizer: {tokenizer.vocab_size} tokens; {len(items)} items")
@@ -365,6 +412,10 @@ def run(cfg, log=print) -> dict:
             for method in cfg.methods:
                 runs.append(distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
                                         step_fns, policy, log))
+        for setting in settings:  # RMSD over T, S and the judge (`sweep`)
+            for seed in cfg.seeds:
+                runs.append(distill_run(cfg, "rmsd", seed, (graphdef, state), prompts, splits,
+                                        step_fns, policy, log, setting=setting))
     rows = summarize(cfg, runs, base_eval, teacher_eval)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,

@@ -25,7 +25,7 @@ def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
             {"method": "teacher (base + hint)", **{k: rate([teacher_eval[k]]) for k in METRICS},
              "steps_to_target": None, "reached": None, "kept_per_update": None}]
     for method in cfg.methods:
-        rs = [r for r in runs if r["method"] == method]
+        rs = [r for r in runs if r["method"] == method and r.get("setting") is None]
         hit = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
         kept = [np.mean([t["kept_tokens"] for t in r["train"]]) for r in rs]
         rows.append({"method": method, **{k: rate([r["final"][k] for r in rs]) for k in METRICS},
@@ -67,7 +67,7 @@ def plot_runs(cfg, runs, path) -> None:
     for j, key in enumerate(("target", "retention")):
         ax = fig.add_subplot(1, 2, j + 1)
         for method in cfg.methods:
-            rs = [r for r in runs if r["method"] == method]
+            rs = [r for r in runs if r["method"] == method and r.get("setting") is None]
             steps = [e["step"] for e in rs[0]["evals"] if key in e]
             vals = np.array([[e[key] for e in r["evals"] if key in e] for r in rs])
             ax.plot(steps, vals.mean(0), marker=".", label=method)
@@ -78,6 +78,81 @@ def plot_runs(cfg, runs, path) -> None:
         ax.set_xlabel("distillation step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _setting_key(setting: dict) -> tuple:
+    return (setting["judge"], str(setting["top_s"]), setting["top_t"])
+
+
+def summarize_sweep(cfg, runs) -> list[dict]:
+    """One row per sweep setting (RMSD's T, S, judge): steps to target, final held-out
+    target and retention, loss tokens per update (mean and 95% CI over seeds), and the
+    judge's selections per example."""
+    rows = []
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        if r.get("setting") is not None:
+            groups.setdefault(_setting_key(r["setting"]), []).append(r)
+    for rs in groups.values():
+        hit = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
+        stats = [r["judge_stats"] for r in rs if r.get("judge_stats")]
+        examples = sum(s["examples"] for s in stats)
+        rows.append({**rs[0]["setting"],
+                     "steps_to_target": _ci(hit) if hit else None,
+                     "reached": f"{len(hit)}/{len(rs)}",
+                     "target": _ci([r["final"]["target"] for r in rs], (0.0, 1.0)),
+                     "retention": _ci([r["final"]["retention"] for r in rs], (0.0, 1.0)),
+                     "kept_per_update": _ci([np.mean([t["kept_tokens"] for t in r["train"]])
+                                             for r in rs]),
+                     "selected_per_example": (sum(s["selected"] for s in stats) / examples
+                                              if examples else None)})
+    return rows
+
+
+def sweep_markdown(cfg, rows) -> str:
+    head = (f"| judge | S | T | steps to >= {cfg.loop.target_rate:.0%} held-out (reached) | "
+            "held-out target | retention | loss tokens / update | judge picks / response |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        steps = f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})"
+        sel = "-" if r["selected_per_example"] is None else f"{r['selected_per_example']:.2f}"
+        lines.append(f"| {r['judge']} | {r['top_s']} | {r['top_t']} | {steps} | "
+                     f"{_fmt(r['target'])} | {_fmt(r['retention'])} | "
+                     f"{_fmt(r['kept_per_update'], 1)} | {sel} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(cfg, rows, path) -> None:
+    """Steps to target and final retention against T, one line per (judge, S); error bars
+    are the 95% CIs over seeds (settings that never reached the target are left out of the
+    first panel)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 3.6), dpi=100)
+    lines: dict[tuple, list] = {}
+    for r in rows:
+        lines.setdefault((r["judge"], str(r["top_s"])), []).append(r)
+    for j, key in enumerate(("steps_to_target", "retention")):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for (judge, s), rs in lines.items():
+            rs = sorted((r for r in rs if r[key] is not None), key=lambda r: r["top_t"] or 0)
+            if not rs:
+                continue
+            x = [r["top_t"] for r in rs]
+            y = np.array([r[key]["mean"] for r in rs])
+            err = np.array([[r[key]["mean"] - r[key]["low"] for r in rs],
+                            [r[key]["high"] - r[key]["mean"] for r in rs]])
+            err = np.where(np.isfinite(err), err, 0.0)  # one seed: no interval, no bar
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3,
+                        label=f"{judge}, S={s}")
+        ax.set_xlabel("T (divergence candidates per response)")
+        ax.set_title(("steps to the held-out target" if key == "steps_to_target" else
+                      "retention after the last step") + "\nmean, 95% CI over seeds",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # none when no setting reached the target
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -97,8 +172,16 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
         json.dump({"rows": rows, "runs": [{k: v for k, v in r.items()} for r in runs],
                    "meta": meta, "config": cfg.to_dict()}, f, indent=1, default=str)
     plot_runs(cfg, runs, os.path.join(report_dir, "curves.png"))
+    sweep = summarize_sweep(cfg, runs)
+    if sweep:  # RMSD over T, S and the judge
+        with open(os.path.join(report_dir, "sweep.md"), "w") as f:
+            f.write(f"# pinapple: RMSD over T, S and the judge\n\nseeds {list(cfg.seeds)}; "
+                    "mean [95% CI] over seeds.\n\n" + sweep_markdown(cfg, sweep) + "\n")
+        with open(os.path.join(report_dir, "sweep.json"), "w") as f:
+            json.dump(sweep, f, indent=1)
+        plot_sweep(cfg, sweep, os.path.join(report_dir, "sweep.png"))
     ex = next((r for r in runs if r["method"] == cfg.report.example_method
-               and r["example"] is not None), None)
+               and r.get("setting") is None and r["example"] is not None), None)
     if ex is not None:
         metrics = [{"step": t["step"], "loss": t["loss"]} for t in ex["train"]]
         metrics += [{k: e[k] for k in ("step", "target", "retention") if k in e}

@@ -75,6 +75,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         kind="reverse_kl", teacher="live", ema_decay=0.9, top_t=2,
         threshold=config_dict.placeholder(float), seq_len=128, rows=4))
     c.distill.groups = c.loop.get_ref("prompts_per_step")
+    # S: at most this many judge selections per response (None: every relevant candidate).
+    c.loop.judge_top_s = config_dict.placeholder(int)
+    # RMSD's extra runs over T (distill.top_t), S (loop.judge_top_s) and the judge
+    # ("keywords", "diff", "noisy:<rate>"): every combination x every seed, after the
+    # main runs; an empty tuple keeps the main runs' value, all empty: no sweep.
+    c.sweep = ml_collections.ConfigDict(dict(top_t=(), top_s=(), judge=()))
     c.distill_optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-4))  # OptimizerConfig
     c.sampling = ml_collections.ConfigDict(dict(   # SampleConfig
         max_new_tokens=20, temperature=1.0))

@@ -76,21 +76,3 @@ def test_the_faithful_corpus_never_shows_the_target_hint_or_word_in_a_hint():
     # The default corpus is unchanged: it still teaches the target hint in context.
     default = _hint_demos(get_config(), items, random.Random(0))
     assert any(h == data.TARGET_HINT for _, h, _, _ in default)
-
-
-def test_faithful_pipeline_at_toy_size_reports_held_out_hint_following(tmp_path):
-    """Base SFT on the faithful corpus -> the held-out hints' teacher check -> every
-    method's distillation steps, in one run (pinapple.py:quick with the families on)."""
-    from experiments import pinapple
-
-    cfg = get_config("quick")
-    cfg.base_data.update(target_hint_frac=0.0, families=data.FAMILIES, repeat_items=20,
-                         nonce_words=20)
-    cfg.loop.update(steps=1, eval_every=1)
-    cfg.workdir = str(tmp_path / "run")
-    out = pinapple.run(cfg, log=lambda *a: None)
-    following = out["meta"]["hint_following"]
-    assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere"}
-    assert all(0.0 <= v <= 1.0 for v in following.values())
-    assert {r["method"] for r in out["runs"]} == set(cfg.methods)
-    assert all(len(r["train"]) == 1 for r in out["runs"])

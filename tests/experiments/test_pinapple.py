@@ -1,0 +1,82 @@
+"""The pinapple experiment's pieces (experiments/pinapple.py): judges by name, the sweep's
+settings, and the whole pipeline at toy size."""
+
+import pytest
+
+from ac2_jax.envs.judges import JudgeExample, NoisyJudge, RuleJudge
+from experiments import pinapple_data as data
+from experiments.configs.pinapple import get_config
+from experiments.pinapple import make_judge, sweep_settings, with_setting
+
+
+def _example():
+    toks = ("Spell", " pin", "apple", " as", " pin", "apple", ".")
+    return JudgeExample(prompt="p", response="".join(toks), response_tokens=toks,
+                        hint=data.TARGET_HINT, candidates=tuple(range(len(toks))))
+
+
+def test_make_judge_by_name_with_top_s_and_a_noisy_oracle():
+    ex = _example()
+    oracle = make_judge("keywords").select(ex)
+    assert oracle and isinstance(make_judge("keywords"), RuleJudge)
+    assert make_judge("keywords", top_s=1).select(ex) == oracle[:1]
+    clean = make_judge("noisy:0")
+    assert isinstance(clean, NoisyJudge) and clean.select(ex) == oracle
+    flipped = make_judge("noisy:1")
+    assert set(flipped.select(ex)) == set(ex.candidates) - set(oracle)
+    # The flips are fixed by the seed; another seed flips other positions.
+    picks = {s: make_judge("noisy:0.5", seed=s).select(ex) for s in range(6)}
+    assert picks[0] == make_judge("noisy:0.5", seed=0).select(ex)
+    assert len({tuple(p) for p in picks.values()}) > 1
+    for bad in ("noisy:", "noisy:x", "noisy:1.5", "oracle"):
+        with pytest.raises(ValueError, match="judge"):
+            make_judge(bad)
+
+
+def test_sweep_settings_are_every_combination_and_keep_unswept_values():
+    cfg = get_config("quick")
+    assert sweep_settings(cfg) == []
+    cfg.sweep.top_t = (1, 4)
+    cfg.sweep.judge = ("keywords", "noisy:0.3")
+    got = sweep_settings(cfg)
+    assert got == [{"top_t": t, "top_s": None, "judge": j}
+                   for j in ("keywords", "noisy:0.3") for t in (1, 4)]
+    c = with_setting(cfg, {"top_t": 4, "top_s": 2, "judge": "noisy:0.3"})
+    assert (c.distill.top_t, c.loop.judge_top_s, c.loop.judge) == (4, 2, "noisy:0.3")
+    assert (cfg.distill.top_t, cfg.loop.judge) == (2, "keywords")  # the original unchanged
+    cfg.sweep.judge = ("perfect",)
+    with pytest.raises(ValueError, match="'perfect'"):
+        sweep_settings(cfg)
+
+
+def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
+    """Base SFT on the faithful corpus -> the held-out hints' teacher check -> one
+    distillation step per method -> one RMSD sweep setting (T, S, a noisy judge), with
+    the report's sweep table and plot (pinapple.py:quick with the families on; answers
+    cut to 8 tokens: an untrained model writes to the limit)."""
+    import json
+    import os
+
+    from experiments import pinapple
+
+    cfg = get_config("quick")
+    cfg.base_data.update(target_hint_frac=0.0, families=data.FAMILIES, repeat_items=20,
+                         nonce_words=20)
+    cfg.loop.update(steps=1, eval_every=1)
+    cfg.sampling.max_new_tokens = 8
+    cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5",))
+    cfg.workdir = str(tmp_path / "run")
+    out = pinapple.run(cfg, log=lambda *a: None)
+    following = out["meta"]["hint_following"]
+    assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere"}
+    assert all(0.0 <= v <= 1.0 for v in following.values())
+    main = [r for r in out["runs"] if r["setting"] is None]
+    assert [r["method"] for r in main] == list(cfg.methods)
+    swept = [r for r in out["runs"] if r["setting"] is not None]
+    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": "noisy:0.5"}]
+    assert swept[0]["method"] == "rmsd" and swept[0]["judge_stats"]["examples"] >= 1
+    assert all(len(r["train"]) == 1 for r in out["runs"])
+    report = tmp_path / "run" / "report"
+    rows = json.load(open(report / "sweep.json"))
+    assert [(r["judge"], r["top_s"], r["top_t"]) for r in rows] == [("noisy:0.5", 1, 1)]
+    assert os.path.getsize(report / "sweep.png") > 1000

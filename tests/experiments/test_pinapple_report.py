@@ -1,0 +1,48 @@
+"""The pinapple report's sweep summary (RMSD over T, S and the judge): one row per
+setting with CIs over seeds, the main table untouched by sweep runs, and the plot."""
+
+import os
+
+from experiments.configs.pinapple import get_config
+from experiments.pinapple_report import (METRICS, plot_sweep, summarize, summarize_sweep,
+                                         sweep_markdown)
+
+
+def _run(method, seed, reached, target, retention, setting=None, kept=(4, 6)):
+    return {"method": method, "seed": seed, "steps_to_target": reached, "setting": setting,
+            "time_s": 1.0,
+            "final": {**{k: 0.5 for k in METRICS}, "target": target, "retention": retention},
+            "train": [{"kept_tokens": k} for k in kept],
+            "judge_stats": ({"examples": 10, "selected": 15, "cache_hits": 0}
+                            if method == "rmsd" else None)}
+
+
+def test_sweep_rows_are_per_setting_and_the_main_rows_ignore_sweep_runs(tmp_path):
+    cfg = get_config("quick")
+    cfg.methods = ("rmsd",)
+    a = {"top_t": 2, "top_s": None, "judge": "keywords"}
+    b = {"top_t": 8, "top_s": 1, "judge": "noisy:0.2"}
+    runs = [_run("rmsd", 0, 10, 0.9, 0.95), _run("rmsd", 1, 12, 0.92, 0.97),
+            _run("rmsd", 0, 4, 1.0, 0.5, a), _run("rmsd", 1, 6, 1.0, 0.7, a),
+            _run("rmsd", 0, None, 0.2, 0.9, b), _run("rmsd", 1, 30, 0.95, 0.8, b)]
+    rows = summarize_sweep(cfg, runs)
+    assert [(r["judge"], r["top_s"], r["top_t"]) for r in rows] == [
+        ("keywords", None, 2), ("noisy:0.2", 1, 8)]
+    ra, rb = rows
+    assert ra["steps_to_target"]["mean"] == 5.0 and ra["reached"] == "2/2"
+    assert ra["retention"]["mean"] == 0.6 and ra["retention"]["n"] == 2
+    assert rb["steps_to_target"]["mean"] == 30.0 and rb["reached"] == "1/2"
+    assert ra["kept_per_update"]["mean"] == 5.0
+    assert ra["selected_per_example"] == 1.5
+    md = sweep_markdown(cfg, rows)
+    assert "| noisy:0.2 | 1 | 8 | 30.0 (1/2) |" in md
+    # The main table's RMSD row holds the two main runs only.
+    main = summarize(cfg, runs, {k: 0.0 for k in METRICS}, {k: 1.0 for k in METRICS})
+    assert main[-1]["steps_to_target"]["mean"] == 11.0 and main[-1]["reached"] == "2/2"
+    path = tmp_path / "sweep.png"
+    plot_sweep(cfg, rows, str(path))
+    assert os.path.getsize(path) > 1000
+
+
+def test_no_sweep_runs_no_rows():
+    assert summarize_sweep(get_config("quick"), [_run("rmsd", 0, 3, 1.0, 1.0)]) == []
