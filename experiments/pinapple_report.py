@@ -157,6 +157,66 @@ def plot_sweep(cfg, rows, path) -> None:
     fig.savefig(path)
 
 
+def _html_table(head: list[str], body: list[list[str]]) -> str:
+    from ac2_jax.viz import esc
+    th = "".join(f"<th>{esc(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in body)
+    return f'<table class="results"><tr>{th}</tr>{trs}</table>'
+
+
+def _md_rows(md: str) -> tuple[list[str], list[list[str]]]:
+    """A markdown table's header and rows (the report's own tables, one format)."""
+    lines = [ln.strip().strip("|").split("|") for ln in md.strip().splitlines()]
+    return [c.strip() for c in lines[0]], [[c.strip() for c in r] for r in lines[2:]]
+
+
+def _png(path: str) -> str:
+    import base64
+    from ac2_jax.viz import esc
+    with open(path, "rb") as f:
+        data = base64.b64encode(f.read()).decode("ascii")
+    name = esc(os.path.basename(path))
+    return f'<img class="curves" alt="{name}" src="data:image/png;base64,{data}">'
+
+
+def html_report(cfg, report_dir, runs, rows, meta) -> str:
+    """The report as one standalone HTML page (the viewer's style): the run's facts, the
+    table, the curves, the sweep's table and plot, and each RMSD setting's first update
+    as a divergence heatmap with the judge's selections. Needs the PNGs `write_report`
+    writes first."""
+    from ac2_jax.viz import HEATMAP_CSS, esc, heatmap_html, kv_table, page
+    facts = {"command": meta["command"], "seeds": list(cfg.seeds), "judge": cfg.loop.judge,
+             "top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
+             "held-out hints followed": meta.get("hint_following"),
+             "wall_s": round(meta["wall_s"]), "devices": meta["devices"]}
+    body = ["<h1>pinapple: hinted behaviour into the un-hinted model</h1>", kv_table(facts),
+            "<h2>Methods (mean [95% CI] over seeds)</h2>",
+            _html_table(*_md_rows(markdown_table(cfg, rows))),
+            "<h2>Held-out target and retention per step</h2>",
+            _png(os.path.join(report_dir, "curves.png"))]
+    sweep = summarize_sweep(cfg, runs)
+    if sweep:
+        body += ["<h2>RMSD over T, S and the judge</h2>",
+                 _html_table(*_md_rows(sweep_markdown(cfg, sweep))),
+                 _png(os.path.join(report_dir, "sweep.png"))]
+    seen = set()
+    for r in runs:
+        setting = r.get("setting") or {"top_t": cfg.distill.top_t,
+                                       "top_s": cfg.loop.get("judge_top_s"),
+                                       "judge": cfg.loop.judge}
+        key = _setting_key(setting)
+        if r["example"] is None or key in seen:
+            continue
+        seen.add(key)
+        ex = r["example"]
+        body += [f"<h2>RMSD's first update: judge {esc(setting['judge'])}, "
+                 f"T={esc(setting['top_t'])}, S={esc(setting['top_s'])} (seed {r['seed']})</h2>",
+                 kv_table({"student prompt": ex["prompt"], "hint": ex["hint"]}),
+                 heatmap_html(ex["response_tokens"], ex["divergence"], ex["candidates"],
+                              ex["selected"])]
+    return page("pinapple report", "".join(body), css=HEATMAP_CSS)
+
+
 def write_report(cfg, report_dir, runs, rows, meta) -> None:
     os.makedirs(report_dir, exist_ok=True)
     table = markdown_table(cfg, rows)
@@ -180,6 +240,8 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
         with open(os.path.join(report_dir, "sweep.json"), "w") as f:
             json.dump(sweep, f, indent=1)
         plot_sweep(cfg, sweep, os.path.join(report_dir, "sweep.png"))
+    with open(os.path.join(report_dir, "index.html"), "w", encoding="utf-8") as f:
+        f.write(html_report(cfg, report_dir, runs, rows, meta))
     ex = next((r for r in runs if r["method"] == cfg.report.example_method
                and r.get("setting") is None and r["example"] is not None), None)
     if ex is not None:

@@ -28,6 +28,8 @@ _LAZY = {
     "load_metrics": "ac2_jax.viz.curves",
     "plot_curves": "ac2_jax.viz.curves",
     "distill_report_html": "ac2_jax.viz.distill_report",
+    "heatmap_html": "ac2_jax.viz.distill_report",
+    "HEATMAP_CSS": "ac2_jax.viz.distill_report",
     "write_distill_report": "ac2_jax.viz.distill_report",
 }
 
@@ -42,11 +44,13 @@ def __getattr__(name):
 
 __all__ = [
     "BASE_CSS",
+    "HEATMAP_CSS",
     "compaction_html",
     "curves_figure",
     "distill_report_html",
     "episode_html",
     "esc",
+    "heatmap_html",
     "kv_table",
     "load_metrics",
     "message_html",

@@ -27,9 +27,9 @@ _CSS = """
 pre.ctx{white-space:pre-wrap;word-break:break-word;border:1px solid #ddd;padding:.6em;
 border-radius:4px;background:#fafafa;font-size:.9em}
 mark.hint{background:#ffe066;outline:1px solid #e0a800;padding:0 2px}
-#response .tok{background:rgba(214,39,40,calc(var(--h,0)*0.85))}
-#response .tok.cand{outline:1px dashed #b22}
-#response .tok.sel{outline:2px solid #1a7f37;font-weight:bold}
+.heat .tok{background:rgba(214,39,40,calc(var(--h,0)*0.85))}
+.heat .tok.cand{outline:1px dashed #b22}
+.heat .tok.sel{outline:2px solid #1a7f37;font-weight:bold}
 #response[data-view="topT"] .tok:not(.cand),#response[data-view="topS"] .tok:not(.sel){
 background:transparent;opacity:.35;outline:none}
 .toggles label{margin-right:1.2em}
@@ -95,6 +95,35 @@ def _candidate_table(tokens, div, cands: list[int], sel: set[int]) -> str:
     )
 
 
+HEATMAP_CSS = _CSS
+"""The CSS `heatmap_html` fragments need (pass it to `trace_html.page`)."""
+
+
+def heatmap_html(
+    response_tokens: Sequence,
+    divergence: Sequence[float],
+    candidates: Sequence[int] = (),
+    selected: Sequence[int] = (),
+    tokenizer=None,
+) -> str:
+    """One response as a divergence heatmap, a fragment for any page (style: HEATMAP_CSS):
+    the tokens shaded by divergence, candidates (top-T) dashed, judge selections (top-S)
+    outlined in green, then the ranked candidate table. Arguments as in
+    `distill_report_html`; several fit on one page (no ids)."""
+    tokens = list(response_tokens)
+    if tokens and not isinstance(tokens[0], str):
+        tokens = token_texts(tokens, tokenizer)
+    div = [float(d) for d in divergence]
+    if len(div) != len(tokens):
+        raise ValueError(f"heatmap_html: {len(div)} divergences for {len(tokens)} response tokens")
+    cands = _positions("candidate", candidates, len(tokens))
+    sel = set(_positions("selected", selected, len(tokens)))
+    return (
+        f'<div class="tokens heat">{_response(tokens, div, set(cands), sel)}</div>'
+        + _candidate_table(tokens, div, cands, sel)
+    )
+
+
 def distill_report_html(
     *,
     prompt: str,
@@ -149,7 +178,7 @@ def distill_report_html(
         f" top-T candidates ({n_t})</label>"
         '<label><input type="radio" name="view" id="view-topS" value="topS">'
         f" judge top-S ({n_s})</label></p>",
-        '<div class="tokens" id="response" data-view="all">'
+        '<div class="tokens heat" id="response" data-view="all">'
         f"{_response(tokens, div, set(cands), sel)}</div>",
         "<h2>Candidates by divergence</h2>",
         _candidate_table(tokens, div, cands, sel),

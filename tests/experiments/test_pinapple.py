@@ -80,3 +80,6 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     rows = json.load(open(report / "sweep.json"))
     assert [(r["judge"], r["top_s"], r["top_t"]) for r in rows] == [("noisy:0.5", 1, 1)]
     assert os.path.getsize(report / "sweep.png") > 1000
+    page = (report / "index.html").read_text()
+    assert "RMSD over T, S and the judge" in page and page.count('class="tokens heat"') == 2
+    assert "judge noisy:0.5, T=1, S=1" in page and "data:image/png;base64," in page

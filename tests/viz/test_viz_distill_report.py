@@ -107,3 +107,23 @@ def test_bad_inputs():
         _report(teacher_prompt="no hint here")
     with pytest.raises(ValueError, match="hint is empty"):
         _report(hint="")
+
+
+def test_heatmap_fragment_matches_the_page_and_several_fit_on_one_page():
+    from ac2_jax.viz import HEATMAP_CSS, heatmap_html, page
+
+    frag = heatmap_html(TOKENS, DIV, CANDS, SEL)
+    two = Dom(page("t", frag + heatmap_html(TOKENS[:3], DIV[:3], [1], [1]), css=HEATMAP_CSS))
+    heats = two.find("div", "heat")
+    assert len(heats) == 2 and not any("id" in h["attrs"] for h in heats)
+    spans = two.find("span", "tok", within=heats[0])
+    full = Dom(_report())
+    page_spans = full.find("span", "tok", within=full.find("div", id="response")[0])
+    assert [(s["text"], s["attrs"]) for s in spans] == [(s["text"], s["attrs"])
+                                                        for s in page_spans]
+    assert len(two.find("table", "cands")) == 2
+    assert ".heat .tok.sel" in two.find("style")[0]["text"]
+    with pytest.raises(ValueError, match="2 divergences for 3 response tokens"):
+        heatmap_html(TOKENS[:3], DIV[:2])
+    with pytest.raises(ValueError, match=r"selected positions \[9\]"):
+        heatmap_html(TOKENS[:3], DIV[:3], [1], [9])
