@@ -146,13 +146,18 @@ class SFTRecipeConfig:
 class DistillLoopConfig:
     """Each step rolls out `tasks_per_step` train tasks `attempts_per_task` times
     through the endpoint with the current policy, attaches each task's hint
-    (`env.hint(task)`) and distills the traces (`examples_from_traces`)."""
+    (`env.hint(task)`) and distills the traces (`examples_from_traces`).
+    only_failures: distill only the attempts the verifier failed (reward below
+    `pass_reward`; an attempt with no reward counts as failed); the passed ones
+    are counted (data/passed_traces), never taught."""
 
     steps: int = 10
     tasks_per_step: int = 4
     attempts_per_task: int = 1
     concurrency: int = 16
     judge: str = "keywords"  # RMSD's judge: "keywords" or "diff" (a RuleJudge)
+    only_failures: bool = False
+    pass_reward: float = 1.0
 
     def __post_init__(self):
         if min(self.steps, self.tasks_per_step, self.attempts_per_task, self.concurrency) < 1:

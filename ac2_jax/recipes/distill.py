@@ -6,7 +6,8 @@
 Each step rolls `loop.tasks_per_step` train tasks out `loop.attempts_per_task`
 times through the endpoint with the current policy (the student), attaches
 each task's hint (`env.hint(task)`) to its traces, and distills every
-completion of every episode from the hinted teacher (`examples_from_traces`,
+completion of every episode (with `loop.only_failures`, of the failed
+attempts only) from the hinted teacher (`examples_from_traces`,
 `SelfDistiller`: `distill.method` "opsd", "rmsd" with a rule judge, or
 "sft"). The new weights are published and served for the next step. Traces
 that cannot be taught are skipped whole and counted (`skipped_traces`,
@@ -102,6 +103,10 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     tr.hints = [hint] if hint else []
                 # infra_error traces (our fault, retried by the collector) are never taught.
                 counts: dict[str, Any] = {"infra_error_traces": len(collected) - len(traces)}
+                if loop.only_failures:  # data path (c): only what the verifier failed
+                    failed = [t for t in traces if t.reward is None or t.reward < loop.pass_reward]
+                    counts["passed_traces"] = len(traces) - len(failed)
+                    traces = failed
                 examples = examples_from_traces(traces, tokenizer, cfg.hint, counts=counts)
                 m = await asyncio.to_thread(dist.update, examples)  # logs train/...
                 # What the step's traces gave: examples made, traces skipped (by reason).

@@ -53,3 +53,23 @@ def test_opsd_with_lora_trains_the_adapters_only(tmp_path):
         else:
             np.testing.assert_array_equal(np.asarray(var[...]), base[key])
     assert moved > 0
+
+
+def test_only_failures_distills_the_failed_attempts_and_counts_the_passed(tmp_path):
+    """Data path (c): the verifier grades every attempt; the passed ones are counted
+    (data/passed_traces) and never taught, every failed one becomes an example."""
+    from ac2_jax.trace import TraceStore
+
+    model = load_model("tiny", str(tmp_path / "build"))
+    cfg = load_config(DistillRecipeConfig, None, [
+        *SMALL, "loop.tasks_per_step=4", "loop.attempts_per_task=2", "loop.only_failures=true",
+        "rollout.temperature=1.0", f"paths.workdir={tmp_path / 'run'}"])
+    distill(model, ParityEnv(), cfg)
+    m = {}
+    for line in open(tmp_path / "run" / "metrics" / "metrics.jsonl"):
+        m.update(json.loads(line))
+    traces = list(TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read())
+    passed = sum(t.reward is not None and t.reward >= 1.0 for t in traces)
+    assert len(traces) == 8 and 0 < passed < 8  # both kinds (a random policy, seed 0)
+    assert m["data/passed_traces"] == passed
+    assert m["data/examples"] == 8 - passed  # one completion per single-turn attempt
