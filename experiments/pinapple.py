@@ -392,7 +392,9 @@ def run(cfg, log=print) -> dict:
     tokenizer = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
     log(f"tokenizer: {tokenizer.vocab_size} tokens; {len(items)} items")
     t0 = time.perf_counter()
-    splits = make_splits(cfg, items, cfg.seed)
+    # The second seed axis: which target items are distilled and which held out.
+    data_seeds = list(cfg.get("data_seeds") or ()) or [cfg.seed]
+    all_splits = {ds: make_splits(cfg, items, ds) for ds in data_seeds}
     graphdef, state, sft_hist = base_sft(cfg, tokenizer, items, log)
     state = jax.device_put(state, jax.local_devices()[0])
     t_sft = time.perf_counter() - t0
@@ -401,29 +403,32 @@ def run(cfg, log=print) -> dict:
     runs, step_fns = [], {}
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
-        base_eval = evaluate(sampler, prompts, splits)  # version 0: the base weights
-        teacher_eval = evaluate(sampler, prompts, splits, hint=data.TARGET_HINT)
-        following = hint_following(sampler, prompts, splits)
-        log(f"base: {base_eval}\nteacher (base + hint): {teacher_eval}\nhints about the "
+        # Version 0: the base weights, without and with the hint, on each split.
+        base_evals = [evaluate(sampler, prompts, sp) for sp in all_splits.values()]
+        teacher_evals = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT)
+                         for sp in all_splits.values()]
+        # Every target item and every retention item: the same whatever the split.
+        following = hint_following(sampler, prompts, all_splits[data_seeds[0]])
+        log(f"base: {base_evals}\nteacher (base + hint): {teacher_evals}\nhints about the "
             f"target word followed (none in a faithful corpus): {following}\n"
             f"({t_sft:.0f}s base SFT)")
         policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
-        for seed in cfg.seeds:
-            for method in cfg.methods:
-                runs.append(distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
-                                        step_fns, policy, log))
-        for setting in settings:  # RMSD over T, S and the judge (`sweep`)
-            for seed in cfg.seeds:
-                runs.append(distill_run(cfg, "rmsd", seed, (graphdef, state), prompts, splits,
-                                        step_fns, policy, log, setting=setting))
-    rows = summarize(cfg, runs, base_eval, teacher_eval)
+        for setting in [None] + settings:  # the main runs, then RMSD's sweep (`sweep`)
+            for ds, splits in all_splits.items():
+                for seed in cfg.seeds:
+                    for method in (cfg.methods if setting is None else ("rmsd",)):
+                        r = distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
+                                        step_fns, policy, log, setting=setting)
+                        runs.append({**r, "data_seed": ds})
+    rows = summarize(cfg, runs, base_evals, teacher_evals)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
             "base_sft_s": t_sft, "base_sft_final_loss": sft_hist[-1]["loss"],
-            "hint_following": following,
+            "hint_following": following, "data_seeds": data_seeds,
             "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
-            "devices": str(jax.devices()), "splits": {k: [i.key for i in v] for k, v in
-                                                     splits.items() if k != "retain"}}
+            "devices": str(jax.devices()),
+            "splits": {str(ds): {k: [i.key for i in v] for k, v in sp.items() if k != "retain"}
+                       for ds, sp in all_splits.items()}}
     write_report(cfg, os.path.join(workdir, "report"), runs, rows, meta)
     log(markdown_table(cfg, rows))
     log(f"total {meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU; report in "

@@ -18,11 +18,15 @@ def _ci(values, bounds=(-np.inf, np.inf)) -> dict:
 
 
 def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
-    """One row per method: mean and 95% CI over seeds (rates clipped to [0, 1])."""
+    """One row per method: mean and 95% CI over runs (seeds x data seeds; rates clipped
+    to [0, 1]). base_eval / teacher_eval: the base's evals, one dict or one per data seed."""
     rate = lambda vals: _ci(vals, (0.0, 1.0))  # noqa: E731
-    rows = [{"method": "base (no training)", **{k: rate([base_eval[k]]) for k in METRICS},
+    base = [base_eval] if isinstance(base_eval, dict) else list(base_eval)
+    teacher = [teacher_eval] if isinstance(teacher_eval, dict) else list(teacher_eval)
+    rows = [{"method": "base (no training)", **{k: rate([e[k] for e in base]) for k in METRICS},
              "steps_to_target": None, "reached": None, "kept_per_update": None},
-            {"method": "teacher (base + hint)", **{k: rate([teacher_eval[k]]) for k in METRICS},
+            {"method": "teacher (base + hint)",
+             **{k: rate([e[k] for e in teacher]) for k in METRICS},
              "steps_to_target": None, "reached": None, "kept_per_update": None}]
     for method in cfg.methods:
         rs = [r for r in runs if r["method"] == method and r.get("setting") is None]
@@ -74,7 +78,8 @@ def plot_runs(cfg, runs, path) -> None:
             ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15)
         name = ("held-out target rate" if key == "target" else
                 f"retention (every {cfg.loop.retain_every}th item)")
-        ax.set_title(f"{name}\nmean, band = min..max over {len(cfg.seeds)} seeds", fontsize=9)
+        ax.set_title(f"{name}\nmean, band = min..max over {len(rs)} runs (seeds x data "
+                     "seeds)", fontsize=9)
         ax.set_xlabel("distillation step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -185,7 +190,8 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
     as a divergence heatmap with the judge's selections. Needs the PNGs `write_report`
     writes first."""
     from ac2_jax.viz import HEATMAP_CSS, esc, heatmap_html, kv_table, page
-    facts = {"command": meta["command"], "seeds": list(cfg.seeds), "judge": cfg.loop.judge,
+    facts = {"command": meta["command"], "seeds": list(cfg.seeds),
+             "data seeds": meta.get("data_seeds"), "judge": cfg.loop.judge,
              "top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
              "held-out hints followed": meta.get("hint_following"),
              "wall_s": round(meta["wall_s"]), "devices": meta["devices"]}
@@ -222,8 +228,9 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
     table = markdown_table(cfg, rows)
     with open(os.path.join(report_dir, "results.md"), "w") as f:
         f.write(f"# pinapple\n\n`{meta['command']}`\n\n"
-                f"seeds {list(cfg.seeds)}; mean [95% CI] over seeds (t interval, rates "
-                "clipped to [0, 1]); steps to target: over the seeds that reached it, checked "
+                f"seeds {list(cfg.seeds)} x data seeds {meta.get('data_seeds')}; mean [95% CI] "
+                "over runs (t interval, rates clipped to [0, 1]); steps to target: over the "
+                "runs that reached it, checked "
                 f"every {cfg.loop.target_every} steps. Retention: exact answers on all "
                 "non-target items after the last step. Loss tokens / update: positions in the "
                 f"loss per step (8 prompts).\n\n{table}\n\n"

@@ -1,9 +1,9 @@
 """The pinapple experiment: teach a spelling change only through hints (CPU, minutes).
 
 Base SFT once (`seed`: tokenizer corpus, base model, distill/held-out split),
-then for each of `seeds` and each method (SFT on hinted outputs, OPSD, RMSD)
-a self-distillation run from that base model (the seed drives sampling and
-prompt order). Held-out target rate every `loop.target_every` steps,
+then for each of `data_seeds` (the split; default `seed`'s), each of `seeds`
+and each method (SFT on hinted outputs, OPSD, RMSD) a self-distillation run
+from that base model (the seed drives sampling and prompt order). Held-out target rate every `loop.target_every` steps,
 retention on every `loop.retain_every`-th item every `loop.eval_every`
 steps, all items at the end.
 
@@ -46,6 +46,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.seeds = (0, 1, 2)
+    # The second seed axis: the distill / held-out split of the target items, one per
+    # data seed (every method x seed runs on each); empty: `seed`'s split only.
+    c.data_seeds = ()
     c.workdir = "runs/pinapple"
     c.methods = ("sft", "opsd", "rmsd")
 

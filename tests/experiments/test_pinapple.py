@@ -65,15 +65,19 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     cfg.loop.update(steps=1, eval_every=1)
     cfg.sampling.max_new_tokens = 8
     cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5",))
+    cfg.data_seeds = (0, 1)  # two distill / held-out splits
     cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
     following = out["meta"]["hint_following"]
     assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere"}
     assert all(0.0 <= v <= 1.0 for v in following.values())
     main = [r for r in out["runs"] if r["setting"] is None]
-    assert [r["method"] for r in main] == list(cfg.methods)
+    assert [(r["data_seed"], r["method"]) for r in main] == [
+        (ds, m) for ds in (0, 1) for m in cfg.methods]
+    splits = out["meta"]["splits"]
+    assert splits["0"]["heldout"] != splits["1"]["heldout"]
     swept = [r for r in out["runs"] if r["setting"] is not None]
-    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": "noisy:0.5"}]
+    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": "noisy:0.5"}] * 2
     assert swept[0]["method"] == "rmsd" and swept[0]["judge_stats"]["examples"] >= 1
     assert all(len(r["train"]) == 1 for r in out["runs"])
     report = tmp_path / "run" / "report"
@@ -82,4 +86,5 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     assert os.path.getsize(report / "sweep.png") > 1000
     page = (report / "index.html").read_text()
     assert "RMSD over T, S and the judge" in page and page.count('class="tokens heat"') == 2
+    assert out["rows"][2]["target"]["n"] == 2  # a method's row: over seeds x data seeds
     assert "judge noisy:0.5, T=1, S=1" in page and "data:image/png;base64," in page
