@@ -54,13 +54,14 @@ def _fmt(e, digits: int = 3) -> str:
 def markdown_table(cfg, rows) -> str:
     head = (f"| method | steps to >= {cfg.loop.target_rate:.0%} held-out (reached) | held-out "
             "target | held-out exact | train target | retention | food | sentence | other | "
-            "math | loss tokens / update |")
-    lines = [head, "|" + "---|" * 11]
+            "math | loss tokens / update | wall s / run |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         steps = ("-" if r["reached"] is None else
                  f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})")
         lines.append("| " + " | ".join([r["method"], steps] + [
-            _fmt(r.get(k)) for k in METRICS] + [_fmt(r["kept_per_update"], 1)]) + " |")
+            _fmt(r.get(k)) for k in METRICS] + [_fmt(r["kept_per_update"], 1),
+                                                _fmt(r.get("time_s"), 0)]) + " |")
     return "\n".join(lines)
 
 

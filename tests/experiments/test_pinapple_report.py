@@ -4,8 +4,8 @@ setting with CIs over seeds, the main table untouched by sweep runs, and the plo
 import os
 
 from experiments.configs.pinapple import get_config
-from experiments.pinapple_report import (METRICS, plot_sweep, summarize, summarize_sweep,
-                                         sweep_markdown)
+from experiments.pinapple_report import (METRICS, markdown_table, plot_sweep, summarize,
+                                         summarize_sweep, sweep_markdown)
 
 
 def _run(method, seed, reached, target, retention, setting=None, kept=(4, 6)):
@@ -39,6 +39,9 @@ def test_sweep_rows_are_per_setting_and_the_main_rows_ignore_sweep_runs(tmp_path
     # The main table's RMSD row holds the two main runs only.
     main = summarize(cfg, runs, {k: 0.0 for k in METRICS}, {k: 1.0 for k in METRICS})
     assert main[-1]["steps_to_target"]["mean"] == 11.0 and main[-1]["reached"] == "2/2"
+    table = markdown_table(cfg, main).splitlines()
+    assert {line.count("|") for line in table} == {13}  # 12 columns, wall clock last
+    assert table[-1].endswith("| 1 [1, 1] |") and "wall s / run" in table[0]
     path = tmp_path / "sweep.png"
     plot_sweep(cfg, rows, str(path))
     assert os.path.getsize(path) > 1000
