@@ -8,6 +8,7 @@ import importlib
 
 from ac2_jax.viz.trace_html import (
     BASE_CSS,
+    HEATMAP_CSS,
     compaction_html,
     episode_html,
     esc,
@@ -29,7 +30,6 @@ _LAZY = {
     "plot_curves": "ac2_jax.viz.curves",
     "distill_report_html": "ac2_jax.viz.distill_report",
     "heatmap_html": "ac2_jax.viz.distill_report",
-    "HEATMAP_CSS": "ac2_jax.viz.distill_report",
     "write_distill_report": "ac2_jax.viz.distill_report",
 }
 

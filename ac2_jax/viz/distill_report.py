@@ -19,25 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ac2_jax.viz.curves import plot_curves
-from ac2_jax.viz.trace_html import esc, kv_table, page, token_texts, trace_section
+from ac2_jax.viz.trace_html import HEATMAP_CSS, esc, kv_table, page, token_texts, trace_section
 
 DEFAULT_CURVES = {"target metric": "target", "retention metric": "retention", "loss": "loss"}
 
-_CSS = """
-pre.ctx{white-space:pre-wrap;word-break:break-word;border:1px solid #ddd;padding:.6em;
-border-radius:4px;background:#fafafa;font-size:.9em}
-mark.hint{background:#ffe066;outline:1px solid #e0a800;padding:0 2px}
-.heat .tok{background:rgba(214,39,40,calc(var(--h,0)*0.85))}
-.heat .tok.cand{outline:1px dashed #b22}
-.heat .tok.sel{outline:2px solid #1a7f37;font-weight:bold}
-#response[data-view="topT"] .tok:not(.cand),#response[data-view="topS"] .tok:not(.sel){
-background:transparent;opacity:.35;outline:none}
-.toggles label{margin-right:1.2em}
-table.cands{border-collapse:collapse} table.cands td,table.cands th{border:1px solid #ccc;
-padding:2px 8px;font-family:monospace;font-size:.9em}
-tr.sel td{background:#dff5e3}
-img.curves{max-width:100%;border:1px solid #ddd}
-"""
+_CSS = HEATMAP_CSS
+
 
 _JS = """
 (function(){
@@ -93,10 +80,6 @@ def _candidate_table(tokens, div, cands: list[int], sel: set[int]) -> str:
         '<table class="cands"><tr><th>rank</th><th>pos</th><th>token</th><th>divergence</th>'
         f"<th>judge selected</th></tr>{rows}</table>"
     )
-
-
-HEATMAP_CSS = _CSS
-"""The CSS `heatmap_html` fragments need (pass it to `trace_html.page`)."""
 
 
 def heatmap_html(

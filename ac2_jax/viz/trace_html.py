@@ -61,6 +61,25 @@ margin:1em 0} .compaction .memo{white-space:pre-wrap;font-family:ui-monospace,mo
 """
 
 
+HEATMAP_CSS = """
+pre.ctx{white-space:pre-wrap;word-break:break-word;border:1px solid #ddd;padding:.6em;
+border-radius:4px;background:#fafafa;font-size:.9em}
+mark.hint{background:#ffe066;outline:1px solid #e0a800;padding:0 2px}
+.heat .tok{background:rgba(214,39,40,calc(var(--h,0)*0.85))}
+.heat .tok.cand{outline:1px dashed #b22}
+.heat .tok.sel{outline:2px solid #1a7f37;font-weight:bold}
+#response[data-view="topT"] .tok:not(.cand),#response[data-view="topS"] .tok:not(.sel){
+background:transparent;opacity:.35;outline:none}
+.toggles label{margin-right:1.2em}
+table.cands{border-collapse:collapse} table.cands td,table.cands th{border:1px solid #ccc;
+padding:2px 8px;font-family:monospace;font-size:.9em}
+tr.sel td{background:#dff5e3}
+img.curves{max-width:100%;border:1px solid #ddd}
+"""
+"""The CSS of divergence heatmaps (`distill_report`: the report page, `heatmap_html`
+fragments on any `page`)."""
+
+
 def esc(x: Any) -> str:
     """HTML-escape any value (quotes too, so it is safe inside attributes)."""
     return html.escape(x if isinstance(x, str) else str(x), quote=True)
