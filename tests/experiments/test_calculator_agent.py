@@ -133,6 +133,7 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
     weak.steps = 2
     cfg = get_config("long_memo_quick")
     cfg.sft_weak_link = weak
+    cfg.sft_extend.max_stages = 0  # the extension has its own test
     cfg.lock()
     env = calculator_agent.build_env(cfg)
     tok = calculator_agent.build_tokenizer(cfg, str(tmp_path / "tok"), env)
