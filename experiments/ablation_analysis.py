@@ -35,12 +35,28 @@ LABELS = {"memo_ok": "memo fidelity", "helper_ok": "helper fidelity"}
 def _eval_traces(store_path: str, eval_name: str):
     """The eval's scored attempts: infra errors (retried by `evaluate`, never scored)
     left out, and of an attempt stored twice (a resumed run) the last."""
-    last = {}
+    return list(_evals_in_store(store_path).get(eval_name, {}).values())
+
+
+_STORE_CACHE: dict[str, tuple[tuple[int, int], dict]] = {}
+
+
+def _evals_in_store(store_path: str) -> dict[str, dict]:
+    """{eval name: {(task id, attempt): trace}} of a store, read once while the file is
+    unchanged (size and mtime): the pooling asks each store for ~100 figures, and a
+    long_memo seed's store holds every RL rollout besides its evals."""
+    st = os.stat(store_path)
+    stamp = (st.st_size, st.st_mtime_ns)
+    hit = _STORE_CACHE.get(store_path)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    evals: dict[str, dict] = {}
     for t in TraceStore(store_path).read(on_error="skip"):
         meta = t.metadata or {}
-        if meta.get("eval") == eval_name and t.status != "infra_error":
-            last[(t.task_id, meta.get("attempt"))] = t
-    return list(last.values())
+        if meta.get("eval") is not None and t.status != "infra_error":
+            evals.setdefault(meta["eval"], {})[(t.task_id, meta.get("attempt"))] = t
+    _STORE_CACHE[store_path] = (stamp, evals)
+    return evals
 
 
 def _pass_by_task(traces) -> dict[str, float]:

@@ -52,3 +52,26 @@ def test_eval_figures_skip_infra_errors_rollouts_and_repeats(tmp_path):
     assert eval_pass_by_task(str(tmp_path / "served.jsonl"), "rl_whole") == {"t0": 0.5, "t1": 1.0}
     assert eval_judged_by_task(str(tmp_path / "served.jsonl"), "rl_whole") == {
         "t0": 0.5, "t1": 1.0}
+
+
+def test_a_store_is_read_once_until_it_changes(tmp_path, monkeypatch):
+    """The pooling asks each store for many figures: it is read once while unchanged, and
+    read again once a trace is appended (a resumed run)."""
+    from ac2_jax.trace import Trace, TraceStore
+    from experiments import ablation_analysis as aa
+
+    path = str(tmp_path / "served.jsonl")
+    s = TraceStore(path)
+    s.append(Trace(task_id="t0", status="finished", reward=1.0,
+                   metadata={"eval": "rl_whole", "attempt": 0}))
+    reads = []
+    real = TraceStore.read
+    monkeypatch.setattr(TraceStore, "read", lambda self, **k: reads.append(1) or real(self, **k))
+    assert aa.eval_pass_by_task(path, "rl_whole") == {"t0": 1.0}
+    assert aa.eval_pass_by_task(path, "rl_whole") == {"t0": 1.0}
+    assert aa.eval_judged_by_task(path, "rl_whole") == {}
+    assert len(reads) == 1
+    s.append(Trace(task_id="t1", status="finished", reward=0.0,
+                   metadata={"eval": "rl_whole", "attempt": 0}))
+    assert aa.eval_pass_by_task(path, "rl_whole") == {"t0": 1.0, "t1": 0.0}
+    assert len(reads) == 2
