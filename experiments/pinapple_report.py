@@ -51,18 +51,27 @@ def _fmt(e, digits: int = 3) -> str:
     return f"{e['mean']:.{digits}f} [{e['low']:.{digits}f}, {e['high']:.{digits}f}]"
 
 
-def markdown_table(cfg, rows) -> str:
-    head = (f"| method | steps to >= {cfg.loop.target_rate:.0%} held-out (reached) | held-out "
-            "target | held-out exact | train target | retention | food | sentence | other | "
-            "math | loss tokens / update | wall s / run |")
-    lines = [head, "|" + "---|" * 12]
+def _md(head: list[str], body: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(r) + " |" for r in body])
+
+
+def table_cells(cfg, rows) -> tuple[list[str], list[list[str]]]:
+    """The methods table as (header, rows of cells): markdown and HTML both render it."""
+    head = ["method", f"steps to >= {cfg.loop.target_rate:.0%} held-out (reached)",
+            "held-out target", "held-out exact", "train target", "retention", "food",
+            "sentence", "other", "math", "loss tokens / update", "wall s / run"]
+    body = []
     for r in rows:
         steps = ("-" if r["reached"] is None else
                  f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})")
-        lines.append("| " + " | ".join([r["method"], steps] + [
-            _fmt(r.get(k)) for k in METRICS] + [_fmt(r["kept_per_update"], 1),
-                                                _fmt(r.get("time_s"), 0)]) + " |")
-    return "\n".join(lines)
+        body.append([r["method"], steps] + [_fmt(r.get(k)) for k in METRICS]
+                    + [_fmt(r["kept_per_update"], 1), _fmt(r.get("time_s"), 0)])
+    return head, body
+
+
+def markdown_table(cfg, rows) -> str:
+    return _md(*table_cells(cfg, rows))
 
 
 def plot_runs(cfg, runs, path) -> None:
@@ -117,17 +126,21 @@ def summarize_sweep(cfg, runs) -> list[dict]:
     return rows
 
 
-def sweep_markdown(cfg, rows) -> str:
-    head = (f"| judge | S | T | steps to >= {cfg.loop.target_rate:.0%} held-out (reached) | "
-            "held-out target | retention | loss tokens / update | judge picks / response |")
-    lines = [head, "|" + "---|" * 8]
+def sweep_cells(cfg, rows) -> tuple[list[str], list[list[str]]]:
+    """The sweep table as (header, rows of cells)."""
+    head = ["judge", "S", "T", f"steps to >= {cfg.loop.target_rate:.0%} held-out (reached)",
+            "held-out target", "retention", "loss tokens / update", "judge picks / response"]
+    body = []
     for r in rows:
-        steps = f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})"
         sel = "-" if r["selected_per_example"] is None else f"{r['selected_per_example']:.2f}"
-        lines.append(f"| {r['judge']} | {r['top_s']} | {r['top_t']} | {steps} | "
-                     f"{_fmt(r['target'])} | {_fmt(r['retention'])} | "
-                     f"{_fmt(r['kept_per_update'], 1)} | {sel} |")
-    return "\n".join(lines)
+        body.append([str(r["judge"]), str(r["top_s"]), str(r["top_t"]),
+                     f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})", _fmt(r["target"]),
+                     _fmt(r["retention"]), _fmt(r["kept_per_update"], 1), sel])
+    return head, body
+
+
+def sweep_markdown(cfg, rows) -> str:
+    return _md(*sweep_cells(cfg, rows))
 
 
 def plot_sweep(cfg, rows, path) -> None:
@@ -170,12 +183,6 @@ def _html_table(head: list[str], body: list[list[str]]) -> str:
     return f'<table class="results"><tr>{th}</tr>{trs}</table>'
 
 
-def _md_rows(md: str) -> tuple[list[str], list[list[str]]]:
-    """A markdown table's header and rows (the report's own tables, one format)."""
-    lines = [ln.strip().strip("|").split("|") for ln in md.strip().splitlines()]
-    return [c.strip() for c in lines[0]], [[c.strip() for c in r] for r in lines[2:]]
-
-
 def _png(path: str) -> str:
     import base64
     from ac2_jax.viz import esc
@@ -198,13 +205,13 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
              "wall_s": round(meta["wall_s"]), "devices": meta["devices"]}
     body = ["<h1>pinapple: hinted behaviour into the un-hinted model</h1>", kv_table(facts),
             "<h2>Methods (mean [95% CI] over seeds)</h2>",
-            _html_table(*_md_rows(markdown_table(cfg, rows))),
+            _html_table(*table_cells(cfg, rows)),
             "<h2>Held-out target and retention per step</h2>",
             _png(os.path.join(report_dir, "curves.png"))]
     sweep = summarize_sweep(cfg, runs)
     if sweep:
         body += ["<h2>RMSD over T, S and the judge</h2>",
-                 _html_table(*_md_rows(sweep_markdown(cfg, sweep))),
+                 _html_table(*sweep_cells(cfg, sweep)),
                  _png(os.path.join(report_dir, "sweep.png"))]
     seen = set()
     for r in runs:

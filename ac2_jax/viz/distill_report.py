@@ -23,8 +23,6 @@ from ac2_jax.viz.trace_html import HEATMAP_CSS, esc, kv_table, page, token_texts
 
 DEFAULT_CURVES = {"target metric": "target", "retention metric": "retention", "loss": "loss"}
 
-_CSS = HEATMAP_CSS
-
 
 _JS = """
 (function(){
@@ -36,14 +34,25 @@ _JS = """
 """
 
 
-def _positions(name: str, positions: Sequence[int], n: int) -> list[int]:
-    out = [int(p) for p in positions]
-    bad = [p for p in out if not 0 <= p < n]
-    if bad:
-        raise ValueError(
-            f"distill_report_html: {name} positions {bad} are outside the {n} response tokens"
-        )
-    return out
+def _checked(who: str, response_tokens, divergence, candidates, selected, tokenizer):
+    """(token texts, divergences, candidates, selected set), or a ValueError naming `who`
+    and what does not line up with the response tokens."""
+    tokens = list(response_tokens)
+    if tokens and not isinstance(tokens[0], str):
+        tokens = token_texts(tokens, tokenizer)
+    div = [float(d) for d in divergence]
+    if len(div) != len(tokens):
+        raise ValueError(f"{who}: {len(div)} divergences for {len(tokens)} response tokens")
+    out = []
+    for name, positions in (("candidate", candidates), ("selected", selected)):
+        pos = [int(p) for p in positions]
+        bad = [p for p in pos if not 0 <= p < len(tokens)]
+        if bad:
+            raise ValueError(
+                f"{who}: {name} positions {bad} are outside the {len(tokens)} response tokens"
+            )
+        out.append(pos)
+    return tokens, div, out[0], set(out[1])
 
 
 def _teacher_context(prompt: str, hint: str, teacher_prompt: str | None) -> str:
@@ -93,14 +102,9 @@ def heatmap_html(
     the tokens shaded by divergence, candidates (top-T) dashed, judge selections (top-S)
     outlined in green, then the ranked candidate table. Arguments as in
     `distill_report_html`; several fit on one page (no ids)."""
-    tokens = list(response_tokens)
-    if tokens and not isinstance(tokens[0], str):
-        tokens = token_texts(tokens, tokenizer)
-    div = [float(d) for d in divergence]
-    if len(div) != len(tokens):
-        raise ValueError(f"heatmap_html: {len(div)} divergences for {len(tokens)} response tokens")
-    cands = _positions("candidate", candidates, len(tokens))
-    sel = set(_positions("selected", selected, len(tokens)))
+    tokens, div, cands, sel = _checked(
+        "heatmap_html", response_tokens, divergence, candidates, selected, tokenizer
+    )
     return (
         f'<div class="tokens heat">{_response(tokens, div, set(cands), sel)}</div>'
         + _candidate_table(tokens, div, cands, sel)
@@ -135,16 +139,9 @@ def distill_report_html(
     """
     if not hint:
         raise ValueError("distill_report_html: hint is empty")
-    tokens = list(response_tokens)
-    if tokens and not isinstance(tokens[0], str):
-        tokens = token_texts(tokens, tokenizer)
-    div = [float(d) for d in divergence]
-    if len(div) != len(tokens):
-        raise ValueError(
-            f"distill_report_html: {len(div)} divergences for {len(tokens)} response tokens"
-        )
-    cands = _positions("candidate", candidates, len(tokens))
-    sel = set(_positions("selected", selected, len(tokens)))
+    tokens, div, cands, sel = _checked(
+        "distill_report_html", response_tokens, divergence, candidates, selected, tokenizer
+    )
     n_t, n_s = len(cands), len(sel)
     body = [
         f"<h1>{esc(title)}</h1>",
@@ -176,7 +173,7 @@ def distill_report_html(
         ]
     if trace is not None:
         body += ["<h2>Full trace</h2>", trace_section(trace, tokenizer)]
-    return page(title, "".join(body), css=_CSS, script=_JS)
+    return page(title, "".join(body), css=HEATMAP_CSS, script=_JS)
 
 
 def write_distill_report(path: str | pathlib.Path, **kwargs) -> pathlib.Path:

@@ -125,5 +125,5 @@ def test_heatmap_fragment_matches_the_page_and_several_fit_on_one_page():
     assert ".heat .tok.sel" in two.find("style")[0]["text"]
     with pytest.raises(ValueError, match="2 divergences for 3 response tokens"):
         heatmap_html(TOKENS[:3], DIV[:2])
-    with pytest.raises(ValueError, match=r"selected positions \[9\]"):
+    with pytest.raises(ValueError, match=r"heatmap_html: selected positions \[9\]"):
         heatmap_html(TOKENS[:3], DIV[:3], [1], [9])
