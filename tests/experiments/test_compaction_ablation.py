@@ -13,6 +13,7 @@ def test_compaction_ablation_all_arms_over_seeds(tmp_path):
     from experiments import compaction_ablation
     cfg = get_config("long_memo_quick")
     cfg.workdir = str(tmp_path / "abl")
+    cfg.sft_extend.max_stages = 0  # the extension has its own test
     pooled = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
     arms = ["whole", "main_only", "compactor_only", "memo_reward"]
     assert pooled["arms"] == arms and pooled["seeds"] == [0, 1]
