@@ -75,3 +75,12 @@ def test_a_store_is_read_once_until_it_changes(tmp_path, monkeypatch):
                    metadata={"eval": "rl_whole", "attempt": 0}))
     assert aa.eval_pass_by_task(path, "rl_whole") == {"t0": 1.0, "t1": 0.0}
     assert len(reads) == 2
+
+
+def test_the_recovered_share_needs_a_reference_gain_that_excludes_zero():
+    from experiments.ablation_analysis import recovered_share
+
+    assert recovered_share(0.02, 0.04, {"mean": 0.04, "low": 0.01, "high": 0.07}) == (0.5, None)
+    share, note = recovered_share(0.021, 0.002, {"mean": 0.002, "low": -0.011, "high": 0.015})
+    assert share is None and "0.002 [-0.011, 0.015], does not exclude 0" in note
+    assert recovered_share(0.02, 0.0, None)[0] is None

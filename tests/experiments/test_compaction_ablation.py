@@ -7,51 +7,65 @@ import os
 from experiments.configs.calculator import get_config
 
 
-def test_compaction_ablation_all_arms_over_seeds(tmp_path):
+def test_compaction_ablation_all_arms_then_pooled_over_seeds(tmp_path):
     """calculator.py:long_memo_quick: every arm (whole, main only, compactor only, the
-    memo-reward reference) from one SFT per seed, two seeds, pooled."""
+    memo-reward reference) from one SFT, in seed 0's directory; then `run_seeds(cfg, 2)`
+    pools it with a second seed's directory. The toy pipeline runs one seed (two took
+    78 s, over the minute asked): the second is seed 0's run copied under seed 1's name,
+    so the pooling, the reuse of finished seeds and the report run for real over two
+    directories, and each pooled per-task figure must equal seed 0's."""
+    import shutil
+
     from experiments import compaction_ablation
     cfg = get_config("long_memo_quick")
     cfg.workdir = str(tmp_path / "abl")
     cfg.sft_extend.max_stages = 0  # the extension has its own test
-    pooled = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
+    single = compaction_ablation.run_seeds(cfg, 1, log=lambda *a: None)
     arms = ["whole", "main_only", "compactor_only", "memo_reward"]
-    assert pooled["arms"] == arms and pooled["seeds"] == [0, 1]
-    for seed in (0, 1):
-        report = json.load(open(os.path.join(cfg.workdir, f"seed_{seed}", "report",
-                                             "ablation.json")))
-        assert report["seed"] == seed and set(report["evals"]) == {
-            "sft", *(f"rl_{a}" for a in arms)}
-        # The same held-out tasks in every seed (eval.task_seed), so tasks pool.
-        assert report["eval_tasks"] == cfg.eval.num_tasks
-        assert set(report["differences"]) == {f"rl_{a} - sft" for a in arms} | {
-            f"rl_{a} - rl_main_only" for a in arms if a != "main_only"}
-        for arm in arms:
-            assert [c["rl_step"] for c in report["rl_curves"][arm]] == [0]
-            # Each arm trained from the SFT weights in its own directory.
-            assert os.listdir(os.path.join(cfg.workdir, f"seed_{seed}", f"rl_{arm}",
-                                           "checkpoints"))
-        # Where the main agent slips, per eval: every main request of every trace counted.
-        for name, ev in report["evals"].items():
-            assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
-        md = open(os.path.join(cfg.workdir, f"seed_{seed}", "report", "ablation.md")).read()
-        assert "rl_memo_reward" in md and "memo fidelity" in md and "first calls right" in md
-    assert pooled["primary"]["estimate"]["n"] == cfg.eval.num_tasks
-    assert pooled["primary"]["verdict"] in ("shown", "not shown", "reversed")
-    assert set(pooled["differences"]) == {"main_only - sft", "whole - main_only",
-                                          "compactor_only - main_only",
-                                          "memo_reward - main_only"}
-    report_dir = os.path.join(cfg.workdir, "report")
-    assert os.path.getsize(os.path.join(report_dir, "curves.png")) > 1000
-    assert "Primary (pre-registered)" in open(os.path.join(report_dir, "pooled.md")).read()
+    assert single["arms"] == arms and single["seeds"] == [0]
+    seed0 = os.path.join(cfg.workdir, "seed_0")
+    report = json.load(open(os.path.join(seed0, "report", "ablation.json")))
+    assert report["seed"] == 0 and set(report["evals"]) == {"sft", *(f"rl_{a}" for a in arms)}
+    # The same held-out tasks in every seed (eval.task_seed), so tasks pool.
+    assert report["eval_tasks"] == cfg.eval.num_tasks
+    assert set(report["differences"]) == {f"rl_{a} - sft" for a in arms} | {
+        f"rl_{a} - rl_main_only" for a in arms if a != "main_only"}
+    for arm in arms:
+        assert [c["rl_step"] for c in report["rl_curves"][arm]] == [0]
+        # Each arm trained from the SFT weights in its own directory.
+        assert os.listdir(os.path.join(seed0, f"rl_{arm}", "checkpoints"))
+    # Where the main agent slips, per eval: every main request of every trace counted.
+    for name, ev in report["evals"].items():
+        assert sum(v["n"] for v in ev["main_requests"].values()) > 0, name
+    md = open(os.path.join(seed0, "report", "ablation.md")).read()
+    assert "rl_memo_reward" in md and "memo fidelity" in md and "first calls right" in md
     # The arms that leave agents out count those agents' tokens as excluded.
     for arm in ("main_only", "compactor_only", "memo_reward"):
         metrics = [json.loads(line) for line in open(os.path.join(
-            cfg.workdir, "seed_0", "report", f"metrics_{arm}", "metrics.jsonl"))]
+            seed0, "report", f"metrics_{arm}", "metrics.jsonl"))]
         assert metrics and all("train/excluded_agent_tokens" in m for m in metrics), arm
-    # A finished seed is reused, not run again.
-    again = compaction_ablation.run_seeds(cfg, 2, log=lambda *a: None)
-    assert again["primary"] == pooled["primary"]
+
+    seed1 = os.path.join(cfg.workdir, "seed_1")
+    shutil.copytree(seed0, seed1)
+    report["seed"] = 1
+    with open(os.path.join(seed1, "report", "ablation.json"), "w") as f:
+        json.dump(report, f)
+    logs = []
+    pooled = compaction_ablation.run_seeds(cfg, 2, log=logs.append)
+    assert sum("reused" in m for m in logs) == 2  # finished seeds are not run again
+    assert pooled["arms"] == arms and pooled["seeds"] == [0, 1]
+    assert pooled["primary"]["estimate"]["n"] == cfg.eval.num_tasks
+    assert pooled["primary"]["verdict"] in ("shown", "not shown", "reversed")
+    # Two identical seeds: per task, the mean over seeds is seed 0's figure.
+    for arm in ["sft"] + arms:
+        assert pooled["levels"][arm]["pass"]["mean"] == single["levels"][arm]["pass"]["mean"]
+    assert set(pooled["differences"]) == {"main_only - sft", "whole - main_only",
+                                          "compactor_only - main_only",
+                                          "memo_reward - main_only"}
+    assert [s["seed"] for s in pooled["per_seed"]] == [0, 1]
+    report_dir = os.path.join(cfg.workdir, "report")
+    assert os.path.getsize(os.path.join(report_dir, "curves.png")) > 1000
+    assert "Primary (pre-registered)" in open(os.path.join(report_dir, "pooled.md")).read()
 
 
 def test_memo_reward_is_the_attempts_memo_fidelity():
