@@ -69,9 +69,12 @@ def hint_config(cfg) -> HintConfig:
 
 def word_pool(cfg, items) -> list[str]:
     """The words the hint families and "Repeat:" items draw from: every answer word and
-    `base_data.nonce_words` made-up ones, never the target word."""
+    `base_data.nonce_words` made-up ones; the target word only with target_word_hints."""
     nonce = data.nonce_words(cfg.base_data.get("nonce_words", 0), cfg.seed)
-    return [w for w in data.answer_words(items) + nonce if w != data.TARGET_WORD]
+    words = [w for w in data.answer_words(items) + nonce if w != data.TARGET_WORD]
+    # With target_word_hints the target word is a word like any other, in "Repeat:" items
+    # too (hints then rewrite it there as well); swap never replaces a word with it.
+    return words + ([data.TARGET_WORD] if cfg.base_data.get("target_word_hints") else [])
 
 
 def corpus_items(cfg, items):
@@ -100,7 +103,9 @@ def _hint_demos(cfg, items, rng):
         if families:
             item = rng.choice(items)
             demo = data.family_hint_demo(item, rng, rng.random() >= cfg.base_data.irrelevant_frac,
-                                         rng.choice(families), pool)
+                                         rng.choice(families), pool,
+                                         cfg.base_data.get("target_word_hints", False),
+                                         cfg.base_data.get("spell_edits", 1))
             if demo is not None:
                 out.append((item, *demo, place))
             continue
@@ -185,11 +190,14 @@ class Policy:
         return publish_policy(self.sampler, self.graphdef, state, self.publish_dir, self.version)
 
 
-def answers(sampler, prompts: PromptCache, items, hint: str | None = None,
+def answers(sampler, prompts: PromptCache, items, hint: str | list[str] | None = None,
             max_new: int = 20) -> list[str]:
-    """Greedy answers (text) of the sampler's policy to items, optionally with the hint."""
+    """Greedy answers (text) of the sampler's policy to items, optionally with the hint
+    (one for all, or a list: one per item)."""
     tasks = [HintTask(i.key, i.messages()) for i in items]
-    ctx = [prompts.student(t) if hint is None else prompts(t, hint)[1] for t in tasks]
+    hints = [hint] * len(tasks) if hint is None or isinstance(hint, str) else list(hint)
+    ctx = [prompts.student(t) if h is None else prompts(t, h)[1]
+           for t, h in zip(tasks, hints, strict=True)]
     outs = sample(sampler, ctx, SampleConfig(max_new_tokens=max_new, temperature=0.0),
                   stop_token_ids=prompts.tokenizer.stop_token_ids)
     return [prompts.tokenizer.decode(r.output_ids, skip_special_tokens=True).strip()
@@ -197,7 +205,7 @@ def answers(sampler, prompts: PromptCache, items, hint: str | None = None,
 
 
 def evaluate(sampler, prompts, splits, retain_every: int | None = 1,
-             hint: str | None = None) -> dict[str, float]:
+             hint: str | None = None, max_new: int = 20) -> dict[str, float]:
     """Greedy evals of the sampler's policy. target: held-out target rate (has "pinapple", no "pineapple");
     target_exact: the whole answer right with the new spelling; target_train: rate on
     the distillation prompts; retention: exact answers on non-target items (every
@@ -206,7 +214,7 @@ def evaluate(sampler, prompts, splits, retain_every: int | None = 1,
               {k: v[::retain_every] for k, v in splits["retain"].items()})
     groups = {"heldout": splits["heldout"], "train": splits["train"], **retain}
     flat = [i for g in groups.values() for i in g]
-    got = dict(zip([i.key for i in flat], answers(sampler, prompts, flat, hint)))
+    got = dict(zip([i.key for i in flat], answers(sampler, prompts, flat, hint, max_new)))
     want = lambda i: i.answer.replace(data.TARGET_WORD, data.TARGET_SPELLING)  # noqa: E731
     out = {"target": float(np.mean([has_target(got[i.key]) for i in groups["heldout"]])),
            "target_exact": float(np.mean([got[i.key] == want(i) for i in groups["heldout"]])),
@@ -221,7 +229,8 @@ def evaluate(sampler, prompts, splits, retain_every: int | None = 1,
     return out
 
 
-def hint_following(sampler, prompts: PromptCache, splits) -> dict[str, float]:
+def hint_following(sampler, prompts: PromptCache, splits, max_new: int = 20
+                   ) -> dict[str, float]:
     """Does the model follow hints it never saw? Per held-out hint (`HELDOUT_HINTS`, one per
     family, each about the target word) the share of target prompts (distillation and
     held-out) answered exactly as the hint makes the answer, and of the retention items
@@ -229,12 +238,19 @@ def hint_following(sampler, prompts: PromptCache, splits) -> dict[str, float]:
     target = splits["train"] + splits["heldout"]
     out = {}
     for family, (hint, replacement) in data.HELDOUT_HINTS.items():
-        got = answers(sampler, prompts, target, hint)
+        got = answers(sampler, prompts, target, hint, max_new)
         out[family] = float(np.mean([g == data.under_hint(i.answer, replacement)
                                      for g, i in zip(got, target)]))
     others = [i for g in splits["retain"].values() for i in g]
-    got = answers(sampler, prompts, others, data.TARGET_HINT)
+    got = answers(sampler, prompts, others, data.TARGET_HINT, max_new)
     out["unchanged_elsewhere"] = float(np.mean([g == i.answer for g, i in zip(got, others)]))
+    # The skill itself on words hints do name: a spell hint about another word of the
+    # answer, with a misspelling drawn afresh (not one the corpus showed, but for chance).
+    rng = random.Random(12345)
+    demos = [(i, data.family_hint_demo(i, rng, True, "spell", [])) for i in others]
+    demos = [(i, d) for i, d in demos if d is not None]
+    got = answers(sampler, prompts, [i for i, _ in demos], [d[0] for _, d in demos], max_new)
+    out["spell_other_words"] = float(np.mean([g == d[1] for g, (_, d) in zip(got, demos)]))
     return out
 
 
@@ -340,7 +356,8 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
         policy.sync(dist.state)
         if step % d.target_every == 0 or step == d.steps:
             sub = step % d.eval_every == 0 or step == d.steps
-            ev = evaluate(sampler, prompts, splits, retain_every=d.retain_every if sub else None)
+            ev = evaluate(sampler, prompts, splits, retain_every=d.retain_every if sub else None,
+                          max_new=cfg.loop.get("answer_tokens", 20))
             evals.append({"step": step, **ev})
             if reached is None and ev["target"] >= d.target_rate:
                 reached = step
@@ -368,7 +385,8 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
         train.append({"step": step + 1, "loss": m.get("loss", 0.0), "kl": m.get("kl"),
                       "kept_tokens": m["kept_tokens"], "failures": len(examples),
                       "rollout_pass_rate": float(np.mean(passed))})
-    final = evaluate(sampler, prompts, splits)  # all retention items (synced at the last step)
+    # All retention items (synced at the last step).
+    final = evaluate(sampler, prompts, splits, max_new=cfg.loop.get("answer_tokens", 20))
     dt = time.perf_counter() - t0
     judge = dict(dist.judge.stats) if method == "rmsd" and dist.judge is not None else None
     tag = "" if setting is None else f" {setting}"
@@ -404,11 +422,12 @@ def run(cfg, log=print) -> dict:
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
         # Version 0: the base weights, without and with the hint, on each split.
-        base_evals = [evaluate(sampler, prompts, sp) for sp in all_splits.values()]
-        teacher_evals = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT)
+        n_new = cfg.loop.get("answer_tokens", 20)  # answer tokens of every greedy eval
+        base_evals = [evaluate(sampler, prompts, sp, max_new=n_new) for sp in all_splits.values()]
+        teacher_evals = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT, max_new=n_new)
                          for sp in all_splits.values()]
         # Every target item and every retention item: the same whatever the split.
-        following = hint_following(sampler, prompts, all_splits[data_seeds[0]])
+        following = hint_following(sampler, prompts, all_splits[data_seeds[0]], n_new)
         log(f"base: {base_evals}\nteacher (base + hint): {teacher_evals}\nhints about the "
             f"target word followed (none in a faithful corpus): {following}\n"
             f"({t_sft:.0f}s base SFT)")

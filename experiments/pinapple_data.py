@@ -162,18 +162,21 @@ def target_split(items: list[Item], heldout_frac: float, seed: int
     return sorted(target[k:], key=lambda i: i.key), sorted(target[:k], key=lambda i: i.key)
 
 
-def misspell(word: str, rng: random.Random) -> str:
-    """A random one-edit misspelling (drop, double or swap a letter) different from
-    word, and never the target spelling."""
+def misspell(word: str, rng: random.Random, edits: int = 1) -> str:
+    """A random misspelling of `edits` edits (each drops, doubles or swaps a letter), one
+    different from word, and never the target spelling. More edits, more spellings per
+    word: too many for a model to memorise, so following a spell hint is a copy."""
     for _ in range(100):
-        i = rng.randrange(1, len(word) - 1) if len(word) > 2 else 0
-        op = rng.choice(("drop", "double", "swap"))
-        if op == "drop":
-            v = word[:i] + word[i + 1:]
-        elif op == "double":
-            v = word[:i] + word[i] + word[i:]
-        else:
-            v = word[:i] + word[i + 1:i + 2] + word[i] + word[i + 2:]
+        v = word
+        for _ in range(edits):
+            i = rng.randrange(1, len(v) - 1) if len(v) > 2 else 0
+            op = rng.choice(("drop", "double", "swap"))
+            if op == "drop":
+                v = v[:i] + v[i + 1:]
+            elif op == "double":
+                v = v[:i] + v[i] + v[i:]
+            else:
+                v = v[:i] + v[i + 1:i + 2] + v[i] + v[i + 2:]
         if v != word and v.isalpha() and v != TARGET_SPELLING:
             return v
     raise ValueError(f"misspell: cannot misspell {word!r}")
@@ -238,39 +241,52 @@ def repeat_items(n: int, pool: list[str], rng: random.Random) -> list[Item]:
     return out
 
 
-def family_hint(family: str, word: str, rng: random.Random, pool: list[str]) -> tuple[str, str]:
+def family_hint(family: str, word: str, rng: random.Random, pool: list[str],
+                spell_edits: int = 1) -> tuple[str, str]:
     """(hint text, the word's replacement) for one hint of `family` about `word`:
     spell ("Spell mango as mngo.": a one-edit misspelling), swap ("Say plum instead of
-    mango.": another word of `pool`) or caps ("Write mango in capitals.")."""
+    mango.": another word of `pool`) or caps ("Write mango in capitals."). Never a
+    held-out hint (`HELDOUT_HINTS`): about the target word, spell never gives the target
+    spelling and swap never the held-out word; caps about it is refused."""
     if family == "spell":
-        v = misspell(word, rng)
+        v = misspell(word, rng, spell_edits)
         return f"Spell {word} as {v}.", v
     if family == "swap":
-        v = rng.choice([p for p in pool if p not in (word, TARGET_WORD)])
+        banned = {word, TARGET_WORD} | ({HELDOUT_HINTS["swap"][1]} if word == TARGET_WORD else set())
+        v = rng.choice([p for p in pool if p not in banned])
         return f"Say {v} instead of {word}.", v
     if family == "caps":
+        if word == TARGET_WORD:
+            raise ValueError(f"family_hint: caps about {TARGET_WORD!r} is a held-out hint")
         return f"Write {word} in capitals.", word.upper()
     raise ValueError(f"family_hint: family must be one of {FAMILIES}, got {family!r}")
 
 
 def family_hint_demo(item: Item, rng: random.Random, relevant: bool, family: str,
-                     pool: list[str]) -> tuple[str, str] | None:
+                     pool: list[str], target_ok: bool = False, spell_edits: int = 1
+                     ) -> tuple[str, str] | None:
     """(hint, answer under the hint) with a hint of `family`, or None if no word fits.
-    relevant=True: the hint names a word of the answer (never the first, never the target
-    word), which the answer replaces; False: it names a word of `pool` not in the answer,
-    which stays unchanged. No hint ever names the target word."""
+    relevant=True: the hint names a word of the answer (never the first), which the answer
+    replaces; False: it names a word of `pool` not in the answer, which stays unchanged.
+    target_ok=False: no hint names the target word. True: spell and swap hints may name
+    it, with any replacement but the held-out ones (`family_hint`), so that the target
+    word is a word hints act on like any other; caps about it stays held out."""
     words = item.answer.rstrip(".").split()
     start = 0 if item.kind == "repeat" else 1  # "A mango is orange.": not "A"
+    allowed = target_ok and family != "caps"
+
+    def ok(w):
+        return w.isalpha() and w.islower() and len(w) > 2 and (allowed or w != TARGET_WORD)
+
     if relevant:
-        inside = sorted({w for w in words[start:] if w.isalpha() and w.islower()
-                         and w != TARGET_WORD and len(w) > 2})
+        inside = sorted({w for w in words[start:] if ok(w)})
         if not inside:
             return None
         w = rng.choice(inside)
-        hint, v = family_hint(family, w, rng, pool)
+        hint, v = family_hint(family, w, rng, pool, spell_edits)
         return hint, " ".join(words[:start] + [v if x == w else x for x in words[start:]]) + "."
-    outside = [w for w in pool if w not in words and w != TARGET_WORD and len(w) > 2]
-    return family_hint(family, rng.choice(outside), rng, pool)[0], item.answer
+    outside = [w for w in pool + ([TARGET_WORD] if allowed else []) if w not in words and ok(w)]
+    return family_hint(family, rng.choice(outside), rng, pool, spell_edits)[0], item.answer
 
 
 # Hints the faithful base never sees: one per family, each about the target word. The

@@ -17,6 +17,7 @@ own: tokenizer, base_data, loop, report.
 Variants (`--config=experiments/configs/pinapple.py:quick`):
   default  the reported experiment (3 seeds x 3 methods, 60 distillation steps)
   quick    a smoke run of every stage (one seed, a few steps)
+  faithful issue 39: a base that never saw the target hint (8 seeds)
 """
 
 import ml_collections
@@ -38,7 +39,31 @@ def _quick(c):
     return c
 
 
-VARIANTS = {"default": _default, "quick": _quick}
+def _faithful(c):
+    """Issue 39's faithful setup: the base corpus never shows a held-out hint (the target
+    hint "Spell pineapple as pinapple.", "Say papaya instead of pineapple.", "Write
+    pineapple in capitals.") nor the target spelling. It teaches hint following by
+    families (spell, swap, caps) over every answer word, 400 made-up ones and "Repeat:"
+    items; spell and swap hints may name the target word with other replacements
+    (`target_word_hints`), so that following the target hint is an in-context copy of
+    a spelling the model never saw."""
+    c.workdir = "runs/pinapple_faithful"
+    c.seeds = tuple(range(8))
+    c.tokenizer.vocab_size = 1024
+    c.model.update(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+                   num_kv_heads=4, head_dim=32)
+    c.base_data.update(target_hint_frac=0.0, families=("spell", "swap", "caps"),
+                       repeat_items=3000, nonce_words=400, hint_demos=40000,
+                       target_word_hints=True, spell_edits=2)
+    c.sft.update(steps=6000, batch_rows=16)
+    c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=100)
+    # Answers run to ~25 tokens with this corpus's tokenizer: 20 cut some off.
+    c.loop.answer_tokens = 32
+    c.sampling.max_new_tokens = 32
+    return c
+
+
+VARIANTS = {"default": _default, "quick": _quick, "faithful": _faithful}
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -60,7 +85,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # Base SFT data: facts (repeated) + hint-following demos for words other than pineapple.
     c.base_data = ml_collections.ConfigDict(dict(
         repeats=3, hint_demos=3000, irrelevant_frac=0.3, target_hint_frac=0.15, math_limit=10,
-        placements=("before_turn",), families=(), repeat_items=0, nonce_words=0))
+        placements=("before_turn",), families=(), repeat_items=0, nonce_words=0,
+        target_word_hints=False, spell_edits=1))
     c.sft = ml_collections.ConfigDict(dict(   # SFTConfig
         steps=1000, batch_rows=8, seq_len=128, mode="token_mean"))
     c.sft.seed = c.get_ref("seed")
@@ -73,7 +99,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # The distillation loop: every step samples `prompts_per_step` distillation prompts.
     c.loop = ml_collections.ConfigDict(dict(
         steps=60, prompts_per_step=8, only_failures=False, judge="keywords", heldout_frac=0.35,
-        target_rate=0.9, target_every=2, eval_every=10, retain_every=4))
+        target_rate=0.9, target_every=2, eval_every=10, retain_every=4, answer_tokens=20))
     c.distill = ml_collections.ConfigDict(dict(   # DistillConfig (method: each of `methods`)
         kind="reverse_kl", teacher="live", ema_decay=0.9, top_t=2,
         threshold=config_dict.placeholder(float), seq_len=128, rows=4))

@@ -69,7 +69,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
     following = out["meta"]["hint_following"]
-    assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere"}
+    assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere", "spell_other_words"}
     assert all(0.0 <= v <= 1.0 for v in following.values())
     main = [r for r in out["runs"] if r["setting"] is None]
     assert [(r["data_seed"], r["method"]) for r in main] == [

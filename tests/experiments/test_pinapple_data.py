@@ -76,3 +76,27 @@ def test_the_faithful_corpus_never_shows_the_target_hint_or_word_in_a_hint():
     # The default corpus is unchanged: it still teaches the target hint in context.
     default = _hint_demos(get_config(), items, random.Random(0))
     assert any(h == data.TARGET_HINT for _, h, _, _ in default)
+
+
+def test_target_word_hints_name_the_word_but_never_a_held_out_hint():
+    """`base_data.target_word_hints`: spell and swap hints may name the target word (so
+    hints act on it like on any word), never with a held-out replacement; caps about it
+    stays held out, and no demo writes the target spelling."""
+    cfg = _faithful_cfg()
+    cfg.base_data.update(target_word_hints=True, hint_demos=3000)
+    items = data.all_items()
+    demos = _hint_demos(cfg, corpus_items(cfg, items), random.Random(0))
+    heldout = {h for h, _ in data.HELDOUT_HINTS.values()}
+    assert not any(h in heldout for _, h, _, _ in demos)
+    assert not any(data.TARGET_SPELLING in a for _, _, a, _ in demos)
+    about = [(h, a) for _, h, a, _ in demos if data.TARGET_WORD in h]
+    assert {h.split()[0] for h, _ in about} == {"Spell", "Say"}  # never "Write ... capitals"
+    # On an answer with the word, the hint rewrites it to the replacement the hint names.
+    rewritten = [(h, a) for i, h, a, _ in demos
+                 if data.TARGET_WORD in h and data.TARGET_WORD in i.answer.rstrip(".").split()]
+    assert rewritten
+    for h, a in rewritten:
+        v = h.split()[-1].rstrip(".") if h.startswith("Spell") else h.split()[1]
+        assert v in a.rstrip(".").split() and data.TARGET_WORD not in a.rstrip(".").split(), (h, a)
+    with pytest.raises(ValueError, match="caps about 'pineapple' is a held-out hint"):
+        data.family_hint("caps", data.TARGET_WORD, random.Random(0), ["plum"])

@@ -1,0 +1,34 @@
+"""experiments/pinapple_base.py: the base alone, and its check on hints it never saw."""
+
+import json
+import os
+
+from experiments import pinapple_data as data
+from experiments.configs.pinapple import get_config
+
+
+def test_the_base_report_at_toy_size(tmp_path):
+    """pinapple.py:faithful cut to toy size (20 SFT steps on a 2-layer model, a small
+    corpus): the report has every held-out hint's following rate, the fresh-misspelling
+    check, the base and the teacher evals, and examples per held-out hint."""
+    from experiments import pinapple_base
+
+    cfg = get_config("faithful")
+    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=2, head_dim=16)
+    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=200, math_limit=3)
+    cfg.tokenizer.vocab_size = 512
+    cfg.sft.steps = 20
+    cfg.sft_optimizer.warmup_steps = 2
+    cfg.loop.answer_tokens = 8
+    cfg.workdir = str(tmp_path / "base")
+    logs = []
+    report = pinapple_base.run(cfg, log=logs.append)
+    assert set(report["hint_following"]) == {*data.HELDOUT_HINTS, "unchanged_elsewhere",
+                                             "spell_other_words"}
+    assert all(0.0 <= v <= 1.0 for v in report["hint_following"].values())
+    assert {"target", "retention"} <= set(report["base"]) and "target" in report["teacher"]
+    assert set(report["examples"]) == set(data.HELDOUT_HINTS)
+    saved = json.load(open(os.path.join(cfg.workdir, "base_report.json")))
+    assert saved["hint_following"] == report["hint_following"]
+    assert any("\nhint following: " in m for m in logs)
