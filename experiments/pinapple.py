@@ -357,7 +357,7 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
         if step % d.target_every == 0 or step == d.steps:
             sub = step % d.eval_every == 0 or step == d.steps
             ev = evaluate(sampler, prompts, splits, retain_every=d.retain_every if sub else None,
-                          max_new=cfg.loop.get("answer_tokens", 20))
+                          max_new=cfg.loop.answer_tokens)
             evals.append({"step": step, **ev})
             if reached is None and ev["target"] >= d.target_rate:
                 reached = step
@@ -386,7 +386,7 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
                       "kept_tokens": m["kept_tokens"], "failures": len(examples),
                       "rollout_pass_rate": float(np.mean(passed))})
     # All retention items (synced at the last step).
-    final = evaluate(sampler, prompts, splits, max_new=cfg.loop.get("answer_tokens", 20))
+    final = evaluate(sampler, prompts, splits, max_new=cfg.loop.answer_tokens)
     dt = time.perf_counter() - t0
     judge = dict(dist.judge.stats) if method == "rmsd" and dist.judge is not None else None
     tag = "" if setting is None else f" {setting}"
@@ -422,7 +422,7 @@ def run(cfg, log=print) -> dict:
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
         # Version 0: the base weights, without and with the hint, on each split.
-        n_new = cfg.loop.get("answer_tokens", 20)  # answer tokens of every greedy eval
+        n_new = cfg.loop.answer_tokens  # answer tokens of every greedy eval
         base_evals = [evaluate(sampler, prompts, sp, max_new=n_new) for sp in all_splits.values()]
         teacher_evals = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT, max_new=n_new)
                          for sp in all_splits.values()]

@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+import jax
+
 from experiments import pinapple
 from experiments import pinapple_data as data
 
@@ -42,16 +44,15 @@ def run(cfg, log=print) -> dict:
         base = pinapple.evaluate(sampler, prompts, splits, max_new=n)
         teacher = pinapple.evaluate(sampler, prompts, splits, hint=data.TARGET_HINT, max_new=n)
         following = pinapple.hint_following(sampler, prompts, splits, n)
-        examples = {}
+        examples, some = {}, splits["train"][:4]
         for family, (hint, replacement) in data.HELDOUT_HINTS.items():
-            some = splits["train"][:4]
             got = pinapple.answers(sampler, prompts, some, hint, n)
             examples[family] = [{"question": i.question, "answer": g,
                                  "want": data.under_hint(i.answer, replacement)}
                                 for i, g in zip(some, got, strict=True)]
     report = {"base": base, "teacher": teacher, "hint_following": following,
               "examples": examples, "base_sft_s": t_sft, "final_loss": hist[-1]["loss"],
-              "num_params": int(sum(x.size for x in __import__("jax").tree.leaves(state.params))),
+              "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
               "config": cfg.to_dict()}
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "base_report.json"), "w") as f:
