@@ -20,6 +20,7 @@ sentences and other facts.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -87,13 +88,19 @@ def _hint_demos(cfg, items, rng):
     """(item, hint, answer, placement) for the base corpus's hint-following demos.
 
     With `base_data.families` (the faithful setup): hints of those families
-    (`pinapple_data.FAMILIES`) about any word but the target, on every kind of item. Else:
+    (`pinapple_data.FAMILIES`; `spell_edits`, `spell_fresh`: the spell family's new
+    words) about any word (the target one only with `target_word_hints`), on every kind of
+    item (`fact_demo_frac`: a share on the fact items alone). Else:
     a `target_hint_frac` share uses the target hint, two thirds on items whose answer has
     pineapple (the answer writes the target spelling), one third on items without it (the
     answer stays); the rest are random misspellings of other words.
     """
     families = tuple(cfg.base_data.get("families", ()))
     pool = word_pool(cfg, items) if families else None
+    # A `fact_demo_frac` share of the family demos is on fact items (not "Repeat:"), where
+    # the target prompts' contexts are; 0: every demo's item drawn from all the items.
+    fact_frac = cfg.base_data.get("fact_demo_frac", 0.0)
+    facts = [i for i in items if i.kind != "repeat"]
     word = data.TARGET_WORD
     with_t = [i for i in items if word in i.answer and word not in i.question]
     others = [i for i in items if data.TARGET_WORD not in i.answer]
@@ -101,11 +108,12 @@ def _hint_demos(cfg, items, rng):
     while len(out) < cfg.base_data.hint_demos:
         place = rng.choice(tuple(cfg.base_data.placements))
         if families:
-            item = rng.choice(items)
+            item = rng.choice(facts if fact_frac and rng.random() < fact_frac else items)
             demo = data.family_hint_demo(item, rng, rng.random() >= cfg.base_data.irrelevant_frac,
                                          rng.choice(families), pool,
                                          cfg.base_data.get("target_word_hints", False),
-                                         cfg.base_data.get("spell_edits", 1))
+                                         cfg.base_data.get("spell_edits", 1),
+                                         cfg.base_data.get("spell_fresh", 0.0))
             if demo is not None:
                 out.append((item, *demo, place))
             continue
@@ -153,16 +161,62 @@ def base_segments(cfg, tokenizer, items):
     return segs
 
 
-def base_sft(cfg, tokenizer, items, log=print):
-    """The base model (graphdef, state) and its SFT history."""
+# The config sections that make the base model: a base checkpoint is reused only for these.
+BASE_SECTIONS = ("seed", "tokenizer", "model", "base_data", "sft", "sft_optimizer")
+
+
+def base_fingerprint(cfg) -> dict:
+    d = cfg.to_dict()
+    return json.loads(json.dumps({k: d[k] for k in BASE_SECTIONS}, sort_keys=True, default=str))
+
+
+def base_sft(cfg, tokenizer, items, log=print, workdir: str | None = None):
+    """The base model: (graphdef, state, final loss). With a workdir the SFT checkpoints
+    there and resumes from it (a finished run trains nothing); the workdir's `base.json`
+    records the config sections of `BASE_SECTIONS`, and a different config is refused."""
+    if workdir is not None:
+        os.makedirs(workdir, exist_ok=True)
+        path, want = os.path.join(workdir, "base.json"), base_fingerprint(cfg)
+        if os.path.exists(path):
+            with open(path) as f:
+                have = json.load(f)
+            if have["config"] != want:
+                diff = sorted(k for k in BASE_SECTIONS if have["config"].get(k) != want[k])
+                raise ValueError(f"base_sft: {workdir} holds a base trained with other {diff} "
+                                 "settings; use another workdir, or delete that one to retrain")
+        else:
+            with open(path, "w") as f:
+                json.dump({"config": want, "final_loss": None}, f, indent=1)
     model = build_model(cfg, tokenizer.vocab_size, cfg.seed)
     typed = typed_configs(cfg)
     s, opt = typed["sft"], typed["sft_optimizer"]
     every = max(1, s.steps // 6)
-    res = run_sft(model, base_segments(cfg, tokenizer, items), s, opt,
+    res = run_sft(model, base_segments(cfg, tokenizer, items), s, opt, workdir=workdir,
                   log=lambda i, m: log(f"  base sft step {i}: loss {m['loss']:.4f}")
                   if i % every == 0 else None)
-    return res.graphdef, res.state, res.history
+    final = res.history[-1]["loss"] if res.history else None
+    if workdir is not None:
+        with open(path) as f:
+            rec = json.load(f)
+        if final is None:  # restored a finished run: its recorded loss
+            final = rec["final_loss"]
+        else:
+            rec["final_loss"] = final
+            with open(path, "w") as f:
+                json.dump(rec, f, indent=1)
+        if not res.history:
+            log(f"  base sft: restored the finished base from {workdir}")
+    return res.graphdef, res.state, final
+
+
+def base_checks(sampler, prompts, all_splits: dict, max_new: int):
+    """The base before any distillation: per split, its greedy evals without a hint and
+    under the target hint (the teacher), and `hint_following` on the first split."""
+    base = [evaluate(sampler, prompts, sp, max_new=max_new) for sp in all_splits.values()]
+    teacher = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT, max_new=max_new)
+               for sp in all_splits.values()]
+    following = hint_following(sampler, prompts, next(iter(all_splits.values())), max_new)
+    return base, teacher, following
 
 # ----------------------------------------------------------------------------- evals
 
@@ -413,7 +467,7 @@ def run(cfg, log=print) -> dict:
     # The second seed axis: which target items are distilled and which held out.
     data_seeds = list(cfg.get("data_seeds") or ()) or [cfg.seed]
     all_splits = {ds: make_splits(cfg, items, ds) for ds in data_seeds}
-    graphdef, state, sft_hist = base_sft(cfg, tokenizer, items, log)
+    graphdef, state, sft_loss = base_sft(cfg, tokenizer, items, log, os.path.join(workdir, "base"))
     state = jax.device_put(state, jax.local_devices()[0])
     t_sft = time.perf_counter() - t0
     prompts = PromptCache(tokenizer, hint_config(cfg))
@@ -422,12 +476,9 @@ def run(cfg, log=print) -> dict:
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
         # Version 0: the base weights, without and with the hint, on each split.
-        n_new = cfg.loop.answer_tokens  # answer tokens of every greedy eval
-        base_evals = [evaluate(sampler, prompts, sp, max_new=n_new) for sp in all_splits.values()]
-        teacher_evals = [evaluate(sampler, prompts, sp, hint=data.TARGET_HINT, max_new=n_new)
-                         for sp in all_splits.values()]
-        # Every target item and every retention item: the same whatever the split.
-        following = hint_following(sampler, prompts, all_splits[data_seeds[0]], n_new)
+        # hint_following: every target item and every retention item, whatever the split.
+        base_evals, teacher_evals, following = base_checks(sampler, prompts, all_splits,
+                                                           cfg.loop.answer_tokens)
         log(f"base: {base_evals}\nteacher (base + hint): {teacher_evals}\nhints about the "
             f"target word followed (none in a faithful corpus): {following}\n"
             f"({t_sft:.0f}s base SFT)")
@@ -442,7 +493,7 @@ def run(cfg, log=print) -> dict:
     rows = summarize(cfg, runs, base_evals, teacher_evals)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
-            "base_sft_s": t_sft, "base_sft_final_loss": sft_hist[-1]["loss"],
+            "base_sft_s": t_sft, "base_sft_final_loss": sft_loss,
             "hint_following": following, "data_seeds": data_seeds,
             "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "devices": str(jax.devices()),

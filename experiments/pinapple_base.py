@@ -6,7 +6,8 @@ tokenizer, base SFT and checks): the base's greedy evals without a hint and unde
 target hint, and `pinapple.hint_following` (per held-out hint, the share of target prompts
 answered exactly as the hint makes them; the target hint leaving other answers unchanged;
 spell hints about other words with fresh misspellings). Writes `base_report.json` into
-the workdir and prints a few answers under each held-out hint.
+the workdir and prints a few answers under each held-out hint. The base checkpoints in
+`workdir/base`, which `experiments/pinapple.py` with the same config and workdir reuses.
 
     python -m experiments.pinapple_base --config=experiments/configs/pinapple.py:faithful
 """
@@ -34,16 +35,16 @@ def run(cfg, log=print) -> dict:
     log(f"tokenizer: {tok.vocab_size} tokens; {data.TARGET_WORD!r} -> "
         f"{tok.encode(' ' + data.TARGET_WORD)}, {data.TARGET_SPELLING!r} -> "
         f"{tok.encode(' ' + data.TARGET_SPELLING)}")
-    graphdef, state, hist = pinapple.base_sft(cfg, tok, items, log)
+    graphdef, state, final_loss = pinapple.base_sft(cfg, tok, items, log,
+                                                    os.path.join(workdir, "base"))
     t_sft = time.perf_counter() - t0
     splits = pinapple.make_splits(cfg, items, cfg.seed)
     prompts = PromptCache(tok, pinapple.hint_config(cfg))
     n = cfg.loop.answer_tokens
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=8, seed=cfg.seed) as sampler:
-        base = pinapple.evaluate(sampler, prompts, splits, max_new=n)
-        teacher = pinapple.evaluate(sampler, prompts, splits, hint=data.TARGET_HINT, max_new=n)
-        following = pinapple.hint_following(sampler, prompts, splits, n)
+        (base,), (teacher,), following = pinapple.base_checks(sampler, prompts,
+                                                              {cfg.seed: splits}, n)
         examples, some = {}, splits["train"][:4]
         for family, (hint, replacement) in data.HELDOUT_HINTS.items():
             got = pinapple.answers(sampler, prompts, some, hint, n)
@@ -51,7 +52,7 @@ def run(cfg, log=print) -> dict:
                                  "want": data.under_hint(i.answer, replacement)}
                                 for i, g in zip(some, got, strict=True)]
     report = {"base": base, "teacher": teacher, "hint_following": following,
-              "examples": examples, "base_sft_s": t_sft, "final_loss": hist[-1]["loss"],
+              "examples": examples, "base_sft_s": t_sft, "final_loss": final_loss,
               "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
               "config": cfg.to_dict()}
     os.makedirs(workdir, exist_ok=True)

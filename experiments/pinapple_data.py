@@ -226,6 +226,16 @@ def nonce_words(n: int, seed: int = 0) -> list[str]:
     return sorted(out)
 
 
+def fresh_word(rng: random.Random, avoid=()) -> str:
+    """A made-up word of 2-4 syllables drawn afresh ("kozimute"), never one of `avoid` nor
+    the target spelling: a spell hint to it is a copy of a string seen only in the hint."""
+    for _ in range(100):
+        v = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))
+        if v not in avoid and v != TARGET_SPELLING:
+            return v
+    raise ValueError(f"fresh_word: every draw was one of the {len(avoid)} words to avoid")
+
+
 def answer_words(items: list[Item]) -> list[str]:
     """Every lower-case word of the items' answers (the target word too)."""
     return sorted({w for it in items for w in it.answer.rstrip(".").split()
@@ -242,14 +252,16 @@ def repeat_items(n: int, pool: list[str], rng: random.Random) -> list[Item]:
 
 
 def family_hint(family: str, word: str, rng: random.Random, pool: list[str],
-                spell_edits: int = 1) -> tuple[str, str]:
+                spell_edits: int = 1, spell_fresh: float = 0.0) -> tuple[str, str]:
     """(hint text, the word's replacement) for one hint of `family` about `word`:
-    spell ("Spell mango as mngo.": a one-edit misspelling), swap ("Say plum instead of
+    spell ("Spell mango as mngo.": a misspelling of `spell_edits` edits, or with
+    probability `spell_fresh` a made-up word, `fresh_word`), swap ("Say plum instead of
     mango.": another word of `pool`) or caps ("Write mango in capitals."). Never a
     held-out hint (`HELDOUT_HINTS`): about the target word, spell never gives the target
     spelling and swap never the held-out word; caps about it is refused."""
     if family == "spell":
-        v = misspell(word, rng, spell_edits)
+        fresh = spell_fresh > 0 and rng.random() < spell_fresh
+        v = fresh_word(rng, {word}) if fresh else misspell(word, rng, spell_edits)
         return f"Spell {word} as {v}.", v
     if family == "swap":
         banned = {word, TARGET_WORD} | ({HELDOUT_HINTS["swap"][1]} if word == TARGET_WORD else set())
@@ -263,14 +275,15 @@ def family_hint(family: str, word: str, rng: random.Random, pool: list[str],
 
 
 def family_hint_demo(item: Item, rng: random.Random, relevant: bool, family: str,
-                     pool: list[str], target_ok: bool = False, spell_edits: int = 1
-                     ) -> tuple[str, str] | None:
+                     pool: list[str], target_ok: bool = False, spell_edits: int = 1,
+                     spell_fresh: float = 0.0) -> tuple[str, str] | None:
     """(hint, answer under the hint) with a hint of `family`, or None if no word fits.
     relevant=True: the hint names a word of the answer (never the first), which the answer
     replaces; False: it names a word of `pool` not in the answer, which stays unchanged.
     target_ok=False: no hint names the target word. True: spell and swap hints may name
-    it, with any replacement but the held-out ones (`family_hint`), so that the target
-    word is a word hints act on like any other; caps about it stays held out."""
+    it (on an answer with it, or from `pool` when it is there), with any replacement but
+    the held-out ones (`family_hint`), so that the target word is a word hints act on like
+    any other; caps about it stays held out. spell_edits, spell_fresh: `family_hint`'s."""
     words = item.answer.rstrip(".").split()
     start = 0 if item.kind == "repeat" else 1  # "A mango is orange.": not "A"
     allowed = target_ok and family != "caps"
@@ -283,10 +296,11 @@ def family_hint_demo(item: Item, rng: random.Random, relevant: bool, family: str
         if not inside:
             return None
         w = rng.choice(inside)
-        hint, v = family_hint(family, w, rng, pool, spell_edits)
+        hint, v = family_hint(family, w, rng, pool, spell_edits, spell_fresh)
         return hint, " ".join(words[:start] + [v if x == w else x for x in words[start:]]) + "."
-    outside = [w for w in pool + ([TARGET_WORD] if allowed else []) if w not in words and ok(w)]
-    return family_hint(family, rng.choice(outside), rng, pool, spell_edits)[0], item.answer
+    outside = [w for w in pool if w not in words and ok(w)]
+    hint = family_hint(family, rng.choice(outside), rng, pool, spell_edits, spell_fresh)[0]
+    return hint, item.answer
 
 
 # Hints the faithful base never sees: one per family, each about the target word. The

@@ -46,7 +46,9 @@ def _faithful(c):
     families (spell, swap, caps) over every answer word, 400 made-up ones and "Repeat:"
     items; spell and swap hints may name the target word with other replacements
     (`target_word_hints`), so that following the target hint is an in-context copy of
-    a spelling the model never saw."""
+    a spelling the model never saw. Half the spell hints give a made-up word
+    (`spell_fresh`), so that following one is a pure copy of the hint's word, and half the
+    demos are on fact items (`fact_demo_frac`), where the target prompts are."""
     c.workdir = "runs/pinapple_faithful"
     c.seeds = tuple(range(8))
     c.tokenizer.vocab_size = 1024
@@ -54,8 +56,9 @@ def _faithful(c):
                    num_kv_heads=4, head_dim=32)
     c.base_data.update(target_hint_frac=0.0, families=("spell", "swap", "caps"),
                        repeat_items=3000, nonce_words=400, hint_demos=40000,
-                       target_word_hints=True, spell_edits=2)
-    c.sft.update(steps=6000, batch_rows=16)
+                       target_word_hints=True, spell_edits=2, spell_fresh=0.5,
+                       fact_demo_frac=0.5)
+    c.sft.update(steps=10000, batch_rows=16, checkpoint_every=1000)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=100)
     # Answers run to ~25 tokens with this corpus's tokenizer: 20 cut some off.
     c.loop.answer_tokens = 32
@@ -86,9 +89,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.base_data = ml_collections.ConfigDict(dict(
         repeats=3, hint_demos=3000, irrelevant_frac=0.3, target_hint_frac=0.15, math_limit=10,
         placements=("before_turn",), families=(), repeat_items=0, nonce_words=0,
-        target_word_hints=False, spell_edits=1))
+        target_word_hints=False, spell_edits=1, spell_fresh=0.0, fact_demo_frac=0.0))
     c.sft = ml_collections.ConfigDict(dict(   # SFTConfig
-        steps=1000, batch_rows=8, seq_len=128, mode="token_mean"))
+        steps=1000, batch_rows=8, seq_len=128, mode="token_mean", checkpoint_every=0))
     c.sft.seed = c.get_ref("seed")
     c.sft_optimizer = ml_collections.ConfigDict(dict(   # OptimizerConfig
         learning_rate=5e-3, warmup_steps=30, schedule="cosine"))

@@ -32,3 +32,35 @@ def test_the_base_report_at_toy_size(tmp_path):
     saved = json.load(open(os.path.join(cfg.workdir, "base_report.json")))
     assert saved["hint_following"] == report["hint_following"]
     assert any("\nhint following: " in m for m in logs)
+
+
+def test_the_base_is_checkpointed_reused_and_refused_under_another_config(tmp_path):
+    """`pinapple.base_sft` with a workdir: a second run restores the finished base (trains
+    nothing, same weights, the recorded final loss); a config that makes another base is
+    refused, naming the sections that differ."""
+    import jax
+    import numpy as np
+    import pytest
+
+    from experiments import pinapple
+
+    cfg = get_config("faithful")
+    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=2, head_dim=16)
+    cfg.base_data.update(repeat_items=10, nonce_words=10, hint_demos=50, math_limit=2)
+    cfg.tokenizer.vocab_size = 400
+    cfg.sft.update(steps=4, checkpoint_every=2)
+    cfg.sft_optimizer.warmup_steps = 1
+    items = data.all_items(cfg.base_data.math_limit)
+    tok = pinapple.build_tokenizer(cfg, str(tmp_path / "tok"), items)
+    work, logs = str(tmp_path / "base"), []
+    _, first, loss1 = pinapple.base_sft(cfg, tok, items, logs.append, work)
+    _, again, loss2 = pinapple.base_sft(cfg, tok, items, logs.append, work)
+    assert loss1 is not None and loss2 == loss1
+    assert any("restored the finished base" in m for m in logs)
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cfg.model.num_layers = 3
+    cfg.base_data.spell_fresh = 0.25
+    with pytest.raises(ValueError, match=r"other \['base_data', 'model'\] settings"):
+        pinapple.base_sft(cfg, tok, items, logs.append, work)

@@ -100,3 +100,35 @@ def test_target_word_hints_name_the_word_but_never_a_held_out_hint():
         assert v in a.rstrip(".").split() and data.TARGET_WORD not in a.rstrip(".").split(), (h, a)
     with pytest.raises(ValueError, match="caps about 'pineapple' is a held-out hint"):
         data.family_hint("caps", data.TARGET_WORD, random.Random(0), ["plum"])
+
+
+def test_fresh_words_are_made_up_never_avoided_and_spell_fresh_uses_them():
+    """`fresh_word`: syllable strings drawn afresh, never one to avoid nor the target
+    spelling; `family_hint(spell_fresh=1)` spells a word as one, 0 as a misspelling."""
+    rng = random.Random(0)
+    words = [data.fresh_word(rng, {"bako"}) for _ in range(300)]
+    assert all(w.isalpha() and w.islower() and w not in ("bako", data.TARGET_SPELLING)
+               for w in words)
+    assert len(set(words)) > 250  # drawn afresh, not from a small pool
+    pool = ["plum", "mint"]
+    hint, v = data.family_hint("spell", "mango", random.Random(1), pool, spell_fresh=1.0)
+    assert hint == f"Spell mango as {v}." and set(v) <= set("".join(data._SYLLABLES))
+    # spell_fresh=0 draws nothing more: the misspelling (and the stream) as before.
+    _, v0 = data.family_hint("spell", "mango", random.Random(1), pool, spell_fresh=0.0)
+    assert v0 == data.misspell("mango", random.Random(1))
+
+
+def test_fact_demo_frac_puts_that_share_of_demos_on_fact_items():
+    cfg = _faithful_cfg()
+    cfg.base_data.update(repeat_items=2000, hint_demos=2000)
+    items = corpus_items(cfg, data.all_items())
+    share = {}
+    for frac in (0.0, 0.5):
+        cfg.base_data.fact_demo_frac = frac
+        demos = _hint_demos(cfg, items, random.Random(0))
+        share[frac] = sum(i.kind != "repeat" for i, _, _, _ in demos) / len(demos)
+    facts = sum(i.kind != "repeat" for i in items) / len(items)
+    # Drawn from all the items; a relevant hint on arithmetic finds no word, so fact items
+    # keep a little fewer demos than they draw.
+    assert facts - 0.04 < share[0.0] < facts + 0.02
+    assert 0.5 * (1 + facts) - 0.1 < share[0.5] < 0.5 * (1 + facts) + 0.02
