@@ -20,6 +20,7 @@ sentences and other facts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -165,48 +166,56 @@ def base_segments(cfg, tokenizer, items):
 BASE_SECTIONS = ("seed", "tokenizer", "model", "base_data", "sft", "sft_optimizer")
 
 
-def base_fingerprint(cfg) -> dict:
+def fingerprint(cfg, sections) -> dict:
     d = cfg.to_dict()
-    return json.loads(json.dumps({k: d[k] for k in BASE_SECTIONS}, sort_keys=True, default=str))
+    return json.loads(json.dumps({k: d[k] for k in sections}, sort_keys=True, default=str))
 
 
-def base_sft(cfg, tokenizer, items, log=print, workdir: str | None = None):
-    """The base model: (graphdef, state, final loss). With a workdir the SFT checkpoints
-    there and resumes from it (a finished run trains nothing); the workdir's `base.json`
-    records the config sections of `BASE_SECTIONS`, and a different config is refused."""
-    if workdir is not None:
+def checkpointed_sft(name: str, model, segments, sft, opt, workdir: str | None,
+                     record: dict | None = None, log=print):
+    """`run_sft` of `model` on `segments`: (graphdef, state, final loss). With a workdir it
+    checkpoints there and resumes (a finished run trains nothing, and its final loss is
+    read back); `workdir/<name>.json` keeps `record` (the config that makes the model),
+    and a workdir holding another record is refused, naming the sections that differ."""
+    path = None if workdir is None else os.path.join(workdir, f"{name}.json")
+    if path is not None:
         os.makedirs(workdir, exist_ok=True)
-        path, want = os.path.join(workdir, "base.json"), base_fingerprint(cfg)
         if os.path.exists(path):
             with open(path) as f:
                 have = json.load(f)
-            if have["config"] != want:
-                diff = sorted(k for k in BASE_SECTIONS if have["config"].get(k) != want[k])
-                raise ValueError(f"base_sft: {workdir} holds a base trained with other {diff} "
+            if have["config"] != record:
+                diff = sorted(k for k in record if have["config"].get(k) != record[k])
+                raise ValueError(f"{name}: {workdir} holds a model trained with other {diff} "
                                  "settings; use another workdir, or delete that one to retrain")
         else:
             with open(path, "w") as f:
-                json.dump({"config": want, "final_loss": None}, f, indent=1)
-    model = build_model(cfg, tokenizer.vocab_size, cfg.seed)
-    typed = typed_configs(cfg)
-    s, opt = typed["sft"], typed["sft_optimizer"]
-    every = max(1, s.steps // 6)
-    res = run_sft(model, base_segments(cfg, tokenizer, items), s, opt, workdir=workdir,
-                  log=lambda i, m: log(f"  base sft step {i}: loss {m['loss']:.4f}")
+                json.dump({"config": record, "final_loss": None}, f, indent=1)
+    every = max(1, sft.steps // 6)
+    res = run_sft(model, segments, sft, opt, workdir=workdir,
+                  log=lambda i, m: log(f"  {name} sft step {i}: loss {m['loss']:.4f}")
                   if i % every == 0 else None)
     final = res.history[-1]["loss"] if res.history else None
-    if workdir is not None:
+    if path is not None:
         with open(path) as f:
             rec = json.load(f)
         if final is None:  # restored a finished run: its recorded loss
             final = rec["final_loss"]
+            log(f"  {name} sft: restored the finished model from {workdir}")
         else:
             rec["final_loss"] = final
             with open(path, "w") as f:
                 json.dump(rec, f, indent=1)
-        if not res.history:
-            log(f"  base sft: restored the finished base from {workdir}")
     return res.graphdef, res.state, final
+
+
+def base_sft(cfg, tokenizer, items, log=print, workdir: str | None = None):
+    """The base model: (graphdef, state, final loss), checkpointed in `workdir`
+    (`checkpointed_sft`; the config sections of `BASE_SECTIONS` make it)."""
+    typed = typed_configs(cfg)
+    return checkpointed_sft("base", build_model(cfg, tokenizer.vocab_size, cfg.seed),
+                            base_segments(cfg, tokenizer, items), typed["sft"],
+                            typed["sft_optimizer"], workdir, fingerprint(cfg, BASE_SECTIONS),
+                            log)
 
 
 def base_checks(sampler, prompts, all_splits: dict, max_new: int):
@@ -317,11 +326,18 @@ def make_splits(cfg, items, seed: int) -> dict:
 # ----------------------------------------------------------------------------- distillation
 
 
-def make_judge(name: str, top_s: int | None = None, seed: int = 0) -> Judge:
+def make_judge(name: str, top_s: int | None = None, seed: int = 0, llm=None) -> Judge:
     """A judge by name: "keywords" (the oracle here: the tokens of the hint's words),
-    "diff" (where the hinted teacher's argmax differs) or "noisy:<rate>" (the keywords
-    oracle with each verdict flipped at that rate, `NoisyJudge`, flips fixed by `seed`);
-    at most `top_s` selections (S; None: every relevant candidate)."""
+    "diff" (where the hinted teacher's argmax differs), "noisy:<rate>" (the keywords
+    oracle with each verdict flipped at that rate, `NoisyJudge`, flips fixed by `seed`) or
+    "llm" (the served judge model, `pinapple_judge`: `llm(top_s)` makes its `LLMJudge`;
+    `run` trains and serves it when a judge is named so); at most `top_s` selections (S;
+    None: every relevant candidate)."""
+    if name == "llm":
+        if llm is None:
+            raise ValueError("pinapple: judge 'llm' needs the served judge model "
+                             "(`pinapple_judge.served_judge`); `run` starts it")
+        return llm(top_s)
     if name == "keywords":
         return RuleJudge(use_hint_keywords=True, top_s=top_s)
     if name == "diff":
@@ -335,8 +351,8 @@ def make_judge(name: str, top_s: int | None = None, seed: int = 0) -> Judge:
             raise ValueError(f"pinapple: judge {name!r}: the error rate after 'noisy:' must "
                              "be a number in [0, 1], e.g. 'noisy:0.2'")
         return NoisyJudge(RuleJudge(use_hint_keywords=True), rate, seed=seed, top_s=top_s)
-    raise ValueError(f"pinapple: judge must be 'keywords', 'diff' or 'noisy:<rate>', "
-                     f"got {name!r}")
+    raise ValueError(f"pinapple: judge must be 'keywords', 'diff', 'noisy:<rate>' or "
+                     f"'llm', got {name!r}")
 
 
 def sweep_settings(cfg) -> list[dict]:
@@ -348,8 +364,8 @@ def sweep_settings(cfg) -> list[dict]:
     ts = list(sw.top_t) or [cfg.distill.top_t]
     ss = list(sw.top_s) or [cfg.loop.get("judge_top_s")]
     js = list(sw.judge) or [cfg.loop.judge]
-    for j in js:
-        make_judge(j)  # a bad name fails before any work
+    for j in js:  # a bad name fails before any work
+        make_judge(j, llm=lambda top_s: None)
     return [{"top_t": t, "top_s": s, "judge": j} for j in js for s in ss for t in ts]
 
 
@@ -378,7 +394,7 @@ def _report_example(tokenizer, example, rel) -> dict:
 
 
 def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Policy,
-                log=print, setting: dict | None = None) -> dict:
+                log=print, setting: dict | None = None, llm=None) -> dict:
     """One method from the base state, one seed.
 
     Every step: `prompts_per_step` distillation prompts are rolled out
@@ -386,7 +402,7 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
     grader fails) form the batch: OPSD/RMSD distill the student's own
     responses from the hinted teacher; SFT trains on responses sampled with
     the hint in context. Evals and samples come from `policy`'s sampler,
-    synced to the distiller's state at the top of every step.
+    synced to the distiller's state at the top of every step. llm: `make_judge`'s.
     Returns eval history, steps to the target rate, the final eval and
     (RMSD) the first batch's first example for the report.
     """
@@ -396,7 +412,7 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
     opt = typed["distill_optimizer"]
     _, state = create_train_state(base_state.model(graphdef), opt, rng=seed)
     dist = SelfDistiller(graphdef, state, typed["distill"], opt,
-                         judge=make_judge(d.judge, d.get("judge_top_s"), seed),
+                         judge=make_judge(d.judge, d.get("judge_top_s"), seed, llm),
                          tokenizer=prompts.tokenizer,
                          step_fn=step_fns.get(method))
     step_fns[method] = dist.step_fn
@@ -451,6 +467,25 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
             "evals": evals, "train": train, "example": example, "time_s": dt,
             "setting": setting, "judge_stats": judge}
 
+def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
+    """Trains (or restores, `workdir/judge`) and serves the LLM judge for the run, entered
+    on `stack`. Returns (`make_judge`'s llm, the judge's agreement with the oracle on
+    held-out examples of other hints and on the held-out hints about the target word)."""
+    from experiments import pinapple_judge as pj
+
+    jdir = os.path.join(workdir, "judge")
+    corpus, pool = corpus_items(cfg, items), word_pool(cfg, items)
+    judge = pj.train_judge(cfg, tokenizer, corpus, pool, jdir, log)
+    llm = stack.enter_context(pj.served_judge(judge, jdir))
+    tests = {"other_hints": pj.judge_examples(tokenizer, corpus, pool,
+                                              cfg.judge_data.test_examples, cfg.seed + 1),
+             "target_hints": pj.target_examples(tokenizer, items, cfg.seed)}
+    meta = {"final_loss": judge.final_loss,
+            **{k: pj.agreement(llm(None), v) for k, v in tests.items()}}
+    log(f"llm judge vs the oracle: {json.dumps(meta)}")
+    return llm, meta
+
+
 def run(cfg, log=print) -> dict:
     """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
     t_start, c_start = time.perf_counter(), time.process_time()
@@ -467,14 +502,20 @@ def run(cfg, log=print) -> dict:
     # The second seed axis: which target items are distilled and which held out.
     data_seeds = list(cfg.get("data_seeds") or ()) or [cfg.seed]
     all_splits = {ds: make_splits(cfg, items, ds) for ds in data_seeds}
-    graphdef, state, sft_loss = base_sft(cfg, tokenizer, items, log, os.path.join(workdir, "base"))
+    graphdef, state, sft_loss = base_sft(cfg, tokenizer, items, log,
+                                         os.path.join(workdir, "base"))
     state = jax.device_put(state, jax.local_devices()[0])
     t_sft = time.perf_counter() - t0
     prompts = PromptCache(tokenizer, hint_config(cfg))
     sampling = typed_configs(cfg)["sampling"]
-    runs, step_fns = [], {}
-    with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
-                    max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed) as sampler:
+    runs, step_fns, judge_meta = [], {}, None
+    with contextlib.ExitStack() as stack:
+        llm = None
+        if "llm" in {cfg.loop.judge} | {s["judge"] for s in settings}:
+            llm, judge_meta = start_llm_judge(cfg, tokenizer, items, workdir, stack, log)
+        sampler = stack.enter_context(JaxSampler(
+            state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
+            max_batch=64, min_batch=sampling.min_batch, seed=cfg.seed))
         # Version 0: the base weights, without and with the hint, on each split.
         # hint_following: every target item and every retention item, whatever the split.
         base_evals, teacher_evals, following = base_checks(sampler, prompts, all_splits,
@@ -488,13 +529,13 @@ def run(cfg, log=print) -> dict:
                 for seed in cfg.seeds:
                     for method in (cfg.methods if setting is None else ("rmsd",)):
                         r = distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
-                                        step_fns, policy, log, setting=setting)
+                                        step_fns, policy, log, setting=setting, llm=llm)
                         runs.append({**r, "data_seed": ds})
     rows = summarize(cfg, runs, base_evals, teacher_evals)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
             "base_sft_s": t_sft, "base_sft_final_loss": sft_loss,
-            "hint_following": following, "data_seeds": data_seeds,
+            "hint_following": following, "data_seeds": data_seeds, "llm_judge": judge_meta,
             "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "devices": str(jax.devices()),
             "splits": {str(ds): {k: [i.key for i in v] for k, v in sp.items() if k != "retain"}

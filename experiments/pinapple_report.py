@@ -202,6 +202,7 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
              "data seeds": meta.get("data_seeds"), "judge": cfg.loop.judge,
              "top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
              "held-out hints followed": meta.get("hint_following"),
+             "llm judge vs the oracle": meta.get("llm_judge"),
              "wall_s": round(meta["wall_s"]), "devices": meta["devices"]}
     body = ["<h1>pinapple: hinted behaviour into the un-hinted model</h1>", kv_table(facts),
             "<h2>Methods (mean [95% CI] over seeds)</h2>",

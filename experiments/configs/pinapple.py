@@ -8,11 +8,11 @@ retention on every `loop.retain_every`-th item every `loop.eval_every`
 steps, all items at the end.
 
 Sections named after a dataclass have exactly its fields (converted by
-`ac2_jax.config.from_config`): model -> DecoderConfig (vocab_size: the
-tokenizer's), sft -> SFTConfig, sft_optimizer / distill_optimizer ->
-OptimizerConfig, hint -> HintConfig, distill -> DistillConfig (method: each
-of `methods`), sampling -> SampleConfig. The others are this experiment's
-own: tokenizer, base_data, loop, report.
+`ac2_jax.config.from_config`): model / judge_model -> DecoderConfig (vocab_size:
+the tokenizer's), sft / judge_sft -> SFTConfig, sft_optimizer / distill_optimizer /
+judge_optimizer -> OptimizerConfig, hint -> HintConfig, distill -> DistillConfig
+(method: each of `methods`), sampling -> SampleConfig. The others are this
+experiment's own: tokenizer, base_data, loop, judge_data, report.
 
 Variants (`--config=experiments/configs/pinapple.py:quick`):
   default  the reported experiment (3 seeds x 3 methods, 60 distillation steps)
@@ -117,6 +117,20 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.sampling = ml_collections.ConfigDict(dict(   # SampleConfig
         max_new_tokens=20, temperature=1.0))
     c.sampling.min_batch = c.loop.get_ref("prompts_per_step")
+
+    # The LLM judge (judge "llm", `experiments/pinapple_judge.py`): a second small model
+    # trained on the oracle's verdicts over other hints, served through the endpoint.
+    c.judge_data = ml_collections.ConfigDict(dict(examples=6000, test_examples=200,
+                                                  vocab_size=1024))
+    c.judge_model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab: its tokenizer's)
+        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4,
+        head_dim=32, max_position_embeddings=512, rope_theta=10000.0, tie_embeddings=True))
+    c.judge_sft = ml_collections.ConfigDict(dict(   # SFTConfig
+        steps=2000, batch_rows=8, seq_len=384, mode="token_mean", checkpoint_every=500))
+    c.judge_sft.seed = c.get_ref("seed")
+    c.judge_optimizer = ml_collections.ConfigDict(dict(   # OptimizerConfig
+        learning_rate=3e-3, warmup_steps=50, schedule="cosine"))
+    c.judge_optimizer.total_steps = c.judge_sft.get_ref("steps")
 
     c.report = ml_collections.ConfigDict(dict(example_method="rmsd"))
     return apply(c)

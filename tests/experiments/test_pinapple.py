@@ -51,7 +51,8 @@ def test_sweep_settings_are_every_combination_and_keep_unswept_values():
 
 def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     """Base SFT on the faithful corpus -> the held-out hints' teacher check -> one
-    distillation step per method -> one RMSD sweep setting (T, S, a noisy judge), with
+    distillation step per method -> RMSD sweep settings (T, S; a noisy judge, and the LLM
+    judge: a 3-step judge model served through the endpoint), with
     the report's sweep table and plot (pinapple.py:quick with the families on; answers
     cut to 8 tokens, as an untrained model writes to the limit; 9 sums, not 100)."""
     import json
@@ -64,7 +65,12 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
                          nonce_words=20, math_limit=3)  # 165 items, not 256
     cfg.loop.update(steps=1, eval_every=1)
     cfg.sampling.max_new_tokens = 8
-    cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5",))
+    cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5", "llm"))
+    cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)  # a 3-step judge
+    cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+    cfg.judge_sft.update(steps=3, seq_len=1024, checkpoint_every=0)
+    cfg.judge_optimizer.warmup_steps = 1
     cfg.data_seeds = (0, 1)  # two distill / held-out splits
     cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
@@ -77,14 +83,21 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     splits = out["meta"]["splits"]
     assert splits["0"]["heldout"] != splits["1"]["heldout"]
     swept = [r for r in out["runs"] if r["setting"] is not None]
-    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": "noisy:0.5"}] * 2
+    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": j}
+                                             for j in ("noisy:0.5", "llm") for _ in (0, 1)]
     assert swept[0]["method"] == "rmsd" and swept[0]["judge_stats"]["examples"] >= 1
+    # The LLM judge: asked over HTTP for every example, scored against the oracle.
+    assert swept[2]["judge_stats"]["requests"] >= swept[2]["judge_stats"]["examples"] >= 1
+    agree = out["meta"]["llm_judge"]
+    assert agree["other_hints"]["examples"] == 4 and agree["target_hints"]["examples"] > 0
     assert all(len(r["train"]) == 1 for r in out["runs"])
     report = tmp_path / "run" / "report"
     rows = json.load(open(report / "sweep.json"))
-    assert [(r["judge"], r["top_s"], r["top_t"]) for r in rows] == [("noisy:0.5", 1, 1)]
+    assert [(r["judge"], r["top_s"], r["top_t"]) for r in rows] == [("noisy:0.5", 1, 1),
+                                                                     ("llm", 1, 1)]
     assert os.path.getsize(report / "sweep.png") > 1000
     page = (report / "index.html").read_text()
-    assert "RMSD over T, S and the judge" in page and page.count('class="tokens heat"') == 2
+    assert "RMSD over T, S and the judge" in page and page.count('class="tokens heat"') == 3
+    assert "llm judge vs the oracle" in page
     assert out["rows"][2]["target"]["n"] == 2  # a method's row: over seeds x data seeds
     assert "judge noisy:0.5, T=1, S=1" in page and "data:image/png;base64," in page

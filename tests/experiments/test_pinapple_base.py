@@ -57,7 +57,7 @@ def test_the_base_is_checkpointed_reused_and_refused_under_another_config(tmp_pa
     _, first, loss1 = pinapple.base_sft(cfg, tok, items, logs.append, work)
     _, again, loss2 = pinapple.base_sft(cfg, tok, items, logs.append, work)
     assert loss1 is not None and loss2 == loss1
-    assert any("restored the finished base" in m for m in logs)
+    assert any("base sft: restored the finished model" in m for m in logs)
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     cfg.model.num_layers = 3
