@@ -33,6 +33,39 @@ def test_make_judge_by_name_with_top_s_and_a_noisy_oracle():
             make_judge(bad)
 
 
+def test_the_llm_judge_by_name_needs_the_served_judge():
+    with pytest.raises(ValueError, match="judge 'llm' needs the served judge model"):
+        make_judge("llm")
+    made = make_judge("llm", top_s=3, llm=lambda top_s: ("served", top_s))
+    assert made == ("served", 3)
+
+
+def test_pretrain_then_hint_following_then_one_step_per_method(tmp_path):
+    """Issue 39's toy pipeline, the faithful variant cut to toy size: base SFT on a corpus
+    that never shows a held-out hint, the held-out hints' check, one distillation step per
+    method, the report."""
+    from experiments import pinapple
+
+    cfg = get_config("faithful")
+    cfg.seeds = (0,)
+    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=2, head_dim=16)
+    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=100, math_limit=3)
+    cfg.tokenizer.vocab_size = 400
+    cfg.sft.update(steps=10, checkpoint_every=0)
+    cfg.sft_optimizer.warmup_steps = 2
+    cfg.loop.update(steps=1, prompts_per_step=4, target_every=1, eval_every=1,
+                    retain_every=16, answer_tokens=6)
+    cfg.sampling.max_new_tokens = 6
+    cfg.workdir = str(tmp_path / "run")
+    out = pinapple.run(cfg, log=lambda *a: None)
+    assert set(out["meta"]["hint_following"]) == {*data.HELDOUT_HINTS, "unchanged_elsewhere",
+                                                  "spell_other_words"}
+    assert [(r["method"], len(r["train"])) for r in out["runs"]] == [
+        (m, 1) for m in cfg.methods]
+    assert (tmp_path / "run" / "report" / "index.html").exists()
+
+
 def test_sweep_settings_are_every_combination_and_keep_unswept_values():
     cfg = get_config("quick")
     assert sweep_settings(cfg) == []
