@@ -356,26 +356,32 @@ def make_judge(name: str, top_s: int | None = None, seed: int = 0, llm=None) -> 
 
 
 def sweep_settings(cfg) -> list[dict]:
-    """RMSD's extra settings from `cfg.sweep` (top_t, top_s, judge: tuples; an empty one
-    keeps the main runs' value): every combination, in order. [] when nothing is swept."""
+    """RMSD's extra settings from `cfg.sweep` (top_t, top_s, judge, kind: tuples; an empty
+    one keeps the main runs' value): every combination, in order. [] when nothing is
+    swept. kind: the divergence (`DistillConfig.kind`) that ranks the candidates and is
+    the loss on the kept positions."""
     sw = cfg.get("sweep")
-    if sw is None or not any(len(sw[k]) for k in ("top_t", "top_s", "judge")):
+    axes = ("top_t", "top_s", "judge", "kind")
+    if sw is None or not any(len(sw.get(k, ())) for k in axes):
         return []
     ts = list(sw.top_t) or [cfg.distill.top_t]
     ss = list(sw.top_s) or [cfg.loop.get("judge_top_s")]
     js = list(sw.judge) or [cfg.loop.judge]
+    ks = list(sw.get("kind", ())) or [cfg.distill.kind]
     for j in js:  # a bad name fails before any work
         make_judge(j, llm=lambda top_s: None)
-    return [{"top_t": t, "top_s": s, "judge": j} for j in js for s in ss for t in ts]
+    return [{"top_t": t, "top_s": s, "judge": j, "kind": k}
+            for k in ks for j in js for s in ss for t in ts]
 
 
 def with_setting(cfg, setting: dict | None):
-    """`cfg` with a sweep setting's top_t, top_s and judge (a copy; None: `cfg` itself)."""
+    """`cfg` with a sweep setting's top_t, top_s, judge and kind (a copy; None: `cfg`)."""
     if setting is None:
         return cfg
     c = cfg.copy_and_resolve_references()
     with c.unlocked():
         c.distill.top_t = setting["top_t"]
+        c.distill.kind = setting.get("kind", c.distill.kind)
         c.loop.judge, c.loop.judge_top_s = setting["judge"], setting["top_s"]
     return c
 

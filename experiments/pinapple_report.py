@@ -98,11 +98,11 @@ def plot_runs(cfg, runs, path) -> None:
 
 
 def _setting_key(setting: dict) -> tuple:
-    return (setting["judge"], str(setting["top_s"]), setting["top_t"])
+    return (setting["judge"], str(setting["top_s"]), setting["top_t"], setting.get("kind"))
 
 
 def summarize_sweep(cfg, runs) -> list[dict]:
-    """One row per sweep setting (RMSD's T, S, judge): steps to target, final held-out
+    """One row per sweep setting (RMSD's T, S, judge, kind): steps to target, final held-out
     target and retention, loss tokens per update (mean and 95% CI over seeds), and the
     judge's selections per example."""
     rows = []
@@ -128,13 +128,14 @@ def summarize_sweep(cfg, runs) -> list[dict]:
 
 def sweep_cells(cfg, rows) -> tuple[list[str], list[list[str]]]:
     """The sweep table as (header, rows of cells)."""
-    head = ["judge", "S", "T", f"steps to >= {cfg.loop.target_rate:.0%} held-out (reached)",
+    head = ["judge", "S", "T", "divergence",
+            f"steps to >= {cfg.loop.target_rate:.0%} held-out (reached)",
             "held-out target", "retention", "loss tokens / update", "judge picks / response"]
     body = []
     for r in rows:
         sel = "-" if r["selected_per_example"] is None else f"{r['selected_per_example']:.2f}"
         body.append([str(r["judge"]), str(r["top_s"]), str(r["top_t"]),
-                     f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})", _fmt(r["target"]),
+                     str(r.get("kind", cfg.distill.kind)), f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})", _fmt(r["target"]),
                      _fmt(r["retention"]), _fmt(r["kept_per_update"], 1), sel])
     return head, body
 
@@ -144,17 +145,20 @@ def sweep_markdown(cfg, rows) -> str:
 
 
 def plot_sweep(cfg, rows, path) -> None:
-    """Steps to target and final retention against T, one line per (judge, S); error bars
+    """Steps to target and final retention against T, one line per (judge, S, divergence
+    when several are swept); error bars
     are the 95% CIs over seeds (settings that never reached the target are left out of the
     first panel)."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 3.6), dpi=100)
     lines: dict[tuple, list] = {}
+    kinds = {r.get("kind") for r in rows}
     for r in rows:
-        lines.setdefault((r["judge"], str(r["top_s"])), []).append(r)
+        lines.setdefault((r["judge"], str(r["top_s"]),
+                          r.get("kind") if len(kinds) > 1 else None), []).append(r)
     for j, key in enumerate(("steps_to_target", "retention")):
         ax = fig.add_subplot(1, 2, j + 1)
-        for (judge, s), rs in lines.items():
+        for (judge, s, kind), rs in lines.items():
             rs = sorted((r for r in rs if r[key] is not None), key=lambda r: r["top_t"] or 0)
             if not rs:
                 continue
@@ -164,7 +168,7 @@ def plot_sweep(cfg, rows, path) -> None:
                             [r[key]["high"] - r[key]["mean"] for r in rs]])
             err = np.where(np.isfinite(err), err, 0.0)  # one seed: no interval, no bar
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3,
-                        label=f"{judge}, S={s}")
+                        label=f"{judge}, S={s}" + (f", {kind}" if kind else ""))
         ax.set_xlabel("T (divergence candidates per response)")
         ax.set_title(("steps to the held-out target" if key == "steps_to_target" else
                       "retention after the last step") + "\nmean, 95% CI over seeds",
@@ -218,14 +222,15 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
     for r in runs:
         setting = r.get("setting") or {"top_t": cfg.distill.top_t,
                                        "top_s": cfg.loop.get("judge_top_s"),
-                                       "judge": cfg.loop.judge}
+                                       "judge": cfg.loop.judge, "kind": cfg.distill.kind}
         key = _setting_key(setting)
         if r["example"] is None or key in seen:
             continue
         seen.add(key)
         ex = r["example"]
         body += [f"<h2>RMSD's first update: judge {esc(setting['judge'])}, "
-                 f"T={esc(setting['top_t'])}, S={esc(setting['top_s'])} (seed {r['seed']})</h2>",
+                 f"T={esc(setting['top_t'])}, S={esc(setting['top_s'])}, "
+                 f"{esc(setting.get('kind', cfg.distill.kind))} (seed {r['seed']})</h2>",
                  kv_table({"student prompt": ex["prompt"], "hint": ex["hint"]}),
                  heatmap_html(ex["response_tokens"], ex["divergence"], ex["candidates"],
                               ex["selected"])]

@@ -109,10 +109,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.distill.groups = c.loop.get_ref("prompts_per_step")
     # S: at most this many judge selections per response (None: every relevant candidate).
     c.loop.judge_top_s = config_dict.placeholder(int)
-    # RMSD's extra runs over T (distill.top_t), S (loop.judge_top_s) and the judge
-    # ("keywords", "diff", "noisy:<rate>"): every combination x every seed, after the
-    # main runs; an empty tuple keeps the main runs' value, all empty: no sweep.
-    c.sweep = ml_collections.ConfigDict(dict(top_t=(), top_s=(), judge=()))
+    # RMSD's extra runs over T (distill.top_t), S (loop.judge_top_s), the judge
+    # ("keywords", "diff", "noisy:<rate>", "llm") and the divergence (distill.kind):
+    # every combination x every seed, after the main runs; an empty tuple keeps the main
+    # runs' value, all empty: no sweep.
+    c.sweep = ml_collections.ConfigDict(dict(top_t=(), top_s=(), judge=(), kind=()))
     c.distill_optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-4))  # OptimizerConfig
     c.sampling = ml_collections.ConfigDict(dict(   # SampleConfig
         max_new_tokens=20, temperature=1.0))

@@ -72,8 +72,13 @@ def test_sweep_settings_are_every_combination_and_keep_unswept_values():
     cfg.sweep.top_t = (1, 4)
     cfg.sweep.judge = ("keywords", "noisy:0.3")
     got = sweep_settings(cfg)
-    assert got == [{"top_t": t, "top_s": None, "judge": j}
+    assert got == [{"top_t": t, "top_s": None, "judge": j, "kind": "reverse_kl"}
                    for j in ("keywords", "noisy:0.3") for t in (1, 4)]
+    cfg.sweep.update(top_t=(), judge=(), kind=("reverse_kl", "forward_kl"))
+    assert [g["kind"] for g in sweep_settings(cfg)] == ["reverse_kl", "forward_kl"]
+    c = with_setting(cfg, sweep_settings(cfg)[1])
+    assert c.distill.kind == "forward_kl" and cfg.distill.kind == "reverse_kl"
+    cfg.sweep.kind = ()
     c = with_setting(cfg, {"top_t": 4, "top_s": 2, "judge": "noisy:0.3"})
     assert (c.distill.top_t, c.loop.judge_top_s, c.loop.judge) == (4, 2, "noisy:0.3")
     assert (cfg.distill.top_t, cfg.loop.judge) == (2, "keywords")  # the original unchanged
@@ -116,7 +121,8 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     splits = out["meta"]["splits"]
     assert splits["0"]["heldout"] != splits["1"]["heldout"]
     swept = [r for r in out["runs"] if r["setting"] is not None]
-    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": j}
+    assert [r["setting"] for r in swept] == [{"top_t": 1, "top_s": 1, "judge": j,
+                                              "kind": "reverse_kl"}
                                              for j in ("noisy:0.5", "llm") for _ in (0, 1)]
     assert swept[0]["method"] == "rmsd" and swept[0]["judge_stats"]["examples"] >= 1
     # The LLM judge: asked over HTTP for every example, scored against the oracle.
@@ -133,4 +139,4 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     assert "RMSD over T, S and the judge" in page and page.count('class="tokens heat"') == 3
     assert "llm judge vs the oracle" in page
     assert out["rows"][2]["target"]["n"] == 2  # a method's row: over seeds x data seeds
-    assert "judge noisy:0.5, T=1, S=1" in page and "data:image/png;base64," in page
+    assert "judge noisy:0.5, T=1, S=1, reverse_kl" in page and "data:image/png;base64," in page

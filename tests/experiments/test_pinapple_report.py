@@ -35,7 +35,7 @@ def test_sweep_rows_are_per_setting_and_the_main_rows_ignore_sweep_runs(tmp_path
     assert ra["kept_per_update"]["mean"] == 5.0
     assert ra["selected_per_example"] == 1.5
     md = sweep_markdown(cfg, rows)
-    assert "| noisy:0.2 | 1 | 8 | 30.0 (1/2) |" in md
+    assert "| noisy:0.2 | 1 | 8 | reverse_kl | 30.0 (1/2) |" in md  # runs without a kind
     # The main table's RMSD row holds the two main runs only.
     main = summarize(cfg, runs, {k: 0.0 for k in METRICS}, {k: 1.0 for k in METRICS})
     assert main[-1]["steps_to_target"]["mean"] == 11.0 and main[-1]["reached"] == "2/2"
