@@ -39,6 +39,50 @@ def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
     return rows
 
 
+def claims(cfg, runs, n_boot: int = 10000, seed: int = 0) -> dict:
+    """The design's two claims, scored as fixed before the faithful runs (BUILD_NOTES,
+    issue 39), on the main runs paired by (seed, data seed):
+
+    - half_steps: mean steps to the held-out target, RMSD / OPSD, with a 95% percentile
+      bootstrap CI over the pairs (a run that never reached the target counts as
+      `loop.steps + loop.target_every`, and the censored runs are counted). "about half"
+      when the CI's high end is below 0.75; "fewer steps" when below 1; else "not shown".
+    - retention: final retention, RMSD - SFT, mean and 95% t-interval over the pairs.
+      "better" when the low end is above 0; "worse" when the high end is below 0; else
+      "not shown".
+    """
+    censor = cfg.loop.steps + cfg.loop.target_every
+    by = {}
+    for r in runs:
+        if r.get("setting") is None:
+            by.setdefault(r["method"], {})[(r["seed"], r.get("data_seed"))] = r
+    out = {}
+    need = {"half_steps": ("rmsd", "opsd"), "retention": ("rmsd", "sft")}
+    for name, (a, b) in need.items():
+        keys = sorted(set(by.get(a, {})) & set(by.get(b, {})), key=str)
+        if len(keys) < 2:
+            out[name] = None
+            continue
+        if name == "half_steps":
+            st = {m: np.array([by[m][k]["steps_to_target"] or censor for k in keys], float)
+                  for m in (a, b)}
+            rng = np.random.default_rng(seed)
+            idx = rng.integers(0, len(keys), size=(n_boot, len(keys)))
+            boot = st[a][idx].mean(1) / st[b][idx].mean(1)
+            low, high = (float(x) for x in np.percentile(boot, [2.5, 97.5]))
+            verdict = "about half" if high < 0.75 else "fewer steps" if high < 1 else "not shown"
+            out[name] = {"ratio": float(st[a].mean() / st[b].mean()), "low": low, "high": high,
+                         "pairs": len(keys), "verdict": verdict,
+                         "censored": {m: int(sum(by[m][k]["steps_to_target"] is None
+                                                 for k in keys)) for m in (a, b)}}
+        else:
+            d = [by[a][k]["final"]["retention"] - by[b][k]["final"]["retention"] for k in keys]
+            e = _ci(d)
+            verdict = "better" if e["low"] > 0 else "worse" if e["high"] < 0 else "not shown"
+            out[name] = {**e, "pairs": len(keys), "verdict": verdict}
+    return out
+
+
 METRICS = ("target", "target_exact", "target_train", "retention", "retain_food",
            "retain_sentence", "retain_other", "retain_math")
 
@@ -206,6 +250,7 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
              "data seeds": meta.get("data_seeds"), "judge": cfg.loop.judge,
              "top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
              "held-out hints followed": meta.get("hint_following"),
+             "claims (fixed before the runs)": claims(cfg, runs),
              "llm judge vs the oracle": meta.get("llm_judge"),
              "wall_s": round(meta["wall_s"]), "devices": meta["devices"]}
     body = ["<h1>pinapple: hinted behaviour into the un-hinted model</h1>", kv_table(facts),
@@ -237,6 +282,22 @@ def html_report(cfg, report_dir, runs, rows, meta) -> str:
     return page("pinapple report", "".join(body), css=HEATMAP_CSS)
 
 
+def claims_markdown(cl: dict) -> str:
+    """The claims (`claims`) as two lines of text."""
+    lines = []
+    h, r = cl.get("half_steps"), cl.get("retention")
+    lines.append("- RMSD / OPSD steps to target: " + (
+        "not enough paired runs" if h is None else
+        f"{h['ratio']:.2f} [{h['low']:.2f}, {h['high']:.2f}] over {h['pairs']} pairs "
+        f"(never reached: RMSD {h['censored']['rmsd']}, OPSD {h['censored']['opsd']}): "
+        f"**{h['verdict']}**"))
+    lines.append("- RMSD - SFT final retention: " + (
+        "not enough paired runs" if r is None else
+        f"{r['mean']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}] over {r['pairs']} pairs: "
+        f"**{r['verdict']}**"))
+    return "\n".join(lines)
+
+
 def write_report(cfg, report_dir, runs, rows, meta) -> None:
     os.makedirs(report_dir, exist_ok=True)
     table = markdown_table(cfg, rows)
@@ -248,9 +309,11 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
                 f"every {cfg.loop.target_every} steps. Retention: exact answers on all "
                 "non-target items after the last step. Loss tokens / update: positions in the "
                 f"loss per step (8 prompts).\n\n{table}\n\n"
+                f"{claims_markdown(claims(cfg, runs))}\n\n"
                 f"{meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU on {meta['devices']}.\n")
     with open(os.path.join(report_dir, "results.json"), "w") as f:
-        json.dump({"rows": rows, "runs": [{k: v for k, v in r.items()} for r in runs],
+        json.dump({"rows": rows, "claims": claims(cfg, runs),
+                   "runs": [{k: v for k, v in r.items()} for r in runs],
                    "meta": meta, "config": cfg.to_dict()}, f, indent=1, default=str)
     plot_runs(cfg, runs, os.path.join(report_dir, "curves.png"))
     sweep = summarize_sweep(cfg, runs)

@@ -4,8 +4,9 @@ setting with CIs over seeds, the main table untouched by sweep runs, and the plo
 import os
 
 from experiments.configs.pinapple import get_config
-from experiments.pinapple_report import (METRICS, markdown_table, plot_sweep, summarize,
-                                         summarize_sweep, sweep_markdown)
+from experiments.pinapple_report import (METRICS, claims, claims_markdown, markdown_table,
+                                         plot_sweep, summarize, summarize_sweep,
+                                         sweep_markdown)
 
 
 def _run(method, seed, reached, target, retention, setting=None, kept=(4, 6)):
@@ -49,3 +50,29 @@ def test_sweep_rows_are_per_setting_and_the_main_rows_ignore_sweep_runs(tmp_path
 
 def test_no_sweep_runs_no_rows():
     assert summarize_sweep(get_config("quick"), [_run("rmsd", 0, 3, 1.0, 1.0)]) == []
+
+
+def test_the_claims_are_scored_on_paired_runs_as_fixed_in_advance():
+    """RMSD / OPSD steps (never reached: the budget + one check interval) with a bootstrap
+    CI, and RMSD - SFT retention with a t-interval, both over (seed, data seed) pairs;
+    sweep runs and unpaired runs are left out; too few pairs: no verdict."""
+    cfg = get_config("quick")
+    cfg.loop.update(steps=60, target_every=2)
+    runs = []
+    for s in range(8):
+        runs += [_run("opsd", s, 30 + s % 3, 1.0, 0.9), _run("rmsd", s, 14 + s % 2, 1.0, 0.97),
+                 _run("sft", s, 10, 1.0, 0.9 - 0.01 * (s % 2))]
+    runs += [_run("rmsd", 0, 50, 1.0, 0.1, {"top_t": 1}), _run("rmsd", 99, 60, 1.0, 0.0)]
+    cl = claims(cfg, runs)
+    h, r = cl["half_steps"], cl["retention"]
+    assert h["pairs"] == 8 and h["ratio"] == (14.5 / 30.875) and h["verdict"] == "about half"
+    assert h["low"] <= h["ratio"] <= h["high"] < 0.75 and h["censored"] == {"rmsd": 0, "opsd": 0}
+    assert r["pairs"] == 8 and abs(r["mean"] - 0.075) < 1e-9 and r["verdict"] == "better"
+    # RMSD never reaching the target counts as 62 steps: more than OPSD's, not shown.
+    for x in runs:
+        if x["method"] == "rmsd" and x["setting"] is None:
+            x["steps_to_target"] = None
+    h = claims(cfg, runs)["half_steps"]
+    assert h["censored"]["rmsd"] == 9 - 1 and h["ratio"] > 1 and h["verdict"] == "not shown"
+    assert "**not shown**" in claims_markdown(claims(cfg, runs))
+    assert claims(cfg, runs[:3]) == {"half_steps": None, "retention": None}
