@@ -16,9 +16,13 @@ is the oracle's selection, the reply its JSON (`{"relevant": [...]}`), the promp
 `LLMJudge.messages`. No judge example has a hint about the target word, so judging the
 target hint is as new to the judge as following it is to the base.
 
-    judge = train_judge(cfg, policy_tokenizer, items, workdir, log)
+    judge = train_judge(cfg, policy_tokenizer, items, pool, workdir, log)
     with served_judge(judge, workdir) as make:      # make(top_s) -> LLMJudge
         agreement(make(None), heldout_examples)     # against the oracle
+
+Alone (train, serve, score; `pinapple.run` then restores the judge from the workdir):
+
+    python -m experiments.pinapple_judge --config=experiments/configs/pinapple.py:faithful
 """
 
 from __future__ import annotations
@@ -210,3 +214,39 @@ def agreement(judge, examples) -> dict:
             "precision": tp / (tp + fp) if tp + fp else float("nan"),
             "recall": tp / (tp + fn) if tp + fn else float("nan"),
             "stats": dict(judge.stats)}
+
+
+def run(cfg, log=print) -> dict:
+    """Trains the judge for `cfg`'s corpus (in `workdir/judge`, where `pinapple.run`
+    restores it), serves it and scores it against the oracle: `judge_report.json`."""
+    import contextlib as _contextlib
+    import time
+
+    from experiments import pinapple
+
+    t0 = time.perf_counter()
+    workdir = os.path.abspath(cfg.workdir)
+    items = data.all_items(cfg.base_data.math_limit)
+    tok = pinapple.build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
+    with _contextlib.ExitStack() as stack:
+        _, meta = pinapple.start_llm_judge(cfg, tok, items, workdir, stack, log)
+    meta["wall_s"] = time.perf_counter() - t0
+    with open(os.path.join(workdir, "judge", "judge_report.json"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+    return meta
+
+
+def main(argv):
+    del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    run(_CONFIG.value)
+
+
+if __name__ == "__main__":
+    from absl import app
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/pinapple.py:faithful")
+    app.run(main)
