@@ -142,6 +142,20 @@ def test_teacher_gradient_is_stopped(kind):
     assert float(jnp.abs(g_s).max()) > 0.0
 
 
+def test_reverse_kl_gradient_vanishes_on_a_saturated_student_forward_kl_does_not():
+    """Why the faithful pinapple base (trained to a loss of ~0.002) did not move under
+    reverse KL (BUILD_NOTES, issue 39): with the student sure of one token by a logit gap
+    g and the teacher sure of another, d KL(s||t) / d logits falls like exp(-g), while
+    d KL(t||s) / d logits = softmax(s) - softmax(t) stays ~1."""
+    teacher = jnp.zeros((1, V)).at[0, 1].set(12.0)
+    for gap, rev_bound in ((5.0, 0.5), (10.0, 1e-2), (20.0, 1e-6)):
+        student = jnp.zeros((1, V)).at[0, 0].set(gap)
+        g_rev = jax.grad(lambda x: reverse_kl(x, teacher).sum())(student)
+        g_fwd = jax.grad(lambda x: forward_kl(x, teacher).sum())(student)
+        assert float(jnp.abs(g_rev).max()) < rev_bound
+        assert float(jnp.abs(g_fwd).max()) > 0.99
+
+
 def test_sampled_loss_is_unbiased_reverse_kl_gradient():
     # E_{y ~ p_s}[grad(-stop(adv_y) log p_s(y))] == grad KL(student || teacher), exactly.
     s, t, _, _ = _inputs(7)
