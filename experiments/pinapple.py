@@ -420,8 +420,8 @@ def distill_run(cfg, method, seed, base, prompts, splits, step_fns, policy: Poli
     dist = SelfDistiller(graphdef, state, typed["distill"], opt,
                          judge=make_judge(d.judge, d.get("judge_top_s"), seed, llm),
                          tokenizer=prompts.tokenizer,
-                         step_fn=step_fns.get(method))
-    step_fns[method] = dist.step_fn
+                         step_fn=step_fns.get((method, cfg.distill.kind)))
+    step_fns[(method, cfg.distill.kind)] = dist.step_fn  # one compiled step per loss
     sampling = typed["sampling"]
     tasks = [HintTask(i.key, i.messages(), hint=data.TARGET_HINT) for i in splits["train"]]
     rng = np.random.default_rng(seed)
@@ -530,6 +530,8 @@ def run(cfg, log=print) -> dict:
             f"target word followed (none in a faithful corpus): {following}\n"
             f"({t_sft:.0f}s base SFT)")
         policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
+        # Each run as it ends (this invocation's), kept should the report fail.
+        runs_log = stack.enter_context(open(os.path.join(workdir, "runs.jsonl"), "w"))
         for setting in [None] + settings:  # the main runs, then RMSD's sweep (`sweep`)
             for ds, splits in all_splits.items():
                 for seed in cfg.seeds:
@@ -537,6 +539,8 @@ def run(cfg, log=print) -> dict:
                         r = distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
                                         step_fns, policy, log, setting=setting, llm=llm)
                         runs.append({**r, "data_seed": ds})
+                        runs_log.write(json.dumps(runs[-1], default=str) + "\n")
+                        runs_log.flush()
     rows = summarize(cfg, runs, base_evals, teacher_evals)
     meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,

@@ -119,24 +119,32 @@ def markdown_table(cfg, rows) -> str:
 
 
 def plot_runs(cfg, runs, path) -> None:
-    """Held-out target rate and retention vs step, mean over seeds per method."""
+    """Held-out target rate and retention vs step, mean over seeds (and data seeds), one
+    line per method of the main runs and per sweep setting."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 3.6), dpi=100)
+    lines: dict[str, list] = {}
+    for r in runs:
+        st = r.get("setting")
+        label = r["method"] if st is None else (
+            f"rmsd {st['judge']} T={st['top_t']} S={st['top_s']} "
+            f"{st.get('kind', cfg.distill.kind)}")
+        lines.setdefault(label, []).append(r)
     for j, key in enumerate(("target", "retention")):
         ax = fig.add_subplot(1, 2, j + 1)
-        for method in cfg.methods:
-            rs = [r for r in runs if r["method"] == method and r.get("setting") is None]
+        for label, rs in lines.items():
             steps = [e["step"] for e in rs[0]["evals"] if key in e]
             vals = np.array([[e[key] for e in r["evals"] if key in e] for r in rs])
-            ax.plot(steps, vals.mean(0), marker=".", label=method)
+            ax.plot(steps, vals.mean(0), marker=".", label=f"{label} ({len(rs)})")
             ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15)
         name = ("held-out target rate" if key == "target" else
                 f"retention (every {cfg.loop.retain_every}th item)")
-        ax.set_title(f"{name}\nmean, band = min..max over {len(rs)} runs (seeds x data "
-                     "seeds)", fontsize=9)
+        ax.set_title(f"{name}\nmean, band = min..max over each line's runs (in brackets)",
+                     fontsize=9)
         ax.set_xlabel("distillation step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
 

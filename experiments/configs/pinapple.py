@@ -62,6 +62,11 @@ def _faithful(c):
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=100)
     # Answers run to ~25 tokens with this corpus's tokenizer: 20 cut some off.
     c.loop.answer_tokens = 32
+    # This base is sure of "pineapple" (SFT loss ~0.0003): reverse KL's gradient vanishes
+    # there, forward KL's does not (tests/losses/test_distill.py, BUILD_NOTES), and at
+    # lr 2e-4 60 steps were too few for any method in the seed-0 probes.
+    c.distill.kind = "forward_kl"
+    c.loop.steps = 120
     c.sampling.max_new_tokens = 32
     return c
 
