@@ -317,6 +317,26 @@ def hint_following(sampler, prompts: PromptCache, splits, max_new: int = 20
     return out
 
 
+def target_confidence(model, tokenizer, items, n: int = 12) -> list[float]:
+    """How sure the un-hinted model is of the target word where its answers have it: for
+    the first `n` target items, log p(target word) minus the runner-up's log-prob at that
+    position, teacher-forced on the answer (nats; negative when it is not the argmax).
+    Reverse KL's gradient there falls like exp(-gap) (tests/losses/test_distill.py)."""
+    import jax.numpy as jnp
+
+    word = tokenizer.encode(" " + data.TARGET_WORD)[0]
+    gaps = []
+    for it in [i for i in items if i.kind == "target"][:n]:
+        ans = tokenizer.encode(it.answer)
+        ids = tokenizer.apply_chat_template(list(it.messages()), tokenize=True)
+        ids = jnp.array([ids + ans[:ans.index(word)]])
+        out = model(ids, jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, jnp.int32))
+        lp = jax.nn.log_softmax((out[0] if isinstance(out, tuple) else out)[0, -1])
+        others = lp.at[word].set(-jnp.inf)
+        gaps.append(float(lp[word] - others.max()))
+    return gaps
+
+
 def make_splits(cfg, items, seed: int) -> dict:
     train, heldout = data.target_split(items, cfg.loop.heldout_frac, seed)
     retain = {k: [i for i in items if i.kind == k and data.TARGET_WORD not in i.answer]

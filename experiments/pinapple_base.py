@@ -19,6 +19,7 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from experiments import pinapple
 from experiments import pinapple_data as data
@@ -51,7 +52,9 @@ def run(cfg, log=print) -> dict:
             examples[family] = [{"question": i.question, "answer": g,
                                  "want": data.under_hint(i.answer, replacement)}
                                 for i, g in zip(some, got, strict=True)]
+    gaps = pinapple.target_confidence(state.model(graphdef), tok, items)
     report = {"base": base, "teacher": teacher, "hint_following": following,
+              "target_logit_gap": {"per_item": gaps, "median": float(np.median(gaps))},
               "examples": examples, "base_sft_s": t_sft, "final_loss": final_loss,
               "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
               "config": cfg.to_dict()}

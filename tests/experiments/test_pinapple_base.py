@@ -29,6 +29,8 @@ def test_the_base_report_at_toy_size(tmp_path):
     assert all(0.0 <= v <= 1.0 for v in report["hint_following"].values())
     assert {"target", "retention"} <= set(report["base"]) and "target" in report["teacher"]
     assert set(report["examples"]) == set(data.HELDOUT_HINTS)
+    gap = report["target_logit_gap"]
+    assert len(gap["per_item"]) == 12 and min(gap["per_item"]) <= gap["median"]
     saved = json.load(open(os.path.join(cfg.workdir, "base_report.json")))
     assert saved["hint_following"] == report["hint_following"]
     assert any("\nhint following: " in m for m in logs)
