@@ -3,7 +3,7 @@
 Issue 39 asks for a base model that follows an unseen hint in context before any
 distillation. This runs only that part of `experiments/pinapple.py` (the same corpus,
 tokenizer, base SFT and checks): the base's greedy evals without a hint and under the
-target hint, and `pinapple.hint_following` (per held-out hint, the share of target prompts
+target hint, and `pinapple_evals.hint_following` (per held-out hint, the share of target prompts
 answered exactly as the hint makes them; the target hint leaving other answers unchanged;
 spell hints about other words with fresh misspellings). Writes `base_report.json` into
 the workdir and prints a few answers under each held-out hint. The base checkpoints in
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from experiments import pinapple
+from experiments import pinapple_evals as evals
 from experiments import pinapple_data as data
 
 
@@ -39,20 +40,20 @@ def run(cfg, log=print) -> dict:
     graphdef, state, final_loss = pinapple.base_sft(cfg, tok, items, log,
                                                     os.path.join(workdir, "base"))
     t_sft = time.perf_counter() - t0
-    splits = pinapple.make_splits(cfg, items, cfg.seed)
+    splits = evals.make_splits(cfg, items, cfg.seed)
     prompts = PromptCache(tok, pinapple.hint_config(cfg))
     n = cfg.loop.answer_tokens
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
                     max_batch=64, min_batch=8, seed=cfg.seed) as sampler:
-        (base,), (teacher,), following = pinapple.base_checks(sampler, prompts,
+        (base,), (teacher,), following = evals.base_checks(sampler, prompts,
                                                               {cfg.seed: splits}, n)
         examples, some = {}, splits["train"][:4]
         for family, (hint, replacement) in data.HELDOUT_HINTS.items():
-            got = pinapple.answers(sampler, prompts, some, hint, n)
+            got = evals.answers(sampler, prompts, some, hint, n)
             examples[family] = [{"question": i.question, "answer": g,
                                  "want": data.under_hint(i.answer, replacement)}
                                 for i, g in zip(some, got, strict=True)]
-    gaps = pinapple.target_confidence(state.model(graphdef), tok, items)
+    gaps = evals.target_confidence(state.model(graphdef), tok, items)
     report = {"base": base, "teacher": teacher, "hint_following": following,
               "target_logit_gap": {"per_item": gaps, "median": float(np.median(gaps))},
               "examples": examples, "base_sft_s": t_sft, "final_loss": final_loss,

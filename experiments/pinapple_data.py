@@ -264,7 +264,9 @@ def family_hint(family: str, word: str, rng: random.Random, pool: list[str],
         v = fresh_word(rng, {word}) if fresh else misspell(word, rng, spell_edits)
         return f"Spell {word} as {v}.", v
     if family == "swap":
-        banned = {word, TARGET_WORD} | ({HELDOUT_HINTS["swap"][1]} if word == TARGET_WORD else set())
+        banned = {word, TARGET_WORD}
+        if word == TARGET_WORD:
+            banned.add(HELDOUT_HINTS["swap"][1])
         v = rng.choice([p for p in pool if p not in banned])
         return f"Say {v} instead of {word}.", v
     if family == "caps":

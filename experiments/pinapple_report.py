@@ -187,7 +187,8 @@ def sweep_cells(cfg, rows) -> tuple[list[str], list[list[str]]]:
     for r in rows:
         sel = "-" if r["selected_per_example"] is None else f"{r['selected_per_example']:.2f}"
         body.append([str(r["judge"]), str(r["top_s"]), str(r["top_t"]),
-                     str(r.get("kind", cfg.distill.kind)), f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})", _fmt(r["target"]),
+                     str(r.get("kind", cfg.distill.kind)),
+                     f"{_fmt(r['steps_to_target'], 1)} ({r['reached']})", _fmt(r["target"]),
                      _fmt(r["retention"]), _fmt(r["kept_per_update"], 1), sel])
     return head, body
 
