@@ -198,19 +198,23 @@ def sweep_markdown(cfg, rows) -> str:
 
 
 def plot_sweep(cfg, rows, path) -> None:
-    """Steps to target and final retention against T, one line per (judge, S, divergence
-    when several are swept); error bars
-    are the 95% CIs over seeds (settings that never reached the target are left out of the
-    first panel)."""
+    """Steps to target, final held-out target and final retention against T, one line per
+    (judge, S, divergence when several are swept), one colour per line in every panel;
+    error bars are the 95% CIs over seeds (settings that never reached the target are left
+    out of the first panel)."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 3.6), dpi=100)
+    fig = Figure(figsize=(14, 3.8), dpi=100)
     lines: dict[tuple, list] = {}
     kinds = {r.get("kind") for r in rows}
     for r in rows:
         lines.setdefault((r["judge"], str(r["top_s"]),
                           r.get("kind") if len(kinds) > 1 else None), []).append(r)
-    for j, key in enumerate(("steps_to_target", "retention")):
-        ax = fig.add_subplot(1, 2, j + 1)
+    colours = {key: f"C{i % 10}" for i, key in enumerate(lines)}
+    titles = {"steps_to_target": "steps to the held-out target",
+              "target": "held-out target after the last step",
+              "retention": "retention after the last step"}
+    for j, key in enumerate(titles):
+        ax = fig.add_subplot(1, 3, j + 1)
         for (judge, s, kind), rs in lines.items():
             rs = sorted((r for r in rs if r[key] is not None), key=lambda r: r["top_t"] or 0)
             if not rs:
@@ -221,11 +225,10 @@ def plot_sweep(cfg, rows, path) -> None:
                             [r[key]["high"] - r[key]["mean"] for r in rs]])
             err = np.where(np.isfinite(err), err, 0.0)  # one seed: no interval, no bar
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3,
+                        color=colours[(judge, s, kind)],
                         label=f"{judge}, S={s}" + (f", {kind}" if kind else ""))
         ax.set_xlabel("T (divergence candidates per response)")
-        ax.set_title(("steps to the held-out target" if key == "steps_to_target" else
-                      "retention after the last step") + "\nmean, 95% CI over seeds",
-                     fontsize=9)
+        ax.set_title(titles[key] + "\nmean, 95% CI over seeds", fontsize=9)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # none when no setting reached the target
             ax.legend(fontsize=7)
@@ -346,3 +349,49 @@ def write_report(cfg, report_dir, runs, rows, meta) -> None:
                              info={"method": ex["method"], "seed": ex["seed"],
                                    "judge": cfg.loop.judge, "top_t": cfg.distill.top_t},
                              title="pinapple: RMSD example (first update)")
+
+
+def combine_sweeps(cfg, main_dir: str, sweep_dirs: list[str], out_dir: str) -> list[dict]:
+    """One sweep table and plot from several runs of `experiments.pinapple` (each run's
+    `runs.jsonl`): the sweep runs of `sweep_dirs`, plus the main run's RMSD runs as the
+    main setting (`cfg`'s T, S, judge and divergence) on the sweeps' seeds only, so every
+    row is over the same seeds. Writes sweep.md, sweep.json and sweep.png to `out_dir`."""
+    def read(d):
+        with open(os.path.join(d, "runs.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    swept = [r for d in sweep_dirs for r in read(d) if r.get("setting") is not None]
+    seeds = {r["seed"] for r in swept}
+    main = {"top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
+            "judge": cfg.loop.judge, "kind": cfg.distill.kind}
+    runs = [{**r, "setting": main} for r in read(main_dir)
+            if r["method"] == "rmsd" and r.get("setting") is None and r["seed"] in seeds]
+    rows = summarize_sweep(cfg, runs + swept)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+        f.write(f"# pinapple: RMSD over T, S, the judge and the divergence\n\nseeds "
+                f"{sorted(seeds)}; mean [95% CI] over seeds; runs from {main_dir} (the main "
+                f"setting) and {', '.join(sweep_dirs)}.\n\n" + sweep_markdown(cfg, rows) + "\n")
+    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    plot_sweep(cfg, rows, os.path.join(out_dir, "sweep.png"))
+    return rows
+
+
+def main(argv):
+    """`python -m experiments.pinapple_report --config=...:faithful --main_dir=D
+    --sweep_dirs=D1,D2 --out_dir=O`: `combine_sweeps`."""
+    del argv
+    combine_sweeps(_CONFIG.value, _FLAGS.main_dir, _FLAGS.sweep_dirs, _FLAGS.out_dir)
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/pinapple.py:faithful")
+    flags.DEFINE_string("main_dir", None, "workdir of the main run", required=True)
+    flags.DEFINE_list("sweep_dirs", None, "workdirs of the sweep runs", required=True)
+    flags.DEFINE_string("out_dir", None, "where the combined sweep goes", required=True)
+    _FLAGS = flags.FLAGS
+    app.run(main)

@@ -76,3 +76,27 @@ def test_the_claims_are_scored_on_paired_runs_as_fixed_in_advance():
     assert h["censored"]["rmsd"] == 9 - 1 and h["ratio"] > 1 and h["verdict"] == "not shown"
     assert "**not shown**" in claims_markdown(claims(cfg, runs))
     assert claims(cfg, runs[:3]) == {"half_steps": None, "retention": None}
+
+
+def test_combine_sweeps_puts_the_main_setting_beside_the_swept_ones(tmp_path):
+    """Sweep runs from several workdirs plus the main run's RMSD runs (as the main setting,
+    on the sweeps' seeds only): one table, one plot."""
+    import json
+
+    from experiments.pinapple_report import combine_sweeps
+
+    cfg = get_config("faithful")
+    t1 = {"top_t": 1, "top_s": None, "judge": "keywords", "kind": "forward_kl"}
+    dirs = {"main": [_run("rmsd", s, 10, 1.0, 0.9) for s in range(4)]
+            + [_run("opsd", 0, 20, 1.0, 0.8)],
+            "sweep": [_run("rmsd", s, 12, 1.0, 0.95, t1) for s in (0, 1)]}
+    for name, runs in dirs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "runs.jsonl").write_text(
+            "".join(json.dumps({**r, "evals": []}) + "\n" for r in runs))
+    rows = combine_sweeps(cfg, str(tmp_path / "main"), [str(tmp_path / "sweep")],
+                          str(tmp_path / "out"))
+    assert [(r["top_t"], r["steps_to_target"]["n"]) for r in rows] == [(2, 2), (1, 2)]
+    assert rows[0]["kind"] == "forward_kl" and rows[0]["judge"] == "keywords"
+    assert os.path.getsize(tmp_path / "out" / "sweep.png") > 1000
+    assert "seeds [0, 1]" in (tmp_path / "out" / "sweep.md").read_text()
