@@ -356,10 +356,7 @@ def combine_sweeps(cfg, main_dir: str, sweep_dirs: list[str], out_dir: str) -> l
     `runs.jsonl`): the sweep runs of `sweep_dirs`, plus the main run's RMSD runs as the
     main setting (`cfg`'s T, S, judge and divergence) on the sweeps' seeds only, so every
     row is over the same seeds. Writes sweep.md, sweep.json and sweep.png to `out_dir`."""
-    def read(d):
-        with open(os.path.join(d, "runs.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-
+    read = read_runs
     swept = [r for d in sweep_dirs for r in read(d) if r.get("setting") is not None]
     seeds = {r["seed"] for r in swept}
     main = {"top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
@@ -378,10 +375,36 @@ def combine_sweeps(cfg, main_dir: str, sweep_dirs: list[str], out_dir: str) -> l
     return rows
 
 
+def read_runs(run_dir: str) -> list[dict]:
+    """The runs an `experiments.pinapple` run wrote as they ended (`runs.jsonl`)."""
+    with open(os.path.join(run_dir, "runs.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def runs_summary(cfg, run_dir: str) -> str:
+    """The methods table and the claims of the main runs a run has finished so far (from
+    `runs.jsonl`; a run still going, or one whose report failed)."""
+    runs = read_runs(run_dir)
+    c = cfg.copy_and_resolve_references()
+    with c.unlocked():
+        c.methods = tuple(m for m in cfg.methods
+                          if any(r["method"] == m and r.get("setting") is None for r in runs))
+    zero = {k: 0.0 for k in METRICS}  # no base / teacher eval here: their rows are dropped
+    rows = summarize(c, runs, zero, zero)[2:]
+    seeds = sorted({(r["seed"], r.get("data_seed")) for r in runs}, key=str)
+    return (f"{len(runs)} runs, (seed, data seed): {seeds}\n\n"
+            + _md(*[c for c in table_cells(cfg, rows)]) + "\n\n"
+            + claims_markdown(claims(cfg, runs)))
+
+
 def main(argv):
     """`python -m experiments.pinapple_report --config=...:faithful --main_dir=D
-    --sweep_dirs=D1,D2 --out_dir=O`: `combine_sweeps`."""
+    --sweep_dirs=D1,D2 --out_dir=O`: `combine_sweeps`; without --sweep_dirs: print
+    `runs_summary` of D."""
     del argv
+    if not _FLAGS.sweep_dirs:
+        print(runs_summary(_CONFIG.value, _FLAGS.main_dir))
+        return
     combine_sweeps(_CONFIG.value, _FLAGS.main_dir, _FLAGS.sweep_dirs, _FLAGS.out_dir)
 
 
@@ -391,7 +414,7 @@ if __name__ == "__main__":
 
     _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/pinapple.py:faithful")
     flags.DEFINE_string("main_dir", None, "workdir of the main run", required=True)
-    flags.DEFINE_list("sweep_dirs", None, "workdirs of the sweep runs", required=True)
-    flags.DEFINE_string("out_dir", None, "where the combined sweep goes", required=True)
+    flags.DEFINE_list("sweep_dirs", [], "workdirs of the sweep runs (none: a summary)")
+    flags.DEFINE_string("out_dir", None, "where the combined sweep goes")
     _FLAGS = flags.FLAGS
     app.run(main)

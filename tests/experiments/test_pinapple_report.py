@@ -100,3 +100,17 @@ def test_combine_sweeps_puts_the_main_setting_beside_the_swept_ones(tmp_path):
     assert rows[0]["kind"] == "forward_kl" and rows[0]["judge"] == "keywords"
     assert os.path.getsize(tmp_path / "out" / "sweep.png") > 1000
     assert "seeds [0, 1]" in (tmp_path / "out" / "sweep.md").read_text()
+
+
+def test_runs_summary_reads_the_runs_finished_so_far(tmp_path):
+    import json
+
+    from experiments.pinapple_report import runs_summary
+
+    cfg = get_config("faithful")
+    runs = [_run(m, s, 10 + s, 1.0, 0.9) for s in range(3) for m in ("sft", "opsd", "rmsd")]
+    runs.append(_run("sft", 3, 12, 1.0, 0.9))  # seed 3 still going: SFT only
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    text = runs_summary(cfg, str(tmp_path))
+    assert text.startswith("10 runs") and "| rmsd |" in text and "(4/4)" in text
+    assert "over 3 pairs" in text  # the claims pair only the seeds every method finished
