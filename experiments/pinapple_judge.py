@@ -219,7 +219,6 @@ def agreement(judge, examples) -> dict:
 def run(cfg, log=print) -> dict:
     """Trains the judge for `cfg`'s corpus (in `workdir/judge`, where `pinapple.run`
     restores it), serves it and scores it against the oracle: `judge_report.json`."""
-    import contextlib as _contextlib
     import time
 
     from experiments import pinapple
@@ -228,7 +227,7 @@ def run(cfg, log=print) -> dict:
     workdir = os.path.abspath(cfg.workdir)
     items = data.all_items(cfg.base_data.math_limit)
     tok = pinapple.build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
-    with _contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         _, meta = pinapple.start_llm_judge(cfg, tok, items, workdir, stack, log)
     meta["wall_s"] = time.perf_counter() - t0
     with open(os.path.join(workdir, "judge", "judge_report.json"), "w") as f:

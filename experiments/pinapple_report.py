@@ -356,12 +356,11 @@ def combine_sweeps(cfg, main_dir: str, sweep_dirs: list[str], out_dir: str) -> l
     `runs.jsonl`): the sweep runs of `sweep_dirs`, plus the main run's RMSD runs as the
     main setting (`cfg`'s T, S, judge and divergence) on the sweeps' seeds only, so every
     row is over the same seeds. Writes sweep.md, sweep.json and sweep.png to `out_dir`."""
-    read = read_runs
-    swept = [r for d in sweep_dirs for r in read(d) if r.get("setting") is not None]
+    swept = [r for d in sweep_dirs for r in read_runs(d) if r.get("setting") is not None]
     seeds = {r["seed"] for r in swept}
     main = {"top_t": cfg.distill.top_t, "top_s": cfg.loop.get("judge_top_s"),
             "judge": cfg.loop.judge, "kind": cfg.distill.kind}
-    runs = [{**r, "setting": main} for r in read(main_dir)
+    runs = [{**r, "setting": main} for r in read_runs(main_dir)
             if r["method"] == "rmsd" and r.get("setting") is None and r["seed"] in seeds]
     rows = summarize_sweep(cfg, runs + swept)
     os.makedirs(out_dir, exist_ok=True)
