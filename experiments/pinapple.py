@@ -172,6 +172,38 @@ def fingerprint(cfg, sections) -> dict:
     return json.loads(json.dumps({k: d[k] for k in sections}, sort_keys=True, default=str))
 
 
+# The config keys that do not change what one (setting, data seed, seed, method) run does.
+RUN_AXES = ("seeds", "data_seeds", "workdir", "methods", "sweep")
+
+
+def run_key(setting, data_seed, seed, method) -> str:
+    return json.dumps([setting, data_seed, seed, method], sort_keys=True, default=str)
+
+
+def finished_runs(path: str, record: dict) -> dict[str, dict]:
+    """The runs an earlier invocation on this workdir finished (its `runs.jsonl`), by
+    `run_key`, so that a stopped experiment resumes where it stopped. Each line carries the
+    config it ran under (`record`: every section but `RUN_AXES`); a file with a line from
+    another config is refused, naming the sections that differ."""
+    if not os.path.exists(path):
+        return {}
+    done = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            have = r.get("run_config")
+            if have != record:
+                diff = ("no config record" if have is None else
+                        sorted(k for k in set(record) | set(have)
+                               if have.get(k) != record.get(k)))
+                raise ValueError(f"{path} line {n}: a run under other settings ({diff}); "
+                                 "use another workdir, or move runs.jsonl away to start over")
+            done[run_key(r.get("setting"), r.get("data_seed"), r["seed"], r["method"])] = r
+    return done
+
+
 def checkpointed_sft(name: str, model, segments, sft, opt, workdir: str | None,
                      record: dict | None = None, log=print):
     """`run_sft` of `model` on `segments`: (graphdef, state, final loss). With a workdir it
@@ -442,15 +474,25 @@ def run(cfg, log=print) -> dict:
             f"target word followed (none in a faithful corpus): {following}\n"
             f"({t_sft:.0f}s base SFT)")
         policy = Policy(sampler, graphdef, os.path.join(workdir, "published"))
-        # Each run as it ends (this invocation's), kept should the report fail.
-        runs_log = stack.enter_context(open(os.path.join(workdir, "runs.jsonl"), "w"))
+        # Each run as it ends, kept should the report fail; runs an earlier invocation
+        # finished under this config are read back, not run again.
+        path = os.path.join(workdir, "runs.jsonl")
+        record = fingerprint(cfg, [k for k in cfg.keys() if k not in RUN_AXES])
+        done = finished_runs(path, record)
+        if done:
+            log(f"resuming: {len(done)} finished runs in {path}")
+        runs_log = stack.enter_context(open(path, "a"))
         for setting in [None] + settings:  # the main runs, then RMSD's sweep (`sweep`)
             for ds, splits in all_splits.items():
                 for seed in cfg.seeds:
                     for method in (cfg.methods if setting is None else ("rmsd",)):
+                        key = run_key(setting, ds, seed, method)
+                        if key in done:
+                            runs.append(done[key])
+                            continue
                         r = distill_run(cfg, method, seed, (graphdef, state), prompts, splits,
                                         step_fns, policy, log, setting=setting, llm=llm)
-                        runs.append({**r, "data_seed": ds})
+                        runs.append({**r, "data_seed": ds, "run_config": record})
                         runs_log.write(json.dumps(runs[-1], default=str) + "\n")
                         runs_log.flush()
     rows = summarize(cfg, runs, base_evals, teacher_evals)

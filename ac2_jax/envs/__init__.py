@@ -23,6 +23,7 @@ from ac2_jax.envs.calculator import (
     safe_eval,
 )
 from ac2_jax.envs.contract import EnvError, check_env, load_env, needs_of
+from ac2_jax.envs.guess import GuessEnv, replay_replies
 from ac2_jax.envs.judges import (
     Judge,
     JudgeError,
@@ -44,6 +45,7 @@ __all__ = [
     "DomainMixer",
     "Env",
     "EnvError",
+    "GuessEnv",
     "Judge",
     "JudgeError",
     "JudgeExample",
@@ -68,6 +70,7 @@ __all__ = [
     "needs_of",
     "parse_chain_state",
     "parse_judge_reply",
+    "replay_replies",
     "run_sandboxed",
     "run_tool",
     "safe_eval",

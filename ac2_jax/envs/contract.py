@@ -12,7 +12,11 @@ An environment is an `Env` (envs/base.py) with:
 - a verifier: `verify(task, answer)` -> a float in `reward_range`;
 - tools:     the `tools` the harness offers (optional);
 - for SFT:   `demonstration(task)` -> an OpenAI-format chat that solves it;
-- for distillation: `hint(task)` -> the hint text (None: no hint for it).
+- for distillation: `hint(task)` -> the hint text (None: no hint for it);
+- multi-turn (optional): `reply(task, messages)` -> the env's next user message
+             after each answer of the agent, or None to end the attempt
+             (`orchestration.EnvUser`). A pure function of the task and the
+             conversation so far, so that a recorded attempt replays.
 
 `load_env("pkg.module:Factory")` builds one from an import path (a class or
 a function, called with no arguments); `check_env(env, recipe)` raises one
@@ -118,8 +122,8 @@ def check_env(env: Env, recipe: str = "rl") -> Env:
     Raises EnvError naming every problem: tasks (deterministic, unique ids,
     disjoint splits), the verifier (a float in reward_range for no answer and
     for the reference answer, which must earn the top reward), tools (Tool
-    objects, distinct names), a callable `make_harness` if given, and the
-    recipe's own needs (`demonstration` for sft, `hint` for distill).
+    objects, distinct names), a callable `make_harness` and `reply` if given, and
+    the recipe's own needs (`demonstration` for sft, `hint` for distill).
     """
     problems: list[str] = []
     name = type(env).__name__
@@ -139,6 +143,22 @@ def check_env(env: Env, recipe: str = "rl") -> Env:
             "make_harness must be callable: (task, client, model_name, *, sampling, "
             "max_steps) -> orchestrator"
         )
+    reply = getattr(env, "reply", None)
+    if reply is not None and not callable(reply):
+        problems.append("reply must be callable: (task, messages) -> str | None")
+    elif reply is not None:
+        for task in tasks[:1]:
+            try:
+                got = reply(
+                    task,
+                    env.initial_messages(task)
+                    + [{"role": "assistant", "content": env.reference_answer(task) or ""}],
+                )
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"reply({task.task_id!r}, ...) raised {e!r}")
+                continue
+            if got is not None and not isinstance(got, str):
+                problems.append(f"reply({task.task_id!r}, ...) must give a str or None")
     for task in tasks[:2]:
         ref = env.reference_answer(task)
         for answer in (None,) if ref is None else (None, ref):

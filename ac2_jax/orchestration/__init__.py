@@ -3,6 +3,7 @@
 from ac2_jax.orchestration.base import (
     AGENT_HEADER,
     ConversationTrace,
+    EnvUser,
     Orchestrator,
     ScriptedUser,
     SingleTaskUser,
@@ -50,6 +51,7 @@ __all__ = [
     "CompactionOrchestrator",
     "ConversationTrace",
     "DefaultOrchestrator",
+    "EnvUser",
     "Launch",
     "LifecycleClient",
     "LifecycleError",

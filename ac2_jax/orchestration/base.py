@@ -201,6 +201,25 @@ class SingleTaskUser(User):
         return trace.task.prompt
 
 
+class EnvUser(User):
+    """Asks the task, then lets the env answer each reply of the agent: a multi-turn env
+    has `reply(task, messages)` -> its next user message, or None to end (envs/contract.py).
+    An env without `reply`, or an attempt that ended other than by an answer (a step or
+    token limit), ends after that turn, as with SingleTaskUser."""
+
+    def __init__(self):
+        self._asked = False
+
+    async def respond(self, env, trace):
+        if not self._asked:
+            self._asked = True
+            return trace.task.prompt
+        reply = getattr(env, "reply", None)
+        if reply is None or trace.status != "finished":
+            return None
+        return reply(trace.task, list(trace.messages))
+
+
 class ScriptedUser(User):
     """Says the given messages in order, one per turn, then ends."""
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from ac2_jax.envs.base import AgentError, Env, Task
-from ac2_jax.orchestration.base import ConversationTrace, Orchestrator, SingleTaskUser, run_task
+from ac2_jax.orchestration.base import ConversationTrace, EnvUser, Orchestrator, run_task
 from ac2_jax.trace.types import Trace
 
 
@@ -224,6 +224,10 @@ async def run_rollout(
 ) -> tuple[Trace, ConversationTrace]:
     """One attempt: create rollout -> run loop -> verify -> finish -> trace.
 
+    The loop asks the task, and for a multi-turn env (one with `reply`) goes on with
+    each of the env's replies to the agent's answers (`EnvUser`): one append-only
+    episode; the verifier grades the last answer.
+
     The attempt ends "finished" when the agent answered (the verifier's reward,
     a wrong answer included), "agent_error" when it did not answer within its
     step or token budget (the verifier's reward for no answer), and otherwise
@@ -288,7 +292,7 @@ async def _run_rollout(
     orch, t0 = None, time.monotonic()
     try:
         orch = make_orchestrator(env, task, client, model)
-        conv = await asyncio.wait_for(run_task(orch, SingleTaskUser()), timeout_s)
+        conv = await asyncio.wait_for(run_task(orch, EnvUser()), timeout_s)
         reward = env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
         artifacts = {

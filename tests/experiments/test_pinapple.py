@@ -46,6 +46,39 @@ def test_pretrain_then_hint_following_then_one_step_per_method(tmp_path):
     method, the report."""
     from experiments import pinapple
 
+    cfg = _toy_faithful(tmp_path)
+    out = pinapple.run(cfg, log=lambda *a: None)
+    assert set(out["meta"]["hint_following"]) == {*data.HELDOUT_HINTS, "unchanged_elsewhere",
+                                                  "spell_other_words"}
+    assert [(r["method"], len(r["train"])) for r in out["runs"]] == [
+        (m, 1) for m in cfg.methods]
+    assert (tmp_path / "run" / "report" / "index.html").exists()
+
+
+def test_a_stopped_run_resumes_from_its_finished_runs_and_refuses_other_settings(tmp_path):
+    import json
+
+    from experiments import pinapple
+
+    cfg = _toy_faithful(tmp_path)
+    cfg.methods = ("sft",)
+    first = pinapple.run(cfg, log=lambda *a: None)["runs"]
+    path = tmp_path / "run" / "runs.jsonl"
+    assert len(path.read_text().splitlines()) == 1
+    cfg.seeds = (0, 1)
+    logged = []
+    again = pinapple.run(cfg, log=logged.append)["runs"]
+    assert any("resuming: 1 finished runs" in str(m) for m in logged)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["seed"], r["method"]) for r in lines] == [(0, "sft"), (1, "sft")]
+    assert json.loads(json.dumps(first[0], default=str)) == again[0] == lines[0]
+    cfg.loop.steps = 2
+    with pytest.raises(ValueError, match=r"line 1: a run under other settings \(\['loop'\]\)"):
+        pinapple.run(cfg, log=lambda *a: None)
+    assert len(path.read_text().splitlines()) == 2  # nothing lost
+
+
+def _toy_faithful(tmp_path):
     cfg = get_config("faithful")
     cfg.seeds = (0,)
     cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -58,12 +91,7 @@ def test_pretrain_then_hint_following_then_one_step_per_method(tmp_path):
                     retain_every=16, answer_tokens=6)
     cfg.sampling.max_new_tokens = 6
     cfg.workdir = str(tmp_path / "run")
-    out = pinapple.run(cfg, log=lambda *a: None)
-    assert set(out["meta"]["hint_following"]) == {*data.HELDOUT_HINTS, "unchanged_elsewhere",
-                                                  "spell_other_words"}
-    assert [(r["method"], len(r["train"])) for r in out["runs"]] == [
-        (m, 1) for m in cfg.methods]
-    assert (tmp_path / "run" / "report" / "index.html").exists()
+    return cfg
 
 
 def test_sweep_settings_are_every_combination_and_keep_unswept_values():

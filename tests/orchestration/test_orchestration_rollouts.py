@@ -436,3 +436,29 @@ def test_the_training_packages_import_without_openai():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_multi_turn_env_replies_to_each_answer_in_one_episode_that_replays(endpoint):
+    """GuessEnv plays the user (`reply`): every answer gets "Higher." / "Lower." / a request
+    for a number until the guesses run out (the random policy never wins), all in one
+    append-only episode of one completion per guess. The replies recompute from the
+    recorded conversation (`replay_replies`), and the same seed rolls the same attempt."""
+    from ac2_jax.envs import GuessEnv, replay_replies
+
+    env = GuessEnv(highs=(7,), max_guesses=3)
+    task = env.sample_tasks(1, 0)[0]
+    trace, conv = run(endpoint["url"], env, make(max_steps=5), task)
+    assert trace.status == "finished" and conv.status == "finished"
+    assert trace.reward == env.verify(task, conv.answer) == 0.0
+    answers = [m for m in conv.messages if m["role"] == "assistant"]
+    users = [m["content"] for m in conv.messages if m["role"] == "user"]
+    assert len(answers) == 3 and users[0] == task.prompt and len(users) == 3
+    assert replay_replies(env, task, conv.messages) == [*users[1:], None]
+    assert len(trace.episodes) == 1 and len(trace.episodes[0].completions) == 3
+    again, conv2 = run(endpoint["url"], env, make(max_steps=5), task)
+    assert conv2.messages == conv.messages
+    assert again.episodes[0].token_ids == trace.episodes[0].token_ids
+    # The step limit ends the game first: an agent_error, no further reply.
+    short, conv3 = run(endpoint["url"], env, make(max_steps=2), task)
+    assert short.status == "agent_error" and conv3.status == "step_limit"
+    assert sum(m["role"] == "assistant" for m in conv3.messages) == 2

@@ -73,3 +73,32 @@ def test_only_failures_distills_the_failed_attempts_and_counts_the_passed(tmp_pa
     assert len(traces) == 8 and 0 < passed < 8  # both kinds (a random policy, seed 0)
     assert m["data/passed_traces"] == passed
     assert m["data/examples"] == 8 - passed  # one completion per single-turn attempt
+
+
+def test_only_failures_on_a_multi_turn_env_distills_every_turn_of_the_failed_games(tmp_path):
+    """Data path (c) on a multi-turn env: GuessEnv answers each guess through the
+    rollout (`EnvUser`), so each attempt is one episode of several requests through the
+    endpoint; the failed games are hinted with the secret and every turn's output is
+    distilled, once."""
+    from ac2_jax.envs import GuessEnv
+    from ac2_jax.trace import TraceStore
+
+    model = load_model("tiny", str(tmp_path / "build"))
+    cfg = load_config(DistillRecipeConfig, None, [
+        *SMALL, "loop.tasks_per_step=3", "loop.attempts_per_task=2", "loop.only_failures=true",
+        "rollout.max_steps=3", "rollout.temperature=1.0", f"paths.workdir={tmp_path / 'run'}"])
+    env = GuessEnv(highs=(7,), max_guesses=3)
+    distill(model, env, cfg)
+    m = {}
+    for line in open(tmp_path / "run" / "metrics" / "metrics.jsonl"):
+        m.update(json.loads(line))
+    traces = list(TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read())
+    failed = [t for t in traces if not t.reward]
+    assert len(traces) == 6 and m["data/passed_traces"] == 6 - len(failed) and failed
+    turns = [len(t.episodes[0].completions) for t in failed]
+    assert all(len(t.episodes) == 1 for t in failed) and min(turns) >= 2  # multi-turn
+    outputs = sum(len(c.output_ids) for t in failed for c in t.episodes[0].completions)
+    # The default placement, before_turn, moves the hint with each request: one example
+    # per turn (a placement that stays put would merge each episode into one).
+    assert m["data/examples"] == sum(turns)
+    assert m["train/kept_tokens"] == outputs  # every output token of every turn, once
