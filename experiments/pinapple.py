@@ -437,7 +437,9 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
 
 
 def run(cfg, log=print) -> dict:
-    """The whole experiment; returns {"rows", "runs", "meta"} and writes the report."""
+    """The whole experiment; returns {"rows", "runs", "meta"} and writes the report.
+    Re-run on the same workdir, it resumes: the base is restored and the runs finished
+    under the same settings are read back from `runs.jsonl` (`finished_runs`)."""
     t_start, c_start = time.perf_counter(), time.process_time()
     workdir = os.path.abspath(cfg.workdir)
     for method in cfg.methods:  # config mismatches fail before any work
