@@ -56,12 +56,12 @@ def gemm_rows(batches, weight_mb, rounds: int = 5, inner: int = 5) -> list[dict]
 
         @jax.jit
         def chain(x, Us, Ds):
-            for u, d in zip(Us, Ds):
+            for u, d in zip(Us, Ds, strict=True):
                 x = x + jnp.tanh(x @ u) @ d
             return x
 
-        def np_chain(x):
-            for u, d in zip(U, D):
+        def np_chain(x, U=U, D=D):
+            for u, d in zip(U, D, strict=True):
                 x = x + np.tanh(x @ u) @ d
             return x
 
@@ -72,9 +72,9 @@ def gemm_rows(batches, weight_mb, rounds: int = 5, inner: int = 5) -> list[dict]
                                        atol=1e-3)
             # Not alternated: OpenBLAS's threads spin for a while after each call and take
             # the cores XLA's next call needs (BUILD_NOTES "OpenBLAS inside XLA:CPU").
-            t = {**_min_us({"xla": lambda: chain(jx, jU, jD).block_until_ready()}, rounds,
-                           inner),
-                 **_min_us({"numpy": lambda: np_chain(x)}, rounds, inner)}
+            xla = lambda c=chain, a=(jx, jU, jD): c(*a).block_until_ready()  # noqa: E731
+            t = {**_min_us({"xla": xla}, rounds, inner),
+                 **_min_us({"numpy": lambda f=np_chain, a=x: f(a)}, rounds, inner)}
             flops = 2 * b * 256 * 768 * 2 * layers
             rows.append({"case": "gemm", "batch": b, "weights_mb": 2 * layers * 0.75,
                          "xla_us": t["xla"], "numpy_us": t["numpy"],
@@ -131,7 +131,7 @@ def attention_rows(batches, slots: int, rounds: int = 5, inner: int = 20) -> lis
 
             keys = kts if tr else ks
             outs[name] = np.asarray(run(q, keys, vs, mask))
-            fns[name] = lambda run=run, keys=keys: run(q, keys, vs, mask).block_until_ready()
+            fns[name] = lambda run=run, a=(q, keys, vs, mask): run(*a).block_until_ready()
         for name in FORMS:
             np.testing.assert_allclose(outs[name], outs["library (einsums)"], rtol=2e-4,
                                        atol=2e-4)
