@@ -427,8 +427,12 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
     corpus, pool = corpus_items(cfg, items), word_pool(cfg, items)
     judge = pj.train_judge(cfg, tokenizer, corpus, pool, jdir, log)
     llm = stack.enter_context(pj.served_judge(judge, jdir))
+    # Held out: examples of other hints drawn with another seed, none of them a training one.
+    seen = {pj.example_key(e) for e in pj.judge_examples(
+        tokenizer, corpus, pool, cfg.judge_data.examples, cfg.seed)}
     tests = {"other_hints": pj.judge_examples(tokenizer, corpus, pool,
-                                              cfg.judge_data.test_examples, cfg.seed + 1),
+                                              cfg.judge_data.test_examples, cfg.seed + 1,
+                                              exclude=seen),
              "target_hints": pj.target_examples(tokenizer, items, cfg.seed)}
     meta = {"final_loss": judge.final_loss,
             **{k: pj.agreement(llm(None), v) for k, v in tests.items()}}
@@ -436,10 +440,11 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
     return llm, meta
 
 
-def run(cfg, log=print) -> dict:
+def run(cfg, log=print, command: str | None = None) -> dict:
     """The whole experiment; returns {"rows", "runs", "meta"} and writes the report.
     Re-run on the same workdir, it resumes: the base is restored and the runs finished
-    under the same settings are read back from `runs.jsonl` (`finished_runs`)."""
+    under the same settings are read back from `runs.jsonl` (`finished_runs`).
+    command: the command line the report names (`main` passes its own)."""
     t_start, c_start = time.perf_counter(), time.process_time()
     workdir = os.path.abspath(cfg.workdir)
     for method in cfg.methods:  # config mismatches fail before any work
@@ -498,7 +503,7 @@ def run(cfg, log=print) -> dict:
                         runs_log.write(json.dumps(runs[-1], default=str) + "\n")
                         runs_log.flush()
     rows = summarize(cfg, runs, base_evals, teacher_evals)
-    meta = {"command": "python -m experiments.pinapple --config=experiments/configs/pinapple.py",
+    meta = {"command": command or "experiments.pinapple.run(cfg), from Python",
             "wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
             "base_sft_s": t_sft, "base_sft_final_loss": sft_loss,
             "hint_following": following, "data_seeds": data_seeds, "llm_judge": judge_meta,
@@ -517,7 +522,11 @@ def main(argv):
     del argv
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax logs every weight publish at INFO
-    run(_CONFIG.value)
+    import shlex
+    import sys
+
+    run(_CONFIG.value, command=shlex.join(["python", "-m", "experiments.pinapple",
+                                           *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

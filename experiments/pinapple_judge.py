@@ -76,20 +76,33 @@ def judge_example(tokenizer, item: data.Item, hint: str, rng: random.Random,
     return dataclasses.replace(every, candidates=tuple(cands))
 
 
+def example_key(e: JudgeExample) -> tuple:
+    """What makes two judge examples the same question: prompt, hint, response."""
+    return (e.prompt, e.hint, e.response)
+
+
 def judge_examples(tokenizer, items, pool, n: int, seed: int, relevant_frac: float = 0.7,
-                   facts_frac: float = 0.5) -> list[JudgeExample]:
+                   facts_frac: float = 0.5, exclude: set | None = None) -> list[JudgeExample]:
     """`n` examples over `items` (`facts_frac` of them on fact items, the rest on any item,
     "Repeat:" ones included) with family hints about a word of the answer (`relevant_frac`
-    of them) or another word of `pool`; never a hint about the target word."""
+    of them) or another word of `pool`; never a hint about the target word. exclude:
+    `example_key`s never drawn (a test set apart from the training examples)."""
     rng, out = random.Random(f"judge:{seed}"), []
     pool = [w for w in pool if w != data.TARGET_WORD]
     facts = [i for i in items if i.kind != "repeat"]
+    tries = 0
     while len(out) < n:
+        tries += 1
+        if tries > 100 * n + 1000:
+            raise ValueError(f"judge_examples: only {len(out)} of {n} examples outside the "
+                             f"{len(exclude or ())} excluded ones; the corpus is too small")
         item = rng.choice(facts if rng.random() < facts_frac else items)
         demo = data.family_hint_demo(item, rng, rng.random() < relevant_frac,
                                      rng.choice(data.FAMILIES), pool)
         if demo is not None:
-            out.append(judge_example(tokenizer, item, demo[0], rng))
+            e = judge_example(tokenizer, item, demo[0], rng)
+            if not exclude or example_key(e) not in exclude:
+                out.append(e)
     return out
 
 

@@ -4,6 +4,8 @@ endpoint and asked through the real `openai` client."""
 import json
 import os
 
+import pytest
+
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from experiments import pinapple
 from experiments import pinapple_data as data
@@ -43,6 +45,16 @@ def test_judge_examples_are_the_oracles_verdicts_on_other_hints(tmp_path):
     assert sum(e.prompt.count("Repeat:") == 0 for e in examples) > 100  # facts too
     msgs = pj.judge_messages(examples[0])
     assert [m["role"] for m in msgs] == ["system", "user"] and examples[0].hint in msgs[1]["content"]
+    # A test set apart from the training examples (`exclude`), and a corpus too small to
+    # give one is refused.
+    seen = {pj.example_key(e) for e in examples}
+    held = pj.judge_examples(tok, corpus, pool, 50, seed=1, exclude=seen)
+    assert len(held) == 50 and not seen & {pj.example_key(e) for e in held}
+    assert seen & {pj.example_key(e) for e in pj.judge_examples(tok, corpus, pool, 50, 1)}
+    one = [i for i in corpus if i.kind != "repeat"][:1]
+    with pytest.raises(ValueError, match="the corpus is too small"):
+        pj.judge_examples(tok, one, pool[:2], 5, seed=1, exclude={
+            pj.example_key(e) for e in pj.judge_examples(tok, one, pool[:2], 400, 0)})
     target = pj.target_examples(tok, items, seed=0)
     n_target = sum(i.kind == "target" for i in items)
     assert len(target) == n_target * len(data.HELDOUT_HINTS)
@@ -79,3 +91,23 @@ def test_a_judge_trained_served_and_asked_through_openai(tmp_path):
     again = pj.train_judge(cfg, tok, corpus, pool, work, logs.append)
     assert again.final_loss == judge.final_loss  # restored, with its recorded loss
     assert any("judge sft: restored the finished model" in m for m in logs)
+
+
+def test_the_judge_command_trains_serves_and_reports(tmp_path):
+    """`pinapple_judge.run` (the command's body) at toy size: judge_report.json holds the
+    judge's agreement with the oracle on held-out other hints and on the target hints."""
+    cfg = get_config("faithful")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.tokenizer.vocab_size = 400
+    cfg.base_data.update(repeat_items=20, nonce_words=20, math_limit=3)
+    cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)
+    cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+    cfg.judge_sft.update(steps=3, seq_len=1024, checkpoint_every=0)
+    cfg.judge_optimizer.warmup_steps = 1
+    meta = pj.run(cfg, log=lambda *a: None)
+    saved = json.load(open(tmp_path / "run" / "judge" / "judge_report.json"))
+    assert saved["other_hints"]["examples"] == 4 and meta["wall_s"] > 0
+    n_target = sum(i.kind == "target" for i in data.all_items(3))
+    assert saved["target_hints"]["examples"] == n_target * len(data.HELDOUT_HINTS)
+    assert saved["final_loss"] == meta["final_loss"] is not None
