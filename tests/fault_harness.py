@@ -125,6 +125,11 @@ class FaultJob:
         self.served: list[dict[str, Any]] = []  # polls: served version, finalized steps then
         self.finalized_ever: set[int] = set()
         self.unexpected: list[dict[str, Any]] = []
+        # Roles whose exit a fault is waiting for and reaps itself (the collector under a
+        # disk quota): `tick` leaves them alone. Reaped by `tick`, an ENOSPC exit that fell
+        # between the fault's "still alive?" look and the tick's reap was counted an
+        # unexpected exit and restarted without the quota.
+        self.awaited: set[str] = set()
         self.disk_full: list[dict[str, Any]] = []
         self.faults: list[Fault] = []
         self.restarted_after_learner = False  # the endpoint: then it knows no learner_step
@@ -189,6 +194,8 @@ class FaultJob:
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
         for r in (self.collector, self.learner, self.endpoint, *self.backends):
+            if r.name in self.awaited:
+                continue
             rc = r.reap()
             if rc is not None and rc != 0:  # nothing we injected: a finding; start it again
                 self.unexpected.append({"role": r.name, "rc": rc, "log": r.log()[-3000:]})
@@ -246,8 +253,12 @@ class FaultJob:
         before = open(self.store_path, "rb").read() if os.path.exists(self.store_path) else b""
         self.collector.start({**self._env(), "AC2_FAULT_QUOTA": f"{quota}:{prefix}"})
         end = time.monotonic() + 90
-        while self.collector.alive and time.monotonic() < end:
-            self.sleep(0.25)
+        self.awaited.add(self.collector.name)
+        try:
+            while self.collector.alive and time.monotonic() < end:
+                self.sleep(0.25)
+        finally:
+            self.awaited.discard(self.collector.name)
         rec: dict[str, Any] = {"quota": quota, "bytes_before": len(before)}
         if self.collector.alive:  # never reached the quota in time: stop it, note it
             self.collector.kill("disk_full: quota not reached")
