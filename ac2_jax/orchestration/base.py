@@ -205,7 +205,10 @@ class EnvUser(User):
     """Asks the task, then lets the env answer each reply of the agent: a multi-turn env
     has `reply(task, messages)` -> its next user message, or None to end (envs/contract.py).
     An env without `reply`, or an attempt that ended other than by an answer (a step or
-    token limit), ends after that turn, as with SingleTaskUser."""
+    token limit), ends after that turn, as with SingleTaskUser. `reply` sees the
+    conversation as the harness keeps it (`trace.messages`: after a compaction, the
+    compacted context), so an env that counts turns should count them in the task's
+    own terms where a compacting harness runs it."""
 
     def __init__(self):
         self._asked = False
