@@ -428,11 +428,9 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
     judge = pj.train_judge(cfg, tokenizer, corpus, pool, jdir, log)
     llm = stack.enter_context(pj.served_judge(judge, jdir))
     # Held out: examples of other hints drawn with another seed, none of them a training one.
-    seen = {pj.example_key(e) for e in pj.judge_examples(
-        tokenizer, corpus, pool, cfg.judge_data.examples, cfg.seed)}
     tests = {"other_hints": pj.judge_examples(tokenizer, corpus, pool,
                                               cfg.judge_data.test_examples, cfg.seed + 1,
-                                              exclude=seen),
+                                              exclude=judge.trained_on),
              "target_hints": pj.target_examples(tokenizer, items, cfg.seed)}
     meta = {"final_loss": judge.final_loss,
             **{k: pj.agreement(llm(None), v) for k, v in tests.items()}}

@@ -132,6 +132,7 @@ class TrainedJudge:
     tokenizer: object
     final_loss: float | None
     max_context: int
+    trained_on: frozenset = frozenset()  # `example_key`s of its training examples
 
 
 def train_judge(cfg, policy_tokenizer, items, pool, workdir: str, log=print) -> TrainedJudge:
@@ -168,7 +169,8 @@ def train_judge(cfg, policy_tokenizer, items, pool, workdir: str, log=print) -> 
     log(f"judge: {len(segs)} demos, longest {longest} tokens, {tok.vocab_size}-token vocab")
     graphdef, state, final = checkpointed_sft("judge", model, segs, sft, opt, workdir,
                                               fingerprint(cfg, JUDGE_SECTIONS), log)
-    return TrainedJudge(graphdef, state, tok, final, cfg.judge_model.max_position_embeddings)
+    return TrainedJudge(graphdef, state, tok, final, cfg.judge_model.max_position_embeddings,
+                        frozenset(example_key(e) for e in examples))
 
 
 @contextlib.contextmanager

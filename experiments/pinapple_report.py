@@ -392,7 +392,7 @@ def runs_summary(cfg, run_dir: str) -> str:
     rows = summarize(c, runs, zero, zero)[2:]
     seeds = sorted({(r["seed"], r.get("data_seed")) for r in runs}, key=str)
     return (f"{len(runs)} runs, (seed, data seed): {seeds}\n\n"
-            + _md(*[c for c in table_cells(cfg, rows)]) + "\n\n"
+            + _md(*table_cells(cfg, rows)) + "\n\n"
             + claims_markdown(claims(cfg, runs)))
 
 

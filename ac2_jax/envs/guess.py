@@ -19,6 +19,11 @@ from ac2_jax.envs.calculator import last_integer
 __all__ = ["GuessEnv", "replay_replies"]
 
 
+def _is_answer(message: dict[str, Any]) -> bool:
+    """An assistant turn that ends a request's work (no tool call): what an env replies to."""
+    return message.get("role") == "assistant" and not message.get("tool_calls")
+
+
 class GuessEnv(Env):
     """Secret numbers from 1 to `high` (drawn per task from `highs`), `max_guesses` each
     (enough for a binary search). Reward 1 when the last guess is the secret, else 0."""
@@ -55,7 +60,7 @@ class GuessEnv(Env):
     def reply(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
         """The reply to the agent's last answer: None when it is right or the guesses are
         spent, else "Higher." / "Lower." / a request for one number."""
-        answers = [m for m in messages if m.get("role") == "assistant" and not m.get("tool_calls")]
+        answers = [m for m in messages if _is_answer(m)]
         if not answers:
             return None
         guess = last_integer(answers[-1].get("content"))
@@ -98,6 +103,6 @@ def replay_replies(env: Env, task: Task, messages: list[dict[str, Any]]) -> list
         raise ValueError(f"replay_replies: {type(env).__name__} has no reply (a single-turn env)")
     out = []
     for i, m in enumerate(messages):
-        if m.get("role") == "assistant" and not m.get("tool_calls"):
+        if _is_answer(m):
             out.append(reply(task, messages[: i + 1]))
     return out

@@ -201,7 +201,7 @@ class SingleTaskUser(User):
         return trace.task.prompt
 
 
-class EnvUser(User):
+class EnvUser(SingleTaskUser):
     """Asks the task, then lets the env answer each reply of the agent: a multi-turn env
     has `reply(task, messages)` -> its next user message, or None to end (envs/contract.py).
     An env without `reply`, or an attempt that ended other than by an answer (a step or
@@ -210,13 +210,9 @@ class EnvUser(User):
     compacted context), so an env that counts turns should count them in the task's
     own terms where a compacting harness runs it."""
 
-    def __init__(self):
-        self._asked = False
-
     async def respond(self, env, trace):
         if not self._asked:
-            self._asked = True
-            return trace.task.prompt
+            return await super().respond(env, trace)
         reply = getattr(env, "reply", None)
         if reply is None or trace.status != "finished":
             return None

@@ -76,6 +76,8 @@ def test_a_judge_trained_served_and_asked_through_openai(tmp_path):
     work, logs = str(tmp_path / "judge"), []
     judge = pj.train_judge(cfg, tok, corpus, pool, work, logs.append)
     assert judge.final_loss is not None and any("judge: 40 demos" in m for m in logs)
+    assert judge.trained_on == {pj.example_key(e)
+                                for e in pj.judge_examples(tok, corpus, pool, 40, cfg.seed)}
     tests = pj.judge_examples(tok, corpus, pool, 4, seed=1)
     with pj.served_judge(judge, work, max_tokens=8) as make:
         llm = make(2)
