@@ -172,6 +172,7 @@ class DeviceLoop:
                 cache,
                 rows,
                 np.bool_(False),
+                None,  # as _decode passes it: jit keys an omitted argument apart
                 n_steps=self._steps,
                 n_top=self._n_top,
             )
