@@ -60,6 +60,8 @@ class SamplerStats:
     max_active: int = 0
     active_rows: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     resizes: int = 0
+    cache_shrinks: int = 0  # resizes to fewer slots (the running rows needed half)
+    prefix_tokens_dropped: int = 0  # free rows' cached tokens past a shrunk cache
     weight_swaps: int = 0
     cancelled: int = 0  # requests dropped because their caller gave up
     request_errors: int = 0  # requests failed with SamplerError (own fault or a crash)
@@ -88,6 +90,8 @@ class SamplerStats:
             "cached_tokens": self.cached_tokens,
             "compiled_shapes": self.compiled_shapes,
             "resizes": self.resizes,
+            "cache_shrinks": self.cache_shrinks,
+            "prefix_tokens_dropped": self.prefix_tokens_dropped,
         }
 
 
@@ -204,6 +208,15 @@ class SlotTable:
             self.arr[k] = new
         self.B = new_B
         return idx
+
+    def truncate_history(self, slots: int) -> int:
+        """Cuts every free row's cached prefix to its first `slots` tokens (the cache
+        was cut to that many slots); returns how many tokens were dropped."""
+        dropped = 0
+        for r in self.free_rows():
+            dropped += max(len(self.hist[r]) - slots, 0)
+            self.hist[r] = self.hist[r][:slots]
+        return dropped
 
     def pick_row(self, prompt: np.ndarray, taken: set[int], adapter: int = 0) -> tuple[int, int]:
         """(free row, reusable prefix length) for a prompt sampled with adapter slot

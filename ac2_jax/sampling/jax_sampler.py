@@ -8,12 +8,15 @@ prompt a free row does not already hold (prefix reuse), and runs jitted
 multi-step decode chunks (`decode_loop.decode_chunk`) until every row is done.
 Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
 handful of compiles serve all traffic; a decode step costs O(1) in the sequence
-length apart from attention over the cache. Every bucket combination is one
-XLA executable kept for good, so under varied traffic the set (and memory)
-grows for a long while. A fixed cache length (`min_cache_len >= max_context`,
-rows still bucketed) or `fixed_shapes=True` (rows fixed too: one decode
-shape) bounds the set, and `warmup()` compiles it all up front, after which
-no traffic compiles anything (`stats.compiled_shapes`).
+length apart from attention over the cache, which reads every slot. So the
+cache grows to what the next chunk writes and shrinks back once the running
+rows need at most half of it; a free row then keeps only the part of its
+cached prefix that fits (`stats.cache_shrinks`, `stats.prefix_tokens_dropped`).
+Every bucket combination is one XLA executable kept for good, so under varied
+traffic the set (and memory) grows for a long while. A fixed cache length
+(`min_cache_len >= max_context`, rows still bucketed) or `fixed_shapes=True`
+(rows fixed too: one decode shape) bounds the set, and `warmup()` compiles it
+all up front, after which no traffic compiles anything (`stats.compiled_shapes`).
 
 Grammar-constrained requests (`SamplingParams.constraint`, see
 `constraints`) decode one step per device call while any is in the batch:

@@ -290,6 +290,9 @@ class DeviceLoop:
             self._cache = resize_cache(self._cache, idx, max_len=S)
             self.stats.shapes.add(("resize_cache", *old, B, S))
             self.stats.resizes += 1
+            if S < old[1]:  # free rows keep the prefix that still fits
+                self.stats.cache_shrinks += 1
+                self.stats.prefix_tokens_dropped += self._table.truncate_history(S)
         self._S = S
 
     def _need_len(self, steps: int) -> int:
@@ -394,7 +397,9 @@ class DeviceLoop:
                 return
         steps = self._steps if mask is None else 1
         S = self._need_len(steps)
-        if S > self._S:
+        # Grow to what the next chunk writes; shrink once the running rows need at
+        # most half (every step's attention reads all S slots of every row).
+        if S > self._S or 2 * S <= self._S:
             self._layout(list(range(t.B)), t.B, S)
         want_top = any(t.held(r).params.top_logprobs > 0 for r in active)
         t0 = time.perf_counter()

@@ -354,6 +354,13 @@ def test_jax_sampler_equals_transformers(pair):
             want = ref[np.arange(len(r.output_ids)), r.output_ids]
             assert len(r.output_ids) == 12
             assert np.abs(np.asarray(r.output_logprobs) - want).max() <= TOL
+        # A short request after them: the cache shrinks back to 8 positions, rings
+        # included, and the log-probs still match.
+        short = asyncio.run(sampler.generate([7, 8], params.replace(max_tokens=3)))
+        assert sampler.stats.cache_shrinks == 1 and sampler._cache.max_len == 8
+        ref = hf_logprobs(hf, [7, 8] + list(short.output_ids))[1:-1]
+        want = ref[np.arange(3), short.output_ids]
+        assert np.abs(np.asarray(short.output_logprobs) - want).max() <= TOL
     finally:
         sampler.close()
 

@@ -269,6 +269,34 @@ def test_continuous_batching_grows_and_compacts(sampler):
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
 
 
+def test_the_cache_shrinks_when_the_running_rows_need_half_of_it(model):
+    """A decode step reads every cache slot, so a cache grown for one long request
+    is cut back once the running rows need at most half of it. A free row keeps
+    the part of its prefix that still fits (the rest is counted), and results
+    stay exact."""
+    s = _sampler(model, max_context=64, min_cache_len=16, max_batch=8)
+    try:
+        first = prompt_of(1, 10)
+        long = gen(s, first, GREEDY.replace(max_tokens=40))  # needs 49 slots: 64
+        assert ("decode_chunk", 8, 64, 4) in s.stats.shapes
+        assert s.stats.cache_shrinks == 0
+        short = gen(s, prompt_of(2, 4), GREEDY.replace(max_tokens=8))  # needs 11: 16
+        assert ("resize_cache", 8, 64, 8, 16) in s.stats.shapes
+        assert s.stats.cache_shrinks == 1
+        # The long request's row held 49 tokens of history; 16 fit.
+        assert s.stats.prefix_tokens_dropped == 49 - 16
+        turn2 = first + long.output_ids + [5, 6]
+        r = gen(s, turn2, GREEDY.replace(max_tokens=8))
+        assert r.cached_tokens == 16
+        ((lg, lps),) = learner(model, [turn2 + r.output_ids])
+        np.testing.assert_allclose(r.output_logprobs, lps[len(turn2) - 1:-1], atol=1e-4)
+        np.testing.assert_array_equal(np.argmax(lg[len(turn2) - 1:-1], -1), r.output_ids)
+        ((_, lps),) = learner(model, [prompt_of(2, 4) + short.output_ids])
+        np.testing.assert_allclose(short.output_logprobs, lps[3:-1], atol=1e-4)
+    finally:
+        s.close()
+
+
 def test_context_limits_and_errors(sampler):
     with pytest.raises(ContextLengthError):
         gen(sampler, list(range(1, CTX + 1)))
