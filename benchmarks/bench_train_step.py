@@ -5,7 +5,11 @@ in fp32 on [rows, seq_len] batches of one segment per row. Reported: tokens/s,
 achieved GFLOP/s with FLOPs = 6 * matmul params * tokens + 12 * layers *
 heads * head_dim * seq_len * tokens (attention scores and values over the full
 L x L, as both implementations compute them), and that rate as a fraction of
-the fp32 XLA matmul roofline measured in the same run (bench_roofline).
+the fp32 XLA matmul roofline measured in the same run (bench_roofline). With
+torch, the run ends by measuring this machine's GEMM ceiling (the best fp32
+[n, n] GEMM rate of XLA, numpy's BLAS and torch at --ceiling_sizes) and says,
+per size, whether 1.5x torch's step is reachable at equal FLOPs: it needs 1.5x
+torch's GFLOP/s, which no step can exceed the ceiling by.
 
     python -m benchmarks.bench_train_step --sizes tiny,small,medium --out bench_results/train_step.json
 """
@@ -26,7 +30,7 @@ from ac2_jax.segments import pack_segments  # noqa: E402
 from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import (OptimizerConfig, SFTLoss, create_train_state,  # noqa: E402
                               make_train_step)
-from benchmarks.bench_roofline import roofline  # noqa: E402
+from benchmarks.bench_roofline import gemm_ceiling, roofline  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
 SIZES = {  # name: (DecoderConfig overrides, rows, seq_len)
@@ -126,12 +130,27 @@ def bench_torch(c: DecoderConfig, rows: int, seq_len: int, steps: int) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def goal_rows(rows: list[dict], ceiling_gflops: float, goal: float = 1.5) -> list[dict]:
+    """Per size: the GFLOP/s a step `goal` x torch's would run at, against the ceiling."""
+    out = []
+    for r in rows:
+        if r["impl"] != "transformers+torch":
+            continue
+        need = goal * r["gflops"]
+        out.append({"size": r["size"], "torch_gflops": r["gflops"], "goal_gflops": need,
+                    "goal_over_ceiling": need / ceiling_gflops,
+                    "reachable_at_equal_flops": need <= ceiling_gflops})
+    return out
+
+
 def main(argv=None):
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default="tiny,small,medium")
     p.add_argument("--steps", type=int, default=3, help="timed steps per size (after 1 warm-up)")
     p.add_argument("--no_torch", action="store_true")
     p.add_argument("--roofline_sizes", default="512,1024")
+    p.add_argument("--ceiling_sizes", default="1024,2048",
+                   help="GEMM sizes of the ceiling check (with torch); empty: skip it")
     args = p.parse_args(argv)
     peak = roofline([int(n) for n in args.roofline_sizes.split(",")], 0.5)["peak_gflops"]
     rows_out = []
@@ -155,8 +174,18 @@ def main(argv=None):
     print(f"roofline (fp32 XLA matmul peak): {peak:.1f} GFLOP/s")
     print_table(rows_out, ["size", "impl", "params_M", "tokens", "step_s", "tokens_per_s",
                            "gflops", "frac_roofline", "first_step_s"])
+    ceiling = None
+    if not args.no_torch and args.ceiling_sizes:
+        # Last: OpenBLAS's spinning threads would slow the XLA steps timed after it.
+        ceiling = gemm_ceiling([int(n) for n in args.ceiling_sizes.split(",")],
+                               min_seconds=0.5)
+        ceiling["goals"] = goal_rows(rows_out, ceiling["ceiling_gflops"])
+        lib, n = ceiling["ceiling_by"]
+        print(f"\nGEMM ceiling: {ceiling['ceiling_gflops']:.1f} GFLOP/s ({lib}, n = {n})")
+        print_table(ceiling["goals"], ["size", "torch_gflops", "goal_gflops", "goal_over_ceiling",
+                                       "reachable_at_equal_flops"])
     write_json(args.out, {"benchmark": "train_step", "roofline_gflops": peak,
-                          "steps": args.steps, "rows": rows_out})
+                          "steps": args.steps, "rows": rows_out, "ceiling": ceiling})
     return rows_out
 
 
