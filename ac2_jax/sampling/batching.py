@@ -100,8 +100,9 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
 
     mean_active_rows: rows generating per decode step (occupancy: over
     max_batch); decode_s / prefill_s: wall time in device calls; new_shapes:
-    compiles in the interval (0 once warmed up); decode_tokens_per_s: output
-    tokens per second of decode time.
+    compiles in the interval (0 once warmed up); cache_shrinks /
+    prefix_tokens_dropped: cache cuts and the cached prefix tokens they dropped;
+    decode_tokens_per_s: output tokens per second of decode time.
     """
     d = {k: after[k] - before[k] for k in after}
     active = d["row_steps"] / d["decode_steps"] if d["decode_steps"] else 0.0
@@ -116,6 +117,8 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
         "cached_tokens": d["cached_tokens"],
         "new_shapes": d["compiled_shapes"],
         "resizes": d["resizes"],
+        "cache_shrinks": d["cache_shrinks"],
+        "prefix_tokens_dropped": d["prefix_tokens_dropped"],
         "decode_tokens_per_s": d["output_tokens"] / d["decode_s"] if d["decode_s"] else 0.0,
     }
 

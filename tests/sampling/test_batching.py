@@ -99,7 +99,9 @@ def test_occupancy_metrics_are_the_work_between_two_snapshots():
     st.active_rows.update({4: 10, 2: 5})  # 10 decode steps with 4 rows, 5 with 2
     st.decode_steps, st.output_tokens, st.decode_s, st.prefill_s = 15, 50, 0.5, 0.25
     st.shapes.add(("decode_chunk", 4, 64, 4))
+    st.cache_shrinks, st.prefix_tokens_dropped = 1, 30
     m = occupancy_metrics(before, st.counters(), max_batch=8)
+    assert m["cache_shrinks"] == 1 and m["prefix_tokens_dropped"] == 30
     assert m["mean_active_rows"] == (4 * 10 + 2 * 5) / 15
     assert m["occupancy"] == m["mean_active_rows"] / 8
     assert m["decode_tokens_per_s"] == 100 and m["new_shapes"] == 1 and m["prefill_s"] == 0.25
