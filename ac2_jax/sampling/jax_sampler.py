@@ -10,8 +10,8 @@ Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
 handful of compiles serve all traffic; a decode step costs O(1) in the sequence
 length apart from attention over the cache, which reads every slot. So the
 cache grows to what the next chunk writes and shrinks back once the running
-rows need at most half of it; a free row then keeps only the part of its
-cached prefix that fits (`stats.cache_shrinks`, `stats.prefix_tokens_dropped`).
+rows need at most half of it (`shrink_cache`); a free row then keeps only the
+part of its cached prefix that fits (`stats.cache_shrinks`, `stats.prefix_tokens_dropped`).
 Every bucket combination is one XLA executable kept for good, so under varied
 traffic the set (and memory) grows for a long while. A fixed cache length
 (`min_cache_len >= max_context`, rows still bucketed) or `fixed_shapes=True`
@@ -100,6 +100,10 @@ class JaxSampler(DeviceLoop):
     already holds. Off for a model with a sliding window: its rows are rings
     (`KVCache.ring`) that hold the last window positions of the earlier
     request, not those before the shared prefix's end.
+    shrink_cache: cut the cache back once the running rows need at most half of
+    it (every decode step's attention reads all slots). False keeps each free
+    row's whole prefix for reuse (agents whose long contexts come back after a
+    tool call), and short requests then decode over the long cache.
     fixed_shapes: always max_batch rows x max_context cache slots (min_batch and
     min_cache_len are then max_batch and max_context): more padded decode work
     at low load, a small fixed set of compiles (what a server wants).
@@ -130,6 +134,7 @@ class JaxSampler(DeviceLoop):
         seed: int | None = None,
         batch_wait_s: float = 0.002,
         prefix_reuse: bool = True,
+        shrink_cache: bool = True,
         fixed_shapes: bool = False,
     ):
         if not _decodes(model):
@@ -172,6 +177,7 @@ class JaxSampler(DeviceLoop):
         self._n_top, self._cache_dtype = int(max_top_logprobs), cache_dtype
         self._batch_wait = float(batch_wait_s)
         self._prefix_reuse = bool(prefix_reuse) and getattr(cfg, "sliding_window", None) is None
+        self._shrink_cache = bool(shrink_cache)
         self._rng = np.random.default_rng(seed)
 
         self._graphdef, self._state = self._snapshot()

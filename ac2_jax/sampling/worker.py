@@ -94,6 +94,7 @@ class DeviceLoop:
     _n_top: int
     _batch_wait: float
     _prefix_reuse: bool
+    _shrink_cache: bool
     _vocab: int
 
     # ------------------------------------------------------------------ worker
@@ -399,7 +400,7 @@ class DeviceLoop:
         S = self._need_len(steps)
         # Grow to what the next chunk writes; shrink once the running rows need at
         # most half (every step's attention reads all S slots of every row).
-        if S > self._S or 2 * S <= self._S:
+        if S > self._S or (self._shrink_cache and 2 * S <= self._S):
             self._layout(list(range(t.B)), t.B, S)
         want_top = any(t.held(r).params.top_logprobs > 0 for r in active)
         t0 = time.perf_counter()

@@ -295,6 +295,14 @@ def test_the_cache_shrinks_when_the_running_rows_need_half_of_it(model):
         np.testing.assert_allclose(short.output_logprobs, lps[3:-1], atol=1e-4)
     finally:
         s.close()
+    keep = _sampler(model, max_context=64, min_cache_len=16, max_batch=8, shrink_cache=False)
+    try:  # shrink_cache=False: the long prefix stays whole
+        assert gen(keep, first, GREEDY.replace(max_tokens=40)).output_ids == long.output_ids
+        gen(keep, prompt_of(2, 4), GREEDY.replace(max_tokens=8))
+        assert keep.stats.cache_shrinks == 0
+        assert gen(keep, turn2, GREEDY.replace(max_tokens=8)).cached_tokens == 49
+    finally:
+        keep.close()
 
 
 def test_context_limits_and_errors(sampler):
