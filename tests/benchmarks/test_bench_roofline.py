@@ -4,7 +4,7 @@ and the ceiling is the best row; bench_train_step's goal rows compare against it
 import numpy as np
 import pytest
 
-from benchmarks.bench_roofline import LIBRARIES, _operands, gemm_call, gemm_ceiling
+from benchmarks.bench_roofline import LIBRARIES, _operands, gemm_call, gemm_ceiling, roofline
 from benchmarks.bench_train_step import goal_rows
 
 
@@ -33,3 +33,9 @@ def test_the_ceiling_is_the_best_rate_and_the_goal_is_judged_against_it():
         ("s", 90.0, True), ("m", 120.0, False)]
     with pytest.raises(ValueError, match="library must be one of"):
         gemm_call("blas", *_operands(4))
+
+
+def test_the_roofline_is_xla_alone():
+    r = roofline([32, 64], min_seconds=0.01)
+    assert [(x["library"], x["n"]) for x in r["rows"]] == [("xla", 32), ("xla", 64)]
+    assert r["peak_gflops"] == max(x["gflops"] for x in r["rows"])
