@@ -96,7 +96,7 @@ def split(cfg, policy: str, mode: str) -> dict:
         port = s.getsockname()[1]
     url, key, w = f"http://127.0.0.1:{port}", secrets.token_hex(8), cfg.workdir
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     over = [f"--config={CONFIG}", f"--config.workdir={w}", f"--config.rl.steps={cfg.rl.steps}",
             f"--config.rl.mode={mode}", f"--admin_key={key}", f"--endpoint={url}"]
     cmds = [["ac2_jax.serving", f"--model={policy}", f"--publish_dir={w}/rl/published",

@@ -26,3 +26,13 @@ def _fresh_jax_caches_per_module():
 
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_configure(config):
+    """`AC2_TEST_PROFILE=<dir>` (scripts/test_profile.sh): time and compile seconds per
+    test, written under <dir> (tests/suite_profile.py)."""
+    out_dir = os.environ.get("AC2_TEST_PROFILE")
+    if out_dir:
+        from suite_profile import ProfilePlugin
+
+        config.pluginmanager.register(ProfilePlugin(out_dir), "ac2_suite_profile")

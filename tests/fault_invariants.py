@@ -18,7 +18,7 @@ WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 def replay(job) -> dict[str, Any]:
     out = os.path.join(job.w, "replay.json")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, WORKER, "replay", job.w, out], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:

@@ -102,7 +102,9 @@ class Role:
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(extra_env or {}))
+        env.update(JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+                   **(extra_env or {}))
         log = os.path.join(self.logdir, f"{self.name}.{len(self.runs)}.log")
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=f,

@@ -45,7 +45,8 @@ def _free_port() -> int:
 
 def _start(args, log_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT), log

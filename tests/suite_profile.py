@@ -1,0 +1,156 @@
+"""Where the suite's time goes: wall time and JAX compile time per test and per module.
+
+Run it through `scripts/test_profile.sh` (same arguments as pytest). With
+`AC2_TEST_PROFILE=<dir>` set, tests/conftest.py registers `ProfilePlugin`, which
+appends one JSON line per test to `<dir>/tests-<pid>.jsonl`:
+
+    {"test": nodeid, "wall_s": setup + call + teardown, "compile_s": ..., "outcome": ...}
+
+`compile_s` is the sum of JAX's three compile events (tracing to a jaxpr, lowering to
+MLIR, the XLA backend compile; `jax.monitoring` duration events) seen while the test
+ran. Subprocesses count too: the script puts `tests/suite_profile_site` on
+PYTHONPATH, whose `sitecustomize` registers the same listener in every Python child
+that imports JAX and writes `<dir>/sub-<pid>.json` at exit, tagged with the test that
+was running (`AC2_TEST_PROFILE_TEST`, set here for each test). A test that runs
+several JAX processes at once can show more compile seconds than wall seconds.
+
+`python tests/suite_profile.py <dir> [--top N]` prints the per-module table and the
+N slowest tests (default 50).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+TEST_ENV = "AC2_TEST_PROFILE_TEST"
+
+
+class CompileClock:
+    """Seconds JAX spent compiling in this process since `install()`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        import jax.monitoring
+
+        def listener(event: str, duration: float, **_: object) -> None:
+            if event in COMPILE_EVENTS:
+                self.seconds += duration
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+_OUTCOMES = pytest.StashKey[list]()
+
+
+class ProfilePlugin:
+    """pytest plugin: one JSON line per test (wall and compile seconds)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.clock = CompileClock()
+        self.clock.install()
+        self.path = self.out / f"tests-{os.getpid()}.jsonl"
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        os.environ[TEST_ENV] = item.nodeid
+        item.stash[_OUTCOMES] = []
+        t0, c0 = time.perf_counter(), self.clock.seconds
+        yield
+        wall, compile_s = time.perf_counter() - t0, self.clock.seconds - c0
+        os.environ.pop(TEST_ENV, None)
+        outcomes = item.stash[_OUTCOMES]
+        outcome = next((o for o in ("failed", "skipped") if o in outcomes), "passed")
+        line = {"test": item.nodeid, "wall_s": wall, "compile_s": compile_s, "outcome": outcome}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        item.stash[_OUTCOMES].append(report.outcome)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def load(out_dir: str) -> dict[str, dict]:
+    """Per test: wall_s, compile_s (in-process + its subprocesses), outcome."""
+    tests: dict[str, dict] = {}
+    for path in sorted(Path(out_dir).glob("tests-*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            tests[rec["test"]] = {**rec, "sub_compile_s": 0.0}
+    for path in sorted(Path(out_dir).glob("sub-*.json")):
+        rec = json.loads(path.read_text())
+        if rec.get("test") in tests:
+            tests[rec["test"]]["sub_compile_s"] += rec["compile_s"]
+    return tests
+
+
+def report(out_dir: str, top: int = 50) -> str:
+    tests = load(out_dir)
+    if not tests:
+        return f"no test records under {out_dir}"
+    modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for nodeid, rec in tests.items():
+        m = modules[nodeid.split("::")[0]]
+        m[0] += 1
+        m[1] += rec["wall_s"]
+        m[2] += rec["compile_s"]
+        m[3] += rec["sub_compile_s"]
+    total_wall = sum(m[1] for m in modules.values())
+    total_in = sum(m[2] for m in modules.values())
+    total_sub = sum(m[3] for m in modules.values())
+    lines = [
+        f"{len(tests)} tests, {total_wall:.0f} s summed over tests; JAX compile: "
+        f"{total_in:.0f} s in the pytest process(es) ({100 * total_in / total_wall:.0f}%), "
+        f"{total_sub:.0f} s in subprocesses",
+        "",
+        f"{'module':<64} {'tests':>5} {'wall_s':>8} {'share':>6} {'compile_s':>9} "
+        f"{'cmp%':>5} {'sub_cmp_s':>9}",
+    ]
+    for name, (n, wall, comp, sub) in sorted(modules.items(), key=lambda kv: -kv[1][1]):
+        lines.append(
+            f"{name:<64} {n:>5} {wall:>8.1f} {100 * wall / total_wall:>5.1f}% {comp:>9.1f} "
+            f"{100 * comp / max(wall, 1e-9):>4.0f}% {sub:>9.1f}"
+        )
+    lines += ["", f"The {top} slowest tests:",
+              f"{'wall_s':>8} {'compile_s':>9} {'cmp%':>5} {'sub_cmp_s':>9}  test"]
+    slowest = sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"])[:top]
+    for nodeid, rec in slowest:
+        lines.append(
+            f"{rec['wall_s']:>8.1f} {rec['compile_s']:>9.1f} "
+            f"{100 * rec['compile_s'] / max(rec['wall_s'], 1e-9):>4.0f}% "
+            f"{rec['sub_compile_s']:>9.1f}  {nodeid}"
+        )
+    top_wall = sum(rec["wall_s"] for _, rec in slowest)
+    lines.append(f"(the {len(slowest)} slowest: {top_wall:.0f} s, "
+                 f"{100 * top_wall / total_wall:.0f}% of the summed time)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dir")
+    parser.add_argument("--top", type=int, default=50)
+    args = parser.parse_args()
+    print(report(args.dir, args.top))
+    sys.exit(0)
