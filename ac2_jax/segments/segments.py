@@ -314,10 +314,25 @@ def segments_from_trace(
 
 @dataclasses.dataclass
 class FitCounts:
-    """What `fit_segments` had to cut to respect a length limit (never silent)."""
+    """What `fit_segments` had to cut to respect a length limit, and the agent tokens
+    no prediction can train (never silent).
+
+    unpredicted_agent_tokens: agent tokens (loss_mask > 0) at position 0 of a
+    segment. The packed batch is aligned with predictions (`PackedBatch`): a
+    segment's first token has nothing before it to be predicted from, so its
+    loss_mask is never packed and it is neither trained nor in any normaliser.
+    Real traces never put an agent token there (a response follows its
+    prompt); a segment built by hand can.
+    """
 
     truncated_segments: int = 0  # segments longer than the limit
     truncated_agent_tokens: int = 0  # agent tokens the cuts took out of the loss
+    unpredicted_agent_tokens: int = 0  # agent tokens at position 0 (no prediction)
+
+    def __add__(self, other: FitCounts) -> FitCounts:
+        return FitCounts(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(FitCounts))
+        )
 
 
 def fit_segments(segments: list[Segment], max_len: int) -> tuple[list[Segment], FitCounts]:
@@ -327,6 +342,8 @@ def fit_segments(segments: list[Segment], max_len: int) -> tuple[list[Segment], 
     of the tokens that stay, and so their log-probs. (Splitting an append-only
     episode at request boundaries does not help: its last request already
     holds every token of the episode, so it loses exactly the same tokens.)
+    Agent tokens at position 0, which no prediction trains, are counted too
+    (`FitCounts.unpredicted_agent_tokens`).
     """
     counts = FitCounts()
     out = []
@@ -335,6 +352,8 @@ def fit_segments(segments: list[Segment], max_len: int) -> tuple[list[Segment], 
             counts.truncated_segments += 1
             counts.truncated_agent_tokens += int(s.loss_mask[max_len:].sum())
             s = _truncate(s, max_len)
+        if len(s):
+            counts.unpredicted_agent_tokens += int(s.loss_mask[0] > 0)
         out.append(s)
     return out, counts
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ac2_jax.segments import (CONSTRAINT_ID, SAMPLER_LOGPROBS, Segment, segments_from_trace,
-                              unpack_mask_bits)
+from ac2_jax.segments import (CONSTRAINT_ID, SAMPLER_LOGPROBS, FitCounts, Segment,
+                              fit_segments, segments_from_trace, unpack_mask_bits)
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 
 
@@ -44,6 +44,20 @@ def test_bad_mode_and_lengths():
         segments_from_trace(_trace(), mode="turn")
     with pytest.raises(ValueError, match="length of tokens"):
         Segment([1, 2], [0], task="x")
+
+
+def test_fit_segments_counts_cut_and_unpredicted_agent_tokens():
+    """fit_segments keeps each segment's first max_len tokens and counts what the cut
+    took from the loss, and the agent tokens at position 0 of a segment: no prediction
+    scores them (nothing precedes them), so the packed loss_mask never counts them."""
+    segs = [Segment([1, 2, 3, 4, 5], [1, 1, 0, 1, 1], task="a"),
+            Segment([6, 7], [0, 1], task="b"),
+            Segment([8, 9], [1, 0], task="c")]
+    out, counts = fit_segments(segs, 3)
+    assert [len(s) for s in out] == [3, 2, 2]
+    np.testing.assert_array_equal(out[0].tokens, [1, 2, 3])
+    assert counts == FitCounts(truncated_segments=1, truncated_agent_tokens=2,
+                               unpredicted_agent_tokens=2)
 
 
 def test_features_are_per_token_numbers_checked_by_name():

@@ -7,6 +7,12 @@ step normalises every task it holds as the whole task). Batch i is a pure
 function of i: the data position in a checkpoint is just the number of
 batches consumed, and a resumed run sees the same batches. The loop is the
 shared `Trainer` (checkpoints, exact resume, train/ metrics).
+
+Nothing leaves the loss unsaid: `truncate=True` cuts a segment over seq_len
+to its first seq_len tokens with `segments.fit_segments` (RL's cut-and-count),
+and every step's metrics say what its batch lost (`truncated_segments`,
+`truncated_agent_tokens`) and how many agent tokens sit at position 0 of a
+segment, where no prediction trains them (`unpredicted_agent_tokens`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from flax import nnx
 
-from ac2_jax.segments import PackedBatch, Segment, pack_segments, pow2_bucket
+from ac2_jax.segments import (
+    FitCounts,
+    PackedBatch,
+    Segment,
+    fit_segments,
+    pack_segments,
+    pow2_bucket,
+)
 from ac2_jax.segments.batch import packed_lengths
 from ac2_jax.segments.packing import first_fit_decreasing
 from ac2_jax.training.core.metrics_log import MetricsLogger
@@ -67,7 +80,8 @@ class SFTConfig:
 
 
 class SFTData:
-    """Random-access batches: `batch(i)` is the i-th training batch [batch_rows, seq_len]."""
+    """Random-access batches: `batch(i)` is the i-th training batch [batch_rows, seq_len];
+    `counts(i)` what its segments lost to the cut and to position 0 (`FitCounts`)."""
 
     def __init__(
         self,
@@ -80,11 +94,29 @@ class SFTData:
         truncate: bool = False,
         layout: str = "flat",
     ):
-        if not any(s.num_agent_tokens for s in segments):
-            raise ValueError("SFTData: no segment has a loss-mask token to train on")
-        self.segments, self.seq_len, self.batch_rows = list(segments), seq_len, batch_rows
+        if not any(np.any(np.asarray(s.loss_mask)[1:] > 0) for s in segments):
+            at_0 = sum(1 for s in segments if len(s) and s.loss_mask[0] > 0)
+            raise ValueError(
+                "SFTData: no segment has a loss-mask token to train on"
+                + (
+                    f" ({at_0} have one only at position 0, which no prediction trains: "
+                    "nothing precedes a segment's first token; start each segment with "
+                    "its prompt)"
+                    if at_0
+                    else ""
+                )
+            )
+        self.seq_len, self.batch_rows = seq_len, batch_rows
         self.seed, self.shuffle, self.truncate, self.layout = seed, shuffle, truncate, layout
-        lengths = packed_lengths(self.segments, seq_len, truncate, "SFTData")
+        lengths = packed_lengths(segments, seq_len, truncate, "SFTData")
+        # Cut (truncate=True: nothing over seq_len is left after packed_lengths) and
+        # count, per segment, so each batch reports what its own segments lost.
+        self.segments: list[Segment] = []
+        self._counts: list[FitCounts] = []
+        for s in segments:
+            fitted, counts = fit_segments([s], seq_len)
+            self.segments.extend(fitted)
+            self._counts.append(counts)
         by_task: dict[str, list[int]] = {}
         for i, s in enumerate(self.segments):
             by_task.setdefault(s.task, []).append(i)
@@ -159,12 +191,20 @@ class SFTData:
     def batches_per_epoch(self) -> int:
         return len(self._plan(0))
 
-    def batch(self, i: int) -> PackedBatch:
+    def _members(self, i: int) -> list[int]:
         epoch, k = 0, int(i)
         while k >= len(self._plan(epoch)):
             k -= len(self._plan(epoch))
             epoch += 1
-        members = sorted(self._plan(epoch)[k])
+        return sorted(self._plan(epoch)[k])
+
+    def counts(self, i: int) -> FitCounts:
+        """What batch i's segments lost: cut by truncate=True, or agent tokens at
+        position 0 of a segment (no prediction trains them)."""
+        return sum((self._counts[j] for j in self._members(i)), FitCounts())
+
+    def batch(self, i: int) -> PackedBatch:
+        members = self._members(i)
         return pack_segments(
             [self.segments[j] for j in members],
             self.seq_len,
@@ -233,7 +273,9 @@ def run_sft(
     the `train/...` metrics go instead (with or without a workdir; e.g. the
     run's own TensorBoard); it stays open, for the caller to close. log(step,
     metrics) is called after every step. Returns the final state and one
-    metrics dict per step taken (with "step", 1-based).
+    metrics dict per step taken (with "step", 1-based); each has the step's
+    `FitCounts` (`SFTData.counts`): truncated_segments, truncated_agent_tokens,
+    unpredicted_agent_tokens.
     """
     if config.checkpoint_every and workdir is None:
         raise ValueError(
@@ -271,6 +313,7 @@ def run_sft(
         history = []
         for i in range(start, config.steps):
             metrics = trainer.update(data.batch(i))
+            metrics.update({k: float(v) for k, v in dataclasses.asdict(data.counts(i)).items()})
             trainer.end_step(metrics)
             history.append({**metrics, "step": i + 1})
         if workdir is not None:

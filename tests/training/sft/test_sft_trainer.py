@@ -137,6 +137,44 @@ def test_bad_input_is_named():
         SFTData(no_loss, 8, 1)
 
 
+def test_truncation_is_cut_and_counted_in_the_metrics(model):
+    """truncate=True keeps each segment's first seq_len tokens (segments.fit_segments,
+    RL's cut-and-count) and every step reports what its batch lost:
+    truncated_segments and truncated_agent_tokens."""
+    rng = np.random.default_rng(4)
+    lengths = [20, 12, 16, 19]  # seq_len 16: t0 loses 4 agent tokens, t3 loses 3
+    segs = [Segment(rng.integers(0, 32, n), [0, 0] + [1] * (n - 2), task=f"t{i}")
+            for i, n in enumerate(lengths)]
+    data = SFTData(segs, 16, 2, shuffle=False, truncate=True)
+    counts = [data.counts(i) for i in range(data.batches_per_epoch)]
+    assert sum(c.truncated_segments for c in counts) == 2
+    assert sum(c.truncated_agent_tokens for c in counts) == 7
+    # What an epoch trains + what it cut = every agent token.
+    trained = sum(data.batch(i).loss_mask.sum() for i in range(len(counts)))
+    assert trained + 7 == sum(s.num_agent_tokens for s in segs)
+    config = SFTConfig(seq_len=16, batch_rows=2, steps=2 * len(counts), shuffle=False,
+                       truncate=True)
+    history = run_sft(model, segs, config, OPT, make_step=STEPS).history
+    assert [h["truncated_agent_tokens"] for h in history] == [
+        float(c.truncated_agent_tokens) for c in counts * 2]
+    assert [h["truncated_segments"] for h in history] == [
+        float(c.truncated_segments) for c in counts * 2]
+
+
+def test_an_agent_token_at_position_0_is_counted_never_silent(model):
+    """A segment's first token has no prediction (nothing precedes it), so the packed
+    loss_mask cannot count it: it is counted as unpredicted_agent_tokens in every step
+    whose batch holds it, and a data set whose only agent tokens sit there is refused."""
+    segs = [Segment([5, 6, 7, 8], [1, 1, 1, 1], task="a"), Segment([1, 2, 3], [0, 1, 1], task="b")]
+    data = SFTData(segs, 8, 1, shuffle=False)
+    assert data.batch(0).loss_mask.sum() == 5 and data.counts(0).unpredicted_agent_tokens == 1
+    config = SFTConfig(seq_len=8, batch_rows=1, steps=1, shuffle=False)
+    history = run_sft(model, segs, config, OPT, make_step=STEPS).history
+    assert history[0]["unpredicted_agent_tokens"] == 1.0
+    with pytest.raises(ValueError, match="position 0"):
+        SFTData([Segment([1, 2, 3], [1, 0, 0], task="x")], 8, 1)
+
+
 def test_varied_batches_compile_the_step_once(model):
     """Batches of 1-7 tasks of 3-15 tokens: the step compiles once (a count, not a
     timing). The static capacities come from the data set's bound, not each batch."""
