@@ -8,9 +8,9 @@ import builtins
 import errno
 import os
 import signal
-import socket
 import subprocess
 from typing import Any
+from ports import reserved_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,9 +87,8 @@ def _reads_strictly(path: str) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port a role binds later, restarted on the same one (tests/ports.py)."""
+    return reserved_port()
 
 
 class Role:

@@ -10,7 +10,6 @@ is trained.
 import asyncio
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 
@@ -33,6 +32,7 @@ from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch
+from ports import refused_url
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}
@@ -133,9 +133,7 @@ def test_harness_crash_mid_rollout_is_infra_error(endpoint):
 
 
 def test_sampler_error_is_infra_error(endpoint):
-    with socket.socket() as s:  # SGLang "down": a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = refused_url()  # SGLang "down": a port nothing listens on
     url, stop = _serve(SGLangSampler(dead, max_context=256), endpoint["tok"])
     try:
         trace, conv = run(url, endpoint["env"], make())

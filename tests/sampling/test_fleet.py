@@ -17,7 +17,6 @@ rest finish, new rollouts succeed on the live one.
 import asyncio
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -34,6 +33,7 @@ from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.trace import TraceStore
 from benchmarks.endpoint_harness import BackendProcess, audit, run_load
 from serving_helpers import forward_logprobs
+from ports import refused_url
 
 ADMIN = "sk-fleet-admin"
 CONTEXT = 256
@@ -69,12 +69,6 @@ def jax_samplers(models, **kw):
     """No EOS: every request runs to max_tokens."""
     return [JaxSampler(m, max_context=128, max_batch=4, steps_per_sync=4, fixed_shapes=True, **kw)
             for m in models]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- in process
@@ -234,7 +228,7 @@ def test_a_dead_backend_fails_only_its_in_flight_requests(models, tok):
 
 
 def test_a_refused_connection_sends_the_request_elsewhere_and_none_left_is_clear(models, tok):
-    dead_url = f"http://127.0.0.1:{free_port()}"
+    dead_url = refused_url()
     dead = SGLangSampler(dead_url, max_context=128, vocab_size=tok.vocab_size)
     live, = jax_samplers(models[:1])
     fleet = FleetSampler([dead, live], retry_s=60)  # dead has no load: it is picked first

@@ -25,6 +25,7 @@ from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from serving_helpers import (SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model,
                              forward_logprobs, scripted_sequence, tiny_config)
+from ports import refused_url
 
 ADMIN = "sk-admin-test"
 MAX_CONTEXT = 512
@@ -524,13 +525,10 @@ def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     """A sampler that fails (here: SGLang unreachable) is our fault: a 5xx whose
     body names no internal error, and the rollout ends as infra_error (stored,
     key spent), so it is never trained."""
-    import socket
 
     from ac2_jax.sampling.sglang import SGLangSampler
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = refused_url()  # a port nothing listens on
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))
     store = TraceStore(str(tmp_path / "traces.jsonl"))
     app = build_app(SGLangSampler(dead, max_context=MAX_CONTEXT), tok, admin_key=ADMIN,

@@ -1,7 +1,6 @@
 """serve_in_thread, load_policy and the `python -m ac2_jax.serving` entry point."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from ac2_jax.serving.server import load_policy, serve_in_thread
+from ports import reserved_port
 
 
 def hello_app():
@@ -57,14 +57,8 @@ def test_load_policy_rejects_bad_arguments(tmp_path):
         load_policy("tiny", sampler="vllm")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_command_line_server(tmp_path):
-    port = free_port()
+    port = reserved_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     store = tmp_path / "traces.jsonl"
     proc = subprocess.Popen(
@@ -114,7 +108,7 @@ def test_a_restarted_server_serves_the_newest_publish(tmp_path):
         publish_weights(Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size),
                                 rngs=nnx.Rngs(step)), publish, step)
     os.makedirs(os.path.join(publish, "5.orbax-checkpoint-tmp-1"))  # a publish cut short
-    port = free_port()
+    port = reserved_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ac2_jax.serving", "--model=tiny", f"--port={port}",

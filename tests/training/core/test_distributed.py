@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -25,21 +24,16 @@ import pytest
 from ac2_jax.segments import pack_segments, task_names
 from ac2_jax.training.rl import rl_segment
 from ac2_jax.training.core import distributed
+from ports import reserved_port
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publish_dir=None,
          rl_workdir=None):
     out.mkdir(exist_ok=True)
-    port = _free_port()
+    port = reserved_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = []
     for i in range(processes):

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 from ac2_jax.models.params_io import latest_published
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, step_traces
+from ports import refused_url, reserved_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 ADMIN = "sk-admin-split"
@@ -35,12 +35,6 @@ CONFIG = "experiments/configs/rl_split.py:toy"
 # AlternatingEnv, not the toy variant's length parity: with that a step of 2 groups x 4 tied
 # (no update, no new version) about 1 time in 64, and the test failed ~5% of its runs.
 ENV = "alternating"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args, log_path):
@@ -83,7 +77,7 @@ def test_three_processes_train_and_killed_learner_and_collector_resume(tmp_path)
     cfg.workdir, cfg.env.kind = str(tmp_path / "run"), ENV
     policy = rl_split.prepare(cfg, log=lambda _: None)  # tokenizer + tiny model, HF format
     run = os.path.join(cfg.workdir, "rl")
-    port = _free_port()
+    port = reserved_port()
     url = f"http://127.0.0.1:{port}"
     procs = []
     try:
@@ -303,7 +297,7 @@ def test_the_learner_survives_a_down_endpoint_and_tells_one_that_forgot(tmp_path
     from serving_helpers import served_random_model
 
     async def down():
-        lifecycle = LifecycleClient(f"http://127.0.0.1:{_free_port()}", ADMIN, retries=0)
+        lifecycle = LifecycleClient(refused_url(), ADMIN, retries=0)
         told = _ToldEndpoint(tell_endpoint(lifecycle), lifecycle)
         try:
             await told(2, 1)  # nobody listens there

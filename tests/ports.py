@@ -1,0 +1,68 @@
+"""Ports for tests that run side by side (pytest-xdist workers), without races.
+
+Binding port 0 and handing the number to a process that binds it later races: the
+kernel may give that port to anyone else in between (another worker's server, an
+outgoing connection). Two helpers close the gap:
+
+- `refused_url()`: a URL where connections are refused. Its socket stays bound (never
+  listening) until the process exits, so nobody else can take the port.
+- `reserved_port()`: a port a child process binds later (a server started with
+  `--port=N`, a role restarted on the same port, JAX's coordinator). It comes from a
+  block below the kernel's ephemeral range, which port-0 binds and outgoing
+  connections never draw from, one block per xdist worker (`PYTEST_XDIST_WORKER`), and
+  never repeats within a process, so two tests cannot be handed the same port.
+
+Servers in the test process itself bind port 0 and read it back
+(`ac2_jax.serving.serve_in_thread`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+
+_HELD: list[socket.socket] = []
+_BASE = 20000  # the ephemeral range starts at 32768 (net.ipv4.ip_local_port_range)
+_BLOCK = 1000  # ports per worker: gw0 -> 20000-20999, gw1 -> 21000-21999, ...
+
+
+def _worker_index() -> int:
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_next = itertools.count()
+
+
+def reserved_port() -> int:
+    """A free port of this worker's block (below the ephemeral range)."""
+    lo = _BASE + _BLOCK * _worker_index()
+    if lo + _BLOCK > _ephemeral_low():
+        raise RuntimeError(f"worker block {lo}-{lo + _BLOCK} reaches the ephemeral range "
+                           f"(from {_ephemeral_low()}): run fewer xdist workers")
+    for _ in range(_BLOCK):
+        port = lo + next(_next) % _BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # still held (a lingering server, TIME_WAIT): the next one
+                continue
+        return port
+    raise RuntimeError(f"no free port in {lo}-{lo + _BLOCK}")
+
+
+def refused_url() -> str:
+    """http://127.0.0.1:PORT where nothing listens, for the rest of this process."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
