@@ -7,20 +7,35 @@ import jax.numpy as jnp
 
 
 def group_advantages(
-    rewards: jax.Array, group_ids: jax.Array, normalize_std: bool = False, eps: float = 1e-6
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+    std_ddof: int = 0,
 ) -> jax.Array:
-    """A = R - mean(R of the group) [/ std of the group].
+    """A = R - mean(R of the group) [/ (std of the group + eps)].
 
-    rewards: [B] float; group_ids: [B] int in [0, B). Returns [B].
+    rewards: [B] float; group_ids: [B] int in [0, B). Returns [B] (fp32).
+    A group whose rewards are all equal (one attempt, or a tie) gets exactly 0:
+    its fp32 mean need not equal a reward fp32 cannot hold (8 x 0.7 leaves a
+    ~6e-8 residue, which a std of the same size would blow up to +-0.06 of one
+    sign), so ties are detected exactly (max == min) and zeroed, never left to
+    the arithmetic. The std is the population std (`std_ddof=0`, divides by n);
+    `std_ddof=1` gives the sample std (divides by n - 1).
     """
     rewards = rewards.astype(jnp.float32)
     n = rewards.shape[0]
     counts = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_segments=n)
     means = jax.ops.segment_sum(rewards, group_ids, num_segments=n) / jnp.maximum(counts, 1.0)
-    centered = rewards - means[group_ids]
+    hi = jax.ops.segment_max(rewards, group_ids, num_segments=n)
+    lo = jax.ops.segment_min(rewards, group_ids, num_segments=n)
+    tied = (hi == lo)[group_ids]
+    centered = jnp.where(tied, 0.0, rewards - means[group_ids])
     if not normalize_std:
         return centered
-    var = jax.ops.segment_sum(centered**2, group_ids, num_segments=n) / jnp.maximum(counts, 1.0)
+    var = jax.ops.segment_sum(centered**2, group_ids, num_segments=n) / jnp.maximum(
+        counts - std_ddof, 1.0
+    )
     return centered / (jnp.sqrt(var)[group_ids] + eps)
 
 

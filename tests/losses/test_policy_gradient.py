@@ -94,3 +94,34 @@ def test_equal_under_jit_pmap_and_mesh():
         np.testing.assert_allclose(out, ref, rtol=1e-6)
     meshed, _ = run_mesh_rows(lambda r, g: group_advantages(r, g, True), r, g)
     np.testing.assert_allclose(np.asarray(meshed), ref, rtol=1e-6)
+
+
+def test_tied_groups_get_exactly_zero_advantage():
+    """Issue 61, finding 1: a group whose rewards are equal has advantages exactly 0, also
+    for rewards fp32 cannot hold exactly (0.7, 0.1, 1/3) and with normalize_std (where the
+    fp32 mean's ~6e-8 residue divided by a ~6e-8 std became +-0.03..0.11, one sign a group)."""
+    for value in (0.7, 0.1, 1 / 3, 0.9, 1e-3):
+        for n in (2, 3, 7, 8, 16):
+            r = np.full(n, value, np.float32)
+            g = np.zeros(n, np.int32)
+            for std in (False, True):
+                a = np.asarray(group_advantages(r, g, normalize_std=std))
+                assert np.all(a == 0.0), (value, n, std, a)
+    # Ties beside an informative group: only the tie is zeroed, under jit too.
+    r = np.array([0.7] * 8 + [0.7, 0.2, 0.2, 0.9], np.float32)
+    g = np.array([0] * 8 + [1] * 4)
+    for fn in (group_advantages, jax.jit(group_advantages, static_argnums=2)):
+        a = np.asarray(fn(r, g, False))
+        assert np.all(a[:8] == 0.0)
+        np.testing.assert_allclose(a[8:], np.array([0.7, 0.2, 0.2, 0.9]) - 0.5, atol=1e-6)
+
+
+def test_group_std_is_the_population_std_or_the_sample_std():
+    r = np.array([1.0, 0.0, 0.0, 0.25, 0.75], np.float32)
+    g = np.array([0, 0, 0, 1, 1])
+    for ddof in (0, 1):
+        a = np.asarray(group_advantages(r, g, normalize_std=True, std_ddof=ddof))
+        for grp in (0, 1):
+            x = r[g == grp].astype(np.float64)
+            want = (x - x.mean()) / (x.std(ddof=ddof) + 1e-6)
+            np.testing.assert_allclose(a[g == grp], want, rtol=1e-5)

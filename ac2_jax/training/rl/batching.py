@@ -179,7 +179,7 @@ def batch_segments(
                 "; give every attempt its own attempt_id, or their losses merge"
             )
         seen.add(t.key)
-    adv = trace_advantages(kept, config.normalize_std)
+    adv = trace_advantages(kept, config.normalize_std, config.std_ddof)
     sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []

@@ -12,10 +12,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
-from ac2_jax.losses import group_advantages
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
@@ -55,6 +53,9 @@ class BatchConfig:
     segment_mode: str = "episode"
     layout: str = "flat"
     normalize_std: bool = False
+    # normalize_std divides each group's advantages by its reward std + 1e-6: the
+    # population std (std_ddof=0, divides by n) or the sample std (std_ddof=1).
+    std_ddof: int = 0
     # How ended traces train (DESIGN.md "Failures"): "finished" with the verifier's
     # reward, wrong answers included; "infra_error" never (no setting changes that).
     agent_error_reward: float | None = None  # None: the verifier's reward (0 if none)
@@ -103,6 +104,11 @@ class BatchConfig:
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
+        if self.std_ddof not in (0, 1):
+            raise ValueError(
+                f"BatchConfig.std_ddof must be 0 (population std) or 1 (sample std), "
+                f"got {self.std_ddof!r}"
+            )
         if self.stale not in STALE_POLICIES:
             raise ValueError(
                 f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}"
@@ -277,9 +283,10 @@ def _trained_reward(t: Trace, config: BatchConfig, stats: BatchStats) -> float |
 
 
 def trace_rewards(traces: Sequence[Trace]) -> np.ndarray:
-    """Each trace's reward, 0 when it has none (`select_traces` has already put
-    the configured reward on the traces it keeps)."""
-    return np.array([float(t.reward or 0.0) for t in traces], np.float32)
+    """Each trace's reward as float64 (exact: the value the host compares), 0 when
+    it has none (`select_traces` has already put the configured reward on the
+    traces it keeps)."""
+    return np.array([float(t.reward or 0.0) for t in traces], np.float64)
 
 
 def group_name(trace: Trace) -> str:
@@ -287,25 +294,42 @@ def group_name(trace: Trace) -> str:
     return trace.group_id or trace.task_id
 
 
-def trace_advantages(traces: Sequence[Trace], normalize_std: bool = False) -> np.ndarray:
-    """Group-relative advantages; a trace's group is its group_id (else its task).
+def trace_advantages(
+    traces: Sequence[Trace], normalize_std: bool = False, std_ddof: int = 0, eps: float = 1e-6
+) -> np.ndarray:
+    """Group-relative advantages [len(traces)] (float32); a trace's group is its
+    group_id (else its task). A = R - mean(R of the group), divided by
+    (std of the group + eps) with `normalize_std` (the population std, ddof 0,
+    unless `std_ddof=1`: the sample std).
 
-    The rule for groups that failures thinned out: the baseline is the mean of
-    the traces kept, so a trace left alone in its group gets advantage 0 and
-    teaches nothing (`BatchStats.lone_traces` counts them); it is never
-    compared with a reward from another group.
+    Computed on the host in float64, and exactly 0 for every group that
+    `informative_groups` calls uninformative (all rewards equal, or one trace):
+    the advantages and the counters (`BatchStats.zero_advantage_groups`) come
+    from the same exact comparison, so a tie of rewards fp32 cannot hold (0.7,
+    1/3) is never a signal. The rule for groups that failures thinned out: the
+    baseline is the mean of the traces kept, so a trace left alone in its group
+    gets advantage 0 and teaches nothing (`BatchStats.lone_traces` counts them);
+    it is never compared with a reward from another group.
     """
-    names = [group_name(t) for t in traces]
-    index = {n: i for i, n in enumerate(dict.fromkeys(names))}
-    groups = np.array([index[n] for n in names], np.int32)
-    return np.asarray(
-        group_advantages(jnp.asarray(trace_rewards(traces)), jnp.asarray(groups), normalize_std)
-    )
+    rewards = trace_rewards(traces)
+    members: dict[str, list[int]] = collections.defaultdict(list)
+    for i, t in enumerate(traces):
+        members[group_name(t)].append(i)
+    adv = np.zeros(len(traces), np.float64)
+    for g in informative_groups(traces):
+        idx = np.asarray(members[g])
+        r = rewards[idx]
+        a = r - r.mean()
+        if normalize_std:
+            a = a / (r.std(ddof=std_ddof) + eps)
+        adv[idx] = a
+    return adv.astype(np.float32)
 
 
 def informative_groups(kept: Sequence[Trace]) -> set[str]:
-    """Groups (`group_name`) of `kept` with at least two traces whose rewards differ:
-    the only ones with non-zero advantages. `kept`: traces as `select_traces`
+    """Groups (`group_name`) of `kept` with at least two traces whose rewards differ
+    (exact float comparison on the host): the only ones with non-zero advantages
+    (`trace_advantages` zeroes the others). `kept`: traces as `select_traces`
     keeps them, carrying the reward they train with."""
     rewards: dict[str, set[float]] = collections.defaultdict(set)
     sizes = collections.Counter(group_name(t) for t in kept)

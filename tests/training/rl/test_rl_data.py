@@ -26,6 +26,27 @@ def test_advantages_per_group():
     np.testing.assert_allclose(trace_advantages(traces), [0.5, -0.5, 0.0, 0.0])
 
 
+def test_tied_groups_train_exactly_nothing_and_std_is_population_or_sample():
+    """Issue 61: 8 attempts all rewarded 0.7 (fp32 cannot hold it) get advantage exactly 0,
+    with and without normalize_std, and are counted tied; normalize_std divides by the
+    population std (std_ddof=0, the default) or the sample std (std_ddof=1)."""
+    traces = [_trace("a", i, 0.7) for i in range(8)] + [
+        _trace("b", i, r) for i, r in enumerate([0.2, 0.5, 0.9])]
+    rb = np.array([0.2, 0.5, 0.9])
+    for ddof in (0, 1):
+        for std in (False, True):
+            adv = trace_advantages(traces, std, ddof)
+            assert adv.dtype == np.float32 and np.all(adv[:8] == 0.0)
+            want = (rb - rb.mean()) / ((rb.std(ddof=ddof) + 1e-6) if std else 1.0)
+            np.testing.assert_allclose(adv[8:], want, rtol=1e-6)
+    segments, stats, _ = batching.batch_segments(traces, 0, BatchConfig(seq_len=32,
+                                                                        normalize_std=True))
+    assert stats.zero_advantage_groups == 1
+    assert all(s.features["advantages"][0] == 0.0 for s in segments if s.task.startswith("a"))
+    with pytest.raises(ValueError, match="std_ddof"):
+        BatchConfig(std_ddof=2)
+
+
 def test_failure_taxonomy():
     """finished trains (wrong answers too), agent_error trains, timed_out is configurable,
     infra_error (and anything not ended) never trains; every skip is counted."""
@@ -184,9 +205,23 @@ def _reference(traces, learner, cfg):
     means = collections.defaultdict(list)
     for t, r, _ in kept.values():
         means[t.group_id].append(r)
-    out = {k: (r - np.mean(means[t.group_id]), w, t.num_agent_tokens)
-           for k, (t, r, w) in kept.items()}
+    out = {}
+    for k, (t, r, w) in kept.items():
+        group = np.asarray(means[t.group_id], np.float64)
+        if len(set(group.tolist())) < 2:  # one reward (or one trace): exactly no signal
+            adv = 0.0
+        else:
+            adv = r - group.mean()
+            if cfg.normalize_std:
+                adv /= group.std(ddof=cfg.std_ddof) + 1e-6
+        out[k] = (adv, w, t.num_agent_tokens)
     return out, skipped
+
+
+# Rewards the property test draws: the old three, values fp32 cannot hold (ties of them
+# must stay exactly 0), and any multiple of 1/997 in [-1, 1] ("fraction of tests passed").
+REWARDS = st.one_of(st.sampled_from([None, 0.0, 0.5, 1.0, 0.7, 0.1, 1 / 3]),
+                    st.integers(-997, 997).map(lambda k: k / 997))
 
 
 @settings(max_examples=250, deadline=None, database=None)
@@ -199,12 +234,16 @@ def test_what_trains_counts_and_is_skipped_follows_the_signal_rules(data):
         agent_error_reward=data.draw(st.sampled_from([None, 0.0, -1.0])),
         timed_out_reward=data.draw(st.sampled_from([None, 0.0, 0.25])),
         max_staleness=data.draw(st.integers(0, 2)),
-        stale=data.draw(st.sampled_from(["drop", "downweight"])))
+        stale=data.draw(st.sampled_from(["drop", "downweight"])),
+        normalize_std=data.draw(st.booleans(), label="normalize_std"),
+        std_ddof=data.draw(st.sampled_from([0, 1]), label="std_ddof"))
     traces = []
     for g in range(data.draw(st.integers(1, 3), label="groups")):
-        for a in range(data.draw(st.integers(1, 4), label="attempts")):
+        # Half the groups repeat one value: ties of floats fp32 cannot hold.
+        tie = data.draw(REWARDS, label="group reward") if data.draw(st.booleans()) else None
+        for a in range(data.draw(st.integers(1, 8), label="attempts")):
             status = data.draw(st.sampled_from(TRACE_STATUSES), label="status")
-            reward = data.draw(st.sampled_from([None, 0.0, 0.5, 1.0]), label="reward")
+            reward = tie if tie is not None else data.draw(REWARDS, label="reward")
             if data.draw(st.booleans(), label="no completions"):
                 traces.append(Trace(task_id=f"t{g}", attempt_id=str(a), group_id=f"g{g}",
                                     reward=reward, status=status))
@@ -214,12 +253,21 @@ def test_what_trains_counts_and_is_skipped_follows_the_signal_rules(data):
                 t.group_id = f"g{g}"
                 traces.append(t)
     want, skipped = _reference(traces, learner, cfg)
-    segments, stats, _ = batching.batch_segments(traces, learner, cfg)
+    segments, stats, adv_all = batching.batch_segments(traces, learner, cfg)
+    kept, _, _ = select_traces(traces, learner, cfg)
     # What trains: each kept trace with tokens, all of them, at its advantage and weight.
     got = {s.task: (s.features["advantages"][0], s.weight, s.num_agent_tokens) for s in segments}
     assert set(got) == {k for k, (_, _, n) in want.items() if n}
     for k, (adv, w, n) in got.items():
-        np.testing.assert_allclose((adv, w, n), want[k], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose((adv, w, n), want[k], rtol=1e-5, atol=1e-6)
+        if want[k][0] == 0.0:  # a tie trains exactly nothing, not fp32 noise
+            assert adv == 0.0, (k, adv)
+    # The counters and the advantages agree: a group is counted tied iff its
+    # advantages are all exactly 0.
+    zero = collections.defaultdict(list)
+    for t, a in zip(kept, adv_all, strict=True):
+        zero[t.group_id].append(a == 0.0)
+    assert stats.zero_advantage_groups == sum(all(z) for z in zero.values())
     # What is skipped: every trace is kept or lands in exactly one counter.
     assert {k: getattr(stats, k) for k in skipped} == dict(skipped)
     assert stats.traces == len(traces) == len(want) + sum(

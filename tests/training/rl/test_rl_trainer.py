@@ -36,6 +36,7 @@ from ac2_jax.training.core import StepCache, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 from experiments.toy_envs import AlternatingEnv, LengthParityEnv
+from ports import refused_url
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step
@@ -268,9 +269,7 @@ def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_
     """A failing sampler (the endpoint answers 500 and ends the rollout), an HTTP 500
     on finish (the endpoint's trace store is broken: run_rollout raises), an
     unreachable endpoint: every rollout ends infra_error, the step goes on."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = refused_url()  # a port nothing listens on
     stop = None
     if failure == "endpoint_down":
         url = dead
@@ -407,9 +406,7 @@ def test_trainer_refuses_a_collector_configured_unlike_its_config(tmp_path):
 
 
 def test_lifecycle_calls_are_retried_on_connection_errors_and_5xx(served, tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = refused_url()  # a port nothing listens on
     answers = iter([500, 503, 200])
     seen = []
 
@@ -739,6 +736,30 @@ def test_a_step_whose_groups_all_tie_changes_no_weight(served, tmp_path):
     restarted.close()
     rows = read_metrics(os.path.join(workdir, "metrics", "metrics.jsonl"))
     assert [(r["step"], r["train/skipped_update"]) for r in rows] == [(1, 1.0)]
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_tied_rewards_fp32_cannot_hold_move_no_parameter(tmp_path, normalize_std):
+    """Issue 61, finding 1, on the real train step: 2 tasks x 8 attempts, every reward
+    0.7 (which fp32 cannot hold; its fp32 group mean left advantages of ~6e-8, or
+    +-0.06 of one sign per group with normalize_std, and AdamW stepped on it). Both
+    groups are counted as tied, every advantage is exactly 0, and no parameter moves."""
+    from rl_traces import rl_trace
+    traces = [rl_trace(task, a, 0.7, n_out=4) for task in ("a", "b") for a in range(8)]
+    config = dataclasses.replace(_config(1), attempts_per_task=8,
+                                 batch=BatchConfig(seq_len=128, rows=8,
+                                                   normalize_std=normalize_std))
+    trainer = RLTrainer(_model(64), ReplayCollector(traces), config, str(tmp_path),
+                        make_step=STEPS)
+    before = _params(trainer)
+    (m,) = asyncio.run(trainer.run())
+    after = _params(trainer)
+    trainer.close()
+    assert m["zero_advantage_groups"] == 2.0
+    assert m["adv_abs_mean"] == 0.0 and m["adv_std"] == 0.0
+    assert m["skipped_update"] == 1.0 and "loss" not in m and m["policy_version"] == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_dynamic_sampling_refills_zero_advantage_groups_and_counts_them(served, tmp_path):
