@@ -2,7 +2,11 @@
 
 `choice_from_result` turns one `SampleResult` into the text the client sees
 (stop strings cut, EOS dropped, Hermes tool calls parsed); the request side
-is in `requests`, incremental streaming in `streaming`.
+is in `requests`, incremental streaming in `streaming`. A turn is text or
+tool calls with no markup in its content: one that `max_tokens` cut inside a
+call ("length") did not parse, so all of it is text and none of it a call.
+Every API (chat, Messages, Responses; streamed or not) answers from this
+`Choice`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving.requests import ChatRequest, CompletionRequest
+from ac2_jax.serving.streaming import tool_call_open
 
 # ---------------------------------------------------------------------------- responses
 
@@ -50,6 +55,12 @@ def choice_from_result(
         text = text[: text.find(matched_stop)]
     parsed = tokenizer.parse_tool_calls(text) if parse_tools else (text, [])
     content, calls = parsed
+    malformed = int(getattr(parsed, "malformed", 0))
+    if calls and result.finish_reason == "length" and _cut_in_a_call(content, malformed, tokenizer):
+        # The budget ran out inside a tool call: the turn did not parse, so it is
+        # text (as sampled: a client that sends it back renders the same tokens),
+        # never calls beside the raw markup of the cut one.
+        content, calls = text.strip(), []
     finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
     return Choice(
         index,
@@ -58,8 +69,18 @@ def choice_from_result(
         calls,
         finish,
         result,
-        int(getattr(parsed, "malformed", 0)),
+        malformed,
     )
+
+
+def _cut_in_a_call(content: str, malformed: int, tokenizer: Tokenizer) -> bool:
+    """Whether a parsed turn left tool-call markup behind: a block that did not
+    parse (an unclosed one: the cut), or content ending in part of a block opening."""
+    if malformed:
+        return True
+    opening = tool_call_open(tokenizer)
+    tail = content.rstrip()
+    return any(tail.endswith(opening[:k]) for k in range(1, len(opening)))
 
 
 def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:

@@ -9,7 +9,9 @@ request API that builds a `ChatRequest` gets it through
   (`tool_call_grammar`): calls of the request's tools (of the named one),
   arguments valid under each tool's `parameters`, one call when
   parallel_tool_calls is false; then the turn ends. Such a turn has no text
-  content, so a response_format has nothing to shape there.
+  content, so a response_format has nothing to shape there. One that
+  max_tokens cuts inside a call did not parse: it is answered as text, with no
+  tool calls (`chat.choice_from_result`).
 - response_format json_object / json_schema: one JSON object / one value of
   the schema. When the model may also call tools (tools with tool_choice
   "auto"), the turn is either tool calls or that JSON answer.

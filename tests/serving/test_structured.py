@@ -322,3 +322,95 @@ def test_a_sampler_without_grammars_keeps_the_forced_opening_and_refuses_json(to
         stop()
         stop_fake()
         fake.close()
+
+
+# A forced-call turn cut by its token budget (finish_reason "length").
+
+EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}
+CUT_ASKS = {  # one seeded forced-call request on each API: fn(client, max_tokens, seed)
+    "chat": lambda c, n, seed, **kw: c.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=n, seed=seed, tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "ping", "parameters": EMPTY}}], **kw),
+    "messages": lambda c, n, seed, **kw: c.messages.create(
+        model="tiny", messages=USER, max_tokens=n, tool_choice={"type": "any"},
+        tools=[{"name": "ping", "input_schema": EMPTY}], extra_body={"seed": seed}, **kw),
+    "responses": lambda c, n, seed, **kw: c.responses.create(
+        model="tiny", input=USER[0]["content"], max_output_tokens=n, extra_body={"seed": seed},
+        tool_choice="required", tools=[{"type": "function", "name": "ping",
+                                        "parameters": EMPTY}], **kw),
+}
+
+
+def _cut_points(tok, ids) -> tuple[int, int] | None:
+    """(tokens up to the first call's closing tag, tokens that end inside the second
+    call), or None when the turn has one call."""
+    parser = tok.tool_parser
+    ends = [k for k in range(1, len(ids) + 1) if parser.block_close in tok.decode(ids[:k])]
+    opens = [k for k in range(1, len(ids) + 1)
+             if tok.decode(ids[:k]).count(parser.block_open) == 2]
+    closed2 = [k for k in range(1, len(ids) + 1)
+               if tok.decode(ids[:k]).count(parser.block_close) == 2]
+    if not (ends and opens and closed2):
+        return None
+    assert opens[0] + 2 < closed2[0]
+    return ends[0], opens[0] + 2
+
+
+def _api_client(api, info):
+    if api == "chat" or api == "responses":
+        return openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                             max_retries=0, timeout=300)
+    import anthropic
+    return anthropic.Anthropic(base_url=info["base_url"].removesuffix("/v1"),
+                               api_key=info["api_key"], max_retries=0, timeout=300)
+
+
+def _seen(api, resp) -> tuple[str | None, list[str], str]:
+    """(text content, called tool names, why it ended) of one answer."""
+    if api == "chat":
+        (c,) = resp.choices
+        return (c.message.content or None, [t.function.name for t in c.message.tool_calls or []],
+                c.finish_reason)
+    if api == "messages":
+        text = "".join(b.text for b in resp.content if b.type == "text") or None
+        return text, [b.name for b in resp.content if b.type == "tool_use"], resp.stop_reason
+    text = "".join(p.text for it in resp.output if it.type == "message" for p in it.content)
+    return (text or None, [it.name for it in resp.output if it.type == "function_call"],
+            resp.status)
+
+
+@pytest.mark.parametrize("api", sorted(CUT_ASKS))
+def test_a_call_cut_by_max_tokens_is_text_or_calls_never_both(env, api):
+    """tool_choice required, seeded (the first seed whose turn has two calls): the
+    grammar makes calls until the model ends the turn. A budget that ends inside the
+    second call leaves a turn that did not parse: its text (markup and all, as sampled) is the content and nothing is a tool call,
+    never a call beside the raw markup of the cut one. A budget that ends right after
+    the first call's closing tag parsed: one call, no markup in the content. Both
+    keep the "length" ending (max_tokens / incomplete). Chat streams the same."""
+    tok, ask = env["tok"], CUT_ASKS[api]
+    info = env["admin"].post("/v1/rollouts", json={"task_id": f"cut-{api}"}).json()
+    client = _api_client(api, info)
+    for seed in range(16):
+        ask(client, 400, seed)
+        ids = completions_of(env, info)[-1]["output_ids"]
+        if (points := _cut_points(tok, ids)) is not None:
+            break
+    assert points is not None, "no seed of 16 made two calls"
+    after_first, inside_second = points
+    cut = {"chat": "length", "messages": "max_tokens", "responses": "incomplete"}[api]
+
+    text, calls, why = _seen(api, ask(client, inside_second, seed))
+    assert (calls, why) == ([], cut)
+    sampled = tok.decode(ids[:inside_second], skip_special_tokens=True).strip()
+    assert text == sampled and text.startswith(tok.tool_parser.block_open)
+    assert completions_of(env, info)[-1]["finish_reason"] == "length"
+
+    text, calls, why = _seen(api, ask(client, after_first, seed))
+    assert (text, calls, why) == (None, ["ping"], cut)
+
+    if api == "chat":
+        chunks = list(ask(client, inside_second, seed, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(d.tool_calls for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == sampled
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
