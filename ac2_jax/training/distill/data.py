@@ -309,7 +309,9 @@ class PairedBatch:
     teacher_index [R, L] int32: the teacher column whose prediction is scored
     against the same target as student column p (0 where student loss_mask is
     0). spans[i] = (row, student column of response token 0, teacher column
-    of it, response length) for examples[i].
+    of it, response length) for examples[i], the examples as packed (those
+    `fit_examples` kept, cut ones shorter). counts: `fit_examples`' counters
+    (`TOO_LONG`).
     """
 
     student: PackedBatch
@@ -317,6 +319,7 @@ class PairedBatch:
     teacher_index: np.ndarray
     spans: list[tuple[int, int, int, int]]
     examples: list[DistillExample]
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def gather_response(self, arr: np.ndarray, i: int) -> np.ndarray:
         """Example i's response slice [n, ...] of a student-aligned array [R, L, ...]."""
@@ -353,6 +356,50 @@ def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
     )
 
 
+# What `fit_examples` counts: examples skipped whole, examples whose response end was
+# cut, and the trained tokens (loss-mask count) the two left out.
+TOO_LONG = ("skipped/too_long", "cut/too_long", "too_long_tokens")
+
+
+def fit_examples(
+    examples: Sequence[DistillExample], seq_len: int
+) -> tuple[list[DistillExample], dict[str, int]]:
+    """(the examples that fit `seq_len` tokens, counts of `TOO_LONG`).
+
+    An example fits when its longer prompt (student or teacher) plus its
+    response does. One that does not has its response's end cut to fit (its
+    log-probs and mask with it; counted `cut/too_long`) while a trained token
+    is left; otherwise (the prompt alone fills seq_len, or only untrained
+    context fits) it is skipped (`skipped/too_long`). `too_long_tokens` counts
+    the trained tokens left out either way. The input examples are not changed.
+    """
+    counts = dict.fromkeys(TOO_LONG, 0)
+    out = []
+    for e in examples:
+        room = seq_len - max(len(e.student_prompt), len(e.teacher_prompt))
+        if len(e.response) <= room:
+            out.append(e)
+            continue
+        trained = e.trained_mask()
+        kept = float(trained[: max(room, 0)].sum())
+        counts["too_long_tokens"] += int(round(float(trained.sum()) - kept))
+        if kept <= 0:
+            counts["skipped/too_long"] += 1
+            continue
+        counts["cut/too_long"] += 1
+        out.append(
+            dataclasses.replace(
+                e,
+                response=e.response[:room],
+                response_logprobs=None
+                if e.response_logprobs is None
+                else e.response_logprobs[:room],
+                response_mask=None if e.response_mask is None else e.response_mask[:room],
+            )
+        )
+    return out, counts
+
+
 def pack_pairs(
     examples: Sequence[DistillExample],
     seq_len: int,
@@ -368,21 +415,17 @@ def pack_pairs(
     sequences); its response predictions sit at student columns c..c+n-1 and
     teacher columns c'..c'+n-1. loss_mask is the example's `trained_mask`
     there (a count), loss_weight its `weight`. A pair longer than seq_len is
-    an error. The static task / segment capacities are at least
-    `min_capacity`, so batches with up to that many examples share one
-    compiled step.
+    cut to fit or skipped, and counted (`fit_examples`; `PairedBatch.counts`);
+    when none fits the batch is padding only (nothing trains). The static task
+    / segment capacities are at least `min_capacity`, so batches with up to
+    that many examples share one compiled step.
     """
     if not examples:
         raise ValueError("pack_pairs: no examples")
-    lengths = []
-    for i, e in enumerate(examples):
-        n = max(len(e.student_prompt), len(e.teacher_prompt)) + len(e.response)
-        if n > seq_len:
-            raise ValueError(
-                f"pack_pairs: example {i} ({e.task!r}) needs {n} tokens, more "
-                f"than seq_len={seq_len}"
-            )
-        lengths.append(n)
+    examples, counts = fit_examples(examples, seq_len)
+    lengths = [
+        max(len(e.student_prompt), len(e.teacher_prompt)) + len(e.response) for e in examples
+    ]
     tasks = {name: j for j, name in enumerate(sorted({e.task for e in examples}))}
     bins = pack_rows(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
@@ -404,11 +447,16 @@ def pack_pairs(
             s0 += len(e.student_prompt) + n
             t0 += len(e.teacher_prompt) + n
     kw: dict[str, Any] = dict(
-        num_tasks=pow2_bucket(max(len(tasks), min_capacity)),
-        num_segments=pow2_bucket(max(len(examples), min_capacity)),
+        num_tasks=pow2_bucket(max(len(tasks), min_capacity, 1)),
+        num_segments=pow2_bucket(max(len(examples), min_capacity, 1)),
     )
     return PairedBatch(
-        PackedBatch(**{**stu, **kw}), PackedBatch(**{**tea, **kw}), index, spans, list(examples)
+        PackedBatch(**{**stu, **kw}),
+        PackedBatch(**{**tea, **kw}),
+        index,
+        spans,
+        list(examples),
+        counts,
     )
 
 

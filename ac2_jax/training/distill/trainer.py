@@ -47,7 +47,14 @@ from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.training.core.objectives import LossFn, SFTLoss
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
-from ac2_jax.training.distill.data import DistillExample, PairedBatch, pack_pairs, sft_segments
+from ac2_jax.training.distill.data import (
+    TOO_LONG,
+    DistillExample,
+    PairedBatch,
+    fit_examples,
+    pack_pairs,
+    sft_segments,
+)
 from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
     DistillLoss,
     divergence,
@@ -199,6 +206,8 @@ class SelfDistiller(TrainerHooks):
             jax.tree.map(jnp.copy, self.state.params) if config.teacher != "live" else None
         )
         self.last_relevance: Relevance | None = None
+        self.last_counts: dict[str, int] = dict.fromkeys(TOO_LONG, 0)
+        self.last_examples: list[DistillExample] = []
 
     @property
     def state(self):
@@ -305,8 +314,16 @@ class SelfDistiller(TrainerHooks):
     # -- one update
 
     def prepare(self, examples: Sequence[DistillExample]):
-        """(batch, extras) for the step: extras `teacher_extras(paired)`; None for "sft"."""
+        """(batch, extras) for the step: extras `teacher_extras(paired)`; None for "sft".
+
+        Examples longer than `seq_len` are cut to fit or skipped (`fit_examples`);
+        `last_counts` holds the counts and `last_examples` what was packed."""
         cfg = self.config
+        examples, self.last_counts = fit_examples(examples, cfg.seq_len)
+        self.last_examples = examples
+        self.last_relevance = None
+        if not examples:  # all too long: nothing to pack, nothing trains
+            return None, None
         if cfg.method == "sft":
             b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
             cap = pow2_bucket(cfg.groups)
@@ -315,7 +332,6 @@ class SelfDistiller(TrainerHooks):
             ), None
         paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
         batch = paired.student
-        self.last_relevance = None
         if cfg.method == "rmsd":
             kept, self.last_relevance = self.relevance(paired)
             batch = dataclasses.replace(batch, loss_mask=kept)
@@ -325,12 +341,16 @@ class SelfDistiller(TrainerHooks):
         """One optimizer step on `examples` (skipped when no position is kept).
 
         Every call is one loop step of the Trainer (skipped ones too): logged,
-        counted and checkpointed on the cadence."""
-        out = {"skipped": 1.0, "kept_tokens": 0.0}
+        counted and checkpointed on the cadence. The metrics count what did not
+        fit `seq_len` (`data.TOO_LONG`: `skipped/too_long`, `cut/too_long`,
+        `too_long_tokens`)."""
+        out: dict[str, float] = {"skipped": 1.0, "kept_tokens": 0.0}
+        counts: dict[str, int] = dict.fromkeys(TOO_LONG, 0)
         if examples:
             batch, extras = self.prepare(examples)
-            kept = float(np.asarray(batch.loss_mask).astype(bool).sum())
-            if kept or not self.config.skip_empty:
+            counts = self.last_counts
+            kept = 0.0 if batch is None else float(np.asarray(batch.loss_mask).astype(bool).sum())
+            if batch is not None and (kept or not self.config.skip_empty):
                 out = self.trainer.update(batch, extras, teacher=self.teacher_params)
                 if self.config.teacher == "ema":
                     self.teacher_params = _ema(
@@ -339,7 +359,8 @@ class SelfDistiller(TrainerHooks):
                 out.update(
                     skipped=0.0,
                     kept_tokens=kept,
-                    response_tokens=float(sum(e.num_trained for e in examples)),
+                    response_tokens=float(sum(e.num_trained for e in self.last_examples)),
                 )
+        out.update({k: float(v) for k, v in counts.items()})
         self.trainer.end_step(out)
         return out

@@ -332,3 +332,34 @@ def test_a_trace_whose_hint_cannot_be_inserted_is_skipped_and_counted(tok, trace
     assert counts["skipped_traces"] == 2 and counts["skipped/hint_not_insertable"] == 2
     warned = [r for r in caplog.records if "hint_not_insertable" in r.getMessage()]
     assert len(warned) == 1  # logged once, not per trace
+
+
+def test_a_too_long_example_is_cut_or_skipped_and_counted():
+    """Finding 5 (issue 61): pack_pairs raised on an example longer than seq_len, so one
+    long trace stopped the run. Now its response's end is cut to fit (counted
+    `cut/too_long`) or, when its prompt leaves no trained token, it is skipped
+    (`skipped/too_long`); `too_long_tokens` counts the trained tokens left out."""
+    hint = [90, 91]
+    exs = [_pair("a", [1, 2, 3], hint, [4, 5, 6, 7, 8, 9], response_mask=[1, 1, 0, 1, 1, 1],
+                 response_logprobs=[-.1, -.2, -.3, -.4, -.5, -.6], temperature=0.7),
+           _pair("b", list(range(10, 17)), hint, [21, 22]),  # teacher prompt 9 > 8: skipped
+           _pair("c", [30, 31], hint, [32, 33]),
+           _pair("d", [40, 41, 42, 43], hint, [44, 45, 46], response_mask=[0, 0, 1])]
+    # "d": 6 + 3 > 8 and the 2 tokens that fit are context (mask 0): skipped too
+    paired = pack_pairs(exs, 8)
+    assert paired.counts == {"skipped/too_long": 2, "cut/too_long": 1, "too_long_tokens": 3 + 2 + 1}
+    assert [e.task for e in paired.examples] == ["a", "c"]
+    a = paired.examples[0]
+    assert a.response == [4, 5, 6] and a.response_mask == [1, 1, 0]
+    assert a.response_logprobs == [-.1, -.2, -.3] and a.temperature == 0.7
+    assert paired.student.loss_mask.sum() == 2 + 2
+    for e, (r, c, _, n) in zip(paired.examples, paired.spans):
+        assert paired.student.targets[r, c:c + n].tolist() == e.response
+    assert exs[0].response == [4, 5, 6, 7, 8, 9]  # the caller's examples are not changed
+    # nothing fits: an all-padding batch that trains nothing, counted
+    none = pack_pairs(exs[1:2], 8)
+    assert none.examples == [] and none.student.loss_mask.sum() == 0
+    assert none.counts["skipped/too_long"] == 1
+    # what fits is untouched and counted as such
+    assert pack_pairs(exs, 16).counts == {"skipped/too_long": 0, "cut/too_long": 0,
+                                          "too_long_tokens": 0}

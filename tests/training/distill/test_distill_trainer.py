@@ -127,8 +127,8 @@ def test_pack_pairs_aligns_response_positions(tok):
         assert e.hint not in tok.decode(s.tokens[r][s.segment_ids[r] == s.segment_ids[r, c]])
     assert s.loss_mask.sum() == sum(len(e.response) for e in exs)
     assert (idx[s.loss_mask == 0] == 0).all()
-    with pytest.raises(ValueError, match="seq_len"):
-        pack_pairs(exs, seq_len=16)
+    short = pack_pairs(exs, seq_len=16)  # no example fits: each is cut or skipped, counted
+    assert short.counts["skipped/too_long"] + short.counts["cut/too_long"] == len(exs)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -347,3 +347,23 @@ def test_varied_opsd_batches_compile_the_step_once(tok, model_state, step_fn):
         counts.append(d.update(exs)["compiled_steps"])
     d.trainer.close()
     assert counts == [1.0] * 4, counts
+
+
+def test_a_too_long_example_never_stops_the_run(tok, model_state, step_fn):
+    """Finding 5 (issue 61): one example longer than seq_len raised in pack_pairs and ended
+    the run. The step goes on with the rest (the long response cut to fit, a prompt that
+    cannot fit skipped) and the metrics count them."""
+    exs = _examples(tok)
+    long_resp = make_example(tok, MSGS, [50] * 300, HINT, "task/long")
+    long_prompt = make_example(tok, [{"role": "user", "content": "blue " * 300}], [51, 52],
+                               HINT, "task/huge")
+    d = SelfDistiller(model_state[0], _copy(model_state[1]), DistillConfig(rows=2), OPT,
+                      step_fn=step_fn)
+    m = d.update(exs + [long_resp, long_prompt])
+    assert m["skipped"] == 0 and m["skipped/too_long"] == 1 and m["cut/too_long"] == 1
+    fit = 256 - len(long_resp.teacher_prompt)
+    assert m["kept_tokens"] == 15 + fit
+    assert m["too_long_tokens"] == (300 - fit) + 2
+    # a step whose examples are all too long makes no update and says why
+    m = d.update([long_prompt])
+    assert m["skipped"] == 1 and m["skipped/too_long"] == 1
