@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ac2_jax.losses import group_advantages, policy_gradient_loss, policy_gradient_metrics
 from tests.multidevice import run_mesh_rows, run_pmap_replicated, run_pmap_rows
@@ -125,3 +126,112 @@ def test_group_std_is_the_population_std_or_the_sample_std():
             x = r[g == grp].astype(np.float64)
             want = (x - x.mean()) / (x.std(ddof=ddof) + 1e-6)
             np.testing.assert_allclose(a[g == grp], want, rtol=1e-5)
+
+
+# --- Trust regions (issue 61, finding 4). References written from the papers' formulas.
+
+def _spread_inputs(seed=7, shape=(16, 12)):
+    """Ratios far outside the clip range on both sides (log-ratio sd 1.5), A of both signs."""
+    rng = np.random.default_rng(seed)
+    logp = rng.normal(-2.0, 0.5, shape).astype(np.float32)
+    prox = (logp + rng.normal(0, 1.5, shape)).astype(np.float32)
+    behav = (prox + rng.normal(0, 1.0, shape)).astype(np.float32)
+    adv = rng.normal(0, 1, shape).astype(np.float32)
+    mask = (rng.random(shape) < 0.8).astype(np.float32)
+    return logp, prox, behav, adv, mask
+
+
+def _dual_clip_objective(r, adv, eps_lo, eps_hi, c):
+    """Ye et al. 2020 ("Mastering complex control in MOBA games with deep RL", eq. 5):
+    for A < 0 the PPO objective is bounded below by c A (c > 1):
+    max(min(r A, clip(r, 1 - eps, 1 + eps) A), c A); for A >= 0 it is plain PPO."""
+    ppo = np.minimum(r * adv, np.clip(r, 1 - eps_lo, 1 + eps_hi) * adv)
+    return np.where(adv < 0, np.maximum(ppo, c * adv), ppo)
+
+
+def _decoupled_objective(logp, prox, behav, adv, eps_lo, eps_hi, c=None):
+    """Hilton et al. 2021 ("Batch size-invariance for policy optimization", decoupled PPO):
+    E_behav[(pi_prox / pi_behav) min(r A, clip(r, 1 - eps, 1 + eps) A)], r = pi / pi_prox;
+    with the dual clip of Ye et al. on the inner term when c is given."""
+    r = np.exp(logp.astype(np.float64) - prox)
+    inner = (_dual_clip_objective(r, adv, eps_lo, eps_hi, c) if c is not None
+             else np.minimum(r * adv, np.clip(r, 1 - eps_lo, 1 + eps_hi) * adv))
+    return np.exp(prox.astype(np.float64) - behav) * inner, r
+
+
+def test_dual_clip_matches_ye_et_al_2020():
+    """fp32 against a float64 numpy reference: rtol 1e-5, atol 1e-6 on the loss; the
+    gradient is -w A r where the objective follows r, else exactly 0."""
+    logp, prox, behav, adv, mask = _spread_inputs()
+    for c, clip in ((3.0, 0.2), (2.0, (0.2, 0.28))):
+        lo, hi = clip if isinstance(clip, tuple) else (clip, clip)
+        obj, r = _decoupled_objective(logp, prox, behav, adv, lo, hi, c)
+        want = np.where(mask > 0, -obj, 0.0)
+        f = functools.partial(policy_gradient_loss, clip_eps=clip, tis_cap=float("inf"),
+                              dual_clip=c)
+        got = np.asarray(f(logp, prox, behav, adv, mask))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # Where the objective follows r (neither clip binds) d obj / d logp = w A r.
+        follows = np.where(adv >= 0, r * adv <= np.clip(r, 1 - lo, 1 + hi) * adv,
+                           (r * adv <= np.clip(r, 1 - lo, 1 + hi) * adv) & (r * adv >= c * adv))
+        w = np.exp(prox.astype(np.float64) - behav)
+        g_want = np.where((mask > 0) & follows, -w * adv * r, 0.0)
+        g = np.asarray(jax.grad(lambda lp: f(lp, prox, behav, adv, mask).sum())(logp))
+        np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-6)
+        dual = (adv < 0) & (r > c) & (mask > 0)
+        assert dual.sum() > 0 and np.all(g[dual] == 0.0)  # the dual clip binds, no gradient
+        plain = np.asarray(policy_gradient_loss(logp, prox, behav, adv, mask, clip_eps=clip,
+                                                tis_cap=float("inf")))
+        assert np.all(got[dual] < plain[dual])  # it bounds the loss of those tokens
+
+
+def test_decoupled_ppo_matches_hilton_et_al_2021():
+    """policy_gradient_loss(logp, old=pi_prox, sampler=pi_behav, tis_cap=inf) is decoupled
+    PPO; tis_cap=C truncates its weight pi_prox / pi_behav at C (fp32 vs float64 numpy:
+    rtol 1e-5, atol 1e-6)."""
+    logp, prox, behav, adv, mask = _spread_inputs(8)
+    obj, _ = _decoupled_objective(logp, prox, behav, adv, 0.2, 0.2)
+    got = policy_gradient_loss(logp, prox, behav, adv, mask, clip_eps=0.2, tis_cap=float("inf"))
+    np.testing.assert_allclose(got, np.where(mask > 0, -obj, 0.0), rtol=1e-5, atol=1e-6)
+    w = np.exp(prox.astype(np.float64) - behav)
+    capped = obj / w * np.minimum(w, 2.0)
+    got = policy_gradient_loss(logp, prox, behav, adv, mask, clip_eps=0.2, tis_cap=2.0)
+    np.testing.assert_allclose(got, np.where(mask > 0, -capped, 0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_behaviour_trust_region_bounds_a_token_already_twenty_times_likelier():
+    """old = the sampler's log-probs (the proximal policy is the behaviour policy): the
+    ratio is pi / pi_sampler with the correction kept. A token 20x likelier than under the
+    sampler gets no gradient, whatever the sign of A (clip for A > 0, dual clip for A < 0);
+    with the detached ratio (r = 1) only TIS bounds it, at weight C and still pushed."""
+    samp = jnp.log(jnp.array([0.01, 0.01, 0.01, 0.01]))
+    logp = jnp.log(jnp.array([0.2, 0.2, 0.0105, 0.0095]))  # ratios 20, 20, 1.05, 0.95
+    adv = jnp.array([1.0, -1.0, 1.0, -1.0])
+    mask = jnp.ones(4)
+
+    def grad(old_fn, **kw):
+        return np.asarray(jax.grad(lambda lp: policy_gradient_loss(
+            lp, old_fn(lp), samp, adv, mask, **kw).sum())(logp))
+
+    g = grad(lambda lp: samp, clip_eps=0.2, tis_cap=2.0, dual_clip=3.0)
+    np.testing.assert_array_equal(g[:2], 0.0)
+    np.testing.assert_allclose(g[2:], -np.asarray(adv[2:]) * np.array([1.05, 0.95]), rtol=1e-5)
+    g = grad(jax.lax.stop_gradient, clip_eps=0.2, tis_cap=2.0)  # detached: TIS only
+    np.testing.assert_allclose(g[:2], [-2.0, 2.0], rtol=1e-6)
+    m = policy_gradient_metrics(logp, samp, samp, mask, adv, clip_eps=0.2, dual_clip=3.0)
+    np.testing.assert_allclose([m["clip_frac"], m["dual_clip_frac"]], [0.25, 0.25])
+
+
+def test_trust_region_metrics_and_bad_dual_clip():
+    logp, prox, behav, adv, mask = _spread_inputs(9)
+    m = policy_gradient_metrics(logp, prox, behav, mask, adv, clip_eps=0.2, dual_clip=3.0,
+                                tis_cap=2.0)
+    r, w, n = np.exp(logp - prox), np.exp(prox - behav), mask.sum()
+    np.testing.assert_allclose(m["dual_clip_frac"], (((adv < 0) & (r > 3.0)) * mask).sum() / n,
+                               rtol=1e-6)
+    np.testing.assert_allclose(m["tis_frac"], ((w > 2.0) * mask).sum() / n, rtol=1e-6)
+    assert set(policy_gradient_metrics(logp, prox, behav, mask, adv)) == {"clip_frac",
+                                                                          "kl_to_sampler"}
+    for c in (1.0, 0.5):
+        with pytest.raises(ValueError, match="dual_clip"):
+            policy_gradient_loss(logp, prox, behav, adv, mask, dual_clip=c)

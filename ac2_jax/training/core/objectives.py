@@ -334,18 +334,34 @@ class SFTLoss(Objective):
 @OBJECTIVES.register("ppo")
 @dataclasses.dataclass(frozen=True)
 class PolicyGradientLoss(Objective):
-    """Clipped policy-gradient loss with truncated importance weights.
+    """Clipped policy-gradient loss with truncated importance weights
+    (`ac2_jax.losses.policy_gradient_loss`: decoupled PPO, optional dual clip).
 
-    `old_logprobs` is where the PPO ratio's denominator comes from:
-    "detached" (the current learner log-probs, gradient stopped: one update
-    per batch, TIS then corrects learner vs sampler), "sampler" (the batch's
-    sampler log-probs) or "extras" (`extras["old_logprobs"]` [R, L], e.g. from
-    `TrainStep.logprobs` before several updates on one batch).
-    Reads the batch features `ADVANTAGES` and `SAMPLER_LOGPROBS` (what
+    `old_logprobs` is where the PPO ratio's denominator (the proximal policy)
+    comes from, and so which bound acts on the update:
+      "detached" (default): the current learner log-probs, gradient stopped.
+          One update per batch: the ratio is 1, so the clip cannot bind; the
+          only bound is TIS, weight min(pi / pi_sampler, tis_cap) (no trust
+          region: a token already 20x likelier than under the sampler keeps
+          weight tis_cap). Metrics: tis_frac (no clip_frac: it is always 0).
+      "sampler": the batch's sampler log-probs. The trust region against the
+          behaviour policy: the ratio is pi / pi_sampler (the importance
+          correction kept in it), clipped to [1 - eps, 1 + eps] where that
+          removes gradient; with `dual_clip` c (Ye et al. 2020; 3 is usual) a
+          token with A < 0 and ratio > c gets no gradient either. The TIS weight
+          is 1. Metrics: clip_frac, dual_clip_frac.
+      "extras": `extras["old_logprobs"]` [R, L], e.g. from `TrainStep.logprobs`
+          before several updates on one batch (decoupled PPO, Hilton et al.
+          2021: ratio to the pre-update policy, TIS weight of that policy to
+          the sampler). Metrics: clip_frac, dual_clip_frac, tis_frac.
+    Each of clip_frac / dual_clip_frac / tis_frac is the share of trained
+    tokens that bound removed or truncated, reported only where it can be
+    non-zero; a `dual_clip` that cannot bind (old_logprobs="detached") is an
+    error. Reads the batch features `ADVANTAGES` and `SAMPLER_LOGPROBS` (what
     `ac2_jax.training.rl.pack_rl_batch` packs), and re-scores grammar-constrained
     tokens under their masks (`behaviour_logprobs`), so on-policy ratios are 1.
-    chunk_size: as in `SFTLoss`. Metrics: entropy (of the raw, unmasked
-    softmax), clip_frac, kl_to_sampler.
+    chunk_size: as in `SFTLoss`. Metrics also: entropy (of the raw, unmasked
+    softmax), kl_to_sampler.
     """
 
     mode: str = "task_mean"
@@ -355,6 +371,7 @@ class PolicyGradientLoss(Objective):
     old_logprobs: str = "detached"
     entropy: bool = True
     chunk_size: int | str | None = AUTO
+    dual_clip: float | None = None
 
     def __post_init__(self):
         _check_mode("PolicyGradientLoss", self.mode)
@@ -364,6 +381,36 @@ class PolicyGradientLoss(Objective):
                 f"PolicyGradientLoss.old_logprobs must be one of {OLD_LOGPROBS}, "
                 f"got {self.old_logprobs!r}"
             )
+        if self.tis_cap is not None and not self.tis_cap >= 1.0:
+            raise ValueError(
+                f"PolicyGradientLoss.tis_cap must be None or >= 1 (a cap below 1 would "
+                f"down-weight on-policy tokens), got {self.tis_cap!r}"
+            )
+        if self.dual_clip is not None:
+            if not self.dual_clip > 1.0:
+                raise ValueError(
+                    f"PolicyGradientLoss.dual_clip must be None or > 1 (3 is usual), "
+                    f"got {self.dual_clip!r}"
+                )
+            if self.old_logprobs == "detached":
+                raise ValueError(
+                    "PolicyGradientLoss.dual_clip bounds the PPO ratio, which is 1 with "
+                    "old_logprobs='detached' (one update per batch): it would never bind. "
+                    "Use old_logprobs='sampler' (a trust region against the sampler) or "
+                    "'extras' (several updates on one batch)"
+                )
+
+    def bounds(self) -> tuple[str, ...]:
+        """The bounds that can act on the update, by their metric names: "clip_frac"
+        (the PPO clip), "dual_clip_frac", "tis_frac" (the truncated weight)."""
+        out = []
+        if self.old_logprobs != "detached":  # a ratio that can leave 1
+            out.append("clip_frac")
+            if self.dual_clip is not None:
+                out.append("dual_clip_frac")
+        if self.tis_cap is not None and self.old_logprobs != "sampler":  # weight not 1
+            out.append("tis_frac")
+        return tuple(out)
 
     def _finish(self, logp, ent, batch, extras):
         m = batch.loss_mask.astype(jnp.float32)
@@ -387,6 +434,7 @@ class PolicyGradientLoss(Objective):
             m,
             clip_eps=self.clip_eps,
             tis_cap=self.tis_cap,
+            dual_clip=self.dual_clip,
         )
         # policy_gradient_metrics returns sum(m x) / max(sum m, 1); undo the division.
         means = policy_gradient_metrics(
@@ -396,9 +444,12 @@ class PolicyGradientLoss(Objective):
             m,
             advantages,
             clip_eps=self.clip_eps,
+            dual_clip=self.dual_clip,
+            tis_cap=self.tis_cap,
         )
         n = jnp.maximum(m.sum(), 1.0)
-        sums = {k: v * n for k, v in means.items()}
+        keep = {"kl_to_sampler", *self.bounds()}
+        sums = {k: v * n for k, v in means.items() if k in keep}
         if self.entropy:
             sums["entropy"] = _masked_sum(ent, batch)
         return per_token, sums

@@ -424,9 +424,10 @@ def make_train_step(
     is an error); `step.sharding_fallbacks` lists what indivisible="replicate"
     rules replicated.
     metrics: loss, grad_norm, tokens (non-padding), loss_tokens, lr, the
-    loss's token-mean metrics (entropy, clip_frac, kl_to_sampler), batch_rows
-    (the global batch's rows) and micro_batches_skipped (micro-batches without a
-    loss token, not computed).
+    loss's token-mean metrics (e.g. entropy, kl_to_sampler, and the bounds
+    `PolicyGradientLoss.bounds()` names: clip_frac, dual_clip_frac, tis_frac),
+    batch_rows (the global batch's rows) and micro_batches_skipped
+    (micro-batches without a loss token, not computed).
     """
     return TrainStep(
         graphdef,

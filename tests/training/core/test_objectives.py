@@ -93,6 +93,9 @@ def test_policy_gradient_loss_sources_of_old_logprobs(old):
                                     batch.features["advantages"], 0.1)
     n = float(batch.loss_mask.sum())
     for k in ("clip_frac", "kl_to_sampler"):
+        if k == "clip_frac" and old == "detached":  # r = 1: a clip that cannot bind
+            assert k not in sums
+            continue
         np.testing.assert_allclose(float(sums[k]) / n, float(means[k]), rtol=1e-5)
     if old == "detached":
         # The ratio is 1 everywhere, so the gradient is the plain PG gradient -A * w * dlogp.
@@ -101,6 +104,55 @@ def test_policy_gradient_loss_sources_of_old_logprobs(old):
         coef = jnp.where(batch.loss_mask > 0, -batch.features["advantages"] * w, 0.0)
         g_want = jax.grad(lambda lg: (coef * token_logprobs(lg, batch.targets)).sum())(logits)
         np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
+
+
+def test_policy_gradient_metrics_name_the_bounds_that_can_bind():
+    """Issue 61, finding 4: clip_frac is never reported where it cannot be non-zero. The
+    default (old_logprobs="detached", one update per batch: r = 1) is bounded by TIS alone
+    and reports tis_frac; the trust region against the sampler (old_logprobs="sampler")
+    reports clip_frac and, with dual_clip, dual_clip_frac, and no tis_frac (its weight is
+    1); "extras" (several updates on one batch) reports all three."""
+    batch = make_batch()
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(*batch.shape, 30)), jnp.float32)
+    logp = token_logprobs(logits, batch.targets)
+    extras = {"old_logprobs": logp + 0.5}
+    cases = [(PolicyGradientLoss(), {"tis_frac"}),
+             (PolicyGradientLoss(tis_cap=None), set()),
+             (PolicyGradientLoss(old_logprobs="sampler"), {"clip_frac"}),
+             (PolicyGradientLoss(old_logprobs="sampler", dual_clip=3.0),
+              {"clip_frac", "dual_clip_frac"}),
+             (PolicyGradientLoss(old_logprobs="extras", dual_clip=3.0),
+              {"clip_frac", "dual_clip_frac", "tis_frac"})]
+    sampler, adv = batch.features["sampler_logprobs"], batch.features["advantages"]
+    n = float(batch.loss_mask.sum())
+    for fn, bounds in cases:
+        _, sums = fn(logits, batch, extras)
+        assert set(sums) == {"entropy", "kl_to_sampler"} | bounds, (fn, set(sums))
+        old = {"detached": logp, "sampler": sampler, "extras": extras["old_logprobs"]}[
+            fn.old_logprobs]
+        means = policy_gradient_metrics(logp, old, sampler, batch.loss_mask, adv,
+                                        clip_eps=fn.clip_eps, dual_clip=fn.dual_clip,
+                                        tis_cap=fn.tis_cap)
+        for k in bounds:
+            np.testing.assert_allclose(float(sums[k]) / n, float(means[k]), rtol=1e-5)
+    # Sampled log-probs 2 nats below the learner's (ratio e^2 > 3) on every other position
+    # and 2 above on the rest: each bound binds somewhere.
+    shift = np.where(np.arange(batch.shape[1]) % 2, 2.0, -2.0).astype(np.float32)
+    batch = batch.replace(features={**batch.features,
+                                    "sampler_logprobs": np.asarray(logp) - shift})
+    _, sums = PolicyGradientLoss(old_logprobs="sampler", dual_clip=3.0)(logits, batch, None)
+    assert float(sums["clip_frac"]) > 0 and float(sums["dual_clip_frac"]) > 0
+    _, sums = PolicyGradientLoss()(logits, batch, None)
+    assert float(sums["tis_frac"]) > 0
+
+
+def test_a_bound_that_cannot_bind_is_refused():
+    with pytest.raises(ValueError, match="dual_clip.*detached"):
+        PolicyGradientLoss(dual_clip=3.0)  # r = 1: the dual clip never binds
+    with pytest.raises(ValueError, match="dual_clip"):
+        PolicyGradientLoss(old_logprobs="sampler", dual_clip=1.0)
+    with pytest.raises(ValueError, match="tis_cap"):
+        PolicyGradientLoss(tis_cap=0.5)
 
 
 def test_policy_gradient_extras_missing_is_an_error():
