@@ -30,6 +30,7 @@ from ac2_jax.training.rl.data import (
     trace_advantages,
     trace_rewards,
     trace_version,
+    trained_version,
 )
 from ac2_jax.training.rl.features import (
     ADVANTAGES,
@@ -99,6 +100,7 @@ __all__ = [
     "trace_agent_metrics",
     "trace_rewards",
     "trace_version",
+    "trained_version",
     "unchosen_branch_episodes",
     "wait_for_endpoint",
     "wait_for_learner",

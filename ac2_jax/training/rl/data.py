@@ -17,6 +17,7 @@ import numpy as np
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
+from ac2_jax.training.rl.branches import continued_path
 
 STALE_POLICIES = ("drop", "downweight")
 MOE_ROUTING = ("replay", "recompute")
@@ -168,9 +169,27 @@ def agent_trained(agent: str, train_agents: tuple[str, ...] | None) -> bool:
 
 def trace_version(trace: Trace) -> int | None:
     """Oldest policy version that sampled any token of the trace; None for a trace
-    without completions (it failed before calling the model): it has no version,
-    so it is never stale."""
+    without completions (it failed before calling the model). Staleness is judged
+    on `trained_version`, which leaves out the completions that do not train."""
     versions = [c.policy_version for e in trace.episodes for c in e.completions]
+    return min(versions) if versions else None
+
+
+def trained_version(trace: Trace, train_agents: tuple[str, ...] | None = None) -> int | None:
+    """Oldest policy version among the completions of `trace` whose output trains:
+    on the continued path (`branches.continued_path`: not an unchosen response, not
+    a response of a request whose choice is unknown), in an episode whose agent
+    `train_agents` trains, with a trained token (loss mask > 0) in its output.
+    None when no completion trains (or the trace has none): nothing of it is stale."""
+    path, _ = continued_path(trace)
+    versions = []
+    for ep in path.episodes:
+        if not agent_trained(ep.agent, train_agents):
+            continue
+        for c in ep.completions:
+            lo = len(c.prompt_ids)
+            if any(ep.loss_mask[lo : lo + len(c.output_ids)]):
+                versions.append(c.policy_version)
     return min(versions) if versions else None
 
 
@@ -224,10 +243,13 @@ def select_traces(
     """Applies the failure and staleness rules. Returns (kept, weights, stats).
 
     Kept traces carry the reward they train with (a copy when the config
-    replaced it); the inputs are not changed. A trace without completions has
-    no policy version: it is never stale, trains no token, and counts in its
-    group's baseline (`stats.no_completions`); the staleness figures are over
-    traces that have a version.
+    replaced it); the inputs are not changed. Staleness is judged on the
+    completions that train (`trained_version`: the continued path, the agents
+    `config.train_agents` trains): an old unchosen response or an old episode of
+    an agent that does not train never makes a trace stale. A trace without
+    completions (`stats.no_completions`), or none that trains, has no policy
+    version: it is never stale, trains no token, and counts in its group's
+    baseline; the staleness figures are over traces that have a version.
     """
     stats = BatchStats(traces=len(traces))
     kept, weights, lags = [], [], []
@@ -237,9 +259,10 @@ def select_traces(
             continue
         if reward != t.reward:
             t = dataclasses.replace(t, reward=reward)
-        version, w = trace_version(t), 1.0
-        if version is None:  # no completion, no version: never stale, in its baseline
-            stats.no_completions += 1
+        version, w = trained_version(t, config.train_agents), 1.0
+        if version is None:  # nothing trains, no version: never stale, in its baseline
+            if not any(e.completions for e in t.episodes):
+                stats.no_completions += 1
             lag = 0
         else:
             lag = max(0, learner_version - version)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ac2_jax.trace.agents import agent_group
 from ac2_jax.trace.types import Trace
-from ac2_jax.training.rl.data import BatchStats, trace_version
+from ac2_jax.training.rl.data import BatchStats, trained_version
 
 
 def compaction_events(trace: Trace) -> list[dict[str, Any]]:
@@ -77,13 +77,17 @@ def trace_agent_metrics(traces: Sequence[Trace]) -> dict[str, float]:
     return out
 
 
-def staleness_histogram(traces: Sequence[Trace], learner_version: int) -> dict[str, float]:
+def staleness_histogram(
+    traces: Sequence[Trace], learner_version: int, train_agents: tuple[str, ...] | None = None
+) -> dict[str, float]:
     """staleness_hist/<lag>: how many of the traces lag the learner by `lag` policy
-    versions (lag = learner_version - the oldest version that sampled any of its
-    tokens, floored at 0), one key per lag from 0 to the largest seen. Traces
-    without a sampled completion (e.g. infra errors before any request) have no
-    version and are not in it (`BatchStats.no_completions` counts the kept ones)."""
-    versions = (trace_version(t) for t in traces)
+    versions (lag = learner_version - the oldest version that sampled a token that
+    trains, `data.trained_version`: the continued path, the agents `train_agents`
+    trains; floored at 0), one key per lag from 0 to the largest seen. Traces
+    with no completion that trains (e.g. infra errors before any request) have no
+    version and are not in it (`BatchStats.no_completions` counts the kept ones
+    that never called the model)."""
+    versions = (trained_version(t, train_agents) for t in traces)
     lags = collections.Counter(max(0, learner_version - v) for v in versions if v is not None)
     return {
         f"staleness_hist/{lag}": float(lags.get(lag, 0))

@@ -375,7 +375,7 @@ class RLTrainer(TrainerHooks):
             # in the batch, episodes, compactions, memo fidelity, staleness_hist/<lag>.
             **trace_agent_metrics(traces),
             **batch_metrics(stats),
-            **staleness_histogram(traces, version),
+            **staleness_histogram(traces, version, self._batch_config.train_agents),
             "infra_retries": float(sum(t.metadata.get("infra_retries", 0) for t in traces)),
         }
         # Decided on the whole batch's segments (every one has agent tokens), so every

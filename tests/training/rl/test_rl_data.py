@@ -5,6 +5,7 @@ tests/training/rl/test_rl_batching.py.
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -170,6 +171,49 @@ def test_a_trace_without_completions_is_never_stale_and_stays_in_its_baseline():
     assert batch.loss_mask.sum() == 6 and stats.no_completions == 1  # it trains no token
     np.testing.assert_allclose(sorted(set(np.round(batch.features["advantages"][batch.loss_mask > 0], 6))),
                                [round(1 / 3, 6)])
+
+
+def test_staleness_is_judged_on_the_completions_that_train():
+    """Issue 61: an unchosen response and an episode of an agent that does not train
+    sampled by an old policy do not make the attempt stale: only trained completions
+    count. A trace whose trained completions are stale is still dropped (or
+    down-weighted), and a trace none of whose completions trains has no version."""
+    from ac2_jax.trace import Completion, Trace, TraceRecorder
+
+    def attempt(i, unchosen_version, compactor_version, chosen_version=3):
+        t = Trace(task_id="a", attempt_id=str(i), group_id="g:a", reward=float(i % 2),
+                  status="finished")
+        rec = TraceRecorder(t)
+        for k, v in ((0, unchosen_version), (1, chosen_version)):  # n = 2, response 1 chosen
+            rec.record("main", Completion([1, 2, 3], [10 + k, 11], [-0.5, -0.5],
+                                          policy_version=v, request_id="r0", choice_index=k))
+        rec.record("compactor", Completion([5, 6], [20, 21], [-0.5, -0.5],
+                                           policy_version=compactor_version))
+        t.metadata = {"artifacts": {"metrics": {"branch_choices": [
+            {"request_id": "r0", "index": 1}]}}}
+        return t
+
+    cfg = BatchConfig(seq_len=32, rows=1, max_staleness=1, train_agents=("main",))
+    old = [attempt(0, 0, 0), attempt(1, 0, 0)]  # learner 3: the old completions lag 3
+    kept, _, stats = select_traces(old, 3, cfg)
+    assert len(kept) == 2 and stats.dropped_stale == 0
+    assert stats.staleness_max == 0 and stats.staleness_mean == 0.0
+    # The compactor trains too: its old completion makes the attempt stale.
+    kept, _, stats = select_traces(old, 3, dataclasses.replace(cfg, train_agents=None))
+    assert kept == [] and stats.dropped_stale == 2 and stats.staleness_max == 3
+    # The chosen response itself is stale: dropped whatever else the trace holds.
+    stale = [attempt(0, 3, 3, chosen_version=0), attempt(1, 3, 3, chosen_version=0)]
+    kept, _, stats = select_traces(stale, 3, cfg)
+    assert kept == [] and stats.dropped_stale == 2
+    segments, stats, _ = batching.batch_segments(old, 3, cfg)
+    assert len(segments) == 2 and stats.dropped_stale == 0 and stats.unchosen_responses == 2
+    # Nothing of it trains (a compactor-only attempt, main-only training): no version,
+    # never stale, in its baseline; it called the model, so not in no_completions.
+    only = Trace(task_id="a", attempt_id="9", group_id="g:a", reward=1.0, status="finished")
+    TraceRecorder(only).record("compactor", Completion([5, 6], [20], [-0.5], policy_version=0))
+    kept, _, stats = select_traces([only], 3, cfg)
+    assert kept == [only] and stats.dropped_stale == 0 and stats.no_completions == 0
+    assert stats.empty == 0  # it holds agent tokens; the train_agents filter leaves them out
 
 
 # --- A property test: random statuses, rewards, versions and configs against a small

@@ -77,6 +77,18 @@ def test_staleness_histogram_has_every_bin_up_to_the_largest_lag():
     assert staleness_histogram(traces[-1:], 5) == {}
 
 
+def test_staleness_histogram_counts_the_lag_of_what_trains():
+    """As the staleness rule (issue 61): an old episode of an agent that does not train
+    leaves the attempt's lag where its trained completions put it."""
+    t = Trace(task_id="t", attempt_id="0", group_id="g", reward=1.0, status="finished")
+    rec = TraceRecorder(t)
+    rec.record("main", Completion([1, 2], [3, 4], [-0.5, -0.5], policy_version=4))
+    rec.record("compactor", Completion([7, 8], [9], [-0.5], policy_version=1))
+    assert staleness_histogram([t], 4) == {f"staleness_hist/{i}": float(i == 3)
+                                           for i in range(4)}
+    assert staleness_histogram([t], 4, train_agents=("main",)) == {"staleness_hist/0": 1.0}
+
+
 @pytest.mark.parametrize("layout", ["flat", "tree"])
 def test_trained_tokens_per_group_are_the_batch_tokens(layout):
     """trained_tokens/<group> sums to the batch's loss_mask (tree merges count their
