@@ -6,9 +6,17 @@ Counts and weights are different arrays of the batch:
                   the normalisers N_task, N_segment, N_batch.
   loss_weight w_t what multiplies the loss (segment weight: staleness
                   down-weighting, example weights); None means 1.
-`task_mean` (default) is the design's token-weighted task loss:
+`task_mean` (default) is the design's token-weighted task loss, where a "task"
+is what `task_ids` index: in RL one trace, i.e. one attempt (one of a
+problem's G attempts); in SFT and distillation what their data names as the
+task (e.g. all examples of one trace):
   L_task = sum_{t in task} w_t m_t l_t / N_task,  N_task = sum_{t in task} m_t,
-  loss = mean of L_task over the tasks present.
+  loss = mean of L_task over the tasks (attempts) present.
+Every attempt with a trained token weighs the same, so in RL a problem with 8
+attempts in the batch weighs 4x one with 2, and attempts with advantage 0 stay
+in the mean unless left out (`BatchConfig.drop_zero_advantage`). RL's
+`BatchConfig.mean_over="problem"` makes it a mean over problems (the mean over
+a group's attempts, then over groups) through the segment weights.
 A weight therefore scales its tokens' loss; it never cancels out.
 
 `loss_weights` returns per-token factors c [R, L] with loss = sum(c * l). They
@@ -45,8 +53,9 @@ def loss_weights(
     """Per-token factors c [R, L] with batch loss = sum(c * per_token).
 
     batch: a `PackedBatch` (loss_mask, loss_weight, task_ids, segment_index,
-    num_tasks, num_segments). Modes: task_mean (default), token_mean (all
-    trained tokens of the batch), segment_mean (mean of L_s; undefined on tree
+    num_tasks, num_segments). Modes: task_mean (default: every task id, in RL
+    every attempt, weighs the same), token_mean (all trained tokens of the
+    batch), segment_mean (mean of L_s; undefined on tree
     batches, where a shared token belongs to several segments), constant
     (sum / `normalizer`, Dr.GRPO style: the normaliser must be given, e.g. the
     max generation length, so the loss scale never depends on padding).

@@ -161,6 +161,9 @@ def batch_segments(
     token is an error, never trained unmasked). Groups without a reward spread
     are counted (`stats.zero_advantage_groups`) and, with
     `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
+    With `config.mean_over="problem"` each segment's weight is scaled so the
+    task_mean loss is a mean over groups of the mean over their attempts
+    (tied groups stay in it, at loss 0, unless dropped).
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
     informative = informative_groups(kept)
@@ -225,6 +228,8 @@ def batch_segments(
         cut.truncated_segments,
         cut.truncated_agent_tokens,
     )
+    if config.mean_over == "problem":
+        segments = _per_problem_weights(segments, {t.key: group_name(t) for t in kept})
     for s in segments:
         stats.trained_tokens[s.agent] += s.num_agent_tokens
         if s.routing is not None:
@@ -236,6 +241,20 @@ def batch_segments(
     if tables:
         stats.grammar_masks = len({row.tobytes() for t in tables for row in np.asarray(t)})
     return segments, stats, adv
+
+
+def _per_problem_weights(segments: list[Segment], groups: dict[str, str]) -> list[Segment]:
+    """`segments` with each attempt's weight scaled so that the task_mean loss (a
+    mean over the T attempts with trained tokens) becomes a mean over the G groups
+    of the mean over each group's n_g attempts: x T / (G n_g). Attempts without a
+    trained token are in no count, as in task_mean."""
+    present = {s.task for s in segments if s.num_agent_tokens}
+    sizes = collections.Counter(groups[k] for k in present)
+    scale = {k: len(present) / (len(sizes) * sizes[groups[k]]) for k in present}
+    for s in segments:
+        if s.task in scale:
+            s.weight = s.weight * scale[s.task]
+    return segments
 
 
 def warmup_batch(

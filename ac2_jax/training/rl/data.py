@@ -21,6 +21,7 @@ from ac2_jax.training.rl.branches import continued_path
 
 STALE_POLICIES = ("drop", "downweight")
 MOE_ROUTING = ("replay", "recompute")
+MEAN_OVER = ("attempt", "problem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,12 @@ class BatchConfig:
     # normalize_std divides each group's advantages by its reward std + 1e-6: the
     # population std (std_ddof=0, divides by n) or the sample std (std_ddof=1).
     std_ddof: int = 0
+    # What the loss averages (with the loss mode "task_mean", whose "task" is one
+    # trace: an attempt): "attempt" weighs every attempt with trained tokens the
+    # same, so a problem with 8 attempts weighs 4x one with 2; "problem" averages a
+    # group's attempts first, then the groups (each attempt's segment weight is
+    # scaled by attempts / (groups x the group's attempts), `batch_segments`).
+    mean_over: str = "attempt"
     # How ended traces train (DESIGN.md "Failures"): "finished" with the verifier's
     # reward, wrong answers included; "infra_error" never (no setting changes that).
     agent_error_reward: float | None = None  # None: the verifier's reward (0 if none)
@@ -105,6 +112,10 @@ class BatchConfig:
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"BatchConfig.{name} must be a finite number or None, got {v!r}")
+        if self.mean_over not in MEAN_OVER:
+            raise ValueError(
+                f"BatchConfig.mean_over must be one of {MEAN_OVER}, got {self.mean_over!r}"
+            )
         if self.std_ddof not in (0, 1):
             raise ValueError(
                 f"BatchConfig.std_ddof must be 0 (population std) or 1 (sample std), "

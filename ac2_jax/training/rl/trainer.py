@@ -123,6 +123,12 @@ class RLConfig:
                 f"grad_accum={self.grad_accum} micro-batches: make rows a "
                 "multiple of grad_accum"
             )
+        if self.batch.mean_over == "problem" and self.loss.mode != "task_mean":
+            raise ValueError(
+                f"RLConfig: batch.mean_over='problem' reweights the attempts of the "
+                f"task_mean loss; loss.mode={self.loss.mode!r} would not average over "
+                "problems: use loss.mode='task_mean' or batch.mean_over='attempt'"
+            )
         if self.mode == "async" and self.batch.max_staleness < 1 and self.batch.stale == "drop":
             # Async collects step s+1 with the weights of update s - 1: every trace lags
             # one version, so max_staleness=0 with stale="drop" drops every batch.

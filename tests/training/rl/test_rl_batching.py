@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.losses import aggregate_loss
+from ac2_jax.segments import task_names
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.data import BatchConfig, informative_groups, select_traces
@@ -441,3 +442,45 @@ def test_free_batches_are_packed_as_before_and_shares_carry_one_table(tok):
     lone = pack_rl_batch(segments[:1], stats.row_len, config, process_index=1, process_count=2)
     assert lone.constraint_masks.shape == whole.constraint_masks.shape
     assert CONSTRAINT_ID in lone.features and float(lone.loss_mask.sum()) == 0
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_mean_over_problems_weighs_every_problem_the_same(layout):
+    """Issue 61, finding 6: task_mean weighs every attempt (trace) the same, so a problem
+    with 8 attempts weighs 4x one with 2. mean_over="problem" averages a group's attempts
+    first, then the groups, keeping the staleness weights: with a per-token loss c_k on
+    every trained token of attempt k (weight w_k), the batch loss is mean_g mean_{k in g}
+    w_k c_k (mean_k w_k c_k per attempt). fp32 against float64 numpy, rtol 1e-5."""
+    traces = ([_trace("a", i, float(i % 2), version=2, n_out=2 + i % 3) for i in range(8)]
+              + [_trace("b", i, float(i), version=2, n_out=4) for i in range(2)]
+              + [_trace("c", i, 0.5 * i, version=0, n_out=3) for i in range(3)])  # lag 2
+    c = {t.key: v for t, v in zip(traces, np.random.default_rng(0).normal(size=len(traces)))}
+    want, got = {}, {}
+    for mean_over in ("attempt", "problem"):
+        cfg = BatchConfig(seq_len=32, rows=4, layout=layout, stale="downweight",
+                          mean_over=mean_over)
+        segs, stats, _ = batch_segments(traces, 2, cfg)
+        assert stats.downweighted == 3
+        batch = pack_rl_batch(segs, stats.row_len, cfg)
+        names = np.array(task_names(segs))
+        per_token = np.where(batch.loss_mask > 0,
+                             np.vectorize(c.get)(names[batch.task_ids]), 0.0).astype(np.float32)
+        got[mean_over] = float(aggregate_loss(per_token, batch, "task_mean"))
+        w = {t.key: (0.5 if t.task_id == "c" else 1.0) for t in traces}
+        attempt = {t.key: w[t.key] * c[t.key] for t in traces}
+        groups = {}
+        for t in traces:
+            groups.setdefault(t.group_id, []).append(attempt[t.key])
+        want[mean_over] = (np.mean(list(attempt.values())) if mean_over == "attempt"
+                           else np.mean([np.mean(v) for v in groups.values()]))
+        np.testing.assert_allclose(got[mean_over], want[mean_over], rtol=1e-5)
+    assert not np.isclose(want["attempt"], want["problem"])
+
+
+def test_mean_over_is_checked():
+    with pytest.raises(ValueError, match="mean_over"):
+        BatchConfig(mean_over="task")
+    from ac2_jax.training import PolicyGradientLoss
+    from ac2_jax.training.rl.trainer import RLConfig
+    with pytest.raises(ValueError, match="mean_over.*task_mean"):
+        RLConfig(batch=BatchConfig(mean_over="problem"), loss=PolicyGradientLoss(mode="token_mean"))
