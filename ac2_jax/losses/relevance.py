@@ -1,8 +1,11 @@
 """Relevance masks for relevance-masked self-distillation (RMSD).
 
 RMSD keeps only the response positions that matter for the hint: first the
-candidates, whose teacher-student divergence is large (top-T per example
-and/or above a threshold), then of those the ones a judge selected. The loss
+candidates, whose teacher-student divergence is large (top-T per group
+and/or above a threshold), then of those the ones a judge selected. The
+groups are what `segment_ids` says: the distillation trainer passes one id
+per model response (`PairedBatch.response_ids`), so the top-T budget does not
+depend on how responses were merged or packed. The loss
 is token-weighted over the kept positions: pass the kept mask to
 `relevance_loss` (which calls `aggregate_loss`) or to `masked_token_mean`.
 
@@ -53,10 +56,11 @@ def candidate_mask(
     """Candidate positions: large teacher-student divergence among mask > 0.
 
     divergence, mask: [..., L]. `top_t` keeps the T largest-divergence positions
-    of each row (or of each segment of a packed row when `segment_ids` [..., L]
-    is given); `threshold` keeps positions with divergence >= threshold; with
-    both, a position must pass both; with neither, every mask > 0 position is
-    a candidate. Returns float32 [..., L]: mask's weight where kept, else 0.
+    of each row, or of each group of a row when `segment_ids` [..., L] is given
+    (ids of any grouping: packed segments, or model responses); `threshold`
+    keeps positions with divergence >= threshold; with both, a position must
+    pass both; with neither, every mask > 0 position is a candidate. Returns
+    float32 [..., L]: mask's weight where kept, else 0.
     """
     if divergence.shape != mask.shape:
         raise ValueError(

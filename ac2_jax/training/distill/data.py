@@ -229,6 +229,9 @@ class DistillExample:
     parameters `response_logprobs` were recorded under (the log-probs of the
     distribution sampled from; temperature 0 = greedy, raw log-probs;
     temperature None = not recorded; top_k <= 0 / top_p >= 1 = off).
+    `response_spans`: [start, end) of each model response (one request's
+    output) inside `response`, in order (None: the whole response is one);
+    RMSD's top-T budget is per model response.
     """
 
     student_prompt: list[int]
@@ -245,6 +248,7 @@ class DistillExample:
     temperature: float | None = None
     top_k: int = 0
     top_p: float = 1.0
+    response_spans: list[tuple[int, int]] | None = None
 
     def __post_init__(self):
         if not self.response:
@@ -263,9 +267,29 @@ class DistillExample:
                 f"DistillExample({self.task!r}): response_mask needs one entry per "
                 f"response token ({len(self.response)}) and at least one > 0"
             )
+        if self.response_spans is not None:
+            self._check_spans()
         if not self.weight >= 0:
             raise ValueError(
                 f"DistillExample({self.task!r}): weight must be >= 0, got {self.weight}"
+            )
+
+    def _check_spans(self):
+        spans, n = self.response_spans or [], len(self.response)
+        inside = np.zeros(n, bool)
+        last = 0
+        for a, b in spans:
+            if not last <= a < b <= n:
+                raise ValueError(
+                    f"DistillExample({self.task!r}): response_spans must be ordered, "
+                    f"disjoint, non-empty [start, end) spans inside the {n} response "
+                    f"tokens, got {spans}"
+                )
+            inside[a:b], last = True, b
+        if not spans or (self.trained_mask()[~inside] > 0).any():
+            raise ValueError(
+                f"DistillExample({self.task!r}): every trained response token must lie "
+                f"in one of response_spans {spans}"
             )
 
     def trained_mask(self) -> np.ndarray:
@@ -310,8 +334,11 @@ class PairedBatch:
     against the same target as student column p (0 where student loss_mask is
     0). spans[i] = (row, student column of response token 0, teacher column
     of it, response length) for examples[i], the examples as packed (those
-    `fit_examples` kept, cut ones shorter). counts: `fit_examples`' counters
-    (`TOO_LONG`).
+    `fit_examples` kept, cut ones shorter). response_ids [R, L] int32: which
+    model response (`DistillExample.response_spans`, numbered 1.. over the
+    batch) each student column predicts a token of, 0 elsewhere: RMSD ranks
+    within these groups, so its top-T budget is per response whatever the
+    packing. counts: `fit_examples`' counters (`TOO_LONG`).
     """
 
     student: PackedBatch
@@ -319,6 +346,7 @@ class PairedBatch:
     teacher_index: np.ndarray
     spans: list[tuple[int, int, int, int]]
     examples: list[DistillExample]
+    response_ids: np.ndarray
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def gather_response(self, arr: np.ndarray, i: int) -> np.ndarray:
@@ -395,6 +423,9 @@ def fit_examples(
                 if e.response_logprobs is None
                 else e.response_logprobs[:room],
                 response_mask=None if e.response_mask is None else e.response_mask[:room],
+                response_spans=None
+                if e.response_spans is None
+                else [(a, min(b, room)) for a, b in e.response_spans if a < room],
             )
         )
     return out, counts
@@ -414,7 +445,8 @@ def pack_pairs(
     packer's first-fit-decreasing rows over the longer of its two
     sequences); its response predictions sit at student columns c..c+n-1 and
     teacher columns c'..c'+n-1. loss_mask is the example's `trained_mask`
-    there (a count), loss_weight its `weight`. A pair longer than seq_len is
+    there (a count), loss_weight its `weight`; `response_ids` numbers its
+    model responses. A pair longer than seq_len is
     cut to fit or skipped, and counted (`fit_examples`; `PairedBatch.counts`);
     when none fits the batch is padding only (nothing trains). The static task
     / segment capacities are at least `min_capacity`, so batches with up to
@@ -432,6 +464,8 @@ def pack_pairs(
     features = {SAMPLER_LOGPROBS: np.dtype(np.float32)}
     stu, tea = empty_batch(n_rows, seq_len, features), empty_batch(n_rows, seq_len, features)
     index = np.zeros((n_rows, seq_len), np.int32)
+    response_ids = np.zeros((n_rows, seq_len), np.int32)
+    next_id = 1
     spans: list = [None] * len(examples)
     for r, members in enumerate(bins):
         s0 = t0 = 0
@@ -444,6 +478,9 @@ def pack_pairs(
             cs, ct = s0 + len(e.student_prompt) - 1, t0 + len(e.teacher_prompt) - 1
             index[r, cs : cs + n] = np.where(e.trained_mask() > 0, np.arange(ct, ct + n), 0)
             spans[i] = (r, cs, ct, n)
+            for a, b in e.response_spans or [(0, n)]:
+                response_ids[r, cs + a : cs + b] = next_id
+                next_id += 1
             s0 += len(e.student_prompt) + n
             t0 += len(e.teacher_prompt) + n
     kw: dict[str, Any] = dict(
@@ -456,6 +493,7 @@ def pack_pairs(
         index,
         spans,
         list(examples),
+        response_ids,
         counts,
     )
 

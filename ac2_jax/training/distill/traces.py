@@ -57,10 +57,12 @@ def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
     p0 = len(first.prompt_ids)
     response = list(last.prompt_ids[p0:]) + list(last.output_ids)
     mask, lps = np.zeros(len(response)), np.zeros(len(response))
+    spans = []
     for c, _, _ in run:
         lo = len(c.prompt_ids) - p0
         mask[lo : lo + len(c.output_ids)] = 1.0
         lps[lo : lo + len(c.output_ids)] = c.output_logprobs
+        spans.append((lo, lo + len(c.output_ids)))
     temperature, top_k, top_p = _sampling(first)
     return DistillExample(
         list(first.prompt_ids),
@@ -72,6 +74,7 @@ def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
         response_logprobs=lps.tolist(),
         messages=list(first.messages),
         response_mask=None if len(run) == 1 else mask.tolist(),
+        response_spans=None if len(run) == 1 else spans,
         agent=agent,
         temperature=temperature,
         top_k=top_k,
@@ -161,8 +164,9 @@ def examples_from_traces(
     merge: consecutive completions of an append-only episode whose hint
     enters at the same token position with the same ids (e.g. placement
     "system", or "after_user" with one user message) become one example with
-    response_mask 1 on each output span, equal to the per-request examples
-    (causal attention) in one forward pass. Otherwise ("before_turn" moves
+    response_mask 1 on each output span and `response_spans` marking each
+    request's output, equal to the per-request examples (causal attention) in
+    one forward pass, and RMSD's top-T budget stays per request. Otherwise ("before_turn" moves
     with each request) each completion is its own example. Either way every
     output token is trained exactly once.
 

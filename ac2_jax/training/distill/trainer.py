@@ -6,9 +6,10 @@ One update on a list of `DistillExample`s (see `distill_data`):
    sequences out with the same rows and segments; the step gets the teacher
    rows and `teacher_index` as extras (`teacher_extras`, [R, L] int each).
 2. RMSD only: a jitted pass (`relevance_scores`) gives the per-position
-   divergence and the teacher's argmax; the candidates (top-T per example
-   and/or >= threshold) go to the judge, and the batch's loss_mask becomes
-   `relevance_mask` (candidates ∩ selections).
+   divergence and the teacher's argmax; the candidates (top-T per model
+   response, `PairedBatch.response_ids`, and/or >= threshold) go to the
+   judge, and the batch's loss_mask becomes `relevance_mask` (candidates ∩
+   selections).
 3. `make_train_step(DistillLoss)` takes the step. Inside it the teacher runs
    on its rows (gradient stopped), its hidden states are gathered at the
    response positions into the student layout [R, L, D], and `distill_loss`
@@ -74,7 +75,8 @@ def _ema(ema, params, decay):
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Method and loss knobs. top_t / threshold pick RMSD candidates (per example).
+    """Method and loss knobs. top_t / threshold pick RMSD candidates (top_t per model
+    response: each request's output span, however the examples were merged).
 
     Batches are packed into at least `rows` rows of `seq_len`; `groups` is the
     least static task/segment capacity (batches of up to that many examples
@@ -305,10 +307,12 @@ class SelfDistiller(TrainerHooks):
             teacher_extras(paired),
             cfg.loss(),
         )
-        mask, seg_ids = jnp.asarray(b.loss_mask), jnp.asarray(b.segment_ids)
-        cand = candidate_mask(div, mask, cfg.top_t, cfg.threshold, seg_ids)
+        # top-T per model response (not per packed segment: a merged episode holds
+        # several), so merged and split layouts keep the same positions.
+        mask, groups = jnp.asarray(b.loss_mask), jnp.asarray(paired.response_ids)
+        cand = candidate_mask(div, mask, cfg.top_t, cfg.threshold, groups)
         jm, rel = self._judge_mask(paired, div, cand, tmax)
-        kept = relevance_mask(div, mask, jnp.asarray(jm), cfg.top_t, cfg.threshold, seg_ids)
+        kept = relevance_mask(div, mask, jnp.asarray(jm), cfg.top_t, cfg.threshold, groups)
         return np.asarray(kept), rel
 
     # -- one update

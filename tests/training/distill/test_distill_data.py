@@ -210,6 +210,38 @@ def test_merged_episodes_equal_per_request_examples(tok, model_state, trace):
     assert all(0 in e.response_mask for e in merged if e.agent != "compactor")
 
 
+class _SelectAll:
+    """A judge that selects every candidate (RMSD then keeps exactly the top-T)."""
+
+    def select(self, example):
+        return list(example.candidates)
+
+
+def test_rmsd_keeps_the_same_positions_merged_and_split(tok, model_state, trace):
+    """Finding 3 (issue 61): RMSD's top-T budget was per packed segment, so a merged
+    episode (one example) kept T positions where the same turns split kept T per
+    request. The budget is per model response: both layouts keep the same tokens."""
+    g, st = model_state
+    cfg = HintConfig(placement="system")
+    merged = examples_from_traces([trace], tok, config=cfg)
+    single = examples_from_traces([trace], tok, config=cfg, merge=False)
+    assert len(merged) < len(single) == 7
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), DistillConfig(method="rmsd", top_t=4,
+                      seq_len=SEQ), OPT, judge=_SelectAll(), tokenizer=tok)
+
+    def kept_in_trace_order(examples):
+        paired = pack_pairs(examples, SEQ)
+        kept, _ = d.relevance(paired)
+        return np.concatenate([paired.gather_response(kept, i)[e.trained_mask() > 0]
+                               for i, e in enumerate(paired.examples)])
+
+    km, ks = kept_in_trace_order(merged), kept_in_trace_order(single)
+    assert len(km) == len(ks) == trace.num_agent_tokens
+    assert (ks > 0).sum() == sum(min(4, len(c.output_ids)) for e in trace.episodes
+                                 for c in e.completions)
+    np.testing.assert_array_equal(km > 0, ks > 0)
+
+
 def test_insert_hint_into_stored_prompt_with_tools(tok, trace):
     """Recorded prompts carry tool schemas that `messages` alone do not render; the hint
     still enters as one run at a token boundary of the stored ids."""
@@ -363,3 +395,22 @@ def test_a_too_long_example_is_cut_or_skipped_and_counted():
     # what fits is untouched and counted as such
     assert pack_pairs(exs, 16).counts == {"skipped/too_long": 0, "cut/too_long": 0,
                                           "too_long_tokens": 0}
+
+
+def test_response_spans_are_checked_and_cut_with_the_response():
+    hint = [90]
+    e = _pair("a", [1, 2], hint, [3, 4, 5, 6, 7, 8], response_mask=[1, 1, 0, 1, 1, 0],
+              response_spans=[(0, 2), (3, 5)])
+    paired = pack_pairs([e], 6)  # room 3: the second response is cut to nothing
+    assert paired.examples[0].response_spans == [(0, 2)]
+    r, c, _, n = paired.spans[0]
+    assert paired.response_ids[r, c:c + n].tolist() == [1, 1, 0]
+    whole = pack_pairs([e, _pair("b", [1], hint, [9, 9])], 16)
+    ids = [whole.gather_response(whole.response_ids, i).tolist() for i in range(2)]
+    assert sorted(ids) == sorted([[1, 1, 0, 2, 2, 0], [3, 3]]) or sorted(ids) == sorted(
+        [[2, 2, 0, 3, 3, 0], [1, 1]])
+    for bad in ([(0, 2), (1, 5)], [(2, 1)], [(0, 7)], []):
+        with pytest.raises(ValueError, match="response_spans"):
+            dataclasses.replace(e, response_spans=bad)
+    with pytest.raises(ValueError, match="every trained response token"):
+        dataclasses.replace(e, response_spans=[(0, 2)])
