@@ -224,10 +224,9 @@ def batch_segments(
     stats.row_len = row_len
     stats.long_segments = sum(config.seq_len < len(s) <= row_len for s in segments)
     segments, cut = fit_segments(segments, row_len)
-    stats.truncated_segments, stats.truncated_agent_tokens = (
-        cut.truncated_segments,
-        cut.truncated_agent_tokens,
-    )
+    stats.truncated_segments = cut.truncated_segments
+    stats.truncated_agent_tokens = cut.truncated_agent_tokens
+    stats.unpredicted_agent_tokens = cut.unpredicted_agent_tokens
     if config.mean_over == "problem":
         segments = _per_problem_weights(segments, {t.key: group_name(t) for t in kept})
     for s in segments:

@@ -223,6 +223,7 @@ class BatchStats:
     long_segments: int = 0  # segments over seq_len, kept whole in grown rows
     truncated_segments: int = 0  # segments over max_seq_len (their end is cut)
     truncated_agent_tokens: int = 0  # agent tokens those cuts took out of the loss
+    unpredicted_agent_tokens: int = 0  # agent tokens at position 0 of a segment (no prediction)
     # Multi-response requests (`branches.continued_path`): responses not continued and
     # their sampled tokens; requests whose choice was not recorded (none of their
     # responses train) and the tokens of all their responses.

@@ -12,6 +12,7 @@ from ac2_jax.segments import task_names
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.data import BatchConfig, informative_groups, select_traces
+from ac2_jax.training.rl.metrics import batch_metrics
 from rl_traces import rl_trace as _trace
 
 
@@ -484,3 +485,18 @@ def test_mean_over_is_checked():
     from ac2_jax.training.rl.trainer import RLConfig
     with pytest.raises(ValueError, match="mean_over.*task_mean"):
         RLConfig(batch=BatchConfig(mean_over="problem"), loss=PolicyGradientLoss(mode="token_mean"))
+
+
+def test_an_agent_token_at_position_0_is_counted_as_unpredicted():
+    """A segment that starts with an agent token (no prompt before it): nothing predicts
+    that token, so neither the loss nor its normaliser holds it. RL counted fit_segments'
+    cuts but not this, so the token left the loss silently (issue 61)."""
+    t = Trace(task_id="p0", attempt_id="0", group_id="g:p0", reward=1.0, status="finished")
+    TraceRecorder(t).record("main", Completion([], [10, 11, 12], [-0.5] * 3))
+    batch, stats, _ = build_batch([t, _trace("p0", 1, 0.0)], 0, BatchConfig(seq_len=16))
+    assert stats.unpredicted_agent_tokens == 1
+    assert batch.loss_mask.sum() == t.num_agent_tokens - 1 + 3
+    assert batch_metrics(stats)["unpredicted_agent_tokens"] == 1.0
+    _, stats, _ = build_batch([_trace("a", 0, 1.0), _trace("a", 1, 0.0)], 0,
+                              BatchConfig(seq_len=16))
+    assert stats.unpredicted_agent_tokens == 0
