@@ -15,6 +15,12 @@ Options shared by all kinds:
   at that position and renormalizes each over those k tokens (full-vocabulary
   kinds only). `top_k >= V` equals the full vocabulary.
 
+kind="sampled" (`sampled_token_loss`) is the reverse-KL estimator on the
+sampled token: it scores y under the student's sampling distribution (the
+temperature / top-k / top-p y was drawn with, per position) and the teacher at
+that temperature, and weights a token drawn by another policy with the
+truncated importance weight against its recorded log-probs.
+
 Generalized JSD follows Eq. (1) of the GKD paper (Agarwal et al. 2023,
 arXiv:2306.13649), with P the teacher and Q the student:
   JSD(beta) = beta KL(P || M) + (1 - beta) KL(Q || M),  M = beta P + (1 - beta) Q.
@@ -139,17 +145,33 @@ def sampled_token_advantage(
     teacher_logits: jax.Array,
     targets: jax.Array,
     *,
-    temperature: float = 1.0,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
 ) -> jax.Array:
-    """Per-token advantage log p_t(y_t) - log p_s(y_t), gradient stopped.
+    """Per-token advantage log p_t(y_t) - log pi_s(y_t), gradient stopped.
 
+    pi_s is the student's sampling distribution (logits / temperature, then
+    top-k, then top-p: `sampling_logits`), p_t the teacher's at the same
+    temperature over the whole vocabulary (a filtered teacher would put no mass
+    where the student samples). temperature / top_k / top_p: scalars or
+    [..., L] (each token at the parameters it was drawn with).
     logits: [..., L, V]; targets: [..., L] int (the sampled tokens y). Returns [..., L].
     """
+    lp_s, lp_t = _sampled_logprobs(
+        student_logits, teacher_logits, targets, temperature, top_k, top_p
+    )
+    return jax.lax.stop_gradient(lp_t - lp_s)
+
+
+def _sampled_logprobs(student_logits, teacher_logits, targets, temperature, top_k, top_p):
     _check_logits(student_logits, teacher_logits)
     _check_temperature(temperature)
-    lp_s = token_logprobs(student_logits.astype(jnp.float32) / temperature, targets)
-    lp_t = token_logprobs(teacher_logits.astype(jnp.float32) / temperature, targets)
-    return jax.lax.stop_gradient(lp_t - lp_s)
+    lp_s = token_logprobs(
+        student_logits, targets, temperature=temperature, top_k=top_k, top_p=top_p
+    )
+    lp_t = token_logprobs(jax.lax.stop_gradient(teacher_logits), targets, temperature=temperature)
+    return lp_s, lp_t
 
 
 def sampled_token_loss(
@@ -157,16 +179,38 @@ def sampled_token_loss(
     teacher_logits: jax.Array,
     targets: jax.Array,
     *,
-    temperature: float = 1.0,
-) -> jax.Array:
-    """-stop_grad(adv) * log p_s(y_t): a policy-gradient estimate of reverse KL.
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    sampler_logprobs: jax.Array | None = None,
+    recorded: jax.Array | None = None,
+    tis_cap: float | None = None,
+    return_weights: bool = False,
+):
+    """-w * stop_grad(adv) * log pi_s(y_t): a policy-gradient estimate of reverse KL.
 
-    On tokens sampled from the student, E[grad] = grad KL(student || teacher).
-    logits: [..., L, V]; targets: [..., L] int. Returns [..., L].
+    adv = `sampled_token_advantage` (pi_s: the student's sampling distribution
+    at temperature / top_k / top_p, scalars or [..., L]; p_t: the teacher at
+    that temperature). On tokens drawn from pi_s, E[grad] = grad KL(pi_s || p_t).
+    Tokens drawn by another policy mu (an older student) pass its recorded
+    log-probs `sampler_logprobs` [..., L]: w = min(pi_s(y) / mu(y), tis_cap)
+    (no gradient; tis_cap None: untruncated, unbiased), 1 where `recorded`
+    [..., L] is 0 (no behaviour log-probs: taken as drawn from pi_s).
+    logits: [..., L, V]; targets: [..., L] int. Returns [..., L], or
+    ([..., L] loss, [..., L] w) with return_weights.
     """
-    adv = sampled_token_advantage(student_logits, teacher_logits, targets, temperature=temperature)
-    lp_s = token_logprobs(student_logits.astype(jnp.float32) / temperature, targets)
-    return -adv * lp_s
+    lp_s, lp_t = _sampled_logprobs(
+        student_logits, teacher_logits, targets, temperature, top_k, top_p
+    )
+    w = jnp.ones_like(lp_s)
+    if sampler_logprobs is not None:
+        w = jnp.exp(jax.lax.stop_gradient(lp_s) - sampler_logprobs.astype(jnp.float32))
+        if tis_cap is not None:
+            w = jnp.minimum(w, tis_cap)
+        if recorded is not None:
+            w = jnp.where(recorded > 0, w, 1.0)
+    loss = -w * jax.lax.stop_gradient(lp_t - lp_s) * lp_s
+    return (loss, w) if return_weights else loss
 
 
 def distill_loss(

@@ -172,6 +172,33 @@ def test_sampled_loss_is_unbiased_reverse_kl_gradient():
     np.testing.assert_allclose(g_pg, g_kl, rtol=1e-4, atol=1e-6)
 
 
+def test_sampled_loss_at_per_token_sampling_parameters_with_importance_weights():
+    """Per-position temperature / top-k / top-p (issue 61): the student is scored under
+    its sampling distribution, the teacher at the same temperature over the whole
+    vocabulary, and w = min(exp(log pi_s(y) - sampler_logprobs), cap) where `recorded`,
+    1 elsewhere; numpy formulas at rtol 1e-5 / atol 1e-6."""
+    s, t, y, _ = _inputs(11, scale=2.0)
+    rng = np.random.default_rng(11)
+    T = rng.uniform(0.5, 1.5, (R, L)).astype(np.float32)
+    k = rng.choice([0, 3], (R, L)).astype(np.int32)
+    y = np.where(k > 0, np.argsort(-s, -1)[..., 0], y).astype(np.int32)  # a token top-3 keeps
+    mu = rng.uniform(-3, -0.5, (R, L)).astype(np.float32)
+    rec = (rng.random((R, L)) < 0.6).astype(np.float32)
+    loss, w = sampled_token_loss(s, t, y, temperature=T, top_k=k, sampler_logprobs=mu,
+                                 recorded=rec, tis_cap=1.5, return_weights=True)
+    z = s.astype(np.float64) / T[..., None]
+    kth = np.sort(z, -1)[..., -3][..., None]
+    lp_s = np.take_along_axis(_np_logp(np.where((k[..., None] == 0) | (z >= kth), z, -np.inf)),
+                              y[..., None], -1)[..., 0]
+    lp_t = np.take_along_axis(_np_logp(t / T[..., None]), y[..., None], -1)[..., 0]
+    want_w = np.where(rec > 0, np.minimum(np.exp(lp_s - mu), 1.5), 1.0)
+    np.testing.assert_allclose(w, want_w, **TOL)
+    np.testing.assert_allclose(loss, -want_w * (lp_t - lp_s) * lp_s, **TOL)
+    assert 0 < (want_w == 1.5).sum() and (want_w < 1).any()
+    np.testing.assert_allclose(sampled_token_advantage(s, t, y, temperature=T, top_k=k),
+                               lp_t - lp_s, **TOL)
+
+
 def test_mask_and_bad_inputs():
     s, t, y, m = _inputs(8)
     out = distill_loss(s, t, y, mask=m)

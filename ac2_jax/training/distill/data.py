@@ -40,6 +40,12 @@ from ac2_jax.segments.packing import pack_rows, write_segment
 from ac2_jax.segments.segments import SAMPLER_LOGPROBS
 
 HINT_PLACEMENTS = ("system", "before_turn", "after_user")
+# Per-token features pack_pairs adds (1 on an example's response where it recorded
+# them, else 0): its sampling parameters (the batch's temperature / top_k / top_p
+# there are then the recorded ones) and, with them, its behaviour log-probs
+# (`SAMPLER_LOGPROBS`). DistillLoss(kind="sampled") reads them.
+SAMPLING_RECORDED = "sampling_recorded"
+LOGPROBS_RECORDED = "logprobs_recorded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +235,11 @@ class DistillExample:
     parameters `response_logprobs` were recorded under (the log-probs of the
     distribution sampled from; temperature 0 = greedy, raw log-probs;
     temperature None = not recorded; top_k <= 0 / top_p >= 1 = off).
+    DistillLoss(kind="sampled") scores the response at them, weights it by
+    the truncated importance ratio against `response_logprobs` (an older
+    policy's draw), refuses greedy examples, and takes an example that
+    records no parameters as drawn at the loss temperature by the current
+    student (its log-probs, without parameters, are then not used).
     `response_spans`: [start, end) of each model response (one request's
     output) inside `response`, in order (None: the whole response is one);
     RMSD's top-T budget is per model response.
@@ -357,13 +368,19 @@ class PairedBatch:
 
 def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
     """prompt ++ response as a Segment: loss on the trained response tokens, the
-    example's log-probs and sampling parameters on them (1 / 0 / 1 elsewhere)."""
+    example's log-probs and sampling parameters on them (1 / 0 / 1 elsewhere), and
+    the `SAMPLING_RECORDED` / `LOGPROBS_RECORDED` flags."""
     p, n = len(prompt), len(prompt) + len(e.response)
     resp = slice(p, n)
     mask, lps = np.zeros(n, np.float32), np.zeros(n, np.float32)
     mask[resp] = e.trained_mask()  # a count; the weight multiplies the loss
+    sampling, logprobs = np.zeros(n, np.float32), np.zeros(n, np.float32)
     if e.response_logprobs is not None:
         lps[resp] = e.response_logprobs
+    if e.temperature is not None:
+        sampling[resp] = 1.0
+        if e.response_logprobs is not None:  # log-probs of a known distribution
+            logprobs[resp] = 1.0
     params = {
         "temperature": np.ones(n, np.float32),
         "top_k": np.zeros(n, np.int32),
@@ -375,7 +392,11 @@ def _segment(e: DistillExample, prompt: Sequence[int]) -> Segment:
     return Segment(
         np.asarray(list(prompt) + list(e.response), np.int32),
         mask,
-        features={SAMPLER_LOGPROBS: lps},
+        features={
+            SAMPLER_LOGPROBS: lps,
+            SAMPLING_RECORDED: sampling,
+            LOGPROBS_RECORDED: logprobs,
+        },
         task=e.task,
         weight=e.weight,
         temperature=params["temperature"],
@@ -461,7 +482,9 @@ def pack_pairs(
     tasks = {name: j for j, name in enumerate(sorted({e.task for e in examples}))}
     bins = pack_rows(lengths, seq_len)
     n_rows = pad_rows(len(bins), min_rows, rows_multiple)
-    features = {SAMPLER_LOGPROBS: np.dtype(np.float32)}
+    features = {
+        k: np.dtype(np.float32) for k in (SAMPLER_LOGPROBS, SAMPLING_RECORDED, LOGPROBS_RECORDED)
+    }
     stu, tea = empty_batch(n_rows, seq_len, features), empty_batch(n_rows, seq_len, features)
     index = np.zeros((n_rows, seq_len), np.int32)
     response_ids = np.zeros((n_rows, seq_len), np.int32)

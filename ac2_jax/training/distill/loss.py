@@ -7,14 +7,17 @@ the response positions into the student layout [R, L, D] (`teacher_hidden`),
 and takes `distill_loss` per position, densely or `chunk_size` positions at
 a time (`ac2_jax.losses.chunked_logits_map`: no [R, L, V] logits). The host
 never ships teacher logits. `relevance_scores` ranks positions for RMSD the
-same way. `teacher_logits` / `divergence` are the dense [R, L, V]
-references (diagnostics and tests).
+same way. kind="sampled" scores each response token at the sampling
+parameters it was drawn with (`_sampling_inputs`) and weights an older
+policy's token by the truncated importance ratio. `teacher_logits` /
+`divergence` are the dense [R, L, V] references (diagnostics and tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +30,19 @@ from ac2_jax.losses import (
     distill_loss,
     reverse_kl,
     sampled_token_advantage,
+    sampled_token_loss,
     token_logprobs,
 )
 from ac2_jax.models.memory_plan import AUTO, logprob_chunk_for
+from ac2_jax.segments.segments import SAMPLER_LOGPROBS
 from ac2_jax.training.core.objectives import StepModel
 from ac2_jax.training.core.train_step import forward
-from ac2_jax.training.distill.data import PairedBatch
+from ac2_jax.training.distill.data import (
+    LOGPROBS_RECORDED,
+    SAMPLING_RECORDED,
+    DistillExample,
+    PairedBatch,
+)
 
 TEACHER_KEYS = ("teacher_tokens", "teacher_positions", "teacher_segment_ids", "teacher_index")
 
@@ -67,6 +77,28 @@ def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
     return jax.lax.stop_gradient(jnp.take_along_axis(h, index[..., None], axis=1))
 
 
+def _sampling_inputs(batch, temperature: float) -> dict:
+    """Per-position sampling parameters kind "sampled" scores each token at: the
+    recorded ones where the example recorded them (`SAMPLING_RECORDED`), else the
+    loss temperature with top-k / top-p off; and the behaviour log-probs with the
+    `LOGPROBS_RECORDED` flag (importance weights only where it is 1)."""
+    need = (SAMPLING_RECORDED, LOGPROBS_RECORDED, SAMPLER_LOGPROBS)
+    missing = [k for k in need if k not in batch.features]
+    if missing:
+        raise ValueError(
+            f"DistillLoss(kind='sampled') needs the batch features {missing} (how each "
+            "response was sampled); pack the examples with pack_pairs"
+        )
+    rec = jnp.asarray(batch.features[SAMPLING_RECORDED]) > 0
+    return {
+        "temperature": jnp.where(rec, batch.temperature, temperature).astype(jnp.float32),
+        "top_k": jnp.where(rec, batch.top_k, 0).astype(jnp.int32),
+        "top_p": jnp.where(rec, batch.top_p, 1.0).astype(jnp.float32),
+        "sampler_logprobs": jnp.asarray(batch.features[SAMPLER_LOGPROBS], jnp.float32),
+        "recorded": jnp.asarray(batch.features[LOGPROBS_RECORDED], jnp.float32),
+    }
+
+
 def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
     """fn([student logits, teacher logits], per_token) densely or chunk by chunk
     ("auto": chunked when both sides' fp32 logits exceed `logprob_chunk_for`'s bound)."""
@@ -96,8 +128,25 @@ class DistillLoss:
     "auto" (default): one of the two by the batch's shape (`models.memory_plan`).
     Called directly, `loss(logits, batch, extras)` takes
     `extras["teacher_logits"]` [R, L, V] aligned with the batch (the dense reference).
-    Metrics: kl (reverse KL, student || teacher), student_logp, teacher_logp
-    of the targets.
+
+    kind="sampled" (the reverse-KL estimator on the sampled token) scores each
+    token at the sampling parameters it was drawn with (the example's
+    temperature / top_k / top_p, as RL re-scores its tokens; the loss
+    `temperature` only for examples that record none) and weights a token by
+    min(pi_s(y) / mu(y), tis_cap) against its recorded log-probs mu (no
+    gradient; 1 for an on-policy token up to sampler/learner rounding, and
+    where none are recorded), so E[grad] is that of KL(pi_s || p_t) at the
+    recorded parameters, also for an older policy's responses. Greedy
+    examples have no behaviour distribution: `check_examples` refuses them
+    (SelfDistiller calls it). The full-vocabulary kinds are exact per
+    position and use the loss `temperature`.
+
+    Metrics: kl (reverse KL, student || teacher, full vocabulary, at the
+    temperature the loss scores the position at: `temperature`, or for
+    "sampled" its recorded one), kl_temperature (that temperature's token
+    mean: the temperature kl is measured at), student_logp, teacher_logp of
+    the targets (raw logits); for "sampled" also tis_weight (the mean
+    importance weight) and, with a cap, tis_capped (the share of tokens at it).
     """
 
     kind: str = "reverse_kl"
@@ -107,6 +156,7 @@ class DistillLoss:
     mode: str = "task_mean"
     normalizer: float | None = None
     chunk_size: int | str | None = AUTO
+    tis_cap: float | None = 2.0
 
     def __post_init__(self):
         if self.kind not in DIVERGENCES:
@@ -122,26 +172,74 @@ class DistillLoss:
                 f"DistillLoss.chunk_size must be None (dense logits), 'auto' or a "
                 f"positive int (positions per chunk), got {c!r}"
             )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"DistillLoss.tis_cap must be > 0 or None, got {self.tis_cap}")
+
+    def check_examples(self, examples: Sequence[DistillExample]) -> None:
+        """Refuses (ValueError naming the first) greedy examples for kind "sampled":
+        temperature 0 leaves no distribution for the estimator to be unbiased under."""
+        if self.kind != "sampled":
+            return
+        for i, e in enumerate(examples):
+            if e.temperature is not None and e.temperature <= 0:
+                raise ValueError(
+                    f"DistillLoss(kind='sampled'): example {i} ({e.task!r}, agent "
+                    f"{e.agent!r}) was sampled greedily (temperature {e.temperature}); "
+                    "the sampled estimator needs responses drawn from a distribution: "
+                    "sample with temperature > 0, or use a full-vocabulary kind "
+                    "(reverse_kl, forward_kl, jsd), exact at every position"
+                )
+
+    def _inputs(self, batch) -> dict:
+        x = {"targets": batch.targets, "mask": batch.loss_mask.astype(jnp.float32)}
+        if self.kind == "sampled":
+            x.update(_sampling_inputs(batch, self.temperature))
+        return x
 
     def _terms(self, logits, x):
         """Per-position loss and metric values of student / teacher logits [..., V]."""
         s, t = logits[0], jax.lax.stop_gradient(logits[1])
-        loss = distill_loss(
-            s,
-            t,
-            x["targets"],
-            kind=self.kind,
-            beta=self.beta,
-            top_k=self.top_k,
-            temperature=self.temperature,
-            mask=x["mask"],
-        )
+        y, out = x["targets"], {}
+        if self.kind == "sampled":
+            temperature = x["temperature"]
+            loss, w = sampled_token_loss(
+                s,
+                t,
+                y,
+                temperature=temperature,
+                top_k=x["top_k"],
+                top_p=x["top_p"],
+                sampler_logprobs=x["sampler_logprobs"],
+                recorded=x["recorded"],
+                tis_cap=self.tis_cap,
+                return_weights=True,
+            )
+            loss = jnp.where(x["mask"] > 0, loss, 0.0)
+            out["tis_weight"] = w
+            if self.tis_cap is not None:
+                capped = (x["recorded"] > 0) & (w >= self.tis_cap)
+                out["tis_capped"] = capped.astype(jnp.float32)
+        else:
+            temperature = jnp.full(y.shape, self.temperature, jnp.float32)
+            loss = distill_loss(
+                s,
+                t,
+                y,
+                kind=self.kind,
+                beta=self.beta,
+                top_k=self.top_k,
+                temperature=self.temperature,
+                mask=x["mask"],
+            )
         s = jax.lax.stop_gradient(s)
+        scale = temperature[..., None]
         return {
             "loss": loss,
-            "kl": reverse_kl(s, t),
-            "student_logp": token_logprobs(s, x["targets"]),
-            "teacher_logp": token_logprobs(t, x["targets"]),
+            "kl": reverse_kl(s / scale, t / scale),
+            "kl_temperature": temperature,
+            "student_logp": token_logprobs(s, y),
+            "teacher_logp": token_logprobs(t, y),
+            **out,
         }
 
     def _finish(self, terms, m):
@@ -156,18 +254,14 @@ class DistillLoss:
                 "[rows, seq_len, vocab]}; the train step runs the teacher itself "
                 "(from_model, extras=teacher_extras(paired))"
             )
-        m = batch.loss_mask.astype(jnp.float32)
-        x = {"targets": batch.targets, "mask": m}
-        return self._finish(self._terms([logits, extras["teacher_logits"]], x), m)
+        x = self._inputs(batch)
+        return self._finish(self._terms([logits, extras["teacher_logits"]], x), x["mask"])
 
     def from_model(self, model: StepModel, batch, extras=None):
         th = teacher_hidden(model, extras)
         sh = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
-        m = batch.loss_mask.astype(jnp.float32)
-        terms = _apply(
-            self._terms, model, sh, th, {"targets": batch.targets, "mask": m}, self.chunk_size
-        )
-        return self._finish(terms, m)
+        x = self._inputs(batch)
+        return self._finish(_apply(self._terms, model, sh, th, x, self.chunk_size), x["mask"])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -179,12 +273,22 @@ def teacher_logits(graphdef, params, rest, teacher_batch, teacher_index) -> jax.
 
 
 def _rank(kind, beta, top_k, temperature, logits, x):
-    """RMSD ranking value per position, from the distributions the loss uses (logits
-    over `temperature`): the divergence, or |log p_t(y) - log p_s(y)| for kind
-    "sampled"; 0 off the mask."""
+    """RMSD ranking value per position, from the distributions the loss uses: the
+    divergence (logits over `temperature`), or for kind "sampled" |log p_t(y) -
+    log pi_s(y)| at each token's sampling parameters (`_sampling_inputs` in x); 0
+    off the mask."""
     s, t = logits
     if kind == "sampled":
-        d = jnp.abs(sampled_token_advantage(s, t, x["targets"], temperature=temperature))
+        d = jnp.abs(
+            sampled_token_advantage(
+                s,
+                t,
+                x["targets"],
+                temperature=x["temperature"],
+                top_k=x["top_k"],
+                top_p=x["top_p"],
+            )
+        )
         return jnp.where(x["mask"] > 0, d, 0.0)
     return distill_loss(
         s,
@@ -215,6 +319,8 @@ def divergence(
     loss mask) from given teacher logits [R, L, V]."""
     s = forward(graphdef, params, rest, student_batch)
     x = {"targets": student_batch.targets, "mask": student_batch.loss_mask}
+    if kind == "sampled":
+        x.update(_sampling_inputs(student_batch, temperature))
     return _rank(kind, beta, top_k, temperature, [s, t_logits], x)
 
 
@@ -239,7 +345,7 @@ def relevance_scores(
         model,
         sh,
         teacher_hidden(model, extras),
-        {"targets": b.targets, "mask": b.loss_mask},
+        loss._inputs(b),
         loss.chunk_size,
     )
     return out["div"], out["argmax"]

@@ -86,6 +86,10 @@ class DistillConfig:
     (0: only explicit `save()`); keep_checkpoints: newest kept (None: all).
     chunk_size: positions per chunk of the loss's logits (`DistillLoss`;
     None: dense [R, L, V] logits; "auto": by the batch's shape).
+    temperature: the full-vocabulary kinds' (and kl's) temperature; kind
+    "sampled" scores each token at its recorded sampling parameters instead
+    (the temperature for examples that record none) and weights an older
+    policy's tokens by min(importance ratio, tis_cap) (None: untruncated).
     """
 
     method: str = "opsd"
@@ -105,6 +109,7 @@ class DistillConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
     chunk_size: int | str | None = "auto"
+    tis_cap: float | None = 2.0
 
     def __post_init__(self):
         if self.checkpoint_every < 0:
@@ -129,6 +134,7 @@ class DistillConfig:
             self.temperature,
             self.mode,
             chunk_size=self.chunk_size,
+            tis_cap=self.tis_cap,
         )
 
 
@@ -321,8 +327,11 @@ class SelfDistiller(TrainerHooks):
         """(batch, extras) for the step: extras `teacher_extras(paired)`; None for "sft".
 
         Examples longer than `seq_len` are cut to fit or skipped (`fit_examples`);
-        `last_counts` holds the counts and `last_examples` what was packed."""
+        `last_counts` holds the counts and `last_examples` what was packed. Kind
+        "sampled" refuses greedy examples (`DistillLoss.check_examples`)."""
         cfg = self.config
+        if cfg.method != "sft":
+            cfg.loss().check_examples(examples)  # kind "sampled" refuses greedy ones
         examples, self.last_counts = fit_examples(examples, cfg.seq_len)
         self.last_examples = examples
         self.last_relevance = None

@@ -27,7 +27,8 @@ from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
 from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
-from ac2_jax.training.distill.data import (DistillExample, HintConfig, insert_hint,
+from ac2_jax.training.distill.data import (LOGPROBS_RECORDED, SAMPLING_RECORDED,
+                                          DistillExample, HintConfig, insert_hint,
                                           make_example, pack_pairs)
 from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.core.train_step import make_train_step
@@ -317,8 +318,12 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
         t = 1.0 if e.temperature is None else e.temperature
         k, tp = (0, 1.0) if e.temperature is None else (e.top_k, e.top_p)
         lps = [0.0] * p + (e.response_logprobs or [0.0] * len(e.response))
+        flags = lambda on: [0.0] * p + [float(on)] * len(e.response)  # noqa: E731
+        features = {SAMPLER_LOGPROBS: lps, SAMPLING_RECORDED: flags(e.temperature is not None),
+                    LOGPROBS_RECORDED: flags(e.temperature is not None
+                                             and e.response_logprobs is not None)}
         return Segment(prompt + e.response, [0] * p + e.trained_mask().tolist(), task=e.task,
-                       features={SAMPLER_LOGPROBS: lps}, weight=e.weight, temperature=[1.0] * p + [t] * len(e.response),
+                       features=features, weight=e.weight, temperature=[1.0] * p + [t] * len(e.response),
                        top_k=[0] * p + [k] * len(e.response),
                        top_p=[1.0] * p + [tp] * len(e.response))
 
@@ -334,9 +339,10 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
                       "top_p"):
             np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
                                           err_msg=f"{side}.{field}")
-        assert got.features.keys() == want.features.keys() == {SAMPLER_LOGPROBS}
-        np.testing.assert_array_equal(got.features[SAMPLER_LOGPROBS],
-                                      want.features[SAMPLER_LOGPROBS], err_msg=side)
+        assert got.features.keys() == want.features.keys() == {
+            SAMPLER_LOGPROBS, SAMPLING_RECORDED, LOGPROBS_RECORDED}
+        for k in want.features:
+            np.testing.assert_array_equal(got.features[k], want.features[k], err_msg=side)
     s, t, idx = paired.student, paired.teacher, paired.teacher_index
     rows, cols = np.nonzero(s.loss_mask)
     np.testing.assert_array_equal(t.targets[rows, idx[rows, cols]], s.targets[rows, cols])

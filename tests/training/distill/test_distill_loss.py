@@ -161,17 +161,165 @@ def test_sampled_ranking_uses_the_loss_temperature():
     raw logits while the loss divides them by its temperature, so the top-T positions
     were not the ones with the largest divergence of the loss."""
     from ac2_jax.losses import sampled_token_advantage
-    from ac2_jax.training.distill.loss import _rank
+    from ac2_jax.training.distill.loss import _rank, _sampling_inputs
     rng = np.random.default_rng(0)
     s = jnp.asarray(rng.normal(size=(2, 7, 11)) * 3, jnp.float32)
     t = jnp.asarray(rng.normal(size=(2, 7, 11)) * 3, jnp.float32)
     y = jnp.asarray(rng.integers(0, 11, size=(2, 7)), jnp.int32)
     mask = jnp.ones((2, 7), jnp.float32).at[1, 5:].set(0.0)
     for temperature in (0.5, 1.0, 2.0):
-        got = _rank("sampled", 0.5, None, temperature, [s, t], {"targets": y, "mask": mask})
+        # the sampling inputs of examples that record no parameters (issue 61): the loss's
+        b = pack_pairs([DistillExample([1], [2], [3] * 6, "h", "a")] * 2, 7).student
+        x = {"targets": y, "mask": mask, **_sampling_inputs(b, temperature)}
+        got = _rank("sampled", 0.5, None, temperature, [s, t], x)
         want = jnp.abs(sampled_token_advantage(s, t, y, temperature=temperature)) * mask
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # and it matters here: the raw-logit ranking (what it used) is not the one at T = 0.5
     order = {T: np.argsort(-np.abs(np.asarray(sampled_token_advantage(
         s, t, y, temperature=T)))[0]).tolist() for T in (1.0, 0.5)}
     assert order[1.0] != order[0.5]
+
+
+# ----------------------------------------------------------------------------- finding 2
+
+def _np_log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _sampling_logp(logits, temperature, top_k=0):
+    """log pi of the sampling distribution (logits / T, then top-k), -inf off it."""
+    z = np.asarray(logits, np.float64) / temperature
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    return _np_log_softmax(z)
+
+
+def _enumerated_batch(behaviour_logp, temperature, top_k=0):
+    """One single-token example per token y the behaviour distribution can draw, weighted
+    by its probability: sum(loss_weight * per_token) is then E_{y ~ behaviour}[loss(y)]."""
+    exs = [DistillExample([1], [1, 2], [int(y)], "h", f"y{y}", temperature=temperature,
+                          top_k=top_k, response_logprobs=[float(behaviour_logp[y])],
+                          weight=float(np.exp(behaviour_logp[y])))
+           for y in np.flatnonzero(np.isfinite(behaviour_logp))]
+    return pack_pairs(exs, 16).student
+
+
+def _expected_grad(loss, s, t, batch):
+    V_ = s.shape[-1]
+
+    def f(sp):
+        shape = batch.tokens.shape + (V_,)
+        per_token, _ = loss(jnp.broadcast_to(sp, shape), batch,
+                            {"teacher_logits": jnp.broadcast_to(t, shape)})
+        return (per_token * batch.loss_weight).sum()
+    return np.asarray(jax.grad(f)(jnp.asarray(s, jnp.float32)), np.float64)
+
+
+def test_sampled_gradient_is_unbiased_at_the_recorded_sampling_parameters():
+    """Finding 2 (issue 61): kind="sampled" scored every token at the loss temperature,
+    so responses drawn at another temperature (or top-k, or by an older policy) gave a
+    biased gradient. Enumerating the exact behaviour distribution on a 5-token vocab,
+    E[grad loss] equals the exact gradient of KL(pi_s || p_t), pi_s the student's
+    sampling distribution at the recorded parameters and p_t the teacher at the recorded
+    temperature (fp32 vs float64: rtol 1e-4, atol 1e-6); off-policy tokens carry the
+    truncated weight min(pi_s(y) / mu(y), C)."""
+    rng = np.random.default_rng(0)
+    s, t = rng.normal(size=5) * 1.5, rng.normal(size=5) * 1.5
+    old = s + rng.normal(size=5) * 0.6  # an older student that drew off-policy examples
+
+    def exact(T, k=0):  # d/ds KL(pi_s || p_t), pi_s at (T, top-k), p_t at T
+        lp, lq = _sampling_logp(s, T, k), _sampling_logp(t, T)
+        p = np.exp(lp)
+        kl = np.sum(np.where(p > 0, p * (lp - lq), 0.0))
+        return np.where(p > 0, p * (lp - lq - kl), 0.0) / T
+
+    loss = DistillLoss(kind="sampled")  # loss temperature 1
+    for T, k in ((0.7, 0), (1.6, 3)):  # on-policy: drawn from the current student at T (top-k)
+        got = _expected_grad(loss, s, t, _enumerated_batch(_sampling_logp(s, T, k), T, k))
+        np.testing.assert_allclose(got, exact(T, k), rtol=1e-4, atol=1e-6, err_msg=f"T={T} k={k}")
+        assert np.abs(exact(T, k) - exact(1.0)).max() > 0.05  # the loss temperature's is another
+    # off-policy: drawn by `old`; untruncated the weight makes it exact, truncated it is min(w, C)
+    T, mu = 0.7, _sampling_logp(old, 0.7)
+    batch = _enumerated_batch(mu, T)
+    got = _expected_grad(dataclasses.replace(loss, tis_cap=None), s, t, batch)
+    np.testing.assert_allclose(got, exact(T), rtol=1e-4, atol=1e-6)
+    lp, lq = _sampling_logp(s, T), _sampling_logp(t, T)
+    w = np.exp(lp - mu)
+    assert w.max() > 1.2 and w.min() < 1.0  # the cap below binds on some tokens
+    want = sum(np.exp(mu[y]) * min(w[y], 1.2) * (lp[y] - lq[y]) * (np.eye(5)[y] - np.exp(lp)) / T
+               for y in range(5))
+    got = _expected_grad(dataclasses.replace(loss, tis_cap=1.2), s, t, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_greedy_examples_are_refused_by_the_sampled_kind(setup):
+    """Finding 2 (issue 61): greedy examples (no behaviour distribution) were accepted by
+    kind="sampled" without a word; the full-vocabulary kinds, exact per position, keep them."""
+    g, st, exs, _, _ = setup
+    greedy = [exs[0], dataclasses.replace(exs[1], temperature=0.0), exs[2]]
+    cfg = DistillConfig(kind="sampled", rows=2, seq_len=32, groups=2)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), cfg, OPT, donate=False)
+    with pytest.raises(ValueError, match=r"example 1 \('a'.*sampled greedily"):
+        d.update(greedy)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), dataclasses.replace(cfg, kind="reverse_kl"),
+                      OPT, donate=False)
+    batch, _ = d.prepare(greedy)
+    assert batch.loss_mask.sum() == sum(len(e.response) for e in exs)
+
+
+def test_the_kl_metric_says_at_which_temperature_it_is_measured(setup):
+    """Finding 2 (issue 61): the kl metric was KL at temperature 1 whatever the loss's;
+    it is measured where the loss scores each position (the loss temperature; for
+    kind="sampled" a recorded sampling temperature) and `kl_temperature` says which."""
+    from ac2_jax.losses import reverse_kl
+    _, _, exs, _, _ = setup
+    rng = np.random.default_rng(1)
+    recorded = [dataclasses.replace(e, temperature=0.7, response_logprobs=[-1.0] * len(e.response))
+                for e in exs]
+    for kind, examples, T_loss, T_kl in (("reverse_kl", exs, 2.0, 2.0),
+                                         ("sampled", exs, 2.0, 2.0),
+                                         ("sampled", recorded, 2.0, 0.7)):
+        b = pack_pairs(examples, 32, min_rows=2).student
+        s = jnp.asarray(rng.normal(size=b.tokens.shape + (V,)) * 2, jnp.float32)
+        t = jnp.asarray(rng.normal(size=b.tokens.shape + (V,)) * 2, jnp.float32)
+        _, sums = DistillLoss(kind=kind, temperature=T_loss)(s, b, {"teacher_logits": t})
+        m = np.asarray(b.loss_mask)
+        want = (np.asarray(reverse_kl(s, t, temperature=T_kl)) * m).sum()
+        np.testing.assert_allclose(sums["kl"], want, rtol=1e-5, err_msg=kind)
+        np.testing.assert_allclose(sums["kl_temperature"] / m.sum(), T_kl, rtol=1e-6)
+
+
+def test_sampled_kind_in_step_chunked_equals_host_logits_at_recorded_parameters(setup):
+    """kind="sampled" with recorded temperatures, top-k / top-p and an older policy's
+    log-probs: the step's chunked in-step teacher gives the dense host reference's
+    per-token losses, metrics and gradients (fp32, as above); the importance weights
+    are not all 1 and some sit at the cap."""
+    g, st, exs, _, _ = setup
+    rng = np.random.default_rng(3)
+    params = [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]
+    recorded = [dataclasses.replace(e, temperature=T, top_k=k, top_p=p,
+                                    response_logprobs=rng.uniform(-4, -0.5, len(e.response)).tolist())
+                for e, (T, k, p) in zip(exs, params)]
+    paired = pack_pairs(recorded, 32, min_rows=2)
+    b, extras = paired.student, teacher_extras(paired)
+    loss = DistillLoss(kind="sampled", tis_cap=1.5)
+
+    @jax.jit
+    def run(params):
+        t_logits = teacher_logits(g, params, st.rest, paired.teacher, paired.teacher_index)
+        host = _value_and_grad(lambda p: loss(StepModel(g, p, st.rest).logits(b), b,
+                                              {"teacher_logits": t_logits}), params, b)
+        step = _value_and_grad(lambda p: apply_loss(dataclasses.replace(loss, chunk_size=5),
+                                                    StepModel(g, p, st.rest), b, extras),
+                               params, b)
+        return host, step
+
+    (want, g_want), (got, g_got) = run(st.params)
+    _close(got, want)
+    _close_grads(g_got, g_want)
+    n = float(b.loss_mask.sum())
+    assert 0 < float(want[1]["tis_capped"]) < n
+    assert abs(float(want[1]["tis_weight"]) / n - 1.0) > 1e-2
+    temps = np.concatenate([np.full(len(e.response), T) for e, (T, _, _) in zip(exs, params)])
+    np.testing.assert_allclose(float(want[1]["kl_temperature"]), temps.sum(), rtol=1e-6)
