@@ -19,7 +19,8 @@ Routes
   GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes and
                                     errors; for a FleetSampler each backend's health and load)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
-                                    metadata?, timeout_s?} -> {rollout_id, base_url, api_key}
+                                    metadata?, timeout_s?} -> {rollout_id, base_url
+                                    (OpenAI), anthropic_base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
   POST /v1/rollouts/{id}/finish     (admin) {reward?, artifacts?, status?, hints?, metrics?};
                                     (rollout key) {} or {status: "finished"} only: stops
@@ -310,10 +311,14 @@ def build_app(
         await require_admin(request, "create rollouts")
         args = parse_create(await read_json(request))
         rollout = await asyncio.to_thread(lambda: registry.create(**args))
-        base_url = str(request.base_url).rstrip("/") + "/v1"
+        root = str(request.base_url).rstrip("/")
         return {
             "rollout_id": rollout.rollout_id,
-            "base_url": base_url,
+            # One base URL per request API, each as its official client takes it: the
+            # openai client appends /chat/completions (or /responses) to ".../v1", the
+            # anthropic client /v1/messages to the server root.
+            "base_url": root + "/v1",
+            "anthropic_base_url": root,
             "api_key": rollout.api_key,
             "model": model_name,
             "task_id": rollout.trace.task_id,

@@ -125,6 +125,25 @@ def check_scripted_episode(env, trace, request_ids):
     np.testing.assert_allclose(lp[m], forward_logprobs(env["model"], tokens)[m], atol=1e-4)
 
 
+def test_each_api_gets_its_base_url_from_the_create_call(env):
+    # Issue 68, finding 7: the anthropic client given the rollout's `base_url` (the
+    # OpenAI one, ending in /v1) asked for /v1/v1/messages and got a 404. The create
+    # call returns a base URL per API; each official client works with its own as is.
+    info = create(env, "calc-urls")
+    assert info["base_url"] == env["url"] + "/v1"
+    assert info["anthropic_base_url"] == env["url"]
+    client = anthropic.Anthropic(base_url=info["anthropic_base_url"], api_key=info["api_key"],
+                                 max_retries=0, timeout=WAIT_S)
+    resp = ask(client, [{"role": "user", "content": USER["content"]}])
+    assert resp.id.startswith("msg_") and resp.content
+    chat = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
+                         timeout=WAIT_S).chat.completions.create(
+        model="tiny", messages=[SYSTEM, USER], max_tokens=4, temperature=0)
+    assert chat.choices[0].message is not None
+    trace = trace_of(env, info)
+    assert len(trace["episodes"]) >= 1
+
+
 def test_a_tool_conversation_through_messages_is_one_episode(env):
     info = create(env, "calc-anthropic")
     client, _ = rollout_clients(info)
