@@ -134,3 +134,17 @@ def test_an_rl_step_through_the_launcher_updates_the_weights(tmp_path):
     (m,) = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
     assert m["train/skipped_update"] == 0.0 and m["train/grad_norm"] > 0
     assert "[rl] 1/1" in proc.stderr
+
+
+def test_a_context_below_the_prompt_stops_the_launcher_with_one_line(tmp_path):
+    # Issue 68, finding 2: every attempt was agent_error (a 400 kept in trace metadata)
+    # and the run went on, saying "every group's rewards tied". Now the console names
+    # the errors and the run stops with the reason and the setting to change.
+    proc = launch(*BASE, f"--workdir={tmp_path / 'run'}", *SMALL["rl"], *ROLLOUT,
+                  "--config.sampler.max_context=16", cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "rewards tied" not in proc.stderr
+    assert "[rl] step 1: 4 of 4 attempts ended agent_error" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ac2_jax.train: error: every attempt of rl step 1 (4 of 4) failed")
+    assert "maximum context length is 16" in last and "sampler.max_context=16" in last

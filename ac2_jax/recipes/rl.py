@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import textwrap
 import time
 from typing import Any
 
+from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
+    LINE_WIDTH,
     Progress,
     RecipeResult,
     export_model,
@@ -56,11 +59,88 @@ async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, ha
     return result
 
 
+def _trained_tokens(m: dict[str, Any]) -> int:
+    return int(sum(v for k, v in m.items() if k.startswith("trained_tokens/")))
+
+
 def _note(m: dict[str, Any]) -> str:
     """Why a step trained nothing, in words (its loss is then absent or 0)."""
-    if m.get("skipped_update"):
-        return "(no update: no trace carried a signal; e.g. every group's rewards tied)"
-    return ""
+    if not m.get("skipped_update"):
+        return ""
+    attempts = int(m.get("traces", 0))
+    errors = int(m.get("agent_errors", 0) + m.get("infra_errors", 0))
+    if attempts and errors == attempts:
+        why = "every attempt ended in an error"
+    elif _trained_tokens(m) == 0 and m.get("truncated_agent_tokens"):
+        why = "every trained token was cut"
+    elif _trained_tokens(m) == 0:
+        why = "no attempt kept a trained token"
+    elif m.get("zero_advantage_groups"):
+        why = "every group's rewards tied"
+    else:
+        why = "no trace carried a signal"
+    return f"(no update: {why})"
+
+
+def _error_of(trace) -> str:
+    """The error an attempt ended with (`run_rollout` stores it in its artifacts), one line."""
+    error = ((trace.metadata or {}).get("artifacts") or {}).get("error")
+    return " ".join(str(error).split()) if error else ""
+
+
+def _step_lines(m: dict[str, Any], traces, cfg: RLRecipeConfig) -> list[str]:
+    """What the console says of a step beyond its progress line: the trained tokens cut
+    (rows too short for the traces) and the attempts that ended in an error."""
+    step, lines = int(m.get("rl_step", 0)) + 1, []
+    cut = int(m.get("truncated_agent_tokens", 0))
+    if cut:
+        batch = cfg.rl.batch
+        limit = (
+            f"rl.batch.max_seq_len={batch.max_seq_len}"
+            if batch.max_seq_len
+            else f"4 x rl.batch.seq_len={4 * batch.seq_len}"
+        )
+        lines.append(
+            f"step {step}: {cut} of {cut + _trained_tokens(m)} trained tokens cut: rows end at "
+            f"{limit}; raise rl.batch.max_seq_len"
+        )
+    errored = [t for t in traces if t.status in ("agent_error", "infra_error")]
+    if errored:
+        counts = {s: sum(t.status == s for t in errored) for s in ("agent_error", "infra_error")}
+        ended = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        ended = ended.split(" ", 1)[1] if len(errored) in counts.values() else f"({ended})"
+        first = next((e for e in map(_error_of, errored) if e), "no error message stored")
+        lines.append(f"step {step}: {len(errored)} of {len(traces)} attempts ended {ended}")
+        wrapped = textwrap.wrap(f"first error: {first}", LINE_WIDTH - 8, max_lines=4)
+        lines.extend(f"  {x}" for x in wrapped)
+    return lines
+
+
+def _config_failure(m: dict[str, Any], traces, cfg: RLRecipeConfig, model: Any) -> str | None:
+    """The reason to stop, when every attempt of a step failed the same way before the
+    model answered once (a request every attempt makes is refused: a setting of the
+    run, not the policy, is at fault); None otherwise."""
+    if not traces or any(t.status not in ("agent_error", "infra_error") for t in traces):
+        return None
+    if any(t.num_agent_tokens for t in traces):
+        return None  # the model answered: the policy's own failures train
+    errors = {_error_of(t) for t in traces}
+    if len(errors) != 1 or "" in errors:
+        return None
+    (error,) = errors
+    if "context length" in error:
+        context = model.config.max_position_embeddings
+        fix = (
+            f"the sampler's context is sampler.max_context={cfg.sampler.max_context} (None: "
+            f"the model's {context}); raise it above the longest prompt plus "
+            f"rollout.max_tokens={cfg.rollout.max_tokens}"
+        )
+    else:
+        fix = "fix the setting it names (sampler, rollout, env or harness) and rerun"
+    return (
+        f"every attempt of rl step {int(m.get('rl_step', 0)) + 1} ({len(traces)} of "
+        f"{len(traces)}) failed before the model answered, with the same error: {error}; {fix}"
+    )
 
 
 async def arl(
@@ -111,6 +191,11 @@ async def arl(
                 keys = ("pass_rate", "reward_mean", "grad_norm", "kl_to_sampler")
                 shown = {k: m[k] for k in keys if k in m}
                 progress.step(steps_done, shown, _note(m))
+                for line in _step_lines(m, trainer.last_traces, cfg):
+                    progress.say(line)
+                stop = _config_failure(m, trainer.last_traces, cfg, model)
+                if stop is not None:
+                    raise ConfigError(stop)
 
         trainer.on_progress = on_progress
         progress.start(trainer.start_step)

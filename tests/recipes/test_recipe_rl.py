@@ -1,8 +1,13 @@
 """The RL recipe end to end on a toy env: trains, publishes where told, resumes."""
 
 import dataclasses
+import functools
+import importlib
+import io
 import json
 import os
+
+import pytest
 
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import RLRecipeConfig, load_model, rl
@@ -102,3 +107,58 @@ def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path):
     t = jax.numpy.asarray([[5, 9, 13, 2]])
     args = (t, jax.numpy.arange(4)[None], jax.numpy.ones_like(t))
     np.testing.assert_allclose(merged(*args), final(*args), atol=1e-4)
+
+
+def _rl_run(tmp_path, monkeypatch, *overrides) -> io.StringIO:
+    """An RL run whose console lines (its `Progress`) go to the StringIO returned."""
+    recipe = importlib.import_module("ac2_jax.recipes.rl")  # the module, not `rl`
+
+    console = io.StringIO()
+    monkeypatch.setattr(recipe, "Progress", functools.partial(recipe.Progress, out=console))
+    cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, "rl.attempts_per_task=2",
+                                             "log.progress=true", *overrides,
+                                             f"paths.workdir={tmp_path / 'run'}"])
+    try:
+        rl(load_model("tiny", str(tmp_path / "build")), ParityEnv(), cfg)
+    except Exception as e:
+        e.console = console.getvalue()
+        raise
+    return console
+
+
+def test_cut_trained_tokens_are_said_on_the_console_once_per_step(tmp_path, monkeypatch):
+    # Issue 68, finding 1: with rows too short for the traces, most trained tokens were
+    # cut; the counter sat in metrics.jsonl and the console said nothing.
+    err = _rl_run(tmp_path, monkeypatch, "rl.batch.seq_len=16", "rl.batch.max_seq_len=16",
+                  "rl.steps=2").getvalue()
+    metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
+    lines = [x for x in err.splitlines() if "trained tokens cut" in x]
+    assert len(lines) == 2, err  # one per step
+    for line, m in zip(lines, metrics):
+        cut = int(m["train/truncated_agent_tokens"])
+        kept = sum(int(v) for k, v in m.items() if k.startswith("train/trained_tokens/"))
+        assert cut > 0 and f"step {m['train/rl_step'] + 1:.0f}: {cut} of {cut + kept} " in line
+        assert "rl.batch.max_seq_len=16" in line
+    assert all(len(x) <= 120 for x in err.splitlines())
+    # The no-update note names the cut, not tied rewards.
+    assert "rewards tied" not in err, err
+
+
+def test_a_context_below_the_prompt_stops_the_run_naming_the_error(tmp_path, monkeypatch):
+    # Issue 68, finding 2: with sampler.max_context below the prompt every attempt was
+    # agent_error (a 400 in the trace's metadata) and the console said "no update: ...
+    # every group's rewards tied". Now the console gives the count and the first
+    # error, and a step whose every attempt failed the same way without one model
+    # answer stops the run with that reason.
+    from ac2_jax.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _rl_run(tmp_path, monkeypatch, "sampler.max_context=16")
+    message = str(e.value)
+    assert "every attempt of rl step 1 (4 of 4) failed" in message
+    assert "maximum context length is 16 tokens" in message
+    assert "sampler.max_context=16" in message
+    err = e.value.console
+    assert "4 of 4 attempts ended agent_error" in err and "maximum context length" in err
+    assert "rewards tied" not in err, err
+    assert all(len(x) <= 120 for x in err.splitlines())

@@ -226,6 +226,8 @@ class RLTrainer(TrainerHooks):
         self.config, self.collector, self.on_publish = config, collector, on_publish
         self.on_progress, self.sampler_counters = on_progress, sampler_counters
         self.tokenizer = tokenizer
+        # The traces of the last step, refills included (on_progress reads their errors).
+        self.last_traces: list[Trace] = []
         self._vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         traces = config.tasks_per_step * config.attempts_per_task
         self._batch_config = dataclasses.replace(
@@ -517,6 +519,7 @@ class RLTrainer(TrainerHooks):
             if warm is not None:
                 await warm  # done by now, or the update would compile the same anyway
                 warm = None
+            self.last_traces = list(traces)
             m = await asyncio.to_thread(self.update, traces)
             m.update(extra)
             t2 = time.perf_counter()
