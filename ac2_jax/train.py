@@ -10,7 +10,11 @@ directory or a preset ("tiny"). --config: a Python file whose
 `get_config(variant=None)` returns a dict of the fields it sets (optional).
 Any `--config.FIELD=VALUE` sets one field of the recipe's config, listed in
 the file or not (`--config.help` lists them all). --workdir is
-`--config.paths.workdir`. A mistake in any of these is one line on stderr
+`--config.paths.workdir`. A workdir that holds a run of the recipe is refused
+unless `--resume` (continue from its checkpoint; its saved config is compared
+first, and another model or full <-> LoRA is refused before anything is
+written) or `--overwrite` (its files are deleted first) is given
+(`--config.paths.existing`). A mistake in any of these is one line on stderr
 (exit status 2); the resolved config is written to the run's report folder.
 """
 
@@ -23,9 +27,13 @@ from collections.abc import Sequence
 
 USAGE = (
     "usage: python -m ac2_jax.train --recipe={rl,sft,distill} --env=pkg.module:Factory "
-    "--model=DIR|tiny [--config=FILE.py[:variant]] [--config.FIELD=VALUE ...] [--workdir=DIR]"
+    "--model=DIR|tiny [--config=FILE.py[:variant]] [--config.FIELD=VALUE ...] [--workdir=DIR] "
+    "[--resume | --overwrite]"
 )
 _FLAGS = ("recipe", "env", "model", "config", "workdir")
+# A workdir that holds a run of the recipe: continue it, or delete it and start afresh
+# (neither: refused, naming both).
+_SWITCHES = ("resume", "overwrite")
 
 
 class UsageError(ValueError):
@@ -54,10 +62,15 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
         if name in ("help", "h"):
             flags["help"] = "1"
             continue
+        if name in _SWITCHES:
+            if eq:
+                raise UsageError(f"--{name} takes no value")
+            flags[name] = "1"
+            continue
         if name not in _FLAGS:
             import difflib
 
-            close = difflib.get_close_matches(name, _FLAGS, n=1)
+            close = difflib.get_close_matches(name, (*_FLAGS, *_SWITCHES), n=1)
             hint = f"; did you mean --{close[0]}?" if close else ""
             raise UsageError(f"unknown flag --{name}{hint} ({USAGE})")
         if not eq:
@@ -97,6 +110,11 @@ def build(argv: Sequence[str]):
         raise SystemExit(f"{USAGE}\nfields of {cls.__name__}:\n" + "\n".join(lines))
     if "workdir" in flags:
         overrides = [f"paths.workdir={flags['workdir']}", *overrides]
+    if "resume" in flags and "overwrite" in flags:
+        raise UsageError("--resume or --overwrite, not both")
+    for switch in _SWITCHES:
+        if switch in flags:
+            overrides = [f"paths.existing={switch}", *overrides]
     config = load_config(cls, flags.get("config"), overrides)
     if "model" not in flags:
         raise UsageError("--model is required: an HF directory or a preset ('tiny')")

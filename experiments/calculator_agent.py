@@ -278,7 +278,8 @@ def recipe_config(cfg) -> RLRecipeConfig:
         paths=PathsConfig(workdir=workdir, publish=os.path.join(workdir, "rl", "published"),
                           traces=os.path.join(workdir, "rl"),
                           reports=os.path.join(workdir, "report"),
-                          metrics=os.path.join(workdir, "report", "metrics")),
+                          metrics=os.path.join(workdir, "report", "metrics"),
+                          existing="resume"),  # a rerun continues the job where it stopped
         rl=typed_configs(cfg)["rl"],
         rollout=RolloutConfig(temperature=ro.temperature, max_tokens=ro.max_tokens,
                               max_steps=ro.max_steps, infra_retries=ro.infra_retries),

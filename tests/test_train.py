@@ -148,3 +148,15 @@ def test_a_context_below_the_prompt_stops_the_launcher_with_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ac2_jax.train: error: every attempt of rl step 1 (4 of 4) failed")
     assert "maximum context length is 16" in last and "sampler.max_context=16" in last
+
+
+def test_resume_and_overwrite_are_flags_and_exclusive(tmp_path):
+    # Issue 68, finding 3: resuming is explicit (`--resume`), as is starting afresh.
+    from ac2_jax.train import UsageError, build
+
+    args = [*BASE, f"--workdir={tmp_path}"]
+    assert build(args)[3].paths.existing == "refuse"
+    assert build([*args, "--resume"])[3].paths.existing == "resume"
+    assert build([*args, "--overwrite"])[3].paths.existing == "overwrite"
+    with pytest.raises(UsageError, match="--resume or --overwrite, not both"):
+        build([*args, "--resume", "--overwrite"])

@@ -28,10 +28,14 @@ __all__ = [
     "MODELS",
     "Progress",
     "RecipeResult",
+    "check_model",
+    "claim_workdir",
     "export_model",
     "harness_factory",
     "load_model",
     "metrics_logger",
+    "resuming_line",
+    "saved_step",
     "serve_policy",
     "write_json",
 ]
@@ -174,6 +178,154 @@ async def serve_policy(
         await lifecycle.aclose()
         stop()
         jax_sampler.close()
+
+
+def saved_step(paths, recipe: str) -> int | None:
+    """The latest checkpointed step of the `recipe` run in `paths.workdir`
+    (workdir/<recipe>/checkpoints/<step>), 0 when it saved none yet, None when the
+    workdir holds no run of it (no checkpoint folder and no saved config)."""
+    ckpt = os.path.join(paths.workdir, recipe, "checkpoints")
+    steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+    if steps:
+        return max(steps)
+    held = os.path.exists(os.path.join(paths.reports, "config.json")) or os.path.isdir(ckpt)
+    return 0 if held else None
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict) or not d:
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"))
+
+
+def _changes(old: Any, new: Any) -> list[str]:
+    """`key old -> new` for each leaf that differs (JSON values, sorted keys)."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k} {_json(a.get(k))} -> {_json(b.get(k))}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]  # fmt: skip
+
+
+def _lora(v: Any) -> str:
+    return "None (full fine-tuning)" if v is None else _json(v)
+
+
+def _model_spec(spec: Any) -> str | None:
+    """What names the model of a run: an HF directory's absolute path or a preset's name
+    (None for a model object passed in)."""
+    if isinstance(spec, (str, os.PathLike)):
+        spec = str(spec)
+        return os.path.abspath(spec) if os.path.isdir(spec) else spec
+    return None
+
+
+def _overwrite(paths, recipe: str) -> None:
+    """Deletes what a `recipe` run wrote (its checkpoints, saved config and report,
+    export, metrics, rollouts and published steps); nothing else in the folders."""
+    import shutil
+
+    doomed = [
+        os.path.join(paths.workdir, recipe),
+        os.path.join(paths.metrics, "metrics.jsonl"),
+        os.path.join(paths.metrics, "tensorboard"),
+        os.path.join(paths.traces, "rollouts.jsonl"),
+        os.path.join(paths.traces, "served.jsonl"),
+        *(os.path.join(paths.reports, n) for n in RUN_REPORTS),
+    ]
+    if os.path.isdir(paths.publish):
+        doomed += [os.path.join(paths.publish, n) for n in os.listdir(paths.publish) if n.isdigit()]
+    for path in doomed:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+# What a recipe writes in paths.reports (removed by an overwrite).
+RUN_REPORTS = ("config.json", "model.json", "report.json", "final_hf")
+
+
+def claim_workdir(recipe: str, cfg: Any, model_spec: Any) -> tuple[int, list[str]]:
+    """Decides, before any work, what a run does with a workdir that holds a run of
+    `recipe` (`cfg.paths.existing`): "refuse" raises a ConfigError naming --resume and
+    --overwrite; "overwrite" deletes that run's files; "resume" compares the saved
+    config first: another model or full <-> LoRA (what its checkpoint cannot take) is
+    a ConfigError naming what differs, before anything is written. Returns (the step
+    it resumes at, the other settings changed since: `key: old -> new`)."""
+    from ac2_jax.config import ConfigError
+
+    paths = cfg.paths.resolved()
+    step = saved_step(paths, recipe)
+    if step is None:
+        return 0, []
+    if cfg.paths.existing == "overwrite":
+        _overwrite(paths, recipe)
+        return 0, []
+    where = f"workdir {paths.workdir} holds an {recipe} run (step {step})"
+    if cfg.paths.existing != "resume":
+        raise ConfigError(
+            f"{where}; pass --resume to continue it or --overwrite to delete it and start "
+            "afresh (from Python: paths.existing='resume' or 'overwrite'), or pick another "
+            "--workdir"
+        )
+    saved: dict[str, Any] = {}
+    config_json = os.path.join(paths.reports, "config.json")
+    if os.path.exists(config_json):
+        with open(config_json) as f:
+            saved = json.load(f)
+    new = json.loads(json.dumps(to_dict(cfg)))
+    model_json = os.path.join(paths.reports, "model.json")
+    old_model = None
+    if os.path.exists(model_json):
+        with open(model_json) as f:
+            old_model = json.load(f).get("model")
+    spec = _model_spec(model_spec)
+    fatal = []
+    if saved and saved.get("lora") != new.get("lora"):
+        fatal.append(f"lora: {_lora(saved.get('lora'))} -> {_lora(new.get('lora'))}")
+    if old_model is not None and spec is not None and old_model != spec:
+        fatal.append(f"model: {old_model} -> {spec}")
+    if fatal:
+        raise ConfigError(
+            f"--resume: {where}, but its checkpoint cannot take this run's "
+            f"{'; '.join(fatal)}; resume with the run's settings, or pass --overwrite "
+            "(or another --workdir) to start afresh"
+        )
+    changed = [c for c in _changes(saved, new) if not c.startswith("paths.existing ")]
+    return step, changed if saved else []
+
+
+def resuming_line(step: int, changed: list[str]) -> str:
+    """The console's word on a resumed run: its step and the settings changed since."""
+    return f"resuming at step {step}" + (f" (changed: {', '.join(changed)})" if changed else "")
+
+
+def check_model(cfg: Any, recipe: str, model: Any, model_spec: Any, resume_step: int) -> None:
+    """Compares the loaded model with the resumed run's (`report/model.json`: its spec and
+    config, i.e. every shape) and raises a ConfigError naming what differs, before any
+    file is written; then records this run's model there."""
+    from ac2_jax.config import ConfigError
+
+    paths = cfg.paths.resolved()
+    path = os.path.join(paths.reports, "model.json")
+    config = getattr(model, "config", None)
+    now = json.loads(json.dumps(to_dict(config) if config is not None else None, default=str))
+    if resume_step and os.path.exists(path):
+        with open(path) as f:
+            was = json.load(f).get("config")
+        diff = _changes(was, now) if was is not None else []
+        if diff:
+            raise ConfigError(
+                f"--resume: the {recipe} run in {paths.workdir} trained another model "
+                f"({'; '.join(diff)}); resume with its model, or pass --overwrite to start afresh"
+            )
+    write_json(path, {"model": _model_spec(model_spec), "config": now})
 
 
 def metrics_logger(directory: str, log) -> MetricsLogger:

@@ -23,6 +23,8 @@ from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.training import DistillConfig, OptimizerConfig, RLConfig, SFTConfig
 from ac2_jax.training.distill.data import HintConfig
 
+EXISTING = ("refuse", "resume", "overwrite")
+
 
 @dataclasses.dataclass(frozen=True)
 class PathsConfig:
@@ -33,6 +35,18 @@ class PathsConfig:
     traces: str | None = None  # every served trace and the rollouts (workdir/traces)
     reports: str | None = None  # report.json, config.json, HF export (workdir/report)
     metrics: str | None = None  # metrics.jsonl + TensorBoard (workdir/metrics)
+    # What a workdir that holds a run of the recipe gets (the launcher's --resume and
+    # --overwrite): "refuse" (an error naming both), "resume" (continue from its
+    # checkpoint; its saved config is compared first: another model or full <-> LoRA
+    # is refused, other changes are named), "overwrite" (its files are deleted first).
+    existing: str = "refuse"
+
+    def __post_init__(self):
+        if self.existing not in EXISTING:
+            raise ValueError(
+                f"paths.existing must be one of {EXISTING} (the launcher's --resume / "
+                f"--overwrite), got {self.existing!r}"
+            )
 
     def resolved(self) -> RunPaths:
         """Every location as an absolute path."""

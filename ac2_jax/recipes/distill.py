@@ -26,10 +26,13 @@ from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
+    check_model,
+    claim_workdir,
     export_model,
     harness_factory,
     load_model,
     metrics_logger,
+    resuming_line,
     serve_policy,
     write_json,
 )
@@ -60,8 +63,11 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
 
     cfg = config if config is not None else DistillRecipeConfig()
     paths, loop = cfg.paths.resolved(), cfg.loop
+    resume_at, changed = claim_workdir("distill", cfg, model)  # before any work
     env = check_env(load_env(env), "distill")
+    spec = model
     model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    check_model(cfg, "distill", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     graphdef, state = create_train_state(model, cfg.optimizer, rng=cfg.seed)
     logger = metrics_logger(paths.metrics, cfg.log)
@@ -72,7 +78,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     )  # fmt: skip
     start = dist.restore()
     progress = Progress(f"distill:{cfg.distill.method}", loop.steps, enabled=cfg.log.progress)
-    progress.say(f"env {type(env).__name__}, workdir {paths.workdir}, resuming at {start}")
+    progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    if start:
+        progress.say(resuming_line(start, changed))
     t_start, history = time.perf_counter(), []
     try:
         async with serve_policy(

@@ -25,10 +25,13 @@ from ac2_jax.recipes.common import (
     LINE_WIDTH,
     Progress,
     RecipeResult,
+    check_model,
+    claim_workdir,
     export_model,
     harness_factory,
     load_model,
     metrics_logger,
+    resuming_line,
     serve_policy,
     write_json,
 )
@@ -155,12 +158,17 @@ async def arl(
 
     cfg = config if config is not None else RLRecipeConfig()
     paths = cfg.paths.resolved()
+    resume_at, changed = claim_workdir("rl", cfg, model)  # before any work
     env = check_env(load_env(env), "rl")
+    spec = model
     model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    check_model(cfg, "rl", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     rl_cfg = cfg.rl
     progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    if resume_at:
+        progress.say(resuming_line(resume_at, changed))
     t_start = time.perf_counter()
     async with serve_policy(
         model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,

@@ -21,9 +21,12 @@ from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
+    check_model,
+    claim_workdir,
     export_model,
     load_model,
     metrics_logger,
+    resuming_line,
     write_json,
 )
 from ac2_jax.recipes.config import SFTRecipeConfig
@@ -63,11 +66,14 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
 
     cfg = config if config is not None else SFTRecipeConfig()
     paths = cfg.paths.resolved()
+    resume_at, changed = claim_workdir("sft", cfg, model)  # before any work
     if not cfg.demos.file:
         if env is None:
             raise ValueError("sft: give an env (--env) or a demos.file of chats")
         env = check_env(load_env(env), "sft")
+    spec = model
     model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    check_model(cfg, "sft", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     t_start = time.perf_counter()
     segments = [
@@ -76,6 +82,8 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     ]
     progress = Progress("sft", cfg.sft.steps, enabled=cfg.log.progress)
     progress.say(f"{len(segments)} demonstrations, workdir {paths.workdir}")
+    if resume_at:
+        progress.say(resuming_line(resume_at, changed))
     every = max(1, cfg.sft.steps // 20)
     logger = metrics_logger(paths.metrics, cfg.log)
 

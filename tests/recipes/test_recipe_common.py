@@ -47,3 +47,48 @@ def test_the_harness_is_the_envs_own_or_the_tool_loop():
     task = env.sample_tasks(1, 0)[0]
     orch = harness_factory(sampling, 2)(env, task, None, "m")
     assert isinstance(orch, DefaultOrchestrator) and orch.sampling == sampling
+
+
+def _sft_run(tmp_path, monkeypatch, *overrides):
+    """A one-demo SFT run of the tiny model in tmp_path/run; returns its console."""
+    import functools
+    import importlib
+
+    from ac2_jax.config_cli import load_config
+    from ac2_jax.recipes import SFTRecipeConfig, sft
+
+    recipe = importlib.import_module("ac2_jax.recipes.sft")  # the module, not `sft`
+    console = io.StringIO()
+    monkeypatch.setattr(recipe, "Progress", functools.partial(Progress, out=console))
+    cfg = load_config(SFTRecipeConfig, None, [
+        f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=2", "sft.steps=1",
+        "sft.batch_rows=2", "sft.seq_len=128", "sft.checkpoint_every=1", *overrides])
+    sft(load_model("tiny", str(tmp_path / "build")), ParityEnv(), cfg)
+    return console.getvalue()
+
+
+def test_a_reused_workdir_is_refused_resumed_or_overwritten_as_asked(tmp_path, monkeypatch):
+    # Issue 68, finding 3: a reused workdir resumed silently, and a switch from full to
+    # LoRA failed after the run's config.json was already overwritten.
+    from ac2_jax.config import ConfigError
+
+    _sft_run(tmp_path, monkeypatch)
+    saved = tmp_path / "run" / "report" / "config.json"
+    before = saved.read_text()
+    with pytest.raises(ConfigError, match=r"holds an sft run \(step 1\).*--resume.*--overwrite"):
+        _sft_run(tmp_path, monkeypatch, "sft.steps=2")
+    # Resume: the run continues where it stopped and says so; a changed setting is named.
+    out = _sft_run(tmp_path, monkeypatch, "sft.steps=2", "paths.existing=resume")
+    assert "resuming at step 1 (changed: sft.steps 1 -> 2)" in out, out
+    assert "[sft] 2/2" in out and "[sft] 1/2" not in out
+    before = saved.read_text()
+    # What a checkpoint cannot take (full <-> LoRA, another model) is refused before any
+    # work, in one line naming it, and the saved config stays as it was.
+    with pytest.raises(ConfigError, match=r"lora: None \(full fine-tuning\) -> \{.*\"rank\":4") as e:
+        _sft_run(tmp_path, monkeypatch, "sft.steps=3", "paths.existing=resume", "lora.rank=4")
+    assert "\n" not in str(e.value) and "--overwrite" in str(e.value)
+    assert saved.read_text() == before
+    # Overwrite: the old run is gone and a new one starts at step 0.
+    out = _sft_run(tmp_path, monkeypatch, "sft.steps=1", "paths.existing=overwrite")
+    assert "resuming" not in out and "[sft] 1/1" in out
+    assert '"existing": "overwrite"' in saved.read_text()

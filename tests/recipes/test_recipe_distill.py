@@ -22,8 +22,8 @@ def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
     assert m["data/examples"] == 2 and m["data/skipped_traces"] == 0
     assert m["data/infra_error_traces"] == 0
     # Resume: a second step on the same workdir trains only step 2.
-    cfg2 = load_config(DistillRecipeConfig, None,
-                       [*SMALL, "loop.steps=2", f"paths.workdir={tmp_path / 'run'}"])
+    cfg2 = load_config(DistillRecipeConfig, None, [*SMALL, "loop.steps=2", "paths.existing=resume",
+                                                   f"paths.workdir={tmp_path / 'run'}"])
     assert distill(model, ParityEnv(), cfg2).report["steps"] == 1
 
 

@@ -34,9 +34,18 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
     saved = json.load(open(tmp_path / "run" / "report" / "config.json"))
     assert saved["rl"]["steps"] == 1 and saved["paths"]["publish"] == str(publish)
 
-    # Resume: the same workdir with two steps trains only the second.
-    cfg2 = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=2))
-    report = rl(model, ParityEnv(), cfg2).report
+    # Resume (asked for: issue 68, finding 3): the same workdir with two steps trains only
+    # the second, and the console says where it resumed and what changed.
+    cfg2 = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=2),
+                               paths=dataclasses.replace(cfg.paths, existing="resume"),
+                               log=dataclasses.replace(cfg.log, progress=True))
+    recipe = importlib.import_module("ac2_jax.recipes.rl")  # the module, not `rl`
+    console = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recipe, "Progress", functools.partial(recipe.Progress, out=console))
+        report = rl(model, ParityEnv(), cfg2).report
+    (line,) = [x for x in console.getvalue().splitlines() if "resuming" in x]
+    assert line.startswith("[rl] resuming at step 1 (changed: ") and "rl.steps 1 -> 2" in line
     assert report["steps"] == 1
     traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
     keys = [(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]) for t in traces]
