@@ -49,7 +49,7 @@ def test_the_harness_is_the_envs_own_or_the_tool_loop():
     assert isinstance(orch, DefaultOrchestrator) and orch.sampling == sampling
 
 
-def _sft_run(tmp_path, monkeypatch, *overrides):
+def _sft_run(tmp_path, monkeypatch, *overrides, model="tiny"):
     """A one-demo SFT run of the tiny model in tmp_path/run; returns its console."""
     import functools
     import importlib
@@ -63,7 +63,7 @@ def _sft_run(tmp_path, monkeypatch, *overrides):
     cfg = load_config(SFTRecipeConfig, None, [
         f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=2", "sft.steps=1",
         "sft.batch_rows=2", "sft.seq_len=128", "sft.checkpoint_every=1", *overrides])
-    sft(load_model("tiny", str(tmp_path / "build")), ParityEnv(), cfg)
+    sft(model, ParityEnv(), cfg)  # a preset, a directory or a (model, tokenizer) pair
     return console.getvalue()
 
 
@@ -92,3 +92,26 @@ def test_a_reused_workdir_is_refused_resumed_or_overwritten_as_asked(tmp_path, m
     out = _sft_run(tmp_path, monkeypatch, "sft.steps=1", "paths.existing=overwrite")
     assert "resuming" not in out and "[sft] 1/1" in out
     assert '"existing": "overwrite"' in saved.read_text()
+
+
+def test_resuming_with_another_model_is_refused_before_any_write(tmp_path, monkeypatch):
+    # Issue 68, finding 3: another model (its name, or any shape of its config) is one
+    # line naming what differs, and the run's saved files stay as they were.
+    import dataclasses
+
+    from flax import nnx
+
+    from ac2_jax.config import ConfigError
+    from ac2_jax.models import Decoder
+
+    _sft_run(tmp_path, monkeypatch)
+    report = tmp_path / "run" / "report"
+    saved = {p.name: p.read_text() for p in (report / "config.json", report / "model.json")}
+    with pytest.raises(ConfigError, match=r"model: tiny -> .*src.*--overwrite"):
+        _sft_run(tmp_path, monkeypatch, "paths.existing=resume",
+                 model=write_tiny_model(str(tmp_path / "src")))
+    model, tok = load_model("tiny", str(tmp_path / "build"))
+    narrow = Decoder(dataclasses.replace(model.config, num_layers=1), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"another model \(num_layers 2 -> 1\)"):
+        _sft_run(tmp_path, monkeypatch, "paths.existing=resume", model=(narrow, tok))
+    assert {p.name: p.read_text() for p in (report / "config.json", report / "model.json")} == saved
