@@ -1,13 +1,39 @@
 #!/usr/bin/env bash
 # Installs everything (.venv, .[dev]), lints and type-checks ac2_jax/ (ruff check,
 # ruff format --check, mypy: zero findings, settings in pyproject.toml) and runs the
-# test suite on CPU. Multi-device tests use 8 forced host devices (tests/conftest.py).
+# test suite on CPU, in 2 pytest-xdist workers (whole files per worker), with one JAX
+# compilation cache for the run (tests/conftest.py). Prints the total and the 30
+# slowest tests.
+#   scripts/test.sh            every test (CI runs this; budget: 20 minutes on 2 cores)
+#   scripts/test.sh --quick    the inner loop: unit and contract tests, no pipelines,
+#                              notebooks, docs build, multi-process or fault tests
+#                              (`-m "not full"`, tests/conftest.py FULL_ONLY; ~5 minutes)
+#   scripts/test.sh ARGS...    extra pytest arguments (a path, -k, -x), after the tier flag
+# AC2_TEST_WORKERS=N sets the number of workers (0: one process, no xdist).
+# Where the time goes: scripts/test_profile.sh (CONTRIBUTING.md, "Tests").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+  tier=(-m "not full")
+  shift
+fi
 bash scripts/setup.sh dev
 . .venv/bin/activate
 export JAX_PLATFORMS=cpu
 ruff check ac2_jax
 ruff format --check ac2_jax
 mypy ac2_jax
-python -m pytest -q -p no:cacheprovider --durations=30 tests "$@"
+workers=${AC2_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != 0 ]; then
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+paths=(tests)
+for a in "$@"; do
+  case "$a" in tests*) paths=() ;; esac
+done
+start=$(date +%s)
+python -m pytest -q -p no:cacheprovider --durations=30 "${xdist[@]}" "${tier[@]}" \
+  "${paths[@]}" "$@"
+echo "scripts/test.sh: pytest took $(( $(date +%s) - start )) s"

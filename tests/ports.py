@@ -9,8 +9,10 @@ outgoing connection). Two helpers close the gap:
 - `reserved_port()`: a port a child process binds later (a server started with
   `--port=N`, a role restarted on the same port, JAX's coordinator). It comes from a
   block below the kernel's ephemeral range, which port-0 binds and outgoing
-  connections never draw from, one block per xdist worker (`PYTEST_XDIST_WORKER`), and
-  never repeats within a process, so two tests cannot be handed the same port.
+  connections never draw from. Each process claims a block of its own with a lock file
+  (held until it exits: xdist workers, and two test runs side by side, never share
+  one), and a port never repeats within a process, so two tests cannot be handed the
+  same port.
 
 Servers in the test process itself bind port 0 and read it back
 (`ac2_jax.serving.serve_in_thread`).
@@ -18,18 +20,18 @@ Servers in the test process itself bind port 0 and read it back
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import socket
+import tempfile
+from typing import IO
 
 _HELD: list[socket.socket] = []
 _BASE = 20000  # the ephemeral range starts at 32768 (net.ipv4.ip_local_port_range)
-_BLOCK = 1000  # ports per worker: gw0 -> 20000-20999, gw1 -> 21000-21999, ...
-
-
-def _worker_index() -> int:
-    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+_BLOCK = 500  # ports per process
+_block: tuple[int, IO[str]] | None = None  # (first port, the open lock file)
+_next = itertools.count()
 
 
 def _ephemeral_low() -> int:
@@ -40,15 +42,27 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-_next = itertools.count()
+def _claim_block() -> int:
+    global _block
+    if _block is None:
+        for lo in range(_BASE, _ephemeral_low() - _BLOCK + 1, _BLOCK):
+            lock = open(os.path.join(tempfile.gettempdir(), f"ac2-test-ports-{lo}.lock"), "w")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another process holds this block
+                lock.close()
+                continue
+            _block = (lo, lock)
+            break
+        else:
+            raise RuntimeError(f"every block of ports in {_BASE}-{_ephemeral_low()} is held by "
+                               "another test process")
+    return _block[0]
 
 
 def reserved_port() -> int:
-    """A free port of this worker's block (below the ephemeral range)."""
-    lo = _BASE + _BLOCK * _worker_index()
-    if lo + _BLOCK > _ephemeral_low():
-        raise RuntimeError(f"worker block {lo}-{lo + _BLOCK} reaches the ephemeral range "
-                           f"(from {_ephemeral_low()}): run fewer xdist workers")
+    """A free port of this process's block (below the ephemeral range)."""
+    lo = _claim_block()
     for _ in range(_BLOCK):
         port = lo + next(_next) % _BLOCK
         with socket.socket() as s:

@@ -10,7 +10,7 @@ appends one JSON line per test to `<dir>/tests-<pid>.jsonl`:
 MLIR, the XLA backend compile; `jax.monitoring` duration events) seen while the test
 ran. Subprocesses count too: the script puts `tests/suite_profile_site` on
 PYTHONPATH, whose `sitecustomize` registers the same listener in every Python child
-that imports JAX and writes `<dir>/sub-<pid>.json` at exit, tagged with the test that
+that imports JAX and appends each compile to `<dir>/sub-<pid>.jsonl`, tagged with the test that
 was running (`AC2_TEST_PROFILE_TEST`, set here for each test). A test that runs
 several JAX processes at once can show more compile seconds than wall seconds.
 
@@ -96,10 +96,14 @@ def load(out_dir: str) -> dict[str, dict]:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             tests[rec["test"]] = {**rec, "sub_compile_s": 0.0}
-    for path in sorted(Path(out_dir).glob("sub-*.json")):
-        rec = json.loads(path.read_text())
-        if rec.get("test") in tests:
-            tests[rec["test"]]["sub_compile_s"] += rec["compile_s"]
+    for path in sorted(Path(out_dir).glob("sub-*.json*")):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by SIGKILL
+                continue
+            if rec.get("test") in tests:
+                tests[rec["test"]]["sub_compile_s"] += rec["compile_s"]
     return tests
 
 

@@ -1,10 +1,10 @@
 """Compile time of a test's Python subprocesses (tests/suite_profile.py).
 
 On PYTHONPATH only under scripts/test_profile.sh. When the child imports JAX, a
-listener sums JAX's compile events; at exit it writes `<dir>/sub-<pid>.json` with
-the test that started it. A child that never imports JAX writes nothing."""
+listener appends each compile event's seconds to `<dir>/sub-<pid>.jsonl`, tagged with
+the test that started it; written as they happen, so a server ended by SIGTERM or
+SIGKILL still counts. A child that never imports JAX writes nothing."""
 
-import atexit
 import importlib.abc
 import importlib.util
 import json
@@ -12,6 +12,7 @@ import os
 import sys
 
 _DIR = os.environ.get("AC2_TEST_PROFILE")
+_TEST = os.environ.get("AC2_TEST_PROFILE_TEST")
 _EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -42,22 +43,15 @@ class _AfterJaxImport(importlib.abc.MetaPathFinder):
 def _listen():
     import jax.monitoring
 
-    total = [0.0]
+    path = os.path.join(_DIR, f"sub-{os.getpid()}.jsonl")
 
     def listener(event, duration, **_):
         if event in _EVENTS:
-            total[0] += duration
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": _TEST, "compile_s": duration}) + "\n")
 
     jax.monitoring.register_event_duration_secs_listener(listener)
 
-    def write():
-        rec = {"test": os.environ.get("AC2_TEST_PROFILE_TEST"), "compile_s": total[0],
-               "argv": sys.argv[:3]}
-        with open(os.path.join(_DIR, f"sub-{os.getpid()}.json"), "w") as f:
-            json.dump(rec, f)
 
-    atexit.register(write)
-
-
-if _DIR and os.environ.get("AC2_TEST_PROFILE_TEST"):
+if _DIR and _TEST:
     sys.meta_path.insert(0, _AfterJaxImport())
