@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import sys
+import textwrap
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "RecipeResult",
     "check_model",
     "claim_workdir",
+    "error_lines",
     "export_model",
     "harness_factory",
     "load_model",
@@ -37,6 +39,7 @@ __all__ = [
     "resuming_line",
     "saved_step",
     "serve_policy",
+    "setting_failure",
     "write_json",
 ]
 
@@ -326,6 +329,57 @@ def check_model(cfg: Any, recipe: str, model: Any, model_spec: Any, resume_step:
                 f"({'; '.join(diff)}); resume with its model, or pass --overwrite to start afresh"
             )
     write_json(path, {"model": _model_spec(model_spec), "config": now})
+
+
+def _error_of(trace) -> str:
+    """The error an attempt ended with (`run_rollout` stores it in its artifacts), one line."""
+    error = ((trace.metadata or {}).get("artifacts") or {}).get("error")
+    return " ".join(str(error).split()) if error else ""
+
+
+def error_lines(step: int, traces) -> list[str]:
+    """The console's word on a step's attempts that ended in an error: how many, of
+    which status, and the first one's error (wrapped to the line width); [] if none."""
+    errored = [t for t in traces if t.status in ("agent_error", "infra_error")]
+    if not errored:
+        return []
+    counts = {s: sum(t.status == s for t in errored) for s in ("agent_error", "infra_error")}
+    ended = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    ended = ended.split(" ", 1)[1] if len(errored) in counts.values() else f"({ended})"
+    first = next((e for e in map(_error_of, errored) if e), "no error message stored")
+    # Room for the widest phase prefix ("[distill:opsd]   ").
+    wrapped = textwrap.wrap(f"first error: {first}", LINE_WIDTH - 20, max_lines=4)
+    return [
+        f"step {step}: {len(errored)} of {len(traces)} attempts ended {ended}",
+        *(f"  {x}" for x in wrapped),
+    ]
+
+
+def setting_failure(recipe: str, step: int, traces, cfg: Any, model: Any) -> str | None:
+    """The reason to stop, when every attempt of a step failed the same way before the
+    model answered once (a request every attempt makes is refused: a setting of the
+    run, not the policy, is at fault); None otherwise."""
+    if not traces or any(t.status not in ("agent_error", "infra_error") for t in traces):
+        return None
+    if any(t.num_agent_tokens for t in traces):
+        return None  # the model answered: the policy's own failures train
+    errors = {_error_of(t) for t in traces}
+    if len(errors) != 1 or "" in errors:
+        return None
+    (error,) = errors
+    if "context length" in error:
+        context = model.config.max_position_embeddings
+        fix = (
+            f"the sampler's context is sampler.max_context={cfg.sampler.max_context} (None: "
+            f"the model's {context}); raise it above the longest prompt plus "
+            f"rollout.max_tokens={cfg.rollout.max_tokens}"
+        )
+    else:
+        fix = "fix the setting it names (sampler, rollout, env or harness) and rerun"
+    return (
+        f"every attempt of {recipe} step {step} ({len(traces)} of {len(traces)}) failed "
+        f"before the model answered, with the same error: {error}; {fix}"
+    )
 
 
 def metrics_logger(directory: str, log) -> MetricsLogger:

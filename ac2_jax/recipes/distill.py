@@ -22,18 +22,21 @@ import os
 import time
 from typing import Any
 
+from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
     check_model,
     claim_workdir,
+    error_lines,
     export_model,
     harness_factory,
     load_model,
     metrics_logger,
     resuming_line,
     serve_policy,
+    setting_failure,
     write_json,
 )
 from ac2_jax.recipes.config import DistillRecipeConfig
@@ -105,6 +108,11 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             for step in range(start, loop.steps):
                 tasks = {t.task_id: t for t in collector.tasks(step)}
                 collected = await collector.collect(step)
+                stop = setting_failure("distill", step + 1, collected, cfg, model)
+                if stop is not None:  # before any update: the run cannot learn so
+                    for line in error_lines(step + 1, collected):
+                        progress.say(line)
+                    raise ConfigError(stop)
                 traces = [t for t in collected if t.status != "infra_error"]
                 for tr in traces:
                     hint = env.hint(tasks[tr.task_id])
@@ -127,6 +135,8 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     k: m[k] for k in ("loss", "kept_tokens", "examples") if k in m
                 }
                 progress.step(step + 1, shown, note)
+                for line in error_lines(step + 1, collected):
+                    progress.say(line)
             after = await evaluate_policy(cfg, env, lifecycle, "after", progress)
         dist.save()
         final = dist.state.model(graphdef)

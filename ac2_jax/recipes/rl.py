@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import textwrap
 import time
 from typing import Any
 
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes.common import (
-    LINE_WIDTH,
     Progress,
     RecipeResult,
     check_model,
     claim_workdir,
+    error_lines,
     export_model,
     harness_factory,
     load_model,
     metrics_logger,
     resuming_line,
     serve_policy,
+    setting_failure,
     write_json,
 )
 from ac2_jax.recipes.config import RLRecipeConfig
@@ -85,12 +85,6 @@ def _note(m: dict[str, Any]) -> str:
     return f"(no update: {why})"
 
 
-def _error_of(trace) -> str:
-    """The error an attempt ended with (`run_rollout` stores it in its artifacts), one line."""
-    error = ((trace.metadata or {}).get("artifacts") or {}).get("error")
-    return " ".join(str(error).split()) if error else ""
-
-
 def _step_lines(m: dict[str, Any], traces, cfg: RLRecipeConfig) -> list[str]:
     """What the console says of a step beyond its progress line: the trained tokens cut
     (rows too short for the traces) and the attempts that ended in an error."""
@@ -107,43 +101,7 @@ def _step_lines(m: dict[str, Any], traces, cfg: RLRecipeConfig) -> list[str]:
             f"step {step}: {cut} of {cut + _trained_tokens(m)} trained tokens cut: rows end at "
             f"{limit}; raise rl.batch.max_seq_len"
         )
-    errored = [t for t in traces if t.status in ("agent_error", "infra_error")]
-    if errored:
-        counts = {s: sum(t.status == s for t in errored) for s in ("agent_error", "infra_error")}
-        ended = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-        ended = ended.split(" ", 1)[1] if len(errored) in counts.values() else f"({ended})"
-        first = next((e for e in map(_error_of, errored) if e), "no error message stored")
-        lines.append(f"step {step}: {len(errored)} of {len(traces)} attempts ended {ended}")
-        wrapped = textwrap.wrap(f"first error: {first}", LINE_WIDTH - 8, max_lines=4)
-        lines.extend(f"  {x}" for x in wrapped)
-    return lines
-
-
-def _config_failure(m: dict[str, Any], traces, cfg: RLRecipeConfig, model: Any) -> str | None:
-    """The reason to stop, when every attempt of a step failed the same way before the
-    model answered once (a request every attempt makes is refused: a setting of the
-    run, not the policy, is at fault); None otherwise."""
-    if not traces or any(t.status not in ("agent_error", "infra_error") for t in traces):
-        return None
-    if any(t.num_agent_tokens for t in traces):
-        return None  # the model answered: the policy's own failures train
-    errors = {_error_of(t) for t in traces}
-    if len(errors) != 1 or "" in errors:
-        return None
-    (error,) = errors
-    if "context length" in error:
-        context = model.config.max_position_embeddings
-        fix = (
-            f"the sampler's context is sampler.max_context={cfg.sampler.max_context} (None: "
-            f"the model's {context}); raise it above the longest prompt plus "
-            f"rollout.max_tokens={cfg.rollout.max_tokens}"
-        )
-    else:
-        fix = "fix the setting it names (sampler, rollout, env or harness) and rerun"
-    return (
-        f"every attempt of rl step {int(m.get('rl_step', 0)) + 1} ({len(traces)} of "
-        f"{len(traces)}) failed before the model answered, with the same error: {error}; {fix}"
-    )
+    return lines + error_lines(step, traces)
 
 
 async def arl(
@@ -201,7 +159,9 @@ async def arl(
                 progress.step(steps_done, shown, _note(m))
                 for line in _step_lines(m, trainer.last_traces, cfg):
                     progress.say(line)
-                stop = _config_failure(m, trainer.last_traces, cfg, model)
+                stop = setting_failure(
+                    "rl", int(m.get("rl_step", 0)) + 1, trainer.last_traces, cfg, model
+                )
                 if stop is not None:
                     raise ConfigError(stop)
 

@@ -1,6 +1,9 @@
 """The distillation recipe: hinted rollouts through the endpoint, OPSD and RMSD steps."""
 
 import json
+import os
+
+import pytest
 
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import DistillRecipeConfig, distill, load_model
@@ -102,3 +105,17 @@ def test_only_failures_on_a_multi_turn_env_distills_every_turn_of_the_failed_gam
     # per turn (a placement that stays put would merge each episode into one).
     assert m["data/examples"] == sum(turns)
     assert m["train/kept_tokens"] == outputs  # every output token of every turn, once
+
+
+def test_a_context_below_the_prompt_stops_distillation_naming_the_error(tmp_path):
+    # Issue 68, finding 2, in the distillation recipe: every attempt failed with the
+    # endpoint's 400 and the run went on distilling nothing. Now it stops, before any
+    # update, with the error and the setting to change.
+    from ac2_jax.config import ConfigError
+
+    cfg = load_config(DistillRecipeConfig, None, [*SMALL, "sampler.max_context=16",
+                                                  f"paths.workdir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"every attempt of distill step 1 \(2 of 2\) failed "
+                                          r".*maximum context length is 16.*sampler.max_context=16"):
+        distill(load_model("tiny", str(tmp_path / "build")), ParityEnv(), cfg)
+    assert not os.path.exists(tmp_path / "run" / "distill" / "checkpoints" / "1")
