@@ -8,7 +8,8 @@ attempts through the endpoint (the env's harness or the tool loop), the
 verifier rewards each trace, and `RLTrainer` trains every episode of every
 trace, checkpoints, and publishes the weights the sampler serves next. With
 `eval.num_tasks` > 0 held-out tasks are evaluated before and after. A
-killed run resumes from its checkpoint with no rollout lost (the store).
+killed run resumes from its checkpoint with no rollout lost (the store) when
+asked (`paths.existing="resume"`, the launcher's --resume; see `claim_workdir`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The data is `demos.num_tasks` train tasks, each solved by the env's
 `demonstration(task)` (an OpenAI-format chat, tool calls included), or the
 chats of a JSONL `demos.file` (`{"messages": [...], "tools": [...]}` per
 line; then no env is needed). The loss is on the assistant turns. The run
-checkpoints (`sft.checkpoint_every`) and resumes; metrics go to
+checkpoints (`sft.checkpoint_every`) and resumes when asked (`--resume`); metrics go to
 metrics.jsonl and TensorBoard; the model is exported in HF format.
 """
 
