@@ -172,8 +172,11 @@ class DistillLoss:
                 f"DistillLoss.chunk_size must be None (dense logits), 'auto' or a "
                 f"positive int (positions per chunk), got {c!r}"
             )
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"DistillLoss.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.tis_cap is not None and not self.tis_cap >= 1.0:
+            raise ValueError(
+                f"DistillLoss.tis_cap must be None or >= 1 (a cap below 1 would "
+                f"down-weight on-policy tokens, whose weight is 1), got {self.tis_cap!r}"
+            )
 
     def check_examples(self, examples: Sequence[DistillExample]) -> None:
         """Refuses (ValueError naming the first) greedy examples for kind "sampled":

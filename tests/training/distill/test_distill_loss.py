@@ -323,3 +323,16 @@ def test_sampled_kind_in_step_chunked_equals_host_logits_at_recorded_parameters(
     assert abs(float(want[1]["tis_weight"]) / n - 1.0) > 1e-2
     temps = np.concatenate([np.full(len(e.response), T) for e, (T, _, _) in zip(exs, params)])
     np.testing.assert_allclose(float(want[1]["kl_temperature"]), temps.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("cap", [0.5, 0.999, 0.0, -1.0])
+def test_a_tis_cap_below_one_is_refused(cap):
+    """Issue 61 (review): DistillLoss accepted a tis_cap in (0, 1), which down-weights
+    on-policy tokens (weight ~1); PolicyGradientLoss refuses it, so does DistillLoss
+    (and the DistillConfig that builds it)."""
+    with pytest.raises(ValueError, match=r"DistillLoss.tis_cap must be None or >= 1"):
+        DistillLoss(kind="sampled", tis_cap=cap)
+    with pytest.raises(ValueError, match=r"tis_cap must be None or >= 1"):
+        DistillConfig(kind="sampled", tis_cap=cap).loss()
+    for ok in (None, 1.0, 2.0):
+        DistillLoss(kind="sampled", tis_cap=ok)
