@@ -242,7 +242,10 @@ class DistillExample:
     student (its log-probs, without parameters, are then not used).
     `response_spans`: [start, end) of each model response (one request's
     output) inside `response`, in order (None: the whole response is one);
-    RMSD's top-T budget is per model response.
+    RMSD's top-T budget is per model response. `constraint`: the grammar the
+    response was sampled under (`Completion.constraint`; None: unconstrained):
+    its `response_logprobs` are under the grammar's mask, so
+    DistillLoss(kind="sampled") leaves it out (counted `skipped/constrained`).
     """
 
     student_prompt: list[int]
@@ -260,6 +263,7 @@ class DistillExample:
     top_k: int = 0
     top_p: float = 1.0
     response_spans: list[tuple[int, int]] | None = None
+    constraint: str | None = None
 
     def __post_init__(self):
         if not self.response:

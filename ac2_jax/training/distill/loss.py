@@ -44,6 +44,10 @@ from ac2_jax.training.distill.data import (
     PairedBatch,
 )
 
+# What `DistillLoss.usable_examples` / `unrecorded_sampling` count per step (kind
+# "sampled"; 0 for the others): grammar-constrained examples left out, and the
+# examples / trained tokens that record no sampling parameters.
+SAMPLED_COUNTS = ("skipped/constrained", "unrecorded_sampling", "unrecorded_sampling_tokens")
 TEACHER_KEYS = ("teacher_tokens", "teacher_positions", "teacher_segment_ids", "teacher_index")
 
 
@@ -138,7 +142,10 @@ class DistillLoss:
     where none are recorded), so E[grad] is that of KL(pi_s || p_t) at the
     recorded parameters, also for an older policy's responses. Greedy
     examples have no behaviour distribution: `check_examples` refuses them
-    (SelfDistiller calls it). The full-vocabulary kinds are exact per
+    (SelfDistiller calls it). Examples sampled under a grammar
+    (`DistillExample.constraint`) are left out and counted
+    (`usable_examples`: `skipped/constrained`); examples that record no
+    sampling parameters are counted (`unrecorded_sampling`). The full-vocabulary kinds are exact per
     position and use the loss `temperature`.
 
     Metrics: kl (reverse KL, student || teacher, full vocabulary, at the
@@ -179,19 +186,53 @@ class DistillLoss:
             )
 
     def check_examples(self, examples: Sequence[DistillExample]) -> None:
-        """Refuses (ValueError naming the first) greedy examples for kind "sampled":
-        temperature 0 leaves no distribution for the estimator to be unbiased under."""
+        """Refuses (ValueError naming every one) greedy examples for kind "sampled":
+        temperature 0 leaves no distribution for the estimator to be unbiased under.
+        A configuration mistake (how the responses were sampled), not a bad trace."""
         if self.kind != "sampled":
             return
-        for i, e in enumerate(examples):
-            if e.temperature is not None and e.temperature <= 0:
-                raise ValueError(
-                    f"DistillLoss(kind='sampled'): example {i} ({e.task!r}, agent "
-                    f"{e.agent!r}) was sampled greedily (temperature {e.temperature}); "
-                    "the sampled estimator needs responses drawn from a distribution: "
-                    "sample with temperature > 0, or use a full-vocabulary kind "
-                    "(reverse_kl, forward_kl, jsd), exact at every position"
-                )
+        greedy = [
+            f"example {i} ({e.task!r}, agent {e.agent!r}) was sampled greedily "
+            f"(temperature {e.temperature})"
+            for i, e in enumerate(examples)
+            if e.temperature is not None and e.temperature <= 0
+        ]
+        if greedy:
+            raise ValueError(
+                f"DistillLoss(kind='sampled'): {len(greedy)} of {len(examples)} examples "
+                f"are greedy: {'; '.join(greedy)}; the sampled estimator needs responses "
+                "drawn from a distribution: sample with temperature > 0, or use a "
+                "full-vocabulary kind (reverse_kl, forward_kl, jsd), exact at every position"
+            )
+
+    def usable_examples(
+        self, examples: Sequence[DistillExample]
+    ) -> tuple[list[DistillExample], dict[str, int]]:
+        """(the examples this loss can score, {"skipped/constrained": n}).
+
+        Kind "sampled" refuses greedy examples (`check_examples`: a configuration
+        mistake, every one named) and leaves out those sampled under a grammar
+        (`DistillExample.constraint`): their recorded log-probs are under the
+        grammar's mask, which the student's scoring does not replay; they are
+        counted. The full-vocabulary kinds keep every example."""
+        if self.kind != "sampled":
+            return list(examples), {"skipped/constrained": 0}
+        self.check_examples(examples)
+        kept = [e for e in examples if e.constraint is None]
+        return kept, {"skipped/constrained": len(examples) - len(kept)}
+
+    def unrecorded_sampling(self, examples: Sequence[DistillExample]) -> dict[str, int]:
+        """Kind "sampled": how many examples (`unrecorded_sampling`) and trained tokens
+        (`unrecorded_sampling_tokens`) record no sampling parameters (temperature
+        None) and are scored at the loss temperature with importance weight 1 (right
+        only if the current student drew them there); 0 for the other kinds."""
+        if self.kind != "sampled":
+            return {"unrecorded_sampling": 0, "unrecorded_sampling_tokens": 0}
+        blind = [e for e in examples if e.temperature is None]
+        return {
+            "unrecorded_sampling": len(blind),
+            "unrecorded_sampling_tokens": sum(e.num_trained for e in blind),
+        }
 
     def _inputs(self, batch) -> dict:
         x = {"targets": batch.targets, "mask": batch.loss_mask.astype(jnp.float32)}

@@ -38,13 +38,20 @@ def _sampling(c) -> tuple:
     return (getattr(c, "temperature", None), getattr(c, "top_k", 0), getattr(c, "top_p", 1.0))
 
 
+def _constraint(c) -> str | None:
+    return getattr(c, "constraint", None)
+
+
 def _mergeable(run: list, item: tuple) -> bool:
     """`item` continues the run's example: its prompt extends the previous prompt +
-    output, and the hint enters at the same place with the same ids."""
+    output, and the hint enters at the same place with the same ids. A completion
+    sampled under a grammar is never merged (its example carries the grammar)."""
     (first, teacher0, (a, b)), (prev, _, _), (c, teacher, span) = run[0], run[-1], item
     done = list(prev.prompt_ids) + list(prev.output_ids)
     return (
-        list(c.prompt_ids[: len(done)]) == done
+        _constraint(c) is None
+        and _constraint(first) is None
+        and list(c.prompt_ids[: len(done)]) == done
         and span == (a, b)
         and teacher[a:b] == teacher0[a:b]
         and _sampling(c) == _sampling(first)
@@ -79,6 +86,7 @@ def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        constraint=_constraint(first),
     )
 
 

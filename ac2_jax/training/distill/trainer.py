@@ -57,6 +57,7 @@ from ac2_jax.training.distill.data import (
     sft_segments,
 )
 from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
+    SAMPLED_COUNTS,
     DistillLoss,
     divergence,
     relevance_scores,
@@ -66,6 +67,9 @@ from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")
+# Every step's counts (`SelfDistiller.update` metrics, `last_counts`): what did not fit
+# seq_len (`data.TOO_LONG`) and what kind "sampled" left out or scored blind.
+STEP_COUNTS = TOO_LONG + SAMPLED_COUNTS
 
 
 @jax.jit
@@ -214,7 +218,7 @@ class SelfDistiller(TrainerHooks):
             jax.tree.map(jnp.copy, self.state.params) if config.teacher != "live" else None
         )
         self.last_relevance: Relevance | None = None
-        self.last_counts: dict[str, int] = dict.fromkeys(TOO_LONG, 0)
+        self.last_counts: dict[str, int] = dict.fromkeys(STEP_COUNTS, 0)
         self.last_examples: list[DistillExample] = []
 
     @property
@@ -327,12 +331,20 @@ class SelfDistiller(TrainerHooks):
         """(batch, extras) for the step: extras `teacher_extras(paired)`; None for "sft".
 
         Examples longer than `seq_len` are cut to fit or skipped (`fit_examples`);
-        `last_counts` holds the counts and `last_examples` what was packed. Kind
-        "sampled" refuses greedy examples (`DistillLoss.check_examples`)."""
+        `last_counts` holds the counts (`STEP_COUNTS`) and `last_examples` what was
+        packed. Kind "sampled" refuses greedy examples (`DistillLoss.check_examples`),
+        leaves out grammar-constrained ones (`skipped/constrained`) and counts those
+        that record no sampling parameters (`unrecorded_sampling`, `_tokens`)."""
         cfg = self.config
+        counts = dict.fromkeys(STEP_COUNTS, 0)
         if cfg.method != "sft":
-            cfg.loss().check_examples(examples)  # kind "sampled" refuses greedy ones
-        examples, self.last_counts = fit_examples(examples, cfg.seq_len)
+            examples, skipped = cfg.loss().usable_examples(examples)
+            counts.update(skipped)
+        examples, too_long = fit_examples(examples, cfg.seq_len)
+        counts.update(too_long)
+        if cfg.method != "sft":
+            counts.update(cfg.loss().unrecorded_sampling(examples))
+        self.last_counts = counts
         self.last_examples = examples
         self.last_relevance = None
         if not examples:  # all too long: nothing to pack, nothing trains
@@ -354,11 +366,13 @@ class SelfDistiller(TrainerHooks):
         """One optimizer step on `examples` (skipped when no position is kept).
 
         Every call is one loop step of the Trainer (skipped ones too): logged,
-        counted and checkpointed on the cadence. The metrics count what did not
-        fit `seq_len` (`data.TOO_LONG`: `skipped/too_long`, `cut/too_long`,
-        `too_long_tokens`)."""
+        counted and checkpointed on the cadence. The metrics count (`STEP_COUNTS`)
+        what did not fit `seq_len` (`skipped/too_long`, `cut/too_long`,
+        `too_long_tokens`) and, for kind "sampled", the grammar-constrained
+        examples left out (`skipped/constrained`) and the examples scored without
+        recorded sampling parameters (`unrecorded_sampling`, `_tokens`)."""
         out: dict[str, float] = {"skipped": 1.0, "kept_tokens": 0.0}
-        counts: dict[str, int] = dict.fromkeys(TOO_LONG, 0)
+        counts: dict[str, int] = dict.fromkeys(STEP_COUNTS, 0)
         if examples:
             batch, extras = self.prepare(examples)
             counts = self.last_counts

@@ -420,3 +420,39 @@ def test_response_spans_are_checked_and_cut_with_the_response():
             dataclasses.replace(e, response_spans=bad)
     with pytest.raises(ValueError, match="every trained response token"):
         dataclasses.replace(e, response_spans=[(0, 2)])
+
+
+def test_grammar_constrained_responses_are_skipped_and_counted_by_the_sampled_kind(
+        tok, model_state, trace):
+    """Issue 61 (review): a completion sampled under a grammar (`Completion.constraint`)
+    recorded log-probs under the grammar's mask, but kind="sampled" scored it with the
+    unmasked student (biased log-ratio and importance weight). Such a response is its
+    own example (never merged with unconstrained turns) carrying its grammar, and
+    kind="sampled" leaves it out and counts it (`skipped/constrained`); the
+    full-vocabulary kinds train it as before."""
+    import copy
+    tr = copy.deepcopy(trace)
+    constrained = tr.episodes[0].completions[1]  # main's 2nd turn (a tool call)
+    constrained.constraint = '%llguidance {}\nstart: /[a-z]+/'
+    merged = examples_from_traces([trace], tok, config=HintConfig(placement="system"))
+    exs = examples_from_traces([tr], tok, config=HintConfig(placement="system"))
+    assert len(exs) == len(merged) + 1  # the constrained turn is not merged
+    assert [e.constraint for e in exs].count(constrained.constraint) == 1
+    assert [e.response for e in exs if e.constraint] == [constrained.output_ids]
+    n = len(constrained.output_ids)
+    g, st = model_state
+    cfg = DistillConfig(kind="sampled", seq_len=SEQ)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), cfg, OPT, donate=False)
+    m = d.update(exs)
+    assert m["skipped"] == 0 and m["skipped/constrained"] == 1
+    assert m["kept_tokens"] == trace.num_agent_tokens - n
+    assert all(e.constraint is None for e in d.last_examples)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), dataclasses.replace(cfg, kind="reverse_kl"),
+                      OPT, donate=False)
+    batch, _ = d.prepare(exs)
+    assert d.last_counts["skipped/constrained"] == 0
+    assert batch.loss_mask.sum() == trace.num_agent_tokens
+    # a step whose every example is constrained makes no update and says why
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), cfg, OPT, donate=False)
+    m = d.update([e for e in exs if e.constraint])
+    assert m["skipped"] == 1 and m["skipped/constrained"] == 1

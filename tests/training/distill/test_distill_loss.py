@@ -325,6 +325,27 @@ def test_sampled_kind_in_step_chunked_equals_host_logits_at_recorded_parameters(
     np.testing.assert_allclose(float(want[1]["kl_temperature"]), temps.sum(), rtol=1e-6)
 
 
+def test_examples_without_recorded_sampling_are_counted(setup):
+    """Issue 61 (review): an example that records no sampling parameters (temperature
+    None) is scored by kind="sampled" at the loss temperature with weight 1, which is
+    only right if the current student drew it there; the step metrics count such
+    examples (`unrecorded_sampling`) so it is never silent. The full-vocabulary kinds
+    score every position at the loss temperature anyway and count none."""
+    g, st, exs, _, _ = setup
+    recorded = dataclasses.replace(exs[1], temperature=0.8,
+                                   response_logprobs=[-1.0] * len(exs[1].response))
+    mixed = [exs[0], recorded, exs[2]]
+    cfg = DistillConfig(kind="sampled", rows=2, seq_len=32, groups=2)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), cfg, OPT, donate=False)
+    m = d.update(mixed)
+    assert m["skipped"] == 0 and m["unrecorded_sampling"] == 2
+    assert m["unrecorded_sampling_tokens"] == len(exs[0].response) + len(exs[2].response)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), dataclasses.replace(cfg, kind="reverse_kl"),
+                      OPT, donate=False)
+    m = d.update(mixed)
+    assert m["unrecorded_sampling"] == 0 and m["unrecorded_sampling_tokens"] == 0
+
+
 @pytest.mark.parametrize("cap", [0.5, 0.999, 0.0, -1.0])
 def test_a_tis_cap_below_one_is_refused(cap):
     """Issue 61 (review): DistillLoss accepted a tis_cap in (0, 1), which down-weights
@@ -336,3 +357,15 @@ def test_a_tis_cap_below_one_is_refused(cap):
         DistillConfig(kind="sampled", tis_cap=cap).loss()
     for ok in (None, 1.0, 2.0):
         DistillLoss(kind="sampled", tis_cap=ok)
+
+
+def test_every_greedy_example_is_named(setup):
+    """Issue 61 (review): refusing greedy examples is the one exception to "one bad trace
+    never stops a run" (docs/design.md Signal rule 9): a configuration mistake, so the
+    error names every greedy example, not only the first."""
+    _, _, exs, _, _ = setup
+    greedy = [dataclasses.replace(exs[0], temperature=0.0), exs[1],
+              dataclasses.replace(exs[2], temperature=0.0)]
+    with pytest.raises(ValueError, match=r"2 of 3 examples are greedy: example 0 \('a'.*"
+                                         r"example 2 \('b'"):
+        DistillLoss(kind="sampled").check_examples(greedy)
