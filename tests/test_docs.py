@@ -62,3 +62,50 @@ def test_the_reference_shows_every_public_name(site):
         f"names in __all__ without an entry in the API reference: {missing}; a name that "
         "shares its name with a submodule or loads on first use needs its own "
         "`::: module.name` block in docs/reference/<package>.md")
+
+
+# ---------------------------------------------------------------- text that must follow the code
+
+NUMBER_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def _read(page: str) -> str:
+    return (ROOT / "docs" / page).read_text()
+
+
+def test_the_signal_rules_count_the_property_tests_they_cite():
+    """design.md's Signal rules intro says how many property tests check the rules and
+    cites them: the count matches the files cited, each one a hypothesis test."""
+    intro = _read("design.md").split("## Signal rules", 1)[1].split("\n1. **", 1)[0]
+    files = re.findall(r"`(tests/[\w/]+\.py)`", intro)
+    said = re.search(r"\b(\w+) property\s+tests", intro)
+    assert said and NUMBER_WORDS.get(said.group(1)) == len(files), (said and said.group(0), files)
+    for f in files:
+        assert "@given" in (ROOT / f).read_text(), f"{f} is cited as a property test"
+    for f in ("tests/training/distill/test_distill_traces.py",):
+        assert f in intro, f"the property test {f} is not cited"
+
+
+def test_the_distillation_step_counts_are_documented():
+    """Every count the distiller puts in a step's metrics (`STEP_COUNTS`: what did not
+    fit seq_len, what kind "sampled" left out or scored without recorded sampling
+    parameters) is named in docs/design.md's Signal rules and in docs/concepts.md, and
+    Signal rule 9 states its one exception (greedy examples stop the step)."""
+    from ac2_jax.training.distill.trainer import STEP_COUNTS
+    rules = _read("design.md").split("## Signal rules", 1)[1]
+    concepts = _read("concepts.md")
+    for name in STEP_COUNTS:
+        assert f"`{name}`" in rules, f"design.md Signal rules: {name}"
+    for name in ("skipped/too_long", "cut/too_long", "skipped/constrained",
+                 "unrecorded_sampling"):
+        assert f"`{name}`" in concepts, f"concepts.md: {name}"
+    rule9 = rules.split("\n9. **", 1)[1].split("\n10. **", 1)[0]
+    assert "greedy" in rule9 and "exception" in rule9
+
+
+def test_the_rl_loss_snippet_says_attempts():
+    """task_mean is a mean over attempts (traces), not over tasks (problems): the
+    guide's RL snippet says so."""
+    guide = _read("guide.md")
+    line = next(x for x in guide.splitlines() if 'aggregate_loss(per_token, batch, "task_mean")' in x)
+    assert "over attempts" in line and "over tasks" not in line, line
