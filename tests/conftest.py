@@ -79,20 +79,29 @@ FULL_ONLY = {
     "tests/training/core/test_distributed.py": "multi-process JAX over gloo",
     "tests/training/rl/test_split.py": "the split RL job as processes",
     "tests/training/rl/test_faults.py": "the fault harness",
+    "tests/orchestration/test_cli_presets.py": "real CLI agents (Node.js processes)",
+    "tests/recipes/test_recipe_rl.py": "a recipe end to end",
+    "tests/recipes/test_recipe_distill.py": "a recipe end to end",
+    "tests/recipes/test_recipe_sft.py": "a recipe end to end",
+    "tests/examples/": "the example envs' sandboxed code, in processes",
 }
 
 
 # The longest files, longest first (scripts/test_profile.sh, BUILD_NOTES "Test suite in
 # 20 minutes"); the rest keep pytest's order. A stale list costs balance, never a test.
 HEAVY = [
-    "tests/training/rl/test_faults.py",
-    "tests/experiments/test_calculator_agent.py",
-    "tests/benchmarks/test_bench_rl_sampling.py",
     "tests/test_train.py",
-    "tests/benchmarks/test_bench_endpoint.py",
-    "tests/benchmarks/test_bench_real_size.py",
-    "tests/training/core/test_distributed.py",
+    "tests/experiments/test_calculator_agent.py",
     "tests/notebooks/test_notebooks.py",
+    "tests/experiments/test_pinapple.py",
+    "tests/training/rl/test_faults.py",
+    "tests/orchestration/test_cli_presets.py",
+    "tests/training/rl/test_rl_trainer.py",
+    "tests/training/core/test_distributed.py",
+    "tests/training/core/test_train_step.py",
+    "tests/sampling/test_jax_sampler.py",
+    "tests/experiments/test_pinapple_base.py",
+    "tests/benchmarks/test_bench_endpoint.py",
 ]
 
 

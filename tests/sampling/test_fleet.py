@@ -315,6 +315,7 @@ def admin_status(env) -> dict:
     return r.json()["data"][0]["sampler_stats"]
 
 
+@pytest.mark.full  # two backend processes under load
 def test_16_concurrent_rollouts_split_across_two_backend_processes_then_a_publish(
         fleet_env, tok, models):
     env, names = fleet_env, fleet_env["urls"]
@@ -361,6 +362,7 @@ def test_16_concurrent_rollouts_split_across_two_backend_processes_then_a_publis
     assert admin_status(env)["policy_version"] == 1
 
 
+@pytest.mark.full  # backend processes, one killed
 def test_killing_one_backend_mid_load_ends_only_its_rollouts(fleet_env, tok):
     env, fleet = fleet_env, fleet_env["fleet"]
     victim, name = env["procs"][1], env["urls"][1]

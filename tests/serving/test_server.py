@@ -57,6 +57,7 @@ def test_load_policy_rejects_bad_arguments(tmp_path):
         load_policy("tiny", sampler="vllm")
 
 
+@pytest.mark.full  # the server as a child process
 def test_command_line_server(tmp_path):
     port = reserved_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -92,6 +93,7 @@ def test_command_line_server(tmp_path):
         proc.wait(timeout=30)
 
 
+@pytest.mark.full  # the server as a child process
 def test_a_restarted_server_serves_the_newest_publish(tmp_path):
     """`python -m ac2_jax.serving --publish_dir=D` started (or restarted) where D holds
     finalized steps serves the newest one, not the launch weights as version 0 (issue 42's

@@ -70,6 +70,7 @@ def run(tmp_path_factory):
                 loss=float(metrics["loss"]))
 
 
+@pytest.mark.full  # a resume in a child process
 def test_resume_in_a_fresh_process_equals_the_uninterrupted_run(run, tmp_path):
     out = str(tmp_path / "resumed.npz")
     tests_dir = os.path.dirname(os.path.abspath(__file__))

@@ -336,6 +336,7 @@ class ShortTimeoutLifecycle(LifecycleClient):
                                     timeout_s=timeout_s, **kw)
 
 
+@pytest.mark.full  # a fault test: waits out a hung rollout's deadline
 def test_step_survives_a_raising_a_hung_and_a_swept_rollout(served, tmp_path):
     """One RL step of 2 tasks x 4 attempts: task 0's first run raises out of the
     harness, its second hangs past the client's deadline; task 1 attempt 0's
@@ -437,6 +438,7 @@ def test_lifecycle_calls_are_retried_on_connection_errors_and_5xx(served, tmp_pa
     asyncio.run(go())
 
 
+@pytest.mark.full  # a run in a child process, killed and resumed
 def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     """SIGKILL a real RL process mid-collection of step 1, restart it, check the rollouts."""
     import signal
