@@ -38,20 +38,29 @@ def _canonical_args(arguments: Any) -> str:
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
 
-def turn_key(content: str | None, tool_calls: Sequence[dict] | None) -> tuple:
-    """What identifies an assistant turn the client sends back (ids ignored)."""
+def turn_key(content: str | None, tool_calls: Sequence[dict] | None, strip: bool = True) -> tuple:
+    """What identifies an assistant turn the client sends back (ids ignored): the
+    content (whitespace-stripped unless strip=False) and the calls' canonical JSON."""
     calls = []
     for call in tool_calls or ():
         fn = call.get("function", call)
         calls.append((fn.get("name"), _canonical_args(fn.get("arguments", {}))))
-    return ((content or "").strip(), tuple(calls))
+    text = content or ""
+    return (text.strip() if strip else text, tuple(calls))
 
 
 class TurnMemory:
-    """Sampled ids of the assistant turns of one rollout. Thread-safe."""
+    """Sampled ids of the assistant turns of one rollout. Thread-safe.
+
+    Each turn is kept under its exact text and under its whitespace-stripped text;
+    a lookup tries the exact text first. So two turns that differ only in
+    surrounding whitespace ("\n<tool_call>" and "<tool_call>\n") keep their own
+    ids, and a client that strips what it sends back still finds the turn (the
+    latest one of that stripped text)."""
 
     def __init__(self):
-        self._turns: dict[tuple, list[int]] = {}
+        self._turns: dict[tuple, list[int]] = {}  # by stripped text
+        self._exact: dict[tuple, list[int]] = {}  # by exact text
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -62,14 +71,18 @@ class TurnMemory:
     ) -> None:
         if not output_ids:
             return
+        ids = [int(t) for t in output_ids]
         with self._lock:
-            self._turns[turn_key(content, tool_calls)] = [int(t) for t in output_ids]
+            self._exact[turn_key(content, tool_calls, strip=False)] = ids
+            self._turns[turn_key(content, tool_calls)] = ids
 
     def lookup(self, message: dict) -> list[int] | None:
         if message.get("role") != "assistant":
             return None
+        content, calls = message.get("content"), message.get("tool_calls")
         with self._lock:
-            return self._turns.get(turn_key(message.get("content"), message.get("tool_calls")))
+            exact = self._exact.get(turn_key(content, calls, strip=False))
+            return exact if exact is not None else self._turns.get(turn_key(content, calls))
 
 
 def _rendered_ids(

@@ -111,3 +111,18 @@ def test_memory_lookup_only_for_assistant_messages(tok):
     assert mem.lookup({"role": "user", "content": "same text"}) is None
     assert mem.lookup({"role": "assistant", "content": "empty"}) is None
     assert len(mem) == 1
+
+
+def test_turns_that_differ_only_in_surrounding_whitespace_keep_their_own_ids():
+    """Two turns of one rollout, "\\n<tool_call>" and "<tool_call>\\n" (sampled as
+    [201, 768] and [768, 201]), shared one whitespace-stripped key: the later one's
+    ids were spliced in for the earlier one, so a previous_response_id chain on it
+    opened a new episode (tests/serving/test_responses.py's chain test failed once in
+    ~80 seeds). The exact text finds its own ids; a client that strips the text
+    still finds the stripped key's."""
+    memory = TurnMemory()
+    memory.remember("\n<tool_call>", None, [201, 768])
+    memory.remember("<tool_call>\n", None, [768, 201])
+    assert memory.lookup({"role": "assistant", "content": "\n<tool_call>"}) == [201, 768]
+    assert memory.lookup({"role": "assistant", "content": "<tool_call>\n"}) == [768, 201]
+    assert memory.lookup({"role": "assistant", "content": "<tool_call>"}) == [768, 201]
