@@ -46,7 +46,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_invariants  # noqa: E402
-from fault_procs import ROOT, Role, _reads_strictly, free_port, prefix_bytes, quota_open  # noqa: E402, F401
+from fault_procs import ROOT, Role, _reads_strictly, prefix_bytes, quota_open  # noqa: E402, F401
+from ports import reserved_port  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 ADMIN = "sk-admin-faults"
@@ -101,10 +102,10 @@ class FaultJob:
         self.store_path = os.path.join(self.rl, "rollouts.jsonl")
         self.journal = os.path.join(self.w, "journal.jsonl")
         self.published = os.path.join(self.rl, "published")
-        self.port = free_port()
+        self.port = reserved_port()  # the endpoint restarts on it
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy = self._prepare()
-        ports = [free_port(), free_port()]
+        ports = [reserved_port(), reserved_port()]
         py = sys.executable
         self.backends = [Role(f"backend{i}", [py, "-m", "ac2_jax.serving.backend",
                                               f"--model={self.policy}", f"--port={p}",

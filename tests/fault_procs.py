@@ -1,6 +1,6 @@
 """Processes and a full disk for the fault harness (tests/fault_harness.py): `Role` (one
 process of the job, started again as often as needed, each run logged), `quota_open`
-(an `open` whose writes fail with ENOSPC past a quota), `free_port`."""
+(an `open` whose writes fail with ENOSPC past a quota). Ports: tests/ports.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 from typing import Any
-from ports import reserved_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,11 +83,6 @@ def _reads_strictly(path: str) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a torn last line
         return False
-
-
-def free_port() -> int:
-    """A port a role binds later, restarted on the same one (tests/ports.py)."""
-    return reserved_port()
 
 
 class Role:

@@ -28,12 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from suite_profile_site.sitecustomize import COMPILE_EVENTS
 
-COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
 TEST_ENV = "AC2_TEST_PROFILE_TEST"
 
 

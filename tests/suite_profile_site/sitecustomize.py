@@ -13,7 +13,7 @@ import sys
 
 _DIR = os.environ.get("AC2_TEST_PROFILE")
 _TEST = os.environ.get("AC2_TEST_PROFILE_TEST")
-_EVENTS = (
+COMPILE_EVENTS = (  # also read by tests/suite_profile.py
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
@@ -46,7 +46,7 @@ def _listen():
     path = os.path.join(_DIR, f"sub-{os.getpid()}.jsonl")
 
     def listener(event, duration, **_):
-        if event in _EVENTS:
+        if event in COMPILE_EVENTS:
             with open(path, "a") as f:
                 f.write(json.dumps({"test": _TEST, "compile_s": duration}) + "\n")
 
