@@ -13,6 +13,7 @@ episodes, rewards, batch) is the real path.
 import asyncio
 import copy
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -35,6 +36,7 @@ from experiments.configs.calculator import get_config
 ADMIN = "sk-admin-long"
 _TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", re.S)
 _RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
+_STORES = itertools.count()
 
 
 class PolicySampler:
@@ -48,6 +50,11 @@ class PolicySampler:
 
     def load_weights(self, step=None):
         return self.policy_version
+
+    def forget(self):
+        """Start counting prompts afresh, so a collection's outcomes do not depend
+        on which tests (or retries) showed the same compactor prompts before."""
+        self.seen.clear()
 
     def _messages(self, text: str) -> list[dict]:
         out = []
@@ -86,9 +93,10 @@ def long_setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(long_setup):
     tok = long_setup["tok"]
-    app = build_app(PolicySampler(tok), tok, admin_key=ADMIN, model_name="policy")
+    policy = PolicySampler(tok)
+    app = build_app(policy, tok, admin_key=ADMIN, model_name="policy")
     url, stop = serve_in_thread(app)
-    yield dict(long_setup, url=url)
+    yield dict(long_setup, url=url, policy=policy)
     stop()
 
 
@@ -160,12 +168,18 @@ def test_demo_segments_train_main_and_compactor_outputs(long_setup):
 
 
 def _collect(served, tasks_per_step=2, attempts=4):
+    """One fresh collection: its own store (a store that already holds step 0's
+    attempts is resumed from, which handed one test another test's traces, and
+    which of those were garbled depended on timing) and a fresh prompt count."""
+    served["policy"].forget()
+    store = TraceStore(str(served["tmp"] / f"rollouts-{next(_STORES)}.jsonl"))
+
     async def go():
         lc = LifecycleClient(served["url"], ADMIN)
         try:
             collector = EndpointCollector(
                 lc, served["env"], _make(served["cfg"]), "policy",
-                TraceStore(str(served["tmp"] / "rollouts.jsonl")), tasks_per_step=tasks_per_step,
+                store, tasks_per_step=tasks_per_step,
                 attempts_per_task=attempts, seed=3, concurrency=8)
             return await collector.collect(0)
         finally:
