@@ -37,6 +37,7 @@ __all__ = [
     "load_model",
     "metrics_logger",
     "resuming_line",
+    "run_report",
     "saved_step",
     "serve_policy",
     "setting_failure",
@@ -251,7 +252,7 @@ def _overwrite(paths, recipe: str) -> None:
 
 
 # What a recipe writes in paths.reports (removed by an overwrite).
-RUN_REPORTS = ("config.json", "model.json", "report.json", "final_hf")
+RUN_REPORTS = ("config.json", "model.json", "report.json", "eval_before.json", "final_hf")
 
 
 def claim_workdir(recipe: str, cfg: Any, model_spec: Any) -> tuple[int, list[str]]:
@@ -380,6 +381,42 @@ def setting_failure(recipe: str, step: int, traces, cfg: Any, model: Any) -> str
         f"every attempt of {recipe} step {step} ({len(traces)} of {len(traces)}) failed "
         f"before the model answered, with the same error: {error}; {fix}"
     )
+
+
+def run_report(
+    paths, report: dict[str, Any], resume_at: int, *, keep_first: tuple[str, ...] = (),
+    add: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """The report of the whole run across its invocations (resumes): `report` is this
+    invocation's (its "steps" and "time_s" its own); the result's "steps" is the step the
+    run reached (`resume_at` + this invocation's), "steps_this_run" this invocation's,
+    "invocations" one {from_step, steps, time_s} per invocation, "time_s" their sum;
+    `keep_first` keys keep the first invocation's value (e.g. first_loss), `add` keys are
+    summed, a key this invocation left None keeps the earlier value. A resumed run
+    whose earlier report is missing (killed before it wrote one) lists this invocation
+    alone."""
+    out = dict(report)
+    n, t = int(report.get("steps", 0)), float(report.get("time_s", 0.0))
+    earlier: dict[str, Any] = {}
+    path = os.path.join(paths.reports, "report.json")
+    if resume_at and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+    invocations = list(earlier.get("invocations") or [])
+    invocations.append({"from_step": resume_at, "steps": n, "time_s": t})
+    out.update(
+        steps=resume_at + n, steps_this_run=n, invocations=invocations,
+        time_s=sum(float(i["time_s"]) for i in invocations),
+    )  # fmt: skip
+    for k in keep_first:
+        if earlier.get(k) is not None:
+            out[k] = earlier[k]
+    for k, v in earlier.items():  # what this invocation left None (e.g. no step to run)
+        if out.get(k) is None and v is not None:
+            out[k] = v
+    for k in add:
+        out[k] = (earlier.get(k) or 0) + (report.get(k) or 0)
+    return out
 
 
 def metrics_logger(directory: str, log) -> MetricsLogger:

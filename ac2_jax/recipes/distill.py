@@ -35,12 +35,13 @@ from ac2_jax.recipes.common import (
     load_model,
     metrics_logger,
     resuming_line,
+    run_report,
     serve_policy,
     setting_failure,
     write_json,
 )
 from ac2_jax.recipes.config import DistillRecipeConfig
-from ac2_jax.recipes.rl import evaluate_policy
+from ac2_jax.recipes.rl import eval_before, evaluate_policy
 
 __all__ = ["adistill", "distill"]
 
@@ -92,7 +93,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
         ) as (sampler, lifecycle):  # fmt: skip
             if start:
                 publish_policy(sampler, graphdef, dist.state, paths.publish, start)
-            before = await evaluate_policy(cfg, env, lifecycle, "before", progress)
+            before = await eval_before(cfg, env, lifecycle, progress, start)
             sampling = {
                 "temperature": cfg.rollout.temperature,
                 "max_tokens": cfg.rollout.max_tokens,
@@ -153,7 +154,16 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
         "time_s": time.perf_counter() - t_start,
     }
     if before is not None and after is not None:
-        report["eval"] = {"before": before.pass_rate.mean, "after": after.pass_rate.mean}
+        from ac2_jax.evals import compare_results
+
+        diff = compare_results(after, before, "pass").estimate
+        report["eval"] = {
+            "before": before.pass_rate.mean,
+            "before_step": 0,  # the base model's, kept from the run's start
+            "after": after.pass_rate.mean,
+            "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
+        }
+    report = run_report(paths, report, start, add=("skipped_steps",))
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}

@@ -15,6 +15,7 @@ asked (`paths.existing="resume"`, the launcher's --resume; see `claim_workdir`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from typing import Any
@@ -32,13 +33,14 @@ from ac2_jax.recipes.common import (
     load_model,
     metrics_logger,
     resuming_line,
+    run_report,
     serve_policy,
     setting_failure,
     write_json,
 )
 from ac2_jax.recipes.config import RLRecipeConfig
 
-__all__ = ["arl", "evaluate_policy", "rl"]
+__all__ = ["arl", "eval_before", "evaluate_policy", "rl"]
 
 
 async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, harness=None):
@@ -59,6 +61,66 @@ async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, ha
     progress.say(
         f"eval {name}: pass rate {result.pass_rate.mean:.3f} over {len(tasks)} tasks x "
         f"{cfg.eval.attempts} ({time.perf_counter() - t0:.0f}s)"
+    )
+    return result
+
+
+def _eval_key(cfg) -> dict[str, Any]:
+    """What makes two held-out evals of a run comparable (same tasks, attempts, seeds)."""
+    e = cfg.eval
+    return {"num_tasks": e.num_tasks, "attempts": e.attempts, "temperature": e.temperature,
+            "seed": cfg.seed, "max_tokens": cfg.rollout.max_tokens}  # fmt: skip
+
+
+def _load_eval(d: dict[str, Any]):
+    """An `EvalResult` back from its `to_dict` (attempts and headline; no traces)."""
+    from ac2_jax.evals import AttemptRecord, EvalResult, PrefixStats, TokenPrices
+
+    def record(a: dict[str, Any]) -> AttemptRecord:
+        p = dict(a["prefix"])
+        share = (p.pop("mean_request_share") or 0.0) * p["requests"]
+        p.pop("reusable_share"), p.pop("cached_share")
+        return AttemptRecord(**{**a, "prefix": PrefixStats(**p, share_sum=share)})
+
+    tasks = list(dict.fromkeys(a["task_id"] for a in d["attempts"]))
+    prices = TokenPrices(**d["prices"]) if d.get("prices") else None
+    return EvalResult(d["name"], tasks, d["k"], [record(a) for a in d["attempts"]],
+                      d["level"], prices)  # fmt: skip
+
+
+async def eval_before(cfg, env, lifecycle, progress: Progress, resume_at: int, harness=None):
+    """The held-out eval before training, of the base model: run at the run's start and
+    kept (paths.reports/eval_before.json); a resumed run (`resume_at` > 0) serves a
+    trained model, so it reuses the kept one (evaluated with the same eval settings)
+    and never evaluates the resumed model as if it were the base. None (and a console
+    line saying why) when there is none to compare with."""
+    if cfg.eval.num_tasks <= 0:
+        return None
+    path = os.path.join(cfg.paths.resolved().reports, "eval_before.json")
+    if not resume_at:
+        result = await evaluate_policy(cfg, env, lifecycle, "before", progress, harness)
+        write_json(path, {"step": 0, "settings": _eval_key(cfg), "result": result.to_dict()})
+        return result
+    kept = None
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+    if kept is None:
+        progress.say(
+            f"eval before: none was run at the run's start, and the resumed model (step "
+            f"{resume_at}) is not the base: no before/after comparison"
+        )
+        return None
+    if kept["settings"] != _eval_key(cfg):
+        progress.say(
+            f"eval before: the run's start was evaluated with {kept['settings']}, this run "
+            f"asks {_eval_key(cfg)}: no before/after comparison"
+        )
+        return None
+    result = _load_eval(kept["result"])
+    progress.say(
+        f"eval before: kept from the run's start (step {kept['step']}): pass rate "
+        f"{result.pass_rate.mean:.3f} (the resumed model is not the base; not re-run)"
     )
     return result
 
@@ -133,7 +195,7 @@ async def arl(
         model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
         sampler=cfg.sampler, rollout=cfg.rollout, max_batch=rl_cfg.concurrency, seed=cfg.seed,
     ) as (sampler, lifecycle):  # fmt: skip
-        before = await evaluate_policy(cfg, env, lifecycle, "before", progress, harness)
+        before = await eval_before(cfg, env, lifecycle, progress, resume_at, harness)
         sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.rollout.max_tokens}
         store = TraceStore(os.path.join(paths.traces, "rollouts.jsonl"))
         make = (harness or harness_factory)(sampling, cfg.rollout.max_steps)
@@ -178,7 +240,7 @@ async def arl(
     exported = export_model(final, tokenizer, export)
     report: dict[str, Any] = {
         "recipe": "rl",
-        "steps": len(history),
+        "steps": len(history),  # this invocation's; run_report makes it the run's
         "final_pass_rate": history[-1].get("pass_rate") if history else None,
         **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "published": paths.publish,
@@ -190,9 +252,11 @@ async def arl(
         diff = compare_results(after, before, "pass").estimate
         report["eval"] = {
             "before": before.pass_rate.mean,
+            "before_step": 0,  # the base model's, kept from the run's start
             "after": after.pass_rate.mean,
             "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
         }
+    report = run_report(paths, report, resume_at)
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}

@@ -27,6 +27,7 @@ from ac2_jax.recipes.common import (
     load_model,
     metrics_logger,
     resuming_line,
+    run_report,
     write_json,
 )
 from ac2_jax.recipes.config import SFTRecipeConfig
@@ -111,6 +112,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
         **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "time_s": time.perf_counter() - t_start,
     }
+    report = run_report(paths, report, resume_at, keep_first=("first_loss",))
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     return RecipeResult(report, final)

@@ -1,6 +1,7 @@
 """The recipes' shared pieces: model loading, the harness, progress lines."""
 
 import io
+import json
 
 import pytest
 
@@ -74,13 +75,18 @@ def test_a_reused_workdir_is_refused_resumed_or_overwritten_as_asked(tmp_path, m
 
     _sft_run(tmp_path, monkeypatch)
     saved = tmp_path / "run" / "report" / "config.json"
-    before = saved.read_text()
+    first = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
     with pytest.raises(ConfigError, match=r"holds an sft run \(step 1\).*--resume.*--overwrite"):
         _sft_run(tmp_path, monkeypatch, "sft.steps=2")
     # Resume: the run continues where it stopped and says so; a changed setting is named.
     out = _sft_run(tmp_path, monkeypatch, "sft.steps=2", "paths.existing=resume")
     assert "resuming at step 1 (changed: sft.steps 1 -> 2)" in out, out
     assert "[sft] 2/2" in out and "[sft] 1/2" not in out
+    # The report covers the whole run, not only this invocation's step (issue 68).
+    report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
+    assert report["steps"] == 2 and report["steps_this_run"] == 1
+    assert [i["from_step"] for i in report["invocations"]] == [0, 1]
+    assert report["first_loss"] == first["first_loss"] != report["final_loss"]
     before = saved.read_text()
     # What a checkpoint cannot take (full <-> LoRA, another model) is refused before any
     # work, in one line naming it, and the saved config stays as it was.

@@ -27,7 +27,9 @@ def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
     # Resume: a second step on the same workdir trains only step 2.
     cfg2 = load_config(DistillRecipeConfig, None, [*SMALL, "loop.steps=2", "paths.existing=resume",
                                                    f"paths.workdir={tmp_path / 'run'}"])
-    assert distill(model, ParityEnv(), cfg2).report["steps"] == 1
+    r2 = distill(model, ParityEnv(), cfg2).report
+    # The report covers the whole run (issue 68, finding 3).
+    assert r2["steps"] == 2 and r2["steps_this_run"] == 1 and len(r2["invocations"]) == 2
 
 
 def test_a_step_with_nothing_kept_makes_no_update_and_says_so(tmp_path):

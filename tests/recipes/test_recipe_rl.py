@@ -23,9 +23,10 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
     model = load_model("tiny", str(tmp_path / "build"))
     publish = tmp_path / "elsewhere" / "published"  # outside the workdir's tree
     cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
-                                             f"paths.publish={publish}"])
+                                             f"paths.publish={publish}", "eval.num_tasks=2"])
     report = rl(model, ParityEnv(), cfg).report
     assert report["steps"] == 1 and report["published"] == str(publish)
+    first_before = report["eval"]["before"]
     assert sorted(os.listdir(publish)) == ["1"]  # the weights after update 1
     assert not os.path.exists(tmp_path / "run" / "published")
     metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
@@ -46,7 +47,14 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
         report = rl(model, ParityEnv(), cfg2).report
     (line,) = [x for x in console.getvalue().splitlines() if "resuming" in x]
     assert line.startswith("[rl] resuming at step 1 (changed: ") and "rl.steps 1 -> 2" in line
-    assert report["steps"] == 1
+    # The report covers the whole run (issue 68, finding 3): both steps, each invocation;
+    # eval-before is the run's start's (the resumed model is not the base), never re-run.
+    assert report["steps"] == 2 and report["steps_this_run"] == 1
+    assert [(i["from_step"], i["steps"]) for i in report["invocations"]] == [(0, 1), (1, 1)]
+    assert report["eval"]["before"] == first_before
+    assert report["eval"]["before_step"] == 0 and "ci95" in report["eval"]["improvement"]
+    (kept,) = [x for x in console.getvalue().splitlines() if "eval before" in x]
+    assert "kept from the run's start (step 0)" in kept, kept
     traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
     keys = [(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]) for t in traces]
     assert len(keys) == len(set(keys)) == 2 * 2 * 4  # two steps, no rollout run twice
