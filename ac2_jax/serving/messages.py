@@ -14,7 +14,18 @@ Request fields (null is taken as absent):
   model            honoured: 404 unless it is the served model.
   max_tokens       honoured; required, >= 1 (0, Anthropic's cache pre-warming, is refused).
   system           honoured: a string or text blocks (joined with "\\n"), the system message.
-  messages         honoured: role user | assistant; content a string or blocks:
+  messages         honoured: role user | assistant | system; content a string or blocks.
+                   A system message inside `messages` (Anthropic's beta
+                   mid-conversation-system-2026-04-07, which Claude Code 2.1 sends by default)
+                   is a system turn at its place: the chat message {role: system} there,
+                   rendered as the model's chat template renders a system message after
+                   the first (Qwen/ChatML: its own <|im_start|>system turn), and recorded
+                   so in the trace (the completion's `messages`). A template that cannot
+                   render one there gets Anthropic's own 400 ('Unexpected role "system"
+                   ... not "system" as an input message role'), on which Claude Code falls
+                   back to sending it as <system-reminder> user text; any other role gets
+                   a 400 in the same words ("Unexpected role ... input message role").
+                   User and assistant content:
                    text; tool_use {id, name, input, caller: direct} (assistant) -> its
                    tool call (SDK dumps echo caller / toolset_name / citations as null);
                    tool_result {tool_use_id, content: string | text blocks, is_error}
@@ -94,7 +105,7 @@ from ac2_jax.serving.generation import (
     serve_request,
     start_request,
 )
-from ac2_jax.serving.messages_blocks import UNION_TAGS
+from ac2_jax.serving.messages_blocks import SYSTEM_ROLE_REFUSED, UNION_TAGS
 from ac2_jax.serving.messages_output import (
     MessageEventWriter,
     message_body,
@@ -201,6 +212,21 @@ def chat_request(body: PromptBody) -> req_lib.ChatRequest:
     return req_lib.ChatRequest(**fields)
 
 
+async def prompt_ids_of(ctx: ServeContext, principal, body: PromptBody, req) -> list[int]:
+    """`chat_prompt_ids`, with a template that cannot render a mid-conversation system
+    turn answered in Anthropic's words (Claude Code's fallback keys on them)."""
+    try:
+        return await chat_prompt_ids(ctx, principal, req)
+    except APIError as e:
+        if e.status != 400 or e.code is not None or not body.has_system_turns:
+            raise
+        raise bad_request(
+            f"messages: {SYSTEM_ROLE_REFUSED} (this model's chat template cannot render a "
+            f"system message mid-conversation: {e.message})",
+            param="messages",
+        ) from None
+
+
 # ------------------------------------------------------------------------------ routes
 
 
@@ -220,7 +246,7 @@ def install_messages_routes(
         check_model(ctx, body.model)
         req = chat_request(body)
         agent = agent_label(request, req)
-        prompt_ids = await chat_prompt_ids(ctx, principal, req)
+        prompt_ids = await prompt_ids_of(ctx, principal, body, req)
         st = await start_request(
             ctx, request, principal, req, agent, prompt_ids, req.messages, chat=True
         )
@@ -234,6 +260,6 @@ def install_messages_routes(
         body = validate(PromptBody, await read_json(request))
         check_model(ctx, body.model)
         req = chat_request(body)
-        prompt_ids = await chat_prompt_ids(ctx, principal, req)
+        prompt_ids = await prompt_ids_of(ctx, principal, body, req)
         _prefix, prefix_ids = await forced_prefix_ids(ctx, req)  # as start_request adds it
         return {"input_tokens": len(prompt_ids) + len(prefix_ids)}

@@ -4,7 +4,8 @@ The pydantic models of `messages_schemas`' `messages` field (strict,
 `extra="forbid"`, 400 naming the field): text, tool_use and tool_result
 blocks, image/document blocks refused by name, user and assistant messages
 as tagged unions whose unknown tags go to a member that refuses them.
-`UserMessage.chat_messages()` / `AssistantMessage.chat_messages()` are the
+`UserMessage.chat_messages()` / `AssistantMessage.chat_messages()` /
+`SystemMessage.chat_messages()` (a mid-conversation system turn) are the
 OpenAI chat messages a Chat Completions client would send (see
 `messages_schemas`).
 """
@@ -33,7 +34,7 @@ TEXT_ONLY = "this server serves a text-only model; send the content as text"
 # The tags of the tagged-union lists, by the list's field name (in error locations
 # after the item's index: `messages.validate` leaves them out).
 UNION_TAGS = {
-    "messages": {"user", "assistant", "other"},
+    "messages": {"user", "assistant", "system", "other"},
     "content": {"text", "tool_use", "tool_result", "image", "document", "other"},
     "tools": {"custom", "other"},
 }
@@ -228,9 +229,34 @@ class AssistantMessage(_Strict):
         return [msg]
 
 
+# Anthropic's own wording of a refused message role. Claude Code's fallback for servers
+# without mid-conversation system messages (it resends them as <system-reminder> user
+# text) fires only on a 400 whose message has "Unexpected role" and "input message role".
+SYSTEM_ROLE_REFUSED = (
+    'Unexpected role "system". The Messages API accepts a top-level `system` parameter, '
+    'not "system" as an input message role'
+)
+
+
 def _bad_role(value: Any) -> Any:
-    where = " (the system prompt goes in the top-level 'system' field)" if value == "system" else ""
-    raise _error("invalid_value", f"must be 'user' or 'assistant', got {value!r}{where}")
+    raise _error(
+        "invalid_value",
+        f'Unexpected role {json.dumps(value)}. The Messages API accepts "user", '
+        '"assistant" and (mid-conversation) "system" as an input message role',
+    )
+
+
+class SystemMessage(_Strict):
+    """A mid-conversation system message (Anthropic's beta
+    `mid-conversation-system-2026-04-07`; Claude Code 2.1 sends one): text blocks,
+    a system turn at its place in the conversation, rendered as the chat template
+    renders a system message there (`messages`)."""
+
+    role: Literal["system"]
+    content: Annotated[list[TextBlock], Field(min_length=1), BeforeValidator(_as_blocks)]
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": _text_parts(self.content)}]
 
 
 class OtherMessage(_Refused):
@@ -240,6 +266,7 @@ class OtherMessage(_Refused):
 Message = Annotated[
     Annotated[UserMessage, Tag("user")]
     | Annotated[AssistantMessage, Tag("assistant")]
+    | Annotated[SystemMessage, Tag("system")]
     | Annotated[OtherMessage, Tag("other")],
-    _union("role", ("user", "assistant"), "must be a message: {role, content}"),
+    _union("role", ("user", "assistant", "system"), "must be a message: {role, content}"),
 ]

@@ -38,6 +38,7 @@ from ac2_jax.serving.messages_blocks import (
     AssistantMessage,
     CacheControl,
     Message,
+    SystemMessage,
     TextBlock,
     UserMessage,
     _as_blocks,
@@ -232,9 +233,14 @@ class PromptBody(_Strict):
         if self.system:
             out.append({"role": "system", "content": _text_parts(self.system)})
         for message in self.messages:
-            if isinstance(message, (UserMessage, AssistantMessage)):  # others never validate
+            if isinstance(message, (UserMessage, AssistantMessage, SystemMessage)):
                 out += message.chat_messages()
         return out
+
+    @property
+    def has_system_turns(self) -> bool:
+        """Whether `messages` holds a mid-conversation system message."""
+        return any(isinstance(m, SystemMessage) for m in self.messages)
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         return [t.chat_tool() for t in self.tools if isinstance(t, Tool)] if self.tools else None

@@ -378,8 +378,10 @@ FIELDS = {
     "tool_use from the user": ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "add", "input": {}}]}]},
         "messages[0].content[0].type"),
-    "system role message": ({"messages": [{"role": "system", "content": "x"}, USER_MSG]},
-                            "messages[0].role"),
+    # A system message in `messages` is a system turn (issue 67: Claude Code 2.1 sends one).
+    "system role message": ({"messages": [{"role": "system", "content": "x"}, USER_MSG]}, None),
+    "tool role message": ({"messages": [{"role": "tool", "content": "x"}, USER_MSG]},
+                          "messages[0].role"),
     "prefill": ({"messages": [USER_MSG, {"role": "assistant", "content": "The"}]}, "messages"),
     "empty content": ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     "citations": ({"messages": [{"role": "user", "content": [

@@ -1,0 +1,139 @@
+"""What production agent CLIs send with their default settings, over real HTTP with
+the official SDKs (`anthropic`, `openai`, `google-genai`) (issue 67).
+
+Claude Code 2.1 sends a mid-conversation system message; Codex 0.17x a `namespace`
+tool group and the built-in `web_search` tool; Gemini CLI speaks only the Gemini
+API. The sampler is `ScriptedSampler`, a test double of the Sampler protocol that
+answers the texts it is given (so a test decides when the model calls a tool,
+without fitting a model); the endpoint, template, splice and recording are real.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import anthropic
+import httpx
+import pytest
+
+from ac2_jax.models import build_tiny_tokenizer
+from ac2_jax.models.tiny_tokenizer import TINY_CHAT_TEMPLATE
+from ac2_jax.sampling import SampleResult
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+
+ADMIN = "sk-admin-harness"
+WAIT_S = 120
+
+
+class ScriptedSampler:
+    """The Sampler protocol over a script: each request answers the next queued text
+    (then "ok"), its tokens + EOS, each with log-prob -0.5."""
+
+    def __init__(self, tok, max_context: int = 4096):
+        self.tok, self.max_context, self.policy_version = tok, max_context, 0
+        self.queue: collections.deque[str] = collections.deque()
+        self.prompts: list[list[int]] = []
+
+    def load_weights(self, step=None):
+        return self.policy_version
+
+    async def generate(self, prompt_ids, params, *, on_tokens=None):
+        self.prompts.append(list(prompt_ids))
+        text = self.queue.popleft() if self.queue else "ok"
+        out = (self.tok.encode(text) + [self.tok.eos_token_id])[: params.max_tokens]
+        finish = "stop" if out and out[-1] == self.tok.eos_token_id else "length"
+        if on_tokens is not None:
+            on_tokens(out, [-0.5] * len(out))
+        return SampleResult(out, [-0.5] * len(out), finish, self.policy_version)
+
+
+def serve(tok, sampler, **kw):
+    return serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny", **kw))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("harness")
+    tok = build_tiny_tokenizer(str(tmp / "tok"))
+    sampler = ScriptedSampler(tok)
+    url, stop = serve(tok, sampler)
+    # The same tokenizer with a template that cannot render a system turn after the first.
+    strict_tok = build_tiny_tokenizer(str(tmp / "tok2"))
+    strict_tok.chat_template = TINY_CHAT_TEMPLATE.replace(
+        "{%- elif message.role in ['user', 'system'] %}",
+        "{%- elif message.role == 'system' %}{{- raise_exception('System role only first') }}"
+        "{%- elif message.role == 'user' %}")
+    strict_url, strict_stop = serve(strict_tok, ScriptedSampler(strict_tok))
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
+                         timeout=WAIT_S)
+    yield dict(tok=tok, sampler=sampler, url=url, admin=admin, strict_url=strict_url)
+    admin.close()
+    stop()
+    strict_stop()
+
+
+def create(env, task_id, url=None, **fields):
+    r = httpx.post((url or env["url"]) + "/v1/rollouts", json={"task_id": task_id, **fields},
+                   headers={"Authorization": f"Bearer {ADMIN}"}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def trace_of(env, info, url=None):
+    return httpx.get(f"{url or env['url']}/v1/rollouts/{info['rollout_id']}/trace",
+                     headers={"Authorization": f"Bearer {ADMIN}"}, timeout=WAIT_S).json()
+
+
+def claude(info):
+    return anthropic.Anthropic(base_url=info["anthropic_base_url"], api_key=info["api_key"],
+                               max_retries=0, timeout=WAIT_S)
+
+
+# ------------------------------------------------------------------ Anthropic Messages
+
+MID_SYSTEM_BETA = {"anthropic-beta": "mid-conversation-system-2026-04-07"}
+AGENT_LISTING = "Available agent types: general-purpose, Explore."
+
+
+def test_a_mid_conversation_system_message_is_a_system_turn(env):
+    """Claude Code 2.1's default request: messages[1] is a system message. It is a
+    system turn at its place, rendered by the template and recorded so."""
+    info = create(env, "mid-system")
+    messages = [{"role": "user", "content": "<context>cwd: /w</context>"},
+                {"role": "system", "content": [{"type": "text", "text": AGENT_LISTING}]},
+                {"role": "user", "content": "Say hi."}]
+    msg = claude(info).messages.create(model="tiny", system="You are Claude Code.",
+                                       messages=messages, max_tokens=16,
+                                       extra_headers=MID_SYSTEM_BETA)
+    assert msg.content[0].text == "ok"
+    chat = [{"role": "system", "content": "You are Claude Code."},
+            {"role": "user", "content": "<context>cwd: /w</context>"},
+            {"role": "system", "content": AGENT_LISTING},
+            {"role": "user", "content": "Say hi."}]
+    (episode,) = trace_of(env, info)["episodes"]
+    (comp,) = episode["completions"]
+    assert comp["messages_delta"] == chat and comp["messages_start"] == 0
+    assert comp["prompt_ids"] == build_prompt_ids(env["tok"], chat, None, TurnMemory())[0]
+    assert "<|im_start|>system\n" + AGENT_LISTING in env["tok"].decode(comp["prompt_ids"])
+
+
+def test_refused_roles_are_worded_as_anthropic_words_them(env):
+    """Claude Code's fallback (resend the system message as user text) fires on a 400
+    with "Unexpected role" and "input message role"; so does every refused role."""
+    info = create(env, "roles")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(info).messages.create(model="tiny", max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])
+    assert "Unexpected role" in e.value.message and "input message role" in e.value.message
+    assert "messages[1].role" in e.value.message
+    # A template that cannot render a system turn mid-conversation: Anthropic's own 400.
+    info = create(env, "roles-strict", url=env["strict_url"])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(info).messages.create(model="tiny", max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, {"role": "system", "content": AGENT_LISTING},
+            {"role": "user", "content": "go"}], extra_headers=MID_SYSTEM_BETA)
+    assert 'Unexpected role "system"' in e.value.message
+    assert "input message role" in e.value.message and "System role only first" in (
+        e.value.message)
