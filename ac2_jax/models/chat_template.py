@@ -54,15 +54,39 @@ def select_template(chat_template: str | dict[str, str] | None, has_tools: bool)
     return t
 
 
+def _call_as_object(call: Any) -> Any:
+    """A tool call whose `function.arguments` is a JSON string holding an object, with
+    the object in its place (a copy); any other call as it is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        obj = json.loads(args)
+    except ValueError:
+        return call
+    if not isinstance(obj, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": obj}}
+
+
 def clean_messages(messages: Sequence[dict]) -> list[dict[str, Any]]:
-    """Copies of `messages` without the keys whose value is None (as transformers does)."""
+    """Copies of `messages` ready for a chat template: without the keys whose value is
+    None (as transformers does), and with each tool call's `function.arguments` given as
+    a JSON string (the OpenAI form) turned into the object it holds, as vLLM does:
+    published templates render `tool_call.arguments | tojson` (Qwen2.5, Llama 3.x,
+    Mistral), which would encode a string twice. Arguments that are not a JSON object
+    stay as given. The input is not changed."""
     if not messages:
         raise ValueError("apply_chat_template: messages is empty")
     out = []
     for m in messages:
         if not isinstance(m, dict):
             raise TypeError(f"chat messages must be dicts, got {type(m).__name__}")
-        out.append({k: v for k, v in m.items() if v is not None})
+        m = {k: v for k, v in m.items() if v is not None}
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_call_as_object(c) for c in m["tool_calls"]]
+        out.append(m)
     return out
 
 

@@ -275,3 +275,25 @@ def test_mistral_parser_format_and_malformed_text():
         assert parsed.steps <= 4 * len(bad) + 64  # linear work
     capped = type(p)(max_chars=20).parse(text)  # the array runs past the cap: text
     assert capped.calls == [] and capped.unparsed_chars == len(text) - 20
+
+
+def test_openai_form_arguments_reach_the_template_as_objects(family):
+    """Issue 68, finding 4: OpenAI messages carry a call's arguments as a JSON string; the
+    Qwen2.5 template renders `tool_call.arguments | tojson`, so a string was encoded twice
+    (`"arguments": "{\\"city\\": ...}"`) in SFT demos and prompts. They reach the template
+    as the object (as vLLM passes them), so the prompt equals transformers' rendering of
+    the object, the form the model emits."""
+    name, ours, theirs = family
+    calls = [{"id": "abcDEF123", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]
+    messages = conversation(name, calls)
+    rendered = ours.apply_chat_template(messages, TOOLS, add_generation_prompt=False)
+    assert rendered == theirs.apply_chat_template(
+        conversation(name, as_template_calls(calls)), tools=TOOLS, tokenize=False,
+        add_generation_prompt=False)
+    assert '"arguments": {"city": "Paris", "days": 2}' in rendered, rendered
+    assert messages[2]["tool_calls"][0]["function"]["arguments"].startswith("{")  # untouched
+    # Arguments that are not a JSON object stay as given (the template shows what came).
+    bad = [{**calls[0], "function": {"name": "get_weather", "arguments": "not json"}}]
+    assert '"not json"' in ours.apply_chat_template(conversation(name, bad), TOOLS,
+                                                    add_generation_prompt=False)
