@@ -163,7 +163,10 @@ class DistillLoopConfig:
     (`env.hint(task)`) and distills the traces (`examples_from_traces`).
     only_failures: distill only the attempts the verifier failed (reward below
     `pass_reward`; an attempt with no reward counts as failed); the passed ones
-    are counted (data/passed_traces), never taught."""
+    are counted (data/passed_traces), never taught.
+    hints: attach the env's hints to the teacher's prompt; false (with
+    `distill.teacher` naming a teacher model only) is plain on-policy distillation:
+    the teacher reads the student's own prompt and the env needs no `hint`."""
 
     steps: int = 10
     tasks_per_step: int = 4
@@ -172,6 +175,7 @@ class DistillLoopConfig:
     judge: str = "keywords"  # RMSD's judge: "keywords" or "diff" (a RuleJudge)
     only_failures: bool = False
     pass_reward: float = 1.0
+    hints: bool = True
 
     def __post_init__(self):
         if min(self.steps, self.tasks_per_step, self.attempts_per_task, self.concurrency) < 1:

@@ -9,7 +9,12 @@ each task's hint (`env.hint(task)`) to its traces, and distills every
 completion of every episode (with `loop.only_failures`, of the failed
 attempts only) from the hinted teacher (`examples_from_traces`,
 `SelfDistiller`: `distill.method` "opsd", "rmsd" with a rule judge, or
-"sft"). The new weights are published and served for the next step. Traces
+"sft"). With `distill.teacher` naming a model (an HF directory or a preset of
+the student's vocabulary, checked before any work) the teacher is that model,
+loaded once and frozen (`distill.teacher_dtype` "bfloat16" halves it): on-policy
+distillation from another model; it reads the hint too unless `loop.hints` is
+false (plain OPD: the teacher reads the student's prompt, and the env needs no
+`hint`). The new weights are published and served for the next step. Traces
 that cannot be taught are skipped whole and counted (`skipped_traces`,
 `skipped/<reason>` in the step's metrics); a step with no example makes no
 update and says so.
@@ -43,7 +48,7 @@ from ac2_jax.recipes.common import (
 from ac2_jax.recipes.config import DistillRecipeConfig
 from ac2_jax.recipes.rl import eval_before, evaluate_policy
 
-__all__ = ["adistill", "distill"]
+__all__ = ["adistill", "distill", "load_teacher"]
 
 
 def _judge(name: str):
@@ -54,6 +59,22 @@ def _judge(name: str):
     if name == "diff":
         return RuleJudge(use_hint_keywords=False, diff=True)
     raise ValueError(f"loop.judge must be 'keywords' or 'diff', got {name!r}")
+
+
+def load_teacher(cfg: DistillRecipeConfig, tokenizer: Any, student: Any, workdir: str):
+    """The `TeacherModel` `cfg.distill.teacher` names (None: the self-teacher), its
+    vocabulary checked against the student's (`check_vocabulary`: one line naming
+    what differs)."""
+    from ac2_jax.training.distill import TeacherModel, check_vocabulary
+
+    if not cfg.distill.teacher_is_model:
+        return None
+    name = cfg.distill.teacher
+    model, teacher_tokenizer = load_model(name, workdir)
+    check_vocabulary(
+        tokenizer, teacher_tokenizer, student.config.vocab_size, model.config.vocab_size, name
+    )
+    return TeacherModel.from_model(model, dtype=cfg.distill.teacher_dtype, name=name)
 
 
 async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
@@ -68,21 +89,30 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     cfg = config if config is not None else DistillRecipeConfig()
     paths, loop = cfg.paths.resolved(), cfg.loop
     resume_at, changed = claim_workdir("distill", cfg, model)  # before any work
-    env = check_env(load_env(env), "distill")
+    if not loop.hints and not cfg.distill.teacher_is_model:
+        raise ConfigError(
+            "loop.hints=false needs distill.teacher naming a teacher model: the self-teacher "
+            f"({cfg.distill.teacher!r}) without a hint is the student itself"
+        )
+    env = check_env(load_env(env), "distill" if loop.hints else "rl")  # no hint(): plain OPD
     spec = model
     model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
     check_model(cfg, "distill", model, spec, resume_at)
+    teacher = load_teacher(cfg, tokenizer, model, paths.workdir)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     graphdef, state = create_train_state(model, cfg.optimizer, rng=cfg.seed)
     logger = metrics_logger(paths.metrics, cfg.log)
     dist = SelfDistiller(
         graphdef, state, cfg.distill, cfg.optimizer,
         judge=_judge(loop.judge) if cfg.distill.method == "rmsd" else None, tokenizer=tokenizer,
-        workdir=os.path.join(paths.workdir, "distill"), logger=logger,
+        workdir=os.path.join(paths.workdir, "distill"), logger=logger, teacher_model=teacher,
     )  # fmt: skip
     start = dist.restore()
     progress = Progress(f"distill:{cfg.distill.method}", loop.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    if teacher is not None:
+        hinted = "with the env's hints" if loop.hints else "without hints"
+        progress.say(f"teacher model {teacher.name} ({hinted})")
     if start:
         progress.say(resuming_line(start, changed))
     t_start, history = time.perf_counter(), []
@@ -116,7 +146,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     raise ConfigError(stop)
                 traces = [t for t in collected if t.status != "infra_error"]
                 for tr in traces:
-                    hint = env.hint(tasks[tr.task_id])
+                    hint = env.hint(tasks[tr.task_id]) if loop.hints else None
                     tr.hints = [hint] if hint else []
                 # infra_error traces (our fault, retried by the collector) are never taught.
                 counts: dict[str, Any] = {"infra_error_traces": len(collected) - len(traces)}
@@ -124,7 +154,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     failed = [t for t in traces if t.reward is None or t.reward < loop.pass_reward]
                     counts["passed_traces"] = len(traces) - len(failed)
                     traces = failed
-                examples = examples_from_traces(traces, tokenizer, cfg.hint, counts=counts)
+                examples = examples_from_traces(
+                    traces, tokenizer, cfg.hint, counts=counts, unhinted=teacher is not None
+                )
                 m = await asyncio.to_thread(dist.update, examples)  # logs train/...
                 # What the step's traces gave: examples made, traces skipped (by reason).
                 logger.log(step + 1, counts, prefix="data")
@@ -148,6 +180,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     report: dict[str, Any] = {
         "recipe": "distill",
         "method": cfg.distill.method,
+        "teacher": cfg.distill.teacher,
         "steps": len(history),
         "skipped_steps": sum(1 for m in history if m.get("skipped")),
         **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)

@@ -18,7 +18,9 @@ The loss reads the model through `objectives.apply_loss`: from dense logits,
 or (losses with `from_model`) from hidden states chunk by chunk and from a
 teacher run inside the step: `step(state, batch, extras, teacher=params)`
 passes a frozen teacher's params (same structure as state.params; never
-donated); without it a teacher is the live params, gradient stopped.
+donated), or another model with a `place(mesh, rules)` method that puts it on
+the step's mesh (`training.distill.TeacherModel`); without it a teacher is the
+live params, gradient stopped.
 
 Memory: a DecoderConfig's "auto" runtime fields (scan_layers, remat,
 attention_backend) and the losses' chunk_size "auto" are the memory plan
@@ -365,6 +367,8 @@ class TrainStep:
         if teacher is None:
             return None
         assert self.state_sharding is not None, "the step is built before a teacher is placed"
+        if hasattr(type(teacher), "place"):  # another model (distill's TeacherModel)
+            return teacher.place(self.mesh, self.axis_rules)
         return jax.device_put(teacher, self.state_sharding.params)
 
     def __call__(self, state: TrainState, batch, extras: dict | None = None, teacher=None):

@@ -1,4 +1,5 @@
-"""Self-distillation (OPSD, RMSD): hinted teacher pairs (`data`), on-policy sources, the trainer."""
+"""Self-distillation (OPSD, RMSD) and on-policy distillation from a teacher model (`teacher`):
+hinted teacher pairs (`data`), on-policy sources, the trainer."""
 
 from ac2_jax.training.distill.data import (
     DistillExample,
@@ -31,6 +32,7 @@ from ac2_jax.training.distill.sources import (
     rollout_and_grade,
     sample,
 )
+from ac2_jax.training.distill.teacher import TeacherModel, check_vocabulary, vocabulary_mismatch
 from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.distill.trainer import DistillConfig, Relevance, SelfDistiller
 
@@ -46,7 +48,9 @@ __all__ = [
     "Relevance",
     "SampleConfig",
     "SelfDistiller",
+    "TeacherModel",
     "aresample_examples",
+    "check_vocabulary",
     "arollout_and_grade",
     "asample",
     "divergence",
@@ -64,4 +68,5 @@ __all__ = [
     "teacher_extras",
     "teacher_hidden",
     "teacher_logits",
+    "vocabulary_mismatch",
 ]

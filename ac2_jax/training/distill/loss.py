@@ -43,6 +43,7 @@ from ac2_jax.training.distill.data import (
     DistillExample,
     PairedBatch,
 )
+from ac2_jax.training.distill.teacher import TeacherModel
 
 # What `DistillLoss.usable_examples` / `unrecorded_sampling` count per step (kind
 # "sampled"; 0 for the others): grammar-constrained examples left out, and the
@@ -63,15 +64,26 @@ def teacher_extras(paired: PairedBatch) -> dict[str, np.ndarray]:
     }
 
 
+def teacher_side(model: StepModel) -> StepModel:
+    """The StepModel the teacher runs as (always with teacher=True): the step's own
+    (the self-teacher: live params, or frozen ones of the same structure), or, when
+    the step's teacher is a `TeacherModel`, one of its own graphdef and params."""
+    t = model.teacher_params
+    if isinstance(t, TeacherModel):
+        return StepModel(t.graphdef, t.params, t.rest, t.params)
+    return model
+
+
 def teacher_hidden(model: StepModel, extras: dict) -> jax.Array:
-    """Teacher hidden states [R, L, D] in the student layout (gradient stopped)."""
+    """Teacher hidden states [R, L, D_teacher] in the student layout (gradient
+    stopped); D_teacher is the student's D unless the teacher is a `TeacherModel`."""
     missing = [k for k in TEACHER_KEYS if k not in (extras or {})]
     if missing:
         raise ValueError(
             f"DistillLoss needs extras with the teacher rows, missing {missing}; "
             "build them with teacher_extras(pack_pairs(...))"
         )
-    h = model.hidden(
+    h = teacher_side(model).hidden(
         extras["teacher_tokens"],
         extras["teacher_positions"],
         extras["teacher_segment_ids"],
@@ -105,17 +117,19 @@ def _sampling_inputs(batch, temperature: float) -> dict:
 
 def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
     """fn([student logits, teacher logits], per_token) densely or chunk by chunk
-    ("auto": chunked when both sides' fp32 logits exceed `logprob_chunk_for`'s bound)."""
+    ("auto": chunked when both sides' fp32 logits exceed `logprob_chunk_for`'s bound).
+    The teacher's logits come from its own head (`teacher_side`)."""
+    teacher = teacher_side(model)
     if chunk_size == AUTO:
         rows, length = student_hidden.shape[:2]
         chunk_size = logprob_chunk_for(2 * rows, length, model.head().vocab_size)
     if chunk_size is None:
         return fn(
-            [model.project(student_hidden), model.project(teacher_h, teacher=True)], per_token
+            [model.project(student_hidden), teacher.project(teacher_h, teacher=True)], per_token
         )
     return chunked_logits_map(
         fn,
-        [(student_hidden, model.head()), (teacher_h, model.head(teacher=True))],
+        [(student_hidden, model.head()), (teacher_h, teacher.head(teacher=True))],
         per_token,
         chunk_size=chunk_size,
     )

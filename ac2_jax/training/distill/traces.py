@@ -77,9 +77,9 @@ def _run_example(run: list, hint: str, task: str, agent: str) -> DistillExample:
         response,
         hint,
         task,
-        hint_span=span,
+        hint_span=span if hint else None,
         response_logprobs=lps.tolist(),
-        messages=list(first.messages),
+        messages=None if first.messages is None else list(first.messages),
         response_mask=None if len(run) == 1 else mask.tolist(),
         response_spans=None if len(run) == 1 else spans,
         agent=agent,
@@ -131,12 +131,15 @@ def _trace_examples(
             if not c.output_ids:
                 counts["empty_outputs"] += 1
                 continue
-            if c.messages is None:
+            if not hint:  # a teacher model without a hint: it reads the student's prompt
+                teacher, span = list(c.prompt_ids), (0, 0)
+            elif c.messages is None:
                 raise _SkipTrace("no_messages", f"agent {ep.agent!r}")
-            try:
-                _, teacher, span = insert_hint(tokenizer, c.messages, hint, cfg, c.prompt_ids)
-            except ValueError as e:
-                raise _SkipTrace("hint_not_insertable", str(e)) from None
+            else:
+                try:
+                    _, teacher, span = insert_hint(tokenizer, c.messages, hint, cfg, c.prompt_ids)
+                except ValueError as e:
+                    raise _SkipTrace("hint_not_insertable", str(e)) from None
             item = (c, teacher, span)
             if run and merge and _mergeable(run, item):
                 run.append(item)
@@ -157,6 +160,7 @@ def examples_from_traces(
     hint_join: str = "\n",
     merge: bool = True,
     counts: dict | None = None,
+    unhinted: bool = False,
 ) -> list[DistillExample]:
     """(a) Offline: every completion of every selected episode of each hinted trace.
 
@@ -178,7 +182,11 @@ def examples_from_traces(
     with each request) each completion is its own example. Either way every
     output token is trained exactly once.
 
-    Traces without hints and completions with no output give no example. A
+    unhinted: also teach the traces without hints, the teacher reading the
+    student's own prompt (on-policy distillation from a teacher model: the
+    self-teacher would be the student itself); they are counted as
+    "traces_without_hints" either way. Completions with no output give no
+    example. Without `unhinted`, traces without hints give none either. A
     hinted trace that cannot be taught (one of `SKIP_REASONS`, e.g. its hint
     cannot be inserted) gives none at all: it is skipped whole, counted as
     "skipped_traces" and "skipped/<reason>", and each reason is logged once per
@@ -199,7 +207,8 @@ def examples_from_traces(
         counts["traces"] += 1
         if not tr.hints:
             counts["traces_without_hints"] += 1
-            continue
+            if not unhinted:
+                continue
         try:
             out.extend(
                 _trace_examples(

@@ -19,10 +19,13 @@ One update on a list of `DistillExample`s (see `distill_data`):
    times each example's `weight` (the batch's `loss_weight`; it never changes
    the normalising counts).
 
-Teacher weights: "live" (the current params, gradient stopped), "fixed" (a
-copy of the initial params) or "ema" (updated after every step:
-`ema <- decay * ema + (1 - decay) * params`); frozen ones reach the step as
-its `teacher` argument.
+Teacher: the hinted self-teacher with weights "live" (the current params,
+gradient stopped), "fixed" (a copy of the initial params) or "ema" (updated
+after every step: `ema <- decay * ema + (1 - decay) * params`); or a teacher
+model (`DistillConfig.teacher` names it: an HF directory or a model preset,
+loaded by the caller as a `TeacherModel` of the student's vocabulary, frozen;
+on-policy distillation from another model). Frozen ones reach the step as its
+`teacher` argument; a teacher model runs there with its own graphdef.
 Method "sft" instead trains the student (no hint) on the examples'
 responses with plain SFT: the baseline with teacher-sampled responses.
 
@@ -34,12 +37,14 @@ the fixed/EMA teacher params, and `restore()` resumes exactly.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
@@ -64,9 +69,10 @@ from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
     teacher_extras,
     teacher_logits,
 )
+from ac2_jax.training.distill.teacher import TeacherModel
 
 METHODS = ("opsd", "rmsd", "sft")
-TEACHERS = ("live", "fixed", "ema")
+TEACHERS = ("live", "fixed", "ema")  # the self-teacher's weights; anything else names a model
 # Every step's counts (`SelfDistiller.update` metrics, `last_counts`): what did not fit
 # seq_len (`data.TOO_LONG`) and what kind "sampled" left out or scored blind.
 STEP_COUNTS = TOO_LONG + SAMPLED_COUNTS
@@ -94,6 +100,15 @@ class DistillConfig:
     "sampled" scores each token at its recorded sampling parameters instead
     (the temperature for examples that record none) and weights an older
     policy's tokens by min(importance ratio, tis_cap) (None: untruncated).
+
+    teacher: the self-teacher (the student's weights with the hint in its
+    prompt): "live" (default), "fixed" or "ema"; or a teacher model: an HF
+    directory or a model preset name (`recipes.MODELS`) of the student's
+    vocabulary, loaded once and frozen (`TeacherModel`; the distill recipe loads
+    it, `SelfDistiller(teacher_model=)` takes it loaded). It scores the same
+    response tokens in its own prompt (the student's, with the hint if the
+    example has one). teacher_dtype: a teacher model's weight storage, None (as
+    loaded) or "bfloat16" / "float32".
     """
 
     method: str = "opsd"
@@ -104,6 +119,7 @@ class DistillConfig:
     mode: str = "task_mean"
     teacher: str = "live"
     ema_decay: float = 0.99
+    teacher_dtype: str | None = None
     top_t: int | None = 4
     threshold: float | None = None
     seq_len: int = 256
@@ -122,13 +138,38 @@ class DistillConfig:
             )
         if self.method not in METHODS:
             raise ValueError(f"DistillConfig.method must be one of {METHODS}, got {self.method!r}")
-        if self.teacher not in TEACHERS:
+        if not isinstance(self.teacher, str) or not self.teacher:
             raise ValueError(
-                f"DistillConfig.teacher must be one of {TEACHERS}, got {self.teacher!r}"
+                f"DistillConfig.teacher must be one of {TEACHERS} (the self-teacher) or a "
+                f"teacher model (an HF directory or a model preset), got {self.teacher!r}"
+            )
+        close = difflib.get_close_matches(self.teacher, TEACHERS, n=1, cutoff=0.75)
+        if self.teacher_is_model and close and not os.path.isdir(self.teacher):
+            raise ValueError(
+                f"DistillConfig.teacher {self.teacher!r}: not a self-teacher mode "
+                f"{TEACHERS} nor a directory; did you mean {close[0]!r}?"
+            )
+        if self.teacher_is_model and self.method == "sft":
+            raise ValueError(
+                f"DistillConfig: method 'sft' trains on the responses alone; a teacher "
+                f"model ({self.teacher!r}) needs method 'opsd' or 'rmsd'"
+            )
+        if self.teacher_dtype is not None and (
+            not self.teacher_is_model or self.teacher_dtype not in ("float32", "bfloat16")
+        ):
+            raise ValueError(
+                "DistillConfig.teacher_dtype is a teacher model's weight dtype: None, "
+                f"'float32' or 'bfloat16', with teacher naming a model; got "
+                f"{self.teacher_dtype!r} with teacher {self.teacher!r}"
             )
         if not 0.0 <= self.ema_decay <= 1.0:
             raise ValueError(f"DistillConfig.ema_decay must be in [0, 1], got {self.ema_decay}")
         self.loss()
+
+    @property
+    def teacher_is_model(self) -> bool:
+        """Whether `teacher` names a teacher model (not a self-teacher mode)."""
+        return self.teacher not in TEACHERS
 
     def loss(self) -> DistillLoss:
         return DistillLoss(
@@ -152,6 +193,35 @@ class Relevance:
     teacher_argmax: list[np.ndarray]
 
 
+def _check_teacher(config: DistillConfig, teacher_model, graphdef, state) -> None:
+    """A teacher model is given exactly when the config names one, and its logits
+    are as wide as the student's (one line naming both otherwise)."""
+    if config.teacher_is_model and teacher_model is None:
+        raise ValueError(
+            f"SelfDistiller: DistillConfig.teacher={config.teacher!r} names a teacher model; "
+            "pass it loaded as teacher_model=TeacherModel.from_model(model) (the distill "
+            "recipe loads it)"
+        )
+    if not config.teacher_is_model and teacher_model is not None:
+        raise ValueError(
+            f"SelfDistiller: teacher_model given but DistillConfig.teacher={config.teacher!r} "
+            "is the self-teacher; set teacher to the model's spec"
+        )
+    if teacher_model is not None:
+        if not isinstance(teacher_model, TeacherModel):
+            raise TypeError(
+                "SelfDistiller: teacher_model must be a TeacherModel "
+                f"(TeacherModel.from_model(model)), got {type(teacher_model).__name__}"
+            )
+        student = int(nnx.merge(graphdef, state.params, state.rest).config.vocab_size)
+        if teacher_model.vocab_size != student:
+            raise ValueError(
+                f"distill.teacher {config.teacher!r}: vocabulary mismatch (the logits widths "
+                f"differ: student vocab_size {student}, teacher {teacher_model.vocab_size}); a "
+                "teacher model must share the student's tokenizer and vocabulary"
+            )
+
+
 class SelfDistiller(TrainerHooks):
     """Holds the `Trainer` and the teacher; `update(examples)` takes one step.
 
@@ -163,6 +233,9 @@ class SelfDistiller(TrainerHooks):
     workdir: checkpoints (`config.checkpoint_every`) and train/ metrics
     (`logger`, a MetricsLogger, replaces its workdir/metrics sink);
     `restore()` loads the latest and returns the number of updates done.
+    teacher_model: the loaded `TeacherModel` when `config.teacher` names a model
+    (required then, refused otherwise); its logits width must be the student's.
+    It is not checkpointed (a resumed run loads it again from its spec).
     """
 
     def __init__(
@@ -182,7 +255,9 @@ class SelfDistiller(TrainerHooks):
         progress: bool = False,
         total_steps: int | None = None,
         logger=None,
+        teacher_model: TeacherModel | None = None,
     ):
+        _check_teacher(config, teacher_model, graphdef, state)
         if config.method == "rmsd" and (judge is None or tokenizer is None):
             raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
         if config.checkpoint_every and workdir is None:
@@ -215,7 +290,11 @@ class SelfDistiller(TrainerHooks):
         )
         # A copy (new buffers, same placement as the state) survives the step's donation.
         self.teacher_params = (
-            jax.tree.map(jnp.copy, self.state.params) if config.teacher != "live" else None
+            teacher_model
+            if config.teacher_is_model
+            else jax.tree.map(jnp.copy, self.state.params)
+            if config.teacher != "live"
+            else None
         )
         self.last_relevance: Relevance | None = None
         self.last_counts: dict[str, int] = dict.fromkeys(STEP_COUNTS, 0)
@@ -243,7 +322,9 @@ class SelfDistiller(TrainerHooks):
             )
 
     def extra_state(self):
-        return None if self.teacher_params is None else {"teacher_params": self.teacher_params}
+        if self.teacher_params is None or self.config.teacher_is_model:
+            return None  # a teacher model is loaded again from its spec, never saved
+        return {"teacher_params": self.teacher_params}
 
     def load_extra_state(self, tree) -> None:
         self.teacher_params = tree["teacher_params"]
@@ -267,12 +348,13 @@ class SelfDistiller(TrainerHooks):
 
     def teacher_logits(self, paired: PairedBatch) -> jax.Array:
         """Dense teacher logits [R, L, V] in the student layout (diagnostics only)."""
+        t = self.current_teacher_params()
+        if isinstance(t, TeacherModel):
+            return teacher_logits(
+                t.graphdef, t.params, t.rest, paired.teacher, paired.teacher_index
+            )
         return teacher_logits(
-            self.graphdef,
-            self.current_teacher_params(),
-            self.state.rest,
-            paired.teacher,
-            paired.teacher_index,
+            self.graphdef, t, self.state.rest, paired.teacher, paired.teacher_index
         )
 
     # -- RMSD
