@@ -132,6 +132,7 @@ def build_app(
     max_body_bytes: int = req_lib.MAX_BODY_BYTES,
     max_json_depth: int = req_lib.MAX_JSON_DEPTH,
     expose_docs: bool = False,
+    builtin_tools: str = "omit",
 ) -> FastAPI:
     """The endpoint app. `app.state.registry` holds the rollouts.
 
@@ -145,6 +146,10 @@ def build_app(
     still answers their status, see `RolloutRegistry`).
     max_body_bytes: larger request bodies get 413. max_json_depth: deeper
     JSON gets 400. expose_docs: serve /docs, /redoc and /openapi.json.
+    builtin_tools: what /v1/responses does with built-in tools (web_search, ...) it
+    cannot run: "omit" (default: leave them out of the model's prompt, counted in the
+    rollout's `builtin_tools_omitted` and named in its trace metadata's `omitted_tools`;
+    Codex's default request offers web_search) or "refuse" (a 400 naming the tool).
     """
     if not admin_key:
         raise ValueError("build_app: admin_key must be a non-empty string")
@@ -245,7 +250,9 @@ def build_app(
         read_json=read_json,
     )
     install_messages_routes(app, ctx, authenticate=authenticate, read_json=read_json)
-    install_responses_routes(app, ctx, authenticate=authenticate, read_json=read_json)
+    install_responses_routes(
+        app, ctx, authenticate=authenticate, read_json=read_json, builtin_tool_policy=builtin_tools
+    )
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -26,7 +26,22 @@ Fields. Honoured:
   tools                 function tools, rendered as a chat client sends them:
                         {type: function, function: {name, description, parameters}};
                         strict true only where the calls are decoded under their
-                        schema (see tool_choice; else 400)
+                        schema (see tool_choice; else 400). A namespace tool
+                        {type: namespace, name, description, tools: [functions]}
+                        (Codex's multi-agent group): its functions are offered under
+                        their own names (unique across the request, else 400), each
+                        description opened by the group's; a call of one comes back
+                        as a function_call item with `namespace` set to the group
+                        (as OpenAI answers), and an input function_call's `namespace`
+                        is read back so. Built-in tools (web_search, file_search,
+                        code_interpreter, ...: `BUILTIN_TOOLS`) are run by OpenAI, never
+                        here: the server option `builtin_tools` (build_app, the
+                        --builtin_tools flag) leaves them out of the model's prompt
+                        ("omit", the default, so Codex's default request, which offers
+                        web_search, runs; counted per tool in the rollout's
+                        `builtin_tools_omitted` and named in its trace metadata's
+                        `omitted_tools`) or refuses the request ("refuse": 400 at
+                        `tools[i].type`)
   tool_choice, parallel_tool_calls, text.format
                         as Chat Completions' tool_choice, parallel_tool_calls and
                         response_format (`structured`): auto | none (tools rendered,
@@ -61,7 +76,8 @@ Accepted, no effect (and why):
                         echoes of earlier outputs: the template renders text only
 Refused (400 naming the field): reasoning effort other than "none" (Codex sends
 reasoning null for a model it does not know as a reasoning one); verbosity
-low / high; built-in and custom tools, tool_choice of those or allowed_tools;
+low / high; custom tools (and built-in ones under builtin_tools "refuse"),
+tool_choice of those or allowed_tools;
 reasoning, item_reference and built-in-tool items; input_image / input_file /
 refusal parts; other include values; truncation "auto"; service tiers flex /
 scale / priority; background, conversation, max_tool_calls, prompt,
@@ -88,7 +104,14 @@ from ac2_jax.serving.generation import (
     start_request,
 )
 from ac2_jax.serving.responses_output import Answer, ResponsesWriter
-from ac2_jax.serving.responses_schemas import InputItem, ResponsesBody
+from ac2_jax.serving.responses_schemas import (
+    TOOL_TAGS,
+    BuiltinTool,
+    FunctionTool,
+    InputItem,
+    NamespaceTool,
+    ResponsesBody,
+)
 from ac2_jax.serving.rollouts import Rollout
 from ac2_jax.serving.sample_run import ServeContext
 from ac2_jax.serving.schemas import UNSUPPORTED, validate
@@ -99,9 +122,19 @@ from ac2_jax.serving.structured import (
     sampler_grammars,
 )
 
-__all__ = ["MAX_STORED", "ResponseStore", "chat_messages", "install_responses_routes"]
+__all__ = [
+    "BUILTIN_TOOL_POLICIES",
+    "MAX_STORED",
+    "ResponseStore",
+    "chat_messages",
+    "install_responses_routes",
+]
 
 MAX_STORED = 256  # stored responses per rollout (and for the admin key); oldest dropped first
+# What the server does with a built-in tool (web_search, ...) it cannot run: leave it out
+# of the model's prompt (recorded: the rollout's `builtin_tools_omitted` counter and the
+# trace metadata's `omitted_tools`), or refuse the request (400 naming it).
+BUILTIN_TOOL_POLICIES = ("omit", "refuse")
 
 
 # ------------------------------------------------------------------------------ the store
@@ -157,12 +190,15 @@ def _text(parts: list | None) -> str:
 def conversation_item(item: InputItem) -> dict[str, Any]:
     """A validated input item in the plain form the store keeps."""
     if item.kind == "function_call":
-        return {
+        out = {
             "type": "function_call",
             "call_id": item.call_id,
             "name": item.name,
             "arguments": item.arguments,
         }
+        if item.namespace is not None:
+            out["namespace"] = item.namespace
+        return out
     if item.kind == "function_call_output":
         return {
             "type": "function_call_output",
@@ -228,7 +264,12 @@ def check_strict(
 ) -> None:
     """A strict tool needs its calls decoded under a grammar (`structured`; grammars:
     the sampler decodes them, `structured.sampler_grammars`)."""
-    strict = [i for i, t in enumerate(body.tools or ()) if t.strict]
+    strict = [i for i, t in enumerate(body.tools or ()) if isinstance(t, FunctionTool) and t.strict]
+    strict += [
+        i
+        for i, t in enumerate(body.tools or ())
+        if isinstance(t, NamespaceTool) and any(f.strict for f in t.tools)
+    ]
     constrained = forces_call(req) or (
         response_schema(req.response_format) is not None and req.parse_tools
     )
@@ -242,6 +283,35 @@ def check_strict(
             param=f"tools[{strict[0]}].strict",
             code=UNSUPPORTED,
         )
+
+
+def chat_tools(tools: list | None) -> list[dict] | None:
+    """The function tools the model is offered, as a chat client sends them: the
+    top-level functions and each namespace's, in order; built-in tools are not among
+    them (`builtin_tools`)."""
+    out: list[dict] = []
+    for tool in tools or ():
+        if isinstance(tool, FunctionTool):
+            out.append(tool.as_chat_tool())
+        elif isinstance(tool, NamespaceTool):
+            out += tool.as_chat_tools()
+    return out or None
+
+
+def builtin_tools(body: ResponsesBody, policy: str) -> list[str]:
+    """The types of the request's built-in tools, which the model is not offered
+    (policy "omit"); policy "refuse": the 400 naming the first."""
+    found = [(i, t.type) for i, t in enumerate(body.tools or ()) if isinstance(t, BuiltinTool)]
+    if found and policy == "refuse":
+        i, kind = found[0]
+        raise bad_request(
+            f"'tools[{i}].type' {kind!r} is a built-in tool, which this server does not run "
+            "(it serves function tools only); remove it, or start the server with "
+            "--builtin_tools=omit to leave built-in tools out of the model's prompt",
+            param=f"tools[{i}].type",
+            code=UNSUPPORTED,
+        )
+    return [kind for _, kind in found]
 
 
 def chat_request(body: ResponsesBody, messages: list[dict]) -> req_lib.ChatRequest:
@@ -259,7 +329,7 @@ def chat_request(body: ResponsesBody, messages: list[dict]) -> req_lib.ChatReque
         stream=bool(body.stream),
         agent=body.agent,
         messages=messages,
-        tools=[t.as_chat_tool() for t in body.tools or ()] or None,
+        tools=chat_tools(body.tools),
         tool_choice=choice,
         forced_tool=body.forced_tool,
         parallel_tool_calls=body.parallel_tool_calls,
@@ -278,16 +348,28 @@ def _as_input(e: APIError) -> APIError:
 
 
 def install_responses_routes(
-    app: FastAPI, ctx: ServeContext, *, authenticate: Callable, read_json: Callable
+    app: FastAPI,
+    ctx: ServeContext,
+    *,
+    authenticate: Callable,
+    read_json: Callable,
+    builtin_tool_policy: str = "omit",
 ) -> ResponseStore:
-    """Adds POST /v1/responses and GET /v1/responses/{id} to `app`; returns their store."""
+    """Adds POST /v1/responses and GET /v1/responses/{id} to `app`; returns their store.
+    builtin_tool_policy: `BUILTIN_TOOL_POLICIES` (see the module docstring)."""
+    if builtin_tool_policy not in BUILTIN_TOOL_POLICIES:
+        raise ValueError(
+            f"builtin_tool_policy must be one of {BUILTIN_TOOL_POLICIES}, "
+            f"got {builtin_tool_policy!r}"
+        )
     store = ResponseStore()
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
         principal = await authenticate(request)
-        body = validate(ResponsesBody, await read_json(request))
+        body = validate(ResponsesBody, await read_json(request), TOOL_TAGS)
         check_model(ctx, body.model)
+        omitted = builtin_tools(body, builtin_tool_policy)
         prior: list[dict] = []
         if body.previous_response_id is not None:
             stored = store.get(principal.rollout, body.previous_response_id)
@@ -320,6 +402,8 @@ def install_responses_routes(
         def keep(rollout: Rollout | None, answered: dict, said: list[dict]) -> None:
             store.put(rollout, answered["id"], StoredResponse(items + said, answered))
 
+        if omitted and principal.rollout is not None:  # never silent: counted and named
+            ctx.registry.note_omitted_tools(principal.rollout, omitted)
         answer = Answer(ctx, body, keep)
         st.response_id = answer.id  # what the client sees is what is recorded
         writer = ResponsesWriter(ctx, st, answer) if req.stream else None

@@ -35,7 +35,7 @@ from typing import Any
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.responses_schemas import ResponsesBody
+from ac2_jax.serving.responses_schemas import ResponsesBody, function_tools
 from ac2_jax.serving.sample_run import RequestState, ServeContext
 from ac2_jax.serving.stream_generation import EventWriter
 from ac2_jax.serving.streaming import TextStream
@@ -58,6 +58,8 @@ class Answer:
         self.msg_id = new_id("msg")
         self.created_at = int(time.time())
         self.keep = keep if body.store is not False else None
+        # The namespace of each namespaced function: its calls carry it (as OpenAI's do).
+        self.namespaces = {t.name: ns for t, ns in function_tools(body.tools) if ns}
         reasoning = body.reasoning
         text = body.text
         self.echo = {
@@ -137,16 +139,17 @@ class Answer:
                 }
             )
         for call in choice.tool_calls:
-            out.append(
-                {
-                    "type": "function_call",
-                    "id": "fc_" + call["id"].removeprefix("call_"),
-                    "call_id": call["id"],
-                    "name": call["function"]["name"],
-                    "arguments": call["function"]["arguments"],
-                    "status": "completed",
-                }
-            )
+            item = {
+                "type": "function_call",
+                "id": "fc_" + call["id"].removeprefix("call_"),
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
+            if item["name"] in self.namespaces:
+                item["namespace"] = self.namespaces[item["name"]]
+            out.append(item)
         return out
 
     def finish(self, st: RequestState, choices: list[chat_lib.Choice], version: int) -> dict:
@@ -167,7 +170,11 @@ class Answer:
             said = [
                 {"type": "message", "role": "assistant", "content": it["content"][0]["text"]}
                 if it["type"] == "message"
-                else {k: it[k] for k in ("type", "call_id", "name", "arguments")}
+                else {
+                    k: it[k]
+                    for k in ("type", "call_id", "name", "arguments", "namespace")
+                    if k in it
+                }
                 for it in output
             ]
             self.keep(st.principal.rollout, body, said)

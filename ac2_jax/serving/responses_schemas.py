@@ -23,7 +23,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -152,6 +154,9 @@ class InputItem(_Strict):
     name: Annotated[str, Field(min_length=1)] | None = Field(None, validate_default=True)
     arguments: str | None = Field(None, validate_default=True)
     output: Parts | None = Field(None, validate_default=True)
+    # The namespace of a function_call's function (what this server answered it with):
+    # the call renders under its function's own name, as the model was offered it.
+    namespace: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +166,14 @@ class InputItem(_Strict):
     @property
     def kind(self) -> str:
         return self.type or "message"
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_of_calls(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("type") or "message"
+        if value is not None and kind not in ("function_call", "function_call_output"):
+            raise _error("invalid_value", f"is not a field of {kind} items")
+        return value
 
     @field_validator("role", "content", "call_id", "name", "arguments", "output")
     @classmethod
@@ -212,6 +225,81 @@ class FunctionTool(_Strict):
         if self.parameters is not None:
             fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
+
+
+# Built-in tools of OpenAI's Responses API: run by OpenAI's servers, never by this one.
+# The server's `builtin_tools` option leaves them out of the prompt (recorded) or refuses them.
+BUILTIN_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "web_search_2025_08_26",
+    "file_search",
+    "code_interpreter",
+    "computer_use_preview",
+    "computer_use",
+    "image_generation",
+    "local_shell",
+    "mcp",
+    "tool_search",
+)
+# The tags of the `tools` union (in error locations after the item's index; left out).
+TOOL_TAGS = {"tools": {"function", "namespace", "builtin"}}
+
+
+class NamespaceTool(_Strict):
+    """A named group of function tools (Codex 0.17x sends its multi-agent tools so).
+    Its functions are offered to the model under their own names (what the client's
+    calls carry, beside `namespace`); the group's description starts each one's."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    tools: Annotated[list[FunctionTool], Field(min_length=1, max_length=MAX_TOOLS)]
+
+    def as_chat_tools(self) -> list[dict[str, Any]]:
+        out = []
+        for tool in self.tools:
+            chat = tool.as_chat_tool()
+            if self.description:
+                own = chat["function"].get("description")
+                chat["function"]["description"] = self.description + ("\n\n" + own if own else "")
+            out.append(chat)
+        return out
+
+
+class BuiltinTool(BaseModel):
+    """A built-in tool (`BUILTIN_TOOLS`): only its type is read; what the server does
+    with it is its `builtin_tools` option (`responses`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+def _tool_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "namespace":
+        return "namespace"
+    return "builtin" if kind in BUILTIN_TOOLS else "function"  # FunctionTool refuses others
+
+
+AnyTool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[BuiltinTool, Tag("builtin")],
+    Discriminator(_tool_tag),
+]
+
+
+def function_tools(tools: list | None) -> list[tuple[FunctionTool, str | None]]:
+    """Every function tool of `tools` with its namespace (None: top level), in order."""
+    out: list[tuple[FunctionTool, str | None]] = []
+    for tool in tools or ():
+        if isinstance(tool, FunctionTool):
+            out.append((tool, None))
+        elif isinstance(tool, NamespaceTool):
+            out += [(t, tool.name) for t in tool.tools]
+    return out
 
 
 class NamedFunction(_Strict):
@@ -292,7 +380,7 @@ class ResponsesBody(_Strict):
     input: Annotated[list[InputItem], BeforeValidator(_text_input)] | None = None
     instructions: str | None = None
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[AnyTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: (
         Annotated[
             str | dict[str, Any],
@@ -359,12 +447,25 @@ class ResponsesBody(_Strict):
 
     _only_when_streaming = field_validator("stream_options")(only_when_streaming)
 
+    @field_validator("tools")
+    @classmethod
+    def _names_once(cls, value: list | None) -> list | None:
+        names = [t.name for t, _ in function_tools(value)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise _error(
+                "invalid_value",
+                f"offers function(s) {twice} more than once (at the top level or in "
+                "namespaces); the model sees one flat list of names, so each must be unique",
+            )
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None or value in ("auto", "none") or "tools" not in info.data:
             return value
-        names = [t.name for t in info.data["tools"] or ()]
+        names = [t.name for t, _ in function_tools(info.data["tools"])]
         if isinstance(value, dict) and value["name"] not in names:
             raise _error(
                 "invalid_value",

@@ -43,6 +43,7 @@ COUNTERS = (
     "server_errors",
     "malformed_tool_calls",
     "routing_not_recorded",  # MoE routing that did not cover its completion (not replayed)
+    "builtin_tools_omitted",  # built-in tools (web_search, ...) left out of a prompt
 )
 
 
@@ -193,6 +194,16 @@ class RolloutRegistry:
         safe on the event loop)."""
         with self._count_lock:
             rollout.counters[counter] += k
+
+    def note_omitted_tools(self, rollout: Rollout, kinds: list[str]) -> None:
+        """Built-in tools a request offered that the model was not offered (the server
+        runs none): counted (`builtin_tools_omitted`, per tool per request) and named in
+        the trace metadata's sorted `omitted_tools`."""
+        with self._count_lock:
+            rollout.counters["builtin_tools_omitted"] += len(kinds)
+        with self._lock:
+            named = set(rollout.trace.metadata.get("omitted_tools", ())) | set(kinds)
+            rollout.trace.metadata["omitted_tools"] = sorted(named)
 
     def by_key(self, api_key: str) -> Rollout | None:
         """The running rollout of `api_key`; 401 if the key belonged to an ended one."""

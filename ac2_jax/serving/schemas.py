@@ -42,7 +42,7 @@ from pydantic import (
     WrapValidator,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ac2_jax.sampling.base import INT32_MAX, MAX_STOP, MAX_STOP_CHARS, TEMPERATURE_RANGE
 from ac2_jax.serving.errors import APIError, bad_request
@@ -96,13 +96,40 @@ def api_error(model_cls: type[BaseModel], exc: ValidationError) -> APIError:
     return bad_request(f"'{param or 'body'}': {msg}", param=param)
 
 
-def validate(model_cls: type[M], body: Any) -> M:
-    """`model_cls` from a parsed JSON body, or the 400 naming the first bad field."""
+def untagged(loc: tuple[int | str, ...], union_tags: dict[str, set[str]]) -> tuple[int | str, ...]:
+    """An error location as the client wrote the field: the tags of tagged-union list
+    items (`union_tags`: list field name -> its tags, which pydantic puts after the
+    item's index) left out."""
+    return tuple(
+        part
+        for i, part in enumerate(loc)
+        if not (
+            i >= 2
+            and isinstance(loc[i - 1], int)
+            and isinstance(loc[i - 2], str)
+            and part in union_tags.get(str(loc[i - 2]), ())
+        )
+    )
+
+
+def validate(model_cls: type[M], body: Any, union_tags: dict[str, set[str]] | None = None) -> M:
+    """`model_cls` from a parsed JSON body, or the 400 naming the first bad field
+    (with `union_tags`, the tags of tagged-union list items left out of its name)."""
     if not isinstance(body, dict):
         raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}")
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
+        if union_tags:
+            errors = [
+                InitErrorDetails(
+                    type=PydanticCustomError(err["type"], "{message}", {"message": err["msg"]}),
+                    loc=untagged(tuple(err["loc"]), union_tags),
+                    input=err["input"],
+                )
+                for err in e.errors()
+            ]
+            e = ValidationError.from_exception_data(e.title, errors)
         raise api_error(model_cls, e) from None
 
 

@@ -11,9 +11,11 @@ without fitting a model); the endpoint, template, splice and recording are real.
 from __future__ import annotations
 
 import collections
+import json
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from ac2_jax.models import build_tiny_tokenizer
@@ -66,12 +68,15 @@ def env(tmp_path_factory):
         "{%- elif message.role == 'system' %}{{- raise_exception('System role only first') }}"
         "{%- elif message.role == 'user' %}")
     strict_url, strict_stop = serve(strict_tok, ScriptedSampler(strict_tok))
+    refuse_url, refuse_stop = serve(tok, ScriptedSampler(tok), builtin_tools="refuse")
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
                          timeout=WAIT_S)
-    yield dict(tok=tok, sampler=sampler, url=url, admin=admin, strict_url=strict_url)
+    yield dict(tok=tok, sampler=sampler, url=url, admin=admin, strict_url=strict_url,
+               refuse_url=refuse_url)
     admin.close()
     stop()
     strict_stop()
+    refuse_stop()
 
 
 def create(env, task_id, url=None, **fields):
@@ -137,3 +142,78 @@ def test_refused_roles_are_worded_as_anthropic_words_them(env):
     assert 'Unexpected role "system"' in e.value.message
     assert "input message role" in e.value.message and "System role only first" in (
         e.value.message)
+
+
+# ------------------------------------------------------------------ OpenAI Responses
+
+def gpt(info):
+    return openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
+                         timeout=WAIT_S)
+
+
+EXEC = {"type": "function", "name": "exec_command", "description": "Run a command.",
+        "strict": False, "parameters": {"type": "object", "properties": {
+            "cmd": {"type": "string"}}, "required": ["cmd"]}}
+SPAWN = {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.",
+         "strict": False, "parameters": {"type": "object", "properties": {
+             "message": {"type": "string"}}, "required": ["message"]}}
+# What Codex 0.171 sends with its default settings (observed from a run of the real CLI).
+CODEX_TOOLS = [EXEC, {"type": "namespace", "name": "multi_agent_v1",
+                      "description": "Tools for spawning and managing sub-agents.",
+                      "tools": [SPAWN]},
+               {"type": "web_search", "external_web_access": False}]
+SPAWN_CALL = '<tool_call>\n{"name": "spawn_agent", "arguments": {"message": "look"}}\n</tool_call>'
+
+
+def test_namespace_tools_are_offered_and_their_calls_carry_the_namespace(env):
+    """Codex's multi-agent namespace: its functions are offered by name (the group's
+    description first), a call comes back with `namespace`, and the call sent back
+    continues the same episode. web_search is left out of the prompt, counted and named."""
+    info = create(env, "namespace")
+    client = gpt(info)
+    env["sampler"].queue.extend([SPAWN_CALL, "done"])
+    events = list(client.responses.create(model="tiny", input="Delegate it.", tools=CODEX_TOOLS,
+                                          stream=True, store=False,
+                                          reasoning={"summary": "auto"}))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    (call,) = [i for i in done if i.type == "function_call"]
+    assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1")
+    assert json.loads(call.arguments) == {"message": "look"}
+    prompt = env["tok"].decode(env["sampler"].prompts[-1])
+    assert '"name": "spawn_agent"' in prompt and '"name": "exec_command"' in prompt
+    assert json.dumps("Tools for spawning and managing sub-agents.\n\nSpawn a sub-agent.") in (
+        prompt)
+    assert "web_search" not in prompt
+    again = client.responses.create(model="tiny", tools=CODEX_TOOLS, store=False, input=[
+        {"role": "user", "content": "Delegate it."},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "namespace": call.namespace, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "agent-1"}])
+    assert again.output_text == "done"
+    trace = trace_of(env, info)
+    (episode,) = trace["episodes"]  # the call sent back spliced onto the sampled turn
+    assert len(episode["completions"]) == 2
+    assert trace["metadata"]["omitted_tools"] == ["web_search"]
+    status = env["admin"].get(f"/v1/rollouts/{info['rollout_id']}").json()
+    assert status["builtin_tools_omitted"] == 2
+
+
+def test_builtin_tools_refused_by_name_when_the_server_says_so(env):
+    info = create(env, "refuse", url=env["refuse_url"])
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt(info).responses.create(model="tiny", input="hi", tools=CODEX_TOOLS)
+    assert e.value.body["param"] == "tools[2].type" and "'web_search'" in e.value.message
+    assert "--builtin_tools=omit" in e.value.message
+
+
+def test_a_function_offered_twice_across_namespaces_is_refused(env):
+    info = create(env, "twice")
+    tools = [SPAWN, {"type": "namespace", "name": "ns", "description": "d", "tools": [SPAWN]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt(info).responses.create(model="tiny", input="hi", tools=tools)
+    assert e.value.body["param"] == "tools" and "spawn_agent" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a member that is no function
+        gpt(info).responses.create(model="tiny", input="hi", tools=[
+            {"type": "namespace", "name": "ns", "description": "d",
+             "tools": [{"type": "custom", "name": "x"}]}])
+    assert e.value.body["param"] == "tools[0].tools[0].type"

@@ -340,9 +340,13 @@ FIELDS = [
     ({"input": [{"role": "tool", "content": "7"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
-    *[({"tools": [{"type": kind}]}, "tools[0].type") for kind in (
+    # Built-in tools: left out of the prompt under the default builtin_tools "omit" (counted
+    # and named; test_harness_apis.py), refused under "refuse". Unknown types are refused.
+    *[({"tools": [{"type": kind}]}, None) for kind in (
         "web_search", "web_search_preview", "file_search", "computer_use_preview",
-        "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "custom")],
+        "code_interpreter", "image_generation", "mcp", "local_shell")],
+    *[({"tools": [{"type": kind}]}, "tools[0].type") for kind in ("shell", "custom")],
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": []}]}, "tools[0].tools"),
     ({"tools": [{**RTOOLS[0], "strict": True}]}, "tools[0].strict"),  # calls not decoded
     ({"tools": RTOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"tools": RTOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
@@ -393,7 +397,9 @@ def test_each_field_is_accepted_or_refused_naming_it(env, fields, param):
         "top_logprobs", "user", "prompt_cache_key")}
     assert {k: getattr(resp, k) for k in echoed} == echoed
     assert resp.tool_choice == fields.get("tool_choice", "auto") or resp.tool_choice.name == "add"
-    assert [t.name for t in resp.tools] == [t["name"] for t in fields.get("tools", [])]
+    assert [t.type for t in resp.tools] == [t["type"] for t in fields.get("tools", [])]
+    assert [getattr(t, "name", None) for t in resp.tools] == [
+        t.get("name") for t in fields.get("tools", [])]
     if fields.get("include") == ["message.output_text.logprobs"]:
         part = resp.output[0].content[0]
         assert len(part.logprobs) == resp.usage.output_tokens
