@@ -36,6 +36,8 @@ EXTRAS = {
     "wandb": ["wandb>=0.16"],
     # GPU serving at scale (CUDA machines only).
     "sglang": ["sglang[all]"],
+    # Environments of other libraries, trained unchanged (ac2_jax.envs.adapters).
+    "reasoning-gym": ["reasoning-gym>=0.1.25"],
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
@@ -46,9 +48,10 @@ EXTRAS = {
 DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
 EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torch", "transformers>=4.51", "peft>=0.17",
+                        "trl>=1.16",  # the RL objectives' parity test (GRPOTrainer._compute_loss)
                         "anthropic",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
-                        *DOCS, *NOTEBOOKS})
+                        *EXTRAS["reasoning-gym"], *DOCS, *NOTEBOOKS})
 
 setup(
     name="ac2_jax",

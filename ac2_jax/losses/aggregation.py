@@ -30,7 +30,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MODES = ("task_mean", "token_mean", "segment_mean", "constant")
+MODES = ("task_mean", "task_sum", "token_mean", "segment_mean", "constant")
+# verl's `loss_agg_mode` names (verl/trainer/ppo/core_algos.py `agg_loss`) -> ours. verl's
+# "seq" is one response; here it is what `task_ids` index (in RL one attempt).
+VERL_MODES = {
+    "token-mean": "token_mean",
+    "seq-mean-token-mean": "task_mean",
+    "seq-mean-token-sum": "task_sum",
+    "seq-mean-token-sum-norm": "constant",
+}
+
+
+def resolve_mode(mode: str) -> str:
+    """`mode` as one of `MODES` (verl's spellings, `VERL_MODES`, map to ours); an
+    unknown mode is a ValueError naming both lists."""
+    mode = VERL_MODES.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(
+            f"loss mode must be one of {MODES} (or verl's {tuple(VERL_MODES)}), got {mode!r}"
+        )
+    return mode
 
 
 def _psum(x, axis_name):
@@ -54,19 +73,35 @@ def loss_weights(
 
     batch: a `PackedBatch` (loss_mask, loss_weight, task_ids, segment_index,
     num_tasks, num_segments). Modes: task_mean (default: every task id, in RL
-    every attempt, weighs the same), token_mean (all trained tokens of the
-    batch), segment_mean (mean of L_s; undefined on tree
+    every attempt, weighs the same; verl's seq-mean-token-mean), task_sum (the
+    mean over tasks of each task's token SUM, divided by `normalizer` when
+    given: verl's seq-mean-token-sum; with normalizer = the max tokens an
+    attempt may generate, Dr. GRPO's 1/G sum_i sum_t l / L_max, TRL's
+    loss_type="dr_grpo"), token_mean (all trained tokens of the
+    batch; verl's token-mean, DAPO's token-level loss), segment_mean (mean of L_s; undefined on tree
     batches, where a shared token belongs to several segments), constant
-    (sum / `normalizer`, Dr.GRPO style: the normaliser must be given, e.g. the
+    (sum / `normalizer`, verl's seq-mean-token-sum-norm: the normaliser must be given, e.g. the
     max generation length, so the loss scale never depends on padding).
     """
-    if mode not in MODES:
+    if VERL_MODES.get(mode, mode) not in MODES:
         raise ValueError(f"loss_weights: mode must be one of {MODES}, got {mode!r}")
+    mode = VERL_MODES.get(mode, mode)
     count = batch.loss_mask.astype(jnp.float32)
     weight = getattr(batch, "loss_weight", None)
     weighted = count if weight is None else count * weight.astype(jnp.float32)
     if mode == "task_mean":
         return weighted * _per_group(count, batch.task_ids, batch.num_tasks, axis_name)
+    if mode == "task_sum":
+        if normalizer is not None and not normalizer > 0:
+            raise ValueError(f"mode='task_sum': normalizer must be None or > 0, got {normalizer!r}")
+        counts = _psum(
+            jax.ops.segment_sum(
+                count.ravel(), batch.task_ids.ravel(), num_segments=batch.num_tasks
+            ),
+            axis_name,
+        )
+        tasks = jnp.maximum((counts > 0).sum(), 1)
+        return weighted / tasks / (1.0 if normalizer is None else normalizer)
     if mode == "segment_mean":
         if getattr(batch, "subtree_end", None) is not None:
             raise ValueError(

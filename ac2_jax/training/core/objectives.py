@@ -33,11 +33,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ac2_jax.losses import (
-    MODES,
+    KL_ESTIMATORS,
     LMHead,
+    chunked_token_entropy,
     chunked_token_logprobs,
+    kl_estimate,
     policy_gradient_loss,
     policy_gradient_metrics,
+    resolve_mode,
     token_entropy,
     token_logprobs,
 )
@@ -282,9 +285,16 @@ class Objective(abc.ABC):
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
-def _check_mode(name, mode):
-    if mode not in MODES:
-        raise ValueError(f"{name}.mode must be one of {MODES}, got {mode!r}")
+def _check_mode(name, mode) -> str:
+    try:
+        return resolve_mode(mode)
+    except ValueError as e:
+        raise ValueError(f"{name}.mode{str(e).removeprefix('loss mode')}") from None
+
+
+def _set_mode(obj, name):
+    """Checks obj.mode and stores its canonical name (verl's spellings map to ours)."""
+    object.__setattr__(obj, "mode", _check_mode(name, obj.mode))
 
 
 def _masked_sum(x, batch):
@@ -307,7 +317,7 @@ class SFTLoss(Objective):
     chunk_size: int | str | None = AUTO
 
     def __post_init__(self):
-        _check_mode("SFTLoss", self.mode)
+        _set_mode(self, "SFTLoss")
         _check_chunk_size("SFTLoss", self.chunk_size)
 
     def _finish(self, logp, ent, batch):
@@ -362,6 +372,20 @@ class PolicyGradientLoss(Objective):
     tokens under their masks (`behaviour_logprobs`), so on-policy ratios are 1.
     chunk_size: as in `SFTLoss`. Metrics also: entropy (of the raw, unmasked
     softmax), kl_to_sampler.
+
+    Regularisers (every objective built on this class has them; 0 = off, the
+    default, and then nothing extra is computed):
+      kl_coef beta: adds beta * k(pi, pi_ref) per trained token
+          (`losses.kl_estimate`, `kl_estimator` "k1" / "k2" / "k3", Schulman
+          2020; GRPO's eq. 3-4 and TRL's beta use k3). The reference pi_ref
+          is the step's teacher (`StepModel.teacher_params`: the launch
+          weights, or with LoRA the base with the adapters zeroed, which the
+          RLTrainer passes), scored in the same packed layout and chunking as
+          the policy, under the batch's sampling parameters; a step without
+          one is an error. Metric: kl_to_reference (token mean of k).
+      entropy_coef c: subtracts c * H(pi(. | context)) per trained token (the
+          raw softmax's entropy, gradient flowing: an entropy bonus, as TRL's
+          entropy_coef / verl's entropy_coeff).
     """
 
     mode: str = "task_mean"
@@ -372,15 +396,25 @@ class PolicyGradientLoss(Objective):
     entropy: bool = True
     chunk_size: int | str | None = AUTO
     dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
-        _check_mode("PolicyGradientLoss", self.mode)
-        _check_chunk_size("PolicyGradientLoss", self.chunk_size)
+        name = type(self).__name__
+        _set_mode(self, name)
+        _check_chunk_size(name, self.chunk_size)
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(
-                f"PolicyGradientLoss.old_logprobs must be one of {OLD_LOGPROBS}, "
-                f"got {self.old_logprobs!r}"
+                f"{name}.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}"
             )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"{name}.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
+        for field in ("kl_coef", "entropy_coef"):
+            if not getattr(self, field) >= 0.0:
+                raise ValueError(f"{name}.{field} must be >= 0, got {getattr(self, field)!r}")
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ValueError(
                 f"PolicyGradientLoss.tis_cap must be None or >= 1 (a cap below 1 would "
@@ -412,62 +446,171 @@ class PolicyGradientLoss(Objective):
             out.append("tis_frac")
         return tuple(out)
 
-    def _finish(self, logp, ent, batch, extras):
-        m = batch.loss_mask.astype(jnp.float32)
-        sampler, advantages = batch.feature(SAMPLER_LOGPROBS), batch.feature(ADVANTAGES)
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the step must hand this loss a reference policy (kl_coef > 0)."""
+        return self.kl_coef > 0
+
+    def _old(self, logp, sampler, extras):
         if self.old_logprobs == "detached":
-            old = jax.lax.stop_gradient(logp)
-        elif self.old_logprobs == "sampler":
-            old = sampler
-        else:
-            if not extras or "old_logprobs" not in extras:
-                raise ValueError(
-                    "PolicyGradientLoss(old_logprobs='extras') needs "
-                    "extras={'old_logprobs': [rows, seq_len]} in the step call"
-                )
-            old = extras["old_logprobs"]
-        per_token = policy_gradient_loss(
+            return jax.lax.stop_gradient(logp)
+        if self.old_logprobs == "sampler":
+            return sampler
+        if not extras or "old_logprobs" not in extras:
+            raise ValueError(
+                f"{type(self).__name__}(old_logprobs='extras') needs "
+                "extras={'old_logprobs': [rows, seq_len]} in the step call"
+            )
+        return extras["old_logprobs"]
+
+    def surrogate(self, logp, old, sampler, advantages, mask, batch) -> jax.Array:
+        """The objective's per-token loss [R, L] (zero off the mask); subclasses
+        override this and `bound_metrics`. Here: decoupled PPO with TIS."""
+        return policy_gradient_loss(
             logp,
             old,
             sampler,
             advantages,
-            m,
+            mask,
             clip_eps=self.clip_eps,
             tis_cap=self.tis_cap,
             dual_clip=self.dual_clip,
         )
-        # policy_gradient_metrics returns sum(m x) / max(sum m, 1); undo the division.
+
+    def bound_metrics(self, logp, old, sampler, mask, advantages, batch) -> dict:
+        """Token-mean metrics of the bounds that can act (logp without gradient)."""
         means = policy_gradient_metrics(
-            jax.lax.stop_gradient(logp),
+            logp,
             old,
             sampler,
-            m,
+            mask,
             advantages,
             clip_eps=self.clip_eps,
             dual_clip=self.dual_clip,
             tis_cap=self.tis_cap,
         )
-        n = jnp.maximum(m.sum(), 1.0)
         keep = {"kl_to_sampler", *self.bounds()}
-        sums = {k: v * n for k, v in means.items() if k in keep}
+        return {k: v for k, v in means.items() if k in keep}
+
+    def _finish(self, logp, ent, batch, extras, ref_logp=None, ent_bonus=None):
+        m = batch.loss_mask.astype(jnp.float32)
+        sampler, advantages = batch.feature(SAMPLER_LOGPROBS), batch.feature(ADVANTAGES)
+        old = self._old(logp, sampler, extras)
+        per_token = self.surrogate(logp, old, sampler, advantages, m, batch)
+        # The metrics are sum(m x) / max(sum m, 1); undo the division.
+        means = self.bound_metrics(jax.lax.stop_gradient(logp), old, sampler, m, advantages, batch)
+        n = jnp.maximum(m.sum(), 1.0)
+        sums = {k: v * n for k, v in means.items()}
+        if self.kl_coef > 0:
+            if ref_logp is None:
+                if not extras or "ref_logprobs" not in extras:
+                    raise ValueError(
+                        f"{type(self).__name__}(kl_coef > 0) needs the reference policy's "
+                        "log-probs: run it through the train step with a reference "
+                        "(step(state, batch, teacher=reference_params); RLTrainer does), or "
+                        "pass extras={'ref_logprobs': [rows, seq_len]}"
+                    )
+                ref_logp = extras["ref_logprobs"]
+            kl = jnp.where(m > 0, kl_estimate(logp, ref_logp, self.kl_estimator), 0.0)
+            per_token = per_token + self.kl_coef * kl
+            sums["kl_to_reference"] = _masked_sum(jax.lax.stop_gradient(kl), batch)
+        if self.entropy_coef > 0:
+            assert ent_bonus is not None
+            per_token = per_token - self.entropy_coef * jnp.where(m > 0, ent_bonus, 0.0)
         if self.entropy:
-            sums["entropy"] = _masked_sum(ent, batch)
+            sums["entropy"] = _masked_sum(
+                jax.lax.stop_gradient(ent if ent is not None else ent_bonus), batch
+            )
         return per_token, sums
 
     def __call__(self, logits, batch, extras=None):
-        ent = jax.lax.stop_gradient(token_entropy(logits)) if self.entropy else None
-        return self._finish(behaviour_logprobs(logits, batch), ent, batch, extras)
+        ent = token_entropy(logits) if (self.entropy or self.entropy_coef > 0) else None
+        bonus = ent if self.entropy_coef > 0 else None
+        return self._finish(
+            behaviour_logprobs(logits, batch),
+            None if ent is None else jax.lax.stop_gradient(ent),
+            batch,
+            extras,
+            ent_bonus=bonus,
+        )
 
     def from_model(self, model: StepModel, batch, extras=None):
         chunk = resolve_chunk_size(self.chunk_size, model, batch)
+        ref = None
+        if self.kl_coef > 0 and not (extras and "ref_logprobs" in extras):
+            ref = reference_logprobs(model, batch, chunk)
         if chunk is None:
-            return self(model.logits(batch), batch, extras)
-        logp, ent = model_logprobs(
-            model, batch, behaviour=True, entropy=self.entropy, chunk_size=chunk
+            logits = model.logits(batch)
+            ent = token_entropy(logits) if (self.entropy or self.entropy_coef > 0) else None
+            return self._finish(
+                behaviour_logprobs(logits, batch),
+                None if ent is None else jax.lax.stop_gradient(ent),
+                batch,
+                extras,
+                ref_logp=ref,
+                ent_bonus=ent if self.entropy_coef > 0 else None,
+            )
+        if self.entropy_coef == 0:
+            logp, ent = model_logprobs(
+                model, batch, behaviour=True, entropy=self.entropy, chunk_size=chunk
+            )
+            return self._finish(logp, ent, batch, extras, ref_logp=ref)
+        # The entropy bonus needs the entropy's gradient: one hidden-state pass, two maps.
+        h = model.hidden(
+            batch.tokens,
+            batch.positions,
+            batch.segment_ids,
+            batch.subtree_end,
+            routing=getattr(batch, "routing", None),
         )
-        return self._finish(
-            logp,
-            ent,
-            batch,
-            extras,
+        logp = chunked_token_logprobs(
+            h, model.head(), batch.targets, chunk_size=chunk, **_sampling_args(batch)
         )
+        bonus = chunked_token_entropy(h, model.head(), chunk_size=chunk)
+        return self._finish(logp, None, batch, extras, ref_logp=ref, ent_bonus=bonus)
+
+
+def _sampling_args(batch) -> dict:
+    return dict(
+        temperature=batch.temperature,
+        top_k=batch.top_k,
+        top_p=batch.top_p,
+        **constraint_args(batch),
+    )
+
+
+def reference_logprobs(model: StepModel, batch, chunk_size: int | None) -> jax.Array:
+    """Log-probs [R, L] of batch.targets under the reference policy (the step's
+    teacher params, `StepModel.teacher_params`; gradient stopped), in the batch's
+    packed layout and under its sampling parameters and grammar masks, dense or
+    `chunk_size` positions at a time like the policy's. A step without a teacher
+    has no reference (its live params would make every KL 0): an error."""
+    if model.teacher_params is None:
+        raise ValueError(
+            "a KL to the reference policy (kl_coef > 0) needs the reference's params in "
+            "the step: step(state, batch, teacher=reference_params) (RLTrainer passes the "
+            "launch weights, or with LoRA the adapters zeroed)"
+        )
+    routing = getattr(batch, "routing", None)
+    if chunk_size is None:
+        module = model.module(teacher=True)
+        logits = module(
+            batch.tokens,
+            batch.positions,
+            batch.segment_ids,
+            batch.subtree_end,
+            **routing_kw(module, routing),
+        )
+        return jax.lax.stop_gradient(behaviour_logprobs(logits, batch))
+    h = model.hidden(
+        batch.tokens,
+        batch.positions,
+        batch.segment_ids,
+        batch.subtree_end,
+        teacher=True,
+        routing=routing,
+    )
+    out = chunked_token_logprobs(
+        h, model.head(teacher=True), batch.targets, chunk_size=chunk_size, **_sampling_args(batch)
+    )
+    return jax.lax.stop_gradient(out)

@@ -46,6 +46,13 @@ from ac2_jax.training.rl.metrics import (
     staleness_histogram,
     trace_agent_metrics,
 )
+from ac2_jax.training.rl.objectives import (
+    CISPOLoss,
+    DAPOLoss,
+    DrGRPOLoss,
+    GRPOLoss,
+    GSPOLoss,
+)
 from ac2_jax.training.rl.split import (
     StepMarkers,
     StoreCollector,
@@ -59,6 +66,11 @@ from ac2_jax.training.rl.split import (
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
+    "CISPOLoss",
+    "DAPOLoss",
+    "DrGRPOLoss",
+    "GRPOLoss",
+    "GSPOLoss",
     "ADVANTAGES",
     "BatchConfig",
     "MoEConfig",

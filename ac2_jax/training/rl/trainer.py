@@ -123,11 +123,17 @@ class RLConfig:
                 f"grad_accum={self.grad_accum} micro-batches: make rows a "
                 "multiple of grad_accum"
             )
-        if self.batch.mean_over == "problem" and self.loss.mode != "task_mean":
+        if getattr(self.loss, "needs_whole_attempts", False) and self.grad_accum > 1:
+            raise ValueError(
+                f"RLConfig: loss kind {type(self.loss).__name__} takes one ratio per attempt "
+                f"over all its tokens, which grad_accum={self.grad_accum} micro-batches would "
+                "split; use grad_accum=1 (more batch.rows per step) or another loss kind"
+            )
+        if self.batch.mean_over == "problem" and self.loss.mode not in ("task_mean", "task_sum"):
             raise ValueError(
                 f"RLConfig: batch.mean_over='problem' reweights the attempts of the "
-                f"task_mean loss; loss.mode={self.loss.mode!r} would not average over "
-                "problems: use loss.mode='task_mean' or batch.mean_over='attempt'"
+                f"task_mean (or task_sum) loss; loss.mode={self.loss.mode!r} would not average "
+                "over problems: use loss.mode='task_mean' or batch.mean_over='attempt'"
             )
         if self.mode == "async" and self.batch.max_staleness < 1 and self.batch.stale == "drop":
             # Async collects step s+1 with the weights of update s - 1: every trace lags
