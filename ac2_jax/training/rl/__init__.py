@@ -2,6 +2,16 @@
 collectors (`collectors`), the trainer (`trainer`), and the driver split into collector
 and learner processes (`split`)."""
 
+from ac2_jax.training.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    DrGRPOAdvantage,
+    GRPOAdvantage,
+    ReinforceAdvantage,
+    ReinforcePPAdvantage,
+    RLOOAdvantage,
+    group_members,
+)
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.branches import (
     BranchCounts,
@@ -22,10 +32,12 @@ from ac2_jax.training.rl.data import (
     BatchConfig,
     BatchStats,
     MoEConfig,
+    OverlongShaping,
     agent_trained,
     check_sampled,
     group_name,
     informative_groups,
+    sampled_tokens,
     select_traces,
     trace_advantages,
     trace_rewards,
@@ -66,6 +78,16 @@ from ac2_jax.training.rl.split import (
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "DrGRPOAdvantage",
+    "GRPOAdvantage",
+    "OverlongShaping",
+    "RLOOAdvantage",
+    "ReinforceAdvantage",
+    "ReinforcePPAdvantage",
+    "group_members",
+    "sampled_tokens",
     "CISPOLoss",
     "DAPOLoss",
     "DrGRPOLoss",

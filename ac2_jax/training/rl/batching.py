@@ -49,7 +49,6 @@ from ac2_jax.training.rl.data import (
     agent_trained,
     check_sampled,
     group_name,
-    informative_groups,
     select_traces,
     trace_advantages,
 )
@@ -158,22 +157,16 @@ def batch_segments(
     whole attempt's, but they put no tokens in the batch. Trained tokens of
     grammar-constrained completions carry their replayed masks (`tokenizer`:
     the sampler's; `vocab_size`: the model's; without a tokenizer such a
-    token is an error, never trained unmasked). Groups without a reward spread
-    are counted (`stats.zero_advantage_groups`) and, with
+    token is an error, never trained unmasked). The advantages come from
+    `config.advantage` (`training.rl.advantages`); groups whose advantages are
+    all 0 (with a group baseline: no reward spread) are counted
+    (`stats.zero_advantage_groups`) and, with
     `config.drop_zero_advantage`, left out (`stats.dropped_zero_advantage`).
     With `config.mean_over="problem"` each segment's weight is scaled so the
     task_mean loss is a mean over groups of the mean over their attempts
     (tied groups stay in it, at loss 0, unless dropped).
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
-    informative = informative_groups(kept)
-    stats.zero_advantage_groups = len({group_name(t) for t in kept} - informative)
-    if config.drop_zero_advantage:
-        pairs = [(t, w) for t, w in zip(kept, weights, strict=True) if group_name(t) in informative]
-        stats.dropped_zero_advantage = len(kept) - len(pairs)
-        kept, weights = [t for t, _ in pairs], [w for _, w in pairs]
-    if not kept:
-        return [], stats, np.zeros(0, np.float32)
     seen: set[str] = set()
     for t in kept:
         if t.key in seen:
@@ -182,7 +175,17 @@ def batch_segments(
                 "; give every attempt its own attempt_id, or their losses merge"
             )
         seen.add(t.key)
-    adv = trace_advantages(kept, config.normalize_std, config.std_ddof)
+    adv = trace_advantages(kept, config.normalize_std, config.std_ddof, estimator=config.advantage)
+    # Groups whose advantages are all 0 (with a group baseline: exactly the groups
+    # `informative_groups` calls uninformative; REINFORCE's tied groups still push).
+    signal = {group_name(t) for t, a in zip(kept, adv, strict=True) if a != 0}
+    stats.zero_advantage_groups = len({group_name(t) for t in kept} - signal)
+    if config.drop_zero_advantage:
+        keep = [i for i, t in enumerate(kept) if group_name(t) in signal]
+        stats.dropped_zero_advantage = len(kept) - len(keep)
+        kept, weights, adv = [kept[i] for i in keep], [weights[i] for i in keep], adv[keep]
+    if not kept:
+        return [], stats, np.zeros(0, np.float32)
     sizes = collections.Counter(group_name(t) for t in kept)
     stats.lone_traces = sum(1 for n in sizes.values() if n == 1)
     segments = []

@@ -17,6 +17,7 @@ import numpy as np
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
+from ac2_jax.training.rl.advantages import AdvantageEstimator, GRPOAdvantage
 from ac2_jax.training.rl.branches import continued_path
 
 STALE_POLICIES = ("drop", "downweight")
@@ -40,6 +41,38 @@ class MoEConfig:
     def __post_init__(self):
         if self.routing not in MOE_ROUTING:
             raise ValueError(f"rl.moe.routing must be one of {MOE_ROUTING}, got {self.routing!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv 2503.14476, eq. 13),
+    `rl.batch.overlong`: with L the tokens an attempt sampled (all its
+    completions), L_max = `max_tokens` and L_cache = `cache`, the reward gets
+
+        0                              if L <= L_max - L_cache
+        ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
+        -1                             if L > L_max
+
+    added before the advantages (counted: BatchStats.overlong_shaped traces and
+    their overlong_penalty sum)."""
+
+    max_tokens: int
+    cache: int
+
+    def __post_init__(self):
+        if not 0 < self.cache <= self.max_tokens:
+            raise ValueError(
+                f"rl.batch.overlong: need 0 < cache <= max_tokens (DAPO uses max_tokens=20480, "
+                f"cache=4096), got max_tokens={self.max_tokens}, cache={self.cache}"
+            )
+
+    def penalty(self, length: int) -> float:
+        soft = self.max_tokens - self.cache
+        if length <= soft:
+            return 0.0
+        if length <= self.max_tokens:
+            return (soft - length) / self.cache
+        return -1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +130,16 @@ class BatchConfig:
     # agent-token-weighted mean of the segments that do train. E.g. the main-only
     # ablation: train_agents=("main",).
     train_agents: tuple[str, ...] | None = None
+    # How rewards become advantages (`training.rl.advantages`, `rl.batch.advantage.kind`):
+    # "grpo" (default: R - group mean, / std with normalize_std), "dr_grpo", "rloo",
+    # "reinforce", "reinforce_pp".
+    advantage: AdvantageEstimator = GRPOAdvantage()
+    # DAPO's overlong reward shaping (`OverlongShaping`); None: off.
+    overlong: OverlongShaping | None = None
 
     def __post_init__(self):
         _check_train_agents(self.train_agents)
+        self.advantage.check(self)
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
@@ -236,6 +276,8 @@ class BatchStats:
     lone_traces: int = 0  # kept traces alone in their group: advantage 0, no signal
     zero_advantage_groups: int = 0  # groups of kept traces with one reward (or one trace)
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
+    overlong_shaped: int = 0  # kept traces whose reward DAPO's overlong shaping changed
+    overlong_penalty: float = 0.0  # the sum of those changes (<= 0)
     staleness_mean: float = 0.0
     staleness_max: int = 0
     # Trained tokens sampled under a grammar (re-scored under their replayed masks),
@@ -269,6 +311,12 @@ def select_traces(
         reward = _trained_reward(t, config, stats)
         if reward is None:
             continue
+        if config.overlong is not None:
+            p = config.overlong.penalty(sampled_tokens(t))
+            if p:
+                stats.overlong_shaped += 1
+                stats.overlong_penalty += p
+                reward += p
         if reward != t.reward:
             t = dataclasses.replace(t, reward=reward)
         version, w = trained_version(t, config.train_agents), 1.0
@@ -317,6 +365,11 @@ def _trained_reward(t: Trace, config: BatchConfig, stats: BatchStats) -> float |
     return None
 
 
+def sampled_tokens(trace: Trace) -> int:
+    """Tokens the model sampled in `trace` (the output of every completion)."""
+    return sum(len(c.output_ids) for e in trace.episodes for c in e.completions)
+
+
 def trace_rewards(traces: Sequence[Trace]) -> np.ndarray:
     """Each trace's reward as float64 (exact: the value the host compares), 0 when
     it has none (`select_traces` has already put the configured reward on the
@@ -330,35 +383,38 @@ def group_name(trace: Trace) -> str:
 
 
 def trace_advantages(
-    traces: Sequence[Trace], normalize_std: bool = False, std_ddof: int = 0, eps: float = 1e-6
+    traces: Sequence[Trace],
+    normalize_std: bool = False,
+    std_ddof: int = 0,
+    eps: float = 1e-6,
+    *,
+    estimator: AdvantageEstimator | None = None,
 ) -> np.ndarray:
-    """Group-relative advantages [len(traces)] (float32); a trace's group is its
-    group_id (else its task). A = R - mean(R of the group), divided by
-    (std of the group + eps) with `normalize_std` (the population std, ddof 0,
-    unless `std_ddof=1`: the sample std).
+    """One advantage per trace [len(traces)] (float32) from `estimator` (default
+    GRPO's: `advantages.GRPOAdvantage`); a trace's group is its group_id (else its
+    task). GRPO: A = R - mean(R of the group), divided by (std of the group + eps)
+    with `normalize_std` (the population std, ddof 0, unless `std_ddof=1`: the
+    sample std).
 
-    Computed on the host in float64, and exactly 0 for every group that
-    `informative_groups` calls uninformative (all rewards equal, or one trace):
-    the advantages and the counters (`BatchStats.zero_advantage_groups`) come
-    from the same exact comparison, so a tie of rewards fp32 cannot hold (0.7,
-    1/3) is never a signal. The rule for groups that failures thinned out: the
-    baseline is the mean of the traces kept, so a trace left alone in its group
-    gets advantage 0 and teaches nothing (`BatchStats.lone_traces` counts them);
-    it is never compared with a reward from another group.
+    Computed on the host in float64. Every estimator with a group baseline gives
+    exactly 0 to each group that `informative_groups` calls uninformative (all
+    rewards equal, or one trace): the advantages and the counters
+    (`BatchStats.zero_advantage_groups`) come from the same exact comparison, so
+    a tie of rewards fp32 cannot hold (0.7, 1/3) is never a signal. The rule for
+    groups that failures thinned out: the baseline is the mean of the traces
+    kept, so a trace left alone in its group gets advantage 0 and teaches
+    nothing (`BatchStats.lone_traces` counts them); it is never compared with a
+    reward from another group.
     """
-    rewards = trace_rewards(traces)
-    members: dict[str, list[int]] = collections.defaultdict(list)
-    for i, t in enumerate(traces):
-        members[group_name(t)].append(i)
-    adv = np.zeros(len(traces), np.float64)
-    for g in informative_groups(traces):
-        idx = np.asarray(members[g])
-        r = rewards[idx]
-        a = r - r.mean()
-        if normalize_std:
-            a = a / (r.std(ddof=std_ddof) + eps)
-        adv[idx] = a
-    return adv.astype(np.float32)
+    estimator = GRPOAdvantage() if estimator is None else estimator
+    adv = estimator(
+        trace_rewards(traces),
+        [group_name(t) for t in traces],
+        normalize_std=normalize_std,
+        std_ddof=std_ddof,
+        eps=eps,
+    )
+    return np.asarray(adv, np.float64).astype(np.float32)
 
 
 def informative_groups(kept: Sequence[Trace]) -> set[str]:
