@@ -1,6 +1,15 @@
 """Environments: tasks, tools (optionally sandboxed), verifiers, judges, domain mixing,
-and the contract a recipe checks an env against (`check_env`)."""
+the contract a recipe checks an env against (`check_env`), and adapters for other
+libraries' environments (`adapters`: `--env=reasoning_gym:<generator>`)."""
 
+from ac2_jax.envs.adapters import (
+    ENV_ADAPTERS,
+    MIX_PRESETS,
+    ReasoningGymEnv,
+    adapter_of,
+    reasoning_gym_env,
+    verifier_audit,
+)
 from ac2_jax.envs.base import (
     AgentError,
     Env,
@@ -38,6 +47,8 @@ from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, doma
 from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 
 __all__ = [
+    "ENV_ADAPTERS",
+    "MIX_PRESETS",
     "AdaptiveMix",
     "AgentError",
     "CalculatorEnv",
@@ -51,11 +62,13 @@ __all__ = [
     "JudgeExample",
     "LLMJudge",
     "NoisyJudge",
+    "ReasoningGymEnv",
     "RuleJudge",
     "SandboxLimits",
     "StepwiseCalculatorEnv",
     "Task",
     "Tool",
+    "adapter_of",
     "chain_memo",
     "chain_policy",
     "check_env",
@@ -70,10 +83,12 @@ __all__ = [
     "needs_of",
     "parse_chain_state",
     "parse_judge_reply",
+    "reasoning_gym_env",
     "replay_replies",
     "run_sandboxed",
     "run_tool",
     "safe_eval",
     "set_tool_threads",
     "tool_executor",
+    "verifier_audit",
 ]

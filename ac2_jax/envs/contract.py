@@ -19,18 +19,23 @@ An environment is an `Env` (envs/base.py) with:
              conversation so far, so that a recorded attempt replays.
 
 `load_env("pkg.module:Factory")` builds one from an import path (a class or
-a function, called with no arguments); `check_env(env, recipe)` raises one
-`EnvError` listing every missing or broken piece.
+a function, called with no arguments), or from another library's environment
+through its adapter ("reasoning_gym:chain_sum", `envs.adapters.ENV_ADAPTERS`);
+`check_env(env, recipe)` raises one `EnvError` listing every missing or broken
+piece. A `DomainMixer` is checked domain by domain, and its own task stream too.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ac2_jax.envs.base import Env, Task, Tool
+from ac2_jax.envs.mixer import DomainMixer
 
 __all__ = ["EnvError", "check_env", "load_env", "needs_of"]
 
@@ -49,10 +54,38 @@ def needs_of(recipe: str) -> tuple[str, ...]:
     return _NEEDS[recipe]
 
 
+def _adapted(spec: str) -> Env | None:
+    """The env of an adapter spec "<library>:<argument>" (None: not one)."""
+    from ac2_jax.envs.adapters import ENV_ADAPTERS, adapter_of
+
+    found = adapter_of(spec)
+    if found is None:
+        name = spec.partition(":")[0]
+        close = difflib.get_close_matches(name, ENV_ADAPTERS.names(), n=1, cutoff=0.75)
+        if close and importlib.util.find_spec(name.split(".")[0]) is None:
+            raise EnvError(
+                f"--env {spec!r}: no adapter {name!r} nor module of that name; did you mean "
+                f"{close[0]}:? (adapters: {', '.join(ENV_ADAPTERS.names())})"
+            )
+        return None
+    name, arg = found
+    try:
+        return ENV_ADAPTERS.get(name)(arg)
+    except ImportError:
+        raise  # the missing extra's one-line hint
+    except Exception as e:  # noqa: BLE001 - the adapter's own refusal, with the spec
+        raise EnvError(f"--env {spec!r}: {' '.join(str(e).split())}") from e
+
+
 def load_env(spec: str | Env | Callable[[], Env]) -> Env:
-    """An Env from an instance, a factory, or an import path "pkg.module:Factory"."""
+    """An Env (a DomainMixer included) from an instance, a factory, an adapter spec
+    "<library>:<argument>" or an import path "pkg.module:Factory"."""
     if isinstance(spec, Env):
         return spec
+    if isinstance(spec, str):
+        adapted = _adapted(spec)
+        if adapted is not None:
+            return adapted
     if callable(spec):
         obj: Any = spec
         where = getattr(spec, "__qualname__", repr(spec))
@@ -116,6 +149,21 @@ def _probe_tasks(env: Env, problems: list[str]) -> list[Task]:
     return tasks.get("train", [])
 
 
+def _check_mixer(mixer: DomainMixer, recipe: str) -> DomainMixer:
+    """Each domain's env against the contract, then the mixer's own task stream
+    (deterministic, unique ids, disjoint splits); one EnvError naming every problem."""
+    problems: list[str] = []
+    for domain, env in mixer.envs.items():
+        try:
+            check_env(env, recipe)
+        except EnvError as e:
+            problems.append(f"domain {domain!r}: {e}")
+    _probe_tasks(mixer, problems)
+    if problems:
+        raise EnvError(f"DomainMixer does not meet the env contract: {'; '.join(problems)}")
+    return mixer
+
+
 def check_env(env: Env, recipe: str = "rl") -> Env:
     """Checks `env` against the contract for `recipe`; returns it.
 
@@ -125,6 +173,8 @@ def check_env(env: Env, recipe: str = "rl") -> Env:
     objects, distinct names), a callable `make_harness` and `reply` if given, and
     the recipe's own needs (`demonstration` for sft, `hint` for distill).
     """
+    if isinstance(env, DomainMixer):
+        return _check_mixer(env, recipe)
     problems: list[str] = []
     name = type(env).__name__
     tasks = _probe_tasks(env, problems)

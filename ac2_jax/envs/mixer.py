@@ -71,8 +71,10 @@ def difficulty_factor(p: float | None) -> float:
     return 1.0 if p is None else 4.0 * p * (1.0 - p)
 
 
-class DomainMixer:
-    """Samples tasks across envs by weight; `env_for(task)` finds a task's env.
+class DomainMixer(Env):
+    """Samples tasks across envs by weight; `env_for(task)` finds a task's env, which
+    runs and verifies the task (`verify`, `reference_answer`, `initial_messages` are
+    its; `check_env` checks each domain's env).
 
     `weights`: the fixed weights (default equal); `adaptive`: adapt them to each
     domain's rolling pass rate (module docstring). `current_weights()` are the
@@ -89,6 +91,9 @@ class DomainMixer:
     ):
         if not envs:
             raise ValueError("DomainMixer needs at least one env")
+        self.name = "mix"
+        lows, highs = zip(*(e.reward_range for e in envs.values()), strict=True)
+        self.reward_range = (min(lows), max(highs))
         self.envs = dict(envs)
         weights = weights or {name: 1.0 for name in envs}
         unknown = set(weights) - set(envs)
@@ -213,3 +218,10 @@ class DomainMixer:
     def reference_answer(self, task: Task) -> str | None:
         """The task's own env's reference answer (`Env.reference_answer`)."""
         return self.env_for(task).reference_answer(task)
+
+    def verify(self, task: Task, answer: str | None) -> float:
+        """The task's own env's reward of `answer`."""
+        return self.env_for(task).verify(task, answer)
+
+    def initial_messages(self, task: Task) -> list[dict[str, Any]]:
+        return self.env_for(task).initial_messages(task)

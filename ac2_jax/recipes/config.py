@@ -123,6 +123,22 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixConfig:
+    """The weights of a several-domain env (a `DomainMixer`, e.g.
+    `--env=reasoning_gym:a,b,c`). adaptive: each domain's weight from its rolling pass
+    rate (`envs.AdaptiveMix`: the last `window` results, at least `floor` of its fixed
+    share, rate 0.5 before `min_results`; solved: reward >= pass_threshold); the
+    console shows the mix each step and the report its curves (mix.jsonl, mix.png).
+    adaptive with a one-domain env is refused."""
+
+    adaptive: bool = False
+    window: int = 64
+    floor: float = 0.1
+    min_results: int = 8
+    pass_threshold: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class DemosConfig:
     """SFT data: `num_tasks` train tasks solved by the env's `demonstration(task)`,
     or a JSONL `file` of chats ({"messages": [...], "tools": [...]?} per line)."""
@@ -143,6 +159,7 @@ class RLRecipeConfig:
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
+    mix: MixConfig = MixConfig()  # a several-domain env's weights, fixed or adaptive
 
 
 @dataclasses.dataclass(frozen=True)

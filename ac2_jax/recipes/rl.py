@@ -22,6 +22,7 @@ from typing import Any
 
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
@@ -40,7 +41,7 @@ from ac2_jax.recipes.common import (
 )
 from ac2_jax.recipes.config import RLRecipeConfig
 
-__all__ = ["arl", "eval_before", "evaluate_policy", "rl"]
+__all__ = ["arl", "eval_before", "evaluate_policy", "mix_lines", "rl", "write_mix_report"]
 
 
 async def evaluate_policy(cfg, env, lifecycle, name: str, progress: Progress, harness=None):
@@ -125,6 +126,105 @@ async def eval_before(cfg, env, lifecycle, progress: Progress, resume_at: int, h
     return result
 
 
+def _mixed(env, cfg: RLRecipeConfig):
+    """The env with `cfg.mix` applied: adaptive weights for a DomainMixer (a fresh
+    mixer over its domains and fixed weights); adaptive for one env is refused."""
+    mix = cfg.mix
+    if not mix.adaptive:
+        return env
+    if not isinstance(env, DomainMixer):
+        raise ConfigError(
+            f"mix.adaptive=true needs an env of several domains (a DomainMixer, e.g. "
+            f"--env=reasoning_gym:chain_sum,gcd); {type(env).__name__} is one"
+        )
+    adaptive = AdaptiveMix(
+        window=mix.window, floor=mix.floor, min_results=mix.min_results,
+        pass_threshold=mix.pass_threshold,
+    )  # fmt: skip
+    return DomainMixer(env.envs, env.weights, adaptive=adaptive)
+
+
+def _audit_domains(env: DomainMixer, reports: str, progress: Progress) -> None:
+    """The verifier audit of every domain (`envs.adapters.verifier_audit`: a reference
+    answer rejected, a wrong answer accepted), written to reports/env_audit.json and
+    said on the console."""
+    from ac2_jax.envs.adapters import verifier_audit
+
+    audit = verifier_audit(env)
+    write_json(os.path.join(reports, "env_audit.json"), audit)
+    flagged = audit["flagged"]
+    words = []
+    for d in flagged:
+        found = audit["domains"][d]
+        why = []
+        if found["rejects_reference"]:
+            why.append(f"rejects {len(found['rejects_reference'])} reference answers")
+        if found["accepts_wrong"]:
+            why.append(f"accepts {len(found['accepts_wrong'])} wrong answers")
+        words.append(f"{d} ({', '.join(why)})")
+    progress.say(
+        f"env audit of {len(env.envs)} domains: "
+        + (f"flagged {'; '.join(words)}" if flagged else "no verifier flagged")
+        + " (report/env_audit.json)"
+    )
+
+
+def mix_lines(step: int, m: dict[str, Any], width: int = 100) -> list[str]:
+    """The console's word on an adaptive mix after a step: each domain's weight and
+    rolling pass rate ("-" before it is known), heaviest first, wrapped."""
+    import textwrap
+
+    weights = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("mix_weight/")}
+    if not weights:
+        return []
+    rates = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("mix_pass_rate/")}
+    items = [
+        f"{d} {w:.3f}/{rates[d]:.2f}" if d in rates else f"{d} {w:.3f}/-"
+        for d, w in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+    head = f"step {step} mix (weight/pass rate): "
+    return textwrap.wrap(head + ", ".join(items), width, subsequent_indent="  ")
+
+
+def write_mix_report(history: list[dict[str, Any]], reports: str) -> dict[str, str]:
+    """Per step, each domain's weight, rolling pass rate and result count: reports/
+    mix.jsonl (one record a step) and mix.png (pass-rate and weight curves, when
+    matplotlib is installed: `ac2_jax[viz]`). Returns the paths written."""
+    import json
+
+    records = []
+    for i, m in enumerate(history):
+        rec: dict[str, Any] = {"step": int(m.get("rl_step", i)) + 1}
+        for key in ("mix_weight", "mix_pass_rate", "mix_results"):
+            rec[key] = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith(key + "/")}
+        records.append(rec)
+    os.makedirs(reports, exist_ok=True)
+    out = {"mix_jsonl": os.path.join(reports, "mix.jsonl")}
+    with open(out["mix_jsonl"], "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return out
+    fig = Figure(figsize=(13, 5))
+    ax_pass, ax_weight = fig.subplots(1, 2)
+    domains = sorted({d for r in records for d in r["mix_weight"]})
+    for d in domains:
+        steps = [r["step"] for r in records if d in r["mix_pass_rate"]]
+        ax_pass.plot(steps, [r["mix_pass_rate"][d] for r in records if d in r["mix_pass_rate"]],
+                     label=d, linewidth=1)  # fmt: skip
+        ax_weight.plot([r["step"] for r in records], [r["mix_weight"].get(d, 0.0) for r in records],
+                       label=d, linewidth=1)  # fmt: skip
+    ax_pass.set(title="rolling pass rate per domain", xlabel="step", ylim=(-0.02, 1.02))
+    ax_weight.set(title="mix weight per domain", xlabel="step")
+    ax_weight.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    out["mix_png"] = os.path.join(reports, "mix.png")
+    fig.savefig(out["mix_png"], dpi=110)
+    return out
+
+
 def _trained_tokens(m: dict[str, Any]) -> int:
     return int(sum(v for k, v in m.items() if k.startswith("trained_tokens/")))
 
@@ -180,7 +280,7 @@ async def arl(
     cfg = config if config is not None else RLRecipeConfig()
     paths = cfg.paths.resolved()
     resume_at, changed = claim_workdir("rl", cfg, model)  # before any work
-    env = check_env(load_env(env), "rl")
+    env = _mixed(check_env(load_env(env), "rl"), cfg)
     spec = model
     model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
     check_model(cfg, "rl", model, spec, resume_at)
@@ -188,6 +288,8 @@ async def arl(
     rl_cfg = cfg.rl
     progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    if isinstance(env, DomainMixer):
+        _audit_domains(env, paths.reports, progress)
     if resume_at:
         progress.say(resuming_line(resume_at, changed))
     t_start = time.perf_counter()
@@ -222,6 +324,8 @@ async def arl(
                 progress.step(steps_done, shown, _note(m))
                 for line in _step_lines(m, trainer.last_traces, cfg):
                     progress.say(line)
+                for line in mix_lines(int(m.get("rl_step", 0)) + 1, m):
+                    progress.say(line)
                 stop = setting_failure(
                     "rl", int(m.get("rl_step", 0)) + 1, trainer.last_traces, cfg, model
                 )
@@ -236,6 +340,10 @@ async def arl(
         finally:
             trainer.close()
         after = await evaluate_policy(cfg, env, lifecycle, "after", progress, harness)
+    if trainer.mixer is not None:
+        report_mix = write_mix_report(history, paths.reports)
+    else:
+        report_mix = {}
     export = os.path.join(paths.reports, "final_hf")
     exported = export_model(final, tokenizer, export)
     report: dict[str, Any] = {
@@ -245,6 +353,7 @@ async def arl(
         **exported,  # hf_export (and adapter: PEFT's format, for a LoRA run)
         "published": paths.publish,
         "time_s": time.perf_counter() - t_start,
+        **report_mix,  # mix_jsonl, mix_png: an adaptive mix's curves
     }
     if before is not None and after is not None:
         from ac2_jax.evals import compare_results
