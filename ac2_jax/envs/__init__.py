@@ -35,13 +35,17 @@ from ac2_jax.envs.contract import EnvError, check_env, load_env, needs_of
 from ac2_jax.envs.guess import GuessEnv, replay_replies
 from ac2_jax.envs.judges import (
     Judge,
+    JudgedEnv,
     JudgeError,
     JudgeExample,
+    JudgeUnavailable,
     LLMJudge,
     NoisyJudge,
+    RubricJudge,
     RuleJudge,
     hint_keywords,
     parse_judge_reply,
+    parse_score_reply,
 )
 from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
 from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
@@ -60,9 +64,12 @@ __all__ = [
     "Judge",
     "JudgeError",
     "JudgeExample",
+    "JudgeUnavailable",
+    "JudgedEnv",
     "LLMJudge",
     "NoisyJudge",
     "ReasoningGymEnv",
+    "RubricJudge",
     "RuleJudge",
     "SandboxLimits",
     "StepwiseCalculatorEnv",
@@ -83,6 +90,7 @@ __all__ = [
     "needs_of",
     "parse_chain_state",
     "parse_judge_reply",
+    "parse_score_reply",
     "reasoning_gym_env",
     "replay_replies",
     "run_sandboxed",

@@ -1,6 +1,7 @@
-"""Relevance judges for RMSD: which candidate positions matter for the hint.
+"""Judges: relevance judges for RMSD, and rubric judges that give rewards.
 
-A judge sees one `JudgeExample` (the trace text, the response tokens, the
+Relevance judges (RMSD: which candidate positions matter for the hint). A
+judge sees one `JudgeExample` (the trace text, the response tokens, the
 hint and the numbered candidate positions, i.e. the high-divergence positions
 from `ac2_jax.losses.candidate_mask`) and returns the positions it selects, a
 subset of the candidates, at most `top_s` of them. Positions index
@@ -11,17 +12,32 @@ mask. Results are cached per example (key = hash of the example's content).
 for tests and offline runs; `NoisyJudge` flips an oracle's verdicts at a set rate.
 `LLMJudge` asks any OpenAI-compatible endpoint through an `openai.OpenAI`-like client
 passed in.
+
+Rubric judges (rewards from an LLM: verifiers' rubrics, ART's RULER, verl's
+GenRM). `RubricJudge` asks any OpenAI-compatible chat endpoint (a provider's
+URL, or the library's own endpoint serving another model, reached with its
+admin key) to score an answer against a rubric, 0 to 1; `JudgedEnv` makes it
+an env's verifier. Scores are cached by content hash; a failed request or an
+invalid reply is retried with exponential backoff; when no valid score comes
+the judge raises `JudgeUnavailable`: our failure, never the agent's, so the
+rollout ends `infra_error` (never trained; counted by the collector and in
+the judge's `stats["unavailable"]`), never a score.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import hashlib
 import json
 import re
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
+
+from ac2_jax.envs.base import Env, Task
 
 _STOPWORDS = frozenset(
     "a an and are as at be but by for from has have in is it its of on or that the this to "
@@ -31,6 +47,12 @@ _STOPWORDS = frozenset(
 
 class JudgeError(RuntimeError):
     """A judge could not produce a valid selection (LLMJudge with on_error='raise')."""
+
+
+class JudgeUnavailable(JudgeError):
+    """A rubric judge gave no valid score after its retries (endpoint down, timed
+    out, invalid replies). Not an `AgentError`: a rollout whose verifier raises it
+    ends `infra_error`, never trained."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,3 +368,308 @@ def parse_judge_reply(text: str, example: JudgeExample) -> list[int]:
             raise ValueError(f"position {p} is not a candidate (candidates: {sorted(cands)})")
         out.append(p)
     return out
+
+
+_RUBRIC_SYSTEM = (
+    "You grade an AI agent's answer to a task against a rubric. Reply with JSON only, "
+    'exactly {"score": s}, where s is a number from 0 (fails the rubric) to 1 (meets it '
+    "fully)."
+)
+
+
+def parse_score_reply(text: str) -> float:
+    """The score of a reply {"score": s} with 0 <= s <= 1; ValueError says what is wrong."""
+    data = _extract_json(text)
+    if not isinstance(data, dict) or "score" not in data:
+        raise ValueError(f'expected an object {{"score": s}}, got {json.dumps(data)[:200]}')
+    s = data["score"]
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
+        raise ValueError(f"score {s!r} is not a number in [0, 1]")
+    return float(s)
+
+
+class RubricJudge:
+    """Scores an answer against a rubric by asking an OpenAI-compatible chat endpoint.
+
+    rubric: what earns what (shown to the judge with the task, the answer and,
+    with `show_reference`, the task's reference answer). model: the endpoint's
+    model name. base_url / api_key: where to ask (the library's own endpoint:
+    its URL + "/v1" and its admin key, whose completions are not recorded);
+    or pass `client` (an `openai.OpenAI`) and/or `async_client` (an
+    `openai.AsyncOpenAI`) made elsewhere. timeout_s bounds each request.
+
+    `score(prompt, answer, reference)` -> a float in [0, 1] (`ascore` awaits the
+    async client). The score of the same content (model, rubric, prompt, answer,
+    reference: sha256, `key`) is asked once and cached (valid scores only).
+    A request that fails (timeout, connection, HTTP error) or a reply that is not
+    {"score": s} with 0 <= s <= 1 is retried up to `max_retries` times, after
+    backoff_s, 2 backoff_s, ... (at most max_backoff_s), a bad reply with the
+    error fed back; then `JudgeUnavailable` is raised (one line: the model, the
+    URL, the last reason). `stats` counts: scored (calls), cache_hits,
+    requests, retries, timeouts, request_errors, invalid_replies, unavailable.
+    """
+
+    def __init__(
+        self,
+        rubric: str,
+        model: str,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        client: Any = None,
+        async_client: Any = None,
+        timeout_s: float = 30.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        temperature: float = 0.0,
+        max_tokens: int = 64,
+        show_reference: bool = False,
+    ):
+        if not rubric or not isinstance(rubric, str):
+            raise ValueError("RubricJudge: rubric must be a non-empty string")
+        if base_url is None and client is None and async_client is None:
+            raise ValueError(
+                "RubricJudge: give base_url (an OpenAI-compatible endpoint, e.g. "
+                "http://host:port/v1) or an openai client (client= / async_client=)"
+            )
+        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise ValueError(
+                f"RubricJudge: need max_retries >= 0, timeout_s > 0, backoff_s >= 0; got "
+                f"{max_retries}, {timeout_s}, {backoff_s}"
+            )
+        self.rubric, self.model, self.base_url = rubric, model, base_url
+        self.api_key = api_key
+        self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.show_reference = show_reference
+        self._client, self._async_client = client, async_client
+        self._own_async: dict[int, Any] = {}  # event loop id -> the AsyncOpenAI made for it
+        self._cache: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "scored",
+                "cache_hits",
+                "requests",
+                "retries",
+                "timeouts",
+                "request_errors",
+                "invalid_replies",
+                "unavailable",
+            ),
+            0,
+        )
+
+    # -- clients
+
+    def _openai_kwargs(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "api_key": self.api_key or "EMPTY",
+            "timeout": self.timeout_s,
+            "max_retries": 0,  # ours, with backoff
+        }
+
+    def _sync_client(self):
+        if self._client is None:
+            import openai
+
+            self._client = openai.OpenAI(**self._openai_kwargs())
+        return self._client
+
+    def _aclient(self):
+        if self._async_client is not None:
+            return self._async_client
+        loop = id(asyncio.get_running_loop())  # an httpx pool belongs to one loop
+        if loop not in self._own_async:
+            import openai
+
+            self._own_async = {loop: openai.AsyncOpenAI(**self._openai_kwargs())}
+        return self._own_async[loop]
+
+    # -- the request
+
+    def key(self, prompt: str, answer: str, reference: str | None = None) -> str:
+        """sha256 of what the judge is asked (the cache key)."""
+        ref = reference if self.show_reference else None
+        blob = json.dumps([self.model, self.rubric, prompt, answer, ref], ensure_ascii=False)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def messages(self, prompt: str, answer: str, reference: str | None = None) -> list[dict]:
+        """The chat request for one answer."""
+        ref = (
+            f"## Reference answer\n{reference}\n\n"
+            if self.show_reference and reference is not None
+            else ""
+        )
+        user = (
+            f"## Task\n{prompt}\n\n{ref}## Answer\n{answer}\n\n## Rubric\n{self.rubric}\n\n"
+            'Score the answer against the rubric. Reply with JSON only: {"score": s}.'
+        )
+        return [{"role": "system", "content": _RUBRIC_SYSTEM}, {"role": "user", "content": user}]
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.stats[name] += 1
+
+    def _cached(self, key: str) -> float | None:
+        self._count("scored")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self.stats["cache_hits"] += 1
+            return hit
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s) if attempt else 0.0
+
+    def _failed(self, exc: Exception) -> str:
+        timeout = type(exc).__name__ in ("APITimeoutError", "TimeoutError", "ReadTimeout")
+        self._count("timeouts" if timeout else "request_errors")
+        return f"request failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+    def _reply(self, text: str, messages: list[dict]) -> tuple[float | None, list[dict], str]:
+        try:
+            return parse_score_reply(text), messages, ""
+        except ValueError as e:
+            self._count("invalid_replies")
+            feedback = [
+                {"role": "assistant", "content": text},
+                {
+                    "role": "user",
+                    "content": f'Invalid reply: {e}. Reply with JSON only: {{"score": s}}, '
+                    "s from 0 to 1.",
+                },
+            ]
+            return None, messages + feedback, f"invalid reply: {e}"
+
+    def _give_up(self, reason: str) -> JudgeUnavailable:
+        self._count("unavailable")
+        where = self.base_url or "the given client"
+        return JudgeUnavailable(
+            f"RubricJudge({self.model} at {where}): no valid score after "
+            f"{self.max_retries + 1} attempts: {reason}"
+        )
+
+    def _store(self, key: str, score: float) -> float:
+        with self._lock:
+            self._cache[key] = score
+        return score
+
+    def _request(self, messages: list[dict]) -> dict[str, Any]:
+        return dict(
+            model=self.model,
+            messages=messages,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+        )
+
+    def score(self, prompt: str, answer: str, reference: str | None = None) -> float:
+        """The rubric score of `answer` in [0, 1]; JudgeUnavailable when none comes."""
+        key = self.key(prompt, answer, reference)
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
+        messages, reason = self.messages(prompt, answer, reference), "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._count("retries")
+                time.sleep(self._delay(attempt))
+            self._count("requests")
+            try:
+                resp = self._sync_client().chat.completions.create(**self._request(messages))
+                text = resp.choices[0].message.content or ""
+            except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
+                reason = self._failed(e)
+                continue
+            got, messages, reason = self._reply(text, messages)
+            if got is not None:
+                return self._store(key, got)
+        raise self._give_up(reason)
+
+    async def ascore(self, prompt: str, answer: str, reference: str | None = None) -> float:
+        """`score` without blocking the event loop (the async client)."""
+        key = self.key(prompt, answer, reference)
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
+        messages, reason = self.messages(prompt, answer, reference), "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._count("retries")
+                await asyncio.sleep(self._delay(attempt))
+            self._count("requests")
+            try:
+                resp = await self._aclient().chat.completions.create(**self._request(messages))
+                text = resp.choices[0].message.content or ""
+            except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
+                reason = self._failed(e)
+                continue
+            got, messages, reason = self._reply(text, messages)
+            if got is not None:
+                return self._store(key, got)
+        raise self._give_up(reason)
+
+
+class JudgedEnv(Env):
+    """`env` with a rubric judge as its verifier (a reward from an LLM).
+
+    Tasks, tools, harness, hints, demonstrations and replies are `env`'s. verify
+    maps the judge's score s in [0, 1] to low + s (high - low) of env.reward_range;
+    an attempt with no answer gets `low` without a judge call. `averify` (what a
+    rollout awaits when an env has it) asks without blocking the event loop. When
+    the judge cannot answer it raises `JudgeUnavailable`: the rollout ends
+    infra_error, never trained. The reference answer is shown to the judge with
+    `RubricJudge(show_reference=True)`; `reference_answer` is None here (the
+    judge's scale is not the env's verifier's, so the contract's solvability
+    check does not apply).
+    """
+
+    def __init__(self, env: Env, judge: RubricJudge):
+        if hasattr(env, "env_for"):
+            raise ValueError(
+                "JudgedEnv: a DomainMixer routes each task to its domain's env (and "
+                "verifier); wrap the domains that need a judge instead"
+            )
+        self.env, self.judge = env, judge
+        self.name = f"{getattr(env, 'name', 'env')}+judge"
+        self.system_prompt = env.system_prompt
+        self.reward_range = env.reward_range
+
+    def __getattr__(self, name: str):  # the optional methods: hint, demonstration, reply, ...
+        if name in ("env", "judge"):
+            raise AttributeError(name)
+        return getattr(self.env, name)
+
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        return self.env.sample_tasks(n, seed, split)
+
+    @property
+    def tools(self):
+        return self.env.tools
+
+    def initial_messages(self, task: Task) -> list[dict[str, Any]]:
+        return self.env.initial_messages(task)
+
+    def judge_memo(self, task, messages, memo):
+        return self.env.judge_memo(task, messages, memo)
+
+    def _reference(self, task: Task) -> str | None:
+        return None if task.answer is None else str(task.answer)
+
+    def _reward(self, score: float) -> float:
+        low, high = self.reward_range
+        return float(low + score * (high - low))
+
+    def verify(self, task: Task, answer: str | None) -> float:
+        if answer is None:
+            return float(self.reward_range[0])
+        return self._reward(self.judge.score(task.prompt, answer, self._reference(task)))
+
+    async def averify(self, task: Task, answer: str | None) -> float:
+        if answer is None:
+            return float(self.reward_range[0])
+        score = await self.judge.ascore(task.prompt, answer, self._reference(task))
+        return self._reward(score)

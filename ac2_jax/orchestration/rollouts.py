@@ -226,7 +226,8 @@ async def run_rollout(
 
     The loop asks the task, and for a multi-turn env (one with `reply`) goes on with
     each of the env's replies to the agent's answers (`EnvUser`): one append-only
-    episode; the verifier grades the last answer.
+    episode; the verifier grades the last answer (awaiting the env's `averify`
+    when it has one, e.g. a judge over HTTP, else calling `verify`).
 
     The attempt ends "finished" when the agent answered (the verifier's reward,
     a wrong answer included), "agent_error" when it did not answer within its
@@ -293,7 +294,10 @@ async def _run_rollout(
     try:
         orch = make_orchestrator(env, task, client, model)
         conv = await asyncio.wait_for(run_task(orch, EnvUser()), timeout_s)
-        reward = env.verify(task, conv.answer)
+        # An env with `averify` (a judge over HTTP: envs.JudgedEnv) grades without
+        # blocking the loop that runs the other attempts.
+        averify = getattr(env, "averify", None)
+        reward = await averify(task, conv.answer) if averify else env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
         artifacts = {
             "answer": conv.answer,
