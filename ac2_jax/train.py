@@ -10,10 +10,11 @@ directory or a preset ("tiny"). --config: a Python file whose
 `get_config(variant=None)` returns a dict of the fields it sets (optional).
 Any `--config.FIELD=VALUE` sets one field of the recipe's config, listed in
 the file or not (`--config.help` lists them all). --workdir is
-`--config.paths.workdir`. A workdir that holds a run of the recipe is refused
-unless `--resume` (continue from its checkpoint; its saved config is compared
-first, and another model or full <-> LoRA is refused before anything is
-written) or `--overwrite` (its files are deleted first) is given
+`--config.paths.workdir`; --tool_parser is `--config.tool_parser` (the model's
+tool-call format; by default its chat template's, else its family's). A workdir
+that holds a run of the recipe is refused unless `--resume` (continue from its
+checkpoint; its saved config is compared first, and another model or full <->
+LoRA is refused before anything is written) or `--overwrite` (its files are deleted first) is given
 (`--config.paths.existing`). A mistake in any of these is one line on stderr
 (exit status 2); the resolved config is written to the run's report folder.
 """
@@ -28,9 +29,9 @@ from collections.abc import Sequence
 USAGE = (
     "usage: python -m ac2_jax.train --recipe={rl,sft,distill} --env=pkg.module:Factory "
     "--model=DIR|tiny [--config=FILE.py[:variant]] [--config.FIELD=VALUE ...] [--workdir=DIR] "
-    "[--resume | --overwrite]"
+    "[--tool_parser=NAME] [--resume | --overwrite]"
 )
-_FLAGS = ("recipe", "env", "model", "config", "workdir")
+_FLAGS = ("recipe", "env", "model", "config", "workdir", "tool_parser")
 # A workdir that holds a run of the recipe: continue it, or delete it and start afresh
 # (neither: refused, naming both).
 _SWITCHES = ("resume", "overwrite")
@@ -110,6 +111,8 @@ def build(argv: Sequence[str]):
         raise SystemExit(f"{USAGE}\nfields of {cls.__name__}:\n" + "\n".join(lines))
     if "workdir" in flags:
         overrides = [f"paths.workdir={flags['workdir']}", *overrides]
+    if "tool_parser" in flags:
+        overrides = [f"tool_parser={flags['tool_parser']}", *overrides]
     if "resume" in flags and "overwrite" in flags:
         raise UsageError("--resume or --overwrite, not both")
     for switch in _SWITCHES:

@@ -55,6 +55,8 @@ def test_a_bad_value_is_one_line_naming_its_type():
      "not a directory"),
     (["--recipe=sft", "--env=ac2_jax.envs:CalculatorEnv", "--model=tiny"],
      "recipe 'sft' needs CalculatorEnv.demonstration(task)"),
+    ([*BASE, "--tool_parser=hermez"],  # issue 68, finding 5: the format is a flag
+     "tool_parser='hermez': unknown tool parser 'hermez'"),
 ])
 def test_launcher_mistakes_are_one_line(args, says, tmp_path):
     assert says in one_line_error(launch(*args, f"--workdir={tmp_path}"))
@@ -158,5 +160,8 @@ def test_resume_and_overwrite_are_flags_and_exclusive(tmp_path):
     assert build(args)[3].paths.existing == "refuse"
     assert build([*args, "--resume"])[3].paths.existing == "resume"
     assert build([*args, "--overwrite"])[3].paths.existing == "overwrite"
+    # Issue 68, finding 5: the tool-call format is a flag (None: the model's own).
+    assert build(args)[3].tool_parser is None
+    assert build([*args, "--tool_parser=llama3_json"])[3].tool_parser == "llama3_json"
     with pytest.raises(UsageError, match="--resume or --overwrite, not both"):
         build([*args, "--resume", "--overwrite"])

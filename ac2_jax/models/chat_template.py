@@ -58,8 +58,7 @@ def _call_as_object(call: Any) -> Any:
     """A tool call whose `function.arguments` is a JSON string holding an object, with
     the object in its place (a copy); any other call as it is."""
     fn = call.get("function") if isinstance(call, dict) else None
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    if not isinstance(args, str):
+    if not isinstance(fn, dict) or not isinstance(args := fn.get("arguments"), str):
         return call
     try:
         obj = json.loads(args)

@@ -98,6 +98,9 @@ class ModelFamily(abc.ABC):
     # The projections its model can hold LoRA adapters on (`models.lora.TARGETS`
     # names); `check_lora_targets` refuses a LoRAConfig naming others.
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    # The tool-call format (`models.tool_parsers` name) of the family's published chat
+    # templates: a tokenizer whose template renders no call markup takes it.
+    tool_parser: str = "hermes"
 
     def check_lora_targets(self, targets) -> None:
         """Raises ValueError naming any of `targets` this family has no adapter for."""

@@ -4,8 +4,11 @@
 (tokenizer.json, tokenizer_config.json, optional chat_template.jinja and
 generation_config.json) and renders chat templates the way `transformers`
 does (see `chat_template`), so prompts match the HF stack id for id.
-Tool calls in model text are parsed by the named `tool_parsers` format
-(default "hermes": `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`).
+Tool calls in model text are parsed by the named `tool_parsers` format;
+`from_pretrained` picks it (`choose_tool_parser`): the format the chat template
+renders calls in, else the model family's (config.json's model_type:
+`ModelFamily.tool_parser`), else "hermes" (`<tool_call>\n{"name": ...,
+"arguments": {...}}\n</tool_call>`); `tool_parser=` overrides it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ac2_jax.models.chat_template import (
     render_chat,
     select_template,
 )
-from ac2_jax.models.tool_parsers import ParsedText, get_parser
+from ac2_jax.models.tool_parsers import ParsedText, get_parser, parser_for_template
 
 _SPECIAL_ATTRS = (
     "bos_token",
@@ -63,6 +66,7 @@ class Tokenizer:
     ):
         self.hf = tokenizer
         self.tool_parser = get_parser(tool_parser)
+        self.tool_parser_source = "asked"  # from_pretrained: how it picked the format
         self.chat_template = chat_template
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.model_max_length = model_max_length
@@ -136,14 +140,22 @@ class Tokenizer:
         )
         return self.encode(text) if tokenize else text
 
+    def set_tool_parser(self, name: str) -> None:
+        """Parses tool calls in the registered format `name` from now on (an unknown
+        name is a ValueError listing the registered ones)."""
+        self.tool_parser = get_parser(name)
+        self.tool_parser_source = "asked"
+
     def parse_tool_calls(self, text: str, tools: Sequence[dict] | None = None) -> ParsedText:
         """(content, OpenAI tool_calls) of model text, by `self.tool_parser`."""
         return self.tool_parser.parse(text, tools)
 
     # ---- files -----------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, tool_parser: str = "hermes") -> Tokenizer:
-        """Loads an HF tokenizer directory (no network); `tool_parser` as in __init__."""
+    def from_pretrained(cls, path: str, tool_parser: str | None = None) -> Tokenizer:
+        """Loads an HF tokenizer directory (no network). tool_parser: a registered
+        format name; None picks it (`choose_tool_parser`; `self.tool_parser_source`
+        says how it was picked)."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
@@ -166,7 +178,11 @@ class Tokenizer:
         extra = [extra] if isinstance(extra, int) else list(extra or [])
         max_len = config.get("model_max_length")
         max_len = int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None
-        return cls(
+        source = "asked"
+        if tool_parser is None:
+            model_type = _read_json(os.path.join(path, "config.json")).get("model_type")
+            tool_parser, source = choose_tool_parser(template, model_type)
+        tok = cls(
             hf,
             chat_template=template,
             special_tokens=special,
@@ -174,6 +190,8 @@ class Tokenizer:
             model_max_length=max_len,
             tool_parser=tool_parser,
         )
+        tok.tool_parser_source = source
+        return tok
 
     def save_pretrained(self, path: str) -> None:
         """Writes tokenizer.json + tokenizer_config.json (+ special_tokens_map)."""
@@ -208,6 +226,22 @@ class Tokenizer:
                 os.path.join(path, "generation_config.json"),
                 {"eos_token_id": list(self.stop_token_ids)},
             )
+
+
+def choose_tool_parser(chat_template: str | dict | None, model_type: str | None) -> tuple[str, str]:
+    """(format name, why) of a model's tool calls: the format its chat template renders
+    calls in (`parser_for_template`: a fine-tune's template wins over its architecture,
+    e.g. Hermes-3 on Llama), else its family's (`ModelFamily.tool_parser` of
+    config.json's model_type), else "hermes"."""
+    name = parser_for_template(chat_template)
+    if name is not None:
+        return name, "the chat template's format"
+    if model_type:
+        from ac2_jax.models.family import FAMILIES
+
+        if model_type in FAMILIES:
+            return FAMILIES.get(model_type).tool_parser, f"the {model_type} family's format"
+    return "hermes", "the default (no tool markup in the chat template, no known family)"
 
 
 def _read_json(path: str) -> dict:

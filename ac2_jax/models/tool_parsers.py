@@ -13,6 +13,17 @@ Registered formats:
 - "mistral" (Mistral v3+ tokenizers): `[TOOL_CALLS][{"name": ..., "arguments":
   {...}}, ...]`, the calls one JSON array after the marker; call ids are 9
   alphanumerics, the only ids Mistral's chat templates take back.
+- "llama3_json" (Llama 3.1 / 3.2 / 3.3 custom tools): the whole answer is
+  `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`;
+  several calls separated by `;`), as the published templates render a call.
+- "gemma_tool_code" (Gemma 3): its published chat template renders no tools;
+  Google's function-calling guide for Gemma has the model answer a Python call
+  in a fenced block: ```` ```tool_code\\nget_weather(city="Paris")\\n``` ````
+  (keyword arguments of literal values).
+
+`parser_for_template(chat_template)` names the format a chat template renders
+calls in (None if it renders none); `Tokenizer.from_pretrained` picks the
+template's format, else the model family's (`ModelFamily.tool_parser`).
 
 Every parser scans with `str.find` from a cursor that only moves forward and
 decodes each block once, so its work is linear in the text length (no
@@ -402,6 +413,125 @@ class MistralParser(ToolCallParser):
         )
 
 
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3.x custom tool calls: the answer is `{"name": str, "parameters": {...}}`
+    (or "arguments"), optionally after `<|python_tag|>`, several separated by `;`.
+
+    Only an answer that starts with a call (after whitespace and the tag) holds
+    calls, as the template renders one; otherwise it is all content. Each object
+    is decoded once in place (`raw_decode`); an answer that starts like a call but
+    is not a well-formed sequence of calls stays text and counts as malformed.
+    """
+
+    name = "llama3_json"
+    opening = block_open = "{"
+    python_tag = "<|python_tag|>"
+    _decoder = json.JSONDecoder()
+
+    def named_opening(self, function_name: str) -> str:
+        return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "parameters": '
+
+    def parse_block(self, body, schema):
+        obj = _loads(body) if isinstance(body, str) else body
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("parameters", obj.get("arguments", {}))
+        if not isinstance(args, (dict, str)):
+            return None
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return new_call(obj["name"], args)
+
+    def parse(self, text: str, tools: Sequence[dict] | None = None) -> ParsedText:
+        if not isinstance(text, str):
+            raise TypeError(f"parse: text must be str, got {type(text).__name__}")
+        end = min(len(text), self.max_chars)
+        at = len(text) - len(text.lstrip())
+        if text.startswith(self.python_tag, at):
+            at += len(self.python_tag)
+        while at < end and text[at].isspace():
+            at += 1
+        if at >= end or text[at] != "{":
+            return ParsedText(text.strip(), [], steps=at, unparsed_chars=len(text) - end)
+        calls: list[dict[str, Any]] = []
+        pos = at
+        while True:
+            try:  # reads in place; past `end` only once, as it then stops
+                obj, after = self._decoder.raw_decode(text, pos)
+            except (ValueError, RecursionError):
+                obj, after = None, end + 1
+            call = self.parse_block(obj, None) if after <= end else None
+            if call is None:
+                return ParsedText(text.strip(), [], steps=min(after, end), malformed=1,
+                                  unparsed_chars=len(text) - end)  # fmt: skip
+            calls.append(call)
+            pos = after
+            while pos < end and text[pos].isspace():
+                pos += 1
+            if pos < end and text[pos] == ";":
+                pos += 1
+                while pos < end and text[pos].isspace():
+                    pos += 1
+                if pos < end and text[pos] == "{":
+                    continue
+            break
+        return ParsedText(text[pos:].strip(), calls, steps=pos, unparsed_chars=len(text) - end)
+
+
+def _literal(node: Any) -> Any:
+    """The value of a literal AST node (str, number, bool, None, list, dict), else
+    raises ValueError."""
+    import ast
+
+    return ast.literal_eval(node)
+
+
+class GemmaToolCodeParser(ToolCallParser):
+    """Gemma 3 (Google's function-calling guide): ```` ```tool_code\\nNAME(k=v, ...)\\n``` ````,
+    one Python call per block, keyword arguments of literal values (strings, numbers,
+    booleans, None, lists, dicts). Anything else in a block (positional arguments,
+    expressions, several statements) leaves it as text, counted as malformed.
+    """
+
+    name = "gemma_tool_code"
+    opening = "```tool_code\n"
+    block_open = "```tool_code"
+    block_close = "```"
+
+    def named_opening(self, function_name: str) -> str:
+        return self.opening + function_name + "("
+
+    def parse_block(self, body, schema):
+        import ast
+
+        try:
+            tree = ast.parse(body, mode="eval")
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        call = tree.body
+        if not isinstance(call, ast.Call) or call.args:
+            return None
+        func = call.func
+        parts = []
+        while isinstance(func, ast.Attribute):
+            parts.append(func.attr)
+            func = func.value
+        if not isinstance(func, ast.Name):
+            return None
+        name = ".".join([func.id, *reversed(parts)])
+        args: dict[str, Any] = {}
+        for kw in call.keywords:
+            if kw.arg is None or kw.arg in args:
+                return None
+            try:
+                args[kw.arg] = _literal(kw.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return None
+        try:
+            return new_call(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError):  # a set, bytes, complex, NaN: no JSON form
+            return None
+
+
 PARSERS: Registry[ToolCallParser] = Registry("tool parser")
 _LOCK = threading.Lock()
 
@@ -430,6 +560,31 @@ def parser_names() -> list[str]:
 register_parser(HermesParser.name, HermesParser())
 register_parser(Qwen3CoderParser.name, Qwen3CoderParser())
 register_parser(MistralParser.name, MistralParser())
+register_parser(Llama3JsonParser.name, Llama3JsonParser())
+register_parser(GemmaToolCodeParser.name, GemmaToolCodeParser())
+
+# What a chat template renders a call with, per format; the first found names it
+# (Qwen3-Coder's XML before Hermes: both use <tool_call>).
+TEMPLATE_MARKERS = (
+    ("qwen3_coder", "<function="),
+    ("mistral", "[TOOL_CALLS]"),
+    ("hermes", "<tool_call>"),
+    ("llama3_json", '"parameters": '),
+    ("gemma_tool_code", "tool_code"),
+)
+
+
+def parser_for_template(chat_template: str | dict | None) -> str | None:
+    """The registered format a chat template renders tool calls in (by the markup it
+    writes: `TEMPLATE_MARKERS`), or None when it renders none (e.g. Gemma 3's)."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use") or chat_template.get("default")
+    if not isinstance(chat_template, str):
+        return None
+    for name, marker in TEMPLATE_MARKERS:
+        if marker in chat_template:
+            return name
+    return None
 
 
 def parse_tool_calls(text: str, tools: Sequence[dict] | None = None) -> ParsedText:

@@ -41,6 +41,7 @@ __all__ = [
     "saved_step",
     "serve_policy",
     "setting_failure",
+    "tool_parser_line",
     "write_json",
 ]
 
@@ -78,11 +79,21 @@ def _tiny(workdir: str):
     return Decoder(config, rngs=nnx.Rngs(0)), tokenizer
 
 
-def load_model(spec: Any, workdir: str = ".", lora: Any = None, seed: int = 0) -> tuple[Any, Any]:
+def load_model(
+    spec: Any, workdir: str = ".", lora: Any = None, seed: int = 0, tool_parser: str | None = None
+) -> tuple[Any, Any]:
     """(model, tokenizer) from an HF directory, a preset name, or a (model, tokenizer)
     pair; with `lora` (a `LoRAConfig`) the model gets fresh adapters (`add_lora`)
-    and only they train."""
+    and only they train. tool_parser: the tool-call format to parse (None: the one
+    the tokenizer picked from the model's chat template or family)."""
     model, tokenizer = _load_model(spec, workdir)
+    if tool_parser is not None and hasattr(tokenizer, "set_tool_parser"):
+        from ac2_jax.config import ConfigError
+
+        try:
+            tokenizer.set_tool_parser(tool_parser)
+        except ValueError as e:
+            raise ConfigError(f"tool_parser={tool_parser!r}: {e}") from None
     if lora is not None and getattr(model.config, "lora", None) is None:
         from ac2_jax.models.peft_io import add_lora
 
@@ -303,6 +314,16 @@ def claim_workdir(recipe: str, cfg: Any, model_spec: Any) -> tuple[int, list[str
         )
     changed = [c for c in _changes(saved, new) if not c.startswith("paths.existing ")]
     return step, changed if saved else []
+
+
+def tool_parser_line(tokenizer: Any) -> str:
+    """The console's word on how the model's tool calls are parsed."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None:
+        return "tool calls: no parser"
+    why = getattr(tokenizer, "tool_parser_source", "asked")
+    why = "tool_parser" if why == "asked" else why
+    return f"tool calls parsed as {parser.name} ({why}; set tool_parser to change)"
 
 
 def resuming_line(step: int, changed: list[str]) -> str:

@@ -7,6 +7,9 @@ configs (`RLConfig`, `SFTConfig`, `DistillConfig`, `OptimizerConfig`,
 follow it). Every field can be set from the command line
 (`--config.rl.optimizer.learning_rate=5e-4`, `ac2_jax.config_cli`).
 
+`tool_parser` (every recipe): the format tool calls are parsed in, in training
+and serving; None picks it from the model (`Tokenizer.from_pretrained`).
+
 `lora` (every recipe): None trains every weight; a `LoRAConfig`
 (`--config.lora.rank=16`) trains low-rank adapters on the model as loaded
 (its weights frozen): the optimizer holds the adapters only, the sampler
@@ -159,6 +162,9 @@ class RLRecipeConfig:
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
+    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
+    tool_parser: str | None = None
     mix: MixConfig = MixConfig()  # a several-domain env's weights, fixed or adaptive
 
 
@@ -171,6 +177,9 @@ class SFTRecipeConfig:
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
+    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
+    tool_parser: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,3 +221,6 @@ class DistillRecipeConfig:
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
+    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
+    tool_parser: str | None = None

@@ -43,6 +43,7 @@ from ac2_jax.recipes.common import (
     run_report,
     serve_policy,
     setting_failure,
+    tool_parser_line,
     write_json,
 )
 from ac2_jax.recipes.config import DistillRecipeConfig
@@ -96,7 +97,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
         )
     env = check_env(load_env(env), "distill" if loop.hints else "rl")  # no hint(): plain OPD
     spec = model
-    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    model, tokenizer = load_model(
+        model, paths.workdir, lora=cfg.lora, seed=cfg.seed, tool_parser=cfg.tool_parser
+    )
     check_model(cfg, "distill", model, spec, resume_at)
     teacher = load_teacher(cfg, tokenizer, model, paths.workdir)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
@@ -110,6 +113,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     start = dist.restore()
     progress = Progress(f"distill:{cfg.distill.method}", loop.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    progress.say(tool_parser_line(tokenizer))
     if teacher is not None:
         hinted = "with the env's hints" if loop.hints else "without hints"
         progress.say(f"teacher model {teacher.name} ({hinted})")

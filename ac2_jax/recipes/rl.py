@@ -37,6 +37,7 @@ from ac2_jax.recipes.common import (
     run_report,
     serve_policy,
     setting_failure,
+    tool_parser_line,
     write_json,
 )
 from ac2_jax.recipes.config import RLRecipeConfig
@@ -282,12 +283,15 @@ async def arl(
     resume_at, changed = claim_workdir("rl", cfg, model)  # before any work
     env = _mixed(check_env(load_env(env), "rl"), cfg)
     spec = model
-    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    model, tokenizer = load_model(
+        model, paths.workdir, lora=cfg.lora, seed=cfg.seed, tool_parser=cfg.tool_parser
+    )
     check_model(cfg, "rl", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     rl_cfg = cfg.rl
     progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
+    progress.say(tool_parser_line(tokenizer))
     if isinstance(env, DomainMixer):
         _audit_domains(env, paths.reports, progress)
     if resume_at:

@@ -28,6 +28,7 @@ from ac2_jax.recipes.common import (
     metrics_logger,
     resuming_line,
     run_report,
+    tool_parser_line,
     write_json,
 )
 from ac2_jax.recipes.config import SFTRecipeConfig
@@ -73,7 +74,9 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
             raise ValueError("sft: give an env (--env) or a demos.file of chats")
         env = check_env(load_env(env), "sft")
     spec = model
-    model, tokenizer = load_model(model, paths.workdir, lora=cfg.lora, seed=cfg.seed)
+    model, tokenizer = load_model(
+        model, paths.workdir, lora=cfg.lora, seed=cfg.seed, tool_parser=cfg.tool_parser
+    )
     check_model(cfg, "sft", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
     t_start = time.perf_counter()
@@ -83,6 +86,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     ]
     progress = Progress("sft", cfg.sft.steps, enabled=cfg.log.progress)
     progress.say(f"{len(segments)} demonstrations, workdir {paths.workdir}")
+    progress.say(tool_parser_line(tokenizer))
     if resume_at:
         progress.say(resuming_line(resume_at, changed))
     every = max(1, cfg.sft.steps // 20)

@@ -48,6 +48,12 @@ flags.DEFINE_integer(
     "max_finished_rollouts", 256, "Finished rollouts whose whole trace stays in memory."
 )
 flags.DEFINE_bool("expose_docs", False, "Serve /docs, /redoc and /openapi.json.")
+flags.DEFINE_string(
+    "tool_parser",
+    None,
+    "The model's tool-call format (hermes, llama3_json, mistral, ...; "
+    "default: its chat template's, else its family's).",
+)
 FLAGS = flags.FLAGS
 
 
@@ -65,6 +71,7 @@ def main(argv):
         fixed_shapes=FLAGS.fixed_shapes,
         backends=FLAGS.backends,
         backend_timeout_s=FLAGS.backend_timeout_s,
+        tool_parser=FLAGS.tool_parser,
     )
     if FLAGS.publish_dir:
         from ac2_jax.models.params_io import latest_published

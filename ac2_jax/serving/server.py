@@ -72,8 +72,12 @@ def load_policy(
     fixed_shapes: bool = False,
     backends: Sequence[str] = (),
     backend_timeout_s: float = 600.0,
+    tool_parser: str | None = None,
 ):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
+
+    tool_parser: the model's tool-call format (`models.tool_parsers`); None: picked
+    from its chat template, else its family (`Tokenizer.from_pretrained`).
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
     randomly initialised tiny Decoder: a smoke-test policy, not a useful one.
@@ -112,10 +116,12 @@ def load_policy(
 
     if model == "tiny":
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
+        if tool_parser is not None:
+            tokenizer.set_tool_parser(tool_parser)
         decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size), rngs=nnx.Rngs(seed))
         name = "tiny"
     else:
-        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model)
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model, tool_parser)
         decoder, _ = load_hf_checkpoint(model, **SAMPLER_LAYOUT)
         name = os.path.basename(os.path.normpath(model))
     context = max_context or min(
