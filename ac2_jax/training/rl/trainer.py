@@ -43,9 +43,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.envs.mixer import DomainMixer
+from ac2_jax.models.lora import has_lora
 from ac2_jax.sampling.batching import occupancy_metrics
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
@@ -144,6 +146,21 @@ class RLConfig:
                 f"max_staleness={self.batch.max_staleness} and stale='drop' "
                 "every step would be dropped"
             )
+
+
+def launch_reference(model, params):
+    """The reference policy of a KL term (`PolicyGradientLoss.kl_coef`), as the train
+    step's teacher params (same structure as `params`, the state's trained params):
+
+    - LoRA (`models.lora.has_lora(model)`): the adapters zeroed. The base weights
+      live in the state's `rest`, which the reference shares, and a zero adapter adds
+      0: the base with the adapters off, no second copy of the weights.
+    - Otherwise: a copy of `params` as launched (one more params-sized array set on
+      the device; the copy, so the step's donation never frees it).
+    """
+    if has_lora(model):
+        return jax.tree.map(jnp.zeros_like, params)
+    return jax.tree.map(jnp.array, params)
 
 
 class _RefillCollector(Collector, Protocol):
@@ -270,6 +287,13 @@ class RLTrainer(TrainerHooks):
                     console=False,
                 )
         self.graphdef, state = create_train_state(model, config.optimizer, rng=config.seed)
+        # The KL's reference policy (rl.loss.kl_coef > 0): the launch weights, taken before
+        # a checkpoint is restored (`launch_reference`); None when no loss term reads it.
+        self.reference = (
+            launch_reference(model, state.params)
+            if getattr(config.loss, "needs_reference", False)
+            else None
+        )
         env = getattr(collector, "env", None)
         self.mixer = env if isinstance(env, DomainMixer) and env.adaptive is not None else None
         self._checkpoint_mixer: dict | None = None  # the restored checkpoint's mixer state
@@ -404,7 +428,7 @@ class RLTrainer(TrainerHooks):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        m.update(self.trainer.update(batch))
+        m.update(self.trainer.update(batch, teacher=self.reference))
         m["skipped_update"] = 0.0
         return m
 
@@ -421,7 +445,8 @@ class RLTrainer(TrainerHooks):
                     self._batch_config,
                     process_index=jax.process_index(),
                     process_count=jax.process_count(),
-                )
+                ),
+                teacher=self.reference,
             )
         except Exception:  # noqa: BLE001 - an optimisation; the update compiles anyway
             logging.exception(

@@ -1,0 +1,115 @@
+"""KL to the reference policy (issue 64): with the policy equal to the reference the KL term
+is 0 and so is its gradient (k2, k3; k1's value); the reference is scored chunked like the
+policy (1e-5); the LoRA reference (adapters zeroed) equals a second frozen copy of the base
+(1e-5); a KL without a reference is an error; the train step reports kl_to_reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.losses import loss_weights
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.lora import LoRAConfig
+from ac2_jax.models.peft_io import merge_lora
+from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
+from ac2_jax.training.core.objectives import StepModel, apply_loss, behaviour_logprobs, reference_logprobs
+from ac2_jax.training.rl import GRPOLoss
+from ac2_jax.training.rl.trainer import launch_reference
+from tests.training.rl.test_objective_kinds import attempts
+
+
+def tiny(lora=None):
+    return Decoder(DecoderConfig.tiny(vocab_size=30, num_layers=1, lora=lora), rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    batch, _ = attempts(0)
+    batch = batch.replace(features={k: v for k, v in batch.features.items()
+                                    if k in ("advantages", "sampler_logprobs")})
+    graphdef, params, rest = nnx.split(tiny(), nnx.Param, ...)
+    return batch, graphdef, params, rest
+
+
+def test_kl_is_zero_with_zero_gradient_at_the_reference(setup):
+    batch, graphdef, params, rest = setup
+    w = loss_weights(batch, "task_mean")
+    # (k1: its value is -log q = 0 here, its gradient grad log pi per token, zero only in
+    # expectation; test_objective_kinds checks all three against numpy)
+    losses = [GRPOLoss()] + [GRPOLoss(kl_coef=0.5, kl_estimator=k) for k in ("k2", "k3")]
+    losses += [GRPOLoss(kl_coef=0.5, chunk_size=7)]  # the chunked reference
+
+    @jax.jit
+    def run(p, ref):
+        out = []
+        for fn in losses:
+            def f(p):
+                per_token, sums = apply_loss(fn, StepModel(graphdef, p, rest, ref), batch, None)
+                return (w * per_token).sum(), sums
+            (v, sums), g = jax.value_and_grad(f, has_aux=True)(p)
+            out.append((v, sums.get("kl_to_reference", 0.0), g))
+        return out
+
+    same = run(params, params)
+    v0, _, g0 = same[0]
+    for k, (v, kl, g) in zip(("k2", "k3", "k3 chunked"), same[1:]):
+        np.testing.assert_allclose(float(v), float(v0), atol=1e-6, err_msg=k)
+        assert float(kl) == 0.0, k
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=k)
+    # a reference elsewhere: the term is there, and the chunked reference equals the dense one
+    moved = jax.tree.map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size).reshape(x.shape)), params)
+    far = run(params, moved)
+    assert float(far[2][1]) > 1e-4 and abs(float(far[2][0]) - float(v0)) > 1e-5
+    np.testing.assert_allclose(float(far[3][0]), float(far[2][0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(far[3][2]), jax.tree.leaves(far[2][2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kl_without_reference_is_an_error(setup):
+    batch, graphdef, params, rest = setup
+    with pytest.raises(ValueError, match="reference"):
+        apply_loss(GRPOLoss(kl_coef=0.1), StepModel(graphdef, params, rest), batch, None)
+
+
+def test_lora_reference_is_the_base_without_a_copy(setup):
+    """Adapters zeroed (`launch_reference`) score as a second frozen copy of the base
+    model (merge_lora of the fresh adapters, B = 0, is that copy)."""
+    batch = setup[0]
+    model = tiny(LoRAConfig(rank=2, alpha=4.0))
+    base = merge_lora(model)  # the second copy: fresh adapters add 0
+    graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
+    params = jax.tree.map(lambda x: x + 0.3 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), params)
+    ref = launch_reference(model, params)
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(ref))
+    base_gd, base_state = nnx.split(base)
+
+    @jax.jit
+    def run(params, ref, base_state):
+        step_model = StepModel(graphdef, params, rest, ref)
+        base_model = nnx.merge(base_gd, base_state)
+        want = behaviour_logprobs(base_model(batch.tokens, batch.positions, batch.segment_ids),
+                                  batch)
+        got = [reference_logprobs(step_model, batch, chunk) for chunk in (None, 7)]
+        return want, got, behaviour_logprobs(step_model.logits(batch), batch)
+
+    want, got, policy = run(params, ref, base_state)
+    m = np.asarray(batch.loss_mask) > 0
+    for g in got:
+        np.testing.assert_allclose(np.asarray(g)[m], np.asarray(want)[m], atol=1e-5)
+    assert np.abs(np.asarray(policy)[m] - np.asarray(want)[m]).max() > 1e-3  # adapters act
+
+
+def test_the_train_step_reports_the_kl_to_the_launch_weights(setup):
+    batch = setup[0]
+    model = tiny()
+    graphdef, state = create_train_state(model, OptimizerConfig(learning_rate=1e-2))
+    ref = launch_reference(model, state.params)
+    step = make_train_step(graphdef, GRPOLoss(kl_coef=0.1, old_logprobs="detached"),
+                           OptimizerConfig(learning_rate=1e-2))
+    state = step.place(state)
+    state, m0 = step(state, batch, None, ref)
+    state, m1 = step(state, batch, None, ref)
+    assert float(m0["kl_to_reference"]) == 0.0 and float(m1["kl_to_reference"]) > 0.0
