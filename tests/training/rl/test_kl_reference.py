@@ -1,6 +1,6 @@
-"""KL to the reference policy (issue 64): with the policy equal to the reference the KL term
-is 0 and so is its gradient (k2, k3; k1's value); the reference is scored chunked like the
-policy (1e-5); the LoRA reference (adapters zeroed) equals a second frozen copy of the base
+"""KL to the reference policy and the entropy bonus (issue 64): with the policy equal to the
+reference the KL term is 0 and so is its gradient (k2, k3); the reference is scored chunked
+like the policy (1e-5); the bonus is -c H with H's gradient, chunked = dense; the LoRA reference (adapters zeroed) equals a second frozen copy of the base
 (1e-5); a KL without a reference is an error; the train step reports kl_to_reference."""
 
 import jax
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ac2_jax.losses import loss_weights
+from ac2_jax.losses import loss_weights, token_entropy
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.peft_io import merge_lora
@@ -40,6 +40,8 @@ def test_kl_is_zero_with_zero_gradient_at_the_reference(setup):
     # expectation; test_objective_kinds checks all three against numpy)
     losses = [GRPOLoss()] + [GRPOLoss(kl_coef=0.5, kl_estimator=k) for k in ("k2", "k3")]
     losses += [GRPOLoss(kl_coef=0.5, chunk_size=7)]  # the chunked reference
+    # the entropy bonus: l - c H per token, dense and chunked (gradient through H)
+    losses += [GRPOLoss(entropy_coef=0.1), GRPOLoss(entropy_coef=0.1, chunk_size=7)]
 
     @jax.jit
     def run(p, ref):
@@ -50,18 +52,24 @@ def test_kl_is_zero_with_zero_gradient_at_the_reference(setup):
                 return (w * per_token).sum(), sums
             (v, sums), g = jax.value_and_grad(f, has_aux=True)(p)
             out.append((v, sums.get("kl_to_reference", 0.0), g))
-        return out
+        h = (w * token_entropy(StepModel(graphdef, p, rest).logits(batch))).sum()
+        return out, h
 
-    same = run(params, params)
+    same, h = run(params, params)
     v0, _, g0 = same[0]
-    for k, (v, kl, g) in zip(("k2", "k3", "k3 chunked"), same[1:]):
+    np.testing.assert_allclose(float(same[4][0]), float(v0) - 0.1 * float(h), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(same[5][2]), jax.tree.leaves(same[4][2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+               for a, b in zip(jax.tree.leaves(same[4][2]), jax.tree.leaves(g0)))
+    for k, (v, kl, g) in zip(("k2", "k3", "k3 chunked"), same[1:4]):
         np.testing.assert_allclose(float(v), float(v0), atol=1e-6, err_msg=k)
         assert float(kl) == 0.0, k
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=k)
     # a reference elsewhere: the term is there, and the chunked reference equals the dense one
     moved = jax.tree.map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size).reshape(x.shape)), params)
-    far = run(params, moved)
+    far, _ = run(params, moved)
     assert float(far[2][1]) > 1e-4 and abs(float(far[2][0]) - float(v0)) > 1e-5
     np.testing.assert_allclose(float(far[3][0]), float(far[2][0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(far[3][2]), jax.tree.leaves(far[2][2])):
