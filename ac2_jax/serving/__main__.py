@@ -48,6 +48,13 @@ flags.DEFINE_integer(
     "max_finished_rollouts", 256, "Finished rollouts whose whole trace stays in memory."
 )
 flags.DEFINE_bool("expose_docs", False, "Serve /docs, /redoc and /openapi.json.")
+flags.DEFINE_enum(
+    "builtin_tools",
+    "omit",
+    ["omit", "refuse"],
+    "/v1/responses: built-in tools (web_search, ...) the server cannot run are left out "
+    "of the model's prompt (omit: counted and named in the trace metadata) or refused (400).",
+)
 flags.DEFINE_string(
     "tool_parser",
     None,
@@ -96,6 +103,7 @@ def main(argv):
         max_body_bytes=FLAGS.max_body_bytes,
         max_finished_rollouts=FLAGS.max_finished_rollouts,
         expose_docs=FLAGS.expose_docs,
+        builtin_tools=FLAGS.builtin_tools,
     )
     uvicorn.run(api, host=FLAGS.host, port=FLAGS.port, log_level="info")
 

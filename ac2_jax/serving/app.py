@@ -8,6 +8,10 @@ Routes
   POST /v1/messages           the Anthropic Messages API (`messages`: blocks, tools,
                               tool_choice, stop_sequences, streaming in Anthropic's
                               events, Anthropic-shaped errors); /v1/messages/count_tokens
+  POST /v1beta/models/{model}:generateContent | :streamGenerateContent (?alt=sse) |
+       :countTokens; GET /v1beta/models[/{model}]   the Gemini API (`gemini`: contents,
+                              systemInstruction, functionDeclarations, Gemini-shaped
+                              errors; the key also from x-goog-api-key or ?key=)
   POST /v1/responses          the OpenAI Responses API (`responses`: input items,
                               function tools, previous_response_id chains per rollout,
                               streaming events); GET /v1/responses/{id}
@@ -20,7 +24,7 @@ Routes
                                     errors; for a FleetSampler each backend's health and load)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
                                     metadata?, timeout_s?} -> {rollout_id, base_url
-                                    (OpenAI), anthropic_base_url, api_key}
+                                    (OpenAI), anthropic_base_url, gemini_base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
   POST /v1/rollouts/{id}/finish     (admin) {reward?, artifacts?, status?, hints?, metrics?};
                                     (rollout key) {} or {status: "finished"} only: stops
@@ -72,6 +76,7 @@ from ac2_jax.models.tokenizer import Tokenizer
 from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, install_error_handlers
+from ac2_jax.serving.gemini import gemini_models, install_gemini_routes
 from ac2_jax.serving.generation import install_generation_routes, served_adapters
 from ac2_jax.serving.messages import install_messages_routes
 from ac2_jax.serving.responses import install_responses_routes
@@ -209,10 +214,13 @@ def build_app(
         scheme, _, key = header.partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else ""
         key = key or request.headers.get("x-api-key", "").strip()
+        key = key or request.headers.get("x-goog-api-key", "").strip()  # the Gemini API's
+        key = key or request.query_params.get("key", "").strip()
         if not key:
             raise APIError(
                 401,
-                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                "Missing API key: send 'Authorization: Bearer <key>', 'x-api-key: <key>' or "
+                "(Gemini API) 'x-goog-api-key: <key>' / '?key=<key>'",
                 code="missing_api_key",
             )
         if keys_equal(key, admin_key):
@@ -253,6 +261,7 @@ def build_app(
     install_responses_routes(
         app, ctx, authenticate=authenticate, read_json=read_json, builtin_tool_policy=builtin_tools
     )
+    install_gemini_routes(app, ctx, authenticate=authenticate, read_json=read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -274,7 +283,9 @@ def build_app(
             {**entry, "id": f"{model_name}@{a}", "parent": model_name, "adapter": a}
             for a in served_adapters(sampler)
         ]
-        return {"object": "list", "data": [entry, *adapters]}
+        # `models`: the same list as the Gemini API gives it (google-genai 3.x's default
+        # api_version is v1, so its models.list() reads this route).
+        return {"object": "list", "data": [entry, *adapters], "models": gemini_models(ctx)}
 
     @app.post("/v1/admin/load_weights")
     async def load_weights(request: Request):
@@ -323,9 +334,11 @@ def build_app(
             "rollout_id": rollout.rollout_id,
             # One base URL per request API, each as its official client takes it: the
             # openai client appends /chat/completions (or /responses) to ".../v1", the
-            # anthropic client /v1/messages to the server root.
+            # anthropic client /v1/messages to the server root, the google-genai client
+            # (and Gemini CLI's GOOGLE_GEMINI_BASE_URL) /v1beta/models/... to the root.
             "base_url": root + "/v1",
             "anthropic_base_url": root,
+            "gemini_base_url": root,
             "api_key": rollout.api_key,
             "model": model_name,
             "task_id": rollout.trace.task_id,

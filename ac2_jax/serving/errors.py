@@ -1,6 +1,7 @@
 """API-shaped errors: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
-and Anthropic's `{"type": "error", "error": {"type", "message"}}` on the
-Anthropic routes (`ANTHROPIC_PATHS`).
+Anthropic's `{"type": "error", "error": {"type", "message"}}` on the Anthropic
+routes (`ANTHROPIC_PATHS`) and the Gemini API's `{"error": {"code", "message",
+"status"}}` on its routes (`GEMINI_PATHS`).
 
 Every failure the endpoint reports (bad JSON, auth, unknown model or route,
 context overflow, validation) goes through `APIError`, so clients such as
@@ -53,11 +54,30 @@ _ANTHROPIC_TYPES = {
 
 # Routes whose errors take Anthropic's shape (the Messages API and its sub-routes).
 ANTHROPIC_PATHS = ("/v1/messages",)
+# Routes whose errors take the Gemini API's shape (google.rpc.Status by HTTP status).
+GEMINI_PATHS = ("/v1beta/",)
+_GEMINI_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "INVALID_ARGUMENT",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 
 
 def error_style(path: str) -> str:
-    """The error shape of `path`: "anthropic" on the Anthropic routes, else "openai"."""
-    return "anthropic" if path.startswith(ANTHROPIC_PATHS) else "openai"
+    """The error shape of `path`: "anthropic" on the Anthropic routes, "gemini" on the
+    Gemini API's (/v1beta/..., and /v1/models/<model>:<method>), else "openai"."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return "anthropic"
+    gemini = path.startswith(GEMINI_PATHS) or (path.startswith("/v1/models/") and ":" in path)
+    return "gemini" if gemini else "openai"
 
 
 class APIError(Exception):
@@ -94,9 +114,20 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def gemini_body(self) -> dict[str, Any]:
+        """The Gemini API's shape: {"error": {code, message, status}} (param named in
+        the message)."""
+        status = _GEMINI_STATUS.get(self.status, "UNKNOWN")
+        return {"error": {"code": self.status, "message": self.message, "status": status}}
+
     def response(self, style: str = "openai") -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        body = self.anthropic_body() if style == "anthropic" else self.body()
+        if style == "anthropic":
+            body = self.anthropic_body()
+        elif style == "gemini":
+            body = self.gemini_body()
+        else:
+            body = self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 

@@ -118,8 +118,26 @@ def served_adapters(sampler) -> list[str]:
     return list(adapters()) if callable(adapters) else []
 
 
+def system_prompt(req: req_lib.GenerationRequest) -> str | None:
+    """The text of a chat request's first message when it is a system message."""
+    messages = getattr(req, "messages", None) or []
+    if not messages or messages[0].get("role") != "system":
+        return None
+    content = messages[0].get("content")
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else None
+
+
 def agent_label(request: Request, req: req_lib.GenerationRequest) -> str:
-    agent = request.headers.get(AGENT_HEADER) or req.agent or "main"
+    """The X-Agent header, else the request's `agent` field, else the first of the
+    rollout's `agent_rules` its system prompt matches, else "main"."""
+    agent = request.headers.get(AGENT_HEADER) or req.agent
+    rollout = getattr(request.state, "rollout", None)
+    if not agent and rollout is not None and rollout.agent_rules:
+        system = system_prompt(req)
+        agent = next((r.agent for r in rollout.agent_rules if r.matches(system)), None)
+    agent = agent or "main"
     if len(agent) > req_lib.MAX_AGENT_LEN:
         raise bad_request(
             f"agent label is longer than {req_lib.MAX_AGENT_LEN} characters", param="X-Agent"

@@ -13,14 +13,16 @@ A rollout key may only end its own rollout as "finished"
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.schemas import validate, whole
+from ac2_jax.serving.schemas import MAX_AGENT_LEN, validate, whole
 
 # What only the admin may write when finishing (a rollout key may only end its
 # rollout as "finished"), and so what a rollout key is never shown.
@@ -32,6 +34,46 @@ Id = Annotated[str | int, whole("must be a string or an integer")] | None
 JsonObject = Annotated[dict[str, Any], whole("must be an object with string keys")] | None
 
 
+class AgentRule(BaseModel):
+    """One rule of a rollout's `agent_rules`: a request that names no agent (no X-Agent
+    header, no `agent` field) and whose system prompt (the text of its first message,
+    when that is a system message) matches is recorded under `agent`.
+
+    system_regex: a Python regular expression searched (`re.search`) in the system
+    prompt. system_sha256: a prefix (8 to 64 hex digits) of the SHA-256 of the system
+    prompt's UTF-8 text (its fingerprint). At least one; both: both must match."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    agent: str = Field(min_length=1, max_length=MAX_AGENT_LEN)
+    system_regex: str | None = Field(None, min_length=1, max_length=4096)
+    system_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{8,64}$")
+
+    @model_validator(mode="after")
+    def _one_test(self) -> AgentRule:
+        if self.system_regex is None and self.system_sha256 is None:
+            raise ValueError("give system_regex or system_sha256 (or both)")
+        if self.system_regex is not None:
+            try:
+                re.compile(self.system_regex)
+            except re.error as e:
+                raise ValueError(f"system_regex does not compile: {e}") from None
+        return self
+
+    def matches(self, system: str | None) -> bool:
+        if system is None:
+            return False
+        if self.system_sha256 is not None:
+            digest = hashlib.sha256(system.encode("utf-8")).hexdigest()
+            if not digest.startswith(self.system_sha256):
+                return False
+        return self.system_regex is None or re.search(self.system_regex, system) is not None
+
+
+def system_fingerprint(system: str) -> str:
+    """The SHA-256 hex digest of a system prompt (what `AgentRule.system_sha256` matches)."""
+    return hashlib.sha256(system.encode("utf-8")).hexdigest()
+
+
 class CreateBody(BaseModel):
     """POST /v1/rollouts (admin)."""
 
@@ -41,6 +83,8 @@ class CreateBody(BaseModel):
     attempt_id: Id = None
     metadata: JsonObject = None
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Labels for requests that name no agent, by their system prompt (first match wins).
+    agent_rules: list[AgentRule] | None = Field(None, max_length=64)
 
 
 class FinishBody(BaseModel):
@@ -77,6 +121,8 @@ def parse_create(body: Any) -> dict[str, Any]:
     if req.metadata is not None:
         check_json(req.metadata, "metadata")
         out["metadata"] = req.metadata
+    if req.agent_rules:
+        out["agent_rules"] = list(req.agent_rules)
     if req.timeout_s is not None:
         out["timeout_s"] = float(req.timeout_s)
     return out

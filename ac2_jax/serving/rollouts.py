@@ -67,6 +67,8 @@ class Rollout:
         # 503, the server crashed: 500) and tool-call blocks left as text because they
         # did not parse. Shown in the status, stored in the metrics.
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # Labels of requests that name no agent, by system prompt (`rollout_requests.AgentRule`).
+        self.agent_rules: list[Any] = []
 
     @property
     def ended_by_key(self) -> bool:
@@ -143,7 +145,11 @@ class RolloutRegistry:
         attempt_id: str | None = None,
         metadata: dict | None = None,
         timeout_s: float | None = None,
+        agent_rules: list | None = None,
     ) -> Rollout:
+        """agent_rules: `rollout_requests.AgentRule`s labelling the requests that name
+        no agent by their system prompt (first match wins; kept in the trace metadata's
+        `agent_rules`)."""
         check_json(metadata, "metadata")
         rollout_id = "ro-" + secrets.token_hex(8)
         api_key = "sk-rollout-" + secrets.token_urlsafe(24)
@@ -156,6 +162,11 @@ class RolloutRegistry:
         trace.metadata.setdefault("rollout_id", rollout_id)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         rollout = Rollout(rollout_id, api_key, trace, timeout)
+        if agent_rules:
+            rollout.agent_rules = list(agent_rules)
+            trace.metadata["agent_rules"] = [
+                r.model_dump(exclude_none=True) for r in rollout.agent_rules
+            ]
         with self._lock:
             self._by_id[rollout_id] = rollout
             self._by_key[api_key] = rollout

@@ -217,3 +217,158 @@ def test_a_function_offered_twice_across_namespaces_is_refused(env):
             {"type": "namespace", "name": "ns", "description": "d",
              "tools": [{"type": "custom", "name": "x"}]}])
     assert e.value.body["param"] == "tools[0].tools[0].type"
+
+
+# ------------------------------------------------------------------ Gemini API
+
+def gemini(info, **headers):
+    from google import genai
+    from google.genai import types
+
+    return genai.Client(api_key=info["api_key"], http_options=types.HttpOptions(
+        base_url=info["gemini_base_url"], headers=headers or None,
+        retry_options=types.HttpRetryOptions(attempts=1)))
+
+
+ADD_DECL = {"name": "add", "description": "Add two integers.", "parameters_json_schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"]}}
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def test_gemini_generate_content_holds_a_tool_round_trip_in_one_episode(env):
+    """google-genai against /v1beta: systemInstruction, functionDeclarations, a
+    functionCall answered and its functionResponse sent back: one episode, each prompt
+    the chat template's rendering of the same conversation."""
+    from google.genai import types
+
+    info = create(env, "gemini")
+    client = gemini(info)
+    config = types.GenerateContentConfig(
+        system_instruction="You add numbers.", temperature=0,
+        tools=[types.Tool(function_declarations=[types.FunctionDeclaration(**ADD_DECL)])])
+    env["sampler"].queue.extend([ADD_CALL, "It is 5."])
+    first = client.models.generate_content(model="tiny", contents="What is 2+3?", config=config)
+    (call,) = first.function_calls
+    assert (call.name, call.args) == ("add", {"a": 2, "b": 3})
+    assert first.candidates[0].finish_reason == types.FinishReason.STOP
+    assert first.usage_metadata.prompt_token_count == len(env["sampler"].prompts[-1])
+    contents = [types.Content(role="user", parts=[types.Part(text="What is 2+3?")]),
+                first.candidates[0].content,
+                types.Content(role="user", parts=[types.Part(function_response=
+                    types.FunctionResponse(name="add", id=call.id, response={"result": 5}))])]
+    second = client.models.generate_content(model="tiny", contents=contents, config=config)
+    assert second.text == "It is 5."
+    (episode,) = trace_of(env, info)["episodes"]
+    first_c, second_c = episode["completions"]
+    assert first_c["request_id"] == first.response_id
+    tools = [{"type": "function", "function": {
+        "name": "add", "description": ADD_DECL["description"],
+        "parameters": ADD_DECL["parameters_json_schema"]}}]
+    chat = [{"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": "What is 2+3?"}]
+    assert first_c["prompt_ids"] == build_prompt_ids(env["tok"], chat, tools, TurnMemory())[0]
+    # The second prompt extends the first prompt + its sampled output, token for token.
+    assert second_c["prompt_ids"][:len(first_c["prompt_ids"]) + len(first_c["output_ids"])] == (
+        first_c["prompt_ids"] + first_c["output_ids"])
+    assert '{"result": 5}' in env["tok"].decode(second_c["prompt_ids"])
+
+
+def test_gemini_stream_count_tokens_and_models(env):
+    from google.genai import types
+
+    info = create(env, "gemini-stream")
+    client = gemini(info, **{"X-Agent": "side"})
+    env["sampler"].queue.append("hello there friend")
+    chunks = list(client.models.generate_content_stream(
+        model="tiny", contents="Greet me.", config=types.GenerateContentConfig(
+            thinking_config=types.ThinkingConfig(include_thoughts=True), top_k=64)))
+    assert "".join(c.text or "" for c in chunks) == "hello there friend"
+    assert chunks[-1].candidates[0].finish_reason == types.FinishReason.STOP
+    prompt_len = len(env["sampler"].prompts[-1])
+    assert chunks[-1].usage_metadata.prompt_token_count == prompt_len
+    assert client.models.count_tokens(model="tiny", contents="Greet me.").total_tokens == (
+        prompt_len)
+    (episode,) = trace_of(env, info)["episodes"]
+    assert episode["agent"] == "side"
+    assert [m.name for m in client.models.list()] == ["models/tiny"]
+    assert client.models.get(model="tiny").input_token_limit == env["sampler"].max_context
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"tools": [{"google_search": {}}]}, "googleSearch"),
+    ({"tools": [{"code_execution": {}}]}, "codeExecution"),
+    ({"candidate_count": 2}, "candidateCount"),
+])
+def test_gemini_refuses_by_name_what_it_cannot_serve(env, config, named):
+    from google.genai import errors
+
+    info = create(env, "gemini-refuse")
+    client = gemini(info)  # held: a google-genai Client closes its connection when collected
+    with pytest.raises(errors.ClientError) as e:
+        client.models.generate_content(model="tiny", contents="hi", config=config)
+    assert e.value.code == 400 and e.value.status == "INVALID_ARGUMENT"
+    assert named in e.value.message
+
+
+def test_gemini_refuses_inline_images_and_answers_in_its_error_shape(env):
+    from google.genai import errors, types
+
+    info = create(env, "gemini-errors")
+    image = types.Part.from_bytes(data=b"\x89PNG....", mime_type="image/png")
+    client = gemini(info)
+    with pytest.raises(errors.ClientError) as e:
+        client.models.generate_content(model="tiny", contents=["look", image])
+    assert "inlineData" in e.value.message and "text-only" in e.value.message
+    r = httpx.post(env["url"] + "/v1beta/models/tiny:generateContent?key=sk-wrong",
+                   json={"contents": [{"parts": [{"text": "hi"}]}]})
+    assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED"
+    r = httpx.post(env["url"] + f"/v1beta/models/tiny:streamGenerateContent?key={info['api_key']}",
+                   json={"contents": [{"parts": [{"text": "hi"}]}]})
+    assert r.status_code == 400 and "alt=sse" in r.json()["error"]["message"]
+    r = httpx.post(env["url"] + f"/v1beta/models/nope:generateContent?key={info['api_key']}",
+                   json={"contents": [{"parts": [{"text": "hi"}]}]})
+    assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+
+
+# ------------------------------------------------------------------ agents in one rollout
+
+TITLE_SYSTEM = "You are a title generator. You output ONLY a thread title."
+MEMORY_SYSTEM = "Extract durable memories from the conversation."
+
+
+def test_agent_rules_label_side_conversations_by_their_system_prompt(env):
+    """opencode's title generator and Qwen Code's memory extractor send no X-Agent:
+    the rollout's agent_rules label them by a regex over, or the fingerprint of, their
+    system prompt, so `train_agents` can include or leave them out."""
+    from ac2_jax.serving.rollout_requests import system_fingerprint
+    from ac2_jax.trace import Trace
+    from ac2_jax.trace.agents import agent_matches
+
+    rules = [{"agent": "title", "system_regex": r"^You are a title generator"},
+             {"agent": "memory", "system_sha256": system_fingerprint(MEMORY_SYSTEM)[:12]}]
+    info = create(env, "rules", agent_rules=rules)
+    client = gpt(info)
+
+    def ask(system, **kw):
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "hi"}], **kw)
+
+    ask("You are a coding agent.")
+    ask(TITLE_SYSTEM)
+    ask(MEMORY_SYSTEM)
+    ask(TITLE_SYSTEM, extra_headers={"X-Agent": "named"})  # a named agent wins
+    # The same rule over the Anthropic API (top-level system) and the Gemini API.
+    claude(info).messages.create(model="tiny", system=TITLE_SYSTEM, max_tokens=4,
+                                 messages=[{"role": "user", "content": "again"}])
+    trace = trace_of(env, info)
+    assert sorted(e["agent"] for e in trace["episodes"]) == [
+        "main", "memory", "named", "title", "title"]
+    assert trace["metadata"]["agent_rules"] == rules
+    kept = [e.agent for e in Trace.from_dict(trace).episodes
+            if agent_matches(e.agent, ("main",))]  # train_agents=("main",)
+    assert kept == ["main"]
+    r = env["admin"].post("/v1/rollouts", json={"task_id": "x", "agent_rules": [
+        {"agent": "a", "system_regex": "("}]})
+    assert r.status_code == 400 and "agent_rules[0]" in r.json()["error"]["param"]
+    assert "does not compile" in r.json()["error"]["message"]
