@@ -164,6 +164,61 @@ def _check_mixer(mixer: DomainMixer, recipe: str) -> DomainMixer:
     return mixer
 
 
+def demonstration_problems(env: Env, task: Task, messages: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with `messages`, a demonstration of `task` ending in an assistant
+    turn: its final answer (that turn's content) must earn the verifier's top reward,
+    and each tool call must name one of the env's tools (when it has tools) with
+    arguments that are a JSON object. [] when nothing is; the SFT recipe checks every
+    demonstration so, `check_env` the probed ones."""
+    import json
+
+    problems, where = [], f"demonstration({task.task_id!r})"
+    names = []
+    try:
+        names = [t.name for t in env.tools]
+    except Exception:  # noqa: BLE001 - check_env reports a broken `tools` itself
+        pass
+    n = 0
+    for m in messages:
+        for call in (m.get("tool_calls") or []) if m.get("role") == "assistant" else []:
+            n += 1
+            fn = call.get("function") if isinstance(call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                problems.append(f"{where}: tool call {n} has no function name")
+                continue
+            if names and name not in names:
+                problems.append(
+                    f"{where}: tool call {n} calls {name!r}, not a tool of the env "
+                    f"({', '.join(names)})"
+                )
+            args: Any = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+            try:
+                ok = isinstance(args, dict) or (
+                    isinstance(args, str) and isinstance(json.loads(args), dict)
+                )
+            except ValueError:
+                ok = False
+            if not ok:
+                problems.append(
+                    f"{where}: tool call {n} ({name}) has arguments that are not a JSON "
+                    f"object: {args!r:.60}"
+                )
+    answer = messages[-1].get("content")
+    answer = answer if isinstance(answer, str) else None
+    _, high = env.reward_range
+    try:
+        reward = env.verify(task, answer)
+    except Exception as e:  # noqa: BLE001 - reported as a contract problem
+        return [*problems, f"verify({task.task_id!r}, <its demonstration's answer>) raised {e!r}"]
+    if isinstance(reward, (int, float)) and reward < high:
+        problems.append(
+            f"{where} answers {answer!r:.60}, which its verifier rewards {reward}, not the "
+            f"top reward {high} (a demonstration must solve its task)"
+        )
+    return problems
+
+
 def check_env(env: Env, recipe: str = "rl") -> Env:
     """Checks `env` against the contract for `recipe`; returns it.
 
@@ -171,7 +226,9 @@ def check_env(env: Env, recipe: str = "rl") -> Env:
     disjoint splits), the verifier (a float in reward_range for no answer and
     for the reference answer, which must earn the top reward), tools (Tool
     objects, distinct names), a callable `make_harness` and `reply` if given, and
-    the recipe's own needs (`demonstration` for sft, `hint` for distill).
+    the recipe's own needs (`demonstration` for sft, `hint` for distill); a probed
+    demonstration must pass `demonstration_problems` (its answer earns the top
+    reward, its tool calls name the env's tools with JSON-object arguments).
     """
     if isinstance(env, DomainMixer):
         return _check_mixer(env, recipe)
@@ -242,6 +299,8 @@ def check_env(env: Env, recipe: str = "rl") -> Env:
                 isinstance(got, list) and got and got[-1].get("role") == "assistant"
             ):
                 problems.append(f"demonstration({task.task_id!r}) must end with an assistant turn")
+            elif method == "demonstration":
+                problems += demonstration_problems(env, task, got)
             if method == "hint" and got is not None and not isinstance(got, str):
                 problems.append(f"hint({task.task_id!r}) must be a str or None")
     if problems:

@@ -173,7 +173,9 @@ class SFTRecipeConfig:
     seed: int = 0
     paths: PathsConfig = PathsConfig()
     demos: DemosConfig = DemosConfig()
-    sft: SFTConfig = SFTConfig(steps=100, checkpoint_every=50)
+    # seq_len: a tool prompt (a template's tool preamble + schemas + a demo) is several
+    # hundred tokens; SFTConfig's 256 is below one. Longer demos are refused by name.
+    sft: SFTConfig = SFTConfig(steps=100, checkpoint_every=50, seq_len=1024)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)

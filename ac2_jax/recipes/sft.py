@@ -17,7 +17,8 @@ import os
 import time
 from typing import Any
 
-from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.config import ConfigError
+from ac2_jax.envs.contract import EnvError, check_env, demonstration_problems, load_env
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
@@ -36,8 +37,32 @@ from ac2_jax.recipes.config import SFTRecipeConfig
 __all__ = ["demo_chats", "sft"]
 
 
-def demo_chats(env, config: SFTRecipeConfig) -> list[tuple[str, list[dict], list[dict] | None]]:
-    """(task id, messages, tools) of every demonstration the config names."""
+def _check_demos(segments, problems: list[str], cfg: SFTRecipeConfig) -> None:
+    """Refuses, in one line, demonstrations with problems (`demonstration_problems`, a
+    tool-call parser that does not read their calls back) or longer than sft.seq_len
+    (unless sft.truncate cuts and counts them)."""
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise EnvError(
+            f"{len(problems)} problems in the {len(segments)} demonstrations: "
+            f"{'; '.join(problems[:3])}{more}; fix the demonstrations (or tool_parser: the "
+            "model's tool-call format) so that the model is trained on what it can do"
+        )
+    long = [len(s) for s in segments if len(s) > cfg.sft.seq_len]
+    if long and not cfg.sft.truncate:
+        raise ConfigError(
+            f"{len(long)} of {len(segments)} demonstrations are longer than "
+            f"sft.seq_len={cfg.sft.seq_len} (the longest: {max(long)} tokens); raise "
+            f"sft.seq_len to at least {max(long)}, or set sft.truncate=true to cut them "
+            "(the cut tokens are counted)"
+        )
+
+
+def demo_chats(
+    env, config: SFTRecipeConfig, problems: list[str] | None = None
+) -> list[tuple[str, list[dict], list[dict] | None]]:
+    """(task id, messages, tools) of every demonstration the config names; with a
+    `problems` list, each env demonstration's `demonstration_problems` go there."""
     demos = config.demos
     if demos.file:
         out = []
@@ -57,7 +82,11 @@ def demo_chats(env, config: SFTRecipeConfig) -> list[tuple[str, list[dict], list
         return out
     tools = [t.spec() for t in env.tools] or None
     tasks = env.sample_tasks(demos.num_tasks, seed=config.seed, split="train")
-    return [(t.task_id, env.demonstration(t), tools) for t in tasks]
+    chats = [(t.task_id, env.demonstration(t), tools) for t in tasks]
+    if problems is not None:
+        for t, (_, messages, _) in zip(tasks, chats, strict=True):
+            problems += demonstration_problems(env, t, messages)
+    return chats
 
 
 def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> RecipeResult:
@@ -77,13 +106,15 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     model, tokenizer = load_model(
         model, paths.workdir, lora=cfg.lora, seed=cfg.seed, tool_parser=cfg.tool_parser
     )
+    t_start = time.perf_counter()
+    problems: list[str] = []  # every demonstration checked before any write
+    segments = [
+        demo_segment(tokenizer, messages, tools, task=task, problems=problems)
+        for task, messages, tools in demo_chats(env, cfg, problems)
+    ]
+    _check_demos(segments, problems, cfg)
     check_model(cfg, "sft", model, spec, resume_at)
     write_json(os.path.join(paths.reports, "config.json"), cfg)
-    t_start = time.perf_counter()
-    segments = [
-        demo_segment(tokenizer, messages, tools, task=task)
-        for task, messages, tools in demo_chats(env, cfg)
-    ]
     progress = Progress("sft", cfg.sft.steps, enabled=cfg.log.progress)
     progress.say(f"{len(segments)} demonstrations, workdir {paths.workdir}")
     progress.say(tool_parser_line(tokenizer))

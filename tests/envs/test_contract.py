@@ -66,3 +66,40 @@ def test_a_reference_answer_that_fails_its_verifier_is_reported():
 
     with pytest.raises(EnvError, match="reference_answer.*earns 0.0"):
         check_env(Wrong())
+
+
+class ToolDemoEnv(ParityEnv):
+    """ParityEnv with a lookup tool; its demonstration calls it, then answers."""
+
+    def __init__(self, answer="ok", arguments='{"key": "a"}', name="lookup"):
+        self.answer, self.arguments, self.name = answer, arguments, name
+
+    @property
+    def tools(self):
+        from ac2_jax.envs import Tool
+
+        return [Tool("lookup", "Looks a key up.", {"type": "object", "properties": {
+            "key": {"type": "string"}}}, lambda key: "b")]
+
+    def demonstration(self, task):
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return self.initial_messages(task) + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "b"},
+            {"role": "assistant", "content": self.answer}]
+
+
+def test_a_demonstration_runs_through_its_verifier_and_tool_call_checks():
+    # Issue 68, finding 6: a demo whose answer fails its own verifier, or whose tool call
+    # is broken, was SFT-trained silently.
+    check_env(ToolDemoEnv(), "sft")
+    with pytest.raises(EnvError, match=r"demonstration\('train-0-0'\) answers 'odd', which its "
+                                       r"verifier rewards 0.0, not the top reward 1.0"):
+        check_env(ToolDemoEnv(answer="odd"), "sft")
+    with pytest.raises(EnvError, match=r"tool call 1 \(lookup\) has arguments that are not a "
+                                       r"JSON object: '\{key: a\}'"):
+        check_env(ToolDemoEnv(arguments="{key: a}"), "sft")
+    with pytest.raises(EnvError, match=r"calls 'lokup', not a tool of the env \(lookup\)"):
+        check_env(ToolDemoEnv(name="lokup"), "sft")
+    check_env(ToolDemoEnv(answer="odd"), "rl")  # only SFT reads demonstrations

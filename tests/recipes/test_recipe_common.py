@@ -121,3 +121,55 @@ def test_resuming_with_another_model_is_refused_before_any_write(tmp_path, monke
     with pytest.raises(ConfigError, match=r"another model \(num_layers 2 -> 1\)"):
         _sft_run(tmp_path, monkeypatch, "paths.existing=resume", model=(narrow, tok))
     assert {p.name: p.read_text() for p in (report / "config.json", report / "model.json")} == saved
+
+
+def test_every_demonstration_is_checked_before_sft_writes_anything(tmp_path, monkeypatch):
+    # Issue 68, finding 6: a demo whose answer fails its own verifier or whose tool calls
+    # the model's parser cannot read back was trained silently; a tool demo was longer
+    # than the default seq_len (256).
+    from ac2_jax.config import ConfigError
+    from ac2_jax.envs.contract import EnvError
+    from tests.envs.test_contract import ToolDemoEnv
+
+    def run(env, *overrides):
+        from ac2_jax.config_cli import load_config
+        from ac2_jax.recipes import SFTRecipeConfig, sft
+
+        cfg = load_config(SFTRecipeConfig, None, [
+            f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=4", "sft.steps=1",
+            "sft.batch_rows=2", "log.progress=false", *overrides])
+        return sft("tiny", env, cfg)
+
+    class WrongFromTheThird(ToolDemoEnv):  # check_env probes the first two only
+        def demonstration(self, task):
+            self.answer = "ok" if task.task_id.endswith(("-0", "-1")) else "odd"
+            return super().demonstration(task)
+
+    with pytest.raises(EnvError, match=r"^2 problems in the 4 demonstrations: demonstration\("
+                                       r"'train-0-2'\) answers 'odd', which its verifier"):
+        run(WrongFromTheThird())
+    # The tiny model's template renders Hermes calls; a Mistral parser reads none back.
+    with pytest.raises(EnvError, match=r"demo 'train-0-0' message 2: its tool calls \['lookup'\] "
+                                       r"render as text the tool-call parser \(mistral\) reads "
+                                       r"as \[\]"):
+        run(ToolDemoEnv(), "tool_parser=mistral")
+    with pytest.raises(ConfigError, match=r"4 of 4 demonstrations are longer than "
+                                          r"sft.seq_len=64 .*sft.truncate=true"):
+        run(ToolDemoEnv(), "sft.seq_len=64")
+    assert not (tmp_path / "run" / "report").exists()  # nothing written
+
+
+def test_the_default_sft_seq_len_fits_a_tool_demonstration(tmp_path):
+    # The Qwen2.5 template's tool preamble + one tool + a one-call demo, in the tiny
+    # tokenizer (more tokens per character than a real model's).
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.recipes import SFTRecipeConfig
+    from tests.envs.test_contract import ToolDemoEnv
+    from tests.models.test_family_templates import QWEN25
+
+    tok = build_tiny_tokenizer(str(tmp_path))
+    tok.chat_template = QWEN25
+    env = ToolDemoEnv()
+    demo = env.demonstration(env.sample_tasks(1, 0)[0])
+    n = len(tok.apply_chat_template(demo, [t.spec() for t in env.tools], False, tokenize=True))
+    assert 256 < n <= SFTRecipeConfig().sft.seq_len, n
