@@ -145,6 +145,13 @@ def agent_label(request: Request, req: req_lib.GenerationRequest) -> str:
     return agent
 
 
+def context_hint(prompt_len: int) -> int:
+    """A --max_context that fits `prompt_len` with room to answer: the power of two at
+    least prompt_len + 4096."""
+    need = prompt_len + 4096
+    return 1 << (need - 1).bit_length()
+
+
 def sampling_params(
     ctx: ServeContext,
     prompt_len: int,
@@ -157,7 +164,9 @@ def sampling_params(
     if prompt_len >= max_context:
         raise bad_request(
             f"This model's maximum context length is {max_context} tokens, but the prompt "
-            f"has {prompt_len} tokens (and at least one output token is needed)",
+            f"has {prompt_len} tokens (and at least one output token is needed): start the "
+            f"server with a larger --max_context (python -m ac2_jax.serving "
+            f"--max_context={context_hint(prompt_len)}) or send a shorter prompt",
             param="messages",
             code="context_length_exceeded",
         )

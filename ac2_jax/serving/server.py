@@ -58,6 +58,11 @@ def serve_in_thread(
     return f"http://{url_host}:{bound}", stop
 
 
+# The context "tiny" is served with unless --max_context says otherwise: Claude Code's
+# default request is about 45k tokens of the tiny tokenizer (issue 67).
+TINY_CONTEXT = 65536
+
+
 def load_policy(
     model: str,
     *,
@@ -118,7 +123,16 @@ def load_policy(
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
         if tool_parser is not None:
             tokenizer.set_tool_parser(tool_parser)
-        decoder = Decoder(DecoderConfig.tiny(vocab_size=tokenizer.vocab_size), rngs=nnx.Rngs(seed))
+        # Its context fits what agent CLIs send with their defaults (2.4k-45k tokens of
+        # the tiny tokenizer): RoPE has no trained length to keep to.
+        tiny_context = max_context or TINY_CONTEXT
+        decoder = Decoder(
+            DecoderConfig.tiny(
+                vocab_size=tokenizer.vocab_size, max_position_embeddings=tiny_context
+            ),
+            rngs=nnx.Rngs(seed),
+        )
+        tokenizer.model_max_length = tiny_context
         name = "tiny"
     else:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model, tool_parser)

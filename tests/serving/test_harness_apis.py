@@ -372,3 +372,26 @@ def test_agent_rules_label_side_conversations_by_their_system_prompt(env):
         {"agent": "a", "system_regex": "("}]})
     assert r.status_code == 400 and "agent_rules[0]" in r.json()["error"]["param"]
     assert "does not compile" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ serving defaults
+
+def test_tiny_is_served_with_a_context_that_fits_the_clis_prompts(tmp_path):
+    """The README's `python -m ac2_jax.serving --model=tiny` had 2,048 tokens; Claude
+    Code's default request is about 45k tokens of the tiny tokenizer."""
+    from ac2_jax.serving.server import TINY_CONTEXT, load_policy
+
+    sampler, tok, _ = load_policy("tiny", tokenizer_dir=str(tmp_path / "tok"))
+    try:
+        assert sampler.max_context == TINY_CONTEXT >= 48_000
+    finally:
+        sampler.close()
+
+
+def test_a_prompt_past_the_context_is_a_400_naming_the_flag(env):
+    info = create(env, "too-long")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude(info).messages.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": "hello " * 5000}])
+    assert "maximum context length is 4096" in e.value.message
+    assert "--max_context=" in e.value.message
