@@ -28,6 +28,14 @@ from ac2_jax.training.rl.collectors import (
     attempt_sampling_seed,
     refill_seed,
 )
+from ac2_jax.training.rl.credit import (
+    CREDITS,
+    TURN_REWARDS,
+    check_turn_rewards,
+    episode_token_advantages,
+    turn_advantages,
+    turn_returns,
+)
 from ac2_jax.training.rl.data import (
     BatchConfig,
     BatchStats,
@@ -78,6 +86,12 @@ from ac2_jax.training.rl.split import (
 from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
 
 __all__ = [
+    "CREDITS",
+    "TURN_REWARDS",
+    "check_turn_rewards",
+    "episode_token_advantages",
+    "turn_advantages",
+    "turn_returns",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "DrGRPOAdvantage",

@@ -43,6 +43,7 @@ from ac2_jax.segments.batch import empty_batch, pad_rows, pow2_bucket
 from ac2_jax.segments.segments import fit_segments
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training.rl.branches import BranchCounts, continued_path
+from ac2_jax.training.rl.credit import episode_token_advantages, turn_advantages
 from ac2_jax.training.rl.data import (
     BatchConfig,
     BatchStats,
@@ -52,7 +53,7 @@ from ac2_jax.training.rl.data import (
     select_traces,
     trace_advantages,
 )
-from ac2_jax.training.rl.features import RL_FEATURES, rl_segment, with_advantage
+from ac2_jax.training.rl.features import ADVANTAGES, RL_FEATURES, rl_segment, with_advantage
 
 
 def build_batch(
@@ -175,15 +176,38 @@ def batch_segments(
                 "; give every attempt its own attempt_id, or their losses merge"
             )
         seen.add(t.key)
-    adv = trace_advantages(kept, config.normalize_std, config.std_ddof, estimator=config.advantage)
+    turns: list | None = None  # per trace, per episode: each turn's advantage
+    if config.credit == "trace":
+        adv = trace_advantages(
+            kept, config.normalize_std, config.std_ddof, estimator=config.advantage
+        )
+        live = [a != 0 for a in adv]
+    else:
+        turns, used = turn_advantages(
+            kept,
+            config.credit,
+            config.gamma,
+            config.advantage,
+            group_of=group_name,
+            normalize_std=config.normalize_std,
+            std_ddof=config.std_ddof,
+        )
+        stats.turn_credit_traces, stats.final_credit_traces = used, len(kept) - used
+        # Per trace: the mean advantage over its turns (for the step's adv_* metrics).
+        adv = np.array(
+            [np.mean(np.concatenate(x)) if any(len(e) for e in x) else 0.0 for x in turns],
+            np.float32,
+        )
+        live = [any(np.any(e != 0) for e in x) for x in turns]
     # Groups whose advantages are all 0 (with a group baseline: exactly the groups
     # `informative_groups` calls uninformative; REINFORCE's tied groups still push).
-    signal = {group_name(t) for t, a in zip(kept, adv, strict=True) if a != 0}
+    signal = {group_name(t) for t, a in zip(kept, live, strict=True) if a}
     stats.zero_advantage_groups = len({group_name(t) for t in kept} - signal)
     if config.drop_zero_advantage:
         keep = [i for i, t in enumerate(kept) if group_name(t) in signal]
         stats.dropped_zero_advantage = len(kept) - len(keep)
         kept, weights, adv = [kept[i] for i in keep], [weights[i] for i in keep], adv[keep]
+        turns = None if turns is None else [turns[i] for i in keep]
     if not kept:
         return [], stats, np.zeros(0, np.float32)
     sizes = collections.Counter(group_name(t) for t in kept)
@@ -192,25 +216,34 @@ def batch_segments(
     stats.trained_tokens = {e.agent: 0 for t in kept for e in t.episodes}
     branches = BranchCounts()
     masks = None if tokenizer is None else replayed_masks(tokenizer, vocab_size)
-    for t, a, w in zip(kept, adv, weights, strict=True):
+    for i, (t, a, w) in enumerate(zip(kept, adv, weights, strict=True)):
         t, left_out = continued_path(t)  # never trained on the continued branch's reward
         branches.add(left_out)
+        ep_adv = None if turns is None else list(turns[i])  # aligned with t.episodes
         if config.train_agents is not None:
-            excluded = [e for e in t.episodes if not agent_trained(e.agent, config.train_agents)]
+            on = [agent_trained(e.agent, config.train_agents) for e in t.episodes]
+            excluded = [e for e, o in zip(t.episodes, on, strict=True) if not o]
             if excluded:
                 stats.excluded_episodes += len(excluded)
                 stats.excluded_agent_tokens += sum(e.num_agent_tokens for e in excluded)
                 t = dataclasses.replace(
-                    t,
-                    episodes=[e for e in t.episodes if agent_trained(e.agent, config.train_agents)],
+                    t, episodes=[e for e, o in zip(t.episodes, on, strict=True) if o]
                 )
+                if ep_adv is not None:
+                    ep_adv = [x for x, o in zip(ep_adv, on, strict=True) if o]
         check_sampled(t)  # only what trains
         _check_can_replay(t, tokenizer)
-        for s in segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks):
+        per_token = None if ep_adv is None else _segment_advantages(t, ep_adv, config)
+        for j, s in enumerate(
+            segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks)
+        ):
             if moe_routing == "recompute":  # MoEConfig.routing (rl.moe.routing)
                 s.routing = None  # the learner routes every token itself
             if s.num_agent_tokens:
-                s = with_advantage(s, float(a))
+                if per_token is None:
+                    s = with_advantage(s, float(a))
+                else:
+                    s = s.with_features(**{ADVANTAGES: per_token[j]})
                 s.weight = w
                 segments.append(s)
     stats.unchosen_responses, stats.unchosen_tokens = (
@@ -243,6 +276,19 @@ def batch_segments(
     if tables:
         stats.grammar_masks = len({row.tobytes() for t in tables for row in np.asarray(t)})
     return segments, stats, adv
+
+
+def _segment_advantages(t: Trace, ep_adv: list, config: BatchConfig) -> list[np.ndarray]:
+    """Per segment of `segments_from_trace(t, config.segment_mode)`: the per-token
+    advantages of its turns (`credit.episode_token_advantages`)."""
+    if config.segment_mode == "episode":
+        return [episode_token_advantages(e, x) for e, x in zip(t.episodes, ep_adv, strict=True)]
+    out = []
+    for e, x in zip(t.episodes, ep_adv, strict=True):
+        for c, v in zip(e.completions, x, strict=True):
+            n_p, n_o = len(c.prompt_ids), len(c.output_ids)
+            out.append(np.concatenate([np.zeros(n_p, np.float32), np.full(n_o, v, np.float32)]))
+    return out
 
 
 def _per_problem_weights(segments: list[Segment], groups: dict[str, str]) -> list[Segment]:

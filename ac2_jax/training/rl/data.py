@@ -19,6 +19,7 @@ from ac2_jax.trace.agents import agent_matches, check_agent_pattern
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.rl.advantages import AdvantageEstimator, GRPOAdvantage
 from ac2_jax.training.rl.branches import continued_path
+from ac2_jax.training.rl.credit import CREDITS
 
 STALE_POLICIES = ("drop", "downweight")
 MOE_ROUTING = ("replay", "recompute")
@@ -136,10 +137,19 @@ class BatchConfig:
     advantage: AdvantageEstimator = GRPOAdvantage()
     # DAPO's overlong reward shaping (`OverlongShaping`); None: off.
     overlong: OverlongShaping | None = None
+    # Credit per turn (`training.rl.credit`): "trace" (one advantage per attempt),
+    # "turn" (the env's per-turn rewards, metadata["turn_rewards"], as returns-to-go
+    # discounted by gamma) or "discount" (the final reward discounted back over turns).
+    credit: str = "trace"
+    gamma: float = 1.0
 
     def __post_init__(self):
         _check_train_agents(self.train_agents)
         self.advantage.check(self)
+        if self.credit not in CREDITS:
+            raise ValueError(f"BatchConfig.credit must be one of {CREDITS}, got {self.credit!r}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"BatchConfig.gamma must be in (0, 1], got {self.gamma!r}")
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "
@@ -278,6 +288,10 @@ class BatchStats:
     dropped_zero_advantage: int = 0  # their traces, left out with drop_zero_advantage
     overlong_shaped: int = 0  # kept traces whose reward DAPO's overlong shaping changed
     overlong_penalty: float = 0.0  # the sum of those changes (<= 0)
+    # Per-turn credit (BatchConfig.credit "turn" / "discount"): kept traces whose turns
+    # got their env's per-turn rewards, and those that fell back to the final reward.
+    turn_credit_traces: int = 0
+    final_credit_traces: int = 0
     staleness_mean: float = 0.0
     staleness_max: int = 0
     # Trained tokens sampled under a grammar (re-scored under their replayed masks),
