@@ -82,7 +82,15 @@ class Task:
 
 @dataclasses.dataclass
 class Tool:
-    """A function the model may call, with its OpenAI JSON schema."""
+    """A function the model may call, with its OpenAI JSON schema.
+
+    `fn(**arguments)` gets the model's arguments. A `fn` with a parameter named
+    `task` that its `parameters` schema does not list (so the model never sends it)
+    also gets the attempt's `Task`, for per-task tool state (a per-task database, a
+    file tree) without module globals: `def query(sql, task): return
+    DBS[task.task_id].execute(sql)`. A sandboxed tool gets it pickled. (A schema
+    that lists "task" makes it the model's argument, as `spawn_subagent`'s is.)
+    """
 
     name: str
     description: str
@@ -96,6 +104,23 @@ class Tool:
         if self.sandbox is not None:
             check_sandboxable(self.name, self.fn)
 
+    @property
+    def takes_task(self) -> bool:
+        """Whether `fn` gets the attempt's Task: it has a parameter named `task` that
+        the `parameters` schema does not list."""
+        props = self.parameters.get("properties") if isinstance(self.parameters, dict) else None
+        if isinstance(props, dict) and "task" in props:
+            return False
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            return False
+        task = params.get("task")
+        return task is not None and task.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+
     def spec(self) -> dict[str, Any]:
         """The OpenAI `tools` entry for this tool."""
         return {
@@ -108,8 +133,9 @@ class Tool:
         }
 
 
-async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
-    """Runs `tool` on JSON `arguments`; returns (text for the model, ok).
+async def run_tool(tool: Tool, arguments: str | dict, task: Task | None = None) -> tuple[str, bool]:
+    """Runs `tool` on JSON `arguments`; returns (text for the model, ok). A tool that
+    takes the task (`Tool.takes_task`) gets `task`; the model cannot give it.
 
     Bad JSON, a wrong argument, an exception or a timeout give ok=False and an
     error text naming what went wrong. Sync tools run on `tool_executor()`, not
@@ -123,6 +149,12 @@ async def run_tool(tool: Tool, arguments: str | dict) -> tuple[str, bool]:
             raise ValueError("arguments must be a JSON object")
     except (json.JSONDecodeError, ValueError, TypeError) as e:
         return f"error: {tool.name}: bad arguments ({e})", False
+    if tool.takes_task:
+        if "task" in args:
+            return f"error: {tool.name}: 'task' is not an argument the model gives", False
+        if task is None:
+            return f"error: {tool.name} takes the task, and none was given to run_tool", False
+        args["task"] = task
     if tool.sandbox is not None:
         return await run_sandboxed(tool.name, tool.fn, args, tool.sandbox, tool.timeout_s)
     try:

@@ -101,7 +101,7 @@ class DefaultOrchestrator(Orchestrator):
         tool = next((t for t in self.tools if t.name == name), None)
         if tool is None:
             return f"error: unknown tool {name!r}", False
-        return await run_tool(tool, arguments)
+        return await run_tool(tool, arguments, task=self.trace.task)
 
     def choose(self, choices) -> Any:
         """Which of the n choices continues the conversation (the first)."""

@@ -71,3 +71,44 @@ def test_hashed_seed_is_the_sha256_of_the_joined_parts():
     assert hashed_seed("refill", 7, 3, 2) == want  # the refill / domain / request seeds' rule
     seeds = {hashed_seed(tag, s, i) for tag in ("a", "b") for s in range(5) for i in range(5)}
     assert len(seeds) == 50 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_a_tool_that_takes_the_task_gets_the_attempts_task():
+    # Issue 68, finding 9: per-task tool state (a per-task database, a file tree) needed
+    # module globals; a tool fn with a `task` parameter now gets the attempt's Task.
+    from ac2_jax.envs import Task
+    from ac2_jax.orchestration import DefaultOrchestrator
+    from tests.recipe_helpers import ParityEnv
+
+    tables = {"t1": {"a": "1"}, "t2": {"a": "2"}}
+
+    def lookup(key, task):  # `task` is not in the schema: the model never sends it
+        return tables[task.task_id][key]
+
+    async def alookup(key, *, task):
+        return tables[task.task_id][key] + "!"
+
+    tool = Tool("lookup", "Looks a key up in this task's table.",
+                {"type": "object", "properties": {"key": {"type": "string"}}}, lookup)
+    assert tool.takes_task and not _tool(lambda a: a).takes_task
+    # A schema that lists "task" makes it the model's argument (spawn_subagent's is).
+    assert not Tool("s", "", {"type": "object", "properties": {"task": {}}}, lookup).takes_task
+    t2 = Task(task_id="t2", prompt="?")
+    assert asyncio.run(run_tool(tool, '{"key": "a"}', task=t2)) == ("2", True)
+    atool = Tool("lookup", "", {"type": "object"}, alookup)
+    assert asyncio.run(run_tool(atool, {"key": "a"}, task=t2)) == ("2!", True)
+    # The model cannot pass it, and a tool that takes it needs one.
+    text, ok = asyncio.run(run_tool(tool, '{"key": "a", "task": "t1"}', task=t2))
+    assert not ok and "'task' is not an argument the model gives" in text
+    text, ok = asyncio.run(run_tool(tool, '{"key": "a"}'))
+    assert not ok and "takes the task, and none was given" in text
+
+    class TableEnv(ParityEnv):
+        @property
+        def tools(self):
+            return [tool]
+
+    # The tool loop gives each attempt's task.
+    for task_id, want in (("t1", "1"), ("t2", "2")):
+        orch = DefaultOrchestrator(TableEnv(), Task(task_id=task_id, prompt="?"), None, "m")
+        assert asyncio.run(orch.call_tool("lookup", '{"key": "a"}')) == (want, True)
