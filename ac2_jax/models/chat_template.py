@@ -50,7 +50,11 @@ def select_template(chat_template: str | dict[str, str] | None, has_tools: bool)
             return t["default"]
         raise ValueError(f"chat_template has no 'default' entry (names: {sorted(t)})")
     if not t:
-        raise ValueError("this tokenizer has no chat_template")
+        raise ValueError(
+            "this tokenizer has no chat template (tokenizer_config.json's 'chat_template' "
+            "or chat_template.jinja in its directory); copy the one of the model's instruct "
+            "release there, or pass chat_template= to Tokenizer"
+        )
     return t
 
 

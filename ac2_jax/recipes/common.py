@@ -30,6 +30,7 @@ __all__ = [
     "Progress",
     "RecipeResult",
     "check_model",
+    "check_model_dir",
     "claim_workdir",
     "error_lines",
     "export_model",
@@ -127,6 +128,7 @@ def _load_model(spec: Any, workdir: str) -> tuple[Any, Any]:
         from ac2_jax.models.hf_io import load_hf_checkpoint
         from ac2_jax.models.tokenizer import Tokenizer
 
+        check_model_dir(spec)
         model, _ = load_hf_checkpoint(spec)
         return model, Tokenizer.from_pretrained(spec)
     if spec in MODELS:
@@ -135,6 +137,46 @@ def _load_model(spec: Any, workdir: str) -> tuple[Any, Any]:
         f"--model {spec!r}: not a directory (an HF model: config.json + *.safetensors + "
         f"tokenizer.json) nor a preset ({', '.join(MODELS.names())})"
     )
+
+
+def check_model_dir(path: str) -> None:
+    """Raises a ConfigError naming the first file an HF model directory lacks for the
+    recipes, and how to get it: config.json, the weights (*.safetensors), the fast
+    tokenizer (tokenizer.json) and a chat template (tokenizer_config.json's
+    "chat_template" or chat_template.jinja)."""
+    from ac2_jax.config import ConfigError
+
+    names = set(os.listdir(path))
+    fix = None
+    if "config.json" not in names:
+        fix = (
+            "no config.json (the model's architecture); save the model with transformers "
+            "(model.save_pretrained(dir)) or copy it from the model's release"
+        )
+    elif not any(n.endswith(".safetensors") for n in names):
+        fix = (
+            "no *.safetensors weights (.bin files are not read); save them with "
+            "transformers: model.save_pretrained(dir, safe_serialization=True)"
+        )
+    elif "tokenizer.json" not in names:
+        fix = (
+            "no tokenizer.json (only fast tokenizers are read); write it with transformers: "
+            "AutoTokenizer.from_pretrained(<the model>).save_pretrained(dir)"
+        )
+    else:
+        config = {}
+        if "tokenizer_config.json" in names:
+            with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        if not config.get("chat_template") and "chat_template.jinja" not in names:
+            fix = (
+                "the tokenizer has no chat template (tokenizer_config.json's "
+                "'chat_template' or chat_template.jinja), which renders every prompt; copy "
+                "chat_template.jinja (or tokenizer_config.json) from the model's instruct "
+                "release into the directory"
+            )
+    if fix is not None:
+        raise ConfigError(f"--model {path}: {fix}")
 
 
 def harness_factory(sampling: dict, max_steps: int) -> Callable[..., Any]:

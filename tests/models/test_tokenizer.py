@@ -118,7 +118,7 @@ def test_errors_are_clear(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(str(tmp_path))
     no_template = Tokenizer(tok.hf, special_tokens=tok.special_tokens)
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match="no chat template .tokenizer_config.json.s .chat_template. or chat_template.jinja"):
         no_template.apply_chat_template(CONVERSATION[:2])
     import jinja2
     with pytest.raises(jinja2.TemplateError, match="unknown message role"):

@@ -173,3 +173,27 @@ def test_the_default_sft_seq_len_fits_a_tool_demonstration(tmp_path):
     demo = env.demonstration(env.sample_tasks(1, 0)[0])
     n = len(tok.apply_chat_template(demo, [t.spec() for t in env.tools], False, tokenize=True))
     assert 256 < n <= SFTRecipeConfig().sft.seq_len, n
+
+
+def test_a_model_directory_missing_a_file_names_it_and_the_fix(tmp_path):
+    # Issue 68, finding 10: a tokenizer without a chat template, or a model directory
+    # without tokenizer.json, was a bare traceback.
+    import json
+    import os
+
+    from ac2_jax.config import ConfigError
+
+    path = write_tiny_model(str(tmp_path))
+    config = os.path.join(path, "tokenizer_config.json")
+    saved = json.load(open(config))
+    json.dump({k: v for k, v in saved.items() if k != "chat_template"}, open(config, "w"))
+    with pytest.raises(ConfigError, match=r"has no chat template \(tokenizer_config.json's "
+                                          r"'chat_template' or chat_template.jinja\).*instruct"):
+        load_model(path)
+    json.dump(saved, open(config, "w"))
+    os.remove(os.path.join(path, "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"no tokenizer.json .*save_pretrained"):
+        load_model(path)
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(ConfigError, match=r"no config.json"):
+        load_model(path)
