@@ -13,7 +13,8 @@ directory it left.
 `CLIAgent` says how to launch one program: its argv and environment for a
 (prompt, model, base_url, api_key, scratch home), and how to read its
 outcome. The presets (`cli_presets`): `claude_code()` speaks the Anthropic
-Messages API, `codex()` the OpenAI Responses API.
+Messages API, `codex()` the OpenAI Responses API, `gemini_cli()` the Gemini API,
+`qwen_code()` and `opencode()` OpenAI Chat Completions.
 
 Outcomes (`CLIAgent.outcome(result)`): "finished" (by default exit status 0)
 -> `Env.verify` grades the directory (the answer it gets is the JSON of
@@ -90,13 +91,17 @@ class CLIAgent:
     """One command-line agent: `argv(launch)` and `environ(launch)` (added to a
     minimal environment: PATH, LANG, and the program's HOME); `outcome(result)`
     reads how it ended: one of `OUTCOMES` (see the module docstring). `api`
-    names the request API it speaks ("anthropic" or "responses"), for reports."""
+    names the request API it speaks ("anthropic", "responses", "gemini", "chat"), for reports."""
 
     name: str
     api: str
     argv: Callable[[Launch], list[str]]
     environ: Callable[[Launch], dict[str, str]]
     outcome: Callable[[CLIResult], str] = exit_status_outcome
+    # Labels of the program's side conversations (title generation, memory extraction):
+    # the endpoint's agent rules ({agent, system_regex | system_sha256}), sent when each
+    # attempt's rollout is created, so `train_agents` can include or leave them out.
+    agent_rules: tuple[dict, ...] = ()
 
 
 @dataclasses.dataclass
@@ -257,6 +262,11 @@ class CLIAgentEnv(Env):
         self.timeout_s = timeout_s
         self.scratch_root = scratch_root
         self.keep_dirs = keep_dirs
+
+    @property
+    def agent_rules(self) -> list[dict] | None:
+        """The agent's side-conversation labels, for each attempt's rollout (`CLIAgent`)."""
+        return [dict(r) for r in self.agent.agent_rules] or None
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
         """n draws from the split's tasks, in order from `seed`; each draw gets its own

@@ -1,13 +1,26 @@
-"""Presets for `cli_agent`: Claude Code and Codex, and a small task family.
+"""Presets for `cli_agent`: five production agent CLIs, and a small task family.
 
-`claude_code()` launches Claude Code headless (`claude -p`) against the
-Anthropic Messages API (`ANTHROPIC_BASE_URL`, `x-api-key`); `codex()` launches
-Codex headless (`codex exec`) against the OpenAI Responses API (a
-`model_providers` entry with `wire_api = "responses"`). Both get a private
-HOME, telemetry and auto-update off, and the options that keep their requests
-within what the endpoint serves (each said at its preset; BUILD_NOTES lists
-what each CLI sends and how the endpoint takes it). `fix_the_tests_tasks()` +
-`unittest_passes` are "make the tests pass" tasks graded by the directory.
+Each preset runs its CLI with its own default settings: only the base URL, the
+key, the model and the telemetry / auto-update switches are set (plus the
+headless switches each needs to act without asking, and the output format its
+outcome is read from). What each sends and how the endpoint takes each field is
+in BUILD_NOTES ("Every production agent CLI with its default settings").
+
+  claude_code()  Claude Code, `claude -p`: the Anthropic Messages API
+                 (ANTHROPIC_BASE_URL, x-api-key).
+  codex()        Codex, `codex exec`: the OpenAI Responses API (a `model_providers`
+                 entry with wire_api "responses").
+  gemini_cli()   Gemini CLI, `gemini -p`: the Gemini API (GOOGLE_GEMINI_BASE_URL,
+                 x-goog-api-key).
+  qwen_code()    Qwen Code, `qwen -p`: OpenAI Chat Completions (OPENAI_BASE_URL).
+  opencode()     opencode, `opencode run`: OpenAI Chat Completions (a provider in
+                 OPENCODE_CONFIG_CONTENT, @ai-sdk/openai-compatible).
+
+Each gets a private HOME. Side conversations a CLI holds besides the task
+(opencode's title generator, Qwen Code's memory extraction) are labelled by
+`CLIAgent.agent_rules` (their own agent label in the trace: `train_agents`
+includes or leaves them out). `fix_the_tests_tasks()` + `unittest_passes` are
+"make the tests pass" tasks graded by the directory.
 """
 
 from __future__ import annotations
@@ -21,7 +34,15 @@ from collections.abc import Sequence
 from ac2_jax.envs.base import Task
 from ac2_jax.orchestration.cli_agent import CLIAgent, CLIResult, Launch, exit_status_outcome
 
-__all__ = ["claude_code", "codex", "fix_the_tests_tasks", "unittest_passes"]
+__all__ = [
+    "claude_code",
+    "codex",
+    "fix_the_tests_tasks",
+    "gemini_cli",
+    "opencode",
+    "qwen_code",
+    "unittest_passes",
+]
 
 
 def _root_url(base_url: str) -> str:
@@ -29,29 +50,43 @@ def _root_url(base_url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
+def _write_json(path: str, value: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
 def claude_code(
     executable: str = "claude",
     *,
-    system_prompt: str | None = "You are a coding agent. Work in the current directory.",
-    tools: Sequence[str] = ("Bash", "Read", "Write", "Edit"),
-    max_turns: int = 8,
+    system_prompt: str | None = None,
+    tools: Sequence[str] | None = None,
+    max_turns: int | None = None,
+    bare: bool = False,
 ) -> CLIAgent:
     """Claude Code (`npm install @anthropic-ai/claude-code`), headless (`claude -p`).
 
-    `--bare` skips hooks, plugins and CLAUDE.md discovery; `system_prompt`
-    replaces the default one (None keeps Claude Code's own, about 20k tokens:
-    the served model needs the context for it); `tools` are the built-in tools
-    offered (`--tools`); `--dangerously-skip-permissions` lets it act in its
-    scratch directory without asking (IS_SANDBOX=1 allows that as root). It
-    sends `thinking: {"type": "adaptive"}`, `output_config.effort`,
-    `context_management` (clear_thinking) and `cache_control`, which the
-    endpoint's /v1/messages accepts (serving/messages.py says how).
+    By default unchanged: its own system prompt (about 48k tokens of the tiny
+    tokenizer with its tools: serve the model with the context for it), its own
+    tools and no turn limit. `--dangerously-skip-permissions` lets it act in its
+    scratch directory without asking (IS_SANDBOX=1 allows that as root);
+    `--output-format json` is what `outcome` reads. Options narrow it: a
+    `system_prompt` replacing its own, `tools` (`--tools`), `max_turns`, `bare`
+    (`--bare`: no hooks, plugins or CLAUDE.md discovery). It sends a
+    mid-conversation system message, `thinking: {"type": "adaptive"}`,
+    `output_config.effort`, `context_management` (clear_thinking) and
+    `cache_control`, which /v1/messages takes (serving/messages.py says how).
     """
 
     def argv(launch: Launch) -> list[str]:
-        out = [executable, "-p", launch.prompt, "--bare", "--model", launch.model]
-        out += ["--output-format", "json", "--max-turns", str(max_turns)]
-        out += ["--dangerously-skip-permissions", "--tools", ",".join(tools)]
+        out = [executable, "-p", launch.prompt, "--model", launch.model]
+        out += ["--output-format", "json", "--dangerously-skip-permissions"]
+        if bare:
+            out.append("--bare")
+        if tools is not None:
+            out += ["--tools", ",".join(tools)]
+        if max_turns is not None:
+            out += ["--max-turns", str(max_turns)]
         if system_prompt is not None:
             out += ["--system-prompt", system_prompt]
         return out
@@ -83,17 +118,20 @@ def claude_code(
 def codex(
     executable: str = "codex",
     *,
-    instructions: str | None = "You are a coding agent. Use exec_command to run shell commands.",
+    instructions: str | None = None,
+    config: Sequence[str] = (),
 ) -> CLIAgent:
     """Codex (`npm install @openai/codex`), headless (`codex exec`).
 
     The rollout is a `model_providers.ac2` entry (`wire_api = "responses"`, the
-    key in AC2_ROLLOUT_KEY). Web search, multi-agent and goal tools are turned
-    off (the endpoint refuses built-in tools and tool namespaces by name),
-    reasoning summaries off; `instructions` replace Codex's base instructions
-    (`model_instructions_file`; None keeps its own, about 5k tokens). The
-    sandbox is off (`danger-full-access`): the scratch directory is the
-    boundary, as in a container.
+    key in AC2_ROLLOUT_KEY). By default unchanged: its base instructions, its
+    tools (the multi-agent `namespace` group and `web_search` included: the
+    endpoint offers the group's functions and leaves web_search out of the
+    prompt, counted, under its default --builtin_tools=omit). The sandbox is off
+    (`danger-full-access`) and approvals never asked (headless: the scratch
+    directory is the boundary, as in a container); the update check off.
+    `instructions` replace the base instructions (`model_instructions_file`);
+    `config`: more `-c key=value` overrides.
     """
 
     def argv(launch: Launch) -> list[str]:
@@ -104,12 +142,10 @@ def codex(
         overrides = [
             "model_provider=ac2",
             f"model_providers.ac2={provider}",
-            'web_search="disabled"',
-            "features.multi_agent=false",
-            "features.goals=false",
-            'model_reasoning_summary="none"',
             'sandbox_mode="danger-full-access"',
             'approval_policy="never"',
+            "check_for_update_on_startup=false",
+            *config,
         ]
         if instructions is not None:
             path = os.path.join(launch.home, "instructions.md")
@@ -126,6 +162,102 @@ def codex(
         return {"AC2_ROLLOUT_KEY": launch.api_key}  # its config lives in HOME/.codex
 
     return CLIAgent("codex", "responses", argv, environ)
+
+
+# Telemetry, usage statistics and updates off: Gemini CLI's and Qwen Code's settings.json.
+_QUIET_SETTINGS = {
+    "telemetry": {"enabled": False},
+    "privacy": {"usageStatisticsEnabled": False},
+    "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+}
+
+
+def gemini_cli(executable: str = "gemini") -> CLIAgent:
+    """Gemini CLI (`npm install @google/gemini-cli`), headless (`gemini -p`), against
+    the endpoint's Gemini API (GOOGLE_GEMINI_BASE_URL: the server root; the key as
+    GEMINI_API_KEY, sent as x-goog-api-key; ~/.gemini/settings.json selects API-key
+    auth and turns telemetry, usage statistics and updates off). `--yolo` lets it act
+    without asking and GEMINI_CLI_TRUST_WORKSPACE trusts the scratch directory
+    (headless runs refuse untrusted ones). Its default request: systemInstruction,
+    functionDeclarations (parametersJsonSchema), generationConfig with topK and
+    thinkingConfig.includeThoughts, streamed (?alt=sse)."""
+
+    def argv(launch: Launch) -> list[str]:
+        settings = {**_QUIET_SETTINGS, "security": {"auth": {"selectedType": "gemini-api-key"}}}
+        _write_json(os.path.join(launch.home, ".gemini", "settings.json"), settings)
+        return [executable, "-p", launch.prompt, "-m", launch.model, "--yolo"]
+
+    def environ(launch: Launch) -> dict[str, str]:
+        return {
+            "GOOGLE_GEMINI_BASE_URL": _root_url(launch.base_url),
+            "GEMINI_API_KEY": launch.api_key,
+            "GEMINI_CLI_TRUST_WORKSPACE": "true",
+        }
+
+    return CLIAgent("gemini-cli", "gemini", argv, environ)
+
+
+# Qwen Code's side conversations: its memory agents run on system prompts of their own.
+QWEN_MEMORY_RULES = (
+    {"agent": "memory", "system_regex": r"^You are now acting as the managed memory extraction"},
+    {"agent": "memory", "system_regex": r"^You are performing a managed memory dream"},
+    {"agent": "memory", "system_regex": r"^You are selecting memories"},
+)
+
+
+def qwen_code(executable: str = "qwen") -> CLIAgent:
+    """Qwen Code (`npm install @qwen-code/qwen-code`), headless (`qwen -p`), against
+    /v1/chat/completions (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL); settings.json
+    turns telemetry, usage statistics and updates off; `--yolo` lets it act without
+    asking. Its memory agents are labelled "memory" (`QWEN_MEMORY_RULES`)."""
+
+    def argv(launch: Launch) -> list[str]:
+        _write_json(os.path.join(launch.home, ".qwen", "settings.json"), _QUIET_SETTINGS)
+        return [executable, "-p", launch.prompt, "-m", launch.model, "--yolo"]
+
+    def environ(launch: Launch) -> dict[str, str]:
+        return {
+            "OPENAI_BASE_URL": launch.base_url,
+            "OPENAI_API_KEY": launch.api_key,
+            "OPENAI_MODEL": launch.model,
+        }
+
+    return CLIAgent("qwen-code", "chat", argv, environ, agent_rules=QWEN_MEMORY_RULES)
+
+
+# opencode's side conversation: a title for the session, on its own system prompt.
+OPENCODE_TITLE_RULES = ({"agent": "title", "system_regex": r"^You are a title generator"},)
+
+
+def opencode(executable: str = "opencode") -> CLIAgent:
+    """opencode (`npm install opencode-ai`), headless (`opencode run`), against
+    /v1/chat/completions: the rollout is a provider "ac2" in OPENCODE_CONFIG_CONTENT
+    (@ai-sdk/openai-compatible, which opencode installs into its HOME on first use:
+    it needs the npm registry), the model "ac2/<model>"; autoupdate and sharing
+    off. Its title generator is labelled "title" (`OPENCODE_TITLE_RULES`)."""
+
+    def environ(launch: Launch) -> dict[str, str]:
+        provider = {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "ac2",
+            "options": {"baseURL": launch.base_url, "apiKey": launch.api_key},
+            "models": {launch.model: {"name": launch.model}},
+        }
+        config = {
+            "provider": {"ac2": provider},
+            "model": f"ac2/{launch.model}",
+            "autoupdate": False,
+            "share": "disabled",
+        }
+        return {
+            "OPENCODE_CONFIG_CONTENT": json.dumps(config),
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        }
+
+    def argv(launch: Launch) -> list[str]:
+        return [executable, "run", launch.prompt, "-m", f"ac2/{launch.model}"]
+
+    return CLIAgent("opencode", "chat", argv, environ, agent_rules=OPENCODE_TITLE_RULES)
 
 
 # ------------------------------------------------------------------------------ tasks

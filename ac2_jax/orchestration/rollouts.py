@@ -117,7 +117,10 @@ class LifecycleClient:
         timeout_s: float | None = None,
         *,
         http: httpx.AsyncClient | None = None,
+        agent_rules: list[dict] | None = None,
     ) -> dict[str, Any]:
+        """agent_rules: labels of the rollout's requests that name no agent, by their
+        system prompt (the endpoint's `rollout_requests.AgentRule`)."""
         body: dict[str, Any] = {
             "task_id": task_id,
             "group_id": group_id,
@@ -125,6 +128,8 @@ class LifecycleClient:
         }
         if timeout_s is not None:
             body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
+        if agent_rules:
+            body["agent_rules"] = list(agent_rules)
         return await self._call("POST", "/v1/rollouts", http, json=body)
 
     async def get(self, rollout_id: str) -> dict[str, Any]:
@@ -281,6 +286,8 @@ async def _run_rollout(
         metadata={"attempt": attempt, "domain": task.domain, **(metadata or {})},
         timeout_s=timeout_s,
         http=http,
+        # An env whose harness holds side conversations labels them (CLIAgentEnv).
+        agent_rules=getattr(env, "agent_rules", None),
     )
     # The openai client borrows `http` (closed by run_rollout, after finish and trace).
     client = _openai_module().AsyncOpenAI(

@@ -1,5 +1,5 @@
-"""The Claude Code and Codex presets and the "fix the tests" tasks
-(ac2_jax/orchestration/cli_presets.py).
+"""The agent CLI presets (Claude Code, Codex, Gemini CLI, Qwen Code, opencode) and the
+"fix the tests" tasks (ac2_jax/orchestration/cli_presets.py).
 
 The real CLIs are installed from the npm registry into a cache directory on
 first use (`AC2_CLI_AGENTS_DIR`, default ~/.cache/ac2_jax/cli-agents); their
@@ -24,6 +24,9 @@ from ac2_jax.orchestration.cli_presets import (
     claude_code,
     codex,
     fix_the_tests_tasks,
+    gemini_cli,
+    opencode,
+    qwen_code,
     unittest_passes,
 )
 from ac2_jax.trace import TraceStore
@@ -46,16 +49,55 @@ def test_codex_and_claude_code_argv_point_at_the_rollout(tmp_path):
 
     launch = Launch("do it", "policy", "http://127.0.0.1:9/v1", "sk-rollout", str(tmp_path),
                     str(tmp_path))
-    claude = claude_code("claude", tools=("Bash",))
+    claude = claude_code("claude")
     argv, env = claude.argv(launch), claude.environ(launch)
     assert argv[:3] == ["claude", "-p", "do it"] and "--model" in argv
+    # Default settings: no --bare, no --tools, its own system prompt, no turn limit.
+    assert not {"--bare", "--tools", "--system-prompt", "--max-turns"} & set(argv)
+    assert "--bare" in claude_code("claude", bare=True, tools=("Bash",)).argv(launch)
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9"  # the SDK adds /v1/messages
     assert env["ANTHROPIC_API_KEY"] == "sk-rollout" and "sk-rollout" not in argv
     cx = codex("codex")
     argv, env = cx.argv(launch), cx.environ(launch)
     assert argv[-1] == "do it" and env == {"AC2_ROLLOUT_KEY": "sk-rollout"}
     assert any('base_url="http://127.0.0.1:9/v1"' in a for a in argv)
-    assert (tmp_path / "instructions.md").exists()
+    # Default settings: its tools (web search, multi-agent) and base instructions kept.
+    assert not any("web_search" in a or "multi_agent" in a for a in argv)
+    assert not (tmp_path / "instructions.md").exists()
+    codex("codex", instructions="Be brief.").argv(launch)
+    assert (tmp_path / "instructions.md").read_text() == "Be brief."
+
+
+def test_gemini_cli_qwen_code_and_opencode_point_at_the_rollout(tmp_path):
+    from ac2_jax.orchestration.cli_agent import Launch
+
+    launch = Launch("do it", "policy", "http://127.0.0.1:9/v1", "sk-rollout", str(tmp_path),
+                    str(tmp_path))
+    gem = gemini_cli("gemini")
+    argv, env = gem.argv(launch), gem.environ(launch)
+    assert argv[:3] == ["gemini", "-p", "do it"] and "sk-rollout" not in argv
+    assert env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:9"  # it adds /v1beta/models/...
+    assert env["GEMINI_API_KEY"] == "sk-rollout"
+    settings = json.loads((tmp_path / ".gemini" / "settings.json").read_text())
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["telemetry"]["enabled"] is False and gem.api == "gemini"
+    qwen = qwen_code("qwen")
+    argv, env = qwen.argv(launch), qwen.environ(launch)
+    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["OPENAI_MODEL"] == "policy"
+    assert json.loads((tmp_path / ".qwen" / "settings.json").read_text())["telemetry"] == {
+        "enabled": False}
+    assert {r["agent"] for r in qwen.agent_rules} == {"memory"}
+    oc = opencode("opencode")
+    argv, env = oc.argv(launch), oc.environ(launch)
+    assert argv[:3] == ["opencode", "run", "do it"] and "ac2/policy" in argv
+    config = json.loads(env["OPENCODE_CONFIG_CONTENT"])
+    assert config["provider"]["ac2"]["options"] == {"baseURL": "http://127.0.0.1:9/v1",
+                                                    "apiKey": "sk-rollout"}
+    assert oc.agent_rules[0]["agent"] == "title"
+    # The rules reach each attempt's rollout through the env.
+    env_ = CLIAgentEnv(fix_the_tests_tasks(), oc, unittest_passes)
+    assert env_.agent_rules == [dict(oc.agent_rules[0])]
+    assert CLIAgentEnv(fix_the_tests_tasks(), codex(), unittest_passes).agent_rules is None
 
 
 def test_fix_the_tests_tasks_are_graded_by_their_tests(tmp_path):
@@ -83,23 +125,46 @@ def test_fix_the_tests_tasks_are_graded_by_their_tests(tmp_path):
 # ------------------------------------------------------------------------ real CLIs
 
 
+# npm package and the program it installs, per CLI (installed together on first use).
+CLI_PACKAGES = {
+    "claude-code": ("@anthropic-ai/claude-code", "claude"),
+    "codex": ("@openai/codex", "codex"),
+    "gemini-cli": ("@google/gemini-cli", "gemini"),
+    "qwen-code": ("@qwen-code/qwen-code", "qwen"),
+    "opencode": ("opencode-ai", "opencode"),
+}
+PRESETS = {"claude-code": claude_code, "codex": codex, "gemini-cli": gemini_cli,
+           "qwen-code": qwen_code, "opencode": opencode}
+
+
 @pytest.fixture(scope="module")
 def cli_bin():
-    """The bin directory of @anthropic-ai/claude-code and @openai/codex, installed
-    from the npm registry on first use."""
+    """The bin directory of the five CLIs, installed from the npm registry on first use
+    (a CLI whose package downloads a binary at install may fail here: its test is
+    skipped naming why)."""
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("node/npm are not installed: the real CLI agents cannot run here")
     root = os.environ.get("AC2_CLI_AGENTS_DIR",
                           os.path.expanduser("~/.cache/ac2_jax/cli-agents"))
     bin_dir = os.path.join(root, "node_modules", ".bin")
-    if not all(os.path.exists(os.path.join(bin_dir, b)) for b in ("claude", "codex")):
+    missing = [pkg for pkg, exe in CLI_PACKAGES.values()
+               if not os.path.exists(os.path.join(bin_dir, exe))]
+    if missing:
         os.makedirs(root, exist_ok=True)
         proc = subprocess.run(["npm", "install", "--prefix", root, "--no-audit", "--no-fund",
-                               "@anthropic-ai/claude-code", "@openai/codex"],
-                              capture_output=True, text=True, timeout=600)
+                               *missing], capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            pytest.skip(f"npm could not install the CLI agents: {proc.stderr[-500:]}")
+            pytest.skip(f"npm could not install {missing}: {proc.stderr[-500:]}")
     return bin_dir
+
+
+def cli_exe(cli_bin, which):
+    exe = os.path.join(cli_bin, CLI_PACKAGES[which][1])
+    probe = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:  # e.g. a platform binary its install script did not fetch
+        pytest.skip(f"{which} does not run here ({exe} --version: "
+                    f"{(probe.stderr or probe.stdout)[-300:]})")
+    return exe
 
 
 def short_answer_model(cfg, tok):
@@ -124,21 +189,23 @@ def short_answer_model(cfg, tok):
 
 
 def final_text(agent_name: str, result: CLIResult) -> str:
-    """What the agent answered: Claude Code's JSON `result`, Codex's last message."""
+    """What the agent answered: Claude Code's JSON `result`, else its output."""
     if agent_name == "claude-code":
         return str(json.loads(result.stdout).get("result") or "")
     return result.stdout.strip()
 
 
-@pytest.mark.parametrize("which", ["claude-code", "codex"])
+@pytest.mark.parametrize("which", list(CLI_PACKAGES))
 def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
-    """Eight attempts by the real CLI through /v1/messages (Claude Code) or
-    /v1/responses (Codex), graded by parity of the final answer's length (a
-    random policy earns it about half the time, so the group has a signal but for
-    a 1-in-128 tie, which is then a counted no-signal step), then
-    one RL step. Every served token is recorded with the sampler's log-prob, and
-    that log-prob is what a forward pass of the sampling weights gives (fp32,
-    1e-4): the tokens are trained exactly as sampled."""
+    """Attempts by the real CLI with its default settings (only base URL, key, model
+    and telemetry/update switches set) through /v1/messages (Claude Code),
+    /v1/responses (Codex), the Gemini API (Gemini CLI) or /v1/chat/completions (Qwen
+    Code, opencode), graded by parity of the final answer's length (a random policy
+    earns it about half the time), then one RL step. Their default prompts are 18k-48k
+    tokens of the tiny tokenizer, so the model is served with a 65,536-token context.
+    Every served token is recorded with the sampler's log-prob, and that log-prob is
+    what a forward pass of the sampling weights gives (fp32, 1e-4): the tokens are
+    trained exactly as sampled. Side conversations carry their own agent label."""
     import numpy as np
     from serving_helpers import forward_logprobs
 
@@ -150,29 +217,28 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
     from ac2_jax.training import RLConfig
     from ac2_jax.training.rl import BatchConfig
 
-    context = 6144
+    context = 65536
     tok = build_tiny_tokenizer(str(tmp_path / "tok"), vocab_size=512)
     cfg = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                         max_position_embeddings=context, tie_embeddings=False)
     model, reference = short_answer_model(cfg, tok), short_answer_model(cfg, tok)
-    exe = os.path.join(cli_bin, "claude" if which == "claude-code" else "codex")
-    agent = claude_code(exe, tools=("Bash",)) if which == "claude-code" else codex(exe)
+    agent = PRESETS[which](cli_exe(cli_bin, which))
     tasks = [Task("hello", "Say hello in one word."),
              Task("bye", "Say goodbye in one word.", metadata={"split": "eval"})]
     env = CLIAgentEnv(tasks, agent,
                       lambda task, workdir, r: float(len(final_text(which, r)) % 2 == 0),
-                      timeout_s=240)
+                      timeout_s=600)
     config = RLRecipeConfig(
         paths=PathsConfig(workdir=str(tmp_path / "run")),
-        rl=RLConfig(steps=1, tasks_per_step=1, attempts_per_task=8, concurrency=8,
-                    batch=BatchConfig(rows=16, seq_len=context)),
+        rl=RLConfig(steps=1, tasks_per_step=1, attempts_per_task=4, concurrency=4,
+                    batch=BatchConfig(rows=8, seq_len=context)),
         rollout=RolloutConfig(max_tokens=64, max_steps=1),
         sampler=SamplerConfig(max_context=context, warmup=False, model_name="tiny"),
     )
     result = recipes.rl((model, tok), env, config)
     traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
-    assert len(traces) == 8 and all(t.status == "finished" for t in traces), [
+    assert len(traces) == 4 and all(t.status == "finished" for t in traces), [
         (t.status, t.metadata.get("artifacts", {}).get("error")) for t in traces]
     rewards = [t.reward for t in traces]
     (step,) = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
@@ -181,6 +247,8 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
         assert step["train/skipped_update"] == 0.0 and step["train/grad_norm"] > 0
     else:
         assert step["train/skipped_update"] == 1.0
+    labels = {e.agent for t in traces for e in t.episodes}
+    assert "main" in labels and labels <= {"main", *(r["agent"] for r in agent.agent_rules)}
     served = 0
     for trace in traces:
         for ep in trace.episodes:
