@@ -38,6 +38,9 @@ EXTRAS = {
     "sglang": ["sglang[all]"],
     # Environments of other libraries, trained unchanged (ac2_jax.envs.adapters).
     "reasoning-gym": ["reasoning-gym>=0.1.25"],
+    # verifiers 0.4 pins openai<3 (and reshapes the v0 API the adapter drives): 0.3.x.
+    "verifiers": ["verifiers>=0.3.1,<0.4"],
+    "textarena": ["textarena>=0.7.4"],
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
@@ -51,7 +54,8 @@ EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torc
                         "trl>=1.16",  # the RL objectives' parity test (GRPOTrainer._compute_loss)
                         "anthropic", "google-genai>=1.30",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
-                        *EXTRAS["reasoning-gym"], *DOCS, *NOTEBOOKS})
+                        *EXTRAS["reasoning-gym"], *EXTRAS["verifiers"], *EXTRAS["textarena"],
+                        *DOCS, *NOTEBOOKS})
 
 setup(
     name="ac2_jax",

@@ -21,6 +21,8 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import re
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -86,6 +88,109 @@ def schema_paths(cls: type, prefix: str = "") -> dict[str, Any]:
             if _registry(_options(hints[f.name])[0]) is not None:
                 out[f"{path}.kind"] = str
             out.update(schema_paths(sub, path + "."))
+    return out
+
+
+def _comments(cls: type) -> dict[str, str]:
+    """{field: its comment} from `cls`'s source: the comment on the field's line, else
+    the comment lines right above it; fields with neither are left out."""
+    import inspect
+    import io
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    trailing: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip():
+            trailing[tok.start[0]] = tok.string.lstrip("#").strip()
+    out: dict[str, str] = {}
+    body = ast.parse(source).body[0]
+    for node in getattr(body, "body", []):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        text = trailing.get(node.lineno) or trailing.get(node.end_lineno or node.lineno)
+        if not text:
+            above, i = [], node.lineno - 2
+            while i >= 0 and lines[i].strip().startswith("#"):
+                above.insert(0, lines[i].strip().lstrip("#").strip())
+                i -= 1
+            text = " ".join(above)
+        if text:
+            out[node.target.id] = text
+    return out
+
+
+def _doc(cls: type) -> str:
+    """`cls`'s own docstring on one line ("" for a dataclass's generated signature)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    if doc.startswith(f"{cls.__name__}("):
+        return ""
+    return " ".join(doc.split())
+
+
+def _from_docstring(cls: type, name: str) -> str:
+    """The sentence of `cls`'s docstring (or its bases') that names `name` (as `name`,
+    name:, name ( or name=); "" if none does."""
+    docs = [_doc(c) for c in cls.__mro__ if dataclasses.is_dataclass(c)]
+    sentences = [s for doc in docs for s in re.split(r"(?<=[.;])\s+", doc) if s]
+    pattern = rf"`{name}`|\b{name}:|\b{name} \(|\b{name}="
+    return next((s for s in sentences if re.search(pattern, s)), "")
+
+
+def _first_sentence(cls: type) -> str:
+    doc = _doc(cls)
+    return re.split(r"(?<=\.)\s", doc, maxsplit=1)[0] if doc else ""
+
+
+def field_help(cls: type, prefix: str = "", default: Any = dataclasses.MISSING) -> list[tuple]:
+    """(dotted path, type, default, one line of meaning) of every settable field of
+    dataclass `cls` (sections and their fields), as `--help` shows them. The default is
+    the one a run gets (a section's default instance, e.g. the recipe's RLConfig, not
+    RLConfig()'s); the meaning is the field's comment, else the sentence of the class
+    docstring that names it, else (a section) its class's first sentence, else a
+    pointer to the class."""
+    if default is dataclasses.MISSING:
+        try:
+            default = cls()
+        except TypeError:  # a section with required fields
+            default = None
+    hints = typing.get_type_hints(cls)
+    comments = _comments(cls)
+    rows: list[tuple] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        path, tp = f"{prefix}{f.name}", hints[f.name]
+        value = getattr(default, f.name, dataclasses.MISSING) if default is not None else None
+        if value is dataclasses.MISSING:
+            value = f.default if f.default is not dataclasses.MISSING else None
+        sub = _section_class(tp)
+        doc = comments.get(f.name) or _from_docstring(cls, f.name)
+        if not doc and sub is not None:
+            doc = _first_sentence(sub)
+        if not doc:  # a library config's field its docstring does not name
+            doc = f"a field of {cls.__name__} (see its docstring)"
+        shown = "(section)" if dataclasses.is_dataclass(value) else repr(value)
+        rows.append((path, _type_text(tp), shown, " ".join(doc.split())))
+        if sub is not None:
+            inner = value if dataclasses.is_dataclass(value) else dataclasses.MISSING
+            rows += field_help(sub, path + ".", inner)
+    return rows
+
+
+def help_lines(cls: type, width: int = 120) -> list[str]:
+    """`--help`'s lines: one per field, `--config.PATH  TYPE = DEFAULT  meaning` (the
+    meaning cut to `width` characters)."""
+    out = []
+    for path, tp, default, doc in field_help(cls):
+        head = f"  --config.{path}  {tp} = {default}"
+        room = width - len(head) - 2
+        text = doc if len(doc) <= room else doc[: max(room - 3, 0)].rstrip() + "..."
+        out.append(f"{head}  {text}" if room > 10 else head)
     return out
 
 
@@ -168,6 +273,12 @@ def parse_value(tp: Any, text: str) -> Any:
 
 
 def _type_text(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

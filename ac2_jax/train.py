@@ -105,9 +105,9 @@ def build(argv: Sequence[str]):
         raise UsageError(f"--recipe={recipe!r}: known recipes are {', '.join(RECIPES)}")
     cls, entry = RECIPES[recipe]
     if "help" in flags or overrides == ["help="]:
-        from ac2_jax.config_cli import schema_paths
+        from ac2_jax.config_cli import help_lines
 
-        lines = [f"  --config.{p}" for p in schema_paths(cls)]
+        lines = help_lines(cls)  # one per field: type, default, meaning
         raise SystemExit(f"{USAGE}\nfields of {cls.__name__}:\n" + "\n".join(lines))
     if "workdir" in flags:
         overrides = [f"paths.workdir={flags['workdir']}", *overrides]

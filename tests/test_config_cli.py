@@ -81,3 +81,36 @@ def test_a_registered_kind_switches_the_section_to_its_own_defaults():
     cfg = load_config(RLRecipeConfig, None, ["rl.loss.kind=sft", "rl.loss.mode=token_mean"])
     assert cfg.rl.loss == SFTLoss(mode="token_mean")
     assert isinstance(RLRecipeConfig().rl.loss, PolicyGradientLoss)
+
+
+def test_help_gives_each_field_its_type_default_and_meaning():
+    # Issue 68, finding 10: --help listed field paths only.
+    from ac2_jax.config_cli import field_help
+    from ac2_jax.recipes import DistillRecipeConfig, RLRecipeConfig, SFTRecipeConfig
+
+    for cls in (RLRecipeConfig, SFTRecipeConfig, DistillRecipeConfig):
+        rows = {path: (tp, default, doc) for path, tp, default, doc in field_help(cls)}
+        assert all(doc and "\n" not in doc for _, _, doc in rows.values())
+        # The recipe's own sections say what each field is (a library config's field its
+        # docstring does not name points to its class).
+        own = [p for p, (_, _, doc) in rows.items() if "(see its docstring)" in doc
+               and p.split(".")[0] in ("seed", "paths", "rollout", "sampler", "eval", "log",
+                                       "demos", "loop", "tool_parser", "lora")]
+        assert not own, (cls.__name__, own)
+    rows = {p: (t, d, doc) for p, t, d, doc in field_help(RLRecipeConfig)}
+    assert rows["rl.steps"][:2] == ("int", "10")  # the recipe's default, not RLConfig's
+    assert rows["rollout.max_tokens"][:2] == ("int", "128")
+    assert "per request" in rows["rollout.max_tokens"][2]
+    assert rows["paths.existing"][:2] == ("str", "'refuse'")
+    assert rows["lora"][1] == "None" and rows["lora.rank"][0] == "int"
+    assert rows["tool_parser"][0] == "str | None"
+
+
+def test_help_lines_are_one_per_field_within_the_width():
+    from ac2_jax.config_cli import field_help, help_lines
+    from ac2_jax.recipes import RLRecipeConfig
+
+    lines = help_lines(RLRecipeConfig)
+    assert len(lines) == len(field_help(RLRecipeConfig)) and all(len(x) <= 120 for x in lines)
+    assert "  --config.rollout.max_tokens  int = 128  per request; also" in lines[
+        [x.split()[0] for x in lines].index("--config.rollout.max_tokens")]

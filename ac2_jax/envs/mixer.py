@@ -225,3 +225,11 @@ class DomainMixer(Env):
 
     def initial_messages(self, task: Task) -> list[dict[str, Any]]:
         return self.env_for(task).initial_messages(task)
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The task's own env's demonstration (SFT; `check_env` checks every domain has one)."""
+        return self.env_for(task).demonstration(task)  # type: ignore[attr-defined]
+
+    def hint(self, task: Task) -> str | None:
+        """The task's own env's hint (distillation; `check_env` checks every domain)."""
+        return self.env_for(task).hint(task)  # type: ignore[attr-defined]

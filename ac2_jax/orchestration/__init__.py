@@ -1,4 +1,5 @@
-"""Orchestrators: the one loop that runs every harness shape."""
+"""Orchestrators: the one loop that runs every harness shape; the adapters whose harness
+is another library's own loop (verifiers) or replays a whole game (TextArena)."""
 
 from ac2_jax.orchestration.base import (
     AGENT_HEADER,
@@ -40,6 +41,13 @@ from ac2_jax.orchestration.rollouts import (
     classify_error,
     run_rollout,
 )
+from ac2_jax.orchestration.textarena_env import TextArenaEnv, TextArenaHarness, textarena_env
+from ac2_jax.orchestration.verifiers_env import (
+    VerifiersEnv,
+    VerifiersError,
+    VerifiersHarness,
+    verifiers_env,
+)
 
 __all__ = [
     "AGENT_HEADER",
@@ -60,7 +68,12 @@ __all__ = [
     "ScriptedUser",
     "SingleTaskUser",
     "SubagentOrchestrator",
+    "TextArenaEnv",
+    "TextArenaHarness",
     "User",
+    "VerifiersEnv",
+    "VerifiersError",
+    "VerifiersHarness",
     "classify_error",
     "claude_code",
     "codex",
@@ -70,6 +83,8 @@ __all__ = [
     "request_seed",
     "run_rollout",
     "run_task",
+    "textarena_env",
     "tool_format_error",
     "unittest_passes",
+    "verifiers_env",
 ]

@@ -82,10 +82,10 @@ class RunPaths:
 class RolloutConfig:
     """How each attempt samples and runs (the harness's sampling and limits)."""
 
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of the training attempts
     max_tokens: int = 128  # per request; also the endpoint's default for requests without one
     max_steps: int = 4  # requests per attempt (the default tool-loop harness)
-    infra_retries: int = 2
+    infra_retries: int = 2  # reruns of an attempt that ended infra_error (ours, never trained)
     deadline_s: float | None = None  # wall-clock bound of one attempt (None: none)
 
     def __post_init__(self):
@@ -108,9 +108,9 @@ class EvalConfig:
     """Held-out evaluation before and after training (num_tasks=0: none)."""
 
     num_tasks: int = 0
-    attempts: int = 1
-    temperature: float = 0.0
-    concurrency: int = 16
+    attempts: int = 1  # attempts per task (pass@k and its CI over them)
+    temperature: float = 0.0  # sampling temperature of the eval attempts (0: greedy)
+    concurrency: int = 16  # eval attempts in flight at once
     # USD per million tokens {cached_input, uncached_input, output} for the cost figures.
     prices: dict[str, float] | None = None
 
@@ -120,9 +120,9 @@ class LogConfig:
     """What the run shows and where metrics go (metrics.jsonl always)."""
 
     progress: bool = True  # one compact line per step of each phase (rate, ETA)
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl
     wandb: bool = False  # Weights & Biases (needs `pip install wandb`)
-    wandb_project: str | None = None
+    wandb_project: str | None = None  # the W&B project (None: W&B's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ class DemosConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLRecipeConfig:
-    seed: int = 0
+    seed: int = 0  # seeds tasks, sampling, init and shuffles: a run repeats with it
     paths: PathsConfig = PathsConfig()
     rl: RLConfig = RLConfig(
         steps=10, tasks_per_step=4, attempts_per_task=4, concurrency=16, compile_ahead=False
@@ -170,11 +170,12 @@ class RLRecipeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTRecipeConfig:
-    seed: int = 0
+    seed: int = 0  # seeds tasks, sampling, init and shuffles: a run repeats with it
     paths: PathsConfig = PathsConfig()
     demos: DemosConfig = DemosConfig()
-    # seq_len: a tool prompt (a template's tool preamble + schemas + a demo) is several
-    # hundred tokens; SFTConfig's 256 is below one. Longer demos are refused by name.
+    # The SFT loop and data. seq_len 1024: a tool prompt (a template's tool preamble +
+    # schemas + a demo) is several hundred tokens, SFTConfig's 256 below one; a longer
+    # demo is refused by name.
     sft: SFTConfig = SFTConfig(steps=100, checkpoint_every=50, seq_len=1024)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     log: LogConfig = LogConfig()
@@ -196,10 +197,10 @@ class DistillLoopConfig:
     `distill.teacher` naming a teacher model only) is plain on-policy distillation:
     the teacher reads the student's own prompt and the env needs no `hint`."""
 
-    steps: int = 10
+    steps: int = 10  # distillation steps (each: roll out, teach, publish)
     tasks_per_step: int = 4
     attempts_per_task: int = 1
-    concurrency: int = 16
+    concurrency: int = 16  # attempts in flight at once (the sampler's batch follows it)
     judge: str = "keywords"  # RMSD's judge: "keywords" or "diff" (a RuleJudge)
     only_failures: bool = False
     pass_reward: float = 1.0
@@ -212,7 +213,7 @@ class DistillLoopConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistillRecipeConfig:
-    seed: int = 0
+    seed: int = 0  # seeds tasks, sampling, init and shuffles: a run repeats with it
     paths: PathsConfig = PathsConfig()
     loop: DistillLoopConfig = DistillLoopConfig()
     distill: DistillConfig = DistillConfig(seq_len=512, rows=2, checkpoint_every=1)

@@ -172,7 +172,8 @@ def _audit_domains(env: DomainMixer, reports: str, progress: Progress) -> None:
 
 def mix_lines(step: int, m: dict[str, Any], width: int = 100) -> list[str]:
     """The console's word on an adaptive mix after a step: each domain's weight and
-    rolling pass rate ("-" before it is known), heaviest first, wrapped."""
+    rolling pass rate ("-" before it is known) as `domain=weight/rate`, heaviest
+    first, wrapped at `width` (an entry is never split)."""
     import textwrap
 
     weights = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("mix_weight/")}
@@ -180,7 +181,7 @@ def mix_lines(step: int, m: dict[str, Any], width: int = 100) -> list[str]:
         return []
     rates = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("mix_pass_rate/")}
     items = [
-        f"{d} {w:.3f}/{rates[d]:.2f}" if d in rates else f"{d} {w:.3f}/-"
+        f"{d}={w:.3f}/{rates[d]:.2f}" if d in rates else f"{d}={w:.3f}/-"
         for d, w in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))
     ]
     head = f"step {step} mix (weight/pass rate): "
@@ -208,21 +209,26 @@ def write_mix_report(history: list[dict[str, Any]], reports: str) -> dict[str, s
         from matplotlib.figure import Figure
     except ImportError:
         return out
-    fig = Figure(figsize=(13, 5))
+    from matplotlib import colormaps
+
+    fig = Figure(figsize=(15, 5.5))
     ax_pass, ax_weight = fig.subplots(1, 2)
     domains = sorted({d for r in records for d in r["mix_weight"]})
-    for d in domains:
+    # 40 distinct colours, then line styles: every domain its own line.
+    colours = [colormaps[m](i) for m in ("tab20", "tab20b") for i in range(20)]
+    for i, d in enumerate(domains):
+        style = {"color": colours[i % len(colours)], "linestyle": ("-", "--", ":")[i // 40 % 3],
+                 "linewidth": 1.2, "label": d}  # fmt: skip
         steps = [r["step"] for r in records if d in r["mix_pass_rate"]]
         ax_pass.plot(steps, [r["mix_pass_rate"][d] for r in records if d in r["mix_pass_rate"]],
-                     label=d, linewidth=1)  # fmt: skip
+                     **style)  # fmt: skip
         ax_weight.plot([r["step"] for r in records], [r["mix_weight"].get(d, 0.0) for r in records],
-                       label=d, linewidth=1)  # fmt: skip
+                       **style)  # fmt: skip
     ax_pass.set(title="rolling pass rate per domain", xlabel="step", ylim=(-0.02, 1.02))
     ax_weight.set(title="mix weight per domain", xlabel="step")
     ax_weight.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
     out["mix_png"] = os.path.join(reports, "mix.png")
-    fig.savefig(out["mix_png"], dpi=110)
+    fig.savefig(out["mix_png"], dpi=110, bbox_inches="tight")
     return out
 
 

@@ -145,7 +145,7 @@ def test_mix_console_lines_and_report(tmp_path):
         {"rl_step": 1, "mix_weight/a": 0.4, "mix_weight/b": 0.6, "mix_pass_rate/a": 0.5,
          "mix_pass_rate/b": 0.0, "mix_results/a": 8.0, "mix_results/b": 16.0},
     ]  # fmt: skip
-    assert mix_lines(1, history[0]) == ["step 1 mix (weight/pass rate): a 0.700/-, b 0.300/0.25"]
+    assert mix_lines(1, history[0]) == ["step 1 mix (weight/pass rate): a=0.700/-, b=0.300/0.25"]
     assert mix_lines(1, {"pass_rate": 0.5}) == []
     wide = {f"mix_weight/domain_{i}": 1 / 30 for i in range(30)}
     assert all(len(x) <= 100 for x in mix_lines(3, wide)) and len(mix_lines(3, wide)) > 1

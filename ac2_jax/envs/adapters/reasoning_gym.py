@@ -174,6 +174,22 @@ class ReasoningGymEnv(Env):
         answer = self._entry(task).get("answer")
         return None if answer is None else f"<answer>{answer}</answer>"
 
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The oracle answer in the tags (SFT warm start); a generator without one
+        has no demonstration (ValueError naming it)."""
+        ref = self.reference_answer(task)
+        if ref is None:
+            raise ValueError(
+                f"reasoning_gym {self.generator!r} has no oracle answer to demonstrate "
+                f"({task.task_id}); leave it out of SFT"
+            )
+        return [*self.initial_messages(task), {"role": "assistant", "content": ref}]
+
+    def hint(self, task: Task) -> str | None:
+        """The oracle answer (distillation's hint; None without one)."""
+        answer = self._entry(task).get("answer")
+        return None if answer is None else f"The answer is {answer}."
+
 
 def reasoning_gym_env(arg: str) -> Env:
     """The launcher's `--env=reasoning_gym:<arg>`: "<generator>" is its env,

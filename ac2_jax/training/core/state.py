@@ -35,17 +35,17 @@ class OptimizerConfig:
     params with ndim >= `decay_min_ndim` (matrices, not norms or biases).
     """
 
-    learning_rate: float = 3e-4
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    end_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    decay_min_ndim: int = 2
-    clip_norm: float | None = 1.0
+    learning_rate: float = 3e-4  # the peak learning rate (after warmup)
+    schedule: str = "constant"  # "constant" or "cosine" after warmup
+    warmup_steps: int = 0  # linear warmup steps to learning_rate
+    total_steps: int | None = None  # where "cosine" reaches end_lr_ratio * learning_rate
+    end_lr_ratio: float = 0.0  # the cosine schedule's final fraction of learning_rate
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    decay_min_ndim: int = 2  # weight decay on params with at least this many dims
+    clip_norm: float | None = 1.0  # global gradient-norm clip (None: none)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

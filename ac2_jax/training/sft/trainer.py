@@ -51,17 +51,17 @@ class SFTConfig:
     only at the end); keep_checkpoints: newest kept (None: all).
     """
 
-    seq_len: int = 256
-    batch_rows: int = 8
-    steps: int = 100
-    seed: int = 0
-    shuffle: bool = True
-    truncate: bool = False
+    seq_len: int = 256  # tokens per row; a longer demo is an error unless truncate
+    batch_rows: int = 8  # rows per batch (demos packed into them)
+    steps: int = 100  # optimizer steps
+    seed: int = 0  # the data order's seed
+    shuffle: bool = True  # reshuffle the demos each epoch
+    truncate: bool = False  # cut a demo over seq_len to its first seq_len tokens (counted)
     layout: str = "flat"  # "tree": shared prefixes (system prompt, tools) computed once
-    mode: str = "task_mean"
+    mode: str = "task_mean"  # the loss aggregation over tokens (losses.aggregation)
     # log-probs chunk_size positions at a time (None: dense; "auto": by the batch's shape)
     chunk_size: int | str | None = "auto"
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per step (batch_rows / grad_accum rows each)
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
 
