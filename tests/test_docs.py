@@ -40,7 +40,7 @@ def test_every_page_in_the_nav_is_built(site):
     for page in ("index", "concepts", "design", "launch", "results", "build-notes", "guide",
                  "howto/harness-and-env",
                  "howto/models-and-lora", "howto/distillation", "howto/async-rl",
-                 "howto/scaling-out", "reference"):
+                 "howto/scaling-out", "howto/choosing-an-objective", "reference"):
         built = site / ("index.html" if page == "index" else f"{page}/index.html")
         assert built.is_file(), f"docs: {page} was not built"
 
