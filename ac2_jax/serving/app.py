@@ -23,7 +23,7 @@ Routes
   GET  /v1/models                   (the admin also gets `sampler_stats`: compiled shapes and
                                     errors; for a FleetSampler each backend's health and load)
   POST /v1/rollouts                 (admin) {task_id, group_id?, attempt_id?,
-                                    metadata?, timeout_s?} -> {rollout_id, base_url
+                                    metadata?, timeout_s?, agent_rules?} -> {rollout_id, base_url
                                     (OpenAI), anthropic_base_url, gemini_base_url, api_key}
   GET  /v1/rollouts/{id}            status, completions so far, tokens, policy versions
   POST /v1/rollouts/{id}/finish     (admin) {reward?, artifacts?, status?, hints?, metrics?};
@@ -48,8 +48,10 @@ Auth is `Authorization: Bearer <key>` or `x-api-key: <key>` (what Anthropic
 clients send; Bearer wins when both are present). The admin key reaches everything and
 its completions are not recorded. A rollout key reaches only its own rollout;
 its completions are recorded under the agent label from the `X-Agent` header,
-else the request's top-level `agent` extension field, else "main" (OpenAI's
-`user` is an end-user id and never the label). The harness (so often the
+else the request's top-level `agent` extension field, else the first of the
+rollout's `agent_rules` (create call: [{agent, system_regex | system_sha256}])
+its system prompt matches, else "main" (OpenAI's `user` is an end-user id and
+never the label). The harness (so often the
 policy) holds that key, so it may end its rollout but not grade it: reward,
 other statuses, metrics, hints and artifacts are admin-only (403), and it
 reads its rollout and trace without the metadata, hints and metrics. A

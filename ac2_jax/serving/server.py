@@ -59,7 +59,7 @@ def serve_in_thread(
 
 
 # The context "tiny" is served with unless --max_context says otherwise: Claude Code's
-# default request is about 45k tokens of the tiny tokenizer (issue 67).
+# default request is about 48k tokens of the tiny tokenizer (issue 67).
 TINY_CONTEXT = 65536
 
 
@@ -123,7 +123,7 @@ def load_policy(
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
         if tool_parser is not None:
             tokenizer.set_tool_parser(tool_parser)
-        # Its context fits what agent CLIs send with their defaults (2.4k-45k tokens of
+        # Its context fits what agent CLIs send with their defaults (18k-48k tokens of
         # the tiny tokenizer): RoPE has no trained length to keep to.
         tiny_context = max_context or TINY_CONTEXT
         decoder = Decoder(
