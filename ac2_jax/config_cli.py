@@ -85,9 +85,17 @@ def schema_paths(cls: type, prefix: str = "") -> dict[str, Any]:
         out[path] = hints[f.name]
         sub = _section_class(hints[f.name])
         if sub is not None:
-            if _registry(_options(hints[f.name])[0]) is not None:
+            base = _options(hints[f.name])[0]
+            registry = _registry(base)
+            if registry is not None:
                 out[f"{path}.kind"] = str
             out.update(schema_paths(sub, path + "."))
+            if registry is not None:  # the other kinds' own fields (from_config checks
+                for name in registry.names():  # them against the kind chosen)
+                    kind_cls = registry.get(name)
+                    if isinstance(kind_cls, type) and issubclass(kind_cls, base):
+                        for k, v in schema_paths(kind_cls, path + ".").items():
+                            out.setdefault(k, v)
     return out
 
 

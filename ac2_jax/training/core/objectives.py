@@ -295,6 +295,12 @@ def _check_mode(name, mode) -> str:
 def _set_mode(obj, name):
     """Checks obj.mode and stores its canonical name (verl's spellings map to ours)."""
     object.__setattr__(obj, "mode", _check_mode(name, obj.mode))
+    if obj.mode == "constant" and not (obj.normalizer is not None and obj.normalizer > 0):
+        raise ValueError(
+            f"{name}: mode 'constant' (verl's seq-mean-token-sum-norm) divides the token sum "
+            f"by normalizer, which must be > 0 (e.g. the most tokens an attempt may "
+            f"generate), got {obj.normalizer!r}"
+        )
 
 
 def _masked_sum(x, batch):
