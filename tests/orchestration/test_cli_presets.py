@@ -259,3 +259,87 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
                 served += len(c.output_ids)
     assert served > 0
     assert result.report["steps"] == 1
+
+
+# ------------------------------------------------------------------ a served tool call
+
+MARK = "marker-67"
+# Each CLI's shell tool and its arguments (from their default requests, BUILD_NOTES).
+SHELL_CALLS = [("exec_command", {"cmd": f"echo {MARK} | tee made_by_tool.txt"}),
+               ("Bash", {"command": f"echo {MARK} | tee made_by_tool.txt"}),
+               ("run_shell_command", {"command": f"echo {MARK} | tee made_by_tool.txt"}),
+               ("bash", {"command": f"echo {MARK} | tee made_by_tool.txt",
+                         "description": "Write the file"})]
+
+
+class ToolCallingSampler:
+    """The Sampler protocol over a script: while the prompt offers one of `SHELL_CALLS`'
+    tools and the command's output has not come back (MARK once: the call itself), it
+    answers the call (Hermes format); then "done". A test double of the policy only:
+    the endpoint, the CLI and its tool run for real."""
+
+    def __init__(self, tok, max_context: int = 65536):
+        self.tok, self.max_context, self.policy_version = tok, max_context, 0
+
+    def load_weights(self, step=None):
+        return self.policy_version
+
+    async def generate(self, prompt_ids, params, *, on_tokens=None):
+        from ac2_jax.sampling import SampleResult
+
+        prompt = self.tok.decode(prompt_ids)
+        text = "done"
+        if prompt.count(MARK) < 2:
+            for name, args in SHELL_CALLS:
+                if f'"name": "{name}"' in prompt:
+                    call = json.dumps({"name": name, "arguments": args})
+                    text = f"<tool_call>\n{call}\n</tool_call>"
+                    break
+        out = (self.tok.encode(text) + [self.tok.eos_token_id])[: params.max_tokens]
+        if on_tokens is not None:
+            on_tokens(out, [-0.5] * len(out))
+        return SampleResult(out, [-0.5] * len(out), "stop", self.policy_version)
+
+
+@pytest.mark.parametrize("which", list(CLI_PACKAGES))
+def test_each_cli_runs_the_tool_call_the_model_served(tmp_path, cli_bin, which):
+    """A full tool round trip with each CLI's default settings: the served model calls
+    the CLI's shell tool, the CLI runs it in its directory, and the result comes back
+    in the same episode (the second prompt extends the first prompt + its output)."""
+    import asyncio
+
+    import httpx
+
+    from ac2_jax.models import build_tiny_tokenizer
+    from ac2_jax.orchestration.cli_agent import Launch, run_cli
+    from ac2_jax.serving.app import build_app
+    from ac2_jax.serving.server import serve_in_thread
+
+    agent = PRESETS[which](cli_exe(cli_bin, which))
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    url, stop = serve_in_thread(build_app(ToolCallingSampler(tok), tok, admin_key="sk-a",
+                                          model_name="tiny", default_max_tokens=256))
+    admin = {"Authorization": "Bearer sk-a"}
+    try:
+        info = httpx.post(url + "/v1/rollouts", headers=admin, json={
+            "task_id": which, "agent_rules": list(agent.agent_rules) or None}).json()
+        workdir, home = tmp_path / "work", tmp_path / "home"
+        workdir.mkdir()
+        home.mkdir()
+        launch = Launch("Write the file.", "tiny", info["base_url"], info["api_key"],
+                        str(workdir), str(home))
+        result = asyncio.run(run_cli(agent, launch, 300))
+        trace = httpx.get(f"{url}/v1/rollouts/{info['rollout_id']}/trace", headers=admin).json()
+    finally:
+        stop()
+    assert (workdir / "made_by_tool.txt").read_text().strip() == MARK, (
+        result.exit_code, result.stdout[-1500:], result.stderr[-1500:])
+    main = [e for e in trace["episodes"] if e["agent"] == "main"]
+    assert any(len(e["completions"]) >= 2 for e in main), [
+        (e["agent"], len(e["completions"])) for e in trace["episodes"]]
+    for e in main:
+        comps = e["completions"]
+        for a, b in zip(comps, comps[1:], strict=False):
+            assert b["prompt_ids"][:len(a["prompt_ids"]) + len(a["output_ids"])] == (
+                a["prompt_ids"] + a["output_ids"])
+    assert agent.outcome(result) == "finished", (result.stdout[-800:], result.stderr[-800:])
