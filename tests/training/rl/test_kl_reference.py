@@ -1,7 +1,8 @@
 """KL to the reference policy and the entropy bonus (issue 64): with the policy equal to the
 reference the KL term is 0 and so is its gradient (k2, k3); the reference is scored chunked
-like the policy (1e-5); the bonus is -c H with H's gradient, chunked = dense; the LoRA reference (adapters zeroed) equals a second frozen copy of the base
-(1e-5); a KL without a reference is an error; the train step reports kl_to_reference."""
+like the policy (1e-5); the bonus is -c H with H's gradient, chunked = dense; the LoRA
+reference (adapters zeroed) equals a second frozen copy of the base (1e-5); a KL without a
+reference is an error; the RLTrainer passes the launch weights to its steps."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from ac2_jax.losses import loss_weights, token_entropy
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.peft_io import merge_lora
-from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
+from ac2_jax.training import OptimizerConfig
 from ac2_jax.training.core.objectives import StepModel, apply_loss, behaviour_logprobs, reference_logprobs
 from ac2_jax.training.rl import GRPOLoss
 from ac2_jax.training.rl.trainer import launch_reference
@@ -110,14 +111,42 @@ def test_lora_reference_is_the_base_without_a_copy(setup):
     assert np.abs(np.asarray(policy)[m] - np.asarray(want)[m]).max() > 1e-3  # adapters act
 
 
-def test_the_train_step_reports_the_kl_to_the_launch_weights(setup):
-    batch = setup[0]
+def test_the_rl_trainer_trains_against_the_launch_weights(tmp_path):
+    """RLTrainer: rl.loss.kl_coef > 0 makes it hold the launch weights (a copy) and pass
+    them to every step; step 0 is at the reference (KL 0), step 1 has moved away; a LoRA
+    model's reference is its adapters zeroed; without a KL there is none."""
+    import asyncio
+    import dataclasses
+
+    from ac2_jax.training import BatchConfig, RLConfig
+    from ac2_jax.training.rl import ReplayCollector, RLTrainer
+    from tests.rl_traces import rl_trace
+
+    traces = [rl_trace(task, a, float(a % 2), n_out=4) for task in ("a", "b") for a in range(4)]
+    for step in (0, 1):  # the same attempts replayed at steps 0 and 1
+        traces += [dataclasses.replace(t, attempt_id=f"{t.attempt_id}-{step}",
+                                       metadata={"rl_step": step}) for t in traces[:8]]
+    traces = traces[8:]
+    config = RLConfig(steps=2, tasks_per_step=2, attempts_per_task=4, concurrency=8,
+                      batch=BatchConfig(seq_len=32, rows=4),
+                      loss=GRPOLoss(kl_coef=0.1, old_logprobs="detached"),
+                      optimizer=OptimizerConfig(learning_rate=1e-2))
     model = tiny()
-    graphdef, state = create_train_state(model, OptimizerConfig(learning_rate=1e-2))
-    ref = launch_reference(model, state.params)
-    step = make_train_step(graphdef, GRPOLoss(kl_coef=0.1, old_logprobs="detached"),
-                           OptimizerConfig(learning_rate=1e-2))
-    state = step.place(state)
-    state, m0 = step(state, batch, None, ref)
-    state, m1 = step(state, batch, None, ref)
-    assert float(m0["kl_to_reference"]) == 0.0 and float(m1["kl_to_reference"]) > 0.0
+    launch = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    trainer = RLTrainer(model, ReplayCollector(traces), config, str(tmp_path / "full"))
+    m0, m1 = asyncio.run(trainer.run())
+    for a, b in zip(jax.tree.leaves(trainer.reference), jax.tree.leaves(launch)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    moved = jax.tree.leaves(trainer.trainer.host_state().params)
+    assert any(np.any(np.asarray(a) != b) for a, b in zip(moved, jax.tree.leaves(launch)))
+    trainer.close()
+    assert m0["kl_to_reference"] == 0.0 and m1["kl_to_reference"] > 0.0
+    assert m0["skipped_update"] == m1["skipped_update"] == 0.0
+    lora = RLTrainer(tiny(LoRAConfig(rank=2, alpha=4.0)), ReplayCollector([]), config,
+                     str(tmp_path / "lora"))
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(lora.reference))
+    lora.close()
+    plain = RLTrainer(tiny(), ReplayCollector([]), dataclasses.replace(config, loss=GRPOLoss()),
+                      str(tmp_path / "plain"))
+    assert plain.reference is None
+    plain.close()
