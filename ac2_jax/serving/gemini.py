@@ -64,7 +64,6 @@ A call whose arguments are no JSON object comes back as args {"arguments": <text
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -98,7 +97,13 @@ METHODS = ("generateContent", "streamGenerateContent", "countTokens")
 
 
 def chat_request(body: GenerateBody, model: str, stream: bool) -> req_lib.ChatRequest:
-    """The ChatRequest a Chat Completions client would send for `body`."""
+    """The ChatRequest a Chat Completions client would send for `body` (`model`: the
+    one the path names; a body's own `model` must agree)."""
+    if body.model is not None and body.model.removeprefix("models/") != model:
+        raise bad_request(
+            f"'model' is {body.model!r} but the path names {model!r}; send one model",
+            param="model",
+        )
     try:
         messages = req_lib.normalize_messages(body.chat_messages())
     except ValueError as e:
@@ -316,7 +321,6 @@ def install_gemini_routes(
             ctx, request, principal, req, agent, prompt_ids, req.messages, chat=True
         )
         st.response_id = new_response_id()  # before anything is sent or recorded
-        st.t0 = time.monotonic()
 
         def render(st: RequestState, choices: list[chat_lib.Choice], _version: int) -> dict:
             (choice,) = choices

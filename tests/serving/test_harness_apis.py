@@ -326,6 +326,9 @@ def test_gemini_refuses_inline_images_and_answers_in_its_error_shape(env):
     r = httpx.post(env["url"] + f"/v1beta/models/tiny:streamGenerateContent?key={info['api_key']}",
                    json={"contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 400 and "alt=sse" in r.json()["error"]["message"]
+    r = httpx.post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
+                   json={"model": "models/other", "contents": [{"parts": [{"text": "hi"}]}]})
+    assert r.status_code == 400 and "'models/other'" in r.json()["error"]["message"]
     r = httpx.post(env["url"] + f"/v1beta/models/nope:generateContent?key={info['api_key']}",
                    json={"contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
