@@ -31,7 +31,7 @@ from ac2_jax.envs.calculator import (
     parse_chain_state,
     safe_eval,
 )
-from ac2_jax.envs.contract import EnvError, check_env, load_env, needs_of
+from ac2_jax.envs.contract import EnvError, check_env, load_env, mixed_env, needs_of
 from ac2_jax.envs.guess import GuessEnv, replay_replies
 from ac2_jax.envs.judges import (
     Judge,
@@ -87,6 +87,7 @@ __all__ = [
     "hint_keywords",
     "last_integer",
     "load_env",
+    "mixed_env",
     "needs_of",
     "parse_chain_state",
     "parse_judge_reply",

@@ -34,10 +34,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ac2_jax.envs.adapters import ENV_ADAPTERS, adapter_of
 from ac2_jax.envs.base import Env, Task, Tool
 from ac2_jax.envs.mixer import DomainMixer
 
-__all__ = ["EnvError", "check_env", "load_env", "needs_of"]
+__all__ = ["EnvError", "check_env", "load_env", "mixed_env", "needs_of"]
 
 # What each recipe needs beyond tasks and a verifier.
 _NEEDS = {"rl": (), "sft": ("demonstration",), "distill": ("hint",)}
@@ -56,8 +57,6 @@ def needs_of(recipe: str) -> tuple[str, ...]:
 
 def _adapted(spec: str) -> Env | None:
     """The env of an adapter spec "<library>:<argument>" (None: not one)."""
-    from ac2_jax.envs.adapters import ENV_ADAPTERS, adapter_of
-
     found = adapter_of(spec)
     if found is None:
         name = spec.partition(":")[0]
@@ -120,6 +119,31 @@ def load_env(spec: str | Env | Callable[[], Env]) -> Env:
             "(subclass Env: sample_tasks and verify)"
         )
     return env
+
+
+def mixed_env(arg: str) -> DomainMixer:
+    """The launcher's `--env=mix:<spec>+<spec>+...`: one DomainMixer of the envs the
+    adapter specs (or import paths) build, a domain per env (a spec that is itself a
+    mix adds its domains), named by the env's `name`; equal fixed weights
+    (`--config.mix.adaptive=true` adapts them)."""
+    specs = [p.strip() for p in arg.split("+") if p.strip()]
+    if len(specs) < 2:
+        raise ValueError(
+            "--env=mix:<spec>+<spec>+... needs two or more env specs "
+            "(e.g. mix:reasoning_gym:gcd+textarena:GuessTheNumber-v0)"
+        )
+    envs: dict[str, Env] = {}
+    for spec in specs:
+        env = load_env(spec)
+        parts = env.envs if isinstance(env, DomainMixer) else {env.name: env}
+        for name, e in parts.items():
+            if name in envs:
+                raise ValueError(f"--env=mix:{arg}: domain {name!r} comes twice")
+            envs[name] = e
+    return DomainMixer(envs)
+
+
+ENV_ADAPTERS.register("mix")(mixed_env)
 
 
 def _probe_tasks(env: Env, problems: list[str]) -> list[Task]:

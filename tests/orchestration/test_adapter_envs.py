@@ -191,3 +191,24 @@ def test_textarena_bad_specs_are_one_line():
         with pytest.raises(EnvError) as e:
             load_env(spec)
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_howto_commands_parse_and_build_their_envs(tmp_path):
+    """docs/howto/existing-environments.md: every command is a valid launcher line
+    whose env spec builds (running them is the full tier's and BUILD_NOTES' job)."""
+    import pathlib
+    import re
+    import shlex
+
+    from ac2_jax.train import build
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs/howto/existing-environments.md"
+    blocks = re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
+    assert len(blocks) == 4
+    for block in blocks:
+        argv = shlex.split(block.replace("\\\n", " "))
+        assert argv[:3] == ["python", "-m", "ac2_jax.train"]
+        argv = [a if not a.startswith("--workdir=") else f"--workdir={tmp_path}" for a in argv]
+        entry, model, env, config = build(argv[3:])
+        assert model == "tiny" and config.rl.steps >= 1
+        check_env(load_env(env))

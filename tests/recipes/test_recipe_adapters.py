@@ -1,4 +1,6 @@
-"""Environments of other libraries through the launcher, unchanged (one RL step each).
+"""Environments of other libraries through the launcher, unchanged: one RL step on a mix
+of reasoning-gym generators, a verifiers environment and a TextArena game (one launcher
+run covers the three, to spare the suite three model start-ups).
 
 Full tier: the launcher in a child process, as a user runs it.
 """
@@ -11,11 +13,16 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=2",
-         "--config.rl.attempts_per_task=2", "--config.rl.batch.rows=2",
-         "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=4",
-         "--config.rollout.max_tokens=12", "--config.rollout.max_steps=1",
-         "--config.sampler.warmup=false"]  # fmt: skip
+VF = "verifiers:ReasoningGymEnv,gym=lcm,num_train_examples=16,num_eval_examples=8"
+# 6 tasks drawn with the run's seed cover the 4 domains (chain_sum, gcd,
+# ReasoningGymEnv, GuessTheNumber-v0); the test checks that they do.
+ENV = f"mix:reasoning_gym:chain_sum,gcd+{VF}+textarena:GuessTheNumber-v0"
+ARGS = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=6",
+        "--config.rl.attempts_per_task=1", "--config.rl.batch.rows=2",
+        "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=6",
+        "--config.rollout.max_tokens=8", "--config.rollout.max_steps=12",
+        "--config.sampler.warmup=false", "--config.mix.adaptive=true",
+        "--config.mix.min_results=1"]  # fmt: skip
 
 
 def launch(*args, cwd):
@@ -29,35 +36,59 @@ def launch(*args, cwd):
 
 
 @pytest.mark.full
-def test_reasoning_gym_generators_train_in_an_adaptive_mix(tmp_path):
+def test_three_libraries_envs_train_in_one_adaptive_mix(tmp_path):
+    """Every reward is the library's own score of what the policy gave: reasoning-gym's
+    score_answer, the verifiers rubric's, the TextArena game's; the mix's weights are on
+    the console and in the report."""
     pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra")
+    vf = pytest.importorskip("verifiers", reason="the verifiers extra")
+    ta = pytest.importorskip("textarena", reason="the textarena extra")
     from reasoning_gym.utils import extract_answer
 
     from ac2_jax.envs.adapters import ReasoningGymEnv
     from ac2_jax.trace import TraceStore
 
     run = tmp_path / "run"
-    proc = launch("--recipe=rl", "--env=reasoning_gym:chain_sum,gcd", f"--workdir={run}",
-                  "--config.mix.adaptive=true", "--config.mix.min_results=1", *SMALL,
-                  cwd=str(tmp_path))  # fmt: skip
+    proc = launch("--recipe=rl", f"--env={ENV}", f"--workdir={run}", *ARGS, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "[rl] env audit of 2 domains: no verifier flagged" in proc.stderr
+    assert "[rl] env audit of 4 domains: " in proc.stderr
     assert "[rl] step 1 mix (weight/pass rate): " in proc.stderr
-    # Every reward is the generator's own score of the answer the policy gave.
     rollouts = TraceStore(str(run / "traces" / "rollouts.jsonl")).read()
-    assert len(rollouts) == 4 and all(t.status == "finished" for t in rollouts)
-    envs = {g: ReasoningGymEnv(g) for g in ("chain_sum", "gcd")}
+    assert len(rollouts) == 6 and all(t.status == "finished" for t in rollouts), [
+        (t.status, t.metadata.get("artifacts", {}).get("error")) for t in rollouts]
+    by_domain = {}
     for t in rollouts:
-        domain, own_id = t.task_id.split("/", 1)
-        env = envs[domain]
-        entry = env.dataset[int(own_id.rsplit("-", 1)[1])]
-        answer = t.metadata["artifacts"]["answer"]
-        assert t.reward == env.dataset.score_answer(extract_answer(answer or ""), entry)
+        by_domain.setdefault(t.task_id.split("/", 1)[0], []).append(t)
+    assert sorted(by_domain) == ["GuessTheNumber-v0", "ReasoningGymEnv", "chain_sum", "gcd"]
+    # reasoning-gym: the generator's own score_answer of the <answer> text.
+    for g in ("chain_sum", "gcd"):
+        env = ReasoningGymEnv(g)
+        for t in by_domain[g]:
+            entry = env.dataset[int(t.task_id.rsplit("-", 1)[1])]
+            answer = t.metadata["artifacts"]["answer"] or ""
+            assert t.reward == env.dataset.score_answer(extract_answer(answer), entry)
+    # verifiers: its rubric's score (ReasoningGymEnv's reward function) of the completion.
+    vf_env = vf.ReasoningGymEnv(gym="lcm", num_train_examples=16, num_eval_examples=8)
+    for t in by_domain["ReasoningGymEnv"]:
+        record = json.loads(t.metadata["artifacts"]["answer"])
+        entry = vf_env.rg_dataset[int(t.task_id.rsplit("-", 1)[1])]
+        said = vf_env.parser.parse_answer([{"role": "assistant", "content": record["answer"]}])
+        assert t.reward == record["reward"]
+        assert t.reward == vf_env.rg_dataset.score_answer(str(said).strip(), entry)
+    # TextArena: the game's own reward for the answers, one episode of them.
+    for t in by_domain["GuessTheNumber-v0"]:
+        answers = json.loads(t.metadata["artifacts"]["answer"])["answers"]
+        game = ta.make(env_id="GuessTheNumber-v0")
+        game.reset(num_players=1, seed=int(t.task_id.rsplit("-", 1)[1]))
+        for a in answers:
+            done, _ = game.step(a)
+        assert done and t.reward == game.close()[0][0]
+        (episode,) = t.episodes
+        assert len(episode.completions) == len(answers) >= 2
     (mix,) = [json.loads(x) for x in open(run / "report" / "mix.jsonl")]
-    assert sorted(mix["mix_weight"]) == ["chain_sum", "gcd"]
+    assert sorted(mix["mix_weight"]) == sorted(by_domain)
     assert abs(sum(mix["mix_weight"].values()) - 1) < 1e-9
     assert os.path.getsize(run / "report" / "mix.png") > 1000
-    report = json.load(open(run / "report" / "report.json"))
-    assert report["mix_jsonl"].endswith("mix.jsonl")
+    assert json.load(open(run / "report" / "report.json"))["mix_jsonl"].endswith("mix.jsonl")
     assert json.load(open(run / "report" / "env_audit.json"))["flagged"] == []

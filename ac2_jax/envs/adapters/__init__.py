@@ -6,6 +6,8 @@
     --env=reasoning_gym:<generator>[,<generator>...]   (ac2_jax[reasoning-gym])
     --env=verifiers:<env id or class>[,key=value...]   (ac2_jax[verifiers])
     --env=textarena:<game id>                          (ac2_jax[textarena])
+    --env=mix:<spec>+<spec>+...                        (a DomainMixer of them:
+                                                        envs.contract.mixed_env)
 
 Each adapter imports its library on first use (`ac2_jax.extras.require`): a
 missing one is the one-line install hint. A spec whose prefix is a registered

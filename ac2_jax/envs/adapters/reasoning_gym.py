@@ -220,10 +220,12 @@ def reasoning_gym_env(arg: str) -> Env:
 
 
 def verifier_audit(env: Env, n: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Probes each domain's verifier with no model: on `n` train tasks, the
-    reference answer must earn the top reward, and wrong answers must not pass
+    """Probes each domain's verifier with no model: on `n` train tasks with a
+    reference answer, it must earn the top reward, and wrong answers must not pass
     (reward below the top): another task's reference answer when its text differs,
-    and an empty answer. Returns {"domains": {domain: {"tasks", "no_reference",
+    and an empty answer. Tasks without a reference answer are counted, not probed
+    (their verifier may grade a harness's record, not an answer text). Returns
+    {"domains": {domain: {"tasks", "no_reference",
     "rejects_reference": [ids], "accepts_wrong": [[task id, answer, reward]],
     "partial_credit_wrong": max reward below the top a wrong answer got}},
     "flagged": [domains with a rejected reference or an accepted wrong answer]}."""
@@ -241,11 +243,13 @@ def verifier_audit(env: Env, n: int = 8, seed: int = 0) -> dict[str, Any]:
             "partial_credit_wrong": 0.0,
         }
         for i, (task, ref) in enumerate(zip(tasks, refs, strict=True)):
-            if ref is not None and e.verify(task, ref) < top:
+            if ref is None:
+                continue  # no answer text to probe with (its verify may grade a record)
+            if e.verify(task, ref) < top:
                 found["rejects_reference"].append(task.task_id)
             other = refs[(i + 1) % len(refs)]
             wrong = ["<answer></answer>"]
-            if other is not None and ref is not None and other.strip() != ref.strip():
+            if other is not None and other.strip() != ref.strip():
                 wrong.append(other)
             for answer in wrong:
                 reward = e.verify(task, answer)
