@@ -43,7 +43,10 @@ __all__ = [
     "serve_policy",
     "setting_failure",
     "tool_parser_line",
+    "write_demo_pages",
     "write_json",
+    "write_learning_curve",
+    "write_trace_pages",
 ]
 
 # Model presets by name: fn(workdir) -> (model, tokenizer).
@@ -479,6 +482,64 @@ def run_report(
             out[k] = v
     for k in add:
         out[k] = (earlier.get(k) or 0) + (report.get(k) or 0)
+    return out
+
+
+# The curves of each recipe's learning_curve.png, those its metrics hold (in order).
+CURVE_KEYS = {
+    "rl": ("train/pass_rate", "train/reward_mean", "train/grad_norm", "train/kl_to_sampler"),
+    "sft": ("train/loss", "train/grad_norm"),
+    "distill": ("train/loss", "train/kept_tokens", "data/examples", "train/grad_norm"),
+}
+TRACE_PAGES = 2  # trace_<i>.html pages a run writes (its last step's first attempts)
+
+
+def write_learning_curve(paths, recipe: str) -> str | None:
+    """paths.reports/learning_curve.png of the run's metrics.jsonl (the whole run, every
+    invocation): `CURVE_KEYS[recipe]` that it holds, else its first train/ metrics;
+    None when it holds no step."""
+    from ac2_jax.viz import load_metrics, plot_curves
+
+    metrics = os.path.join(paths.metrics, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        return None
+    series = load_metrics(metrics)
+    keys = [k for k in CURVE_KEYS.get(recipe, ()) if k in series]
+    keys = keys or sorted(k for k in series if k.startswith("train/"))[:4]
+    if not keys:
+        return None
+    out = os.path.join(paths.reports, "learning_curve.png")
+    plot_curves(metrics, out, keys=keys, title=f"{recipe}: {os.path.basename(paths.workdir)}")
+    return out
+
+
+def write_trace_pages(paths, traces, tokenizer) -> list[str]:
+    """paths.reports/trace_<i>.html for the first `TRACE_PAGES` of `traces` (token-level
+    pages: `viz.write_trace_html`, tool calls read by the model's parser)."""
+    from ac2_jax.viz import write_trace_html
+
+    parser = getattr(tokenizer, "parse_tool_calls", None)
+    out = []
+    for i, trace in enumerate(list(traces)[:TRACE_PAGES]):
+        path = os.path.join(paths.reports, f"trace_{i}.html")
+        write_trace_html(path, trace, tokenizer=tokenizer, tool_parser=parser)
+        out.append(path)
+    return out
+
+
+def write_demo_pages(paths, chats) -> list[str]:
+    """paths.reports/demo_<i>.html for the first `TRACE_PAGES` demonstrations (task id,
+    messages, tools): each message as the trace pages show it (SFT's traces)."""
+    from ac2_jax.viz import message_html, page
+    from ac2_jax.viz.trace_html import esc
+
+    out = []
+    for i, (task, messages, _tools) in enumerate(list(chats)[:TRACE_PAGES]):
+        path = os.path.join(paths.reports, f"demo_{i}.html")
+        body = "".join(message_html(m) for m in messages)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page(f"Demonstration {task}", f"<h1>Demonstration {esc(task)}</h1>{body}"))
+        out.append(path)
     return out
 
 

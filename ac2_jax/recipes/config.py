@@ -120,6 +120,9 @@ class LogConfig:
     """What the run shows and where metrics go (metrics.jsonl always)."""
 
     progress: bool = True  # one compact line per step of each phase (rate, ETA)
+    # learning_curve.png, trace_<i>.html (SFT: demo_<i>.html) and, for distillation,
+    # distill_report.html (the divergence heatmap) in the report folder
+    report_files: bool = True
     tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl
     wandb: bool = False  # Weights & Biases (needs `pip install wandb`)
     wandb_project: str | None = None  # the W&B project (None: W&B's default)

@@ -45,6 +45,8 @@ from ac2_jax.recipes.common import (
     setting_failure,
     tool_parser_line,
     write_json,
+    write_learning_curve,
+    write_trace_pages,
 )
 from ac2_jax.recipes.config import DistillRecipeConfig
 from ac2_jax.recipes.rl import eval_before, evaluate_policy
@@ -76,6 +78,53 @@ def load_teacher(cfg: DistillRecipeConfig, tokenizer: Any, student: Any, workdir
         tokenizer, teacher_tokenizer, student.config.vocab_size, model.config.vocab_size, name
     )
     return TeacherModel.from_model(model, dtype=cfg.distill.teacher_dtype, name=name)
+
+
+def _heatmap(dist, examples, tokenizer, paths, progress: Progress) -> str | None:
+    """paths.reports/distill_report.html: the teacher-student divergence per response
+    token of the first of `examples` (the last step's), at the final weights, with the
+    run's curves (`viz.write_distill_report`; RMSD's kept candidates and judge picks
+    from the step). None (and a console line) when there is none to draw: no example,
+    method "sft" (no teacher), or a separate teacher model."""
+    import numpy as np
+
+    from ac2_jax.training.distill import TeacherModel
+    from ac2_jax.training.distill.data import pack_pairs
+    from ac2_jax.training.distill.loss import relevance_scores, teacher_extras
+    from ac2_jax.viz import write_distill_report
+
+    cfg = dist.config
+    teacher = dist.current_teacher_params()
+    why = (
+        "no example in the last step" if not examples
+        else "method 'sft' has no teacher" if cfg.method == "sft"
+        else "a separate teacher model" if isinstance(teacher, TeacherModel)
+        else ""
+    )  # fmt: skip
+    if why:
+        progress.say(f"no distillation heatmap: {why}")
+        return None
+    ex = examples[0]
+    paired = pack_pairs([ex], cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
+    div, _ = relevance_scores(
+        dist.graphdef, dist.state.params, teacher, dist.state.rest, paired.student,
+        teacher_extras(paired), cfg.loss(),
+    )  # fmt: skip
+    r, c, _, n = paired.spans[0]
+    rel = dist.last_relevance  # RMSD: the step's candidates and judge picks
+    cands = list(rel.candidates[0]) if rel is not None and rel.candidates else []
+    picked = list(rel.selected[0]) if rel is not None and rel.selected else []
+    path = os.path.join(paths.reports, "distill_report.html")
+    write_distill_report(
+        path, prompt=tokenizer.decode(ex.student_prompt), hint=ex.hint,
+        teacher_prompt=tokenizer.decode(ex.teacher_prompt),
+        response_tokens=[tokenizer.decode([t]) for t in ex.response],
+        divergence=[float(x) for x in np.asarray(div)[r, c : c + n]],
+        candidates=cands, selected=picked,
+        info={"method": cfg.method, "kind": cfg.kind, "example": "the last step's first"},
+        title=f"Distillation report ({cfg.method})",
+    )  # fmt: skip
+    return path
 
 
 async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
@@ -120,6 +169,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     if start:
         progress.say(resuming_line(start, changed))
     t_start, history = time.perf_counter(), []
+    last_collected: list = []  # the last step's attempts (trace pages)
+    last_examples: list = []  # the last step's examples (the heatmap)
+    heatmap = None
     try:
         async with serve_policy(
             model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
@@ -162,6 +214,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                     traces, tokenizer, cfg.hint, counts=counts, unhinted=teacher is not None
                 )
                 m = await asyncio.to_thread(dist.update, examples)  # logs train/...
+                last_collected, last_examples = collected, list(examples)
                 # What the step's traces gave: examples made, traces skipped (by reason).
                 logger.log(step + 1, counts, prefix="data")
                 m = {**m, **{k: float(v) for k, v in counts.items()}}
@@ -177,6 +230,8 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             after = await evaluate_policy(cfg, env, lifecycle, "after", progress)
         dist.save()
         final = dist.state.model(graphdef)
+        if cfg.log.report_files:
+            heatmap = _heatmap(dist, last_examples, tokenizer, paths, progress)
     finally:
         dist.close()
     export = os.path.join(paths.reports, "final_hf")
@@ -201,6 +256,10 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
         }
     report = run_report(paths, report, start, add=("skipped_steps",))
+    if cfg.log.report_files:
+        report["learning_curve"] = write_learning_curve(paths, "distill")
+        report["pages"] = write_trace_pages(paths, last_collected, tokenizer)
+        report["heatmap"] = heatmap
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}

@@ -39,6 +39,8 @@ from ac2_jax.recipes.common import (
     setting_failure,
     tool_parser_line,
     write_json,
+    write_learning_curve,
+    write_trace_pages,
 )
 from ac2_jax.recipes.config import RLRecipeConfig
 
@@ -376,6 +378,9 @@ async def arl(
             "improvement": {"mean": diff.mean, "ci95": [diff.low, diff.high]},
         }
     report = run_report(paths, report, resume_at)
+    if cfg.log.report_files:
+        report["learning_curve"] = write_learning_curve(paths, "rl")
+        report["pages"] = write_trace_pages(paths, trainer.last_traces or [], tokenizer)
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     evals = {k: v for k, v in (("before", before), ("after", after)) if v is not None}

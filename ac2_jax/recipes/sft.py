@@ -30,7 +30,9 @@ from ac2_jax.recipes.common import (
     resuming_line,
     run_report,
     tool_parser_line,
+    write_demo_pages,
     write_json,
+    write_learning_curve,
 )
 from ac2_jax.recipes.config import SFTRecipeConfig
 
@@ -108,9 +110,10 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     )
     t_start = time.perf_counter()
     problems: list[str] = []  # every demonstration checked before any write
+    chats = demo_chats(env, cfg, problems)
     segments = [
         demo_segment(tokenizer, messages, tools, task=task, problems=problems)
-        for task, messages, tools in demo_chats(env, cfg, problems)
+        for task, messages, tools in chats
     ]
     _check_demos(segments, problems, cfg)
     check_model(cfg, "sft", model, spec, resume_at)
@@ -148,6 +151,9 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
         "time_s": time.perf_counter() - t_start,
     }
     report = run_report(paths, report, resume_at, keep_first=("first_loss",))
+    if cfg.log.report_files:
+        report["learning_curve"] = write_learning_curve(paths, "sft")
+        report["pages"] = write_demo_pages(paths, chats)
     write_json(os.path.join(paths.reports, "report.json"), report)
     progress.say(f"done in {report['time_s']:.0f}s; report {paths.reports}/report.json")
     return RecipeResult(report, final)

@@ -63,7 +63,8 @@ def _sft_run(tmp_path, monkeypatch, *overrides, model="tiny"):
     monkeypatch.setattr(recipe, "Progress", functools.partial(Progress, out=console))
     cfg = load_config(SFTRecipeConfig, None, [
         f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=2", "sft.steps=1",
-        "sft.batch_rows=2", "sft.seq_len=128", "sft.checkpoint_every=1", *overrides])
+        "sft.batch_rows=2", "sft.seq_len=128", "sft.checkpoint_every=1",
+        "log.report_files=false", *overrides])
     sft(model, ParityEnv(), cfg)  # a preset, a directory or a (model, tokenizer) pair
     return console.getvalue()
 
@@ -79,14 +80,23 @@ def test_a_reused_workdir_is_refused_resumed_or_overwritten_as_asked(tmp_path, m
     with pytest.raises(ConfigError, match=r"holds an sft run \(step 1\).*--resume.*--overwrite"):
         _sft_run(tmp_path, monkeypatch, "sft.steps=2")
     # Resume: the run continues where it stopped and says so; a changed setting is named.
-    out = _sft_run(tmp_path, monkeypatch, "sft.steps=2", "paths.existing=resume")
-    assert "resuming at step 1 (changed: sft.steps 1 -> 2)" in out, out
+    out = _sft_run(tmp_path, monkeypatch, "sft.steps=2", "paths.existing=resume",
+                   "log.report_files=true")
+    assert ("resuming at step 1 (changed: log.report_files false -> true, sft.steps 1 -> 2)"
+            in out), out
     assert "[sft] 2/2" in out and "[sft] 1/2" not in out
     # The report covers the whole run, not only this invocation's step (issue 68).
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
     assert report["steps"] == 2 and report["steps_this_run"] == 1
     assert [i["from_step"] for i in report["invocations"]] == [0, 1]
     assert report["first_loss"] == first["first_loss"] != report["final_loss"]
+    # Every recipe writes the same report (issue 68, finding 10): a learning curve of the
+    # whole run and pages of what it trained on (SFT: its demonstrations).
+    folder = tmp_path / "run" / "report"
+    assert report["learning_curve"] == str(folder / "learning_curve.png")
+    assert (folder / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["pages"] == [str(folder / "demo_0.html"), str(folder / "demo_1.html")]
+    assert "Say a word (0)." in (folder / "demo_0.html").read_text()
     before = saved.read_text()
     # What a checkpoint cannot take (full <-> LoRA, another model) is refused before any
     # work, in one line naming it, and the saved config stays as it was.

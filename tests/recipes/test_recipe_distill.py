@@ -10,14 +10,24 @@ from ac2_jax.recipes import DistillRecipeConfig, distill, load_model
 from tests.recipe_helpers import ParityEnv
 
 SMALL = ["loop.steps=1", "loop.tasks_per_step=2", "loop.concurrency=4", "rollout.max_tokens=8",
-         "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false"]
+         "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false",
+         "log.report_files=false"]  # on where a test checks them
 
 
 def test_opsd_distills_hinted_traces_and_resumes(tmp_path):
     model = load_model("tiny", str(tmp_path / "build"))
-    cfg = load_config(DistillRecipeConfig, None, [*SMALL, f"paths.workdir={tmp_path / 'run'}"])
+    cfg = load_config(DistillRecipeConfig, None, [*SMALL, f"paths.workdir={tmp_path / 'run'}",
+                                                  "log.report_files=true"])
     r = distill(model, ParityEnv(), cfg).report
     assert r["steps"] == 1 and r["skipped_steps"] == 0
+    # The report's files (issue 68, finding 10): curve, trace pages and the heatmap of
+    # the last step's first example (teacher-student divergence per response token).
+    folder = tmp_path / "run" / "report"
+    assert (folder / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert r["pages"] == [str(folder / "trace_0.html"), str(folder / "trace_1.html")]
+    assert r["heatmap"] == str(folder / "distill_report.html")
+    page = (folder / "distill_report.html").read_text()
+    assert "teacher-student divergence" in page and "Answer with an even number" in page
     m = {}
     for line in open(tmp_path / "run" / "metrics" / "metrics.jsonl"):
         m.update(json.loads(line))  # the step's train/ and data/ lines

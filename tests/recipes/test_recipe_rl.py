@@ -16,14 +16,16 @@ from tests.recipe_helpers import ParityEnv
 
 OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.batch.rows=2",
              "rl.batch.seq_len=128", "rl.concurrency=8", "rollout.max_tokens=8",
-             "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false"]
+             "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false",
+             "log.report_files=false"]  # on where a test checks them
 
 
 def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
     model = load_model("tiny", str(tmp_path / "build"))
     publish = tmp_path / "elsewhere" / "published"  # outside the workdir's tree
     cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
-                                             f"paths.publish={publish}", "eval.num_tasks=2"])
+                                             f"paths.publish={publish}", "eval.num_tasks=2",
+                                             "log.report_files=true"])
     report = rl(model, ParityEnv(), cfg).report
     assert report["steps"] == 1 and report["published"] == str(publish)
     first_before = report["eval"]["before"]
@@ -59,6 +61,12 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
     keys = [(t.metadata["rl_step"], t.task_id, t.metadata["attempt"]) for t in traces]
     assert len(keys) == len(set(keys)) == 2 * 2 * 4  # two steps, no rollout run twice
     assert sorted(os.listdir(publish)) == ["1", "2"]
+    # The report's files (issue 68, finding 10): the curve over both invocations' steps
+    # and the last step's first attempts as trace pages.
+    folder = tmp_path / "run" / "report"
+    assert (folder / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["pages"] == [str(folder / "trace_0.html"), str(folder / "trace_1.html")]
+    assert "<html" in (folder / "trace_0.html").read_text()
 
 
 def test_requests_without_max_tokens_stop_at_the_configured_default(tmp_path):
