@@ -184,3 +184,27 @@ def test_the_teacher_model_passes_through_a_train_step_as_a_pytree(pair):
     assert isinstance(back, TeacherModel) and back.graphdef == tm.graphdef
     other = dataclasses.replace(tm, params=jax.tree.map(lambda x: x + 1, tm.params))
     assert jax.tree.structure(other) == tree
+
+
+def test_rmsd_masking_on_top_of_a_teacher_model(pair, reference, tmp_path):
+    """RMSD with a teacher model: the divergence it ranks is the numpy reverse KL
+    (fp32, rtol 1e-4 / atol 1e-5), and it keeps at most top_t positions per response,
+    those the diff judge selects (the teacher model's argmax differs there)."""
+    from ac2_jax.envs import RuleJudge
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+
+    student, teacher, exs = pair
+    g, st = create_train_state(student, OPT, rng=0)
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"), vocab_size=300)
+    cfg = DistillConfig(method="rmsd", teacher="t", top_t=2, rows=2, seq_len=32, groups=2)
+    d = SelfDistiller(g, jax.tree.map(jnp.copy, st), cfg, OPT, donate=False, tokenizer=tok,
+                      judge=RuleJudge(use_hint_keywords=False, diff=True),
+                      teacher_model=TeacherModel.from_model(teacher))
+    m = d.update(exs)
+    rel = d.last_relevance
+    for i, ref in enumerate(reference):
+        np.testing.assert_allclose(rel.divergence[i], ref, rtol=1e-4, atol=1e-5)
+        assert len(rel.candidates[i]) == 2 and set(rel.selected[i]) <= set(rel.candidates[i])
+        resp = exs[i].response
+        assert all(rel.teacher_argmax[i][p] != resp[p] for p in rel.selected[i])
+    assert m["kept_tokens"] == sum(len(s) for s in rel.selected) > 0
