@@ -122,7 +122,8 @@ def _comments(cls: type) -> dict[str, str]:
             continue
         text = trailing.get(node.lineno) or trailing.get(node.end_lineno or node.lineno)
         if not text:
-            above, i = [], node.lineno - 2
+            above: list[str] = []
+            i = node.lineno - 2
             while i >= 0 and lines[i].strip().startswith("#"):
                 above.insert(0, lines[i].strip().lstrip("#").strip())
                 i -= 1

@@ -4,7 +4,8 @@
         --config=my_config.py:variant --config.rl.optimizer.learning_rate=5e-4 \
         --workdir=runs/mine
 
---recipe: rl, sft or distill (`ac2_jax.recipes`). --env: an import path
+--recipe: rl, sft, distill, or eval (no training: the model's held-out pass rate
+with its 95% CI; `ac2_jax.recipes`). --env: an import path
 "pkg.module:Factory" (the current folder is importable). --model: an HF
 directory or a preset ("tiny"). --config: a Python file whose
 `get_config(variant=None)` returns a dict of the fields it sets (optional).
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 USAGE = (
-    "usage: python -m ac2_jax.train --recipe={rl,sft,distill} --env=pkg.module:Factory "
+    "usage: python -m ac2_jax.train --recipe={rl,sft,distill,eval} --env=pkg.module:Factory "
     "--model=DIR|tiny [--config=FILE.py[:variant]] [--config.FIELD=VALUE ...] [--workdir=DIR] "
     "[--tool_parser=NAME] [--resume | --overwrite]"
 )

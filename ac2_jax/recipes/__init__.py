@@ -4,6 +4,7 @@
     recipes.rl("path/to/hf_model", "my_pkg.envs:MyEnv", recipes.RLRecipeConfig())
     recipes.sft(model, env, recipes.SFTRecipeConfig())
     recipes.distill(model, env, recipes.DistillRecipeConfig())
+    recipes.eval_model(model, env, recipes.EvalRecipeConfig())  # held-out, with CIs
 
     python -m ac2_jax.train --recipe=rl --env=my_pkg.envs:MyEnv --model=path/to/hf_model \
         --config=my_config.py:variant --config.rl.optimizer.learning_rate=5e-4
@@ -28,6 +29,7 @@ from ac2_jax.recipes.config import (
     SFTRecipeConfig,
 )
 from ac2_jax.recipes.distill import adistill, distill
+from ac2_jax.recipes.evaluate import EvalRecipeConfig, aeval_model, eval_model
 from ac2_jax.recipes.rl import arl, rl
 from ac2_jax.recipes.sft import sft
 
@@ -36,6 +38,7 @@ RECIPES = {
     "rl": (RLRecipeConfig, rl),
     "sft": (SFTRecipeConfig, sft),
     "distill": (DistillRecipeConfig, distill),
+    "eval": (EvalRecipeConfig, eval_model),  # no training: the held-out eval with CIs
 }
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "DistillLoopConfig",
     "DistillRecipeConfig",
     "EvalConfig",
+    "EvalRecipeConfig",
     "LogConfig",
     "MixConfig",
     "PathsConfig",
@@ -54,8 +58,10 @@ __all__ = [
     "SFTRecipeConfig",
     "SamplerConfig",
     "adistill",
+    "aeval_model",
     "arl",
     "distill",
+    "eval_model",
     "load_model",
     "rl",
     "sft",

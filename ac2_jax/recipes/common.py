@@ -513,15 +513,15 @@ def write_learning_curve(paths, recipe: str) -> str | None:
     return out
 
 
-def write_trace_pages(paths, traces, tokenizer) -> list[str]:
-    """paths.reports/trace_<i>.html for the first `TRACE_PAGES` of `traces` (token-level
+def write_trace_pages(paths, traces, tokenizer, name: str = "trace") -> list[str]:
+    """paths.reports/<name>_<i>.html for the first `TRACE_PAGES` of `traces` (token-level
     pages: `viz.write_trace_html`, tool calls read by the model's parser)."""
     from ac2_jax.viz import write_trace_html
 
     parser = getattr(tokenizer, "parse_tool_calls", None)
     out = []
     for i, trace in enumerate(list(traces)[:TRACE_PAGES]):
-        path = os.path.join(paths.reports, f"trace_{i}.html")
+        path = os.path.join(paths.reports, f"{name}_{i}.html")
         write_trace_html(path, trace, tokenizer=tokenizer, tool_parser=parser)
         out.append(path)
     return out

@@ -141,7 +141,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     final: Any = result.model()
     exported = export_model(final, tokenizer, export)
     history = result.history
-    report = {
+    report: dict[str, Any] = {
         "recipe": "sft",
         "steps": len(history),
         "demonstrations": len(segments),
