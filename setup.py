@@ -41,6 +41,7 @@ EXTRAS = {
     # verifiers 0.4 pins openai<3 (and reshapes the v0 API the adapter drives): 0.3.x.
     "verifiers": ["verifiers>=0.3.1,<0.4"],
     "textarena": ["textarena>=0.7.4"],
+    "gymnasium": ["gymnasium>=1.0"],
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
@@ -55,6 +56,7 @@ EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torc
                         "anthropic", "google-genai>=1.30",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
                         *EXTRAS["reasoning-gym"], *EXTRAS["verifiers"], *EXTRAS["textarena"],
+                        *EXTRAS["gymnasium"],
                         *DOCS, *NOTEBOOKS})
 
 setup(

@@ -35,6 +35,7 @@ from ac2_jax.orchestration.default import (
     format_error_message,
     tool_format_error,
 )
+from ac2_jax.orchestration.gym_env import GymHarness, GymTextEnv, gym_env
 from ac2_jax.orchestration.rollouts import (
     LifecycleClient,
     LifecycleError,
@@ -60,6 +61,8 @@ __all__ = [
     "ConversationTrace",
     "DefaultOrchestrator",
     "EnvUser",
+    "GymHarness",
+    "GymTextEnv",
     "Launch",
     "LifecycleClient",
     "LifecycleError",
@@ -80,6 +83,7 @@ __all__ = [
     "exit_status_outcome",
     "fix_the_tests_tasks",
     "format_error_message",
+    "gym_env",
     "request_seed",
     "run_rollout",
     "run_task",

@@ -204,7 +204,7 @@ def test_the_howto_commands_parse_and_build_their_envs(tmp_path):
 
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs/howto/existing-environments.md"
     blocks = re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for block in blocks:
         argv = shlex.split(block.replace("\\\n", " "))
         assert argv[:3] == ["python", "-m", "ac2_jax.train"]
@@ -212,3 +212,41 @@ def test_the_howto_commands_parse_and_build_their_envs(tmp_path):
         entry, model, env, config = build(argv[3:])
         assert model == "tiny" and config.rl.steps >= 1
         check_env(load_env(env))
+
+
+# FrozenLake 4x4, not slippery: right, right, down, down, down, right reaches the goal.
+LAKE_PATH = ["2", "2", "1", "1", "1", "2"]
+
+
+def test_gym_reward_is_the_envs_own_and_bad_specs_are_one_line():
+    gym = pytest.importorskip("gymnasium", reason="the gymnasium extra")
+    env = check_env(load_env("gym:FrozenLake-v1,is_slippery=false"))
+    task = env.sample_tasks(1, seed=0)[0]
+    assert task.prompt.startswith("[S]FFF\nFHFH")  # the agent's cell is marked
+
+    def own(actions):
+        g = gym.make("FrozenLake-v1", is_slippery=False)
+        g.reset(seed=task.metadata["seed"])
+        total = 0.0
+        for a in actions:
+            _, r, term, trunc, _ = g.step(a)
+            total += r
+            if term or trunc:
+                break
+        return total
+
+    right = json.dumps({"answers": [f"Action: {a}" for a in LAKE_PATH]})
+    into_hole = json.dumps({"answers": ["1", "1", "1"]})
+    assert env.verify(task, right) == own([2, 2, 1, 1, 1, 2]) == 1.0
+    assert env.verify(task, into_hole) == own([1, 1, 1]) == 0.0
+    steps = env.initial_messages(task) + [{"role": "assistant", "content": "2"}]
+    assert env.reply(task, steps).startswith("  (Right)\nS[F]FF")
+    assert env.reply(task, steps[:-1] + [{"role": "assistant", "content": "nine"}]) is None
+    for spec, says in [
+        ("gym:FrozenLak-v1", "did you mean 'FrozenLake-v1'?"),
+        ("gym:FrozenLake-v1,slippery=false", "unexpected keyword argument 'slippery'"),
+        ("gym:", "names no environment"),
+    ]:
+        with pytest.raises(EnvError) as e:
+            load_env(spec)
+        assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -1,6 +1,6 @@
 """Environments of other libraries through the launcher, unchanged: one RL step on a mix
-of reasoning-gym generators, a verifiers environment and a TextArena game (one launcher
-run covers the three, to spare the suite three model start-ups).
+of reasoning-gym generators, a verifiers environment, a TextArena game and a Gymnasium
+environment (one launcher run covers the four, to spare the suite four model start-ups).
 
 Full tier: the launcher in a child process, as a user runs it.
 """
@@ -14,9 +14,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VF = "verifiers:ReasoningGymEnv,gym=lcm,num_train_examples=16,num_eval_examples=8"
-# 6 tasks drawn with the run's seed cover the 4 domains (chain_sum, gcd,
-# ReasoningGymEnv, GuessTheNumber-v0); the test checks that they do.
-ENV = f"mix:reasoning_gym:chain_sum,gcd+{VF}+textarena:GuessTheNumber-v0"
+# 6 tasks drawn with the run's seed cover the 5 domains (chain_sum, gcd,
+# ReasoningGymEnv, GuessTheNumber-v0, FrozenLake-v1); the test checks that they do.
+ENV = (f"mix:reasoning_gym:chain_sum,gcd+{VF}+textarena:GuessTheNumber-v0"
+       "+gym:FrozenLake-v1,is_slippery=false")  # fmt: skip
 ARGS = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=6",
         "--config.rl.attempts_per_task=1", "--config.rl.batch.rows=2",
         "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=6",
@@ -36,13 +37,14 @@ def launch(*args, cwd):
 
 
 @pytest.mark.full
-def test_three_libraries_envs_train_in_one_adaptive_mix(tmp_path):
+def test_four_libraries_envs_train_in_one_adaptive_mix(tmp_path):
     """Every reward is the library's own score of what the policy gave: reasoning-gym's
-    score_answer, the verifiers rubric's, the TextArena game's; the mix's weights are on
-    the console and in the report."""
+    score_answer, the verifiers rubric's, the TextArena game's, the Gymnasium env's summed
+    step rewards; the mix's weights are on the console and in the report."""
     pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra")
     vf = pytest.importorskip("verifiers", reason="the verifiers extra")
     ta = pytest.importorskip("textarena", reason="the textarena extra")
+    gym = pytest.importorskip("gymnasium", reason="the gymnasium extra")
     from reasoning_gym.utils import extract_answer
 
     from ac2_jax.envs.adapters import ReasoningGymEnv
@@ -52,15 +54,16 @@ def test_three_libraries_envs_train_in_one_adaptive_mix(tmp_path):
     proc = launch("--recipe=rl", f"--env={ENV}", f"--workdir={run}", *ARGS, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "[rl] env audit of 4 domains: " in proc.stderr
+    assert "[rl] env audit of 5 domains: " in proc.stderr
     assert "[rl] step 1 mix (weight/pass rate): " in proc.stderr
     rollouts = TraceStore(str(run / "traces" / "rollouts.jsonl")).read()
-    assert len(rollouts) == 6 and all(t.status == "finished" for t in rollouts), [
+    assert len(rollouts) == 6 and all(t.status != "infra_error" for t in rollouts), [
         (t.status, t.metadata.get("artifacts", {}).get("error")) for t in rollouts]
     by_domain = {}
     for t in rollouts:
         by_domain.setdefault(t.task_id.split("/", 1)[0], []).append(t)
-    assert sorted(by_domain) == ["GuessTheNumber-v0", "ReasoningGymEnv", "chain_sum", "gcd"]
+    assert sorted(by_domain) == [
+        "FrozenLake-v1", "GuessTheNumber-v0", "ReasoningGymEnv", "chain_sum", "gcd"]
     # reasoning-gym: the generator's own score_answer of the <answer> text.
     for g in ("chain_sum", "gcd"):
         env = ReasoningGymEnv(g)
@@ -86,6 +89,26 @@ def test_three_libraries_envs_train_in_one_adaptive_mix(tmp_path):
         assert done and t.reward == game.close()[0][0]
         (episode,) = t.episodes
         assert len(episode.completions) == len(answers) >= 2
+    # Gymnasium: the env's own step rewards, summed over the actions the answers named.
+    from ac2_jax.orchestration.gym_env import GymTextEnv
+
+    lake = GymTextEnv("FrozenLake-v1", is_slippery=False)
+    for t in by_domain["FrozenLake-v1"]:
+        answers = json.loads(t.metadata["artifacts"]["answer"])["answers"]
+        env = gym.make("FrozenLake-v1", is_slippery=False)
+        env.reset(seed=int(t.task_id.rsplit("-", 1)[1]))
+        total = 0.0
+        for a in answers:
+            action = lake.action_of(a)
+            if action is None:
+                break
+            _, reward, terminated, truncated, _ = env.step(action)
+            total += reward
+            if terminated or truncated:
+                break
+        assert t.reward == total
+        (episode,) = t.episodes
+        assert len(episode.completions) == len(answers)
     (mix,) = [json.loads(x) for x in open(run / "report" / "mix.jsonl")]
     assert sorted(mix["mix_weight"]) == sorted(by_domain)
     assert abs(sum(mix["mix_weight"].values()) - 1) < 1e-9
