@@ -118,9 +118,11 @@ class LifecycleClient:
         *,
         http: httpx.AsyncClient | None = None,
         agent_rules: list[dict] | None = None,
+        reward_range: tuple[float, float] | None = None,
     ) -> dict[str, Any]:
         """agent_rules: labels of the rollout's requests that name no agent, by their
-        system prompt (the endpoint's `rollout_requests.AgentRule`)."""
+        system prompt (the endpoint's `rollout_requests.AgentRule`). reward_range: the
+        env's; the endpoint then refuses a finish whose reward is outside it."""
         body: dict[str, Any] = {
             "task_id": task_id,
             "group_id": group_id,
@@ -130,6 +132,8 @@ class LifecycleClient:
             body["timeout_s"] = timeout_s  # the endpoint ends it as timed_out after this
         if agent_rules:
             body["agent_rules"] = list(agent_rules)
+        if reward_range is not None:
+            body["reward_range"] = [float(reward_range[0]), float(reward_range[1])]
         return await self._call("POST", "/v1/rollouts", http, json=body)
 
     async def get(self, rollout_id: str) -> dict[str, Any]:
@@ -288,6 +292,8 @@ async def _run_rollout(
         http=http,
         # An env whose harness holds side conversations labels them (CLIAgentEnv).
         agent_rules=getattr(env, "agent_rules", None),
+        # The endpoint refuses a finish with a reward outside the env's range.
+        reward_range=getattr(env, "reward_range", None),
     )
     # The openai client borrows `http` (closed by run_rollout, after finish and trace).
     client = _openai_module().AsyncOpenAI(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 from typing import Annotated, Any
 
@@ -85,6 +86,16 @@ class CreateBody(BaseModel):
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Labels for requests that name no agent, by their system prompt (first match wins).
     agent_rules: list[AgentRule] | None = Field(None, max_length=64)
+    # The env's [low, high] rewards (Env.reward_range): a finish outside it is refused.
+    # Without it any finite reward is taken (the endpoint knows no env).
+    reward_range: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _range(self):
+        r = self.reward_range
+        if r is not None and (len(r) != 2 or not all(math.isfinite(x) for x in r) or r[0] > r[1]):
+            raise ValueError(f"reward_range must be [low, high] finite with low <= high, got {r}")
+        return self
 
 
 class FinishBody(BaseModel):
@@ -125,6 +136,8 @@ def parse_create(body: Any) -> dict[str, Any]:
         out["agent_rules"] = list(req.agent_rules)
     if req.timeout_s is not None:
         out["timeout_s"] = float(req.timeout_s)
+    if req.reward_range is not None:
+        out["reward_range"] = (float(req.reward_range[0]), float(req.reward_range[1]))
     return out
 
 

@@ -146,10 +146,12 @@ class RolloutRegistry:
         metadata: dict | None = None,
         timeout_s: float | None = None,
         agent_rules: list | None = None,
+        reward_range: tuple[float, float] | None = None,
     ) -> Rollout:
         """agent_rules: `rollout_requests.AgentRule`s labelling the requests that name
         no agent by their system prompt (first match wins; kept in the trace metadata's
-        `agent_rules`)."""
+        `agent_rules`). reward_range: the env's (low, high); `finish` refuses a reward
+        outside it (kept in the trace metadata's `reward_range`)."""
         check_json(metadata, "metadata")
         rollout_id = "ro-" + secrets.token_hex(8)
         api_key = "sk-rollout-" + secrets.token_urlsafe(24)
@@ -162,6 +164,8 @@ class RolloutRegistry:
         trace.metadata.setdefault("rollout_id", rollout_id)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         rollout = Rollout(rollout_id, api_key, trace, timeout)
+        if reward_range is not None:
+            trace.metadata["reward_range"] = [float(reward_range[0]), float(reward_range[1])]
         if agent_rules:
             rollout.agent_rules = list(agent_rules)
             trace.metadata["agent_rules"] = [
@@ -338,6 +342,13 @@ class RolloutRegistry:
                 }
             )
             return self._end_by_key(rollout)
+        span = rollout.trace.metadata.get("reward_range")
+        if reward is not None and span is not None and not span[0] <= reward <= span[1]:
+            raise bad_request(
+                f"'reward' {reward} is outside the rollout's reward_range {span} (the env's, "
+                "named at create); send a reward in it",
+                param="reward",
+            )
         with self._lock:
             if rollout.final:
                 raise APIError(

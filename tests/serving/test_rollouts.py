@@ -357,3 +357,49 @@ def test_recorded_messages_are_deltas_so_a_long_episode_grows_linearly():
 
     s0, s10, s20 = stored_size(1), stored_size(10), stored_size(20)
     assert (s20 - s10) < 1.3 * (s10 - s0)  # linear: quadratic would be ~3x
+
+
+def test_a_reward_outside_the_rollouts_named_range_is_refused(tmp_path):
+    """Issue 68, finding 10: /finish stored a reward of 2.0 outside the env's range. A
+    rollout created with the env's `reward_range` (run_rollout sends Env.reward_range)
+    refuses a reward outside it (400 naming the range, the rollout unchanged); one
+    created without takes any finite reward. Real FastAPI over HTTP."""
+    import httpx
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.serving.app import build_app
+    from ac2_jax.serving.server import serve_in_thread
+
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=16,
+                             max_position_embeddings=64)
+    sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), max_context=64, max_batch=1,
+                         eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
+    url, stop = serve_in_thread(build_app(sampler, tok, admin_key="sk-admin", model_name="tiny"))
+    admin = httpx.Client(base_url=url, headers={"Authorization": "Bearer sk-admin"}, timeout=60)
+    try:
+        ranged = admin.post("/v1/rollouts", json={"task_id": "t", "reward_range": [0.0, 1.0]})
+        assert ranged.status_code == 200, ranged.text
+        rid = ranged.json()["rollout_id"]
+        bad = admin.post(f"/v1/rollouts/{rid}/finish", json={"reward": 2.0})
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "reward" and "outside the rollout's reward_range [0.0, 1.0]" in (
+            err["message"])
+        assert not admin.get(f"/v1/rollouts/{rid}").json()["final"]  # unchanged
+        ok = admin.post(f"/v1/rollouts/{rid}/finish", json={"reward": 1.0})
+        assert ok.status_code == 200 and ok.json()["reward"] == 1.0
+        trace = admin.get(f"/v1/rollouts/{rid}/trace").json()
+        assert trace["metadata"]["reward_range"] == [0.0, 1.0]
+        for body in ({"reward_range": [1.0, 0.0]}, {"reward_range": [0.0]}):
+            refused = admin.post("/v1/rollouts", json={"task_id": "t", **body})
+            assert refused.status_code == 400 and "reward_range" in refused.text
+        free = admin.post("/v1/rollouts", json={"task_id": "t"}).json()["rollout_id"]
+        assert admin.post(f"/v1/rollouts/{free}/finish", json={"reward": 2.0}).status_code == 200
+    finally:
+        admin.close()
+        stop()
+        sampler.close()
