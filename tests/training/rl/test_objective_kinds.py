@@ -334,3 +334,50 @@ def test_every_config_line_of_the_docs_page_loads():
                 assert OBJECTIVES.name_of(cfg.rl.loss) == value
     with pytest.raises(ValueError, match="normalizer"):
         GRPOLoss(mode="seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("loss", [DAPOLoss(), GSPOLoss(clip_eps=0.05), CISPOLoss()],
+                         ids=lambda x: type(x).__name__)
+def test_tree_packing_gives_the_flat_loss_and_gradient(loss):
+    """Attempts whose two episodes share a prefix: the tree layout merges it (loss_mask
+    multiplicity 2) and each surrogate (PPO-clip, GSPO's sequence ratio, CISPO) gives the
+    flat value and the same gradient per token (summed over the flat copies of a shared
+    token). The aggregation modes' tree equality is the normaliser's own test."""
+    rng = np.random.default_rng(12)
+    segs = []
+    for t in range(3):
+        prefix, adv = 5, float(rng.normal())
+        n = [prefix + int(rng.integers(2, 5)) for _ in range(2)]
+        base = rng.integers(0, 30, max(n))
+        lp_base = -rng.uniform(0.1, 3.0, max(n)).astype(np.float32)
+        old_base = (lp_base + rng.normal(0, 0.05, max(n))).astype(np.float32)
+        for e, ln in enumerate(n):
+            toks, lp, old = base[:ln].copy(), lp_base[:ln].copy(), old_base[:ln].copy()
+            toks[prefix:] = rng.integers(0, 30, ln - prefix)  # the branches differ after it
+            lp[prefix:] = -rng.uniform(0.1, 3.0, ln - prefix)
+            old[prefix:] = lp[prefix:] + rng.normal(0, 0.05, ln - prefix)
+            uid = np.arange(ln, dtype=np.float32) + 100 * t + 1
+            uid[prefix:] += 50 * (e + 1)  # own ids after the shared prefix
+            mask = np.ones(ln, np.float32)
+            mask[0] = 0.0
+            s = rl_segment(toks, mask, old, task=f"t{t}", advantage=adv)
+            segs.append(s.with_features(logp=lp, uid=uid))
+    flat = pack_segments(segs, 16)
+    tree = pack_segments(segs, 16, layout="tree")
+    assert float(np.asarray(tree.loss_mask).max()) == 2.0  # the prefix is shared
+    v_flat, g_flat = ours(loss, flat)
+    v_tree, g_tree = ours(loss, tree)
+    np.testing.assert_allclose(v_tree, v_flat, rtol=RTOL, atol=ATOL)
+
+    def per_uid(batch):
+        c = loss_weights(batch, loss.mode, normalizer=loss.normalizer)
+        g = jax.grad(lambda lp: (c * loss._finish(lp, jnp.zeros_like(lp), batch, None)[0]).sum())(
+            jnp.asarray(batch.features["logp"]))
+        out = defaultdict(float)
+        for u, x in zip(np.asarray(batch.features["uid"]).ravel(), np.asarray(g).ravel()):
+            out[float(u)] += float(x)
+        return out
+
+    a, b = per_uid(flat), per_uid(tree)
+    keys = sorted(k for k in a if k > 0)
+    np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], rtol=RTOL, atol=ATOL)
