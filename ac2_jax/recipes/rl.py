@@ -164,6 +164,8 @@ def _audit_domains(env: DomainMixer, reports: str, progress: Progress) -> None:
             why.append(f"rejects {len(found['rejects_reference'])} reference answers")
         if found["accepts_wrong"]:
             why.append(f"accepts {len(found['accepts_wrong'])} wrong answers")
+        if found.get("raises_on_wrong"):
+            why.append(f"raises on {len(found['raises_on_wrong'])} wrong answers")
         words.append(f"{d} ({', '.join(why)})")
     progress.say(
         f"env audit of {len(env.envs)} domains: "

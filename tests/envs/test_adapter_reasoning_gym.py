@@ -97,17 +97,22 @@ def test_check_env_names_the_domain_that_fails():
         check_env(mix)
 
 
-def test_the_verifier_audit_flags_what_accepts_wrong_answers():
+def test_the_verifier_audit_flags_what_accepts_wrong_answers_or_crashes():
     # puzzle24's verifier checks that the expression makes 24, not that it uses the
-    # task's numbers: another task's answer passes. propositional_logic has no oracle
-    # answer (counted, not flagged); gcd's verifier is sound.
-    mix = DomainMixer({g: ReasoningGymEnv(g) for g in ("puzzle24", "gcd", "propositional_logic")})
+    # task's numbers: another task's answer passes. prime_factorization's raises
+    # ValueError on an answer that is not a factor list (a rollout would end
+    # infra_error). propositional_logic has no oracle answer (counted, not probed);
+    # gcd's verifier is sound.
+    names = ("puzzle24", "gcd", "propositional_logic", "prime_factorization")
+    mix = DomainMixer({g: ReasoningGymEnv(g) for g in names})
     audit = verifier_audit(mix, n=4)
-    assert audit["flagged"] == ["puzzle24"]
+    assert audit["flagged"] == ["puzzle24", "prime_factorization"]
     found = audit["domains"]["puzzle24"]
     assert found["accepts_wrong"] and not found["rejects_reference"]
     task_id, answer, reward = found["accepts_wrong"][0]
     assert reward == 1.0 and answer.startswith("<answer>")
+    crash = audit["domains"]["prime_factorization"]["raises_on_wrong"][0]
+    assert crash[1] == "<answer>no idea</answer>" and crash[2].startswith("ValueError(")
     assert audit["domains"]["propositional_logic"]["no_reference"] == 4
     assert audit["domains"]["gcd"]["accepts_wrong"] == []
     json.dumps(audit)  # written to the report as is

@@ -223,12 +223,15 @@ def verifier_audit(env: Env, n: int = 8, seed: int = 0) -> dict[str, Any]:
     """Probes each domain's verifier with no model: on `n` train tasks with a
     reference answer, it must earn the top reward, and wrong answers must not pass
     (reward below the top): another task's reference answer when its text differs,
-    and an empty answer. Tasks without a reference answer are counted, not probed
-    (their verifier may grade a harness's record, not an answer text). Returns
+    an empty answer and a non-answer ("no idea"); a verifier that raises on one is
+    flagged too (a rollout would end infra_error). Tasks without a reference answer
+    are counted, not probed (their verifier may grade a harness's record, not an
+    answer text). Returns
     {"domains": {domain: {"tasks", "no_reference",
     "rejects_reference": [ids], "accepts_wrong": [[task id, answer, reward]],
-    "partial_credit_wrong": max reward below the top a wrong answer got}},
-    "flagged": [domains with a rejected reference or an accepted wrong answer]}."""
+    "partial_credit_wrong": max reward below the top a wrong answer got,
+    "raises_on_wrong": [[task id, answer, error]]}}, "flagged": [domains with a
+    rejected reference, an accepted wrong answer or a crash on one]}."""
     envs = env.envs if isinstance(env, DomainMixer) else {getattr(env, "name", "env"): env}
     out: dict[str, Any] = {"domains": {}, "flagged": []}
     for domain, e in envs.items():
@@ -241,6 +244,7 @@ def verifier_audit(env: Env, n: int = 8, seed: int = 0) -> dict[str, Any]:
             "rejects_reference": [],
             "accepts_wrong": [],
             "partial_credit_wrong": 0.0,
+            "raises_on_wrong": [],
         }
         for i, (task, ref) in enumerate(zip(tasks, refs, strict=True)):
             if ref is None:
@@ -248,16 +252,20 @@ def verifier_audit(env: Env, n: int = 8, seed: int = 0) -> dict[str, Any]:
             if e.verify(task, ref) < top:
                 found["rejects_reference"].append(task.task_id)
             other = refs[(i + 1) % len(refs)]
-            wrong = ["<answer></answer>"]
+            wrong = ["<answer></answer>", "<answer>no idea</answer>"]
             if other is not None and other.strip() != ref.strip():
                 wrong.append(other)
             for answer in wrong:
-                reward = e.verify(task, answer)
+                try:
+                    reward = e.verify(task, answer)
+                except Exception as exc:  # noqa: BLE001 - a verifier that crashes is a finding
+                    found["raises_on_wrong"].append([task.task_id, answer, repr(exc)[:200]])
+                    continue
                 if reward >= top:
                     found["accepts_wrong"].append([task.task_id, answer, reward])
                 else:
                     found["partial_credit_wrong"] = max(found["partial_credit_wrong"], reward)
-        if found["rejects_reference"] or found["accepts_wrong"]:
+        if found["rejects_reference"] or found["accepts_wrong"] or found["raises_on_wrong"]:
             out["flagged"].append(domain)
         out["domains"][domain] = found
     return out
