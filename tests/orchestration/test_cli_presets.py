@@ -195,17 +195,51 @@ def final_text(agent_name: str, result: CLIResult) -> str:
     return result.stdout.strip()
 
 
+# One RL step per CLI at its default prompts' length (a 65,536-token context on CPU) takes
+# many minutes each (BUILD_NOTES, issue 67): more than the suite's whole budget for five.
+RL_STEP_OPT_IN = "AC2_CLI_RL_STEP"
+# The narrowed settings (small prompts, a 6,144-token context) that keep one RL step per
+# API in the full tier: Claude Code bare with one tool and a short system prompt; Codex
+# with short instructions and without its multi-agent group and web search.
+NARROWED = {
+    "claude-code": lambda exe: claude_code(
+        exe, bare=True, tools=("Bash",), max_turns=8,
+        system_prompt="You are a coding agent. Work in the current directory."),
+    "codex": lambda exe: codex(
+        exe, instructions="You are a coding agent. Use exec_command to run shell commands.",
+        config=('web_search="disabled"', "features.multi_agent=false", "features.goals=false",
+                'model_reasoning_summary="none"')),
+}
+
+
 @pytest.mark.parametrize("which", list(CLI_PACKAGES))
 def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
     """Attempts by the real CLI with its default settings (only base URL, key, model
     and telemetry/update switches set) through /v1/messages (Claude Code),
     /v1/responses (Codex), the Gemini API (Gemini CLI) or /v1/chat/completions (Qwen
-    Code, opencode), graded by parity of the final answer's length (a random policy
-    earns it about half the time), then one RL step. Their default prompts are 18k-48k
+    Code, opencode), then one RL step (`rl_step`). Their default prompts are 18k-48k
     tokens of the tiny tokenizer, so the model is served with a 65,536-token context.
-    Every served token is recorded with the sampler's log-prob, and that log-prob is
-    what a forward pass of the sampling weights gives (fp32, 1e-4): the tokens are
-    trained exactly as sampled. Side conversations carry their own agent label."""
+    Opt-in (AC2_CLI_RL_STEP=1): see RL_STEP_OPT_IN."""
+    if os.environ.get(RL_STEP_OPT_IN) != "1":
+        pytest.skip(f"one RL step at a 65,536-token context takes many minutes per CLI on "
+                    f"CPU; set {RL_STEP_OPT_IN}=1 to run it (the tool round trip per CLI runs "
+                    "by default: test_each_cli_runs_the_tool_call_the_model_served)")
+    rl_step(tmp_path, which, PRESETS[which](cli_exe(cli_bin, which)), 65536, attempts=4)
+
+
+@pytest.mark.parametrize("which", list(NARROWED))
+def test_one_rl_step_from_narrowed_cli_agent_rollouts(tmp_path, cli_bin, which):
+    """Eight attempts by Claude Code / Codex with `NARROWED` settings, one RL step."""
+    rl_step(tmp_path, which, NARROWED[which](cli_exe(cli_bin, which)), 6144, attempts=8)
+
+
+def rl_step(tmp_path, which, agent, context, attempts):
+    """`attempts` attempts of one task by `agent`, graded by parity of the final answer's
+    length (a random policy earns it about half the time, so the group has a signal but
+    for a tie, which is then a counted no-signal step), then one RL step. Every served
+    token is recorded with the sampler's log-prob, and that log-prob is what a forward
+    pass of the sampling weights gives (fp32, 1e-4): the tokens are trained exactly as
+    sampled. Side conversations carry their own agent label (`agent.agent_rules`)."""
     import numpy as np
     from serving_helpers import forward_logprobs
 
@@ -217,13 +251,11 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
     from ac2_jax.training import RLConfig
     from ac2_jax.training.rl import BatchConfig
 
-    context = 65536
     tok = build_tiny_tokenizer(str(tmp_path / "tok"), vocab_size=512)
     cfg = DecoderConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                         max_position_embeddings=context, tie_embeddings=False)
     model, reference = short_answer_model(cfg, tok), short_answer_model(cfg, tok)
-    agent = PRESETS[which](cli_exe(cli_bin, which))
     tasks = [Task("hello", "Say hello in one word."),
              Task("bye", "Say goodbye in one word.", metadata={"split": "eval"})]
     env = CLIAgentEnv(tasks, agent,
@@ -231,14 +263,14 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
                       timeout_s=600)
     config = RLRecipeConfig(
         paths=PathsConfig(workdir=str(tmp_path / "run")),
-        rl=RLConfig(steps=1, tasks_per_step=1, attempts_per_task=4, concurrency=4,
-                    batch=BatchConfig(rows=8, seq_len=context)),
+        rl=RLConfig(steps=1, tasks_per_step=1, attempts_per_task=attempts,
+                    concurrency=attempts, batch=BatchConfig(rows=2 * attempts, seq_len=context)),
         rollout=RolloutConfig(max_tokens=64, max_steps=1),
         sampler=SamplerConfig(max_context=context, warmup=False, model_name="tiny"),
     )
     result = recipes.rl((model, tok), env, config)
     traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
-    assert len(traces) == 4 and all(t.status == "finished" for t in traces), [
+    assert len(traces) == attempts and all(t.status == "finished" for t in traces), [
         (t.status, t.metadata.get("artifacts", {}).get("error")) for t in traces]
     rewards = [t.reward for t in traces]
     (step,) = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
