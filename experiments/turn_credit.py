@@ -18,7 +18,8 @@ The policy samples here with plain categorical sampling from the tiny decoder (n
 endpoint: the toy needs no tools); everything after the traces is the library's
 RL pipeline (`batch_segments`, `pack_rl_batch`, `make_train_step` with the default
 PPO loss). `python -m experiments.turn_credit --seeds 5 --steps 40` writes
-results.json and prints the table (BUILD_NOTES, issue 64).
+results.json and prints the table (BUILD_NOTES, issue 64); `--optimizer adamw_noclip`
+or `--optimizer sgd --learning_rate 0.5` locate where the gap comes from.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from ac2_jax.evals import mean_interval
@@ -50,6 +52,19 @@ class Setup:
     attempts: int = 8
     steps: int = 40
     learning_rate: float = 3e-3
+    # "adamw" (the library's default: AdamW, global-norm clip 1.0), "adamw_noclip", or
+    # "sgd" (plain gradient descent): which part of the update the arms' gap comes from.
+    optimizer: str = "adamw"
+
+
+def make_optimizer(setup: Setup):
+    if setup.optimizer == "adamw":
+        return OptimizerConfig(learning_rate=setup.learning_rate)
+    if setup.optimizer == "adamw_noclip":
+        return OptimizerConfig(learning_rate=setup.learning_rate, clip_norm=None)
+    if setup.optimizer == "sgd":
+        return optax.sgd(setup.learning_rate)
+    raise ValueError(f"--optimizer must be adamw, adamw_noclip or sgd, got {setup.optimizer!r}")
 
 
 def answer(q: int) -> int:
@@ -121,10 +136,10 @@ def collect(graphdef, state, setup: Setup, step: int, key, credit: str) -> list[
     return traces
 
 
-def run_arm(credit: str, seed: int, setup: Setup, cache: StepCache) -> list[float]:
-    """p1 before training and after each step."""
+def run_arm(credit: str, seed: int, setup: Setup, cache: StepCache, opt) -> list[float]:
+    """p1 before training and after each step. opt: `make_optimizer(setup)`, one object
+    for the whole study (the cached train step keys on it)."""
     model = Decoder(DecoderConfig.tiny(vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(seed))
-    opt = OptimizerConfig(learning_rate=setup.learning_rate)
     graphdef, state = create_train_state(model, opt, rng=seed)
     n = setup.problems * setup.attempts
     cfg = BatchConfig(seq_len=16, rows=n // 2, task_capacity=n, segment_capacity=n,
@@ -164,13 +179,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--problems", type=int, default=4)
     ap.add_argument("--attempts", type=int, default=8)
     ap.add_argument("--learning_rate", type=float, default=3e-3)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw_noclip", "sgd"])
     ap.add_argument("--out", default="runs/turn_credit")
     args = ap.parse_args(argv)
-    setup = Setup(args.problems, args.attempts, args.steps, args.learning_rate)
+    setup = Setup(args.problems, args.attempts, args.steps, args.learning_rate, args.optimizer)
     cache, curves, t0 = StepCache(), {"final": [], "turn": []}, time.perf_counter()
+    opt = make_optimizer(setup)
     for seed in range(args.seeds):
         for arm in curves:
-            curves[arm].append(run_arm(arm, seed, setup, cache))
+            curves[arm].append(run_arm(arm, seed, setup, cache, opt))
     at = sorted({s for s in (5, 10, 20, args.steps) if s <= args.steps})
     result = {"setup": dataclasses.asdict(setup), "seeds": args.seeds, "curves": curves,
               "summary": summarize(curves, at), "seconds": time.perf_counter() - t0}
