@@ -173,3 +173,15 @@ def test_an_adaptive_mix_of_one_domain_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^mix.adaptive=true needs an env of several domains"):
         recipes.rl("tiny", ReasoningGymEnv("gcd"), cfg)
     assert not (tmp_path / "run" / "report" / "model.json").exists()  # before the model
+
+
+def test_the_all_generators_audit_script_at_toy_size(tmp_path, capsys):
+    from experiments.rg_verifier_audit import main
+
+    found = main(str(tmp_path / "audit.json"), names=["gcd", "game_of_life_halting", "acre_x"])
+    assert json.load(open(tmp_path / "audit.json")) == found
+    assert found["gcd"]["accepts_wrong"] == [] and found["gcd"]["tasks"] == 8
+    # Its verifier is bool(answer) == bool(oracle): any non-empty answer passes.
+    assert found["game_of_life_halting"]["accepts_wrong"]
+    assert found["acre_x"]["error"].startswith("ValueError: unknown reasoning_gym generator")
+    assert capsys.readouterr().out.count("\n") == 3
