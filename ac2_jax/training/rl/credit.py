@@ -4,7 +4,9 @@
 
     "trace"     (default) every trained token of an attempt gets the attempt's one
                 advantage (`data.trace_advantages`).
-    "turn"      the env/verifier gave a reward per request: `Trace.metadata
+    "turn"      the trace carries a reward per request (set by whatever scores the
+                steps: a harness or orchestrator, or a pass over stored traces;
+                `Env.verify` gives one float per attempt): `Trace.metadata
                 ["turn_rewards"]`, one list per episode (in `trace.episodes` order)
                 with one float per completion of that episode. Turn k of an
                 episode with K turns gets the return-to-go

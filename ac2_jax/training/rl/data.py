@@ -138,7 +138,7 @@ class BatchConfig:
     # DAPO's overlong reward shaping (`OverlongShaping`); None: off.
     overlong: OverlongShaping | None = None
     # Credit per turn (`training.rl.credit`): "trace" (one advantage per attempt),
-    # "turn" (the env's per-turn rewards, metadata["turn_rewards"], as returns-to-go
+    # "turn" (per-turn rewards from the trace's metadata["turn_rewards"], as returns-to-go
     # discounted by gamma) or "discount" (the final reward discounted back over turns).
     credit: str = "trace"
     gamma: float = 1.0
@@ -289,7 +289,7 @@ class BatchStats:
     overlong_shaped: int = 0  # kept traces whose reward DAPO's overlong shaping changed
     overlong_penalty: float = 0.0  # the sum of those changes (<= 0)
     # Per-turn credit (BatchConfig.credit "turn" / "discount"): kept traces whose turns
-    # got their env's per-turn rewards, and those that fell back to the final reward.
+    # got their per-turn rewards, and those that fell back to the final reward.
     turn_credit_traces: int = 0
     final_credit_traces: int = 0
     staleness_mean: float = 0.0
