@@ -194,6 +194,15 @@ class Env(abc.ABC):
     def verify(self, task: Task, answer: str | None) -> float:
         """Reward of a final answer text (None: no answer was given)."""
 
+    def turn_rewards(self, task: Task, messages: list[dict[str, Any]]) -> list[float] | None:
+        """One reward per assistant turn of a finished attempt's conversation (`messages`,
+        as the harness holds it), or None (the default): no per-turn rewards. What an
+        env returns here is recorded with the attempt (its trace's
+        metadata["artifacts"]["turn_rewards"], `orchestration.run_rollout`) and read by
+        per-turn credit (`rl.batch.credit="turn"`, `training.rl.credit`); `verify`
+        still gives the attempt's one reward."""
+        return None
+
     def reference_answer(self, task: Task) -> str | None:
         """A final answer text that solves `task` (`verify` must pass it), or None
         when the env has none. The environment audit checks solvability with it."""

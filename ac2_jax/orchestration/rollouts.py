@@ -312,12 +312,17 @@ async def _run_rollout(
         averify = getattr(env, "averify", None)
         reward = await averify(task, conv.answer) if averify else env.verify(task, conv.answer)
         status = "finished" if conv.status == "finished" else "agent_error"
-        artifacts = {
+        artifacts: dict[str, Any] = {
             "answer": conv.answer,
             "orchestrator_status": conv.status,
             "metrics": conv.metrics,
             "events": _harness_events(conv),
         }
+        # An env that scores each turn (`Env.turn_rewards`): recorded for per-turn credit.
+        turns = getattr(env, "turn_rewards", None)
+        scored = turns(task, conv.messages) if callable(turns) and status == "finished" else None
+        if scored is not None:
+            artifacts["turn_rewards"] = [float(r) for r in scored]
     except Exception as e:  # noqa: BLE001 - classified and recorded, never leaked
         # A TimeoutError is our deadline only once timeout_s has passed (not one of the harness's).
         deadline = (

@@ -460,3 +460,30 @@ def test_a_multi_turn_env_replies_to_each_answer_in_one_episode_that_replays(end
     short, conv3 = run(endpoint["url"], env, make(max_steps=2), task)
     assert short.status == "agent_error" and conv3.status == "step_limit"
     assert sum(m["role"] == "assistant" for m in conv3.messages) == 2
+
+
+def test_an_env_that_scores_each_turn_feeds_per_turn_credit(endpoint):
+    """`Env.turn_rewards` (issue 64): run_rollout records one reward per assistant turn with
+    the attempt, and per-turn credit (rl.batch.credit="turn") reads them from the trace."""
+    from ac2_jax.envs import GuessEnv
+    from ac2_jax.training.rl import batch_segments
+
+    class ScoredGuessEnv(GuessEnv):
+        def turn_rewards(self, task, messages):
+            turns = [m for m in messages if m["role"] == "assistant"]
+            return [0.1 * (i + 1) for i in range(len(turns))]
+
+    env = ScoredGuessEnv(highs=(7,), max_guesses=3)
+    task = env.sample_tasks(1, 0)[0]
+    trace, _ = run(endpoint["url"], env, make(max_steps=5), task)
+    assert trace.status == "finished"
+    assert trace.metadata["artifacts"]["turn_rewards"] == pytest.approx([0.1, 0.2, 0.3])
+    other, _ = run(endpoint["url"], GuessEnv(highs=(7,), max_guesses=3), make(max_steps=5), task)
+    assert "turn_rewards" not in other.metadata["artifacts"]  # the default: none
+    other = dataclasses.replace(other, attempt_id=other.attempt_id + "-b")
+    segs, stats, _ = batch_segments([trace, other], 0,
+                                    BatchConfig(seq_len=256, rows=2, credit="turn"))
+    assert stats.turn_credit_traces == 1 and stats.final_credit_traces == 1
+    # returns-to-go 0.6, 0.5, 0.3 against the other attempt's 0, 0, 0 (reward 0 at the end)
+    adv = np.asarray(segs[0].features["advantages"])[np.asarray(segs[0].loss_mask) > 0]
+    np.testing.assert_allclose(sorted(set(np.round(adv, 6))), [0.15, 0.25, 0.3], atol=1e-6)

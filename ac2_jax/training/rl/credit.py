@@ -4,11 +4,13 @@
 
     "trace"     (default) every trained token of an attempt gets the attempt's one
                 advantage (`data.trace_advantages`).
-    "turn"      the trace carries a reward per request (set by whatever scores the
-                steps: a harness or orchestrator, or a pass over stored traces;
-                `Env.verify` gives one float per attempt): `Trace.metadata
-                ["turn_rewards"]`, one list per episode (in `trace.episodes` order)
-                with one float per completion of that episode. Turn k of an
+    "turn"      the trace carries a reward per request: what an env's
+                `Env.turn_rewards` returned (`orchestration.run_rollout` records it
+                in metadata["artifacts"]["turn_rewards"], one per turn of a
+                one-episode attempt), or `Trace.metadata["turn_rewards"]` set by
+                whatever else scores the steps (a harness, a pass over stored
+                traces), one list per episode (in `trace.episodes` order) with one
+                float per completion of that episode. Turn k of an
                 episode with K turns gets the return-to-go
                 G_k = sum_{k' >= k} gamma^(k' - k) r_k'.
                 A trace without them (or not "finished": an agent error or a
@@ -43,10 +45,27 @@ TURN_REWARDS = "turn_rewards"  # Trace.metadata key: [[reward per completion] pe
 
 def check_turn_rewards(trace: Trace) -> list[list[float]] | None:
     """The trace's per-turn rewards as floats, or None when it has none; a list that
-    does not match its episodes and their completions is an error naming the trace."""
+    does not match its episodes and their completions is an error naming the trace.
+
+    Read from metadata["turn_rewards"] (one list per episode), else from what an env's
+    `turn_rewards` recorded through the endpoint, metadata["artifacts"]["turn_rewards"]
+    (one per assistant turn: it applies to a trace of one episode, one completion per
+    turn; anything else is an error naming the counts)."""
     raw = trace.metadata.get(TURN_REWARDS)
     if raw is None:
-        return None
+        artifacts = trace.metadata.get("artifacts")
+        flat = artifacts.get(TURN_REWARDS) if isinstance(artifacts, dict) else None
+        if flat is None:
+            return None
+        sizes = [len(e.completions) for e in trace.episodes]
+        if len(sizes) != 1 or sizes[0] != len(flat):
+            raise ValueError(
+                f"trace {trace.key!r}: the env gave {len(flat)} per-turn rewards (Env."
+                f"turn_rewards) but the trace has {len(sizes)} episodes of {sizes} "
+                "completions; a flat list applies to one episode with one completion per "
+                "turn (else set metadata['turn_rewards'] per episode)"
+            )
+        raw = [list(flat)]
     shape = [len(e.completions) for e in trace.episodes]
     if (
         not isinstance(raw, (list, tuple))
