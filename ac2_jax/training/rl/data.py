@@ -138,7 +138,7 @@ class BatchConfig:
     # DAPO's overlong reward shaping (`OverlongShaping`); None: off.
     overlong: OverlongShaping | None = None
     # Credit per turn (`training.rl.credit`): "trace" (one advantage per attempt),
-    # "turn" (per-turn rewards from the trace's metadata["turn_rewards"], as returns-to-go
+    # "turn" (per-turn rewards, Env.turn_rewards or metadata["turn_rewards"], as returns-to-go
     # discounted by gamma) or "discount" (the final reward discounted back over turns).
     credit: str = "trace"
     gamma: float = 1.0
