@@ -198,7 +198,7 @@ class Env(abc.ABC):
         """One reward per assistant turn of a finished attempt's conversation (`messages`,
         as the harness holds it), or None (the default): no per-turn rewards. What an
         env returns here is recorded with the attempt (its trace's
-        metadata["artifacts"]["turn_rewards"], `orchestration.run_rollout`) and read by
+        `metadata["artifacts"]["turn_rewards"]`, `orchestration.run_rollout`) and read by
         per-turn credit (`rl.batch.credit="turn"`, `training.rl.credit`); `verify`
         still gives the attempt's one reward."""
         return None

@@ -6,7 +6,7 @@
                 advantage (`data.trace_advantages`).
     "turn"      the trace carries a reward per request: what an env's
                 `Env.turn_rewards` returned (`orchestration.run_rollout` records it
-                in metadata["artifacts"]["turn_rewards"], one per turn of a
+                in `metadata["artifacts"]["turn_rewards"]`, one per turn of a
                 one-episode attempt), or `Trace.metadata["turn_rewards"]` set by
                 whatever else scores the steps (a harness, a pass over stored
                 traces), one list per episode (in `trace.episodes` order) with one
@@ -48,7 +48,7 @@ def check_turn_rewards(trace: Trace) -> list[list[float]] | None:
     does not match its episodes and their completions is an error naming the trace.
 
     Read from metadata["turn_rewards"] (one list per episode), else from what an env's
-    `turn_rewards` recorded through the endpoint, metadata["artifacts"]["turn_rewards"]
+    `turn_rewards` recorded through the endpoint, `metadata["artifacts"]["turn_rewards"]`
     (one per assistant turn: it applies to a trace of one episode, one completion per
     turn; anything else is an error naming the counts)."""
     raw = trace.metadata.get(TURN_REWARDS)
