@@ -12,7 +12,8 @@ HTTP), as a user's run would:
    until it solves the task; its held-out pass rate measured.
 2. student: a 2-layer hidden-32 decoder (about a quarter of the teacher's
    non-embedding weights), the same tokenizer, a short SFT warm start
-   (`recipes.sft`) so that RL sees rewards; its held-out pass rate measured.
+   (`recipes.sft`: 280 steps, about half the held-out tasks, so that RL sees
+   rewards); its held-out pass rate measured.
 3. from that student, the same budget (steps x tasks x attempts, the same
    learning rate and rollout settings) of
    - OPD: `recipes.distill` with `distill.teacher=<the teacher's HF dir>`,
@@ -85,20 +86,25 @@ class Preset:
     tasks_per_step: int
     attempts_per_task: int
     learning_rate: float
+    temperature: float  # the rollouts' sampling temperature (evals are greedy)
     eval_tasks: int
     seeds: tuple[int, ...]
 
 
 PRESETS = {
-    "study": Preset(teacher_sft_steps=600, student_sft_steps=220, demos=512, steps=200,
-                    tasks_per_step=4, attempts_per_task=4, learning_rate=2e-3, eval_tasks=128,
-                    seeds=(0, 1)),
+    "study": Preset(teacher_sft_steps=600, student_sft_steps=280, demos=512, steps=200,
+                    tasks_per_step=8, attempts_per_task=4, learning_rate=3e-4, temperature=1.0,
+                    eval_tasks=128, seeds=(0,)),
+    "study400": Preset(teacher_sft_steps=600, student_sft_steps=280, demos=512, steps=400,
+                       tasks_per_step=8, attempts_per_task=4, learning_rate=3e-4,
+                       temperature=1.0, eval_tasks=128, seeds=(0,)),
     "toy": Preset(teacher_sft_steps=1, student_sft_steps=0, demos=8, steps=1, tasks_per_step=2,
-                  attempts_per_task=2, learning_rate=1e-3, eval_tasks=2, seeds=(0,)),
+                  attempts_per_task=2, learning_rate=1e-3, temperature=1.0, eval_tasks=2,
+                  seeds=(0,)),
 }  # fmt: skip
 
-COMMON = ["rollout.max_tokens=12", "rollout.max_steps=1", "rollout.temperature=1.0",
-          "eval.temperature=0.0", "sampler.warmup=false", "log.tensorboard=false"]
+COMMON = ["rollout.max_tokens=12", "rollout.max_steps=1", "eval.temperature=0.0",
+          "sampler.warmup=false", "log.tensorboard=false"]
 
 
 def _models(workdir: str):
@@ -173,6 +179,7 @@ def _train(kind: str, student_dir: str, teacher_dir: str, env, workdir: str, see
     from ac2_jax.recipes import DistillRecipeConfig, RLRecipeConfig, distill, rl
 
     common = [*COMMON, f"paths.workdir={workdir}", f"seed={seed}",
+              f"rollout.temperature={p.temperature}",
               f"eval.num_tasks={p.eval_tasks}", "log.progress=false"]  # fmt: skip
     t0 = time.perf_counter()
     if kind == "opd":
