@@ -188,6 +188,44 @@ def short_answer_model(cfg, tok):
     return model
 
 
+def sampled_forward_logprobs(model, tokens, start, temperature, top_k, top_p, bucket=1024):
+    """log p(tokens[i] | tokens[:i]) for i >= start under the sampling distribution
+    (temperature, then top-k, then top-p: `losses.sampling_logits`, the sampled token
+    kept) of one fp32 forward pass. A CLI that sends top_k / top_p (Gemini CLI: topK 64,
+    topP 0.95) is served from the truncated distribution, and the sampler's log-probs are
+    of that distribution."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ac2_jax.losses import sampling_logits
+
+    n = len(tokens)
+    L = -(-n // bucket) * bucket
+    t = np.zeros((1, L), np.int32)
+    t[0, :n] = tokens
+    segs = np.zeros((1, L), np.int32)
+    segs[0, :n] = 1
+    pos = np.arange(L, dtype=np.int32)[None]
+    logits = jnp.asarray(np.asarray(_logits(model, t, pos, segs))[0, start - 1:n - 1])
+    targets = jnp.asarray(tokens[start:], jnp.int32)
+    lg = sampling_logits(logits, temperature, max(int(top_k), 0), top_p, keep=targets)
+    lp = jax.nn.log_softmax(lg, axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0])
+
+
+def _logits(model, tokens, positions, segs):
+    from flax import nnx
+
+    global _logits_jit
+    if _logits_jit is None:
+        _logits_jit = nnx.jit(lambda m, t, p, s: m(t, p, s).astype("float32"))
+    return _logits_jit(model, tokens, positions, segs)
+
+
+_logits_jit = None
+
+
 def final_text(agent_name: str, result: CLIResult) -> str:
     """What the agent answered: Claude Code's JSON `result`, else its output."""
     if agent_name == "claude-code":
@@ -241,7 +279,6 @@ def rl_step(tmp_path, which, agent, context, attempts):
     pass of the sampling weights gives (fp32, 1e-4): the tokens are trained exactly as
     sampled. Side conversations carry their own agent label (`agent.agent_rules`)."""
     import numpy as np
-    from serving_helpers import forward_logprobs
 
     from ac2_jax import recipes
     from ac2_jax.models import DecoderConfig
@@ -285,9 +322,10 @@ def rl_step(tmp_path, which, agent, context, attempts):
     for trace in traces:
         for ep in trace.episodes:
             for c in ep.completions:
-                ref = forward_logprobs(reference, c.prompt_ids + c.output_ids, bucket=1024)
-                np.testing.assert_allclose(c.output_logprobs, ref[len(c.prompt_ids):],
-                                           atol=1e-4)
+                ref = sampled_forward_logprobs(reference, c.prompt_ids + c.output_ids,
+                                               len(c.prompt_ids), c.temperature, c.top_k,
+                                               c.top_p)
+                np.testing.assert_allclose(c.output_logprobs, ref, atol=1e-4)
                 served += len(c.output_ids)
     assert served > 0
     assert result.report["steps"] == 1
