@@ -25,6 +25,9 @@ from ac2_jax.orchestration.cli_presets import (
     claude_code,
     codex,
     fix_the_tests_tasks,
+    gemini_cli,
+    opencode,
+    qwen_code,
     unittest_passes,
 )
 from ac2_jax.orchestration.default import (
@@ -82,6 +85,9 @@ __all__ = [
     "codex",
     "exit_status_outcome",
     "fix_the_tests_tasks",
+    "gemini_cli",
+    "opencode",
+    "qwen_code",
     "format_error_message",
     "gym_env",
     "request_seed",
