@@ -93,7 +93,7 @@ class VerifiersEnv(Env):
             )
         self.vf_env = vf_env
         self.name = name or type(vf_env).__name__
-        weights = [float(w) for w in getattr(rubric, "weights", [])]
+        weights = [float(w) for r in _rubrics(rubric) for w in getattr(r, "weights", [])]
         if weights and min(weights) >= 0:
             self.reward_range = (0.0, float(sum(weights)))
         self._watch_rubric()
@@ -119,13 +119,14 @@ class VerifiersEnv(Env):
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
     def _watch_rubric(self) -> None:
-        """Wraps each reward function so that an exception it raises (which verifiers
-        logs and scores 0) is recorded on the rollout's state ("ac2_rubric_errors"),
-        where the harness finds it and fails the attempt. The wrapper shows the
+        """Wraps each reward function (of every member of a RubricGroup: `_rubrics`) so
+        that an exception it raises (which verifiers logs and scores 0) is recorded on
+        the rollout's state ("ac2_rubric_errors"), where the harness finds it and fails
+        the attempt. The wrapper shows the
         function's own signature, plus `state` when it names none, so the rubric
         passes the state (and the function still gets only what it asked for)."""
-        rubric = self.vf_env.rubric
-        rubric.funcs = [_watched(f) for f in getattr(rubric, "funcs", [])]
+        for rubric in _rubrics(self.vf_env.rubric):
+            rubric.funcs = [_watched(f) for f in getattr(rubric, "funcs", [])]
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
         if split not in self.rows:
@@ -211,6 +212,17 @@ class VerifiersHarness(Orchestrator):
             "stop_condition": output.get("stop_condition"),
         }, default=str)  # fmt: skip
         self.trace.status = "finished"
+
+
+def _rubrics(rubric: Any) -> list[Any]:
+    """The rubrics that hold reward functions: `rubric` itself, or every member of a
+    RubricGroup, recursively (verifiers' MultiTurnEnv and ToolEnv add their monitor
+    rubrics with `add_rubric`, which makes the env's rubric a group whose own `funcs`
+    is empty)."""
+    members = getattr(rubric, "rubrics", None)
+    if members is None:
+        return [rubric]
+    return [r for m in members for r in _rubrics(m)]
 
 
 def _watched(func):

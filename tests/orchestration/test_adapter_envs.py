@@ -112,6 +112,24 @@ def test_a_rubric_that_raises_is_an_infra_error_never_a_reward(endpoint):
     assert lines[0] == "step 1: 1 of 1 attempts ended infra_error"
 
 
+def test_a_raising_reward_in_a_rubric_group_is_an_infra_error(endpoint):
+    """verifiers' multi-turn envs hold a RubricGroup (MultiTurnEnv, ToolEnv add their
+    monitor rubrics with `add_rubric`): a reward function of a member rubric that raises
+    is an infra_error too, never verifiers' 0; the range counts every member's weights."""
+    vf_env = _rg_env()
+
+    def exploding_reward(completion, answer, **kwargs):
+        raise RuntimeError("the judge is down")
+
+    vf_env.add_rubric(vf.Rubric(funcs=[exploding_reward], weights=[0.5]))
+    assert isinstance(vf_env.rubric, vf.RubricGroup)
+    env = VerifiersEnv(vf_env)
+    assert env.reward_range == (0.0, sum(vf_env.rubric._get_reward_weights()))
+    trace, _ = rollout(endpoint["url"], env, env.sample_tasks(1, seed=1)[0])
+    assert trace.status == "infra_error" and trace.reward is None
+    assert "exploding_reward raised RuntimeError" in trace.metadata["artifacts"]["error"]
+
+
 def test_verifiers_bad_specs_are_one_line():
     for spec, says in [
         ("verifiers:ReasoningGymEn", "no verifiers environment 'ReasoningGymEn'; did you mean"),
