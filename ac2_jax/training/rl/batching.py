@@ -50,6 +50,7 @@ from ac2_jax.training.rl.data import (
     agent_trained,
     check_sampled,
     group_name,
+    sampled_tokens,
     select_traces,
     trace_advantages,
 )
@@ -183,6 +184,7 @@ def batch_segments(
         )
         live = [a != 0 for a in adv]
     else:
+        overlong = config.overlong  # DAPO's penalty, in trace.reward: per-turn rewards get it too
         turns, used = turn_advantages(
             kept,
             config.credit,
@@ -191,6 +193,7 @@ def batch_segments(
             group_of=group_name,
             normalize_std=config.normalize_std,
             std_ddof=config.std_ddof,
+            shaping_of=None if overlong is None else lambda t: overlong.penalty(sampled_tokens(t)),
         )
         stats.turn_credit_traces, stats.final_credit_traces = used, len(kept) - used
         # Per trace: the mean advantage over its turns (for the step's adv_* metrics).

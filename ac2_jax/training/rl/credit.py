@@ -15,7 +15,9 @@
                 G_k = sum_{k' >= k} gamma^(k' - k) r_k'.
                 A trace without them (or not "finished": an agent error or a
                 timeout trains with its configured reward) falls back to its
-                reward at its last turn, as below.
+                reward at its last turn, as below. DAPO's overlong penalty
+                (`rl.batch.overlong`), which shapes the attempt's reward, is added
+                to the last turn's reward of each episode.
     "discount"  the final reward discounted back over the turns:
                 G_k = gamma^(K - 1 - k) R.
 
@@ -78,16 +80,22 @@ def check_turn_rewards(trace: Trace) -> list[list[float]] | None:
     return [[float(r) for r in x] for x in raw]
 
 
-def turn_returns(trace: Trace, credit: str, gamma: float) -> tuple[list[np.ndarray], bool]:
+def turn_returns(
+    trace: Trace, credit: str, gamma: float, shaping: float = 0.0
+) -> tuple[list[np.ndarray], bool]:
     """(per episode: the return G_k of each of its completions, float64; whether the
     trace's per-turn rewards were used). `trace.reward` is the reward it trains with
-    (`select_traces` put it there)."""
+    (`select_traces` put it there, overlong shaping included); `shaping`: the overlong
+    penalty in it, added to each episode's last per-turn reward when those are used
+    (the final reward, which they replace, carries it otherwise)."""
     given = check_turn_rewards(trace) if credit == "turn" and trace.status == "finished" else None
     out = []
     for i, ep in enumerate(trace.episodes):
         k = len(ep.completions)
         if given is not None:
             r = np.asarray(given[i], np.float64)
+            if k:
+                r[-1] += shaping
         else:
             r = np.zeros(k, np.float64)
             if k:
@@ -110,13 +118,15 @@ def turn_advantages(
     group_of,
     normalize_std: bool = False,
     std_ddof: int = 0,
+    shaping_of=None,
 ) -> tuple[list[list[np.ndarray]], int]:
     """Per trace, per episode: the advantage of each completion (float64), and how
     many traces used their per-turn rewards. `estimator`: an `AdvantageEstimator`,
-    applied per (group_of(trace), agent, turn index) over the returns."""
+    applied per (group_of(trace), agent, turn index) over the returns. `shaping_of`:
+    trace -> the overlong penalty in its reward (`turn_returns`), None for none."""
     returns, used = [], 0
     for t in traces:
-        g, u = turn_returns(t, credit, gamma)
+        g, u = turn_returns(t, credit, gamma, shaping_of(t) if shaping_of else 0.0)
         returns.append(g)
         used += u
     slots: dict[tuple, list[tuple[int, int, int]]] = collections.defaultdict(list)

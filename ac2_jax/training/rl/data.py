@@ -150,6 +150,12 @@ class BatchConfig:
             raise ValueError(f"BatchConfig.credit must be one of {CREDITS}, got {self.credit!r}")
         if not 0.0 < self.gamma <= 1.0:
             raise ValueError(f"BatchConfig.gamma must be in (0, 1], got {self.gamma!r}")
+        if self.credit == "trace" and self.gamma != 1.0:
+            raise ValueError(
+                f"BatchConfig: gamma={self.gamma!r} discounts over turns, which credit='trace' "
+                "(one advantage per attempt) does not have: set credit='turn' or 'discount', "
+                "or leave gamma at 1"
+            )
         if self.failed is not None:
             raise ValueError(
                 f"BatchConfig.failed={self.failed!r} no longer exists: rollouts now end "

@@ -75,3 +75,25 @@ def test_a_trace_without_turn_rewards_falls_back_and_bad_ones_are_named():
         BatchConfig(credit="step")
     with pytest.raises(ValueError, match="gamma"):
         BatchConfig(credit="discount", gamma=0.0)
+
+
+def test_gamma_without_turn_credit_is_refused():
+    """gamma discounts over turns: with credit='trace' it would be ignored, so it is named."""
+    with pytest.raises(ValueError, match="gamma=0.9.*credit='trace'"):
+        BatchConfig(gamma=0.9)
+
+
+def test_overlong_shaping_reaches_per_turn_rewards():
+    """DAPO's overlong penalty (eq. 13) changes the attempt's reward; with the env's per-turn
+    rewards it is added to each episode's last turn (as the final reward sits there under
+    'discount' and the fallback), never counted and then dropped. 5 sampled tokens, soft
+    limit 4, cache 2: p = (4 - 5) / 2 = -0.5. REINFORCE (no baseline) shows the returns."""
+    from ac2_jax.training.rl import OverlongShaping, ReinforceAdvantage
+
+    ts = [two_turns(0, 1.0, [1.0, 0.0]), two_turns(1, 0.0, [0.0, 0.0])]
+    cfg = BatchConfig(seq_len=32, rows=4, credit="turn", advantage=ReinforceAdvantage(),
+                      overlong=OverlongShaping(max_tokens=6, cache=2))
+    segs, stats, _ = batch_segments(ts, 0, cfg)
+    assert stats.overlong_shaped == 2 and stats.overlong_penalty == -1.0
+    np.testing.assert_allclose(token_advantages(segs)[0], [0.5] * 2 + [-0.5] * 3)
+    np.testing.assert_allclose(token_advantages(segs)[1], [-0.5] * 5)
