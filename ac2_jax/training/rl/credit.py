@@ -35,6 +35,7 @@ each trained attempt got.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -77,7 +78,12 @@ def check_turn_rewards(trace: Trace) -> list[list[float]] | None:
             f"trace {trace.key!r}: metadata[{TURN_REWARDS!r}] must hold one list per episode "
             f"with one reward per completion (shape {shape}), got {raw!r}"
         )
-    return [[float(r) for r in x] for x in raw]
+    out = [[float(r) for r in x] for x in raw]
+    if not all(math.isfinite(r) for x in out for r in x):
+        raise ValueError(
+            f"trace {trace.key!r}: per-turn rewards must be finite numbers, got {out!r}"
+        )
+    return out
 
 
 def turn_returns(

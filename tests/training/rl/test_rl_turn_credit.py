@@ -97,3 +97,9 @@ def test_overlong_shaping_reaches_per_turn_rewards():
     assert stats.overlong_shaped == 2 and stats.overlong_penalty == -1.0
     np.testing.assert_allclose(token_advantages(segs)[0], [0.5] * 2 + [-0.5] * 3)
     np.testing.assert_allclose(token_advantages(segs)[1], [-0.5] * 5)
+
+
+def test_a_non_finite_turn_reward_is_named():
+    t = two_turns(0, 1.0, [float("nan"), 1.0])
+    with pytest.raises(ValueError, match="finite"):
+        batch_segments([t], 0, BatchConfig(seq_len=32, credit="turn"))
