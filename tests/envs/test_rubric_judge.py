@@ -19,8 +19,15 @@ import re
 
 import pytest
 
-from ac2_jax.envs import (Env, JudgedEnv, JudgeUnavailable, RubricJudge, Task, check_env,
-                          parse_score_reply)
+from ac2_jax.envs import (
+    Env,
+    JudgedEnv,
+    JudgeUnavailable,
+    RubricJudge,
+    Task,
+    check_env,
+    parse_score_reply,
+)
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration.rollouts import LifecycleClient, run_rollout
 from ac2_jax.recipes.common import harness_factory
