@@ -301,6 +301,12 @@ def _set_mode(obj, name):
             f"by normalizer, which must be > 0 (e.g. the most tokens an attempt may "
             f"generate), got {obj.normalizer!r}"
         )
+    if obj.normalizer is not None and obj.mode not in ("task_sum", "constant"):
+        raise ValueError(
+            f"{name}: normalizer={obj.normalizer!r} divides only the token sums of modes "
+            f"'task_sum' and 'constant'; mode {obj.mode!r} would ignore it: drop it or "
+            "pick one of those modes"
+        )
 
 
 def _masked_sum(x, batch):

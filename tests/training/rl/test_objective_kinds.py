@@ -221,6 +221,11 @@ def test_kinds_are_registered_and_built_from_config():
         GSPOLoss(dual_clip=3.0)
     with pytest.raises(ValueError, match="kl_estimator"):
         GRPOLoss(kl_estimator="k4")
+    # a normalizer only task_sum / constant divide by is named, never ignored
+    with pytest.raises(ValueError, match="normalizer=512.0.*'task_mean'"):
+        DrGRPOLoss(mode="task_mean", normalizer=512.0)
+    with pytest.raises(ValueError, match="normalizer"):
+        PolicyGradientLoss(normalizer=512.0)
 
 
 # -------------------------------------------------------------- TRL's GRPOTrainer
