@@ -33,12 +33,18 @@ class AdvantageEstimator(abc.ABC):
 
     def check(self, config) -> None:
         """Raises ValueError for a BatchConfig setting this estimator ignores."""
+        name = ADVANTAGE_ESTIMATORS.name_of(self)
         if config.normalize_std:
-            name = ADVANTAGE_ESTIMATORS.name_of(self)
             raise ValueError(
                 f"rl.batch.normalize_std=True divides GRPO's group advantages by their std; "
                 f"the advantage kind {name!r} has no such step: set normalize_std=False "
                 "(or advantage kind 'grpo')"
+            )
+        if config.std_ddof != 0:
+            raise ValueError(
+                f"rl.batch.std_ddof={config.std_ddof} picks the sample std of GRPO's "
+                f"normalize_std; the advantage kind {name!r} takes no such std: leave "
+                "std_ddof at 0 (or advantage kind 'grpo')"
             )
 
     @abc.abstractmethod
