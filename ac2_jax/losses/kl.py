@@ -10,7 +10,11 @@ with x ~ pi and log r = log pi_ref(x) - log pi(x),
 
 As a loss term beta * k: at pi == pi_ref each is 0; the gradients of k2 and k3
 are then exactly 0 per token, k1's is grad log pi (zero only in expectation
-over x ~ pi: prefer k2/k3 as a loss, k1 as a reward penalty).
+over x ~ pi: prefer k2/k3 as a loss, k1 as a reward penalty). Away from the
+reference, the expected gradient of each as a loss (x ~ pi held fixed) is: k1
+0, k2 grad KL(pi || pi_ref), k3 grad KL(pi_ref || pi), the forward KL (Tang &
+Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL";
+tests/training/rl/test_kl_reference.py checks all three exactly).
 """
 
 from __future__ import annotations
