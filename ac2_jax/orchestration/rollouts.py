@@ -242,7 +242,9 @@ async def run_rollout(
     a wrong answer included), "agent_error" when it did not answer within its
     step or token budget (the verifier's reward for no answer), and otherwise
     as `classify_error` says of the exception (no reward; the error is kept
-    in the trace's `metadata["artifacts"]["error"]`). A rollout the endpoint
+    in the trace's `metadata["artifacts"]["error"]`); a reward the endpoint refuses
+    (outside the env's `reward_range`) is the env's bug: "infra_error", the refusal kept
+    as the error. A rollout the endpoint
     ended first (timed_out, or infra_error after a server failure) keeps that
     status. One the harness or policy ended with the rollout key is not final:
     this finish still grades it (the verifier's reward). Errors of the
@@ -349,7 +351,17 @@ async def _run_rollout(
             info["rollout_id"], reward=reward, status=status, artifacts=artifacts, http=http
         )
     except LifecycleError as e:
-        if e.status_code != 409:  # 409: the endpoint ended it first; its status stands
+        if e.status_code == 400 and reward is not None:
+            # The endpoint refused the env's reward (outside its reward_range): the env's
+            # bug, never a training signal. Finished infra_error with the refusal kept, so
+            # the rollout does not stay open on the endpoint.
+            conv.status = status = "infra_error"
+            artifacts = {**artifacts, "error": f"the env's reward was refused: {e}"}
+            artifacts["orchestrator_status"] = status
+            await lifecycle.finish(
+                info["rollout_id"], reward=None, status=status, artifacts=artifacts, http=http
+            )
+        elif e.status_code != 409:  # 409: the endpoint ended it first; its status stands
             raise
     trace = await lifecycle.trace(info["rollout_id"], http=http)
     trace.metrics.update(conv.metrics)

@@ -487,3 +487,20 @@ def test_an_env_that_scores_each_turn_feeds_per_turn_credit(endpoint):
     # returns-to-go 0.6, 0.5, 0.3 against the other attempt's 0, 0, 0 (reward 0 at the end)
     adv = np.asarray(segs[0].features["advantages"])[np.asarray(segs[0].loss_mask) > 0]
     np.testing.assert_allclose(sorted(set(np.round(adv, 6))), [0.15, 0.25, 0.3], atol=1e-6)
+
+
+class OutOfRangeEnv(ExactEnv):
+    """A verifier that breaks its own reward_range (an env bug, not the agent's)."""
+
+    def verify(self, task, answer):
+        return 2.0
+
+
+def test_a_reward_outside_the_envs_range_ends_the_rollout_infra_error(endpoint):
+    """The endpoint refuses the finish (400 naming the range); the attempt is then
+    finished infra_error with that refusal kept (never trained, counted), not left open on
+    the endpoint with its tokens."""
+    trace, _ = run(endpoint["url"], OutOfRangeEnv(), make())
+    assert trace.status == "infra_error" and trace.reward is None
+    assert "outside the rollout's reward_range [0.0, 1.0]" in trace.metadata["artifacts"]["error"]
+    assert len(trace.episodes[0].completions) == 1 and never_trained(trace)
