@@ -72,9 +72,9 @@ def from_config(cls: type, cfg: Any, *, path: str = "", **overrides: Any) -> Any
         if not isinstance(key, str) or key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
+            known = f"fields: {', '.join(fields)}" if fields else "it takes no fields"
             raise ConfigError(
-                f"{_join(path, str(key))}: unknown key for {cls.__name__} "
-                f"(fields: {', '.join(fields)}){hint}"
+                f"{_join(path, str(key))}: unknown key for {cls.__name__} ({known}){hint}"
             )
     for key in overrides:
         if key not in fields:

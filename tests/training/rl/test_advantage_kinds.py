@@ -60,6 +60,9 @@ def test_kinds_from_config_and_what_they_refuse():
     for kind in ("dr_grpo", "rloo", "reinforce", "reinforce_pp"):
         with pytest.raises(ConfigError, match=f"advantage kind '{kind}' has no such step"):
             from_config(RLConfig, {"batch": {"advantage": {"kind": kind}, "normalize_std": True}})
+    with pytest.raises(ConfigError, match=r"unknown key for GRPOAdvantage \(it takes no fields\)"):
+        from_config(RLConfig, {"batch": {"advantage": {"group_baseline": True}}})
+    for kind in ("dr_grpo", "rloo", "reinforce", "reinforce_pp"):
         # the sample std (std_ddof=1) is a setting of GRPO's std only: named, never ignored
         with pytest.raises(ConfigError, match=f"std_ddof=1.*advantage kind '{kind}'"):
             from_config(RLConfig, {"batch": {"advantage": {"kind": kind}, "std_ddof": 1}})
