@@ -112,10 +112,33 @@ def test_the_verifier_audit_flags_what_accepts_wrong_answers_or_crashes():
     task_id, answer, reward = found["accepts_wrong"][0]
     assert reward == 1.0 and answer.startswith("<answer>")
     crash = audit["domains"]["prime_factorization"]["raises_on_wrong"][0]
-    assert crash[1] == "<answer>no idea</answer>" and crash[2].startswith("ValueError(")
+    assert crash[1] == "<answer>no idea</answer>"
+    assert crash[2].startswith("RuntimeError(") and "its score_answer raised ValueError" in crash[2]
     assert audit["domains"]["propositional_logic"]["no_reference"] == 4
     assert audit["domains"]["gcd"]["accepts_wrong"] == []
     json.dumps(audit)  # written to the report as is
+
+
+def test_a_scorer_that_raises_is_the_librarys_bug_and_the_mix_leaves_it_out():
+    # reasoning-gym's contract: score_answer returns 0.0 for a wrong answer.
+    # prime_factorization's raises ValueError on one that is not a factor list: that
+    # is the library's bug, so the attempt must end infra_error (never a silent 0,
+    # which would train a crash as a score) with a line naming the generator ...
+    env = ReasoningGymEnv("prime_factorization")
+    task = env.sample_tasks(1, seed=0)[0]
+    with pytest.raises(
+        RuntimeError,
+        match=r"^reasoning_gym 'prime_factorization': its "
+        r"score_answer raised ValueError.* on the answer 'no idea' \(its "
+        r"contract is 0.0 for a wrong answer",
+    ):
+        env.verify(task, "<answer>no idea</answer>")
+    # ... and the mix preset holds no generator whose scorer raises on a wrong answer
+    # (the audit's raises_on_wrong); puzzle24 is kept on purpose (module comment).
+    audit = verifier_audit(load_env("reasoning_gym:@mix30"), n=4)
+    assert len(audit["domains"]) == 30
+    assert [d for d, f in audit["domains"].items() if f["raises_on_wrong"]] == []
+    assert audit["flagged"] == ["puzzle24"]
 
 
 @pytest.mark.parametrize("spec, says", [

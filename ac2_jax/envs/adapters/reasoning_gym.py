@@ -43,13 +43,18 @@ SIZE = 100_000
 # 30 generators with short questions (they fit a small model's context), an oracle
 # answer and items generated in milliseconds; two whose verifiers the audit
 # flags are kept in on purpose (puzzle24 accepts any expression that makes 24,
-# time_intervals gives partial credit to wrong answers).
+# time_intervals gives partial credit to wrong answers). No generator whose
+# score_answer raises on a wrong answer (the audit's raises_on_wrong): such an
+# attempt ends infra_error, so its wrong answers would never be trained and its
+# pass rate in an adaptive mix would be biased upward. prime_factorization is
+# out for that reason (it raises on any answer that is not a factor list);
+# rotate_matrix took its place (2026-12-07, after the BUILD_NOTES mix run).
 MIX_PRESETS: dict[str, tuple[str, ...]] = {
     "mix30": (
         "basic_arithmetic", "chain_sum", "gcd", "lcm", "count_bits", "count_primes",
         "products", "simple_equations", "number_sequence", "spell_backward", "coin_flip",
         "complex_arithmetic", "decimal_chain_sum", "decimal_arithmetic",
-        "fraction_simplification", "prime_factorization", "power_function",
+        "fraction_simplification", "rotate_matrix", "power_function",
         "letter_counting", "base_conversion", "bitwise_arithmetic", "caesar_cipher",
         "calendar_arithmetic", "time_intervals", "syllogism", "word_sequence_reversal",
         "number_filtering", "dice", "leg_counting", "family_relationships", "puzzle24",
@@ -164,9 +169,23 @@ class ReasoningGymEnv(Env):
         return entry if entry is not None else self.dataset[int(task.metadata["index"])]
 
     def verify(self, task: Task, answer: str | None) -> float:
-        """The generator's `score_answer` of the `<answer>` text (None without one)."""
+        """The generator's `score_answer` of the `<answer>` text (None without one).
+
+        reasoning-gym's contract is 0.0 for a wrong answer; a `score_answer` that
+        raises (prime_factorization's on an answer that is not a factor list) is the
+        library's bug, never a score: RuntimeError naming the generator and the
+        answer, so the attempt ends infra_error (counted, never trained)."""
         extracted = None if answer is None else _rg().utils.extract_answer(answer)
-        return float(self.dataset.score_answer(extracted, self._entry(task)))
+        try:
+            return float(self.dataset.score_answer(extracted, self._entry(task)))
+        except Exception as exc:
+            raise RuntimeError(
+                f"reasoning_gym {self.generator!r}: its score_answer raised "
+                f"{type(exc).__name__}({str(exc)[:120]!r}) on the answer {extracted!r:.80} "
+                "(its contract is 0.0 for a wrong answer: a bug of the library, so this "
+                "attempt is infra_error, not trained; verifier_audit flags such "
+                "generators: leave them out of a mix)"
+            ) from exc
 
     def reference_answer(self, task: Task) -> str | None:
         """The item's oracle answer in the answer tags (None when the generator has
