@@ -309,6 +309,25 @@ def _set_mode(obj, name):
         )
 
 
+def _refuse_inert(obj, name):
+    """Nothing silent: a field set away from its kind's default that `inert_fields`
+    says cannot act is one line naming the field and the kind (a default merely
+    inherited and unused is not refused)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    for field, why in obj.inert_fields().items():
+        value = getattr(obj, field)
+        if value != defaults[field]:
+            try:
+                kind = repr(OBJECTIVES.name_of(obj))
+            except ValueError:  # an unregistered subclass
+                kind = name
+            raise ValueError(
+                f"{name}: {field}={value!r} has no effect with kind {kind} and "
+                f"old_logprobs={obj.old_logprobs!r} ({why}); leave {field} at its default "
+                f"({defaults[field]!r}) or pick an old_logprobs under which it acts"
+            )
+
+
 def _masked_sum(x, batch):
     return (x * batch.loss_mask.astype(jnp.float32)).sum()
 
@@ -445,6 +464,16 @@ class PolicyGradientLoss(Objective):
                     "Use old_logprobs='sampler' (a trust region against the sampler) or "
                     "'extras' (several updates on one batch)"
                 )
+
+        _refuse_inert(self, name)
+
+    def inert_fields(self) -> dict[str, str]:
+        """{field: why} for the fields that cannot act under this `old_logprobs`; a
+        value other than the kind's default is refused by name (`__post_init__`):
+        tis_cap with old_logprobs="sampler" (the TIS weight is 1)."""
+        if self.old_logprobs == "sampler":
+            return {"tis_cap": "the TIS weight pi / pi_sampler is the PPO ratio, so it is 1"}
+        return {}
 
     def bounds(self) -> tuple[str, ...]:
         """The bounds that can act on the update, by their metric names: "clip_frac"

@@ -205,6 +205,27 @@ def test_kl_term_matches_schulmans_estimators(kind):
     check(value, grads, want, wg)
 
 
+@pytest.mark.parametrize("kind, loss, field", [
+    ("grpo", {"tis_cap": 3.0}, "tis_cap"),  # the sampler's TIS weight is 1
+    ("dr_grpo", {"normalizer": 512, "tis_cap": None}, "tis_cap"),
+    ("dapo", {"tis_cap": 5.0}, "tis_cap"),
+    ("ppo", {"old_logprobs": "sampler", "tis_cap": 3.0}, "tis_cap"),
+    ("cispo", {"old_logprobs": "detached", "eps_high": 1.0}, "eps_high"),  # the ratio is 1
+    ("cispo", {"old_logprobs": "detached", "eps_low": 0.2}, "eps_low"),
+])
+def test_a_field_the_kind_ignores_is_refused_by_name(kind, loss, field):
+    """Nothing silent: a set field that cannot act under the kind's old_logprobs is
+    one line naming the field and the kind; the defaults it merely inherits are not."""
+    with pytest.raises(ConfigError) as e:
+        from_config(RLConfig, {"loss": {"kind": kind, **loss}})
+    msg = str(e.value)
+    assert "\n" not in msg and f"{field}=" in msg and f"kind {kind!r}" in msg, msg
+    # the inherited defaults alone, and a cap that can bind, are accepted
+    from_config(RLConfig, {"loss": {"kind": kind, **{k: v for k, v in loss.items() if k != field}}})
+    from_config(RLConfig, {"loss": {"kind": "grpo", "old_logprobs": "extras", "tis_cap": 3.0}})
+    from_config(RLConfig, {"loss": {"kind": "cispo", "eps_high": 1.0}})
+
+
 def test_kinds_are_registered_and_built_from_config():
     assert {"ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"} <= set(OBJECTIVES.names())
     cfg = from_config(RLConfig, {"loss": {"kind": "dapo"}})

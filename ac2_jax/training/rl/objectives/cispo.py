@@ -49,6 +49,14 @@ class CISPOLoss(PolicyGradientLoss):
                 f"eps_low={self.eps_low!r}, eps_high={self.eps_high!r}"
             )
 
+    def inert_fields(self) -> dict[str, str]:
+        """eps_low / eps_high cannot cap a weight whose ratio is 1 (old_logprobs
+        "detached"); tis_cap is refused outright above."""
+        if self.old_logprobs == "detached":
+            why = "the ratio pi / pi_old is 1, so the weight is never capped"
+            return {"eps_low": why, "eps_high": why}
+        return {}
+
     def bounds(self) -> tuple[str, ...]:
         return ("cispo_clip_frac",) if self.old_logprobs != "detached" else ()
 
