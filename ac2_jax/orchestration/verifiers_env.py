@@ -17,8 +17,10 @@ model's context (verifiers' OverlongPromptError) is the agent's
 rollouts at once) are refused: attempts here run and finish one by one.
 
 Limits: the environment's own turn limit (`max_turns`) bounds its turns, not
-`rollout.max_steps`; the rollout's sampling (temperature, max_tokens, seed)
-is passed as the environment's sampling args.
+`rollout.max_steps` (a console line says so, once per env and max_steps, when
+the two differ; set the environment's `max_turns` argument instead); the
+rollout's sampling (temperature, max_tokens, seed) is passed as the
+environment's sampling args.
 
 `verifiers_env("<id>[,key=value...]")` (the launcher's `--env=verifiers:...`):
 <id> is a class of `verifiers` ("ReasoningGymEnv", "TextArenaEnv", ...), an
@@ -35,6 +37,7 @@ import inspect
 import json
 import logging
 import random
+import sys
 from typing import Any
 
 from ac2_jax.envs.base import AgentError, Env, Task
@@ -163,7 +166,23 @@ class VerifiersEnv(Env):
     def make_harness(
         self, task: Task, client, model_name: str, *, sampling=None, max_steps=8
     ) -> VerifiersHarness:
-        """The harness the recipes use (`recipes.common.harness_factory`)."""
+        """The harness the recipes use (`recipes.common.harness_factory`). The first
+        time a `max_steps` other than the environment's own `max_turns` comes, one
+        line on stderr says which applies (nothing silent)."""
+        said = self.__dict__.setdefault("_said_max_steps", set())
+        if max_steps not in said:
+            said.add(max_steps)
+            own = getattr(self.vf_env, "max_turns", None)
+            own = None if own is None or own <= 0 else int(own)  # <= 0: unlimited
+            if own != max_steps:
+                turns = "no max_turns (unlimited)" if own is None else f"max_turns={own}"
+                print(
+                    f"[verifiers] {self.name}: the environment's own {turns} bounds each "
+                    f"attempt's turns; rollout.max_steps={max_steps} does not apply (set the "
+                    "environment's max_turns argument instead)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return VerifiersHarness(
             self, task, client, model_name, sampling=sampling, max_steps=max_steps
         )

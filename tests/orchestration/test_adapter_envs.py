@@ -130,6 +130,24 @@ def test_a_raising_reward_in_a_rubric_group_is_an_infra_error(endpoint):
     assert "exploding_reward raised RuntimeError" in trace.metadata["artifacts"]["error"]
 
 
+def test_the_envs_own_max_turns_is_said_when_it_differs_from_max_steps(capsys):
+    """verifiers' own `max_turns` bounds its turns, not rollout.max_steps: the adapter
+    says so in one console line (once per env and max_steps) when the two differ."""
+    env = VerifiersEnv(_rg_env())  # a SingleTurnEnv: max_turns=1
+    task = env.sample_tasks(1, seed=0)[0]
+    capsys.readouterr()  # datasets' progress bars
+    for _ in range(3):
+        env.make_harness(task, None, "tiny", max_steps=8)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "[verifiers] ReasoningGymEnv: the environment's own max_turns=1 bounds each "
+        "attempt's turns; rollout.max_steps=8 does not apply (set the environment's "
+        "max_turns argument instead)"
+    ]
+    env.make_harness(task, None, "tiny", max_steps=1)  # the same: nothing to say
+    assert capsys.readouterr().err == ""
+
+
 def test_verifiers_bad_specs_are_one_line():
     for spec, says in [
         ("verifiers:ReasoningGymEn", "no verifiers environment 'ReasoningGymEn'; did you mean"),
