@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import sys
 import textwrap
@@ -37,6 +38,7 @@ __all__ = [
     "harness_factory",
     "load_model",
     "metrics_logger",
+    "remove_pages",
     "resuming_line",
     "run_report",
     "saved_step",
@@ -202,12 +204,13 @@ def harness_factory(sampling: dict, max_steps: int) -> Callable[..., Any]:
 @contextlib.asynccontextmanager
 async def serve_policy(
     model, tokenizer, *, publish_dir: str, traces_dir: str, sampler, rollout, max_batch: int,
-    seed: int = 0,
+    seed: int = 0, trace_file: str = "served.jsonl",
 ) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
     """The endpoint over an embedded JaxSampler of `model`; yields (sampler, lifecycle).
 
     sampler: a `SamplerConfig`; rollout: a `RolloutConfig` (its max_tokens is the
-    default of requests that set none). Served traces go to traces_dir/served.jsonl.
+    default of requests that set none). Served traces go to traces_dir/<trace_file>
+    (the eval recipe's own: eval_served.jsonl).
     """
     from ac2_jax.orchestration import LifecycleClient
     from ac2_jax.sampling.jax_sampler import JaxSampler
@@ -227,7 +230,7 @@ async def serve_policy(
     admin_key = secrets.token_hex(16)
     app = build_app(
         jax_sampler, tokenizer, admin_key=admin_key, model_name=sampler.model_name,
-        trace_store=os.path.join(traces_dir, "served.jsonl"),
+        trace_store=os.path.join(traces_dir, trace_file),
         default_max_tokens=rollout.max_tokens,
     )  # fmt: skip
     base_url, stop = serve_in_thread(app)
@@ -524,6 +527,21 @@ def write_trace_pages(paths, traces, tokenizer, name: str = "trace") -> list[str
         path = os.path.join(paths.reports, f"{name}_{i}.html")
         write_trace_html(path, trace, tokenizer=tokenizer, tool_parser=parser)
         out.append(path)
+    return out
+
+
+def remove_pages(folder: str, name: str) -> list[str]:
+    """Removes folder/<name>_<i>.html (the pages `write_trace_pages(..., name=name)`
+    writes, of any i) and returns their paths: a run that replaces its own pages
+    leaves none of an earlier, larger run beside them. Nothing else is touched."""
+    if not os.path.isdir(folder):
+        return []
+    pattern = re.compile(rf"{re.escape(name)}_\d+\.html")
+    out = []
+    for entry in sorted(os.listdir(folder)):
+        if pattern.fullmatch(entry):
+            os.remove(os.path.join(folder, entry))
+            out.append(os.path.join(folder, entry))
     return out
 
 

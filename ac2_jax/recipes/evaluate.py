@@ -9,9 +9,12 @@
 run through the endpoint (the env's harness or the tool loop) as training's
 evals are (`evals.evaluate`: the same tasks and seeds for the same `seed`, so two
 models' reports pair). Nothing trains and no workdir is claimed: the run writes
-eval_report.json (pass rate and its 95% CI, the summary), eval_attempts.json
-(every attempt) and, with `log.report_files`, eval_trace_<i>.html in the report
-folder, replacing those of an earlier eval there (a training run's files stay).
+only its own eval_* files, replacing those of an earlier eval there (a training
+run's files stay): eval_report.json (pass rate and its 95% CI, the summary),
+eval_config.json, eval_attempts.json (every attempt) and, with
+`log.report_files`, eval_trace_<i>.html in the report folder (an earlier eval's
+pages are removed first, so none is left stale), and the served traces in
+traces/eval_served.jsonl (not the training run's served.jsonl).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
     load_model,
+    remove_pages,
     serve_policy,
     tool_parser_line,
     write_json,
@@ -43,6 +47,9 @@ from ac2_jax.recipes.config import (
 from ac2_jax.recipes.rl import evaluate_policy
 
 __all__ = ["EvalRecipeConfig", "aeval_model", "eval_model"]
+
+SERVED = "eval_served.jsonl"  # the eval's own trace store, in paths.traces
+PAGES = "eval_trace"  # its trace pages: paths.reports/eval_trace_<i>.html
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +88,13 @@ async def aeval_model(model: Any, env: Any, config: EvalRecipeConfig | None = No
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
     progress.say(tool_parser_line(tokenizer))
     t0 = time.perf_counter()
+    served = os.path.join(paths.traces, SERVED)
+    if os.path.exists(served):  # an earlier eval's: this eval's file holds its own only
+        os.remove(served)
     async with serve_policy(
         model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
         sampler=cfg.sampler, rollout=cfg.rollout, max_batch=cfg.eval.concurrency, seed=cfg.seed,
+        trace_file=SERVED,
     ) as (_, lifecycle):  # fmt: skip
         result = await evaluate_policy(cfg, env, lifecycle, "held-out", progress)
     rate = result.pass_rate
@@ -103,10 +114,12 @@ async def aeval_model(model: Any, env: Any, config: EvalRecipeConfig | None = No
         f"pass rate {rate.mean:.3f} [95% CI {rate.low:.3f}, {rate.high:.3f}] over "
         f"{len(result.task_ids)} tasks x {result.k}"
     )
+    report["served_traces"] = served
+    remove_pages(paths.reports, PAGES)  # an earlier eval's pages, so none is left stale
     write_json(os.path.join(paths.reports, "eval_attempts.json"), full["attempts"])
     write_json(os.path.join(paths.reports, "eval_config.json"), cfg)
     if cfg.log.report_files:
-        report["pages"] = write_trace_pages(paths, result.traces, tokenizer, name="eval_trace")
+        report["pages"] = write_trace_pages(paths, result.traces, tokenizer, name=PAGES)
     write_json(os.path.join(paths.reports, "eval_report.json"), report)
     progress.say(f"report {paths.reports}/eval_report.json")
     return RecipeResult(report, model, {"eval": result})

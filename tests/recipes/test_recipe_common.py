@@ -207,3 +207,19 @@ def test_a_model_directory_missing_a_file_names_it_and_the_fix(tmp_path):
     os.remove(os.path.join(path, "config.json"))
     with pytest.raises(ConfigError, match=r"no config.json"):
         load_model(path)
+
+
+def test_an_evals_stale_pages_are_removed_and_nothing_else(tmp_path):
+    """Review of issue 68: an eval that writes fewer pages than an earlier one left the
+    earlier eval_trace_<i>.html beside its own. `remove_pages` removes exactly the
+    `<name>_<i>.html` pages of that name; a training run's pages and files stay."""
+    from ac2_jax.recipes.common import remove_pages
+
+    names = ["eval_trace_0.html", "eval_trace_7.html", "trace_0.html", "eval_report.json",
+             "eval_trace_notes.html", "my_eval_trace_1.html"]  # fmt: skip
+    for n in names:
+        (tmp_path / n).write_text("x")
+    removed = remove_pages(str(tmp_path), "eval_trace")
+    assert sorted(removed) == [str(tmp_path / "eval_trace_0.html"), str(tmp_path / "eval_trace_7.html")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    assert remove_pages(str(tmp_path / "absent"), "eval_trace") == []

@@ -20,6 +20,13 @@ def test_eval_reports_the_pass_rate_with_its_ci_and_every_attempt(tmp_path):
         "eval.temperature=1.0", "rollout.max_tokens=8", "rollout.max_steps=1",
         "sampler.warmup=false", "log.progress=false"])
     model = load_model("tiny", str(tmp_path / "build"))
+    # A training run's files in the workdir, and a page of an earlier, larger eval (review
+    # of issue 68: eval appended to the run's served.jsonl and left stale eval pages).
+    (tmp_path / "run" / "traces").mkdir(parents=True)
+    (tmp_path / "run" / "report").mkdir()
+    (tmp_path / "run" / "traces" / "served.jsonl").write_text('{"the": "run"}\n')
+    (tmp_path / "run" / "report" / "trace_0.html").write_text("the run's page")
+    (tmp_path / "run" / "report" / "eval_trace_5.html").write_text("an earlier eval's page")
     out = eval_model(model, ParityEnv(), cfg)
     report, folder = out.report, tmp_path / "run" / "report"
     assert json.loads((folder / "eval_report.json").read_text()) == report
@@ -31,6 +38,12 @@ def test_eval_reports_the_pass_rate_with_its_ci_and_every_attempt(tmp_path):
     assert len(attempts) == 8 and {a["task_id"] for a in attempts} == {
         t.task_id for t in ParityEnv().sample_tasks(4, 0, "eval")}
     assert report["pages"] == [str(folder / "eval_trace_0.html"), str(folder / "eval_trace_1.html")]
+    assert not (folder / "eval_trace_5.html").exists()  # the stale page of an earlier eval
+    assert (folder / "trace_0.html").read_text() == "the run's page"
+    traces = tmp_path / "run" / "traces"
+    assert (traces / "served.jsonl").read_text() == '{"the": "run"}\n'  # the run's, untouched
+    served = (traces / "eval_served.jsonl").read_text().splitlines()
+    assert len(served) >= 8  # eval's own trace store: its 8 attempts (at least)
     assert not (folder / "report.json").exists()  # nothing trained, no training report
     with pytest.raises(ConfigError, match="eval.num_tasks >= 1"):
         eval_model(model, ParityEnv(), load_config(EvalRecipeConfig, None, ["eval.num_tasks=0"]))
