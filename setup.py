@@ -42,6 +42,9 @@ EXTRAS = {
     "verifiers": ["verifiers>=0.3.1,<0.4"],
     "textarena": ["textarena>=0.7.4"],
     "gymnasium": ["gymnasium>=1.0"],
+    # OpenEnv servers (the adapter speaks its /ws session protocol). Not in "dev": it brings
+    # ~45 packages (gradio, fastmcp, pillow, ...); its tests skip without it.
+    "openenv": ["openenv>=0.10"],
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
