@@ -39,6 +39,7 @@ from ac2_jax.orchestration.default import (
     tool_format_error,
 )
 from ac2_jax.orchestration.gym_env import GymHarness, GymTextEnv, gym_env
+from ac2_jax.orchestration.openenv_env import OpenEnvEnv, OpenEnvError, openenv_env
 from ac2_jax.orchestration.rollouts import (
     LifecycleClient,
     LifecycleError,
@@ -70,6 +71,8 @@ __all__ = [
     "LifecycleClient",
     "LifecycleError",
     "MultiResponseOrchestrator",
+    "OpenEnvEnv",
+    "OpenEnvError",
     "Orchestrator",
     "ScriptedUser",
     "SingleTaskUser",
@@ -90,6 +93,7 @@ __all__ = [
     "qwen_code",
     "format_error_message",
     "gym_env",
+    "openenv_env",
     "request_seed",
     "run_rollout",
     "run_task",

@@ -7,6 +7,7 @@
     --env=verifiers:<env id or class>[,key=value...]   (ac2_jax[verifiers])
     --env=textarena:<game id>                          (ac2_jax[textarena])
     --env=gym:<env id>[,key=value...]                  (ac2_jax[gymnasium])
+    --env=openenv:<url or module>[,key=value...]       (ac2_jax[openenv])
     --env=mix:<spec>+<spec>+...                        (a DomainMixer of them:
                                                         envs.contract.mixed_env)
 
@@ -62,6 +63,7 @@ def _by_name(module: str, factory: str) -> Callable[[str], Any]:
 ENV_ADAPTERS.register("verifiers")(_by_name("ac2_jax.orchestration.verifiers_env", "verifiers_env"))
 ENV_ADAPTERS.register("gym")(_by_name("ac2_jax.orchestration.gym_env", "gym_env"))
 ENV_ADAPTERS.register("textarena")(_by_name("ac2_jax.orchestration.textarena_env", "textarena_env"))
+ENV_ADAPTERS.register("openenv")(_by_name("ac2_jax.orchestration.openenv_env", "openenv_env"))
 
 
 def adapter_of(spec: str) -> tuple[str, str] | None:
