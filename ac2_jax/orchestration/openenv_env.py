@@ -205,6 +205,8 @@ class OpenEnvEnv(Env):
         timeout_s: float = 60.0,
         served: _Served | None = None,
     ):
+        # The session client (the openenv extra brings it): a missing one is the extra's hint.
+        require("websockets.sync.client", EXTRA, what="the openenv env adapter")
         self.url, self.ws_url = _http_base(url), _ws_url(_http_base(url))
         self.max_turns, self.timeout_s, self._served = max_turns, float(timeout_s), served
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
