@@ -399,8 +399,10 @@ class RubricJudge:
     `openai.AsyncOpenAI`) made elsewhere. timeout_s bounds each request.
 
     `score(prompt, answer, reference)` -> a float in [0, 1] (`ascore` awaits the
-    async client). The score of the same content (model, rubric, prompt, answer,
-    reference: sha256, `key`) is asked once and cached (valid scores only).
+    async client; with only `client`, ascore runs it in a thread; with only
+    `async_client`, score is refused). The score of the same request (endpoint,
+    model, temperature, max_tokens, rubric, prompt, answer, reference: sha256,
+    `key`) is asked once and cached (valid scores only).
     A request that fails (timeout, connection, HTTP error) or a reply that is not
     {"score": s} with 0 <= s <= 1 is retried up to `max_retries` times, after
     backoff_s, 2 backoff_s, ... (at most max_backoff_s), a bad reply with the
@@ -473,6 +475,11 @@ class RubricJudge:
         }
 
     def _sync_client(self):
+        if self._client is None and self.base_url is None:  # never openai's default URL
+            raise ValueError(
+                "RubricJudge.score: only async_client was given (no base_url, no client=); "
+                "await ascore (JudgedEnv.averify does) or pass client= too"
+            )
         if self._client is None:
             import openai
 
@@ -480,8 +487,12 @@ class RubricJudge:
         return self._client
 
     def _aclient(self):
+        """The async client, or None when only a sync `client` was given (ascore then
+        runs it off the event loop; never openai's default URL)."""
         if self._async_client is not None:
             return self._async_client
+        if self.base_url is None:
+            return None
         loop = id(asyncio.get_running_loop())  # an httpx pool belongs to one loop
         if loop not in self._own_async:
             import openai
@@ -492,9 +503,13 @@ class RubricJudge:
     # -- the request
 
     def key(self, prompt: str, answer: str, reference: str | None = None) -> str:
-        """sha256 of what the judge is asked (the cache key)."""
+        """sha256 of what the judge is asked and how (the cache key): the endpoint,
+        model, sampling settings, system prompt, rubric, prompt, answer and the
+        reference when it is shown."""
         ref = reference if self.show_reference else None
-        blob = json.dumps([self.model, self.rubric, prompt, answer, ref], ensure_ascii=False)
+        where = self.base_url or "client"
+        settings = [where, self.model, self.temperature, self.max_tokens, _RUBRIC_SYSTEM]
+        blob = json.dumps([*settings, self.rubric, prompt, answer, ref], ensure_ascii=False)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def messages(self, prompt: str, answer: str, reference: str | None = None) -> list[dict]:
@@ -572,6 +587,7 @@ class RubricJudge:
         hit = self._cached(key)
         if hit is not None:
             return hit
+        self._sync_client()  # a judge with only an async client: refused before any request
         messages, reason = self.messages(prompt, answer, reference), "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -602,7 +618,12 @@ class RubricJudge:
                 await asyncio.sleep(self._delay(attempt))
             self._count("requests")
             try:
-                resp = await self._aclient().chat.completions.create(**self._request(messages))
+                aclient, request = self._aclient(), self._request(messages)
+                if aclient is None:  # only a sync client: off the loop
+                    create = self._sync_client().chat.completions.create
+                    resp = await asyncio.to_thread(create, **request)
+                else:
+                    resp = await aclient.chat.completions.create(**request)
                 text = resp.choices[0].message.content or ""
             except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
                 reason = self._failed(e)

@@ -200,3 +200,36 @@ def test_no_answer_scores_low_without_asking_and_the_env_is_delegated():
     assert env.name == "capital+judge" and env.reference_answer(task) is None
     assert getattr(env, "hint", None) is None  # CapitalEnv has none
     assert check_env(env, "rl") is env and judge.stats["requests"] == 0  # no judge call
+
+
+def test_the_cache_key_covers_every_setting_that_changes_the_score():
+    """Review: the key held (model, rubric, prompt, answer, reference) only, so a judge
+    asked at another temperature, token budget or endpoint reused the earlier score."""
+    url = "http://127.0.0.1:9/v1"
+    key = RubricJudge(RUBRIC, "m", url).key("q", "a", "ref")
+    for changed in (dict(temperature=0.7), dict(max_tokens=8), dict(show_reference=True)):
+        assert RubricJudge(RUBRIC, "m", url, **changed).key("q", "a", "ref") != key, changed
+    assert RubricJudge(RUBRIC, "m", "http://127.0.0.1:10/v1").key("q", "a", "ref") != key
+    judge = RubricJudge(RUBRIC, "m", url)
+    judge.temperature = 0.7  # a setting changed on a live judge: no stale cache hit
+    assert judge.key("q", "a", "ref") != key
+
+
+def test_a_judge_asks_only_the_endpoint_it_was_given(served, monkeypatch):
+    """Review: given only one of client= / async_client=, the other path built an
+    openai client with base_url None: api.openai.com (or $OPENAI_BASE_URL) was asked
+    with the task and the answer. Now ascore runs the sync client off the loop, and
+    score with only an async client is refused in one line."""
+    import openai
+
+    urls, samplers = served
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")  # where base_url None goes
+    q = "What is the capital of France?"
+    sync = openai.OpenAI(base_url=urls["judge"] + "/v1", api_key=ADMIN, max_retries=0)
+    judge = RubricJudge(RUBRIC, "judge", client=sync, max_retries=0, timeout_s=5)
+    assert asyncio.run(judge.ascore(q, "Paris")) == 1.0
+    aio = openai.AsyncOpenAI(base_url=urls["judge"] + "/v1", api_key=ADMIN, max_retries=0)
+    judge = RubricJudge(RUBRIC, "judge", async_client=aio, max_retries=0, timeout_s=5)
+    with pytest.raises(ValueError, match=r"only async_client was given.*ascore"):
+        judge.score(q, "Paris")
+    assert judge.stats["requests"] == 0
