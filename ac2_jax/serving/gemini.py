@@ -15,7 +15,8 @@ Bearer or x-api-key):
   GET  /v1beta/models, /v1beta/models/{model}         the served model (and its adapters)
 All of them are served under /v1/models/... too (google-genai 3.x's default
 api_version is v1; Gemini CLI uses v1beta): GET /v1/models is the OpenAI list with the
-Gemini entries beside it (`models`).
+Gemini entries beside it (`models`), GET /v1/models/{model} OpenAI's model object with
+the Gemini entry's fields beside it.
 
 A request is translated into the OpenAI chat messages and tools a Chat
 Completions client would send for the same conversation (`gemini_schemas`) and
@@ -288,11 +289,26 @@ def install_gemini_routes(
         return {"models": gemini_models(ctx)}
 
     @app.get("/v1beta/models/{model}")
-    @app.get("/v1/models/{model}")
     async def get_model(model: str, request: Request):
         await authenticate(request)
         check_model(ctx, model)
         return model_entry(ctx, model)
+
+    @app.get("/v1/models/{model}")
+    async def get_model_v1(model: str, request: Request):
+        """OpenAI's model object (the openai client's models.retrieve) with the Gemini
+        entry's fields beside it (google-genai's models.get at api_version v1)."""
+        await authenticate(request)
+        check_model(ctx, model)
+        openai_entry = {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ac2_jax",
+            "max_model_len": ctx.sampler.max_context,
+            "policy_version": ctx.sampler.policy_version,
+        }
+        return {**openai_entry, **model_entry(ctx, model)}
 
     @app.post("/v1beta/models/{target:path}")
     @app.post("/v1/models/{target:path}")  # google-genai 3.x's default api_version is v1

@@ -37,12 +37,14 @@ class ScriptedSampler:
         self.tok, self.max_context, self.policy_version = tok, max_context, 0
         self.queue: collections.deque[str] = collections.deque()
         self.prompts: list[list[int]] = []
+        self.params: list = []
 
     def load_weights(self, step=None):
         return self.policy_version
 
     async def generate(self, prompt_ids, params, *, on_tokens=None):
         self.prompts.append(list(prompt_ids))
+        self.params.append(params)
         text = self.queue.popleft() if self.queue else "ok"
         out = (self.tok.encode(text) + [self.tok.eos_token_id])[: params.max_tokens]
         finish = "stop" if out and out[-1] == self.tok.eos_token_id else "length"
@@ -293,6 +295,48 @@ def test_gemini_stream_count_tokens_and_models(env):
     assert episode["agent"] == "side"
     assert [m.name for m in client.models.list()] == ["models/tiny"]
     assert client.models.get(model="tiny").input_token_limit == env["sampler"].max_context
+
+
+def test_gemini_generation_config_reaches_the_sampler(env):
+    """Review: every honoured generationConfig field is what the sampler is asked
+    with (temperature, topP, topK, maxOutputTokens, seed, stopSequences), a cut
+    answer is finishReason MAX_TOKENS, a stop sequence ends the text with STOP."""
+    from google.genai import types
+
+    info = create(env, "gemini-config")
+    client = gemini(info)
+    config = types.GenerateContentConfig(temperature=0.5, top_p=0.9, top_k=40,
+                                         max_output_tokens=7, seed=11, stop_sequences=["END"])
+    client.models.generate_content(model="tiny", contents="n?", config=config)
+    p = env["sampler"].params[-1]
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.5, pytest.approx(0.9), 40, 11)
+    assert p.max_tokens == 7 and "END" in p.stop
+    env["sampler"].queue.append("one two three four five six")
+    cut = client.models.generate_content(model="tiny", contents="count", config=types.
+                                         GenerateContentConfig(max_output_tokens=2))
+    assert cut.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    assert cut.usage_metadata.candidates_token_count == 2
+    env["sampler"].queue.append("alpha END beta")
+    stopped = client.models.generate_content(model="tiny", contents="go", config=types.
+                                             GenerateContentConfig(stop_sequences=["END"]))
+    assert stopped.text == "alpha " and (
+        stopped.candidates[0].finish_reason == types.FinishReason.STOP)
+
+
+def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
+    """Review: GET /v1/models/{model} answered only the Gemini entry (for google-genai's
+    api_version v1), so the openai client's models.retrieve had no id."""
+    from google import genai
+    from google.genai import types
+
+    info = create(env, "models-get")
+    model = gpt(info).models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "ac2_jax")
+    v1 = genai.Client(api_key=info["api_key"], http_options=types.HttpOptions(
+        base_url=info["gemini_base_url"], api_version="v1",
+        retry_options=types.HttpRetryOptions(attempts=1)))
+    got = v1.models.get(model="tiny")
+    assert got.name == "models/tiny" and got.input_token_limit == env["sampler"].max_context
 
 
 @pytest.mark.parametrize("config,named", [
