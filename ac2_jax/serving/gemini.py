@@ -91,6 +91,7 @@ from ac2_jax.serving.sample_run import RequestState, ServeContext
 from ac2_jax.serving.schemas import validate
 from ac2_jax.serving.stream_generation import EventWriter
 from ac2_jax.serving.streaming import TextStream
+from ac2_jax.serving.structured import response_schema, sampler_grammars
 
 __all__ = ["GeminiWriter", "chat_request", "install_gemini_routes"]
 
@@ -331,6 +332,16 @@ def install_gemini_routes(
             )
         body = validate(GenerateBody, payload)
         req = chat_request(body, model, stream)
+        if response_schema(req.response_format) is not None and not sampler_grammars(
+            ctx.sampler
+        ):  # refused here so that the message names the Gemini fields
+            raise bad_request(
+                "generationConfig.responseMimeType application/json (a JSON answer) needs "
+                "grammar-constrained decoding, which this server's sampler does not do "
+                "(SGLang: its grammar backends' masks cannot be replayed by the learner); "
+                "send text/plain or serve with the embedded JaxSampler",
+                param="generationConfig.responseMimeType",
+            )
         agent = agent_label(request, req)
         prompt_ids = await chat_prompt_ids(ctx, principal, req)
         st = await start_request(

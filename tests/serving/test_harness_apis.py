@@ -323,6 +323,20 @@ def test_gemini_generation_config_reaches_the_sampler(env):
         stopped.candidates[0].finish_reason == types.FinishReason.STOP)
 
 
+def test_gemini_json_output_without_grammars_names_the_gemini_fields(env):
+    """Review: the refusal named the chat core's 'response_format', which a Gemini
+    client never sends."""
+    from google.genai import errors, types
+
+    info = create(env, "gemini-json")
+    client = gemini(info)
+    with pytest.raises(errors.ClientError) as e:
+        client.models.generate_content(model="tiny", contents="n?", config=types.
+                                       GenerateContentConfig(response_mime_type="application/json"))
+    assert e.value.status == "INVALID_ARGUMENT" and "response_format" not in e.value.message
+    assert "generationConfig.responseMimeType" in e.value.message
+
+
 def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
     """Review: GET /v1/models/{model} answered only the Gemini entry (for google-genai's
     api_version v1), so the openai client's models.retrieve had no id."""
