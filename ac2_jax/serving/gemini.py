@@ -12,6 +12,7 @@ Bearer or x-api-key):
   POST /v1beta/models/{model}:countTokens            {"totalTokens": n} of `contents` or a
                                                      `generateContentRequest`, rendered as
                                                      generateContent would render it
+                                                     (a history may end with the model's)
   GET  /v1beta/models, /v1beta/models/{model}         the served model (and its adapters)
 All of them are served under /v1/models/... too (google-genai 3.x's default
 api_version is v1; Gemini CLI uses v1beta): GET /v1/models is the OpenAI list with the

@@ -365,11 +365,20 @@ class GenerateBody(_G):
         return out
 
 
+class CountedRequest(GenerateBody):
+    """What countTokens counts: a generateContent request, except that it may end with
+    a model content (a history is counted as it stands; nothing is generated)."""
+
+    @model_validator(mode="after")
+    def _last_from_user(self) -> CountedRequest:
+        return self
+
+
 class CountTokensBody(_G):
     """countTokens: `contents`, or a whole `generateContentRequest`."""
 
     contents: list[Content] | None = None
-    generate_content_request: GenerateBody | None = None
+    generate_content_request: CountedRequest | None = None
 
     @model_validator(mode="after")
     def _one(self) -> CountTokensBody:
@@ -380,7 +389,7 @@ class CountTokensBody(_G):
     def generate_body(self) -> GenerateBody:
         if self.generate_content_request is not None:
             return self.generate_content_request
-        return GenerateBody.model_validate(
+        return CountedRequest.model_validate(
             {
                 "contents": [
                     c.model_dump(by_alias=True, exclude_none=True) for c in self.contents or ()

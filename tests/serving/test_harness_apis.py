@@ -337,6 +337,24 @@ def test_gemini_json_output_without_grammars_names_the_gemini_fields(env):
     assert "generationConfig.responseMimeType" in e.value.message
 
 
+def test_gemini_count_tokens_of_a_history_that_ends_with_the_model(env):
+    """Review: countTokens of a conversation whose last content is the model's (a
+    history, as Gemini CLI counts it) is a Gemini request; it was refused as prefill."""
+    info = create(env, "gemini-count")
+    history = [{"role": "user", "parts": [{"text": "hi"}]},
+               {"role": "model", "parts": [{"text": "hello"}]}]
+    r = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+                   json={"contents": history}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    shorter = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+                         json={"contents": history[:1]}, timeout=WAIT_S)
+    assert r.json()["totalTokens"] > shorter.json()["totalTokens"]
+    whole = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+                       json={"generateContentRequest": {"model": "models/tiny",
+                                                        "contents": history}}, timeout=WAIT_S)
+    assert whole.json() == r.json()
+
+
 def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
     """Review: GET /v1/models/{model} answered only the Gemini entry (for google-genai's
     api_version v1), so the openai client's models.retrieve had no id."""
