@@ -440,9 +440,12 @@ def test_agent_rules_label_side_conversations_by_their_system_prompt(env):
     # The same rule over the Anthropic API (top-level system) and the Gemini API.
     claude(info).messages.create(model="tiny", system=TITLE_SYSTEM, max_tokens=4,
                                  messages=[{"role": "user", "content": "again"}])
+    g = gemini(info)  # held: a google-genai Client closes its connection when collected
+    g.models.generate_content(model="tiny", contents="once more", config={
+        "system_instruction": MEMORY_SYSTEM, "max_output_tokens": 4})
     trace = trace_of(env, info)
     assert sorted(e["agent"] for e in trace["episodes"]) == [
-        "main", "memory", "named", "title", "title"]
+        "main", "memory", "memory", "named", "title", "title"]
     assert trace["metadata"]["agent_rules"] == rules
     kept = [e.agent for e in Trace.from_dict(trace).episodes
             if agent_matches(e.agent, ("main",))]  # train_agents=("main",)
