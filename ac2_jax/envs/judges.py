@@ -435,10 +435,11 @@ class RubricJudge:
                 "RubricJudge: give base_url (an OpenAI-compatible endpoint, e.g. "
                 "http://host:port/v1) or an openai client (client= / async_client=)"
             )
-        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
+        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0 or max_backoff_s < 0:
             raise ValueError(
-                f"RubricJudge: need max_retries >= 0, timeout_s > 0, backoff_s >= 0; got "
-                f"{max_retries}, {timeout_s}, {backoff_s}"
+                "RubricJudge: need max_retries >= 0, timeout_s > 0, backoff_s >= 0, "
+                f"max_backoff_s >= 0; got {max_retries}, {timeout_s}, {backoff_s}, "
+                f"{max_backoff_s}"
             )
         self.rubric, self.model, self.base_url = rubric, model, base_url
         self.api_key = api_key

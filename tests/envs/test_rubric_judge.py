@@ -233,3 +233,10 @@ def test_a_judge_asks_only_the_endpoint_it_was_given(served, monkeypatch):
     with pytest.raises(ValueError, match=r"only async_client was given.*ascore"):
         judge.score(q, "Paris")
     assert judge.stats["requests"] == 0
+
+
+def test_a_negative_backoff_cap_is_named():
+    """Review: max_backoff_s < 0 was taken; the first retry's time.sleep then raised
+    ValueError (not JudgeUnavailable) out of score."""
+    with pytest.raises(ValueError, match="max_backoff_s >= 0"):
+        RubricJudge(RUBRIC, "m", "http://127.0.0.1:9/v1", max_backoff_s=-1.0)
