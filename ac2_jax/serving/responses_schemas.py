@@ -472,6 +472,13 @@ class ResponsesBody(_Strict):
                 f"names function {value['name']!r}, which is not in 'tools' ({names})",
             )
         if not names:
+            builtin = [t.type for t in info.data["tools"] or () if isinstance(t, BuiltinTool)]
+            if builtin:
+                raise _error(
+                    "invalid_value",
+                    f"requires a tool call but 'tools' holds no function: only built-in tools "
+                    f"{builtin}, which this server never offers the model; declare a function",
+                )
             raise _error("invalid_value", "requires a tool call but 'tools' is empty")
         return value
 

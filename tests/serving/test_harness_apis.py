@@ -208,6 +208,15 @@ def test_builtin_tools_refused_by_name_when_the_server_says_so(env):
     assert "--builtin_tools=omit" in e.value.message
 
 
+def test_a_required_call_with_only_builtin_tools_names_them(env):
+    """Review: tools=[web_search] with tool_choice 'required' said "'tools' is empty"."""
+    info = create(env, "only-builtin")
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt(info).responses.create(model="tiny", input="hi", tool_choice="required",
+                                   tools=[{"type": "web_search"}])
+    assert "is empty" not in e.value.message and "web_search" in e.value.message
+
+
 def test_a_function_offered_twice_across_namespaces_is_refused(env):
     info = create(env, "twice")
     tools = [SPAWN, {"type": "namespace", "name": "ns", "description": "d", "tools": [SPAWN]}]
