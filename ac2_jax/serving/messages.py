@@ -86,6 +86,7 @@ prompt, which count_tokens counts.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -113,6 +114,7 @@ from ac2_jax.serving.messages_output import (
 )
 from ac2_jax.serving.messages_schemas import CreateBody, PromptBody
 from ac2_jax.serving.sample_run import RequestState, ServeContext
+from ac2_jax.serving.splice import build_prompt_ids
 
 __all__ = [
     "MessageEventWriter",
@@ -212,13 +214,52 @@ def chat_request(body: PromptBody) -> req_lib.ChatRequest:
     return req_lib.ChatRequest(**fields)
 
 
+def _system_turns_as_user_text(messages: list[dict]) -> list[dict]:
+    """`messages` with each system message after the first folded into the next user
+    message as leading text (a last one: a user message of its own), as Claude Code's
+    fallback sends them."""
+    out: list[dict] = []
+    carry: list[str] = []
+    for i, m in enumerate(messages):
+        if i > 0 and m.get("role") == "system":
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            carry.append(str(content or ""))
+            continue
+        if carry and m.get("role") == "user":
+            text, content = "\n\n".join(carry), m.get("content")
+            if isinstance(content, list):
+                content = [{"type": "text", "text": text}, *content]
+            else:
+                content = text + ("\n\n" + content if content else "")
+            m, carry = {**m, "content": content}, []
+        out.append(m)
+    if carry:
+        out.append({"role": "user", "content": "\n\n".join(carry)})
+    return out
+
+
+async def _renders_without_system_turns(ctx: ServeContext, req) -> bool:
+    messages = _system_turns_as_user_text(req.messages)
+    try:
+        await asyncio.to_thread(build_prompt_ids, ctx.tokenizer, messages, req.tools, None)
+    except Exception:  # noqa: BLE001 - any failure: the system turns are not the cause
+        return False
+    return True
+
+
 async def prompt_ids_of(ctx: ServeContext, principal, body: PromptBody, req) -> list[int]:
     """`chat_prompt_ids`, with a template that cannot render a mid-conversation system
-    turn answered in Anthropic's words (Claude Code's fallback keys on them)."""
+    turn answered in Anthropic's words (Claude Code's fallback keys on them): only when
+    the same conversation renders with those turns as user text (the fallback's form);
+    any other template error is answered as it is."""
     try:
         return await chat_prompt_ids(ctx, principal, req)
     except APIError as e:
         if e.status != 400 or e.code is not None or not body.has_system_turns:
+            raise
+        if not await _renders_without_system_turns(ctx, req):
             raise
         raise bad_request(
             f"messages: {SYSTEM_ROLE_REFUSED} (this model's chat template cannot render a "

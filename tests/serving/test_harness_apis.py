@@ -146,6 +146,29 @@ def test_refused_roles_are_worded_as_anthropic_words_them(env):
         e.value.message)
 
 
+def test_a_template_error_unrelated_to_the_system_turn_is_not_relabelled(tmp_path):
+    """Review: every template 400 of a body holding a system turn was answered as the
+    system-role refusal (so Claude Code resent the system text as user text and met the
+    real error only then). Now only a template that renders the conversation once the
+    system turns are user turns gets that wording."""
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    tok.chat_template = TINY_CHAT_TEMPLATE.replace(
+        "{%- for message in messages %}",
+        "{%- for message in messages %}{%- if 'BOOM' in (message.content | string) %}"
+        "{{- raise_exception('cannot render BOOM') }}{%- endif %}", 1)
+    url, stop = serve(tok, ScriptedSampler(tok))
+    try:
+        info = create({"url": url}, "boom", url=url)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude(info).messages.create(model="tiny", max_tokens=8, messages=[
+                {"role": "user", "content": "hi"}, {"role": "system", "content": AGENT_LISTING},
+                {"role": "user", "content": "BOOM"}], extra_headers=MID_SYSTEM_BETA)
+        assert "cannot render BOOM" in e.value.message
+        assert "Unexpected role" not in e.value.message
+    finally:
+        stop()
+
+
 # ------------------------------------------------------------------ OpenAI Responses
 
 def gpt(info):
