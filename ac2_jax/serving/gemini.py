@@ -32,10 +32,11 @@ Fields (null is taken as absent):
                       functionCall {name, args, id?} (model), functionResponse {name,
                       response, id?} (user: a tool message, before the content's text;
                       matched to its call by id, else to the earliest unanswered call
-                      of that name; none: 400). thoughtSignature: accepted, never
-                      rendered. Refused by name: inlineData / fileData (text-only model),
-                      executableCode / codeExecutionResult, thought true; a last content
-                      from the model (prefill).
+                      of that name; none, or an id's call of another name: 400).
+                      thoughtSignature: accepted, never rendered. Refused by name:
+                      inlineData / fileData (text-only model), executableCode /
+                      codeExecutionResult, thought true; a last content from the model
+                      (prefill; countTokens counts such a history).
   systemInstruction   honoured: its text parts (joined by "\\n") are the system message.
   tools               functionDeclarations honoured {name, description, parameters (a
                       Gemini Schema, types lower-cased into JSON schema) or

@@ -315,7 +315,8 @@ class GenerateBody(_G):
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI chat messages. A functionCall without an id gets
         "call_<content>_<part>"; a functionResponse without one answers the earliest
-        unanswered call of its name (ValueError naming it when there is none)."""
+        unanswered call of its name (ValueError naming it when there is none, or when
+        the call its id names is of another function)."""
         out: list[dict[str, Any]] = []
         if self.system_instruction is not None:
             text = "\n".join(p.text or "" for p in self.system_instruction.parts)
@@ -357,7 +358,12 @@ class GenerateBody(_G):
                         f"functionCall ({f'id {fr.id!r}' if fr.id else f'name {fr.name!r}'}); "
                         "send the model content with the call too"
                     )
-                _name, cid = pending.pop(match[0])
+                name, cid = pending.pop(match[0])
+                if name != fr.name:
+                    raise ValueError(
+                        f"contents[{i}].parts[{j}].functionResponse names {fr.name!r} but "
+                        f"answers the call {cid!r} of {name!r}; send the call's name"
+                    )
                 result = json.dumps(fr.response, ensure_ascii=False)
                 out.append({"role": "tool", "tool_call_id": cid, "content": result})
             if texts:

@@ -387,6 +387,21 @@ def test_gemini_count_tokens_of_a_history_that_ends_with_the_model(env):
     assert whole.json() == r.json()
 
 
+def test_gemini_function_response_naming_another_function_than_its_call(env):
+    """Review: a functionResponse whose id is a call's but whose name is another
+    function's answered that call silently."""
+    info = create(env, "gemini-mismatch")
+    contents = [{"role": "user", "parts": [{"text": "add"}]},
+                {"role": "model", "parts": [{"functionCall": {"name": "add", "args": {},
+                                                               "id": "c1"}}]},
+                {"role": "user", "parts": [{"functionResponse": {
+                    "name": "sub", "id": "c1", "response": {"r": 1}}}]}]
+    r = httpx.post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
+                   json={"contents": contents}, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["status"] == "INVALID_ARGUMENT"
+    assert "'sub'" in r.json()["error"]["message"] and "'add'" in r.json()["error"]["message"]
+
+
 def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
     """Review: GET /v1/models/{model} answered only the Gemini entry (for google-genai's
     api_version v1), so the openai client's models.retrieve had no id."""
