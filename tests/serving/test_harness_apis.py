@@ -402,6 +402,24 @@ def test_gemini_function_response_naming_another_function_than_its_call(env):
     assert "'sub'" in r.json()["error"]["message"] and "'add'" in r.json()["error"]["message"]
 
 
+def test_gemini_stream_of_a_function_call(env):
+    """Gemini CLI always streams: a sampled call comes back as a functionCall part,
+    never as its tool-call markup in text chunks."""
+    from google.genai import types
+
+    info = create(env, "gemini-stream-call")
+    client = gemini(info)
+    config = types.GenerateContentConfig(
+        tools=[types.Tool(function_declarations=[types.FunctionDeclaration(**ADD_DECL)])])
+    env["sampler"].queue.append(ADD_CALL)
+    chunks = list(client.models.generate_content_stream(model="tiny", contents="2+3?",
+                                                        config=config))
+    assert not any("tool_call" in (c.text or "") for c in chunks)
+    calls = [fc for c in chunks for fc in c.function_calls or ()]
+    assert [(fc.name, fc.args) for fc in calls] == [("add", {"a": 2, "b": 3})]
+    assert chunks[-1].candidates[0].finish_reason == types.FinishReason.STOP
+
+
 def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
     """Review: GET /v1/models/{model} answered only the Gemini entry (for google-genai's
     api_version v1), so the openai client's models.retrieve had no id."""
