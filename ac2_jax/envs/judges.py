@@ -403,12 +403,13 @@ class RubricJudge:
     `async_client`, score is refused). The score of the same request (endpoint,
     model, temperature, max_tokens, rubric, prompt, answer, reference: sha256,
     `key`) is asked once and cached (valid scores only).
-    A request that fails (timeout, connection, HTTP error) or a reply that is not
-    {"score": s} with 0 <= s <= 1 is retried up to `max_retries` times, after
+    A request that fails (timeout, connection, 5xx, 408, 429) or a reply that is
+    not {"score": s} with 0 <= s <= 1 is retried up to `max_retries` times, after
     backoff_s, 2 backoff_s, ... (at most max_backoff_s), a bad reply with the
     error fed back; then `JudgeUnavailable` is raised (one line: the model, the
-    URL, the last reason). `stats` counts: scored (calls), cache_hits,
-    requests, retries, timeouts, request_errors, invalid_replies, unavailable.
+    URL, the last reason); another 4xx (a wrong key, an unknown model) at once.
+    `stats` counts: scored (calls), cache_hits, requests, retries, timeouts,
+    request_errors, invalid_replies, unavailable.
     """
 
     def __init__(
@@ -546,6 +547,13 @@ class RubricJudge:
         self._count("timeouts" if timeout else "request_errors")
         return f"request failed: {type(exc).__name__}: {str(exc)[:200]}"
 
+    @staticmethod
+    def _refused(exc: Exception) -> bool:
+        """A 4xx the endpoint answers the same way again (a wrong key, an unknown model,
+        a request it cannot take): not retried. 408 and 429 are retried."""
+        status = getattr(exc, "status_code", None)
+        return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
+
     def _reply(self, text: str, messages: list[dict]) -> tuple[float | None, list[dict], str]:
         try:
             return parse_score_reply(text), messages, ""
@@ -600,6 +608,8 @@ class RubricJudge:
                 text = resp.choices[0].message.content or ""
             except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
                 reason = self._failed(e)
+                if self._refused(e):
+                    break
                 continue
             got, messages, reason = self._reply(text, messages)
             if got is not None:
@@ -628,6 +638,8 @@ class RubricJudge:
                 text = resp.choices[0].message.content or ""
             except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
                 reason = self._failed(e)
+                if self._refused(e):
+                    break
                 continue
             got, messages, reason = self._reply(text, messages)
             if got is not None:

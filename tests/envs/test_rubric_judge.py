@@ -240,3 +240,19 @@ def test_a_negative_backoff_cap_is_named():
     ValueError (not JudgeUnavailable) out of score."""
     with pytest.raises(ValueError, match="max_backoff_s >= 0"):
         RubricJudge(RUBRIC, "m", "http://127.0.0.1:9/v1", max_backoff_s=-1.0)
+
+
+def test_a_refused_request_is_not_retried(served):
+    """Review: a 4xx the judge endpoint refuses (a wrong key, an unknown model) was
+    retried max_retries times with backoff; the same request gets the same answer, so
+    it is JudgeUnavailable at once, naming it."""
+    urls, samplers = served
+    before = samplers["judge"].calls
+    judge = RubricJudge(RUBRIC, "judge", base_url=urls["judge"] + "/v1", api_key="wrong",
+                        max_retries=3, backoff_s=5.0)
+    with pytest.raises(JudgeUnavailable, match="AuthenticationError"):
+        judge.score("What is the capital of France?", "Paris")
+    with pytest.raises(JudgeUnavailable, match="AuthenticationError"):
+        asyncio.run(judge.ascore("What is the capital of France?", "Paris"))
+    assert judge.stats["requests"] == 2 and judge.stats["retries"] == 0
+    assert samplers["judge"].calls == before
