@@ -107,12 +107,14 @@ HEAVY = [
     "tests/experiments/test_pinapple.py",
     "tests/training/rl/test_faults.py",
     "tests/orchestration/test_cli_presets.py",
+    "tests/test_first_day.py",
     "tests/training/rl/test_rl_trainer.py",
     "tests/training/core/test_distributed.py",
     "tests/training/core/test_train_step.py",
     "tests/sampling/test_jax_sampler.py",
     "tests/experiments/test_pinapple_base.py",
     "tests/benchmarks/test_bench_endpoint.py",
+    "tests/recipes/test_recipe_adapters.py",
 ]
 
 
