@@ -77,7 +77,9 @@ def load_teacher(cfg: DistillRecipeConfig, tokenizer: Any, student: Any, workdir
     check_vocabulary(
         tokenizer, teacher_tokenizer, student.config.vocab_size, model.config.vocab_size, name
     )
-    return TeacherModel.from_model(model, dtype=cfg.distill.teacher_dtype, name=name)
+    return TeacherModel.from_model(
+        model, teacher_tokenizer, dtype=cfg.distill.teacher_dtype, name=name
+    )
 
 
 def _heatmap(dist, examples, tokenizer, paths, progress: Progress) -> str | None:

@@ -115,6 +115,16 @@ def _sampling_inputs(batch, temperature: float) -> dict:
     }
 
 
+def _common_ids(logits):
+    """Student / teacher logits cut to their first min(V_s, V_t) ids: the ids both
+    heads have. Widths differ only by padding rows past the shared tokenizer's ids
+    (`teacher`'s module docstring), so every token is kept and each side is
+    renormalised over the same ids; equal widths are unchanged."""
+    s, t = logits
+    width = min(s.shape[-1], t.shape[-1])
+    return s[..., :width], t[..., :width]
+
+
 def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_size):
     """fn([student logits, teacher logits], per_token) densely or chunk by chunk
     ("auto": chunked when both sides' fp32 logits exceed `logprob_chunk_for`'s bound).
@@ -255,8 +265,10 @@ class DistillLoss:
         return x
 
     def _terms(self, logits, x):
-        """Per-position loss and metric values of student / teacher logits [..., V]."""
-        s, t = logits[0], jax.lax.stop_gradient(logits[1])
+        """Per-position loss and metric values of student / teacher logits [..., V_s],
+        [..., V_t], over their first min(V_s, V_t) ids (`_common_ids`)."""
+        s, t = _common_ids(logits)
+        t = jax.lax.stop_gradient(t)
         y, out = x["targets"], {}
         if self.kind == "sampled":
             temperature = x["temperature"]
@@ -334,8 +346,8 @@ def _rank(kind, beta, top_k, temperature, logits, x):
     """RMSD ranking value per position, from the distributions the loss uses: the
     divergence (logits over `temperature`), or for kind "sampled" |log p_t(y) -
     log pi_s(y)| at each token's sampling parameters (`_sampling_inputs` in x); 0
-    off the mask."""
-    s, t = logits
+    off the mask. Over the common ids of the two heads (`_common_ids`)."""
+    s, t = _common_ids(logits)
     if kind == "sampled":
         d = jnp.abs(
             sampled_token_advantage(

@@ -16,21 +16,37 @@ states are gathered into the student's layout [R, L, D_teacher] and projected by
 its own head, chunk by chunk like the student's (no [R, L, V] logits, no HTTP
 round trip, no host copy of teacher log-probs).
 
-`check_vocabulary` refuses a teacher whose vocabulary differs from the
-student's (tokenizer vocabulary, special tokens, logits width), naming what
-differs: per-token divergences compare the two distributions token id by id.
+The vocabulary contract (`check_vocabulary`, and `SelfDistiller` again from the
+fingerprint a `TeacherModel` records): the teacher's tokenizer is the student's
+(the same token -> id table, special tokens included; a fingerprint of it is
+recorded by `from_model`), and each model's logits width (`config.vocab_size`)
+is at least the tokenizer's size N (its largest id + 1). The widths may differ:
+ids >= N are padding rows of the heads, no token (Qwen2.5-0.5B pads to 151936,
+Qwen2.5-7B to 152064, one tokenizer of 151665 ids). `DistillLoss` takes the
+divergence over the first min(V_student, V_teacher) ids of both (each side
+renormalised there; that keeps every real token, N <= min width), and
+`SelfDistiller.update` refuses a response holding a padding id (>= N: the
+student's sampler emitted no token), so no trained target lies outside the
+common ids. Per-token divergences compare the two distributions token id by id.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["TeacherModel", "check_vocabulary", "vocabulary_mismatch"]
+__all__ = [
+    "TeacherModel",
+    "check_vocabulary",
+    "tokenizer_fingerprint",
+    "vocabulary_mismatch",
+]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -40,25 +56,40 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class TeacherModel:
     """A frozen teacher of another architecture or size: graphdef (static), params,
     rest (arrays). `name` says where it came from (its spec), for messages and the
-    checkpoint's record. Build it with `from_model`."""
+    checkpoint's record. `vocab`: the fingerprint of its tokenizer's token table
+    (`tokenizer_fingerprint`), `tokenizer_size` that tokenizer's size (largest id
+    + 1); `SelfDistiller` compares both with the student's tokenizer. Build it with
+    `from_model`."""
 
     graphdef: Any
     params: Any
     rest: Any
     name: str = "teacher"
+    vocab: str = ""
+    tokenizer_size: int = 0
 
     def tree_flatten(self):
-        return (self.params, self.rest), (self.graphdef, self.name)
+        return (self.params, self.rest), (self.graphdef, self.name, self.vocab, self.tokenizer_size)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        graphdef, name = aux
-        return cls(graphdef, children[0], children[1], name)
+        graphdef, name, vocab, size = aux
+        return cls(graphdef, children[0], children[1], name, vocab, size)
 
     @classmethod
-    def from_model(cls, model: nnx.Module, dtype: str | None = None, name: str = "teacher"):
+    def from_model(
+        cls,
+        model: nnx.Module,
+        tokenizer,
+        *,
+        dtype: str | None = None,
+        name: str = "teacher",
+    ):
         """The teacher of a loaded model (an `nnx.Module`, e.g. `recipes.load_model`'s).
 
+        tokenizer: the teacher's own tokenizer (`load_model`'s second value, or an
+        HF tokenizer / `tokenizers.Tokenizer`): its token table's fingerprint is
+        recorded, and a teacher whose logits are narrower than it is refused.
         dtype: None keeps the weights as loaded; "bfloat16" / "float32" stores the
         floating-point weights in that dtype (bfloat16 halves the teacher's memory;
         its logits are fp32 either way)."""
@@ -72,6 +103,13 @@ class TeacherModel:
                 f"TeacherModel({name}): the teacher has LoRA adapters; merge them first "
                 "(models.peft_io.merge_lora): a teacher is one frozen model"
             )
+        size = tokenizer_size(tokenizer)
+        width = int(getattr(getattr(model, "config", None), "vocab_size", 0))
+        if width < size:
+            raise ValueError(
+                f"TeacherModel({name}): logits width (config.vocab_size) {width} is below "
+                f"its tokenizer's {size} ids; pass the teacher's own tokenizer"
+            )
         graphdef, params, *others = nnx.split(model, nnx.Param, ...)
         (rest,) = others
         if dtype is not None:
@@ -79,7 +117,7 @@ class TeacherModel:
             params = jax.tree.map(
                 lambda x: x.astype(want) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
             )
-        return cls(graphdef, params, rest, name)
+        return cls(graphdef, params, rest, name, tokenizer_fingerprint(tokenizer), size)
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +139,9 @@ class TeacherModel:
         rep = NamedSharding(mesh, P())
         params = jax.device_put(self.params, param_shardings(self.params, mesh, rules))
         rest = jax.device_put(self.rest, jax.tree.map(lambda _: rep, self.rest))
-        placed = TeacherModel(self.graphdef, params, rest, self.name)
+        placed = TeacherModel(
+            self.graphdef, params, rest, self.name, self.vocab, self.tokenizer_size
+        )
         object.__setattr__(self, "_placed", (mesh, placed))
         object.__setattr__(placed, "_placed", (mesh, placed))
         return placed
@@ -112,13 +152,25 @@ def _vocab(tokenizer) -> dict[str, int]:
     return dict(hf.get_vocab())
 
 
+def tokenizer_size(tokenizer) -> int:
+    """The tokenizer's size N: its largest token id + 1 (special tokens included)."""
+    return max(_vocab(tokenizer).values(), default=-1) + 1
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's token -> id table (special tokens included)."""
+    table = json.dumps(sorted(_vocab(tokenizer).items()), ensure_ascii=False)
+    return hashlib.sha256(table.encode()).hexdigest()
+
+
 def vocabulary_mismatch(
     student_tokenizer, teacher_tokenizer, student_vocab_size: int, teacher_vocab_size: int
 ) -> str | None:
     """What differs between the student's and the teacher's vocabularies, or None.
 
-    Compared: the tokenizers' token -> id tables (special tokens included) and the
-    models' logits widths (`config.vocab_size`)."""
+    Compared: the tokenizers' token -> id tables (special tokens included); each
+    logits width (`config.vocab_size`) must be at least the tokenizer's size N.
+    Widths may differ beyond N (padding rows, the module docstring's contract)."""
     s, t = _vocab(student_tokenizer), _vocab(teacher_tokenizer)
     if s != t:
         only_s = sorted(set(s) - set(t))
@@ -133,11 +185,13 @@ def vocabulary_mismatch(
             k = moved[0]
             parts.append(f"{len(moved)} with other ids (e.g. {k!r}: {s[k]} vs {t[k]})")
         return "the tokenizers differ: " + ", ".join(parts)
-    if int(student_vocab_size) != int(teacher_vocab_size):
-        return (
-            f"the logits widths differ: student vocab_size {student_vocab_size}, "
-            f"teacher {teacher_vocab_size}"
-        )
+    n = max(s.values(), default=-1) + 1
+    for who, width in (("student", student_vocab_size), ("teacher", teacher_vocab_size)):
+        if int(width) < n:
+            return (
+                f"the {who}'s logits width (vocab_size {width}) is below the tokenizer's "
+                f"{n} ids (student vocab_size {student_vocab_size}, teacher {teacher_vocab_size})"
+            )
     return None
 
 
@@ -148,7 +202,8 @@ def check_vocabulary(
     teacher_vocab_size: int,
     teacher_name: str = "teacher",
 ) -> None:
-    """Refuses (ValueError, one line) a teacher whose vocabulary is not the student's."""
+    """Refuses (ValueError, one line) a teacher whose vocabulary is not the student's
+    (`vocabulary_mismatch`); logits widths that differ by padding are accepted."""
     why = vocabulary_mismatch(
         student_tokenizer, teacher_tokenizer, student_vocab_size, teacher_vocab_size
     )

@@ -69,7 +69,7 @@ from ac2_jax.training.distill.loss import (  # noqa: F401 (re-exported)
     teacher_extras,
     teacher_logits,
 )
-from ac2_jax.training.distill.teacher import TeacherModel
+from ac2_jax.training.distill.teacher import TeacherModel, tokenizer_fingerprint
 
 METHODS = ("opsd", "rmsd", "sft")
 TEACHERS = ("live", "fixed", "ema")  # the self-teacher's weights; anything else names a model
@@ -193,14 +193,17 @@ class Relevance:
     teacher_argmax: list[np.ndarray]
 
 
-def _check_teacher(config: DistillConfig, teacher_model, graphdef, state) -> None:
-    """A teacher model is given exactly when the config names one, and its logits
-    are as wide as the student's (one line naming both otherwise)."""
+def _check_teacher(config: DistillConfig, teacher_model, graphdef, state, tokenizer) -> None:
+    """A teacher model is given exactly when the config names one, with the student's
+    tokenizer (`tokenizer=`): the teacher's recorded tokenizer fingerprint must be the
+    student's tokenizer's, and both logits widths at least the tokenizer's size
+    (they may differ by padding rows: `teacher`'s module docstring). One line naming
+    what differs otherwise."""
     if config.teacher_is_model and teacher_model is None:
         raise ValueError(
             f"SelfDistiller: DistillConfig.teacher={config.teacher!r} names a teacher model; "
-            "pass it loaded as teacher_model=TeacherModel.from_model(model) (the distill "
-            "recipe loads it)"
+            "pass it loaded as teacher_model=TeacherModel.from_model(model, tokenizer) (the "
+            "distill recipe loads it)"
         )
     if not config.teacher_is_model and teacher_model is not None:
         raise ValueError(
@@ -211,14 +214,43 @@ def _check_teacher(config: DistillConfig, teacher_model, graphdef, state) -> Non
         if not isinstance(teacher_model, TeacherModel):
             raise TypeError(
                 "SelfDistiller: teacher_model must be a TeacherModel "
-                f"(TeacherModel.from_model(model)), got {type(teacher_model).__name__}"
+                f"(TeacherModel.from_model(model, tokenizer)), got {type(teacher_model).__name__}"
+            )
+        if tokenizer is None:
+            raise ValueError(
+                f"SelfDistiller: teacher model {config.teacher!r} needs the student's "
+                "tokenizer (tokenizer=...): the teacher must share it, token id by id"
+            )
+        if teacher_model.vocab != tokenizer_fingerprint(tokenizer):
+            raise ValueError(
+                f"distill.teacher {config.teacher!r}: vocabulary mismatch (the teacher's "
+                "tokenizer is not the student's: its token table's fingerprint differs; "
+                "check_vocabulary(student_tokenizer, teacher_tokenizer, ...) names what "
+                "differs); a teacher model must share the student's tokenizer, token id by id"
             )
         student = int(nnx.merge(graphdef, state.params, state.rest).config.vocab_size)
-        if teacher_model.vocab_size != student:
+        if student < teacher_model.tokenizer_size:
             raise ValueError(
-                f"distill.teacher {config.teacher!r}: vocabulary mismatch (the logits widths "
-                f"differ: student vocab_size {student}, teacher {teacher_model.vocab_size}); a "
-                "teacher model must share the student's tokenizer and vocabulary"
+                f"distill.teacher {config.teacher!r}: vocabulary mismatch (the student's "
+                f"logits width (vocab_size {student}) is below the tokenizer's "
+                f"{teacher_model.tokenizer_size} ids)"
+            )
+
+
+def _check_no_padding_ids(examples: Sequence[DistillExample], teacher) -> None:
+    """With a teacher model: refuses (one line) a response token id >= the tokenizer's
+    size, a padding row of the heads that no token has (outside the ids the
+    divergence is taken over when the widths differ)."""
+    if not isinstance(teacher, TeacherModel):
+        return
+    n = teacher.tokenizer_size
+    for i, e in enumerate(examples):
+        bad = [t for t in e.response if t >= n or t < 0]
+        if bad:
+            raise ValueError(
+                f"SelfDistiller: example {i} ({e.task!r}) holds response token id {bad[0]}, "
+                f"outside the tokenizer's {n} ids (a padding row of the logits, no token); "
+                "sample the student with its tokenizer's ids only"
             )
 
 
@@ -234,7 +266,10 @@ class SelfDistiller(TrainerHooks):
     (`logger`, a MetricsLogger, replaces its workdir/metrics sink);
     `restore()` loads the latest and returns the number of updates done.
     teacher_model: the loaded `TeacherModel` when `config.teacher` names a model
-    (required then, refused otherwise); its logits width must be the student's.
+    (required then, refused otherwise), with `tokenizer` (the student's, then
+    required): the teacher's recorded tokenizer must be it; the logits widths may
+    differ by padding rows (ids >= the tokenizer's size), and `update` refuses a
+    response holding such an id (`teacher`'s module docstring).
     It is not checkpointed (a resumed run loads it again from its spec).
     """
 
@@ -257,7 +292,7 @@ class SelfDistiller(TrainerHooks):
         logger=None,
         teacher_model: TeacherModel | None = None,
     ):
-        _check_teacher(config, teacher_model, graphdef, state)
+        _check_teacher(config, teacher_model, graphdef, state, tokenizer)
         if config.method == "rmsd" and (judge is None or tokenizer is None):
             raise ValueError("SelfDistiller: method 'rmsd' needs a judge and a tokenizer")
         if config.checkpoint_every and workdir is None:
@@ -454,6 +489,7 @@ class SelfDistiller(TrainerHooks):
         examples left out (`skipped/constrained`) and the examples scored without
         recorded sampling parameters (`unrecorded_sampling`, `_tokens`)."""
         out: dict[str, float] = {"skipped": 1.0, "kept_tokens": 0.0}
+        _check_no_padding_ids(examples, self.teacher_params)
         counts: dict[str, int] = dict.fromkeys(STEP_COUNTS, 0)
         if examples:
             batch, extras = self.prepare(examples)
