@@ -39,7 +39,8 @@ Fields (null is taken as absent):
                       (prefill; countTokens counts such a history).
   systemInstruction   honoured: its text parts (joined by "\\n") are the system message.
   tools               functionDeclarations honoured {name, description, parameters (a
-                      Gemini Schema, types lower-cased into JSON schema) or
+                      Gemini Schema: types lower-cased, nullable as a union with
+                      null, propertyOrdering dropped, TYPE_UNSPECIFIED refused) or
                       parametersJsonSchema}; response schemas accepted, not rendered;
                       googleSearch, googleSearchRetrieval, urlContext, retrieval, fileSearch,
                       googleMaps (grounding), codeExecution, computerUse refused by name.
@@ -52,7 +53,10 @@ Fields (null is taken as absent):
                       under the grammar (response_format); thinkingConfig accepted (this
                       model never thinks: no thought parts); responseModalities [TEXT];
                       penalties, logprobs, speech and media settings refused.
-  safetySettings, labels  accepted, no effect (no safety filter here, nothing billed).
+  safetySettings      accepted only with thresholds meaning no filtering (BLOCK_NONE, OFF,
+                      HARM_BLOCK_THRESHOLD_UNSPECIFIED): there is no safety filter here,
+                      so any other threshold is refused by name.
+  labels              accepted, no effect (nothing billed).
   cachedContent       refused (send the content; prefix caching is automatic).
   agent               extension: the agent label (the X-Agent header wins, else "main").
 Any other field is a 400 naming it.

@@ -132,16 +132,68 @@ class SystemInstruction(_G):
 # ------------------------------------------------------------------------------ tools
 
 
-def json_schema(schema: Any) -> Any:
-    """A Gemini `Schema` (OpenAPI subset, upper-case types) as JSON schema."""
-    if isinstance(schema, dict):
-        out = {k: json_schema(v) for k, v in schema.items()}
-        if isinstance(out.get("type"), str):
-            out["type"] = out["type"].lower()
-        return out
-    if isinstance(schema, list):
-        return [json_schema(v) for v in schema]
-    return schema
+_SCHEMA_MAPS = ("properties", "$defs", "defs")  # name -> schema
+_SCHEMA_ONE = ("items", "additionalProperties", "additional_properties", "not")
+_SCHEMA_LISTS = {"anyOf": "anyOf", "any_of": "anyOf", "oneOf": "oneOf", "allOf": "allOf"}
+_ORDERING = ("propertyOrdering", "property_ordering")  # display order, no constraint
+
+
+def json_schema(schema: Any, path: str = "schema") -> Any:
+    """A Gemini `Schema` (OpenAPI subset, upper-case types) as JSON schema.
+
+    `type` is lower-cased; `nullable: true` becomes a union with null (type [t,
+    "null"], anyOf + {"type": "null"}, and null added to an `enum`; `nullable:
+    false` is dropped: JSON schema types exclude null); `propertyOrdering` is
+    dropped (the order properties are written in, not a constraint); `format:
+    "enum"` (Gemini's marker of an enum string) is dropped, `enum` carries it.
+    Subschemas are converted under properties, items, additionalProperties, not and
+    anyOf/oneOf/allOf; a property named like a keyword stays a property. ValueError
+    naming the path (`path`.properties.a.type) for type TYPE_UNSPECIFIED."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _ORDERING:
+            continue
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {n: json_schema(s, f"{path}.{k}.{n}") for n, s in v.items()}
+        elif k in _SCHEMA_ONE and isinstance(v, dict):
+            out[k] = json_schema(v, f"{path}.{k}")
+        elif k in _SCHEMA_LISTS and isinstance(v, list):
+            key = _SCHEMA_LISTS[k]
+            out[key] = [json_schema(s, f"{path}.{k}[{i}]") for i, s in enumerate(v)]
+        else:
+            out[k] = v
+    kind = out.get("type")
+    if isinstance(kind, str):
+        if kind.upper() == "TYPE_UNSPECIFIED":
+            raise ValueError(
+                f"{path}.type: TYPE_UNSPECIFIED is refused: name the type (STRING, NUMBER, "
+                "INTEGER, BOOLEAN, ARRAY, OBJECT, NULL)"
+            )
+        out["type"] = kind = kind.lower()
+    if out.get("format") == "enum" and "enum" in out:
+        del out["format"]
+    nullable = out.pop("nullable", None)
+    if nullable is True:
+        if isinstance(kind, str):
+            out["type"] = [kind, "null"] if kind != "null" else kind
+        elif "anyOf" in out:
+            out["anyOf"] = [*out["anyOf"], {"type": "null"}]
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]
+    elif nullable is not None and nullable is not False:
+        out["nullable"] = nullable  # not a bool: left for the schema's own checks
+    return out
+
+
+def _gemini_schema(schema: dict[str, Any] | None, path: str) -> None:
+    """Refuses (a 400 naming the path) a Gemini Schema `json_schema` cannot convert."""
+    if schema is not None:
+        try:
+            json_schema(schema, path)
+        except ValueError as e:
+            raise _error("invalid_value", str(e)) from None
 
 
 class FunctionDeclaration(_G):
@@ -159,6 +211,8 @@ class FunctionDeclaration(_G):
     def _one_schema(self) -> FunctionDeclaration:
         if self.parameters is not None and self.parameters_json_schema is not None:
             raise _error("invalid_value", "give parameters or parametersJsonSchema, not both")
+        _gemini_schema(self.parameters, "parameters")
+        _gemini_schema(self.response, "response")
         return self
 
     def chat_tool(self) -> dict[str, Any]:
@@ -262,6 +316,7 @@ class GenerationConfig(_G):
             raise _error(
                 "invalid_value", "a response schema needs responseMimeType application/json"
             )
+        _gemini_schema(self.response_schema, "responseSchema")
         return self
 
     def response_format(self) -> dict | None:
@@ -278,6 +333,29 @@ class GenerationConfig(_G):
 # ------------------------------------------------------------------------------ bodies
 
 
+NO_FILTER = ("BLOCK_NONE", "OFF", "HARM_BLOCK_THRESHOLD_UNSPECIFIED")
+
+
+def _no_filter(value: str | None) -> str | None:
+    if value is not None and value.upper() not in NO_FILTER:
+        raise _error(
+            UNSUPPORTED,
+            f"{value!r} is refused: this server has no safety filter; send one of "
+            f"{', '.join(NO_FILTER)} (no filtering) or leave safetySettings out",
+        )
+    return value
+
+
+class SafetySetting(_G):
+    """One safety setting: accepted only with a threshold that means no filtering
+    (`NO_FILTER`, any case), since this server filters nothing; any other threshold
+    is a 400 naming it, never a setting silently not applied."""
+
+    category: str | None = None
+    threshold: Annotated[str | None, AfterValidator(_no_filter)] = None
+    method: str | None = None  # Vertex's HarmBlockMethod: moot without a filter
+
+
 class GenerateBody(_G):
     """generateContent / streamGenerateContent (and countTokens' generateContentRequest)."""
 
@@ -287,8 +365,9 @@ class GenerateBody(_G):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_config: ToolConfig | None = None
     generation_config: GenerationConfig | None = None
-    # Accepted, no effect: this server has no safety filter and no labels to bill.
-    safety_settings: list[dict[str, Any]] | None = None
+    # Accepted only when they ask for no filtering (this server has none); labels:
+    # accepted, no effect (nothing billed).
+    safety_settings: list[SafetySetting] | None = None
     labels: dict[str, str] | None = None
     cached_content: Annotated[
         Any, _no("is not supported: send the content itself (prefix caching is automatic)")

@@ -452,6 +452,63 @@ def test_gemini_refuses_by_name_what_it_cannot_serve(env, config, named):
     assert named in e.value.message
 
 
+def test_gemini_safety_settings_only_without_filtering(env):
+    """Review: safetySettings were accepted and ignored. This server has no safety
+    filter: a threshold that means "no filtering" is accepted, any other is a 400
+    INVALID_ARGUMENT naming the field and the threshold."""
+    from google.genai import errors, types
+
+    info = create(env, "gemini-safety")
+    client = gemini(info)
+    cat = types.HarmCategory.HARM_CATEGORY_HARASSMENT
+    for ok in ("BLOCK_NONE", "OFF", "HARM_BLOCK_THRESHOLD_UNSPECIFIED"):
+        got = client.models.generate_content(model="tiny", contents="hi", config={
+            "max_output_tokens": 2, "safety_settings": [{"category": cat, "threshold": ok}]})
+        assert got.candidates[0].content.role == "model"
+    with pytest.raises(errors.ClientError) as e:
+        client.models.generate_content(model="tiny", contents="hi", config={
+            "safety_settings": [{"category": cat, "threshold": "BLOCK_NONE"},
+                                {"category": cat, "threshold": "BLOCK_LOW_AND_ABOVE"}]})
+    assert e.value.code == 400 and e.value.status == "INVALID_ARGUMENT"
+    assert "safetySettings[1].threshold" in e.value.message
+    assert "BLOCK_LOW_AND_ABOVE" in e.value.message and "BLOCK_NONE" in e.value.message
+
+
+def test_gemini_schema_to_json_schema():
+    """Review: only `type` was lower-cased. nullable -> a type union with null (and
+    null in an enum), propertyOrdering dropped (ordering, no constraint),
+    TYPE_UNSPECIFIED refused by name; a property named like a keyword is a property."""
+    from ac2_jax.serving.gemini_schemas import json_schema
+
+    got = json_schema({
+        "type": "OBJECT", "propertyOrdering": ["nullable", "b"],
+        "properties": {"nullable": {"type": "STRING", "nullable": True, "enum": ["x"],
+                                    "format": "enum"},
+                       "b": {"type": "ARRAY", "items": {"type": "INTEGER", "nullable": False}},
+                       "c": {"anyOf": [{"type": "NUMBER"}], "nullable": True}}})
+    assert got == {
+        "type": "object",
+        "properties": {"nullable": {"type": ["string", "null"], "enum": ["x", None]},
+                       "b": {"type": "array", "items": {"type": "integer"}},
+                       "c": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}
+    with pytest.raises(ValueError, match=r"properties\.a\.type: TYPE_UNSPECIFIED"):
+        json_schema({"type": "OBJECT", "properties": {"a": {"type": "TYPE_UNSPECIFIED"}}})
+
+
+def test_gemini_type_unspecified_is_refused_in_its_error_shape(env):
+    from google.genai import errors
+
+    info = create(env, "gemini-schema")
+    client = gemini(info)
+    decl = {"name": "f", "parameters": {"type": "OBJECT", "properties": {
+        "a": {"type": "TYPE_UNSPECIFIED"}}}}
+    with pytest.raises(errors.ClientError) as e:
+        client.models.generate_content(model="tiny", contents="hi",
+                                       config={"tools": [{"function_declarations": [decl]}]})
+    assert e.value.code == 400 and e.value.status == "INVALID_ARGUMENT"
+    assert "TYPE_UNSPECIFIED" in e.value.message and "properties.a.type" in e.value.message
+
+
 def test_gemini_refuses_inline_images_and_answers_in_its_error_shape(env):
     from google.genai import errors, types
 
