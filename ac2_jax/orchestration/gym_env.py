@@ -21,12 +21,12 @@ attempt's answers (the harness records them all). Task ids are
 from __future__ import annotations
 
 import json
-import random
 import re
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
 from ac2_jax.extras import require
+from ac2_jax.orchestration._replay import episode_seeds, policy_answers
 from ac2_jax.orchestration.default import DefaultOrchestrator
 
 __all__ = ["GymHarness", "GymTextEnv", "gym_env"]
@@ -39,14 +39,6 @@ _MARKED = re.compile(r"\x1b\[[0-9;]*[1-9][0-9;]*m([^\x1b]*)\x1b\[0m")
 
 def _gym():
     return require("gymnasium", EXTRA, what="the gym env adapter")
-
-
-def _answers(messages: list[dict[str, Any]]) -> list[str]:
-    return [
-        str(m.get("content") or "")
-        for m in messages
-        if m.get("role") == "assistant" and not m.get("tool_calls")
-    ]
 
 
 class GymTextEnv(Env):
@@ -114,15 +106,7 @@ class GymTextEnv(Env):
         return action if self.start <= action < self.start + self.n_actions else None
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
-        if split not in ("train", "eval"):
-            raise ValueError(f"GymTextEnv: split must be 'train' or 'eval', got {split!r}")
-        rng = random.Random(hashed_seed("gymnasium", self.env_id, split, seed))
-        parity = 0 if split == "train" else 1
-        seeds: list[int] = []
-        while len(seeds) < n:
-            s = 2 * rng.randrange(2**30) + parity
-            if s not in seeds:
-                seeds.append(s)
+        seeds = episode_seeds("GymTextEnv", "gymnasium", self.env_id, split, seed, n)
         tasks = []
         for s in seeds:
             env = self._make()
@@ -162,7 +146,7 @@ class GymTextEnv(Env):
 
     def reply(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
         """The next observation after the agent's last action; None once the episode ended."""
-        answers = _answers(messages)
+        answers = policy_answers(messages)
         if not answers:
             return None
         _, done, text = self.play(task, answers)
@@ -185,7 +169,7 @@ class GymHarness(DefaultOrchestrator):
 
     async def run(self, turn_input: str) -> None:
         await super().run(turn_input)
-        self.trace.answer = json.dumps({"answers": _answers(self.trace.messages)})
+        self.trace.answer = json.dumps({"answers": policy_answers(self.trace.messages)})
 
 
 def gym_env(arg: str) -> GymTextEnv:

@@ -46,16 +46,16 @@ import atexit
 import difflib
 import importlib
 import json
-import random
 import threading
 import time
 from typing import Any
 
 import httpx
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
 from ac2_jax.extras import require
-from ac2_jax.orchestration.gym_env import GymHarness, _answers
+from ac2_jax.orchestration._replay import episode_seeds, policy_answers
+from ac2_jax.orchestration.gym_env import GymHarness
 
 __all__ = ["OpenEnvEnv", "OpenEnvError", "openenv_env"]
 
@@ -292,15 +292,7 @@ class OpenEnvEnv(Env):
         return json.dumps(shown, sort_keys=True)
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
-        if split not in ("train", "eval"):
-            raise ValueError(f"OpenEnvEnv: split must be 'train' or 'eval', got {split!r}")
-        rng = random.Random(hashed_seed("openenv", self.name, split, seed))
-        parity = 0 if split == "train" else 1
-        seeds: list[int] = []
-        while len(seeds) < n:
-            s = 2 * rng.randrange(2**30) + parity
-            if s not in seeds:
-                seeds.append(s)
+        seeds = episode_seeds("OpenEnvEnv", "openenv", self.name, split, seed, n)
         session = _Session(self)
         try:
             tasks = []
@@ -349,7 +341,7 @@ class OpenEnvEnv(Env):
     def reply(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
         """The next observation after the agent's last answer; None once the episode
         ended (`done`) or `max_turns` answers were given."""
-        answers = _answers(messages)
+        answers = policy_answers(messages)
         if not answers:
             return None
         _, done, text = self.play(task, answers)

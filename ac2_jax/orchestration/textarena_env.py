@@ -22,11 +22,11 @@ adapter has no opponent to seat.
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
 from ac2_jax.extras import require
+from ac2_jax.orchestration._replay import episode_seeds, policy_answers
 from ac2_jax.orchestration.default import DefaultOrchestrator
 
 __all__ = ["TextArenaEnv", "TextArenaHarness", "textarena_env"]
@@ -36,14 +36,6 @@ EXTRA = "textarena"
 
 def _ta():
     return require("textarena", EXTRA, what="the textarena env adapter")
-
-
-def _answers(messages: list[dict[str, Any]]) -> list[str]:
-    return [
-        str(m.get("content") or "")
-        for m in messages
-        if m.get("role") == "assistant" and not m.get("tool_calls")
-    ]
 
 
 class TextArenaEnv(Env):
@@ -87,15 +79,7 @@ class TextArenaEnv(Env):
         return env
 
     def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
-        if split not in ("train", "eval"):
-            raise ValueError(f"TextArenaEnv: split must be 'train' or 'eval', got {split!r}")
-        rng = random.Random(hashed_seed("textarena", self.game, split, seed))
-        parity = 0 if split == "train" else 1
-        seeds: list[int] = []
-        while len(seeds) < n:
-            s = 2 * rng.randrange(2**30) + parity
-            if s not in seeds:
-                seeds.append(s)
+        seeds = episode_seeds("TextArenaEnv", "textarena", self.game, split, seed, n)
         tasks = []
         for s in seeds:
             _, observation = self._start(s).get_observation()
@@ -121,7 +105,7 @@ class TextArenaEnv(Env):
     def reply(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
         """What the game's observation added after the agent's last answer (it echoes
         the move, then says what the game made of it); None once the game is done."""
-        answers = _answers(messages)
+        answers = policy_answers(messages)
         if not answers:
             return None
         env, done, _ = self._replay(task, answers)
@@ -156,7 +140,7 @@ class TextArenaHarness(DefaultOrchestrator):
 
     async def run(self, turn_input: str) -> None:
         await super().run(turn_input)
-        self.trace.answer = json.dumps({"answers": _answers(self.trace.messages)})
+        self.trace.answer = json.dumps({"answers": policy_answers(self.trace.messages)})
 
 
 def textarena_env(arg: str) -> TextArenaEnv:
