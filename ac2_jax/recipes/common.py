@@ -374,6 +374,46 @@ def tool_parser_line(tokenizer: Any) -> str:
     return f"tool calls parsed as {parser.name} ({why}; set tool_parser to change)"
 
 
+def recipe_mesh(
+    mesh_cfg: Any, rows: dict[str, int] | None = None, grad_accum: int = 1
+) -> tuple[Any, str | None]:
+    """(the learner's mesh, the console's line on it) from a recipe's `mesh` section
+    (`MeshConfig`). 1/1/1 is (None, None): the trainers' own one-device mesh, as
+    before the section existed. A data x fsdp x tensor product above this machine's
+    device count raises a one-line ConfigError naming the fields and the count.
+    rows: {field: value} of the recipe's batch-row settings, each of which must be a
+    multiple of data x fsdp x grad_accum (batch rows split over data and fsdp), else
+    a one-line ConfigError naming it, before any work (not at the first step)."""
+    from ac2_jax.config import ConfigError
+
+    shape = {a: int(getattr(mesh_cfg, a)) for a in ("data", "fsdp", "tensor")}
+    if shape == {"data": 1, "fsdp": 1, "tensor": 1}:
+        return None, None
+    import jax
+
+    from ac2_jax.training.core.sharding import make_mesh
+
+    devices = jax.devices()
+    need = shape["data"] * shape["fsdp"] * shape["tensor"]
+    fields = " x ".join(f"mesh.{a}={n}" for a, n in shape.items())
+    if need > len(devices):
+        raise ConfigError(
+            f"{fields} needs {need} devices; this machine has {len(devices)} "
+            f"({devices[0].platform}): lower the mesh fields so their product is at most "
+            f"{len(devices)}"
+        )
+    ways = shape["data"] * shape["fsdp"] * grad_accum
+    for field, value in (rows or {}).items():
+        if value % ways:
+            raise ConfigError(
+                f"{field}={value} must be a multiple of mesh.data x mesh.fsdp x grad_accum "
+                f"= {shape['data']} x {shape['fsdp']} x {grad_accum} = {ways} (batch rows "
+                f"split over data and fsdp); set --config.{field}={-(-value // ways) * ways}"
+            )
+    line = f"learner over {need} of {len(devices)} {devices[0].platform} devices: {fields}"
+    return make_mesh(**shape, devices=devices), line
+
+
 def resuming_line(step: int, changed: list[str]) -> str:
     """The console's word on a resumed run: its step and the settings changed since."""
     return f"resuming at step {step}" + (f" (changed: {', '.join(changed)})" if changed else "")

@@ -154,6 +154,25 @@ class DemosConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The learner's device mesh on this machine (`training.make_mesh`): batch rows split
+    over data x fsdp devices, params over fsdp and tensor. 1/1/1: one device (the
+    default); a product above the machine's device count is refused by name. The
+    embedded sampler serves from the default device either way."""
+
+    data: int = 1  # data-parallel ways (batch rows split; params replicated)
+    fsdp: int = 1  # fully-sharded ways (batch rows split; params and moments sharded)
+    tensor: int = 1  # tensor-parallel ways (params' heads/mlp dimensions sharded)
+
+    def __post_init__(self):
+        if min(self.data, self.fsdp, self.tensor) < 1:
+            raise ValueError(
+                f"mesh.data, mesh.fsdp and mesh.tensor must be >= 1, got "
+                f"{self.data}/{self.fsdp}/{self.tensor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class RLRecipeConfig:
     seed: int = 0  # seeds tasks, sampling, init and shuffles: a run repeats with it
     paths: PathsConfig = PathsConfig()
@@ -169,6 +188,7 @@ class RLRecipeConfig:
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
     mix: MixConfig = MixConfig()  # a several-domain env's weights, fixed or adaptive
+    mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +206,7 @@ class SFTRecipeConfig:
     # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
+    mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,3 +251,4 @@ class DistillRecipeConfig:
     # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
+    mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)

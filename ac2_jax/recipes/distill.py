@@ -39,6 +39,7 @@ from ac2_jax.recipes.common import (
     harness_factory,
     load_model,
     metrics_logger,
+    recipe_mesh,
     resuming_line,
     run_report,
     serve_policy,
@@ -141,6 +142,8 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     cfg = config if config is not None else DistillRecipeConfig()
     paths, loop = cfg.paths.resolved(), cfg.loop
     resume_at, changed = claim_workdir("distill", cfg, model)  # before any work
+    # A mesh above the device count, or rows it cannot split: refused now.
+    mesh, mesh_line = recipe_mesh(cfg.mesh, {"distill.rows": cfg.distill.rows})
     if not loop.hints and not cfg.distill.teacher_is_model:
         raise ConfigError(
             "loop.hints=false needs distill.teacher naming a teacher model: the self-teacher "
@@ -160,11 +163,14 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
         graphdef, state, cfg.distill, cfg.optimizer,
         judge=_judge(loop.judge) if cfg.distill.method == "rmsd" else None, tokenizer=tokenizer,
         workdir=os.path.join(paths.workdir, "distill"), logger=logger, teacher_model=teacher,
+        mesh=mesh,
     )  # fmt: skip
     start = dist.restore()
     progress = Progress(f"distill:{cfg.distill.method}", loop.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
     progress.say(tool_parser_line(tokenizer))
+    if mesh_line:
+        progress.say(mesh_line)
     if teacher is not None:
         hinted = "with the env's hints" if loop.hints else "without hints"
         progress.say(f"teacher model {teacher.name} ({hinted})")

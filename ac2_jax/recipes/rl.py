@@ -33,6 +33,7 @@ from ac2_jax.recipes.common import (
     harness_factory,
     load_model,
     metrics_logger,
+    recipe_mesh,
     resuming_line,
     run_report,
     serve_policy,
@@ -291,6 +292,10 @@ async def arl(
     cfg = config if config is not None else RLRecipeConfig()
     paths = cfg.paths.resolved()
     resume_at, changed = claim_workdir("rl", cfg, model)  # before any work
+    # A mesh above the device count, or rows it cannot split (rows grow in steps of
+    # rows_multiple): refused now.
+    rows = {"rl.batch.rows_multiple": cfg.rl.batch.rows_multiple}
+    mesh, mesh_line = recipe_mesh(cfg.mesh, rows, cfg.rl.grad_accum)
     env = _mixed(check_env(load_env(env), "rl"), cfg)
     spec = model
     model, tokenizer = load_model(
@@ -302,6 +307,8 @@ async def arl(
     progress = Progress("rl", rl_cfg.steps, enabled=cfg.log.progress)
     progress.say(f"env {type(env).__name__}, workdir {paths.workdir}")
     progress.say(tool_parser_line(tokenizer))
+    if mesh_line:
+        progress.say(mesh_line)
     if isinstance(env, DomainMixer):
         _audit_domains(env, paths.reports, progress)
     if resume_at:
@@ -323,7 +330,7 @@ async def arl(
         )  # fmt: skip
         trainer = RLTrainer(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
-            publish_dir=paths.publish, on_publish=sampler.load_weights,
+            publish_dir=paths.publish, on_publish=sampler.load_weights, mesh=mesh,
             logger=metrics_logger(paths.metrics, cfg.log), sampler_counters=sampler.counters,
             tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
         )  # fmt: skip

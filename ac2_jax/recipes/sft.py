@@ -27,6 +27,7 @@ from ac2_jax.recipes.common import (
     export_model,
     load_model,
     metrics_logger,
+    recipe_mesh,
     resuming_line,
     run_report,
     tool_parser_line,
@@ -100,6 +101,10 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     cfg = config if config is not None else SFTRecipeConfig()
     paths = cfg.paths.resolved()
     resume_at, changed = claim_workdir("sft", cfg, model)  # before any work
+    # A mesh above the device count, or rows it cannot split: refused now.
+    mesh, mesh_line = recipe_mesh(
+        cfg.mesh, {"sft.batch_rows": cfg.sft.batch_rows}, cfg.sft.grad_accum
+    )
     if not cfg.demos.file:
         if env is None:
             raise ValueError("sft: give an env (--env) or a demos.file of chats")
@@ -121,6 +126,8 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     progress = Progress("sft", cfg.sft.steps, enabled=cfg.log.progress)
     progress.say(f"{len(segments)} demonstrations, workdir {paths.workdir}")
     progress.say(tool_parser_line(tokenizer))
+    if mesh_line:
+        progress.say(mesh_line)
     if resume_at:
         progress.say(resuming_line(resume_at, changed))
     every = max(1, cfg.sft.steps // 20)
@@ -133,7 +140,7 @@ def sft(model: Any, env: Any = None, config: SFTRecipeConfig | None = None) -> R
     try:
         result = run_sft(
             model, segments, cfg.sft, cfg.optimizer, workdir=os.path.join(paths.workdir, "sft"),
-            log=log, logger=logger,
+            log=log, logger=logger, mesh=mesh,
         )  # fmt: skip
     finally:
         logger.close()
