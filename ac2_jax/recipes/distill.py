@@ -142,8 +142,8 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     cfg = config if config is not None else DistillRecipeConfig()
     paths, loop = cfg.paths.resolved(), cfg.loop
     resume_at, changed = claim_workdir("distill", cfg, model)  # before any work
-    # A mesh above the device count, or rows it cannot split: refused now.
-    mesh, mesh_line = recipe_mesh(cfg.mesh, {"distill.rows": cfg.distill.rows})
+    # A mesh above the device count: refused now (rows grow in steps the mesh splits).
+    mesh, mesh_line = recipe_mesh(cfg.mesh)
     if not loop.hints and not cfg.distill.teacher_is_model:
         raise ConfigError(
             "loop.hints=false needs distill.teacher naming a teacher model: the self-teacher "

@@ -44,7 +44,7 @@ def test_batch_rows_the_mesh_cannot_split_are_refused_naming_the_field():
         recipe_mesh(MeshConfig(data=2, fsdp=2), {"sft.batch_rows": 6})
     with pytest.raises(ConfigError, match=r"= 2 x 1 x 2 = 4"):
         recipe_mesh(MeshConfig(data=2), {"rl.batch.rows_multiple": 2}, grad_accum=2)
-    mesh, _ = recipe_mesh(MeshConfig(data=2, tensor=3), {"distill.rows": 2})  # tensor: no split
+    mesh, _ = recipe_mesh(MeshConfig(data=2, tensor=3), {"sft.batch_rows": 2})  # tensor: no split
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 3}
 
 
@@ -133,3 +133,30 @@ def test_rl_and_distill_train_on_the_configured_mesh(recipe, tmp_path, monkeypat
     line = "learner over 4 of 8 cpu devices: mesh.data=2 x mesh.fsdp=1 x mesh.tensor=2"
     assert line in console.getvalue()
     assert _on_mesh(result.model, {"data": 2, "fsdp": 1, "tensor": 2})
+
+
+def test_distill_rows_grow_in_steps_the_mesh_splits(tmp_path):
+    """distill.rows=2 on mesh.data=2, and three examples that need a row each: the batch
+    grows to 4 rows, not to 3 (check_rows' ValueError at the step before the fix)."""
+    import numpy as np
+    from flax import nnx
+
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.training import OptimizerConfig, create_train_state, make_mesh
+    from ac2_jax.training.distill.data import make_example
+    from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
+
+    tok = build_tiny_tokenizer(str(tmp_path), extra_corpus=["Pick a color. Say blue."] * 20)
+    opt = OptimizerConfig(learning_rate=1e-2)
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(3))
+    graphdef, state = create_train_state(model, opt, rng=0)
+    rng = np.random.default_rng(0)
+    msgs = [{"role": "user", "content": "Pick a color."}]
+    examples = [make_example(tok, msgs, rng.integers(10, 300, 6).tolist(), "Say blue.",
+                             f"task/{i}") for i in range(3)]  # fmt: skip
+    longest = max(len(e.teacher_prompt) + len(e.response) for e in examples)
+    cfg = DistillConfig(seq_len=longest + 2, rows=2, checkpoint_every=0)  # one row each
+    dist = SelfDistiller(graphdef, state, cfg, opt, mesh=make_mesh(data=2))
+    m = dist.update(examples)
+    assert m["batch_rows"] == 4 and m["skipped"] == 0

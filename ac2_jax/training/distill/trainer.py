@@ -51,6 +51,7 @@ from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.training.core.objectives import LossFn, SFTLoss
+from ac2_jax.training.core.sharding import batch_ways
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 from ac2_jax.training.distill.data import (
@@ -466,13 +467,22 @@ class SelfDistiller(TrainerHooks):
         self.last_relevance = None
         if not examples:  # all too long: nothing to pack, nothing trains
             return None, None
+        # Rows grow past cfg.rows to what the examples need, in steps the step's mesh
+        # splits (batch rows over data x fsdp, times grad_accum), never to an odd count.
+        step = self.trainer.step_fn
+        multiple = batch_ways(step.mesh) * step.grad_accum
         if cfg.method == "sft":
-            b = pack_segments(sft_segments(examples), cfg.seq_len, min_rows=cfg.rows)
+            b = pack_segments(
+                sft_segments(examples), cfg.seq_len, min_rows=cfg.rows, rows_multiple=multiple
+            )
             cap = pow2_bucket(cfg.groups)
             return dataclasses.replace(
                 b, num_tasks=max(b.num_tasks, cap), num_segments=max(b.num_segments, cap)
             ), None
-        paired = pack_pairs(examples, cfg.seq_len, min_rows=cfg.rows, min_capacity=cfg.groups)
+        paired = pack_pairs(
+            examples, cfg.seq_len, min_rows=cfg.rows, rows_multiple=multiple,
+            min_capacity=cfg.groups,
+        )  # fmt: skip
         batch = paired.student
         if cfg.method == "rmsd":
             kept, self.last_relevance = self.relevance(paired)
