@@ -565,14 +565,18 @@ class PolicyGradientLoss(Objective):
         return per_token, sums
 
     def __call__(self, logits, batch, extras=None):
+        return self._dense(logits, batch, extras)
+
+    def _dense(self, logits, batch, extras, ref_logp=None):
+        """The loss from full logits (the entropy metric and bonus from them too)."""
         ent = token_entropy(logits) if (self.entropy or self.entropy_coef > 0) else None
-        bonus = ent if self.entropy_coef > 0 else None
         return self._finish(
             behaviour_logprobs(logits, batch),
             None if ent is None else jax.lax.stop_gradient(ent),
             batch,
             extras,
-            ent_bonus=bonus,
+            ref_logp=ref_logp,
+            ent_bonus=ent if self.entropy_coef > 0 else None,
         )
 
     def from_model(self, model: StepModel, batch, extras=None):
@@ -581,16 +585,7 @@ class PolicyGradientLoss(Objective):
         if self.kl_coef > 0 and not (extras and "ref_logprobs" in extras):
             ref = reference_logprobs(model, batch, chunk)
         if chunk is None:
-            logits = model.logits(batch)
-            ent = token_entropy(logits) if (self.entropy or self.entropy_coef > 0) else None
-            return self._finish(
-                behaviour_logprobs(logits, batch),
-                None if ent is None else jax.lax.stop_gradient(ent),
-                batch,
-                extras,
-                ref_logp=ref,
-                ent_bonus=ent if self.entropy_coef > 0 else None,
-            )
+            return self._dense(model.logits(batch), batch, extras, ref)
         if self.entropy_coef == 0:
             logp, ent = model_logprobs(
                 model, batch, behaviour=True, entropy=self.entropy, chunk_size=chunk
