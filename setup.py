@@ -45,6 +45,10 @@ EXTRAS = {
     # OpenEnv servers (the adapter speaks its /ws session protocol). Not in "dev": it brings
     # ~45 packages (gradio, fastmcp, pillow, ...); its tests skip without it.
     "openenv": ["openenv>=0.10"],
+    # Compiling for TPU topologies ahead of time on any host (`python -m ac2_jax.aot`):
+    # libtpu through jax's own extra, pinned to the jax the suite runs (libtpu is built
+    # for one jaxlib). In "dev": the suite compiles a toy step for v5e:2x2 (213 MB wheel).
+    "tpu-aot": ["jax[tpu]==0.10.2"],
 }
 # Tests, parity references (torch CPU, transformers: never imported by ac2_jax)
 # and everything the test suite exercises.
@@ -59,7 +63,7 @@ EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torc
                         "anthropic", "google-genai>=1.30",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
                         *EXTRAS["reasoning-gym"], *EXTRAS["verifiers"], *EXTRAS["textarena"],
-                        *EXTRAS["gymnasium"],
+                        *EXTRAS["gymnasium"], *EXTRAS["tpu-aot"],
                         *DOCS, *NOTEBOOKS})
 
 setup(
