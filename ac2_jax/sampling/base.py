@@ -37,8 +37,13 @@ Contract
       ValueError naming ``constraint``.
     * ``finish_reason`` is ``"stop"`` (a stop token or stop string ended it) or
       ``"length"`` (``max_tokens`` reached, or ``max_context`` total tokens).
-    * ``policy_version`` is the version of the weights that sampled *every*
-      token of this result (a weight update never splits one result).
+    * ``policy_version`` is the version of the weights that sampled the first
+      output token. A sampler that swaps weights between tokens (the
+      JaxSampler's ``weight_swap="in_flight"``) records each token's version
+      in ``output_versions`` (None: every token was sampled by
+      ``policy_version``, the only case for other samplers), and
+      ``output_logprobs[i]`` is then the log-prob under version
+      ``output_versions[i]`` over the whole prefix (`token_versions`).
     * ``params.stop`` (strings) may be honoured by samplers that decode text
       (SGLang); samplers without a tokenizer may ignore it. Callers that need
       stop strings apply ``truncate_at_stop`` afterwards (the serving layer
@@ -73,8 +78,8 @@ Contract
     Loads the weights published with ``ac2_jax.models.publish_weights``
     (``step=None``: the latest), sets ``policy_version = step`` and returns it.
     Synchronous; callable from any thread while ``generate`` calls run. Calls
-    in flight finish on the old weights; calls starting after it returns use
-    the new ones.
+    in flight finish on the old weights (unless the sampler swaps in flight:
+    see ``policy_version``); calls starting after it returns use the new ones.
 
 ``sampler.max_context: int``
     Most tokens (prompt + output) one sequence may hold.
@@ -260,7 +265,9 @@ class SampleResult:
     models on the JaxSampler): the experts each token of prompt + output went
     to, as `Completion.routed_experts` stores them (`trace.routing`; -1 where
     not recorded: a reused prompt prefix, the last output token); None
-    otherwise. The endpoint copies it into the trace.
+    otherwise. The endpoint copies it into the trace. output_versions[i]: the
+    policy version that sampled output_ids[i] (None: all `policy_version`;
+    see the module docstring and `token_versions`).
     """
 
     output_ids: list[int]
@@ -270,12 +277,18 @@ class SampleResult:
     cached_tokens: int = 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
     routed_experts: str | None = None
+    output_versions: list[int] | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"SampleResult: {len(self.output_logprobs)} logprobs for "
                 f"{len(self.output_ids)} output ids"
+            )
+        if self.output_versions is not None and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(
+                f"SampleResult: output_versions has {len(self.output_versions)} entries "
+                f"for {len(self.output_ids)} output ids"
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
@@ -287,6 +300,13 @@ class SampleResult:
                 f"SampleResult: top_logprobs has {len(self.top_logprobs)} rows for "
                 f"{len(self.output_ids)} output ids"
             )
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each output token (`output_versions`, or
+        `policy_version` for every token when that is None)."""
+        if self.output_versions is None:
+            return [int(self.policy_version)] * len(self.output_ids)
+        return [int(v) for v in self.output_versions]
 
 
 @runtime_checkable
@@ -355,6 +375,11 @@ def truncate_at_stop(
             lo = mid + 1
     keep = lo
     top = result.top_logprobs[:keep] if result.top_logprobs is not None else None
+    versions = result.output_versions
+    if versions is not None:
+        versions = list(versions[:keep])
+        if all(v == result.policy_version for v in versions):
+            versions = None
     routed = result.routed_experts
     if routed is not None:  # covers prompt + output: keep prompt + the kept tokens
         ids = decode_routing(routed)
@@ -366,4 +391,5 @@ def truncate_at_stop(
         finish_reason="stop",
         top_logprobs=top,
         routed_experts=routed,
+        output_versions=versions,
     ), matched

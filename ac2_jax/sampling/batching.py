@@ -32,10 +32,11 @@ class Request:
     seed: int  # 64-bit; drawn by the sampler when params.seed is None
     stop_ids: tuple[int, ...]
     max_out: int  # min(max_tokens, max_context - len(prompt))
-    version: int = 0  # weights version that samples every token
+    version: int = 0  # weights version when admitted (samples its first token)
     cached: int = 0  # prompt tokens whose prefill was skipped
     gen: list[int] = dataclasses.field(default_factory=list)  # every sampled token
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # per token of gen
     tops: list | None = None
     on_tokens: Callable | None = None  # (ids, logprobs) of newly accepted tokens
     sent: int = 0  # output tokens already handed to on_tokens
@@ -63,6 +64,11 @@ class SamplerStats:
     cache_shrinks: int = 0  # resizes to fewer slots (the running rows needed half)
     prefix_tokens_dropped: int = 0  # free rows' cached tokens past a shrunk cache
     weight_swaps: int = 0
+    # weight_swap="in_flight": swaps made while rows were running, the rows they
+    # caught, and the tokens those rows prefilled again under the new weights.
+    in_flight_swaps: int = 0
+    swapped_rows: int = 0
+    recomputed_tokens: int = 0
     cancelled: int = 0  # requests dropped because their caller gave up
     request_errors: int = 0  # requests failed with SamplerError (own fault or a crash)
     worker_restarts: int = 0  # exceptions that escaped a device step (cache rebuilt)
@@ -92,6 +98,9 @@ class SamplerStats:
             "resizes": self.resizes,
             "cache_shrinks": self.cache_shrinks,
             "prefix_tokens_dropped": self.prefix_tokens_dropped,
+            "weight_swaps": self.weight_swaps,
+            "in_flight_swaps": self.in_flight_swaps,
+            "recomputed_tokens": self.recomputed_tokens,
         }
 
 
@@ -102,7 +111,9 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
     max_batch); decode_s / prefill_s: wall time in device calls; new_shapes:
     compiles in the interval (0 once warmed up); cache_shrinks /
     prefix_tokens_dropped: cache cuts and the cached prefix tokens they dropped;
-    decode_tokens_per_s: output tokens per second of decode time.
+    weight_swaps / in_flight_swaps / recomputed_tokens: weight versions swapped in,
+    those swapped while rows ran (`weight_swap="in_flight"`) and the tokens
+    those rows prefilled again; decode_tokens_per_s: output tokens per second of decode time.
     """
     d = {k: after[k] - before[k] for k in after}
     active = d["row_steps"] / d["decode_steps"] if d["decode_steps"] else 0.0
@@ -119,6 +130,9 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
         "resizes": d["resizes"],
         "cache_shrinks": d["cache_shrinks"],
         "prefix_tokens_dropped": d["prefix_tokens_dropped"],
+        "weight_swaps": d.get("weight_swaps", 0),
+        "in_flight_swaps": d.get("in_flight_swaps", 0),
+        "recomputed_tokens": d.get("recomputed_tokens", 0),
         "decode_tokens_per_s": d["output_tokens"] / d["decode_s"] if d["decode_s"] else 0.0,
     }
 

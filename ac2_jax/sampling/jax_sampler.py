@@ -32,8 +32,23 @@ request's `on_tokens`.
 
 Weights: `load_weights` loads a published Orbax step into the model (or
 `set_weights` copies another Decoder's weights in) and hands a snapshot to the
-worker, which swaps it in once the running rows drain (new requests wait
-meanwhile), so one result never mixes two weight versions.
+worker. How the worker swaps it in is `weight_swap`:
+
+- "drain" (default): once the running rows drain (new requests wait
+  meanwhile), so one result never mixes two weight versions; one long
+  generation holds every row on the old weights.
+- "in_flight": at the next decode-chunk boundary, without draining. Running
+  rows go on under the new weights and each output token records the version
+  that sampled it (`SampleResult.output_versions`). KV rule: recompute. At
+  the swap every running row's prompt and output so far are prefilled again
+  under the new weights (one batched prefill; `stats.recomputed_tokens`), so
+  token i's log-prob is log pi_{v_i}(y_i | prompt, y_<i): one forward pass of
+  version v_i over the whole prefix, what the learner's importance ratio
+  needs. (PipelineRL keeps the old keys/values instead: cheaper, but the
+  tokens after a swap are then sampled from a mix of two policies that no
+  forward pass reproduces.) A MoE row's recorded routing of its prefix is
+  the recompute's (the new weights'). A running row whose adapter the new
+  weights no longer serve fails alone.
 """
 
 from __future__ import annotations
@@ -68,6 +83,8 @@ from ac2_jax.sampling.base import (
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
 from ac2_jax.sampling.constraints import GrammarMatcher, end_token_id
 from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
+
+WEIGHT_SWAPS = ("drain", "in_flight")  # JaxSampler(weight_swap=): see the module docstring
 
 
 def _decodes(model: Any) -> bool:
@@ -110,6 +127,8 @@ class JaxSampler(DeviceLoop):
     min_cache_len >= max_context with bucketed rows (min_batch < max_batch) is
     the middle way: decode work follows the load, and `warmup()` still compiles
     every shape up front (more of them: one set per row bucket).
+    weight_swap: "drain" or "in_flight": when new weights (`load_weights`,
+    `set_weights`, adapter changes) replace the running ones (module docstring).
     """
 
     # Decodes `SamplingParams.constraint` (masks the learner replays: `constraints`).
@@ -136,6 +155,7 @@ class JaxSampler(DeviceLoop):
         prefix_reuse: bool = True,
         shrink_cache: bool = True,
         fixed_shapes: bool = False,
+        weight_swap: str = "drain",
     ):
         if not _decodes(model):
             raise TypeError(
@@ -160,6 +180,13 @@ class JaxSampler(DeviceLoop):
         ):
             if int(v) < lo:
                 raise ValueError(f"JaxSampler: {name} must be >= {lo}, got {v}")
+        if weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(
+                f"JaxSampler: weight_swap must be one of {WEIGHT_SWAPS} ('drain': new "
+                f"weights wait for the running rows; 'in_flight': swapped between decode "
+                f"chunks), got {weight_swap!r}"
+            )
+        self._weight_swap = weight_swap
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError("JaxSampler: tokenizer must have a .decode(ids) method")
         self._vocab = cfg.vocab_size
@@ -217,6 +244,11 @@ class JaxSampler(DeviceLoop):
         return self._vocab
 
     @property
+    def weight_swap(self) -> str:
+        """The swap rule: "drain" or "in_flight" (see the module docstring)."""
+        return self._weight_swap
+
+    @property
     def running_version(self) -> int:
         """Version of the weights the worker runs now. Read inside `on_tokens`
         (the worker thread) it is the version sampling that request."""
@@ -259,7 +291,8 @@ class JaxSampler(DeviceLoop):
         return item.future.result()
 
     def load_weights(self, step: int | None = None) -> int:
-        """Loads a published step (None: latest); running rows finish on the old weights."""
+        """Loads a published step (None: latest); running rows finish on the old
+        weights (weight_swap="drain") or go on under the new ones ("in_flight")."""
         if self._publish_dir is None:
             raise ValueError("JaxSampler.load_weights: the sampler was built without publish_dir")
         with self._load_lock:
@@ -269,7 +302,7 @@ class JaxSampler(DeviceLoop):
 
     def set_weights(self, source: Decoder, version: int) -> int:
         """Copies `source`'s weights (same parameter shapes) in as `version`, like
-        `load_weights`: running rows finish on the old weights. Returns version."""
+        `load_weights` (running rows: `weight_swap`). Returns version."""
         if not _decodes(source):
             raise TypeError(
                 f"JaxSampler.set_weights: source must be a decoder model, got "

@@ -153,6 +153,13 @@ class SGLangSampler(SGLangAdapters):
     max_concurrency: HTTP connections to the server; concurrent calls beyond
       it wait for a free connection (up to timeout_s, then SGLangError), and
       `stats["waited"]` counts them.
+    weight_swap: "drain" only (requests in flight finish on the old weights).
+      "in_flight" is refused by name: SGLang's `/pause_generation` +
+      `/update_weights_from_disk` + `/continue_generation` can swap weights
+      under running requests, but `/generate` reports one
+      `meta_info.weight_version` per request, so the version (and the policy)
+      of each token would go unrecorded; serve in-flight updates with the
+      JaxSampler (`JaxSampler(weight_swap="in_flight")`).
     """
 
     # `SamplingParams.constraint` is refused (see the module docstring).
@@ -172,7 +179,16 @@ class SGLangSampler(SGLangAdapters):
         policy_version: int = 0,
         vocab_size: int | None = None,
         max_concurrency: int = 256,
+        weight_swap: str = "drain",
     ):
+        if weight_swap != "drain":
+            raise ValueError(
+                f"SGLangSampler: weight_swap={weight_swap!r} is not offered: only 'drain'. "
+                "SGLang reports one weight_version per /generate answer, so a request that "
+                "spans a weight update (pause_generation, update_weights_from_disk, "
+                "continue_generation) could not record which weights sampled each token; "
+                "use JaxSampler(weight_swap='in_flight') for in-flight updates"
+            )
         if int(max_context) < 3:
             raise ValueError(f"SGLangSampler: max_context must be >= 3, got {max_context}")
         if int(max_concurrency) < 1:

@@ -67,7 +67,7 @@ class DeviceLoop:
     config, `_queue`, `_lock`, `_pending`, `_graphdef`/`_state`, `stats`)."""
 
     # What the mixin reads and writes; `JaxSampler.__init__` sets every one of them.
-    _pending: tuple[Any, int] | None  # (state, version) waiting for the rows to drain
+    _pending: tuple[Any, int] | None  # (state, version) waiting for the next swap
     _queue: queue.SimpleQueue
     _lock: threading.Lock
     _waiting: collections.deque[Request]
@@ -79,6 +79,7 @@ class DeviceLoop:
     _graphdef: Any
     _state: Any
     _version: int
+    _weight_swap: str  # "drain" | "in_flight" (`JaxSampler(weight_swap=)`)
     _model: Any
     _staged_slots: dict[str, int]  # adapter name -> bank slot of the staged weights
     _running_slots: dict[str, int]  # ... of the weights the worker runs
@@ -220,18 +221,47 @@ class DeviceLoop:
         keep = collections.deque(r for r in self._waiting if not r.future.cancelled())
         self.stats.cancelled += len(self._waiting) - len(keep)
         self._waiting = keep
+        running = t.active_rows()
         with self._lock:
             pending = self._pending
-            if pending is not None and not t.active_rows():
+            if pending is not None and (self._weight_swap == "in_flight" or not running):
                 (self._state, self._version), self._pending = pending, None
                 self._running_slots = dict(self._staged_slots)
                 t.clear_history()
                 self.stats.weight_swaps += 1
                 pending = None
+            else:
+                running = []
+        if running:  # in flight: the running rows go on under the new weights
+            self._recompute(running)
         if pending is None and self._waiting:
             self._admit()
         if t.active_rows():
             self._decode()
+
+    def _recompute(self, rows: list[int]) -> None:
+        """The KV rule of an in-flight swap (`weight_swap="in_flight"`): every
+        running row's prompt and output so far are prefilled again under the new
+        weights (one batched prefill), so each later token is sampled from, and
+        its log-prob is, the new policy over the whole prefix: exactly what a
+        learner forward pass of that version gives. A row whose adapter the new
+        weights no longer serve fails alone (SamplerError)."""
+        t, jobs = self._table, []
+        for r in rows:
+            req = t.held(r)
+            try:
+                req.slot = self._adapter_slot(req)
+            except Exception as e:  # noqa: BLE001 - this request's adapter only
+                self._fail_row(r, req, e)
+                t.hist[r] = t.hist[r][:0]  # its keys/values are the old weights'
+                continue
+            t.arr["adapter"][r] = req.slot
+            seq = np.asarray(req.prompt + req.gen, np.int32)  # pos = len(seq) - 1: fed next
+            jobs.append((r, seq, 0))
+        self.stats.in_flight_swaps += 1
+        self.stats.swapped_rows += len(jobs)
+        self.stats.recomputed_tokens += sum(len(p) - 1 for _, p, _ in jobs)
+        self._prefill(jobs)
 
     def _drop_if_cancelled(self, row: int) -> bool:
         """Frees `row` if its caller gave up (counted)."""
@@ -468,6 +498,7 @@ class DeviceLoop:
                 req.matcher.consume(tok)
         req.gen += new
         req.logprobs += lps[got, row].tolist()
+        req.versions += [self._version] * len(new)  # one chunk, one set of weights
         st.output_tokens += len(new)
         k = req.params.top_logprobs
         if k:
@@ -491,12 +522,14 @@ class DeviceLoop:
             req.sent = keep
         if not done:
             return
-        ids = req.gen[:keep]
+        ids, versions = req.gen[:keep], req.versions[:keep]
+        first = versions[0] if versions else req.version
         res = SampleResult(
             output_ids=list(ids),
             output_logprobs=list(req.logprobs[:keep]),
             finish_reason="stop" if cut or (ids and ids[-1] in req.stop_ids) else "length",
-            policy_version=req.version,
+            policy_version=first,
+            output_versions=None if all(v == first for v in versions) else list(versions),
             cached_tokens=req.cached,
             top_logprobs=None if req.tops is None else list(req.tops[:keep]),
             routed_experts=(

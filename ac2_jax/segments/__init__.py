@@ -16,6 +16,7 @@ from ac2_jax.segments.mask_bits import MaskTable, mask_words, pack_mask_bits, un
 from ac2_jax.segments.packing import first_fit_decreasing, pack_rows, pack_segments, write_segment
 from ac2_jax.segments.segments import (
     CONSTRAINT_ID,
+    POLICY_VERSION,
     SAMPLER_LOGPROBS,
     FitCounts,
     Segment,
@@ -26,6 +27,7 @@ from ac2_jax.segments.tree import pack_segment_tree
 
 __all__ = [
     "CONSTRAINT_ID",
+    "POLICY_VERSION",
     "SAMPLER_LOGPROBS",
     "FitCounts",
     "MaskTable",

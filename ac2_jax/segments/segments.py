@@ -21,6 +21,9 @@ SAMPLER_LOGPROBS = "sampler_logprobs"  # the feature `segments_from_trace` recor
 # The feature of grammar-constrained tokens: 0 = free, k >= 1 = row k - 1 of the mask
 # table (`Segment.constraint_masks`, then `PackedBatch.constraint_masks`; `constraints`).
 CONSTRAINT_ID = "constraint_id"
+# The feature of each output token's policy version (`Completion.token_versions`),
+# -1 on the other tokens; `segments_from_trace(versions=True)` records it.
+POLICY_VERSION = "policy_version"
 
 
 def _feature_array(task: str, name: str, value: Any) -> np.ndarray:
@@ -182,6 +185,17 @@ def _episode_params(ep) -> dict[str, np.ndarray]:
     return out
 
 
+def _versions(n: int, completions) -> np.ndarray:
+    """int32 [n]: each output token's policy version (`Completion.token_versions`)
+    at its position in a segment made of `completions` (each output at
+    [len(prompt_ids), + len(output_ids))), -1 elsewhere."""
+    out = np.full(n, -1, np.int32)
+    for c in completions:
+        lo = len(c.prompt_ids)
+        out[lo : lo + len(c.output_ids)] = c.token_versions()
+    return out
+
+
 def _request_segment(trace: Trace, ep, c, masks_of) -> Segment:
     """prompt ++ output of one request; the output's mask is the episode's there
     (1 as recorded; 0 where a rule took it out of training, e.g. an unchosen branch)."""
@@ -286,7 +300,7 @@ def _with_constraints(seg: Segment, trace: Trace, ep, completions, masks_of) -> 
 
 
 def segments_from_trace(
-    trace: Trace, mode: str = "episode", *, constraint_masks: Any = None
+    trace: Trace, mode: str = "episode", *, constraint_masks: Any = None, versions: bool = False
 ) -> list[Segment]:
     """Cuts a trace into segments, each with the log-probs the sampler recorded
     for its tokens as the feature `SAMPLER_LOGPROBS` (0 on context tokens).
@@ -298,6 +312,8 @@ def segments_from_trace(
     tokenizer). A segment with such trained tokens carries their masks
     (`Segment.constraint_masks`, feature `CONSTRAINT_ID`). A constrained
     completion that trains with constraint_masks=None is an error.
+    versions: also record each output token's policy version as the int32
+    feature `POLICY_VERSION` (-1 on other tokens), for per-token staleness.
     """
     if mode not in ("episode", "request"):
         raise ValueError(f"segments_from_trace: mode must be 'episode' or 'request', got {mode!r}")
@@ -309,6 +325,14 @@ def segments_from_trace(
             segments.extend(
                 _request_segment(trace, ep, c, constraint_masks) for c in ep.completions
             )
+    if versions:
+        if mode == "episode":
+            made = [(s, ep.completions) for s, ep in zip(segments, trace.episodes, strict=True)]
+        else:
+            made = list(
+                zip(segments, [[c] for ep in trace.episodes for c in ep.completions], strict=True)
+            )
+        segments = [s.with_features(**{POLICY_VERSION: _versions(len(s), cs)}) for s, cs in made]
     return segments
 
 

@@ -184,6 +184,11 @@ async def record(ctx: ServeContext, st: RequestState, choices, elapsed: float, t
             constraint=st.constraint,
             adapter=req.model.partition("@")[2] or None,  # checked: generation.model_adapter
             routed_experts=routing_of(c.result, len(st.prompt_ids)),
+            output_versions=(
+                None
+                if c.result.output_versions is None
+                else [int(v) for v in c.result.output_versions]
+            ),
         )
         for c in choices
     ]

@@ -87,6 +87,12 @@ class Completion:
     prompt_ids + output_ids was routed to, per MoE layer, compactly
     (`trace.routing.encode_routing`); the learner replays them (routing
     replay). None where the sampler records none.
+
+    `output_versions[i]` is the policy version that sampled `output_ids[i]`
+    (a sampler that swaps weights mid-generation: `JaxSampler(weight_swap=
+    "in_flight")`), its log-prob being that version's; None: every token was
+    sampled by `policy_version` (which is otherwise the first token's).
+    `token_versions()` gives the per-token list either way.
     """
 
     prompt_ids: list[int]
@@ -108,11 +114,17 @@ class Completion:
     constraint: str | None = None
     adapter: str | None = None
     routed_experts: str | None = None
+    output_versions: list[int] | None = None
 
     def __post_init__(self):
         if len(self.output_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"Completion: output_logprobs has {len(self.output_logprobs)} entries "
+                f"but output_ids has {len(self.output_ids)}"
+            )
+        if self.output_versions is not None and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(
+                f"Completion: output_versions has {len(self.output_versions)} entries "
                 f"but output_ids has {len(self.output_ids)}"
             )
         if self.routed_experts is not None:
@@ -136,7 +148,16 @@ class Completion:
             del d["adapter"]
         if self.routed_experts is None:  # as older stores wrote it
             del d["routed_experts"]
+        if self.output_versions is None:  # as older stores wrote it
+            del d["output_versions"]
         return d
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each output token (`output_versions`, or
+        `policy_version` for every token when that is None)."""
+        if self.output_versions is None:
+            return [int(self.policy_version)] * len(self.output_ids)
+        return [int(v) for v in self.output_versions]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Completion:

@@ -29,6 +29,7 @@ import numpy as np
 
 from ac2_jax.segments import (
     CONSTRAINT_ID,
+    POLICY_VERSION,
     PackedBatch,
     Segment,
     merge_constraint_tables,
@@ -238,10 +239,16 @@ def batch_segments(
         _check_can_replay(t, tokenizer)
         per_token = None if ep_adv is None else _segment_advantages(t, ep_adv, config)
         for j, s in enumerate(
-            segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks)
+            segments_from_trace(t, mode=config.segment_mode, constraint_masks=masks, versions=True)
         ):
             if moe_routing == "recompute":  # MoEConfig.routing (rl.moe.routing)
                 s.routing = None  # the learner routes every token itself
+            if config.stale_unit == "token":  # each trained token judged alone
+                lag = learner_version - s.features[POLICY_VERSION]
+                stale = (s.loss_mask > 0) & (lag > config.max_staleness)
+                if stale.any():
+                    stats.dropped_stale_tokens += int(stale.sum())
+                    s = dataclasses.replace(s, loss_mask=np.where(stale, 0.0, s.loss_mask))
             if s.num_agent_tokens:
                 if per_token is None:
                     s = with_advantage(s, float(a))

@@ -22,6 +22,7 @@ from ac2_jax.training.rl.branches import continued_path
 from ac2_jax.training.rl.credit import CREDITS
 
 STALE_POLICIES = ("drop", "downweight")
+STALE_UNITS = ("trace", "token")  # BatchConfig.stale_unit
 MOE_ROUTING = ("replay", "recompute")
 MEAN_OVER = ("attempt", "problem")
 
@@ -106,6 +107,13 @@ class BatchConfig:
     max_staleness: int = 1  # policy versions a trace may lag the learner
     stale: str = "drop"  # older traces: dropped, or down-weighted
     stale_weight: float = 0.5
+    # What max_staleness judges: "trace" (its oldest trained token: the whole trace is
+    # dropped / down-weighted) or "token" (with stale="drop": each trained token alone;
+    # the tokens lagging more leave the loss, counted in BatchStats.dropped_stale_tokens,
+    # and a trace goes only when none of its trained tokens is fresh enough). "token"
+    # keeps the fresh tail of a long generation that spans weight updates
+    # (`JaxSampler(weight_swap="in_flight")`: Completion.output_versions).
+    stale_unit: str = "trace"
     # Rows grow (seq_len x 2^k) up to this many tokens to hold a longer segment
     # whole; only past it is a segment's end cut (counted). None: 4 x seq_len.
     max_seq_len: int | None = None
@@ -181,6 +189,16 @@ class BatchConfig:
             raise ValueError(
                 f"BatchConfig.stale must be one of {STALE_POLICIES}, got {self.stale!r}"
             )
+        if self.stale_unit not in STALE_UNITS:
+            raise ValueError(
+                f"BatchConfig.stale_unit must be one of {STALE_UNITS}, got {self.stale_unit!r}"
+            )
+        if self.stale_unit == "token" and self.stale != "drop":
+            raise ValueError(
+                f"BatchConfig: stale_unit='token' judges each token alone and drops the "
+                f"stale ones; it has no per-token down-weighting, so stale={self.stale!r} "
+                "is refused: set stale='drop', or stale_unit='trace'"
+            )
         if not 0.0 <= self.stale_weight <= 1.0:
             raise ValueError(
                 f"BatchConfig.stale_weight must be in [0, 1] (it multiplies the "
@@ -242,21 +260,29 @@ def trace_version(trace: Trace) -> int | None:
     return min(versions) if versions else None
 
 
-def trained_version(trace: Trace, train_agents: tuple[str, ...] | None = None) -> int | None:
-    """Oldest policy version among the completions of `trace` whose output trains:
-    on the continued path (`branches.continued_path`: not an unchosen response, not
-    a response of a request whose choice is unknown), in an episode whose agent
-    `train_agents` trains, with a trained token (loss mask > 0) in its output.
-    None when no completion trains (or the trace has none): nothing of it is stale."""
+def trained_versions(trace: Trace, train_agents: tuple[str, ...] | None = None) -> list[int]:
+    """The policy version of every trained token of `trace` (per token:
+    `Completion.token_versions`): output tokens with loss mask > 0 on the
+    continued path (`branches.continued_path`: not an unchosen response, not a
+    response of a request whose choice is unknown), in an episode whose agent
+    `train_agents` trains. Empty when nothing trains."""
     path, _ = continued_path(trace)
-    versions = []
+    versions: list[int] = []
     for ep in path.episodes:
         if not agent_trained(ep.agent, train_agents):
             continue
         for c in ep.completions:
             lo = len(c.prompt_ids)
-            if any(ep.loss_mask[lo : lo + len(c.output_ids)]):
-                versions.append(c.policy_version)
+            mask = ep.loss_mask[lo : lo + len(c.output_ids)]
+            if any(mask):
+                versions += [v for v, m in zip(c.token_versions(), mask, strict=True) if m]
+    return versions
+
+
+def trained_version(trace: Trace, train_agents: tuple[str, ...] | None = None) -> int | None:
+    """Oldest policy version among the trained tokens of `trace` (`trained_versions`);
+    None when nothing trains (or the trace has no completion): nothing of it is stale."""
+    versions = trained_versions(trace, train_agents)
     return min(versions) if versions else None
 
 
@@ -273,6 +299,11 @@ class BatchStats:
     dropped_no_reward: int = 0  # finished, but no reward was given
     dropped_stale: int = 0
     downweighted: int = 0
+    # Per token (`Completion.token_versions`): trained tokens of the kept traces per
+    # version lag behind the learner (before stale_unit="token" drops any), and the
+    # tokens stale_unit="token" took out of the loss.
+    token_lags: dict[int, int] = dataclasses.field(default_factory=dict)
+    dropped_stale_tokens: int = 0
     empty: int = 0  # kept traces with no agent token (in their baseline)
     no_completions: int = 0  # of those, traces that never called the model (no version)
     row_len: int = 0  # the batch's row length (> seq_len when it grew)
@@ -339,14 +370,17 @@ def select_traces(
                 reward += p
         if reward != t.reward:
             t = dataclasses.replace(t, reward=reward)
-        version, w = trained_version(t, config.train_agents), 1.0
-        if version is None:  # nothing trains, no version: never stale, in its baseline
+        versions, w = trained_versions(t, config.train_agents), 1.0
+        if not versions:  # nothing trains, no version: never stale, in its baseline
             if not any(e.completions for e in t.episodes):
                 stats.no_completions += 1
             lag = 0
         else:
-            lag = max(0, learner_version - version)
-            lags.append(lag)
+            # "trace": the oldest token judges it; "token": it goes only when every
+            # trained token is stale (batch_segments drops the stale ones).
+            judged = max(versions) if config.stale_unit == "token" else min(versions)
+            lag = max(0, learner_version - judged)
+            lags.append(max(0, learner_version - min(versions)))
         if lag > config.max_staleness:
             if config.stale == "drop":
                 stats.dropped_stale += 1
@@ -355,6 +389,9 @@ def select_traces(
             stats.downweighted += 1
         if not t.num_agent_tokens:
             stats.empty += 1
+        for v in versions:
+            k = max(0, learner_version - v)
+            stats.token_lags[k] = stats.token_lags.get(k, 0) + 1
         kept.append(t)
         weights.append(w)
     if lags:

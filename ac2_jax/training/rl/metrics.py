@@ -96,12 +96,22 @@ def staleness_histogram(
 
 
 def batch_metrics(stats: BatchStats) -> dict[str, float]:
-    """`BatchStats` as flat floats: its counters by name, and the agent tokens in the
+    """`BatchStats` as flat floats: its counters by name, the agent tokens in the
     batch per group as trained_tokens/<group> (0 for a group left out by
-    `BatchConfig.train_agents`)."""
-    out = {k: float(v) for k, v in dataclasses.asdict(stats).items() if k != "trained_tokens"}
+    `BatchConfig.train_agents`), and the trained tokens per version lag as
+    staleness_tokens/<lag> (per token: a generation that spans in-flight weight
+    updates has several lags), every lag from 0 to the largest seen."""
+    dicts = ("trained_tokens", "token_lags")
+    out = {k: float(v) for k, v in dataclasses.asdict(stats).items() if k not in dicts}
     trained: dict[str, int] = collections.Counter()
     for label, n in stats.trained_tokens.items():
         trained[agent_group(label)] += n
     out.update({f"trained_tokens/{g}": float(v) for g, v in sorted(trained.items())})
+    lags = stats.token_lags
+    out.update(
+        {
+            f"staleness_tokens/{lag}": float(lags.get(lag, 0))
+            for lag in range(max(lags) + 1 if lags else 0)
+        }
+    )
     return out
