@@ -68,7 +68,7 @@ def tokens(c: DecoderConfig, rows: int, seq_len: int, seed: int = 0) -> np.ndarr
 
 def jax_setup(c: DecoderConfig, rows: int, seq_len: int, donate: bool = True):
     """(step, placed state, batch): the jitted SFT step of this benchmark, one
-    segment per row, AdamW + clipping (also profiled by benchmarks.profile_step)."""
+    segment per row, AdamW + clipping (also bench_matmul_ceiling's and bench_step_ab's)."""
     ids = tokens(c, rows, seq_len)
     segs = [rl_segment(r, np.ones(seq_len), np.zeros(seq_len), task=f"t{i}")
             for i, r in enumerate(ids)]
