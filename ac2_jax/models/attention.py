@@ -8,8 +8,12 @@ zeros from every backend.
 
 Backends: "dense" (masked softmax over [Lq, Lk] scores), "blocksparse"
 (pure-JAX flash tiles that skip fully masked tiles, `models.blocksparse`),
-"cudnn", "pallas_gpu", "splash_tpu" (`models.attention_accel`). "auto" picks
-per platform (`choose_backend`).
+"cudnn", "pallas_gpu", "splash_tpu" (`models.attention_accel`), "pallas_tpu"
+(a Pallas TPU flash kernel under any `AttentionMask`: segment ids, the tree
+mask, decode; `models.attention_tpu`). "auto" picks per platform
+(`choose_backend`); the platform is the mesh's when one is set
+(`jax.set_mesh`: a TPU mesh compiled ahead of time on a CPU host counts as
+TPU), else JAX's default backend.
 """
 
 from __future__ import annotations
@@ -21,11 +25,23 @@ import jax.numpy as jnp
 
 from ac2_jax.models import attention_accel
 from ac2_jax.models.attention_mask import NEG, AttentionMask
+from ac2_jax.models.attention_tpu import pallas_tpu_attention
 from ac2_jax.models.blocksparse import blocksparse_attention
 
 # The kernels by name ("auto": by platform and shape, `choose_backend`); DecoderConfig's
 # `attention_backend` takes one of them.
-ATTENTION_BACKENDS = ("auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu")
+ATTENTION_BACKENDS = (
+    "auto", "dense", "blocksparse", "cudnn", "pallas_gpu", "splash_tpu", "pallas_tpu"
+)  # fmt: skip
+
+
+def target_platform() -> str:
+    """The platform attention compiles for: the platform of the mesh set with
+    `jax.set_mesh` (also under ahead-of-time compilation for TPU devices of a
+    topology on a CPU host), else `jax.default_backend()`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def choose_backend(
@@ -45,8 +61,9 @@ def choose_backend(
     rows run in milliseconds either way and the dense kernel compiles about
     2x faster); GPU ->
     "cudnn" for packed rows in bf16/fp16 with head_dim <= 128, else "dense";
-    TPU -> "splash_tpu" for flat rows, else "dense". "pallas_gpu" and
-    "splash_tpu" take flat packed rows only: tree rows and decode use "dense".
+    TPU -> "pallas_tpu" (flat rows, tree rows and decode alike). "pallas_gpu"
+    and "splash_tpu" take flat packed rows only: tree rows and decode use
+    "dense". platform: default `target_platform()`.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(
@@ -54,7 +71,7 @@ def choose_backend(
         )
     if kind not in ("flat", "tree", "decode"):
         raise ValueError(f"choose_backend: kind must be 'flat', 'tree' or 'decode', got {kind!r}")
-    platform = platform or jax.default_backend()
+    platform = platform or target_platform()
     if requested == "auto":
         if platform == "cpu":
             return "blocksparse" if q_len >= 4 * block else "dense"
@@ -63,7 +80,7 @@ def choose_backend(
             fits = kind != "decode" and half and head_dim <= 128 and head_dim % 8 == 0
             return "cudnn" if fits else "dense"
         if platform == "tpu":
-            return "splash_tpu" if kind == "flat" else "dense"
+            return "pallas_tpu"
         return "dense"
     if requested in ("pallas_gpu", "splash_tpu") and kind != "flat":
         return "dense"
@@ -92,6 +109,10 @@ def attention(
     if backend == "dense":
         dense = mask.dense() if isinstance(mask, AttentionMask) else mask
         return dense_attention(q, k, v, dense, kv_heads_major=kv_heads_major)
+    if backend == "pallas_tpu" and isinstance(mask, AttentionMask):
+        return pallas_tpu_attention(
+            q, k, v, mask, block_q=block, block_k=block, kv_heads_major=kv_heads_major
+        )
     if kv_heads_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if not isinstance(mask, AttentionMask):

@@ -197,7 +197,7 @@ class Decoder(nnx.Module):
             head_dim=c.head_dim,
             block=c.attention_block,
         )
-        if c.sliding_window is not None and backend in ("pallas_gpu", "splash_tpu"):
+        if c.sliding_window is not None and backend in ("pallas_gpu", "splash_tpu", "pallas_tpu"):
             return "dense"
         return backend
 

@@ -239,7 +239,7 @@ class Gemma3(nnx.Module):
             head_dim=c.head_dim,
             block=c.attention_block,
         )
-        if c.windowed and backend in ("pallas_gpu", "splash_tpu"):
+        if c.windowed and backend in ("pallas_gpu", "splash_tpu", "pallas_tpu"):
             return "dense"  # they take no window
         return backend
 

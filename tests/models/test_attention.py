@@ -26,15 +26,35 @@ def test_auto_picks_by_platform_and_shape():
     assert pick("auto", "gpu") == "dense"                      # cuDNN takes no fp32
     assert pick("auto", "gpu", dtype=BF16, head_dim=256) == "dense"
     assert pick("auto", "gpu", kind="decode", q_len=1, dtype=BF16) == "dense"
-    assert pick("auto", "tpu") == "splash_tpu"
-    assert pick("auto", "tpu", kind="tree") == "dense"
+    assert pick("auto", "tpu") == "pallas_tpu"  # the one TPU kernel for every mask
+    assert pick("auto", "tpu", kind="tree") == "pallas_tpu"
+    assert pick("auto", "tpu", kind="decode", q_len=1) == "pallas_tpu"
     # Explicit choices stand, except the segment-id kernels off flat rows.
     assert pick("blocksparse", "gpu") == "blocksparse" and pick("dense", "cpu") == "dense"
     assert pick("pallas_gpu", "gpu", kind="tree") == "dense"
     assert pick("splash_tpu", "tpu", kind="decode", q_len=1) == "dense"
     assert pick("splash_tpu", "tpu") == "splash_tpu"
+    assert pick("pallas_tpu", "cpu", kind="tree") == "pallas_tpu"
     assert set(ATTENTION_BACKENDS) == {"auto", "dense", "blocksparse", "cudnn", "pallas_gpu",
-                                       "splash_tpu"}
+                                       "splash_tpu", "pallas_tpu"}
+
+
+def test_auto_reads_the_platform_of_the_mesh_set():
+    """Ahead-of-time compilation for TPU runs on a CPU host: "auto" follows the mesh
+    set with jax.set_mesh (its devices' platform), not jax.default_backend()."""
+    from jax._src.mesh import AbstractDevice  # what a TPU topology's mesh carries
+
+    from ac2_jax.models.attention import target_platform
+
+    assert target_platform() == "cpu"
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))  # devices unknown: the default backend
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert target_platform() == "cpu"
+    tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((2,), ("data",), abstract_device=tpu)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert target_platform() == "tpu"
+        assert pick("auto", None, kind="tree") == "pallas_tpu"
 
 
 def test_dispatched_backends_agree():
