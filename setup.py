@@ -42,8 +42,8 @@ EXTRAS = {
     "verifiers": ["verifiers>=0.3.1,<0.4"],
     "textarena": ["textarena>=0.7.4"],
     "gymnasium": ["gymnasium>=1.0"],
-    # OpenEnv servers (the adapter speaks its /ws session protocol). Not in "dev": it brings
-    # ~45 packages (gradio, fastmcp, pillow, ...); its tests skip without it.
+    # OpenEnv servers (the adapter speaks its /ws session protocol). It brings ~45 packages
+    # (gradio, fastmcp, pillow, ...): 12 s more of `pip install` from a warm cache.
     "openenv": ["openenv>=0.10"],
     # Compiling for TPU topologies ahead of time on any host (`python -m ac2_jax.aot`):
     # libtpu through jax's own extra, pinned to the jax the suite runs (libtpu is built
@@ -63,7 +63,7 @@ EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torc
                         "anthropic", "google-genai>=1.30",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
                         *EXTRAS["reasoning-gym"], *EXTRAS["verifiers"], *EXTRAS["textarena"],
-                        *EXTRAS["gymnasium"], *EXTRAS["tpu-aot"],
+                        *EXTRAS["gymnasium"], *EXTRAS["openenv"], *EXTRAS["tpu-aot"],
                         *DOCS, *NOTEBOOKS})
 
 setup(

@@ -5,7 +5,8 @@ the library's template (`openenv.cli.templates.openenv_env`), served by the libr
 `create_app` (the adapter starts it from its module, uvicorn in a thread). Its reward
 (`min(0.1 * len(message), 1.0)` per step) is checked against the environment class itself;
 a server that fails mid-rollout makes the attempt infra_error (no reward, counted).
-The launcher end to end is tests/recipes/test_recipe_openenv.py (full tier).
+The launcher end to end is tests/recipes/test_recipe_adapters.py (full tier: the five
+libraries in one mix).
 """
 
 import asyncio
@@ -49,7 +50,7 @@ def test_bad_openenv_specs_are_one_line():
 def echo_pkg(tmp_path_factory):
     """The echo environment package `openenv init echo_env` writes (the library's template,
     without its `uv lock` step), importable as `echo_env`."""
-    pytest.importorskip("openenv", reason="the openenv extra (not in dev: it brings gradio)")
+    pytest.importorskip("openenv", reason="the openenv extra")
     from openenv.cli.commands.init import _copy_template_directory, _create_template_replacements
 
     root = tmp_path_factory.mktemp("openenv")
@@ -116,7 +117,7 @@ def test_echo_env_meets_the_contract_and_its_rewards_are_its_own(echo, echo_pkg)
 def test_the_howto_openenv_commands_build_their_env(echo_pkg, tmp_path):
     """docs/howto/existing-environments.md's OpenEnv block: `openenv init echo_env` then a
     launcher line whose env spec builds on the package that wrote (running it is the
-    full tier's: tests/recipes/test_recipe_openenv.py)."""
+    full tier's: tests/recipes/test_recipe_adapters.py)."""
     from ac2_jax.train import build
 
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)

@@ -1,6 +1,7 @@
 """Environments of other libraries through the launcher, unchanged: one RL step on a mix
-of reasoning-gym generators, a verifiers environment, a TextArena game and a Gymnasium
-environment (one launcher run covers the four, to spare the suite four model start-ups).
+of reasoning-gym generators, a verifiers environment, a TextArena game, a Gymnasium
+environment and an OpenEnv server made by `openenv init echo_env` as the how-to says (one
+launcher run covers the five, to spare the suite five model start-ups).
 
 Full tier: the launcher in a child process, as a user runs it.
 """
@@ -14,13 +15,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VF = "verifiers:ReasoningGymEnv,gym=lcm,num_train_examples=16,num_eval_examples=8"
-# 6 tasks drawn with the run's seed cover the 5 domains (chain_sum, gcd,
-# ReasoningGymEnv, GuessTheNumber-v0, FrozenLake-v1); the test checks that they do.
+# 12 tasks drawn with the run's seed cover the 6 domains (chain_sum, gcd,
+# ReasoningGymEnv, GuessTheNumber-v0, FrozenLake-v1, EchoEnvironment); the test
+# checks that they do.
 ENV = (f"mix:reasoning_gym:chain_sum,gcd+{VF}+textarena:GuessTheNumber-v0"
-       "+gym:FrozenLake-v1,is_slippery=false")  # fmt: skip
-ARGS = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=6",
+       "+gym:FrozenLake-v1,is_slippery=false+openenv:echo_env.server.app,max_turns=2")  # fmt: skip
+ARGS = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=12",
         "--config.rl.attempts_per_task=1", "--config.rl.batch.rows=2",
-        "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=6",
+        "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=12",
         "--config.rollout.max_tokens=8", "--config.rollout.max_steps=12",
         "--config.sampler.warmup=false", "--config.mix.adaptive=true",
         "--config.mix.min_results=1"]  # fmt: skip
@@ -30,40 +32,47 @@ def launch(*args, cwd):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [cwd, ROOT, os.environ.get("PYTHONPATH")])),
     }
     return subprocess.run([sys.executable, "-m", "ac2_jax.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
 @pytest.mark.full
-def test_four_libraries_envs_train_in_one_adaptive_mix(tmp_path):
+def test_five_libraries_envs_train_in_one_adaptive_mix(tmp_path):
     """Every reward is the library's own score of what the policy gave: reasoning-gym's
-    score_answer, the verifiers rubric's, the TextArena game's, the Gymnasium env's summed
-    step rewards; the mix's weights are on the console and in the report."""
+    score_answer, the verifiers rubric's, the TextArena game's, the Gymnasium env's and the
+    OpenEnv env's summed step rewards; the mix's weights are on the console and in the
+    report."""
     pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra")
     vf = pytest.importorskip("verifiers", reason="the verifiers extra")
     ta = pytest.importorskip("textarena", reason="the textarena extra")
     gym = pytest.importorskip("gymnasium", reason="the gymnasium extra")
+    pytest.importorskip("openenv", reason="the openenv extra")
     from reasoning_gym.utils import extract_answer
 
     from ac2_jax.envs.adapters import ReasoningGymEnv
     from ac2_jax.trace import TraceStore
 
+    openenv = os.path.join(os.path.dirname(sys.executable), "openenv")
+    made = subprocess.run([openenv, "init", "echo_env", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
     run = tmp_path / "run"
     proc = launch("--recipe=rl", f"--env={ENV}", f"--workdir={run}", *ARGS, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "[rl] env audit of 5 domains: " in proc.stderr
+    assert "[rl] env audit of 6 domains: " in proc.stderr
     assert "[rl] step 1 mix (weight/pass rate): " in proc.stderr
     rollouts = TraceStore(str(run / "traces" / "rollouts.jsonl")).read()
-    assert len(rollouts) == 6 and all(t.status != "infra_error" for t in rollouts), [
+    assert len(rollouts) == 12 and all(t.status != "infra_error" for t in rollouts), [
         (t.status, t.metadata.get("artifacts", {}).get("error")) for t in rollouts]
     by_domain = {}
     for t in rollouts:
         by_domain.setdefault(t.task_id.split("/", 1)[0], []).append(t)
     assert sorted(by_domain) == [
-        "FrozenLake-v1", "GuessTheNumber-v0", "ReasoningGymEnv", "chain_sum", "gcd"]
+        "EchoEnvironment", "FrozenLake-v1", "GuessTheNumber-v0", "ReasoningGymEnv", "chain_sum",
+        "gcd"]
     # reasoning-gym: the generator's own score_answer of the <answer> text.
     for g in ("chain_sum", "gcd"):
         env = ReasoningGymEnv(g)
@@ -109,6 +118,22 @@ def test_four_libraries_envs_train_in_one_adaptive_mix(tmp_path):
         assert t.reward == total
         (episode,) = t.episodes
         assert len(episode.completions) == len(answers)
+    # OpenEnv: the env's own step rewards for the answers, replayed from the task's seed;
+    # max_turns=2 ended each episode after the env's second reply.
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from echo_env.models import EchoAction
+        from echo_env.server.echo_env_environment import EchoEnvironment
+    finally:
+        sys.path.remove(str(tmp_path))
+    for t in by_domain["EchoEnvironment"]:
+        answers = json.loads(t.metadata["artifacts"]["answer"])["answers"]
+        assert len(answers) == 2
+        own = EchoEnvironment()
+        own.reset(seed=int(t.task_id.rsplit("-", 1)[1]))
+        assert t.reward == sum(own.step(EchoAction(message=a)).reward for a in answers)
+        (episode,) = t.episodes
+        assert len(episode.completions) == 2
     (mix,) = [json.loads(x) for x in open(run / "report" / "mix.jsonl")]
     assert sorted(mix["mix_weight"]) == sorted(by_domain)
     assert abs(sum(mix["mix_weight"].values()) - 1) < 1e-9
