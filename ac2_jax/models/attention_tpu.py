@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
 
-__all__ = ["pallas_tpu_attention"]
+__all__ = ["flat_rule", "pallas_tpu_attention"]
 
 LANES, SUBLANES = 128, 8
 
@@ -60,6 +60,9 @@ class _Flags(NamedTuple):
 
     tree: bool
     window: None = None
+
+
+_FLAT = _Flags(tree=False)
 
 
 def pallas_tpu_attention(
@@ -127,7 +130,7 @@ def _attend(q, k, v, q_index, q_segment, kv_index, kv_segment, kv_end, *, block_
     B, Lq, H, hd = q.shape
     K, Lk = k.shape[1], k.shape[2]
     G = H // K
-    mask = AttentionMask(q_index, kv_index, q_segment, kv_segment, kv_end, tree=tree)
+    mask = flat_rule(AttentionMask(q_index, kv_index, q_segment, kv_segment, kv_end, tree=tree))
     bk = min(block_k, -(-Lk // LANES) * LANES) if not interpret else min(block_k, Lk)
     Lk_p = -(-Lk // bk) * bk
     rows = G * Lq
@@ -144,12 +147,23 @@ def _attend(q, k, v, q_index, q_segment, kv_index, kv_segment, kv_end, *, block_
     )
     folded = AttentionMask(
         fill(mask.q_index, -1), mask.kv_index, fill(mask.q_segment, 0), mask.kv_segment,
-        mask.kv_end, tree=tree,
+        mask.kv_end,
     )  # fmt: skip
     kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, Lk_p - Lk), (0, 0))) for x in (k, v))
-    out = _flash(bq, bk, tree, interpret, qr, kp, vp, *_mask_arrays(folded, bq, bk))
+    out = _flash(bq, bk, interpret, qr, kp, vp, *_mask_arrays(folded, bq, bk))
     out = out[:, :, : G * Lq_p].reshape(B, K, G, Lq_p, hd).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, Lq_p, H, hd)[:, :Lq].astype(q.dtype)
+
+
+def flat_rule(mask: AttentionMask) -> AttentionMask:
+    """The same mask under the flat rule (segments equal and real): a tree mask's rule
+    (both segments real) is the flat rule on 0 / 1 segments, so flat rows, tree rows
+    and decode run one kernel (one compilation for all)."""
+    if not mask.tree:
+        return mask
+    real = lambda s: (s > 0).astype(jnp.int32)  # noqa: E731
+    return mask.replace(q_segment=real(mask.q_segment), kv_segment=real(mask.kv_segment),
+                        tree=False)  # fmt: skip
 
 
 def _mask_arrays(mask: AttentionMask, bq: int, bk: int):
@@ -174,11 +188,11 @@ def _mask_arrays(mask: AttentionMask, bq: int, bk: int):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _allowed(tree, qi_ref, qs_ref, ki_ref, ks_ref, ke_ref):
-    """[bq, bk] bool of a tile, from its q ids [bq, 128] and kv ids [8, bk]."""
+def _allowed(qi_ref, qs_ref, ki_ref, ks_ref, ke_ref):
+    """[bq, bk] bool of a tile (the flat rule), from its q ids [bq, 128] and kv ids [8, bk]."""
     qi, qs = qi_ref[:, 0:1], qs_ref[:, 0:1]  # [bq, 1]
     ki, ks, ke = ki_ref[0:1, :], ks_ref[0:1, :], ke_ref[0:1, :]  # [1, bk]
-    return visible(_Flags(tree), qi, ki, qs, ks, ke, None, None)
+    return visible(_FLAT, qi, ki, qs, ks, ke, None, None)
 
 
 def _nt(a, b):  # a [m, d] . b [n, d]^T -> [m, n] fp32
@@ -193,7 +207,7 @@ def _nn(a, b):  # a [m, n] . b [n, d] -> [m, d] fp32
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, nk):
+def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, then o, lse; scratch m, l, acc."""
     del kmap, qmap
     ids, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = refs[:5], refs[5:]
@@ -207,7 +221,7 @@ def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, 
 
     @pl.when(tiles[(b * nq + i) * nk + j] != 0)
     def _tile():
-        allowed = _allowed(tree, *ids)
+        allowed = _allowed(*ids)
         s = jnp.where(allowed, _nt(q_ref[...], k_ref[...]) * scale, NEG)  # [bq, bk]
         m_old = m_sc[:, 0:1]
         m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
@@ -228,7 +242,7 @@ def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, 
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, nk):
+def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, do, lse, delta, then dq; scratch dq."""
     del kmap, qmap
     ids, (do_ref, lse_ref, delta_ref, dq_ref, dq_sc) = refs[:5], refs[5:]
@@ -240,7 +254,7 @@ def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, n
 
     @pl.when(tiles[(b * nq + i) * nk + j] != 0)
     def _tile():
-        allowed = _allowed(tree, *ids)
+        allowed = _allowed(*ids)
         s = _nt(q_ref[...], k_ref[...]) * scale
         p = jnp.where(allowed, jnp.exp(s - lse_ref[:, 0:1]), 0.0)
         dp = _nt(do_ref[...], v_ref[...])
@@ -252,7 +266,7 @@ def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, n
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, nk):
+def _dkv_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, do, lse, delta, then dk, dv; scratch dk, dv."""
     del kmap, qmap
     ids, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc) = refs[:5], refs[5:]
@@ -265,7 +279,7 @@ def _dkv_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, tree, nq, 
 
     @pl.when(tiles[(b * nq + i) * nk + j] != 0)
     def _tile():
-        allowed = _allowed(tree, *ids)
+        allowed = _allowed(*ids)
         q, do = q_ref[...], do_ref[...]
         s = _nt(q, k_ref[...]) * scale
         p = jnp.where(allowed, jnp.exp(s - lse_ref[:, 0:1]), 0.0)  # [bq, bk]
@@ -321,11 +335,11 @@ def _params():
     return pltpu.CompilerParams(dimension_semantics=sem)
 
 
-def _forward(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids):
+def _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
     B, K, R, hd = q.shape
     nq, nk = R // bq, k.shape[2] // bk
     sp = _specs(bq, bk, hd, nq, nk, kv_major=False)
-    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(hd), tree=tree, nq=nq, nk=nk)
+    kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(hd), nq=nq, nk=nk)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -350,17 +364,17 @@ def _forward(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids):
     return out, lse[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids):
-    return _forward(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
+    return _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids)[0]
 
 
-def _flash_fwd(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids):
-    out, lse = _forward(bq, bk, tree, interpret, q, k, v, tiles, kmap, qmap, *ids)
+def _flash_fwd(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
+    out, lse = _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids)
     return out, (q, k, v, tiles, kmap, qmap, *ids, out, lse)
 
 
-def _flash_bwd(bq, bk, tree, interpret, res, dout):
+def _flash_bwd(bq, bk, interpret, res, dout):
     q, k, v, tiles, kmap, qmap, *ids, out, lse = res
     B, K, R, hd = q.shape
     Lk = k.shape[2]
@@ -372,7 +386,7 @@ def _flash_bwd(bq, bk, tree, interpret, res, dout):
 
     sp = _specs(bq, bk, hd, nq, nk, kv_major=False)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, tree=tree, nq=nq, nk=nk),
+        functools.partial(_dq_kernel, scale=scale, nq=nq, nk=nk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, K, nq, nk),
@@ -388,7 +402,7 @@ def _flash_bwd(bq, bk, tree, interpret, res, dout):
 
     sp = _specs(bq, bk, hd, nq, nk, kv_major=True)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, tree=tree, nq=nq, nk=nk),
+        functools.partial(_dkv_kernel, scale=scale, nq=nq, nk=nk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, K, nk, nq),

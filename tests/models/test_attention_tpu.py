@@ -1,10 +1,10 @@
 """The TPU kernel "pallas_tpu" (`models.attention_tpu`) in Pallas interpret mode on CPU
-against the dense reference, fp32, atol 1e-5 (values and the gradients in q, k, v):
-flat packed rows (segment ids, padding, grouped-query heads) under a data x tensor
-mesh (the kernel runs in shard_map), a tree row (shared prefix, branches, a nested
-branch, padding; `subtree_end`), and decode against a cache whose length is no
-multiple of the block. Blocks of 8 keep interpret mode fast; the TPU block rules
-(8 x 128) are checked by compiling the kernel for a v5e topology with libtpu."""
+against the dense reference, fp32, atol 1e-5: values and the gradients in q, k, v of
+flat packed rows (segment ids, padding, grouped-query heads) and tree rows (shared
+prefix, branches, a nested branch, two trees in a row, padding; `subtree_end`), and
+the values of a decode chunk against the KV cache, under a data x tensor mesh (the
+kernel runs in shard_map). Blocks of 8 keep interpret mode fast; the TPU block
+rules (8 x 128) are checked by compiling the kernel for a v5e topology with libtpu."""
 
 import os
 
@@ -14,74 +14,72 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import AttentionMask, dense_attention
-from ac2_jax.models.attention_tpu import pallas_tpu_attention
+from ac2_jax.models.attention_tpu import flat_rule, pallas_tpu_attention
 from ac2_jax.training import make_mesh
 
 TOL = 1e-5
 
 
-def qkv(B, Lq, Lk, H=4, K=2, hd=16, seed=0):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((B, Lq, H, hd)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((B, Lk, K, hd)), jnp.float32) for _ in range(2))
-    return q, k, v
+def tree_rows():
+    """Two tree rows of 23 tokens (DFS layout; subtree_end[j] = the last token of j's
+    subtree, so query i sees key j iff j <= i <= subtree_end[j]). Row 0: prefix 0..5;
+    branch A 6..12 holding a nested branch 9..10 and its sibling 11..12; branch B
+    13..19; padding 20..22. Row 1: two trees (0..9: prefix 0..3, branches 4..6, 7..9;
+    10..20: prefix 10..12, branches 13..16, 17..20), padding 21..22."""
+    end = np.tile(np.arange(23), (2, 1))
+    end[0, 0:6], end[0, 6:9], end[0, 9:11], end[0, 11:13], end[0, 13:20] = 19, 12, 10, 12, 19
+    end[1, 0:4], end[1, 4:7], end[1, 7:10] = 9, 6, 9
+    end[1, 10:13], end[1, 13:17], end[1, 17:21] = 20, 16, 20
+    seg = np.stack([np.r_[np.ones(20), np.zeros(3)], np.r_[np.ones(21), np.zeros(2)]])
+    mask = AttentionMask.packed(jnp.asarray(seg, jnp.int32), jnp.asarray(end, jnp.int32))
+    dense = np.asarray(mask.dense())
+    assert dense[0, 12, 8] and not dense[0, 12, 10] and not dense[0, 15, 7] and dense[0, 15, 3]
+    assert not dense[1, 10:, :10].any() and dense[1, 20, 12] and not dense[1, 20, 15]
+    return mask
 
 
-def check_grads(mask, q, k, v):
-    """Values and d/dq, d/dk, d/dv of sum(out * w) against the dense kernel."""
-    w = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32)
+def test_flat_tree_and_decode_rows_under_a_mesh_equal_dense():
+    """One kernel call (one compilation) over six rows: two flat packed rows, two tree
+    rows (`flat_rule`: the tree rule as the flat rule on 0 / 1 segments, checked exact
+    here) and two decode chunks; rows over data and kv heads over tensor of a 2 x 2
+    mesh (the kernel in shard_map). 23 tokens: rows and keys padded to the blocks."""
+    L, H, K, hd = 23, 4, 2, 16
+    # flat: three segments + padding; one segment over all blocks + padding
+    seg = np.stack([np.repeat([1, 2, 3, 0], [9, 6, 5, 3]), np.repeat([4, 0], [19, 4])])
+    flat, tree = AttentionMask.packed(jnp.asarray(seg, jnp.int32)), tree_rows()
+    # decode: a chunk of 23 new tokens against a 23-slot cache; row 1 has 12 tokens
+    # then padding (position -1: zeros)
+    pos = np.stack([np.arange(23), np.r_[np.arange(3, 15), -np.ones(11, int)]])
+    decode = AttentionMask.decode(jnp.asarray(pos, jnp.int32), L)
+    as_tree = flat_rule(tree)
+    np.testing.assert_array_equal(as_tree.dense(), tree.dense())
+    rows = [m.replace(causal=False) for m in (flat, as_tree, decode)]
+    mask = jax.tree.map(lambda *x: jnp.concatenate(x), *rows)
+    B = mask.shape[0]
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, L, H, hd)), jnp.float32)
+    # k, v kv heads major (the sampler's cache layout; the kernel's own)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, L, hd)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
 
     def grads(attend):
-        loss = lambda q, k, v: (jnp.sum(attend(q, k, v) * w), attend(q, k, v))  # noqa: E731
+        def loss(q, k, v):
+            out = attend(q, k, v)
+            return jnp.sum(out * w), out
+
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
-    got, out = grads(
-        lambda q, k, v: pallas_tpu_attention(q, k, v, mask, block_q=8, block_k=8, interpret=True)
-    )
-    want, ref = grads(lambda q, k, v: dense_attention(q, k, v, mask.dense()))
+    with jax.set_mesh(make_mesh(data=2, tensor=2)):
+        got, out = grads(
+            lambda q, k, v: pallas_tpu_attention(
+                q, k, v, mask, block_q=8, block_k=8, kv_heads_major=True, interpret=True
+            )
+        )
+    want, ref = grads(lambda q, k, v: dense_attention(q, k, v, mask.dense(), kv_heads_major=True))
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     for name, g, r in zip("qkv", got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=TOL, rtol=0, err_msg=f"d{name}")
-    return out
-
-
-def test_flat_packed_rows_under_a_mesh_equal_dense():
-    # two rows: three segments + padding, and one segment spanning blocks + padding
-    seg = np.stack([np.repeat([1, 2, 3, 0], [9, 6, 5, 4]), np.repeat([4, 0], [19, 5])])
-    mask = AttentionMask.packed(jnp.asarray(seg, jnp.int32))
-    q, k, v = qkv(2, 24, 24)
-    with jax.set_mesh(make_mesh(data=2, tensor=2)):  # rows over data, kv heads over tensor
-        out = check_grads(mask, q, k, v)
-    assert jnp.abs(out[:, -4:]).min() > 0  # padding tokens see themselves
-
-
-def test_tree_row_with_subtree_end_equals_dense():
-    # DFS layout: prefix 0..5; branch A 6..12 holding a nested branch 9..10 and its
-    # sibling 11..12; branch B 13..19; padding 20..23. subtree_end[j]: last token of
-    # j's subtree, so query i sees key j iff j <= i <= subtree_end[j].
-    end = np.arange(24)
-    end[0:6], end[6:9], end[9:11], end[11:13], end[13:20] = 19, 12, 10, 12, 19
-    seg = np.r_[np.ones(20, int), np.zeros(4, int)]
-    mask = AttentionMask.packed(jnp.asarray(seg[None], jnp.int32), jnp.asarray(end[None]))
-    dense = np.asarray(mask.dense()[0])
-    assert dense[12, 8] and not dense[12, 10] and not dense[15, 7] and dense[15, 3]
-    check_grads(mask, *qkv(1, 24, 24, seed=1))
-
-
-def test_decode_against_a_cache_equals_dense():
-    # two new tokens per row against a 44-slot cache (kv heads major, as the sampler
-    # keeps it); the second row's second token is padding (position -1): zeros.
-    q, k, v = qkv(2, 2, 44, seed=2)
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, S, hd]
-    mask = AttentionMask.decode(jnp.asarray([[30, 31], [5, -1]], jnp.int32), 44)
-    out = jax.jit(
-        lambda q, k, v: pallas_tpu_attention(
-            q, k, v, mask, block_q=8, block_k=8, kv_heads_major=True, interpret=True
-        )
-    )(q, k, v)
-    ref = dense_attention(q, k, v, mask.dense(), kv_heads_major=True)
-    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
-    assert jnp.all(out[1, 1] == 0)
+    assert jnp.all(out[5, 12:] == 0) and jnp.abs(out[1, -4:]).min() > 0  # decode / flat padding
 
 
 def test_refuses_a_sliding_window():
