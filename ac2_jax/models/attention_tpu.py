@@ -38,6 +38,7 @@ with rows over the rules' "batch" axes and kv heads over their "kv" axes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -162,8 +163,9 @@ def flat_rule(mask: AttentionMask) -> AttentionMask:
     if not mask.tree:
         return mask
     real = lambda s: (s > 0).astype(jnp.int32)  # noqa: E731
-    return mask.replace(q_segment=real(mask.q_segment), kv_segment=real(mask.kv_segment),
-                        tree=False)  # fmt: skip
+    return dataclasses.replace(
+        mask, q_segment=real(mask.q_segment), kv_segment=real(mask.kv_segment), tree=False
+    )
 
 
 def _mask_arrays(mask: AttentionMask, bq: int, bk: int):
