@@ -590,61 +590,72 @@ class RubricJudge:
             max_tokens=self.max_tokens,
         )
 
+    def _exchange(self, messages: list[dict]):
+        """The retry loop, once for `score` and `ascore`: a generator that yields
+        (seconds to wait, the request's keyword arguments) and is sent back the reply's
+        text or the exception the request raised; it returns the score, or raises
+        JudgeUnavailable after `max_retries` retries (a 4xx that is not 408/429 is not
+        retried; an invalid reply is fed back to the judge)."""
+        reason = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._count("retries")
+            self._count("requests")
+            outcome = yield self._delay(attempt), self._request(messages)
+            if isinstance(outcome, Exception):
+                reason = self._failed(outcome)
+                if self._refused(outcome):
+                    break
+                continue
+            got, messages, reason = self._reply(outcome, messages)
+            if got is not None:
+                return got
+        raise self._give_up(reason)
+
     def score(self, prompt: str, answer: str, reference: str | None = None) -> float:
         """The rubric score of `answer` in [0, 1]; JudgeUnavailable when none comes."""
         key = self.key(prompt, answer, reference)
         hit = self._cached(key)
         if hit is not None:
             return hit
-        self._sync_client()  # a judge with only an async client: refused before any request
-        messages, reason = self.messages(prompt, answer, reference), "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self._count("retries")
-                time.sleep(self._delay(attempt))
-            self._count("requests")
-            try:
-                resp = self._sync_client().chat.completions.create(**self._request(messages))
-                text = resp.choices[0].message.content or ""
-            except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
-                reason = self._failed(e)
-                if self._refused(e):
-                    break
-                continue
-            got, messages, reason = self._reply(text, messages)
-            if got is not None:
-                return self._store(key, got)
-        raise self._give_up(reason)
+        client = self._sync_client()  # only an async client: refused before any request
+        exchange, outcome = self._exchange(self.messages(prompt, answer, reference)), None
+        try:
+            while True:
+                delay, request = exchange.send(outcome)
+                time.sleep(delay)
+                try:
+                    resp = client.chat.completions.create(**request)
+                    outcome = resp.choices[0].message.content or ""
+                except Exception as e:  # noqa: BLE001 - the exchange retries, then gives up
+                    outcome = e
+        except StopIteration as done:
+            return self._store(key, done.value)
 
     async def ascore(self, prompt: str, answer: str, reference: str | None = None) -> float:
-        """`score` without blocking the event loop (the async client)."""
+        """`score` without blocking the event loop (the async client; a judge with
+        only a sync client calls it in a thread)."""
         key = self.key(prompt, answer, reference)
         hit = self._cached(key)
         if hit is not None:
             return hit
-        messages, reason = self.messages(prompt, answer, reference), "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self._count("retries")
-                await asyncio.sleep(self._delay(attempt))
-            self._count("requests")
-            try:
-                aclient, request = self._aclient(), self._request(messages)
-                if aclient is None:  # only a sync client: off the loop
-                    create = self._sync_client().chat.completions.create
-                    resp = await asyncio.to_thread(create, **request)
-                else:
-                    resp = await aclient.chat.completions.create(**request)
-                text = resp.choices[0].message.content or ""
-            except Exception as e:  # noqa: BLE001 - every failure is retried, then ours
-                reason = self._failed(e)
-                if self._refused(e):
-                    break
-                continue
-            got, messages, reason = self._reply(text, messages)
-            if got is not None:
-                return self._store(key, got)
-        raise self._give_up(reason)
+        exchange, outcome = self._exchange(self.messages(prompt, answer, reference)), None
+        try:
+            while True:
+                delay, request = exchange.send(outcome)
+                await asyncio.sleep(delay)
+                try:
+                    aclient = self._aclient()
+                    if aclient is None:  # only a sync client: off the loop
+                        create = self._sync_client().chat.completions.create
+                        resp = await asyncio.to_thread(create, **request)
+                    else:
+                        resp = await aclient.chat.completions.create(**request)
+                    outcome = resp.choices[0].message.content or ""
+                except Exception as e:  # noqa: BLE001 - the exchange retries, then gives up
+                    outcome = e
+        except StopIteration as done:
+            return self._store(key, done.value)
 
 
 class JudgedEnv(Env):
