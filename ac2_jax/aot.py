@@ -84,7 +84,7 @@ USAGE = (
 _FLAGS = {
     "topology": None, "model": None, "recipe": "rl", "lora": None, "seq_len": None,
     "batch": None, "rules": "", "dtype": "bfloat16", "param_dtype": "float32",
-    "remat": "full", "attention": "splash_tpu", "sampler_batch": "64",
+    "remat": "full", "attention": "dense", "sampler_batch": "64",
     "sampler_len": None, "sampler_tensor": None, "programs": ",".join(PROGRAMS),
     "json": None, "prefill_len": "512",
 }  # fmt: skip
@@ -111,6 +111,14 @@ def chip_of(topology: str) -> Chip:
 def topology_devices(topology: str) -> list:
     """The devices of a TPU topology (no chip needed; libtpu compiles for them).
     One device per chip on v5e / v6e / v5p (megacore); v4 lists one per core."""
+    import os
+
+    # libtpu takes a machine-wide lock file by default (one process per TPU host); here no
+    # chip is driven, so concurrent compiles (tests, several sizings) may share it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from ac2_jax.extras import require
+
+    require("libtpu", "tpu-aot", what="compiling for a TPU topology (python -m ac2_jax.aot)")
     try:
         from jax.experimental import topologies
 
@@ -148,7 +156,7 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
     (kind, bytes of its result, shape, times it runs per call: the product of the
     known trip counts of the while loops around it). Async pairs count once
     (the -start); bytes are the largest array of the result (an all-gather's
-    gathered array, a reduce-scatter's input is not in it: its result is)."""
+    gathered array); trip counts from `trip_count`."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -170,11 +178,11 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
             continue
         mult[name] = k
         for line in comps[name]:
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            for key, callee in re.findall(r"\b(body|condition|calls|to_apply|branch_computations"
+            cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
+            for key, callee in re.findall(r"\b(body|calls|to_apply|branch_computations"
                                           r"|true_computation|false_computation)=\{?%?([\w.\-]+)",
                                           line):  # fmt: skip
-                times = int(trip.group(1)) if (key == "body" and trip) else 1
+                times = trip_count(comps.get(cond.group(1), [])) if (key == "body" and cond) else 1
                 stack.append((callee, k * times))
     found = []
     for name, lines in comps.items():
@@ -193,6 +201,23 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
             found.append({"kind": kind, "bytes": nbytes, "shape": list(shape),
                           "times": mult.get(name, 1), "computation": name})  # fmt: skip
     return found
+
+
+def trip_count(condition: list[str]) -> int:
+    """A while loop's trip count from its condition computation: the bound N of its
+    `compare(i, constant(N)), direction=LT` (LE: N + 1), as JAX's scan and fori
+    loops count from 0 by 1; a loop that may stop early (the decode chunk's `i <
+    n_steps & any(active)`) gets its most trips. 1 when no such compare is found."""
+    consts = {}
+    for line in condition:
+        m = re.match(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\][^ ]*\s+constant\((-?\d+)\)", line)
+        if m:
+            consts[m.group(1)] = int(m.group(2))
+    for line in condition:
+        m = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(LT|LE)", line)
+        if m and m.group(2) in consts:
+            return max(consts[m.group(2)] + (m.group(3) == "LE"), 1)
+    return 1
 
 
 def collective_summary(found: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -756,10 +781,17 @@ def jnp_name(dt) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from ac2_jax.config import ConfigError
 
+    import logging
+
+    from ac2_jax.extras import MissingExtraError
+
     argv = sys.argv[1:] if argv is None else argv
+    # The train step logs the memory plan's estimate against this host's memory (a
+    # topology's devices report none); XLA's memory analysis per chip replaces it here.
+    logging.getLogger("ac2_jax.models.memory_plan").setLevel(logging.ERROR)
     try:
         plan = build_plan(argv)
-    except (UsageError, ConfigError) as e:
+    except (UsageError, ConfigError, MissingExtraError) as e:
         print(f"ac2_jax.aot: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     report = run(plan)
