@@ -66,9 +66,37 @@ def _fresh_jax_caches_per_module():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _no_alarm_fired(request):
+    """A healthy test fires no correctness alarm (issue 65: the RL alarms are on by
+    default, so every RL run of the suite is a healthy run that must stay quiet): an
+    ALARM line logged during a test fails it, unless the test is marked
+    `alarms_expected` (it injects the fault on purpose)."""
+    import logging
+
+    lines: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("ALARM "):
+                lines.append(record.getMessage())
+
+    handler, log = _Catch(logging.WARNING), logging.getLogger("ac2_jax.alarms")
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+    if lines and request.node.get_closest_marker("alarms_expected") is None:
+        pytest.fail("a correctness alarm fired in a healthy run:\n" + "\n".join(lines))
+
+
 def pytest_configure(config):
     """`AC2_TEST_PROFILE=<dir>` (scripts/test_profile.sh): time and compile seconds per
     test, written under <dir> (tests/suite_profile.py)."""
+    config.addinivalue_line(
+        "markers", "alarms_expected: the test fires correctness alarms on purpose"
+    )
     out_dir = os.environ.get("AC2_TEST_PROFILE")
     if out_dir:
         from suite_profile import ProfilePlugin

@@ -19,11 +19,14 @@ way in, so a scanned learner can publish to a per-layer sampler and back.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import os
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -33,6 +36,7 @@ from ac2_jax.models.stacking import is_stacked, to_layout
 
 PARAMS = "params"  # the params item of a publish step
 LORA = "lora"  # a LoRA model's step also holds its LoRAConfig (JSON)
+CHECKSUM = "checksum"  # every publish step holds the checksum of its params (JSON)
 
 
 def _checkpointer() -> ocp.Checkpointer:
@@ -48,6 +52,48 @@ def _lora_config(model: nnx.Module) -> LoRAConfig | None:
     config = getattr(model, "config", None)
     lora = getattr(config, "lora", None)
     return lora if trainable_filter(model) is nnx.LoRAParam else None
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _bits_sum(x: jax.Array, lead: int) -> jax.Array:
+    """uint32 [x.shape[:lead]]: sum of x's bf16 bit patterns, each times its position
+    mod 65521 plus 1, over the trailing axes (wrapping: exact in any order, so any
+    sharding of x gives the same value)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    inner = bits.reshape(*x.shape[:lead], -1)
+    w = jnp.arange(inner.shape[-1], dtype=jnp.uint32) % 65521 + 1
+    return jnp.sum(inner * w, axis=-1, dtype=jnp.uint32)
+
+
+def weights_checksum(model_or_params) -> str:
+    """A cheap deterministic checksum of what a publish holds (`publish_weights`: every
+    Param, or a LoRA model's adapters alone): 16 hex digits.
+
+    Per leaf, a position-weighted wrapping sum of its values' bf16 bit patterns,
+    reduced on the leaf's device(s); the leaf sums are hashed (sha256) with their
+    paths on the host. bf16 because a sampler may serve the published fp32 weights
+    cast to bf16 (the same rounding), and it is the same for the stacked and the
+    per-layer layout (a stacked leaf is summed per layer). Equal weights give equal
+    checksums on any device or sharding; weights that differ in any bf16 value give
+    another checksum except by a 2^-32-scale coincidence per leaf. Takes a model or
+    a pure params dict (as `_params` gives)."""
+    params = (
+        _params(model_or_params) if isinstance(model_or_params, nnx.Module) else model_or_params
+    )
+    stacked = is_stacked(params) if isinstance(params, dict) else False
+    items: list[tuple[str, int]] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+        layered = stacked and keys[:1] == ["layers"] and getattr(leaf, "ndim", 0) >= 1
+        sums = np.asarray(jax.device_get(_bits_sum(jnp.asarray(leaf), 1 if layered else 0)))
+        if layered:
+            items += [(".".join(["layers", str(i), *keys[1:]]), int(v)) for i, v in enumerate(sums)]
+        else:
+            items.append((".".join(keys), int(sums)))
+    digest = hashlib.sha256()
+    for key, value in sorted(items):
+        digest.update(f"{key}:{value};".encode())
+    return digest.hexdigest()[:16]
 
 
 def save_params(model: nnx.Module, path: str, overwrite: bool = False) -> None:
@@ -209,7 +255,11 @@ def _manager(
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=False,
     )
-    handlers = {PARAMS: ocp.PyTreeCheckpointHandler(), LORA: ocp.JsonCheckpointHandler()}
+    handlers = {
+        PARAMS: ocp.PyTreeCheckpointHandler(),
+        LORA: ocp.JsonCheckpointHandler(),
+        CHECKSUM: ocp.JsonCheckpointHandler(),
+    }
     return ocp.CheckpointManager(publish_dir, options=options, item_handlers=handlers)
 
 
@@ -232,7 +282,11 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     with _manager(publish_dir, keep=keep) as mgr:
         for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
             mgr.delete(newer)
-        items = {PARAMS: ocp.args.PyTreeSave(_params(model))}
+        params = _params(model)
+        items = {
+            PARAMS: ocp.args.PyTreeSave(params),
+            CHECKSUM: ocp.args.JsonSave({"checksum": weights_checksum(params)}),
+        }
         lora = _lora_config(model)
         if lora is not None:
             items[LORA] = ocp.args.JsonSave(lora.to_dict())
@@ -264,6 +318,17 @@ def published_steps(publish_dir: str) -> list[int]:
         return []
     with _reader(publish_dir) as mgr:
         return sorted(mgr.all_steps())
+
+
+def published_checksum(publish_dir: str, step: int) -> str | None:
+    """The `weights_checksum` published with `step` (None for a step published before
+    publishes carried one)."""
+    publish_dir = os.path.abspath(publish_dir)
+    if not os.path.isdir(os.path.join(publish_dir, str(step), CHECKSUM)):
+        return None
+    with _reader(publish_dir) as mgr:
+        got = mgr.restore(int(step), args=ocp.args.Composite(**{CHECKSUM: ocp.args.JsonRestore()}))
+    return got[CHECKSUM]["checksum"]
 
 
 def latest_published(publish_dir: str) -> int | None:

@@ -25,6 +25,7 @@ import os
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.training import DistillConfig, OptimizerConfig, RLConfig, SFTConfig
 from ac2_jax.training.distill.data import HintConfig
+from ac2_jax.training.rl.alarms import AlarmsConfig
 
 EXISTING = ("refuse", "resume", "overwrite")
 
@@ -86,6 +87,9 @@ class RolloutConfig:
     max_tokens: int = 128  # per request; also the endpoint's default for requests without one
     max_steps: int = 4  # requests per attempt (the default tool-loop harness)
     infra_retries: int = 2  # reruns of an attempt that ended infra_error (ours, never trained)
+    # Wait before infra rerun r: uniform in [d/2, d], d = min(max, backoff x 2^(r-1)) seconds.
+    infra_backoff_s: float = 1.0  # d of the first rerun, seconds (0: rerun at once)
+    infra_backoff_max_s: float = 30.0  # the cap of d, seconds
     deadline_s: float | None = None  # wall-clock bound of one attempt (None: none)
 
     def __post_init__(self):
@@ -189,6 +193,10 @@ class RLRecipeConfig:
     tool_parser: str | None = None
     mix: MixConfig = MixConfig()  # a several-domain env's weights, fixed or adaptive
     mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)
+    # Correctness alarms, on by default (training.rl.alarms): weights served = published,
+    # sampler/learner drift, hangs; each a threshold and an action (warn | stop | off),
+    # e.g. --config.alarms.drift.action=stop, --config.alarms.enabled=false (all off).
+    alarms: AlarmsConfig = AlarmsConfig()
 
 
 @dataclasses.dataclass(frozen=True)

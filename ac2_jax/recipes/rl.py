@@ -237,6 +237,19 @@ def write_mix_report(history: list[dict[str, Any]], reports: str) -> dict[str, s
     return out
 
 
+def alarm_fields(m: dict[str, Any]) -> dict[str, float]:
+    """The console's alarm metrics of a step (`training.rl.alarms`): drift (on-policy
+    mean |delta log-prob|), weights (published versions whose served checksum matched
+    so far), alarms (alarms fired so far); absent when not measured."""
+    out = {}
+    if "drift/onpolicy_abs_mean" in m:
+        out["drift"] = m["drift/onpolicy_abs_mean"]
+    if "alarms/weights_verified" in m:
+        out["weights_ok"] = m["alarms/weights_verified"]
+    out["alarms"] = sum(v for k, v in m.items() if k.startswith("alarms/fired/"))
+    return out
+
+
 def _trained_tokens(m: dict[str, Any]) -> int:
     return int(sum(v for k, v in m.items() if k.startswith("trained_tokens/")))
 
@@ -327,12 +340,15 @@ async def arl(
             tasks_per_step=rl_cfg.tasks_per_step, attempts_per_task=rl_cfg.attempts_per_task,
             seed=cfg.seed + 1, concurrency=rl_cfg.concurrency,
             infra_retries=cfg.rollout.infra_retries, rollout_deadline_s=cfg.rollout.deadline_s,
+            infra_backoff_s=cfg.rollout.infra_backoff_s,
+            infra_backoff_max_s=cfg.rollout.infra_backoff_max_s,
         )  # fmt: skip
         trainer = RLTrainer(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
             publish_dir=paths.publish, on_publish=sampler.load_weights, mesh=mesh,
             logger=metrics_logger(paths.metrics, cfg.log), sampler_counters=sampler.counters,
             tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
+            alarms=cfg.alarms, served_weights=getattr(sampler, "served_weights", None),
         )  # fmt: skip
 
         def on_progress(steps_done: int, version: int) -> None:
@@ -342,6 +358,7 @@ async def arl(
                 # advantages of mean 0): grad_norm shows the update, loss is left out.
                 keys = ("pass_rate", "reward_mean", "grad_norm", "kl_to_sampler")
                 shown = {k: m[k] for k in keys if k in m}
+                shown.update(alarm_fields(m))
                 progress.step(steps_done, shown, _note(m))
                 for line in _step_lines(m, trainer.last_traces, cfg):
                     progress.say(line)

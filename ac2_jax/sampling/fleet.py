@@ -205,6 +205,21 @@ class FleetSampler:
             self._version = version
             return version
 
+    def served_weights(self) -> dict:
+        """The weights alarm's report (`JaxSampler.served_weights`) of every live
+        backend ("members"; a backend without one reports its version and no
+        checksum); "version" is the oldest a member serves."""
+        with self._lock:
+            live = [b for st, b in zip(self._states, self._backends, strict=True) if st.up]
+        members: list[dict] = []
+        for b in live:
+            report = getattr(b, "served_weights", None)
+            members.append(
+                report() if callable(report) else {"version": b.policy_version, "checksum": None}
+            )
+        versions = [int(m["version"]) for m in members if m.get("version") is not None]
+        return {"version": min(versions, default=None), "checksum": None, "members": members}
+
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:

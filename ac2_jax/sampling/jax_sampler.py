@@ -69,7 +69,7 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
 from ac2_jax.models.lora import LoRAConfig, adapter_params
-from ac2_jax.models.params_io import read_published_adapter
+from ac2_jax.models.params_io import read_published_adapter, weights_checksum
 from ac2_jax.models.peft_io import load_peft_adapter, read_peft_config, write_slot
 from ac2_jax.sampling.base import (
     OnTokens,
@@ -214,6 +214,7 @@ class JaxSampler(DeviceLoop):
         self._running_slots: dict[str, int] = {}  # ... of the weights the worker runs
         self._version = 0  # weights the worker runs now
         self._latest = 0  # weights new calls will use (policy_version)
+        self._checksum: tuple[int, str | None] = (0, None)  # (version, its checksum)
         self._pending = None  # (state, version) waiting for the rows to drain
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -335,9 +336,13 @@ class JaxSampler(DeviceLoop):
         """Hands the model's current weights (and adapter names, when `slots` is
         given) to the worker as `version`."""
         _, state = self._snapshot()
+        # What the worker is handed, for the weights alarm (`served_weights`); an
+        # adapter-bank change serves no published step: no checksum.
+        checksum = None if slots is not None else weights_checksum(self._model)
         with self._lock:
             self._pending = (state, version)
             self._latest = version
+            self._checksum = (version, checksum)
             if slots is not None:
                 self._staged_slots = dict(slots)
         self._queue.put(WAKE)
@@ -412,6 +417,20 @@ class JaxSampler(DeviceLoop):
         """`stats.counters()` plus max_batch, for `occupancy_metrics` (e.g. the RL
         loop's per-step `sampler/...` metrics, `RLTrainer(sampler_counters=)`)."""
         return {**self.stats.counters(), "max_batch": self._max_batch}
+
+    def served_weights(self) -> dict:
+        """What this sampler serves, for the weights alarm (`training.rl.alarms`):
+        {"version": the version new requests use, "running_version": the one the
+        worker runs now, "checksum": `models.params_io.weights_checksum` of the
+        weights `load_weights` / `set_weights` handed the worker for that version
+        (None before the first load and after an adapter-bank change)}."""
+        with self._lock:
+            version, checksum = self._checksum
+            return {
+                "version": self._latest,
+                "running_version": self._version,
+                "checksum": checksum if version == self._latest else None,
+            }
 
     def probe(self) -> dict:
         """Raises SamplerError when this sampler can no longer serve (closed, or

@@ -140,6 +140,7 @@ def batch_segments(
     tokenizer: Any = None,
     vocab_size: int | None = None,
     moe_routing: str = "replay",
+    sources: list | None = None,
 ) -> tuple[list[Segment], BatchStats, np.ndarray]:
     """Traces -> (the batch's segments, stats, advantages); deterministic and
     host-side, so every process of a multi-host learner computes the same.
@@ -168,6 +169,9 @@ def batch_segments(
     With `config.mean_over="problem"` each segment's weight is scaled so the
     task_mean loss is a mean over groups of the mean over their attempts
     (tied groups stay in it, at loss 0, unless dropped).
+    `sources` (a list, filled in): per returned segment, (its trace's
+    "task_id/attempt_id", whether every completion of the trace was sampled by
+    `learner_version`: on-policy), for the drift alarm (`training.rl.alarms`).
     """
     kept, weights, stats = select_traces(traces, learner_version, config)
     seen: set[str] = set()
@@ -256,6 +260,9 @@ def batch_segments(
                     s = s.with_features(**{ADVANTAGES: per_token[j]})
                 s.weight = w
                 segments.append(s)
+                if sources is not None:
+                    versions = {c.policy_version for e in t.episodes for c in e.completions}
+                    sources.append((f"{t.task_id}/{t.attempt_id}", versions == {learner_version}))
     stats.unchosen_responses, stats.unchosen_tokens = (
         branches.unchosen_responses,
         branches.unchosen_tokens,

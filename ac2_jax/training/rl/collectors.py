@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -45,7 +46,11 @@ class EndpointCollector:
     `infra_retries` more times. The last run of every attempt goes to `store`
     tagged with (rl_step, task, attempt) and `infra_retries` (how many runs
     it took, less one); attempts already in the store are reused, not run
-    again (resume).
+    again (resume). Each rerun waits first, capped exponential backoff with
+    jitter: retry r (1, 2, ...) sleeps a uniform draw from
+    [d / 2, d] with d = min(infra_backoff_max_s, infra_backoff_s * 2^(r - 1))
+    (an endpoint that restarts gets the time to come back instead of eating
+    every retry at once); `backoff_s` and `backoff_sleeps` count them.
 
     `rollout_deadline_s` (None: none) bounds each run in wall-clock time: it is
     the rollout's timeout_s on the endpoint (whose sweeper ends it as
@@ -81,7 +86,14 @@ class EndpointCollector:
         concurrency: int = 64,
         infra_retries: int = 2,
         rollout_deadline_s: float | None = None,
+        infra_backoff_s: float = 1.0,
+        infra_backoff_max_s: float = 30.0,
     ):
+        if not 0 <= infra_backoff_s <= infra_backoff_max_s:
+            raise ValueError(
+                f"EndpointCollector: need 0 <= infra_backoff_s <= infra_backoff_max_s, got "
+                f"{infra_backoff_s} and {infra_backoff_max_s}"
+            )
         if infra_retries < 0:
             raise ValueError(f"EndpointCollector: infra_retries must be >= 0, got {infra_retries}")
         if rollout_deadline_s is not None and not rollout_deadline_s > 0:
@@ -95,6 +107,10 @@ class EndpointCollector:
         self.tasks_per_step, self.attempts = tasks_per_step, attempts_per_task
         self.seed, self.sem = seed, asyncio.Semaphore(concurrency)
         self.infra_retries = infra_retries
+        self.infra_backoff_s, self.infra_backoff_max_s = infra_backoff_s, infra_backoff_max_s
+        self._jitter = random.Random(seed)  # the backoff's jitter (timing only)
+        self.backoff_s = 0.0  # seconds slept before infra reruns, in all
+        self.backoff_sleeps = 0
         # Rollouts a previous (killed) run already stored, read once; each step
         # takes its own out when it is collected.
         # (Traces without an rl_step tag land under None.)
@@ -147,6 +163,8 @@ class EndpointCollector:
             if key in done:
                 return done[key]
             for retries in range(self.infra_retries + 1):
+                if retries:
+                    await self._backoff(retries)
                 trace = await self._run(task, attempt, rl_step)
                 if trace.status != "infra_error":
                     break
@@ -183,6 +201,15 @@ class EndpointCollector:
         used.update(t.task_id for t in tasks)
         jobs = [one(task, a) for task in tasks for a in range(self.attempts)]
         return list(await asyncio.gather(*jobs))
+
+    async def _backoff(self, retry: int) -> None:
+        """Waits before infra rerun `retry` (>= 1): see the class docstring."""
+        cap = min(self.infra_backoff_max_s, self.infra_backoff_s * 2 ** (retry - 1))
+        wait = cap * (0.5 + 0.5 * self._jitter.random())
+        self.backoff_s += wait
+        self.backoff_sleeps += 1
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     async def _run(self, task, attempt: int, rl_step: int) -> Trace:
         """One run of an attempt; an exception out of it is an infra_error trace."""

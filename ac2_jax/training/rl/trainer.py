@@ -33,6 +33,7 @@ steps done), and its weights are logged with the step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -56,6 +57,14 @@ from ac2_jax.training.core.objectives import Objective, PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
+from ac2_jax.training.core.watchdog import Watchdog
+from ac2_jax.training.rl.alarms import (
+    Alarms,
+    AlarmsConfig,
+    WeightsCheck,
+    check_drift,
+    drift_metrics,
+)
 from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch, warmup_batch
 
 # The collectors live in collectors.py; importable from here as before.
@@ -210,6 +219,15 @@ class RLTrainer(TrainerHooks):
     completions (tool_choice="required"): their masks are replayed with it
     (over the model's vocabulary) so the loss re-scores those tokens as they
     were sampled; without it such a trace is an error.
+
+    `alarms` (default `AlarmsConfig()`: on): the correctness alarms of
+    `training.rl.alarms`. Each update measures sampler/learner drift (one more
+    learner forward of the batch; single-process learners), each publish's
+    checksum is compared with `served_weights()` (the sampler's report, e.g.
+    `JaxSampler.served_weights`; a function or coroutine function) after the
+    publish and after each step, and a `Watchdog` watches the collection, train
+    step and publish stages. The step metrics carry every alarm's metric
+    (`drift/...`, `alarms/...`); a "stop" alarm raises `AlarmStop` out of `run`.
     """
 
     def __init__(
@@ -228,6 +246,8 @@ class RLTrainer(TrainerHooks):
         sampler_counters: Callable[[], dict] | None = None,
         publish_dir: str | os.PathLike | None = None,
         tokenizer: Any = None,
+        alarms: AlarmsConfig | None = None,
+        served_weights: Callable[[], Any] | None = None,
     ):
         for ours, theirs in (
             ("tasks_per_step", "tasks_per_step"),
@@ -249,6 +269,10 @@ class RLTrainer(TrainerHooks):
         self.config, self.collector, self.on_publish = config, collector, on_publish
         self.on_progress, self.sampler_counters = on_progress, sampler_counters
         self.tokenizer = tokenizer
+        self.alarms = Alarms(alarms)
+        self.served_weights = served_weights
+        self._weights = WeightsCheck(self.alarms)
+        self._backoff_seen = 0.0
         # The traces of the last step, refills included (on_progress reads their errors).
         self.last_traces: list[Trace] = []
         self._vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -393,6 +417,7 @@ class RLTrainer(TrainerHooks):
         version = self.version
         # Every process selects and segments the same traces alike (host-side,
         # deterministic); each packs only its share (the step makes one global batch).
+        sources: list[tuple[str, bool]] = []  # per segment: (its completion, on-policy)
         segments, stats, adv = batch_segments(
             traces,
             version,
@@ -400,6 +425,7 @@ class RLTrainer(TrainerHooks):
             tokenizer=self.tokenizer,
             vocab_size=self._vocab_size,
             moe_routing=self.config.moe.routing,
+            sources=sources,
         )
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
@@ -428,9 +454,31 @@ class RLTrainer(TrainerHooks):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
+        if self.alarms.config.on("drift") and jax.process_count() == 1:
+            m.update(self._drift(batch, sources, version))
         m.update(self.trainer.update(batch, teacher=self.reference))
         m["skipped_update"] = 0.0
         return m
+
+    def _drift(self, batch, sources: list[tuple[str, bool]], version: int) -> dict[str, float]:
+        """Sampler/learner drift of the batch at the weights about to train on it
+        (`alarms.drift_metrics`); fires the drift alarm past its threshold."""
+        from ac2_jax.segments import POLICY_VERSION, SAMPLER_LOGPROBS
+
+        learner = np.asarray(jax.device_get(self.step_fn.logprobs(self.trainer.state, batch)))
+        per_token = batch.features.get(POLICY_VERSION)  # per-token versions (in-flight swaps)
+        out, worst = drift_metrics(
+            learner,
+            np.asarray(batch.feature(SAMPLER_LOGPROBS)),
+            np.asarray(batch.loss_mask),
+            np.asarray(batch.segment_index),
+            [on for _, on in sources],
+            [name for name, _ in sources],
+            worst=self.alarms.config.worst,
+            token_on_policy=None if per_token is None else np.asarray(per_token) == version,
+        )
+        check_drift(self.alarms, out, worst, f"update of version {version}")
+        return out
 
     def warmup_step(self) -> bool:
         """Compiles the train step for the configured geometry ([rows, seq_len] rows,
@@ -495,9 +543,30 @@ class RLTrainer(TrainerHooks):
             self.trainer.wait()
         version = self._published = self.version
         publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
+        if self.alarms.config.on("weights"):
+            from ac2_jax.models.params_io import published_checksum
+
+            checksum = published_checksum(self.publish_dir, version)
+            self._weights.published(version, checksum, time.monotonic())
         if self.on_publish is not None:
             self.on_publish(version)
         return version
+
+    async def check_served(self, where: str) -> None:
+        """The weights alarm: compares `served_weights()` with what was published."""
+        if self.served_weights is None or not self.alarms.config.on("weights"):
+            return
+        report = self.served_weights()
+        if inspect.isawaitable(report):
+            report = await report
+        self._weights.served(report, time.monotonic(), where)
+
+    def alarm_metrics(self) -> dict[str, float]:
+        """Every alarm's counters so far (`alarms/...`)."""
+        out = self.alarms.metrics()
+        if self.alarms.config.on("weights"):
+            out.update(self._weights.metrics())
+        return out
 
     async def _progress(self) -> None:
         if self.on_progress is not None:
@@ -506,6 +575,22 @@ class RLTrainer(TrainerHooks):
                 await out
 
     async def run(self) -> list[dict[str, Any]]:
+        hang = self.alarms.config.hang
+        dog = (
+            Watchdog(hang.threshold, hang.action, where="learner")
+            if self.alarms.config.on("hang")
+            else None
+        )
+        try:
+            return await self._run(dog)
+        finally:
+            if dog is not None:
+                dog.close()
+
+    async def _run(self, dog: Watchdog | None) -> list[dict[str, Any]]:
+        def stage(name: str):
+            return contextlib.nullcontext() if dog is None else dog.stage(name)
+
         cfg = self.config
         if self.start_step >= cfg.steps:
             # Nothing left to train, but the sampler must serve the trained
@@ -514,7 +599,9 @@ class RLTrainer(TrainerHooks):
             await self._progress()
             return self.history
         if self.start_step > 0:
-            await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
+            with stage("publish"):
+                await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
+            await self.check_served(f"after publishing version {self._published}")
         await self._progress()
         counters = self.sampler_counters
         seen = counters() if counters is not None else None
@@ -527,14 +614,19 @@ class RLTrainer(TrainerHooks):
         )
         for s in range(self.start_step, cfg.steps):
             t0 = time.perf_counter()
-            traces = await pending
-            extra: dict[str, Any] = {}
-            if cfg.dynamic_sampling:  # before the next step's collection starts
-                traces, extra = await self._refill(s, traces)
+            with stage("collection"):
+                traces = await pending
+                extra: dict[str, Any] = {}
+                if cfg.dynamic_sampling:  # before the next step's collection starts
+                    traces, extra = await self._refill(s, traces)
             if self.mixer is not None:  # the next step's tasks are drawn with the new weights
                 self.mixer.update(traces)
                 extra.update(self.mixer.metrics())
             t_sample = time.perf_counter() - t0
+            backoff = getattr(self.collector, "backoff_s", None)
+            if isinstance(backoff, float):  # EndpointCollector: infra reruns' waits
+                extra["infra_backoff_s"] = backoff - self._backoff_seen
+                self._backoff_seen = backoff
             if counters is not None and seen is not None:
                 now = counters()
                 extra.update(
@@ -551,13 +643,16 @@ class RLTrainer(TrainerHooks):
                 await warm  # done by now, or the update would compile the same anyway
                 warm = None
             self.last_traces = list(traces)
-            m = await asyncio.to_thread(self.update, traces)
+            with stage("train step"):
+                m = await asyncio.to_thread(self.update, traces)
             m.update(extra)
             t2 = time.perf_counter()
             m["policy_version"] = self.version
             if m["policy_version"] != self._published:
                 # Off the event loop: rollouts of the next step keep streaming meanwhile.
-                await asyncio.to_thread(self.publish)
+                with stage("publish"):
+                    await asyncio.to_thread(self.publish)
+                await self.check_served(f"rl_step {s}, after publishing version {self._published}")
             t3 = time.perf_counter()
             m.update(
                 rl_step=s,
@@ -566,6 +661,7 @@ class RLTrainer(TrainerHooks):
                 time_publishing_s=t3 - t2,
                 time_step_s=time.perf_counter() - t0,
             )
+            m.update(self.alarm_metrics())
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
             self.history.append(m)  # before on_progress, which may read it
             await self._progress()

@@ -239,7 +239,7 @@ def test_collector_retries_infra_errors_and_they_never_reach_a_batch(served):
         try:
             return await EndpointCollector(lc, LengthParityEnv(), flaky, "tiny", store,
                                            tasks_per_step=2, attempts_per_task=2,
-                                           infra_retries=2).collect(0)
+                                           infra_retries=2, infra_backoff_s=0.01).collect(0)
         finally:
             await lc.aclose()
 
@@ -289,7 +289,8 @@ def test_infra_failures_are_retried_counted_and_never_kill_the_step(served, tmp_
         try:
             return await EndpointCollector(
                 lc, LengthParityEnv(), _make, "tiny", TraceStore(str(tmp_path / "rollouts.jsonl")),
-                tasks_per_step=2, attempts_per_task=2, infra_retries=1).collect(0)
+                tasks_per_step=2, attempts_per_task=2, infra_retries=1,
+                infra_backoff_s=0.01).collect(0)
         finally:
             await lc.aclose()
 
