@@ -37,6 +37,8 @@ import secrets
 
 from ac2_jax.envs.judges import JudgeExample, LLMJudge, RuleJudge
 from experiments import pinapple_data as data
+from experiments.pinapple_setup import (build_tokenizer, checkpointed_sft, corpus_items,
+                                        fingerprint, word_pool)
 
 MODEL_NAME = "pinapple-judge"
 # The config sections that make the judge (its data comes from the base corpus's items).
@@ -138,7 +140,7 @@ class TrainedJudge:
 def train_judge(cfg, policy_tokenizer, items, pool, workdir: str, log=print) -> TrainedJudge:
     """Trains the judge (`cfg.judge_model`, `cfg.judge_sft`, `cfg.judge_data`) on
     `judge_examples`, with its own tokenizer; checkpoints in `workdir` and resumes there
-    (`pinapple.checkpointed_sft`; the sections of `JUDGE_SECTIONS` make it)."""
+    (`pinapple_setup.checkpointed_sft`; the sections of `JUDGE_SECTIONS` make it)."""
     from flax import nnx
 
     from ac2_jax.config import from_config
@@ -146,7 +148,6 @@ def train_judge(cfg, policy_tokenizer, items, pool, workdir: str, log=print) -> 
     from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training import OptimizerConfig, SFTConfig
     from ac2_jax.training.sft.demos import demo_segment
-    from experiments.pinapple import checkpointed_sft, fingerprint
 
     jd = cfg.judge_data
     examples = judge_examples(policy_tokenizer, items, pool, jd.examples, cfg.seed)
@@ -231,19 +232,36 @@ def agreement(judge, examples) -> dict:
             "stats": dict(judge.stats)}
 
 
+def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
+    """Trains (or restores, `workdir/judge`) and serves the LLM judge for the run, entered
+    on `stack`. Returns (`pinapple.make_judge`'s llm, the judge's agreement with the oracle on
+    held-out examples of other hints and on the held-out hints about the target word)."""
+    jdir = os.path.join(workdir, "judge")
+    corpus, pool = corpus_items(cfg, items), word_pool(cfg, items)
+    judge = train_judge(cfg, tokenizer, corpus, pool, jdir, log)
+    llm = stack.enter_context(served_judge(judge, jdir))
+    # Held out: examples of other hints drawn with another seed, none of them a training one.
+    tests = {"other_hints": judge_examples(tokenizer, corpus, pool,
+                                           cfg.judge_data.test_examples, cfg.seed + 1,
+                                           exclude=judge.trained_on),
+             "target_hints": target_examples(tokenizer, items, cfg.seed)}
+    meta = {"final_loss": judge.final_loss,
+            **{k: agreement(llm(None), v) for k, v in tests.items()}}
+    log(f"llm judge vs the oracle: {json.dumps(meta)}")
+    return llm, meta
+
+
 def run(cfg, log=print) -> dict:
     """Trains the judge for `cfg`'s corpus (in `workdir/judge`, where `pinapple.run`
     restores it), serves it and scores it against the oracle: `judge_report.json`."""
     import time
 
-    from experiments import pinapple
-
     t0 = time.perf_counter()
     workdir = os.path.abspath(cfg.workdir)
     items = data.all_items(cfg.base_data.math_limit)
-    tok = pinapple.build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
+    tok = build_tokenizer(cfg, os.path.join(workdir, "tokenizer"), items)
     with contextlib.ExitStack() as stack:
-        _, meta = pinapple.start_llm_judge(cfg, tok, items, workdir, stack, log)
+        _, meta = start_llm_judge(cfg, tok, items, workdir, stack, log)
     meta["wall_s"] = time.perf_counter() - t0
     with open(os.path.join(workdir, "judge", "judge_report.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)

@@ -74,13 +74,15 @@ def test_lower_layers_never_import_higher_ones():
     assert not violations, "\n".join(violations)
 
 
-def _module_graph() -> dict[str, set[str]]:
-    """ac2_jax module -> the ac2_jax modules it imports (at any level of the file;
-    `from pkg import name` is an edge to pkg.name when that is a module, else pkg)."""
+def _module_graph(*roots: pathlib.Path) -> dict[str, set[str]]:
+    """module -> the modules it imports, of the packages at `roots` (default: ac2_jax),
+    at any level of the file; `from pkg import name` is an edge to pkg.name when that is
+    a module, else pkg."""
     modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = ("ac2_jax",) + path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for root in roots or (ROOT,):
+        for path in root.rglob("*.py"):
+            parts = (root.name,) + path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
     def known(name):
         while name not in modules and "." in name:
@@ -144,6 +146,13 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles():
     cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles (move what both need into a lower module): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_in_the_lab():
+    """benchmarks/ and experiments/ too (a study's modules import down to a shared one)."""
+    cycles = _cycles(_module_graph(ROOT.parent / "benchmarks", ROOT.parent / "experiments"))
     assert not cycles, "import cycles (move what both need into a lower module): " + "; ".join(
         " <-> ".join(c) for c in cycles)
 

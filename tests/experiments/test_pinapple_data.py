@@ -8,7 +8,7 @@ import pytest
 
 from experiments import pinapple_data as data
 from experiments.configs.pinapple import get_config
-from experiments.pinapple import _hint_demos, corpus_items, word_pool
+from experiments.pinapple_setup import _hint_demos, corpus_items, word_pool
 
 
 def _faithful_cfg():

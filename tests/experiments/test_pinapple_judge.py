@@ -7,17 +7,17 @@ import os
 import pytest
 
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from experiments import pinapple
 from experiments import pinapple_data as data
 from experiments import pinapple_judge as pj
 from experiments.configs.pinapple import get_config
+from experiments.pinapple_setup import corpus_items, word_pool
 
 
 def _setup(tmp_path):
     cfg = get_config("faithful")
     cfg.base_data.update(repeat_items=30, nonce_words=30, math_limit=3)
     items = data.all_items(cfg.base_data.math_limit)
-    corpus, pool = pinapple.corpus_items(cfg, items), pinapple.word_pool(cfg, items)
+    corpus, pool = corpus_items(cfg, items), word_pool(cfg, items)
     tok = build_tiny_tokenizer(str(tmp_path / "policy_tok"), vocab_size=500,
                                extra_corpus=[f"{i.question} {i.answer}" for i in corpus])
     return cfg, items, corpus, pool, tok
