@@ -29,6 +29,7 @@ no group and no capacity. No [tokens, E, F] array is ever formed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -42,7 +43,9 @@ __all__ = [
     "MoEDecoderConfig",
     "RouterStats",
     "capacity_of",
+    "GROUPED_MATMULS",
     "experts_apply",
+    "grouped_matmul_for",
     "load_balancing_loss",
     "route",
 ]
@@ -214,11 +217,26 @@ def experts_apply(
     wu: jax.Array,
     wd: jax.Array,
     capacity_factor: float | None = None,
+    grouped: str = "ragged_dot",
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for x [N, D]; SwiGLU experts
     wg, wu [E, D, F], wd [E, F, D] (in x's dtype); real [N] bool (False: padding,
-    routed nowhere, output 0). Returns (y [N, D], group sizes [E] int32,
-    dropped assignments int32)."""
+    routed nowhere, output 0). grouped: the dropless path's grouped GEMM,
+    "ragged_dot" (`jax.lax.ragged_dot`) or "gmm" (the TPU Pallas kernel, megablox
+    `gmm`, `grouped_matmul_for`; `interpret` runs it in Pallas interpret mode).
+    Returns (y [N, D], group sizes [E] int32, dropped assignments int32)."""
+    if grouped not in GROUPED_MATMULS:
+        raise ValueError(
+            f"experts_apply: grouped must be one of {GROUPED_MATMULS}, got {grouped!r}"
+        )
+    if grouped == "gmm" and capacity_factor is None:
+        return _experts_gmm(x, ids, weights, real, wg, wu, wd, interpret)
+    return _experts(x, ids, weights, real, wg, wu, wd, capacity_factor, jax.lax.ragged_dot)
+
+
+def _experts(x, ids, weights, real, wg, wu, wd, capacity_factor, matmul):
+    """`experts_apply` with `matmul(lhs [M, D], rhs [E, D, F], sizes [E])` the grouped GEMM."""
     N, D = x.shape
     k, E = ids.shape[1], wg.shape[0]
     live = jnp.repeat(real, k)
@@ -228,9 +246,9 @@ def experts_apply(
     sizes = jnp.zeros((E + 1,), jnp.int32).at[key].add(1)[:E]
     xs = jnp.take(x, order // k, axis=0)  # [N k, D], grouped by expert
     if capacity_factor is None:
-        g = jax.lax.ragged_dot(xs, wg, sizes)
-        u = jax.lax.ragged_dot(xs, wu, sizes)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, sizes)
+        g = matmul(xs, wg, sizes)
+        u = matmul(xs, wu, sizes)
+        y = matmul(jax.nn.silu(g) * u, wd, sizes)
         y = jnp.where((key_sorted < E)[:, None], y, jnp.zeros_like(y))
         dropped = jnp.zeros((), jnp.int32)
     else:
@@ -247,3 +265,86 @@ def experts_apply(
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))
     y = jnp.take(y, inverse, axis=0).reshape(N, k, D)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype)), sizes, dropped
+
+
+GROUPED_MATMULS = ("ragged_dot", "gmm")
+
+
+def grouped_matmul_for(attention_backend: str, platform: str | None = None) -> str:
+    """The experts' grouped GEMM that goes with an attention backend: "gmm" where the
+    TPU kernels run ("pallas_tpu", or "auto" when the target platform is TPU,
+    `models.attention.target_platform`: a mesh set on TPU devices, also ahead of
+    time on a CPU host), else "ragged_dot"."""
+    from ac2_jax.models.attention import target_platform
+
+    if attention_backend == "pallas_tpu":
+        return "gmm"
+    if attention_backend == "auto" and (platform or target_platform()) == "tpu":
+        return "gmm"
+    return "ragged_dot"
+
+
+def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
+    """megablox `gmm` (differentiable) of lhs [M, K] by rhs [E, K, N] in groups of
+    `sizes` rows, in lhs's dtype (fp32 accumulation). Rows are padded to the m tile
+    and every row is put in a group (the tail in the last one), so no output or
+    gradient row is left uninitialised; the caller masks the rows of no expert."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    m = lhs.shape[0]
+    tm = min(128, -(-m // 8) * 8)
+    mp = -(-m // tm) * tm
+    sizes = sizes.at[-1].add(mp - jnp.sum(sizes))
+    tiling = (tm, min(128, lhs.shape[1]), min(128, rhs.shape[2]))
+    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    out = gmm(lhs, rhs.astype(lhs.dtype), sizes, lhs.dtype, tiling, None, None, False, interpret)
+    return out[:m]
+
+
+def _experts_gmm(x, ids, weights, real, wg, wu, wd, interpret):
+    """The dropless experts through `gmm`; under a mesh (`jax.set_mesh`) in shard_map:
+    tokens over the rules' "batch" axes (each shard sorts and groups its own), the
+    experts' hidden width over their "mlp" axes (partial down projections summed),
+    weights otherwise whole per shard (FSDP gathers them a layer at a time)."""
+    matmul = functools.partial(_gmm, interpret=interpret)
+    run = lambda *a: _experts(*a, None, matmul)  # noqa: E731
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return run(x, ids, weights, real, wg, wu, wd)
+    from jax.sharding import PartitionSpec as P
+
+    from ac2_jax.models.axes import active_rules
+
+    rules = active_rules()
+    rows, hidden = rules.spec(("batch",), mesh)[0], rules.spec(("mlp",), mesh)[0]
+    ways = lambda axes: math.prod(  # noqa: E731
+        mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())
+    )
+    rows = rows if x.shape[0] % ways(rows) == 0 else None
+    hidden = hidden if wg.shape[2] % ways(hidden) == 0 else None
+    names = lambda axes: () if axes is None else (axes,) if isinstance(axes, str) else axes  # noqa: E731
+
+    def local(x, ids, weights, real, wg, wu, wd):
+        y, sizes, dropped = run(x, ids, weights, real, wg, wu, wd)
+        if names(hidden):
+            y = jax.lax.psum(y, names(hidden))
+        if names(rows):
+            sizes, dropped = jax.lax.psum((sizes, dropped), names(rows))
+        return y, sizes, dropped
+
+    tok = P(rows)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            tok,
+            tok,
+            tok,
+            tok,
+            P(None, None, hidden),
+            P(None, None, hidden),
+            P(None, hidden, None),
+        ),  # fmt: skip
+        out_specs=(tok, P(), P()),
+        check_vma=False,
+    )(x, ids, weights, real, wg, wu, wd)

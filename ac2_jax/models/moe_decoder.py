@@ -55,7 +55,13 @@ from ac2_jax.models.layers import (
     rms_norm,
     rope_cos_sin,
 )
-from ac2_jax.models.moe import MoEDecoderConfig, RouterStats, experts_apply, route
+from ac2_jax.models.moe import (
+    MoEDecoderConfig,
+    RouterStats,
+    experts_apply,
+    grouped_matmul_for,
+    route,
+)
 
 __all__ = ["MoEBlock", "MoEDecoder", "SparseMoE", "sparse_moe_apply"]
 
@@ -98,10 +104,16 @@ class MoEBlock(nnx.Module):
 
 
 def sparse_moe_apply(
-    c: MoEDecoderConfig, w: dict, x: jax.Array, real: jax.Array, replay: jax.Array | None = None
+    c: MoEDecoderConfig,
+    w: dict,
+    x: jax.Array,
+    real: jax.Array,
+    replay: jax.Array | None = None,
+    grouped: str = "ragged_dot",
 ):
     """The MoE MLP of x [B, L, D] (w: a SparseMoE's params); real [B, L] bool
-    (False: padding); replay: None or recorded experts [B, L, k]. Returns
+    (False: padding); replay: None or recorded experts [B, L, k]; grouped: the
+    experts' grouped GEMM (`moe.experts_apply`). Returns
     (y [B, L, D], (ids [B, L, k], counts [E], prob_sum [E], dropped))."""
     B, L, D = x.shape
     k, dt = c.num_experts_per_tok, c.dtype
@@ -113,7 +125,7 @@ def sparse_moe_apply(
     ex = {n: w["experts"][n].astype(dt) for n in ("gate_proj", "up_proj", "down_proj")}
     y, sizes, dropped = experts_apply(
         h, ids, weights, flat_real, ex["gate_proj"], ex["up_proj"], ex["down_proj"],
-        capacity_factor=c.capacity_factor,
+        capacity_factor=c.capacity_factor, grouped=grouped,
     )  # fmt: skip
     y = y.reshape(B, L, D)
     if "shared_expert" in w:  # Qwen2-MoE: + sigmoid(x W_g) * MLP(x)
@@ -127,13 +139,15 @@ def sparse_moe_apply(
 
 
 def moe_block_apply(c, w, x, rope, mask, backend, real, cache=None, lora=None, replay=None):
-    """One MoE layer: x + attn(norm x), then + moe(norm x). Returns (x, cache, stats)."""
+    """One MoE layer: x + attn(norm x), then + moe(norm x). Returns (x, cache, stats).
+    backend: the attention kernel that runs; with the TPU one ("pallas_tpu") the
+    experts run through the TPU grouped GEMM (`moe.grouped_matmul_for`)."""
     w = from_bits(c, w)
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
     a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache, lora)
     x = x + a
     h = rms_norm(w["post_attention_layernorm"]["weight"], x, c.rms_eps, c.dtype)
-    y, stats = sparse_moe_apply(c, w["mlp"], h, real, replay)
+    y, stats = sparse_moe_apply(c, w["mlp"], h, real, replay, grouped_matmul_for(backend))
     return x + y, cache, stats
 
 
