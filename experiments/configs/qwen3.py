@@ -40,13 +40,11 @@ Variants (`--config=experiments/configs/qwen3.py:1.7b_gpu`):
 import ml_collections
 
 from ac2_jax.config import select_variant
+from ac2_jax.models.presets import shape_kwargs
 
-QWEN3_0_6B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, max_position_embeddings=40_960, rms_norm_eps=1e-6,
-                  rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
-                  tie_word_embeddings=True)
-QWEN3_1_7B = dict(QWEN3_0_6B, hidden_size=2048, intermediate_size=6144)
+# The shapes are the library's (ac2_jax.models.presets: the published config.json fields).
+QWEN3_0_6B = shape_kwargs("qwen3-0.6b")[1]
+QWEN3_1_7B = shape_kwargs("qwen3-1.7b")[1]
 
 
 def _default(c):
