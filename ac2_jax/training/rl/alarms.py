@@ -21,6 +21,9 @@ line saying what, where, and the config key that turns it off, and is counted
   on-policy tokens (sampled by the learner's current version: same weights, so
   only numerics differ) and stale ones separately. On-policy mean |delta| above
   `drift.threshold` fires, naming the worst completions.
+- routing: for a mixture-of-experts policy whose traces record routing, the
+  fraction of tokens whose learner top k differs from the recorded experts
+  (`routing_mismatch`), with routing replay on or off (`rl.moe.routing`).
 - hang: `Watchdog` (training.core.watchdog), per stage, `hang.threshold`
   seconds.
 """
@@ -79,8 +82,11 @@ class AlarmsConfig:
       same log-probs up to numerics (fp32 on CPU: ~1e-6; a bf16 sampler against an
       fp32 learner: ~1e-2); 0.1 is an order above bf16's. Warn, since a new kernel
       or dtype moves it; `action=stop` for a run that must not train on drift.
-    - routing (warn, mismatch fraction > 0.1): reserved for MoE routing mismatch
-      (not computed yet: the metric is absent and nothing fires).
+    - routing (warn, mismatch fraction > 0.1): the fraction of a MoE batch's tokens
+      whose learner top k (in any MoE layer) differs from the recorded routing, with
+      replay on or off (Megatron #4168: runs collapse without replay). bf16
+      near-ties flip a few percent; 0.1 is past that. Warn: with replay on the
+      learner trains through the recorded experts anyway.
     - hang (stop, 1800 s with no progress of a stage): the first compile and a
       long collection at real size take minutes, never half an hour of nothing.
     """
@@ -144,8 +150,9 @@ def drift_metrics(
     `names[i]` of segment i: whether it was sampled by the learner's version, and
     the completion it came from). token_on_policy [R, L] (bool; e.g. the batch's
     per-token `POLICY_VERSION` == the learner's version: in-flight weight updates
-    change the version within a completion) replaces `on_policy` per token. Returns (metrics, worst on-policy completions as
-    (name, mean |delta|), largest first).
+    change the version within a completion) replaces `on_policy` per token.
+    Returns (metrics, worst on-policy completions as (name, mean |delta|), largest
+    first).
 
     Metrics, per kind k in ("onpolicy", "stale"): drift/k_abs_mean (mean |delta|),
     drift/k_kl (mean k3 = exp(d) - 1 - d with d = learner - sampler, the estimate of
@@ -195,6 +202,40 @@ def check_drift(alarms: Alarms, m: dict[str, Any], worst: list[tuple[str, float]
         f"sampler/learner drift at the same weights: mean |delta log-prob| {value:.3g} > "
         f"{cfg.threshold:g} over {int(m['drift/onpolicy_tokens'])} on-policy tokens "
         f"(max {m['drift/onpolicy_max']:.3g}); worst completions: {named}",
+        where,
+    )
+
+
+def routing_mismatch(experts: np.ndarray, recorded: np.ndarray, real: np.ndarray) -> dict:
+    """MoE routing mismatch of a packed batch: experts [R, L, n, k], the top k the
+    learner routes each token to in each of its n MoE layers (`RouterStats.experts`
+    of a forward without replay); recorded [R, L, n, k], what the sampler routed
+    (`PackedBatch.routing`, -1: not recorded); real [R, L] (non-padding). A token
+    mismatches when any layer's set of k experts differs. Returns routing/mismatch
+    (fraction of recorded tokens), routing/layer_mismatch (fraction of recorded
+    (token, layer) pairs) and routing/tokens (recorded tokens)."""
+    rec = np.asarray(recorded)
+    have = np.all(rec >= 0, axis=-1) & np.asarray(real, bool)[..., None]  # [R, L, n]
+    differs = np.any(np.sort(np.asarray(experts), -1) != np.sort(rec, -1), axis=-1) & have
+    tokens = have.any(-1)
+    out = {"routing/tokens": float(tokens.sum())}
+    if tokens.any():
+        out["routing/mismatch"] = float(differs.any(-1).sum() / tokens.sum())
+        out["routing/layer_mismatch"] = float(differs.sum() / have.sum())
+    return out
+
+
+def check_routing(alarms: Alarms, m: dict[str, Any], where: str) -> None:
+    """Fires the routing alarm when the step's mismatch fraction passes its threshold."""
+    cfg = alarms.config.routing
+    value = m.get("routing/mismatch")
+    if not alarms.config.on("routing") or value is None or value <= cfg.threshold:
+        return
+    alarms.fire(
+        "routing",
+        f"MoE routing mismatch: the learner routes {value:.1%} of "
+        f"{int(m['routing/tokens'])} tokens to other experts than the sampler recorded "
+        f"(per layer {m['routing/layer_mismatch']:.1%}; threshold {cfg.threshold:.1%})",
         where,
     )
 

@@ -46,6 +46,7 @@ from typing import Any, Protocol, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.models.lora import has_lora
@@ -63,7 +64,9 @@ from ac2_jax.training.rl.alarms import (
     AlarmsConfig,
     WeightsCheck,
     check_drift,
+    check_routing,
     drift_metrics,
+    routing_mismatch,
 )
 from ac2_jax.training.rl.batching import batch_segments, pack_rl_batch, warmup_batch
 
@@ -273,6 +276,7 @@ class RLTrainer(TrainerHooks):
         self.served_weights = served_weights
         self._weights = WeightsCheck(self.alarms)
         self._backoff_seen = 0.0
+        self._route_fn: Callable | None = None  # jitted learner routing (routing alarm)
         # The traces of the last step, refills included (on_progress reads their errors).
         self.last_traces: list[Trace] = []
         self._vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -418,15 +422,26 @@ class RLTrainer(TrainerHooks):
         # Every process selects and segments the same traces alike (host-side,
         # deterministic); each packs only its share (the step makes one global batch).
         sources: list[tuple[str, bool]] = []  # per segment: (its completion, on-policy)
+        # The routing alarm reads the recorded routing with replay off too (flat rows);
+        # the train step then gets none (`rl.moe.routing="recompute"`).
+        recompute = self.config.moe.routing == "recompute"
+        watch_routing = (
+            recompute
+            and self.alarms.config.on("routing")
+            and self._batch_config.layout == "flat"
+            and jax.process_count() == 1
+        )
         segments, stats, adv = batch_segments(
             traces,
             version,
             self._batch_config,
             tokenizer=self.tokenizer,
             vocab_size=self._vocab_size,
-            moe_routing=self.config.moe.routing,
+            moe_routing="replay" if watch_routing else self.config.moe.routing,
             sources=sources,
         )
+        if watch_routing:
+            stats.replayed_routing_tokens = 0  # read by the alarm, not replayed
         # Rewards of the traces with a verdict (infra_error ones have none).
         rewards = trace_rewards([t for t in traces if t.status != "infra_error"])
         m: dict[str, Any] = {
@@ -454,11 +469,39 @@ class RLTrainer(TrainerHooks):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
+        if batch.routing is not None and self.alarms.config.on("routing"):
+            if jax.process_count() == 1:
+                m.update(self._routing(batch))
+                check_routing(self.alarms, m, f"update of version {version}")
+            if recompute:
+                batch = dataclasses.replace(batch, routing=None)
         if self.alarms.config.on("drift") and jax.process_count() == 1:
             m.update(self._drift(batch, sources, version))
         m.update(self.trainer.update(batch, teacher=self.reference))
         m["skipped_update"] = 0.0
         return m
+
+    def _routing(self, batch) -> dict[str, float]:
+        """The routing alarm's metrics (`alarms.routing_mismatch`): the learner's own
+        top k per token (a forward without replay) against the batch's recorded routing."""
+        if self._route_fn is None:
+            graphdef = self.graphdef
+
+            def experts(params, rest, tokens, positions, segment_ids, subtree_end):
+                module = nnx.merge(graphdef, params, rest)
+                return module.forward_with_router(tokens, positions, segment_ids, subtree_end)[
+                    1
+                ].experts
+
+            self._route_fn = jax.jit(experts)
+        state = self.trainer.state
+        got = self._route_fn(
+            state.params, state.rest, batch.tokens, batch.positions, batch.segment_ids,
+            batch.subtree_end,
+        )  # fmt: skip
+        return routing_mismatch(
+            np.asarray(jax.device_get(got)), np.asarray(batch.routing), batch.segment_ids > 0
+        )
 
     def _drift(self, batch, sources: list[tuple[str, bool]], version: int) -> dict[str, float]:
         """Sampler/learner drift of the batch at the weights about to train on it

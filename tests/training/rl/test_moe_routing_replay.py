@@ -140,3 +140,50 @@ def test_rl_batches_carry_routing_unless_recompute(sampled):
     with pytest.raises(ValueError, match="rl.moe.routing must be one of"):
         MoEConfig(routing="both")
     assert RLConfig().moe.routing == "replay"
+
+
+@pytest.mark.alarms_expected
+def test_routing_alarm_quiet_for_the_sampler_router_fires_on_a_perturbed_one(sampled, tmp_path):
+    """Issue 65's routing alarm: the fraction of tokens whose learner top k differs from
+    the recorded routing. The fixture's sampler router differs from the learner's by
+    1e-3 (a numerics-sized gap): a few tokens flip, below the default 10%. A learner
+    router moved by 0.5 routes most tokens elsewhere: with replay off
+    (rl.moe.routing="recompute") the RLTrainer measures it on its batch (which then
+    replays nothing) and fires, naming the config key."""
+    from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
+    from ac2_jax.training.rl import BatchConfig, MoEConfig, RLConfig, ReplayCollector, RLTrainer
+    from ac2_jax.training.rl.alarms import AlarmConfig, AlarmsConfig, routing_mismatch
+
+    model, results = sampled
+    batch = pack_segments(segments_from_trace(_trace(results)), 64)
+    module = nnx.merge(model.graphdef, model.params, model.rest)
+    experts = module.forward_with_router(batch.tokens, batch.positions, batch.segment_ids)[1]
+    healthy = routing_mismatch(np.asarray(experts.experts), batch.routing, batch.segment_ids > 0)
+    assert healthy["routing/tokens"] > 40 and healthy["routing/mismatch"] < 0.1
+
+    moved = nnx.to_pure_dict(model.params)
+    for i in CONFIG.moe_layers:
+        gate = moved["layers"][i]["mlp"]["gate"]
+        moved["layers"][i]["mlp"]["gate"] = gate + 0.5 * jax.random.normal(
+            jax.random.key(10 + i), gate.shape)
+    params = nnx.clone(model.params)
+    nnx.replace_by_pure_dict(params, moved)
+    traces = []
+    for a, reward in enumerate((0.0, 1.0)):
+        t = _trace(results)
+        t.attempt_id, t.group_id, t.reward, t.metadata = str(a), "g", reward, {"rl_step": 0}
+        traces.append(t)
+    config = RLConfig(steps=1, tasks_per_step=1, attempts_per_task=2,
+                      moe=MoEConfig(routing="recompute"), batch=BatchConfig(seq_len=64, rows=4),
+                      loss=PolicyGradientLoss(), optimizer=OptimizerConfig(learning_rate=1e-3))
+    trainer = RLTrainer(nnx.merge(model.graphdef, params, model.rest), ReplayCollector(traces),
+                        config, str(tmp_path),  # drift off: one learner forward fewer
+                        alarms=AlarmsConfig(drift=AlarmConfig(threshold=0.1, action="off")))
+    try:
+        (m,) = asyncio.run(trainer.run())
+    finally:
+        trainer.close()
+    assert m["routing/mismatch"] > 0.5 and m["replayed_routing_tokens"] == 0
+    ((name, line),) = [f for f in trainer.alarms.fired if f[0] == "routing"]
+    assert line.startswith("ALARM routing (warn): MoE routing mismatch: the learner routes")
+    assert "--config.alarms.routing.action=off" in line
