@@ -85,6 +85,10 @@ class Registry(Generic[T]):
             )
         return self._entries[name]
 
+    def __getitem__(self, name: str) -> T:
+        """`get(name)`: an unknown name is a did-you-mean ValueError."""
+        return self.get(name)
+
     def name_of(self, obj: object) -> str:
         """The name `obj` (or its class) is registered under."""
         self._load()

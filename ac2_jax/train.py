@@ -102,9 +102,10 @@ def build(argv: Sequence[str]):
     recipe = flags.get("recipe")
     if recipe is None:
         raise UsageError(f"--recipe is required; {USAGE}")
-    if recipe not in RECIPES:
-        raise UsageError(f"--recipe={recipe!r}: known recipes are {', '.join(RECIPES)}")
-    cls, entry = RECIPES[recipe]
+    try:
+        cls, entry = RECIPES.get(recipe)
+    except ValueError as e:  # did-you-mean
+        raise UsageError(f"--recipe: {e}") from None
     if "help" in flags or overrides == ["help="]:
         from ac2_jax.config_cli import help_lines
 

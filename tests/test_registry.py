@@ -1,12 +1,16 @@
-"""Registries (`ac2_jax.registry`): a new model family and a new objective from this file alone.
+"""Registries (`ac2_jax.registry`): every extension point from this file alone.
 
-The toy family and the toy loss below are defined and registered here, with
-nothing shared changed, and each trains one RL step through `RLTrainer`; the
-loss is picked by a config section's `kind`, as a user's config would.
+A toy family, a toy loss, a toy sampler and a toy request API are defined and
+registered here, with nothing shared changed. The family and the loss each
+train one RL step through `RLTrainer` (the loss picked by a config section's
+`kind`, as a user's config would); the sampler serves one step of the RL recipe
+(`sampler.kind`); the request API answers a request over real HTTP.
 """
 
 import asyncio
 import dataclasses
+import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +28,7 @@ from ac2_jax.training.core import Objective
 from ac2_jax.training.rl import BatchConfig, RLConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLTrainer
 from rl_traces import rl_trace
+from tests.recipe_helpers import ParityEnv
 
 VOCAB = 16
 
@@ -172,3 +177,299 @@ def test_builtin_families_load_on_first_lookup():
         DecoderConfig.tiny(family="toy")  # unknown here, and not a DecoderConfig family
     with pytest.raises(TypeError, match="build_model: family 'qwen3' takes a DecoderConfig"):
         build_model(ToyConfig(vocab_size=4, family="qwen3"))
+
+
+def test_distillation_losses_are_objectives():
+    from ac2_jax.config_cli import to_dict
+    from ac2_jax.losses import DIVERGENCES
+    from ac2_jax.training.distill import DistillLoss, distill_objective
+
+    assert {f"distill_{d}" for d in DIVERGENCES.names()} <= set(OBJECTIVES.names())
+    rl = from_config(RLConfig, {"loss": {"kind": "distill_jsd", "beta": 0.3, "top_k": 6}})
+    assert isinstance(rl.loss, DistillLoss) and isinstance(rl.loss, Objective)
+    assert (rl.loss.kind, rl.loss.beta, rl.loss.top_k) == ("jsd", 0.3, 6)
+    assert to_dict(rl)["loss"]["kind"] == "distill_jsd"  # the objective's name, read back
+    assert from_config(RLConfig, {"loss": to_dict(rl)["loss"]}).loss == rl.loss
+    # The same per-position values as DistillLoss(kind="jsd") (it is that class, kind fixed).
+    rng = np.random.default_rng(0)
+    batch = _distill_batch()
+    s, t = (jnp.asarray(rng.normal(size=(*batch.tokens.shape, 12)), jnp.float32) for _ in "st")
+    a, _ = rl.loss(s, batch, {"teacher_logits": t})
+    b, _ = DistillLoss(kind="jsd", beta=0.3, top_k=6)(s, batch, {"teacher_logits": t})
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="did you mean 'jsd'"):
+        distill_objective("jsdd")
+    with pytest.raises(ConfigError, match=r"loss\.kind: unknown objective 'distill_jsdd'.*did "
+                                          r"you mean 'distill_jsd'"):
+        from_config(RLConfig, {"loss": {"kind": "distill_jsdd"}})
+
+
+def _distill_batch():
+    """A paired batch of two examples (prompt, hinted prompt, response), student side."""
+    from ac2_jax.training.distill import DistillExample, pack_pairs
+
+    exs = [DistillExample([3, 4, 5], [3, 9, 4, 5], [6, 7, 2], "hint", "a"),
+           DistillExample([5, 3], [5, 9, 3], [7, 7, 6, 2], "hint", "b")]
+    return pack_pairs(exs, 16, min_rows=1).student
+
+
+# --- toy samplers: uniform over the vocabulary (numpy, no model: the request API test's),
+# and the policy recomputed per token (no KV cache: the registered sampler kind)
+
+
+class UniformSampler:
+    """Each output token drawn uniformly from the vocabulary: its behaviour log-prob is
+    -log V whatever the temperature (the distribution the token was drawn from)."""
+
+    def __init__(self, vocab_size, max_context, eos_token_ids, seed):
+        self.vocab, self.context = vocab_size, max_context
+        self.eos = set(eos_token_ids)
+        self.rng = np.random.default_rng(seed)
+        self.version, self.requests, self.loads = 0, 0, []
+
+    @property
+    def policy_version(self):
+        return self.version
+
+    @property
+    def max_context(self):
+        return self.context
+
+    async def generate(self, prompt_ids, params, *, on_tokens=None):
+        from ac2_jax.sampling import SampleResult, check_prompt
+
+        check_prompt(prompt_ids, self.context, self.vocab)
+        self.requests += 1
+        ids = []
+        for _ in range(min(params.max_tokens, self.context - len(prompt_ids))):
+            ids.append(int(self.rng.integers(self.vocab)))
+            if ids[-1] in self.eos or ids[-1] in params.stop_token_ids:
+                break
+        reason = "stop" if ids and (ids[-1] in self.eos or ids[-1] in params.stop_token_ids) \
+            else "length"
+        if on_tokens is not None:
+            on_tokens(ids)
+        return SampleResult(ids, [-math.log(self.vocab)] * len(ids), reason, self.version)
+
+    def load_weights(self, step=None):
+        self.loads.append(step)
+        self.version = int(step)
+        return self.version
+
+
+class RecomputeSampler:
+    """The policy itself, with no KV cache: each token recomputes the whole sequence (one
+    compiled [1, max_context] forward, padding as segment 0) and is drawn from
+    log_softmax(sampling_logits(logits, T, top_k, top_p)), which it reports (the contract).
+    `load_weights` loads a published step into the model, as the JaxSampler does."""
+
+    def __init__(self, model, max_context, eos_token_ids, seed, publish_dir):
+        from ac2_jax.losses import sampling_logits
+
+        self.model, self.context, self.publish_dir = model, max_context, publish_dir
+        self.eos = set(eos_token_ids)
+        self.key = jax.random.key(seed)
+        self.version, self.requests, self.loads = 0, 0, []
+        graphdef = nnx.graphdef(model)
+
+        @jax.jit
+        def next_token(state, tokens, n, key, temperature, top_k, top_p):
+            positions = jnp.arange(tokens.shape[1])[None]
+            logits = nnx.merge(graphdef, state)(tokens, positions, (positions < n).astype(
+                jnp.int32))[0, n - 1]
+            logp = jax.nn.log_softmax(sampling_logits(logits, temperature, top_k, top_p))
+            tok = jnp.where(temperature > 0, jax.random.categorical(key, logp),
+                            jnp.argmax(logp))
+            return tok, logp[tok]
+
+        self.next_token = next_token
+
+    @property
+    def policy_version(self):
+        return self.version
+
+    @property
+    def max_context(self):
+        return self.context
+
+    async def generate(self, prompt_ids, params, *, on_tokens=None):
+        from ac2_jax.sampling import SampleResult, check_prompt
+
+        check_prompt(prompt_ids, self.context, self.model.config.vocab_size)
+        if params.constraint is not None or params.top_logprobs or params.adapter:
+            raise ValueError("RecomputeSampler: no constraint, top_logprobs or adapter")
+        self.requests += 1
+        seq, ids, lps, reason = list(prompt_ids), [], [], "length"
+        state = nnx.state(self.model)
+        while len(ids) < params.max_tokens and len(seq) < self.context:
+            self.key, key = jax.random.split(self.key)
+            tokens = jnp.asarray([seq + [0] * (self.context - len(seq))], jnp.int32)
+            tok, lp = self.next_token(state, tokens, len(seq), key, params.temperature,
+                                      params.top_k, params.top_p)
+            ids.append(int(tok))
+            lps.append(float(lp))
+            seq.append(int(tok))
+            if ids[-1] in self.eos or ids[-1] in params.stop_token_ids:
+                reason = "stop"
+                break
+        if on_tokens is not None:
+            on_tokens(ids)
+        return SampleResult(ids, lps, reason, self.version)
+
+    def load_weights(self, step=None):
+        from ac2_jax.models.params_io import load_published
+
+        self.version = load_published(self.model, self.publish_dir, step)
+        self.loads.append(self.version)
+        return self.version
+
+
+@pytest.fixture
+def toy_sampler():
+    from ac2_jax.sampling.registry import SAMPLERS, SamplerKind
+
+    built = []
+
+    class RecomputeKind(SamplerKind):
+        reads = ("options",)
+
+        def check(self, config):
+            if set(config.options or {}) - {"seed"}:
+                raise ValueError(f"sampler.options: recompute reads only 'seed', got "
+                                 f"{sorted(config.options)}")
+
+        def build(self, config, setup):
+            built.append(RecomputeSampler(setup.model, setup.max_context, setup.eos_token_ids,
+                                          (config.options or {}).get("seed", 0),
+                                          setup.publish_dir))
+            return built[-1]
+
+    SAMPLERS.register("recompute")(RecomputeKind)
+    yield built
+    SAMPLERS.unregister("recompute")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """The tiny preset (test_recipe_rl's model: the suite's compilation cache has its step)."""
+    from ac2_jax.recipes import load_model
+
+    return load_model("tiny", str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_a_sampler_registered_here_serves_an_rl_recipe_step(toy_sampler, tiny_pair, tmp_path):
+    from ac2_jax.config_cli import load_config
+    from ac2_jax.recipes import RLRecipeConfig, rl
+    from ac2_jax.trace import TraceStore
+
+    cfg = load_config(RLRecipeConfig, None, [  # test_recipe_rl's run (shapes), on "recompute"
+        "sampler.kind=recompute", "sampler.options={'seed': 3}", "sampler.max_context=128",
+        "rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.batch.rows=2",
+        "rl.batch.seq_len=128", "rl.concurrency=8", "rollout.max_tokens=8", "rollout.max_steps=1",
+        "log.progress=false", "log.report_files=false", "log.tensorboard=false",
+        f"paths.workdir={tmp_path / 'run'}"])  # fmt: skip
+    model, tokenizer = tiny_pair
+    report = rl((model, tokenizer), ParityEnv(), cfg).report
+    (sampler,) = toy_sampler
+    assert report["steps"] == 1 and sampler.requests >= 8  # every attempt sampled here
+    assert sampler.loads == [1] and sampler.policy_version == 1  # the step's publish
+    traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
+    assert {t.status for t in traces} <= {"finished", "agent_error"}  # no infra_error
+    # The learner scored the sampled tokens as this sampler did: its log-probs are the
+    # policy's (fp32, packed rows vs one padded row: a mean |delta| under 1e-3).
+    assert report["final_pass_rate"] is not None
+    metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
+    assert metrics[0]["train/skipped_update"] == 0.0 and metrics[0]["train/grad_norm"] > 0
+    assert abs(metrics[0]["train/kl_to_sampler"]) < 1e-3, metrics[0]["train/kl_to_sampler"]
+
+
+def test_sampler_kinds_unknown_or_misconfigured_are_one_line(toy_sampler):
+    from ac2_jax.recipes import RLRecipeConfig
+    from ac2_jax.sampling.registry import SamplerConfig
+
+    with pytest.raises(ConfigError, match=r"unknown sampler 'sglng'.*did you mean 'sglang'"):
+        from_config(RLRecipeConfig, {"sampler": {"kind": "sglng"}})
+    with pytest.raises(ConfigError, match=r"sampler\.url='http://h:1' has no effect with "
+                                          r"sampler\.kind='jax' \(read by kind sglang\)"):
+        from_config(RLRecipeConfig, {"sampler": {"url": "http://h:1"}})
+    with pytest.raises(ValueError, match="kind='sglang' needs sampler.url"):
+        SamplerConfig(kind="sglang")
+    with pytest.raises(ValueError, match="lists a URL twice"):
+        SamplerConfig(kind="fleet", backends=("http://a:1", "http://a:1"))
+    with pytest.raises(ValueError, match=r"sampler\.warmup=False has no effect with "
+                                         r"sampler\.kind='recompute'"):
+        SamplerConfig(kind="recompute", warmup=False)
+    with pytest.raises(ValueError, match="recompute reads only 'seed'"):
+        SamplerConfig(kind="recompute", options={"sead": 1})
+    assert SamplerConfig(kind="fleet", backends="http://a:1, http://b:2").backends == (
+        "http://a:1", "http://b:2")
+
+
+# --- a toy request API: POST /toy/complete {prompt, max_tokens} -> {text, ids}
+
+
+@pytest.fixture
+def toy_api():
+    from fastapi import Request
+
+    from ac2_jax.sampling import SamplingParams
+    from ac2_jax.serving.apis import REQUEST_APIS, APIMount
+    from ac2_jax.serving.errors import bad_request
+
+    @REQUEST_APIS.register("toy")
+    def mount_toy(m: APIMount) -> None:
+        @m.app.post("/toy/complete")
+        async def complete(request: Request):
+            await m.authenticate(request)
+            body = await m.read_json(request)
+            if set(body) - {"prompt", "max_tokens"}:
+                raise bad_request(f"unknown fields {sorted(set(body) - {'prompt', 'max_tokens'})}")
+            ids = m.ctx.tokenizer.encode(body["prompt"])
+            r = await m.ctx.sampler.generate(ids, SamplingParams(max_tokens=body["max_tokens"]))
+            return {"ids": r.output_ids, "text": m.ctx.tokenizer.decode(r.output_ids),
+                    "policy_version": r.policy_version}
+
+    yield
+    REQUEST_APIS.unregister("toy")
+
+
+def test_a_request_api_registered_here_serves_over_http(toy_api, tiny_pair):
+    import httpx
+
+    from ac2_jax.serving import build_app, serve_in_thread
+    from ac2_jax.serving.app import BUILTIN_APIS
+
+    tok = tiny_pair[1]
+    sampler = UniformSampler(tok.vocab_size, 64, (), seed=0)
+    app = build_app(sampler, tok, admin_key="sk-toy")
+    assert app.state.apis == (*BUILTIN_APIS, "toy")  # every registered API, built-ins first
+    url, stop = serve_in_thread(app)
+    try:
+        headers = {"Authorization": "Bearer sk-toy"}
+        r = httpx.post(url + "/toy/complete", json={"prompt": "hi", "max_tokens": 4},
+                       headers=headers)
+        assert r.status_code == 200 and len(r.json()["ids"]) == 4 and sampler.requests == 1, r.text
+        assert r.json()["text"] == tok.decode(r.json()["ids"])
+        r = httpx.post(url + "/toy/complete", json={"prompt": "hi"})  # no key: the app's 401
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = httpx.post(url + "/toy/complete", json={"prompt": "hi", "max_tokens": 1, "x": 1},
+                       headers=headers)  # its own refusal, in the app's error shape
+        assert r.status_code == 400 and "unknown fields ['x']" in r.json()["error"]["message"]
+    finally:
+        stop()
+    # Mounted only where asked: an app of two APIs has neither the toy's route nor chat's.
+    only = build_app(sampler, tok, admin_key="sk-toy", apis=("toy", "lifecycle"))
+    paths = {getattr(r, "path", None) for r in only.routes}
+    assert "/toy/complete" in paths and "/v1/rollouts" in paths
+    assert "/v1/chat/completions" not in paths
+    with pytest.raises(ValueError, match=r"unknown request API 'tyo'.*did you mean 'toy'"):
+        build_app(sampler, tok, admin_key="sk-toy", apis=("tyo",))
+
+
+def test_recipes_are_a_registry():
+    from ac2_jax.recipes import RECIPES, RLRecipeConfig, rl
+    from ac2_jax.train import UsageError, build
+
+    assert RECIPES["rl"] == (RLRecipeConfig, rl) and "eval" in RECIPES
+    with pytest.raises(UsageError, match=r"unknown recipe 'sf'.*did you mean 'sft'"):
+        build(["--recipe=sf"])

@@ -47,7 +47,7 @@ def test_a_bad_value_is_one_line_naming_its_type():
 
 @pytest.mark.parametrize("args, says", [
     (["--recipe=rl", "--modle=tiny"], "unknown flag --modle; did you mean --model?"),
-    (["--recipe=dpo"], "known recipes are rl, sft, distill"),
+    (["--recipe=dpo"], "unknown recipe 'dpo': registered are distill, eval, rl, sft"),
     (["--env=x:Y", "--model=tiny"], "--recipe is required"),
     (["--recipe=rl", "--model=tiny"], "--env is required"),
     (["--recipe=rl", "--model=tiny", "--env=tests.recipe_helpers:Nope"], "has no attribute"),

@@ -14,6 +14,9 @@ tokenizer) pair; an env is an `Env`, a factory, or an import path
 (`ac2_jax.envs.contract`: what each recipe needs of it).
 """
 
+from collections.abc import Callable
+from typing import Any
+
 from ac2_jax.recipes.common import MODELS, Progress, load_model
 from ac2_jax.recipes.config import (
     DemosConfig,
@@ -33,14 +36,15 @@ from ac2_jax.recipes.distill import adistill, distill
 from ac2_jax.recipes.evaluate import EvalRecipeConfig, aeval_model, eval_model
 from ac2_jax.recipes.rl import arl, rl
 from ac2_jax.recipes.sft import sft
+from ac2_jax.registry import Registry
 
-# Recipe name -> (its config class, its entry point).
-RECIPES = {
-    "rl": (RLRecipeConfig, rl),
-    "sft": (SFTRecipeConfig, sft),
-    "distill": (DistillRecipeConfig, distill),
-    "eval": (EvalRecipeConfig, eval_model),  # no training: the held-out eval with CIs
-}
+# Recipe name -> (its config class, its entry point): `python -m ac2_jax.train --recipe=NAME`.
+# A new recipe registers its pair from its own module: RECIPES.register("mine")((Cfg, fn)).
+RECIPES: Registry[tuple[type, Callable[..., Any]]] = Registry("recipe")
+RECIPES.register("rl")((RLRecipeConfig, rl))
+RECIPES.register("sft")((SFTRecipeConfig, sft))
+RECIPES.register("distill")((DistillRecipeConfig, distill))
+RECIPES.register("eval")((EvalRecipeConfig, eval_model))  # no training: held-out eval, CIs
 
 __all__ = [
     "MODELS",

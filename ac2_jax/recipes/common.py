@@ -3,9 +3,9 @@
 `load_model(spec)` takes an HF directory (config.json + safetensors + the
 tokenizer's files) or a registered preset name (`MODELS`; "tiny": a random
 2-layer model with a small tokenizer, for smoke runs). `serve_policy` runs
-the endpoint over an embedded `JaxSampler` of the model on 127.0.0.1 (real
-HTTP); every rollout of every recipe goes through it, as a production
-harness's would.
+the endpoint on 127.0.0.1 (real HTTP) over the sampler `sampler.kind` names
+(the embedded `JaxSampler` by default, SGLang or a fleet of servers); every
+rollout of every recipe goes through it, as a production harness's would.
 """
 
 from __future__ import annotations
@@ -206,41 +206,47 @@ async def serve_policy(
     model, tokenizer, *, publish_dir: str, traces_dir: str, sampler, rollout, max_batch: int,
     seed: int = 0, trace_file: str = "served.jsonl",
 ) -> AsyncIterator[tuple[Any, Any]]:  # fmt: skip
-    """The endpoint over an embedded JaxSampler of `model`; yields (sampler, lifecycle).
+    """The endpoint over the sampler `sampler.kind` names; yields (sampler, lifecycle).
 
-    sampler: a `SamplerConfig`; rollout: a `RolloutConfig` (its max_tokens is the
-    default of requests that set none). Served traces go to traces_dir/<trace_file>
-    (the eval recipe's own: eval_served.jsonl).
+    sampler: a `SamplerConfig` (kind "jax": an embedded JaxSampler of `model`;
+    "sglang" / "fleet": clients of SGLang-protocol servers serving the same weights,
+    each publish exported beside `publish_dir` unless `sampler.export_dir` says
+    where; any registered kind, `ac2_jax.sampling.registry`); rollout: a
+    `RolloutConfig` (its max_tokens is the default of requests that set none).
+    Served traces go to traces_dir/<trace_file> (the eval recipe's own:
+    eval_served.jsonl).
     """
     from ac2_jax.orchestration import LifecycleClient
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.registry import SamplerSetup, build_sampler, close_sampler
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
 
     eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
     context = sampler.max_context or model.config.max_position_embeddings
-    extra = {"min_cache_len": context} if sampler.warmup else {}
-    jax_sampler = JaxSampler(
-        model, publish_dir=publish_dir, max_context=context, max_batch=max_batch,
-        eos_token_ids=eos, tokenizer=tokenizer, seed=seed, **extra,
+    setup = SamplerSetup(
+        model=model, tokenizer=tokenizer, max_context=context, publish_dir=publish_dir,
+        max_batch=max_batch, seed=seed, eos_token_ids=eos,
     )  # fmt: skip
-    if sampler.warmup:
-        jax_sampler.warmup()
-    os.makedirs(traces_dir, exist_ok=True)
-    admin_key = secrets.token_hex(16)
-    app = build_app(
-        jax_sampler, tokenizer, admin_key=admin_key, model_name=sampler.model_name,
-        trace_store=os.path.join(traces_dir, trace_file),
-        default_max_tokens=rollout.max_tokens,
-    )  # fmt: skip
-    base_url, stop = serve_in_thread(app)
+    served = build_sampler(sampler, setup)
+    try:
+        os.makedirs(traces_dir, exist_ok=True)
+        admin_key = secrets.token_hex(16)
+        app = build_app(
+            served, tokenizer, admin_key=admin_key, model_name=sampler.model_name,
+            trace_store=os.path.join(traces_dir, trace_file),
+            default_max_tokens=rollout.max_tokens,
+        )  # fmt: skip
+        base_url, stop = serve_in_thread(app)
+    except BaseException:
+        await close_sampler(served)
+        raise
     lifecycle = LifecycleClient(base_url, admin_key)
     try:
-        yield jax_sampler, lifecycle
+        yield served, lifecycle
     finally:
         await lifecycle.aclose()
         stop()
-        jax_sampler.close()
+        await close_sampler(served)
 
 
 def saved_step(paths, recipe: str) -> int | None:

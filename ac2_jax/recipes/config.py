@@ -23,6 +23,7 @@ import dataclasses
 import os
 
 from ac2_jax.models.lora import LoRAConfig
+from ac2_jax.sampling.registry import SamplerConfig  # kind: jax, sglang, fleet, ...
 from ac2_jax.training import DistillConfig, OptimizerConfig, RLConfig, SFTConfig
 from ac2_jax.training.distill.data import HintConfig
 from ac2_jax.training.rl.alarms import AlarmsConfig
@@ -95,16 +96,6 @@ class RolloutConfig:
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_steps < 1:
             raise ValueError("RolloutConfig: max_tokens and max_steps must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    """The embedded sampler. warmup: compile every shape before the first request
-    (the first request then never waits on a compile)."""
-
-    max_context: int | None = None  # None: the model's max_position_embeddings
-    warmup: bool = True
-    model_name: str = "policy"  # the `model` clients send
 
 
 @dataclasses.dataclass(frozen=True)

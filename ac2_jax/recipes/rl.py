@@ -346,7 +346,8 @@ async def arl(
         trainer = RLTrainer(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
             publish_dir=paths.publish, on_publish=sampler.load_weights, mesh=mesh,
-            logger=metrics_logger(paths.metrics, cfg.log), sampler_counters=sampler.counters,
+            logger=metrics_logger(paths.metrics, cfg.log),
+            sampler_counters=getattr(sampler, "counters", None),  # the embedded sampler's
             tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
             alarms=cfg.alarms, served_weights=getattr(sampler, "served_weights", None),
         )  # fmt: skip

@@ -25,9 +25,21 @@ from ac2_jax.sampling.constraints import (
 )
 from ac2_jax.sampling.fleet import BackendState, FleetSampler, route_key
 from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
+from ac2_jax.sampling.registry import (
+    SAMPLERS,
+    SamplerConfig,
+    SamplerKind,
+    SamplerSetup,
+    build_sampler,
+)
 from ac2_jax.sampling.sglang import SGLangError, SGLangSampler, SGLangUnavailable
 
 __all__ = [
+    "SAMPLERS",
+    "SamplerConfig",
+    "SamplerKind",
+    "SamplerSetup",
+    "build_sampler",
     "BackendState",
     "FleetSampler",
     "JaxSampler",

@@ -5,14 +5,17 @@ Serves the OpenAI-compatible endpoint and the rollout lifecycle API. With
 (a restarted endpoint does not fall back to the launch weights).
 """
 
+import importlib
 import secrets
 
 import uvicorn
 from absl import app, flags, logging
 
 from ac2_jax.sampling.base import SamplerError
-from ac2_jax.serving.app import build_app
-from ac2_jax.serving.server import load_policy
+from ac2_jax.sampling.registry import SAMPLERS
+from ac2_jax.serving.apis import REQUEST_APIS
+from ac2_jax.serving.app import build_app, mounted_apis
+from ac2_jax.serving.server import load_policy, sampler_config
 
 flags.DEFINE_string("model", "tiny", "'tiny' or a local HF model directory.")
 flags.DEFINE_string("model_name", None, "Name clients pass as `model` (default: from --model).")
@@ -20,7 +23,23 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 flags.DEFINE_integer("port", 8000, "Port to bind.")
 flags.DEFINE_string("admin_key", None, "Admin API key (default: a random one, logged).")
 flags.DEFINE_string("trace_store", None, "JSONL file that receives finished traces.")
-flags.DEFINE_enum("sampler", "jax", ["jax", "sglang"], "Sampler backend.")
+flags.DEFINE_string(
+    "sampler",
+    "jax",
+    "Sampler kind, one registered in ac2_jax.sampling.registry.SAMPLERS "
+    f"({', '.join(SAMPLERS.names())}, or one a module of --extensions registers).",
+)
+flags.DEFINE_list(
+    "extensions",
+    [],
+    "Comma-separated modules imported first: they register sampler kinds (SAMPLERS) "
+    "or request APIs (ac2_jax.serving.apis.REQUEST_APIS) by name.",
+)
+flags.DEFINE_list(
+    "apis",
+    [],
+    f"Request APIs to mount (default: every registered one: {', '.join(REQUEST_APIS.names())}).",
+)
 flags.DEFINE_string("sglang_url", None, "SGLang server URL (--sampler=sglang).")
 flags.DEFINE_list(
     "backends",
@@ -29,7 +48,9 @@ flags.DEFINE_list(
     "ac2_jax.serving.backend` processes; a rollout stays on one, a dead one "
     "fails only its in-flight requests. Replaces --sampler.",
 )
-flags.DEFINE_float("backend_timeout_s", 600.0, "HTTP timeout of each --backends request.")
+flags.DEFINE_float(
+    "backend_timeout_s", 600.0, "HTTP timeout of each request to --backends or --sglang_url."
+)
 flags.DEFINE_string("publish_dir", None, "Orbax publish dir read by load_weights.")
 flags.DEFINE_string("export_dir", None, "Where SGLang weight exports are written.")
 flags.DEFINE_integer("max_context", None, "Tokens per sequence (default: the model's).")
@@ -66,6 +87,16 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    for module in FLAGS.extensions:  # they register their kinds and APIs by name
+        importlib.import_module(module)
+    try:  # an unknown kind or API, a flag the kind does not read: one line, before any work
+        apis = mounted_apis(FLAGS.apis or None)
+        sampler_config(
+            FLAGS.sampler, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
+            fixed_shapes=FLAGS.fixed_shapes, backends=FLAGS.backends,
+        )  # fmt: skip
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     sampler, tokenizer, name = load_policy(
         FLAGS.model,
         sampler=FLAGS.sampler,
@@ -104,6 +135,7 @@ def main(argv):
         max_finished_rollouts=FLAGS.max_finished_rollouts,
         expose_docs=FLAGS.expose_docs,
         builtin_tools=FLAGS.builtin_tools,
+        apis=apis,
     )
     uvicorn.run(api, host=FLAGS.host, port=FLAGS.port, log_level="info")
 

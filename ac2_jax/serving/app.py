@@ -75,54 +75,38 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ac2_jax.models.tokenizer import Tokenizer
-from ac2_jax.sampling import Sampler, SamplerError
+from ac2_jax.sampling import Sampler
 from ac2_jax.serving import requests as req_lib
+from ac2_jax.serving.apis import REQUEST_APIS, APIMount, Principal
 from ac2_jax.serving.errors import APIError, install_error_handlers
-from ac2_jax.serving.gemini import gemini_models, install_gemini_routes
-from ac2_jax.serving.generation import install_generation_routes, served_adapters
-from ac2_jax.serving.messages import install_messages_routes
-from ac2_jax.serving.responses import install_responses_routes
-from ac2_jax.serving.rollout_requests import (
-    check_rollout_key_finish,
-    keys_equal,
-    parse_create,
-    parse_finish,
-    parse_load_weights,
-    rollout_key_view,
-)
-from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
+from ac2_jax.serving.lifecycle import sampler_stats
+from ac2_jax.serving.rollout_requests import keys_equal
+from ac2_jax.serving.rollouts import RolloutRegistry
+from ac2_jax.serving.sample_run import ServeContext
 from ac2_jax.trace import TraceStore
 
+__all__ = ["BUILTIN_APIS", "build_app", "mounted_apis", "sampler_stats"]
 
-class _Principal:
-    """Who is calling: the admin (rollout None) or one running rollout."""
-
-    def __init__(self, rollout: Rollout | None):
-        self.rollout = rollout
-
-    @property
-    def is_admin(self) -> bool:
-        return self.rollout is None
+# The built-in request APIs in the order they are mounted (`apis.REQUEST_APIS`).
+BUILTIN_APIS = ("openai", "anthropic", "responses", "gemini", "lifecycle")
 
 
-def sampler_stats(sampler: Sampler) -> dict[str, Any] | None:
-    """What the admin sees of the sampler: a fleet's `status()` (each backend's
-    health and load), a JaxSampler's compile set and errors, an SGLang
-    client's counters; None for a sampler with none of these."""
-    status = getattr(sampler, "status", None)
-    if callable(status):
-        return status()
-    stats = getattr(sampler, "stats", None)
-    if isinstance(stats, dict):
-        return dict(stats)
-    if stats is None:
-        return None
-    return {
-        "compiled_shapes": stats.compiled_shapes,
-        "output_tokens": stats.output_tokens,
-        "request_errors": stats.request_errors,
-        "worker_restarts": stats.worker_restarts,
-    }
+def mounted_apis(apis) -> tuple[str, ...]:
+    """The request APIs `build_app(apis=...)` mounts, in order: None is every
+    registered one (the built-in ones first); an unknown name is a ValueError
+    naming the registered ones (did-you-mean)."""
+    if apis is None:
+        names = REQUEST_APIS.names()
+        return (
+            *(n for n in BUILTIN_APIS if n in names),
+            *(n for n in names if n not in BUILTIN_APIS),
+        )
+    out = tuple(apis)
+    for name in out:
+        REQUEST_APIS.get(name)
+    if len(set(out)) != len(out):
+        raise ValueError(f"build_app: apis lists a request API twice: {list(out)}")
+    return out
 
 
 def build_app(
@@ -140,6 +124,7 @@ def build_app(
     max_json_depth: int = req_lib.MAX_JSON_DEPTH,
     expose_docs: bool = False,
     builtin_tools: str = "omit",
+    apis=None,
 ) -> FastAPI:
     """The endpoint app. `app.state.registry` holds the rollouts.
 
@@ -157,9 +142,12 @@ def build_app(
     cannot run: "omit" (default: leave them out of the model's prompt, counted in the
     rollout's `builtin_tools_omitted` and named in its trace metadata's `omitted_tools`;
     Codex's default request offers web_search) or "refuse" (a 400 naming the tool).
+    apis: the request APIs to mount, by name (`apis.REQUEST_APIS`; None: every
+    registered one, the built-in ones first: `BUILTIN_APIS`).
     """
     if not admin_key:
         raise ValueError("build_app: admin_key must be a non-empty string")
+    names = mounted_apis(apis)
     if isinstance(trace_store, str):
         trace_store = TraceStore(trace_store)
     registry = RolloutRegistry(
@@ -189,8 +177,7 @@ def build_app(
     app.state.sampler = sampler
     app.state.tokenizer = tokenizer
     app.state.model_name = model_name
-    app.state.learner_step = None  # set by POST /v1/admin/load_weights
-    load_lock = asyncio.Lock()  # loads in order: learner_step never runs ahead of the weights
+    app.state.apis = names
 
     async def end_as_infra_error(request: Request, exc: Exception) -> None:
         """A crash while serving a rollout's request (sampler, server) is our fault:
@@ -211,7 +198,7 @@ def build_app(
 
     install_error_handlers(app, on_crash=end_as_infra_error)
 
-    async def authenticate(request: Request) -> _Principal:
+    async def authenticate(request: Request) -> Principal:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else ""
@@ -226,166 +213,18 @@ def build_app(
                 code="missing_api_key",
             )
         if keys_equal(key, admin_key):
-            return _Principal(None)
+            return Principal(None)
         rollout = await asyncio.to_thread(registry.by_key, key)  # its sweep may fsync
         if rollout is None:
             raise APIError(401, "Invalid API key", code="invalid_api_key")
         request.state.rollout = rollout  # for end_as_infra_error
-        return _Principal(rollout)
-
-    async def require_admin(request: Request, action: str) -> None:
-        if not (await authenticate(request)).is_admin:
-            raise APIError(403, f"Only the admin key can {action}", code="admin_only")
-
-    async def owned_rollout(principal: _Principal, rollout_id: str) -> Rollout:
-        # Another rollout's id gets the registry's own 404, whether it exists or not.
-        if principal.rollout is not None and principal.rollout.rollout_id != rollout_id:
-            raise RolloutRegistry.not_found(rollout_id)
-        return await asyncio.to_thread(registry.get, rollout_id)
-
-    def view(principal: _Principal, data: dict[str, Any]) -> dict[str, Any]:
-        return data if principal.is_admin else rollout_key_view(data)
+        return Principal(rollout)
 
     async def read_json(request: Request) -> Any:
         return await req_lib.read_json(request, max_body_bytes, max_json_depth)
 
-    ctx = install_generation_routes(
-        app,
-        sampler=sampler,
-        tokenizer=tokenizer,
-        registry=registry,
-        model_name=model_name,
-        default_max_tokens=default_max_tokens,
-        authenticate=authenticate,
-        read_json=read_json,
-    )
-    install_messages_routes(app, ctx, authenticate=authenticate, read_json=read_json)
-    install_responses_routes(
-        app, ctx, authenticate=authenticate, read_json=read_json, builtin_tool_policy=builtin_tools
-    )
-    install_gemini_routes(app, ctx, authenticate=authenticate, read_json=read_json)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        principal = await authenticate(request)
-        entry = {
-            "id": model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ac2_jax",
-            "max_model_len": sampler.max_context,
-            "policy_version": sampler.policy_version,
-        }
-        stats = sampler_stats(sampler)
-        if principal.is_admin:
-            entry["learner_step"] = app.state.learner_step
-        if principal.is_admin and stats is not None:  # operators watch these
-            entry["sampler_stats"] = stats
-        adapters = [  # LoRA adapters on the same base, by "<model>@<adapter>"
-            {**entry, "id": f"{model_name}@{a}", "parent": model_name, "adapter": a}
-            for a in served_adapters(sampler)
-        ]
-        # `models`: the same list as the Gemini API gives it (google-genai 3.x's default
-        # api_version is v1, so its models.list() reads this route).
-        return {"object": "list", "data": [entry, *adapters], "models": gemini_models(ctx)}
-
-    @app.post("/v1/admin/load_weights")
-    async def load_weights(request: Request):
-        await require_admin(request, "load weights")
-        args = parse_load_weights(await read_json(request))
-        async with load_lock:
-            try:  # load_published checks shapes first and swaps only once all is read
-                version = await asyncio.to_thread(sampler.load_weights, args["step"])
-            except FileNotFoundError as e:
-                raise APIError(
-                    404,
-                    f"Step {args['step']} is not published: {e}",
-                    param="step",
-                    code="step_not_found",
-                ) from None
-            except ValueError as e:
-                raise APIError(
-                    409,
-                    f"The sampler cannot load step {args['step']} (start the "
-                    f"endpoint with --publish_dir, and publish weights of the served "
-                    f"architecture): {e}",
-                    param="step",
-                    code="weights_not_loaded",
-                ) from None
-            except SamplerError as e:
-                raise APIError(
-                    503,
-                    f"No sampler backend loaded step {args['step']}: {e}",
-                    code="sampler_unavailable",
-                ) from None
-            if args["learner_step"] is not None:
-                app.state.learner_step = args["learner_step"]
-        return {
-            "object": "weights",
-            "policy_version": int(version),
-            "learner_step": app.state.learner_step,
-        }
-
-    @app.post("/v1/rollouts")
-    async def create_rollout(request: Request):
-        await require_admin(request, "create rollouts")
-        args = parse_create(await read_json(request))
-        rollout = await asyncio.to_thread(lambda: registry.create(**args))
-        root = str(request.base_url).rstrip("/")
-        return {
-            "rollout_id": rollout.rollout_id,
-            # One base URL per request API, each as its official client takes it: the
-            # openai client appends /chat/completions (or /responses) to ".../v1", the
-            # anthropic client /v1/messages to the server root, the google-genai client
-            # (and Gemini CLI's GOOGLE_GEMINI_BASE_URL) /v1beta/models/... to the root.
-            "base_url": root + "/v1",
-            "anthropic_base_url": root,
-            "gemini_base_url": root,
-            "api_key": rollout.api_key,
-            "model": model_name,
-            "task_id": rollout.trace.task_id,
-            "attempt_id": rollout.trace.attempt_id,
-            "group_id": rollout.trace.group_id,
-        }
-
-    @app.get("/v1/rollouts/{rollout_id}")
-    async def rollout_status(rollout_id: str, request: Request):
-        principal = await authenticate(request)
-        if principal.is_admin:
-            evicted = await asyncio.to_thread(registry.evicted_summary, rollout_id)
-            if evicted is not None:
-                return evicted
-        rollout = await owned_rollout(principal, rollout_id)
-        return view(principal, await asyncio.to_thread(registry.summary, rollout))
-
-    @app.post("/v1/rollouts/{rollout_id}/finish")
-    async def finish_rollout(rollout_id: str, request: Request):
-        principal = await authenticate(request)
-        rollout = await owned_rollout(principal, rollout_id)
-        args = parse_finish(await read_json(request))
-        if not principal.is_admin:
-            check_rollout_key_finish(args)
-        try:
-            await asyncio.to_thread(lambda: registry.finish(rollout, **args))
-        except APIError:
-            raise
-        except Exception:  # noqa: BLE001 - e.g. the trace store's disk
-            logging.exception("finishing rollout %s failed", rollout_id)
-            raise APIError(
-                500,
-                f"Could not store the trace of {rollout_id}; nothing changed",
-                code="trace_store_error",
-            ) from None
-        return view(principal, await asyncio.to_thread(registry.summary, rollout))
-
-    @app.get("/v1/rollouts/{rollout_id}/trace")
-    async def rollout_trace(rollout_id: str, request: Request):
-        principal = await authenticate(request)
-        if principal.is_admin:
-            stored = await asyncio.to_thread(registry.stored_trace, rollout_id)
-            if stored is not None:  # evicted from memory: read back from the store
-                return stored
-        rollout = await owned_rollout(principal, rollout_id)
-        return view(principal, await asyncio.to_thread(registry.trace_dict, rollout))
-
+    ctx = ServeContext(sampler, tokenizer, registry, model_name, default_max_tokens)
+    mount = APIMount(app, ctx, authenticate, read_json, names, builtin_tools)
+    for name in names:
+        REQUEST_APIS.get(name)(mount)
     return app

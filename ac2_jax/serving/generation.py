@@ -30,11 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ac2_jax.models import Tokenizer
-from ac2_jax.sampling import Sampler, SamplingParams
+from ac2_jax.sampling import SamplingParams
 from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.rollouts import RolloutRegistry
 from ac2_jax.serving.sample_run import (
     Generation,
     RequestState,
@@ -331,19 +330,11 @@ async def chat_prompt_ids(ctx: ServeContext, principal, req: req_lib.ChatRequest
 
 
 def install_generation_routes(
-    app: FastAPI,
-    *,
-    sampler: Sampler,
-    tokenizer: Tokenizer,
-    registry: RolloutRegistry,
-    model_name: str,
-    default_max_tokens: int | None,
-    authenticate: Callable,
-    read_json: Callable,
-) -> ServeContext:
-    """Adds the two sampling routes to `app` (see the module docstring) and
-    returns their `ServeContext` (other request APIs serve through it)."""
-    ctx = ServeContext(sampler, tokenizer, registry, model_name, default_max_tokens)
+    app: FastAPI, ctx: ServeContext, *, authenticate: Callable, read_json: Callable
+) -> None:
+    """Adds the two sampling routes to `app` (see the module docstring), serving
+    through `ctx` (the one every request API of the app shares)."""
+    tokenizer = ctx.tokenizer
 
     async def serve(request, principal, req, agent, prompt_ids, messages, chat: bool):
         st = await start_request(ctx, request, principal, req, agent, prompt_ids, messages, chat)
@@ -377,5 +368,3 @@ def install_generation_routes(
         if not prompt_ids:
             raise bad_request("'prompt' encodes to no tokens", param="prompt")
         return await serve(request, principal, req, agent, prompt_ids, None, chat=False)
-
-    return ctx

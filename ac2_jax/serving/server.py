@@ -63,6 +63,61 @@ def serve_in_thread(
 TINY_CONTEXT = 65536
 
 
+def sampler_config(
+    sampler: str = "jax",
+    *,
+    max_context: int | None = None,
+    sglang_url: str | None = None,
+    export_dir: str | None = None,
+    fixed_shapes: bool = False,
+    backends: Sequence[str] = (),
+    backend_timeout_s: float = 600.0,
+):
+    """The `SamplerConfig` the serving flags describe (`--sampler` names a registered
+    kind, `ac2_jax.sampling.registry.SAMPLERS`; `--backends` makes it a fleet).
+    A flag the kind does not read, or an unknown kind, is a ValueError naming it."""
+    from ac2_jax.sampling.registry import SAMPLERS, SamplerConfig
+
+    backends = [u.strip() for u in backends if u.strip()]
+    if backends and (sglang_url or fixed_shapes):
+        raise ValueError(
+            "--backends replaces the embedded or single SGLang sampler: drop "
+            "--sglang_url / --fixed_shapes (a backend process takes those)"
+        )
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"--backends lists a URL twice: {backends}")
+    kind = "fleet" if backends else sampler
+    try:
+        SAMPLERS.get(kind)
+    except ValueError as e:
+        raise ValueError(f"--sampler: {e}") from None
+    if kind == "sglang" and not sglang_url:
+        raise ValueError("--sampler=sglang needs --sglang_url")
+    if kind == "fleet" and not backends:
+        raise ValueError("--sampler=fleet needs --backends (the servers' URLs)")
+    reads = SAMPLERS.get(kind).reads
+    fields: dict = {"kind": kind, "max_context": max_context}
+    if "warmup" in reads:  # the endpoint compiles up front only with --fixed_shapes
+        fields["warmup"] = False
+    if "timeout_s" in reads:
+        fields["timeout_s"] = backend_timeout_s
+    given = {"url": sglang_url, "backends": tuple(backends), "export_dir": export_dir,
+             "fixed_shapes": fixed_shapes}  # fmt: skip
+    flag = {"url": "--sglang_url", "backends": "--backends", "export_dir": "--export_dir",
+            "fixed_shapes": "--fixed_shapes"}  # fmt: skip
+    for name, value in given.items():
+        if value:
+            if name not in reads:
+                raise ValueError(
+                    f"{flag[name]} has no effect with --sampler={kind} (SGLang manages "
+                    "its own shapes; only the embedded sampler compiles them)"
+                    if name == "fixed_shapes"
+                    else f"{flag[name]} has no effect with --sampler={kind}; drop it"
+                )
+            fields[name] = value
+    return SamplerConfig(**fields)
+
+
 def load_policy(
     model: str,
     *,
@@ -86,10 +141,12 @@ def load_policy(
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a
     randomly initialised tiny Decoder: a smoke-test policy, not a useful one.
-    sampler: "jax" (embedded JaxSampler) or "sglang" (SGLangSampler at
-    `sglang_url`, serving the same weights; `export_dir` receives exports).
-    fixed_shapes (JaxSampler only): max_batch rows x max_context slots always,
-    compiled up front by `warmup()`: no compiles (and no memory growth from
+    sampler: a registered sampler kind (`ac2_jax.sampling.registry.SAMPLERS`, the
+    same the recipes' `sampler.kind` picks): "jax" (embedded JaxSampler), "sglang"
+    (SGLangSampler at `sglang_url`, serving the same weights; `export_dir`
+    receives exports), "fleet" (needs `backends`), or one registered by the
+    caller. fixed_shapes (JaxSampler only): max_batch rows x max_context slots
+    always, compiled up front by `warmup()`: no compiles (and no memory growth from
     them) once serving.
     backends: URLs of SGLang-protocol servers (SGLang, or `python -m
     ac2_jax.serving.backend` processes serving the same weights): the sampler
@@ -100,24 +157,17 @@ def load_policy(
     import os
     import tempfile
 
-    backends = [u.strip() for u in backends if u.strip()]
-    if backends and (sglang_url or fixed_shapes):
-        raise ValueError(
-            "--backends replaces the embedded or single SGLang sampler: drop "
-            "--sglang_url / --fixed_shapes (a backend process takes those)"
-        )
-    if len(set(backends)) != len(backends):
-        raise ValueError(f"--backends lists a URL twice: {backends}")
-    if sampler not in ("jax", "sglang"):
-        raise ValueError(f"--sampler must be 'jax' or 'sglang', got {sampler!r}")
-    if sampler == "sglang" and not sglang_url:
-        raise ValueError("--sampler=sglang needs --sglang_url")
+    config = sampler_config(
+        sampler, max_context=max_context, sglang_url=sglang_url, export_dir=export_dir,
+        fixed_shapes=fixed_shapes, backends=backends, backend_timeout_s=backend_timeout_s,
+    )  # fmt: skip
     if model != "tiny" and not os.path.isdir(model):
         raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
     from flax import nnx  # heavy imports only once the arguments are known to be good
 
     from ac2_jax.models import Decoder, DecoderConfig, Tokenizer, build_tiny_tokenizer
     from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.sampling.registry import SamplerSetup, build_sampler
 
     if model == "tiny":
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))
@@ -141,58 +191,8 @@ def load_policy(
     context = max_context or min(
         decoder.config.max_position_embeddings, tokenizer.model_max_length or 1 << 30
     )
-    if backends:
-        from ac2_jax.sampling import FleetSampler, SGLangSampler
-
-        return (
-            FleetSampler(
-                [
-                    SGLangSampler(
-                        url,
-                        max_context=context,
-                        model=decoder,
-                        publish_dir=publish_dir,
-                        export_dir=(
-                            None if export_dir is None else os.path.join(export_dir, f"backend{i}")
-                        ),
-                        vocab_size=tokenizer.vocab_size,
-                        timeout_s=backend_timeout_s,
-                    )
-                    for i, url in enumerate(backends)
-                ]
-            ),
-            tokenizer,
-            name,
-        )
-    if sampler == "jax":
-        from ac2_jax.sampling.jax_sampler import JaxSampler
-
-        jax_sampler = JaxSampler(
-            decoder,
-            publish_dir=publish_dir,
-            max_context=context,
-            max_batch=max_batch,
-            eos_token_ids=tokenizer.stop_token_ids,
-            tokenizer=tokenizer,
-            seed=seed,
-            fixed_shapes=fixed_shapes,
-        )
-        if fixed_shapes:
-            jax_sampler.warmup()
-        return jax_sampler, tokenizer, name
-    if fixed_shapes:
-        raise ValueError("--fixed_shapes is a JaxSampler option (SGLang manages its own shapes)")
-    from ac2_jax.sampling.sglang import SGLangSampler
-
-    return (
-        SGLangSampler(
-            sglang_url or "",  # checked above: --sampler=sglang needs --sglang_url
-            max_context=context,
-            model=decoder,
-            publish_dir=publish_dir,
-            export_dir=export_dir,
-            vocab_size=tokenizer.vocab_size,
-        ),
-        tokenizer,
-        name,
-    )
+    setup = SamplerSetup(
+        model=decoder, tokenizer=tokenizer, max_context=context, publish_dir=publish_dir,
+        max_batch=max_batch, seed=seed, eos_token_ids=tokenizer.stop_token_ids,
+    )  # fmt: skip
+    return build_sampler(config, setup), tokenizer, name

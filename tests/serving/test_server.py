@@ -53,8 +53,17 @@ def test_load_policy_rejects_bad_arguments(tmp_path):
         load_policy(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="--sglang_url"):
         load_policy("tiny", sampler="sglang")
-    with pytest.raises(ValueError, match="'jax' or 'sglang'"):
+    with pytest.raises(ValueError, match=r"--sampler: unknown sampler 'vllm': registered are "
+                                         r"fleet, jax, sglang"):
         load_policy("tiny", sampler="vllm")
+    with pytest.raises(ValueError, match="did you mean 'sglang'"):
+        load_policy("tiny", sampler="sglng")
+    with pytest.raises(ValueError, match="--sampler=fleet needs --backends"):
+        load_policy("tiny", sampler="fleet")
+    with pytest.raises(ValueError, match="--sglang_url has no effect with --sampler=jax"):
+        load_policy("tiny", sglang_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="--fixed_shapes has no effect with --sampler=sglang"):
+        load_policy("tiny", sampler="sglang", sglang_url="http://127.0.0.1:1", fixed_shapes=True)
 
 
 @pytest.mark.full  # the server as a child process

@@ -13,6 +13,7 @@ from ac2_jax.training.distill.data import (
 )
 from ac2_jax.training.distill.loss import (
     DistillLoss,
+    distill_objective,
     divergence,
     relevance_scores,
     teacher_extras,
@@ -53,6 +54,7 @@ __all__ = [
     "check_vocabulary",
     "arollout_and_grade",
     "asample",
+    "distill_objective",
     "divergence",
     "examples_from_traces",
     "fit_examples",

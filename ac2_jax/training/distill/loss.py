@@ -35,7 +35,7 @@ from ac2_jax.losses import (
 )
 from ac2_jax.models.memory_plan import AUTO, logprob_chunk_for
 from ac2_jax.segments.segments import SAMPLER_LOGPROBS
-from ac2_jax.training.core.objectives import StepModel
+from ac2_jax.training.core.objectives import OBJECTIVES, Objective, StepModel
 from ac2_jax.training.core.train_step import forward
 from ac2_jax.training.distill.data import (
     LOGPROBS_RECORDED,
@@ -146,8 +146,13 @@ def _apply(fn, model: StepModel, student_hidden, teacher_h, per_token, chunk_siz
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillLoss:
+class DistillLoss(Objective):
     """LossFn: `distill_loss(student logits, teacher logits, targets)` per position.
+
+    An `Objective`: the objective registry holds one entry per divergence,
+    "distill_<kind>" (`distill_objective`: this class with `kind` fixed), so a
+    config section picks it as any other objective, e.g. {"kind": "distill_jsd",
+    "beta": 0.3} is `DistillLoss(kind="jsd", beta=0.3)`'s twin.
 
     In the train step (`from_model`) the teacher runs inside it on the rows
     of `teacher_extras` (live: the params; or the step's `teacher` params),
@@ -332,6 +337,34 @@ class DistillLoss:
         sh = model.hidden(batch.tokens, batch.positions, batch.segment_ids, batch.subtree_end)
         x = self._inputs(batch)
         return self._finish(_apply(self._terms, model, sh, th, x, self.chunk_size), x["mask"])
+
+
+def distill_objective(divergence: str) -> type[DistillLoss]:
+    """The objective "distill_<divergence>" (registered in `OBJECTIVES` on the first
+    call): `DistillLoss` with `kind` fixed to `divergence`, a registered divergence
+    (`losses.DIVERGENCES`; an unknown one is a did-you-mean ValueError). The
+    built-in divergences' objectives are registered when this module is imported;
+    a divergence registered later gets its objective from one call here."""
+    name = f"distill_{divergence}"
+    if name in OBJECTIVES:
+        return OBJECTIVES.get(name)
+    DIVERGENCES.get(divergence)
+    namespace = {
+        "__annotations__": {"kind": "str"},
+        "kind": dataclasses.field(default=divergence, init=False),
+        "__module__": __name__,
+        "__qualname__": f"DistillLoss_{divergence}",
+        "__doc__": f"`DistillLoss(kind={divergence!r})` as the objective {name!r}.",
+    }
+    cls: type[DistillLoss] = dataclasses.dataclass(frozen=True)(
+        type(f"DistillLoss_{divergence}", (DistillLoss,), namespace)
+    )
+    OBJECTIVES.register(name)(cls)
+    return cls
+
+
+for _divergence in DIVERGENCES.names():
+    distill_objective(_divergence)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -1,0 +1,104 @@
+"""The RL recipe on remote samplers by config (`sampler.kind`): SGLang and a fleet.
+
+SGLang needs CUDA, so the servers are `sglang_fake.FakeSGLang`, the local
+reproduction of SGLang's HTTP API (its own tiny model, the same weights as the
+policy's), over real HTTP. The run is test_recipe_rl's (same model and batch
+shapes, so the suite's compilation cache serves its train step): every attempt
+is sampled by the server(s), and the step's publish is exported as HF
+safetensors and hot-swapped into each of them (`/update_weights_from_disk`).
+"""
+
+import os
+
+import pytest
+from sglang_fake import FakeSGLang
+
+from ac2_jax.config_cli import load_config
+from ac2_jax.recipes import RLRecipeConfig, load_model, rl
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.trace import TraceStore
+from tests.recipe_helpers import ParityEnv
+
+OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.batch.rows=2",
+             "rl.batch.seq_len=128", "rl.concurrency=8", "rollout.max_tokens=8",
+             "rollout.max_steps=1", "log.progress=false", "log.report_files=false",
+             "log.tensorboard=false"]  # test_recipe_rl's run
+CONTEXT = 1024  # the tiny preset's (SGLang's --context-length)
+
+
+class Server(FakeSGLang):
+    """FakeSGLang whose sampler decodes as the recipe's embedded one would (8 rows)."""
+
+    def _sampler(self, model):
+        return JaxSampler(model, max_context=self.context_len, tokenizer=self.tok, max_batch=8)
+
+
+@pytest.fixture
+def servers(tmp_path):
+    """start(n): n servers of the tiny preset's weights -> their URLs; all stopped after."""
+    running = []
+
+    def start(n):
+        for i in range(n):
+            model, tok = load_model("tiny", str(tmp_path / f"server{i}"))
+            fake = Server(model, tok, context_len=CONTEXT)
+            url, stop = serve_in_thread(fake.app)
+            running.append((fake, url, stop))
+        return [url for _, url, _ in running]
+
+    yield start, running
+    for fake, _, stop in running:
+        stop()
+        fake.close()
+
+
+def _run(tmp_path, *overrides):
+    cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
+                                             *overrides])
+    pair = load_model("tiny", str(tmp_path / "build"))
+    report = rl(pair, ParityEnv(), cfg).report
+    traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
+    return report, traces
+
+
+def _generates(fake):
+    return [body for what, body in fake.log if what == "generate"]
+
+
+def _updates(fake):
+    return [body for what, body in fake.log if what == "update_end"]
+
+
+def test_rl_recipe_samples_on_sglang_by_config(servers, tmp_path):
+    start, running = servers
+    (url,) = start(1)
+    report, traces = _run(tmp_path, "sampler.kind=sglang", f"sampler.url={url}")
+    (fake, _, _) = running[0]
+    assert report["steps"] == 1 and len(traces) == 8
+    # Every attempt's completion came from the server: one /generate per request.
+    assert len(_generates(fake)) == sum(len(t.episodes) for t in traces) >= 8
+    # No infra_error (ours); a random policy may end an attempt at the step limit.
+    assert {t.status for t in traces} <= {"finished", "agent_error"}, [t.status for t in traces]
+    # The step's publish reached it: exported under workdir/exports, loaded as version 1.
+    (update,) = _updates(fake)
+    assert update["weight_version"] == "1" and fake.version == "1"
+    assert update["model_path"] == os.path.join(tmp_path, "run", "exports", "step_1")
+    assert os.path.exists(os.path.join(update["model_path"], "config.json"))
+
+
+def test_rl_recipe_samples_on_a_fleet_by_config(servers, tmp_path):
+    start, running = servers
+    urls = start(2)
+    report, traces = _run(tmp_path, "sampler.kind=fleet", f"sampler.backends={','.join(urls)}")
+    fakes = [fake for fake, _, _ in running]
+    assert report["steps"] == 1 and len(traces) == 8
+    assert {t.status for t in traces} <= {"finished", "agent_error"}, [t.status for t in traces]
+    sampled = [len(_generates(f)) for f in fakes]
+    assert sum(sampled) == sum(len(t.episodes) for t in traces)
+    assert min(sampled) > 0, sampled  # 8 concurrent rollouts spread over both backends
+    for i, fake in enumerate(fakes):  # the publish reached each, from its own export
+        (update,) = _updates(fake)
+        assert update["weight_version"] == "1" and fake.version == "1"
+        assert update["model_path"] == os.path.join(tmp_path, "run", "exports", f"backend{i}",
+                                                    "step_1")
