@@ -45,8 +45,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
@@ -211,6 +209,8 @@ def _nn(a, b):  # a [m, n] . b [n, d] -> [m, d] fp32
 
 def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, then o, lse; scratch m, l, acc."""
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+
     del kmap, qmap
     ids, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = refs[:5], refs[5:]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -246,6 +246,8 @@ def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
 
 def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, do, lse, delta, then dq; scratch dq."""
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+
     del kmap, qmap
     ids, (do_ref, lse_ref, delta_ref, dq_ref, dq_sc) = refs[:5], refs[5:]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -270,6 +272,8 @@ def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
 
 def _dkv_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
     """refs: the 5 id blocks, do, lse, delta, then dk, dv; scratch dk, dv."""
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+
     del kmap, qmap
     ids, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc) = refs[:5], refs[5:]
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -302,6 +306,7 @@ def _dkv_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
 def _specs(bq, bk, hd, nq, nk, kv_major: bool):
     """BlockSpecs of q-side rows, k-side rows and the ids, for a grid whose last two
     axes are (q block, k block), or (k block, q block) when kv_major."""
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
 
     def ij(i1, i2, qmap, kmap, b):  # (q block, k block) of a grid step, fetch-redirected
         if kv_major:
@@ -333,11 +338,16 @@ def _specs(bq, bk, hd, nq, nk, kv_major: bool):
 
 
 def _params():
+    from jax.experimental.pallas import tpu as pltpu
+
     sem = ("parallel", "parallel", "parallel", "arbitrary")
     return pltpu.CompilerParams(dimension_semantics=sem)
 
 
 def _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+    from jax.experimental.pallas import tpu as pltpu
+
     B, K, R, hd = q.shape
     nq, nk = R // bq, k.shape[2] // bk
     sp = _specs(bq, bk, hd, nq, nk, kv_major=False)
@@ -377,6 +387,9 @@ def _flash_fwd(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
 
 
 def _flash_bwd(bq, bk, interpret, res, dout):
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+    from jax.experimental.pallas import tpu as pltpu
+
     q, k, v, tiles, kmap, qmap, *ids, out, lse = res
     B, K, R, hd = q.shape
     Lk = k.shape[2]

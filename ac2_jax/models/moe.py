@@ -295,7 +295,9 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> j
     tm = min(128, -(-m // 8) * 8)
     mp = -(-m // tm) * tm
     sizes = sizes.at[-1].add(mp - jnp.sum(sizes))
-    tiling = (tm, min(128, lhs.shape[1]), min(128, rhs.shape[2]))
+    # k and n tiles of 128 whatever the widths (gmm masks a ragged last tile): the
+    # backward reuses this tiling with k and n swapped, so neither may be a width
+    tiling = (tm, 128, 128)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     out = gmm(lhs, rhs.astype(lhs.dtype), sizes, lhs.dtype, tiling, None, None, False, interpret)
     return out[:m]

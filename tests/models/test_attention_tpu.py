@@ -92,26 +92,32 @@ def test_refuses_a_sliding_window():
         pallas_tpu_attention(q, q, q, mask, interpret=True)
 
 
-def test_kernel_lowers_for_a_tpu_topology():
-    """Mosaic's block rules and lowering: forward and backward compiled for v5e
-    (bf16, 128-blocks, a tree row) ahead of time on this CPU host."""
+def test_kernels_lower_for_a_tpu_topology():
+    """Mosaic's block rules and lowering, ahead of time on this CPU host for v5e: the
+    attention kernel's forward and backward (bf16, 128-blocks, a tree row) and the
+    experts through gmm (forward and backward) in one compilation."""
     pytest.importorskip("libtpu", reason="libtpu not installed (pip install ac2_jax[tpu-aot])")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
     one = jax.sharding.SingleDeviceSharding(devices[0])
-    B, L, H, K, hd = 1, 256, 4, 2, 128
+    B, L, H, K, hd, D, F, E = 1, 256, 4, 2, 128, 256, 64, 4
 
-    def loss(q, k, v, seg, end):
+    def loss(q, k, v, seg, end, wg, wu, wd):
         out = pallas_tpu_attention(q, k, v, AttentionMask.packed(seg, end))
-        return jnp.sum(out.astype(jnp.float32))
+        x = out.reshape(L, H * hd)[:, :D]
+        ids = jnp.stack([seg[0] % E, (seg[0] + 1) % E], axis=1)
+        y, _, _ = experts_apply(x, ids, jnp.ones(ids.shape), seg[0] > 0, wg, wu, wd, grouped="gmm")
+        return jnp.sum(y.astype(jnp.float32))
 
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
-    args = (spec((B, L, H, hd), jnp.bfloat16), *[spec((B, L, K, hd), jnp.bfloat16)] * 2,
-            *[spec((B, L), jnp.int32)] * 2)  # fmt: skip
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-    assert compiled.as_text().count("tpu_custom_call") == 3  # forward, dq, dk / dv
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
+    args = (spec((B, L, H, hd)), *[spec((B, L, K, hd))] * 2, *[spec((B, L), jnp.int32)] * 2,
+            spec((E, D, F)), spec((E, D, F)), spec((E, F, D)))  # fmt: skip
+    grads = jax.grad(loss, argnums=(0, 1, 2, 5, 6, 7))
+    text = jax.jit(grads).lower(*args).compile().as_text()
+    for kernel in ("attention_fwd", "attention_dq", "attention_dkv", "gmm", "tgmm"):
+        assert kernel in text, kernel
 
 
 def test_moe_experts_through_gmm_equal_ragged_dot():
