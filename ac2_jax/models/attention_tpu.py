@@ -9,15 +9,17 @@ tree mask (`subtree_end`: query i sees key j iff j <= i <= subtree_end[j])
 and the KV-cache mask of decode, by the one predicate `attention_mask.visible`.
 
 Layout. Grouped-query heads are folded into query rows: q [B, Lq, H, hd]
-becomes [B, K, G * Lq', hd] (G = H / K query heads per kv head, Lq' = Lq
-padded to the q block), so each k/v block is read once per kv head and the
-dk / dv of a group need no reduction. Per query row the kernel reads
-q_index / q_segment (lane-broadcast [rows, 128], as splash lays out its
-segment ids); per key kv_index / kv_segment / kv_end ([8, Lk], sublane-
-broadcast). The tile table `AttentionMask.tiles` (a superset of the tiles
-holding a visible pair) is scalar-prefetched: a fully masked tile is neither
-computed nor fetched (its k / v block index repeats the last visible one, so
-the pipeline issues no copy).
+becomes [B, K, G * Lq, hd] (G = H / K query heads per kv head; rows padded
+to the q block), so each k/v block is read once per kv head and the dk / dv
+of a group need no reduction. Per query row the kernel reads q_index /
+q_segment as [rows, 1] columns, per key kv_index / kv_segment / kv_end as
+[1, Lk] rows, and the log-sum-exp goes out as a [rows, 1] column (splash
+broadcasts these over 128 lanes / 8 sublanes instead, 128x the HBM; both
+lower for v5e, neither is measured on a chip here). The tile table
+`AttentionMask.tiles` (a superset of the tiles holding a visible pair) is
+scalar-prefetched: a fully masked tile is neither computed nor fetched (its
+k / v block index repeats the last visible one, so the pipeline issues no
+copy).
 
 Kernels (FlashAttention-2): forward, grid (B, K, q blocks, k blocks), online
 softmax in fp32 (running max / sum in VMEM scratch), saves the log-sum-exp;
@@ -168,20 +170,20 @@ def flat_rule(mask: AttentionMask) -> AttentionMask:
 
 def _mask_arrays(mask: AttentionMask, bq: int, bk: int):
     """(tiles [B*nq*nk], k block map [B*nq*nk], q block map [B*nk*nq], q ids
-    (q_index, q_segment) [B, rows, 128] each, kv ids (kv_index, kv_segment,
-    kv_end) [B, 8, Lk] each)."""
+    (q_index, q_segment) [B, rows, 1] each, kv ids (kv_index, kv_segment,
+    kv_end) [B, 1, Lk] each)."""
     vis = mask.tiles(bq, bk).astype(jnp.int32)  # [B, nq, nk]
     B, nq, nk = vis.shape
     # a masked tile fetches the block of the last visible one before it (no copy)
     kmap = jax.lax.cummax(jnp.where(vis > 0, jnp.arange(nk, dtype=jnp.int32), 0), axis=2)
     vis_t = vis.transpose(0, 2, 1)
     qmap = jax.lax.cummax(jnp.where(vis_t > 0, jnp.arange(nq, dtype=jnp.int32), 0), axis=2)
-    lanes = lambda x: jnp.broadcast_to(x[:, :, None], (*x.shape, LANES))  # noqa: E731
-    subl = lambda x: jnp.broadcast_to(x[:, None], (B, SUBLANES, x.shape[1]))  # noqa: E731
+    col = lambda x: x[:, :, None]  # noqa: E731
+    row = lambda x: x[:, None]  # noqa: E731
     return (
         vis.reshape(-1), kmap.reshape(-1), qmap.reshape(-1),
-        lanes(mask.q_index), lanes(mask.q_segment),
-        subl(mask.kv_index), subl(mask.kv_segment), subl(mask.kv_end),
+        col(mask.q_index), col(mask.q_segment),
+        row(mask.kv_index), row(mask.kv_segment), row(mask.kv_end),
     )  # fmt: skip
 
 
@@ -189,7 +191,7 @@ def _mask_arrays(mask: AttentionMask, bq: int, bk: int):
 
 
 def _allowed(qi_ref, qs_ref, ki_ref, ks_ref, ke_ref):
-    """[bq, bk] bool of a tile (the flat rule), from its q ids [bq, 128] and kv ids [8, bk]."""
+    """[bq, bk] bool of a tile (the flat rule), from its q ids [bq, 1] and kv ids [1, bk]."""
     qi, qs = qi_ref[:, 0:1], qs_ref[:, 0:1]  # [bq, 1]
     ki, ks, ke = ki_ref[0:1, :], ks_ref[0:1, :], ke_ref[0:1, :]  # [1, bk]
     return visible(_FLAT, qi, ki, qs, ks, ke, None, None)
@@ -241,7 +243,7 @@ def _fwd_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
         safe = jnp.where(seen, lsum, 1.0)
         o_ref[...] = jnp.where(seen, acc_sc[...] / safe, 0.0).astype(o_ref.dtype)
         lse = jnp.where(seen, m_sc[:, 0:1] + jnp.log(safe), 0.0)
-        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+        lse_ref[...] = lse
 
 
 def _dq_kernel(tiles, kmap, qmap, q_ref, k_ref, v_ref, *refs, scale, nq, nk):
@@ -325,15 +327,14 @@ def _specs(bq, bk, hd, nq, nk, kv_major: bool):
     def kv_ids(b, h, i1, i2, tiles, kmap, qmap):
         return (b, 0, ij(i1, i2, qmap, kmap, b)[1])
 
-    def q_lanes(b, h, i1, i2, tiles, kmap, qmap):
+    def q_col(b, h, i1, i2, tiles, kmap, qmap):
         return (b, h, ij(i1, i2, qmap, kmap, b)[0], 0)
 
     return dict(
         q=pl.BlockSpec((None, None, bq, hd), q_rows),
         k=pl.BlockSpec((None, None, bk, hd), k_rows),
-        ids=[pl.BlockSpec((None, bq, LANES), q_ids)] * 2
-        + [pl.BlockSpec((None, SUBLANES, bk), kv_ids)] * 3,
-        lanes=pl.BlockSpec((None, None, bq, LANES), q_lanes),
+        ids=[pl.BlockSpec((None, bq, 1), q_ids)] * 2 + [pl.BlockSpec((None, 1, bk), kv_ids)] * 3,
+        col=pl.BlockSpec((None, None, bq, 1), q_col),
     )
 
 
@@ -358,7 +359,7 @@ def _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
             num_scalar_prefetch=3,
             grid=(B, K, nq, nk),
             in_specs=[sp["q"], sp["k"], sp["k"], *sp["ids"]],
-            out_specs=[sp["q"], sp["lanes"]],
+            out_specs=[sp["q"], sp["col"]],
             scratch_shapes=[
                 pltpu.VMEM((bq, LANES), jnp.float32),
                 pltpu.VMEM((bq, LANES), jnp.float32),
@@ -367,7 +368,7 @@ def _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
         ),
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((B, K, R, LANES), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, R, 1), jnp.float32),
         ],
         compiler_params=_params(),
         interpret=interpret,
@@ -395,9 +396,9 @@ def _flash_bwd(bq, bk, interpret, res, dout):
     Lk = k.shape[2]
     nq, nk = R // bq, Lk // bk
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    lanes = lambda x: jnp.broadcast_to(x[..., None], (*x.shape, LANES))  # noqa: E731
+    col = lambda x: x[..., None]  # noqa: E731
     scale = 1.0 / math.sqrt(hd)
-    args = (tiles, kmap, qmap, q, k, v, *ids, dout, lanes(lse), lanes(delta))
+    args = (tiles, kmap, qmap, q, k, v, *ids, dout, col(lse), col(delta))
 
     sp = _specs(bq, bk, hd, nq, nk, kv_major=False)
     dq = pl.pallas_call(
@@ -405,7 +406,7 @@ def _flash_bwd(bq, bk, interpret, res, dout):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, K, nq, nk),
-            in_specs=[sp["q"], sp["k"], sp["k"], *sp["ids"], sp["q"], sp["lanes"], sp["lanes"]],
+            in_specs=[sp["q"], sp["k"], sp["k"], *sp["ids"], sp["q"], sp["col"], sp["col"]],
             out_specs=sp["q"],
             scratch_shapes=[pltpu.VMEM((bq, hd), jnp.float32)],
         ),
@@ -421,7 +422,7 @@ def _flash_bwd(bq, bk, interpret, res, dout):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, K, nk, nq),
-            in_specs=[sp["q"], sp["k"], sp["k"], *sp["ids"], sp["q"], sp["lanes"], sp["lanes"]],
+            in_specs=[sp["q"], sp["k"], sp["k"], *sp["ids"], sp["q"], sp["col"], sp["col"]],
             out_specs=[sp["k"], sp["k"]],
             scratch_shapes=[pltpu.VMEM((bk, hd), jnp.float32)] * 2,
         ),
