@@ -84,7 +84,7 @@ USAGE = (
 _FLAGS = {
     "topology": None, "model": None, "recipe": "rl", "lora": None, "seq_len": None,
     "batch": None, "rules": "", "dtype": "bfloat16", "param_dtype": "float32",
-    "remat": "full", "attention": "dense", "sampler_batch": "64",
+    "remat": "full", "attention": "auto", "sampler_batch": "64",
     "sampler_len": None, "sampler_tensor": None, "programs": ",".join(PROGRAMS),
     "json": None, "prefill_len": "512",
 }  # fmt: skip
@@ -235,15 +235,21 @@ def collective_summary(found: list[dict[str, Any]]) -> dict[str, dict[str, int]]
 def analyze(compiled, chip: Chip) -> dict[str, Any]:
     """Memory, cost and collectives of a compiled program, per chip."""
     ma = compiled.memory_analysis()
-    mem = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
-                                                                "temp", "generated_code")}
+    mem = {
+        k: int(getattr(ma, f"{k}_size_in_bytes"))
+        for k in ("argument", "output", "alias", "temp", "generated_code")
+    }
     # Donated arguments live on in the outputs: count them once.
-    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem[
-        "generated_code"]
+    mem["peak"] = (
+        mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
+    )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    found = collectives(compiled.as_text())
+    text = compiled.as_text()
+    found = collectives(text)
     return {
+        # Pallas / Mosaic kernels in the program (attention "pallas_tpu", the MoE's gmm).
+        "tpu_kernels": text.count('custom_call_target="tpu_custom_call"'),
         "memory": mem,
         "hbm_bytes": chip.hbm_bytes,
         "fits": mem["peak"] <= chip.hbm_bytes,
@@ -371,7 +377,7 @@ def learner_mesh(cfg, devices):
 
 
 def parse_rules(text: str):
-    """"expert=fsdp,mlp=tensor" -> AxisRules with those entries first (precedence)."""
+    """ "expert=fsdp,mlp=tensor" -> AxisRules with those entries first (precedence)."""
     from ac2_jax.models.axes import DEFAULT_RULES, AxisRules
 
     extra = []
@@ -402,7 +408,8 @@ def _loss_and_batch(plan: Plan):
         if layers and cfg.rl.moe.routing == "replay":
             R, L = batch.tokens.shape
             k = plan.model.num_experts_per_tok
-            batch = batch.replace(routing=np.full((R, L, len(layers), k), -1, np.int32))
+            routing = np.full((R, L, len(layers), k), -1, np.int32)
+            batch = dataclasses.replace(batch, routing=routing)
         return loss, batch, cfg.rl.grad_accum
     from ac2_jax.training import SFTLoss
 
@@ -435,13 +442,17 @@ def compile_train(plan: Plan) -> tuple[Any, dict[str, Any]]:
     abstract_state = _abstract(state, sh)
     rows = batch_sharding(plan.mesh)
     abstract_batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), step._fill((batch, None))[0]
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows),
+        step._fill((batch, None))[0],
     )
     if getattr(loss, "needs_reference", False):
         teacher = _abstract(state.params, sh.params)
     else:
         teacher = None
-    compiled = step._step.lower(abstract_state, abstract_batch, None, teacher).compile()
+    # Under the mesh: kernels that run in shard_map (attention "pallas_tpu", the MoE's
+    # grouped GEMM) read it, and "auto" picks by its (TPU) platform.
+    with jax.set_mesh(plan.mesh):
+        compiled = step._step.lower(abstract_state, abstract_batch, None, teacher).compile()
     R, L = batch.tokens.shape
     n_params = param_count(state.params) + param_count(getattr(state, "rest", {}))
     trainable = param_count(state.params)
@@ -498,8 +509,12 @@ def compile_sampler(plan: Plan) -> dict[str, tuple[Any, dict[str, Any]]]:
     # The stacked cache [B, S, layers, K * hd]: rows over data, kv heads over tensor.
     kv_axis = "tensor" if (sconfig.num_kv_heads % plan.sampler_tensor == 0) else None
     cache_sh = NamedSharding(mesh, P(rows_axis, None, None, kv_axis))
-    acache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sh
-                                                         if x.ndim == 4 else rows), cache)
+    acache = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=cache_sh if x.ndim == 4 else rows
+        ),
+        cache,
+    )
     idle = SlotTable.idle_rows(B)
     arows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                         sharding=rows), idle)  # fmt: skip
@@ -507,19 +522,23 @@ def compile_sampler(plan: Plan) -> dict[str, tuple[Any, dict[str, Any]]]:
     out = {}
     if "decode" in plan.programs:
         steps = 8
-        lowered = decode_chunk.lower(
-            graphdef, state, acache, arows, jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep),
-            None, n_steps=steps, n_top=20,
-        )  # fmt: skip
-        out["decode"] = (lowered.compile(), {"rows": B, "cache_len": S, "steps": steps,
+        with jax.set_mesh(mesh):
+            lowered = decode_chunk.lower(
+                graphdef, state, acache, arows, jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep),
+                None, n_steps=steps, n_top=20,
+            )  # fmt: skip
+            compiled = lowered.compile()
+        out["decode"] = (compiled, {"rows": B, "cache_len": S, "steps": steps,
                                              "tokens": B * steps})  # fmt: skip
     if "prefill" in plan.programs:
         b, T = B, min(plan.prefill_len, S)
         sub = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                            acache)  # fmt: skip
         i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)  # noqa: E731
-        lowered = prefill_sub.lower(graphdef, state, sub, i32((b, T)), i32((b, T)), i32((b,)))
-        out["prefill"] = (lowered.compile(), {"rows": b, "prompt_len": T, "cache_len": S,
+        with jax.set_mesh(mesh):
+            lowered = prefill_sub.lower(graphdef, state, sub, i32((b, T)), i32((b, T)), i32((b,)))
+            compiled = lowered.compile()
+        out["prefill"] = (compiled, {"rows": b, "prompt_len": T, "cache_len": S,
                                               "tokens": b * T})  # fmt: skip
     return out
 
@@ -686,11 +705,14 @@ def n_params(config) -> int:
     return param_count(nnx.state(nnx.eval_shape(lambda: build_model(config)), nnx.Param))
 
 
-def run(plan: Plan, out=sys.stdout) -> dict[str, Any]:
-    """Compiles the plan's programs; returns the report (and prints its table)."""
+def run(plan: Plan, out=None) -> dict[str, Any]:
+    """Compiles the plan's programs; returns the report (and prints its table to `out`,
+    default stdout)."""
+    out = sys.stdout if out is None else out
     rows: list[dict[str, Any]] = []
     chips = len(plan.devices)
     facts_train: dict[str, Any] = {}
+    rows_failed: list[dict[str, Any]] = []
     todo: list[tuple[str, Any]] = []
     if "train" in plan.programs:
         todo.append(("train", lambda: compile_train(plan)))
@@ -698,14 +720,29 @@ def run(plan: Plan, out=sys.stdout) -> dict[str, Any]:
         todo.append(("handoff", lambda: compile_handoff(plan)))
     for name, make in todo:
         t0 = time.perf_counter()
-        compiled, facts = make()
+        try:
+            compiled, facts = make()
+        except Exception as e:  # noqa: BLE001 - XLA refuses a program over the chip's HBM
+            need = over_hbm(e)
+            if need is None:
+                raise
+            rows_failed.append({"program": name, "needs_bytes": need, "error": first_line(e)})
+            continue
         facts["compile_s"] = round(time.perf_counter() - t0, 1)
         if name == "train":
             facts_train = facts
         rows.append({"program": name, "facts": facts, "analysis": analyze(compiled, plan.chip)})
     if {"prefill", "decode"} & set(plan.programs):
         t0 = time.perf_counter()
-        for name, (compiled, facts) in compile_sampler(plan).items():
+        try:
+            sampler = compile_sampler(plan)
+        except Exception as e:  # noqa: BLE001 - as above
+            need = over_hbm(e)
+            if need is None:
+                raise
+            rows_failed.append({"program": "sampler", "needs_bytes": need, "error": first_line(e)})
+            sampler = {}
+        for name, (compiled, facts) in sampler.items():
             facts["compile_s"] = round(time.perf_counter() - t0, 1)
             rows.append({"program": name, "facts": facts,
                          "analysis": analyze(compiled, plan.chip)})  # fmt: skip
@@ -724,6 +761,11 @@ def run(plan: Plan, out=sys.stdout) -> dict[str, Any]:
         per_layer = _largest_layer_weight(plan)
         stack = whole_stack_gathers(train["analysis"]["collective_list"],
                                     plan.model.num_layers, per_layer)  # fmt: skip
+    for r in rows:  # the JSON keeps each program's 12 largest collectives per call
+        found = r["analysis"].pop("collective_list")
+        r["analysis"]["largest_collectives"] = sorted(
+            found, key=lambda c: -c["bytes"] * c["times"]
+        )[:12]
     report = {
         "topology": plan.topology, "chip": dataclasses.asdict(plan.chip), "chips": chips,
         "recipe": plan.recipe, "model": _model_line(plan.model),
@@ -731,23 +773,44 @@ def run(plan: Plan, out=sys.stdout) -> dict[str, Any]:
                                                         "tensor": plan.sampler_tensor},
         "rules": [list(map(str, r)) for r in plan.rules.table],
         "whole_stack_all_gathers": stack,
-        "programs": [{k: v for k, v in r.items()} for r in rows],
+        "programs": rows,
+        "over_hbm": rows_failed,
     }  # fmt: skip
-    for r in report["programs"]:
-        r["analysis"] = {k: v for k, v in r["analysis"].items() if k != "collective_list"}
     print(f"{plan.topology} ({chips} chips, {plan.chip.name}: {plan.chip.hbm_bytes / GiB:.0f} "
           f"GiB HBM, {plan.chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16) | {plan.recipe} | "
           f"{report['model']} | mesh {report['mesh']} | sampler mesh "
           f"{report['sampler_mesh']}", file=out)  # fmt: skip
     for r in rows:
         f = r["facts"]
-        print(f"  {r['program']}: " + ", ".join(f"{k}={v}" for k, v in f.items()
-                                                 if k not in ("model_flops",)), file=out)
+        print(
+            f"  {r['program']}: "
+            + ", ".join(f"{k}={v}" for k, v in f.items() if k not in ("model_flops",)),
+            file=out,
+        )
     print(table(rows), file=out)
+    for r in rows_failed:
+        print(f"{r['program']}: does NOT fit: XLA refused it ({r['error']})", file=out)
     print(f"whole weight stacks all-gathered at once: {len(stack)}"
           + ("" if not stack else f" (largest {max(c['bytes'] for c in stack) / GiB:.2f} GiB)"),
           file=out)  # fmt: skip
     return report
+
+
+def first_line(e: BaseException) -> str:
+    return " ".join(str(e).strip().splitlines()[0].split()) if str(e).strip() else type(e).__name__
+
+
+def over_hbm(e: BaseException) -> int | None:
+    """The bytes XLA's TPU compiler said a program needs when it refused it for not
+    fitting the chip's HBM ("Ran out of memory on HBM ... required ... (47.58G)"); None
+    for any other error."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+        return None
+    m = re.search(r"\(([\d.]+)([KMGT])\)", text)
+    if not m:
+        return -1
+    return int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
 
 
 def _largest_layer_weight(plan: Plan) -> int:
@@ -779,10 +842,9 @@ def jnp_name(dt) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ac2_jax.config import ConfigError
-
     import logging
 
+    from ac2_jax.config import ConfigError
     from ac2_jax.extras import MissingExtraError
 
     argv = sys.argv[1:] if argv is None else argv

@@ -29,9 +29,10 @@ def devices():
 
 
 def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(capsys):
-    """One RL step (PPO, chunked log-probs, scan + remat) on an fsdp=4 mesh and one
-    decode chunk of the sampler, compiled for 4 v5e chips: the table's rows, their
-    memory within the chip's HBM, and the FSDP all-gathers inside the layer scan."""
+    """One RL step (PPO, chunked log-probs, scan + remat, the Pallas attention kernel)
+    on an fsdp=4 mesh and one decode chunk of the sampler, compiled for 4 v5e chips:
+    the table's rows, their memory within the chip's HBM, and the FSDP all-gathers
+    inside the layer scan."""
     plan = aot.build_plan([
         f"--topology={TOPOLOGY}", "--model=tiny", "--recipe=rl", "--seq-len=128", "--batch=4",
         "--programs=train,decode", "--sampler-batch=4", "--sampler-len=128",
@@ -49,6 +50,8 @@ def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(capsys):
     gathers = train["analysis"]["collectives"]["all-gather"]
     assert gathers["runs"] > gathers["count"]
     assert report["whole_stack_all_gathers"] == []
+    # attention "auto" under the TPU mesh is the Pallas kernel (forward, dq, dk/dv)
+    assert train["analysis"]["tpu_kernels"] >= 3 and rows["decode"]["analysis"]["tpu_kernels"] >= 1
     assert rows["decode"]["facts"]["steps"] == 8
     assert 0 < train["roofline"]["mfu"] <= 1
     assert "train" in out and "decode" in out and "MFU" in out
