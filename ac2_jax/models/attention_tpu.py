@@ -14,8 +14,9 @@ to the q block), so each k/v block is read once per kv head and the dk / dv
 of a group need no reduction. Per query row the kernel reads q_index /
 q_segment as [rows, 1] columns, per key kv_index / kv_segment / kv_end as
 [1, Lk] rows, and the log-sum-exp goes out as a [rows, 1] column (splash
-broadcasts these over 128 lanes / 8 sublanes instead, 128x the HBM; both
-lower for v5e, neither is measured on a chip here). The tile table
+broadcasts them over 128 lanes / 8 sublanes; XLA's TPU layout pads a minor
+dimension of 1 to the 128 lanes anyway, so the HBM is the same: a q-side
+array costs rows x 512 bytes). The tile table
 `AttentionMask.tiles` (a superset of the tiles holding a visible pair) is
 scalar-prefetched: a fully masked tile is neither computed nor fetched (its
 k / v block index repeats the last visible one, so the pipeline issues no
@@ -338,6 +339,21 @@ def _specs(bq, bk, hd, nq, nk, kv_major: bool):
     )
 
 
+def _cost(q, k, matmuls: int):
+    """XLA's cost estimate of a kernel doing `matmuls` [rows, Lk] x hd matmuls per kv
+    head: an upper bound (every tile; the kernel skips the fully masked ones)."""
+    from jax.experimental import pallas as pl  # lazy: it probes for libtpu
+
+    B, K, R, hd = q.shape
+    pairs = B * K * R * k.shape[2]
+    size = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+    return pl.CostEstimate(
+        flops=int(2 * matmuls * pairs * hd),
+        transcendentals=int(pairs),
+        bytes_accessed=int(2 * size(q) + 2 * size(k)),
+    )
+
+
 def _params():
     from jax.experimental.pallas import tpu as pltpu
 
@@ -372,6 +388,7 @@ def _forward(bq, bk, interpret, q, k, v, tiles, kmap, qmap, *ids):
         ],
         compiler_params=_params(),
         interpret=interpret,
+        cost_estimate=_cost(q, k, 2),  # s, p v
         name="ac2_pallas_tpu_attention_fwd",
     )(tiles, kmap, qmap, q, k, v, *ids)
     return out, lse[..., 0]
@@ -413,6 +430,7 @@ def _flash_bwd(bq, bk, interpret, res, dout):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(),
         interpret=interpret,
+        cost_estimate=_cost(q, k, 3),  # s, dp, dq
         name="ac2_pallas_tpu_attention_dq",
     )(*args)
 
@@ -429,6 +447,7 @@ def _flash_bwd(bq, bk, interpret, res, dout):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(),
         interpret=interpret,
+        cost_estimate=_cost(q, k, 4),  # s, dv, dp, dk
         name="ac2_pallas_tpu_attention_dkv",
     )(*args)
     return (dq, dk, dv) + (None,) * (3 + len(ids))
