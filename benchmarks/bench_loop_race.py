@@ -83,7 +83,7 @@ def allowed_tokens(tokenizer) -> list[int]:
     return out
 
 
-def write_checkpoint(path: str, size: str, seed: int = 0) -> dict:
+def write_checkpoint(path: str, size: str, seed: int = 0, vocab: int = TOKENIZER_VOCAB) -> dict:
     """A Qwen3-shaped random checkpoint + the tiny ChatML tokenizer as an HF directory.
 
     Weights: this library's random init (seed), untied embeddings, then input
@@ -103,7 +103,7 @@ def write_checkpoint(path: str, size: str, seed: int = 0) -> dict:
     from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 
     tok_dir = os.path.join(path, "_tok")
-    build_tiny_tokenizer(tok_dir, vocab_size=TOKENIZER_VOCAB)
+    build_tiny_tokenizer(tok_dir, vocab_size=vocab)
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(tok_dir)
@@ -134,12 +134,14 @@ def make_tasks(n: int, seed: int = 0) -> list[dict]:
              "expression": t.metadata["expression"]} for t in env.sample_tasks(n, seed)]
 
 
-def system_prompt(context: int = 0) -> str:
-    """The task's system prompt; `context` > 0 pads it to about that many tokens
-    (the context-growth curve: a long fixed preamble, as a real agent's)."""
+def system_prompt(context: int = 0, phrases: int | None = None) -> str:
+    """The task's system prompt; with `phrases`, padded by that many short notes (the
+    context-growth curve: a long fixed preamble, as a real agent's; `make_spec` picks
+    the count that brings the prompt to about `context` tokens)."""
     if not context:
         return SYSTEM_PROMPT
-    filler = " ".join(f"rule{i % 97} holds." for i in range(context))
+    n = context if phrases is None else phrases
+    filler = " ".join(f"rule{i % 97} holds." for i in range(n))
     return SYSTEM_PROMPT + " Reference notes: " + filler
 
 
@@ -219,18 +221,22 @@ def run_ac2(spec: dict) -> dict:
                              "clip_norm": CLIP}},
         "rollout": {"max_tokens": spec["max_tokens"], "max_steps": spec["turns"],
                     "temperature": 1.0},
-        "sampler": {"max_context": spec["max_context"]},
+        "sampler": {"max_context": spec["max_context"],
+                    "warmup": spec.get("sampler_warmup", True)},
         "log": {"progress": False, "report_files": False, "tensorboard": False},
     })
     t0 = time.perf_counter()
     asyncio.run(recipes.arl(spec["checkpoint"], _race_env(spec), cfg))
     total = time.perf_counter() - t0
-    steps = []
+    steps, last = [], None
     with open(os.path.join(cfg.paths.resolved().metrics, "metrics.jsonl")) as f:
         for line in f:
             m = json.loads(line)
             if "train/time_step_s" not in m:
                 continue
+            # Wall between two steps' records: the step plus its checkpoint write.
+            between = m["time"] - last if last is not None else None
+            last = m["time"]
             g = lambda k, m=m: m.get(f"train/{k}", 0.0)  # noqa: E731
             trained = sum(v for k, v in m.items() if k.startswith("train/trained_tokens/"))
             steps.append({
@@ -241,7 +247,7 @@ def run_ac2(spec: dict) -> dict:
                 "prefill_tokens": g("sampler/prefill_tokens"),
                 "cached_tokens": g("sampler/cached_tokens"),
                 "decode_s": g("sampler/decode_s"), "prefill_s": g("sampler/prefill_s"),
-                "trained_tokens": trained})
+                "trained_tokens": trained, "between_steps_s": between})
     return {"system": "ac2_jax", "steps": steps, "total_s": total, "peak_rss_mb": peak_rss_mb(),
             "notes": "scoring (the verifier) runs inside each attempt, in rollout_s; "
                      "checkpoint writes (every step) are outside the timed phases"}
@@ -281,8 +287,15 @@ def make_spec(ckpt: str, *, tasks_per_step: int, attempts: int, turns: int, max_
     spec = {"checkpoint": ckpt, "seed": seed, "warmup": warmup, "steps": steps,
             "tasks_per_step": tasks_per_step, "attempts": attempts, "turns": turns,
             "max_tokens": max_tokens, "system_prompt": system_prompt(context),
-            "tasks": make_tasks(max(tasks_per_step, 1), seed), "tool": TOOL,
+            "tasks": make_tasks(max(tasks_per_step, 16), seed), "tool": TOOL,
             "lr": LR, "b1": B1, "b2": B2, "clip": CLIP, "context": context}
+    if context:  # pad the prompt to about `context` tokens
+        probe = 256
+        base = attempt_tokens(ckpt, dict(spec, system_prompt=system_prompt(context, 0)))
+        more = attempt_tokens(ckpt, dict(spec, system_prompt=system_prompt(context, probe)))
+        per = (more["prompt"] - base["prompt"]) / probe
+        n = max(0, int((context - base["prompt"]) / per))
+        spec["system_prompt"] = system_prompt(context, n)
     shape = attempt_tokens(ckpt, spec)
     seq = 64 * -(-shape["seq"] // 64)
     spec.update(prompt_tokens=shape["prompt"], suffix_tokens=shape["suffix"],
@@ -305,9 +318,9 @@ def run_system(system: str, spec: dict, work: str, python: str | None) -> dict:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if system not in ("ac2", "ac2_many"):
         env.pop("XLA_FLAGS", None)  # this repo's flags are for its own jax
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
     if proc.returncode != 0 or not os.path.exists(out_path):
         tail = (proc.stderr or proc.stdout)[-1500:]
         return {"system": system, "error": f"exit {proc.returncode}: {tail}", "process_s": wall}
@@ -316,6 +329,7 @@ def run_system(system: str, spec: dict, work: str, python: str | None) -> dict:
     if isinstance(out, list):
         return out
     out["process_s"] = wall
+    out["load_avg"] = [load0, load1]  # the machine's 1-min load before / after (shared box)
     return out
 
 
@@ -331,6 +345,7 @@ def summarize(result: dict, warmup: int) -> dict:
     mean["trained_per_s"] = mean["trained_tokens"] / mean["step_s"]
     mean["peak_rss_mb"] = result.get("peak_rss_mb")
     mean["startup_s"] = result.get("process_s", 0.0) - sum(s["step_s"] for s in steps)
+    mean["load_avg"] = result.get("load_avg")
     return mean
 
 
@@ -411,7 +426,7 @@ def step_bound(size: str, vocab: int, spec: dict, ceil: dict) -> dict:
 
 # ----------------------------------------------------------------------------- growth
 GROWTH = {  # curve: (axis values, spec overrides per value)
-    "attempts": [1, 2, 4, 8, 16, 32],
+    "attempts": [1, 4, 16, 32],
     "turns": [1, 2, 4, 8, 16],
     "context": [512, 2048, 8192],
 }
@@ -423,15 +438,21 @@ def growth_specs(ckpt: str, base: dict, quick: bool) -> list[tuple[str, int, dic
     out = []
     for axis, values in axes.items():
         for v in values:
-            kw = dict(tasks_per_step=1, attempts=4, turns=2, max_tokens=base["max_tokens"],
-                      warmup=1, steps=base["growth_steps"])
+            # The race's own setting (tasks_per_step, attempts, turns) is one point of the
+            # attempts and turns curves: the peers' race points sit on them.
+            kw = dict(tasks_per_step=base["tasks_per_step"], attempts=base["attempts"],
+                      turns=base["turns"], max_tokens=base["max_tokens"], warmup=1,
+                      steps=base["growth_steps"])
             if axis == "attempts":
                 kw["attempts"] = v
             elif axis == "turns":
                 kw["turns"] = v
             else:
-                kw.update(attempts=2, turns=1, context=v)
-            out.append((axis, v, make_spec(ckpt, **kw)))
+                kw.update(tasks_per_step=1, attempts=2, turns=1, context=v)
+            spec = make_spec(ckpt, **kw)
+            # Shapes compile in each point's warm-up step (excluded), not all ahead.
+            spec["sampler_warmup"] = False
+            out.append((axis, v, spec))
     return out
 
 
@@ -464,7 +485,7 @@ def plot_growth(points: list[dict], peers: list[dict], path: str) -> str | None:
 # ----------------------------------------------------------------------------- main
 COLS = ["size", "system", "turns", "step_s", "rollout_s", "scoring_s", "update_s", "handoff_s",
         "sampled_tokens", "trained_tokens", "sampled_per_s", "trained_per_s", "peak_rss_mb",
-        "warmup_s", "equal_work", "speedup_vs", "bound_s", "frac_of_bound"]
+        "warmup_s", "startup_s", "equal_work", "speedup_vs", "bound_s", "frac_of_bound"]
 
 
 def parse_peers(text: str) -> dict[str, str]:
@@ -493,6 +514,7 @@ def main(argv=None) -> dict:
     p.add_argument("--growth_steps", type=int, default=1)
     p.add_argument("--growth_size", default="small")
     p.add_argument("--no_growth", action="store_true")
+    p.add_argument("--no_race", action="store_true", help="the growth curves only")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="equal work: largest relative difference in tokens per step")
     p.add_argument("--quick", action="store_true",
@@ -508,7 +530,7 @@ def main(argv=None) -> dict:
     os.makedirs(work, exist_ok=True)
     t_start = time.perf_counter()
     rows, raw, ckpts = [], {}, {}
-    for size in args.sizes.split(","):
+    for size in [] if args.no_race else args.sizes.split(","):
         if size not in SIZES:
             raise SystemExit(f"unknown size {size!r}; choose from {sorted(SIZES)}")
         ckpts[size] = write_checkpoint(os.path.join(work, f"ckpt-{size}"), size)
@@ -536,7 +558,9 @@ def main(argv=None) -> dict:
     growth = []
     if not args.no_growth:
         gspecs = growth_specs(make_checkpoint_once(ckpts, args.growth_size, work)["path"],
-                              {"max_tokens": args.max_tokens, "growth_steps": args.growth_steps},
+                              {"max_tokens": args.max_tokens, "growth_steps": args.growth_steps,
+                               "tasks_per_step": args.tasks_per_step, "attempts": args.attempts,
+                               "turns": args.turns},
                               args.quick)
         res = run_system("ac2_many", [s for _, _, s in gspecs], work, None)
         if isinstance(res, dict) and "error" in res:
@@ -565,9 +589,13 @@ def main(argv=None) -> dict:
     for r in rows:
         if "error" in r or r["system"] == "ac2" or r["size"] != args.growth_size:
             continue
-        if r["spec"]["tasks_per_step"] == 1:
+        # The race's setting is the attempts curve's point at --attempts (turns = --turns)
+        # and the turns curve's point at its turns.
+        if r["turns"] == args.turns:
             peer_points.append({"system": r["system"], "axis": "attempts",
                                 "value": r["spec"]["attempts"], "step_s": r["step_s"]})
+        peer_points.append({"system": r["system"], "axis": "turns", "value": r["turns"],
+                            "step_s": r["step_s"]})
     print_rows(rows)
     if growth:
         from benchmarks.common import print_table
