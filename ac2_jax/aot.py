@@ -28,11 +28,13 @@ arguments donated into outputs are counted once) against the chip's HBM, the
 cost analysis' FLOPs and bytes, and the collectives of the optimized HLO (kind,
 count, bytes; a collective inside a while loop counts trip-count times). XLA's
 cost analysis counts a while-loop body ONCE (the layer scan's body is one layer),
-so the roofline uses FLOPs from the model's shape instead (`model_flops`: 6 N T
+so the roofline takes FLOPs from the model's shape instead (`model_flops`: 6 N T
 for full training, 4 N T with frozen weights (LoRA: no weight gradients), plus
-causal attention) and HBM bytes from the loop-corrected HLO count of the
-collectives plus the state's bytes; step time = max(compute, HBM, ICI) (perfect
-overlap: a lower bound) and MFU = model FLOPs / (step time x peak).
+causal attention; the executed FLOPs add remat's second forward). Per chip:
+compute = executed FLOPs / bf16 peak, HBM = (argument + output + 2 x temporary
+bytes) / HBM bandwidth, ICI = the loop-counted collective bytes / ICI bandwidth.
+The step time is their maximum (perfect overlap) and MFU = model FLOPs / (step
+time x peak): an upper bound; "serial" sums the three (no overlap), a lower one.
 
 Chip figures (`CHIPS`), per chip, from Google Cloud's TPU pages
 (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, "System architecture" tables):
@@ -316,15 +318,22 @@ def param_count(params) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def model_flops(config, tokens: int, seq_len: int, trainable_all: bool, active: int) -> float:
+def model_flops(
+    config, tokens: int, seq_len: int, trainable_all: bool, active: int, executed: bool = False
+) -> float:
     """Matmul FLOPs of one train step over `tokens` tokens in rows of `seq_len`: 2 N T
     forward, 2 N T for the activations' gradients and, when every weight trains,
     2 N T for the weights' (N = the params a token passes through: an MoE's top-k
     experts only); plus causal attention, 4 T S/2 H hd per layer forward and twice
-    that backward. Remat's recomputation is not counted (MFU's convention)."""
+    that backward. Remat's recomputation is not counted (MFU's convention) unless
+    `executed`: remat "full" / "save_dots" then adds one more forward of the layers
+    (the chip executes it; "save_dots" recomputes attention only, counted as full)."""
     attn = 4 * tokens * (seq_len / 2) * config.num_heads * config.head_dim * config.num_layers
     per = 6 if trainable_all else 4
-    return per * active * tokens + 3 * attn
+    flops = per * active * tokens + 3 * attn
+    if executed and config.remat != "none":
+        flops += 2 * active * tokens + attn
+    return flops
 
 
 def active_params(config, total: int) -> int:
@@ -462,6 +471,8 @@ def compile_train(plan: Plan) -> tuple[Any, dict[str, Any]]:
         "active_params": active_params(plan.model, total),
         "model_flops": model_flops(plan.model, R * L, L, plan.model.lora is None,
                                    active_params(plan.model, total)),
+        "executed_flops": model_flops(plan.model, R * L, L, plan.model.lora is None,
+                                      active_params(plan.model, total), executed=True),
         "loss": type(loss).__name__, "chunk_size": str(getattr(loss, "chunk_size", None)),
         "grad_accum": grad_accum,
     }  # fmt: skip
@@ -576,14 +587,19 @@ def roofline(name: str, analysis: dict[str, Any], facts: dict[str, Any], chip: C
     if flops is None:  # sampler programs: 2 N per token
         flops = 2.0 * facts.get("active_params", 0) * facts.get("tokens", 0)
     flops_chip = flops / chips
+    executed = facts.get("executed_flops", flops) / chips
     # HBM traffic: every argument read once and every output written once, the
     # temporaries written and read once; a lower bound.
     hbm = mem["argument"] + mem["output"] + 2 * mem["temp"]
-    t = {"compute_s": flops_chip / chip.peak_bf16_flops, "hbm_s": hbm / chip.hbm_bytes_per_s,
+    t = {"compute_s": executed / chip.peak_bf16_flops, "hbm_s": hbm / chip.hbm_bytes_per_s,
          "ici_s": coll / chip.ici_bytes_per_s}  # fmt: skip
-    step = max(t.values())
-    return {**t, "step_s": step, "bound": max(t, key=lambda k: t[k]).removesuffix("_s"),
-            "mfu": flops_chip / (step * chip.peak_bf16_flops) if step else 0.0,
+    # Overlapped: the largest term (an upper bound on MFU); serial: their sum.
+    step, serial = max(t.values()), sum(t.values())
+    peak = chip.peak_bf16_flops
+    return {**t, "step_s": step, "serial_step_s": serial,
+            "bound": max(t, key=lambda k: t[k]).removesuffix("_s"),
+            "mfu": flops_chip / (step * peak) if step else 0.0,
+            "mfu_serial": flops_chip / (serial * peak) if serial else 0.0,
             "collective_bytes": coll}  # fmt: skip
 
 
@@ -603,7 +619,7 @@ def _gb(n: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["program", "arg GiB", "out GiB", "temp GiB", "peak GiB", "HBM GiB", "fits",
-            "collectives (kind: runs, GiB)", "step ms", "bound", "MFU"]  # fmt: skip
+            "collectives (kind: runs, GiB)", "step ms", "bound", "MFU (serial)"]  # fmt: skip
     lines = [head]
     for r in rows:
         a, rf = r["analysis"], r["roofline"]
@@ -613,7 +629,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append([r["program"], _gb(m["argument"]), _gb(m["output"]), _gb(m["temp"]),
                       _gb(m["peak"]), _gb(a["hbm_bytes"]), "yes" if a["fits"] else "NO", coll,
                       f"{rf['step_s'] * 1e3:.1f}", rf["bound"],
-                      f"{rf['mfu'] * 100:.1f}%" if r["program"] == "train" else "-"])  # fmt: skip
+                      f"{rf['mfu'] * 100:.1f}% ({rf['mfu_serial'] * 100:.1f}%)"
+                      if r["program"] == "train" else "-"])  # fmt: skip
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
                      for row in lines)  # fmt: skip
@@ -675,6 +692,11 @@ def build_plan(argv: Sequence[str]) -> Plan:
     config = load_config(cls, None, [*pre, *overrides])
     chip = chip_of(flags["topology"])
     devices = topology_devices(flags["topology"])
+    if chip.name == "v4" and getattr(devices[0], "num_cores", 2) == 1:
+        # libtpu lists a v4 topology's TensorCores (two a chip) as its devices: the
+        # figures are then per core, half a chip's.
+        chip = Chip("v4 core", chip.hbm_bytes // 2, chip.peak_bf16_flops / 2,
+                    chip.hbm_bytes_per_s / 2, chip.ici_bytes_per_s / 2)  # fmt: skip
     model = model_config(flags["model"], flags, config.lora)
     programs = tuple(p for p in flags["programs"].split(",") if p)
     bad = sorted(set(programs) - set(PROGRAMS))
@@ -784,7 +806,7 @@ def run(plan: Plan, out=None) -> dict[str, Any]:
         f = r["facts"]
         print(
             f"  {r['program']}: "
-            + ", ".join(f"{k}={v}" for k, v in f.items() if k not in ("model_flops",)),
+            + ", ".join(f"{k}={v}" for k, v in f.items() if not k.endswith("_flops")),
             file=out,
         )
     print(table(rows), file=out)
