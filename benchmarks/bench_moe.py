@@ -43,8 +43,12 @@ from benchmarks.common import machine, parser, print_table, time_fn, write_json 
 CASES = ("dense", "moe_ragged", "moe_capacity", "moe_all_experts", "replay")
 
 
-def all_experts(x, ids, weights, real, wg, wu, wd, capacity_factor=None):
-    """The dense reference of `models.moe.experts_apply`: every expert on every token."""
+def all_experts(x, ids, weights, real, wg, wu, wd, capacity_factor=None, grouped="ragged_dot"):
+    """The dense reference of `models.moe.experts_apply`: every expert on every token.
+
+    Same signature; `capacity_factor` and `grouped` (the dropless path's grouped GEMM)
+    choose how the sparse path computes, and this reference has no sparse path."""
+    del capacity_factor, grouped
     E = wg.shape[0]
     gates = jnp.zeros((x.shape[0], E), x.dtype)
     gates = gates.at[jnp.arange(x.shape[0])[:, None], ids].add(weights.astype(x.dtype))

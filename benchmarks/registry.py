@@ -1,9 +1,10 @@
 """The kept benchmarks, by name: what `python -m benchmarks NAME [args]` runs.
 
-Each entry backs a figure that docs/results.md cites (the figure, its dated
-build-notes entry and the command are there). A benchmark is one module of this
-folder whose `main()` parses `sys.argv`; the entry point sets `sys.argv` to
-`[NAME, *args]` and calls it, so `python -m benchmarks NAME --help` shows its flags.
+A benchmark stays here while a current figure rests on it (docs/results.md quotes
+each figure with its dated build-notes entry and its command). A benchmark is one
+module of this folder whose `main()` parses `sys.argv`; the entry point sets
+`sys.argv` to `[NAME, *args]` and calls it, so `python -m benchmarks NAME --help`
+shows its flags.
 Benchmarks that answered a question now recorded, and left, are listed with the
 section that holds their figures in docs/notes/benchmarks-retired.md.
 
@@ -36,6 +37,7 @@ class Benchmark:
 # The listing's order of concerns.
 CONCERNS = (
     "gemm and the train step",
+    "the RL loop",
     "decode",
     "real size",
     "endpoint",
@@ -72,6 +74,18 @@ _KEPT = (
         "bench_step_ab",
         "gemm and the train step",
         "same-process A/B of the train step under two DecoderConfig runtime choices",
+    ),
+    (
+        "inflight_updates",
+        "bench_inflight_updates",
+        "the RL loop",
+        "async RL with mixed short and long attempts: in-flight weight updates vs drain",
+    ),
+    (
+        "loop_race",
+        "bench_loop_race",
+        "the RL loop",
+        "the whole RL loop (GRPO on a calculator tool loop) vs TRL and tunix, per-step split",
     ),
     (
         "sampler",
