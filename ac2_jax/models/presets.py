@@ -8,8 +8,8 @@ model's own config.json on the Hugging Face hub, written out here (nothing is
 downloaded). `shape_config` gives the config.json dict the families read
 (`models.family.config_from_hf`); `shape_kwargs` the class name and kwargs, so a
 caller with transformers installed builds the class itself
-(`getattr(transformers, cls)(**kwargs)`: benchmarks/family_memory.py writes random
-checkpoints that way, `python -m ac2_jax.aot` compiles them ahead of time).
+(`getattr(transformers, cls)(**kwargs)`, e.g. to write a random checkpoint);
+`python -m ac2_jax.aot` compiles them ahead of time.
 Weights never exist here: these are shapes for abstract models and random
 checkpoints.
 """
