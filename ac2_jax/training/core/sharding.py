@@ -116,15 +116,22 @@ def state_shardings(
     state, mesh: Mesh, rules: AxisRules | None = None, fallbacks: list[Fallback] | None = None
 ):
     """A TrainState (or its abstract shape) -> the same tree of NamedShardings
-    (params by `rules`, see `param_shardings`)."""
+    (params by `rules`, see `param_shardings`; the variables that do not train,
+    `rest`, e.g. a LoRA model's frozen base, by their names likewise, so each
+    device holds its share of them, not a copy)."""
     rep = NamedSharding(mesh, P())
     psh = param_shardings(state.params, mesh, rules, fallbacks)
+    rest = (
+        param_shardings(state.rest, mesh, rules, fallbacks)
+        if jax.tree.leaves(state.rest)
+        else jax.tree.map(lambda _: rep, state.rest)
+    )
     return state.replace(
         step=rep,
         params=psh,
         opt_state=follow_params(state.opt_state, state.params, psh, rep),
         rng=rep,
-        rest=jax.tree.map(lambda _: rep, state.rest),
+        rest=rest,
     )
 
 

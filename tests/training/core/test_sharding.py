@@ -101,3 +101,20 @@ def test_split_rows_refuses_a_batch_with_grammar_masks():
     masked = dataclasses.replace(batch, constraint_masks=np.ones((4, 1), np.uint32))
     with pytest.raises(ValueError, match="constraint_masks"):
         split_rows(masked, 2)
+
+
+def test_a_lora_models_frozen_base_is_sharded_by_its_names():
+    """The frozen base of a LoRA model (TrainState.rest) follows the logical axes like
+    the params: on an fsdp mesh each device holds its share of every base weight, not
+    a replicated copy (a Qwen3-8B base replicated on each v5e chip was 30.5 GiB of
+    16: BUILD_NOTES, issue 69)."""
+    from ac2_jax.models import Decoder, DecoderConfig
+    from ac2_jax.models.lora import LoRAConfig
+
+    config = DecoderConfig.tiny(vocab_size=64).replace(lora=LoRAConfig(rank=4))
+    _, state = create_train_state(Decoder(config, rngs=nnx.Rngs(0)), OptimizerConfig())
+    sh = state_shardings(state, make_mesh(fsdp=2))
+    rest = {k: v.get_value().spec for k, v in nnx.to_flat_state(sh.rest)}
+    assert rest[("layers", 0, "self_attn", "q_proj")] == P("fsdp", "tensor")  # (embed, heads)
+    assert rest[("layers", 1, "mlp", "down_proj")] == P("tensor", "fsdp")  # (mlp, embed)
+    assert rest[("embed_tokens",)] == P("tensor", "fsdp")  # (vocab, embed)
