@@ -48,7 +48,16 @@ __all__ = [
 SAMPLERS: Registry[type[SamplerKind]] = Registry("sampler")
 
 # The fields only some kinds read (the others: kind, max_context, model_name).
-KIND_FIELDS = ("warmup", "fixed_shapes", "url", "backends", "export_dir", "timeout_s", "options")
+KIND_FIELDS = (
+    "warmup",
+    "fixed_shapes",
+    "url",
+    "backends",
+    "export_dir",
+    "timeout_s",
+    "options",
+    "weight_swap",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,9 @@ class SamplerConfig:
     export_dir (sglang, fleet): where each publish is exported as HF safetensors
       for the server(s) to load (None: `exports` beside the publish folder).
     timeout_s (sglang, fleet): the HTTP timeout of each request.
+    weight_swap (jax): "drain" (default: new weights wait for the running rows)
+      or "in_flight" (swapped between decode chunks; each token records its
+      version: `JaxSampler(weight_swap=)`).
     options: a registered kind's own settings (the built-in kinds read none).
     """
 
@@ -78,6 +90,7 @@ class SamplerConfig:
     export_dir: str | None = None
     timeout_s: float = 600.0
     options: dict[str, Any] | None = None
+    weight_swap: str = "drain"
 
     def __post_init__(self):
         if isinstance(self.backends, (list, str)):  # a list from Python, "a,b" from a flag
@@ -157,7 +170,14 @@ def _no_lora(kind: str, model: Any) -> None:
 class JaxKind(SamplerKind):
     """The embedded `JaxSampler` (see `SamplerConfig.warmup`, `fixed_shapes`)."""
 
-    reads = ("warmup", "fixed_shapes")
+    reads = ("warmup", "fixed_shapes", "weight_swap")
+
+    def check(self, config):
+        swaps = ("drain", "in_flight")  # jax_sampler.WEIGHT_SWAPS (not imported: no jax here)
+        if config.weight_swap not in swaps:
+            raise ValueError(
+                f"sampler.weight_swap must be one of {swaps}, got {config.weight_swap!r}"
+            )
 
     def build(self, config, setup):
         from ac2_jax.sampling.jax_sampler import JaxSampler
@@ -166,7 +186,8 @@ class JaxKind(SamplerKind):
         sampler = JaxSampler(
             setup.model, publish_dir=setup.publish_dir, max_context=setup.max_context,
             max_batch=setup.max_batch, eos_token_ids=list(setup.eos_token_ids),
-            tokenizer=setup.tokenizer, seed=setup.seed, fixed_shapes=config.fixed_shapes, **extra,
+            tokenizer=setup.tokenizer, seed=setup.seed, fixed_shapes=config.fixed_shapes,
+            weight_swap=config.weight_swap, **extra,
         )  # fmt: skip
         if config.warmup or config.fixed_shapes:
             sampler.warmup()

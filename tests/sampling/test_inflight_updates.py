@@ -142,6 +142,17 @@ def test_the_rl_batch_carries_per_token_versions_and_logprobs(spanned, models):
         BatchConfig(stale_unit="token", stale="downweight")
 
 
-def test_weight_swap_is_checked_by_name(models):
+def test_weight_swap_is_a_config_choice_checked_by_name(models):
+    from ac2_jax.sampling import SamplerConfig, SamplerSetup, build_sampler
+    from ac2_jax.sampling.sglang import SGLangSampler
+
     with pytest.raises(ValueError, match="weight_swap must be one of"):
         JaxSampler(models[0], max_context=CTX, weight_swap="inflight")
+    with pytest.raises(ValueError, match="sampler.weight_swap must be one of"):
+        SamplerConfig(weight_swap="inflight")
+    with pytest.raises(ValueError, match="weight_swap='in_flight' is not offered"):
+        SGLangSampler("http://127.0.0.1:9", max_context=CTX, weight_swap="in_flight")
+    cfg = SamplerConfig(weight_swap="in_flight", warmup=False)
+    s = build_sampler(cfg, SamplerSetup(model=_model(0), tokenizer=None, max_context=CTX))
+    with s:
+        assert s.weight_swap == "in_flight"
