@@ -104,6 +104,17 @@ def _lifecycle(cfg):
     return LifecycleClient(FLAGS.endpoint or cfg.split.endpoint, key)
 
 
+def alarms_config(cfg):
+    """The processes' `AlarmsConfig` from the config's `alarms` section (defaults: on)."""
+    from ac2_jax.training.rl.alarms import AlarmConfig, AlarmsConfig
+    a = cfg.get("alarms")
+    if a is None:
+        return AlarmsConfig()
+    return AlarmsConfig(enabled=a.enabled,
+                        hang=AlarmConfig(threshold=a.hang_s, action=a.hang_action),
+                        drift=AlarmConfig(threshold=a.drift, action=a.drift_action))
+
+
 def _lead(rl) -> int:
     """Steps the collector may run ahead: the in-process loop's overlap."""
     return rl.batch.max_staleness if rl.mode == "async" else 0
@@ -128,7 +139,8 @@ async def collect(cfg, log=print) -> list[int]:
             concurrency=rl.concurrency, infra_retries=ro.infra_retries)
         return await run_collector(collector, lifecycle, StepMarkers.of(store), steps=rl.steps,
                                    max_staleness=_lead(rl), poll_s=cfg.split.poll_s,
-                                   timeout_s=cfg.split.wait_timeout_s, log=log)
+                                   timeout_s=cfg.split.wait_timeout_s, log=log,
+                                   alarms=alarms_config(cfg))
     finally:
         await lifecycle.aclose()
 
@@ -179,7 +191,7 @@ async def learn(cfg, log=print) -> list[dict]:
 
     trainer = RLTrainer(model, collector, rl, paths["rl"], mesh=mesh,
                         on_progress=tell_endpoint(lifecycle) if jax.process_index() == 0
-                        else silent)
+                        else silent, alarms=alarms_config(cfg))
     try:
         return await run_learner(trainer, lifecycle, poll_s=cfg.split.poll_s,
                                  timeout_s=cfg.split.wait_timeout_s, log=log)

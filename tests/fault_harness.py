@@ -91,7 +91,8 @@ class FaultJob:
     """The split job under faults (module docstring). `run(faults)` then `check()`."""
 
     def __init__(self, workdir: str, *, steps: int = 3, seed: int = 0,
-                 backend_timeout_s: float = 3.0, deadline_s: float = 600.0, log=print):
+                 backend_timeout_s: float = 3.0, deadline_s: float = 600.0, log=print,
+                 flags: tuple[str, ...] = ()):
         self.w, self.steps, self.seed = os.path.abspath(workdir), steps, seed
         self.rng = random.Random(seed ^ 0x5EED)
         self.deadline = time.monotonic() + deadline_s
@@ -120,7 +121,7 @@ class FaultJob:
         role = [py, WORKER, f"--config={CONFIG}", f"--config.workdir={self.w}",
                 "--config.env.kind=alternating", f"--config.rl.steps={steps}",
                 "--config.split.wait_timeout_s=300", f"--admin_key={ADMIN}",
-                f"--endpoint={self.url}"]
+                f"--endpoint={self.url}", *flags]  # flags: e.g. --config.alarms.hang_s=20
         self.collector = Role("collector", role + ["--role=collect"], self.logs)
         self.learner = Role("learner", role + ["--role=learn"], self.logs)
         self.served: list[dict[str, Any]] = []  # polls: served version, finalized steps then
@@ -351,13 +352,15 @@ class FaultJob:
 
 def run_seed(workdir: str, seed: int, *, steps: int = 3, faults: int | None = None,
              mean_gap_s: float = 4.0, scripted: bool = False, collector_first: bool = False,
-             log=print) -> dict[str, Any]:
-    """One job under `plan(seed, faults)` (after `endpoint_forgets` when scripted);
-    returns `check`'s report."""
-    job = FaultJob(workdir, steps=steps, seed=seed, log=log)
+             log=print, flags: tuple[str, ...] = (), extra: tuple[Fault, ...] = (),
+             deadline_s: float = 600.0) -> dict[str, Any]:
+    """One job under `plan(seed, faults)` (after `endpoint_forgets` when scripted) and
+    then the `extra` faults; `flags` go to the learner and the collector. Returns
+    `check`'s report."""
+    job = FaultJob(workdir, steps=steps, seed=seed, log=log, flags=flags, deadline_s=deadline_s)
     try:
         job.run(plan(seed, len(KINDS) if faults is None else faults, mean_gap_s,
-                     collector_first=collector_first), scripted=scripted)
+                     collector_first=collector_first) + list(extra), scripted=scripted)
         final = job.final_state()
     finally:
         job.stop()

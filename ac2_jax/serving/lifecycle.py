@@ -90,6 +90,9 @@ def install_lifecycle_routes(m: APIMount) -> None:
             entry["learner_step"] = app.state.learner_step
         if principal.is_admin and stats is not None:  # operators watch these
             entry["sampler_stats"] = stats
+        served = getattr(sampler, "served_weights", None)
+        if principal.is_admin and callable(served):  # the weights alarm (training.rl.alarms)
+            entry["served_weights"] = served()
         adapters = [  # LoRA adapters on the same base, by "<model>@<adapter>"
             {**entry, "id": f"{model_name}@{a}", "parent": model_name, "adapter": a}
             for a in served_adapters(sampler)

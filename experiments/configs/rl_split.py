@@ -43,4 +43,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # how often they poll, how long they wait for each other (None: for good).
     c.split = ml_collections.ConfigDict(dict(endpoint="http://127.0.0.1:8000",
                                              poll_s=0.2, wait_timeout_s=3600.0))
+    # The correctness alarms of the learner and the collector (ac2_jax.training.rl.alarms,
+    # on by default): the hang watchdog's seconds and action (warn | stop | off), the drift
+    # alarm's threshold and action. enabled=False turns every alarm off.
+    c.alarms = ml_collections.ConfigDict(dict(enabled=True, hang_s=1800.0, hang_action="stop",
+                                              drift=0.1, drift_action="warn"))
     return apply(c)

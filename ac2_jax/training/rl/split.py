@@ -62,6 +62,8 @@ from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.orchestration.rollouts import LifecycleClient, LifecycleError
 from ac2_jax.trace.store import TraceStore
 from ac2_jax.trace.types import Trace
+from ac2_jax.training.core.watchdog import Watchdog
+from ac2_jax.training.rl.alarms import AlarmsConfig
 from ac2_jax.training.rl.collectors import EndpointCollector
 
 _MARKER = re.compile(r"^(\d+)\.json$")
@@ -232,6 +234,18 @@ async def _models(lifecycle: LifecycleClient) -> dict[str, Any] | None:
         raise
 
 
+async def endpoint_weights(lifecycle: LifecycleClient) -> dict[str, Any] | None:
+    """What the endpoint serves, for the weights alarm (`RLTrainer(served_weights=)`):
+    its sampler's `served_weights()` report from the admin's /v1/models entry, or
+    {"version": its policy_version, "checksum": None} when its sampler gives none
+    (the version is checked, the checksum counted unverified); None while the
+    endpoint is down."""
+    entry = await _models(lifecycle)
+    if entry is None:
+        return None
+    return entry.get("served_weights") or {"version": entry.get("policy_version"), "checksum": None}
+
+
 async def wait_for_endpoint(
     lifecycle: LifecycleClient, *, poll_s: float = 0.2, timeout_s: float | None = None
 ) -> dict[str, Any]:
@@ -288,9 +302,38 @@ async def run_collector(
     poll_s: float = 0.2,
     timeout_s: float | None = None,
     log: Callable[[str], Any] = logging.info,
+    alarms: AlarmsConfig | None = None,
 ) -> list[int]:
     """The collector process's loop: steps `markers.next_step()` .. steps - 1
-    (see the module docstring); returns the steps it collected."""
+    (see the module docstring); returns the steps it collected. `alarms` (default
+    on): its hang watchdog watches each step's collection (`alarms.hang`: the
+    stacks of every thread logged, then the process exits non-zero or warns)."""
+    alarms = alarms if alarms is not None else AlarmsConfig()
+    dog = (
+        Watchdog(alarms.hang.threshold, alarms.hang.action, where="collector")
+        if alarms.on("hang")
+        else None
+    )
+    try:
+        return await _collect_steps(
+            collector, lifecycle, markers, steps, max_staleness, poll_s, timeout_s, log, dog
+        )
+    finally:
+        if dog is not None:
+            dog.close()
+
+
+async def _collect_steps(
+    collector: EndpointCollector,
+    lifecycle: LifecycleClient,
+    markers: StepMarkers,
+    steps: int,
+    max_staleness: int,
+    poll_s: float,
+    timeout_s: float | None,
+    log: Callable[[str], Any],
+    dog: Watchdog | None,
+) -> list[int]:
     if max_staleness < 0:
         raise ValueError(f"run_collector: max_staleness must be >= 0, got {max_staleness}")
     await wait_for_endpoint(lifecycle, poll_s=poll_s, timeout_s=timeout_s)
@@ -305,7 +348,11 @@ async def run_collector(
         served = await wait_for_learner(
             lifecycle, s - max_staleness, poll_s=poll_s, timeout_s=timeout_s
         )
-        traces = await collector.collect(s)
+        if dog is None:
+            traces = await collector.collect(s)
+        else:
+            with dog.stage("collection"):
+                traces = await collector.collect(s)
         if mixer is not None:
             mixer.update(traces)
         versions = sorted(
@@ -416,6 +463,8 @@ async def run_learner(
             "serves its weights and the collector can pace itself"
         )
     await wait_for_endpoint(lifecycle, poll_s=poll_s, timeout_s=timeout_s)
+    if getattr(trainer, "served_weights", False) is None:  # the weights alarm's report
+        trainer.served_weights = lambda: endpoint_weights(lifecycle)
     if trainer.start_step == 0:
         await asyncio.to_thread(trainer.publish)
     log(f"learner: start_step={trainer.start_step} version={trainer.version}")

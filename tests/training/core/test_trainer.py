@@ -322,6 +322,9 @@ def _rl(workdir, steps):
     return trainer.trainer.host_state(), None
 
 
+# Its traces' log-probs are not these weights' (made up, or relabelled as sampled by
+# each step's policy): the drift alarm fires by design (issue 65).
+@pytest.mark.alarms_expected("drift")
 @pytest.mark.parametrize("drive", [_rl, _sft, _distill], ids=["rl", "sft", "distill"])
 def test_every_driver_resumes_exactly(tmp_path, drive):
     straight, straight_extra = drive(tmp_path / "straight", N)

@@ -620,6 +620,9 @@ def test_the_collector_stores_each_rollout_off_the_event_loop(served, tmp_path):
     assert store.threads and loop_thread not in store.threads
 
 
+# Its traces' log-probs are not these weights' (made up, or relabelled as sampled by
+# each step's policy): the drift alarm fires by design (issue 65).
+@pytest.mark.alarms_expected("drift")
 @pytest.mark.parametrize("seq_len,grad_accum,ahead", [(128, 1, False), (64, 4, True)])
 def test_six_rl_steps_of_varied_batches_compile_the_step_once(served, tmp_path, seq_len,
                                                                grad_accum, ahead, monkeypatch):
@@ -886,6 +889,9 @@ def _compacting_replay():
     return traces
 
 
+# Its traces' log-probs are not these weights' (made up, or relabelled as sampled by
+# each step's policy): the drift alarm fires by design (issue 65).
+@pytest.mark.alarms_expected("drift")
 def test_step_log_has_per_agent_metrics_and_main_only_trains_no_compactor_token(tmp_path):
     """train_agents=("main",): compactor tokens are generated (agent_tokens/compactor) but
     not trained (trained_tokens/compactor 0, counted as excluded); the step's compactions,
