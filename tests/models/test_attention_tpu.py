@@ -152,3 +152,13 @@ def test_moe_experts_through_gmm_equal_ragged_dot():
     assert int(dropped) == 0 and int(sizes[3]) == 0 and jnp.all(y[~real] == 0)
     for name, g, r in zip(("x", "wg", "wu", "wd"), got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-6, rtol=0, err_msg=f"d{name}")
+
+
+def test_a_tpu_train_step_is_traced_under_its_mesh():
+    """On TPU the train step traces under its mesh (`train_step._under_mesh`), so the
+    kernels above run in shard_map rather than XLA gathering their operands."""
+    from ac2_jax.training.core.train_step import _under_mesh
+
+    mesh, seen = make_mesh(data=2, tensor=2), []
+    _under_mesh(lambda: seen.append(jax.sharding.get_abstract_mesh()), mesh)()
+    assert seen == [mesh.abstract_mesh] and jax.sharding.get_abstract_mesh().empty

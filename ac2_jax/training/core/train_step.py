@@ -33,6 +33,7 @@ exceeds the device's memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
@@ -310,8 +311,11 @@ class TrainStep:
 
     def _build(self, state):
         out = (self._shardings(state), NamedSharding(self.mesh, P()))
+        update = self._update
+        if any(d.platform == "tpu" for d in self.devices):
+            update = _under_mesh(update, self.mesh)
         self._step = jax.jit(
-            self._update,
+            update,
             out_shardings=out,
             donate_argnums=(0,) if self.donate else (),
             compiler_options=self.compiler_options(),
@@ -483,3 +487,17 @@ def _hashable(value):
     if isinstance(value, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     return value
+
+
+def _under_mesh(fn, mesh: Mesh):
+    """`fn` traced with `mesh` as the abstract mesh, so the TPU kernels (attention
+    "pallas_tpu", the MoE experts' gmm) run in shard_map over its batch / head axes
+    instead of XLA gathering their operands to every device (a Pallas call has no
+    partitioning rule of its own)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
