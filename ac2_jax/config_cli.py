@@ -53,7 +53,10 @@ def to_dict(obj: Any) -> Any:
         out[f.name] = to_dict(value)
         registry = _registry(hints[f.name])
         if registry is not None and dataclasses.is_dataclass(value):
-            out[f.name] = {"kind": registry.name_of(value), **out[f.name]}
+            # The entry's name is the section's `kind` (an own `kind` field, as
+            # DistillLoss's, is in that name: `Registry.name_of`).
+            fields = {k: v for k, v in out[f.name].items() if k != "kind"}
+            out[f.name] = {"kind": registry.name_of(value), **fields}
     return out
 
 

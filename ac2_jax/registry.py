@@ -90,11 +90,17 @@ class Registry(Generic[T]):
         return self.get(name)
 
     def name_of(self, obj: object) -> str:
-        """The name `obj` (or its class) is registered under."""
+        """The name `obj` (or its class) is registered under. An object whose class is
+        registered under several names by a field (e.g. `DistillLoss(kind="jsd")` is the
+        entry "distill_jsd") names its entry itself: its `registered_name`, which must
+        be registered."""
         self._load()
         for name, entry in self._entries.items():
             if entry is obj or entry is type(obj):
                 return name
+        own = getattr(obj, "registered_name", None)
+        if isinstance(own, str) and own in self._entries:
+            return own
         raise ValueError(f"{obj!r} is not a registered {self.kind}")
 
     def names(self) -> tuple[str, ...]:

@@ -193,6 +193,12 @@ def test_distillation_losses_are_objectives():
     assert (rl.loss.kind, rl.loss.beta, rl.loss.top_k) == ("jsd", 0.3, 6)
     assert to_dict(rl)["loss"]["kind"] == "distill_jsd"  # the objective's name, read back
     assert from_config(RLConfig, {"loss": to_dict(rl)["loss"]}).loss == rl.loss
+    # DistillLoss itself (as Python builds it) is the same objective: it writes as its
+    # registered twin's kind (a config holding it used to fail to_dict: "not a registered
+    # objective", so the RL recipe could not write its config.json), and reads back so.
+    own = RLConfig(loss=DistillLoss(kind="jsd", beta=0.3, top_k=6))
+    assert to_dict(own)["loss"] == to_dict(rl)["loss"]
+    assert from_config(RLConfig, {"loss": to_dict(own)["loss"]}).loss == rl.loss
     # The same per-position values as DistillLoss(kind="jsd") (it is that class, kind fixed).
     rng = np.random.default_rng(0)
     batch = _distill_batch()

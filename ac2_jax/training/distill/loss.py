@@ -194,6 +194,12 @@ class DistillLoss(Objective):
     chunk_size: int | str | None = AUTO
     tis_cap: float | None = 2.0
 
+    @property
+    def registered_name(self) -> str:
+        """Its objective's name, "distill_<kind>" (`OBJECTIVES.name_of` reads it: a
+        config holding `DistillLoss(kind=k)` writes as the objective `distill_objective(k)`)."""
+        return f"distill_{self.kind}"
+
     def __post_init__(self):
         if self.kind not in DIVERGENCES:
             raise ValueError(
