@@ -94,6 +94,7 @@ def main(argv):
         sampler_config(
             FLAGS.sampler, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
             fixed_shapes=FLAGS.fixed_shapes, backends=FLAGS.backends,
+            backend_timeout_s=FLAGS.backend_timeout_s,
         )  # fmt: skip
     except ValueError as e:
         raise app.UsageError(str(e)) from None

@@ -102,9 +102,11 @@ def sampler_config(
     if "timeout_s" in reads:
         fields["timeout_s"] = backend_timeout_s
     given = {"url": sglang_url, "backends": tuple(backends), "export_dir": export_dir,
-             "fixed_shapes": fixed_shapes}  # fmt: skip
+             "fixed_shapes": fixed_shapes,
+             # its default is the flag's: only a value set away from it is the caller's
+             "timeout_s": backend_timeout_s != 600.0 and backend_timeout_s}  # fmt: skip
     flag = {"url": "--sglang_url", "backends": "--backends", "export_dir": "--export_dir",
-            "fixed_shapes": "--fixed_shapes"}  # fmt: skip
+            "fixed_shapes": "--fixed_shapes", "timeout_s": "--backend_timeout_s"}  # fmt: skip
     for name, value in given.items():
         if value:
             if name not in reads:

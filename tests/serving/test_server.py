@@ -64,6 +64,9 @@ def test_load_policy_rejects_bad_arguments(tmp_path):
         load_policy("tiny", sglang_url="http://127.0.0.1:1")
     with pytest.raises(ValueError, match="--fixed_shapes has no effect with --sampler=sglang"):
         load_policy("tiny", sampler="sglang", sglang_url="http://127.0.0.1:1", fixed_shapes=True)
+    # Nothing silent: the embedded sampler makes no HTTP requests to time out.
+    with pytest.raises(ValueError, match="--backend_timeout_s has no effect with --sampler=jax"):
+        load_policy("tiny", backend_timeout_s=3.0)
 
 
 @pytest.mark.full  # the server as a child process
