@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +271,14 @@ class RecomputeSampler:
     """The policy itself, with no KV cache: each token recomputes the whole sequence (one
     compiled [1, max_context] forward, padding as segment 0) and is drawn from
     log_softmax(sampling_logits(logits, T, top_k, top_p)), which it reports (the contract).
-    `load_weights` loads a published step into the model, as the JaxSampler does."""
+    `load_weights` loads a published step into the model, as the JaxSampler does.
+
+    Each request's key is the seed's, folded with the prompt and how many times that
+    prompt was asked before, not drawn from one chain in arrival order: the 8
+    concurrent rollouts arrive in an order the threads decide, and a chain made the
+    rewards of a group depend on it, so about one run in 64 had every group of one
+    reward (no advantage: the update skipped, no kl_to_sampler). Keyed so, a task's
+    attempts get the same completions however they interleave."""
 
     def __init__(self, model, max_context, eos_token_ids, seed, publish_dir):
         from ac2_jax.losses import sampling_logits
@@ -278,6 +286,7 @@ class RecomputeSampler:
         self.model, self.context, self.publish_dir = model, max_context, publish_dir
         self.eos = set(eos_token_ids)
         self.key = jax.random.key(seed)
+        self.asked: dict[tuple[int, ...], int] = {}  # prompt -> requests of it so far
         self.version, self.requests, self.loads = 0, 0, []
         graphdef = nnx.graphdef(model)
 
@@ -308,10 +317,14 @@ class RecomputeSampler:
         if params.constraint is not None or params.top_logprobs or params.adapter:
             raise ValueError("RecomputeSampler: no constraint, top_logprobs or adapter")
         self.requests += 1
+        prompt = tuple(int(t) for t in prompt_ids)
+        nth = self.asked[prompt] = self.asked.get(prompt, -1) + 1
+        request_key = jax.random.fold_in(
+            jax.random.fold_in(self.key, zlib.crc32(np.asarray(prompt, np.int64).tobytes())), nth)
         seq, ids, lps, reason = list(prompt_ids), [], [], "length"
         state = nnx.state(self.model)
         while len(ids) < params.max_tokens and len(seq) < self.context:
-            self.key, key = jax.random.split(self.key)
+            request_key, key = jax.random.split(request_key)
             tokens = jnp.asarray([seq + [0] * (self.context - len(seq))], jnp.int32)
             tok, lp = self.next_token(state, tokens, len(seq), key, params.temperature,
                                       params.top_k, params.top_p)

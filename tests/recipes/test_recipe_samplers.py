@@ -8,8 +8,11 @@ is sampled by the server(s), and the step's publish is exported as HF
 safetensors and hot-swapped into each of them (`/update_weights_from_disk`).
 """
 
+import dataclasses
 import os
+import zlib
 
+import numpy as np
 import pytest
 from sglang_fake import FakeSGLang
 
@@ -27,22 +30,50 @@ OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.
 CONTEXT = 1024  # the tiny preset's (SGLang's --context-length)
 
 
+class SeededSampler(JaxSampler):
+    """A JaxSampler that seeds each unseeded request by its prompt and how many times
+    that prompt was asked before (`asked`, shared by a fleet's servers), not by a draw
+    in arrival order: the 8 concurrent rollouts arrive in an order the threads decide,
+    and with draws a group's rewards depended on it, so about one run in 64 had every
+    group of one reward (no advantage: no update, no publish for the asserts below).
+    Seeded so, a task's attempts get the same completions however they interleave or
+    whichever backend serves them (the servers' weights are the same)."""
+
+    def __init__(self, *args, asked, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked = asked
+
+    async def generate(self, prompt_ids, params=None, *, on_tokens=None):
+        if params is not None and params.seed is None:
+            prompt = tuple(int(t) for t in prompt_ids)
+            nth = self.asked[prompt] = self.asked.get(prompt, -1) + 1
+            seed = zlib.crc32(np.asarray([*prompt, nth], np.int64).tobytes())
+            params = dataclasses.replace(params, seed=seed)
+        return await super().generate(prompt_ids, params, on_tokens=on_tokens)
+
+
 class Server(FakeSGLang):
-    """FakeSGLang whose sampler decodes as the recipe's embedded one would (8 rows)."""
+    """FakeSGLang whose sampler decodes as the recipe's embedded one would (8 rows),
+    seeded by prompt (`SeededSampler`)."""
+
+    def __init__(self, *args, asked, **kwargs):
+        self.asked = asked
+        super().__init__(*args, **kwargs)
 
     def _sampler(self, model):
-        return JaxSampler(model, max_context=self.context_len, tokenizer=self.tok, max_batch=8)
+        return SeededSampler(model, max_context=self.context_len, tokenizer=self.tok,
+                             max_batch=8, asked=self.asked)
 
 
 @pytest.fixture
 def servers(tmp_path):
     """start(n): n servers of the tiny preset's weights -> their URLs; all stopped after."""
-    running = []
+    running, asked = [], {}
 
     def start(n):
         for i in range(n):
             model, tok = load_model("tiny", str(tmp_path / f"server{i}"))
-            fake = Server(model, tok, context_len=CONTEXT)
+            fake = Server(model, tok, context_len=CONTEXT, asked=asked)
             url, stop = serve_in_thread(fake.app)
             running.append((fake, url, stop))
         return [url for _, url, _ in running]
