@@ -8,9 +8,12 @@ keeps `--concurrency` attempts in flight (every `--long_every`-th attempt asks
 for `--long` tokens, the others for `--short`; no stop token, so each samples
 exactly that many), and a learner that takes the first `--batch` finished
 attempts, runs one real gradient step on them (REINFORCE-style loss on the
-sampled tokens of the same decoder, fp32), and publishes the new weights with
+sampled tokens of the same decoder, fp32; rows padded to a power of two that
+holds the batch's longest attempt), and publishes the new weights with
 `set_weights` (version = step). It never waits for a rollout beyond its batch
-(async RL: the attempts of a step were sampled by older versions).
+(async RL: the attempts of a step were sampled by older versions); the
+collector starts at most `(1 + --ahead) x --batch` attempts the learner has not
+taken yet, which bounds the lag as the async trainer's max_staleness does.
 
 The two modes differ only in `JaxSampler(weight_swap=)`:
 - drain: new weights wait until every running row finishes, and new attempts
@@ -64,11 +67,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--short", type=int, default=24, help="tokens of a short attempt")
-    p.add_argument("--long", type=int, default=320, help="tokens of a long attempt")
+    p.add_argument("--long", type=int, default=384, help="tokens of a long attempt")
     p.add_argument("--long_every", type=int, default=8, help="every n-th attempt is long")
     p.add_argument("--concurrency", type=int, default=8, help="attempts in flight")
     p.add_argument("--batch", type=int, default=8, help="attempts per learner step")
-    p.add_argument("--steps", type=int, default=10, help="learner steps per round")
+    p.add_argument("--steps", type=int, default=12, help="learner steps per round")
+    p.add_argument("--ahead", type=int, default=1,
+                   help="batches the collector may start beyond the one the learner trains "
+                        "next (bounds staleness, as RLConfig.mode='async')")
     p.add_argument("--rounds", type=int, default=2, help="rounds (each runs both modes)")
     p.add_argument("--steps_per_sync", type=int, default=8)
     p.add_argument("--prefill_chunk", type=int, default=64)
@@ -118,16 +124,27 @@ class Learner:
 
         self._step = step
 
+    def lengths(self) -> list[int]:
+        """The row lengths a step pads to: powers of two from 32 up to ctx."""
+        out, n = [], 32
+        while n < self.shape[1]:
+            out.append(n)
+            n *= 2
+        return out + [self.shape[1]]
+
     def compile(self) -> None:
-        """Runs the step once on an empty batch, keeping the weights."""
-        z = np.zeros(self.shape, np.int32)
-        out = self._step(self.params, self.rest, z, z, z.astype(np.float32),
-                         np.zeros(self.shape[0], np.float32))  # fmt: skip
-        jax.block_until_ready(out)
+        """Runs the step once per row length on an empty batch, keeping the weights."""
+        for S in self.lengths():
+            z = np.zeros((self.shape[0], S), np.int32)
+            out = self._step(self.params, self.rest, z, z, z.astype(np.float32),
+                             np.zeros(self.shape[0], np.float32))  # fmt: skip
+            jax.block_until_ready(out)
 
     def train(self, attempts: list, rng: np.random.Generator) -> int:
-        """One step on the attempts [(prompt, result)]; returns the trained tokens."""
-        B, S = self.shape
+        """One step on the attempts [(prompt, result)], rows padded to the smallest
+        of `lengths()` that holds the longest; returns the trained tokens."""
+        longest = max((len(p) + len(r.output_ids) for p, r in attempts), default=1)
+        B, S = self.shape[0], next(n for n in self.lengths() if n >= longest)
         tokens, segs, mask = (np.zeros((B, S), np.int32) for _ in range(3))
         for i, (prompt, r) in enumerate(attempts):
             seq = prompt + r.output_ids
@@ -176,8 +193,12 @@ async def run_mode(a, mode: str, rnd: int) -> dict:
             latency[kind].append(time.perf_counter() - t0)
             await done.put((prompt, r))
 
+        # At most (1 + ahead) batches started and not yet taken by the learner.
+        window = asyncio.Semaphore((1 + a.ahead) * a.batch)
+
         async def slot():
             while True:
+                await window.acquire()
                 await attempt()
 
         t_start = time.perf_counter()
@@ -188,6 +209,8 @@ async def run_mode(a, mode: str, rnd: int) -> dict:
                 t0 = time.perf_counter()
                 batch = [await done.get() for _ in range(a.batch)]
                 wait_s += time.perf_counter() - t0
+                for _ in batch:
+                    window.release()
                 for _, r in batch:
                     vs = r.token_versions()
                     lags += [step - 1 - v for v in vs]  # the learner is at version step - 1
