@@ -54,7 +54,6 @@ def _lora_config(model: nnx.Module) -> LoRAConfig | None:
     return lora if trainable_filter(model) is nnx.LoRAParam else None
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _bits_sum(x: jax.Array, lead: int) -> jax.Array:
     """uint32 [x.shape[:lead]]: sum of x's bf16 bit patterns, each times its position
     mod 65521 plus 1, over the trailing axes (wrapping: exact in any order, so any
@@ -63,6 +62,12 @@ def _bits_sum(x: jax.Array, lead: int) -> jax.Array:
     inner = bits.reshape(*x.shape[:lead], -1)
     w = jnp.arange(inner.shape[-1], dtype=jnp.uint32) % 65521 + 1
     return jnp.sum(inner * w, axis=-1, dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _leaf_sums(leaves: list, leads: tuple[int, ...]) -> list:
+    """`_bits_sum` of every leaf in one compiled call (one compile per tree of shapes)."""
+    return [_bits_sum(x, lead) for x, lead in zip(leaves, leads, strict=True)]
 
 
 def weights_checksum(model_or_params) -> str:
@@ -81,12 +86,16 @@ def weights_checksum(model_or_params) -> str:
         _params(model_or_params) if isinstance(model_or_params, nnx.Module) else model_or_params
     )
     stacked = is_stacked(params) if isinstance(params, dict) else False
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    names = [[str(getattr(p, "key", getattr(p, "idx", p))) for p in path] for path, _ in flat]
+    leads = tuple(
+        int(stacked and keys[:1] == ["layers"] and getattr(leaf, "ndim", 0) >= 1)
+        for keys, (_, leaf) in zip(names, flat, strict=True)
+    )
+    got = jax.device_get(_leaf_sums([jnp.asarray(leaf) for _, leaf in flat], leads))
     items: list[tuple[str, int]] = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
-        layered = stacked and keys[:1] == ["layers"] and getattr(leaf, "ndim", 0) >= 1
-        sums = np.asarray(jax.device_get(_bits_sum(jnp.asarray(leaf), 1 if layered else 0)))
-        if layered:
+    for keys, lead, sums in zip(names, leads, got, strict=True):
+        if lead:
             items += [(".".join(["layers", str(i), *keys[1:]]), int(v)) for i, v in enumerate(sums)]
         else:
             items.append((".".join(keys), int(sums)))

@@ -214,7 +214,8 @@ class JaxSampler(DeviceLoop):
         self._running_slots: dict[str, int] = {}  # ... of the weights the worker runs
         self._version = 0  # weights the worker runs now
         self._latest = 0  # weights new calls will use (policy_version)
-        self._checksum: tuple[int, str | None] = (0, None)  # (version, its checksum)
+        # (version, its checksum, or the (graphdef, state) handed over to compute it from)
+        self._checksum: tuple[int, Any] = (0, None)
         self._pending = None  # (state, version) waiting for the rows to drain
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -335,14 +336,14 @@ class JaxSampler(DeviceLoop):
     def _stage(self, version: int, slots: dict[str, int] | None = None) -> None:
         """Hands the model's current weights (and adapter names, when `slots` is
         given) to the worker as `version`."""
-        _, state = self._snapshot()
-        # What the worker is handed, for the weights alarm (`served_weights`); an
-        # adapter-bank change serves no published step: no checksum.
-        checksum = None if slots is not None else weights_checksum(self._model)
+        graphdef, state = self._snapshot()
+        # What the worker is handed, for the weights alarm: its checksum is computed when
+        # `served_weights` first asks (off the load path). An adapter-bank change serves
+        # no published step: no checksum.
         with self._lock:
             self._pending = (state, version)
             self._latest = version
-            self._checksum = (version, checksum)
+            self._checksum = (version, None if slots is not None else (graphdef, state))
             if slots is not None:
                 self._staged_slots = dict(slots)
         self._queue.put(WAKE)
@@ -426,11 +427,17 @@ class JaxSampler(DeviceLoop):
         (None before the first load and after an adapter-bank change)}."""
         with self._lock:
             version, checksum = self._checksum
-            return {
-                "version": self._latest,
-                "running_version": self._version,
-                "checksum": checksum if version == self._latest else None,
-            }
+            latest, running = self._latest, self._version
+        if version == latest and isinstance(checksum, tuple):  # first ask: compute, keep
+            checksum = weights_checksum(nnx.merge(*checksum))
+            with self._lock:
+                if self._checksum[0] == version:
+                    self._checksum = (version, checksum)
+        return {
+            "version": latest,
+            "running_version": running,
+            "checksum": checksum if version == latest else None,
+        }
 
     def probe(self) -> dict:
         """Raises SamplerError when this sampler can no longer serve (closed, or

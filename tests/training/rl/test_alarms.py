@@ -290,3 +290,43 @@ def test_infra_retries_back_off_against_a_refused_endpoint(tmp_path):
         EndpointCollector(None, OneTask(), make, "m", TraceStore(str(tmp_path / "s")),
                           tasks_per_step=1, attempts_per_task=1, infra_backoff_s=2.0,
                           infra_backoff_max_s=1.0)
+
+
+def test_the_split_learner_reads_the_served_checksum_over_http(tmp_path):
+    """The split job's learner reads what the endpoint serves from its admin /v1/models
+    entry (`split.endpoint_weights`): a real FastAPI endpoint over a sampler that loads
+    (verified) and one that skips the load (the weights alarm fires)."""
+    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.serving.app import build_app
+    from ac2_jax.serving.server import serve_in_thread
+    from ac2_jax.training.rl.split import endpoint_weights
+
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    cfg = _cfg().replace(vocab_size=tok.vocab_size)
+    publish = str(tmp_path / "published")
+    publish_weights(_perturbed(Decoder(cfg, rngs=nnx.Rngs(0)), 0.05), publish, 1)
+    for cls, fires in ((JaxSampler, False), (SkippingSampler, True)):
+        sampler = _sampler(Decoder(cfg, rngs=nnx.Rngs(0)), publish, cls)
+        url, stop = serve_in_thread(build_app(sampler, tok, admin_key="sk-a", model_name="m"))
+
+        async def served():
+            lc = LifecycleClient(url, "sk-a")
+            try:
+                assert await lc.load_weights(1) == 1
+                return await endpoint_weights(lc)
+            finally:
+                await lc.aclose()
+
+        try:
+            report = asyncio.run(served())
+        finally:
+            stop()
+            sampler.close()
+        check = WeightsCheck(Alarms(AlarmsConfig()))
+        check.published(1, published_checksum(publish, 1), now=0.0)
+        if fires:
+            with pytest.raises(AlarmStop, match="serves version 1 with checksum"):
+                check.served(report, 1.0, "endpoint")
+        else:
+            check.served(report, 1.0, "endpoint")
+            assert report["version"] == 1 and check.verified == 1
