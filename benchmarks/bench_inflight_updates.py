@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -102,27 +103,34 @@ def _ctx(a) -> int:
     return 1 << (need - 1).bit_length()
 
 
+@functools.cache
+def _step_fn(graphdef, lr: float):
+    """The jitted SGD step of `graphdef`'s model: one per model and lr, so the
+    runs of both modes share its compiles."""
+
+    @jax.jit
+    def step(params, rest, tokens, segs, mask, adv):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p, rest)(tokens, positions, segs)
+            lp = token_logprobs(logits[:, :-1], tokens[:, 1:])
+            return -(lp * mask[:, 1:] * adv[:, None]).sum() / jnp.maximum(mask.sum(), 1.0)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda w, g: w - lr * g, params, grads), value
+
+    return step
+
+
 class Learner:
     """One jitted REINFORCE-style gradient step (SGD) on [batch, ctx] rows."""
 
     def __init__(self, config: DecoderConfig, seed: int, lr: float, batch: int, ctx: int):
         self.model = Decoder(config, rngs=nnx.Rngs(seed))
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
-        self.shape, graphdef = (batch, ctx), self.graphdef
-
-        @jax.jit
-        def step(params, rest, tokens, segs, mask, adv):
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-
-            def loss(p):
-                logits = nnx.merge(graphdef, p, rest)(tokens, positions, segs)
-                lp = token_logprobs(logits[:, :-1], tokens[:, 1:])
-                return -(lp * mask[:, 1:] * adv[:, None]).sum() / jnp.maximum(mask.sum(), 1.0)
-
-            value, grads = jax.value_and_grad(loss)(params)
-            return jax.tree.map(lambda w, g: w - lr * g, params, grads), value
-
-        self._step = step
+        self.shape = (batch, ctx)
+        self._step = _step_fn(self.graphdef, lr)
 
     def lengths(self) -> list[int]:
         """The row lengths a step pads to: powers of two from 32 up to ctx."""
