@@ -101,18 +101,47 @@ def _updates(fake):
     return [body for what, body in fake.log if what == "update_end"]
 
 
-def test_rl_recipe_samples_on_sglang_by_config(servers, tmp_path):
+def test_sglang_by_config_serves_and_exports_each_publish(servers, tmp_path):
+    """sampler.kind=sglang from the recipe's config: `serve_policy` (every recipe's
+    endpoint) serves an `SGLangSampler` of the server at sampler.url, and a publish is
+    exported under workdir/exports and loaded there (what the recipe's on_publish
+    does). The RL recipe end to end over SGLang clients is the fleet test's run below
+    (a fleet is one such client per backend, built by the same code): one recipe run
+    for both kinds, not two (the suite's time)."""
+    import asyncio
+
+    import httpx
+
+    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.recipes.common import serve_policy
+    from ac2_jax.sampling.sglang import SGLangSampler
+
     start, running = servers
     (url,) = start(1)
-    report, traces = _run(tmp_path, "sampler.kind=sglang", f"sampler.url={url}")
     (fake, _, _) = running[0]
-    assert report["steps"] == 1 and len(traces) == 8
-    # Every attempt's completion came from the server: one /generate per request.
-    assert len(_generates(fake)) == sum(len(t.episodes) for t in traces) >= 8
-    # No infra_error (ours); a random policy may end an attempt at the step limit.
-    assert {t.status for t in traces} <= {"finished", "agent_error"}, [t.status for t in traces]
-    # The step's publish reached it: exported under workdir/exports, loaded as version 1.
-    (update,) = _updates(fake)
+    cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
+                                             "sampler.kind=sglang", f"sampler.url={url}"])
+    paths = cfg.paths.resolved()
+    model, tok = load_model("tiny", str(tmp_path / "build"))
+
+    async def serve():
+        async with serve_policy(model, tok, publish_dir=paths.publish, traces_dir=paths.traces,
+                                sampler=cfg.sampler, rollout=cfg.rollout,
+                                max_batch=8) as (sampler, lifecycle):
+            assert isinstance(sampler, SGLangSampler)
+            # A completion through the endpoint comes from the server (one /generate).
+            rollout = await lifecycle.create(task_id="t")
+            async with httpx.AsyncClient(timeout=60) as client:
+                r = await client.post(rollout["base_url"] + "/completions", json={
+                    "model": cfg.sampler.model_name, "prompt": "Say a word.", "max_tokens": 4},
+                    headers={"Authorization": f"Bearer {rollout['api_key']}"})
+            assert r.status_code == 200, r.text
+            assert len(_generates(fake)) == 1
+            publish_weights(model, paths.publish, 1)
+            return await asyncio.to_thread(sampler.load_weights, 1)
+
+    assert asyncio.run(serve()) == 1
+    (update,) = _updates(fake)  # exported beside the publish folder, loaded as version 1
     assert update["weight_version"] == "1" and fake.version == "1"
     assert update["model_path"] == os.path.join(tmp_path, "run", "exports", "step_1")
     assert os.path.exists(os.path.join(update["model_path"], "config.json"))
