@@ -61,6 +61,13 @@ flags.DEFINE_bool(
     "JaxSampler: always max_batch rows x max_context slots, compiled at start "
     "(no compiles, so no memory growth from them, while serving).",
 )
+flags.DEFINE_enum(
+    "weight_swap",
+    "drain",
+    ["drain", "in_flight"],
+    "JaxSampler: new weights wait for the running rows (drain) or are swapped in "
+    "between decode chunks, each token recording its version (in_flight).",
+)
 flags.DEFINE_integer("max_tokens", None, "Default max_tokens of a request.")
 flags.DEFINE_float("rollout_timeout_s", None, "Default rollout timeout in seconds.")
 flags.DEFINE_integer("seed", 0, "Seed of the tiny model and of unseeded requests.")
@@ -94,7 +101,7 @@ def main(argv):
         sampler_config(
             FLAGS.sampler, sglang_url=FLAGS.sglang_url, export_dir=FLAGS.export_dir,
             fixed_shapes=FLAGS.fixed_shapes, backends=FLAGS.backends,
-            backend_timeout_s=FLAGS.backend_timeout_s,
+            backend_timeout_s=FLAGS.backend_timeout_s, weight_swap=FLAGS.weight_swap,
         )  # fmt: skip
     except ValueError as e:
         raise app.UsageError(str(e)) from None
@@ -111,6 +118,7 @@ def main(argv):
         backends=FLAGS.backends,
         backend_timeout_s=FLAGS.backend_timeout_s,
         tool_parser=FLAGS.tool_parser,
+        weight_swap=FLAGS.weight_swap,
     )
     if FLAGS.publish_dir:
         from ac2_jax.models.params_io import latest_published

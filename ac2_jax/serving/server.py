@@ -72,6 +72,7 @@ def sampler_config(
     fixed_shapes: bool = False,
     backends: Sequence[str] = (),
     backend_timeout_s: float = 600.0,
+    weight_swap: str = "drain",
 ):
     """The `SamplerConfig` the serving flags describe (`--sampler` names a registered
     kind, `ac2_jax.sampling.registry.SAMPLERS`; `--backends` makes it a fleet).
@@ -104,9 +105,11 @@ def sampler_config(
     given = {"url": sglang_url, "backends": tuple(backends), "export_dir": export_dir,
              "fixed_shapes": fixed_shapes,
              # its default is the flag's: only a value set away from it is the caller's
-             "timeout_s": backend_timeout_s != 600.0 and backend_timeout_s}  # fmt: skip
+             "timeout_s": backend_timeout_s != 600.0 and backend_timeout_s,
+             "weight_swap": weight_swap != "drain" and weight_swap}  # fmt: skip
     flag = {"url": "--sglang_url", "backends": "--backends", "export_dir": "--export_dir",
-            "fixed_shapes": "--fixed_shapes", "timeout_s": "--backend_timeout_s"}  # fmt: skip
+            "fixed_shapes": "--fixed_shapes", "timeout_s": "--backend_timeout_s",
+            "weight_swap": "--weight_swap"}  # fmt: skip
     for name, value in given.items():
         if value:
             if name not in reads:
@@ -135,6 +138,7 @@ def load_policy(
     backends: Sequence[str] = (),
     backend_timeout_s: float = 600.0,
     tool_parser: str | None = None,
+    weight_swap: str = "drain",
 ):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
 
@@ -149,7 +153,8 @@ def load_policy(
     receives exports), "fleet" (needs `backends`), or one registered by the
     caller. fixed_shapes (JaxSampler only): max_batch rows x max_context slots
     always, compiled up front by `warmup()`: no compiles (and no memory growth from
-    them) once serving.
+    them) once serving. weight_swap (JaxSampler only): "drain" or "in_flight"
+    (`JaxSampler(weight_swap=)`: new weights between decode chunks, per-token versions).
     backends: URLs of SGLang-protocol servers (SGLang, or `python -m
     ac2_jax.serving.backend` processes serving the same weights): the sampler
     is a `FleetSampler` of `SGLangSampler`s (timeout `backend_timeout_s`),
@@ -162,6 +167,7 @@ def load_policy(
     config = sampler_config(
         sampler, max_context=max_context, sglang_url=sglang_url, export_dir=export_dir,
         fixed_shapes=fixed_shapes, backends=backends, backend_timeout_s=backend_timeout_s,
+        weight_swap=weight_swap,
     )  # fmt: skip
     if model != "tiny" and not os.path.isdir(model):
         raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")

@@ -156,3 +156,12 @@ def test_weight_swap_is_a_config_choice_checked_by_name(models):
     s = build_sampler(cfg, SamplerSetup(model=_model(0), tokenizer=None, max_context=CTX))
     with s:
         assert s.weight_swap == "in_flight"
+
+
+def test_the_endpoint_flag_reaches_the_sampler_config():
+    from ac2_jax.serving.server import sampler_config
+
+    assert sampler_config("jax", weight_swap="in_flight").weight_swap == "in_flight"
+    assert sampler_config("jax").weight_swap == "drain"
+    with pytest.raises(ValueError, match="--weight_swap has no effect with --sampler=sglang"):
+        sampler_config("sglang", sglang_url="http://127.0.0.1:9", weight_swap="in_flight")
