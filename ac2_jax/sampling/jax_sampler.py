@@ -216,7 +216,7 @@ class JaxSampler(DeviceLoop):
         self._latest = 0  # weights new calls will use (policy_version)
         # (version, its checksum, or the (graphdef, state) handed over to compute it from)
         self._checksum: tuple[int, Any] = (0, None)
-        self._pending = None  # (state, version) waiting for the rows to drain
+        self._pending = None  # (state, version) waiting for the next swap
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
 
