@@ -599,8 +599,9 @@ class RLTrainer(TrainerHooks):
         """The weights alarm: compares `served_weights()` with what was published."""
         if self.served_weights is None or not self.alarms.config.on("weights"):
             return
-        report = self.served_weights()
-        if inspect.isawaitable(report):
+        # In a thread: the sampler may compute its checksum now (a reduction over the weights).
+        report = await asyncio.to_thread(self.served_weights)
+        if inspect.isawaitable(report):  # e.g. split.endpoint_weights: asks over HTTP
             report = await report
         self._weights.served(report, time.monotonic(), where)
 
