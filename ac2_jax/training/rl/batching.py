@@ -248,8 +248,10 @@ def batch_segments(
             if moe_routing == "recompute":  # MoEConfig.routing (rl.moe.routing)
                 s.routing = None  # the learner routes every token itself
             if config.stale_unit == "token":  # each trained token judged alone
-                lag = learner_version - s.features[POLICY_VERSION]
-                stale = (s.loss_mask > 0) & (lag > config.max_staleness)
+                # -1: a trained token no completion sampled has no version; never
+                # stale (as select_traces judges a trace without one).
+                v = s.features[POLICY_VERSION]
+                stale = (s.loss_mask > 0) & (v >= 0) & (learner_version - v > config.max_staleness)
                 if stale.any():
                     stats.dropped_stale_tokens += int(stale.sum())
                     s = dataclasses.replace(s, loss_mask=np.where(stale, 0.0, s.loss_mask))

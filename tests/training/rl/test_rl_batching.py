@@ -500,3 +500,28 @@ def test_an_agent_token_at_position_0_is_counted_as_unpredicted():
     _, stats, _ = build_batch([_trace("a", 0, 1.0), _trace("a", 1, 0.0)], 0,
                               BatchConfig(seq_len=16))
     assert stats.unpredicted_agent_tokens == 0
+
+
+def test_per_token_staleness_keeps_trained_tokens_no_completion_versions():
+    """stale_unit="token" drops the stale tokens a completion sampled (its per-token
+    versions); a trained token that no completion records (an episode built without
+    completions: POLICY_VERSION -1) has no version and is never stale, as
+    select_traces judges such a trace. It was dropped as lagging learner + 1 (issue
+    65 review)."""
+    from ac2_jax.trace import Episode
+
+    def mixed(attempt, reward):  # one generation spanning versions 0 -> 3
+        t = Trace(task_id="a", attempt_id=str(attempt), group_id="g:a", reward=reward,
+                  status="finished")
+        TraceRecorder(t).record("main", Completion([1, 2, 3], [10, 11, 12], [-0.5] * 3,
+                                                   output_versions=[0, 3, 3]))
+        return t
+
+    bare = [Trace(task_id="b", attempt_id=str(i), group_id="g:b", reward=float(i),
+                  status="finished", episodes=[Episode("main", [1, 2, 3, 10, 11],
+                                                       [0, 0, 0, 1, 1], [0, 0, 0, -0.5, -0.5])])
+            for i in range(2)]
+    cfg = BatchConfig(seq_len=16, rows=2, max_staleness=1, stale_unit="token")
+    batch, stats, _ = build_batch([mixed(0, 0.0), mixed(1, 1.0), *bare], 3, cfg)
+    assert stats.dropped_stale == 0 and stats.dropped_stale_tokens == 2  # the version-0 ones
+    assert batch.loss_mask.sum() == 2 * 2 + 2 * 2
