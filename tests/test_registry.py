@@ -486,6 +486,10 @@ def test_a_request_api_registered_here_serves_over_http(toy_api, tiny_pair):
     assert "/v1/chat/completions" not in paths
     with pytest.raises(ValueError, match=r"unknown request API 'tyo'.*did you mean 'toy'"):
         build_app(sampler, tok, admin_key="sk-toy", apis=("tyo",))
+    # A string is names, comma-separated (as --apis): not one name per character.
+    from ac2_jax.serving.app import mounted_apis
+
+    assert mounted_apis("toy, lifecycle") == mounted_apis("toy,lifecycle") == ("toy", "lifecycle")
 
 
 def test_recipes_are_a_registry():

@@ -93,8 +93,11 @@ BUILTIN_APIS = ("openai", "anthropic", "responses", "gemini", "lifecycle")
 
 def mounted_apis(apis) -> tuple[str, ...]:
     """The request APIs `build_app(apis=...)` mounts, in order: None is every
-    registered one (the built-in ones first); an unknown name is a ValueError
-    naming the registered ones (did-you-mean)."""
+    registered one (the built-in ones first); a string is names, comma-separated
+    ("openai,lifecycle", as --apis); an unknown name is a ValueError naming the
+    registered ones (did-you-mean)."""
+    if isinstance(apis, str):
+        apis = [name.strip() for name in apis.split(",") if name.strip()]
     if apis is None:
         names = REQUEST_APIS.names()
         return (
@@ -102,6 +105,8 @@ def mounted_apis(apis) -> tuple[str, ...]:
             *(n for n in names if n not in BUILTIN_APIS),
         )
     out = tuple(apis)
+    if not out:
+        raise ValueError("build_app: apis names no request API (None mounts every registered one)")
     for name in out:
         REQUEST_APIS.get(name)
     if len(set(out)) != len(out):
