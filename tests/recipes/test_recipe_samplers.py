@@ -2,10 +2,11 @@
 
 SGLang needs CUDA, so the servers are `sglang_fake.FakeSGLang`, the local
 reproduction of SGLang's HTTP API (its own tiny model, the same weights as the
-policy's), over real HTTP. The run is test_recipe_rl's (same model and batch
-shapes, so the suite's compilation cache serves its train step): every attempt
-is sampled by the server(s), and the step's publish is exported as HF
+policy's), over real HTTP. The fleet's run is test_recipe_rl's (same model and
+batch shapes, so the suite's compilation cache serves its train step): every
+attempt is sampled by the servers, and the step's publish is exported as HF
 safetensors and hot-swapped into each of them (`/update_weights_from_disk`).
+Kind "sglang" (one such client) is checked by config without a training step.
 """
 
 import dataclasses
