@@ -18,7 +18,8 @@ Routes (the part of SGLang's API that `SGLangSampler` uses):
                    leaves cancels its request.
   GET  /get_model_info, /health, /health_generate, /v1/models (max_model_len)
   POST /update_weights_from_disk  {model_path: an HF directory, weight_version:
-                   an int}: hot swap; running requests finish on the old weights.
+                   an int}: hot swap; running requests finish on the old weights
+                   (the sampler's weight_swap must be "drain": refused otherwise).
   GET  /get_server_info   this backend's own counters (not SGLang's fields).
 
 Errors are SGLang's: what the sampler refuses (context, vocabulary,
@@ -76,6 +77,12 @@ def build_backend_app(sampler: JaxSampler, tokenizer: Any, *, model_path: str = 
     """
     if not isinstance(sampler, JaxSampler):
         raise TypeError(f"build_backend_app serves a JaxSampler, got {type(sampler).__name__}")
+    if sampler.weight_swap != "drain":  # SGLang's answer has one weight_version
+        raise ValueError(
+            f"build_backend_app: the sampler has weight_swap={sampler.weight_swap!r}; "
+            "SGLang's /generate reports one weight_version per answer, so per-token "
+            "versions would be lost: build the JaxSampler with weight_swap='drain'"
+        )
     context = sampler.max_context  # SGLang's context_len: input + max_new_tokens < context
     vocab = sampler.vocab_size
     state = {"model_path": model_path}

@@ -166,3 +166,12 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(backend, tok):
             break
         asyncio.run(asyncio.sleep(0.02))
     assert counts["cancelled"] == before + 1 and counts["in_flight"] == 0
+
+
+def test_an_in_flight_sampler_is_refused_by_name(backend, tok):
+    """SGLang's /generate answers one weight_version per answer: a JaxSampler that
+    swaps weights in flight would lose its per-token versions behind it, so it is
+    refused (it was served, every token reported as the first one's version)."""
+    s = JaxSampler(backend[1], max_context=CONTEXT, weight_swap="in_flight")
+    with s, pytest.raises(ValueError, match="weight_swap='in_flight'.*'drain'"):
+        build_backend_app(s, tok)
