@@ -262,7 +262,10 @@ def test_one_rl_step_from_real_cli_agent_rollouts(tmp_path, cli_bin, which):
         pytest.skip(f"one RL step at a 65,536-token context takes many minutes per CLI on "
                     f"CPU; set {RL_STEP_OPT_IN}=1 to run it (the tool round trip per CLI runs "
                     "by default: test_each_cli_runs_the_tool_call_the_model_served)")
-    rl_step(tmp_path, which, PRESETS[which](cli_exe(cli_bin, which)), 65536, attempts=4)
+    # rows=1: the batch grows to the rows its 4 long segments need (2-4), not 8 of
+    # 65,536 tokens, half of them padding.
+    rl_step(tmp_path, which, PRESETS[which](cli_exe(cli_bin, which)), 65536, attempts=4,
+            rows=1)
 
 
 @pytest.mark.parametrize("which", list(NARROWED))
@@ -271,13 +274,14 @@ def test_one_rl_step_from_narrowed_cli_agent_rollouts(tmp_path, cli_bin, which):
     rl_step(tmp_path, which, NARROWED[which](cli_exe(cli_bin, which)), 6144, attempts=8)
 
 
-def rl_step(tmp_path, which, agent, context, attempts):
+def rl_step(tmp_path, which, agent, context, attempts, rows=None):
     """`attempts` attempts of one task by `agent`, graded by parity of the final answer's
     length (a random policy earns it about half the time, so the group has a signal but
     for a tie, which is then a counted no-signal step), then one RL step. Every served
     token is recorded with the sampler's log-prob, and that log-prob is what a forward
     pass of the sampling weights gives (fp32, 1e-4): the tokens are trained exactly as
-    sampled. Side conversations carry their own agent label (`agent.agent_rules`)."""
+    sampled. Side conversations carry their own agent label (`agent.agent_rules`).
+    rows: the batch's minimum rows (`BatchConfig.rows`; default 2 x attempts)."""
     import numpy as np
 
     from ac2_jax import recipes
@@ -301,7 +305,8 @@ def rl_step(tmp_path, which, agent, context, attempts):
     config = RLRecipeConfig(
         paths=PathsConfig(workdir=str(tmp_path / "run")),
         rl=RLConfig(steps=1, tasks_per_step=1, attempts_per_task=attempts,
-                    concurrency=attempts, batch=BatchConfig(rows=2 * attempts, seq_len=context)),
+                    concurrency=attempts, batch=BatchConfig(rows=rows or 2 * attempts,
+                                      seq_len=context)),
         rollout=RolloutConfig(max_tokens=64, max_steps=1),
         sampler=SamplerConfig(max_context=context, warmup=False, model_name="tiny"),
     )
@@ -318,7 +323,7 @@ def rl_step(tmp_path, which, agent, context, attempts):
         assert step["train/skipped_update"] == 1.0
     labels = {e.agent for t in traces for e in t.episodes}
     assert "main" in labels and labels <= {"main", *(r["agent"] for r in agent.agent_rules)}
-    served = 0
+    served, max_err = 0, 0.0
     for trace in traces:
         for ep in trace.episodes:
             for c in ep.completions:
@@ -326,7 +331,9 @@ def rl_step(tmp_path, which, agent, context, attempts):
                                                len(c.prompt_ids), c.temperature, c.top_k,
                                                c.top_p)
                 np.testing.assert_allclose(c.output_logprobs, ref, atol=1e-4)
+                max_err = max(max_err, float(np.abs(np.asarray(c.output_logprobs) - ref).max()))
                 served += len(c.output_ids)
+    print(f"{which}: {served} served tokens, max |sampler - forward| log-prob {max_err:.1e}")
     assert served > 0
     assert result.report["steps"] == 1
 
