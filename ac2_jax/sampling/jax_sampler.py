@@ -48,7 +48,9 @@ worker. How the worker swaps it in is `weight_swap`:
   tokens after a swap are then sampled from a mix of two policies that no
   forward pass reproduces.) A MoE row's recorded routing of its prefix is
   the recompute's (the new weights'). A running row whose adapter the new
-  weights no longer serve fails alone.
+  weights no longer serve fails alone. Only a new version swaps in flight: an
+  adapter-bank change keeps the version (no token could record it), so it
+  waits for the running rows as in "drain".
 """
 
 from __future__ import annotations
@@ -362,8 +364,9 @@ class JaxSampler(DeviceLoop):
         source: a Decoder with one adapter (its `config.lora`), a PEFT adapter
         directory, or a pure dict of adapters (`models.lora.adapter_params`) with
         its `lora`. Nothing is merged into the base and nothing recompiles (the
-        bank's arrays change, not their shapes). Like `load_weights`, running
-        rows finish first; requests after it returns may name the adapter."""
+        bank's arrays change, not their shapes). Running rows finish first, in
+        either `weight_swap` mode (the policy version stays, so no token could
+        record the change); requests after it returns may name the adapter."""
         check_adapter_name(name, "add_adapter: name")
         if not self._bank_slots:
             raise ValueError(
@@ -405,7 +408,8 @@ class JaxSampler(DeviceLoop):
         return got
 
     def remove_adapter(self, name: str) -> None:
-        """Stops serving adapter `name` (its slot is zeroed); running rows finish first."""
+        """Stops serving adapter `name` (its slot is zeroed); running rows finish
+        first, in either `weight_swap` mode (as `add_adapter`)."""
         with self._load_lock:
             slots = dict(self._staged_slots)
             if name not in slots:

@@ -224,7 +224,16 @@ class DeviceLoop:
         running = t.active_rows()
         with self._lock:
             pending = self._pending
-            if pending is not None and (self._weight_swap == "in_flight" or not running):
+            # In flight only when the version changes: a stage that keeps the running
+            # version (an adapter-bank change: add_adapter, load_adapter,
+            # remove_adapter) would change a running row's weights with no token
+            # recording it, so it waits for the rows to drain in either mode.
+            in_flight = (
+                self._weight_swap == "in_flight"
+                and pending is not None
+                and pending[1] != self._version
+            )
+            if pending is not None and (in_flight or not running):
                 (self._state, self._version), self._pending = pending, None
                 self._running_slots = dict(self._staged_slots)
                 t.clear_history()
