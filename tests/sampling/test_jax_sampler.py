@@ -588,7 +588,7 @@ def test_two_adapters_interleaved_in_one_batch_each_give_their_own_outputs(model
     for name, m in (("a", a), ("b", b), (None, model)):
         with _sampler(m) as plain:
             refs[name] = gen_many(plain, [(p, GREEDY) for p in prompts])
-    with _sampler(bank) as s:
+    with _sampler(bank, weight_swap="in_flight") as s:
         assert s.adapters() == []
         with pytest.raises(ValueError, match="adapter"):
             gen(s, prompts[0], GREEDY.replace(adapter="a"))
@@ -597,8 +597,17 @@ def test_two_adapters_interleaved_in_one_batch_each_give_their_own_outputs(model
         got = gen_many(s, [(p, GREEDY.replace(adapter=n)) for p, n in zip(prompts, names)])
         assert s.stats.max_active >= 6  # one batch
         shapes = s.stats.compiled_shapes
-        s.add_adapter("a", b)  # replace: same shapes, nothing compiles
+        replaced = []  # replace: same shapes, nothing compiles
+
+        def replace_a(ids, lps):  # the worker thread, after the first chunk
+            if not replaced:
+                replaced.append(s.add_adapter("a", b))
+
+        # Even in flight an adapter change waits for the running rows: the policy
+        # version stays, so no token could record that its weights changed.
+        spanning = run(s.generate(prompts[0], GREEDY.replace(adapter="a"), on_tokens=replace_a))
         again = gen(s, prompts[0], GREEDY.replace(adapter="a"))
+        assert replaced and s.stats.in_flight_swaps == 0
         assert s.stats.compiled_shapes == shapes
         s.remove_adapter("b")
         with pytest.raises(ValueError, match="serves no adapter 'b'"):
@@ -607,6 +616,8 @@ def test_two_adapters_interleaved_in_one_batch_each_give_their_own_outputs(model
         ref = refs[n][i]
         assert r.output_ids == ref.output_ids, (i, n)
         np.testing.assert_allclose(r.output_logprobs, ref.output_logprobs, atol=1e-5)
+    assert spanning.output_ids == refs["a"][0].output_ids and spanning.output_versions is None
+    np.testing.assert_allclose(spanning.output_logprobs, refs["a"][0].output_logprobs, atol=1e-5)
     assert again.output_ids == refs["b"][0].output_ids
     # the learner's forward of each adapter's own model gives the same log-probs
     for i in (0, 1):
@@ -616,3 +627,137 @@ def test_two_adapters_interleaved_in_one_batch_each_give_their_own_outputs(model
         np.testing.assert_allclose(lps[len(prompts[i]) - 1:-1], got[i].output_logprobs,
                                    atol=1e-5)
     assert refs["a"][0].output_ids != refs[None][0].output_ids  # the adapters matter
+
+
+# ---- In-flight weight updates (`JaxSampler(weight_swap="in_flight")`, issue 65) ------------
+# A long generation spans two weight updates. Every output token records the version that
+# sampled it, and its log-prob equals one forward pass of that version's weights over the
+# whole prefix (fp32, 1e-4): the KV rule is recompute (the running row's prefix is
+# prefilled again under the new weights). The versions and log-probs reach the RL batch:
+# the loss's behaviour log-probs input (`SAMPLER_LOGPROBS`) is the recorded one, the
+# `POLICY_VERSION` feature is the per-token version, and staleness is judged per token.
+# The sampler has this module's geometry (`_sampler`): its shapes are already compiled.
+
+PROMPT = [5, 17, 29, 41, 53, 65]
+LONG = SamplingParams(temperature=1.0, top_k=40, max_tokens=24, seed=3)  # 6 + 24 <= CTX
+SHORT = SamplingParams(temperature=0.8, max_tokens=4, seed=4)
+SWAP_AT = {8: 1, 16: 2}  # output tokens seen -> the version set_weights puts in
+
+
+@pytest.fixture(scope="module")
+def versions(model):
+    """The weights of versions 0, 1, 2."""
+    return [model, _model(1), _model(2)]
+
+
+@pytest.fixture(scope="module")
+def spanned(versions):
+    """(long result, short result, sampler stats): the long generation's on_tokens
+    (the worker thread, between chunks) publishes versions 1 and 2."""
+    s = _sampler(_model(0), weight_swap="in_flight")  # set_weights writes into its model
+    seen = []
+
+    def on_tokens(ids, lps):
+        seen.extend(ids)
+        for at, v in SWAP_AT.items():
+            if len(seen) >= at and s.policy_version < v:
+                s.set_weights(versions[v], v)
+
+    async def go():
+        return await asyncio.gather(s.generate(PROMPT, LONG, on_tokens=on_tokens),
+                                    s.generate(PROMPT[:4], SHORT))
+
+    with s:
+        long, short = run(go())
+    return long, short, s.stats
+
+
+def test_in_flight_every_token_is_its_versions_forward_pass(spanned, versions):
+    long, short, stats = spanned
+    v_of = np.asarray(long.token_versions())
+    assert len(long.output_ids) == LONG.max_tokens and long.policy_version == 0
+    assert long.output_versions is not None and set(v_of) == {0, 1, 2}
+    assert np.all(np.diff(v_of) >= 0)  # swapped between chunks, never back
+    ids, lps = np.asarray(long.output_ids), np.asarray(long.output_logprobs)
+    for v, m in enumerate(versions):  # one full forward pass per version, no cache
+        ((lg, _),) = learner(m, [PROMPT + long.output_ids])
+        want = np.asarray(token_logprobs(lg[len(PROMPT) - 1:-1], ids, temperature=LONG.temperature,
+                                         top_k=LONG.top_k, top_p=LONG.top_p))
+        at = v_of == v
+        np.testing.assert_allclose(lps[at], want[at], atol=1e-4, rtol=0)
+        if v:  # the tokens of other versions are not this one's (the check can fail)
+            assert np.abs(lps[~at] - want[~at]).max() > 1e-2
+    assert stats.in_flight_swaps == 2 and stats.weight_swaps == 2
+    assert stats.recomputed_tokens >= len(PROMPT) + 8  # the prefix, again, per swap
+    assert short.output_versions is None and short.policy_version == 0
+
+
+def test_in_flight_the_rl_batch_carries_per_token_versions_and_logprobs(spanned, versions):
+    from ac2_jax.segments import POLICY_VERSION, SAMPLER_LOGPROBS
+    from ac2_jax.trace.recorder import TraceRecorder
+    from ac2_jax.trace.types import Completion, Trace
+    from ac2_jax.training.core.objectives import behaviour_logprobs
+    from ac2_jax.training.rl import BatchConfig, build_batch
+    from ac2_jax.training.rl.metrics import batch_metrics
+
+    long = spanned[0]
+    v_of = np.asarray(long.token_versions())
+    trace = Trace(task_id="t", reward=1.0, status="finished")
+    TraceRecorder(trace).record("main", Completion(
+        PROMPT, long.output_ids, long.output_logprobs, policy_version=long.policy_version,
+        temperature=LONG.temperature, top_k=LONG.top_k, top_p=LONG.top_p,
+        output_versions=long.output_versions))
+    assert Trace.from_dict(trace.to_dict()).episodes[0].completions[0].output_versions == (
+        long.output_versions)
+    # Per-trace staleness (the default): lag 2 is within max_staleness=2, all trains.
+    batch, stats, _ = build_batch([trace], 2, BatchConfig(seq_len=64, rows=1, max_staleness=2))
+    m = batch.loss_mask > 0
+    assert m.sum() == len(long.output_ids)
+    np.testing.assert_array_equal(batch.feature(POLICY_VERSION)[m], v_of)
+    np.testing.assert_allclose(batch.feature(SAMPLER_LOGPROBS)[m], long.output_logprobs, atol=0)
+    assert stats.token_lags == {2 - v: int((v_of == v).sum()) for v in (0, 1, 2)}
+    metrics = batch_metrics(stats)
+    assert [metrics[f"staleness_tokens/{k}"] for k in (0, 1, 2)] == [
+        float((v_of == v).sum()) for v in (2, 1, 0)]
+    # The PG loss's behaviour input against a learner at version 2: its ratio is 1
+    # on version 2's tokens and not on version 0's (the recorded log-probs are theirs).
+    seq = PROMPT + long.output_ids
+    np.testing.assert_array_equal(batch.tokens[0, :len(seq)], seq)  # the row's only segment
+    ((lg, _),) = learner(versions[2], [seq])
+    logits = np.zeros((*batch.tokens.shape, lg.shape[-1]), np.float32)
+    logits[0, :len(seq)] = lg
+    logp = np.asarray(behaviour_logprobs(logits, batch))[m]
+    sampler = batch.feature(SAMPLER_LOGPROBS)[m]
+    np.testing.assert_allclose(logp[v_of == 2], sampler[v_of == 2], atol=1e-4)
+    assert np.abs(logp[v_of == 0] - sampler[v_of == 0]).max() > 1e-2
+    # Per token: with max_staleness=1 the version-0 tokens leave the loss, counted; the
+    # rest trains (per trace, the whole trace would be dropped).
+    cfg = BatchConfig(seq_len=64, rows=1, max_staleness=1, stale_unit="token")
+    batch, stats, _ = build_batch([trace], 2, cfg)
+    m = batch.loss_mask > 0
+    assert stats.dropped_stale_tokens == int((v_of == 0).sum()) and stats.dropped_stale == 0
+    np.testing.assert_array_equal(batch.feature(POLICY_VERSION)[m], v_of[v_of > 0])
+    assert build_batch([trace], 2, BatchConfig(seq_len=64, rows=1, max_staleness=1))[0] is None
+    with pytest.raises(ValueError, match="stale_unit='token'.*stale='drop'"):
+        BatchConfig(stale_unit="token", stale="downweight")
+
+
+def test_weight_swap_is_a_config_choice_checked_by_name(model):
+    from ac2_jax.sampling import SamplerConfig, SamplerSetup, build_sampler
+    from ac2_jax.sampling.sglang import SGLangSampler
+    from ac2_jax.serving.server import sampler_config
+
+    with pytest.raises(ValueError, match="weight_swap must be one of"):
+        JaxSampler(model, max_context=CTX, weight_swap="inflight")
+    with pytest.raises(ValueError, match="sampler.weight_swap must be one of"):
+        SamplerConfig(weight_swap="inflight")
+    with pytest.raises(ValueError, match="weight_swap='in_flight' is not offered"):
+        SGLangSampler("http://127.0.0.1:9", max_context=CTX, weight_swap="in_flight")
+    cfg = SamplerConfig(weight_swap="in_flight", warmup=False)
+    with build_sampler(cfg, SamplerSetup(model=model, tokenizer=None, max_context=CTX)) as s:
+        assert s.weight_swap == "in_flight"
+    # The endpoint's flag (python -m ac2_jax.serving --weight_swap=...) reaches it.
+    assert sampler_config("jax", weight_swap="in_flight").weight_swap == "in_flight"
+    assert sampler_config("jax").weight_swap == "drain"
+    with pytest.raises(ValueError, match="--weight_swap has no effect with --sampler=sglang"):
+        sampler_config("sglang", sglang_url="http://127.0.0.1:9", weight_swap="in_flight")
