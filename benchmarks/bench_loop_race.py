@@ -629,7 +629,9 @@ def make_checkpoint_once(ckpts: dict, size: str, work: str) -> dict:
 def print_rows(rows: list[dict]) -> None:
     from benchmarks.common import print_table
 
-    print_table([r for r in rows if "error" not in r], COLS)
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        print_table(ok, COLS)
     for r in rows:
         if "error" in r:
             print(f"{r['size']} {r['system']}: not run ({r['error'][-300:]})")
