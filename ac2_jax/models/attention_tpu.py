@@ -29,8 +29,9 @@ forward) and dk / dv (grid (B, K, k blocks, q blocks)). Matmuls take the
 inputs' dtype with fp32 accumulation; p is cast to v's dtype for p @ v (as
 every flash kernel does). A query that sees no key gets zeros.
 
-Blocks: block_q rows (a multiple of 8) and block_k keys (a multiple of 128,
-the lane width) on TPU; interpret mode (`interpret=True`, any platform)
+Blocks: block_q rows and block_k keys, rounded up on TPU to multiples of 8
+and of 128 (the lane width: a `DecoderConfig.attention_block` of 64 runs
+128-key tiles); interpret mode (`interpret=True`, any platform)
 takes any sizes, which the CPU tests use to stay small. Not supported (refused
 by name): a sliding window (the decoder runs "dense" for one).
 
@@ -133,10 +134,14 @@ def _attend(q, k, v, q_index, q_segment, kv_index, kv_segment, kv_end, *, block_
     K, Lk = k.shape[1], k.shape[2]
     G = H // K
     mask = flat_rule(AttentionMask(q_index, kv_index, q_segment, kv_segment, kv_end, tree=tree))
-    bk = min(block_k, -(-Lk // LANES) * LANES) if not interpret else min(block_k, Lk)
-    Lk_p = -(-Lk // bk) * bk
+    up = lambda n, m: -(-n // m) * m  # noqa: E731  (n rounded up to a multiple of m)
     rows = G * Lq
-    bq = min(block_q, -(-rows // SUBLANES) * SUBLANES) if not interpret else min(block_q, rows)
+    if interpret:
+        bk, bq = min(block_k, Lk), min(block_q, rows)
+    else:  # Mosaic's block rule: keys a multiple of the lanes, rows of the sublanes
+        bk = min(up(block_k, LANES), up(Lk, LANES))
+        bq = min(up(block_q, SUBLANES), up(rows, SUBLANES))
+    Lk_p = up(Lk, bk)
     Lq_p = Lq
     mask = mask.pad(Lq_p, Lk_p)
     rows_p = -(-(G * Lq_p) // bq) * bq

@@ -94,8 +94,10 @@ def test_refuses_a_sliding_window():
 
 def test_kernels_lower_for_a_tpu_topology():
     """Mosaic's block rules and lowering, ahead of time on this CPU host for v5e: the
-    attention kernel's forward and backward (bf16, 128-blocks, a tree row) and the
-    experts through gmm (forward and backward) in one compilation."""
+    attention kernel's forward and backward (bf16, a tree row; blocks of 64, a valid
+    `DecoderConfig.attention_block`, rounded up to the 128 lanes: unrounded they
+    failed Mosaic's block rule) and the experts through gmm (forward and backward)
+    in one compilation."""
     pytest.importorskip("libtpu", reason="libtpu not installed (pip install ac2_jax[tpu-aot])")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
     from jax.experimental import topologies
@@ -105,7 +107,7 @@ def test_kernels_lower_for_a_tpu_topology():
     B, L, H, K, hd, D, F, E = 1, 256, 4, 2, 128, 256, 64, 4
 
     def loss(q, k, v, seg, end, wg, wu, wd):
-        out = pallas_tpu_attention(q, k, v, AttentionMask.packed(seg, end))
+        out = pallas_tpu_attention(q, k, v, AttentionMask.packed(seg, end), block_q=64, block_k=64)
         x = out.reshape(L, H * hd)[:, :D]
         ids = jnp.stack([seg[0] % E, (seg[0] + 1) % E], axis=1)
         y, _, _ = experts_apply(x, ids, jnp.ones(ids.shape), seg[0] > 0, wg, wu, wd, grouped="gmm")
