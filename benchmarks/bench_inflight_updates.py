@@ -79,6 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds (each runs both modes)")
     p.add_argument("--steps_per_sync", type=int, default=8)
     p.add_argument("--prefill_chunk", type=int, default=64)
+    p.add_argument("--min_prefill_rows", type=int, default=1,
+                   help="JaxSampler(min_prefill_rows=): the toy test sets --concurrency "
+                        "(one prefill shape to compile)")
     p.add_argument("--no_sampler_warmup", action="store_true",
                    help="skip JaxSampler.warmup (toy runs: compile on first use)")
     p.add_argument("--warm_steps", type=int, default=2,
@@ -101,6 +104,13 @@ def _config(a) -> DecoderConfig:
 def _ctx(a) -> int:
     need = a.prompt_len + max(a.short, a.long) + 1
     return 1 << (need - 1).bit_length()
+
+
+@functools.cache
+def _initial(config: DecoderConfig, seed: int) -> Decoder:
+    """The initial decoder of (config, seed), made once per process: every run's
+    learner and sampler start from a copy (`nnx.clone`), not a new init."""
+    return Decoder(config, rngs=nnx.Rngs(seed))
 
 
 @functools.cache
@@ -127,7 +137,7 @@ class Learner:
     """One jitted REINFORCE-style gradient step (SGD) on [batch, ctx] rows."""
 
     def __init__(self, config: DecoderConfig, seed: int, lr: float, batch: int, ctx: int):
-        self.model = Decoder(config, rngs=nnx.Rngs(seed))
+        self.model = nnx.clone(_initial(config, seed))
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
         self.shape = (batch, ctx)
         self._step = _step_fn(self.graphdef, lr)
@@ -176,10 +186,12 @@ def _pct(xs: list[float], q: float) -> float | None:
 async def run_mode(a, mode: str, rnd: int) -> dict:
     cfg, ctx = _config(a), _ctx(a)
     learner = Learner(cfg, a.seed, a.lr, a.batch, ctx)
+    # max_top_logprobs=0: no attempt asks for them (the decode chunk compiles without).
     sampler = JaxSampler(
-        Decoder(cfg, rngs=nnx.Rngs(a.seed)), max_context=ctx, max_batch=a.concurrency,
+        nnx.clone(_initial(cfg, a.seed)), max_context=ctx, max_batch=a.concurrency,
         min_batch=a.concurrency, min_cache_len=ctx, steps_per_sync=a.steps_per_sync,
-        prefill_chunk=a.prefill_chunk, seed=a.seed, weight_swap=mode,
+        prefill_chunk=a.prefill_chunk, min_prefill_rows=a.min_prefill_rows,
+        max_top_logprobs=0, seed=a.seed, weight_swap=mode,
     )  # fmt: skip
     rng = np.random.default_rng(a.seed)
     with sampler:

@@ -6,11 +6,11 @@ import json
 
 from benchmarks.bench_inflight_updates import main
 
-TOY = ["--hidden", "16", "--layers", "1", "--heads", "2", "--kv_heads", "1", "--vocab", "32",
+TOY = ["--hidden", "16", "--layers", "1", "--heads", "1", "--kv_heads", "1", "--vocab", "32",
        "--prompt_len", "3", "--short", "3", "--long", "12", "--long_every", "2",
        "--concurrency", "2", "--batch", "2", "--steps", "2", "--rounds", "1",
-       "--prefill_chunk", "16", "--steps_per_sync", "4", "--warm_steps", "0",
-       "--no_sampler_warmup"]
+       "--prefill_chunk", "16", "--min_prefill_rows", "2", "--steps_per_sync", "4",
+       "--warm_steps", "0", "--no_sampler_warmup"]
 
 
 def test_both_modes_side_by_side(tmp_path):
