@@ -244,10 +244,14 @@ def test_trainer_watchdog_fires_on_a_blocked_collection(tmp_path, caplog):
 
 @pytest.mark.full
 def test_watchdog_stop_exits_the_process_non_zero():
-    script = textwrap.dedent("""
-        import time
-        from ac2_jax.training.core.watchdog import Watchdog
-        dog = Watchdog(0.2, "stop", where="collector", poll_s=0.05)
+    # watchdog.py imports only the standard library: loaded alone, the child starts in
+    # milliseconds instead of importing jax through the package.
+    path = sys.modules[Watchdog.__module__].__file__
+    script = textwrap.dedent(f"""
+        import importlib.util, time
+        spec = importlib.util.spec_from_file_location("watchdog", {path!r})
+        mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+        dog = mod.Watchdog(0.2, "stop", where="collector", poll_s=0.05)
         with dog.stage("collection"):
             time.sleep(30)
     """)
@@ -256,7 +260,7 @@ def test_watchdog_stop_exits_the_process_non_zero():
                          timeout=60, env={"JAX_PLATFORMS": "cpu", **__import__("os").environ})
     assert out.returncode == 70 and time.perf_counter() - t0 < 25
     assert "stage 'collection' of the collector made no progress" in out.stderr
-    assert 'File "<string>", line 6' in out.stderr  # the stuck thread's stack
+    assert 'File "<string>", line 7' in out.stderr  # the stuck thread's stack
 
 
 # ------------------------------------------------------------------ infra backoff
@@ -309,7 +313,7 @@ def test_the_split_learner_reads_the_served_checksum_over_http(tmp_path):
         sampler = _sampler(Decoder(cfg, rngs=nnx.Rngs(0)), publish, cls)
         url, stop = serve_in_thread(build_app(sampler, tok, admin_key="sk-a", model_name="m"))
 
-        async def served():
+        async def served(url=url):
             lc = LifecycleClient(url, "sk-a")
             try:
                 assert await lc.load_weights(1) == 1
