@@ -15,6 +15,13 @@ suite's -O0 / no-fusion-emitters setting (tests/conftest.py) with XLA's defaults
     XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \\
         python -m benchmarks.bench_long_rows --prompt 32000
 
+`--kernel` times only the attention kernel the model picks for such rows ("auto" on
+CPU: block-sparse, 128-token tiles) on one causal row of `--prompt` tokens, forward
+and forward + backward, in CPU seconds per call and per causal (query, key) pair and
+head, under the same two flag settings:
+
+    python -m benchmarks.bench_long_rows --kernel --prompt 4096
+
 Every phase is timed twice where a second call is the steady state (the update and the
 first forward: first = compile + run). The figures are in BUILD_NOTES, issue 67,
 "default-settings RL steps".
@@ -74,6 +81,40 @@ def long_traces(attempts: int, prompt: int, output: int, vocab: int, seed: int =
     return traces
 
 
+def kernel(tokens: int, block: int = 128) -> list[dict]:
+    """Block-sparse attention of the test's head shape (2 query heads over 1 kv head,
+    head_dim 16) on one causal row: CPU seconds per call, forward and forward +
+    backward (the second and third calls, after the compile)."""
+    import jax.numpy as jnp
+
+    from ac2_jax.models.attention import attention
+    from ac2_jax.models.attention_mask import AttentionMask
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, tokens, 2, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, tokens, 1, 16)), jnp.float32) for _ in range(2))
+    seg = jnp.ones((1, tokens), jnp.int32)
+
+    def f(q, k, v, seg):
+        return attention(q, k, v, AttentionMask.packed(seg), backend="blocksparse",
+                         block=block).sum()
+
+    rows = []
+    for name, fn in (("forward", f), ("forward + backward",
+                                      jax.value_and_grad(f, argnums=(0, 1, 2)))):
+        call = jax.jit(fn).lower(q, k, v, seg).compile()
+        jax.block_until_ready(call(q, k, v, seg))
+        c = cpu_s()
+        for _ in range(2):
+            jax.block_until_ready(call(q, k, v, seg))
+        per_call = (cpu_s() - c) / 2
+        pairs = tokens * (tokens + 1) / 2 * 2  # causal pairs x query heads
+        rows.append({"phase": f"block-sparse {name}, {tokens} tokens", "cpu_s": round(per_call, 3),
+                     "ns_per_pair_head": round(per_call / pairs * 1e9, 1)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--prompt", type=int, default=32000, help="prompt tokens per completion")
@@ -83,7 +124,15 @@ def main():
     p.add_argument("--seq_len", type=int, default=65536)
     p.add_argument("--reference", type=int, default=-1,
                    help="reference forward passes to time (-1: one per completion)")
+    p.add_argument("--kernel", action="store_true", help="time only the attention kernel")
     args = p.parse_args()
+    if args.kernel:
+        rows = kernel(args.prompt)
+        print_table(rows, ["phase", "cpu_s", "ns_per_pair_head"])
+        print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+        if args.out:
+            write_json(args.out, {"args": vars(args), "rows": rows, "machine": cpu_record()})
+        return
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.training import RLConfig
