@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
 
-__all__ = ["flat_rule", "pallas_tpu_attention"]
+__all__ = ["flat_rule", "fold_rows", "pallas_tpu_attention"]
 
 LANES, SUBLANES = 128, 8
 
@@ -149,17 +149,25 @@ def _attend(q, k, v, q_index, q_segment, kv_index, kv_segment, kv_end, *, block_
     qr = jnp.pad(q, ((0, 0), (0, Lq_p - Lq), (0, 0), (0, 0))).reshape(B, Lq_p, K, G, hd)
     qr = qr.transpose(0, 2, 3, 1, 4).reshape(B, K, G * Lq_p, hd)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - G * Lq_p), (0, 0)))
-    fill = lambda x, value: jnp.pad(  # noqa: E731
-        jnp.tile(x, (1, G)), ((0, 0), (0, rows_p - G * Lq_p)), constant_values=value
-    )
-    folded = AttentionMask(
-        fill(mask.q_index, -1), mask.kv_index, fill(mask.q_segment, 0), mask.kv_segment,
-        mask.kv_end,
-    )  # fmt: skip
+    folded = fold_rows(mask, G, rows_p)
     kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, Lk_p - Lk), (0, 0))) for x in (k, v))
     out = _flash(bq, bk, interpret, qr, kp, vp, *_mask_arrays(folded, bq, bk))
     out = out[:, :, : G * Lq_p].reshape(B, K, G, Lq_p, hd).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, Lq_p, H, hd)[:, :Lq].astype(q.dtype)
+
+
+def fold_rows(mask: AttentionMask, G: int, rows: int) -> AttentionMask:
+    """The mask of one kv head's query rows as the kernel lays them out, (g, query)
+    for g < G (the q arrays repeated per g), padded to `rows` rows that see nothing
+    (q_index -1, segment 0). Its `tiles(block_q, block_k)` is the kernel's tile table."""
+    Lq = mask.shape[1]
+    fill = lambda x, value: jnp.pad(  # noqa: E731
+        jnp.tile(x, (1, G)), ((0, 0), (0, rows - G * Lq)), constant_values=value
+    )
+    return AttentionMask(
+        fill(mask.q_index, -1), mask.kv_index, fill(mask.q_segment, 0), mask.kv_segment,
+        mask.kv_end,
+    )  # fmt: skip
 
 
 def flat_rule(mask: AttentionMask) -> AttentionMask:

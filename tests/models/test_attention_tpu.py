@@ -6,6 +6,7 @@ the values of a decode chunk against the KV cache, under a data x tensor mesh (t
 kernel runs in shard_map). Blocks of 8 keep interpret mode fast; the TPU block
 rules (8 x 128) are checked by compiling the kernel for a v5e topology with libtpu."""
 
+import functools
 import os
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import AttentionMask, dense_attention
-from ac2_jax.models.attention_tpu import flat_rule, pallas_tpu_attention
+from ac2_jax.models.attention_tpu import flat_rule, fold_rows, pallas_tpu_attention
 from ac2_jax.models.moe import experts_apply
 from ac2_jax.training import make_mesh
 
@@ -81,6 +82,55 @@ def test_flat_tree_and_decode_rows_under_a_mesh_equal_dense():
     for name, g, r in zip("qkv", got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=TOL, rtol=0, err_msg=f"d{name}")
     assert jnp.all(out[5, 12:] == 0) and jnp.abs(out[1, -4:]).min() > 0  # decode / flat padding
+
+
+def random_rows(rng, n, L):
+    """n random flat rows (sorted or interleaved segment ids, then padding) and n random
+    tree rows (DFS forests: each token a child of a token on the last one's path, or
+    a new root; then padding), as segment ids [2n, L] and subtree_end [n, L]."""
+    seg, tseg, end = np.zeros((n, L), int), np.zeros((n, L), int), np.tile(np.arange(L), (n, 1))
+    for r in range(n):
+        used = rng.integers(0, L + 1)
+        ids = rng.integers(1, 4, used)
+        seg[r, :used] = np.sort(ids) if r % 2 else ids
+        path: list[int] = []
+        for i in range(rng.integers(L // 2, L + 1)):
+            path = path[: rng.integers(1, len(path) + 1)] if path and rng.random() < 0.8 else []
+            end[r, path] = i
+            path.append(i)
+            tseg[r, i] = 1
+    return seg, tseg, end
+
+
+def test_the_tile_table_skips_no_tile_with_a_visible_pair():
+    """The kernel's tile table (`fold_rows(...).tiles`: a skipped tile is silent wrong
+    attention) against the dense mask's tiles, on 20 random flat rows, 20 random tree
+    rows and 20 random decode chunks against a 37-slot cache, for grouped-query folds
+    and block sizes that do not divide the lengths: every tile holding a visible pair
+    is computed."""
+    rng, L = np.random.default_rng(7), 23
+    seg, tseg, end = random_rows(rng, 20, L)
+    tree = AttentionMask.packed(jnp.asarray(tseg, jnp.int32), jnp.asarray(end, jnp.int32))
+    np.testing.assert_array_equal(flat_rule(tree).dense(), tree.dense())
+    rows = [AttentionMask.packed(jnp.asarray(seg, jnp.int32)), flat_rule(tree)]
+    packed = jax.tree.map(lambda *x: jnp.concatenate(x), *[m.replace(causal=False) for m in rows])
+    pos = np.sort(rng.integers(-1, 37, (20, 5)), axis=1)  # -1: padding
+    decode = AttentionMask.decode(jnp.asarray(pos, jnp.int32), 37)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def wrong_and_skipped(mask, G, bq, bk):
+        B, Lq, Lk = mask.shape
+        rows_p, Lk_p = -(-G * Lq // bq) * bq, -(-Lk // bk) * bk
+        folded = fold_rows(mask.pad(Lq, Lk_p), G, rows_p)
+        seen = folded.dense().reshape(B, rows_p // bq, bq, Lk_p // bk, bk).any(axis=(2, 4))
+        table = folded.tiles(bq, bk)
+        return jnp.sum(seen & ~table), jnp.sum(~table)
+
+    for mask in (packed, decode):
+        for G, bq, bk in ((1, 8, 8), (2, 5, 3), (3, 16, 16)):
+            wrong, skipped = wrong_and_skipped(mask, G, bq, bk)
+            assert int(wrong) == 0, (mask.shape, G, bq, bk)
+            assert int(skipped) > 0  # the table does skip tiles
 
 
 def test_refuses_a_sliding_window():
