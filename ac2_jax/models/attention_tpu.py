@@ -39,7 +39,7 @@ Sharding: under a mesh (`jax.set_mesh`) the kernel runs in `jax.shard_map`
 with rows over the rules' "batch" axes and kv heads over their "kv" axes
 (`models.axes.active_rules`), so it does not gather a sharded batch. A batch
 (kv heads) that those axes do not divide runs replicated over them: gathered,
-still exact (checked: 3 rows on a data axis of 2).
+still exact.
 """
 
 from __future__ import annotations
