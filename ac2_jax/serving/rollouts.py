@@ -47,6 +47,20 @@ COUNTERS = (
 )
 
 
+def sampled_versions(trace: Trace) -> list[int]:
+    """Every policy version that sampled a token of `trace` (per token:
+    `Completion.token_versions`, so a generation that spans in-flight weight
+    updates counts each), and each completion's `policy_version`, ascending."""
+    return sorted(
+        {
+            int(v)
+            for e in trace.episodes
+            for c in e.completions
+            for v in (c.policy_version, *c.token_versions())
+        }
+    )
+
+
 class Rollout:
     """One task attempt: its key, trace, recorder and assistant-turn memory."""
 
@@ -99,7 +113,7 @@ class Rollout:
             "prompt_tokens": sum(c["prompt_tokens"] for c in self.completions),
             "completion_tokens": sum(c["completion_tokens"] for c in self.completions),
             "agent_tokens": t.num_agent_tokens,
-            "policy_versions": sorted({c["policy_version"] for c in self.completions}),
+            "policy_versions": sampled_versions(t),
             "wall_time_s": (
                 self.wall_time_s
                 if self.wall_time_s is not None
@@ -368,7 +382,7 @@ class RolloutRegistry:
                 "agent_tokens": t.num_agent_tokens,
                 "prompt_tokens": sum(c["prompt_tokens"] for c in rollout.completions),
                 "completion_tokens": sum(c["completion_tokens"] for c in rollout.completions),
-                "policy_versions": sorted({c["policy_version"] for c in rollout.completions}),
+                "policy_versions": sampled_versions(t),
                 "wall_time_s": wall,
                 **rollout.counters,
                 **(metrics or {}),

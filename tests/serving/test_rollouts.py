@@ -403,3 +403,18 @@ def test_a_reward_outside_the_rollouts_named_range_is_refused(tmp_path):
         admin.close()
         stop()
         sampler.close()
+
+
+def test_policy_versions_count_every_token_of_an_in_flight_generation(tmp_path):
+    """A generation that spans in-flight weight updates (Completion.output_versions)
+    was sampled by each of its tokens' versions: the rollout's status and its stored
+    metrics list them all, not only the first token's (issue 65 review)."""
+    store = TraceStore(str(tmp_path / "traces.jsonl"))
+    reg = RolloutRegistry(store)
+    r = reg.create("t")
+    spanning = Completion(prompt_ids=[1], output_ids=[2, 3, 4], output_logprobs=[-0.5] * 3,
+                          policy_version=2, output_versions=[2, 3, 5])
+    reg.record(r, "main", [spanning, comp([1], [7], version=1)], [])
+    assert reg.summary(r)["policy_versions"] == [1, 2, 3, 5]
+    reg.finish(r, reward=1.0)
+    assert store.load()[0].metrics["policy_versions"] == [1, 2, 3, 5]
