@@ -34,8 +34,10 @@ HEAVY = {"fastapi", "uvicorn", "starlette", "matplotlib", "torch", "transformers
 # try / except), so [dev]'s notebook kernel makes them appear: flax.nnx.reprlib probes
 # IPython (and so traitlets) for a notebook display; numpy.f2py probes charset_normalizer;
 # jax._src.pickle_util probes cloudpickle (which the textarena extra brings); httpx's and
-# urllib3's decoders probe brotli (which the openenv extra brings).
-PROBED = {"IPython", "traitlets", "charset_normalizer", "cloudpickle", "brotli", "_brotli"}
+# urllib3's decoders probe brotli (which the openenv extra brings); `import jax` probes
+# libtpu (jax._src.cloud_tpu_init; the tpu-aot extra brings it).
+PROBED = {"IPython", "traitlets", "charset_normalizer", "cloudpickle", "brotli", "_brotli",
+          "libtpu"}
 # Packages whose __init__ re-exports every public name of their modules (optax style).
 REEXPORTING = ["trace", "segments", "losses", "envs", "evals", "orchestration", "viz"]
 
