@@ -76,6 +76,13 @@ _KEPT = (
         "same-process A/B of the train step under two DecoderConfig runtime choices",
     ),
     (
+        "long_rows",
+        "bench_long_rows",
+        "gemm and the train step",
+        "one RL step from long agent rows: packing, the step's compile and run, reference "
+        "forwards, in CPU seconds under the caller's XLA flags; --kernel: attention alone",
+    ),
+    (
         "inflight_updates",
         "bench_inflight_updates",
         "the RL loop",
