@@ -51,8 +51,9 @@ ROOT = os.path.dirname(HERE)
 
 # The train-step benchmark's sizes (benchmarks/bench_train_step.py), vocab from the tokenizer.
 SIZES = {
-    "toy": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16),
+    # The pipeline's test and --quick: the fewest layers and widths it runs with.
+    "toy": dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                num_kv_heads=1, head_dim=16),
     "small": dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=64),
     "medium": dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,

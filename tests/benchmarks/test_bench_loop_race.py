@@ -6,6 +6,13 @@ is far below every allowed one, in this library's own forward), the spec's
 token shape, and the table's arithmetic (phases, equal-work check, machine
 bound, growth PNG). The full-tier test runs one step of this library's whole
 loop (endpoint, sampler, trainer) through the benchmark's runner.
+
+Sized for the suite's time (about 20 s of CPU for the file): the smallest
+checkpoint (`toy`: one layer, hidden 32, the tiny tokenizer's 512 tokens), one
+task of two attempts (the smallest group with an advantage), two turns of two
+tokens (the tool message between them is the loop's point), one step, and the
+sampler's ahead-of-time warm-up compiles off (each shape compiles in its first
+use instead; the benchmark's growth points run the same way).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from benchmarks.peers import task as race_task
 def toy(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("race") / "ckpt")
     info = race.write_checkpoint(path, "toy", vocab=508)
-    spec = race.make_spec(path, tasks_per_step=2, attempts=2, turns=2, max_tokens=4,
+    spec = race.make_spec(path, tasks_per_step=1, attempts=2, turns=2, max_tokens=2,
                           warmup=0, steps=1)
     return info, spec
 
@@ -55,7 +62,8 @@ def test_checkpoint_never_samples_disallowed_tokens(toy):
 def test_spec_and_table_arithmetic(toy, tmp_path):
     info, spec = toy
     assert spec["seq_len"] % 64 == 0
-    assert spec["seq_len"] >= spec["prompt_tokens"] + 2 * 4 + spec["suffix_tokens"]
+    turns, m = spec["turns"], spec["max_tokens"]
+    assert spec["seq_len"] >= spec["prompt_tokens"] + turns * m + spec["suffix_tokens"]
     assert race_task.reward("so 1798.0", 1798) == pytest.approx(1.0 + 0.009)
     assert race_task.reward("no", 1798) == pytest.approx(0.002)
     step = {"rollout_s": 1.0, "scoring_s": 0.0, "update_s": 2.0, "handoff_s": 0.5,
@@ -71,7 +79,7 @@ def test_spec_and_table_arithmetic(toy, tmp_path):
     ceil = {"bandwidth_gb_s": 10.0, "gemm_gflops": 100.0}
     b = race.step_bound("toy", info["vocab"], spec, ceil)
     p = race.matmul_params("toy", info["vocab"])
-    assert b["bound_decode_s"] == pytest.approx(2 * 4 * 4 * p / 10e9)
+    assert b["bound_decode_s"] == pytest.approx(turns * m * 4 * p / 10e9)
     assert b["bound_s"] == pytest.approx(b["bound_decode_s"] + b["bound_prefill_s"]
                                          + b["bound_update_s"])
     points = [{"axis": a, "value": v, "step_s": 0.1 * v} for a in ("attempts", "turns", "context")
@@ -85,7 +93,7 @@ def test_spec_and_table_arithmetic(toy, tmp_path):
 def test_one_step_of_the_loop(toy, tmp_path):
     """This library's whole loop, one step, through the benchmark's runner process."""
     _, spec = toy
-    out = race.run_system("ac2", spec, str(tmp_path), None)
+    out = race.run_system("ac2", dict(spec, sampler_warmup=False), str(tmp_path), None)
     assert "error" not in out, out.get("error")
     (step,) = out["steps"]
     n = spec["tasks_per_step"] * spec["attempts"]
