@@ -372,6 +372,30 @@ class SFTLoss(Objective):
         )
 
 
+# extras key of a [R, L] float mask (1: the token was sampled by the weights the step
+# starts from). Given, a `PolicyGradientLoss` adds `drift_sums` to its metric sums.
+DRIFT_ONPOLICY = "drift_onpolicy"
+
+
+def drift_sums(logp, sampler, mask, onpolicy) -> dict:
+    """Sampler/learner drift from the loss's own forward (the drift alarm,
+    `training.rl.alarms`): with d = logp - sampler over trained tokens (mask > 0),
+    split by `onpolicy` [R, L] (1 on-policy, 0 stale), the sums
+    _drift_{onpolicy,stale}_abs (sum |d|) and _drift_{onpolicy,stale}_kl (sum of
+    k3 = exp(d) - 1 - d, as `kl_to_sampler`). Sums, so micro-batches (grad_accum)
+    add up exactly; the step divides every metric sum by the batch's loss-mask sum,
+    which the caller multiplies back. logp: the learner's log-probs at the weights
+    the step starts from (before its update)."""
+    trained = (mask > 0).astype(jnp.float32)
+    d = logp - sampler
+    k3 = jnp.exp(d) - 1.0 - d
+    out = {}
+    for kind, sel in (("onpolicy", trained * onpolicy), ("stale", trained * (1.0 - onpolicy))):
+        out[f"_drift_{kind}_abs"] = jnp.where(sel > 0, jnp.abs(d), 0.0).sum()
+        out[f"_drift_{kind}_kl"] = jnp.where(sel > 0, k3, 0.0).sum()
+    return out
+
+
 @OBJECTIVES.register("ppo")
 @dataclasses.dataclass(frozen=True)
 class PolicyGradientLoss(Objective):
@@ -562,6 +586,9 @@ class PolicyGradientLoss(Objective):
             sums["entropy"] = _masked_sum(
                 jax.lax.stop_gradient(ent if ent is not None else ent_bonus), batch
             )
+        on = extras.get(DRIFT_ONPOLICY) if extras else None
+        if on is not None:  # the drift alarm, from this forward (no other one)
+            sums.update(drift_sums(jax.lax.stop_gradient(logp), sampler, m, on))
         return per_token, sums
 
     def __call__(self, logits, batch, extras=None):

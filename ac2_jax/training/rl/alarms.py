@@ -189,19 +189,28 @@ def drift_metrics(
     return out, per[:worst]
 
 
-def check_drift(alarms: Alarms, m: dict[str, Any], worst: list[tuple[str, float]], where: str):
+def check_drift(
+    alarms: Alarms,
+    m: dict[str, Any],
+    worst: list[tuple[str, float]],
+    where: str,
+    ranked_by: str | None = None,
+):
     """Fires the drift alarm when the step's on-policy mean |delta| (in `m`) passes
-    its threshold."""
+    its threshold. `ranked_by`: what ranked `worst` when not the learner the metric
+    measured (e.g. "the updated learner")."""
     cfg = alarms.config.drift
     value = m.get("drift/onpolicy_abs_mean")
     if not alarms.config.on("drift") or value is None or value <= cfg.threshold:
         return
     named = ", ".join(f"{n} ({v:.3g})" for n, v in worst)
+    peak = m.get("drift/onpolicy_max")
     alarms.fire(
         "drift",
         f"sampler/learner drift at the same weights: mean |delta log-prob| {value:.3g} > "
-        f"{cfg.threshold:g} over {int(m['drift/onpolicy_tokens'])} on-policy tokens "
-        f"(max {m['drift/onpolicy_max']:.3g}); worst completions: {named}",
+        f"{cfg.threshold:g} over {int(m['drift/onpolicy_tokens'])} on-policy tokens"
+        + ("" if peak is None else f" (max {peak:.3g})")
+        + f"; worst completions{'' if ranked_by is None else ' by ' + ranked_by}: {named}",
         where,
     )
 

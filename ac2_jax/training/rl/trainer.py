@@ -54,7 +54,7 @@ from ac2_jax.sampling.batching import occupancy_metrics
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger
-from ac2_jax.training.core.objectives import Objective, PolicyGradientLoss
+from ac2_jax.training.core.objectives import DRIFT_ONPOLICY, Objective, PolicyGradientLoss
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
 from ac2_jax.training.core.train_step import TrainStep, make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
@@ -224,8 +224,9 @@ class RLTrainer(TrainerHooks):
     were sampled; without it such a trace is an error.
 
     `alarms` (default `AlarmsConfig()`: on): the correctness alarms of
-    `training.rl.alarms`. Each update measures sampler/learner drift (one more
-    learner forward of the batch; single-process learners), each publish's
+    `training.rl.alarms`. Each update measures sampler/learner drift
+    (single-process learners; from the loss's own forward for every
+    `PolicyGradientLoss` kind, one more forward for other objectives), each publish's
     checksum is compared with `served_weights()` (the sampler's report, e.g.
     `JaxSampler.served_weights`; a function or coroutine function) after the
     publish and after each step, and a `Watchdog` watches the collection, train
@@ -475,11 +476,73 @@ class RLTrainer(TrainerHooks):
                 check_routing(self.alarms, m, f"update of version {version}")
             if recompute:
                 batch = dataclasses.replace(batch, routing=None)
-        if self.alarms.config.on("drift") and jax.process_count() == 1:
+        drift = self.alarms.config.on("drift") and jax.process_count() == 1
+        extras = None
+        if drift and self._drift_in_step:  # from the step's own forward (no other)
+            extras = {DRIFT_ONPOLICY: self._onpolicy(batch, sources, version)}
+        elif drift:  # a loss without the drift sums: one more forward, before the update
             m.update(self._drift(batch, sources, version))
-        m.update(self.trainer.update(batch, teacher=self.reference))
+        m.update(self.trainer.update(batch, extras, teacher=self.reference))
+        if extras is not None:
+            m.update(self._drift_from_step(m, batch, extras[DRIFT_ONPOLICY], sources, version))
         m["skipped_update"] = 0.0
         return m
+
+    @property
+    def _drift_in_step(self) -> bool:
+        # Every PolicyGradientLoss kind computes the drift sums in its forward.
+        return isinstance(self.config.loss, PolicyGradientLoss)
+
+    @staticmethod
+    def _onpolicy(batch, sources: list[tuple[str, bool]], version: int) -> np.ndarray:
+        """[R, L] float32: 1 where the token was sampled by `version` (per token by
+        the batch's POLICY_VERSION; else per segment by `sources`)."""
+        from ac2_jax.segments import POLICY_VERSION
+
+        per_token = batch.features.get(POLICY_VERSION)
+        if per_token is not None:
+            return (np.asarray(per_token) == version).astype(np.float32)
+        on = np.asarray([o for _, o in sources], bool)
+        seg = np.asarray(batch.segment_index)
+        if not on.size:
+            return np.zeros(seg.shape, np.float32)
+        return on[np.clip(seg, 0, on.size - 1)].astype(np.float32)
+
+    def _drift_from_step(self, m, batch, onpolicy, sources, version) -> dict[str, float]:
+        """The drift metrics (`alarms.drift_metrics`' keys but the max) from the
+        step's sums (`objectives.drift_sums`, popped from `m`): the learner's log-probs
+        are the loss's, at the weights before the update, so the alarm costs no
+        forward. A fired alarm names the worst completions from one more forward, at
+        the updated weights (said in the line): only when it fires."""
+        mask = np.asarray(batch.loss_mask)
+        denom = max(float(mask.sum()), 1e-8)  # what the step divided every sum by
+        trained = mask > 0
+        out: dict[str, float] = {}
+        for kind, sel in (("onpolicy", onpolicy > 0), ("stale", onpolicy <= 0)):
+            n = int((trained & sel).sum())
+            abs_sum, kl_sum = m.pop(f"_drift_{kind}_abs"), m.pop(f"_drift_{kind}_kl")
+            out[f"drift/{kind}_tokens"] = float(n)
+            if n:
+                out[f"drift/{kind}_abs_mean"] = abs_sum * denom / n
+                out[f"drift/{kind}_kl"] = kl_sum * denom / n
+        cfg = self.alarms.config.drift
+        value = out.get("drift/onpolicy_abs_mean")
+        if value is not None and value > cfg.threshold:
+            from ac2_jax.segments import SAMPLER_LOGPROBS
+
+            _, worst = drift_metrics(
+                np.asarray(jax.device_get(self.step_fn.logprobs(self.trainer.state, batch))),
+                np.asarray(batch.feature(SAMPLER_LOGPROBS)),
+                mask,
+                np.asarray(batch.segment_index),
+                [on for _, on in sources],
+                [name for name, _ in sources],
+                worst=self.alarms.config.worst,
+                token_on_policy=onpolicy > 0,
+            )
+            check_drift(self.alarms, out, worst, f"update of version {version}",
+                        ranked_by="the updated learner")  # fmt: skip
+        return out
 
     def _routing(self, batch) -> dict[str, float]:
         """The routing alarm's metrics (`alarms.routing_mismatch`): the learner's own
@@ -531,14 +594,15 @@ class RLTrainer(TrainerHooks):
         compiled ahead (`Trainer.warmup`) or the compile failed (logged: the first
         update then compiles, and fails loudly if the step is broken)."""
         try:
-            return self.trainer.warmup(
-                warmup_batch(
-                    self._batch_config,
-                    process_index=jax.process_index(),
-                    process_count=jax.process_count(),
-                ),
-                teacher=self.reference,
+            batch = warmup_batch(
+                self._batch_config,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
             )
+            extras = None  # as `update` will pass them, or the warm compile goes unused
+            if self.alarms.config.on("drift") and self._drift_in_step:
+                extras = {DRIFT_ONPOLICY: np.zeros(batch.tokens.shape, np.float32)}
+            return self.trainer.warmup(batch, extras, teacher=self.reference)
         except Exception:  # noqa: BLE001 - an optimisation; the update compiles anyway
             logging.exception(
                 "RLTrainer: compiling the train step ahead failed; the first update compiles it"

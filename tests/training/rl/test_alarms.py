@@ -31,6 +31,7 @@ from ac2_jax.models.params_io import publish_weights, published_checksum, weight
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.base import SamplingParams
 from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.segments import SAMPLER_LOGPROBS
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.core import MetricsLogger, StepCache, read_metrics
@@ -43,6 +44,7 @@ from ac2_jax.training.rl.alarms import (
     WeightsAlarmConfig,
     WeightsCheck,
 )
+from ac2_jax.training.rl.batching import pack_rl_batch
 from ac2_jax.training.rl.collectors import EndpointCollector
 from ac2_jax.training.rl.data import BatchConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
@@ -191,9 +193,12 @@ def test_healthy_run_is_quiet_and_perturbed_weights_and_a_skipped_load_fire(samp
             trainer.close()
             sampler.close()
         runs[name + "_fired"] = trainer.alarms.fired
+        # The healthy run's drift came from the step's own forward: no other was compiled.
+        runs[name + "_extra_forward"] = trainer.step_fn._logprobs is not None
     m = runs["ok"]
     assert m["drift/onpolicy_tokens"] > 0 and m["drift/stale_tokens"] == 0
-    assert m["drift/onpolicy_abs_mean"] < 1e-4 and m["drift/onpolicy_max"] < 1e-3  # fp32
+    assert m["drift/onpolicy_abs_mean"] < 1e-4 and abs(m["drift/onpolicy_kl"]) < 1e-6  # fp32
+    assert runs["ok_extra_forward"] is False  # drift from the step's forward: no other one
     assert m["alarms/weights_verified"] == 1 and m["alarms/weights_mismatches"] == 0
     assert runs["ok_fired"] == [] and m["skipped_update"] == 0.0
     logged = read_metrics(str(tmp_path / "ok" / "metrics" / "metrics.jsonl"))[-1]
@@ -203,7 +208,8 @@ def test_healthy_run_is_quiet_and_perturbed_weights_and_a_skipped_load_fire(samp
     assert (d_name, w_name) == ("drift", "weights")
     assert isinstance(runs["bad"], AlarmStop) and str(runs["bad"]) == line
     assert drift.startswith("ALARM drift (warn): sampler/learner drift at the same weights")
-    assert "worst completions: t" in drift and "--config.alarms.drift.action=off" in drift
+    assert "worst completions by the updated learner: t" in drift
+    assert "--config.alarms.drift.action=off" in drift
     assert line.startswith("ALARM weights (stop): the sampler serves version 1 with checksum")
 
 
@@ -334,3 +340,46 @@ def test_the_split_learner_reads_the_served_checksum_over_http(tmp_path):
         else:
             check.served(report, 1.0, "endpoint")
             assert report["version"] == 1 and check.verified == 1
+
+
+def test_drift_from_the_steps_forward_equals_a_forward_before_the_update():
+    """The drift sums a PolicyGradientLoss adds from its own forward
+    (`objectives.drift_sums`, no extra forward) equal numpy's, from the learner's
+    log-probs before the update (`TrainStep.logprobs` of the pre-update state), on a
+    batch of on-policy and stale tokens, at lr > 0, with grad_accum 2 (sums over
+    micro-batches; the RLTrainer runs above use grad_accum 1). fp32, rtol 1e-5."""
+    import numpy as np
+
+    from ac2_jax.training import create_train_state, make_train_step
+    from ac2_jax.training.core.objectives import DRIFT_ONPOLICY
+    from ac2_jax.training.rl import rl_segment
+
+    rng = np.random.default_rng(0)
+    segs = []
+    for i in range(4):
+        n = 10 + i
+        mask = (np.arange(n) >= 4).astype(np.float32)
+        segs.append(rl_segment(rng.integers(0, VOCAB - 1, n), mask,
+                               np.where(mask > 0, rng.normal(-4.0, 1.0, n), 0.0),
+                               task=f"t{i}", advantage=float(i % 2) - 0.5))
+    batch = pack_rl_batch(segs, 32, BatchConfig(seq_len=32, rows=4))
+    on = (rng.random(batch.tokens.shape) < 0.5).astype(np.float32)
+    model = Decoder(_cfg(), rngs=nnx.Rngs(0))
+    loss = PolicyGradientLoss(chunk_size=None)
+    for accum in (2,):
+        graphdef, state = create_train_state(model, OptimizerConfig(learning_rate=1e-2))
+        step = make_train_step(graphdef, loss, OptimizerConfig(learning_rate=1e-2),
+                               grad_accum=accum)
+        state = step.place(state)
+        learner = np.asarray(step.logprobs(state, batch), np.float64)
+        _, metrics = step(state, batch, {DRIFT_ONPOLICY: on})
+        denom = float(np.asarray(batch.loss_mask).sum())
+        d = learner - np.asarray(batch.feature(SAMPLER_LOGPROBS), np.float64)
+        trained = np.asarray(batch.loss_mask) > 0
+        for kind, sel in (("onpolicy", on > 0), ("stale", on == 0)):
+            x = d[trained & sel]
+            assert x.size > 0
+            got_abs = float(metrics[f"_drift_{kind}_abs"]) * denom
+            got_kl = float(metrics[f"_drift_{kind}_kl"]) * denom
+            assert got_abs == pytest.approx(np.abs(x).sum(), rel=1e-5), (accum, kind)
+            assert got_kl == pytest.approx((np.exp(x) - 1 - x).sum(), rel=1e-5), (accum, kind)
