@@ -51,6 +51,8 @@ from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
 
 pytestmark = pytest.mark.alarms_expected  # these tests fire alarms on purpose
 STEPS = StepCache()
+OPTIMIZER = OptimizerConfig(learning_rate=1e-3)
+GRAD_ACCUM = 2
 VOCAB = 64
 
 
@@ -163,9 +165,10 @@ def sampled(tmp_path_factory):
 
 
 def _trainer(model, traces, workdir, alarms, **kw):
+    # grad_accum 2: the drift sums add over micro-batches (the step the test below shares).
     config = RLConfig(steps=1, tasks_per_step=2, attempts_per_task=4,
-                      batch=BatchConfig(seq_len=32, rows=4),
-                      loss=PolicyGradientLoss(), optimizer=OptimizerConfig(learning_rate=1e-3))
+                      batch=BatchConfig(seq_len=32, rows=4), grad_accum=GRAD_ACCUM,
+                      loss=PolicyGradientLoss(), optimizer=OPTIMIZER)
     return RLTrainer(model, ReplayCollector(traces), config, str(workdir), make_step=STEPS,
                      alarms=alarms, **kw)
 
@@ -347,10 +350,11 @@ def test_drift_from_the_steps_forward_equals_a_forward_before_the_update():
     (`objectives.drift_sums`, no extra forward) equal numpy's, from the learner's
     log-probs before the update (`TrainStep.logprobs` of the pre-update state), on a
     batch of on-policy and stale tokens, at lr > 0, with grad_accum 2 (sums over
-    micro-batches; the RLTrainer runs above use grad_accum 1). fp32, rtol 1e-5."""
+    micro-batches). fp32, rtol 1e-5. The step is the RLTrainer runs' above (STEPS:
+    no compile of its own when they ran first)."""
     import numpy as np
 
-    from ac2_jax.training import create_train_state, make_train_step
+    from ac2_jax.training import create_train_state
     from ac2_jax.training.core.objectives import DRIFT_ONPOLICY
     from ac2_jax.training.rl import rl_segment
 
@@ -365,21 +369,19 @@ def test_drift_from_the_steps_forward_equals_a_forward_before_the_update():
     batch = pack_rl_batch(segs, 32, BatchConfig(seq_len=32, rows=4))
     on = (rng.random(batch.tokens.shape) < 0.5).astype(np.float32)
     model = Decoder(_cfg(), rngs=nnx.Rngs(0))
-    loss = PolicyGradientLoss(chunk_size=None)
-    for accum in (2,):
-        graphdef, state = create_train_state(model, OptimizerConfig(learning_rate=1e-2))
-        step = make_train_step(graphdef, loss, OptimizerConfig(learning_rate=1e-2),
-                               grad_accum=accum)
-        state = step.place(state)
-        learner = np.asarray(step.logprobs(state, batch), np.float64)
-        _, metrics = step(state, batch, {DRIFT_ONPOLICY: on})
-        denom = float(np.asarray(batch.loss_mask).sum())
-        d = learner - np.asarray(batch.feature(SAMPLER_LOGPROBS), np.float64)
-        trained = np.asarray(batch.loss_mask) > 0
-        for kind, sel in (("onpolicy", on > 0), ("stale", on == 0)):
-            x = d[trained & sel]
-            assert x.size > 0
-            got_abs = float(metrics[f"_drift_{kind}_abs"]) * denom
-            got_kl = float(metrics[f"_drift_{kind}_kl"]) * denom
-            assert got_abs == pytest.approx(np.abs(x).sum(), rel=1e-5), (accum, kind)
-            assert got_kl == pytest.approx((np.exp(x) - 1 - x).sum(), rel=1e-5), (accum, kind)
+    graphdef, state = create_train_state(model, OPTIMIZER)
+    step = STEPS(graphdef, PolicyGradientLoss(), OPTIMIZER, mesh=None, grad_accum=GRAD_ACCUM,
+                 donate=True)
+    state = step.place(state)
+    learner = np.asarray(step.logprobs(state, batch), np.float64)
+    _, metrics = step(state, batch, {DRIFT_ONPOLICY: on})
+    denom = float(np.asarray(batch.loss_mask).sum())
+    d = learner - np.asarray(batch.feature(SAMPLER_LOGPROBS), np.float64)
+    trained = np.asarray(batch.loss_mask) > 0
+    for kind, sel in (("onpolicy", on > 0), ("stale", on == 0)):
+        x = d[trained & sel]
+        assert x.size > 0
+        got_abs = float(metrics[f"_drift_{kind}_abs"]) * denom
+        got_kl = float(metrics[f"_drift_{kind}_kl"]) * denom
+        assert got_abs == pytest.approx(np.abs(x).sum(), rel=1e-5), kind
+        assert got_kl == pytest.approx((np.exp(x) - 1 - x).sum(), rel=1e-5), kind
