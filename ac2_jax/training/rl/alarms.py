@@ -17,10 +17,13 @@ line saying what, where, and the config key that turns it off, and is counted
   passed as verified.
 - drift: the learner's log-probs of the sampled tokens at the weights that are
   about to train on them, against the log-probs the sampler recorded: mean
-  |delta|, the k3 estimate of KL(sampler || learner) and the max |delta|, for
-  on-policy tokens (sampled by the learner's current version: same weights, so
-  only numerics differ) and stale ones separately. On-policy mean |delta| above
-  `drift.threshold` fires, naming the worst completions.
+  |delta|, the k3 estimate of KL(sampler || learner) (and the max |delta| where
+  drift takes a forward of its own: `drift_metrics`), for on-policy tokens
+  (sampled by the learner's current version: same weights, so only numerics
+  differ) and stale ones separately. On-policy mean |delta| above
+  `drift.threshold` fires, naming the worst completions. Every
+  `PolicyGradientLoss` kind measures it in the train step's own forward
+  (`objectives.drift_sums`, the log-probs before the update): no extra forward.
 - routing: for a mixture-of-experts policy whose traces record routing, the
   fraction of tokens whose learner top k differs from the recorded experts
   (`routing_mismatch`), with routing replay on or off (`rl.moe.routing`).
