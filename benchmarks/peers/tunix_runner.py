@@ -12,7 +12,9 @@ prompt is the rendered system prompt + task, one turn of max_tokens tokens,
 the same reward), and bench_loop_race runs this library's single-turn row
 beside it. Phases per step: rollout (`rl_cluster.generate`), scoring (the
 reward function), hand-off (`rl_cluster.sync_weights`), update (the rest of
-the step: advantages, the trainer's update).
+the step: advantages, the trainer's update). Tokens trained per step are the
+sum of the learner's own completion mask (the TrainExample its loss reads),
+counted apart from the tokens sampled: the equal-work check compares both.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def main(spec_path: str, out_path: str) -> None:
     )
     cluster = rl_cluster_lib.RLCluster(actor=actor, reference=None, tokenizer=tok,
                                        cluster_config=cluster_cfg)
-    phase = {"rollout_s": 0.0, "scoring_s": 0.0, "handoff_s": 0.0, "sampled": 0}
+    phase = {"rollout_s": 0.0, "scoring_s": 0.0, "handoff_s": 0.0, "sampled": 0, "trained": 0}
     starts: list[float] = []
     marks: list[dict] = []
 
@@ -89,7 +91,7 @@ def main(spec_path: str, out_path: str) -> None:
         if starts:
             marks.append(dict(phase))
         starts.append(now)
-        phase.update(rollout_s=0.0, scoring_s=0.0, handoff_s=0.0, sampled=0)
+        phase.update(rollout_s=0.0, scoring_s=0.0, handoff_s=0.0, sampled=0, trained=0)
         out = generate(*a, **kw)
 
         phase["rollout_s"] += time.perf_counter() - now
@@ -114,6 +116,15 @@ def main(spec_path: str, out_path: str) -> None:
         rl_cluster=cluster, reward_fns=reward_fn,
         algo_config=grpo_learner.GRPOConfig(num_generations=g, num_iterations=1, beta=0.0,
                                             epsilon=0.2))
+    advantage = learner._generate_and_compute_advantage
+
+    def counted_advantage(*a, **kw):
+        # The batch the loss trains on: its completion mask is the tokens trained.
+        example = advantage(*a, **kw)
+        phase["trained"] += int(np.asarray(example.completion_mask).sum())
+        return example
+
+    learner._generate_and_compute_advantage = counted_advantage
     # Arrays, not lists: the learner repeats each leaf G times (jax.tree.map + np.repeat).
     batch = {"prompts": np.array(prompts), "answer": np.array([t["answer"] for t in tasks])}
     data = [batch] * steps_total
@@ -129,7 +140,7 @@ def main(spec_path: str, out_path: str) -> None:
         steps.append({"rollout_s": m["rollout_s"], "scoring_s": m["scoring_s"],
                       "handoff_s": m["handoff_s"],
                       "update_s": wall - m["rollout_s"] - m["scoring_s"] - m["handoff_s"],
-                      "step_s": wall, "sampled_tokens": n, "trained_tokens": n})
+                      "step_s": wall, "sampled_tokens": n, "trained_tokens": m["trained"]})
     import importlib.metadata as md
 
     with open(out_path, "w") as f:
