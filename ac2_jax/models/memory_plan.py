@@ -143,7 +143,14 @@ def estimate_bytes(
 def logprob_chunk_for(rows: int, length: int, vocab: int) -> int | None:
     """Positions per chunk of the loss's log-probs for [rows, length] over `vocab`:
     None (dense logits) when the rows' fp32 logits fit LOGITS_CHUNK_BYTES, else the
-    largest power of two whose chunk of all rows does (at least 1)."""
+    largest power of two whose chunk of all rows does (at least 1).
+
+    LOGITS_CHUNK_BYTES is a device's: under a mesh (`jax.set_mesh`, as the step is
+    traced) `rows` counts the rows one device holds, ceil(rows / the ways of the
+    active rules' "batch" axes). Counting all of them chunked Qwen3-8B's 8 x 8,192
+    rows on 8 chips (one row a chip) at 32 positions, a 256-trip loop of 19 MB
+    logits, instead of 256 positions (issue 69)."""
+    rows = _rows_per_device(int(rows))
     per_position = max(int(rows), 1) * int(vocab) * 4
     if per_position * int(length) <= LOGITS_CHUNK_BYTES:
         return None
@@ -151,6 +158,24 @@ def logprob_chunk_for(rows: int, length: int, vocab: int) -> int | None:
     while chunk * 2 * per_position <= LOGITS_CHUNK_BYTES and chunk * 2 < length:
         chunk *= 2
     return chunk
+
+
+def _rows_per_device(rows: int) -> int:
+    """`rows` split over the active rules' "batch" mesh axes under the current mesh
+    (`jax.sharding.get_abstract_mesh()`); `rows` when no mesh is set."""
+    import jax
+
+    from ac2_jax.models.axes import active_rules
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return rows
+    axes = active_rules().spec(("batch",), mesh)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    ways = 1
+    for a in axes:
+        ways *= int(mesh.shape[a])
+    return -(-rows // ways)
 
 
 def host_memory_bytes() -> int:

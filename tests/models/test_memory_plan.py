@@ -184,4 +184,11 @@ def test_param_count_matches_the_model_and_chunks_follow_the_logits_bytes():
     assert mp.logprob_chunk_for(1, 4096, 151_936) == 256
     assert mp.logprob_chunk_for(4, 4096, 151_936) == 64
     assert mp.logprob_chunk_for(16, 64, 256) is None  # small logits: dense
+    # under a mesh the bound is a device's: 8 rows over data x fsdp = 1 x 8 are one row a
+    # device (issue 69: all 8 rows counted gave 32 positions, a 256-trip loop at 8,192)
+    assert mp.logprob_chunk_for(8, 8192, 151_936) == 32
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(1, 8), ("data", "fsdp"))
+    with jax.set_mesh(mesh):
+        assert mp.logprob_chunk_for(8, 8192, 151_936) == 256
+        assert mp.logprob_chunk_for(4, 8192, 151_936) == 256  # ceil(4 / 8) = 1 row
     assert mp.available_memory_bytes() > 0 and mp.host_memory_bytes() > 0
