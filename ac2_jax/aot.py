@@ -29,8 +29,9 @@ cost analysis' FLOPs and bytes, and the collectives of the optimized HLO (kind,
 count, bytes; a collective inside a while loop counts trip-count times). XLA's
 cost analysis counts a while-loop body ONCE (the layer scan's body is one layer),
 so the roofline takes FLOPs from the model's shape instead (`model_flops`: 6 N T
-for full training, 4 N T with frozen weights (LoRA: no weight gradients), plus
-causal attention; the executed FLOPs add remat's second forward). Per chip:
+for full training, 4 N T with frozen weights (LoRA: no weight gradients), N without
+an untied input embedding (a lookup), plus causal attention; the executed FLOPs add
+remat's second forward). Per chip:
 compute = executed FLOPs / bf16 peak, HBM = (argument + output + 2 x temporary
 bytes) / HBM bandwidth, ICI = the loop-counted collective bytes / ICI bandwidth.
 The step time is their maximum (perfect overlap) and MFU = model FLOPs / (step
@@ -80,7 +81,8 @@ USAGE = (
     "usage: python -m ac2_jax.aot --topology=v5e:2x2 --model=SHAPE|DIR|tiny "
     "--recipe={rl,sft} [--lora[=RANK]] [--seq-len=N] [--batch=ROWS] [--rules=expert=fsdp] "
     "[--dtype=bfloat16] [--param-dtype=float32] [--remat=full] [--attention=splash_tpu|dense] "
-    "[--sampler-batch=B] [--sampler-len=S] [--sampler-tensor=T] [--programs=train,decode,...] "
+    "[--sampler-batch=B] [--sampler-len=S] [--sampler-tensor=T] [--prefill-len=P] "
+    "[--programs=train,decode,...] "
     "[--config.FIELD=VALUE ...] [--json=PATH]"
 )
 _FLAGS = {
@@ -234,6 +236,19 @@ def collective_summary(found: list[dict[str, Any]]) -> dict[str, dict[str, int]]
     return out
 
 
+def kernel_names(hlo: str) -> dict[str, int]:
+    """Pallas kernels of an optimized HLO module by name (the jaxpr scope that called
+    `pallas_call`: "ac2_pallas_tpu_attention_fwd", "gmm", ...) -> their custom calls."""
+    names: dict[str, int] = {}
+    for line in hlo.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        m = re.search(r'op_name="(?:[^"]*/)?([^/"]+)/pallas_call"', line)
+        name = re.sub(r"^jit\((.*)\)$", r"\1", m.group(1)) if m else "?"
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
 def analyze(compiled, chip: Chip) -> dict[str, Any]:
     """Memory, cost and collectives of a compiled program, per chip."""
     ma = compiled.memory_analysis()
@@ -252,6 +267,7 @@ def analyze(compiled, chip: Chip) -> dict[str, Any]:
     return {
         # Pallas / Mosaic kernels in the program (attention "pallas_tpu", the MoE's gmm).
         "tpu_kernels": text.count('custom_call_target="tpu_custom_call"'),
+        "kernel_names": kernel_names(text),
         "memory": mem,
         "hbm_bytes": chip.hbm_bytes,
         "fits": mem["peak"] <= chip.hbm_bytes,
@@ -323,13 +339,17 @@ def model_flops(
 ) -> float:
     """Matmul FLOPs of one train step over `tokens` tokens in rows of `seq_len`: 2 N T
     forward, 2 N T for the activations' gradients and, when every weight trains,
-    2 N T for the weights' (N = the params a token passes through: an MoE's top-k
-    experts only); plus causal attention, 4 T S/2 H hd per layer forward and twice
-    that backward. Remat's recomputation is not counted (MFU's convention) unless
+    2 N T for the weights' (N = the params of the matmuls a token passes through: an
+    MoE's top-k experts only; an untied input embedding is a lookup, not counted, as
+    in MaxText's and PaLM's MFU: the vocabulary counts once, as the output head);
+    plus causal attention, 4 T S/2 H hd per layer forward and twice that backward.
+    Remat's recomputation is not counted (MFU's convention) unless
     `executed`: remat "full" / "save_dots" then adds one more forward of the layers
     (the chip executes it; "save_dots" recomputes attention only, counted as full)."""
     attn = 4 * tokens * (seq_len / 2) * config.num_heads * config.head_dim * config.num_layers
     per = 6 if trainable_all else 4
+    if not getattr(config, "tie_embeddings", False):
+        active -= config.vocab_size * config.hidden_size  # the input embedding's lookup
     flops = per * active * tokens + 3 * attn
     if executed and config.remat != "none":
         flops += 2 * active * tokens + attn
@@ -666,6 +686,28 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     return flags, overrides
 
 
+# The --config.FIELD prefixes whose values reach a compiled program, per recipe; any
+# other field (sampler, rollout, eval, log, alarms, ...) is refused by name, not ignored.
+COMPILED_FIELDS = {
+    "rl": ("rl.batch.", "rl.loss.", "rl.optimizer.", "rl.moe.", "rl.grad_accum",
+           "rl.tasks_per_step", "rl.attempts_per_task", "lora.", "mesh."),
+    "sft": ("sft.seq_len", "sft.batch_rows", "sft.mode", "sft.chunk_size", "sft.grad_accum",
+            "optimizer.", "lora.", "mesh."),
+}  # fmt: skip
+
+
+def check_compiled_fields(recipe: str, overrides: Sequence[str]) -> None:
+    """Refuses a --config.FIELD that no compiled program reads (one line, naming it)."""
+    for item in overrides:
+        field = item.partition("=")[0]
+        if not any(field == p.rstrip(".") or field.startswith(p) for p in COMPILED_FIELDS[recipe]):
+            raise UsageError(
+                f"--config.{field}: not compiled by this command (it sizes the {recipe} train "
+                f"step from {', '.join(COMPILED_FIELDS[recipe])}; the sampler's shapes come "
+                "from --sampler-batch / --sampler-len / --prefill-len)"
+            )
+
+
 def build_plan(argv: Sequence[str]) -> Plan:
     from ac2_jax.config_cli import load_config
     from ac2_jax.recipes import RECIPES
@@ -677,6 +719,7 @@ def build_plan(argv: Sequence[str]) -> Plan:
             f"--recipe={recipe!r}: the command compiles rl and sft steps (distill's "
             "paired teacher batch is not built here yet)"
         )
+    check_compiled_fields(recipe, overrides)
     cls = RECIPES[recipe][0]
     sizes = {"rl": ("rl.batch.seq_len", "rl.batch.rows"), "sft": ("sft.seq_len", "sft.batch_rows")}
     seq_key, rows_key = sizes[recipe]

@@ -21,6 +21,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from ac2_jax import aot  # noqa: E402
 
 TOPOLOGY = "v5e:2x2"
+# The smallest MoE that exercises every TPU kernel the train step can hold: 2 scanned
+# layers (an FSDP gather per layer inside the scan), 4 experts top-2 (megablox gmm and
+# tgmm), head_dim 16, vocab 128.
+TINY_MOE = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 1024,
+            "tie_word_embeddings": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +37,37 @@ def devices():
     return aot.topology_devices(TOPOLOGY)
 
 
-def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(capsys):
-    """One RL step (PPO, chunked log-probs, scan + remat, the Pallas attention kernel)
-    on an fsdp=4 mesh and one decode chunk of the sampler, compiled for 4 v5e chips:
-    the table's rows, their memory within the chip's HBM, and the FSDP all-gathers
-    inside the layer scan."""
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    """One RL step and one decode chunk of the tiny MoE, compiled once for the module."""
+    import contextlib
+    import io
+    import json
+
+    path = tmp_path_factory.mktemp("aot") / "config.json"
+    path.write_text(json.dumps(TINY_MOE))
     plan = aot.build_plan([
-        f"--topology={TOPOLOGY}", "--model=tiny", "--recipe=rl", "--seq-len=128", "--batch=4",
-        "--programs=train,decode", "--sampler-batch=4", "--sampler-len=128",
+        f"--topology={TOPOLOGY}", f"--model={path}", "--recipe=rl", "--seq-len=128",
+        "--batch=4", "--programs=train,decode", "--sampler-batch=4", "--sampler-len=128",
+        "--config.rl.moe.routing=replay", "--rules=expert=fsdp",
     ])  # fmt: skip
-    report = aot.run(plan)
-    out = capsys.readouterr().out
+    # Blocks of 64 (a valid DecoderConfig.attention_block) must be rounded up to Mosaic's
+    # 128 lanes on TPU: unrounded they failed to lower (3ea77aa).
+    plan.model = plan.model.replace(attention_block=64)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report = aot.run(plan)
+    return report, out.getvalue()
+
+
+def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(tiny_report):
+    """One RL step (PPO, chunked log-probs, scan + remat, routing replay, the Pallas
+    attention kernel at blocks of 64, the experts through gmm) on an fsdp=4 mesh and
+    one decode chunk of the sampler, compiled for 4 v5e chips: the table's rows, their
+    memory within the chip's HBM, the FSDP all-gathers inside the layer scan, and the
+    TPU kernels' lowering (attention forward, dq, dk/dv; gmm and tgmm: Mosaic's block
+    rules are only checked by a TPU compile; this is the suite's guard for them)."""
+    report, out = tiny_report
     rows = {r["program"]: r for r in report["programs"]}
     assert set(rows) == {"train", "decode"}
     assert dict(report["mesh"]) == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -50,8 +79,12 @@ def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(capsys):
     gathers = train["analysis"]["collectives"]["all-gather"]
     assert gathers["runs"] > gathers["count"]
     assert report["whole_stack_all_gathers"] == []
-    # attention "auto" under the TPU mesh is the Pallas kernel (forward, dq, dk/dv)
-    assert train["analysis"]["tpu_kernels"] >= 3 and rows["decode"]["analysis"]["tpu_kernels"] >= 1
+    # attention "auto" under the TPU mesh is the Pallas kernel; the experts run through gmm
+    kernels = train["analysis"]["kernel_names"]
+    assert {"gmm", "tgmm"} <= set(kernels), kernels
+    for kernel in ("attention_fwd", "attention_dq", "attention_dkv"):
+        assert any(k.endswith(kernel) for k in kernels), (kernel, kernels)
+    assert rows["decode"]["analysis"]["tpu_kernels"] >= 1
     assert rows["decode"]["facts"]["steps"] == 8
     assert 0 < train["roofline"]["mfu"] <= 1
     assert "train" in out and "decode" in out and "MFU" in out
@@ -96,3 +129,40 @@ def test_bad_topology_and_flags_are_one_line_errors(capsys):
     assert "did you mean --seq-len" in capsys.readouterr().err
     assert aot.main(["--topology=v5e:2x2", "--model=qwen3-9b"]) == 2
     assert "qwen3-8b" in capsys.readouterr().err
+
+
+def test_config_fields_the_command_does_not_compile_are_refused(capsys):
+    """Every --config.FIELD either shapes a compiled program or is refused by name: the
+    sampler, rollout, eval, log and alarm sections (and sft.layout / truncate) do not
+    reach the compiled step; --sampler-len / --sampler-batch size the sampler."""
+    base = ["--topology=v5e:2x2", "--model=tiny"]
+    for field in ("sampler.max_context=4096", "rollout.temperature=0.5", "alarms.enabled=false",
+                  "rl.compile_ahead=false"):  # fmt: skip
+        assert aot.main([*base, f"--config.{field}"]) == 2, field
+        err = capsys.readouterr().err
+        assert f"--config.{field.split('=')[0]}" in err and "not compiled" in err, err
+    assert aot.main([*base, "--recipe=sft", "--config.sft.layout=tree"]) == 2
+    assert "--config.sft.layout" in capsys.readouterr().err
+    plan = aot.build_plan([*base, "--config.rl.loss.chunk_size=64", "--config.mesh.fsdp=4",
+                           "--config.rl.optimizer.learning_rate=1e-5"])  # fmt: skip
+    assert plan.config.rl.loss.chunk_size == 64 and dict(plan.mesh.shape)["fsdp"] == 4
+
+
+def test_model_flops_count_the_matmuls_a_token_passes_through():
+    """6 N T (+ causal attention: PaLM's 12 L H hd S per token, halved) with N the
+    params of the matmuls: an
+    untied model's input embedding is a lookup, not a matmul (MaxText's and PaLM's
+    convention: the embedding counted once, as the output head); a tied one's single
+    table is the head's matmul."""
+    from ac2_jax.models.family import config_from_hf
+    from ac2_jax.models.presets import shape_config
+
+    for name, tied in (("qwen3-8b", False), ("qwen3-0.6b", True)):
+        config = config_from_hf(shape_config(name))
+        total = aot.n_params(config)
+        embed = config.vocab_size * config.hidden_size
+        matmul = total - (0 if tied else embed)
+        T, S = 8 * 8192, 8192
+        attn = 6 * T * S * config.num_heads * config.head_dim * config.num_layers
+        got = aot.model_flops(config, T, S, True, aot.active_params(config, total))
+        assert got == pytest.approx(6 * matmul * T + attn, rel=1e-12), name

@@ -4,10 +4,11 @@ flat packed rows (segment ids, padding, grouped-query heads) and tree rows (shar
 prefix, branches, a nested branch, two trees in a row, padding; `subtree_end`), and
 the values of a decode chunk against the KV cache, under a data x tensor mesh (the
 kernel runs in shard_map). Blocks of 8 keep interpret mode fast; the TPU block
-rules (8 x 128) are checked by compiling the kernel for a v5e topology with libtpu."""
+rules (8 x 128) are checked by compiling the kernel for a v5e topology with libtpu:
+tests/test_aot.py's RL step holds the attention kernel (forward, dq, dk/dv, blocks of
+64 rounded up) and the experts' gmm / tgmm."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -140,36 +141,6 @@ def test_refuses_a_sliding_window():
     q = jnp.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match="sliding window"):
         pallas_tpu_attention(q, q, q, mask, interpret=True)
-
-
-def test_kernels_lower_for_a_tpu_topology():
-    """Mosaic's block rules and lowering, ahead of time on this CPU host for v5e: the
-    attention kernel's forward and backward (bf16, a tree row; blocks of 64, a valid
-    `DecoderConfig.attention_block`, rounded up to the 128 lanes: unrounded they
-    failed Mosaic's block rule) and the experts through gmm (forward and backward)
-    in one compilation."""
-    pytest.importorskip("libtpu", reason="libtpu not installed (pip install ac2_jax[tpu-aot])")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
-    from jax.experimental import topologies
-
-    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
-    one = jax.sharding.SingleDeviceSharding(devices[0])
-    B, L, H, K, hd, D, F, E = 1, 256, 4, 2, 128, 256, 64, 4
-
-    def loss(q, k, v, seg, end, wg, wu, wd):
-        out = pallas_tpu_attention(q, k, v, AttentionMask.packed(seg, end), block_q=64, block_k=64)
-        x = out.reshape(L, H * hd)[:, :D]
-        ids = jnp.stack([seg[0] % E, (seg[0] + 1) % E], axis=1)
-        y, _, _ = experts_apply(x, ids, jnp.ones(ids.shape), seg[0] > 0, wg, wu, wd, grouped="gmm")
-        return jnp.sum(y.astype(jnp.float32))
-
-    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
-    args = (spec((B, L, H, hd)), *[spec((B, L, K, hd))] * 2, *[spec((B, L), jnp.int32)] * 2,
-            spec((E, D, F)), spec((E, D, F)), spec((E, F, D)))  # fmt: skip
-    grads = jax.grad(loss, argnums=(0, 1, 2, 5, 6, 7))
-    text = jax.jit(grads).lower(*args).compile().as_text()
-    for kernel in ("attention_fwd", "attention_dq", "attention_dkv", "gmm", "tgmm"):
-        assert kernel in text, kernel
 
 
 def test_moe_experts_through_gmm_equal_ragged_dot():
