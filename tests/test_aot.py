@@ -166,3 +166,28 @@ def test_model_flops_count_the_matmuls_a_token_passes_through():
         attn = 6 * T * S * config.num_heads * config.head_dim * config.num_layers
         got = aot.model_flops(config, T, S, True, aot.active_params(config, total))
         assert got == pytest.approx(6 * matmul * T + attn, rel=1e-12), name
+
+
+def test_presets_are_the_published_models_parameter_for_parameter():
+    """Each preset's parameter count equals transformers' own model built from the
+    preset's config class on the meta device (no weights, nothing downloaded), and the
+    model cards' rounded totals (Qwen3-30B-A3B: 30.5B total, 3.3B activated)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from ac2_jax.models.family import config_from_hf
+    from ac2_jax.models.presets import SHAPES, shape_config, shape_kwargs
+
+    card = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-4b": 4.0e9, "qwen3-8b": 8.2e9,
+            "qwen3-30b-a3b": 30.5e9, "gemma3-1b": 1.0e9, "llama-3.2-1b": 1.24e9,
+            "llama-3.1-8b": 8.03e9}  # fmt: skip
+    assert sorted(card) == sorted(SHAPES.names())
+    for name, published in card.items():
+        cls, kwargs = shape_kwargs(name)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs))
+        config = config_from_hf(shape_config(name))
+        ours = aot.n_params(config)
+        assert ours == sum(p.numel() for p in hf.parameters()), name
+        assert ours == pytest.approx(published, rel=0.03), name
+        if name == "qwen3-30b-a3b":
+            assert aot.active_params(config, ours) == pytest.approx(3.3e9, rel=0.03)
