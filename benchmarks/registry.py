@@ -95,6 +95,12 @@ _KEPT = (
         "the whole RL loop (GRPO on a calculator tool loop) vs TRL and tunix, per-step split",
     ),
     (
+        "shared_prompt",
+        "bench_shared_prompt",
+        "decode",
+        "a group's shared prompt in the JaxSampler: prefilled once vs once per attempt",
+    ),
+    (
         "sampler",
         "bench_sampler",
         "decode",

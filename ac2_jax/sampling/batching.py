@@ -54,7 +54,8 @@ class SamplerStats:
     prefill_calls: int = 0
     prefill_rows: int = 0
     prefill_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed: held in place or copied
+    shared_tokens: int = 0  # of those, copied from another row (a shared prompt prefix)
     decode_chunks: int = 0
     decode_steps: int = 0
     output_tokens: int = 0
@@ -94,6 +95,7 @@ class SamplerStats:
             "output_tokens": self.output_tokens,
             "prefill_tokens": self.prefill_tokens,
             "cached_tokens": self.cached_tokens,
+            "shared_tokens": self.shared_tokens,
             "compiled_shapes": self.compiled_shapes,
             "resizes": self.resizes,
             "cache_shrinks": self.cache_shrinks,
@@ -109,7 +111,9 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
 
     mean_active_rows: rows generating per decode step (occupancy: over
     max_batch); decode_s / prefill_s: wall time in device calls; new_shapes:
-    compiles in the interval (0 once warmed up); cache_shrinks /
+    compiles in the interval (0 once warmed up); prefill_tokens / cached_tokens /
+    shared_tokens: prompt tokens computed, not computed (held in place or copied), and
+    of those copied from another row that prefilled the same prefix; cache_shrinks /
     prefix_tokens_dropped: cache cuts and the cached prefix tokens they dropped;
     weight_swaps / in_flight_swaps / recomputed_tokens: weight versions swapped in,
     those swapped while rows ran (`weight_swap="in_flight"`) and the tokens
@@ -126,6 +130,7 @@ def occupancy_metrics(before: dict, after: dict, max_batch: int) -> dict[str, fl
         "output_tokens": d["output_tokens"],
         "prefill_tokens": d["prefill_tokens"],
         "cached_tokens": d["cached_tokens"],
+        "shared_tokens": d.get("shared_tokens", 0),
         "new_shapes": d["compiled_shapes"],
         "resizes": d["resizes"],
         "cache_shrinks": d["cache_shrinks"],

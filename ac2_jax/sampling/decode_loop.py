@@ -282,6 +282,16 @@ def put_rows(cache: KVCache, row_idx: jax.Array, sub: KVCache) -> KVCache:
     return jax.tree.map(lambda full, part: full.at[row_idx].set(part, mode="drop"), cache, sub)
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_rows(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """`cache` with row dst[i] replaced by row src[i] (all slots) for i < n; dst >= B
+    is padding (dropped). src [n], dst [n] int32; no dst row may also be a src
+    row. How the sampler shares a prefilled prompt prefix between rows."""
+    return jax.tree.map(
+        lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), cache
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("sub",))
 def prefill_sub(
     graphdef, state, sub: KVCache, tokens: jax.Array, positions: jax.Array, adapters: jax.Array

@@ -6,6 +6,20 @@ its future; the worker gathers queued requests into free cache rows
 chunk, it never waits for the batch to finish), prefills only the part of the
 prompt a free row does not already hold (prefix reuse), and runs jitted
 multi-step decode chunks (`decode_loop.decode_chunk`) until every row is done.
+
+Shared prompts (`share_prefix`, on with prefix reuse): the attempts of a group
+arrive together, so none finds the others' prompt in a free row. The rule: at
+admission, a request whose prompt starts with at least `worker.SHARE_MIN`
+(16) more tokens than its own row already holds, held by a running row or by
+a request admitted in the same round that computes its own prompt, copies
+that row's keys/values (whole row, one `copy_rows` call for all) after the
+source's prefill and computes only the rest: a group's shared prompt is
+prefilled once. Nobody waits for it (all are admitted in the same round), the
+tokens and log-probs are those of an unshared prefill (same weights, tokens
+and positions; fp32 to rounding), and an in-flight swap's recompute shares the
+same way. `stats.prefill_tokens` counts the tokens computed, `cached_tokens`
+those not computed (`SampleResult.cached_tokens` per request) and
+`shared_tokens` those of them copied from another row.
 Shapes are bucketed to powers of two (rows, cache length, prefill length) so a
 handful of compiles serve all traffic; a decode step costs O(1) in the sequence
 length apart from attention over the cache, which reads every slot. So the
@@ -119,6 +133,8 @@ class JaxSampler(DeviceLoop):
     already holds. Off for a model with a sliding window: its rows are rings
     (`KVCache.ring`) that hold the last window positions of the earlier
     request, not those before the shared prefix's end.
+    share_prefix: requests admitted together, or beside running rows, compute
+    a shared prompt prefix once (the module docstring); needs prefix_reuse.
     shrink_cache: cut the cache back once the running rows need at most half of
     it (every decode step's attention reads all slots). False keeps each free
     row's whole prefix for reuse (agents whose long contexts come back after a
@@ -155,6 +171,7 @@ class JaxSampler(DeviceLoop):
         seed: int | None = None,
         batch_wait_s: float = 0.002,
         prefix_reuse: bool = True,
+        share_prefix: bool = True,
         shrink_cache: bool = True,
         fixed_shapes: bool = False,
         weight_swap: str = "drain",
@@ -206,6 +223,7 @@ class JaxSampler(DeviceLoop):
         self._n_top, self._cache_dtype = int(max_top_logprobs), cache_dtype
         self._batch_wait = float(batch_wait_s)
         self._prefix_reuse = bool(prefix_reuse) and getattr(cfg, "sliding_window", None) is None
+        self._share_prefix = bool(share_prefix) and self._prefix_reuse
         self._shrink_cache = bool(shrink_cache)
         self._rng = np.random.default_rng(seed)
 

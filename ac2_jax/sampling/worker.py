@@ -26,11 +26,14 @@ import numpy as np
 
 from ac2_jax.sampling.base import SamplerError, SampleResult, truncate_at_stop
 from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
-from ac2_jax.sampling.decode_loop import decode_chunk, prefill_rows, resize_cache
+from ac2_jax.sampling.decode_loop import copy_rows, decode_chunk, prefill_rows, resize_cache
 from ac2_jax.trace.routing import encode_routing
 
 WAKE = object()  # queue item: look at pending weights
 STOP = object()  # queue item: close
+# Fewest prompt tokens a row copies from another instead of computing them (`_prefill`):
+# below it, one row copy and a second prefill call cost more than the tokens saved.
+SHARE_MIN = 16
 
 
 class Warmup:
@@ -95,6 +98,7 @@ class DeviceLoop:
     _n_top: int
     _batch_wait: float
     _prefix_reuse: bool
+    _share_prefix: bool
     _shrink_cache: bool
     _vocab: int
 
@@ -167,6 +171,9 @@ class DeviceLoop:
                         np.full((b, T), -1, np.int32),
                         np.zeros(b, np.int32),
                     )
+            for n in bucket_sizes(1, B):  # shared prompt prefixes (`_prefill`)
+                cache = copy_rows(cache, np.zeros(n, np.int32), np.full(n, B, np.int32))
+                self.stats.shapes.add(("copy_rows", B, S, n))
             rows = SlotTable.idle_rows(B)
             cache, _, _ = decode_chunk(
                 self._graphdef,
@@ -375,9 +382,16 @@ class DeviceLoop:
         S = self._need_len(self._steps)
         if S > self._S:
             self._layout(list(range(t.B)), t.B, S)
-        self._prefill(jobs)
+        running = []  # rows decoding now: slots 0..pos-1 hold prompt + output
+        for r in t.active_rows():
+            if r not in taken:
+                req = t.held(r)
+                running.append((r, (req.prompt + req.gen)[: int(t.arr["pos"][r])]))
+        shared = self._prefill(jobs, running)
+        for row, _, reuse in jobs:
+            t.held(row).cached = max(reuse, shared.get(row, 0))
         self._admitting = []
-        self.stats.cached_tokens += sum(r for _, _, r in jobs)
+        self.stats.cached_tokens += sum(t.held(row).cached for row, _, _ in jobs)
 
     def _adapter_slot(self, req: Request) -> int:
         """The bank slot of the request's adapter in the running weights (0: none);
@@ -389,9 +403,66 @@ class DeviceLoop:
             raise SamplerError(f"adapter {name!r} was removed before this request started")
         return self._running_slots[name]
 
-    def _prefill(self, jobs) -> None:
-        """Writes prompt[reuse:-1] of each job into its row, in chunks of <= prefill_chunk."""
+    def _prefill(self, jobs, sources=()) -> dict[int, int]:
+        """Writes prompt[reuse:-1] of each job (row, prompt, reuse) into its row.
+
+        Shared prefixes (`share_prefix`): a job whose prompt starts with at least
+        SHARE_MIN more tokens than its own `reuse` held by another row takes them
+        from that row instead of computing them. The source is the row with the
+        longest such prefix among `sources` ((row, tokens its slots 0.. hold now),
+        e.g. running rows) and the earlier jobs of this call that take no source
+        themselves (after their prefill). So the attempts of a group that arrive
+        together prefill their shared prompt once: the first computes it, the
+        others copy its keys/values (`copy_rows`, whole rows) and compute only
+        their own suffix. Same weights, same tokens, same positions: the copied
+        keys/values are the ones the row would compute (to float rounding of a
+        differently shaped call). Returns {row: tokens copied} of those jobs."""
+        plan = self._share_plan(jobs, sources) if self._share_prefix else {}
         jobs = [(row, p, reuse) for row, p, reuse in jobs if len(p) - 1 > reuse]
+        self._prefill_jobs([j for j in jobs if j[0] not in plan])
+        if plan:
+            t = self._table
+            n = pow2_bucket(len(plan), 1, t.B)
+            src, dst = np.zeros(n, np.int32), np.full(n, t.B, np.int32)
+            for i, (row, (source, _)) in enumerate(plan.items()):
+                src[i], dst[i] = source, row
+            t0 = time.perf_counter()
+            self._cache = copy_rows(self._cache, src, dst)
+            self.stats.shapes.add(("copy_rows", t.B, self._S, n))
+            for row, (source, shared) in plan.items():  # MoE: the copied keys' experts
+                frm, to = t.req[source], t.held(row)
+                if frm is not None and frm.routing is not None:
+                    record_routing(to, np.arange(shared), frm.routing[:shared])
+            self.stats.shared_tokens += sum(shared for _, shared in plan.values())
+            self.stats.prefill_s += time.perf_counter() - t0
+            rest = [(row, p, plan[row][1]) for row, p, _ in jobs if row in plan]
+            self._prefill_jobs([(row, p, n) for row, p, n in rest if len(p) - 1 > n])
+        return {row: shared for row, (_, shared) in plan.items()}
+
+    def _share_plan(self, jobs, sources) -> dict[int, tuple[int, int]]:
+        """{job row: (source row, shared tokens)} for `_prefill` (its rule)."""
+        t = self._table
+        cands = [(row, np.asarray(held, np.int32)) for row, held in sources]
+        plan: dict[int, tuple[int, int]] = {}
+        for row, p, reuse in jobs:
+            want = np.asarray(p[:-1], np.int32)  # the last prompt token is fed by decode
+            best, best_n = None, reuse + SHARE_MIN - 1
+            for src, held in cands:
+                if t.arr["adapter"][src] != t.arr["adapter"][row]:
+                    continue  # another adapter's keys and values differ
+                n = min(len(held), len(want))
+                same = held[:n] == want[:n]
+                lcp = int(n if same.all() else np.argmin(same))
+                if lcp > best_n:
+                    best, best_n = src, lcp
+            if best is None:
+                cands.append((row, want))  # computes its own prompt: a source for the later
+            else:
+                plan[row] = (best, best_n)
+        return plan
+
+    def _prefill_jobs(self, jobs) -> None:
+        """Writes prompt[reuse:-1] of each job into its row, in chunks of <= prefill_chunk."""
         if not jobs:
             return
         t = self._table

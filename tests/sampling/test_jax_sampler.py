@@ -247,6 +247,32 @@ def test_prefix_reuse(sampler, model):
     np.testing.assert_array_equal(np.argmax(lg[len(turn2) - 1:-1], -1), r.output_ids)
 
 
+def test_a_groups_shared_prompt_is_prefilled_once(sampler, model):
+    """Six attempts of one 22-token prompt prefix (20 shared, then 2 of their own) arrive
+    together: one computes the shared 20, the others copy them and compute 1 token each
+    (the last prompt token is fed by decode). A seventh sharing only 8 tokens (< SHARE_MIN)
+    computes its own. Tokens equal, log-probs to 1e-5 (fp32), against share_prefix=False."""
+    shared = [(11 * j + 5) % 256 for j in range(20)]
+    prompts = [shared + [200 + i, 100 + i] for i in range(6)] + [shared[:8] + [9] * 14]
+    reqs = [(p, SamplingParams(temperature=1.0, max_tokens=8, seed=i))
+            for i, p in enumerate(prompts)]
+    before = dict(sampler.counters())
+    got = gen_many(sampler, reqs)
+    d = {k: sampler.counters()[k] - before[k] for k in before}
+    assert (d["prefill_tokens"], d["shared_tokens"]) == (21 + 5 * 1 + 21, 5 * 20)
+    assert d["cached_tokens"] == 5 * 20
+    assert sorted(r.cached_tokens for r in got) == [0, 0] + [20] * 5
+    alone = _sampler(model, share_prefix=False)
+    try:
+        want = gen_many(alone, reqs)
+        assert (alone.stats.prefill_tokens, alone.stats.shared_tokens) == (7 * 21, 0)
+    finally:
+        alone.close()
+    for a, b in zip(want, got):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+
+
 def test_continuous_batching_grows_and_compacts(sampler):
     """Rows join a running batch, the cache grows and compacts, results stay exact."""
     long = [(prompt_of(60 + i, 3 + i % 3), GREEDY.replace(max_tokens=28 - i)) for i in range(6)]
