@@ -36,9 +36,14 @@ from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer  # 
 from benchmarks.common import parser  # noqa: E402
 
 
-class ExtraForwardLoss(PolicyGradientLoss):
-    """PolicyGradientLoss under another type: RLTrainer then measures drift with one
-    more forward before the update (the path every loss took in 714badb)."""
+class ExtraForwardTrainer(RLTrainer):
+    """RLTrainer measuring drift the way 714badb did for every loss: one more
+    learner forward of the batch before each update (the path an objective that is
+    no PolicyGradientLoss kind still takes)."""
+
+    @property
+    def _drift_in_step(self) -> bool:
+        return False
 
 
 def traces(steps, tasks, attempts, prompt, completion, vocab, seed=0):
@@ -94,7 +99,7 @@ def main():
     variants = {
         "off": (PolicyGradientLoss(), AlarmsConfig(drift=AlarmConfig(1e9, "off"))),
         "on (step's forward)": (PolicyGradientLoss(), AlarmsConfig(drift=quiet)),
-        "on (extra forward, 714badb)": (ExtraForwardLoss(), AlarmsConfig(drift=quiet)),
+        "on (extra forward, 714badb)": (PolicyGradientLoss(), AlarmsConfig(drift=quiet)),
     }
     times = {k: [] for k in variants}
     tmp = tempfile.mkdtemp()
@@ -109,7 +114,8 @@ def main():
             loss=loss,
             optimizer=OptimizerConfig(learning_rate=1e-5),
         )
-        trainers[k] = RLTrainer(
+        cls = ExtraForwardTrainer if "extra" in k else RLTrainer
+        trainers[k] = cls(
             model,
             ReplayCollector(data),
             config,
@@ -126,6 +132,8 @@ def main():
             assert m.get("skipped_update") == 0.0, m
             if k != "off":
                 assert m["drift/onpolicy_tokens"] > 0, m  # measured on-policy
+            extra = tr.step_fn._logprobs is not None  # the extra forward was compiled
+            assert extra == ("extra" in k), (k, extra)
     base = statistics.median(times["off"][args.warmup :])
     print(
         f"RL step (pack + update + drift alarm), median of {args.steps - args.warmup} "
