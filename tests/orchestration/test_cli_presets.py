@@ -234,9 +234,9 @@ def final_text(agent_name: str, result: CLIResult) -> str:
 
 
 # One RL step per CLI at its default prompts' length (a 65,536-token context on CPU) is
-# 150-200 s of CPU each, at XLA's default codegen, which tests/conftest.py gives these runs
-# (at the suite's -O0 their attention is 5-15x slower; BUILD_NOTES, issue 67): more than
-# the suite's budget for five.
+# 150-530 s of CPU each (CLI processes included) at XLA's default codegen, which
+# tests/conftest.py gives these runs (at the suite's -O0 their attention is 5-15x slower;
+# BUILD_NOTES, issue 67): more than the suite's budget for five.
 RL_STEP_OPT_IN = "AC2_CLI_RL_STEP"
 # The narrowed settings (small prompts, a 6,144-token context) that keep one RL step per
 # API in the full tier: Claude Code bare with one tool and a short system prompt; Codex
