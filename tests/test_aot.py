@@ -5,7 +5,9 @@ collectives reader counts a collective inside a scan trip-count times and finds 
 whole weight stack gathered at once. Skipped only where libtpu is not installed
 (the [tpu-aot] extra, in [dev])."""
 
+import json
 import os
+import sys
 
 import pytest
 
@@ -42,7 +44,6 @@ def tiny_report(tmp_path_factory):
     """One RL step and one decode chunk of the tiny MoE, compiled once for the module."""
     import contextlib
     import io
-    import json
 
     path = tmp_path_factory.mktemp("aot") / "config.json"
     path.write_text(json.dumps(TINY_MOE))
@@ -88,6 +89,8 @@ def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(tiny_report):
     assert rows["decode"]["facts"]["steps"] == 8
     assert 0 < train["roofline"]["mfu"] <= 1
     assert "train" in out and "decode" in out and "MFU" in out
+    # --json's report is plain JSON (no object needing default=str)
+    assert json.loads(json.dumps(report)) == report
 
 
 def test_collectives_inside_a_scan_count_their_trips_and_a_whole_stack_gather_is_found(devices):
@@ -191,3 +194,11 @@ def test_presets_are_the_published_models_parameter_for_parameter():
         assert ours == pytest.approx(published, rel=0.03), name
         if name == "qwen3-30b-a3b":
             assert aot.active_params(config, ours) == pytest.approx(3.3e9, rel=0.03)
+
+
+def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
+    """Without libtpu the command stops with one line naming the [tpu-aot] extra."""
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now fails as if absent
+    assert aot.main(["--topology=v5e:2x2", "--model=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "libtpu" in err and "ac2_jax[tpu-aot]" in err, err
