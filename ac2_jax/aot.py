@@ -38,11 +38,13 @@ The step time is their maximum (perfect overlap) and MFU = model FLOPs / (step
 time x peak): an upper bound; "serial" sums the three (no overlap), a lower one.
 
 Chip figures (`CHIPS`), per chip, from Google Cloud's TPU pages
-(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, "System architecture" tables):
-  v4:  32 GiB HBM, 275 TFLOP/s bf16, 1,200 GB/s HBM, 2,400 Gbps ICI (6 links)
-  v5e: 16 GiB HBM, 197 TFLOP/s bf16,   819 GB/s HBM, 1,600 Gbps ICI
-  v5p: 95 GiB HBM, 459 TFLOP/s bf16, 2,765 GB/s HBM, 4,800 Gbps ICI
-  v6e: 32 GiB HBM, 918 TFLOP/s bf16, 1,640 GB/s HBM, 3,584 Gbps ICI
+(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, "System architecture" tables); the
+ICI figure is the table's bidirectional per-chip bandwidth over 2 (one direction):
+  v4:  32 GiB HBM, 275 TFLOP/s bf16, 1,200 GB/s HBM, ICI not in the v4 table: 2,400 Gbps
+       (300 GB/s) kept, unbacked
+  v5e: 16 GiB HBM, 197 TFLOP/s bf16,   819 GB/s HBM,   400 GB/s bidirectional ICI
+  v5p: 95 GiB HBM, 459 TFLOP/s bf16, 2,765 GB/s HBM, 1,200 GB/s bidirectional ICI
+  v6e: 32 GiB HBM, 918 TFLOP/s bf16, 1,638 GB/s HBM,   800 GB/s bidirectional ICI
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ class Chip:
 
 CHIPS = {
     "v4": Chip("v4", 32 * GiB, 275e12, 1200e9, 2400e9 / 8),
-    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, 1600e9 / 8),
-    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9, 4800e9 / 8),
-    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 3584e9 / 8),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, 400e9 / 2),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9, 1200e9 / 2),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1638e9, 800e9 / 2),
 }
 PROGRAMS = ("train", "prefill", "decode", "handoff")
 USAGE = (

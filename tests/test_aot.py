@@ -202,3 +202,16 @@ def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
     assert aot.main(["--topology=v5e:2x2", "--model=tiny"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "libtpu" in err and "ac2_jax[tpu-aot]" in err, err
+
+
+def test_chip_figures_are_the_cited_tables():
+    """Per chip, from the Cloud TPU pages' tables (aot's docstring): ICI is the table's
+    bidirectional per-chip bandwidth over 2 (one direction, what a chip receives)."""
+    GB = 1e9
+    want = {"v5e": (16, 197e12, 819 * GB, 400 * GB / 2),
+            "v5p": (95, 459e12, 2765 * GB, 1200 * GB / 2),
+            "v6e": (32, 918e12, 1638 * GB, 800 * GB / 2)}  # fmt: skip
+    for name, (hbm, peak, hbm_bw, ici) in want.items():
+        c = aot.CHIPS[name]
+        assert (c.hbm_bytes, c.peak_bf16_flops, c.hbm_bytes_per_s, c.ici_bytes_per_s) == (
+            hbm * aot.GiB, peak, hbm_bw, ici), name  # fmt: skip
