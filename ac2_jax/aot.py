@@ -716,11 +716,17 @@ def build_plan(argv: Sequence[str]) -> Plan:
 
     flags, overrides = parse_args(argv)
     recipe = flags["recipe"]
-    if recipe not in ("rl", "sft"):
+    if recipe == "distill":
         raise UsageError(
-            f"--recipe={recipe!r}: the command compiles rl and sft steps (distill's "
-            "paired teacher batch is not built here yet)"
+            "--recipe='distill': not compiled by this command (its paired teacher batch is "
+            "not built here); size the student's step with --recipe=rl or --recipe=sft"
         )
+    if recipe not in ("rl", "sft"):
+        import difflib
+
+        close = difflib.get_close_matches(recipe, ["rl", "sft"], n=1, cutoff=0.5)
+        hint = f"; did you mean --recipe={close[0]}?" if close else ""
+        raise UsageError(f"--recipe={recipe!r}: one of rl, sft{hint}")
     check_compiled_fields(recipe, overrides)
     cls = RECIPES[recipe][0]
     sizes = {"rl": ("rl.batch.seq_len", "rl.batch.rows"), "sft": ("sft.seq_len", "sft.batch_rows")}

@@ -132,6 +132,13 @@ def test_bad_topology_and_flags_are_one_line_errors(capsys):
     assert "did you mean --seq-len" in capsys.readouterr().err
     assert aot.main(["--topology=v5e:2x2", "--model=qwen3-9b"]) == 2
     assert "qwen3-8b" in capsys.readouterr().err
+    # distill is refused for what it lacks; a misspelt recipe gets the nearest name
+    assert aot.main(["--topology=v5e:2x2", "--model=tiny", "--recipe=distill"]) == 2
+    err = capsys.readouterr().err
+    assert "--recipe='distill'" in err and "--recipe=rl or --recipe=sft" in err, err
+    assert aot.main(["--topology=v5e:2x2", "--model=tiny", "--recipe=sf"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean --recipe=sft" in err and "distill" not in err, err
 
 
 def test_config_fields_the_command_does_not_compile_are_refused(capsys):
