@@ -234,7 +234,7 @@ def final_text(agent_name: str, result: CLIResult) -> str:
 
 
 # One RL step per CLI at its default prompts' length (a 65,536-token context on CPU) is
-# 150-530 s of CPU each (CLI processes included) at XLA's default codegen, which
+# 150-820 s of CPU each (CLI processes included) at XLA's default codegen, which
 # tests/conftest.py gives these runs (at the suite's -O0 their attention is 5-15x slower;
 # BUILD_NOTES, issue 67): more than the suite's budget for five.
 RL_STEP_OPT_IN = "AC2_CLI_RL_STEP"
