@@ -427,7 +427,7 @@ class DeviceLoop:
             for i, (row, (source, _)) in enumerate(plan.items()):
                 src[i], dst[i] = source, row
             t0 = time.perf_counter()
-            self._cache = copy_rows(self._cache, src, dst)
+            self._cache = jax.block_until_ready(copy_rows(self._cache, src, dst))
             self.stats.shapes.add(("copy_rows", t.B, self._S, n))
             for row, (source, shared) in plan.items():  # MoE: the copied keys' experts
                 frm, to = t.req[source], t.held(row)
