@@ -189,7 +189,13 @@ def _per_shard(loop, heads, xs, rows):
         whole = []
         for (d, split, _), head in zip(specs, heads, strict=True):
             w = head.weight
-            w = jax.lax.all_gather(w, rows, axis=d, tiled=True) if split else jax.lax.pvary(w, rows)
+            # replicated (a width the devices do not divide): marked per-device, so its
+            # gradient is summed over them once, after the loop
+            w = (
+                jax.lax.all_gather(w, rows, axis=d, tiled=True)
+                if split
+                else jax.lax.pcast(w, rows, to="varying")
+            )
             whole.append(LMHead(w, head.layout))
         return loop(whole, xs)
 

@@ -204,11 +204,12 @@ def test_chunked_logprobs_equal_dense_and_keep_free_positions_bit_for_bit():
 
 def test_under_an_fsdp_mesh_the_chunk_loop_runs_per_shard_and_equals_dense():
     """Under an 8-device fsdp mesh (`jax.set_mesh`) the chunk loop runs in shard_map
-    (the head gathered once before the loop, its gradient reduced once after it):
-    log-probs with per-token sampling, the entropy metric, a distillation pair (two
-    heads, one frozen, the student's in the "vd" layout) and the gradients w.r.t.
-    hidden states and the FSDP-sharded head equal the dense, unsharded ones in fp32
-    (rtol = atol = 1e-5). Issue 69."""
+    (a head gathered once before the loop, its gradient reduced once after it):
+    log-probs with per-token sampling and the entropy metric (head [16, V] split over
+    fsdp), a distillation pair (a frozen teacher head; the student's in the "vd"
+    layout with a width of 12, which 8 devices do not divide: replicated) and the
+    gradients w.r.t. hidden states and both heads equal the dense, unsharded ones in
+    fp32 (rtol = atol = 1e-5). Issue 69."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -217,31 +218,36 @@ def test_under_an_fsdp_mesh_the_chunk_loop_runs_per_shard_and_equals_dense():
     r, n, d, v = 8, 11, 16, 37
     h = jnp.asarray(rng.normal(size=(r, n, d)), jnp.float32)
     w = jnp.asarray(rng.normal(0, 0.7, size=(d, v)), jnp.float32)
+    h2 = jnp.asarray(rng.normal(size=(r, n, 12)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(0, 0.7, size=(v, 12)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, v, (r, n)), jnp.int32)
     cot = jnp.asarray(rng.normal(size=(r, n)), jnp.float32)
     t = jnp.asarray(rng.uniform(0.5, 1.5, (r, n)), jnp.float32)
     k = jnp.asarray(rng.integers(0, 6, (r, n)), jnp.int32)
     wt = jnp.asarray(rng.normal(0, 0.7, size=(d, v)), jnp.float32)
 
-    def dense(h, w):
+    def dense(h, w, h2, w2):
         z = LMHead(w).logits(h)
         logp = token_logprobs(z, targets, temperature=t, top_k=k)
-        kl = distill_loss(z, LMHead(wt).logits(h * 0.5), targets, kind="reverse_kl")
+        zs = LMHead(w2, "vd").logits(h2)
+        kl = distill_loss(zs, LMHead(wt).logits(h * 0.5), targets, kind="reverse_kl")
         return jnp.sum(cot * logp) + jnp.sum(cot * kl), token_entropy(z)
 
-    def chunked(h, w):
+    def chunked(h, w, h2, w2):
         logp, ent = chunked_token_logprobs(h, LMHead(w), targets, temperature=t, top_k=k,
                                            chunk_size=3, with_entropy=True)  # fmt: skip
-        kl = chunked_distill_loss(h, LMHead(w.T, "vd"), h * 0.5, LMHead(wt), targets,
+        kl = chunked_distill_loss(h2, LMHead(w2, "vd"), h * 0.5, LMHead(wt), targets,
                                   kind="reverse_kl", chunk_size=4)  # fmt: skip
         return jnp.sum(cot * logp) + jnp.sum(cot * kl), ent
 
-    want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1), has_aux=True))(h, w)
-    hs = jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp"))))
-    ws = jax.device_put(w, NamedSharding(mesh, P("fsdp")))
-    step = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True))
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
+    want = grad(dense)(h, w, h2, w2)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    args = (jax.device_put(h, rows), jax.device_put(w, NamedSharding(mesh, P("fsdp"))),
+            jax.device_put(h2, rows), w2)  # fmt: skip
+    step = grad(chunked)
     with jax.set_mesh(mesh):
-        hlo = step.lower(hs, ws).as_text()
-        got = step(hs, ws)
+        hlo = step.lower(*args).as_text()
+        got = step(*args)
     assert "shard_map" in hlo or "sdy.manual_computation" in hlo  # the per-shard path ran
     _close(got, want)
