@@ -718,6 +718,36 @@ def test_in_flight_every_token_is_its_versions_forward_pass(spanned, versions):
     assert short.output_versions is None and short.policy_version == 0
 
 
+def test_in_flight_recompute_shares_a_groups_prompt(versions):
+    """An in-flight swap recomputes a group's shared 20-token prompt once (one row
+    computes it, the other copies it) and each token is still its version's forward."""
+    s = _sampler(_model(0), weight_swap="in_flight")
+    prompt = [(13 * j + 2) % 256 for j in range(20)]
+    params = [LONG.replace(max_tokens=10, seed=i) for i in range(2)]
+
+    def on_tokens(ids, lps):
+        if s.policy_version == 0:
+            s.set_weights(versions[1], 1)
+
+    async def go():
+        return await asyncio.gather(s.generate(prompt, params[0], on_tokens=on_tokens),
+                                    s.generate(prompt, params[1]))
+
+    with s:
+        got = run(go())
+    assert s.stats.in_flight_swaps == 1 and s.stats.shared_tokens >= 19 + 19
+    for r, sp in zip(got, params, strict=True):
+        v_of = np.asarray(r.token_versions())
+        assert set(v_of) == {0, 1}
+        for v in (0, 1):
+            ((lg, _),) = learner(versions[v], [prompt + r.output_ids])
+            want = np.asarray(token_logprobs(lg[len(prompt) - 1:-1], np.asarray(r.output_ids),
+                                             temperature=sp.temperature, top_k=sp.top_k,
+                                             top_p=sp.top_p))
+            at = v_of == v
+            np.testing.assert_allclose(np.asarray(r.output_logprobs)[at], want[at], atol=1e-4)
+
+
 def test_in_flight_the_rl_batch_carries_per_token_versions_and_logprobs(spanned, versions):
     from ac2_jax.segments import POLICY_VERSION, SAMPLER_LOGPROBS
     from ac2_jax.trace.recorder import TraceRecorder
