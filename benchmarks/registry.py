@@ -89,6 +89,12 @@ _KEPT = (
         "async RL with mixed short and long attempts: in-flight weight updates vs drain",
     ),
     (
+        "alarm_cost",
+        "bench_alarm_cost",
+        "the RL loop",
+        "the drift alarm's cost per RL step: off vs from the step's forward vs an extra forward",
+    ),
+    (
         "loop_race",
         "bench_loop_race",
         "the RL loop",
