@@ -29,7 +29,7 @@ measured memory bandwidth, plus the update's FLOPs over the best fp32 GEMM
 rate), and the fraction of it the loop reaches.
 
     python -m benchmarks.bench_loop_race --out bench_results/loop_race.json \\
-        --peer_python trl=/tmp/race-venvs/trl/bin/python,tunix=/tmp/race-venvs/tunix/bin/python
+        --peer_python trl=VENVS/trl/bin/python,tunix=VENVS/tunix/bin/python
     python -m benchmarks.bench_loop_race --quick   # this library only, toy sizes
 """
 
