@@ -26,6 +26,7 @@ from ac2_jax.training import (
 )
 from ac2_jax.training.core import abstract_train_state, StepCache
 from ac2_jax.training.core.sharding import replicate, split_rows, unreplicate
+from ac2_jax.training.core.objectives import StepModel, model_logprobs
 from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward, loss_and_grads
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
@@ -49,6 +50,13 @@ def fresh():
 @functools.partial(jax.jit, static_argnums=0)
 def learner_logprobs(graphdef, state, batch):
     return token_logprobs(forward(graphdef, state.params, state.rest, batch), batch.targets)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def dense_behaviour_logprobs(graphdef, state, batch):
+    """The single-device dense masked log-probs (`model_logprobs`, behaviour=True)."""
+    model = StepModel(graphdef, state.params, state.rest)
+    return model_logprobs(model, batch, behaviour=True, entropy=False, chunk_size=None)[0]
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +103,16 @@ def assert_same_update(ref, got):
 def test_single_device_step_loss_and_metrics(batch, reference):
     state, metrics = reference
     graphdef, init = fresh()
-    logp = learner_logprobs(graphdef, init, batch)
-    per_token = policy_gradient_loss(logp, batch.features["sampler_logprobs"], batch.features["sampler_logprobs"],
-                                     batch.features["advantages"], batch.loss_mask, clip_eps=0.2)
-    want = aggregate_loss(per_token, batch, "task_mean")
+
+    @jax.jit  # one compile, not one per eager op
+    def reference_loss(init, batch):
+        logp = learner_logprobs(graphdef, init, batch)
+        f = batch.features
+        per_token = policy_gradient_loss(logp, f["sampler_logprobs"], f["sampler_logprobs"],
+                                         f["advantages"], batch.loss_mask, clip_eps=0.2)
+        return aggregate_loss(per_token, batch, "task_mean")
+
+    want = reference_loss(init, batch)
     np.testing.assert_allclose(metrics["loss"], float(want), rtol=1e-5)
     assert metrics["tokens"] == batch.num_real_tokens
     assert metrics["loss_tokens"] == int((batch.loss_mask > 0).sum())
@@ -323,7 +337,7 @@ def constrained_batch():
     b = pack_segments(segs, 16, rows_multiple=16, min_masks=32)
     assert b.constraint_masks.shape == (64, 2)  # 33..64 distinct masks
     graphdef, state = fresh()
-    lp = np.asarray(make_train_step(graphdef, LOSS, OPT).logprobs(state, b))
+    lp = np.asarray(dense_behaviour_logprobs(graphdef, state, b))
     noise = rng.normal(0, 0.3, b.shape).astype(np.float32)
     return b.replace(features={**b.features, "sampler_logprobs": lp + noise})
 
@@ -350,11 +364,9 @@ def test_constrained_batch_same_update_on_a_mesh_with_accumulation_and_chunks(co
 def test_logprobs_of_a_constrained_batch_on_a_mesh(constrained_batch):
     """TrainStep.logprobs (PPO old log-probs) on a mesh, chunked: the masked log-probs of
     the single-device dense path (fp32, 1e-5); the table is placed replicated."""
-    from ac2_jax.training.core.objectives import StepModel, model_logprobs
     from ac2_jax.training.core.sharding import shard_batch
     graphdef, state = fresh()
-    want = model_logprobs(StepModel(graphdef, state.params, state.rest), constrained_batch,
-                          behaviour=True, entropy=False, chunk_size=None)[0]
+    want = dense_behaviour_logprobs(graphdef, state, constrained_batch)  # as in the fixture
     step = make_train_step(graphdef, dataclasses.replace(LOSS, chunk_size=6), OPT,
                            mesh=make_mesh(data=4, fsdp=2))
     got = step.logprobs(step.place(state), constrained_batch)
