@@ -99,9 +99,13 @@ def test_model_without_params_and_bad_optimizer_are_errors():
         as_transform({"lr": 1e-3})
 
 
-def _lora_pair(layers=3):
+@pytest.fixture(scope="module")
+def lora_pair():
     """A LoRA model with a bf16 base and the same model with that base held in fp32
-    (the same values), both with non-zero adapters."""
+    (the same values), both with non-zero adapters; 4 scanned layers. Built once for
+    the module (the tests only read them), and both tests compile the same two steps
+    (one row of 32 tokens), so the second reads them from the run's compile cache."""
+    layers = 4
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.lora import LoRAConfig
 
@@ -124,7 +128,7 @@ def _lora_pair(layers=3):
     return half, full
 
 
-def test_a_bf16_base_lives_in_the_train_state_as_bits():
+def test_a_bf16_base_lives_in_the_train_state_as_bits(lora_pair):
     """A LoRA train state holds the frozen bf16 layer stacks as uint16 bits (the step
     slices them with no copy), the embedding and adapters as they are; `model()` gives
     the bf16 weights back exactly; the abstract state agrees; one step of it equals the
@@ -136,7 +140,7 @@ def test_a_bf16_base_lives_in_the_train_state_as_bits():
     from ac2_jax.training.core import abstract_train_state
     from ac2_jax.training.rl import rl_segment
 
-    half, full = _lora_pair()
+    half, full = lora_pair
     opt = OptimizerConfig(learning_rate=1e-2)
     graphdef, state = create_train_state(half, opt)
     rest = dict(nnx.to_flat_state(state.rest))
@@ -169,7 +173,7 @@ def test_a_bf16_base_lives_in_the_train_state_as_bits():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3 * 1e-2)
 
 
-def test_a_bf16_base_step_holds_no_copy_of_the_layer_stacks():
+def test_a_bf16_base_step_holds_no_copy_of_the_layer_stacks(lora_pair):
     """With the bits in the state, the compiled step of a bf16-base LoRA model holds no
     16-bit copy of the layer stacks (which turning them into bits inside the step
     costs on XLA:CPU): its temporaries exceed the fp32 base's by less than a quarter
@@ -178,7 +182,7 @@ def test_a_bf16_base_step_holds_no_copy_of_the_layer_stacks():
     from ac2_jax.training import PolicyGradientLoss, make_train_step
     from ac2_jax.training.rl import rl_segment
 
-    half, full = _lora_pair(layers=4)
+    half, full = lora_pair
     opt = OptimizerConfig(learning_rate=1e-2)
     batch = pack_segments([rl_segment(np.arange(32) % 128, np.r_[np.zeros(16), np.ones(16)],
                                       np.full(32, -1.0), task="t0", advantage=1.0)], 32)
