@@ -369,10 +369,16 @@ def test_on_policy_ratios_are_1_under_the_masks(chunk_size):
     loss = PolicyGradientLoss(old_logprobs="sampler", chunk_size=chunk_size)
     trained = batch.loss_mask > 0
     on = trained & (batch.features[CONSTRAINT_ID] > 0)
-    for b, ok in ((batch, True), (_unconstrained(batch), False)):
+
+
+    @jax.jit  # one compile per batch structure, not one per op
+    def score(b):
         lp, _ = model_logprobs(m, b, behaviour=True, entropy=False, chunk_size=chunk_size)
+        return lp, apply_loss(loss, m, b, None)[1]
+
+    for b, ok in ((batch, True), (_unconstrained(batch), False)):
+        lp, sums = score(b)
         ratio = np.exp(np.asarray(lp) - sampler)
-        _, sums = apply_loss(loss, m, b, None)
         if ok:
             assert np.abs(ratio[trained] - 1).max() < 1e-5
             assert float(sums["clip_frac"]) == 0 and abs(float(sums["kl_to_sampler"])) < 1e-5
