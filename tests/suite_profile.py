@@ -4,7 +4,8 @@ Run it through `scripts/test_profile.sh` (same arguments as pytest). With
 `AC2_TEST_PROFILE=<dir>` set, tests/conftest.py registers `ProfilePlugin`, which
 appends one JSON line per test to `<dir>/tests-<pid>.jsonl`:
 
-    {"test": nodeid, "wall_s": setup + call + teardown, "compile_s": ..., "outcome": ...}
+    {"test": nodeid, "wall_s": setup + call + teardown, "compile_s": ..., "outcome": ...,
+     "cache_hits": ..., "cache_misses": ...}
 
 `compile_s` is the sum of JAX's three compile events (tracing to a jaxpr, lowering to
 MLIR, the XLA backend compile; `jax.monitoring` duration events) seen while the test
@@ -13,6 +14,11 @@ PYTHONPATH, whose `sitecustomize` registers the same listener in every Python ch
 that imports JAX and appends each compile to `<dir>/sub-<pid>.jsonl`, tagged with the test that
 was running (`AC2_TEST_PROFILE_TEST`, set here for each test). A test that runs
 several JAX processes at once can show more compile seconds than wall seconds.
+
+`cache_hits` / `cache_misses` count the run-wide persistent compilation cache's
+answers (JAX's `/jax/compilation_cache/cache_hits` and `.../cache_misses` events;
+a miss is a compile written to the cache), in the process and its children; the
+per-module table shows the hit share (`hit%`).
 
 `python tests/suite_profile.py <dir> [--top N]` prints the per-module table and the
 N slowest tests (default 50).
@@ -28,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from suite_profile_site.sitecustomize import COMPILE_EVENTS
+from suite_profile_site.sitecustomize import CACHE_EVENTS, COMPILE_EVENTS
 
 TEST_ENV = "AC2_TEST_PROFILE_TEST"
 
@@ -38,6 +44,7 @@ class CompileClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.cache = {"hit": 0, "miss": 0}  # persistent compilation cache answers
 
     def install(self) -> None:
         import jax.monitoring
@@ -46,7 +53,12 @@ class CompileClock:
             if event in COMPILE_EVENTS:
                 self.seconds += duration
 
+        def cache_listener(event: str, **_: object) -> None:
+            if event in CACHE_EVENTS:
+                self.cache[CACHE_EVENTS[event]] += 1
+
         jax.monitoring.register_event_duration_secs_listener(listener)
+        jax.monitoring.register_event_listener(cache_listener)
 
 
 _OUTCOMES = pytest.StashKey[list]()
@@ -67,12 +79,21 @@ class ProfilePlugin:
         os.environ[TEST_ENV] = item.nodeid
         item.stash[_OUTCOMES] = []
         t0, c0 = time.perf_counter(), self.clock.seconds
+        h0, m0 = self.clock.cache["hit"], self.clock.cache["miss"]
         yield
         wall, compile_s = time.perf_counter() - t0, self.clock.seconds - c0
+        hits, misses = self.clock.cache["hit"] - h0, self.clock.cache["miss"] - m0
         os.environ.pop(TEST_ENV, None)
         outcomes = item.stash[_OUTCOMES]
         outcome = next((o for o in ("failed", "skipped") if o in outcomes), "passed")
-        line = {"test": item.nodeid, "wall_s": wall, "compile_s": compile_s, "outcome": outcome}
+        line = {
+            "test": item.nodeid,
+            "wall_s": wall,
+            "compile_s": compile_s,
+            "outcome": outcome,
+            "cache_hits": hits,
+            "cache_misses": misses,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -86,12 +107,13 @@ class ProfilePlugin:
 
 
 def load(out_dir: str) -> dict[str, dict]:
-    """Per test: wall_s, compile_s (in-process + its subprocesses), outcome."""
+    """Per test: wall_s, compile_s (in-process + its subprocesses), outcome,
+    cache_hits and cache_misses (in-process + subprocesses)."""
     tests: dict[str, dict] = {}
     for path in sorted(Path(out_dir).glob("tests-*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            tests[rec["test"]] = {**rec, "sub_compile_s": 0.0}
+            tests[rec["test"]] = {"cache_hits": 0, "cache_misses": 0, **rec, "sub_compile_s": 0.0}
     for path in sorted(Path(out_dir).glob("sub-*.json*")):
         for line in path.read_text().splitlines():
             try:
@@ -99,7 +121,11 @@ def load(out_dir: str) -> dict[str, dict]:
             except json.JSONDecodeError:  # a line torn by SIGKILL
                 continue
             if rec.get("test") in tests:
-                tests[rec["test"]]["sub_compile_s"] += rec["compile_s"]
+                if "cache" in rec:
+                    key = "cache_hits" if rec["cache"] == "hit" else "cache_misses"
+                    tests[rec["test"]][key] += 1
+                else:
+                    tests[rec["test"]]["sub_compile_s"] += rec["compile_s"]
     return tests
 
 
@@ -107,31 +133,42 @@ def report(out_dir: str, top: int = 50) -> str:
     tests = load(out_dir)
     if not tests:
         return f"no test records under {out_dir}"
-    modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0])
     for nodeid, rec in tests.items():
         m = modules[nodeid.split("::")[0]]
         m[0] += 1
         m[1] += rec["wall_s"]
         m[2] += rec["compile_s"]
         m[3] += rec["sub_compile_s"]
+        m[4] += rec["cache_hits"]
+        m[5] += rec["cache_misses"]
     total_wall = sum(m[1] for m in modules.values())
     total_in = sum(m[2] for m in modules.values())
     total_sub = sum(m[3] for m in modules.values())
+    total_hits = sum(m[4] for m in modules.values())
+    total_lookups = total_hits + sum(m[5] for m in modules.values())
     lines = [
         f"{len(tests)} tests, {total_wall:.0f} s summed over tests; JAX compile: "
         f"{total_in:.0f} s in the pytest process(es) ({100 * total_in / total_wall:.0f}%), "
-        f"{total_sub:.0f} s in subprocesses",
+        f"{total_sub:.0f} s in subprocesses; persistent compilation cache: {total_hits} hits "
+        f"of {total_lookups} ({_share(total_hits, total_lookups)})",
         "",
         f"{'module':<64} {'tests':>5} {'wall_s':>8} {'share':>6} {'compile_s':>9} "
-        f"{'cmp%':>5} {'sub_cmp_s':>9}",
+        f"{'cmp%':>5} {'sub_cmp_s':>9} {'hits':>5} {'misses':>6} {'hit%':>5}",
     ]
-    for name, (n, wall, comp, sub) in sorted(modules.items(), key=lambda kv: -kv[1][1]):
+    for name, (n, wall, comp, sub, hits, misses) in sorted(
+        modules.items(), key=lambda kv: -kv[1][1]
+    ):
         lines.append(
             f"{name:<64} {n:>5} {wall:>8.1f} {100 * wall / total_wall:>5.1f}% {comp:>9.1f} "
-            f"{100 * comp / max(wall, 1e-9):>4.0f}% {sub:>9.1f}"
+            f"{100 * comp / max(wall, 1e-9):>4.0f}% {sub:>9.1f} {hits:>5} {misses:>6} "
+            f"{_share(hits, hits + misses):>5}"
         )
-    lines += ["", f"The {top} slowest tests:",
-              f"{'wall_s':>8} {'compile_s':>9} {'cmp%':>5} {'sub_cmp_s':>9}  test"]
+    lines += [
+        "",
+        f"The {top} slowest tests:",
+        f"{'wall_s':>8} {'compile_s':>9} {'cmp%':>5} {'sub_cmp_s':>9}  test",
+    ]
     slowest = sorted(tests.items(), key=lambda kv: -kv[1]["wall_s"])[:top]
     for nodeid, rec in slowest:
         lines.append(
@@ -140,9 +177,15 @@ def report(out_dir: str, top: int = 50) -> str:
             f"{rec['sub_compile_s']:>9.1f}  {nodeid}"
         )
     top_wall = sum(rec["wall_s"] for _, rec in slowest)
-    lines.append(f"(the {len(slowest)} slowest: {top_wall:.0f} s, "
-                 f"{100 * top_wall / total_wall:.0f}% of the summed time)")
+    lines.append(
+        f"(the {len(slowest)} slowest: {top_wall:.0f} s, "
+        f"{100 * top_wall / total_wall:.0f}% of the summed time)"
+    )
     return "\n".join(lines)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
 if __name__ == "__main__":

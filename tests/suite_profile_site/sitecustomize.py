@@ -3,7 +3,8 @@
 On PYTHONPATH only under scripts/test_profile.sh. When the child imports JAX, a
 listener appends each compile event's seconds to `<dir>/sub-<pid>.jsonl`, tagged with
 the test that started it; written as they happen, so a server ended by SIGTERM or
-SIGKILL still counts. A child that never imports JAX writes nothing."""
+SIGKILL still counts. A child that never imports JAX writes nothing. Persistent
+compilation cache hits and misses are written the same way (`{"cache": "hit"}`)."""
 
 import importlib.abc
 import importlib.util
@@ -18,6 +19,13 @@ COMPILE_EVENTS = (  # also read by tests/suite_profile.py
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 )
+# Persistent compilation cache (jax/_src/compiler.py, compilation_cache.py): a hit is
+# an executable read back; a miss is one compiled and written (every compile is
+# written in the suite: thresholds 0). Also read by tests/suite_profile.py.
+CACHE_EVENTS = {
+    "/jax/compilation_cache/cache_hits": "hit",
+    "/jax/compilation_cache/cache_misses": "miss",
+}
 
 
 class _AfterJaxImport(importlib.abc.MetaPathFinder):
@@ -50,7 +58,13 @@ def _listen():
             with open(path, "a") as f:
                 f.write(json.dumps({"test": _TEST, "compile_s": duration}) + "\n")
 
+    def cache_listener(event, **_):
+        if event in CACHE_EVENTS:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": _TEST, "cache": CACHE_EVENTS[event]}) + "\n")
+
     jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(cache_listener)
 
 
 if _DIR and _TEST:
