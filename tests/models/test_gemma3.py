@@ -87,9 +87,20 @@ def forward(model, tokens, positions, segment_ids):
     return model(tokens, positions, segment_ids)
 
 
+@nnx.jit
+def step(model, tokens, positions, cache):
+    return model.decode(tokens, positions, cache)
+
+
+ROW = 48  # every full forward is one row of this length (padding: segment 0): one compile
+
+
 def one_row(model, tokens):
-    t = jnp.asarray([tokens])
-    return logprobs(forward(model, t, jnp.arange(len(tokens))[None], jnp.ones_like(t)))[0]
+    """Log-probs [len(tokens), VOCAB] of `tokens` alone, right-padded to ROW."""
+    n = len(tokens)
+    t, pos, seg = (np.zeros((1, ROW), np.int32) for _ in range(3))
+    t[0, :n], pos[0, :n], seg[0, :n] = tokens, np.arange(n), 1
+    return logprobs(forward(model, *map(jnp.asarray, (t, pos, seg))))[0, :n]
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +130,7 @@ def test_packed_rows_logprobs_equal_transformers(pair):
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, VOCAB, 19).tolist(), rng.integers(0, VOCAB, 11).tolist()
     ref_a, ref_b = hf_logprobs(hf, a), hf_logprobs(hf, b)
-    L = len(a) + len(b) + 4
-    tokens, pos, seg = (np.zeros((1, L), np.int32) for _ in range(3))
+    tokens, pos, seg = (np.zeros((1, ROW), np.int32) for _ in range(3))
     tokens[0, : len(a) + len(b)] = a + b
     pos[0, : len(a)], pos[0, len(a) : len(a) + len(b)] = np.arange(len(a)), np.arange(len(b))
     seg[0, : len(a)], seg[0, len(a) : len(a) + len(b)] = 1, 2
@@ -142,11 +152,10 @@ def test_prefill_and_decode_logprobs_equal_transformers(pair):
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, VOCAB, 23).tolist(), rng.integers(0, VOCAB, 15).tolist()]
     refs = [hf_logprobs(hf, s) for s in seqs]
-    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
     for scan in (False, True):
         model, _ = load_hf_checkpoint(str(path), scan_layers=scan)
-        cache = model.init_cache(2, 32)
-        assert cache.stacked == scan and cache.max_len == 32
+        cache = model.init_cache(2, 64)  # the ring test's shapes: compiled once for both
+        assert cache.stacked == scan and cache.max_len == 64
         toks = np.zeros((2, 7), np.int32)
         pos = np.full((2, 7), -1, np.int32)
         toks[0], pos[0] = seqs[0][:7], np.arange(7)
@@ -171,9 +180,9 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
     """The sliding layers' cache (3 of 4 layers) is a ring of WINDOW slots when the cache
     is longer, the full layer's is max_len long, and their memory does not move while
     two rows (one 3 positions behind, left-padded) grow to 45 and 42 positions (9
-    windows) through chunks longer than the window (7, 9, 11) and single steps, nor
-    across `resize_cache` to 128 positions mid-way (the full layer grows, the ring
-    stays). Every log-prob equals the dense forward of the whole row (ours and
+    windows) through chunks longer than the window (7, 11: over twice the ring) and
+    single steps, nor across `resize_cache` to 128 positions mid-way (the full layer
+    grows, the ring stays). Every log-prob equals the dense forward of the whole row (ours and
     transformers', 1e-5), per-layer and stacked."""
     from ac2_jax.sampling.decode_loop import resize_cache
 
@@ -181,7 +190,6 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
     rng = np.random.default_rng(6)
     seqs = [rng.integers(0, VOCAB, 45).tolist(), rng.integers(0, VOCAB, 42).tolist()]
     theirs = [hf_logprobs(hf, s) for s in seqs]
-    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
     offset = [0, 3]
 
     def slots(part):
@@ -202,7 +210,7 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
         ]
         got: list[list] = [[], []]
         a = 0
-        for T in [7] + [1] * 10 + [9] + [1] * 6 + ["resize"] + [11] + [1] * 8:
+        for T in [7] + [1] * 10 + [11] + [1] * 6 + ["resize"] + [7] + [1] * 8:
             if T == "resize":
                 cache = resize_cache(cache, jnp.arange(2), max_len=128)
                 assert slots(cache.sliding) == {WINDOW} and slots(cache.full) == {128}
@@ -230,7 +238,8 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
 
 def test_stacked_layers_and_blocksparse_equal_transformers(pair):
     """Stacked layers (the per-layer window and RoPE are scanned flags), with the dense
-    and the block-sparse kernel (tiles of 8 over 40 tokens, per-layer and stacked)."""
+    and the block-sparse kernel (tiles of 8 over 40 tokens in a row of 48, per-layer and
+    stacked)."""
     hf, path = pair
     tokens = np.random.default_rng(3).integers(0, VOCAB, 40).tolist()
     ref = hf_logprobs(hf, tokens)
@@ -251,6 +260,7 @@ def test_remat_keeps_gradients(pair):
     t = jnp.asarray([np.random.default_rng(4).integers(0, VOCAB, 16)])
     pos = jnp.arange(16)[None]
 
+    @nnx.jit
     def grads(model):
         def loss(m):
             lp = jax.nn.log_softmax(m(t, pos, jnp.ones_like(t)), -1)
