@@ -50,6 +50,13 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _cache_dir = tempfile.mkdtemp(prefix="ac2-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# One scratch directory per run for fixtures that several modules (and both xdist
+# workers) can share by value, not by program: e.g. serving_helpers.fit_tiny_model's
+# fitted weights (a deterministic fit, done once per run instead of once per module).
+if not os.environ.get("AC2_TEST_RUN_DIR"):
+    _run_dir = tempfile.mkdtemp(prefix="ac2-test-run-")
+    os.environ["AC2_TEST_RUN_DIR"] = _run_dir
+    atexit.register(shutil.rmtree, _run_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -1,17 +1,28 @@
-"""Shared by the serving tests: a tiny real model fitted to a scripted
-3-turn tool-calling conversation, so greedy decoding reproduces the calls;
-and a tiny random model served by the real endpoint (`served_random_model`).
+"""Shared by the serving, orchestration and eval tests: a tiny real model fitted
+to a scripted 3-turn tool-calling conversation, so greedy decoding reproduces the
+calls (and to the orchestrators' delegation and transient-message scripts, so one
+fitted model serves every module); and a tiny random model served by the real
+endpoint (`served_random_model`).
 
 The training sequence is built exactly as the endpoint builds prompts
 (`build_prompt_ids` with the scripted outputs remembered), so the fitted
 model sees at test time the same tokens it was fitted on.
+
+A fit is done once per test run for each distinct input (sequences, seed, lr,
+step cap, config): its weights are kept in the run's scratch directory
+(`AC2_TEST_RUN_DIR`, made by tests/conftest.py), and every other module (either
+xdist worker) that asks for the same fit gets a fresh Decoder holding them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
+import os
 import pathlib
+import pickle
 from typing import Iterator
 
 import jax
@@ -20,9 +31,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ac2_jax.envs import Env, Task, Tool
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models import Tokenizer, parse_tool_calls
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.orchestration import SubagentOrchestrator
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
@@ -70,6 +83,71 @@ def scripted_sequence(tok: Tokenizer) -> tuple[list[int], list[int]]:
     return tokens, mask
 
 
+def script(tok: Tokenizer, messages: list[dict], tools: list[dict],
+           turns: list[tuple[str, str | None]]) -> tuple[list[int], list[int]]:
+    """(tokens, loss mask) of a conversation as the endpoint builds it; turns = [(text,
+    tool result)]: each text is the model's output, each result answers its calls."""
+    memory, tokens, mask = TurnMemory(), [], []
+    messages = list(messages)
+    for text, result in turns:
+        prompt, _ = build_prompt_ids(tok, messages, tools, memory)
+        assert prompt[:len(tokens)] == tokens, "the script is not append-only"
+        out = tok.encode(text) + [tok.eos_token_id]
+        mask += [0] * (len(prompt) - len(tokens)) + [1] * len(out)
+        tokens = prompt + out
+        content, calls = parse_tool_calls(text)
+        memory.remember(content, calls, out)
+        messages.append({"role": "assistant", "content": content or None,
+                         "tool_calls": calls or None})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls]
+    return tokens, mask
+
+
+# The orchestrators' scripts (tests/orchestration/test_orchestration_default.py): a
+# delegation to a subagent, and the second call made with a reminder shown transiently.
+DELEGATE = "Delegate: " + USER["content"]
+SPAWN_CALL = ('<tool_call>\n{"name": "spawn_subagent", "arguments": {"name": "helper", '
+              f'"task": "{USER["content"]}"}}}}\n</tool_call>')
+REMINDER = {"role": "user", "content": "Reminder: add the numbers one call at a time."}
+
+
+def _add(a: int, b: int) -> str:
+    return str(a + b)
+
+
+class AddEnv(Env):
+    """The scripted task: add 3 + 4 + 10 with an `add` tool (schema = TOOLS)."""
+
+    system_prompt = SYSTEM["content"]
+
+    def sample_tasks(self, n, seed, split="train"):
+        return [Task(task_id=f"add-{i}", prompt=USER["content"], answer=17) for i in range(n)]
+
+    @property
+    def tools(self):
+        fn = TOOLS[0]["function"]
+        return [Tool(fn["name"], fn["description"], fn["parameters"], _add)]
+
+    def verify(self, task, answer):
+        return float(answer is not None and "17" in answer)
+
+
+def orchestration_scripts(tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(tokens, mask) of the delegation script (spawn a subagent, then answer) and of
+    the transient-reminder script: with the reminder shown after the first tool result
+    the model still makes the second call (without it the script's third turn follows)."""
+    env = AddEnv()
+    spawn_spec = SubagentOrchestrator(env, env.sample_tasks(1, 0)[0], None, "tiny").tools[-1].spec()
+    delegation = script(tok, [SYSTEM, {"role": "user", "content": DELEGATE}], TOOLS + [spawn_spec],
+                        [(SPAWN_CALL, TURNS[-1][0]), (TURNS[-1][0], None)])
+    first = parse_tool_calls(TURNS[0][0])[1]
+    transient = script(tok, [SYSTEM, USER, {"role": "assistant", "content": None,
+                                            "tool_calls": first},
+                             {"role": "tool", "tool_call_id": first[0]["id"], "content": "7"},
+                             REMINDER], TOOLS, [(TURNS[1][0], "17")])
+    return [delegation, transient]
+
+
 def tiny_config(tok: Tokenizer) -> DecoderConfig:
     return DecoderConfig.tiny(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
                               num_heads=4, num_kv_heads=2, head_dim=16,
@@ -90,13 +168,45 @@ def _train_step(model, opt, tokens, positions, segs, targets, weights):
     return loss, ok
 
 
-def fit_tiny_model(tok: Tokenizer, max_steps: int = 300, seed: int = 0, lr: float = 3e-3,
-                   extra: list[tuple[list[int], list[int]]] = ()) -> Decoder:
-    """A tiny Decoder fitted (Adam) until greedy decoding reproduces the script.
+_FITS: dict[str, dict] = {}  # this process's fitted weights by fit key (numpy leaves)
 
-    extra: more (tokens, mask) sequences to fit at the same time.
+
+def fit_tiny_model(tok: Tokenizer, max_steps: int = 600, seed: int = 0, lr: float = 3e-3,
+                   extra: list[tuple[list[int], list[int]]] = ()) -> Decoder:
+    """A tiny Decoder fitted (Adam) until greedy decoding reproduces the script and
+    the orchestrators' scripts (`orchestration_scripts`).
+
+    extra: more (tokens, mask) sequences to fit at the same time. The fit is
+    deterministic, so it runs once per test run for each distinct input (the
+    module docstring): a later call returns a new Decoder with the same weights.
     """
-    seqs = [scripted_sequence(tok)] + list(extra)
+    seqs = [scripted_sequence(tok)] + orchestration_scripts(tok) + list(extra)
+    cfg = tiny_config(tok)
+    key = hashlib.sha256(repr((seqs, max_steps, seed, lr, cfg)).encode()).hexdigest()[:24]
+    if key not in _FITS:
+        run_dir = os.environ.get("AC2_TEST_RUN_DIR")
+        if run_dir is None:
+            _FITS[key] = _fit(seqs, cfg, max_steps, seed, lr)
+        else:
+            path = pathlib.Path(run_dir) / f"fit-{key}.pkl"
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for one fit
+                if path.exists():
+                    _FITS[key] = pickle.loads(path.read_bytes())
+                else:
+                    _FITS[key] = _fit(seqs, cfg, max_steps, seed, lr)
+                    path.with_suffix(".tmp").write_bytes(pickle.dumps(_FITS[key]))
+                    path.with_suffix(".tmp").rename(path)
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, _FITS[key]))
+    nnx.update(model, state)
+    return model
+
+
+def _fit(seqs: list[tuple[list[int], list[int]]], cfg: DecoderConfig, max_steps: int, seed: int,
+         lr: float) -> dict:
+    """The fitted Params of `fit_tiny_model`, as a pure dict of numpy arrays."""
     L = max(len(t) for t, _ in seqs)
     tokens = np.zeros((len(seqs), L), np.int32)
     weights = np.zeros((len(seqs), L), np.float32)
@@ -107,16 +217,13 @@ def fit_tiny_model(tok: Tokenizer, max_steps: int = 300, seed: int = 0, lr: floa
         weights[i, :len(t) - 1] = m[1:]  # the prediction at p scores token p + 1
     data = (tokens, np.broadcast_to(np.arange(L, dtype=np.int32), tokens.shape).copy(), segs,
             np.roll(tokens, -1, axis=1), weights)
-    model = Decoder(tiny_config(tok), rngs=nnx.Rngs(seed))
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
     for _ in range(max_steps):
         before = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # immutable arrays: a snapshot
         loss, ok = _train_step(model, opt, *data)
         if bool(ok):  # the params before this step reproduce the script: keep those
-            state = nnx.state(model, nnx.Param)
-            nnx.replace_by_pure_dict(state, before)
-            nnx.update(model, state)
-            return model
+            return jax.tree.map(np.asarray, before)
     raise AssertionError(f"fit_tiny_model: greedy decoding does not reproduce the script "
                          f"(loss {float(loss):.4f} after {max_steps} steps)")
 

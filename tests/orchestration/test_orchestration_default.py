@@ -1,7 +1,7 @@
 """Orchestrators through the real endpoint (FastAPI over HTTP, JaxSampler, tiny model).
 
-The tiny model is fitted to scripted conversations (tests/serving_helpers.py
-plus a delegation and a transient-message script below), so greedy decoding
+The tiny model is fitted to scripted conversations (tests/serving_helpers.py: the
+tool loop, a delegation and a transient-message script), so greedy decoding
 takes the paths each orchestrator must handle. Episodes are recorded by the
 endpoint; each orchestrator must yield the episode structure of its shape.
 """
@@ -17,86 +17,32 @@ import httpx
 import openai
 import pytest
 
-from ac2_jax.envs import Env, Task, Tool
-from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.envs import Task
+from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.orchestration import (CompactionOrchestrator, DefaultOrchestrator, LifecycleClient,
                                    MultiResponseOrchestrator, SubagentOrchestrator,
                                    run_rollout)
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
-from serving_helpers import SYSTEM, TOOLS, TURNS, USER, fit_tiny_model
+from serving_helpers import (DELEGATE, REMINDER, SYSTEM, TOOLS, USER, AddEnv,
+                             fit_tiny_model)
 
 ADMIN = "sk-admin-orch"
 GREEDY = {"temperature": 0, "max_tokens": 64}
-DELEGATE = "Delegate: " + USER["content"]
-SPAWN_CALL = ('<tool_call>\n{"name": "spawn_subagent", "arguments": {"name": "helper", '
-              f'"task": "{USER["content"]}"}}}}\n</tool_call>')
-REMINDER = {"role": "user", "content": "Reminder: add the numbers one call at a time."}
-
-
-def _add(a: int, b: int) -> str:
-    return str(a + b)
-
-
-class AddEnv(Env):
-    """The scripted task: add 3 + 4 + 10 with an `add` tool (schema = serving_helpers.TOOLS)."""
-
-    system_prompt = SYSTEM["content"]
-
-    def sample_tasks(self, n, seed, split="train"):
-        return [Task(task_id=f"add-{i}", prompt=USER["content"], answer=17) for i in range(n)]
-
-    @property
-    def tools(self):
-        fn = TOOLS[0]["function"]
-        return [Tool(fn["name"], fn["description"], fn["parameters"], _add)]
-
-    def verify(self, task, answer):
-        return float(answer is not None and "17" in answer)
-
-
-def script(tok, messages, tools, turns):
-    """(tokens, mask) of a conversation as the endpoint builds it; turns = [(text, tool result)]."""
-    memory, tokens, mask = TurnMemory(), [], []
-    messages = list(messages)
-    for text, result in turns:
-        prompt, _ = build_prompt_ids(tok, messages, tools, memory)
-        assert prompt[:len(tokens)] == tokens
-        out = tok.encode(text) + [tok.eos_token_id]
-        mask += [0] * (len(prompt) - len(tokens)) + [1] * len(out)
-        tokens = prompt + out
-        content, calls = parse_tool_calls(text)
-        memory.remember(content, calls, out)
-        messages.append({"role": "assistant", "content": content or None,
-                         "tool_calls": calls or None})
-        messages += [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls]
-    return tokens, mask
 
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("orch")
     tok = build_tiny_tokenizer(str(tmp / "tok"))
-    env = AddEnv()
-    spawn_spec = SubagentOrchestrator(env, env.sample_tasks(1, 0)[0], None, "tiny").tools[-1].spec()
-    delegation = script(tok, [SYSTEM, {"role": "user", "content": DELEGATE}], TOOLS + [spawn_spec],
-                        [(SPAWN_CALL, TURNS[-1][0]), (TURNS[-1][0], None)])
-    # With a reminder shown (transiently) after the first tool result, the model
-    # still makes the second call; without it the script's third turn follows.
-    first = parse_tool_calls(TURNS[0][0])[1]
-    transient = script(tok, [SYSTEM, USER, {"role": "assistant", "content": None,
-                                            "tool_calls": first},
-                             {"role": "tool", "tool_call_id": first[0]["id"], "content": "7"},
-                             REMINDER], TOOLS, [(TURNS[1][0], "17")])
-    model = fit_tiny_model(tok, extra=[delegation, transient], max_steps=600)
+    model = fit_tiny_model(tok)  # also fitted to the delegation and transient scripts
     sampler = JaxSampler(model, max_context=768, max_batch=8, min_batch=8, min_cache_len=768,
                          prefill_chunk=64, eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
     app = build_app(sampler, tok, admin_key=ADMIN, model_name="tiny",
                     trace_store=str(tmp / "traces.jsonl"))
     url, stop = serve_in_thread(app)
-    yield dict(url=url, env=env, tok=tok)
+    yield dict(url=url, env=AddEnv(), tok=tok)
     stop()
     sampler.close()
 
