@@ -223,7 +223,8 @@ def run_ac2(spec: dict) -> dict:
         "rollout": {"max_tokens": spec["max_tokens"], "max_steps": spec["turns"],
                     "temperature": 1.0},
         "sampler": {"max_context": spec["max_context"],
-                    "warmup": spec.get("sampler_warmup", True)},
+                    "warmup": spec.get("sampler_warmup", True),
+                    "hand_off": spec.get("hand_off", "memory")},
         "log": {"progress": False, "report_files": False, "tensorboard": False},
     })
     t0 = time.perf_counter()
@@ -484,7 +485,8 @@ def plot_growth(points: list[dict], peers: list[dict], path: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- main
-COLS = ["size", "system", "turns", "step_s", "rollout_s", "scoring_s", "update_s", "handoff_s",
+COLS = ["size", "system", "hand_off", "turns", "step_s", "rollout_s", "scoring_s", "update_s",
+        "handoff_s",
         "sampled_tokens", "trained_tokens", "sampled_per_s", "trained_per_s", "peak_rss_mb",
         "warmup_s", "startup_s", "equal_work", "speedup_vs", "bound_s", "frac_of_bound"]
 
@@ -522,13 +524,38 @@ def main(argv=None) -> dict:
                    help="toy size, 1 timed step, a few growth points (this library only "
                         "unless --peer_python)")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--hand_off", default="memory",
+                   help="this library's weight hand-off to its embedded sampler "
+                        "(sampler.hand_off): memory, disk, or both as 'disk,memory' (one row "
+                        "each, run one after the other; the first is the peers' reference)")
+    p.add_argument("--handoff_only", type=int, default=0, metavar="ROUNDS",
+                   help="only time the hand-off phase, both modes side by side in one process "
+                        "(ROUNDS alternating rounds per size; measure_hand_off)")
     args = p.parse_args(argv)
+    hand_offs = [h.strip() for h in args.hand_off.split(",") if h.strip()]
+    if not hand_offs or any(h not in ("memory", "disk") for h in hand_offs):
+        raise SystemExit(f"--hand_off: memory, disk or a list of them, got {args.hand_off!r}")
     if args.quick:
         args.sizes, args.growth_size, args.steps = "toy", "toy", 1
         args.max_tokens = min(args.max_tokens, 8)
     peers = parse_peers(args.peer_python)
     work = args.workdir or tempfile.mkdtemp(prefix="loop_race_")
     os.makedirs(work, exist_ok=True)
+    if args.handoff_only:
+        out = {}
+        for size in args.sizes.split(","):
+            ckpt = write_checkpoint(os.path.join(work, f"ckpt-{size}"), size)
+            load0 = os.getloadavg()
+            out[size] = measure_hand_off(ckpt["path"], args.handoff_only, work)
+            out[size]["load_average"] = [load0, os.getloadavg()]
+            r = out[size]
+            print(f"{size}: hand-off disk {r['disk']:.3f} s, memory {r['memory']:.3f} s "
+                  f"({r['speedup']:.1f}x); background write {r['background_write_s']:.3f} s; "
+                  f"load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+        from benchmarks.common import write_json
+
+        write_json(args.out, {"benchmark": "loop_race", "handoff": out, "args": vars(args)})
+        return out
     t_start = time.perf_counter()
     rows, raw, ckpts = [], {}, {}
     for size in [] if args.no_race else args.sizes.split(","):
@@ -543,15 +570,19 @@ def main(argv=None) -> dict:
             variants += [("ac2", 1), ("tunix", 1)]
         specs = {t: make_spec(ckpts[size]["path"], turns=t, **base)
                  for t in sorted({t for _, t in variants})}
-        for system, turns in variants:
-            res = run_system(system, specs[turns], work, peers.get(system))
-            raw[f"{size}/{system}/turns{turns}"] = res
+        runs = [(system, turns, h) for system, turns in variants
+                for h in (hand_offs if system == "ac2" else [None])]
+        for system, turns, hand_off in runs:
+            spec = specs[turns] if hand_off is None else dict(specs[turns], hand_off=hand_off)
+            res = run_system(system, spec, work, peers.get(system))
+            mode = f"/{hand_off}" if hand_off is not None and len(hand_offs) > 1 else ""
+            raw[f"{size}/{system}/turns{turns}{mode}"] = res
             if "error" in res:
                 rows.append({"size": size, "system": system, "turns": turns,
-                             "error": res["error"]})
+                             "hand_off": hand_off, "error": res["error"]})
                 print(f"{size} {system} turns={turns}: FAILED {res['error'][-400:]}")
                 continue
-            rows.append({"size": size, "system": system, "turns": turns,
+            rows.append({"size": size, "system": system, "turns": turns, "hand_off": hand_off,
                          **summarize(res, args.warmup), "spec": {
                              k: specs[turns][k] for k in ("tasks_per_step", "attempts", "turns",
                                                           "max_tokens", "prompt_tokens",
@@ -579,7 +610,8 @@ def main(argv=None) -> dict:
         if "error" in r:
             continue
         ref = next((q for q in rows if q["size"] == r["size"] and q["system"] == "ac2"
-                    and q["turns"] == r["turns"] and "error" not in q), None)
+                    and q["turns"] == r["turns"] and q["hand_off"] == hand_offs[0]
+                    and "error" not in q), None)
         if ref is not None and r is not ref:
             r.update(equal_work(r, ref, args.tolerance))
             r["speedup_vs"] = r["step_s"] / ref["step_s"]  # this library's speed-up over it
@@ -619,6 +651,65 @@ def main(argv=None) -> dict:
     print(f"\nceilings: {ceil['bandwidth_gb_s']:.1f} GB/s copy, {ceil['gemm_gflops']:.1f} GFLOP/s "
           f"({ceil['gemm_by']}); total {payload['total_s']:.0f}s; work dir {work}")
     return payload
+
+
+def measure_hand_off(ckpt: str, rounds: int, work: str) -> dict:
+    """The hand-off phase alone (`time_publishing_s`: `RLTrainer.publish` + the weights
+    alarm's `check_served`), both `sampler.hand_off` modes side by side in one
+    process, alternating, on the race's checkpoint as the recipe loads it: "disk"
+    (Orbax publish, then `JaxSampler.load_weights`) and "memory" (`set_params`; the
+    folder is written in the background, timed apart as `background_write_s`).
+    Medians over `rounds` after one warm-up round of each. No update runs: each
+    round publishes the next version of the same weights."""
+    import statistics
+
+    from ac2_jax.recipes import load_model
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
+    from ac2_jax.training.rl.collectors import ReplayCollector
+    from ac2_jax.training.rl.data import BatchConfig
+    from ac2_jax.training.rl.trainer import RLConfig, RLTrainer
+
+    def build(mode: str):
+        model, _ = load_model(ckpt, work)
+        pub = os.path.join(work, f"handoff-{mode}", "published")
+        sampler = JaxSampler(model, publish_dir=pub, max_context=256, max_batch=8)
+        config = RLConfig(steps=1, tasks_per_step=1, attempts_per_task=2,
+                          batch=BatchConfig(seq_len=64, rows=2), loss=PolicyGradientLoss(),
+                          optimizer=OptimizerConfig(learning_rate=LR))
+        trainer = RLTrainer(model, ReplayCollector([]), config,
+                            os.path.join(work, f"handoff-{mode}"), publish_dir=pub,
+                            on_publish=sampler.load_weights if mode == "disk" else None,
+                            hand_off=sampler.set_params if mode == "memory" else None,
+                            served_weights=sampler.served_weights)
+        return sampler, trainer
+
+    runs = {mode: build(mode) for mode in ("disk", "memory")}
+    times: dict[str, list[float]] = {"disk": [], "memory": [], "background_write_s": []}
+    try:
+        for i in range(rounds + 1):
+            for mode, (sampler, trainer) in runs.items():
+                state = trainer.trainer.state
+                trainer.trainer.state = state.replace(step=state.step * 0 + i + 1)
+                t0 = time.perf_counter()
+                trainer.publish()
+                asyncio.run(trainer.check_served(f"round {i}"))
+                t1 = time.perf_counter()
+                trainer.wait_published()
+                t2 = time.perf_counter()
+                assert sampler.policy_version == i + 1, (mode, sampler.policy_version)
+                if i:  # round 0: the warm-up (Orbax's first use, the checksum's compile)
+                    times[mode].append(t1 - t0)
+                    if mode == "memory":
+                        times["background_write_s"].append(t2 - t1)
+        fired = {m: t.alarm_metrics() for m, (_, t) in runs.items()}
+    finally:
+        for sampler, trainer in runs.values():
+            trainer.close()
+            sampler.close()
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update(rounds=rounds, all=times, alarms=fired, speedup=out["disk"] / out["memory"])
+    return out
 
 
 def make_checkpoint_once(ckpts: dict, size: str, work: str) -> dict:

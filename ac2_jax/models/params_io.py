@@ -282,6 +282,28 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     `keep` steps stay on disk. Every process takes part in the save (Orbax
     coordinates them).
     """
+    return publish_params(_params(model), publish_dir, step, keep, _lora_config(model))
+
+
+def published_params(model: nnx.Module) -> dict:
+    """What `publish_weights` writes of `model`, as a pure dict: every Param, or a LoRA
+    model's adapters alone. The model's own arrays (no copy): `assign_params` hands
+    them to another model in memory, as `load_published` would from disk."""
+    return _params(model)
+
+
+def published_lora(model: nnx.Module) -> LoRAConfig | None:
+    """The LoRAConfig a publish of `model` records (its adapters are what it publishes),
+    None when it publishes every Param."""
+    return _lora_config(model)
+
+
+def publish_params(
+    params: dict, publish_dir: str, step: int, keep: int = 3, lora: LoRAConfig | None = None
+) -> str:
+    """`publish_weights` of a pure dict (`published_params`; `lora`: the adapters'
+    config when `params` are a LoRA model's adapters), e.g. from a thread that holds
+    a copy of the learner's params while the learner goes on."""
     if isinstance(step, bool) or int(step) != step or step < 0:
         raise ValueError(f"publish_weights: step must be an int >= 0, got {step!r}")
     if keep < 1:
@@ -291,12 +313,10 @@ def publish_weights(model: nnx.Module, publish_dir: str, step: int, keep: int = 
     with _manager(publish_dir, keep=keep) as mgr:
         for newer in sorted((s for s in mgr.all_steps() if s >= step), reverse=True):
             mgr.delete(newer)
-        params = _params(model)
         items = {
             PARAMS: ocp.args.PyTreeSave(params),
             CHECKSUM: ocp.args.JsonSave({"checksum": weights_checksum(params)}),
         }
-        lora = _lora_config(model)
         if lora is not None:
             items[LORA] = ocp.args.JsonSave(lora.to_dict())
         mgr.save(step, force=True, args=ocp.args.Composite(**items))
@@ -375,6 +395,35 @@ def load_published(model: nnx.Module, publish_dir: str, step: int | None = None)
             where,
         )
     return step
+
+
+def assign_params(model: nnx.Module, params: dict, where: str = "in-memory weights") -> None:
+    """Loads `params` (a pure dict as `published_params` gives: every Param, or a LoRA
+    model's adapters alone) into `model` in place, as `load_published` loads a publish
+    of them: the same names and shapes are required (ValueError naming the first that
+    differs), the other layer layout (stacked <-> per-layer) is converted, and each
+    value is cast to the model's dtype for it and placed on the model's sharding for
+    it. Always a copy: the model never shares a buffer with `params`, so the caller
+    may donate or delete them afterwards (a train step donates its state). On the
+    same device no host transfer happens."""
+    state = nnx.state(model, trainable_filter(model))
+    pure = nnx.to_pure_dict(state)
+    params = _int_keys(params)
+    stacked = is_stacked(pure)
+    given = is_stacked(params) if "layers" in pure and "layers" in params else stacked
+    if given != stacked:
+        params = to_layout(params, stacked)
+    _check_matches(params, pure, where)
+
+    def put(v, x):
+        v = jnp.asarray(v)
+        if v.dtype == x.dtype:
+            return jax.device_put(v, x.sharding, may_alias=False)
+        return jax.device_put(v.astype(x.dtype), x.sharding)  # astype made a new array
+
+    values = jax.tree.map(put, params, pure)
+    nnx.replace_by_pure_dict(state, values)
+    nnx.update(model, state)
 
 
 def read_published_adapter(

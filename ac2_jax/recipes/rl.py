@@ -292,6 +292,13 @@ def _step_lines(m: dict[str, Any], traces, cfg: RLRecipeConfig) -> list[str]:
     return lines + error_lines(step, traces)
 
 
+def _in_memory(config: Any, sampler: Any) -> bool:
+    """Whether the learner hands its weights to `sampler` in memory (`SamplerConfig.
+    hand_off`): an embedded sampler that takes params (`JaxSampler.set_params`),
+    hand_off "memory"; every other sampler reloads them from the publish folder."""
+    return config.hand_off == "memory" and callable(getattr(sampler, "set_params", None))
+
+
 async def arl(
     model: Any, env: Any, config: RLRecipeConfig | None = None, *, harness=None
 ) -> RecipeResult:
@@ -350,6 +357,7 @@ async def arl(
             sampler_counters=getattr(sampler, "counters", None),  # the embedded sampler's
             tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
             alarms=cfg.alarms, served_weights=getattr(sampler, "served_weights", None),
+            hand_off=sampler.set_params if _in_memory(cfg.sampler, sampler) else None,
         )  # fmt: skip
 
         def on_progress(steps_done: int, version: int) -> None:

@@ -45,8 +45,9 @@ request's failure from touching another and streams accepted tokens to each
 request's `on_tokens`.
 
 Weights: `load_weights` loads a published Orbax step into the model (or
-`set_weights` copies another Decoder's weights in) and hands a snapshot to the
-worker. How the worker swaps it in is `weight_swap`:
+`set_params` loads the learner's params from memory, as `load_weights` would
+load their publish; or `set_weights` copies another Decoder's weights in) and
+hands a snapshot to the worker. How the worker swaps it in is `weight_swap`:
 
 - "drain" (default): once the running rows drain (new requests wait
   meanwhile), so one result never mixes two weight versions; one long
@@ -85,7 +86,7 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
 from ac2_jax.models.lora import LoRAConfig, adapter_params
-from ac2_jax.models.params_io import read_published_adapter, weights_checksum
+from ac2_jax.models.params_io import assign_params, read_published_adapter, weights_checksum
 from ac2_jax.models.peft_io import load_peft_adapter, read_peft_config, write_slot
 from ac2_jax.sampling.base import (
     OnTokens,
@@ -321,6 +322,21 @@ class JaxSampler(DeviceLoop):
             got = int(load_published(self._model, self._publish_dir, step))
             self._stage(got)
         return got
+
+    def set_params(self, params: dict, version: int) -> int:
+        """The in-memory `load_weights`: loads `params` as `version`, exactly as
+        `load_weights` would load a publish of them (`params_io.assign_params`: a pure
+        dict as `params_io.published_params` gives, every Param or a LoRA model's
+        adapters alone; cast to the served dtype, placed on the served model's
+        devices, copied so the caller may donate its arrays). Running rows:
+        `weight_swap`. Returns version. The RL recipe's hand-off to this sampler
+        when it runs in the learner's process (`SamplerConfig.hand_off`)."""
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+            raise ValueError(f"JaxSampler.set_params: version must be an int, got {version!r}")
+        with self._load_lock:
+            assign_params(self._model, params, "JaxSampler.set_params")
+            self._stage(int(version))
+        return int(version)
 
     def set_weights(self, source: Decoder, version: int) -> int:
         """Copies `source`'s weights (same parameter shapes) in as `version`, like

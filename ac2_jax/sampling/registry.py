@@ -47,6 +47,9 @@ __all__ = [
 # Sampler kinds by name (`SamplerConfig.kind`): each entry a `SamplerKind` subclass.
 SAMPLERS: Registry[type[SamplerKind]] = Registry("sampler")
 
+# SamplerConfig.hand_off: how the embedded sampler gets the learner's weights.
+HAND_OFFS = ("memory", "disk")
+
 # The fields only some kinds read (the others: kind, max_context, model_name).
 KIND_FIELDS = (
     "warmup",
@@ -57,6 +60,7 @@ KIND_FIELDS = (
     "timeout_s",
     "options",
     "weight_swap",
+    "hand_off",
 )
 
 
@@ -77,6 +81,12 @@ class SamplerConfig:
     weight_swap (jax): "drain" (default: new weights wait for the running rows)
       or "in_flight" (swapped between decode chunks; each token records its
       version: `JaxSampler(weight_swap=)`).
+    hand_off (jax): how the RL recipe's learner gives each update's weights to
+      the embedded sampler: "memory" (default: `JaxSampler.set_params` with the
+      learner's params, no disk round trip; `publish_dir` is still written, in the
+      background, for other readers) or "disk" (published to `publish_dir`, then
+      `load_weights` reloads them). The two serve the same weights (same dtype
+      cast, same version and swap rule; tests/training/rl/test_hand_off.py).
     options: a registered kind's own settings (the built-in kinds read none).
     """
 
@@ -91,6 +101,7 @@ class SamplerConfig:
     timeout_s: float = 600.0
     options: dict[str, Any] | None = None
     weight_swap: str = "drain"
+    hand_off: str = "memory"
 
     def __post_init__(self):
         if isinstance(self.backends, (list, str)):  # a list from Python, "a,b" from a flag
@@ -170,9 +181,15 @@ def _no_lora(kind: str, model: Any) -> None:
 class JaxKind(SamplerKind):
     """The embedded `JaxSampler` (see `SamplerConfig.warmup`, `fixed_shapes`)."""
 
-    reads = ("warmup", "fixed_shapes", "weight_swap")
+    reads = ("warmup", "fixed_shapes", "weight_swap", "hand_off")
 
     def check(self, config):
+        if config.hand_off not in HAND_OFFS:
+            raise ValueError(
+                f"sampler.hand_off must be one of {HAND_OFFS} ('memory': the learner's "
+                f"weights handed over in memory; 'disk': published, then reloaded), got "
+                f"{config.hand_off!r}"
+            )
         swaps = ("drain", "in_flight")  # jax_sampler.WEIGHT_SWAPS (not imported: no jax here)
         if config.weight_swap not in swaps:
             raise ValueError(

@@ -33,6 +33,7 @@ steps done), and its weights are logged with the step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -223,6 +224,21 @@ class RLTrainer(TrainerHooks):
     (over the model's vocabulary) so the loss re-scores those tokens as they
     were sampled; without it such a trace is an error.
 
+    `hand_off(params, version)` (e.g. `JaxSampler.set_params`, what the RL recipe
+    passes for its embedded sampler: `SamplerConfig.hand_off`): the in-memory
+    hand-off to a sampler in this process. Each publish then gives it the learner's
+    params directly (`params_io.published_params` of the train state: every Param,
+    or a LoRA model's adapters alone; on the learner's devices, which the sampler
+    copies and casts) instead of its reloading them from `publish_dir`; the version,
+    the weights alarm's checksum (`weights_checksum` of the same params, what the
+    publish's checksum file holds) and the sampler's swap rule are those of the
+    disk route. `publish_dir` is still written, off the critical path: a copy of the
+    params goes to a background thread that publishes it (one write at a time,
+    joined before the next publish, at the end of `run` and in `close`; its error is
+    raised there); `on_publish(version)`, when given, runs in that thread once the
+    step is on disk (e.g. a second sampler that reads the folder).
+    Single-process learners only (ValueError otherwise).
+
     `alarms` (default `AlarmsConfig()`: on): the correctness alarms of
     `training.rl.alarms`. Each update measures sampler/learner drift
     (single-process learners; from the loss's own forward for every
@@ -252,7 +268,14 @@ class RLTrainer(TrainerHooks):
         tokenizer: Any = None,
         alarms: AlarmsConfig | None = None,
         served_weights: Callable[[], Any] | None = None,
+        hand_off: Callable[[dict, int], Any] | None = None,
     ):
+        if hand_off is not None and jax.process_count() > 1:
+            raise ValueError(
+                f"RLTrainer: hand_off (the in-memory weight hand-off) needs a single-process "
+                f"learner, this is one of {jax.process_count()} processes; publish through "
+                "publish_dir (hand_off=None; the RL recipe: sampler.hand_off=disk)"
+            )
         for ours, theirs in (
             ("tasks_per_step", "tasks_per_step"),
             ("attempts_per_task", "attempts"),
@@ -275,6 +298,9 @@ class RLTrainer(TrainerHooks):
         self.tokenizer = tokenizer
         self.alarms = Alarms(alarms)
         self.served_weights = served_weights
+        self.hand_off = hand_off
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writing: concurrent.futures.Future | None = None  # the background publish
         self._weights = WeightsCheck(self.alarms)
         self._backoff_seen = 0.0
         self._route_fn: Callable | None = None  # jitted learner routing (routing alarm)
@@ -642,7 +668,10 @@ class RLTrainer(TrainerHooks):
         return traces, m
 
     def publish(self) -> int:
-        """Writes the learner's weights for the sampler and tells it to reload."""
+        """Writes the learner's weights for the sampler and tells it to reload (with
+        `hand_off`: hands them over in memory, and writes them in the background)."""
+        if self.hand_off is not None:
+            return self._hand_off()
         if jax.process_count() > 1:
             # Orbax's managers share their barrier names across processes: a publish
             # while the last checkpoint still finalizes in its thread enters the same
@@ -658,6 +687,43 @@ class RLTrainer(TrainerHooks):
         if self.on_publish is not None:
             self.on_publish(version)
         return version
+
+    def _hand_off(self) -> int:
+        from ac2_jax.models.params_io import (
+            publish_params,
+            published_lora,
+            published_params,
+            weights_checksum,
+        )
+
+        assert self.hand_off is not None
+        self.wait_published()  # the previous write first: one at a time, in order
+        version = self._published = self.version
+        model = self.trainer.host_state().model(self.graphdef)
+        params = published_params(model)
+        if self.alarms.config.on("weights"):
+            self._weights.published(version, weights_checksum(params), time.monotonic())
+        self.hand_off(params, version)
+        # The disk publish from a copy (the next update donates the state's arrays).
+        copy = jax.tree.map(jnp.copy, params)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, "rl-publish")
+        lora, on_publish = published_lora(model), self.on_publish
+
+        def write() -> None:
+            publish_params(copy, self.publish_dir, version, 3, lora)
+            if on_publish is not None:  # a reader of the folder: after the write
+                on_publish(version)
+
+        self._writing = self._writer.submit(write)
+        return version
+
+    def wait_published(self) -> None:
+        """Waits for the background publish of the in-memory hand-off (`hand_off`);
+        raises its error. A no-op without one."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
 
     async def check_served(self, where: str) -> None:
         """The weights alarm: compares `served_weights()` with what was published."""
@@ -704,6 +770,7 @@ class RLTrainer(TrainerHooks):
             # Nothing left to train, but the sampler must serve the trained
             # weights (a rerun would otherwise evaluate whatever it had loaded).
             await asyncio.to_thread(self.publish)
+            await asyncio.to_thread(self.wait_published)
             await self._progress()
             return self.history
         if self.start_step > 0:
@@ -776,7 +843,14 @@ class RLTrainer(TrainerHooks):
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
         self.trainer.wait()
+        await asyncio.to_thread(self.wait_published)
         return self.history
 
     def close(self) -> None:
-        self.trainer.close()
+        try:
+            self.wait_published()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            self.trainer.close()

@@ -1,0 +1,238 @@
+"""The in-memory weight hand-off (issue 66): a learner in the sampler's process gives
+the embedded JaxSampler its params directly (`RLTrainer(hand_off=JaxSampler.set_params)`,
+the RL recipe's default: `SamplerConfig.hand_off="memory"`) instead of an Orbax
+publish that the sampler reloads. It must serve exactly what the disk route serves:
+the same weights (bitwise, fp32), hence the same tokens and log-probs, the same
+version and the same weights-alarm checksum; the folder is still published (in the
+background) for other readers."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.lora import LoRAConfig
+from ac2_jax.models.params_io import (
+    assign_params,
+    latest_published,
+    load_published,
+    publish_weights,
+    published_checksum,
+    published_params,
+)
+from ac2_jax.sampling.base import SamplingParams
+from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.trace import Completion, Trace, TraceRecorder
+from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
+from ac2_jax.training.core import StepCache
+from ac2_jax.training.rl.data import BatchConfig
+from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
+
+VOCAB = 64
+PROMPTS = [[1, 2, 3, 4], [1, 2, 3, 5], [7, 8]]
+
+
+def _cfg(vocab=VOCAB, **kw):
+    return DecoderConfig.tiny(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def _sampler(model, publish_dir=None):
+    return JaxSampler(
+        model,
+        publish_dir=publish_dir,
+        max_context=64,
+        max_batch=4,
+        min_batch=4,
+        min_cache_len=64,
+        eos_token_ids=[VOCAB - 1],
+        seed=0,
+    )
+
+
+def _draw(sampler, n, max_tokens=6):
+    async def go():
+        params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(n)]
+        return await asyncio.gather(
+            *(sampler.generate(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params))
+        )
+
+    return asyncio.run(go())
+
+
+def _leaves(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def _perturbed(model, scale, seed=1):
+    """`model` with every Param leaf moved by N(0, scale) (numpy: nothing compiles)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    moved = [
+        jax.numpy.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype)
+        for x in leaves
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, moved), rest)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    """8 completions the version-0 model sampled (log-probs recorded), as 2 tasks x 4
+    attempts whose rewards differ within each group (every group has an advantage)."""
+    sampler = _sampler(Decoder(_cfg(), rngs=nnx.Rngs(0)))
+    try:
+        results = _draw(sampler, 8)
+    finally:
+        sampler.close()
+    out = []
+    for i, r in enumerate(results):
+        t = Trace(
+            task_id=f"t{i % 2}",
+            attempt_id=str(i // 2),
+            group_id=f"g:t{i % 2}",
+            reward=float(i // 2 % 2),
+            status="finished",
+            metadata={"rl_step": 0},
+        )
+        TraceRecorder(t).record(
+            "main",
+            Completion(
+                PROMPTS[i % len(PROMPTS)], r.output_ids, r.output_logprobs, policy_version=0
+            ),
+        )
+        out.append(t)
+    return out
+
+
+@pytest.mark.full  # ~8 s of CPU: the train step's compile and two samplers
+def test_one_rl_step_in_memory_serves_what_the_disk_publish_serves(traces, tmp_path):
+    """One RLTrainer step hands the update to `memory` in memory and publishes it to the
+    folder `disk` reloads (on_publish, after the background write): both then hold the
+    same weights bitwise, sample the same tokens with equal log-probs (fp32, bitwise:
+    tolerance 0), at the same version, with the published checksum."""
+    publish = str(tmp_path / "published")
+    memory = _sampler(Decoder(_cfg(), rngs=nnx.Rngs(0)))  # no publish_dir: memory only
+    disk = _sampler(Decoder(_cfg(), rngs=nnx.Rngs(0)), publish)
+    config = RLConfig(
+        steps=1,
+        tasks_per_step=2,
+        attempts_per_task=4,
+        batch=BatchConfig(seq_len=32, rows=4),
+        loss=PolicyGradientLoss(),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
+    trainer = RLTrainer(
+        Decoder(_cfg(), rngs=nnx.Rngs(0)),
+        ReplayCollector(traces),
+        config,
+        str(tmp_path / "run"),
+        make_step=StepCache(),
+        publish_dir=publish,
+        hand_off=memory.set_params,
+        on_publish=disk.load_weights,
+        served_weights=memory.served_weights,
+    )
+    try:
+        before = _leaves(trainer.model())
+        (m,) = asyncio.run(trainer.run())
+        learner = _leaves(trainer.model())
+        # The version bookkeeping: one update, version 1 everywhere, the alarm satisfied.
+        assert m["skipped_update"] == 0.0 and m["policy_version"] == 1 == trainer.version
+        assert m["alarms/weights_verified"] == 1 and m["alarms/weights_mismatches"] == 0
+        assert memory.policy_version == disk.policy_version == 1
+        assert latest_published(publish) == 1  # the background write finished with run()
+        served = memory.served_weights()
+        assert served["version"] == 1 and served["checksum"] == published_checksum(publish, 1)
+        assert disk.served_weights()["checksum"] == served["checksum"]
+        # The weights: the learner's, bitwise, in both samplers; they moved.
+        assert max(float(np.abs(a - b).max()) for a, b in zip(before, learner, strict=True)) > 0
+        for a, b, c in zip(_leaves(memory._model), _leaves(disk._model), learner, strict=True):
+            assert a.dtype == b.dtype == np.float32
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)
+        # What they sample: equal tokens and log-probs, each token at version 1.
+        got_memory, got_disk = _draw(memory, 4), _draw(disk, 4)
+        for a, b in zip(got_memory, got_disk, strict=True):
+            assert a.output_ids == b.output_ids and a.policy_version == b.policy_version == 1
+            np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+            assert a.token_versions() == [1] * len(a.output_ids)
+    finally:
+        trainer.close()
+        memory.close()
+        disk.close()
+
+
+LORA = LoRAConfig(rank=2, alpha=4.0)
+
+
+@pytest.mark.parametrize(
+    "learner_cfg, sampler_cfg",
+    [
+        pytest.param(_cfg(lora=LORA), _cfg(lora=LORA), id="lora"),
+        # Each further config is one more Decoder init compile (~1.5 s of CPU): full tier.
+        pytest.param(
+            _cfg(), _cfg(param_dtype=jax.numpy.bfloat16), id="bf16", marks=pytest.mark.full
+        ),
+        pytest.param(
+            _cfg(scan_layers=False), _cfg(scan_layers=True), id="stacked", marks=pytest.mark.full
+        ),
+    ],
+)
+def test_assign_params_loads_what_load_published_loads(learner_cfg, sampler_cfg, tmp_path):
+    """`assign_params` against `publish_weights` + `load_published`, with no train step,
+    bitwise: a LoRA learner's adapters alone (the base stays the sampler's own), a bf16
+    sampler (the same cast), the stacked layout from a per-layer learner; a copy (the
+    learner's arrays may be deleted, as a donating train step does)."""
+    learner = _perturbed(Decoder(learner_cfg, rngs=nnx.Rngs(0)), 0.05)
+    publish_weights(learner, str(tmp_path), 1)
+    own = Decoder(sampler_cfg, rngs=nnx.Rngs(0))
+    from_disk, in_memory = nnx.clone(own), nnx.clone(own)
+    assert load_published(from_disk, str(tmp_path), 1) == 1
+    params = published_params(learner)
+    assign_params(in_memory, params)
+    for x in jax.tree.leaves(params):
+        x.delete()  # the sampler holds its own copy
+    for a, b in zip(_leaves(in_memory), _leaves(from_disk), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    moved = [
+        float(np.abs(a - b).max()) for a, b in zip(_leaves(in_memory), _leaves(own), strict=True)
+    ]
+    assert max(moved) > 0
+    if sampler_cfg.lora is not None:  # adapters only: the base is the sampler's own
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(own, nnx.Param))
+        ]
+        assert [m for p, m in zip(paths, moved, strict=True) if "_lora" not in p] == [0.0] * sum(
+            "_lora" not in p for p in paths
+        )
+
+
+def test_assign_params_names_a_mismatch():
+    model = Decoder(_cfg(), rngs=nnx.Rngs(0))
+    other = published_params(Decoder(_cfg(VOCAB * 2), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"param .*embed.* has shape"):
+        assign_params(model, other, "JaxSampler.set_params")
+
+
+def test_the_hand_off_setting_is_checked():
+    from ac2_jax.sampling.registry import SamplerConfig
+
+    assert SamplerConfig().hand_off == "memory" and SamplerConfig(hand_off="disk").kind == "jax"
+    with pytest.raises(ValueError, match=r"sampler.hand_off must be one of \('memory', 'disk'\)"):
+        SamplerConfig(hand_off="ram")
+    with pytest.raises(ValueError, match=r"sampler.hand_off='disk' has no effect with sampler"):
+        SamplerConfig(kind="sglang", url="http://127.0.0.1:9", hand_off="disk")
