@@ -18,6 +18,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def child_xla_flags(flags: str | None = None) -> str:
+    """`flags` (default: this process's XLA_FLAGS) less a forced host device count: what a
+    server or worker child gets, so it runs on one CPU device as deployed (or the devices
+    it asks for itself) while the caller's compile flags reach it (the test suite's -O0,
+    tests/conftest.py; a benchmark run with XLA_FLAGS set)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    return " ".join(f for f in flags.split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
     """Median / min wall seconds of fn() (fn must block until done)."""
     for _ in range(warmup):

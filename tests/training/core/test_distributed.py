@@ -24,6 +24,7 @@ import pytest
 from ac2_jax.segments import pack_segments, task_names
 from ac2_jax.training.rl import rl_segment
 from ac2_jax.training.core import distributed
+from child_env import child_env
 from ports import reserved_port
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +35,7 @@ def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publ
          rl_workdir=None):
     out.mkdir(exist_ok=True)
     port = reserved_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()  # the suite's compile flags, not its 8 forced devices
     procs = []
     for i in range(processes):
         cmd = [sys.executable, WORKER, "--out", str(out), "--workdir", str(workdir),
