@@ -9,6 +9,7 @@ KV-cache decode vs one causal pass).
 """
 
 import asyncio
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,21 @@ def setup(tmp_path_factory):
         yield tok, g, st, s, publish_dir
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(g, st, tokens, n):
+    """Logits [L, V] of one row whose first n tokens are real (segment 1), the rest
+    padding (segment 0, which no real position attends to)."""
+    segment = (jnp.arange(tokens.shape[1]) < n)[None].astype(jnp.int32)
+    return st.model(g)(tokens, jnp.arange(tokens.shape[1])[None], segment)[0]
+
+
 def _logits(g, st, prompt, out):
-    """The learner's logits at each output position [n, V] (fp32)."""
+    """The learner's logits at each output position [n, V] (fp32). One jit over a row
+    padded to 128 tokens (every call of the module: one compile, not one per length)."""
     ids = list(prompt) + list(out)
-    tokens = jnp.asarray([ids], jnp.int32)
-    logits = st.model(g)(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))[0]
+    assert len(ids) <= 128, len(ids)
+    tokens = jnp.asarray([ids + [0] * (128 - len(ids))], jnp.int32)
+    logits = _forward(g, st, tokens, len(ids))
     return np.asarray(logits[len(prompt) - 1:len(ids) - 1], np.float32)
 
 
