@@ -1,15 +1,17 @@
 """A new user's first day (issue 68), scripted at toy size: an own HF model directory
 made with transformers (Qwen2 architecture) with an own tokenizer carrying the published
 Qwen2.5 chat template, an own env in an own package (a per-task lookup tool), then SFT ->
-RL -> distillation -> eval through the launcher, one step each. Each run's report files
-exist and the console carries no traceback."""
+RL -> distillation -> eval through the launcher, one step each (the four command lines
+in one child process, `tests.test_train.launch_all`: each through the launcher's `main()`
+with its own console). Each run's report files exist and the console carries no
+traceback."""
 
 import json
 import os
 
 import pytest
 
-from tests.test_train import launch
+from tests.test_train import launch_all
 
 pytestmark = pytest.mark.full  # the launcher in child processes
 
@@ -101,11 +103,14 @@ def test_first_day_sft_rl_distill_eval_through_the_launcher(tmp_path):
              "distill": ["report.json", "learning_curve.png", "trace_0.html",
                          "distill_report.html", "final_hf"],
              "eval": ["eval_report.json", "eval_attempts.json", "eval_trace_0.html"]}
-    start = model
-    for recipe, args in runs.items():
-        work = tmp_path / recipe
-        proc = launch(f"--recipe={recipe}", env, f"--model={start}", f"--workdir={work}",
-                      *args, cwd=str(tmp_path))
+    # Each recipe starts from the previous one's HF export.
+    starts = dict(zip(runs, [model, *(str(tmp_path / r / "report" / "final_hf") for r in runs)]))
+    procs = launch_all([{"key": recipe, "cwd": str(tmp_path), "args": [
+        f"--recipe={recipe}", env, f"--model={starts[recipe]}",
+        f"--workdir={tmp_path / recipe}", *args]} for recipe, args in runs.items()],
+        str(tmp_path))
+    for recipe in runs:
+        work, proc = tmp_path / recipe, procs[recipe]
         assert proc.returncode == 0, (recipe, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (recipe, proc.stderr)
         assert "tool calls parsed as hermes (the chat template's format" in proc.stderr
@@ -117,4 +122,3 @@ def test_first_day_sft_rl_distill_eval_through_the_launcher(tmp_path):
             assert r["tasks"] == 2 and len(r["pass_rate_ci95"]) == 2
         else:
             assert json.load(open(report / "report.json"))["steps"] == 1
-            start = str(report / "final_hf")  # each recipe starts from the previous export
