@@ -102,8 +102,8 @@ def test_recorded_tool_calls_train_on_policy_under_their_masks(recorded, tmp_pat
         model = StepModel(trainer.graphdef, state.params, state.rest)
         ratios = {
             "chunked, masked": trainer.step_fn.logprobs(trainer.state, batch),
-            "dense, masked": model_logprobs(model, batch, behaviour=True, entropy=False,
-                                            chunk_size=None)[0],
+            "dense, masked": jax.jit(lambda b: model_logprobs(  # one compile, not one per op
+                model, b, behaviour=True, entropy=False, chunk_size=None)[0])(batch),
             "chunked, unmasked": trainer.step_fn.logprobs(trainer.state, unmasked),
         }
         ratios = {k: np.exp(np.asarray(v) - sampler) for k, v in ratios.items()}
