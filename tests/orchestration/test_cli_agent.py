@@ -29,7 +29,6 @@ ADMIN = "sk-admin-cli"
 AGENT_PY = textwrap.dedent('''
     """A small command-line agent: asks the model once, writes its answer to answer.txt."""
     import os, sys, time
-    import openai
 
     prompt = sys.argv[1]
     if os.environ.get("AGENT_MODE") == "fail":
@@ -43,6 +42,8 @@ AGENT_PY = textwrap.dedent('''
         open("child.pid", "w").write(str(child))
         if os.environ["AGENT_MODE"] == "hang":
             time.sleep(600)
+    import openai  # after the modes that never ask: a hung agent writes child.pid at once
+
     client = openai.OpenAI(base_url=os.environ["AGENT_BASE_URL"],
                            api_key=os.environ["AGENT_API_KEY"], max_retries=0)
     resp = client.chat.completions.create(model=os.environ["AGENT_MODEL"], max_tokens=8,
@@ -84,6 +85,13 @@ def one_task(files=None) -> list[Task]:
             Task(task_id="e0", prompt="Say a word.", metadata={"split": "eval"})]
 
 
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    """The endpoint every test's agent talks to (one per module: one compile)."""
+    with served_random_model(tmp_path_factory.mktemp("cli_endpoint"), ADMIN) as (url, _tok):
+        yield url
+
+
 async def attempt(url, env, task, timeout_s=None):
     lifecycle = LifecycleClient(url, ADMIN)
     try:
@@ -93,7 +101,7 @@ async def attempt(url, env, task, timeout_s=None):
         await lifecycle.aclose()
 
 
-def test_a_program_speaking_the_api_is_a_harness(tmp_path):
+def test_a_program_speaking_the_api_is_a_harness(url, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(AGENT_PY)
     seen = {}
@@ -106,8 +114,7 @@ def test_a_program_speaking_the_api_is_a_harness(tmp_path):
     (tmp_path / "scratch").mkdir()
     env = CLIAgentEnv(one_task({"notes/task.md": "say a word"}), python_agent(str(script)), check,
                       timeout_s=60, scratch_root=str(tmp_path / "scratch"))
-    with served_random_model(tmp_path, ADMIN) as (url, _tok):
-        trace, conv = asyncio.run(attempt(url, env, env.tasks[0]))
+    trace, conv = asyncio.run(attempt(url, env, env.tasks[0]))
     assert trace.status == "finished", trace.metadata
     assert seen["cwd_is_scratch"] and seen["files"] == [".home", "answer.txt", "notes"]
     assert trace.reward in (0.0, 1.0)
@@ -117,22 +124,21 @@ def test_a_program_speaking_the_api_is_a_harness(tmp_path):
     assert os.listdir(tmp_path / "scratch") == []  # graded, then removed
 
 
-def test_a_failing_program_is_ours_and_a_hung_one_is_killed(tmp_path):
+def test_a_failing_program_is_ours_and_a_hung_one_is_killed(url, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(AGENT_PY)
     keep = tmp_path / "keep"
     keep.mkdir()
-    with served_random_model(tmp_path, ADMIN) as (url, _tok):
-        fail = CLIAgentEnv(one_task(), python_agent(str(script), "fail"), answer_is_even,
-                           timeout_s=60)
-        trace, _ = asyncio.run(attempt(url, fail, fail.tasks[0]))
-        assert trace.status == "infra_error" and trace.reward is None  # never trained
-        assert "exited with status 3" in trace.metadata["artifacts"]["error"]
-        assert "giving up" in trace.metadata["artifacts"]["error"]
+    fail = CLIAgentEnv(one_task(), python_agent(str(script), "fail"), answer_is_even,
+                       timeout_s=60)
+    trace, _ = asyncio.run(attempt(url, fail, fail.tasks[0]))
+    assert trace.status == "infra_error" and trace.reward is None  # never trained
+    assert "exited with status 3" in trace.metadata["artifacts"]["error"]
+    assert "giving up" in trace.metadata["artifacts"]["error"]
 
-        hang = CLIAgentEnv(one_task(), python_agent(str(script), "hang"), answer_is_even,
-                           timeout_s=3, scratch_root=str(keep), keep_dirs=True)
-        trace, _ = asyncio.run(attempt(url, hang, hang.tasks[0]))
+    hang = CLIAgentEnv(one_task(), python_agent(str(script), "hang"), answer_is_even,
+                       timeout_s=3, scratch_root=str(keep), keep_dirs=True)
+    trace, _ = asyncio.run(attempt(url, hang, hang.tasks[0]))
     assert trace.status == "infra_error" and trace.reward is None
     (workdir,) = list(keep.iterdir())
     child = int((workdir / "child.pid").read_text())
@@ -154,7 +160,7 @@ def alive(pid: int) -> bool:
 
 
 def test_the_agents_own_step_limit_is_graded_and_nothing_it_started_outlives_it(
-        tmp_path, monkeypatch):
+        url, tmp_path, monkeypatch):
     """A program that hits its own turn limit (exit 1, saying so) ends as agent_error
     with its directory graded, like the tool loop's step limit; a program that
     leaves a child running has it killed when it exits; a relative scratch root
@@ -163,17 +169,16 @@ def test_the_agents_own_step_limit_is_graded_and_nothing_it_started_outlives_it(
     script.write_text(AGENT_PY)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "scratch").mkdir()
-    with served_random_model(tmp_path, ADMIN) as (url, _tok):
-        limit = CLIAgentEnv(one_task(), python_agent(str(script), "limit"), answer_is_even,
-                            timeout_s=60, scratch_root="scratch")
-        trace, conv = asyncio.run(attempt(url, limit, limit.tasks[0]))
-        assert trace.status == "agent_error" and trace.reward in (0.0, 1.0)  # graded
-        assert conv.metrics["cli_exit_code"] == 1
-        assert os.listdir(tmp_path / "scratch") == []
+    limit = CLIAgentEnv(one_task(), python_agent(str(script), "limit"), answer_is_even,
+                        timeout_s=60, scratch_root="scratch")
+    trace, conv = asyncio.run(attempt(url, limit, limit.tasks[0]))
+    assert trace.status == "agent_error" and trace.reward in (0.0, 1.0)  # graded
+    assert conv.metrics["cli_exit_code"] == 1
+    assert os.listdir(tmp_path / "scratch") == []
 
-        bg = CLIAgentEnv(one_task(), python_agent(str(script), "background"), answer_is_even,
-                         timeout_s=60, scratch_root="scratch", keep_dirs=True)
-        trace, _ = asyncio.run(attempt(url, bg, bg.tasks[0]))
+    bg = CLIAgentEnv(one_task(), python_agent(str(script), "background"), answer_is_even,
+                     timeout_s=60, scratch_root="scratch", keep_dirs=True)
+    trace, _ = asyncio.run(attempt(url, bg, bg.tasks[0]))
     assert trace.status == "finished", trace.metadata["artifacts"]
     (workdir,) = list((tmp_path / "scratch").iterdir())
     child = int((workdir / "child.pid").read_text())
@@ -193,14 +198,13 @@ def test_task_files_stay_inside_the_scratch_directory(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_task_that_cannot_be_set_up_leaves_no_directory(tmp_path):
+def test_a_task_that_cannot_be_set_up_leaves_no_directory(url, tmp_path):
     (tmp_path / "scratch").mkdir()
     bad = Task("t0", "p", metadata={"files": {"../escape.txt": "no"}})
     env = CLIAgentEnv([bad, Task("e0", "p", metadata={"split": "eval"})],
                       python_agent("unused"), answer_is_even,
                       scratch_root=str(tmp_path / "scratch"))
-    with served_random_model(tmp_path, ADMIN) as (url, _tok):
-        trace, _ = asyncio.run(attempt(url, env, bad))
+    trace, _ = asyncio.run(attempt(url, env, bad))
     assert trace.status == "infra_error" and "outside the directory" in str(
         trace.metadata["artifacts"]["error"])
     assert os.listdir(tmp_path / "scratch") == []
