@@ -59,9 +59,11 @@ def factory(sampling, crash=()):
 def endpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evals")
     tok = build_tiny_tokenizer(str(tmp / "tok"))
-    sampler = JaxSampler(fit_tiny_model(tok), max_context=512, max_batch=8, min_batch=8,
-                         min_cache_len=512, prefill_chunk=64, eos_token_ids=tok.stop_token_ids,
-                         tokenizer=tok, seed=0)
+    # The serving modules' sampler shape (test_messages, test_responses): their compiled
+    # prefill and decode programs are the run's persistent-cache hits here.
+    sampler = JaxSampler(fit_tiny_model(tok), max_context=512, max_batch=4, min_batch=4,
+                         min_cache_len=512, prefill_chunk=32, min_prefill_rows=4,
+                         eos_token_ids=tok.stop_token_ids, tokenizer=tok, seed=0)
     url, stop = serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
     yield url
     stop()
