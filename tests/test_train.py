@@ -26,12 +26,6 @@ def _child_env() -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
 
-def launch(*args, cwd=ROOT, prelude="", timeout=600):
-    code = f"import sys\n{prelude}\nfrom ac2_jax.train import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=_child_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
 _MANY = r"""
 import json, os, sys, tempfile, traceback
 runs, out_path = json.load(open(sys.argv[1])), sys.argv[2]
