@@ -7,6 +7,7 @@ name of a module is re-exported from its package.
 """
 
 import ast
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -42,14 +43,27 @@ PROBED = {"IPython", "traitlets", "charset_normalizer", "cloudpickle", "brotli",
 REEXPORTING = ["trace", "segments", "losses", "envs", "evals", "orchestration", "viz"]
 
 
-def _imports(path):
-    tree = ast.parse(path.read_text(), filename=str(path))
-    for node in ast.walk(tree):
+@functools.cache
+def _import_statements(path: pathlib.Path) -> tuple:
+    """(from_module or None for `import`, level, names, line) of each import statement
+    at any level of the file; parsed once for the module's several checks."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            for a in node.names:
-                yield a.name, node.lineno
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, node.lineno
+            out.append((None, 0, tuple(a.name for a in node.names), node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.module or "", node.level, tuple(a.name for a in node.names),
+                        node.lineno))
+    return tuple(out)
+
+
+def _imports(path):
+    for module, level, names, line in _import_statements(path):
+        if module is None:
+            for name in names:
+                yield name, line
+        elif module and level == 0:
+            yield module, line
 
 
 def test_every_package_is_a_known_layer():
@@ -95,16 +109,16 @@ def _module_graph(*roots: pathlib.Path) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                edges |= {known(a.name) for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                for a in node.names:
-                    edges.add(known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules
+        for module, level, names, _ in _import_statements(path):
+            if module is None:
+                edges |= {known(name) for name in names}
+            else:
+                base = module
+                if level:
+                    up = package.split(".")[:len(package.split(".")) - level + 1]
+                    base = ".".join(up + ([module] if module else []))
+                for name in names:
+                    edges.add(known(f"{base}.{name}") if f"{base}.{name}" in modules
                               else known(base))
         graph[name] = {e for e in edges if e and e != name}
     return graph
@@ -166,20 +180,28 @@ def test_core_never_imports_torch_or_transformers():
     assert not bad, "\n".join(bad)
 
 
+@functools.cache
+def _packages_distributions() -> dict:
+    """Top-level module -> distributions, read once (a scan of every installed
+    distribution's files: ~0.4 s a call)."""
+    return importlib.metadata.packages_distributions()
+
+
 def _imported(code: str) -> dict:
     """Top-level modules -> distributions, imported by `code` in a fresh interpreter
-    (minus what the interpreter imports at startup)."""
-    probe = ("import importlib.metadata as md, json, sys\n"
+    (minus what the interpreter imports at startup). The child lists the modules; the
+    distributions come from this interpreter's (the same environment's) table."""
+    probe = ("import importlib.metadata, json, sys\n"
              "base = set(sys.modules)\n"
              f"{code}\n"
              "new = {m.split('.')[0] for m in set(sys.modules) - base}\n"
-             "pd = md.packages_distributions()\n"
-             "print(json.dumps({m: pd.get(m, []) for m in sorted(new)}))")
+             "print(json.dumps(sorted(new)))")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env=env, cwd=ROOT.parent, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    pd = _packages_distributions()
+    return {m: pd.get(m, []) for m in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 def _norm(name: str) -> str:
