@@ -33,7 +33,8 @@ MSGS = ({"role": "user", "content": "Pick a color."},)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
-    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(1))
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size, num_layers=1),
+                    rngs=nnx.Rngs(1))
     g, st = create_train_state(model, OptimizerConfig(learning_rate=1e-3))
     publish_dir = str(tmp_path_factory.mktemp("publish"))
     with JaxSampler(st.model(g), publish_dir=publish_dir, max_context=256, max_batch=4) as s:

@@ -41,7 +41,8 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_state(tok):
-    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size), rngs=nnx.Rngs(3))
+    model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size, num_layers=1),
+                    rngs=nnx.Rngs(3))
     return create_train_state(model, OPT, rng=0)
 
 

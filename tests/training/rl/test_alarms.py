@@ -58,7 +58,7 @@ VOCAB = 64
 
 def _cfg(lora=None):
     return DecoderConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                              num_heads=2, num_kv_heads=1, head_dim=16,
+                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                               max_position_embeddings=64, lora=lora)
 
 
