@@ -215,8 +215,8 @@ def test_load_holds_about_one_leaf_beside_the_model(tmp_path):
     import tracemalloc
 
     config = DecoderConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=8192,
-                           num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
-                           scan_layers=True)
+                           num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                           scan_layers=True)  # a layer is 1/4 of a stacked leaf
     model = random_model(config, seed=1)
     save_hf_checkpoint(model, str(tmp_path))
     leaf = max(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
