@@ -239,7 +239,7 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
     jdir = os.path.join(workdir, "judge")
     corpus, pool = corpus_items(cfg, items), word_pool(cfg, items)
     judge = train_judge(cfg, tokenizer, corpus, pool, jdir, log)
-    llm = stack.enter_context(served_judge(judge, jdir))
+    llm = stack.enter_context(served_judge(judge, jdir, cfg.loop.get("judge_max_tokens", 24)))
     # Held out: examples of other hints drawn with another seed, none of them a training one.
     tests = {"other_hints": judge_examples(tokenizer, corpus, pool,
                                            cfg.judge_data.test_examples, cfg.seed + 1,

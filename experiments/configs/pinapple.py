@@ -128,6 +128,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # trained on the oracle's verdicts over other hints, served through the endpoint.
     c.judge_data = ml_collections.ConfigDict(dict(examples=6000, test_examples=200,
                                                   vocab_size=1024))
+    # The most tokens of a served judge reply (how it is asked, not trained: not in the
+    # judge's checkpoint fingerprint); a reply cut there is invalid, retried, then skipped.
+    c.loop.judge_max_tokens = 24
     c.judge_model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab: its tokenizer's)
         hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4,
         head_dim=32, max_position_embeddings=512, rope_theta=10000.0, tie_embeddings=True))

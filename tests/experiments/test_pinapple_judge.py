@@ -70,8 +70,8 @@ def test_a_judge_trained_served_and_asked_through_openai(tmp_path):
     cfg, _, corpus, pool, tok = _setup(tmp_path)
     cfg.judge_data.update(examples=40, vocab_size=500)
     cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
-    cfg.judge_sft.update(steps=3, seq_len=1024, checkpoint_every=0)
+                           num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg.judge_sft.update(steps=3, seq_len=384, checkpoint_every=0)
     cfg.judge_optimizer.warmup_steps = 1
     work, logs = str(tmp_path / "judge"), []
     judge = pj.train_judge(cfg, tok, corpus, pool, work, logs.append)
@@ -104,9 +104,10 @@ def test_the_judge_command_trains_serves_and_reports(tmp_path):
     cfg.base_data.update(repeat_items=20, nonce_words=20, math_limit=3)
     cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)
     cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
-    cfg.judge_sft.update(steps=3, seq_len=1024, checkpoint_every=0)
+                           num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg.judge_sft.update(steps=3, seq_len=384, checkpoint_every=0)
     cfg.judge_optimizer.warmup_steps = 1
+    cfg.loop.judge_max_tokens = 8  # an untrained judge's replies are invalid at any length
     meta = pj.run(cfg, log=lambda *a: None)
     saved = json.load(open(tmp_path / "run" / "judge" / "judge_report.json"))
     assert saved["other_hints"]["examples"] == 4 and meta["wall_s"] > 0
