@@ -27,6 +27,7 @@ import pytest
 from ac2_jax.models.params_io import latest_published
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, step_traces
+from child_env import child_env
 from ports import refused_url, reserved_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
@@ -38,9 +39,8 @@ ENV = "alternating"
 
 
 def _start(args, log_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT), log
