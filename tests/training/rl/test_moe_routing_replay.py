@@ -13,6 +13,7 @@ sampler's recorded ones far more closely than when it routes by itself
 
 import asyncio
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -98,14 +99,15 @@ def test_replayed_routing_makes_learner_logprobs_match_the_sampler(sampled):
     mask = batch.loss_mask > 0
     want = batch.features[SAMPLER_LOGPROBS]
 
+    @functools.partial(jax.jit, static_argnames="chunk")  # one compile each, not one per op
+    def logprobs(b, chunk=None):
+        return model_logprobs(model, b, behaviour=True, entropy=False, chunk_size=chunk)[0]
+
     def gap(b):
-        lp = model_logprobs(model, b, behaviour=True, entropy=False, chunk_size=None)[0]
-        return np.abs(np.asarray(lp) - want)[mask]
+        return np.abs(np.asarray(logprobs(b)) - want)[mask]
 
     replay, recompute = gap(batch), gap(dataclasses.replace(batch, routing=None))
-    chunked = np.asarray(
-        model_logprobs(model, batch, behaviour=True, entropy=False, chunk_size=16)[0]
-    )  # the chunked path (hidden states + head) replays too
+    chunked = np.asarray(logprobs(batch, chunk=16))  # the chunked path replays too
     assert np.abs(chunked - want)[mask].max() == pytest.approx(replay.max(), abs=1e-6)
     assert replay.max() < 5e-3 and recompute.max() > 10 * replay.max()
 
@@ -156,9 +158,15 @@ def test_routing_alarm_quiet_for_the_sampler_router_fires_on_a_perturbed_one(sam
 
     model, results = sampled
     batch = pack_segments(segments_from_trace(_trace(results)), 64)
-    module = nnx.merge(model.graphdef, model.params, model.rest)
-    experts = module.forward_with_router(batch.tokens, batch.positions, batch.segment_ids)[1]
-    healthy = routing_mismatch(np.asarray(experts.experts), batch.routing, batch.segment_ids > 0)
+
+
+    @jax.jit  # one compile, not one per op
+    def routed(params, b):
+        module = nnx.merge(model.graphdef, params, model.rest)
+        return module.forward_with_router(b.tokens, b.positions, b.segment_ids)[1].experts
+
+    experts = routed(model.params, batch)
+    healthy = routing_mismatch(np.asarray(experts), batch.routing, batch.segment_ids > 0)
     assert healthy["routing/tokens"] > 40 and healthy["routing/mismatch"] < 0.1
 
     moved = nnx.to_pure_dict(model.params)
