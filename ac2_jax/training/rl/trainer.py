@@ -233,10 +233,12 @@ class RLTrainer(TrainerHooks):
     the weights alarm's checksum (`weights_checksum` of the same params, what the
     publish's checksum file holds) and the sampler's swap rule are those of the
     disk route. `publish_dir` is still written, off the critical path: a copy of the
-    params goes to a background thread that publishes it (one write at a time,
-    joined before the next publish, at the end of `run` and in `close`; its error is
-    raised there); `on_publish(version)`, when given, runs in that thread once the
-    step is on disk (e.g. a second sampler that reads the folder).
+    params goes to a background thread that publishes it once the step's checkpoint
+    save has begun and committed (Orbax saves never overlap in one process), joined
+    before the next publish, at the end of `run` and in `close` (its error is raised
+    there); `on_publish(version)`, when given, runs in that thread once the step is
+    on disk (e.g. a second sampler that reads the folder). The copy costs one more
+    copy of the published params on the learner's devices until it is written.
     Single-process learners only (ValueError otherwise).
 
     `alarms` (default `AlarmsConfig()`: on): the correctness alarms of
@@ -301,6 +303,7 @@ class RLTrainer(TrainerHooks):
         self.hand_off = hand_off
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: concurrent.futures.Future | None = None  # the background publish
+        self._to_write: Callable[[], None] | None = None  # ... not started yet
         self._weights = WeightsCheck(self.alarms)
         self._backoff_seen = 0.0
         self._route_fn: Callable | None = None  # jitted learner routing (routing alarm)
@@ -711,16 +714,29 @@ class RLTrainer(TrainerHooks):
         lora, on_publish = published_lora(model), self.on_publish
 
         def write() -> None:
+            # Orbax saves must not overlap in one process (its step-directory signals
+            # time out: the loop race's first try), so the write starts after the
+            # step's checkpoint save began (`_write_behind`), waits for its commit, and
+            # is joined before the next publish, hence before the next save.
+            self.trainer.wait()
             publish_params(copy, self.publish_dir, version, 3, lora)
             if on_publish is not None:  # a reader of the folder: after the write
                 on_publish(version)
 
-        self._writing = self._writer.submit(write)
+        self._to_write = write
         return version
 
+    def _write_behind(self) -> None:
+        """Starts the pending background publish (`hand_off`), if any."""
+        write, self._to_write = self._to_write, None
+        if write is not None:
+            assert self._writer is not None and self._writing is None
+            self._writing = self._writer.submit(write)
+
     def wait_published(self) -> None:
-        """Waits for the background publish of the in-memory hand-off (`hand_off`);
-        raises its error. A no-op without one."""
+        """Writes the in-memory hand-off's publish (`hand_off`) or waits for its
+        background write; raises its error. A no-op without one."""
+        self._write_behind()
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
@@ -776,6 +792,7 @@ class RLTrainer(TrainerHooks):
         if self.start_step > 0:
             with stage("publish"):
                 await asyncio.to_thread(self.publish)  # the sampler serves the restored weights
+            self._write_behind()  # no checkpoint save is under way now
             await self.check_served(f"after publishing version {self._published}")
         await self._progress()
         counters = self.sampler_counters
@@ -838,12 +855,13 @@ class RLTrainer(TrainerHooks):
             )
             m.update(self.alarm_metrics())
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            self._write_behind()  # the hand-off's publish, once the checkpoint save began
             self.history.append(m)  # before on_progress, which may read it
             await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
+        await asyncio.to_thread(self.wait_published)  # it waits for the checkpoint first
         self.trainer.wait()
-        await asyncio.to_thread(self.wait_published)
         return self.history
 
     def close(self) -> None:
