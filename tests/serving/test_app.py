@@ -37,10 +37,12 @@ def env(tmp_path_factory):
     tok = build_tiny_tokenizer(str(tmp / "tok"))
     fitted = fit_tiny_model(tok)
     live = nnx.clone(fitted)  # load_weights writes into the sampler's model
-    # One row count, one cache length, small prefill chunks: few compiles.
+    # One row count, one cache length, small prefill chunks: few compiles; the shape of
+    # test_messages', test_responses' and the eval runner's samplers (the same fitted
+    # model), so the run's persistent cache serves one module's programs to the others.
     sampler = JaxSampler(live, publish_dir=str(tmp / "publish"), max_context=MAX_CONTEXT,
-                         max_batch=16, min_batch=16, min_cache_len=MAX_CONTEXT,
-                         prefill_chunk=32, min_prefill_rows=16,
+                         max_batch=4, min_batch=4, min_cache_len=MAX_CONTEXT,
+                         prefill_chunk=32, min_prefill_rows=4,
                          eos_token_ids=tok.stop_token_ids, tokenizer=tok)
     store = TraceStore(str(tmp / "traces.jsonl"))
     app = build_app(sampler, tok, admin_key=ADMIN, trace_store=store, model_name="tiny")
