@@ -24,8 +24,9 @@ from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
 # Each rollout waits this long before its agent runs, so collecting a step takes
 # seconds and the test can kill the process in the middle of it. Without a pace
 # the window was a few rollouts of ~20 ms each (once rollouts stopped building an
-# SSL context apiece), and a fresh CI run once finished the step before the kill.
-PACE_S = 0.5
+# SSL context apiece), and a fresh CI run once finished the step before the kill. At
+# 0.3 s the window is 7 x 0.3 s, polled every 0.05 s.
+PACE_S = 0.3
 
 
 class PacedOrchestrator(DefaultOrchestrator):

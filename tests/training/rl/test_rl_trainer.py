@@ -460,7 +460,7 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
             if 1 <= len(done) < 8 and os.path.exists(os.path.join(workdir, "checkpoints", "1")):
                 break
             assert proc.poll() is None, "the worker ended before it could be killed"
-            time.sleep(0.2)
+            time.sleep(0.05)
         else:
             raise AssertionError("step 1 never started")
     finally:
