@@ -14,13 +14,15 @@ import httpx
 import pytest
 
 from ac2_jax.models import build_tiny_tokenizer
+from child_env import child_xla_flags
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
 from benchmarks.endpoint_harness import (ServerProcess, audit, find_markers, lost_rollouts,
                                          marker)
 
 ADMIN = "sk-harness-admin"
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
-CHILD_ENV = {"XLA_FLAGS": ""}  # the server as deployed: one CPU device
+# The server as deployed: one CPU device (the suite's compile flags: tests/child_env.py).
+CHILD_ENV = {"XLA_FLAGS": child_xla_flags()}
 # Small shapes: few compiles, fast decode steps on CPU.
 SERVER_FLAGS = ["--max_tokens=2", "--max_context=256", "--max_batch=8"]
 

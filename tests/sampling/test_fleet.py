@@ -32,6 +32,7 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.trace import TraceStore
 from benchmarks.endpoint_harness import BackendProcess, audit, run_load
+from child_env import child_xla_flags
 from serving_helpers import forward_logprobs
 from ports import refused_url
 
@@ -272,7 +273,7 @@ def fleet_env(tmp_path_factory, tok):
     """2 backend processes (seeds 0 and 1) and the endpoint over them (load_policy
     with backends=...), in this process."""
     d = tmp_path_factory.mktemp("fleet")
-    procs = [BackendProcess(str(d / f"backend{i}.log"), env={"XLA_FLAGS": ""},
+    procs = [BackendProcess(str(d / f"backend{i}.log"), env={"XLA_FLAGS": child_xla_flags()},
                             flags=[f"--seed={i}", f"--max_context={CONTEXT}", "--max_batch=8"])
              for i in range(2)]
     for p in procs:
