@@ -208,12 +208,16 @@ def _enumerated_batch(behaviour_logp, temperature, top_k=0):
 def _expected_grad(loss, s, t, batch):
     V_ = s.shape[-1]
 
-    def f(sp):
-        shape = batch.tokens.shape + (V_,)
-        per_token, _ = loss(jnp.broadcast_to(sp, shape), batch,
-                            {"teacher_logits": jnp.broadcast_to(t, shape)})
-        return (per_token * batch.loss_weight).sum()
-    return np.asarray(jax.grad(f)(jnp.asarray(s, jnp.float32)), np.float64)
+    @jax.jit  # one compile per call, not one per op
+    def grad(sp, t, batch):
+        def f(sp):
+            shape = batch.tokens.shape + (V_,)
+            per_token, _ = loss(jnp.broadcast_to(sp, shape), batch,
+                                {"teacher_logits": jnp.broadcast_to(t, shape)})
+            return (per_token * batch.loss_weight).sum()
+        return jax.grad(f)(sp)
+    return np.asarray(grad(jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32), batch),
+                      np.float64)
 
 
 def test_sampled_gradient_is_unbiased_at_the_recorded_sampling_parameters():
@@ -283,9 +287,11 @@ def test_the_kl_metric_says_at_which_temperature_it_is_measured(setup):
         b = pack_pairs(examples, 32, min_rows=2).student
         s = jnp.asarray(rng.normal(size=b.tokens.shape + (V,)) * 2, jnp.float32)
         t = jnp.asarray(rng.normal(size=b.tokens.shape + (V,)) * 2, jnp.float32)
-        _, sums = DistillLoss(kind=kind, temperature=T_loss)(s, b, {"teacher_logits": t})
+        loss = DistillLoss(kind=kind, temperature=T_loss)
+        sums, kl = jax.jit(lambda s, t, b: (  # one compile per case, not one per op
+            loss(s, b, {"teacher_logits": t})[1], reverse_kl(s, t, temperature=T_kl)))(s, t, b)
         m = np.asarray(b.loss_mask)
-        want = (np.asarray(reverse_kl(s, t, temperature=T_kl)) * m).sum()
+        want = (np.asarray(kl) * m).sum()
         np.testing.assert_allclose(sums["kl"], want, rtol=1e-5, err_msg=kind)
         np.testing.assert_allclose(sums["kl_temperature"] / m.sum(), T_kl, rtol=1e-6)
 
