@@ -40,42 +40,60 @@ def test_the_llm_judge_by_name_needs_the_served_judge():
     assert made == ("served", 3)
 
 
-def test_pretrain_then_hint_following_then_one_step_per_method(tmp_path):
+@pytest.fixture(scope="module")
+def toy_faithful_run(tmp_path_factory):
+    """One toy faithful run (seed 0, every method), shared: the pipeline test asserts on
+    it and the resume test continues a copy of its workdir."""
+    from experiments import pinapple
+
+    tmp = tmp_path_factory.mktemp("faithful")
+    cfg = _toy_faithful(tmp)
+    return cfg, pinapple.run(cfg, log=lambda *a: None)
+
+
+def test_pretrain_then_hint_following_then_one_step_per_method(toy_faithful_run):
     """Issue 39's toy pipeline, the faithful variant cut to toy size: base SFT on a corpus
     that never shows a held-out hint, the held-out hints' check, one distillation step per
     method, the report."""
-    from experiments import pinapple
+    import os
 
-    cfg = _toy_faithful(tmp_path)
-    out = pinapple.run(cfg, log=lambda *a: None)
+    cfg, out = toy_faithful_run
     assert set(out["meta"]["hint_following"]) == {*data.HELDOUT_HINTS, "unchanged_elsewhere",
                                                   "spell_other_words"}
     assert [(r["method"], len(r["train"])) for r in out["runs"]] == [
         (m, 1) for m in cfg.methods]
-    assert (tmp_path / "run" / "report" / "index.html").exists()
+    assert os.path.exists(os.path.join(cfg.workdir, "report", "index.html"))
 
 
-def test_a_stopped_run_resumes_from_its_finished_runs_and_refuses_other_settings(tmp_path):
+def test_a_stopped_run_resumes_from_its_finished_runs_and_refuses_other_settings(
+        toy_faithful_run, tmp_path):
+    """A copy of the shared run's workdir (seed 0: sft, opsd, rmsd finished) is run again
+    with another seed's sft added: the finished runs are read back, not run again (nor
+    the base), only the new one runs; a changed setting is refused, nothing lost."""
     import json
+    import shutil
 
     from experiments import pinapple
 
+    done, first = toy_faithful_run
+    shutil.copytree(done.workdir, tmp_path / "run")
     cfg = _toy_faithful(tmp_path)
-    cfg.methods = ("sft",)
-    first = pinapple.run(cfg, log=lambda *a: None)["runs"]
     path = tmp_path / "run" / "runs.jsonl"
-    assert len(path.read_text().splitlines()) == 1
+    assert len(path.read_text().splitlines()) == 3
+    cfg.methods = ("sft",)
     cfg.seeds = (0, 1)
     logged = []
     again = pinapple.run(cfg, log=logged.append)["runs"]
-    assert any("resuming: 1 finished runs" in str(m) for m in logged)
+    assert any("resuming: 3 finished runs" in str(m) for m in logged)
+    assert any("base sft: restored the finished model" in str(m) for m in logged)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [(r["seed"], r["method"]) for r in lines] == [(0, "sft"), (1, "sft")]
-    assert json.loads(json.dumps(first[0], default=str)) == again[0] == lines[0]
+    assert [(r["seed"], r["method"]) for r in lines] == [
+        (0, "sft"), (0, "opsd"), (0, "rmsd"), (1, "sft")]
+    assert json.loads(json.dumps(first["runs"][0], default=str)) == again[0] == lines[0]
     cfg.loop.steps = 2
     with pytest.raises(ValueError, match=r"line 1: a run under other settings \(\['loop'\]\)"):
         pinapple.run(cfg, log=lambda *a: None)
-    assert len(path.read_text().splitlines()) == 2  # nothing lost
+    assert len(path.read_text().splitlines()) == 4  # nothing lost
 
 
 def _toy_faithful(tmp_path):
@@ -134,9 +152,10 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5", "llm"))
     cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)  # a 3-step judge
     cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
-    cfg.judge_sft.update(steps=3, seq_len=1024, checkpoint_every=0)
+                           num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg.judge_sft.update(steps=3, seq_len=384, checkpoint_every=0)
     cfg.judge_optimizer.warmup_steps = 1
+    cfg.loop.judge_max_tokens = 8  # an untrained judge's replies are invalid at any length
     cfg.data_seeds = (0, 1)  # two distill / held-out splits
     cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
