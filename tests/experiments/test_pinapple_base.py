@@ -17,9 +17,7 @@ def test_the_base_report_at_toy_size(tmp_path):
     cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                      num_kv_heads=2, head_dim=16)
     cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=200, math_limit=3)
-    # The vocabulary of the test below and of tests/experiments/test_pinapple.py's toy
-    # faithful runs: the same model shapes, so their compiled steps are shared.
-    cfg.tokenizer.vocab_size = 400
+    cfg.tokenizer.vocab_size = 512
     cfg.sft.steps = 20
     cfg.sft_optimizer.warmup_steps = 2
     cfg.loop.answer_tokens = 8
