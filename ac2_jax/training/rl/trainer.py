@@ -235,10 +235,12 @@ class RLTrainer(TrainerHooks):
     disk route. `publish_dir` is still written, off the critical path: a copy of the
     params goes to a background thread that publishes it once the step's checkpoint
     save has begun and committed (Orbax saves never overlap in one process), joined
-    before the next publish, at the end of `run` and in `close` (its error is raised
-    there); `on_publish(version)`, when given, runs in that thread once the step is
-    on disk (e.g. a second sampler that reads the folder). The copy costs one more
-    copy of the published params on the learner's devices until it is written.
+    before the next publish or checkpoint save, at the end of `run` and in `close`
+    (its error is raised there); `on_publish(version)`, when given, runs in that
+    thread once the step is on disk (e.g. a second sampler that reads the folder):
+    the hook for readers of the folder, since `on_progress` may run before the step's
+    write finished. The copy costs one more copy of the published params on the
+    learner's devices until it is written.
     Single-process learners only (ValueError otherwise).
 
     `alarms` (default `AlarmsConfig()`: on): the correctness alarms of
@@ -717,7 +719,8 @@ class RLTrainer(TrainerHooks):
             # Orbax saves must not overlap in one process (its step-directory signals
             # time out: the loop race's first try), so the write starts after the
             # step's checkpoint save began (`_write_behind`), waits for its commit, and
-            # is joined before the next publish, hence before the next save.
+            # is joined before the next save (by the next publish, or before the next
+            # step's checkpoint when that step publishes nothing).
             self.trainer.wait()
             publish_params(copy, self.publish_dir, version, 3, lora)
             if on_publish is not None:  # a reader of the folder: after the write
@@ -737,6 +740,11 @@ class RLTrainer(TrainerHooks):
         """Writes the in-memory hand-off's publish (`hand_off`) or waits for its
         background write; raises its error. A no-op without one."""
         self._write_behind()
+        self._join_write()
+
+    def _join_write(self) -> None:
+        """Waits for the running background write (a pending one is not started);
+        raises its error."""
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
@@ -854,6 +862,9 @@ class RLTrainer(TrainerHooks):
                 time_step_s=time.perf_counter() - t0,
             )
             m.update(self.alarm_metrics())
+            if self._writing is not None:  # a step without a publish: nothing joined it
+                with stage("publish"):  # Orbax saves must not overlap (see `_hand_off`)
+                    await asyncio.to_thread(self._join_write)
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
             self._write_behind()  # the hand-off's publish, once the checkpoint save began
             self.history.append(m)  # before on_progress, which may read it

@@ -236,3 +236,119 @@ def test_the_hand_off_setting_is_checked():
         SamplerConfig(hand_off="ram")
     with pytest.raises(ValueError, match=r"sampler.hand_off='disk' has no effect with sampler"):
         SamplerConfig(kind="sglang", url="http://127.0.0.1:9", hand_off="disk")
+
+
+# Review of issue 66: the background publish against the checkpoint saves and its readers.
+
+
+def _tied(steps):
+    """2 tasks x 2 attempts a step, for rl_steps 0..steps-1, every reward equal: no group
+    carries a signal, so each update is skipped (no train step compiles) and the
+    version stays 0 (published once, at the first step)."""
+    out = []
+    for s in range(steps):
+        for i in range(4):
+            t = Trace(
+                task_id=f"t{i % 2}",
+                attempt_id=str(i // 2),
+                group_id=f"g{s}:t{i % 2}",
+                reward=1.0,
+                status="finished",
+                metadata={"rl_step": s},
+            )
+            TraceRecorder(t).record(
+                "main", Completion(PROMPTS[i % 2], [10, 11, 12], [-1.0] * 3, policy_version=0)
+            )
+            out.append(t)
+    return out
+
+
+def _skipping_trainer(tmp_path, steps, handed):
+    config = RLConfig(
+        steps=steps,
+        tasks_per_step=2,
+        attempts_per_task=2,
+        batch=BatchConfig(seq_len=32, rows=4),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
+    return RLTrainer(
+        Decoder(_cfg(), rngs=nnx.Rngs(0)),
+        ReplayCollector(_tied(steps)),
+        config,
+        str(tmp_path / "run"),
+        publish_dir=str(tmp_path / "published"),
+        hand_off=lambda params, version: handed.append(version),
+    )
+
+
+def test_a_step_without_a_publish_saves_its_checkpoint_after_the_background_write(
+    tmp_path, monkeypatch
+):
+    """Two Orbax saves must not overlap in one process (d101f46: the step-directory
+    signals time out, or the publish never finalizes and its reader finds "nothing
+    published (no finalized step)"). The background write was joined only by the next
+    publish: a step without one (a skipped update: the version did not change) began
+    its checkpoint save while the previous step's write still ran. The write is held
+    here (a slow disk) until a save starts or 1 s passed, and the second step's save
+    until the write began (at most 5 s); a save that starts while the write runs is
+    recorded, and waits for it (so the real Orbax saves never overlap here)."""
+    import threading
+    import time
+
+    from ac2_jax.models import params_io
+    from ac2_jax.training.core.checkpoints import Checkpointer
+
+    real_publish, real_save = params_io.publish_params, Checkpointer.save
+    started, writing, saving = threading.Event(), threading.Event(), threading.Event()
+    overlaps: list[int] = []
+
+    def slow_publish(*args, **kwargs):
+        started.set()
+        writing.set()
+        try:
+            saving.wait(1.0)
+            return real_publish(*args, **kwargs)
+        finally:
+            writing.clear()
+
+    def save(self, step, *args, **kwargs):
+        if step >= 2:  # the second step's save: once the first step's write has begun
+            started.wait(5.0)
+        if writing.is_set():
+            overlaps.append(step)
+            saving.set()
+            while writing.is_set():
+                time.sleep(0.01)
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(params_io, "publish_params", slow_publish)
+    monkeypatch.setattr(Checkpointer, "save", save)
+    handed: list[int] = []
+    trainer = _skipping_trainer(tmp_path, 2, handed)
+    try:
+        history = asyncio.run(trainer.run())
+    finally:
+        trainer.close()
+    assert [m["skipped_update"] for m in history] == [1.0, 1.0] and handed == [0]
+    assert overlaps == [], f"checkpoint saves {overlaps} began during the background publish"
+    assert latest_published(str(tmp_path / "published")) == 0
+
+
+def test_an_error_of_the_background_write_is_raised_by_run(tmp_path, monkeypatch):
+    """The folder's write fails in its thread: `run` raises that error (never lost),
+    and `close` after it neither hangs nor raises it twice."""
+    from ac2_jax.models import params_io
+
+    def full_disk(*args, **kwargs):
+        raise OSError("publish: no space left on device")
+
+    monkeypatch.setattr(params_io, "publish_params", full_disk)
+    handed: list[int] = []
+    trainer = _skipping_trainer(tmp_path, 1, handed)
+    try:
+        with pytest.raises(OSError, match="no space left on device"):
+            asyncio.run(trainer.run())
+        assert handed == [0]  # the sampler had the weights; the folder write failed
+    finally:
+        trainer.close()
+    assert trainer._writer is None  # the thread was shut down
