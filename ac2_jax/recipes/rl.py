@@ -350,14 +350,18 @@ async def arl(
             infra_backoff_s=cfg.rollout.infra_backoff_s,
             infra_backoff_max_s=cfg.rollout.infra_backoff_max_s,
         )  # fmt: skip
+        # In memory the sampler takes each update itself: a reload of its publish
+        # (on_publish) would load the same weights again, from disk.
+        in_memory = _in_memory(cfg.sampler, sampler)
         trainer = RLTrainer(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
-            publish_dir=paths.publish, on_publish=sampler.load_weights, mesh=mesh,
+            publish_dir=paths.publish, mesh=mesh,
+            on_publish=None if in_memory else sampler.load_weights,
             logger=metrics_logger(paths.metrics, cfg.log),
             sampler_counters=getattr(sampler, "counters", None),  # the embedded sampler's
             tokenizer=tokenizer,  # replays the masks of grammar-constrained completions
             alarms=cfg.alarms, served_weights=getattr(sampler, "served_weights", None),
-            hand_off=sampler.set_params if _in_memory(cfg.sampler, sampler) else None,
+            hand_off=sampler.set_params if in_memory else None,
         )  # fmt: skip
 
         def on_progress(steps_done: int, version: int) -> None:

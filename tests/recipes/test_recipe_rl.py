@@ -20,7 +20,26 @@ OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.
              "log.report_files=false"]  # on where a test checks them
 
 
-def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
+def _count_reloads(monkeypatch) -> list:
+    """The steps the embedded sampler reloads from the publish folder (JaxSampler.
+    load_weights, still run)."""
+    from ac2_jax.sampling.jax_sampler import JaxSampler
+
+    loads, real = [], JaxSampler.load_weights
+
+    def load_weights(self, step=None):
+        loads.append(step)
+        return real(self, step)
+
+    monkeypatch.setattr(JaxSampler, "load_weights", load_weights)
+    return loads
+
+
+def test_rl_trains_publishes_where_told_and_resumes(tmp_path, monkeypatch):
+    # sampler.hand_off="memory" (the default): the sampler takes each update in memory and
+    # never reloads it from the folder (review of issue 66: the recipe also passed
+    # on_publish=load_weights, a second load of every update from disk).
+    reloads = _count_reloads(monkeypatch)
     model = load_model("tiny", str(tmp_path / "build"))
     publish = tmp_path / "elsewhere" / "published"  # outside the workdir's tree
     cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
@@ -67,6 +86,7 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path):
     assert (folder / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert report["pages"] == [str(folder / "trace_0.html"), str(folder / "trace_1.html")]
     assert "<html" in (folder / "trace_0.html").read_text()
+    assert reloads == []
 
 
 def test_requests_without_max_tokens_stop_at_the_configured_default(tmp_path):
@@ -99,10 +119,11 @@ def test_requests_without_max_tokens_stop_at_the_configured_default(tmp_path):
     assert out.usage.completion_tokens <= 5
 
 
-def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path):
+def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path, monkeypatch):
     """`lora.rank=4`: the optimizer holds the adapters only (the base is frozen:
     unchanged after the step), each publish carries the adapters alone, and the
-    export is the merged HF checkpoint plus the adapter in PEFT's format."""
+    export is the merged HF checkpoint plus the adapter in PEFT's format. Through
+    `sampler.hand_off=disk`: the sampler reloads the publish (version 1)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -114,8 +135,11 @@ def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path):
     base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     cfg = load_config(RLRecipeConfig, None, [*OVERRIDES, f"paths.workdir={tmp_path / 'run'}",
                                              "lora.rank=4", "lora.alpha=8",
-                                             "rl.optimizer.learning_rate=1e-2"])
+                                             "rl.optimizer.learning_rate=1e-2",
+                                             "sampler.hand_off=disk"])
+    reloads = _count_reloads(monkeypatch)
     result = rl((model, tok), ParityEnv(), cfg)
+    assert reloads == [1]
     final = result.model
     assert final.config.lora.rank == 4
     for key, var in nnx.to_flat_state(nnx.state(final, nnx.Param)):
