@@ -62,7 +62,7 @@ from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
-from benchmarks.common import parser, print_table, write_json  # noqa: E402
+from benchmarks.common import child_xla_flags, parser, print_table, write_json  # noqa: E402
 from benchmarks.endpoint_harness import ServerProcess, audit, overhead_s, rss_bytes  # noqa: E402
 
 ADMIN = "sk-bench-admin"
@@ -267,7 +267,8 @@ def process_mode(args, tmp: str) -> dict:
     clients = [int(c) for c in args.clients.split(",")]
     top = max(clients)
     store = os.path.join(tmp, "traces.jsonl")
-    server = ServerProcess(store, ADMIN, os.path.join(tmp, "server.log"), env={"XLA_FLAGS": ""},
+    server = ServerProcess(store, ADMIN, os.path.join(tmp, "server.log"),
+                           env={"XLA_FLAGS": child_xla_flags()},  # one CPU device
                            flags=[f"--max_tokens={args.max_tokens}", f"--max_batch={top}",
                                   f"--max_context={args.max_context}",
                                   f"--fixed_shapes={str(args.fixed_shapes).lower()}"])

@@ -76,7 +76,9 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
     from benchmarks.endpoint_harness import BackendProcess, ServerProcess, audit
 
     store, publish_dir = os.path.join(tmp, "traces.jsonl"), os.path.join(tmp, "published")
-    env = {"XLA_FLAGS": ""}
+    from benchmarks.common import child_xla_flags
+
+    env = {"XLA_FLAGS": child_xla_flags()}  # one CPU device each, the caller's compile flags
     per = max(8, -(-clients // backends))
     bps = [BackendProcess(os.path.join(tmp, f"backend{i}.log"), env=env,
                           flags=[f"--max_batch={per}", f"--max_context={max_context}"])
@@ -98,7 +100,7 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
             _clients(url, tmp, "warm", clients, turns, max_tokens, _start_at(clients))
         stop = os.path.join(tmp, "stop_publisher")
         loads_out = os.path.join(tmp, "loads.json")
-        penv = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+        penv = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(),
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
         pub = subprocess.Popen([sys.executable, "-m", "benchmarks.endpoint_fleet_load",
                                 "--publisher", "--url", url, "--publish_dir", publish_dir,

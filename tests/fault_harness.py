@@ -331,7 +331,23 @@ class FaultJob:
                     f"the job did not finish {finish_s} s after its last fault; learner log: "
                     f"{self.learner.log()[-3000:]}\ncollector log: {self.collector.log()[-3000:]}")
             self.sleep(0.25)
-        self.sleep(3.0)  # a hung backend's revival (probe + load) after its SIGCONT
+        # A hung backend's revival (probe + load) after its SIGCONT: until the endpoint
+        # serves the newest publish on every backend, for at most 10 s (`check` then
+        # reports what it saw).
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end and not self._settled():
+            self.sleep(0.1)
+
+    def _settled(self) -> bool:
+        """The endpoint serves the newest finalized publish, on every backend, all up."""
+        try:
+            e = self.final_state()
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        latest = max(self._finalized(), default=None)
+        backends = (e.get("sampler_stats") or {}).get("backends", [])
+        return e.get("policy_version") == latest and bool(backends) and all(
+            b["up"] and b["policy_version"] == latest for b in backends)
 
     def stop(self) -> None:
         for r in (self.learner, self.collector, self.endpoint, *self.backends):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
+from child_env import child_env
 from fault_procs import ROOT
 
 WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
@@ -17,8 +18,8 @@ WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 
 def replay(job) -> dict[str, Any]:
     out = os.path.join(job.w, "replay.json")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     p = subprocess.run([sys.executable, WORKER, "replay", job.w, out], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:

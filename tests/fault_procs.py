@@ -11,6 +11,8 @@ import signal
 import subprocess
 from typing import Any
 
+from child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -94,10 +96,8 @@ class Role:
         self.runs: list[dict[str, Any]] = []  # pid, log, why it ended
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
-                   **(extra_env or {}))
+        env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+            filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **(extra_env or {}))
         log = os.path.join(self.logdir, f"{self.name}.{len(self.runs)}.log")
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=f,
