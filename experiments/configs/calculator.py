@@ -197,6 +197,8 @@ def _quick_long(c):
     c = _quick(c)
     c.rl.batch.update(task_capacity=0, segment_capacity=0)
     c.sft.batch_rows = 6  # a whole demo (its main and compactor episodes) per batch
+    # Its demos' requests are under 400 tokens: rows of 512, not the long runs' 1,024.
+    c.sft.seq_len = 512
     c.sft_restarts = ((2, 3e-3),)
     if c.get("sft_extend") is not None:  # an untrained model's loss is high: it extends
         c.sft_extend.update(window=2, steps=2)
