@@ -462,6 +462,13 @@ async def run_learner(
             "tell_endpoint(LifecycleClient(endpoint, admin_key))) so the endpoint "
             "serves its weights and the collector can pace itself"
         )
+    if getattr(trainer, "hand_off", None) is not None:
+        raise ValueError(
+            "run_learner: the RLTrainer has hand_off (the in-memory hand-off to a sampler "
+            "in its own process), but this learner's endpoint is another process that "
+            "reloads each step from publish_dir when on_progress tells it, before the "
+            "background write of that step finished; build the RLTrainer with hand_off=None"
+        )
     await wait_for_endpoint(lifecycle, poll_s=poll_s, timeout_s=timeout_s)
     if getattr(trainer, "served_weights", False) is None:  # the weights alarm's report
         trainer.served_weights = lambda: endpoint_weights(lifecycle)

@@ -674,7 +674,10 @@ class RLTrainer(TrainerHooks):
 
     def publish(self) -> int:
         """Writes the learner's weights for the sampler and tells it to reload (with
-        `hand_off`: hands them over in memory, and writes them in the background)."""
+        `hand_off`: hands them over in memory; their write to `publish_dir` starts in
+        the background once the step's checkpoint save began, and `wait_published`
+        starts it if it has not and waits for it: a caller of `publish` that reads the
+        folder calls that first)."""
         if self.hand_off is not None:
             return self._hand_off()
         if jax.process_count() > 1:

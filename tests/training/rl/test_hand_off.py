@@ -352,3 +352,18 @@ def test_an_error_of_the_background_write_is_raised_by_run(tmp_path, monkeypatch
     finally:
         trainer.close()
     assert trainer._writer is None  # the thread was shut down
+
+
+def test_a_split_learner_refuses_the_in_memory_hand_off(tmp_path):
+    """`run_learner` (training.rl.split): the endpoint is another process that reloads
+    each step from the folder when on_progress tells it, before that step's background
+    write finished (a 404 that stops the learner): refused before anything runs."""
+    from ac2_jax.training.rl.split import run_learner
+
+    trainer = _skipping_trainer(tmp_path, 1, [])
+    trainer.on_progress = lambda steps_done, version: None
+    try:
+        with pytest.raises(ValueError, match=r"run_learner: the RLTrainer has hand_off"):
+            asyncio.run(run_learner(trainer, lifecycle=None))
+    finally:
+        trainer.close()
