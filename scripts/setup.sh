@@ -18,6 +18,16 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# An install already made from the same setup.py, pyproject.toml and extras is kept:
+# pip's re-resolution of [dev] costs ~20 s per `scripts/test.sh` run (the inner loop).
+# A change to either file (or AC2_SETUP_FORCE=1) installs again.
+stamp=".venv/.ac2-setup-stamp"
+want="$EXTRAS $(cat setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ -z "${AC2_SETUP_FORCE:-}" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+  && python -c "import ac2_jax, jax, flax, optax, orbax.checkpoint" 2>/dev/null; then
+  exit 0
+fi
+
 # pip -q, keeping its exit status and every message except one: a pip config
 # that lists a local simple index without a folder for every package makes pip
 # warn "Location '...' is ignored" once per package (the machine's config, not
@@ -40,3 +50,4 @@ fi
 pip_install -e ".$EXTRAS"
 python -c "import ac2_jax, jax, flax, optax, orbax.checkpoint" \
   || { echo "setup.sh: install failed" >&2; exit 1; }
+echo "$want" > "$stamp"
