@@ -747,10 +747,36 @@ class RLTrainer(TrainerHooks):
 
     def _join_write(self) -> None:
         """Waits for the running background write (a pending one is not started);
-        raises its error."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
+        raises its error (once: the write is forgotten when it is done)."""
+        writing = self._writing
+        if writing is None:
+            return
+        try:
             writing.result()
+        except BaseException as e:
+            if writing.done() and e is writing.exception():  # its error, raised here
+                self._writing = None
+            raise  # else interrupted (Ctrl-C): the write is left to `close`
+        self._writing = None
+
+    async def _await_write(self) -> None:
+        """`_join_write` on the event loop, and the loop's only join: a cancelled wait
+        (Ctrl-C) leaves the running write to `close`, which joins it and raises its
+        error (a join in a worker thread would raise it to nobody)."""
+        writing = self._writing
+        if writing is None:
+            return
+        waited = asyncio.wrap_future(writing)
+        # Its error stays in `writing` (raised by `close`); not logged as never retrieved.
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            await asyncio.shield(waited)
+        except asyncio.CancelledError:
+            raise  # the write is left to `close`
+        except BaseException:
+            self._writing = None  # its error, raised here
+            raise
+        self._writing = None
 
     async def check_served(self, where: str) -> None:
         """The weights alarm: compares `served_weights()` with what was published."""
@@ -797,7 +823,8 @@ class RLTrainer(TrainerHooks):
             # Nothing left to train, but the sampler must serve the trained
             # weights (a rerun would otherwise evaluate whatever it had loaded).
             await asyncio.to_thread(self.publish)
-            await asyncio.to_thread(self.wait_published)
+            self._write_behind()
+            await self._await_write()
             await self._progress()
             return self.history
         if self.start_step > 0:
@@ -854,6 +881,7 @@ class RLTrainer(TrainerHooks):
             if m["policy_version"] != self._published:
                 # Off the event loop: rollouts of the next step keep streaming meanwhile.
                 with stage("publish"):
+                    await self._await_write()  # the last write first (`_hand_off` joins it)
                     await asyncio.to_thread(self.publish)
                 await self.check_served(f"rl_step {s}, after publishing version {self._published}")
             t3 = time.perf_counter()
@@ -867,14 +895,15 @@ class RLTrainer(TrainerHooks):
             m.update(self.alarm_metrics())
             if self._writing is not None:  # a step without a publish: nothing joined it
                 with stage("publish"):  # Orbax saves must not overlap (see `_hand_off`)
-                    await asyncio.to_thread(self._join_write)
+                    await self._await_write()
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
             self._write_behind()  # the hand-off's publish, once the checkpoint save began
             self.history.append(m)  # before on_progress, which may read it
             await self._progress()
             if cfg.mode == "sync" and s + 1 < cfg.steps:
                 pending = asyncio.ensure_future(self.collector.collect(s + 1))
-        await asyncio.to_thread(self.wait_published)  # it waits for the checkpoint first
+        self._write_behind()
+        await self._await_write()  # it waits for the checkpoint first
         self.trainer.wait()
         return self.history
 

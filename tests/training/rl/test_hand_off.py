@@ -367,3 +367,38 @@ def test_a_split_learner_refuses_the_in_memory_hand_off(tmp_path):
             asyncio.run(run_learner(trainer, lifecycle=None))
     finally:
         trainer.close()
+
+
+def test_a_cancelled_run_leaves_the_write_error_to_close(tmp_path, monkeypatch):
+    """`run` cancelled (Ctrl-C: asyncio cancels the task) while it waits for the
+    background write: the write still runs, and its error is raised by `close`
+    (it was dropped with the cancelled wait)."""
+    import threading
+
+    from ac2_jax.models import params_io
+
+    started, release = threading.Event(), threading.Event()
+
+    def failing(*args, **kwargs):
+        started.set()
+        release.wait(10.0)
+        raise OSError("publish: no space left on device")
+
+    monkeypatch.setattr(params_io, "publish_params", failing)
+    trainer = _skipping_trainer(tmp_path, 1, [])
+
+    async def cancel_while_writing():
+        task = asyncio.ensure_future(trainer.run())
+        await asyncio.to_thread(started.wait, 30.0)  # run() waits at its end's join now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+
+    try:
+        asyncio.run(cancel_while_writing())
+        with pytest.raises(OSError, match="no space left on device"):
+            trainer.close()
+    finally:
+        release.set()
+        trainer.close()
