@@ -61,6 +61,7 @@ def tiny_report(tmp_path_factory):
     return report, out.getvalue()
 
 
+@pytest.mark.full  # an ahead-of-time compile for a TPU topology through libtpu (~13 s)
 def test_tiny_rl_step_and_decode_chunk_compile_for_v5e(tiny_report):
     """One RL step (PPO, chunked log-probs, scan + remat, routing replay, the Pallas
     attention kernel at blocks of 64, the experts through gmm) on an fsdp=4 mesh and

@@ -245,6 +245,7 @@ def test_teacher_modes(tok, model_state, step_fn):
 # ----------------------------------------------------------------------------- learning
 
 
+@pytest.mark.full  # a learning run: SFT steps, a sampler, then distillation steps
 def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn, tmp_path):
     """A model that says "red" plainly and "blue" when hinted learns "blue" from OPSD alone."""
     g, init = model_state

@@ -76,6 +76,7 @@ def recorded(tmp_path_factory):
     return store.load(), tok, cfg
 
 
+@pytest.mark.full  # the RL trainer end to end over recorded endpoint traffic (~13 s of compile)
 def test_recorded_tool_calls_train_on_policy_under_their_masks(recorded, tmp_path):
     traces, tok, cfg = recorded
     assert len(traces) == 2

@@ -41,6 +41,7 @@ def nll(graphdef, params, rest, batch):
     return aggregate_loss(-logp, batch, "task_mean")
 
 
+@pytest.mark.full  # a learning run (many steps to a memorised set)
 def test_sft_memorizes_a_tiny_data_set(model):
     segs = demos()
     config = SFTConfig(seq_len=16, batch_rows=4, steps=60, shuffle=False)
