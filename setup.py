@@ -58,7 +58,8 @@ EXTRAS = {
 # real Jupyter kernel by tests/notebooks/) are tested too.
 DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
-EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torch", "transformers>=4.51", "peft>=0.17",
+EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torch",
+                        "transformers>=4.51", "peft>=0.17",
                         "trl>=1.16",  # the RL objectives' parity test (GRPOTrainer._compute_loss)
                         "anthropic", "google-genai>=1.30",
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -54,8 +54,11 @@ import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.models import build_tiny_tokenizer  # noqa: E402
+from ac2_jax.models import (  # noqa: E402
+    Decoder,
+    DecoderConfig,
+    build_tiny_tokenizer,  # noqa: E402
+)
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402

@@ -151,7 +151,7 @@ def time_gemm(g: Gemm, rounds: int, batch_ms: float, seed: int = 0,
         for _ in range(rounds):
             for side, (call, block) in sides.items():
                 times[side].append(_batch_seconds(call, block, calls[side]))
-    return {"gemm": g.name, "shape": f"{'%dx' % g.batch if g.batch else ''}{g.m}x{g.k}x{g.n}",
+    return {"gemm": g.name, "shape": f"{f'{g.batch}x' if g.batch else ''}{g.m}x{g.k}x{g.n}",
             "count": g.count, "xla_min_ms": min(times["xla"]) * 1e3,
             "xla_median_ms": statistics.median(times["xla"]) * 1e3,
             "torch_min_ms": min(times["torch"]) * 1e3,

@@ -147,7 +147,7 @@ def main(argv=None):
     sampler.close()
     print(f"\nmodel: {n_params / 1e6:.2f}M params (hidden {args.hidden}, {args.layers} layers, "
           f"vocab {args.vocab}), fp32, prompt {args.prompt_len} tokens, "
-          f"{'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
+          f"{f'temperature {args.temperature:g}' if args.temperature else 'greedy'}, "
           f"cpus {os.cpu_count()}, torch threads {torch_threads}")
     cols = ["batch", "new_tokens", "jax_s", "jax_tok_s", "jax_ms_step", "jax_decode_ms",
             "hf_s", "hf_tok_s", "hf_ms_step", "speedup", "agree", "jax_first_run_s"]

@@ -32,8 +32,8 @@ from flax import nnx  # noqa: E402
 from ac2_jax.models import Decoder  # noqa: E402
 from ac2_jax.models.config import RUNTIME_FIELDS  # noqa: E402
 from ac2_jax.segments import pack_segments  # noqa: E402
-from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step  # noqa: E402
+from ac2_jax.training.rl import rl_segment  # noqa: E402
 from benchmarks.bench_train_step import CLIP, LR, SIZES, WD, config_of, tokens  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 

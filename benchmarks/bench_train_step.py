@@ -27,9 +27,8 @@ from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.segments import pack_segments  # noqa: E402
+from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step  # noqa: E402
 from ac2_jax.training.rl import rl_segment  # noqa: E402
-from ac2_jax.training import (OptimizerConfig, SFTLoss, create_train_state,  # noqa: E402
-                              make_train_step)
 from benchmarks.bench_roofline import gemm_ceiling, roofline  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 

@@ -40,11 +40,15 @@ from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.segments import pack_segments  # noqa: E402
-from ac2_jax.training.rl import rl_segment  # noqa: E402
 from ac2_jax.training import (
-    OptimizerConfig, PolicyGradientLoss, create_train_state, make_train_step, publish,
+    OptimizerConfig,
+    PolicyGradientLoss,
+    create_train_state,
+    make_train_step,
+    publish,
 )
 from ac2_jax.training.core import num_params
+from ac2_jax.training.rl import rl_segment  # noqa: E402
 from benchmarks.common import parser, print_table, write_json  # noqa: E402
 
 _COMPILES = [0]

@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -30,7 +30,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import httpx
 import openai

@@ -59,7 +59,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="default 8 (smoke: 2)")
     p.add_argument("--seq_len", type=int, default=None, help="default 2048 (smoke: 128)")
     p.add_argument("--per_row", type=int, default=4, help="segments packed into each row")
-    p.add_argument("--steps", type=int, default=None, 
+    p.add_argument("--steps", type=int, default=None,
                    help="timed train steps; default 10 (smoke 2)")
     p.add_argument("--no_remat", action="store_true")
     p.add_argument("--prompt_len", type=int, default=None, help="default 128 (smoke: 16)")
@@ -191,7 +191,10 @@ def bench_train(a, s: dict) -> dict:
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.training import (
-        OptimizerConfig, PolicyGradientLoss, create_train_state, make_train_step,
+        OptimizerConfig,
+        PolicyGradientLoss,
+        create_train_state,
+        make_train_step,
     )
     from ac2_jax.training.core import num_params
     if a.preset:

@@ -32,14 +32,20 @@ from ac2_jax.models.family import get_family
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.recipes import (EvalConfig, PathsConfig, RLRecipeConfig, RolloutConfig,
-                             SamplerConfig, arl)
+from ac2_jax.recipes import (
+    EvalConfig,
+    PathsConfig,
+    RLRecipeConfig,
+    RolloutConfig,
+    SamplerConfig,
+    arl,
+)
 from ac2_jax.recipes.common import harness_factory, serve_policy
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
-from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
+from ac2_jax.training.sft.demos import demo_segment
 from ac2_jax.viz import plot_curves, write_trace_html
 from experiments import long_horizon, subagent_helper
 

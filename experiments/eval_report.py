@@ -6,14 +6,14 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from ac2_jax.evals import Comparison, Estimate, EvalResult
 from ac2_jax.viz import esc, page
-
 
 CSS = "table.kv th{border:1px solid #ccc;padding:2px 8px;font-size:.85em;background:#f4f4f4}"
 

@@ -28,8 +28,12 @@ from ml_collections import config_flags
 from ac2_jax.envs import CalculatorEnv, DomainMixer, StepwiseCalculatorEnv
 from ac2_jax.evals import EvalResult, TokenPrices, compare_results, evaluate
 from ac2_jax.models import Tokenizer
-from ac2_jax.models.params_io import (load_published, publish_weights, published_steps,
-                                      restore_params)
+from ac2_jax.models.params_io import (
+    load_published,
+    publish_weights,
+    published_steps,
+    restore_params,
+)
 from ac2_jax.orchestration import LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app

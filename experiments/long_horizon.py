@@ -17,7 +17,8 @@ import asyncio
 import concurrent.futures
 import random
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import openai

@@ -29,19 +29,30 @@ import jax
 import numpy as np
 
 from ac2_jax.envs.judges import Judge, NoisyJudge, RuleJudge
-from ac2_jax.training import create_train_state
-from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
 from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, publish_policy,
-                                              resample_examples, rollout_and_grade)
+from ac2_jax.training import create_train_state
+from ac2_jax.training.distill.sources import (
+    HintTask,
+    PromptCache,
+    publish_policy,
+    resample_examples,
+    rollout_and_grade,
+)
+from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller
 from experiments import pinapple_data as data
 from experiments import pinapple_judge
 from experiments.pinapple_evals import base_checks, evaluate, grade, has_target, make_splits
 from experiments.pinapple_report import markdown_table, summarize, write_report
+
 # The setup (configs, corpus, tokenizer, base model) lives below this module and the
 # judge's: `experiments.pinapple_setup`.
-from experiments.pinapple_setup import (base_sft, build_tokenizer, fingerprint, hint_config,
-                                        typed_configs)
+from experiments.pinapple_setup import (
+    base_sft,
+    build_tokenizer,
+    fingerprint,
+    hint_config,
+    typed_configs,
+)
 
 # ----------------------------------------------------------------------------- runs
 

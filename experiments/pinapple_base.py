@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from experiments import pinapple
-from experiments import pinapple_evals as evals
 from experiments import pinapple_data as data
+from experiments import pinapple_evals as evals
 
 
 def run(cfg, log=print) -> dict:

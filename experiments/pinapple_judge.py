@@ -37,8 +37,13 @@ import secrets
 
 from ac2_jax.envs.judges import JudgeExample, LLMJudge, RuleJudge
 from experiments import pinapple_data as data
-from experiments.pinapple_setup import (build_tokenizer, checkpointed_sft, corpus_items,
-                                        fingerprint, word_pool)
+from experiments.pinapple_setup import (
+    build_tokenizer,
+    checkpointed_sft,
+    corpus_items,
+    fingerprint,
+    word_pool,
+)
 
 MODEL_NAME = "pinapple-judge"
 # The config sections that make the judge (its data comes from the base corpus's items).

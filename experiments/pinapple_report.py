@@ -10,6 +10,7 @@ import numpy as np
 from ac2_jax.evals.stats import mean_interval
 from ac2_jax.viz import write_distill_report
 
+
 def _ci(values, bounds=(-np.inf, np.inf)) -> dict:
     """Mean and 95% t-interval over seeds (clipped to `bounds`, e.g. [0, 1] for rates)."""
     e = mean_interval(values)
@@ -245,6 +246,7 @@ def _html_table(head: list[str], body: list[list[str]]) -> str:
 
 def _png(path: str) -> str:
     import base64
+
     from ac2_jax.viz import esc
     with open(path, "rb") as f:
         data = base64.b64encode(f.read()).decode("ascii")

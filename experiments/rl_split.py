@@ -165,8 +165,7 @@ async def learn(cfg, log=print) -> list[dict]:
 
     from ac2_jax.models.hf_io import load_hf_checkpoint
     from ac2_jax.trace import TraceStore
-    from ac2_jax.training.rl.split import (StepMarkers, StoreCollector, run_learner,
-                                           tell_endpoint)
+    from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, tell_endpoint
     from ac2_jax.training.rl.trainer import RLTrainer
     from experiments import calculator_agent
     rl = calculator_agent.typed_configs(cfg)["rl"]

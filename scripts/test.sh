@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything (.venv, .[dev]), lints and type-checks ac2_jax/ (ruff check,
-# ruff format --check, mypy: zero findings, settings in pyproject.toml) and runs the
+# Installs everything (.venv, .[dev]; kept when setup.py and pyproject.toml are unchanged),
+# lints the whole tree (ruff check .), checks ac2_jax/'s format and types (ruff format
+# --check, mypy: zero findings, settings in pyproject.toml; .pre-commit-config.yaml runs
+# the same three before a commit) and runs the
 # test suite on CPU, in 2 pytest-xdist workers (whole files per worker), with one JAX
 # compilation cache for the run (tests/conftest.py). Prints the total and the 30
 # slowest tests.
@@ -22,7 +24,7 @@ fi
 bash scripts/setup.sh dev
 . .venv/bin/activate
 export JAX_PLATFORMS=cpu
-ruff check ac2_jax
+ruff check .
 ruff format --check ac2_jax
 mypy ac2_jax
 workers=${AC2_TEST_WORKERS:-2}

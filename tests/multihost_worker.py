@@ -54,10 +54,10 @@ def main():
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.segments import pack_segments, task_names
-    from ac2_jax.training.rl import rl_segment
     from ac2_jax.training import OptimizerConfig, SFTLoss, Trainer, create_train_state
     from ac2_jax.training.core.checkpoints import publish
     from ac2_jax.training.core.sharding import make_mesh
+    from ac2_jax.training.rl import rl_segment
 
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)

@@ -11,6 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "training", "rl"))
 
+from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
+
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
@@ -19,7 +21,6 @@ from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
 from experiments.toy_envs import LengthParityEnv  # noqa: E402
-from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
 
 # Each rollout waits this long before its agent runs, so collecting a step takes
 # seconds and the test can kill the process in the middle of it. Without a pace

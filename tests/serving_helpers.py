@@ -24,7 +24,7 @@ import json
 import os
 import pathlib
 import pickle
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,7 @@ import optax
 from flax import nnx
 
 from ac2_jax.envs import Env, Task, Tool
-from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models import Tokenizer, parse_tool_calls
+from ac2_jax.models import Decoder, DecoderConfig, Tokenizer, parse_tool_calls
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration import SubagentOrchestrator
 from ac2_jax.sampling.jax_sampler import JaxSampler

@@ -18,18 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rl_traces import rl_trace
 
 from ac2_jax.config import ConfigError, from_config
 from ac2_jax.losses import LMHead, attention_mask, token_logprobs
-from ac2_jax.models import (FAMILIES, CausalLM, DecoderConfig, ModelFamily, build_model,
-                            config_from_hf, register_family)
+from ac2_jax.models import (
+    FAMILIES,
+    CausalLM,
+    DecoderConfig,
+    ModelFamily,
+    build_model,
+    config_from_hf,
+    register_family,
+)
 from ac2_jax.registry import Registry
 from ac2_jax.training import OBJECTIVES, PolicyGradientLoss
 from ac2_jax.training.core import Objective
 from ac2_jax.training.rl import BatchConfig, RLConfig
 from ac2_jax.training.rl.alarms import AlarmConfig, AlarmsConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLTrainer
-from rl_traces import rl_trace
 from tests.recipe_helpers import ParityEnv
 
 VOCAB = 16

@@ -12,12 +12,11 @@ import time
 
 import httpx
 import pytest
+from child_env import child_xla_flags
 
 from ac2_jax.models import build_tiny_tokenizer
-from child_env import child_xla_flags
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
-from benchmarks.endpoint_harness import (ServerProcess, audit, find_markers, lost_rollouts,
-                                         marker)
+from benchmarks.endpoint_harness import ServerProcess, audit, find_markers, lost_rollouts, marker
 
 ADMIN = "sk-harness-admin"
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))

@@ -4,8 +4,16 @@ import asyncio
 
 import pytest
 
-from ac2_jax.envs import (CalculatorEnv, ChainCalculatorEnv, StepwiseCalculatorEnv, chain_memo,
-                          chain_policy, parse_chain_state, run_tool, safe_eval)
+from ac2_jax.envs import (
+    CalculatorEnv,
+    ChainCalculatorEnv,
+    StepwiseCalculatorEnv,
+    chain_memo,
+    chain_policy,
+    parse_chain_state,
+    run_tool,
+    safe_eval,
+)
 
 
 def test_safe_eval():

@@ -16,8 +16,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ac2_jax.envs.judges import (JudgeError, JudgeExample, LLMJudge, NoisyJudge, RuleJudge,
-                                 parse_judge_reply)
+from ac2_jax.envs.judges import (
+    JudgeError,
+    JudgeExample,
+    LLMJudge,
+    NoisyJudge,
+    RuleJudge,
+    parse_judge_reply,
+)
 from ac2_jax.losses import selection_mask
 
 TOKENS = ("The", " area", " is", " 3", " *", " 4", " =", " 7", ".", " Done")

@@ -3,8 +3,8 @@
 import pytest
 
 from ac2_jax.envs import AdaptiveMix, CalculatorEnv, DomainMixer, StepwiseCalculatorEnv, Task
-from ac2_jax.trace import Trace
 from ac2_jax.envs.mixer import domain_seed
+from ac2_jax.trace import Trace
 
 
 def test_mix_by_weight():

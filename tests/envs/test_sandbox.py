@@ -13,8 +13,8 @@ import time
 
 import openai
 import pytest
-
 import sandbox_tools as st
+
 from ac2_jax.envs import Env, SandboxLimits, Task, Tool, run_tool
 from ac2_jax.orchestration import DefaultOrchestrator, SingleTaskUser, run_task
 

@@ -4,8 +4,16 @@ from fractions import Fraction
 
 import pytest
 
-from ac2_jax.evals import (PrefixStats, TokenCost, TokenPrices, common_prefix_len, prefix_stats,
-                           request_prefix_reuse, token_cost, trace_tokens)
+from ac2_jax.evals import (
+    PrefixStats,
+    TokenCost,
+    TokenPrices,
+    common_prefix_len,
+    prefix_stats,
+    request_prefix_reuse,
+    token_cost,
+    trace_tokens,
+)
 from ac2_jax.trace import Completion, Episode, Trace
 
 PRICES = TokenPrices(cached_input=0.20, uncached_input=2.00, output=8.00)  # $ per million

@@ -5,8 +5,14 @@ import math
 
 import pytest
 
-from ac2_jax.evals import (mean_interval, pass_at_k, pass_at_k_interval, pass_hat_k,
-                           pass_hat_k_interval, pass_k_values)
+from ac2_jax.evals import (
+    mean_interval,
+    pass_at_k,
+    pass_at_k_interval,
+    pass_hat_k,
+    pass_hat_k_interval,
+    pass_k_values,
+)
 
 
 def test_hand_worked_cases():

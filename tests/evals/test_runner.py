@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+from serving_helpers import SYSTEM, TOOLS, USER, fit_tiny_model
 
 from ac2_jax.envs import Env, Task, Tool
 from ac2_jax.evals import TokenPrices, compare_results, evaluate, token_cost, trace_tokens
@@ -18,7 +19,6 @@ from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
-from serving_helpers import SYSTEM, TOOLS, USER, fit_tiny_model
 
 ADMIN = "sk-admin-evals"
 PRICES = TokenPrices(0.20, 2.00, 8.00)
@@ -137,7 +137,7 @@ def test_same_seed_pairs_runs_and_infra_errors_are_counted(endpoint):
     cmp = compare_results(b, a)
     assert cmp.estimate.mean == 0.0 and cmp.tasks_paired == 2 and cmp.tasks_dropped == ["bad-0"]
     with pytest.raises(ValueError, match="no scored attempt"):
-        a.rewards
+        _ = a.rewards
     # (infra_error="fail" scoring is tested on records in test_summary.py.)
     other = dataclasses.replace(a, task_ids=a.task_ids[:2], attempts=a.attempts[:4])
     with pytest.raises(ValueError, match="different tasks"):

@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from ac2_jax.evals import (bootstrap_interval, clustered_interval, mean_interval,
-                           paired_difference, t_quantile, wilson_interval, z_quantile)
+from ac2_jax.evals import (
+    bootstrap_interval,
+    clustered_interval,
+    mean_interval,
+    paired_difference,
+    t_quantile,
+    wilson_interval,
+    z_quantile,
+)
 
 LEVELS = (0.8, 0.9, 0.95, 0.99)
 # Two-sided Student-t critical values from printed t tables (3 decimals), dof 2, 9, 99.

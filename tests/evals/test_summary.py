@@ -5,8 +5,17 @@ from fractions import Fraction
 
 import pytest
 
-from ac2_jax.evals import (TokenPrices, attempt_record, clustered_interval, jsonable,
-                           mean_interval, pass_at_k, summarize, token_cost, wilson_interval)
+from ac2_jax.evals import (
+    TokenPrices,
+    attempt_record,
+    clustered_interval,
+    jsonable,
+    mean_interval,
+    pass_at_k,
+    summarize,
+    token_cost,
+    wilson_interval,
+)
 from ac2_jax.trace import Completion, Episode, Trace
 
 PRICES = TokenPrices(0.20, 2.00, 8.00)

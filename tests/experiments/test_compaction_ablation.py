@@ -84,6 +84,7 @@ def test_memo_reward_is_the_attempts_memo_fidelity():
 
 def test_ablation_needs_the_compacting_harness():
     import pytest
+
     from experiments import compaction_ablation
     with pytest.raises(ValueError, match="calculator.py:long"):
         compaction_ablation.run(get_config("quick"))
@@ -117,6 +118,7 @@ def test_seed_config_reseeds_the_warm_start_and_rl():
 
 def test_run_seeds_and_arms_are_checked_before_any_work(tmp_path):
     import pytest
+
     from experiments import compaction_ablation
     cfg = get_config("long_quick")  # no eval.task_seed: seeds share no held-out task
     cfg.workdir = str(tmp_path / "x")

@@ -6,11 +6,11 @@ import json
 import os
 
 import pytest
+from html_dom import Dom
 
 from ac2_jax.models.params_io import publish_weights, save_params
 from experiments import calculator_agent, evaluate
 from experiments.configs.evaluate import get_config
-from html_dom import Dom
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

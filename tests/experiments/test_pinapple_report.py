@@ -4,9 +4,16 @@ setting with CIs over seeds, the main table untouched by sweep runs, and the plo
 import os
 
 from experiments.configs.pinapple import get_config
-from experiments.pinapple_report import (METRICS, claims, claims_markdown, markdown_table,
-                                         plot_sweep, summarize, summarize_sweep,
-                                         sweep_markdown)
+from experiments.pinapple_report import (
+    METRICS,
+    claims,
+    claims_markdown,
+    markdown_table,
+    plot_sweep,
+    summarize,
+    summarize_sweep,
+    sweep_markdown,
+)
 
 
 def _run(method, seed, reached, target, retention, setting=None, kept=(4, 6)):

@@ -12,10 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from experiments.configs.qwen3 import get_config  # noqa: E402
 from ac2_jax.models.hf_io import load_hf_config  # noqa: E402
-from experiments.real_size import (load_preset, preset_runtime, qwen3_config,  # noqa: E402
-                                   write_random_checkpoint)
+from experiments.configs.qwen3 import get_config  # noqa: E402
+from experiments.real_size import load_preset, preset_runtime, qwen3_config, write_random_checkpoint  # noqa: E402
 
 
 def param_count(cfg):

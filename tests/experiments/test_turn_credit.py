@@ -7,12 +7,13 @@ import numpy as np
 
 
 def test_the_pipeline_runs_both_arms(tmp_path):
-    from experiments.turn_credit import Setup, collect, main
+    import jax
+    from flax import nnx
+
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.training import BatchConfig, OptimizerConfig, create_train_state
     from ac2_jax.training.rl import batch_segments
-    from flax import nnx
-    import jax
+    from experiments.turn_credit import Setup, collect, main
 
     setup = Setup(problems=2, attempts=4, steps=2)
     model = Decoder(DecoderConfig.tiny(vocab_size=16, num_layers=1), rngs=nnx.Rngs(0))

@@ -7,9 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ac2_jax.losses import (DISTILL_KINDS, LMHead, chunked_distill_loss, chunked_logits_map,
-                            chunked_token_entropy, chunked_token_logprobs, distill_loss,
-                            token_entropy, token_logprobs)
+from ac2_jax.losses import (
+    DISTILL_KINDS,
+    LMHead,
+    chunked_distill_loss,
+    chunked_logits_map,
+    chunked_token_entropy,
+    chunked_token_logprobs,
+    distill_loss,
+    token_entropy,
+    token_logprobs,
+)
 from tests.constrained_case import constrained_case, masked_reference
 
 B, L, D, V = 2, 9, 8, 37

@@ -9,10 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ac2_jax.losses import (DISTILL_KINDS, distill_loss, forward_kl, generalized_jsd,
-                            reverse_kl, sampled_token_advantage, sampled_token_loss)
+from ac2_jax.losses import (
+    DISTILL_KINDS,
+    distill_loss,
+    forward_kl,
+    generalized_jsd,
+    reverse_kl,
+    sampled_token_advantage,
+    sampled_token_loss,
+)
 
 R, L, V = 8, 5, 11
 TOL = dict(rtol=1e-5, atol=1e-6)

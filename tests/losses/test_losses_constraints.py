@@ -6,8 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ac2_jax.losses import (chunked_token_logprobs, constrain_logits, sampling_logits,
-                            token_logprobs, unpack_masks)
+from ac2_jax.losses import (
+    chunked_token_logprobs,
+    constrain_logits,
+    sampling_logits,
+    token_logprobs,
+    unpack_masks,
+)
 from ac2_jax.segments import pack_mask_bits, unpack_mask_bits
 from tests.constrained_case import L, R, constrained_case
 

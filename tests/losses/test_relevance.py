@@ -8,8 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ac2_jax.losses import (candidate_mask, masked_token_mean, ranked_positions, relevance_loss,
-                            relevance_mask, selection_mask)
+from ac2_jax.losses import (
+    candidate_mask,
+    masked_token_mean,
+    ranked_positions,
+    relevance_loss,
+    relevance_mask,
+    selection_mask,
+)
 from ac2_jax.segments import Segment, pack_segments
 from tests.multidevice import run_mesh_rows, run_pmap_rows
 

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import AttentionMask, dense_attention
-from ac2_jax.models.attention_accel import (cudnn_attention, pallas_gpu_attention,
-                                            splash_tpu_attention)
+from ac2_jax.models.attention_accel import (
+    cudnn_attention,
+    pallas_gpu_attention,
+    splash_tpu_attention,
+)
 
 TOL = 1e-5
 

@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ac2_jax.models import (AttentionMask, blocksparse_attention,
-                            blocksparse_attention_with_count, dense_attention)
+from ac2_jax.models import (
+    AttentionMask,
+    blocksparse_attention,
+    blocksparse_attention_with_count,
+    dense_attention,
+)
 from tests.models.test_attention_mask import flat_rows, tree_rows
 
 TOL = 1e-5

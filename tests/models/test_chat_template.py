@@ -3,8 +3,12 @@
 import jinja2
 import pytest
 
-from ac2_jax.models.chat_template import (clean_messages, compile_chat_template, render_chat,
-                                          select_template)
+from ac2_jax.models.chat_template import (
+    clean_messages,
+    compile_chat_template,
+    render_chat,
+    select_template,
+)
 from ac2_jax.models.tiny_tokenizer import TINY_CHAT_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "<a> & 'b'",

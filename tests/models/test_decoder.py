@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig, to_layout, with_layout
 from ac2_jax.segments import Segment, pack_segments, segments_from_trace
-from ac2_jax.training.rl import rl_segment
 from ac2_jax.trace import Completion, Trace, TraceRecorder
+from ac2_jax.training.rl import rl_segment
 
 V = 64  # divisible by the mesh axes of the sharding test
 
@@ -334,8 +334,12 @@ def test_custom_vjps_same_grads_as_autodiff(model, scan_layers, remat):
 def test_bf16_compute_with_fp32_master_weights(model):
     """Params stay fp32, activations bf16, logits fp32 and close to fp32's; a train
     step (PPO loss, AdamW) runs and keeps the params fp32."""
-    from ac2_jax.training import OptimizerConfig, PolicyGradientLoss, create_train_state
-    from ac2_jax.training import make_train_step
+    from ac2_jax.training import (
+        OptimizerConfig,
+        PolicyGradientLoss,
+        create_train_state,
+        make_train_step,
+    )
 
     bf16 = with_layout(model, True, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     assert bf16.layers.self_attn.q_proj[...].dtype == jnp.float32

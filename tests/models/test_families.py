@@ -10,7 +10,6 @@ within 1e-5 (fp32), for the packed-row forward, for prefill + decode through
 """
 
 import asyncio
-import json
 
 import jax
 import jax.numpy as jnp

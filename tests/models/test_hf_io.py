@@ -18,8 +18,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.models.hf_io import (INDEX_FILE, SINGLE_FILE, hf_state_dict,  # noqa: E402
-                                  load_hf_checkpoint, save_hf_checkpoint)
+from ac2_jax.models.hf_io import (  # noqa: E402
+    INDEX_FILE,
+    SINGLE_FILE,
+    hf_state_dict,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 
 TOL = 1e-4
 VOCAB = 97

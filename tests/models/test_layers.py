@@ -149,13 +149,13 @@ def test_frozen_bf16_base_travels_the_layer_scan_as_bits_with_equal_gradients():
     half, full = _lora_model(3, "bfloat16"), _lora_model(3, None)
     for m in (half, full):  # non-zero B: every adapter has a gradient through the base
         rng = np.random.default_rng(1)
-        for path, v in nnx.to_flat_state(nnx.state(m, nnx.LoRAParam)):
+        for _path, v in nnx.to_flat_state(nnx.state(m, nnx.LoRAParam)):
             v.set_value(jnp.asarray(rng.normal(size=v.shape, scale=0.1), v.dtype))
     bits = layer_params(half.config, half.layers)
     assert bits["mlp"]["gate_proj"].dtype == jnp.uint16
     assert bits["mlp"]["gate_lora"]["a"].dtype == jnp.float32  # adapters never as bits
     hb, hf = nnx.state(half, nnx.Param), nnx.state(full, nnx.Param)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(hb), nnx.to_flat_state(hf), strict=True):
+    for (_path, a), (_, b) in zip(nnx.to_flat_state(hb), nnx.to_flat_state(hf), strict=True):
         if a.get_value().dtype == jnp.bfloat16:
             b.set_value(a.get_value().astype(jnp.float32))
     tokens = jnp.asarray(LORA_TOKENS)

@@ -12,8 +12,14 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.lora import (LoRAConfig, adapter_params, has_lora, lora_delta, lora_update,
-                                 trainable_filter)
+from ac2_jax.models.lora import (
+    LoRAConfig,
+    adapter_params,
+    has_lora,
+    lora_delta,
+    lora_update,
+    trainable_filter,
+)
 from ac2_jax.models.peft_io import merge_lora, write_slot
 from ac2_jax.models.stacking import with_layout
 

@@ -5,14 +5,20 @@ import os
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-import orbax.checkpoint as ocp
-
-from ac2_jax.models import (Decoder, DecoderConfig, latest_published, load_published,
-                            publish_weights, restore_params, save_params)
-from ac2_jax.models import with_layout
+from ac2_jax.models import (
+    Decoder,
+    DecoderConfig,
+    latest_published,
+    load_published,
+    publish_weights,
+    restore_params,
+    save_params,
+    with_layout,
+)
 from ac2_jax.models.params_io import PARAMS, published_steps
 
 CONFIG = DecoderConfig.tiny(32, num_layers=1, tie_embeddings=False)

@@ -2,8 +2,13 @@
 
 import pytest
 
-from ac2_jax.models.tiny_tokenizer import (TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS,
-                                           TINY_TOOL_TOKENS, build_tiny_tokenizer, tiny_corpus)
+from ac2_jax.models.tiny_tokenizer import (
+    TINY_CHAT_TEMPLATE,
+    TINY_SPECIAL_TOKENS,
+    TINY_TOOL_TOKENS,
+    build_tiny_tokenizer,
+    tiny_corpus,
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ac2_jax.models.tool_parsers import (HermesParser, ParsedText, Qwen3CoderParser,
-                                         ToolCallParser, get_parser, parse_tool_calls,
-                                         parser_names, register_parser)
+from ac2_jax.models.tool_parsers import (
+    HermesParser,
+    ParsedText,
+    Qwen3CoderParser,
+    ToolCallParser,
+    get_parser,
+    parse_tool_calls,
+    parser_names,
+    register_parser,
+)
 
 ADD_TOOL = [{"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {
@@ -24,8 +31,7 @@ def linear_bound(text: str) -> int:
 
 
 def hermes_call(name, args):  # as the Qwen/Hermes chat templates render a call
-    return '<tool_call>\n{"name": %s, "arguments": %s}\n</tool_call>' % (
-        json.dumps(name), json.dumps(args))
+    return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(args)}}}\n</tool_call>'
 
 
 def coder_call(name, args):  # as the Qwen3-Coder chat template renders a call

@@ -1,7 +1,6 @@
 """Multi-response branches: a selection policy, and unchosen branches never
 trained on the continued branch's reward (issue 20 item 6)."""
 
-import asyncio
 import types
 
 import numpy as np

@@ -14,10 +14,10 @@ the same noise), so the eval measured correlated attempts, not the policy.
 import asyncio
 
 import openai
+from serving_helpers import served_random_model
 
 from ac2_jax.envs import Env, Task
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, request_seed
-from serving_helpers import served_random_model
 
 
 class SayEnv(Env):

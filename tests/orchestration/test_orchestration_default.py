@@ -16,17 +16,21 @@ import textwrap
 import httpx
 import openai
 import pytest
+from serving_helpers import DELEGATE, REMINDER, SYSTEM, TOOLS, USER, AddEnv, fit_tiny_model
 
 from ac2_jax.envs import Task
 from ac2_jax.models import build_tiny_tokenizer
-from ac2_jax.orchestration import (CompactionOrchestrator, DefaultOrchestrator, LifecycleClient,
-                                   MultiResponseOrchestrator, SubagentOrchestrator,
-                                   run_rollout)
+from ac2_jax.orchestration import (
+    CompactionOrchestrator,
+    DefaultOrchestrator,
+    LifecycleClient,
+    MultiResponseOrchestrator,
+    SubagentOrchestrator,
+    run_rollout,
+)
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
-from serving_helpers import (DELEGATE, REMINDER, SYSTEM, TOOLS, USER, AddEnv,
-                             fit_tiny_model)
 
 ADMIN = "sk-admin-orch"
 GREEDY = {"temperature": 0, "max_tokens": 64}

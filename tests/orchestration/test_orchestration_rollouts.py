@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
+from ports import refused_url
 from serving_helpers import served_random_model
 
 from ac2_jax.envs import AgentError, Env, Task
@@ -32,7 +33,6 @@ from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch
-from ports import refused_url
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}

@@ -2,8 +2,14 @@
 
 import pytest
 
-from ac2_jax.sampling import (ContextLengthError, SampleResult, Sampler, SamplingParams,
-                              check_prompt, truncate_at_stop)
+from ac2_jax.sampling import (
+    ContextLengthError,
+    Sampler,
+    SampleResult,
+    SamplingParams,
+    check_prompt,
+    truncate_at_stop,
+)
 from ac2_jax.sampling.sglang import SGLangSampler
 
 ALPHABET = "abcdefghij"

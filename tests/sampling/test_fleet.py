@@ -23,18 +23,25 @@ import time
 import httpx
 import numpy as np
 import pytest
+from child_env import child_xla_flags
 from flax import nnx
+from ports import refused_url
+from serving_helpers import forward_logprobs
 
 from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, publish_weights
-from ac2_jax.sampling import (FleetSampler, JaxSampler, SamplerError, SamplerUnavailable,
-                              SamplingParams, SGLangSampler, route_key)
+from ac2_jax.sampling import (
+    FleetSampler,
+    JaxSampler,
+    SamplerError,
+    SamplerUnavailable,
+    SamplingParams,
+    SGLangSampler,
+    route_key,
+)
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.trace import TraceStore
 from benchmarks.endpoint_harness import BackendProcess, audit, run_load
-from child_env import child_xla_flags
-from serving_helpers import forward_logprobs
-from ports import refused_url
 
 ADMIN = "sk-fleet-admin"
 CONTEXT = 256

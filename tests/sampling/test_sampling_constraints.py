@@ -17,9 +17,19 @@ from flax import nnx
 from ac2_jax.losses import sampling_logits
 from ac2_jax.models import Decoder, DecoderConfig, Tokenizer
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.sampling import (ConstraintError, GrammarMatcher, SamplerError, SamplingParams,
-                              any_json_grammar, check_grammar, end_token_id, json_schema_grammar,
-                              ll_tokenizer, replay_masks, tool_call_grammar)
+from ac2_jax.sampling import (
+    ConstraintError,
+    GrammarMatcher,
+    SamplerError,
+    SamplingParams,
+    any_json_grammar,
+    check_grammar,
+    end_token_id,
+    json_schema_grammar,
+    ll_tokenizer,
+    replay_masks,
+    tool_call_grammar,
+)
 from ac2_jax.sampling import jax_sampler as jax_sampler_mod
 from ac2_jax.sampling.jax_sampler import JaxSampler
 

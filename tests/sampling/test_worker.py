@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 
 from ac2_jax.sampling import SamplerError, SamplingParams
-from tests.sampling.test_jax_sampler import (GREEDY, _same, _sampler, gen,  # noqa: F401
-                                    model, prompt_of, run, sampler)
+from tests.sampling.test_jax_sampler import (  # noqa: F401
+    GREEDY,
+    _same,
+    _sampler,
+    gen,
+    model,
+    prompt_of,
+    run,
+    sampler,
+)
 
 
 def test_on_tokens_streams_exactly_the_output(sampler):

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
-from ac2_jax.segments import Segment, pad_batch_rows, pack_segments, task_names
-from ac2_jax.segments.batch import pow2_bucket
 from rl_like_segments import rl_like_segment
+
+from ac2_jax.segments import Segment, pack_segments, pad_batch_rows, task_names
+from ac2_jax.segments.batch import pow2_bucket
 
 
 def _seg(n, task, start=1, adv=1.0):
@@ -71,7 +71,8 @@ def test_pow2_bucket_is_the_one_bucketing_helper():
     # the sampler and the packers import this very function
     from ac2_jax.sampling import batching
     from ac2_jax.training.distill import data
-    from ac2_jax.training.rl import batching as rl_batching, data as rl_data
+    from ac2_jax.training.rl import batching as rl_batching
+    from ac2_jax.training.rl import data as rl_data
     assert batching.pow2_bucket is data.pow2_bucket is rl_data.pow2_bucket is pow2_bucket
     assert rl_batching.pow2_bucket is pow2_bucket
 

@@ -3,8 +3,15 @@
 import numpy as np
 import pytest
 
-from ac2_jax.segments import (CONSTRAINT_ID, SAMPLER_LOGPROBS, FitCounts, Segment,
-                              fit_segments, segments_from_trace, unpack_mask_bits)
+from ac2_jax.segments import (
+    CONSTRAINT_ID,
+    SAMPLER_LOGPROBS,
+    FitCounts,
+    Segment,
+    fit_segments,
+    segments_from_trace,
+    unpack_mask_bits,
+)
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 
 

@@ -6,10 +6,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-from ac2_jax.segments import (CONSTRAINT_ID, merge_constraint_tables, pack_mask_bits,
-                              pack_segments, resolve_constraints, unpack_mask_bits)
 from rl_like_segments import rl_like_segment
+
+from ac2_jax.segments import (
+    CONSTRAINT_ID,
+    merge_constraint_tables,
+    pack_mask_bits,
+    pack_segments,
+    resolve_constraints,
+    unpack_mask_bits,
+)
 
 V = 40
 

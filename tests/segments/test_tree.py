@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from rl_like_segments import rl_like_segment
 
 from ac2_jax.losses import aggregate_loss, tree_attention_mask
 from ac2_jax.segments import Segment, pack_mask_bits, pack_segments
-from rl_like_segments import rl_like_segment
 
 
 def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):
@@ -28,7 +28,7 @@ def fork_segments(seed=1):
     hist_mask = [0] * 4 + [1] * 3 + [0] * 3
     hist_lp = [0.0] * 4 + [-0.3, -0.2, -0.1] + [0.0] * 3
     segs = []
-    for b in range(3):
+    for _b in range(3):
         resp = rng.integers(1, 40, 4).tolist()
         segs.append(rl_like_segment(hist + resp, hist_mask + [1] * 4, hist_lp + (-rng.random(4)).tolist(),
                             task="fork/0", advantage=0.5))

@@ -14,18 +14,26 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
+from ports import refused_url
+from serving_helpers import (
+    SYSTEM,
+    TOOLS,
+    TURNS,
+    USER,
+    add_tool,
+    fit_tiny_model,
+    forward_logprobs,
+    scripted_sequence,
+    tiny_config,
+)
 
-from ac2_jax.models import Decoder
+from ac2_jax.models import Decoder, build_tiny_tokenizer
 from ac2_jax.models.params_io import publish_weights
-from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import Sampler
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from serving_helpers import (SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model,
-                             forward_logprobs, scripted_sequence, tiny_config)
-from ports import refused_url
 
 ADMIN = "sk-admin-test"
 MAX_CONTEXT = 512
@@ -613,7 +621,7 @@ def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
     for field in ("metrics", "artifacts"):
         status, err = api_error(httpx.post(
             url + f"/v1/rollouts/{a['rollout_id']}/finish", headers=admin_json,
-            content='{"reward": 1.0, "%s": {"v": Infinity}}' % field))
+            content=f'{{"reward": 1.0, "{field}": {{"v": Infinity}}}}'))
         assert status == 400
     assert snapshot() == before
     # The rollout still works and finishes normally.

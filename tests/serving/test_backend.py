@@ -10,13 +10,13 @@ import httpx
 import numpy as np
 import pytest
 from flax import nnx
+from serving_helpers import forward_logprobs
 
 from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, publish_weights
 from ac2_jax.sampling import JaxSampler, SamplingParams
 from ac2_jax.sampling.sglang import SGLangSampler
 from ac2_jax.serving.backend import build_backend_app
 from ac2_jax.serving.server import serve_in_thread
-from serving_helpers import forward_logprobs
 
 CONTEXT = 128
 

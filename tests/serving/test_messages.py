@@ -17,6 +17,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from serving_helpers import (
+    SYSTEM,
+    TOOLS,
+    TURNS,
+    USER,
+    add_tool,
+    fit_tiny_model,
+    forward_logprobs,
+    scripted_sequence,
+)
 
 from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.sampling import SamplerError
@@ -25,8 +35,6 @@ from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.trace import TraceStore
-from serving_helpers import (SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model,
-                             forward_logprobs, scripted_sequence)
 
 ADMIN = "sk-admin-messages"
 MAX_CONTEXT = 512

@@ -3,8 +3,13 @@
 import pytest
 
 from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollout_requests import (check_json, check_rollout_key_finish, keys_equal,
-                                              parse_create, parse_finish)
+from ac2_jax.serving.rollout_requests import (
+    check_json,
+    check_rollout_key_finish,
+    keys_equal,
+    parse_create,
+    parse_finish,
+)
 
 
 def test_parse_create_and_finish():

@@ -5,8 +5,12 @@ import json
 import pytest
 
 from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollout_requests import (check_rollout_key_finish, parse_create,
-                                              parse_finish, rollout_key_view)
+from ac2_jax.serving.rollout_requests import (
+    check_rollout_key_finish,
+    parse_create,
+    parse_finish,
+    rollout_key_view,
+)
 from ac2_jax.serving.rollouts import RolloutRegistry
 from ac2_jax.trace import Completion, TraceStore
 
@@ -217,8 +221,7 @@ def test_over_http_a_policy_that_ends_its_rollout_early_is_still_graded(tmp_path
     import openai
     from flax import nnx
 
-    from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models import build_tiny_tokenizer
+    from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
     from ac2_jax.sampling.jax_sampler import JaxSampler
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread

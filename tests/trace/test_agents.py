@@ -2,8 +2,13 @@
 
 import pytest
 
-from ac2_jax.trace import (SUBAGENT_WILDCARD, agent_group, agent_matches, check_agent_pattern,
-                           is_subagent)
+from ac2_jax.trace import (
+    SUBAGENT_WILDCARD,
+    agent_group,
+    agent_matches,
+    check_agent_pattern,
+    is_subagent,
+)
 
 
 def test_labels_groups_and_matches():

@@ -14,12 +14,17 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import load_published
 from ac2_jax.segments import pack_segments
-from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
-    Checkpointer, OptimizerConfig, SFTLoss, create_train_state, make_mesh, make_train_step,
+    Checkpointer,
+    OptimizerConfig,
+    SFTLoss,
+    create_train_state,
+    make_mesh,
+    make_train_step,
     publish,
 )
 from ac2_jax.training.core import abstract_train_state, state_shardings
+from ac2_jax.training.rl import rl_segment
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
 # Warmup makes the update depend on the step, so a resume must restore it.

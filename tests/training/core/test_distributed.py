@@ -20,12 +20,12 @@ import sys
 
 import numpy as np
 import pytest
-
-from ac2_jax.segments import pack_segments, task_names
-from ac2_jax.training.rl import rl_segment
-from ac2_jax.training.core import distributed
 from child_env import child_env
 from ports import reserved_port
+
+from ac2_jax.segments import pack_segments, task_names
+from ac2_jax.training.core import distributed
+from ac2_jax.training.rl import rl_segment
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(TESTS, "multihost_worker.py")

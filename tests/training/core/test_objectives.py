@@ -8,13 +8,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ac2_jax.losses import (MODES, aggregate_loss, policy_gradient_loss, policy_gradient_metrics,
-                            token_entropy, token_logprobs)
+from ac2_jax.losses import (
+    MODES,
+    aggregate_loss,
+    loss_weights,
+    policy_gradient_loss,
+    policy_gradient_metrics,
+    token_entropy,
+    token_logprobs,
+)
 from ac2_jax.segments import pack_segments
+from ac2_jax.training.core.objectives import (
+    PolicyGradientLoss,
+    SFTLoss,
+    StepModel,
+    apply_loss,
+    lm_head_of,
+)
 from ac2_jax.training.rl import rl_segment
-from ac2_jax.losses import loss_weights
-from ac2_jax.training.core.objectives import (PolicyGradientLoss, SFTLoss, StepModel, apply_loss,
-                                              lm_head_of)
 
 N_DEV = 8
 
@@ -237,13 +248,13 @@ def test_chunked_losses_equal_dense_values_and_grads():
 # ----------------------------------------------------------------- grammar-constrained tokens
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _constrained_model():
     """The tiny untied model of these tests, built once: (model, graphdef, params, rest)."""
     return _tiny_model(tie=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _constrained_segments(seed: int = 11, V: int = 30):
     """6 segments of 3 tasks sharing 2 prompts (so the tree merges) whose outputs the
     model samples token by token as the sampler does: per-token temperature / top_k /

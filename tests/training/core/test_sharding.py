@@ -7,13 +7,22 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.segments import pack_segments
-from ac2_jax.training.rl import rl_segment
 from ac2_jax.models.axes import AxisRules
-from ac2_jax.training.core.sharding import (batch_sharding, make_mesh, merge_rows,
-                                            param_shardings, replicate, shard_batch, shard_state,
-                                            split_rows, state_shardings, unreplicate)
+from ac2_jax.segments import pack_segments
+from ac2_jax.training.core.sharding import (
+    batch_sharding,
+    make_mesh,
+    merge_rows,
+    param_shardings,
+    replicate,
+    shard_batch,
+    shard_state,
+    split_rows,
+    state_shardings,
+    unreplicate,
+)
 from ac2_jax.training.core.state import OptimizerConfig, create_train_state
+from ac2_jax.training.rl import rl_segment
 
 
 class Named(nnx.Module):

@@ -7,8 +7,13 @@ import optax
 import pytest
 from flax import nnx
 
-from ac2_jax.training.core.state import (OptimizerConfig, TrainState, as_transform, create_train_state,
-                                    num_params)
+from ac2_jax.training.core.state import (
+    OptimizerConfig,
+    TrainState,
+    as_transform,
+    create_train_state,
+    num_params,
+)
 
 
 class Tiny(nnx.Module):

@@ -19,15 +19,19 @@ from jax.sharding import PartitionSpec as P
 from ac2_jax.losses import aggregate_loss, loss_weights, policy_gradient_loss, token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import pack_segments, pad_batch_rows
-from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
-    OptimizerConfig, PolicyGradientLoss, SFTLoss, create_train_state, make_mesh,
+    OptimizerConfig,
+    PolicyGradientLoss,
+    SFTLoss,
+    create_train_state,
+    make_mesh,
     make_train_step,
 )
-from ac2_jax.training.core import abstract_train_state, StepCache
-from ac2_jax.training.core.sharding import replicate, split_rows, unreplicate
+from ac2_jax.training.core import StepCache, abstract_train_state
 from ac2_jax.training.core.objectives import StepModel, model_logprobs
+from ac2_jax.training.core.sharding import replicate, split_rows, unreplicate
 from ac2_jax.training.core.train_step import CPU_MEMORY_SCHEDULER, forward, loss_and_grads
+from ac2_jax.training.rl import rl_segment
 
 CFG = DecoderConfig.tiny(vocab_size=48, num_layers=1)
 # AdamW's first update is lr * g / (|g| + eps) ~ lr * sign(g): it turns fp32 reduction-order

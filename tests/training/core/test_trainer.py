@@ -14,11 +14,16 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import pack_segments
-from ac2_jax.training.rl import rl_segment
 from ac2_jax.training import (
-    OptimizerConfig, SFTLoss, Trainer, TrainerHooks, create_train_state, make_mesh,
+    OptimizerConfig,
+    SFTLoss,
+    Trainer,
+    TrainerHooks,
+    create_train_state,
+    make_mesh,
 )
 from ac2_jax.training.core import StepCache, read_metrics
+from ac2_jax.training.rl import rl_segment
 
 CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)
 OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)  # the update depends on the step

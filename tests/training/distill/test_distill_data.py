@@ -18,21 +18,26 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
-from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
-from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
-from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
-from ac2_jax.training.distill.data import (LOGPROBS_RECORDED, SAMPLING_RECORDED,
-                                          DistillExample, HintConfig, insert_hint,
-                                          make_example, pack_pairs)
-from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.core.train_step import make_train_step
-from serving_helpers import SYSTEM, TOOLS, TURNS, USER
+from ac2_jax.training.distill.data import (
+    LOGPROBS_RECORDED,
+    SAMPLING_RECORDED,
+    DistillExample,
+    HintConfig,
+    insert_hint,
+    make_example,
+    pack_pairs,
+)
+from ac2_jax.training.distill.traces import examples_from_traces
+from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
 
 HINT = "Add all three numbers before answering."
 AGENTS = ("main", "compactor", "subagent:helper")
@@ -314,7 +319,7 @@ def test_pack_pairs_is_the_segments_packer_on_each_side():
            _pair("a", [21, 22, 23], hint, [24], weight=0.5)]  # no log-probs, not recorded
 
     def segment(e, prompt):
-        p, n = len(prompt), len(prompt) + len(e.response)
+        p, _n = len(prompt), len(prompt) + len(e.response)
         t = 1.0 if e.temperature is None else e.temperature
         k, tp = (0, 1.0) if e.temperature is None else (e.top_k, e.top_p)
         lps = [0.0] * p + (e.response_logprobs or [0.0] * len(e.response))

@@ -21,9 +21,17 @@ from ac2_jax.losses import aggregate_loss
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
 from ac2_jax.training.core.objectives import StepModel, apply_loss
-from ac2_jax.training.distill import (DistillConfig, DistillExample, DistillLoss, SelfDistiller,
-                                      divergence, pack_pairs, relevance_scores, teacher_extras,
-                                      teacher_logits)
+from ac2_jax.training.distill import (
+    DistillConfig,
+    DistillExample,
+    DistillLoss,
+    SelfDistiller,
+    divergence,
+    pack_pairs,
+    relevance_scores,
+    teacher_extras,
+    teacher_logits,
+)
 
 V = 40
 OPT = OptimizerConfig(learning_rate=1e-2)

@@ -23,9 +23,16 @@ from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.training import OptimizerConfig, create_train_state
 from ac2_jax.training.distill import sources
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig,
-                                              aresample_examples, publish_policy,
-                                              resample_examples, rollout_and_grade, sample)
+from ac2_jax.training.distill.sources import (
+    HintTask,
+    PromptCache,
+    SampleConfig,
+    aresample_examples,
+    publish_policy,
+    resample_examples,
+    rollout_and_grade,
+    sample,
+)
 
 MSGS = ({"role": "user", "content": "Pick a color."},)
 

@@ -12,6 +12,7 @@ selection code (candidates, judge, kept mask) is the trainer's own.
 
 import collections
 import hashlib
+import json
 from unittest import mock
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serving_helpers import SYSTEM, TOOLS
 
 from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.segments.batch import pow2_bucket
@@ -27,10 +29,14 @@ from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
-from ac2_jax.training.distill import (DistillConfig, HintConfig, SelfDistiller,
-                                      examples_from_traces, pack_pairs)
+from ac2_jax.training.distill import (
+    DistillConfig,
+    HintConfig,
+    SelfDistiller,
+    examples_from_traces,
+    pack_pairs,
+)
 from ac2_jax.training.distill.data import HINT_PLACEMENTS
-from serving_helpers import SYSTEM, TOOLS
 
 HINT = "Add all three numbers before answering."
 WORDS = "red blue green the sum is seven ten add numbers".split()
@@ -82,8 +88,8 @@ def _random_trace(data, tok) -> Trace:
             prompt, _ = build_prompt_ids(tok, messages, TOOLS, memory)
             if data.draw(st.booleans()):
                 a, b = data.draw(st.integers(0, 99)), data.draw(st.integers(0, 99))
-                text = ('<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n'
-                        '</tool_call>' % (a, b))
+                call = {"name": "add", "arguments": {"a": a, "b": b}}
+                text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
             else:
                 text = " ".join(data.draw(st.lists(st.sampled_from(WORDS), min_size=1,
                                                    max_size=6)))

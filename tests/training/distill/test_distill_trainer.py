@@ -6,27 +6,40 @@ run equals the uninterrupted one bitwise.
 
 import dataclasses
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.trace.types import Completion, Episode, Trace
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
 from ac2_jax.training.core import read_metrics
-from ac2_jax.training.sft.demos import demo_segment
-from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
-from ac2_jax.training.distill.data import (HINT_PLACEMENTS, HintConfig, hinted_messages,
-                                          insert_hint, make_example, pack_pairs)
-from ac2_jax.training.distill.traces import examples_from_traces
-from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.training.distill.sources import (HintTask, PromptCache, SampleConfig, publish_policy,
-                                              resample_examples, rollout_and_grade, sample)
 from ac2_jax.training.core.train_step import make_train_step
+from ac2_jax.training.distill.data import (
+    HINT_PLACEMENTS,
+    HintConfig,
+    hinted_messages,
+    insert_hint,
+    make_example,
+    pack_pairs,
+)
+from ac2_jax.training.distill.sources import (
+    HintTask,
+    PromptCache,
+    SampleConfig,
+    publish_policy,
+    resample_examples,
+    rollout_and_grade,
+    sample,
+)
+from ac2_jax.training.distill.traces import examples_from_traces
+from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller
+from ac2_jax.training.sft.demos import demo_segment
 
 HINT = "Say blue."
 MSGS = [{"role": "user", "content": "Pick a color."}]

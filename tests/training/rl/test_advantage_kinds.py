@@ -7,9 +7,17 @@ import pytest
 
 from ac2_jax.config import ConfigError, from_config
 from ac2_jax.training import BatchConfig, RLConfig
-from ac2_jax.training.rl import (ADVANTAGE_ESTIMATORS, DrGRPOAdvantage, GRPOAdvantage,
-                                 OverlongShaping, ReinforceAdvantage, ReinforcePPAdvantage,
-                                 RLOOAdvantage, batch_segments, trace_advantages)
+from ac2_jax.training.rl import (
+    ADVANTAGE_ESTIMATORS,
+    DrGRPOAdvantage,
+    GRPOAdvantage,
+    OverlongShaping,
+    ReinforceAdvantage,
+    ReinforcePPAdvantage,
+    RLOOAdvantage,
+    batch_segments,
+    trace_advantages,
+)
 from tests.rl_traces import rl_trace
 
 # three groups: spread (4 attempts), tied at 0.7 (3), lone (1)

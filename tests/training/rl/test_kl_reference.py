@@ -15,7 +15,12 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.peft_io import merge_lora
 from ac2_jax.training import OptimizerConfig
-from ac2_jax.training.core.objectives import StepModel, apply_loss, behaviour_logprobs, reference_logprobs
+from ac2_jax.training.core.objectives import (
+    StepModel,
+    apply_loss,
+    behaviour_logprobs,
+    reference_logprobs,
+)
 from ac2_jax.training.rl import GRPOLoss
 from ac2_jax.training.rl.trainer import launch_reference
 from tests.training.rl.test_objective_kinds import attempts

@@ -153,7 +153,7 @@ def test_routing_alarm_quiet_for_the_sampler_router_fires_on_a_perturbed_one(sam
     (rl.moe.routing="recompute") the RLTrainer measures it on its batch (which then
     replays nothing) and fires, naming the config key."""
     from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
-    from ac2_jax.training.rl import BatchConfig, MoEConfig, RLConfig, ReplayCollector, RLTrainer
+    from ac2_jax.training.rl import BatchConfig, MoEConfig, ReplayCollector, RLConfig, RLTrainer
     from ac2_jax.training.rl.alarms import AlarmConfig, AlarmsConfig, routing_mismatch
 
     model, results = sampled

@@ -17,8 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ac2_jax.trace import Completion, Trace, TraceRecorder
-from ac2_jax.training.rl import (BatchConfig, branch_groups, build_batch, continued_path,
-                                 recorded_choices)
+from ac2_jax.training.rl import (
+    BatchConfig,
+    branch_groups,
+    build_batch,
+    continued_path,
+    recorded_choices,
+)
 
 AGENTS = ("main", "compactor", "subagent:helper")
 

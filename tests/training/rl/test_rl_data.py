@@ -11,15 +11,20 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rl_traces import rl_trace as _trace
 
-from ac2_jax.losses import aggregate_loss
 from ac2_jax.config import ConfigError, from_config
+from ac2_jax.losses import aggregate_loss
 from ac2_jax.training.rl import batching
 from ac2_jax.training.rl.batching import build_batch
-from ac2_jax.training.rl.data import (BatchConfig, agent_trained, select_traces,
-                                      trace_advantages, trace_version)
+from ac2_jax.training.rl.data import (
+    BatchConfig,
+    agent_trained,
+    select_traces,
+    trace_advantages,
+    trace_version,
+)
 from ac2_jax.training.rl.trainer import RLConfig
-from rl_traces import rl_trace as _trace
 
 
 def test_advantages_per_group():
@@ -134,8 +139,8 @@ def test_train_agents_is_checked_and_read_from_configs():
             BatchConfig(train_agents=bad)
         assert 'train_agents=("main",)' in str(e.value)  # says what to pass
     assert BatchConfig().train_agents is None
-    for given in (["main"], ("main",)):
-        rl = from_config(RLConfig, {"batch": {"train_agents": given}}, path="rl")
+    for agents in (["main"], ("main",)):
+        rl = from_config(RLConfig, {"batch": {"train_agents": agents}}, path="rl")
         assert rl.batch.train_agents == ("main",)
     ml_collections = pytest.importorskip("ml_collections")
     cfg = ml_collections.ConfigDict({"batch": {"train_agents": ("main", "subagent:*")}})
@@ -271,7 +276,7 @@ REWARDS = st.one_of(st.sampled_from([None, 0.0, 0.5, 1.0, 0.7, 0.1, 1 / 3]),
 @settings(max_examples=250, deadline=None, database=None)
 @given(st.data())
 def test_what_trains_counts_and_is_skipped_follows_the_signal_rules(data):
-    from ac2_jax.trace import Trace, TRACE_STATUSES
+    from ac2_jax.trace import TRACE_STATUSES, Trace
     learner = data.draw(st.integers(0, 4), label="learner version")
     cfg = BatchConfig(
         seq_len=32, rows=1,

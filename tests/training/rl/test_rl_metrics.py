@@ -7,13 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from ac2_jax.trace import Completion, Trace, TraceRecorder
+from ac2_jax.trace import Completion, Trace, TraceRecorder, agent_group
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl import BatchConfig, build_batch
-from ac2_jax.trace import agent_group
-from ac2_jax.training.rl.metrics import (batch_metrics, compaction_events,
-                                         memo_results, staleness_histogram,
-                                         trace_agent_metrics)
+from ac2_jax.training.rl.metrics import (
+    batch_metrics,
+    compaction_events,
+    memo_results,
+    staleness_histogram,
+    trace_agent_metrics,
+)
 
 
 def _trace(attempt, reward, agents, events=(), version=0, group="g"):

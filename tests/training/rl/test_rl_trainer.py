@@ -12,7 +12,6 @@ import asyncio
 import collections
 import dataclasses
 import os
-import socket
 import threading
 
 import httpx
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from ports import refused_url
 
 from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
@@ -33,10 +33,9 @@ from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.core import StepCache, read_metrics
-from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
+from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from experiments.toy_envs import AlternatingEnv, LengthParityEnv
-from ports import refused_url
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step

@@ -22,8 +22,14 @@ from ac2_jax.segments import CONSTRAINT_ID, SAMPLER_LOGPROBS
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.core import StepModel, make_mesh, model_logprobs
-from ac2_jax.training.rl import (BatchConfig, RLConfig, RLTrainer, ReplayCollector,
-                                 batch_segments, pack_rl_batch)
+from ac2_jax.training.rl import (
+    BatchConfig,
+    ReplayCollector,
+    RLConfig,
+    RLTrainer,
+    batch_segments,
+    pack_rl_batch,
+)
 from tests.serving_helpers import served_random_model
 
 ADMIN = "sk-admin-constrained"

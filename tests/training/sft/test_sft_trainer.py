@@ -15,8 +15,8 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import Segment
 from ac2_jax.training import Checkpointer, OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.core import MetricsLogger, StepCache, read_metrics
-from ac2_jax.training.sft import SFTData
 from ac2_jax.training.core.train_step import forward
+from ac2_jax.training.sft import SFTData
 
 CFG = DecoderConfig.tiny(vocab_size=32, num_layers=1)
 OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)
