@@ -9,7 +9,7 @@
 #   scripts/test.sh            every test (CI runs this; budget: 20 minutes on 2 cores)
 #   scripts/test.sh --quick    the inner loop: unit and contract tests, no pipelines,
 #                              notebooks, docs build, multi-process or fault tests
-#                              (`-m "not full"`, tests/conftest.py FULL_ONLY; 7 minutes
+#                              (`-m "not full"`, tests/conftest.py FULL_ONLY; 6 minutes
 #                              on 2 cores, goal 5: BUILD_NOTES 2026-12-07)
 #   scripts/test.sh ARGS...    extra pytest arguments (a path, -k, -x), after the tier flag
 # AC2_TEST_WORKERS=N sets the number of workers (0: one process, no xdist).
