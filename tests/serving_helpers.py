@@ -64,23 +64,7 @@ def add_tool(arguments: str) -> str:
 
 def scripted_sequence(tok: Tokenizer) -> tuple[list[int], list[int]]:
     """(tokens, loss mask) of the whole scripted conversation, as served."""
-    memory = TurnMemory()
-    messages = [SYSTEM, USER]
-    tokens: list[int] = []
-    mask: list[int] = []
-    for text, tool_result in TURNS:
-        prompt, _ = build_prompt_ids(tok, messages, TOOLS, memory)
-        assert prompt[:len(tokens)] == tokens, "the script is not append-only"
-        out = tok.encode(text) + [tok.eos_token_id]
-        mask += [0] * (len(prompt) - len(tokens)) + [1] * len(out)
-        tokens = prompt + out
-        content, calls = parse_tool_calls(text)
-        memory.remember(content, calls, out)
-        messages = messages + [{"role": "assistant", "content": content or None,
-                                "tool_calls": calls or None}]
-        for call in calls:
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result})
-    return tokens, mask
+    return script(tok, [SYSTEM, USER], TOOLS, TURNS)
 
 
 def script(tok: Tokenizer, messages: list[dict], tools: list[dict],

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import pytest
+from child_env import child_env
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ("quickstart", "train_your_harness", "learn_from_feedback", "bring_your_own_model")
@@ -26,13 +27,8 @@ NAMES = ("quickstart", "train_your_harness", "learn_from_feedback", "bring_your_
 def _kernel_env() -> dict:
     """This interpreter's environment for the kernel: its bin first on PATH (the
     kernelspec runs `python`), and without the suite's 8 forced host devices."""
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
+    return child_env(PATH=os.path.dirname(sys.executable) + os.pathsep
+                     + os.environ.get("PATH", ""))
 
 
 def execute(name: str, cwd: str):
