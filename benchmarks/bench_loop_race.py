@@ -46,18 +46,18 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from benchmarks.common import WIDTHS  # noqa: E402 (stdlib only)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# The train-step benchmark's sizes (benchmarks/bench_train_step.py), vocab from the tokenizer.
+# The train-step benchmark's sizes (benchmarks.common.WIDTHS), vocab from the tokenizer.
 SIZES = {
     # The pipeline's test and --quick: the fewest layers and widths it runs with.
     "toy": dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                 num_kv_heads=1, head_dim=16),
-    "small": dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
-                  num_kv_heads=2, head_dim=64),
-    "medium": dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                   num_kv_heads=4, head_dim=64),
+    "small": WIDTHS["small"],
+    "medium": WIDTHS["medium"],
 }
 TOKENIZER_VOCAB = 2044  # BPE merges + 4 tool tokens: the model's vocabulary is the tokenizer's
 SUPPRESS = 10.0  # the embedding's dimension-0 value (+ allowed tokens, - the rest)

@@ -38,16 +38,9 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import JaxSampler, SamplingParams
-from benchmarks.common import parser, print_table, write_json
+from benchmarks.common import WIDTHS, parser, print_table, write_json
 
-SIZES = {  # bench_loop_race.SIZES (its import pulls the whole race in)
-    "toy": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16),
-    "small": dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
-                  num_kv_heads=2, head_dim=64),
-    "medium": dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                   num_kv_heads=4, head_dim=64),
-}
+SIZES = {"toy": WIDTHS["tiny"], "small": WIDTHS["small"], "medium": WIDTHS["medium"]}
 COUNTERS = ("prefill_s", "decode_s", "prefill_tokens", "cached_tokens", "shared_tokens")
 
 

@@ -30,15 +30,12 @@ from ac2_jax.segments import pack_segments  # noqa: E402
 from ac2_jax.training import OptimizerConfig, SFTLoss, create_train_state, make_train_step  # noqa: E402
 from ac2_jax.training.rl import rl_segment  # noqa: E402
 from benchmarks.bench_roofline import gemm_ceiling, roofline  # noqa: E402
-from benchmarks.common import parser, print_table, write_json  # noqa: E402
+from benchmarks.common import WIDTHS, parser, print_table, write_json  # noqa: E402
 
 SIZES = {  # name: (DecoderConfig overrides, rows, seq_len)
-    "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=16), 8, 128),
-    "small": (dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=4,
-                   num_heads=4, num_kv_heads=2, head_dim=64), 4, 256),
-    "medium": (dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4,
-                    num_heads=8, num_kv_heads=4, head_dim=64), 4, 256),
+    "tiny": (dict(vocab_size=512, **WIDTHS["tiny"]), 8, 128),
+    "small": (dict(vocab_size=2048, **WIDTHS["small"]), 4, 256),
+    "medium": (dict(vocab_size=4096, **WIDTHS["medium"]), 4, 256),
 }
 LR, WD, CLIP = 1e-4, 0.1, 1.0
 

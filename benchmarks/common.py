@@ -18,6 +18,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+# The benchmarks' model widths by size (DecoderConfig fields; each benchmark adds its
+# vocabulary and context): the train-step benchmark's sizes, which the loop race and the
+# shared-prompt benchmark run too.
+WIDTHS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16),
+    "small": dict(hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=64),
+    "medium": dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
+                   num_kv_heads=4, head_dim=64),
+}
+
+
 def child_xla_flags(flags: str | None = None) -> str:
     """`flags` (default: this process's XLA_FLAGS) less a forced host device count: what a
     server or worker child gets, so it runs on one CPU device as deployed (or the devices
