@@ -35,6 +35,7 @@ __all__ = [
     "claim_workdir",
     "error_lines",
     "export_model",
+    "hands_off_in_memory",
     "harness_factory",
     "load_model",
     "metrics_logger",
@@ -199,6 +200,14 @@ def harness_factory(sampling: dict, max_steps: int) -> Callable[..., Any]:
         )
 
     return make
+
+
+def hands_off_in_memory(config: Any, sampler: Any) -> bool:
+    """Whether a recipe's learner hands its weights to `sampler` in memory
+    (`SamplerConfig.hand_off`): an embedded sampler that takes params
+    (`JaxSampler.set_params`) with hand_off "memory". Every other sampler reloads
+    them from the publish folder (the folder is written either way)."""
+    return config.hand_off == "memory" and callable(getattr(sampler, "set_params", None))
 
 
 @contextlib.asynccontextmanager

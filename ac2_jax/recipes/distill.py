@@ -36,6 +36,7 @@ from ac2_jax.recipes.common import (
     claim_workdir,
     error_lines,
     export_model,
+    hands_off_in_memory,
     harness_factory,
     load_model,
     metrics_logger,
@@ -185,8 +186,13 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             model, tokenizer, publish_dir=paths.publish, traces_dir=paths.traces,
             sampler=cfg.sampler, rollout=cfg.rollout, max_batch=loop.concurrency, seed=cfg.seed,
         ) as (sampler, lifecycle):  # fmt: skip
+            # SamplerConfig.hand_off: "memory" hands the embedded sampler the params
+            # directly (the folder is still written); "disk" reloads the publish.
+            in_memory = hands_off_in_memory(cfg.sampler, sampler)
             if start:
-                publish_policy(sampler, graphdef, dist.state, paths.publish, start)
+                publish_policy(
+                    sampler, graphdef, dist.state, paths.publish, start, in_memory=in_memory
+                )
             before = await eval_before(cfg, env, lifecycle, progress, start)
             sampling = {
                 "temperature": cfg.rollout.temperature,
@@ -227,7 +233,9 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                 logger.log(step + 1, counts, prefix="data")
                 m = {**m, **{k: float(v) for k, v in counts.items()}}
                 history.append(m)
-                publish_policy(sampler, graphdef, dist.state, paths.publish, step + 1)
+                publish_policy(
+                    sampler, graphdef, dist.state, paths.publish, step + 1, in_memory=in_memory
+                )
                 note = "(no update: no example kept)" if m.get("skipped") else ""
                 shown: dict[str, Any] = {
                     k: m[k] for k in ("loss", "kept_tokens", "examples") if k in m

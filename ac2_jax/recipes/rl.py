@@ -30,6 +30,7 @@ from ac2_jax.recipes.common import (
     claim_workdir,
     error_lines,
     export_model,
+    hands_off_in_memory,
     harness_factory,
     load_model,
     metrics_logger,
@@ -292,13 +293,6 @@ def _step_lines(m: dict[str, Any], traces, cfg: RLRecipeConfig) -> list[str]:
     return lines + error_lines(step, traces)
 
 
-def _in_memory(config: Any, sampler: Any) -> bool:
-    """Whether the learner hands its weights to `sampler` in memory (`SamplerConfig.
-    hand_off`): an embedded sampler that takes params (`JaxSampler.set_params`),
-    hand_off "memory"; every other sampler reloads them from the publish folder."""
-    return config.hand_off == "memory" and callable(getattr(sampler, "set_params", None))
-
-
 async def arl(
     model: Any, env: Any, config: RLRecipeConfig | None = None, *, harness=None
 ) -> RecipeResult:
@@ -352,7 +346,7 @@ async def arl(
         )  # fmt: skip
         # In memory the sampler takes each update itself: a reload of its publish
         # (on_publish) would load the same weights again, from disk.
-        in_memory = _in_memory(cfg.sampler, sampler)
+        in_memory = hands_off_in_memory(cfg.sampler, sampler)
         trainer = RLTrainer(
             model, collector, rl_cfg, os.path.join(paths.workdir, "rl"),
             publish_dir=paths.publish, mesh=mesh,

@@ -81,7 +81,7 @@ class SamplerConfig:
     weight_swap (jax): "drain" (default: new weights wait for the running rows)
       or "in_flight" (swapped between decode chunks; each token records its
       version: `JaxSampler(weight_swap=)`).
-    hand_off (jax): how the RL recipe's learner gives each update's weights to
+    hand_off (jax): how the RL and distillation recipes' learner gives each update's weights to
       the embedded sampler: "memory" (default: `JaxSampler.set_params` with the
       learner's params, no disk round trip; `publish_dir` is still written, in the
       background, for other readers) or "disk" (published to `publish_dir`, then

@@ -7,7 +7,8 @@ log-prob is that of the distribution the token was sampled from,
 (temperature 0) the raw `log_softmax(logits)`, as for every Completion; the
 examples carry those parameters (`DistillExample.temperature` / `top_k` /
 `top_p`). The driver keeps the sampler on the current policy with
-`publish_policy` (publish the train state, then `sampler.load_weights`).
+`publish_policy` (publish the train state, then `sampler.load_weights`, or
+`set_params` in memory).
 
 (b) `resample_examples`: sample one response per prompt from the current
 policy (source="student": on-policy OPSD/RMSD data; source="teacher": the
@@ -37,11 +38,19 @@ SOURCES = ("student", "teacher")
 
 
 def publish_policy(
-    sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike, step: int, keep: int = 2
-) -> int:
-    """Publishes the state's weights as `step` and loads them into `sampler`
-    (built with this publish_dir); returns the sampler's policy_version."""
+    sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike, step: int, keep: int = 2,
+    *, in_memory: bool = False,
+) -> int:  # fmt: skip
+    """Publishes the state's weights as `step` and gives them to `sampler` (built with
+    this publish_dir); returns the sampler's policy_version. in_memory: the sampler
+    takes the learner's params directly (`JaxSampler.set_params`, the same weights as
+    the reload: `SamplerConfig.hand_off="memory"`) instead of reloading the publish
+    (`load_weights`); the folder is written either way (resume, other readers)."""
     publish(graphdef, state, publish_dir, step, keep=keep)
+    if in_memory:
+        from ac2_jax.models.params_io import published_params
+
+        return sampler.set_params(published_params(state.model(graphdef)), int(step))
     return sampler.load_weights(int(step))
 
 

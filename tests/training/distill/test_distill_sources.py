@@ -19,6 +19,7 @@ from flax import nnx
 
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.params_io import published_checksum
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.training import OptimizerConfig, create_train_state
@@ -134,8 +135,13 @@ def test_publish_policy_keeps_the_sampler_on_the_learners_weights(setup):
     prompt = tok.apply_chat_template(list(MSGS), tokenize=True)
     greedy = SampleConfig(max_new_tokens=8, temperature=0.0)
     new = st.replace(params=jax.tree.map(lambda x: 3.0 * x, st.params))  # another policy
-    for step, state in ((1, new), (2, st)):
-        assert publish_policy(s, g, state, publish_dir, step) == step == s.policy_version
+    # Reloaded from the folder (steps 1, 2), then handed over in memory (3, 4:
+    # SamplerConfig.hand_off="memory"), which still publishes the same weights.
+    for step, state in ((1, new), (2, st), (3, new), (4, st)):
+        in_memory = step > 2
+        got = publish_policy(s, g, state, publish_dir, step, in_memory=in_memory)
+        assert got == step == s.policy_version
+        assert s.served_weights()["checksum"] == published_checksum(publish_dir, step)
         (res,) = sample(s, [prompt], greedy, stop_token_ids=tok.stop_token_ids)
         assert res.policy_version == step
         logits = _logits(g, state, prompt, res.output_ids)
