@@ -24,6 +24,11 @@ fi
 bash scripts/setup.sh dev
 . .venv/bin/activate
 export JAX_PLATFORMS=cpu
+# Bytecode is written (__pycache__, git-ignored) even where the machine sets
+# PYTHONDONTWRITEBYTECODE: each pytest worker and each child process would otherwise
+# compile every module of the library and the tests from source (27 -> 20 CPU s per
+# worker's collection; BUILD_NOTES, issue 60, fifth session).
+unset PYTHONDONTWRITEBYTECODE
 ruff check .
 ruff format --check ac2_jax
 mypy ac2_jax

@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev
 . .venv/bin/activate
 export JAX_PLATFORMS=cpu
+unset PYTHONDONTWRITEBYTECODE  # as scripts/test.sh
 export AC2_TEST_PROFILE=${AC2_TEST_PROFILE:-$(mktemp -d -t ac2-test-profile.XXXXXX)}
 export PYTHONPATH="$PWD/tests/suite_profile_site${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
