@@ -30,11 +30,10 @@ import numpy as np
 
 from ac2_jax.envs.judges import Judge, NoisyJudge, RuleJudge
 from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.training import create_train_state
+from ac2_jax.training import create_train_state, publish
 from ac2_jax.training.distill.sources import (
     HintTask,
     PromptCache,
-    publish_policy,
     resample_examples,
     rollout_and_grade,
 )
@@ -103,7 +102,8 @@ class Policy:
 
     def sync(self, state) -> int:
         self.version += 1
-        return publish_policy(self.sampler, self.graphdef, state, self.publish_dir, self.version)
+        publish(self.graphdef, state, self.publish_dir, self.version, keep=2, sampler=self.sampler)
+        return self.sampler.policy_version
 
 
 # ----------------------------------------------------------------------------- distillation

@@ -2,8 +2,20 @@
 
 No module imports itself through others (no import cycles, function-level
 imports included). Also: the light packages import no server, plotting or torch code; the core
-packages import only what setup.py's core requirements install; every public
-name of a module is re-exported from its package.
+packages import only what setup.py's core requirements install; and each package's `__all__`
+keeps the public-API contract (docs/design.md, "Public API"):
+
+- `__all__` is curated: what a user of the package needs (the entry points, the types they
+  pass and get back, the registries and base classes an extension implements), at most
+  `MAX_NAMES` names a namespace and `MAX_TOTAL` over all of them; not every public function
+  of every module.
+- Every name in `__all__` resolves on the package and is the library's own (a function or
+  class defined in ac2_jax, most in the package itself); no third-party re-export.
+- The `__init__` says which of its imports are API: a plain `from ac2_jax.<pkg>... import x`
+  is in `__all__`; a name kept importable from the package for existing code without being
+  API is imported as `x as x` (or resolves through a deprecation alias, which warns).
+- A name outside `__all__` is internal even where its module has no underscore: it stays
+  importable from its defining module and may change.
 """
 
 import ast
@@ -14,15 +26,16 @@ import inspect
 import json
 import os
 import pathlib
-import pkgutil
 import re
 import subprocess
 import sys
 
 import pytest
 
+from tests.test_public_api import PACKAGES as PUBLIC
+
 LAYERS = ["trace", "segments", "losses", "models", "sampling", "serving", "envs",
-          "orchestration", "training", "evals", "viz", "recipes"]
+          "orchestration", "training", "evals", "viz", "recipes", "testing"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ac2_jax"
 SETUP = ROOT.parent / "setup.py"
@@ -39,8 +52,9 @@ HEAVY = {"fastapi", "uvicorn", "starlette", "matplotlib", "torch", "transformers
 # libtpu (jax._src.cloud_tpu_init; the tpu-aot extra brings it).
 PROBED = {"IPython", "traitlets", "charset_normalizer", "cloudpickle", "brotli", "_brotli",
           "libtpu"}
-# Packages whose __init__ re-exports every public name of their modules (optax style).
-REEXPORTING = ["trace", "segments", "losses", "envs", "evals", "orchestration", "viz"]
+# The public-API contract (module docstring): names a namespace, entries over all of them.
+MAX_NAMES = 25
+MAX_TOTAL = 240
 
 
 @functools.cache
@@ -273,25 +287,42 @@ def test_core_packages_need_only_the_core_requirements():
                          f"that setup.py REQUIRES does not install: {outside}")
 
 
-def _public_names(module) -> list[str]:
-    names = getattr(module, "__all__", None)
-    if names is not None:
-        return list(names)
-    return [n for n, obj in vars(module).items()
-            if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-            and getattr(obj, "__module__", None) == module.__name__]
+def _package_imports(package: str) -> list[tuple[str, str | None, int]]:
+    """(name, alias or None, line) of each `from ac2_jax.<package>... import` at the top
+    level of the package's `__init__`."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    if not init.exists():  # a module, e.g. ac2_jax.seeds
+        init = ROOT.joinpath(*package.split(".")).with_suffix(".py")
+    out = []
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"ac2_jax.{package}"):
+            out += [(a.name, a.asname, node.lineno) for a in node.names]
+    return out
 
 
-@pytest.mark.parametrize("package", REEXPORTING)
-def test_every_public_name_is_reexported_from_its_package(package):
+@pytest.mark.parametrize("package", PUBLIC)
+def test_the_public_api_is_curated(package):
     pkg = importlib.import_module(f"ac2_jax.{package}")
-    exported = set(pkg.__all__)
-    missing = []
-    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-        if info.name.rsplit(".", 1)[-1].startswith("_"):
-            continue
-        module = importlib.import_module(info.name)
-        missing += [f"{info.name}.{n}" for n in _public_names(module) if n not in exported]
-    assert not missing, f"not in ac2_jax.{package}.__all__: {missing}"
-    for name in exported:  # and every listed name resolves
-        assert getattr(pkg, name) is not None
+    names = list(pkg.__all__)
+    assert len(names) <= MAX_NAMES, (
+        f"ac2_jax.{package}.__all__ has {len(names)} names (at most {MAX_NAMES}): keep what a "
+        "user needs; the rest stays importable from its module")
+    foreign = []
+    for name in names:
+        obj = getattr(pkg, name)  # every listed name resolves
+        own = inspect.isclass(obj) or inspect.isfunction(obj)
+        home = obj.__module__ if own else None
+        if home is not None and not home.startswith("ac2_jax."):
+            foreign.append(f"{name} (from {home})")
+    assert not foreign, f"ac2_jax.{package}.__all__ re-exports names it does not own: {foreign}"
+    undeclared = [f"{name} (line {line})" for name, alias, line in _package_imports(package)
+                  if alias is None and name not in names]
+    assert not undeclared, (
+        f"ac2_jax.{package}/__init__.py imports {undeclared} as API but __all__ does not list "
+        "them: add them to __all__, or import them `as` themselves to keep them importable "
+        "without making them API")
+
+
+def test_the_public_api_stays_small():
+    total = sum(len(importlib.import_module(f"ac2_jax.{p}").__all__) for p in PUBLIC)
+    assert total <= MAX_TOTAL, f"{total} names in the packages' __all__ (at most {MAX_TOTAL})"

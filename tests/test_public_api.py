@@ -1,6 +1,8 @@
 """The public API is what each package's `__init__` lists in `__all__`, and
 docs/design.md ("Public API") lists exactly that: a name added to or taken out of
-an `__all__` fails here until the doc says so. Every listed name must exist.
+an `__all__` fails here until the doc says so. Every listed name must exist, and
+every deprecation alias (a package's `DEPRECATED`) still resolves to its new name
+with a DeprecationWarning that names it. The curation rules: tests/test_layering.py.
 
 Rewrite the doc's list after a deliberate change:
     JAX_PLATFORMS=cpu python tests/test_public_api.py
@@ -9,10 +11,14 @@ Rewrite the doc's list after a deliberate change:
 import importlib
 import pathlib
 import re
+import warnings
+
+import pytest
 
 PACKAGES = ("trace", "segments", "losses", "models", "sampling", "envs", "orchestration",
             "training", "training.core", "training.rl", "training.sft", "training.distill",
-            "evals", "serving", "viz", "recipes")
+            "evals", "serving", "viz", "recipes", "seeds",
+            "testing")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 START, END = "<!-- public-api:start -->", "<!-- public-api:end -->"
 
@@ -40,6 +46,27 @@ def test_every_exported_name_exists():
         missing = [n for n in mod.__all__ if not hasattr(mod, n)]
         assert not missing, f"ac2_jax.{p}.__all__ lists {missing}, which it does not define"
         assert len(set(mod.__all__)) == len(mod.__all__), f"ac2_jax.{p}.__all__ repeats a name"
+
+
+def _deprecations() -> list[tuple[str, str, str]]:
+    out = []
+    for p in PACKAGES:
+        for old, new in getattr(importlib.import_module(f"ac2_jax.{p}"), "DEPRECATED", {}).items():
+            out.append((p, old, new))
+    return out
+
+
+@pytest.mark.parametrize(("package", "old", "new"), _deprecations())
+def test_a_deprecated_name_warns_and_gives_its_replacement(package, old, new):
+    mod = importlib.import_module(f"ac2_jax.{package}")
+    home, _, name = new.partition(":")
+    assert old not in mod.__all__, f"ac2_jax.{package}.{old} is deprecated but in __all__"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = getattr(mod, old)
+    assert got is getattr(importlib.import_module(home), name)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert msgs and f"{home}.{name}" in msgs[0] and f"ac2_jax.{package}.{old}" in msgs[0], msgs
 
 
 def test_design_doc_lists_the_public_api():

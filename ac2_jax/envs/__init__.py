@@ -2,102 +2,51 @@
 the contract a recipe checks an env against (`check_env`), and adapters for other
 libraries' environments (`adapters`: `--env=reasoning_gym:<generator>`)."""
 
-from ac2_jax.envs.adapters import (
-    ENV_ADAPTERS,
-    MIX_PRESETS,
-    ReasoningGymEnv,
-    adapter_of,
-    reasoning_gym_env,
-    verifier_audit,
-)
-from ac2_jax.envs.base import (
-    AgentError,
-    Env,
-    Task,
-    Tool,
-    hashed_seed,
-    run_tool,
-    set_tool_threads,
-    tool_executor,
-)
-from ac2_jax.envs.calculator import (
-    CalculatorEnv,
-    ChainCalculatorEnv,
-    StepwiseCalculatorEnv,
-    chain_memo,
-    chain_policy,
-    demonstration,
-    last_integer,
-    parse_chain_state,
-    safe_eval,
-)
-from ac2_jax.envs.contract import EnvError, check_env, load_env, mixed_env, needs_of
-from ac2_jax.envs.guess import GuessEnv, replay_replies
-from ac2_jax.envs.judges import (
-    Judge,
-    JudgedEnv,
-    JudgeError,
-    JudgeExample,
-    JudgeUnavailable,
-    LLMJudge,
-    NoisyJudge,
-    RubricJudge,
-    RuleJudge,
-    hint_keywords,
-    parse_judge_reply,
-    parse_score_reply,
-)
-from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer, difficulty_factor, domain_seed
-from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
+from ac2_jax._deprecation import deprecated_getattr
+from ac2_jax.envs.adapters import ENV_ADAPTERS, ReasoningGymEnv
+from ac2_jax.envs.base import AgentError, Env, Task, Tool, run_tool
+from ac2_jax.envs.calculator import CalculatorEnv as CalculatorEnv
+from ac2_jax.envs.calculator import ChainCalculatorEnv as ChainCalculatorEnv
+from ac2_jax.envs.calculator import StepwiseCalculatorEnv as StepwiseCalculatorEnv
+from ac2_jax.envs.calculator import chain_memo as chain_memo
+from ac2_jax.envs.calculator import chain_policy as chain_policy
+from ac2_jax.envs.calculator import demonstration as demonstration
+from ac2_jax.envs.calculator import parse_chain_state as parse_chain_state
+from ac2_jax.envs.calculator import safe_eval as safe_eval
+from ac2_jax.envs.contract import EnvError, check_env, load_env
+from ac2_jax.envs.guess import GuessEnv as GuessEnv
+from ac2_jax.envs.guess import replay_replies as replay_replies
+from ac2_jax.envs.judges import Judge, JudgedEnv, LLMJudge, RubricJudge, RuleJudge
+from ac2_jax.envs.judges import JudgeUnavailable as JudgeUnavailable
+from ac2_jax.envs.judges import parse_score_reply as parse_score_reply
+from ac2_jax.envs.mixer import AdaptiveMix as AdaptiveMix
+from ac2_jax.envs.mixer import DomainMixer
+from ac2_jax.envs.sandbox import SandboxLimits, run_sandboxed
+
+# Renamed or moved; resolve with a DeprecationWarning for one release.
+DEPRECATED = {
+    "hashed_seed": "ac2_jax.seeds:hashed_seed",
+    "domain_seed": "ac2_jax.seeds:domain_seed",
+}
+__getattr__ = deprecated_getattr(__name__, DEPRECATED)
 
 __all__ = [
-    "ENV_ADAPTERS",
-    "MIX_PRESETS",
-    "AdaptiveMix",
-    "AgentError",
-    "CalculatorEnv",
-    "ChainCalculatorEnv",
-    "DomainMixer",
     "Env",
-    "EnvError",
-    "GuessEnv",
-    "Judge",
-    "JudgeError",
-    "JudgeExample",
-    "JudgeUnavailable",
-    "JudgedEnv",
-    "LLMJudge",
-    "NoisyJudge",
-    "ReasoningGymEnv",
-    "RubricJudge",
-    "RuleJudge",
-    "SandboxLimits",
-    "StepwiseCalculatorEnv",
     "Task",
     "Tool",
-    "adapter_of",
-    "chain_memo",
-    "chain_policy",
+    "AgentError",
+    "EnvError",
     "check_env",
-    "check_sandboxable",
-    "demonstration",
-    "difficulty_factor",
-    "domain_seed",
-    "hashed_seed",
-    "hint_keywords",
-    "last_integer",
     "load_env",
-    "mixed_env",
-    "needs_of",
-    "parse_chain_state",
-    "parse_judge_reply",
-    "parse_score_reply",
-    "reasoning_gym_env",
-    "replay_replies",
-    "run_sandboxed",
     "run_tool",
-    "safe_eval",
-    "set_tool_threads",
-    "tool_executor",
-    "verifier_audit",
+    "SandboxLimits",
+    "run_sandboxed",
+    "DomainMixer",
+    "Judge",
+    "JudgedEnv",
+    "LLMJudge",
+    "RubricJudge",
+    "RuleJudge",
+    "ENV_ADAPTERS",
+    "ReasoningGymEnv",
 ]

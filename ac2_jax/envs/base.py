@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import hashlib
 import inspect
 import json
 import os
@@ -28,15 +27,6 @@ from ac2_jax.envs.sandbox import SandboxLimits, check_sandboxable, run_sandboxed
 _TOOL_THREADS = int(os.environ.get("AC2_TOOL_THREADS", "32"))
 _tool_pool: ThreadPoolExecutor | None = None
 _tool_pool_lock = threading.Lock()
-
-
-def hashed_seed(*parts) -> int:
-    """A seed derived from `parts` (ints, strings): sha256 of their ":"-joined text,
-    first 8 bytes, as a non-negative 63-bit int. Stable across runs and machines;
-    a tag among the parts ("refill", "domain-seed") keeps one use's seeds apart
-    from another's."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def set_tool_threads(n: int) -> None:

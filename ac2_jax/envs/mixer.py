@@ -29,13 +29,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
+from ac2_jax.seeds import domain_seed
 from ac2_jax.trace.types import RESULT_STATUSES, Trace
-
-
-def domain_seed(seed: int, domain: str) -> int:
-    """A domain's seed: a fixed hash of (mixer seed, domain), stable across runs."""
-    return hashed_seed("domain-seed", seed, domain)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from ac2_jax.evals.summary import (
     summarize,
 )
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
+from ac2_jax.seeds import eval_attempt_seed
 from ac2_jax.trace.types import Trace
 
 
@@ -101,11 +102,6 @@ class EvalResult:
         return d
 
 
-def attempt_seed(seed: int, task_index: int, attempt: int, k: int) -> int:
-    """The sampling seed of attempt `attempt` of the `task_index`-th task."""
-    return seed * 1_000_003 + task_index * k + attempt
-
-
 async def evaluate(
     lifecycle: LifecycleClient,
     env: Env,
@@ -127,10 +123,10 @@ async def evaluate(
 ) -> EvalResult:
     """Runs every task `k` times through the endpoint.
 
-    Attempt a of task i samples with seed `attempt_seed(seed, i, a, k)` (set in
+    Attempt a of task i samples with seed `ac2_jax.seeds.eval_attempt_seed(seed, i, a, k)` (set in
     the orchestrator's `sampling`, overriding the factory's; seed=None leaves
     the factory's; the orchestrator gives each request of the attempt its own
-    seed derived from it, `orchestration.request_seed`) and group id
+    seed derived from it, `ac2_jax.seeds.request_seed`) and group id
     "{name}:{task_id}:{a}", so two runs with the same tasks and seed pair
     attempt by attempt. An attempt that ends infra_error is run again up to
     `infra_retries` times; if it still fails,
@@ -171,7 +167,7 @@ async def evaluate(
         return make
 
     async def one(i: int, task: Task, a: int):
-        s = None if seed is None else attempt_seed(seed, i, a, k)
+        s = None if seed is None else eval_attempt_seed(seed, i, a, k)
         async with sem:
             for retry in range(infra_retries + 1):  # noqa: B007 - read after the loop
                 trace, _ = await run_rollout(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ac2_jax.envs.base import hashed_seed
+from ac2_jax.seeds import hashed_seed
 
 
 def episode_seeds(owner: str, kind: str, name: str, split: str, seed: int, n: int) -> list[int]:

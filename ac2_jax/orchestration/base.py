@@ -19,29 +19,10 @@ import dataclasses
 import time
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
+from ac2_jax.seeds import request_seed
 
 AGENT_HEADER = "X-Agent"
-
-
-def request_seed(seed: int, scope: str, index: int) -> int:
-    """The sampling seed of request `index` (0, 1, ...) of an attempt seeded `seed`.
-
-    Samplers draw output token i of a seeded request from the seed and i alone
-    (JaxSampler: fold_in(key(seed), i); SGLang's sampling_seed likewise), so
-    requests sent with one seed share their noise position by position and an
-    attempt's requests would come out right or wrong together. Each request of
-    an attempt therefore gets its own seed: the first request of the top-level
-    agent keeps the attempt's seed (a one-request attempt samples as before);
-    every other is a hash of (seed, scope, index). `scope` names the
-    orchestrator within the attempt ("" for the top level, "spawn0/spawn1"...
-    for subagents), so subagents never reuse their parent's seeds whatever the
-    order their requests interleave in. Returns an int in [0, 2**63), or
-    `seed` itself for (scope "", index 0).
-    """
-    if not scope and index == 0:
-        return seed
-    return hashed_seed(seed, scope, index)
 
 
 @dataclasses.dataclass

@@ -19,19 +19,15 @@ from typing import Any
 
 from ac2_jax.recipes.common import MODELS, Progress, load_model
 from ac2_jax.recipes.config import (
-    DemosConfig,
-    DistillLoopConfig,
     DistillRecipeConfig,
-    EvalConfig,
-    LogConfig,
     MeshConfig,
-    MixConfig,
     PathsConfig,
     RLRecipeConfig,
     RolloutConfig,
     SamplerConfig,
     SFTRecipeConfig,
 )
+from ac2_jax.recipes.config import EvalConfig as EvalConfig
 from ac2_jax.recipes.distill import adistill, distill
 from ac2_jax.recipes.evaluate import EvalRecipeConfig, aeval_model, eval_model
 from ac2_jax.recipes.rl import arl, rl
@@ -49,26 +45,21 @@ RECIPES.register("eval")((EvalRecipeConfig, eval_model))  # no training: held-ou
 __all__ = [
     "MODELS",
     "RECIPES",
-    "DemosConfig",
-    "DistillLoopConfig",
-    "DistillRecipeConfig",
-    "EvalConfig",
-    "EvalRecipeConfig",
-    "LogConfig",
-    "MeshConfig",
-    "MixConfig",
-    "PathsConfig",
-    "Progress",
     "RLRecipeConfig",
-    "RolloutConfig",
     "SFTRecipeConfig",
+    "DistillRecipeConfig",
+    "EvalRecipeConfig",
     "SamplerConfig",
-    "adistill",
-    "aeval_model",
-    "arl",
-    "distill",
-    "eval_model",
+    "RolloutConfig",
+    "PathsConfig",
+    "MeshConfig",
+    "Progress",
     "load_model",
+    "arl",
     "rl",
     "sft",
+    "adistill",
+    "distill",
+    "aeval_model",
+    "eval_model",
 ]

@@ -135,8 +135,7 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
     """`distill` inside a running event loop."""
     import ac2_jax.serving  # noqa: F401 - the endpoint's extras, checked before any work
     from ac2_jax.trace import TraceStore
-    from ac2_jax.training import SelfDistiller, create_train_state
-    from ac2_jax.training.distill.sources import publish_policy
+    from ac2_jax.training import SelfDistiller, create_train_state, publish
     from ac2_jax.training.distill.traces import examples_from_traces
     from ac2_jax.training.rl.trainer import EndpointCollector
 
@@ -190,8 +189,14 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
             # directly (the folder is still written); "disk" reloads the publish.
             in_memory = hands_off_in_memory(cfg.sampler, sampler)
             if start:
-                publish_policy(
-                    sampler, graphdef, dist.state, paths.publish, start, in_memory=in_memory
+                publish(
+                    graphdef,
+                    dist.state,
+                    paths.publish,
+                    start,
+                    keep=2,
+                    sampler=sampler,
+                    in_memory=in_memory,
                 )
             before = await eval_before(cfg, env, lifecycle, progress, start)
             sampling = {
@@ -233,8 +238,14 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
                 logger.log(step + 1, counts, prefix="data")
                 m = {**m, **{k: float(v) for k, v in counts.items()}}
                 history.append(m)
-                publish_policy(
-                    sampler, graphdef, dist.state, paths.publish, step + 1, in_memory=in_memory
+                publish(
+                    graphdef,
+                    dist.state,
+                    paths.publish,
+                    step + 1,
+                    keep=2,
+                    sampler=sampler,
+                    in_memory=in_memory,
                 )
                 note = "(no update: no example kept)" if m.get("skipped") else ""
                 shown: dict[str, Any] = {

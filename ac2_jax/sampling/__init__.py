@@ -2,29 +2,27 @@
 
 from ac2_jax.sampling.base import (
     ContextLengthError,
-    OnTokens,
     Sampler,
     SamplerError,
     SampleResult,
     SamplerUnavailable,
     SamplingParams,
-    check_prompt,
-    truncate_at_stop,
 )
-from ac2_jax.sampling.batching import occupancy_metrics
-from ac2_jax.sampling.constraints import (
-    ConstraintError,
-    GrammarMatcher,
-    any_json_grammar,
-    check_grammar,
-    end_token_id,
-    json_schema_grammar,
-    ll_tokenizer,
-    replay_masks,
-    tool_call_grammar,
-)
-from ac2_jax.sampling.fleet import BackendState, FleetSampler, route_key
-from ac2_jax.sampling.jax_sampler import JaxSampler, SamplerStats
+from ac2_jax.sampling.base import check_prompt as check_prompt
+from ac2_jax.sampling.base import truncate_at_stop as truncate_at_stop
+from ac2_jax.sampling.batching import occupancy_metrics as occupancy_metrics
+from ac2_jax.sampling.constraints import ConstraintError as ConstraintError
+from ac2_jax.sampling.constraints import GrammarMatcher as GrammarMatcher
+from ac2_jax.sampling.constraints import any_json_grammar as any_json_grammar
+from ac2_jax.sampling.constraints import check_grammar as check_grammar
+from ac2_jax.sampling.constraints import end_token_id as end_token_id
+from ac2_jax.sampling.constraints import json_schema_grammar as json_schema_grammar
+from ac2_jax.sampling.constraints import ll_tokenizer as ll_tokenizer
+from ac2_jax.sampling.constraints import replay_masks as replay_masks
+from ac2_jax.sampling.constraints import tool_call_grammar as tool_call_grammar
+from ac2_jax.sampling.fleet import FleetSampler
+from ac2_jax.sampling.fleet import route_key as route_key
+from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.sampling.registry import (
     SAMPLERS,
     SamplerConfig,
@@ -32,39 +30,21 @@ from ac2_jax.sampling.registry import (
     SamplerSetup,
     build_sampler,
 )
-from ac2_jax.sampling.sglang import SGLangError, SGLangSampler, SGLangUnavailable
+from ac2_jax.sampling.sglang import SGLangSampler
 
 __all__ = [
+    "Sampler",
+    "SampleResult",
+    "SamplingParams",
+    "SamplerError",
+    "SamplerUnavailable",
+    "ContextLengthError",
     "SAMPLERS",
     "SamplerConfig",
     "SamplerKind",
     "SamplerSetup",
     "build_sampler",
-    "BackendState",
-    "FleetSampler",
     "JaxSampler",
-    "SamplerStats",
-    "SGLangError",
     "SGLangSampler",
-    "SGLangUnavailable",
-    "ContextLengthError",
-    "OnTokens",
-    "SampleResult",
-    "Sampler",
-    "SamplerError",
-    "SamplerUnavailable",
-    "SamplingParams",
-    "check_prompt",
-    "ConstraintError",
-    "GrammarMatcher",
-    "any_json_grammar",
-    "check_grammar",
-    "end_token_id",
-    "json_schema_grammar",
-    "ll_tokenizer",
-    "replay_masks",
-    "tool_call_grammar",
-    "occupancy_metrics",
-    "route_key",
-    "truncate_at_stop",
+    "FleetSampler",
 ]

@@ -1,56 +1,29 @@
 """Segments: traces cut into training sequences and packed into batches."""
 
-from ac2_jax.segments.batch import (
-    PackedBatch,
-    empty_batch,
-    feature_dtypes,
-    packed_lengths,
-    pad_batch_rows,
-    pad_rows,
-    pow2_bucket,
-    routing_shape,
-    task_names,
-)
-from ac2_jax.segments.constraints import merge_constraint_tables, resolve_constraints
-from ac2_jax.segments.mask_bits import MaskTable, mask_words, pack_mask_bits, unpack_mask_bits
-from ac2_jax.segments.packing import first_fit_decreasing, pack_rows, pack_segments, write_segment
-from ac2_jax.segments.segments import (
-    CONSTRAINT_ID,
-    POLICY_VERSION,
-    SAMPLER_LOGPROBS,
-    FitCounts,
-    Segment,
-    fit_segments,
-    segments_from_trace,
-)
+from ac2_jax.segments.batch import PackedBatch, task_names
+from ac2_jax.segments.batch import pad_batch_rows as pad_batch_rows
+from ac2_jax.segments.batch import pow2_bucket as pow2_bucket
+from ac2_jax.segments.batch import routing_shape as routing_shape
+from ac2_jax.segments.constraints import merge_constraint_tables as merge_constraint_tables
+from ac2_jax.segments.constraints import resolve_constraints as resolve_constraints
+from ac2_jax.segments.mask_bits import MaskTable as MaskTable
+from ac2_jax.segments.mask_bits import mask_words as mask_words
+from ac2_jax.segments.mask_bits import pack_mask_bits as pack_mask_bits
+from ac2_jax.segments.mask_bits import unpack_mask_bits as unpack_mask_bits
+from ac2_jax.segments.packing import pack_segments
+from ac2_jax.segments.segments import CONSTRAINT_ID as CONSTRAINT_ID
+from ac2_jax.segments.segments import POLICY_VERSION as POLICY_VERSION
+from ac2_jax.segments.segments import SAMPLER_LOGPROBS as SAMPLER_LOGPROBS
+from ac2_jax.segments.segments import FitCounts, Segment, fit_segments, segments_from_trace
 from ac2_jax.segments.tree import pack_segment_tree
 
 __all__ = [
-    "CONSTRAINT_ID",
-    "POLICY_VERSION",
-    "SAMPLER_LOGPROBS",
-    "FitCounts",
-    "MaskTable",
-    "PackedBatch",
     "Segment",
-    "empty_batch",
-    "feature_dtypes",
-    "first_fit_decreasing",
-    "fit_segments",
-    "mask_words",
-    "merge_constraint_tables",
-    "pack_mask_bits",
-    "pack_rows",
-    "pack_segment_tree",
-    "pack_segments",
-    "packed_lengths",
-    "pad_batch_rows",
-    "pad_rows",
-    "pow2_bucket",
-    "resolve_constraints",
-    "routing_shape",
+    "PackedBatch",
+    "FitCounts",
     "segments_from_trace",
+    "fit_segments",
+    "pack_segments",
+    "pack_segment_tree",
     "task_names",
-    "unpack_mask_bits",
-    "write_segment",
 ]

@@ -23,7 +23,6 @@ from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.errors import APIError  # noqa: E402
 from ac2_jax.serving.rollouts import Rollout, RolloutRegistry  # noqa: E402
 from ac2_jax.serving.server import load_policy, serve_in_thread  # noqa: E402
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids  # noqa: E402
 
 __all__ = [
     "REQUEST_APIS",
@@ -31,9 +30,7 @@ __all__ = [
     "APIError",
     "Rollout",
     "RolloutRegistry",
-    "TurnMemory",
     "build_app",
-    "build_prompt_ids",
     "load_policy",
     "serve_in_thread",
 ]

@@ -14,39 +14,33 @@ resume exactly from Orbax checkpoints and log the same way.
 # The entry points of the three drivers and what they share; everything else is
 # imported from its subpackage (`ac2_jax.training.core`, `.rl`, `.sft`, `.distill`),
 # whose own `__all__` is the full surface.
+from ac2_jax.training.core import OBJECTIVES as OBJECTIVES
+from ac2_jax.training.core import Checkpointer as Checkpointer
 from ac2_jax.training.core import (
-    OBJECTIVES,
-    Checkpointer,
     OptimizerConfig,
     PolicyGradientLoss,
-    SFTLoss,
     Trainer,
-    TrainerHooks,
-    TrainState,
     create_train_state,
     make_mesh,
     make_train_step,
     publish,
 )
+from ac2_jax.training.core import SFTLoss as SFTLoss
+from ac2_jax.training.core import TrainerHooks as TrainerHooks
 from ac2_jax.training.distill import DistillConfig, SelfDistiller
 from ac2_jax.training.rl import BatchConfig, RLConfig, RLTrainer
 from ac2_jax.training.sft import SFTConfig, run_sft
 
 __all__ = [
-    "OBJECTIVES",
     "BatchConfig",
-    "Checkpointer",
     "DistillConfig",
     "OptimizerConfig",
     "PolicyGradientLoss",
     "RLConfig",
     "RLTrainer",
     "SFTConfig",
-    "SFTLoss",
     "SelfDistiller",
-    "TrainState",
     "Trainer",
-    "TrainerHooks",
     "create_train_state",
     "make_mesh",
     "make_train_step",

@@ -6,23 +6,12 @@ use, so `import ac2_jax.viz` for trace pages does not import matplotlib.
 
 import importlib
 
-from ac2_jax.viz.trace_html import (
-    BASE_CSS,
-    HEATMAP_CSS,
-    compaction_html,
-    episode_html,
-    esc,
-    kv_table,
-    message_html,
-    page,
-    place_compactions,
-    token_texts,
-    tool_call_html,
-    trace_html,
-    trace_section,
-    turns_html,
-    write_trace_html,
-)
+from ac2_jax.viz.trace_html import HEATMAP_CSS as HEATMAP_CSS
+from ac2_jax.viz.trace_html import esc as esc
+from ac2_jax.viz.trace_html import kv_table as kv_table
+from ac2_jax.viz.trace_html import message_html as message_html
+from ac2_jax.viz.trace_html import page as page
+from ac2_jax.viz.trace_html import trace_html, write_trace_html
 
 _LAZY = {
     "curves_figure": "ac2_jax.viz.curves",
@@ -43,25 +32,11 @@ def __getattr__(name):
 
 
 __all__ = [
-    "BASE_CSS",
-    "HEATMAP_CSS",
-    "compaction_html",
-    "curves_figure",
-    "distill_report_html",
-    "episode_html",
-    "esc",
-    "heatmap_html",
-    "kv_table",
-    "load_metrics",
-    "message_html",
-    "page",
-    "place_compactions",
-    "plot_curves",
-    "token_texts",
-    "tool_call_html",
     "trace_html",
-    "trace_section",
-    "turns_html",
-    "write_distill_report",
     "write_trace_html",
+    "plot_curves",
+    "curves_figure",
+    "load_metrics",
+    "distill_report_html",
+    "write_distill_report",
 ]

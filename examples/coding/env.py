@@ -14,7 +14,8 @@ from __future__ import annotations
 import random
 import re
 
-from ac2_jax.envs import Env, SandboxLimits, Task, Tool, hashed_seed, run_sandboxed
+from ac2_jax.envs import Env, SandboxLimits, Task, Tool, run_sandboxed
+from ac2_jax.seeds import hashed_seed
 from examples._sync import run_sync
 from examples.coding.checks import check, run_python
 

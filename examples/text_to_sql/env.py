@@ -24,7 +24,8 @@ import time
 import urllib.parse
 import weakref
 
-from ac2_jax.envs import Env, Task, Tool, hashed_seed, run_tool
+from ac2_jax.envs import Env, Task, Tool, run_tool
+from ac2_jax.seeds import hashed_seed
 from examples._sync import run_sync
 
 DEPTS = ("Sales", "Research", "Engineering", "Marketing", "Support", "Finance")

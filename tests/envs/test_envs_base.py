@@ -66,7 +66,7 @@ def test_hung_sync_tools_do_not_block_the_default_executor():
 def test_hashed_seed_is_the_sha256_of_the_joined_parts():
     import hashlib
 
-    from ac2_jax.envs import hashed_seed
+    from ac2_jax.seeds import hashed_seed
     want = int.from_bytes(hashlib.sha256(b"refill:7:3:2").digest()[:8], "big") >> 1
     assert hashed_seed("refill", 7, 3, 2) == want  # the refill / domain / request seeds' rule
     seeds = {hashed_seed(tag, s, i) for tag in ("a", "b") for s in range(5) for i in range(5)}

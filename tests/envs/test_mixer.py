@@ -3,7 +3,7 @@
 import pytest
 
 from ac2_jax.envs import AdaptiveMix, CalculatorEnv, DomainMixer, StepwiseCalculatorEnv, Task
-from ac2_jax.envs.mixer import domain_seed
+from ac2_jax.seeds import domain_seed
 from ac2_jax.trace import Trace
 
 
@@ -48,7 +48,7 @@ def test_domain_seed_is_stable_across_processes():
     import subprocess
     import sys
 
-    code = "from ac2_jax.envs.mixer import domain_seed; print(domain_seed(7, 'calc'))"
+    code = "from ac2_jax.seeds import domain_seed; print(domain_seed(7, 'calc'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**__import__("os").environ, "PYTHONHASHSEED": s}).stdout
             for s in ("1", "2")}

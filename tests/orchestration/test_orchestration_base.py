@@ -17,7 +17,8 @@ import openai
 from serving_helpers import served_random_model
 
 from ac2_jax.envs import Env, Task
-from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient, request_seed
+from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
+from ac2_jax.seeds import request_seed
 
 
 class SayEnv(Env):

@@ -29,9 +29,10 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ac2_jax.envs.base import Env, Task, hashed_seed
+from ac2_jax.envs.base import Env, Task
 from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.extras import require
+from ac2_jax.seeds import hashed_seed
 
 __all__ = ["MIX_PRESETS", "ReasoningGymEnv", "reasoning_gym_env", "verifier_audit"]
 

@@ -2,8 +2,9 @@
 sharding, checkpoints, metrics."""
 
 from ac2_jax.training.core.checkpoints import Checkpointer, publish
-from ac2_jax.training.core.distributed import global_batch, process_share
-from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
+from ac2_jax.training.core.distributed import process_share as process_share
+from ac2_jax.training.core.metrics_log import MetricsLogger as MetricsLogger
+from ac2_jax.training.core.metrics_log import read_metrics as read_metrics
 from ac2_jax.training.core.objectives import (
     OBJECTIVES,
     LossFn,
@@ -11,64 +12,32 @@ from ac2_jax.training.core.objectives import (
     PolicyGradientLoss,
     SFTLoss,
     StepModel,
-    apply_loss,
-    behaviour_logprobs,
-    constraint_args,
-    lm_head_of,
-    model_logprobs,
 )
-from ac2_jax.training.core.sharding import (
-    AXES,
-    make_mesh,
-    replicate,
-    shard_batch,
-    shard_state,
-    state_shardings,
-    unreplicate,
-)
-from ac2_jax.training.core.state import (
-    OptimizerConfig,
-    TrainState,
-    abstract_train_state,
-    create_train_state,
-    num_params,
-)
-from ac2_jax.training.core.train_step import StepCache, TrainStep, make_train_step
+from ac2_jax.training.core.objectives import behaviour_logprobs as behaviour_logprobs
+from ac2_jax.training.core.objectives import model_logprobs as model_logprobs
+from ac2_jax.training.core.sharding import make_mesh
+from ac2_jax.training.core.sharding import state_shardings as state_shardings
+from ac2_jax.training.core.state import OptimizerConfig, TrainState, create_train_state
+from ac2_jax.training.core.state import abstract_train_state as abstract_train_state
+from ac2_jax.training.core.state import num_params as num_params
+from ac2_jax.training.core.train_step import StepCache as StepCache
+from ac2_jax.training.core.train_step import make_train_step
 from ac2_jax.training.core.trainer import Trainer, TrainerHooks
 
 __all__ = [
-    "AXES",
-    "Checkpointer",
-    "LossFn",
-    "MetricsLogger",
-    "OBJECTIVES",
-    "Objective",
-    "OptimizerConfig",
-    "PolicyGradientLoss",
-    "SFTLoss",
-    "StepCache",
-    "StepModel",
-    "TrainState",
-    "TrainStep",
     "Trainer",
     "TrainerHooks",
-    "abstract_train_state",
-    "apply_loss",
-    "behaviour_logprobs",
-    "constraint_args",
+    "TrainState",
+    "OptimizerConfig",
     "create_train_state",
-    "global_batch",
-    "lm_head_of",
-    "make_mesh",
     "make_train_step",
-    "model_logprobs",
-    "num_params",
-    "process_share",
+    "OBJECTIVES",
+    "Objective",
+    "LossFn",
+    "StepModel",
+    "PolicyGradientLoss",
+    "SFTLoss",
+    "Checkpointer",
     "publish",
-    "read_metrics",
-    "replicate",
-    "shard_batch",
-    "shard_state",
-    "state_shardings",
-    "unreplicate",
+    "make_mesh",
 ]

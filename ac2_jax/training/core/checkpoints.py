@@ -12,6 +12,7 @@ followed by `TrainStep.place`).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -164,15 +165,42 @@ class Checkpointer:
 
 
 def publish(
-    graphdef, state, publish_dir: str | os.PathLike, step: int | None = None, keep: int = 3
+    graphdef,
+    state,
+    publish_dir: str | os.PathLike,
+    step: int | None = None,
+    keep: int = 3,
+    *,
+    sampler: Any = None,
+    in_memory: bool = False,
 ) -> str:
     """Writes the state's weights as the sampler's next policy; returns the path.
+    The library's one publish verb.
 
     Uses `ac2_jax.models.params_io.publish_weights` (an Orbax
     CheckpointManager directory of params: readers only see finalized steps,
     newest `keep` kept). step defaults to state.step.
+
+    sampler: also hands the weights to this sampler (one built on `publish_dir`),
+    whose `policy_version` is then `step`: it reloads the publish
+    (`load_weights`), or with `in_memory` takes the learner's params directly
+    (`JaxSampler.set_params`, the same weights: `SamplerConfig.hand_off="memory"`);
+    the folder is written either way (resume, other readers).
     """
     from ac2_jax.models import params_io
 
+    if in_memory and sampler is None:
+        raise ValueError("publish: in_memory=True hands the weights to a sampler; pass sampler=")
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    return params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step, keep=keep)
+    path = params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step, keep=keep)
+    if sampler is not None and in_memory:
+        set_params = getattr(sampler, "set_params", None)
+        if not callable(set_params):
+            raise TypeError(
+                f"publish: in_memory needs a sampler that takes params (JaxSampler.set_params); "
+                f"{type(sampler).__name__} has none: leave in_memory False to reload the publish"
+            )
+        set_params(params_io.published_params(state.model(graphdef)), step)
+    elif sampler is not None:
+        sampler.load_weights(step)
+    return path

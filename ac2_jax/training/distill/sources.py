@@ -7,8 +7,8 @@ log-prob is that of the distribution the token was sampled from,
 (temperature 0) the raw `log_softmax(logits)`, as for every Completion; the
 examples carry those parameters (`DistillExample.temperature` / `top_k` /
 `top_p`). The driver keeps the sampler on the current policy with
-`publish_policy` (publish the train state, then `sampler.load_weights`, or
-`set_params` in memory).
+`ac2_jax.training.publish(..., sampler=)` (publish the train state, then
+`sampler.load_weights`, or `set_params` in memory).
 
 (b) `resample_examples`: sample one response per prompt from the current
 policy (source="student": on-policy OPSD/RMSD data; source="teacher": the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,17 +42,17 @@ def publish_policy(
     sampler: Sampler, graphdef, state, publish_dir: str | os.PathLike, step: int, keep: int = 2,
     *, in_memory: bool = False,
 ) -> int:  # fmt: skip
-    """Publishes the state's weights as `step` and gives them to `sampler` (built with
-    this publish_dir); returns the sampler's policy_version. in_memory: the sampler
-    takes the learner's params directly (`JaxSampler.set_params`, the same weights as
-    the reload: `SamplerConfig.hand_off="memory"`) instead of reloading the publish
-    (`load_weights`); the folder is written either way (resume, other readers)."""
-    publish(graphdef, state, publish_dir, step, keep=keep)
-    if in_memory:
-        from ac2_jax.models.params_io import published_params
-
-        return sampler.set_params(published_params(state.model(graphdef)), int(step))
-    return sampler.load_weights(int(step))
+    """Deprecated (goes in the next release): `ac2_jax.training.publish(graphdef, state,
+    publish_dir, step, keep, sampler=sampler, in_memory=in_memory)`, the one publish
+    verb. Returns the sampler's policy_version."""
+    warnings.warn(
+        "ac2_jax.training.distill.publish_policy is deprecated and goes in the next release: "
+        "use ac2_jax.training.publish(graphdef, state, publish_dir, step, sampler=sampler)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    publish(graphdef, state, publish_dir, step, keep=keep, sampler=sampler, in_memory=in_memory)
+    return int(sampler.policy_version)
 
 
 def _sync(coro, who: str):

@@ -14,8 +14,9 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from ac2_jax.envs.base import Env, hashed_seed
+from ac2_jax.envs.base import Env
 from ac2_jax.orchestration.rollouts import LifecycleClient, OrchestratorFactory, run_rollout
+from ac2_jax.seeds import refill_seed, rl_attempt_seed
 from ac2_jax.trace.store import TraceStore
 from ac2_jax.trace.types import Trace
 
@@ -25,17 +26,6 @@ class Collector(Protocol):
     `refill(rl_step, round, n) -> (traces, repeated)`: n more tasks' attempts."""
 
     async def collect(self, rl_step: int) -> list[Trace]: ...
-
-
-def attempt_sampling_seed(seed: int, rl_step: int, task_id: str, attempt: int) -> int:
-    """The sampling seed of one RL attempt: a fixed hash, stable across runs and
-    resumes, different for every (step, task, attempt)."""
-    return hashed_seed("rl-attempt", seed, rl_step, task_id, attempt)
-
-
-def refill_seed(seed: int, rl_step: int, round: int) -> int:
-    """The task seed of refill `round` (>= 1) of `rl_step`: a fixed hash, stable across runs."""
-    return hashed_seed("refill", seed, rl_step, round)
 
 
 class EndpointCollector:
@@ -59,7 +49,7 @@ class EndpointCollector:
     the step metrics, trained only per BatchConfig.timed_out_reward) and is not
     retried. Lifecycle calls are retried by `lifecycle` itself (its `retries`).
 
-    Every attempt samples with its own seed, `attempt_sampling_seed(seed,
+    Every attempt samples with its own seed, `ac2_jax.seeds.rl_attempt_seed(seed,
     rl_step, task_id, attempt)`, put in its orchestrator's `sampling` dict
     (each request of the attempt then gets its own, `request_seed`; an infra
     retry reuses it). Unseeded, the sampler would draw a request's seed in the
@@ -214,7 +204,7 @@ class EndpointCollector:
     async def _run(self, task, attempt: int, rl_step: int) -> Trace:
         """One run of an attempt; an exception out of it is an infra_error trace."""
         env = self.env.env_for(task) if hasattr(self.env, "env_for") else self.env
-        seed = attempt_sampling_seed(self.seed, rl_step, task.task_id, attempt)
+        seed = rl_attempt_seed(self.seed, rl_step, task.task_id, attempt)
 
         def make(env_, task_, client, model_name):
             orch = self.make(env_, task_, client, model_name)

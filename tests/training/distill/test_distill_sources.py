@@ -1,7 +1,7 @@
 """distill.sources: on-policy sampling goes through the Sampler protocol (a real
 JaxSampler), which records log-probs of the distribution it sampled from
 (sampling_logits: temperature, then top-k, then top-p; greedy the raw log_softmax);
-examples say with which parameters; `publish_policy` keeps the sampler on the
+examples say with which parameters; `ac2_jax.training.publish(..., sampler=)` keeps the sampler on the
 learner's current weights (Orbax publish + load_weights).
 
 Tolerance: recorded log-probs against a full learner forward, 1e-4 absolute (fp32,
@@ -22,14 +22,13 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import published_checksum
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.training import OptimizerConfig, create_train_state
+from ac2_jax.training import OptimizerConfig, create_train_state, publish
 from ac2_jax.training.distill import sources
 from ac2_jax.training.distill.sources import (
     HintTask,
     PromptCache,
     SampleConfig,
     aresample_examples,
-    publish_policy,
     resample_examples,
     rollout_and_grade,
     sample,
@@ -130,17 +129,23 @@ def test_one_decode_loop_async_and_sync_forms(setup):
     np.testing.assert_allclose(a.response_logprobs, b.response_logprobs, atol=1e-6)
 
 
-def test_publish_policy_keeps_the_sampler_on_the_learners_weights(setup):
+def test_publish_keeps_the_sampler_on_the_learners_weights(setup):
     tok, g, st, s, publish_dir = setup
     prompt = tok.apply_chat_template(list(MSGS), tokenize=True)
     greedy = SampleConfig(max_new_tokens=8, temperature=0.0)
     new = st.replace(params=jax.tree.map(lambda x: 3.0 * x, st.params))  # another policy
     # Reloaded from the folder (steps 1, 2), then handed over in memory (3, 4:
-    # SamplerConfig.hand_off="memory"), which still publishes the same weights.
+    # SamplerConfig.hand_off="memory"), which still publishes the same weights. Step 1
+    # goes through the deprecated `publish_policy`, which warns and does the same.
     for step, state in ((1, new), (2, st), (3, new), (4, st)):
         in_memory = step > 2
-        got = publish_policy(s, g, state, publish_dir, step, in_memory=in_memory)
-        assert got == step == s.policy_version
+        if step == 1:
+            with pytest.warns(DeprecationWarning, match=r"ac2_jax\.training\.publish"):
+                got = sources.publish_policy(s, g, state, publish_dir, step, keep=2)
+            assert got == step
+        else:
+            publish(g, state, publish_dir, step, keep=2, sampler=s, in_memory=in_memory)
+        assert step == s.policy_version
         assert s.served_weights()["checksum"] == published_checksum(publish_dir, step)
         (res,) = sample(s, [prompt], greedy, stop_token_ids=tok.stop_token_ids)
         assert res.policy_version == step

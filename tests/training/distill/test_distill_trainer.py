@@ -17,7 +17,7 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.trace.types import Completion, Episode, Trace
-from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, run_sft
+from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, publish, run_sft
 from ac2_jax.training.core import read_metrics
 from ac2_jax.training.core.train_step import make_train_step
 from ac2_jax.training.distill.data import (
@@ -32,7 +32,6 @@ from ac2_jax.training.distill.sources import (
     HintTask,
     PromptCache,
     SampleConfig,
-    publish_policy,
     resample_examples,
     rollout_and_grade,
     sample,
@@ -285,7 +284,7 @@ def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn, tm
         d = SelfDistiller(g, fresh, DistillConfig(rows=2), OPT, step_fn=step_fn)
         grader = lambda t, text: None if text.startswith("blue") else HINT  # noqa: E731
         for i in range(8):
-            publish_policy(sampler, g, d.state, pub, i + 1)  # sample from the current policy
+            publish(g, d.state, pub, i + 1, keep=2, sampler=sampler)  # sample from the current policy
             exs, graded = rollout_and_grade(sampler, [task], grader, prompts, greedy, seed=i)
             if not exs:
                 break
@@ -293,7 +292,7 @@ def test_opsd_steps_raise_hinted_token_probability(tok, model_state, step_fn, tm
             d.update(exs)
         assert p_blue(d.state, student) > 0.5
         # resampling from the teacher context gives the hinted answer (the SFT baseline's data)
-        publish_policy(sampler, g, base, pub, 100)
+        publish(g, base, pub, 100, keep=2, sampler=sampler)
         (ex,) = resample_examples(sampler, [task], prompts, greedy, source="teacher")
     assert tok.decode(ex.response).startswith("blue")
 

@@ -943,9 +943,9 @@ def test_a_failing_compile_ahead_is_logged_and_the_step_still_trains(tmp_path, m
 def test_each_rl_attempt_samples_with_its_own_fixed_seed(served):
     """Unseeded RL requests took the sampler's next seed in arrival order (timing), so
     no two runs sampled alike (issue 32 finding 7). Each attempt now carries
-    attempt_sampling_seed(seed, step, task, attempt); two collections of a step sample
+    rl_attempt_seed(seed, step, task, attempt); two collections of a step sample
     the same tokens whatever order their requests arrive in."""
-    from ac2_jax.training.rl import attempt_sampling_seed
+    from ac2_jax.seeds import rl_attempt_seed
     seen: dict = {}
 
     def recording(env, task, client, model):
@@ -966,7 +966,7 @@ def test_each_rl_attempt_samples_with_its_own_fixed_seed(served):
     tmp = served["tmp"]
     first = asyncio.run(collect(str(tmp / "seeded_a.jsonl"), 8))
     seeds = sorted(o.sampling["seed"] for o in seen.values())
-    want = sorted(attempt_sampling_seed(3, 0, t.task_id, int(t.attempt_id)) for t in first)
+    want = sorted(rl_attempt_seed(3, 0, t.task_id, int(t.attempt_id)) for t in first)
     assert seeds == want and len(set(seeds)) == 8
     again = asyncio.run(collect(str(tmp / "seeded_b.jsonl"), 1))  # one at a time: other batches
     tokens = [[e.token_ids for e in t.episodes] for t in first]
