@@ -201,6 +201,32 @@ def _race_env(spec: dict):
     return RaceEnv()
 
 
+class _CompileClock:
+    """JAX compile events (trace, lower, backend compile) with their wall-clock end."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.events: list[tuple[float, float]] = []
+
+    def __call__(self, event: str, duration: float, **_) -> None:
+        if event in self.EVENTS:
+            self.events.append((time.time(), duration))
+
+    def between(self, start: float, end: float) -> float:
+        return sum(d for t, d in self.events if start < t <= end)
+
+
+def _compile_clock() -> _CompileClock:
+    import jax.monitoring
+
+    clock = _CompileClock()
+    jax.monitoring.register_event_duration_secs_listener(clock)
+    return clock
+
+
 def run_ac2(spec: dict) -> dict:
     """This library's loop: `recipes.arl` (endpoint + JaxSampler + RLTrainer) on the race env."""
     from ac2_jax import recipes
@@ -227,6 +253,7 @@ def run_ac2(spec: dict) -> dict:
                     "hand_off": spec.get("hand_off", "memory")},
         "log": {"progress": False, "report_files": False, "tensorboard": False},
     })
+    compiles = _compile_clock()
     t0 = time.perf_counter()
     asyncio.run(recipes.arl(spec["checkpoint"], _race_env(spec), cfg))
     total = time.perf_counter() - t0
@@ -249,7 +276,10 @@ def run_ac2(spec: dict) -> dict:
                 "prefill_tokens": g("sampler/prefill_tokens"),
                 "cached_tokens": g("sampler/cached_tokens"),
                 "decode_s": g("sampler/decode_s"), "prefill_s": g("sampler/prefill_s"),
-                "trained_tokens": trained, "between_steps_s": between})
+                "trained_tokens": trained, "between_steps_s": between,
+                # JAX compile seconds since the previous step's record (a timed step
+                # that compiles is not a steady-state step; the growth table shows it).
+                "compile_s": compiles.between(m["time"] - (between or m["time"]), m["time"])})
     return {"system": "ac2_jax", "steps": steps, "total_s": total, "peak_rss_mb": peak_rss_mb(),
             "notes": "scoring (the verifier) runs inside each attempt, in rollout_s; "
                      "checkpoint writes (every step) are outside the timed phases"}
@@ -340,7 +370,7 @@ def summarize(result: dict, warmup: int) -> dict:
     steps = result["steps"]
     timed, warm = steps[warmup:], steps[:warmup]
     keys = ("rollout_s", "scoring_s", "update_s", "handoff_s", "step_s",
-            "sampled_tokens", "trained_tokens")
+            "sampled_tokens", "trained_tokens", "compile_s")
     mean = {k: sum(s.get(k, 0.0) for s in timed) / len(timed) for k in keys}
     mean["warmup_s"] = sum(s["step_s"] for s in warm)
     mean["sampled_per_s"] = mean["sampled_tokens"] / mean["step_s"]
@@ -443,8 +473,8 @@ def growth_specs(ckpt: str, base: dict, quick: bool) -> list[tuple[str, int, dic
             # The race's own setting (tasks_per_step, attempts, turns) is one point of the
             # attempts and turns curves: the peers' race points sit on them.
             kw = dict(tasks_per_step=base["tasks_per_step"], attempts=base["attempts"],
-                      turns=base["turns"], max_tokens=base["max_tokens"], warmup=1,
-                      steps=base["growth_steps"])
+                      turns=base["turns"], max_tokens=base["max_tokens"],
+                      warmup=base.get("growth_warmup", 1), steps=base["growth_steps"])
             if axis == "attempts":
                 kw["attempts"] = v
             elif axis == "turns":
@@ -515,6 +545,9 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--growth_steps", type=int, default=1)
+    p.add_argument("--growth_warmup", type=int, default=2,
+                   help="untimed steps per growth point (its shapes compile in them: the "
+                        "growth points run without the sampler's ahead-of-time warm-up)")
     p.add_argument("--growth_size", default="small")
     p.add_argument("--no_growth", action="store_true")
     p.add_argument("--no_race", action="store_true", help="the growth curves only")
@@ -537,6 +570,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--hand_off: memory, disk or a list of them, got {args.hand_off!r}")
     if args.quick:
         args.sizes, args.growth_size, args.steps = "toy", "toy", 1
+        args.growth_warmup = 1
         args.max_tokens = min(args.max_tokens, 8)
     peers = parse_peers(args.peer_python)
     work = args.workdir or tempfile.mkdtemp(prefix="loop_race_")
@@ -591,6 +625,7 @@ def main(argv=None) -> dict:
     if not args.no_growth:
         gspecs = growth_specs(make_checkpoint_once(ckpts, args.growth_size, work)["path"],
                               {"max_tokens": args.max_tokens, "growth_steps": args.growth_steps,
+                               "growth_warmup": args.growth_warmup,
                                "tasks_per_step": args.tasks_per_step, "attempts": args.attempts,
                                "turns": args.turns},
                               args.quick)
@@ -599,12 +634,12 @@ def main(argv=None) -> dict:
             print(f"growth: FAILED {res['error'][-400:]}")
         else:
             for (axis, value, spec), r in zip(gspecs, res, strict=True):
-                s = summarize(r, 1)
+                s = summarize(r, spec["warmup"])
                 growth.append({"axis": axis, "value": value, "step_s": s["step_s"],
                                "rollout_s": s["rollout_s"], "update_s": s["update_s"],
                                "handoff_s": s["handoff_s"], "sampled_tokens": s["sampled_tokens"],
                                "trained_tokens": s["trained_tokens"],
-                               "seq_len": spec["seq_len"]})
+                               "compile_s": s["compile_s"], "seq_len": spec["seq_len"]})
     ceil = measured_ceilings()
     for r in rows:
         if "error" in r:
@@ -635,7 +670,7 @@ def main(argv=None) -> dict:
 
         print("\ncost growth (this library, size", args.growth_size + "):")
         print_table(growth, ["axis", "value", "step_s", "rollout_s", "update_s", "handoff_s",
-                             "sampled_tokens", "trained_tokens", "seq_len"])
+                             "compile_s", "sampled_tokens", "trained_tokens", "seq_len"])
     png = None
     if args.out and growth:
         png = plot_growth(growth, peer_points, os.path.splitext(args.out)[0] + ".png")
