@@ -142,6 +142,9 @@ FULL_ONLY = {
     "tests/recipes/test_recipe_distill.py": "a recipe end to end",
     "tests/recipes/test_recipe_sft.py": "a recipe end to end",
     "tests/examples/": "the example envs' sandboxed code, in processes",
+    "tests/envs/test_sandbox.py": "sandboxed tools, each call a child process (limits, kills)",
+    "tests/orchestration/test_cli_agent.py": "real programs as agents, each a process",
+    "tests/recipes/test_recipe_samplers.py": "a recipe end to end on a fleet of servers",
 }
 
 

@@ -43,6 +43,7 @@ def test_same_env_class_in_two_domains_gives_distinct_ids_and_seeds():
     assert all(isinstance(mix.env_for(t), CalculatorEnv) for t in tasks)
 
 
+@pytest.mark.full  # two child Python processes
 def test_domain_seed_is_stable_across_processes():
     """Derived with a fixed hash, not Python's salted hash(): resume needs the same tasks."""
     import subprocess

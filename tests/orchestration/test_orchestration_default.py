@@ -156,6 +156,7 @@ HARNESS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.full  # the harness is a child process
 def test_harness_with_only_the_openai_client(endpoint, tmp_path):
     admin = httpx.Client(base_url=endpoint["url"], headers={"Authorization": f"Bearer {ADMIN}"})
     info = admin.post("/v1/rollouts", json={"task_id": "harness"}).json()

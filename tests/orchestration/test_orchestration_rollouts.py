@@ -415,6 +415,7 @@ def test_the_continued_path_of_later_choices_trains_every_token_once(endpoint):
     assert trained == sorted(t for c in continued for t in c.output_ids)
 
 
+@pytest.mark.full  # a child Python process imports the packages
 def test_the_training_packages_import_without_openai():
     """A GPU machine that only benchmarks training (benchmarks/gpu_bench.py) may lack
     openai: rollouts imports it when a rollout runs, and says what to install."""
