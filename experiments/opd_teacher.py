@@ -153,8 +153,8 @@ def _eval_only(model_dir: str, env, workdir: str, p: Preset) -> float:
 
     from ac2_jax.config_cli import load_config
     from ac2_jax.recipes import DistillRecipeConfig, load_model
+    from ac2_jax.recipes._rl import evaluate_policy
     from ac2_jax.recipes.common import Progress, serve_policy
-    from ac2_jax.recipes.rl import evaluate_policy
 
     cfg = load_config(DistillRecipeConfig, None, [
         *COMMON, f"paths.workdir={workdir}", f"eval.num_tasks={p.eval_tasks}"])

@@ -17,6 +17,9 @@ tokenizer) pair; an env is an `Env`, a factory, or an import path
 from collections.abc import Callable
 from typing import Any
 
+from ac2_jax.recipes._distill import adistill, distill
+from ac2_jax.recipes._rl import arl, rl
+from ac2_jax.recipes._sft import sft
 from ac2_jax.recipes.common import MODELS, Progress, load_model
 from ac2_jax.recipes.config import (
     DistillRecipeConfig,
@@ -28,10 +31,7 @@ from ac2_jax.recipes.config import (
     SFTRecipeConfig,
 )
 from ac2_jax.recipes.config import EvalConfig as EvalConfig
-from ac2_jax.recipes.distill import adistill, distill
 from ac2_jax.recipes.evaluate import EvalRecipeConfig, aeval_model, eval_model
-from ac2_jax.recipes.rl import arl, rl
-from ac2_jax.recipes.sft import sft
 from ac2_jax.registry import Registry
 
 # Recipe name -> (its config class, its entry point): `python -m ac2_jax.train --recipe=NAME`.

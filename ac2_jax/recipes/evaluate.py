@@ -27,6 +27,7 @@ from typing import Any
 
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.recipes._rl import evaluate_policy
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
@@ -44,7 +45,6 @@ from ac2_jax.recipes.config import (
     RolloutConfig,
     SamplerConfig,
 )
-from ac2_jax.recipes.rl import evaluate_policy
 
 __all__ = ["EvalRecipeConfig", "aeval_model", "eval_model"]
 

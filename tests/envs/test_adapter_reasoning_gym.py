@@ -165,7 +165,7 @@ def test_without_the_library_the_extra_is_named(monkeypatch):
 
 
 def test_mix_console_lines_and_report(tmp_path):
-    from ac2_jax.recipes.rl import mix_lines, write_mix_report
+    from ac2_jax.recipes._rl import mix_lines, write_mix_report
 
     history = [
         {"rl_step": 0, "mix_weight/a": 0.7, "mix_weight/b": 0.3, "mix_pass_rate/b": 0.25,

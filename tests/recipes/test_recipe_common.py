@@ -58,7 +58,7 @@ def _sft_run(tmp_path, monkeypatch, *overrides, model="tiny"):
     from ac2_jax.config_cli import load_config
     from ac2_jax.recipes import SFTRecipeConfig, sft
 
-    recipe = importlib.import_module("ac2_jax.recipes.sft")  # the module, not `sft`
+    recipe = importlib.import_module("ac2_jax.recipes._sft")
     console = io.StringIO()
     monkeypatch.setattr(recipe, "Progress", functools.partial(Progress, out=console))
     cfg = load_config(SFTRecipeConfig, None, [

@@ -61,7 +61,7 @@ def test_rl_trains_publishes_where_told_and_resumes(tmp_path, monkeypatch):
     cfg2 = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, steps=2),
                                paths=dataclasses.replace(cfg.paths, existing="resume"),
                                log=dataclasses.replace(cfg.log, progress=True))
-    recipe = importlib.import_module("ac2_jax.recipes.rl")  # the module, not `rl`
+    recipe = importlib.import_module("ac2_jax.recipes._rl")
     console = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(recipe, "Progress", functools.partial(recipe.Progress, out=console))
@@ -160,7 +160,7 @@ def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path, monkeypat
 
 def _rl_run(tmp_path, monkeypatch, *overrides) -> io.StringIO:
     """An RL run whose console lines (its `Progress`) go to the StringIO returned."""
-    recipe = importlib.import_module("ac2_jax.recipes.rl")  # the module, not `rl`
+    recipe = importlib.import_module("ac2_jax.recipes._rl")
 
     console = io.StringIO()
     monkeypatch.setattr(recipe, "Progress", functools.partial(recipe.Progress, out=console))

@@ -8,7 +8,7 @@ import pytest
 from ac2_jax.config_cli import load_config
 from ac2_jax.models.hf_io import load_hf_checkpoint
 from ac2_jax.recipes import SFTRecipeConfig, load_model, sft
-from ac2_jax.recipes.sft import demo_chats
+from ac2_jax.recipes._sft import demo_chats
 from tests.recipe_helpers import ParityEnv
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
+from ac2_jax.recipes._rl import eval_before, evaluate_policy
 from ac2_jax.recipes.common import (
     Progress,
     RecipeResult,
@@ -51,7 +52,6 @@ from ac2_jax.recipes.common import (
     write_trace_pages,
 )
 from ac2_jax.recipes.config import DistillRecipeConfig
-from ac2_jax.recipes.rl import eval_before, evaluate_policy
 
 __all__ = ["adistill", "distill", "load_teacher"]
 
