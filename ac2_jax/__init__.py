@@ -26,6 +26,8 @@ _SUBPACKAGES = (
     "evals",
     "viz",
     "config",
+    "seeds",
+    "testing",
 )
 
 
