@@ -69,6 +69,24 @@ def test_a_deprecated_name_warns_and_gives_its_replacement(package, old, new):
     assert msgs and f"{home}.{name}" in msgs[0] and f"ac2_jax.{package}.{old}" in msgs[0], msgs
 
 
+@pytest.mark.parametrize("name", ["rl", "distill", "eval_model"])
+def test_a_sync_recipe_inside_an_event_loop_names_its_async_form(name):
+    """Async first: each recipe is a coroutine (`arl`, ...); its plain name runs it through
+    the one sync runner, which refuses inside a running loop, naming what to await."""
+    import asyncio
+
+    from ac2_jax import recipes
+
+    async def inside():
+        getattr(recipes, name)("tiny", "no.such:env")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the coroutine is closed, not leaked
+        with pytest.raises(RuntimeError, match=rf"^{name} was called inside a running event "
+                                               rf"loop; await a{name}\(\.\.\.\)$"):
+            asyncio.run(inside())
+
+
 def test_design_doc_lists_the_public_api():
     assert _doc_block(DOC.read_text()) == render(), (
         "docs/design.md's Public API list differs from the packages' __all__; if the "

@@ -27,6 +27,7 @@ import os
 import time
 from typing import Any
 
+from ac2_jax._sync import run_sync
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes._rl import eval_before, evaluate_policy
@@ -295,4 +296,4 @@ async def adistill(model: Any, env: Any, config: DistillRecipeConfig | None = No
 
 def distill(model: Any, env: Any, config: DistillRecipeConfig | None = None) -> RecipeResult:
     """Self-distills `model` on `env`'s hinted tasks; returns a RecipeResult."""
-    return asyncio.run(adistill(model, env, config))
+    return run_sync(adistill(model, env, config), "distill")

@@ -14,12 +14,12 @@ asked (`paths.existing="resume"`, the launcher's --resume; see `claim_workdir`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
 from typing import Any
 
+from ac2_jax._sync import run_sync
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.envs.mixer import AdaptiveMix, DomainMixer
@@ -424,4 +424,4 @@ def rl(model: Any, env: Any, config: RLRecipeConfig | None = None) -> RecipeResu
     """Trains `model` (an HF directory, a preset name or a (model, tokenizer) pair)
     by task-level RL on `env` (an Env, a factory, or "pkg.module:Factory").
     Returns a RecipeResult (its report also in paths.reports/report.json)."""
-    return asyncio.run(arl(model, env, config))
+    return run_sync(arl(model, env, config), "rl")

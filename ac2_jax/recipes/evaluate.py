@@ -19,12 +19,12 @@ traces/eval_served.jsonl (not the training run's served.jsonl).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import time
 from typing import Any
 
+from ac2_jax._sync import run_sync
 from ac2_jax.config import ConfigError
 from ac2_jax.envs.contract import check_env, load_env
 from ac2_jax.recipes._rl import evaluate_policy
@@ -129,4 +129,4 @@ def eval_model(model: Any, env: Any, config: EvalRecipeConfig | None = None) -> 
     """Evaluates `model` (an HF directory, a preset name or a (model, tokenizer) pair)
     on `env`'s held-out tasks; returns a RecipeResult (its report also in
     paths.reports/eval_report.json, its EvalResult as evals["eval"])."""
-    return asyncio.run(aeval_model(model, env, config))
+    return run_sync(aeval_model(model, env, config), "eval_model")

@@ -17,7 +17,8 @@ hint-conditioned output, for the SFT-on-hinted-outputs baseline).
 returns a hint for a failure (None for a pass), and turn the failures into
 distillation examples with those hints.
 Each has an async form (`aresample_examples`, `arollout_and_grade`) for
-callers inside an event loop; the plain forms run it with `asyncio.run`.
+callers inside an event loop; the plain forms run it through the library's one
+sync runner (`ac2_jax._sync.run_sync`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ac2_jax._sync import run_sync
 from ac2_jax.sampling.base import Sampler, SampleResult, SamplingParams
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.distill.data import DistillExample, HintConfig, insert_hint
@@ -53,16 +55,6 @@ def publish_policy(
     )
     publish(graphdef, state, publish_dir, step, keep=keep, sampler=sampler, in_memory=in_memory)
     return int(sampler.policy_version)
-
-
-def _sync(coro, who: str):
-    """Runs `coro` to completion from sync code (not inside a running event loop)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise RuntimeError(f"{who} was called inside a running event loop; await a{who}(...)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +131,7 @@ def sample(
     seed: int = 0,
 ) -> list[SampleResult]:
     """`asample` from sync code."""
-    return _sync(
+    return run_sync(
         asample(sampler, prompts, sampling, stop_token_ids=stop_token_ids, seed=seed), "sample"
     )
 
@@ -218,7 +210,7 @@ def resample_examples(
     seed: int = 0,
 ) -> list[DistillExample]:
     """`aresample_examples` from sync code."""
-    return _sync(
+    return run_sync(
         aresample_examples(sampler, tasks, prompts, sampling, source=source, seed=seed),
         "resample_examples",
     )
@@ -274,7 +266,7 @@ def rollout_and_grade(
     seed: int = 0,
 ) -> tuple[list[DistillExample], list[Graded]]:
     """`arollout_and_grade` from sync code."""
-    return _sync(
+    return run_sync(
         arollout_and_grade(sampler, tasks, grader, prompts, sampling, seed=seed),
         "rollout_and_grade",
     )
