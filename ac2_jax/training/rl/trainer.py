@@ -119,6 +119,14 @@ class RLConfig:
     loss: Objective = PolicyGradientLoss()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     keep_checkpoints: int = 2
+    # Loop steps between checkpoints: 1 checkpoints after every step; k > 1 after every
+    # k-th step and the last. A run killed between two checkpoints resumes at the last one
+    # and redoes the later steps from the stored rollouts (the collector replays them:
+    # nothing is sampled again or lost). With the in-memory hand-off (`RLTrainer(hand_off=)`,
+    # no `on_publish`) the publish folder is written on the same steps: the sampler has
+    # every update in memory, and each write (Orbax, like the checkpoint) runs beside the
+    # next step's rollout and update (BUILD_NOTES, issue 66: their cost on 2 cores).
+    checkpoint_every: int = 1
     # Leave out zero-advantage groups and refill the step with new tasks, up to
     # max_refills rounds (module docstring); needs a collector with `refill`.
     dynamic_sampling: bool = False
@@ -129,7 +137,14 @@ class RLConfig:
             raise ValueError(f"RLConfig.mode must be one of {RL_MODES}, got {self.mode!r}")
         if self.max_refills < 0:
             raise ValueError(f"RLConfig.max_refills must be >= 0, got {self.max_refills}")
-        for name in ("steps", "tasks_per_step", "attempts_per_task", "concurrency", "grad_accum"):
+        for name in (
+            "steps",
+            "tasks_per_step",
+            "attempts_per_task",
+            "concurrency",
+            "grad_accum",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch.rows % self.grad_accum:
@@ -306,6 +321,7 @@ class RLTrainer(TrainerHooks):
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: concurrent.futures.Future | None = None  # the background publish
         self._to_write: Callable[[], None] | None = None  # ... not started yet
+        self._written: int | None = None  # the version last written (or to be) to the folder
         self._weights = WeightsCheck(self.alarms)
         self._backoff_seen = 0.0
         self._route_fn: Callable | None = None  # jitted learner routing (routing alarm)
@@ -363,7 +379,7 @@ class RLTrainer(TrainerHooks):
             config.loss,
             config.optimizer,
             workdir=self.workdir,
-            checkpoint_every=1,
+            checkpoint_every=config.checkpoint_every,
             keep_checkpoints=config.keep_checkpoints,
             mesh=mesh,
             grad_accum=config.grad_accum,
@@ -677,9 +693,14 @@ class RLTrainer(TrainerHooks):
         `hand_off`: hands them over in memory; their write to `publish_dir` starts in
         the background once the step's checkpoint save began, and `wait_published`
         starts it if it has not and waits for it: a caller of `publish` that reads the
-        folder calls that first)."""
+        folder calls that first). In `run`, a hand-off without `on_publish` writes the
+        folder only on the steps that checkpoint (`RLConfig.checkpoint_every`)."""
+        return self._publish(write=True)
+
+    def _publish(self, write: bool) -> int:
+        """`publish`; write=False: a hand-off without `on_publish` skips the folder."""
         if self.hand_off is not None:
-            return self._hand_off()
+            return self._hand_off(write or self.on_publish is not None)
         if jax.process_count() > 1:
             # Orbax's managers share their barrier names across processes: a publish
             # while the last checkpoint still finalizes in its thread enters the same
@@ -696,13 +717,8 @@ class RLTrainer(TrainerHooks):
             self.on_publish(version)
         return version
 
-    def _hand_off(self) -> int:
-        from ac2_jax.models.params_io import (
-            publish_params,
-            published_lora,
-            published_params,
-            weights_checksum,
-        )
+    def _hand_off(self, write: bool = True) -> int:
+        from ac2_jax.models.params_io import published_params, weights_checksum
 
         assert self.hand_off is not None
         self.wait_published()  # the previous write first: one at a time, in order
@@ -712,11 +728,21 @@ class RLTrainer(TrainerHooks):
         if self.alarms.config.on("weights"):
             self._weights.published(version, weights_checksum(params), time.monotonic())
         self.hand_off(params, version)
+        if write:  # else the folder keeps the last checkpointed step's (`_publish`)
+            self._write_later(model, params, version)
+        return version
+
+    def _write_later(self, model, params, version: int) -> None:
+        """Prepares the hand-off's write of `params` (`version`) to the folder; it starts
+        in the background with `_write_behind`."""
+        from ac2_jax.models.params_io import publish_params, published_lora
+
         # The disk publish from a copy (the next update donates the state's arrays).
         copy = jax.tree.map(jnp.copy, params)
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, "rl-publish")
         lora, on_publish = published_lora(model), self.on_publish
+        self._written = version
 
         def write() -> None:
             # Orbax saves must not overlap in one process (its step-directory signals
@@ -730,7 +756,17 @@ class RLTrainer(TrainerHooks):
                 on_publish(version)
 
         self._to_write = write
-        return version
+
+    def _write_folder(self) -> None:
+        """On a checkpoint step that published nothing: the folder gets the served
+        version (the state's weights: no update since) if a step skipped its write."""
+        from ac2_jax.models.params_io import published_params
+
+        if self.hand_off is None or self._published is None or self._written == self._published:
+            return
+        self.wait_published()
+        model = self.trainer.host_state().model(self.graphdef)
+        self._write_later(model, published_params(model), self._published)
 
     def _write_behind(self) -> None:
         """Starts the pending background publish (`hand_off`), if any."""
@@ -882,7 +918,7 @@ class RLTrainer(TrainerHooks):
                 # Off the event loop: rollouts of the next step keep streaming meanwhile.
                 with stage("publish"):
                     await self._await_write()  # the last write first (`_hand_off` joins it)
-                    await asyncio.to_thread(self.publish)
+                    await asyncio.to_thread(self._publish, self._checkpoints(s))
                 await self.check_served(f"rl_step {s}, after publishing version {self._published}")
             t3 = time.perf_counter()
             m.update(
@@ -896,7 +932,11 @@ class RLTrainer(TrainerHooks):
             if self._writing is not None:  # a step without a publish: nothing joined it
                 with stage("publish"):  # Orbax saves must not overlap (see `_hand_off`)
                     await self._await_write()
+            if self._checkpoints(s):  # the folder follows the checkpoints (`_publish`)
+                await asyncio.to_thread(self._write_folder)
             self.trainer.end_step(m)  # logs train/..., checkpoints (steps done = s + 1)
+            if (s + 1) % cfg.checkpoint_every and s + 1 == cfg.steps:
+                self.trainer.save()  # the last step checkpoints off the cadence too
             self._write_behind()  # the hand-off's publish, once the checkpoint save began
             self.history.append(m)  # before on_progress, which may read it
             await self._progress()
@@ -906,6 +946,12 @@ class RLTrainer(TrainerHooks):
         await self._await_write()  # it waits for the checkpoint first
         self.trainer.wait()
         return self.history
+
+    def _checkpoints(self, rl_step: int) -> bool:
+        """Whether loop step `rl_step` ends with a checkpoint (`RLConfig.checkpoint_every`,
+        and the run's last step)."""
+        done = rl_step + 1
+        return done % self.config.checkpoint_every == 0 or done == self.config.steps
 
     def close(self) -> None:
         try:

@@ -402,3 +402,75 @@ def test_a_cancelled_run_leaves_the_write_error_to_close(tmp_path, monkeypatch):
     finally:
         release.set()
         trainer.close()
+
+
+@pytest.mark.full  # ~10 s of CPU: the train step's compile, 5 updates, 3 checkpoints
+def test_checkpoint_every_k_steps_writes_the_folder_on_them_and_resumes_exactly(traces, tmp_path):
+    """RLConfig.checkpoint_every (issue 66: each checkpoint and folder write ran beside the
+    next step's rollout and update): 3 steps with checkpoint_every=2 checkpoint after
+    steps 2 and 3 (the last), the sampler gets every update in memory (versions 1, 2, 3)
+    and the folder only the checkpointed ones (2, 3). A run killed after step 3 but before
+    its checkpoint resumes at step 2 and ends with the same weights, bitwise (fp32)."""
+    import os
+    import shutil
+
+    from ac2_jax.models.params_io import published_steps
+    from ac2_jax.trace import Trace as T
+
+    with pytest.raises(ValueError, match=r"RLConfig.checkpoint_every must be >= 1, got 0"):
+        RLConfig(checkpoint_every=0)
+    replayed = []
+    for s in range(3):  # the same 8 attempts each step (tagged rl_step s, own groups)
+        for t in traces:
+            c = T.from_dict(t.to_dict())
+            c.metadata["rl_step"], c.group_id = s, f"g{s}:{t.task_id}"
+            replayed.append(c)
+    config = RLConfig(
+        steps=3,
+        tasks_per_step=2,
+        attempts_per_task=4,
+        checkpoint_every=2,
+        # Every step trains on version 0's attempts: lags of 0, 1, 2 are kept.
+        batch=BatchConfig(seq_len=32, rows=4, max_staleness=2),
+        loss=PolicyGradientLoss(),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
+    steps = StepCache()
+
+    def trainer(name, handed):
+        return RLTrainer(
+            Decoder(_cfg(), rngs=nnx.Rngs(0)),
+            ReplayCollector(replayed),
+            config,
+            str(tmp_path / name),
+            make_step=steps,
+            publish_dir=str(tmp_path / name / "published"),
+            hand_off=lambda params, version: handed.append(version),
+        )
+
+    handed: list[int] = []
+    whole = trainer("whole", handed)
+    try:
+        history = asyncio.run(whole.run())
+        final = _leaves(whole.model())
+    finally:
+        whole.close()
+    assert [m["skipped_update"] for m in history] == [0.0, 0.0, 0.0] and handed == [1, 2, 3]
+    ckpts = tmp_path / "whole" / "checkpoints"
+    assert sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) == [2, 3]
+    assert published_steps(str(tmp_path / "whole" / "published")) == [2, 3]
+    # Killed after step 3, before its checkpoint: the checkpoint of step 2 is the last.
+    shutil.copytree(ckpts, tmp_path / "killed" / "checkpoints")
+    shutil.rmtree(tmp_path / "killed" / "checkpoints" / "3")
+    again: list[int] = []
+    resumed = trainer("killed", again)
+    try:
+        assert resumed.start_step == 2
+        (m,) = asyncio.run(resumed.run())
+        assert m["rl_step"] == 2 and m["skipped_update"] == 0.0
+        for a, b in zip(_leaves(resumed.model()), final, strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        resumed.close()
+    assert again == [2, 3]  # the restored weights, then the redone update
+    assert published_steps(str(tmp_path / "killed" / "published")) == [2, 3]
