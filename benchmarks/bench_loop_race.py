@@ -245,7 +245,9 @@ def run_ac2(spec: dict) -> dict:
                "batch": {"seq_len": seq, "rows": n, "layout": spec.get("layout", "flat")},
                "loss": {"entropy": False},
                "optimizer": {"learning_rate": LR, "b1": B1, "b2": B2, "weight_decay": 0.0,
-                             "clip_norm": CLIP}},
+                             "clip_norm": CLIP},
+               # 1: a checkpoint (and, memory hand-off, a folder write) after every step.
+               "checkpoint_every": spec.get("checkpoint_every", 1)},
         "rollout": {"max_tokens": spec["max_tokens"], "max_steps": spec["turns"],
                     "temperature": 1.0},
         "sampler": {"max_context": spec["max_context"],
@@ -561,6 +563,10 @@ def main(argv=None) -> dict:
                    help="this library's weight hand-off to its embedded sampler "
                         "(sampler.hand_off): memory, disk, or both as 'disk,memory' (one row "
                         "each, run one after the other; the first is the peers' reference)")
+    p.add_argument("--checkpoint_every", type=int, default=1,
+                   help="this library's rl.checkpoint_every (1: the recipe's default, a "
+                        "checkpoint after every step; the peers save none: TRL "
+                        "save_strategy='no', tunix no checkpoint directory)")
     p.add_argument("--handoff_only", type=int, default=0, metavar="ROUNDS",
                    help="only time the hand-off phase, both modes side by side in one process "
                         "(ROUNDS alternating rounds per size; measure_hand_off)")
@@ -607,7 +613,8 @@ def main(argv=None) -> dict:
         runs = [(system, turns, h) for system, turns in variants
                 for h in (hand_offs if system == "ac2" else [None])]
         for system, turns, hand_off in runs:
-            spec = specs[turns] if hand_off is None else dict(specs[turns], hand_off=hand_off)
+            spec = specs[turns] if hand_off is None else dict(
+                specs[turns], hand_off=hand_off, checkpoint_every=args.checkpoint_every)
             res = run_system(system, spec, work, peers.get(system))
             mode = f"/{hand_off}" if hand_off is not None and len(hand_offs) > 1 else ""
             raw[f"{size}/{system}/turns{turns}{mode}"] = res
