@@ -1,9 +1,9 @@
 """ac2_jax: train LLM agents on whole task attempts (traces) in JAX/Flax.
 
 Layers, lowest first (a module imports only from layers below its own):
-trace, segments, losses, models, sampling, serving, envs, orchestration,
-training, evals, viz; `ac2_jax.config` turns config files into their
-dataclasses. Design: docs/design.md.
+trace, segments, losses, text, models, sampling, serving, envs, orchestration,
+training, evals, viz, recipes, testing; `ac2_jax.config` turns config files into
+their dataclasses. Design: docs/design.md.
 
 Subpackages load on first use (`ac2_jax.losses` after `import ac2_jax`), so
 importing the package pulls in nothing heavy.
@@ -17,6 +17,7 @@ _SUBPACKAGES = (
     "trace",
     "segments",
     "losses",
+    "text",
     "models",
     "sampling",
     "serving",

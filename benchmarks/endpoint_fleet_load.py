@@ -44,8 +44,9 @@ def publisher(url: str, publish_dir: str, every_s: float, stop_file: str, out: s
     """The learner-like process: publishes step 1, 2, ... and has the endpoint load each."""
     from flax import nnx
 
-    from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
+    from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(os.path.join(os.path.dirname(out), "pub_tok"))
     loads: list[dict[str, Any]] = []
@@ -71,7 +72,7 @@ def run(tmp: str, *, clients: int, turns: int, backends: int = 2, max_tokens: in
         max_context: int = 512, publish_every_s: float = 5.0, warmup: bool = True
         ) -> dict[str, Any]:
     """Runs the whole load once (module docstring); returns the figures and the audit."""
-    from ac2_jax.models import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.trace import TraceStore
     from benchmarks.endpoint_harness import BackendProcess, ServerProcess, audit
 

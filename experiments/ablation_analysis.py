@@ -200,7 +200,7 @@ def pool_seeds(workdirs, report_dir: str, judged: str = "memo_ok",
         if note:
             pooled["recovered_share_note"] = note
     if main_accuracy is not None:
-        from ac2_jax.models import Tokenizer
+        from ac2_jax.text import Tokenizer
         for w, r in zip(workdirs, reports, strict=True):
             tok = Tokenizer.from_pretrained(os.path.join(w, "tokenizer"))
             for name, e in r["evals"].items():

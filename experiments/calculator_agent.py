@@ -31,7 +31,6 @@ from ac2_jax.models import Decoder
 from ac2_jax.models.family import get_family
 from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import restore_params, save_params
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.recipes import (
     EvalConfig,
     PathsConfig,
@@ -41,6 +40,7 @@ from ac2_jax.recipes import (
     arl,
 )
 from ac2_jax.recipes.common import harness_factory, serve_policy
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics

@@ -27,7 +27,6 @@ from ml_collections import config_flags
 
 from ac2_jax.envs import CalculatorEnv, DomainMixer, StepwiseCalculatorEnv
 from ac2_jax.evals import EvalResult, TokenPrices, compare_results, evaluate
-from ac2_jax.models import Tokenizer
 from ac2_jax.models.params_io import (
     load_published,
     publish_weights,
@@ -38,6 +37,7 @@ from ac2_jax.orchestration import LifecycleClient
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text import Tokenizer
 from experiments import calculator_agent, eval_report
 
 MODEL_NAME = "ac2-eval"

@@ -112,7 +112,7 @@ def _models(workdir: str):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(os.path.join(workdir, "tokenizer"), vocab_size=512)
 

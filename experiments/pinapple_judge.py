@@ -150,7 +150,7 @@ def train_judge(cfg, policy_tokenizer, items, pool, workdir: str, log=print) -> 
 
     from ac2_jax.config import from_config
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training import OptimizerConfig, SFTConfig
     from ac2_jax.training.sft.demos import demo_segment
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from ac2_jax.config import from_config
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.distill.data import HintConfig, hinted_messages
 from ac2_jax.training.distill.sources import SampleConfig

@@ -77,8 +77,8 @@ def build_env(cfg):
 
 def prepare(cfg, log=print) -> str:
     """Writes the starting policy + tokenizer to workdir/policy; returns the path."""
-    from ac2_jax.models import build_tiny_tokenizer
     from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from experiments import calculator_agent
     paths = _paths(cfg)
     env = build_env(cfg)

@@ -65,7 +65,7 @@ def write_model_dir(path):
     import torch
     import transformers
 
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from tests.models.test_family_templates import QWEN25
 
     tok = build_tiny_tokenizer(str(path / "build"))

@@ -35,13 +35,13 @@ import pytest
 
 from tests.test_public_api import PACKAGES as PUBLIC
 
-LAYERS = ["trace", "segments", "losses", "models", "sampling", "serving", "envs",
+LAYERS = ["trace", "segments", "losses", "text", "models", "sampling", "serving", "envs",
           "orchestration", "training", "evals", "viz", "recipes", "testing"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ac2_jax"
 SETUP = ROOT.parent / "setup.py"
 # Packages the core install (setup.py REQUIRES) must be enough for.
-CORE = ["trace", "segments", "losses", "models", "sampling", "envs", "orchestration",
+CORE = ["trace", "segments", "losses", "text", "models", "sampling", "envs", "orchestration",
         "training", "evals"]
 # Distributions that only extras may bring (serve, viz, dev).
 HEAVY = {"fastapi", "uvicorn", "starlette", "matplotlib", "torch", "transformers"}
@@ -259,6 +259,14 @@ def test_light_packages_import_no_server_plotting_or_torch():
     mods = _imported("import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace")
     heavy = sorted(m for m, dists in mods.items() if m in HEAVY or HEAVY & {_norm(d) for d in dists})
     assert not heavy, f"import ac2_jax.losses, .segments, .trace pulled {heavy}"
+
+
+def test_text_imports_no_jax():
+    """Reading a model's text (tokenizer, chat template, tool calls) needs no model code."""
+    mods = _imported("import ac2_jax.text, ac2_jax.text.tiny_tokenizer; "
+                     "from ac2_jax.text.tokenizer import choose_tool_parser; "
+                     "choose_tool_parser(None, 'llama')")
+    assert not {"jax", "jaxlib", "flax"} & set(mods), sorted(mods)
 
 
 def test_the_top_package_loads_subpackages_on_first_use():

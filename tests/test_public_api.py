@@ -15,8 +15,8 @@ import warnings
 
 import pytest
 
-PACKAGES = ("trace", "segments", "losses", "models", "sampling", "envs", "orchestration",
-            "training", "training.core", "training.rl", "training.sft", "training.distill",
+PACKAGES = ("trace", "segments", "losses", "text", "models", "sampling", "envs",
+            "orchestration", "training", "training.core", "training.rl", "training.sft", "training.distill",
             "evals", "serving", "viz", "recipes", "seeds",
             "testing")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
@@ -67,6 +67,40 @@ def test_a_deprecated_name_warns_and_gives_its_replacement(package, old, new):
     assert got is getattr(importlib.import_module(home), name)
     msgs = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert msgs and f"{home}.{name}" in msgs[0] and f"ac2_jax.{package}.{old}" in msgs[0], msgs
+
+
+def _alias_files() -> set[str]:
+    """The modules whose file is a moved module's alias (it calls `moved_module`)."""
+    root = DOC.parents[1]
+    return {".".join(p.relative_to(root).with_suffix("").parts)
+            for p in (root / "ac2_jax").rglob("*.py")
+            if re.search(r"^moved_module\(__name__\)$", p.read_text(), re.M)}
+
+
+def test_every_moved_module_has_its_alias_file():
+    from ac2_jax._deprecation import MOVED_MODULES
+
+    assert _alias_files() == set(MOVED_MODULES)
+
+
+@pytest.mark.parametrize("old", sorted(importlib.import_module("ac2_jax._deprecation").MOVED_MODULES))
+def test_a_moved_module_warns_and_is_its_new_home(old, monkeypatch):
+    """The old import path of a moved module gives the new module (the same objects) and
+    warns, naming the new path."""
+    import sys
+
+    from ac2_jax._deprecation import MOVED_MODULES
+
+    new = importlib.import_module(MOVED_MODULES[old])
+    monkeypatch.delitem(sys.modules, old, raising=False)  # import it afresh, then restore
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = importlib.import_module(old)
+    assert got is new
+    public = [n for n in vars(new) if not n.startswith("__")]
+    assert public and all(getattr(got, n) is getattr(new, n) for n in public)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert msgs == [f"{old} is deprecated and goes in the next release: use {new.__name__}"]
 
 
 @pytest.mark.parametrize("name", ["rl", "distill", "eval_model"])

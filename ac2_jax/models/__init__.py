@@ -1,8 +1,9 @@
 """Models: the model protocol (`CausalLM`) and family registry (`register_family`), the
 Flax NNX decoder (the Qwen3, Llama, Qwen2 / Qwen2.5 and Mistral families), the Gemma 3 text
-decoder (`Gemma3`, family "gemma3_text"), HF and Orbax weight I/O, the tokenizer with its chat
-templates and tool-call parsers."""
+decoder (`Gemma3`, family "gemma3_text"), HF and Orbax weight I/O. The tokenizer, chat
+templates and tool-call parsers are `ac2_jax.text`'s (their old names here warn)."""
 
+from ac2_jax._deprecation import deprecated_getattr
 from ac2_jax.models.attention import attention
 from ac2_jax.models.attention import choose_backend as choose_backend
 from ac2_jax.models.attention import dense_attention as dense_attention
@@ -25,9 +26,6 @@ from ac2_jax.models.stacking import stack_layers as stack_layers
 from ac2_jax.models.stacking import to_layout as to_layout
 from ac2_jax.models.stacking import unstack_layers as unstack_layers
 from ac2_jax.models.stacking import with_layout as with_layout
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer as build_tiny_tokenizer
-from ac2_jax.models.tokenizer import Tokenizer
-from ac2_jax.models.tool_parsers import ToolCallParser, parse_tool_calls, register_parser
 
 __all__ = [
     "CausalLM",
@@ -45,8 +43,14 @@ __all__ = [
     "load_published",
     "save_params",
     "restore_params",
-    "Tokenizer",
-    "ToolCallParser",
-    "register_parser",
-    "parse_tool_calls",
 ]
+
+# Moved to ac2_jax.text (issue 62, step 3), for one release.
+DEPRECATED = {
+    "Tokenizer": "ac2_jax.text:Tokenizer",
+    "ToolCallParser": "ac2_jax.text:ToolCallParser",
+    "register_parser": "ac2_jax.text:register_parser",
+    "parse_tool_calls": "ac2_jax.text:parse_tool_calls",
+    "build_tiny_tokenizer": "ac2_jax.text.tiny_tokenizer:build_tiny_tokenizer",
+}
+__getattr__ = deprecated_getattr(__name__, DEPRECATED)

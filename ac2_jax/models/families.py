@@ -77,7 +77,6 @@ class Qwen3Family(_DecoderFamily):
 class LlamaFamily(_DecoderFamily):
     hf_architecture = "LlamaForCausalLM"
     qk_norm = False
-    tool_parser = "llama3_json"  # Llama 3.1-3.3: {"name": ..., "parameters": {...}}
 
     def config_to_hf(self, config: DecoderConfig) -> dict[str, Any]:
         return {**super().config_to_hf(config), "mlp_bias": False, "pretraining_tp": 1}
@@ -117,7 +116,6 @@ class MistralFamily(_DecoderFamily):
 
     hf_architecture = "MistralForCausalLM"
     qk_norm = False
-    tool_parser = "mistral"  # [TOOL_CALLS] [...]
 
     def config_from_hf(self, hf: dict[str, Any], **kwargs: Any) -> DecoderConfig:
         if hf.get("layer_types") is not None:

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ac2_jax.losses import LMHead
 from ac2_jax.registry import Registry
+from ac2_jax.text.tool_parsers import family_format, register_family_format
 
 __all__ = [
     "CausalLM",
@@ -98,9 +99,12 @@ class ModelFamily(abc.ABC):
     # The projections its model can hold LoRA adapters on (`models.lora.TARGETS`
     # names); `check_lora_targets` refuses a LoRAConfig naming others.
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-    # The tool-call format (`models.tool_parsers` name) of the family's published chat
-    # templates: a tokenizer whose template renders no call markup takes it.
-    tool_parser: str = "hermes"
+    # The tool-call format (an `ac2_jax.text` tool-parser name) of the family's published
+    # chat templates: a tokenizer whose template renders no call markup takes it. Left ""
+    # it is text's entry for the model type (`text.tool_parsers.FAMILY_FORMATS`, where the
+    # built-in families' are: reading a tokenizer needs no model code), else "hermes";
+    # `register_family` records the family's format there.
+    tool_parser: str = ""
 
     def check_lora_targets(self, targets) -> None:
         """Raises ValueError naming any of `targets` this family has no adapter for."""
@@ -138,7 +142,9 @@ def register_family(model_type: str, *, replace: bool = False):
             )
         family = cls()
         family.name = model_type
+        family.tool_parser = family.tool_parser or family_format(model_type) or "hermes"
         FAMILIES.register(model_type, replace=replace)(family)
+        register_family_format(model_type, family.tool_parser)
         return cls
 
     return add

@@ -391,9 +391,6 @@ class Gemma3Family(ModelFamily):
 
     hf_architecture = "Gemma3ForCausalLM"
     config_class = Gemma3Config
-    # Its published chat template renders no tools; Google's function-calling guide
-    # has the model answer ```tool_code\nNAME(k=v)\n``` (models.tool_parsers).
-    tool_parser = "gemma_tool_code"
 
     def build(self, config: Gemma3Config, rngs: nnx.Rngs) -> Gemma3:
         return Gemma3(config, rngs=rngs)

@@ -9,7 +9,7 @@ MultiResponseOrchestrator: n responses per request, one branch continues.
 Transient messages: shown for one request, never kept in history.
 
 Malformed tool calls. The endpoint (ac2_jax/serving/chat.py, via
-the tokenizer's parser from ac2_jax.models.tool_parsers) turns each well-formed
+the tokenizer's parser from ac2_jax.text.tool_parsers) turns each well-formed
 `<tool_call>{"name", "arguments"}</tool_call>` block into a message.tool_calls
 entry and leaves malformed blocks (unparsable JSON, no "name", or no closing
 tag because the output was cut at max_tokens, finish_reason "length") in

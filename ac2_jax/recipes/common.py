@@ -75,7 +75,7 @@ def _tiny(workdir: str):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(os.path.join(workdir, "tiny_tokenizer"), vocab_size=512)
     config = DecoderConfig(
@@ -132,7 +132,7 @@ def _load_model(spec: Any, workdir: str) -> tuple[Any, Any]:
     spec = str(spec)
     if os.path.isdir(spec):
         from ac2_jax.models.hf_io import load_hf_checkpoint
-        from ac2_jax.models.tokenizer import Tokenizer
+        from ac2_jax.text.tokenizer import Tokenizer
 
         check_model_dir(spec)
         model, _ = load_hf_checkpoint(spec)

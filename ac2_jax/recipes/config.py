@@ -179,7 +179,7 @@ class RLRecipeConfig:
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
-    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # The model's tool-call format (text.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
     mix: MixConfig = MixConfig()  # a several-domain env's weights, fixed or adaptive
@@ -202,7 +202,7 @@ class SFTRecipeConfig:
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
-    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # The model's tool-call format (text.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
     mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)
@@ -247,7 +247,7 @@ class DistillRecipeConfig:
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     lora: LoRAConfig | None = None  # train adapters only (see the module docstring)
-    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # The model's tool-call format (text.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
     mesh: MeshConfig = MeshConfig()  # the learner's devices (data x fsdp x tensor)

@@ -60,7 +60,7 @@ class EvalRecipeConfig:
     sampler: SamplerConfig = SamplerConfig()
     eval: EvalConfig = EvalConfig(num_tasks=32)
     log: LogConfig = LogConfig()
-    # The model's tool-call format (models.tool_parsers: hermes, llama3_json, mistral,
+    # The model's tool-call format (text.tool_parsers: hermes, llama3_json, mistral,
     # qwen3_coder, gemma_tool_code); None: its chat template's, else its family's.
     tool_parser: str | None = None
 

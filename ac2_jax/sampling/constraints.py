@@ -21,7 +21,7 @@ arguments; a schema's own "x-guidance" options override it.
 
 llguidance is imported inside the functions that use it (a core dependency,
 loaded only when a constraint is used). The llguidance tokenizer of an
-`ac2_jax.models.Tokenizer` is built once and cached (`ll_tokenizer`).
+`ac2_jax.text.Tokenizer` is built once and cached (`ll_tokenizer`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def end_token_id(tokenizer: Any) -> int:
 
 
 def ll_tokenizer(tokenizer: Any):
-    """The `llguidance.LLTokenizer` of an `ac2_jax.models.Tokenizer`, built once.
+    """The `llguidance.LLTokenizer` of an `ac2_jax.text.Tokenizer`, built once.
 
     Built from the HF `tokenizers.Tokenizer` it wraps (`tokenizer.hf`) with
     `end_token_id(tokenizer)` as its only EOS; cached per tokenizer object.
@@ -87,7 +87,7 @@ def ll_tokenizer(tokenizer: Any):
     hf = getattr(tokenizer, "hf", None)
     if hf is None or not callable(getattr(hf, "to_str", None)):
         raise TypeError(
-            "constrained decoding needs an ac2_jax.models.Tokenizer (one that wraps an HF "
+            "constrained decoding needs an ac2_jax.text.Tokenizer (one that wraps an HF "
             f"`tokenizers.Tokenizer` as .hf), got {type(tokenizer).__name__}"
         )
     with _LLT_LOCK:

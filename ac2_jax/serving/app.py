@@ -74,7 +74,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from ac2_jax.models.tokenizer import Tokenizer
 from ac2_jax.sampling import Sampler
 from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.apis import REQUEST_APIS, APIMount, Principal
@@ -83,6 +82,7 @@ from ac2_jax.serving.lifecycle import sampler_stats
 from ac2_jax.serving.rollout_requests import keys_equal
 from ac2_jax.serving.rollouts import RolloutRegistry
 from ac2_jax.serving.sample_run import ServeContext
+from ac2_jax.text.tokenizer import Tokenizer
 from ac2_jax.trace import TraceStore
 
 __all__ = ["BUILTIN_APIS", "build_app", "mounted_apis", "sampler_stats"]

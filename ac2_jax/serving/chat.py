@@ -16,10 +16,10 @@ import time
 import uuid
 from typing import Any
 
-from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving.requests import ChatRequest, CompletionRequest
 from ac2_jax.serving.streaming import tool_call_open
+from ac2_jax.text import Tokenizer
 
 # ---------------------------------------------------------------------------- responses
 

@@ -29,7 +29,6 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import SamplingParams
 from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving import requests as req_lib
@@ -51,6 +50,7 @@ from ac2_jax.serving.structured import (
     request_constraint,
     sampler_grammars,
 )
+from ac2_jax.text import Tokenizer
 
 __all__ = [
     "AGENT_HEADER",

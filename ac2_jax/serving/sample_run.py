@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import Request
 
-from ac2_jax.models import Tokenizer
 from ac2_jax.sampling import (
     ContextLengthError,
     Sampler,
@@ -30,6 +29,7 @@ from ac2_jax.serving import chat as chat_lib
 from ac2_jax.serving.errors import APIError, bad_request
 from ac2_jax.serving.rollouts import RolloutRegistry
 from ac2_jax.serving.streaming import TokenFeed
+from ac2_jax.text import Tokenizer
 from ac2_jax.trace import Completion, routing_length
 
 

@@ -142,7 +142,7 @@ def load_policy(
 ):
     """(sampler, tokenizer, model_name) for `model`: "tiny" or an HF directory.
 
-    tool_parser: the model's tool-call format (`models.tool_parsers`); None: picked
+    tool_parser: the model's tool-call format (`text.tool_parsers`); None: picked
     from its chat template, else its family (`Tokenizer.from_pretrained`).
 
     "tiny" builds the tiny tokenizer (in `tokenizer_dir` or a temp dir) and a

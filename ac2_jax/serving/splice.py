@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ac2_jax.models.tokenizer import Tokenizer
+from ac2_jax.text.tokenizer import Tokenizer
 
 _SENTINEL = "\ue000ac2turn{}\ue001"  # private-use chars: never in real text
 

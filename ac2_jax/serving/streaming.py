@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from ac2_jax.models import Tokenizer
+from ac2_jax.text import Tokenizer
 
 TOOL_CALL_OPEN = "<tool_call>"  # Hermes; a tokenizer's `tool_parser.block_open` wins
 

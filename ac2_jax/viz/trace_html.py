@@ -10,7 +10,7 @@ made as `.tool-call`; then its tokens. Tokens the agent generated
 data-i (index in the episode) and data-id (token id). With a tokenizer
 (anything with `.decode(list[int])`) tokens and outputs show as text, else as
 ids; outputs are split into text and tool calls by `tool_parser` (default: the
-hermes parser, `ac2_jax.models.parse_tool_calls`).
+hermes parser, `ac2_jax.text.parse_tool_calls`).
 
 Where compaction cut the main agent's history, a `.compaction` marker with
 the memo (and `memo_ok` when the env judged it) sits after the compactor's
@@ -110,7 +110,7 @@ def _output_text(ids, tokenizer) -> str:
 
 
 def _hermes(text: str):
-    from ac2_jax.models.tool_parsers import parse_tool_calls  # only with a tokenizer
+    from ac2_jax.text.tool_parsers import parse_tool_calls  # only with a tokenizer
 
     return parse_tool_calls(text)
 

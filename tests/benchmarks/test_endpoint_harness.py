@@ -14,7 +14,7 @@ import httpx
 import pytest
 from child_env import child_xla_flags
 
-from ac2_jax.models import build_tiny_tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
 from benchmarks.endpoint_harness import ServerProcess, audit, find_markers, lost_rollouts, marker
 

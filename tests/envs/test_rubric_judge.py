@@ -28,12 +28,12 @@ from ac2_jax.envs import (
     check_env,
     parse_score_reply,
 )
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.orchestration.rollouts import LifecycleClient, run_rollout
 from ac2_jax.recipes.common import harness_factory
 from ac2_jax.sampling.base import SampleResult
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 
 ADMIN = "admin-key"

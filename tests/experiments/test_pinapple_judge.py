@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from experiments import pinapple_data as data
 from experiments import pinapple_judge as pj
 from experiments.configs.pinapple import get_config

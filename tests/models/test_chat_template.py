@@ -3,13 +3,13 @@
 import jinja2
 import pytest
 
-from ac2_jax.models.chat_template import (
+from ac2_jax.text.chat_template import (
     clean_messages,
     compile_chat_template,
     render_chat,
     select_template,
 )
-from ac2_jax.models.tiny_tokenizer import TINY_CHAT_TEMPLATE
+from ac2_jax.text.tiny_tokenizer import TINY_CHAT_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "<a> & 'b'",
                                            "parameters": {"type": "object"}}}]

@@ -17,8 +17,8 @@ import pytest
 from tokenizers import AddedToken, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ac2_jax.models.tokenizer import Tokenizer
-from ac2_jax.models.tool_parsers import get_parser
+from ac2_jax.text.tokenizer import Tokenizer
+from ac2_jax.text.tool_parsers import get_parser
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,8 +17,8 @@ import pytest
 from tokenizers import AddedToken, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ac2_jax.models.tokenizer import Tokenizer, choose_tool_parser
-from ac2_jax.models.tool_parsers import get_parser, parser_for_template
+from ac2_jax.text.tokenizer import Tokenizer, choose_tool_parser
+from ac2_jax.text.tool_parsers import get_parser, parser_for_template
 from tests.models.test_family_templates import MISTRAL_V3, QWEN25, TOOLS
 
 transformers = pytest.importorskip("transformers")

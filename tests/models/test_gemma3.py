@@ -484,7 +484,7 @@ def test_chat_template_renders_as_transformers(tmp_path):
     from tokenizers import AddedToken, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ac2_jax.models.tokenizer import Tokenizer
+    from ac2_jax.text.tokenizer import Tokenizer
 
     added = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
     hf = HFTokenizer(models.BPE())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ac2_jax.models.tiny_tokenizer import (
+from ac2_jax.text.tiny_tokenizer import (
     TINY_CHAT_TEMPLATE,
     TINY_SPECIAL_TOKENS,
     TINY_TOOL_TOKENS,

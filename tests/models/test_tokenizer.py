@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.models.tokenizer import Tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.text.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",

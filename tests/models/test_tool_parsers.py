@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ac2_jax.models.tool_parsers import (
+from ac2_jax.text.tool_parsers import (
     HermesParser,
     ParsedText,
     Qwen3CoderParser,

@@ -295,9 +295,9 @@ def rl_step(tmp_path, which, agent, context, attempts, rows=None):
 
     from ac2_jax import recipes
     from ac2_jax.models import DecoderConfig
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.recipes import RLRecipeConfig
     from ac2_jax.recipes.config import PathsConfig, RolloutConfig, SamplerConfig
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training import RLConfig
     from ac2_jax.training.rl import BatchConfig
 
@@ -396,10 +396,10 @@ def test_each_cli_runs_the_tool_call_the_model_served(tmp_path, cli_bin, which):
 
     import httpx
 
-    from ac2_jax.models import build_tiny_tokenizer
     from ac2_jax.orchestration.cli_agent import Launch, run_cli
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     agent = PRESETS[which](cli_exe(cli_bin, which))
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))

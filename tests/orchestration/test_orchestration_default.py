@@ -19,7 +19,6 @@ import pytest
 from serving_helpers import DELEGATE, REMINDER, SYSTEM, TOOLS, USER, AddEnv, fit_tiny_model
 
 from ac2_jax.envs import Task
-from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.orchestration import (
     CompactionOrchestrator,
     DefaultOrchestrator,
@@ -31,6 +30,7 @@ from ac2_jax.orchestration import (
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 ADMIN = "sk-admin-orch"
 GREEDY = {"temperature": 0, "max_tokens": 64}

@@ -172,8 +172,8 @@ def test_every_demonstration_is_checked_before_sft_writes_anything(tmp_path, mon
 def test_the_default_sft_seq_len_fits_a_tool_demonstration(tmp_path):
     # The Qwen2.5 template's tool preamble + one tool + a one-call demo, in the tiny
     # tokenizer (more tokens per character than a real model's).
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.recipes import SFTRecipeConfig
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from tests.envs.test_contract import ToolDemoEnv
     from tests.models.test_family_templates import QWEN25
 

@@ -142,7 +142,7 @@ def test_distill_rows_grow_in_steps_the_mesh_splits(tmp_path):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training import OptimizerConfig, create_train_state, make_mesh
     from ac2_jax.training.distill.data import make_example
     from ac2_jax.training.distill.trainer import DistillConfig, SelfDistiller

@@ -15,8 +15,7 @@ import pytest
 from flax import nnx
 
 from ac2_jax.losses import sampling_logits
-from ac2_jax.models import Decoder, DecoderConfig, Tokenizer
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import (
     ConstraintError,
     GrammarMatcher,
@@ -32,6 +31,8 @@ from ac2_jax.sampling import (
 )
 from ac2_jax.sampling import jax_sampler as jax_sampler_mod
 from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.text import Tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 CTX = 128
 EXTRA_IDS = 60  # the model's vocabulary is larger than the tokenizer's
@@ -181,7 +182,7 @@ def test_bad_grammars_and_bad_builder_input_are_value_errors(tok):
     xml = Tokenizer(tok.hf, special_tokens=tok.special_tokens, tool_parser="qwen3_coder")
     with pytest.raises(ValueError, match="qwen3_coder"):
         tool_call_grammar(xml, TOOLS)
-    with pytest.raises(TypeError, match="ac2_jax.models.Tokenizer"):
+    with pytest.raises(TypeError, match="ac2_jax.text.Tokenizer"):
         ll_tokenizer(object())
     with pytest.raises(ValueError, match="constraint"):
         SamplingParams(constraint="")

@@ -27,12 +27,13 @@ from serving_helpers import (
     tiny_config,
 )
 
-from ac2_jax.models import Decoder, build_tiny_tokenizer
+from ac2_jax.models import Decoder
 from ac2_jax.models.params_io import publish_weights
 from ac2_jax.sampling import Sampler
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 
 ADMIN = "sk-admin-test"

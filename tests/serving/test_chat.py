@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving import chat
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

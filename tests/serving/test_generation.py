@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 
-from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import SamplerError, SampleResult
 from ac2_jax.serving import generation
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 
 ADMIN = "sk-admin-gen"

@@ -18,12 +18,11 @@ import httpx
 import openai
 import pytest
 
-from ac2_jax.models import build_tiny_tokenizer
-from ac2_jax.models.tiny_tokenizer import TINY_CHAT_TEMPLATE
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.text.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 
 ADMIN = "sk-admin-harness"
 WAIT_S = 120

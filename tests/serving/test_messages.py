@@ -28,12 +28,13 @@ from serving_helpers import (
     scripted_sequence,
 )
 
-from ac2_jax.models import build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.sampling import SamplerError
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.text import parse_tool_calls
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 
 ADMIN = "sk-admin-messages"

@@ -15,11 +15,11 @@ import openai
 import pytest
 from serving_helpers import SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model, scripted_sequence
 
-from ac2_jax.models import build_tiny_tokenizer
 from ac2_jax.sampling import SampleResult
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 ADMIN = "sk-admin-responses"
 MAX_CONTEXT = 512

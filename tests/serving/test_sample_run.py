@@ -73,13 +73,13 @@ def test_the_endpoint_records_a_moe_samplers_routing_in_the_trace(tmp_path):
     import httpx
     import openai
 
-    from ac2_jax.models import build_tiny_tokenizer
     from ac2_jax.models.family import build_model
     from ac2_jax.models.moe import MoEDecoderConfig
     from ac2_jax.sampling import SampleResult
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.sample_run import routing_of
     from ac2_jax.serving.server import serve_in_thread
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.trace import TraceStore, decode_routing, encode_routing
 
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from ac2_jax.models import Tokenizer, build_tiny_tokenizer, parse_tool_calls
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids, turn_key
+from ac2_jax.text import Tokenizer, parse_tool_calls
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]

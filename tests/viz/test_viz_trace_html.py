@@ -6,7 +6,7 @@ tokenizer; write_trace_html writes the same page.
 import pytest
 from html_dom import Dom
 
-from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace
 from ac2_jax.viz import trace_html, write_trace_html
 
@@ -81,9 +81,9 @@ def _compacting_trace(tok, tmp_path):
     from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
     from ac2_jax.envs import CalculatorEnv
-    from ac2_jax.models import parse_tool_calls
     from ac2_jax.orchestration import CompactionOrchestrator
     from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+    from ac2_jax.text import parse_tool_calls
     from ac2_jax.trace import TraceRecorder, TraceStore
 
     trace = Trace("calc-1", "0", group_id="g", reward=1.0, status="finished",

@@ -169,7 +169,7 @@ def test_a_teacher_model_is_required_exactly_when_named(pair):
 
 
 def test_a_vocabulary_mismatch_is_refused_by_name(pair, tmp_path):
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     student, _, _ = pair
     g, st = create_train_state(student, OPT, rng=0)

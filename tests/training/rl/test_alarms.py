@@ -309,9 +309,9 @@ def test_the_split_learner_reads_the_served_checksum_over_http(tmp_path):
     """The split job's learner reads what the endpoint serves from its admin /v1/models
     entry (`split.endpoint_weights`): a real FastAPI endpoint over a sampler that loads
     (verified) and one that skips the load (the weights alarm fires)."""
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training.rl.split import endpoint_weights
 
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))

@@ -336,7 +336,7 @@ MODEL_V = 800  # the model's vocabulary: larger than the tiny tokenizer's 768
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from ac2_jax.models.tiny_tokenizer import build_tiny_tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
