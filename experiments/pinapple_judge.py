@@ -122,6 +122,16 @@ def target_examples(tokenizer, items, seed: int) -> list[JudgeExample]:
             for h in hints]
 
 
+def spread(examples: list, n: int) -> list:
+    """`n` of `examples` evenly spaced from the first (all of them when n is 0 or more
+    than there are)."""
+    if n < 0:
+        raise ValueError(f"pinapple_judge: loop.judge_target_examples must be >= 0, got {n}")
+    if not n or n >= len(examples):
+        return list(examples)
+    return [examples[i * len(examples) // n] for i in range(n)]
+
+
 def reply(example: JudgeExample) -> str:
     """The oracle's answer as the judge is asked to write it."""
     return json.dumps({"relevant": oracle().select(example)})
@@ -249,7 +259,8 @@ def start_llm_judge(cfg, tokenizer, items, workdir, stack, log):
     tests = {"other_hints": judge_examples(tokenizer, corpus, pool,
                                            cfg.judge_data.test_examples, cfg.seed + 1,
                                            exclude=judge.trained_on),
-             "target_hints": target_examples(tokenizer, items, cfg.seed)}
+             "target_hints": spread(target_examples(tokenizer, items, cfg.seed),
+                                    cfg.loop.get("judge_target_examples", 0))}
     meta = {"final_loss": judge.final_loss,
             **{k: agreement(llm(None), v) for k, v in tests.items()}}
     log(f"llm judge vs the oracle: {json.dumps(meta)}")

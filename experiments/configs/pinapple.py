@@ -131,6 +131,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # The most tokens of a served judge reply (how it is asked, not trained: not in the
     # judge's checkpoint fingerprint); a reply cut there is invalid, retried, then skipped.
     c.loop.judge_max_tokens = 24
+    # The most held-out target-hint examples the judge's agreement is scored on, spread
+    # over the target items (0: all, every target item x every held-out hint; scoring only,
+    # not in the judge's checkpoint fingerprint).
+    c.loop.judge_target_examples = 0
     c.judge_model = ml_collections.ConfigDict(dict(   # DecoderConfig (vocab: its tokenizer's)
         hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4,
         head_dim=32, max_position_embeddings=512, rope_theta=10000.0, tie_embeddings=True))

@@ -133,6 +133,17 @@ def test_sweep_settings_are_every_combination_and_keep_unswept_values():
         sweep_settings(cfg)
 
 
+def test_the_judges_target_test_is_spread_over_the_target_items():
+    """loop.judge_target_examples: n of the target-hint examples, evenly spaced (0: all)."""
+    from experiments.pinapple_judge import spread
+
+    xs = list(range(84))
+    assert spread(xs, 0) == xs and spread(xs, 84) == spread(xs, 100) == xs
+    assert spread(xs, 4) == [0, 21, 42, 63]
+    with pytest.raises(ValueError, match="judge_target_examples must be >= 0"):
+        spread(xs, -1)
+
+
 def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     """Base SFT on the faithful corpus -> the held-out hints' teacher check -> one
     distillation step per method -> RMSD sweep settings (T, S; a noisy judge, and the LLM
@@ -156,6 +167,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     cfg.judge_sft.update(steps=3, seq_len=384, checkpoint_every=0)
     cfg.judge_optimizer.warmup_steps = 1
     cfg.loop.judge_max_tokens = 8  # an untrained judge's replies are invalid at any length
+    cfg.loop.judge_target_examples = 4  # of 84 (28 target items x 3 hints), 3 requests each
     cfg.data_seeds = (0, 1)  # two distill / held-out splits
     cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
@@ -175,7 +187,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     # The LLM judge: asked over HTTP for every example, scored against the oracle.
     assert swept[2]["judge_stats"]["requests"] >= swept[2]["judge_stats"]["examples"] >= 1
     agree = out["meta"]["llm_judge"]
-    assert agree["other_hints"]["examples"] == 4 and agree["target_hints"]["examples"] > 0
+    assert agree["other_hints"]["examples"] == agree["target_hints"]["examples"] == 4
     assert all(len(r["train"]) == 1 for r in out["runs"])
     report = tmp_path / "run" / "report"
     rows = json.load(open(report / "sweep.json"))
