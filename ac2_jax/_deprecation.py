@@ -5,16 +5,19 @@ sets `__getattr__ = deprecated_getattr(__name__, DEPRECATED)`: `pkg.old` (and
 `from pkg import old`) then returns `module.new` with a `DeprecationWarning` that names
 the replacement. tests/test_public_api.py checks every alias of every package.
 
-A moved module leaves a file at its old path that calls `moved_module(__name__)`: the old
-import path then gives the new module itself (same objects, `monkeypatch` strings work),
-with a DeprecationWarning naming the new path. `MOVED_MODULES` lists them all (issue 62,
-step 3: folders by concept); tests/test_public_api.py checks each.
+A moved module (issue 62, step 3: folders by concept) is listed in `MOVED_MODULES`; the
+package it left calls `install_moved_modules(__name__)`, which puts a `MovedModule` at each
+old path: `from old import x` gives the new module's `x` with a DeprecationWarning naming
+the new path (tests/test_public_api.py checks each). Code that patches a moved module must
+patch the new one.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,17 +48,47 @@ MOVED_MODULES = {
     "ac2_jax.models.tiny_tokenizer": "ac2_jax.text.tiny_tokenizer",
     "ac2_jax.models.chat_template": "ac2_jax.text.chat_template",
     "ac2_jax.models.tool_parsers": "ac2_jax.text.tool_parsers",
+    "ac2_jax.models.attention": "ac2_jax.models.kernels.attention",
+    "ac2_jax.models.attention_accel": "ac2_jax.models.kernels.attention_accel",
+    "ac2_jax.models.attention_tpu": "ac2_jax.models.kernels.attention_tpu",
+    "ac2_jax.models.attention_mask": "ac2_jax.models.kernels.attention_mask",
+    "ac2_jax.models.blocksparse": "ac2_jax.models.kernels.blocksparse",
 }
 
 
-def moved_module(old: str) -> None:
-    """Called by the alias file left at `old` (`MOVED_MODULES`): warns that the module
-    moved and makes `old` the new module (`sys.modules[old]`), so `import old` and
-    `from old import x` give the new module's objects."""
-    new = MOVED_MODULES[old]
-    warnings.warn(
-        f"{old} is deprecated and goes in the next release: use {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    sys.modules[old] = importlib.import_module(new)
+class MovedModule(types.ModuleType):
+    """The module object left at a moved module's old path: each attribute read warns
+    (naming the new path) and returns the new module's object."""
+
+    def __init__(self, old: str, new: str):
+        super().__init__(old, f"Deprecated: moved to {new} (this alias goes in the next release).")
+        self.__spec__ = importlib.machinery.ModuleSpec(old, None)
+        self.__dict__["_new"] = new
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{self.__name__} is deprecated and goes in the next release: use {self._new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(self._new), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(importlib.import_module(self._new))
+
+
+def install_moved_modules(package: str) -> None:
+    """Puts a `MovedModule` at each old path of `MOVED_MODULES` directly under `package`
+    (its `__init__` calls this last): `import old`, `from old import x` and
+    `package.old.x` keep working, warning. No file is left at the old path, so a package
+    attribute of that name (`ac2_jax.models.attention`, the function) stays itself."""
+    parent = sys.modules[package]
+    for old, new in MOVED_MODULES.items():
+        head, _, child = old.rpartition(".")
+        if head != package or old in sys.modules:
+            continue
+        sys.modules[old] = module = MovedModule(old, new)
+        if child not in vars(parent):
+            setattr(parent, child, module)

@@ -87,8 +87,8 @@ def kernel(tokens: int, block: int = 128) -> list[dict]:
     backward (the second and third calls, after the compile)."""
     import jax.numpy as jnp
 
-    from ac2_jax.models.attention import attention
-    from ac2_jax.models.attention_mask import AttentionMask
+    from ac2_jax.models.kernels.attention import attention
+    from ac2_jax.models.kernels.attention_mask import AttentionMask
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(1, tokens, 2, 16)), jnp.float32)

@@ -220,7 +220,7 @@ def bench_train(a, s: dict) -> dict:
             memory[f"{name}_temp_GB"] = ma.temp_size_in_bytes / 1e9
         except Exception as e:  # noqa: BLE001 - reported, the timed step still runs
             memory[f"{name}_temp_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    from ac2_jax.models.attention import choose_backend
+    from ac2_jax.models.kernels.attention import choose_backend
     backend = choose_backend(cfg.attention_backend, kind="flat", q_len=a.seq_len,
                              dtype=cfg.dtype, head_dim=cfg.head_dim, block=cfg.attention_block)
     jax.block_until_ready(state)

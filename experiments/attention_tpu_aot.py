@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ac2_jax.models import AttentionMask  # noqa: E402
-from ac2_jax.models.attention_tpu import pallas_tpu_attention  # noqa: E402
+from ac2_jax.models.kernels.attention_tpu import pallas_tpu_attention  # noqa: E402
 
 
 def rows(length: int) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:

@@ -334,7 +334,9 @@ def test_the_public_api_is_curated(package):
 
 # Exported functions named like a submodule of their package: `import ac2_jax.viz.trace_html`
 # then gives the function, not the module. None may be added; these wait for the folder moves
-# of issue 62 step 3 (the recipes' modules went private: `recipes.rl` is the function alone).
+# of issue 62 step 3 (the recipes' modules went private: `recipes.rl` is the function alone;
+# `models.attention`'s module moved to models/kernels/ and its old path is a deprecation alias
+# (ac2_jax/_deprecation.py MOVED_MODULES) until the next release, then this entry goes).
 KNOWN_SHADOWS = {"models.attention", "orchestration.gym_env", "orchestration.openenv_env",
                  "orchestration.textarena_env", "orchestration.verifiers_env", "evals.audit",
                  "viz.trace_html"}

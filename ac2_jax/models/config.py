@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from ac2_jax.models.attention import ATTENTION_BACKENDS
 from ac2_jax.models.family import FAMILIES, config_from_hf, get_family
+from ac2_jax.models.kernels.attention import ATTENTION_BACKENDS
 from ac2_jax.models.lora import LoRAConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -69,7 +69,7 @@ class DecoderConfig:
     (everything but the layer input) or "save_dots" (keeps the outputs of
     the weight matmuls, recomputes attention and elementwise ops); True /
     False mean "full" / "none".
-    `attention_backend` picks the attention kernel (`models.attention`):
+    `attention_backend` picks the attention kernel (`models.kernels.attention`):
     "auto" chooses by platform and shape; `attention_block` is its tile size.
     `mlp_backward` is how the SwiGLU MLP's gradients are formed: "custom"
     (`models.layers.swiglu`, a custom VJP whose weight gradients contract

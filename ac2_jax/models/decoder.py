@@ -46,9 +46,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ac2_jax.losses import LMHead
-from ac2_jax.models.attention import attention, choose_backend
-from ac2_jax.models.attention_mask import BIG, AttentionMask
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.kernels.attention import attention, choose_backend
+from ac2_jax.models.kernels.attention_mask import BIG, AttentionMask
 from ac2_jax.models.layers import (
     Block,
     RMSNorm,
@@ -61,7 +61,8 @@ from ac2_jax.models.layers import (
 )
 from ac2_jax.models.lora import LoRAScale
 
-# attention, apply_rope and rope_inv_freq lived here before models.layers / models.attention.
+# attention, apply_rope and rope_inv_freq lived here before models.layers and
+# models.kernels.attention.
 __all__ = ["Decoder", "KVCache", "attention", "apply_rope", "rope_inv_freq"]
 
 _POLICIES = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}

@@ -50,8 +50,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ac2_jax.losses import LMHead
-from ac2_jax.models.attention import choose_backend
-from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.config import DecoderConfig
 from ac2_jax.models.decoder import _POLICIES, _check_2d, add_head, embedding
 from ac2_jax.models.family import ModelFamily, register_family
@@ -62,6 +60,8 @@ from ac2_jax.models.gemma3_config import (
     gemma3_hf_config,
     rope_inv_freqs,
 )
+from ac2_jax.models.kernels.attention import choose_backend
+from ac2_jax.models.kernels.attention_mask import AttentionMask
 from ac2_jax.models.layers import (
     MLP,
     _adapted,

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.decoder import KVCache, _ring_mask
+from ac2_jax.models.kernels.attention_mask import AttentionMask
 
 __all__ = ["HybridCache", "check_cache", "init_hybrid_cache", "run_cached"]
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ac2_jax.models.attention import attention
 from ac2_jax.models.axes import active_rules
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.kernels.attention import attention
 from ac2_jax.models.lora import lora_delta
 
 
@@ -223,7 +223,7 @@ def attention_apply(
     rope: the (cos, sin) tables of `rope_cos_sin` for x's positions.
 
     mask: an AttentionMask or a dense [B, L, S] bool mask (see
-    `models.attention.attention`). cache: None, or (k, v, layer, slots, append)
+    `models.kernels.attention.attention`). cache: None, or (k, v, layer, slots, append)
     with the slots [B, L] of the new keys / values (index S drops a write);
     attention runs over the layer's whole cache with them written in, or with
     `append` over the cache as it was followed by the new keys ([S + L] keys:

@@ -15,7 +15,7 @@ defaults), 2.70 GB with all four lean choices (BUILD_NOTES, issue 41):
 - `remat` (DecoderConfig): "full" recomputes each layer in the backward pass
   (about one more forward of the layers); "none" keeps ~25K values per token and
   layer at the 0.6B shape (5.56 GB of temporaries scanned, against 2.70 GB).
-- the attention kernel (`attention_backend` "auto", `models.attention.choose_backend`):
+- the attention kernel (`attention_backend` "auto", `models.kernels.attention.choose_backend`):
   on CPU block-sparse tiles from rows of 4 x attention_block tokens, dense below.
 - chunked log-probs (the losses' `chunk_size` "auto"): the loss
   projects `chunk` positions at a time when dense fp32 logits of the rows would
@@ -245,7 +245,7 @@ def plan(
     chunk_size ("auto", an int, or None for dense logits). device_memory_bytes:
     default `available_memory_bytes()`. platform: for the attention kernel (default JAX's).
     """
-    from ac2_jax.models.attention import choose_backend
+    from ac2_jax.models.kernels.attention import choose_backend
 
     n = param_count(config)
     ref = min(REFERENCE_TOKENS, int(config.max_position_embeddings))

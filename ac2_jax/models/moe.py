@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.kernels.gmm import gmm
 
 __all__ = [
     "MoEDecoderConfig",
@@ -273,9 +274,9 @@ GROUPED_MATMULS = ("ragged_dot", "gmm")
 def grouped_matmul_for(attention_backend: str, platform: str | None = None) -> str:
     """The experts' grouped GEMM that goes with an attention backend: "gmm" where the
     TPU kernels run ("pallas_tpu", or "auto" when the target platform is TPU,
-    `models.attention.target_platform`: a mesh set on TPU devices, also ahead of
+    `models.kernels.attention.target_platform`: a mesh set on TPU devices, also ahead of
     time on a CPU host), else "ragged_dot"."""
-    from ac2_jax.models.attention import target_platform
+    from ac2_jax.models.kernels.attention import target_platform
 
     if attention_backend == "pallas_tpu":
         return "gmm"
@@ -284,31 +285,12 @@ def grouped_matmul_for(attention_backend: str, platform: str | None = None) -> s
     return "ragged_dot"
 
 
-def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
-    """megablox `gmm` (differentiable) of lhs [M, K] by rhs [E, K, N] in groups of
-    `sizes` rows, in lhs's dtype (fp32 accumulation). Rows are padded to the m tile
-    and every row is put in a group (the tail in the last one), so no output or
-    gradient row is left uninitialised; the caller masks the rows of no expert."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
-
-    m = lhs.shape[0]
-    tm = min(128, -(-m // 8) * 8)
-    mp = -(-m // tm) * tm
-    sizes = sizes.at[-1].add(mp - jnp.sum(sizes))
-    # k and n tiles of 128 whatever the widths (gmm masks a ragged last tile): the
-    # backward reuses this tiling with k and n swapped, so neither may be a width
-    tiling = (tm, 128, 128)
-    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
-    out = gmm(lhs, rhs.astype(lhs.dtype), sizes, lhs.dtype, tiling, None, None, False, interpret)
-    return out[:m]
-
-
 def _experts_gmm(x, ids, weights, real, wg, wu, wd, interpret):
     """The dropless experts through `gmm`; under a mesh (`jax.set_mesh`) in shard_map:
     tokens over the rules' "batch" axes (each shard sorts and groups its own), the
     experts' hidden width over their "mlp" axes (partial down projections summed),
     weights otherwise whole per shard (FSDP gathers them a layer at a time)."""
-    matmul = functools.partial(_gmm, interpret=interpret)
+    matmul = functools.partial(gmm, interpret=interpret)
     run = lambda *a: _experts(*a, None, matmul)  # noqa: E731
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:

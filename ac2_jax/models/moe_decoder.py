@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ac2_jax.models.attention_mask import AttentionMask
 from ac2_jax.models.decoder import (
     _POLICIES,
     Decoder,
@@ -41,6 +40,7 @@ from ac2_jax.models.decoder import (
     add_head,
     embedding,
 )
+from ac2_jax.models.kernels.attention_mask import AttentionMask
 from ac2_jax.models.layers import (
     MLP,
     Attention,

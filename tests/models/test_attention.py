@@ -44,7 +44,7 @@ def test_auto_reads_the_platform_of_the_mesh_set():
     set with jax.set_mesh (its devices' platform), not jax.default_backend()."""
     from jax._src.mesh import AbstractDevice  # what a TPU topology's mesh carries
 
-    from ac2_jax.models.attention import target_platform
+    from ac2_jax.models.kernels.attention import target_platform
 
     assert target_platform() == "cpu"
     mesh = jax.sharding.AbstractMesh((2,), ("data",))  # devices unknown: the default backend

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import AttentionMask, dense_attention
-from ac2_jax.models.attention_accel import (
+from ac2_jax.models.kernels.attention_accel import (
     cudnn_attention,
     pallas_gpu_attention,
     splash_tpu_attention,

@@ -1,4 +1,4 @@
-"""The TPU kernel "pallas_tpu" (`models.attention_tpu`) in Pallas interpret mode on CPU
+"""The TPU kernel "pallas_tpu" (`models.kernels.attention_tpu`) in Pallas interpret mode on CPU
 against the dense reference, fp32, atol 1e-5: values and the gradients in q, k, v of
 flat packed rows (segment ids, padding, grouped-query heads) and tree rows (shared
 prefix, branches, a nested branch, two trees in a row, padding; `subtree_end`), and
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.models import AttentionMask, dense_attention
-from ac2_jax.models.attention_tpu import flat_rule, fold_rows, pallas_tpu_attention
+from ac2_jax.models.kernels.attention_tpu import flat_rule, fold_rows, pallas_tpu_attention
 from ac2_jax.models.moe import experts_apply
 from ac2_jax.training import make_mesh
 

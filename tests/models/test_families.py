@@ -186,9 +186,9 @@ def test_window_mask_blocksparse_and_tiles():
     """The sliding-window mask by positions: dense() is the rule written out, the
     tiles a blocked kernel keeps cover every visible pair and skip far ones, and the
     block-sparse kernel equals dense attention (fp32, 1e-5) on flat and tree rows."""
-    from ac2_jax.models.attention import attention
-    from ac2_jax.models.attention_mask import AttentionMask
-    from ac2_jax.models.blocksparse import blocksparse_attention_with_count
+    from ac2_jax.models.kernels.attention import attention
+    from ac2_jax.models.kernels.attention_mask import AttentionMask
+    from ac2_jax.models.kernels.blocksparse import blocksparse_attention_with_count
 
     L, W, blk = 64, 6, 8
     seg = np.zeros((1, L), np.int32)

@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
+from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, visible
 
 
 def blocksparse_attention(

@@ -1,6 +1,6 @@
 """The TPU attention kernel "pallas_tpu": Pallas flash attention under any `AttentionMask`.
 
-Backend name `"pallas_tpu"` (`models.attention.ATTENTION_BACKENDS`; "auto"
+Backend name `"pallas_tpu"` (`models.kernels.attention.ATTENTION_BACKENDS`; "auto"
 picks it on TPU for packed rows, flat or tree, and for decode). Unlike splash
 attention (`attention_accel.splash_tpu_attention`), whose masks are static
 numpy patterns, this kernel reads the mask's per-token arrays at run time, so
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.models.attention_mask import NEG, AttentionMask, visible
+from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, visible
 
 __all__ = ["flat_rule", "fold_rows", "pallas_tpu_attention"]
 

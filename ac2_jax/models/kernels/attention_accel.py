@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.models.attention_mask import AttentionMask
+from ac2_jax.models.kernels.attention_mask import AttentionMask
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask) -> jax.Array:

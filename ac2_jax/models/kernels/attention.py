@@ -1,16 +1,16 @@
 """Attention behind one function, with the backend chosen by platform and config.
 
 `attention(q, k, v, mask, backend=..., block=...)` takes the mask as an
-`AttentionMask` (`models.attention_mask`): per-token index and segment
+`AttentionMask` (`models.kernels.attention_mask`): per-token index and segment
 arrays from which both the dense [B, Lq, Lk] mask and the tiles a blocked
 kernel may skip follow. A query that sees no key (decode padding) gets
 zeros from every backend.
 
 Backends: "dense" (masked softmax over [Lq, Lk] scores), "blocksparse"
-(pure-JAX flash tiles that skip fully masked tiles, `models.blocksparse`),
-"cudnn", "pallas_gpu", "splash_tpu" (`models.attention_accel`), "pallas_tpu"
+(pure-JAX flash tiles that skip fully masked tiles, `models.kernels.blocksparse`),
+"cudnn", "pallas_gpu", "splash_tpu" (`models.kernels.attention_accel`), "pallas_tpu"
 (a Pallas TPU flash kernel under any `AttentionMask`: segment ids, the tree
-mask, decode; `models.attention_tpu`). "auto" picks per platform
+mask, decode; `models.kernels.attention_tpu`). "auto" picks per platform
 (`choose_backend`); the platform is the mesh's when one is set
 (`jax.set_mesh`: a TPU mesh compiled ahead of time on a CPU host counts as
 TPU), else JAX's default backend.
@@ -23,10 +23,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.models import attention_accel
-from ac2_jax.models.attention_mask import NEG, AttentionMask
-from ac2_jax.models.attention_tpu import pallas_tpu_attention
-from ac2_jax.models.blocksparse import blocksparse_attention
+from ac2_jax.models.kernels import attention_accel
+from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask
+from ac2_jax.models.kernels.attention_tpu import pallas_tpu_attention
+from ac2_jax.models.kernels.blocksparse import blocksparse_attention
 
 # The kernels by name ("auto": by platform and shape, `choose_backend`); DecoderConfig's
 # `attention_backend` takes one of them.
