@@ -54,16 +54,13 @@ import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ac2_jax.models import (  # noqa: E402
-    Decoder,
-    DecoderConfig,
-    build_tiny_tokenizer,  # noqa: E402
-)
+from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from benchmarks.common import child_xla_flags, parser, print_table, write_json  # noqa: E402
 from benchmarks.endpoint_harness import ServerProcess, audit, overhead_s, rss_bytes  # noqa: E402

@@ -188,6 +188,31 @@ def test_no_import_cycles_in_the_lab():
         " <-> ".join(c) for c in cycles)
 
 
+def test_the_library_imports_no_deprecated_path():
+    """ac2_jax imports a moved module or a renamed name by its new path only (the old ones,
+    `_deprecation.MOVED_MODULES` and each package's `DEPRECATED`, are for users' code)."""
+    from ac2_jax._deprecation import MOVED_MODULES
+
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        for module, level, names, line in _import_statements(path):
+            if level:
+                continue
+            for name in names if module is None else [module]:
+                if name in MOVED_MODULES:
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
+            if module in PUBLIC_MODULES:
+                old = set(getattr(importlib.import_module(module), "DEPRECATED", {})) & set(names)
+                bad += [f"{path.relative_to(ROOT.parent)}:{line} imports {module}.{n}" for n in old]
+            for name in names if module else []:
+                if f"{module}.{name}" in MOVED_MODULES:
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}.{name}")
+    assert not bad, "deprecated paths (use the new ones):\n" + "\n".join(bad)
+
+
+PUBLIC_MODULES = {f"ac2_jax.{p}" for p in PUBLIC}
+
+
 def test_core_never_imports_torch_or_transformers():
     bad = [f"{p.relative_to(ROOT.parent)}:{line} imports {m}"
            for p in ROOT.rglob("*.py") for m, line in _imports(p)

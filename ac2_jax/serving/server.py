@@ -173,9 +173,11 @@ def load_policy(
         raise ValueError(f"--model must be 'tiny' or a local HF directory, got {model!r}")
     from flax import nnx  # heavy imports only once the arguments are known to be good
 
-    from ac2_jax.models import Decoder, DecoderConfig, Tokenizer, build_tiny_tokenizer
+    from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.hf_io import load_hf_checkpoint
     from ac2_jax.sampling.registry import SamplerSetup, build_sampler
+    from ac2_jax.text import Tokenizer
+    from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     if model == "tiny":
         tokenizer = build_tiny_tokenizer(tokenizer_dir or tempfile.mkdtemp(prefix="ac2_tok_"))

@@ -28,7 +28,7 @@ from flax import nnx
 from ports import refused_url
 from serving_helpers import forward_logprobs
 
-from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, publish_weights
+from ac2_jax.models import Decoder, DecoderConfig, publish_weights
 from ac2_jax.sampling import (
     FleetSampler,
     JaxSampler,
@@ -40,6 +40,7 @@ from ac2_jax.sampling import (
 )
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import load_policy, serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 from benchmarks.endpoint_harness import BackendProcess, audit, run_load
 

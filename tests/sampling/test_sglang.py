@@ -18,7 +18,7 @@ from flax import nnx
 from serving_helpers import forward_logprobs
 from sglang_fake import FakeSGLang
 
-from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer
+from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import ContextLengthError, SamplerError, SamplingParams
 from ac2_jax.sampling.sglang import (
     SGLangError,
@@ -29,6 +29,7 @@ from ac2_jax.sampling.sglang import (
 )
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 CONTEXT = 128  # the fake's --context-length
 

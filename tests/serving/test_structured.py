@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ac2_jax.losses import sampling_logits
-from ac2_jax.models import Decoder, DecoderConfig, Tokenizer, build_tiny_tokenizer
+from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import any_json_grammar, json_schema_grammar, replay_masks, tool_call_grammar
 from ac2_jax.sampling.jax_sampler import JaxSampler
 from ac2_jax.serving import requests as rq
@@ -30,6 +30,8 @@ from ac2_jax.serving.errors import APIError
 from ac2_jax.serving.generation import forced_prefix
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.structured import request_constraint, response_schema
+from ac2_jax.text import Tokenizer
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 ADMIN = "sk-admin-structured"
 CTX = 1024

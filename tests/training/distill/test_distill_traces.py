@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_helpers import SYSTEM, TOOLS
 
-from ac2_jax.models import Decoder, DecoderConfig, build_tiny_tokenizer, parse_tool_calls
+from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.text import parse_tool_calls
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.recorder import TraceRecorder
 from ac2_jax.trace.types import Completion, Trace
 from ac2_jax.training import OptimizerConfig, create_train_state
