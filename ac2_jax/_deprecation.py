@@ -9,7 +9,7 @@ A moved module (issue 62, step 3: folders by concept) is listed in `MOVED_MODULE
 package it left calls `install_moved_modules(__name__)`, which puts a `MovedModule` at each
 old path: `from old import x` gives the new module's `x` with a DeprecationWarning naming
 the new path (tests/test_public_api.py checks each). Code that patches a moved module must
-patch the new one.
+patch the new one (patching the old path is an error that says so).
 """
 
 from __future__ import annotations
@@ -58,11 +58,13 @@ MOVED_MODULES = {
 
 class MovedModule(types.ModuleType):
     """The module object left at a moved module's old path: each attribute read warns
-    (naming the new path) and returns the new module's object."""
+    (naming the new path) and returns the new module's object. Setting or deleting an
+    attribute here (a test's `monkeypatch.setattr(old_module, ...)`) would change nothing
+    the library reads, so it is an AttributeError naming the module to patch."""
 
     def __init__(self, old: str, new: str):
         super().__init__(old, f"Deprecated: moved to {new} (this alias goes in the next release).")
-        self.__spec__ = importlib.machinery.ModuleSpec(old, None)
+        self.__dict__["__spec__"] = importlib.machinery.ModuleSpec(old, None)
         self.__dict__["_new"] = new
 
     def __getattr__(self, name: str) -> Any:
@@ -74,6 +76,22 @@ class MovedModule(types.ModuleType):
             stacklevel=2,
         )
         return getattr(importlib.import_module(self._new), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("__"):
+            raise AttributeError(
+                f"{self.__name__} is a deprecation alias of {self._new}: set {name} on "
+                f"{self._new} (setting it here would change nothing the library reads)"
+            )
+        self.__dict__[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if not name.startswith("__"):
+            raise AttributeError(
+                f"{self.__name__} is a deprecation alias of {self._new}: delete {name} "
+                f"from {self._new}"
+            )
+        del self.__dict__[name]
 
     def __dir__(self) -> list[str]:
         return dir(importlib.import_module(self._new))

@@ -91,6 +91,21 @@ def test_a_moved_module_warns_and_gives_its_new_home(old):
         len(names) + 1)
 
 
+def test_patching_a_moved_modules_old_path_names_the_new_module(monkeypatch):
+    """A patch set on the alias would change nothing the library reads: it is refused,
+    naming the module to patch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = importlib.import_module("ac2_jax.models.tool_parsers")
+    msg = (r"^ac2_jax\.models\.tool_parsers is a deprecation alias of "
+           r"ac2_jax\.text\.tool_parsers: set DEFAULT_MAX_CHARS on ac2_jax\.text\.tool_parsers")
+    with pytest.raises(AttributeError, match=msg):
+        monkeypatch.setattr(old, "DEFAULT_MAX_CHARS", 7)
+    with pytest.raises(AttributeError, match="delete DEFAULT_MAX_CHARS from ac2_jax.text"):
+        del old.DEFAULT_MAX_CHARS
+    assert importlib.import_module("ac2_jax.text.tool_parsers").DEFAULT_MAX_CHARS == 1 << 20
+
+
 def test_a_moved_module_leaves_the_package_name_it_shadowed():
     """`ac2_jax.models.attention` is the function (the package's export) before and after
     its old module path is imported."""
