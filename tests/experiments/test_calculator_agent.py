@@ -102,6 +102,8 @@ def test_sft_extend_restarts_only_while_the_loss_stays_high():
     mean loss of the last `window` steps is above max_loss; none when it is below."""
     cfg = get_config("long_memo_quick")
     cfg.sft.steps = 2
+    # The restarts' and extensions' (2 steps at 3e-3): every stage is one compiled step.
+    cfg.sft_optimizer.learning_rate = 3e-3
     env = calculator_agent.build_env(cfg)
     import tempfile
     with tempfile.TemporaryDirectory() as d:
@@ -131,6 +133,7 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
 
     weak = get_config("long_memo_weak_link").sft_weak_link
     weak.steps = 2
+    weak.learning_rate = 3e-3  # the restart's (2 steps at 3e-3): one compiled step for both
     cfg = get_config("long_memo_quick")
     cfg.sft_weak_link = weak
     cfg.sft_extend.max_stages = 0  # the extension has its own test
