@@ -108,6 +108,7 @@ def _toy_faithful(tmp_path):
     cfg.loop.update(steps=1, prompts_per_step=4, target_every=1, eval_every=1,
                     retain_every=16, answer_tokens=6)
     cfg.sampling.max_new_tokens = 6
+    cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
     cfg.workdir = str(tmp_path / "run")
     return cfg
 
@@ -160,6 +161,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
                          nonce_words=20, math_limit=3)  # 165 items, not 256
     cfg.loop.update(steps=1, eval_every=1)
     cfg.sampling.max_new_tokens = 8
+    cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
     cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5", "llm"))
     cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)  # a 3-step judge
     cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
