@@ -44,7 +44,7 @@ def run(cfg, log=print) -> dict:
     prompts = PromptCache(tok, pinapple.hint_config(cfg))
     n = cfg.loop.answer_tokens
     with JaxSampler(state.model(graphdef), publish_dir=os.path.join(workdir, "published"),
-                    max_batch=64, min_batch=8, seed=cfg.seed) as sampler:
+                    max_batch=64, min_batch=cfg.sampling.min_batch, seed=cfg.seed) as sampler:
         (base,), (teacher,), following = evals.base_checks(sampler, prompts,
                                                               {cfg.seed: splits}, n)
         examples, some = {}, splits["train"][:4]

@@ -21,6 +21,7 @@ def test_the_base_report_at_toy_size(tmp_path):
     cfg.sft.steps = 20
     cfg.sft_optimizer.warmup_steps = 2
     cfg.loop.answer_tokens = 8
+    cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
     cfg.workdir = str(tmp_path / "base")
     logs = []
     report = pinapple_base.run(cfg, log=logs.append)
