@@ -41,7 +41,7 @@ def test_a_plan_covers_every_kind_and_is_fixed_by_its_seed():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_split_job_keeps_its_invariants_under_every_kind_of_fault(tmp_path, seed):
-    report = run_seed(str(tmp_path / "job"), seed, steps=STEPS, mean_gap_s=1.0, scripted=True,
+    report = run_seed(str(tmp_path / "job"), seed, steps=STEPS, mean_gap_s=0.5, scripted=True,
                       collector_first=True, log=lambda _: None)
     summary = {k: report[k] for k in ("violations", "faults", "rollouts", "learner_steps_logged",
                                       "disk_full", "replay")}
