@@ -167,14 +167,17 @@ class FaultJob:
         raise TimeoutError(f"{role.name} did not answer {path} in {timeout_s} s")
 
     def start(self) -> None:
+        """The backends, then the endpoint over them once they answer. The collector and
+        the learner start with the backends: each waits for the endpoint itself
+        (`wait_for_endpoint`), so their start-up overlaps the servers'."""
         for b in self.backends:
             b.start()
+        self.collector.start(self._env())
+        self.learner.start(self._env())
         for b, u in zip(self.backends, self.backend_urls, strict=True):
             self._wait_http(u, "/get_model_info", b)
         self.endpoint.start()
         self._wait_http(self.url, "/v1/models", self.endpoint)
-        self.collector.start(self._env())
-        self.learner.start(self._env())
 
     def _finalized(self) -> set[int]:
         try:
