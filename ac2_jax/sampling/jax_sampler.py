@@ -122,7 +122,7 @@ class JaxSampler(DeviceLoop):
     count is a power of two >= min_batch (min_batch = max_batch: one shape).
     eos_token_ids: always stop tokens (plus each request's stop_token_ids).
     tokenizer: anything with `.decode(ids) -> str`; enables stop strings here.
-    An `ac2_jax.models.Tokenizer` also enables `SamplingParams.constraint`
+    An `ac2_jax.text.Tokenizer` also enables `SamplingParams.constraint`
     (grammars; its EOS must be a stop token of the request).
     steps_per_sync: decode steps per device call (host checks stops between).
     prefill_chunk: most prompt tokens per row per prefill call (longer prompts
@@ -525,7 +525,7 @@ class JaxSampler(DeviceLoop):
         if self._tokenizer is None or getattr(self._tokenizer, "hf", None) is None:
             raise ValueError(
                 "SamplingParams.constraint needs the JaxSampler's tokenizer (an "
-                "ac2_jax.models.Tokenizer): build it with tokenizer="
+                "ac2_jax.text.Tokenizer): build it with tokenizer="
             )
         end = end_token_id(self._tokenizer)
         stops = set(self._eos) | set(params.stop_token_ids)
