@@ -177,7 +177,23 @@ class FaultJob:
         for b, u in zip(self.backends, self.backend_urls, strict=True):
             self._wait_http(u, "/get_model_info", b)
         self.endpoint.start()
+        self._warm_up()
         self._wait_http(self.url, "/v1/models", self.endpoint)
+
+    def _warm_up(self) -> None:
+        """While the endpoint starts: each backend in turn decodes a burst like a step's
+        first requests (4 at once, 27-token prompts, 6 tokens), so the collector's first
+        requests do not wait out the backend timeout (3 s) on the compile, and the second
+        backend reads the first's programs from the run's compile cache."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        body = {"input_ids": list(range(3, 30)),
+                "sampling_params": {"max_new_tokens": 6, "temperature": 1.0}}
+        for u in self.backend_urls:
+            with ThreadPoolExecutor(4) as pool:
+                for r in pool.map(lambda _: httpx.post(u + "/generate", json=body, timeout=120),
+                                  range(4)):
+                    r.raise_for_status()
 
     def _finalized(self) -> set[int]:
         try:
