@@ -76,7 +76,7 @@ def test_rl_on_a_data_mesh_asks_for_rows_multiple(tmp_path, capsys):
 
 def _console(monkeypatch, recipe: str) -> io.StringIO:
     """Where the recipe's `Progress` lines go (the console), for the test to read."""
-    module = importlib.import_module(f"ac2_jax.recipes.{recipe}")
+    module = importlib.import_module(f"ac2_jax.recipes._{recipe}")
     console = io.StringIO()
     monkeypatch.setattr(module, "Progress", functools.partial(module.Progress, out=console))
     return console
