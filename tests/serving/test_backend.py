@@ -161,12 +161,25 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(backend, tok):
                     if line.startswith("data:"):
                         break  # leave after the first chunk
 
-    asyncio.run(go())
-    for _ in range(200):
-        if counts["cancelled"] > before and counts["in_flight"] == 0:
+    # The server thread shares this process (and its GIL) with the client: on a slow
+    # or busy machine it can sample all 100 tokens (or a stop token) and write the whole
+    # stream into the socket buffers before the client's break closes the connection,
+    # and that request then finishes, as it should. So up to 3 tries; each must end
+    # cancelled or finished (nothing left in flight), and one must be cancelled.
+    for _ in range(3):
+        finished = counts["finished"]
+        asyncio.run(go())
+        for _ in range(200):
+            if counts["in_flight"] == 0 and (
+                counts["cancelled"] > before or counts["finished"] > finished
+            ):
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert counts["in_flight"] == 0
+        assert counts["cancelled"] + counts["finished"] == before + finished + 1
+        if counts["cancelled"] == before + 1:
             break
-        asyncio.run(asyncio.sleep(0.02))
-    assert counts["cancelled"] == before + 1 and counts["in_flight"] == 0
+    assert counts["cancelled"] == before + 1
 
 
 def test_an_in_flight_sampler_is_refused_by_name(backend, tok):
