@@ -191,16 +191,18 @@ def publish(
 
     if in_memory and sampler is None:
         raise ValueError("publish: in_memory=True hands the weights to a sampler; pass sampler=")
+    set_params = getattr(sampler, "set_params", None)
+    if in_memory and not callable(set_params):
+        raise TypeError(
+            f"publish: in_memory needs a sampler that takes params (JaxSampler.set_params); "
+            f"{type(sampler).__name__} has none: leave in_memory False to reload the publish"
+        )
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    path = params_io.publish_weights(state.model(graphdef), os.fspath(publish_dir), step, keep=keep)
-    if sampler is not None and in_memory:
-        set_params = getattr(sampler, "set_params", None)
-        if not callable(set_params):
-            raise TypeError(
-                f"publish: in_memory needs a sampler that takes params (JaxSampler.set_params); "
-                f"{type(sampler).__name__} has none: leave in_memory False to reload the publish"
-            )
-        set_params(params_io.published_params(state.model(graphdef)), step)
+    model = state.model(graphdef)  # merged once: the write and the hand-off read it
+    path = params_io.publish_weights(model, os.fspath(publish_dir), step, keep=keep)
+    if in_memory:
+        assert set_params is not None  # checked above, before any write
+        set_params(params_io.published_params(model), step)
     elif sampler is not None:
         sampler.load_weights(step)
     return path

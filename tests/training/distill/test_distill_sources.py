@@ -155,3 +155,17 @@ def test_publish_keeps_the_sampler_on_the_learners_weights(setup):
             res.output_logprobs,
             np.asarray(jax.nn.log_softmax(logits))[np.arange(len(res.output_ids)),
                                                    res.output_ids], atol=1e-4)
+
+
+def test_an_in_memory_publish_without_a_sampler_that_takes_params_writes_nothing(setup):
+    """`publish(in_memory=True)` needs a sampler with `set_params`: without one it is a
+    clear error before anything is written (the folder keeps its steps)."""
+    from ac2_jax.models.params_io import latest_published
+
+    _, g, st, _, publish_dir = setup
+    before = latest_published(publish_dir)
+    with pytest.raises(ValueError, match="pass sampler="):
+        publish(g, st, publish_dir, 90, in_memory=True)
+    with pytest.raises(TypeError, match="object has none: leave in_memory False"):
+        publish(g, st, publish_dir, 91, sampler=object(), in_memory=True)
+    assert latest_published(publish_dir) == before
