@@ -469,8 +469,9 @@ QUICK_GROWTH = {"attempts": [1, 4], "turns": [1, 2], "context": [512]}
 
 def growth_specs(ckpt: str, base: dict, quick: bool) -> list[tuple[str, int, dict]]:
     axes = QUICK_GROWTH if quick else GROWTH
+    only = base.get("growth_axes") or list(axes)
     out = []
-    for axis, values in axes.items():
+    for axis, values in ((a, axes[a]) for a in only):
         for v in values:
             # The race's own setting (tasks_per_step, attempts, turns) is one point of the
             # attempts and turns curves: the peers' race points sit on them.
@@ -486,6 +487,7 @@ def growth_specs(ckpt: str, base: dict, quick: bool) -> list[tuple[str, int, dic
             spec = make_spec(ckpt, **kw)
             # Shapes compile in each point's warm-up step (excluded), not all ahead.
             spec["sampler_warmup"] = False
+            spec["layout"] = base.get("layout", "flat")
             out.append((axis, v, spec))
     return out
 
@@ -547,6 +549,12 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--growth_steps", type=int, default=1)
+    p.add_argument("--layout", default="flat", choices=("flat", "tree"),
+                   help="this library's RL batch layout (rl.batch.layout): flat rows, or "
+                        "tree rows holding a group's shared prompt once")
+    p.add_argument("--growth_axes", default="",
+                   help="comma-separated growth curves to run (attempts, turns, context; "
+                        "default: all)")
     p.add_argument("--growth_warmup", type=int, default=2,
                    help="untimed steps per growth point (its shapes compile in them: the "
                         "growth points run without the sampler's ahead-of-time warm-up)")
@@ -572,6 +580,10 @@ def main(argv=None) -> dict:
                         "(ROUNDS alternating rounds per size; measure_hand_off)")
     args = p.parse_args(argv)
     hand_offs = [h.strip() for h in args.hand_off.split(",") if h.strip()]
+    growth_axes = [a.strip() for a in args.growth_axes.split(",") if a.strip()]
+    unknown = sorted(set(growth_axes) - set(GROWTH))
+    if unknown:
+        raise SystemExit(f"--growth_axes: {unknown} unknown; choose from {list(GROWTH)}")
     if not hand_offs or any(h not in ("memory", "disk") for h in hand_offs):
         raise SystemExit(f"--hand_off: memory, disk or a list of them, got {args.hand_off!r}")
     if args.quick:
@@ -614,7 +626,8 @@ def main(argv=None) -> dict:
                 for h in (hand_offs if system == "ac2" else [None])]
         for system, turns, hand_off in runs:
             spec = specs[turns] if hand_off is None else dict(
-                specs[turns], hand_off=hand_off, checkpoint_every=args.checkpoint_every)
+                specs[turns], hand_off=hand_off, checkpoint_every=args.checkpoint_every,
+                layout=args.layout)
             res = run_system(system, spec, work, peers.get(system))
             mode = f"/{hand_off}" if hand_off is not None and len(hand_offs) > 1 else ""
             raw[f"{size}/{system}/turns{turns}{mode}"] = res
@@ -632,7 +645,8 @@ def main(argv=None) -> dict:
     if not args.no_growth:
         gspecs = growth_specs(make_checkpoint_once(ckpts, args.growth_size, work)["path"],
                               {"max_tokens": args.max_tokens, "growth_steps": args.growth_steps,
-                               "growth_warmup": args.growth_warmup,
+                               "growth_warmup": args.growth_warmup, "layout": args.layout,
+                               "growth_axes": growth_axes,
                                "tasks_per_step": args.tasks_per_step, "attempts": args.attempts,
                                "turns": args.turns},
                               args.quick)
