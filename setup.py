@@ -4,7 +4,7 @@ Core: what `ac2_jax.{trace,segments,losses,models,sampling,envs,orchestration,
 training,evals}` import (tests/test_layering.py checks it). Extras: serve (the
 FastAPI endpoint), viz (matplotlib curves), dev (tests and parity references).
 Lower bounds are the oldest releases with the APIs the code calls; the test
-suite runs on the versions in BUILD_NOTES.md.
+suite runs on the versions recorded in the dated notes (docs/notes/).
 """
 from setuptools import find_packages, setup
 

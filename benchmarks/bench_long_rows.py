@@ -23,8 +23,8 @@ head, under the same two flag settings:
     python -m benchmarks.bench_long_rows --kernel --prompt 4096
 
 Every phase is timed twice where a second call is the steady state (the update and the
-first forward: first = compile + run). The figures are in BUILD_NOTES, issue 67,
-"default-settings RL steps".
+first forward: first = compile + run). The figures are in
+docs/notes/2026-12-07-default-settings-cli-rl-steps.md.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def param_count(shape: dict) -> int:
 def need_gb(case: str, shape: dict, tokens: int) -> float:
     """Rough peak RSS of a case (GB): what MemAvailable must cover before it starts.
     State bytes exactly, plus the process and activations (from the measured 0.6B
-    rows in BUILD_NOTES; torch without checkpointing keeps every layer's activations)."""
+    rows in docs/notes/2026-12-05-lora-memory-time-publish-real-size.md; torch without checkpointing keeps every layer's activations)."""
     p, k = param_count(shape), tokens / 1024
     width = shape["hidden_size"] / 1024
     if case == "jax_full":

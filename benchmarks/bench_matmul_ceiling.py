@@ -1,7 +1,7 @@
 """The matmul ceiling of the train step: XLA:CPU's GEMMs vs torch's at the step's exact shapes.
 
 Issue 16 asks for a train step >= 1.5x transformers + torch's tokens/s. About
-half of our step is matmul (the profiles in BUILD_NOTES, issue 16), so if XLA:CPU's GEMMs
+half of our step is matmul (the profiles in docs/notes/2026-12-02-where-the-step-time-goes-profiles.md), so if XLA:CPU's GEMMs
 alone, at the shapes the step runs, take longer than torch's *whole* step
 / 1.5, the goal cannot be reached by removing the other half. This times,
 side by side in one process and alternately, a jitted `lax.dot_general` and

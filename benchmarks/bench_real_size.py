@@ -279,7 +279,7 @@ def _decode(ckpt: str, variant: str, batch: int, new_tokens: int) -> dict:
     timeline: list = []
     _mark(timeline, "start")
     # Per-layer weights: scanned decode slices every layer's weights and cache out of the
-    # stacked arrays each step (~1.6x slower on CPU, BUILD_NOTES), so a CPU sampler
+    # stacked arrays each step (~1.6x slower on CPU, docs/notes/2026-12-02-qwen3-06b-policy-on-2-cores.md), so a CPU sampler
     # keeps the per-layer layout.
     model, config = load_hf_checkpoint(ckpt, **{**preset_runtime(qwen3.get_config(variant)),
                                                "scan_layers": False})

@@ -5,7 +5,7 @@ adds numpy's BLAS (OpenBLAS in the wheels) and torch (MKL / oneDNN): the best
 rate of any library at any size bounds what a train step of the same FLOPs can
 reach here, so a goal above it is out of reach by any kernel choice. XLA runs
 first: OpenBLAS's idle threads spin on the cores after a call and slow what
-follows (BUILD_NOTES "OpenBLAS inside XLA:CPU").
+follows (docs/notes/2026-12-06-openblas-inside-xla-cpu.md).
 
     python -m benchmarks.bench_roofline --sizes 256,512,1024,2048 --libraries xla,numpy,torch
 """

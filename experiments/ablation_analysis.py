@@ -1,6 +1,6 @@
 """The ablation's analysis over seeds, fixed before the runs (issue 38).
 
-Pre-registered (BUILD_NOTES, "The whole-trace claim where it must show"):
+Pre-registered (docs/notes/2026-12-06-whole-trace-claim-where-it-must-show.md):
 - Primary outcome: held-out pass rate, whole trace minus main only. Per held-out
   task, the share of its attempts that passed in each arm of each seed; per task,
   the mean over seeds of (whole - main only); the estimate is the mean over tasks

@@ -211,7 +211,7 @@ def _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log):
     ext = cfg.get("sft_extend")
     for extra in range(ext.max_stages if ext is not None else 0):
         # Copying is a phase change whose step varies between seeds: one more restart
-        # while the last stage's loss shows it has not come (BUILD_NOTES, issue 38).
+        # while the last stage's loss shows it has not come (docs/notes/2026-12-06-whole-trace-claim-where-it-must-show.md).
         tail = [x["loss"] for x in history[-ext.window:]]
         final = sum(tail) / len(tail)
         if final <= ext.max_loss:

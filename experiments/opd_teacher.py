@@ -1,6 +1,6 @@
 """On-policy distillation from a bigger teacher model vs RL at the same budget (issue 64).
 
-    python -m experiments.opd_teacher --workdir runs/opd            # the study (BUILD_NOTES)
+    python -m experiments.opd_teacher --workdir runs/opd            # the study (docs/notes/2026-12-07-on-policy-distillation-teacher-judge.md)
     python -m experiments.opd_teacher --workdir runs/opd --preset toy  # seconds: the pipeline
 
 The task (`ReverseEnv`): reverse a sequence of letters ("Reverse: c a f h" -> "h f a

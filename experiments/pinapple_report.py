@@ -41,8 +41,8 @@ def summarize(cfg, runs, base_eval, teacher_eval) -> list[dict]:
 
 
 def claims(cfg, runs, n_boot: int = 10000, seed: int = 0) -> dict:
-    """The design's two claims, scored as fixed before the faithful runs (BUILD_NOTES,
-    issue 39), on the main runs paired by (seed, data seed):
+    """The design's two claims, scored as fixed before the faithful runs (docs/notes/
+    2026-12-06-rmsd-vs-opsd-faithful-analysis-judge-try4.md), on the main runs paired by (seed, data seed):
 
     - half_steps: mean steps to the held-out target, RMSD / OPSD, with a 95% percentile
       bootstrap CI over the pairs (a run that never reached the target counts as

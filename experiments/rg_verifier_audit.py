@@ -1,4 +1,4 @@
-"""The verifier audit of every reasoning-gym generator (BUILD_NOTES, issue 63).
+"""The verifier audit of every reasoning-gym generator (docs/notes/2026-12-07-environments-of-other-libraries.md).
 
     python -m experiments.rg_verifier_audit [out.json]
 

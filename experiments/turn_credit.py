@@ -18,7 +18,7 @@ The policy samples here with plain categorical sampling from the tiny decoder (n
 endpoint: the toy needs no tools); everything after the traces is the library's
 RL pipeline (`batch_segments`, `pack_rl_batch`, `make_train_step` with the default
 PPO loss). `python -m experiments.turn_credit --seeds 5 --steps 40` writes
-results.json and prints the table (BUILD_NOTES, issue 64); `--optimizer adamw_noclip`
+results.json and prints the table (docs/notes/2026-12-07-rl-objectives-advantages-kl-turn-credit.md); `--optimizer adamw_noclip`
 or `--optimizer sgd --learning_rate 0.5` locate where the gap comes from.
 """
 

@@ -1,7 +1,7 @@
 """How long XLA:CPU takes to compile the tiny model's train step under different
 XLA_FLAGS: each flag set in a fresh process (no persistent cache), rounds alternated,
 so the machine's noise falls on every set alike. Backs the choice of test-suite flags
-in tests/conftest.py (BUILD_NOTES, "The suite in 20 minutes, second session").
+in tests/conftest.py (docs/notes/2026-12-07-suite-in-20-minutes-second-session.md).
 
     python scripts/compile_flags_probe.py              # the default sets, 3 rounds
     python scripts/compile_flags_probe.py --rounds 5 --flags "" "--xla_cpu_opt_preset=..."

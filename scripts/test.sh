@@ -10,7 +10,7 @@
 #   scripts/test.sh --quick    the inner loop: unit and contract tests, no pipelines,
 #                              notebooks, docs build, multi-process or fault tests
 #                              (`-m "not full"`, tests/conftest.py FULL_ONLY; 6 minutes
-#                              on 2 cores, goal 5: BUILD_NOTES 2026-12-07)
+#                              on 2 cores, goal 5: docs/notes/2026-12-07-suite-in-20-minutes-fifth-session.md)
 #   scripts/test.sh ARGS...    extra pytest arguments (a path, -k, -x), after the tier flag
 # AC2_TEST_WORKERS=N sets the number of workers (0: one process, no xdist).
 # Where the time goes: scripts/test_profile.sh (CONTRIBUTING.md, "Tests").
@@ -27,7 +27,7 @@ export JAX_PLATFORMS=cpu
 # Bytecode is written (__pycache__, git-ignored) even where the machine sets
 # PYTHONDONTWRITEBYTECODE: each pytest worker and each child process would otherwise
 # compile every module of the library and the tests from source (27 -> 20 CPU s per
-# worker's collection; BUILD_NOTES, issue 60, fifth session).
+# worker's collection; docs/notes/2026-12-07-suite-in-20-minutes-fifth-session.md).
 unset PYTHONDONTWRITEBYTECODE
 ruff check .
 ruff format --check ac2_jax

@@ -4,7 +4,7 @@ XLA:CPU's fusion emitters, and one persistent compilation cache for the whole ru
 -O0 (`--xla_backend_optimization_level=0`): a tiny-model test is mostly XLA:CPU
 compilation, and most of that is LLVM optimising code that then runs a few times.
 Side by side on 2 cores, 55 tests of the decoder, sampler and train step took 238 s
-at -O0 and 308 s at the default (BUILD_NOTES, "The suite in 20 minutes"). The HLO
+at -O0 and 308 s at the default (docs/notes/2026-12-07-suite-in-20-minutes.md). The HLO
 passes (fusion, layout, buffer assignment) are the same; the numbers are IEEE fp32
 either way, and every tolerance in the suite holds. A caller's own level is kept.
 
@@ -12,7 +12,7 @@ No fusion emitters (`--xla_cpu_use_fusion_emitters=false`): XLA:CPU then emits i
 fusions with the classic LLVM IR emitters instead of generating each through MLIR.
 Compiling the tiny model's train step took 2-3x less (1.6-2.6 s vs 3.8-6.2 s), and
 test_train_step.py + test_decoder.py took 125-129 s vs 277-285 s, side by side
-(BUILD_NOTES, "The suite in 20 minutes", 2026-12-07, second session). Same ops, same
+(docs/notes/2026-12-07-suite-in-20-minutes-second-session.md). Same ops, same
 fp32 results within every tolerance of the suite. A caller's own setting is kept.
 
 The cache: `JAX_COMPILATION_CACHE_DIR` is a new temporary directory per run (made by
@@ -34,8 +34,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The opt-in RL steps from real CLI rollouts (AC2_CLI_RL_STEP=1, tests/orchestration/
 # test_cli_presets.py) run block-sparse attention over 30k-48k-token rows: runtime, not
 # compilation. At -O0 without fusion emitters its forward ran 17x and forward + backward
-# 7x slower than at XLA's defaults (4,096 tokens; BUILD_NOTES, issue 67, "default-settings
-# RL steps"), so such a run keeps XLA's defaults.
+# 7x slower than at XLA's defaults (4,096 tokens;
+# docs/notes/2026-12-07-default-settings-cli-rl-steps.md), so such a run keeps XLA's
+# defaults.
 _RUNTIME_BOUND = os.environ.get("AC2_CLI_RL_STEP") == "1"
 for _flag in (
     "--xla_force_host_platform_device_count=8",
@@ -72,8 +73,9 @@ def _fresh_jax_caches_per_module():
     own module fixtures, which this one outlives). The suite runs ~1,330 tests in
     one process: with every module's executables kept, its peak RSS was 6.7 GB and
     one run died at 97% in an XLA:CPU compile (a segfault in backend_compile; the
-    cause not established); with this, 4.1 GB and no crash (BUILD_NOTES, "Test
-    suite"). Modules rarely share a compiled shape, so little is recompiled."""
+    cause not established); with this, 4.1 GB and no crash (docs/notes/test-runs.md,
+    "Test suite, 2026-12-05 (end of session)"). Modules rarely share a compiled shape, so
+    little is recompiled."""
     yield
     import jax
 
@@ -148,8 +150,9 @@ FULL_ONLY = {
 }
 
 
-# The longest files, longest first (scripts/test_profile.sh, BUILD_NOTES "Test suite in
-# 20 minutes"); the rest keep pytest's order. A stale list costs balance, never a test.
+# The longest files, longest first (scripts/test_profile.sh,
+# docs/notes/2026-12-07-suite-in-20-minutes*.md); the rest keep pytest's order. A stale
+# list costs balance, never a test.
 HEAVY = [
     "tests/test_train.py",
     "tests/experiments/test_calculator_agent.py",

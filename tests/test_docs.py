@@ -37,7 +37,7 @@ def site(tmp_path_factory):
 
 
 def test_every_page_in_the_nav_is_built(site):
-    for page in ("index", "concepts", "design", "launch", "results", "build-notes", "guide",
+    for page in ("index", "concepts", "design", "launch", "results", "notes", "guide",
                  "howto/harness-and-env", "howto/existing-environments",
                  "howto/models-and-lora", "howto/distillation", "howto/async-rl",
                  "howto/scaling-out", "howto/choosing-an-objective", "reference"):

@@ -4,7 +4,7 @@ Each preset runs its CLI with its own default settings: only the base URL, the
 key, the model and the telemetry / auto-update switches are set (plus the
 headless switches each needs to act without asking, and the output format its
 outcome is read from). What each sends and how the endpoint takes each field is
-in BUILD_NOTES ("Every production agent CLI with its default settings").
+in docs/notes/2026-12-07-production-agent-clis-default-settings.md.
 
   claude_code()  Claude Code, `claude -p`: the Anthropic Messages API
                  (ANTHROPIC_BASE_URL, x-api-key).

@@ -74,7 +74,7 @@ class LifecycleClient:
         bundle, even for http://), and one pool shared by every rollout costs
         O(connections) per request in httpcore: either way the demo's collector
         started ~30 rollouts per second and the sampler sat at ~2 active rows
-        of 64 (BUILD_NOTES "The RL loop's sampling")."""
+        of 64 (docs/notes/2026-12-02-rl-loop-sampling.md)."""
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
         return httpx.AsyncClient(timeout=600.0, verify=self._ssl)

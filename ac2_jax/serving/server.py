@@ -13,7 +13,8 @@ import uvicorn
 
 # How a sampler loads a checkpoint: per-layer weights, whatever the memory plan would
 # pick for training (scanned decode copies each layer's weights and cache slice out of
-# the stacked arrays every step: ~1.6x slower on CPU, BUILD_NOTES issue 15), no remat.
+# the stacked arrays every step: ~1.6x slower on CPU,
+# docs/notes/2026-12-02-qwen3-06b-policy-on-2-cores.md), no remat.
 SAMPLER_LAYOUT = {"scan_layers": False, "remat": "none"}
 
 

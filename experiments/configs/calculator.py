@@ -76,7 +76,7 @@ def _long(c):
     # Numbers as single tokens (digit chunks of up to 3, as GPT-4's tokenizers split
     # them): every running value and operand is one token, so each copy the agents make
     # is one attention lookup. With one token per digit the 2-layer model had not
-    # learned the main agent's copies after 3,600 SFT steps (BUILD_NOTES, issue 18).
+    # learned the main agent's copies after 3,600 SFT steps (docs/notes/2026-12-02-long-horizon-main-job.md).
     c.tokenizer.digit_group = 3
     # The main agent restarts from system + task + memo only (keep_exchange=False); the
     # memo is the task that is left, in the task's words ("Start at 549. Apply +37, 3
@@ -99,13 +99,13 @@ def _long(c):
     # Copying is learned late (a phase change after ~1,300 steps): 1,200 steps at 5e-3
     # then a warm restart of 1,500 at 3e-3 gave a warm start passing half the held-out
     # tasks; one 2,700-step cosine at 5e-3 learned the calls but not the answer's copy
-    # (0/200). BUILD_NOTES, issue 18.
+    # (0/200). docs/notes/2026-12-02-long-horizon-main-job.md.
     c.sft.update(steps=1200, batch_rows=6, seq_len=1024, layout="flat")
     c.sft_restarts = ((1500, 3e-3),)
     # 16 tasks x 16 attempts a step: the warm start passes ~6% of tasks, so with 8
     # attempts most groups all fail (no advantage) and 10 steps barely moved it; at
     # 16 x 16 (lr 3e-4) both ablation arms went 0.06 -> ~0.3 held-out in 20 steps
-    # (BUILD_NOTES, issue 18, session 5). 12 steps keep `demo.sh long` under 25 min.
+    # (docs/notes/2026-12-02-long-horizon-main-job.md, session 5). 12 steps keep `demo.sh long` under 25 min.
     # Rows follow the data here (x 2^k) and a compaction attempt is many segments: no
     # micro-batches, nothing compiled ahead (the default's settings assume one segment).
     c.rl.update(steps=12, tasks_per_step=16, attempts_per_task=16, mode="async",
@@ -130,7 +130,7 @@ def _long_memo(c):
     # the memo as "Progress so far: ...", 1,200 + 1,500 steps): every agent learns its
     # copies. The compactor samples its memos at temperature 1, which spreads the mass its
     # garbled demos put on wrong values: memo fidelity ~0.5 where the main agent, at 0.3,
-    # copies ~0.85 of its calls right (seed 0 on 40 held-out tasks, BUILD_NOTES issue 38).
+    # copies ~0.85 of its calls right (seed 0 on 40 held-out tasks, docs/notes/2026-12-06-whole-trace-claim-where-it-must-show.md).
     # One stage with stale memos everywhere left the main agent weak too (three warm
     # starts), and a last stage on the compactor's episodes alone (`sft_weak_link`, 300
     # steps at 1e-3, half the memos stale) broke it: first calls right 0.04.
@@ -138,7 +138,7 @@ def _long_memo(c):
     # The copies are a phase change whose step varies with the seed: at 1,200 + 1,500
     # steps seed 0 had them (final loss 0.07) and seeds 1 and 2 had not (0.29, 0.21).
     # Up to two more 1,500-step restarts, each only while the mean loss of the last 100
-    # steps is above 0.15 (sixth amendment, BUILD_NOTES issue 38).
+    # steps is above 0.15 (sixth amendment, docs/notes/2026-12-06-whole-trace-claim-where-it-must-show.md).
     c.sft_extend = ml_collections.ConfigDict(dict(
         max_loss=0.15, window=100, steps=1500, learning_rate=3e-3, max_stages=2))
     # The same held-out tasks whatever the seed: per-task differences pool over seeds.
@@ -155,8 +155,8 @@ def _long_memo(c):
 
 
 def _long_memo_weak_link(c):
-    """`long_memo` with the weak-link stage it was tried with (BUILD_NOTES, issue 38,
-    fourth amendment): 300 steps at 1e-3 on the compactor's episodes alone, re-recorded
+    """`long_memo` with the weak-link stage it was tried with (docs/notes/
+    2026-12-06-whole-trace-claim-where-it-must-show.md, fourth amendment): 300 steps at 1e-3 on the compactor's episodes alone, re-recorded
     with half their memos stale. It broke the main agent (first calls right 16/400)."""
     c = _long_memo(c)
     c.workdir = "runs/calculator_long_memo_weak_link"

@@ -63,7 +63,8 @@ def _faithful(c):
     # Answers run to ~25 tokens with this corpus's tokenizer: 20 cut some off.
     c.loop.answer_tokens = 32
     # This base is sure of "pineapple" (SFT loss ~0.0003): reverse KL's gradient vanishes
-    # there, forward KL's does not (tests/losses/test_distill.py, BUILD_NOTES), and at
+    # there, forward KL's does not (tests/losses/test_distill.py,
+    # docs/notes/2026-12-06-rmsd-vs-opsd-faithful-analysis-judge-try4.md), and at
     # lr 2e-4 60 steps were too few for any method in the seed-0 probes.
     c.distill.kind = "forward_kl"
     c.loop.steps = 120

@@ -11,7 +11,8 @@ of the Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B config.json: vocabulary 151,936,
 embeddings); model -> the DecoderConfig dtypes and runtime fields
 (`RUNTIME_FIELDS`); train / sample -> the sequence-length, rows and remat
 plan for the machine the variant is for (estimates in the comments; the
-measured figures are in BUILD_NOTES).
+measured figures are in docs/notes/2026-12-02-qwen3-06b-policy-on-2-cores.md and the later
+real-size notes).
 
 Memory arithmetic behind the plans (fp32 = 4 bytes per value):
   params  0.6B: 596M (155.6M of them the tied embedding); 1.7B: 1.72B (311M).

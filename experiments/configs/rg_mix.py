@@ -1,4 +1,4 @@
-"""Many domains, adaptively mixed: RL on 30 reasoning-gym generators (BUILD_NOTES, issue 63).
+"""Many domains, adaptively mixed: RL on 30 reasoning-gym generators (docs/notes/2026-12-07-environments-of-other-libraries.md).
 
 The RL recipe's config for `--env=reasoning_gym:@mix30` (a DomainMixer, a domain per
 generator): weights adapt to each domain's rolling pass rate (`mix.adaptive`), the

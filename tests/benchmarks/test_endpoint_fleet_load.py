@@ -1,7 +1,8 @@
 """benchmarks/endpoint_fleet_load.py at toy size: 3 client processes x 2 turns against the
 endpoint over a fleet of 2 backend processes while a publisher process publishes weights
 and has the endpoint load them. Nothing lost, never stored, duplicated or cross-wired; the
-figures are there (their values go to BUILD_NOTES, never asserted)."""
+figures are there (their values go to a dated note, docs/notes/2026-12-05-faults-across-processes.md, never
+asserted)."""
 
 from benchmarks.endpoint_fleet_load import run
 

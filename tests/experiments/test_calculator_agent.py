@@ -68,7 +68,7 @@ def test_long_variant_pipeline_reports_per_agent_figures(tmp_path):
 def test_sft_restarts_equal_continuing_by_hand():
     """`sft_restarts` (the long variant's warm start): each (steps, lr) trains again
     with a fresh optimizer; the same as running the continued SFT by hand, as the
-    BUILD_NOTES runs did (fp32, atol 1e-6)."""
+    runs of docs/notes/2026-12-06-whole-trace-claim-where-it-must-show.md did (fp32, atol 1e-6)."""
     import jax
     from flax import nnx
 

@@ -152,7 +152,7 @@ def test_teacher_gradient_is_stopped(kind):
 
 def test_reverse_kl_gradient_vanishes_on_a_saturated_student_forward_kl_does_not():
     """Why the faithful pinapple base (trained to a loss of ~0.002) did not move under
-    reverse KL (BUILD_NOTES, issue 39): with the student sure of one token by a logit gap
+    reverse KL (docs/notes/2026-12-06-rmsd-vs-opsd-faithful-analysis-judge-try4.md): with the student sure of one token by a logit gap
     g and the teacher sure of another, d KL(s||t) / d logits falls like exp(-g), while
     d KL(t||s) / d logits = softmax(s) - softmax(t) stays ~1."""
     teacher = jnp.zeros((1, V)).at[0, 1].set(12.0)

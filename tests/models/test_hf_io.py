@@ -215,7 +215,7 @@ def test_load_holds_about_one_leaf_beside_the_model(tmp_path):
     """The load fills each param in place in one host array of its final dtype: numpy's
     high-water mark during `load_hf_checkpoint` stays under 1.5x the largest stacked
     leaf. (The old load kept every layer's tensor in a list, then `np.stack`ed them:
-    2x the leaf in numpy alone, BUILD_NOTES "LoRA: memory, time and publish".) Also
+    2x the leaf in numpy alone, docs/notes/2026-12-05-lora-memory-time-publish-real-size.md.) Also
     checks a bf16 load casts on the way, to the values a jnp cast gives."""
     import tracemalloc
 

@@ -168,8 +168,8 @@ def test_frozen_bf16_base_travels_the_layer_scan_as_bits_with_equal_gradients():
 
 def test_frozen_bf16_base_costs_no_fp32_copy_of_every_layer():
     """XLA:CPU slices no bf16 array: a bf16 stack scanned as it is becomes a slice of
-    an fp32 copy of the whole stack, hoisted out of the loop (BUILD_NOTES "LoRA: the
-    frozen bf16 base"). With the bits the step's temporaries grow by less than
+    an fp32 copy of the whole stack, hoisted out of the loop (docs/notes/
+    2026-12-05-lora-frozen-bf16-base.md). With the bits the step's temporaries grow by less than
     0.75x an fp32 copy of a layer's base weights per added layer."""
     from flax import nnx
 

@@ -231,7 +231,8 @@ def test_textarena_bad_specs_are_one_line():
 
 def test_the_howto_commands_parse_and_build_their_envs(tmp_path):
     """docs/howto/existing-environments.md: every command is a valid launcher line
-    whose env spec builds (running them is the full tier's and BUILD_NOTES' job)."""
+    whose env spec builds (running them is the full tier's job and
+    docs/notes/2026-12-07-howto-environment-commands-timed.md's)."""
     import pathlib
     import re
     import shlex

@@ -236,7 +236,7 @@ def final_text(agent_name: str, result: CLIResult) -> str:
 # One RL step per CLI at its default prompts' length (a 65,536-token context on CPU) is
 # 150-820 s of CPU each (CLI processes included) at XLA's default codegen, which
 # tests/conftest.py gives these runs (at the suite's -O0 their attention is 5-15x slower;
-# BUILD_NOTES, issue 67): more than the suite's budget for five.
+# docs/notes/2026-12-07-default-settings-cli-rl-steps.md): more than the suite's budget for five.
 RL_STEP_OPT_IN = "AC2_CLI_RL_STEP"
 # The narrowed settings (small prompts) that keep one RL step per API in the full tier:
 # Claude Code bare with one tool and a short system prompt; Codex with short
@@ -350,7 +350,8 @@ def rl_step(tmp_path, which, agent, context, attempts, rows=None):
 # ------------------------------------------------------------------ a served tool call
 
 MARK = "marker-67"
-# Each CLI's shell tool and its arguments (from their default requests, BUILD_NOTES).
+# Each CLI's shell tool and its arguments (from their default requests,
+# docs/notes/2026-12-07-production-agent-clis-default-settings.md).
 SHELL_CALLS = [("exec_command", {"cmd": f"echo {MARK} | tee made_by_tool.txt"}),
                ("Bash", {"command": f"echo {MARK} | tee made_by_tool.txt"}),
                ("run_shell_command", {"command": f"echo {MARK} | tee made_by_tool.txt"}),

@@ -49,7 +49,8 @@ SIZE = 100_000
 # attempt ends infra_error, so its wrong answers would never be trained and its
 # pass rate in an adaptive mix would be biased upward. prime_factorization is
 # out for that reason (it raises on any answer that is not a factor list);
-# rotate_matrix took its place (2026-12-07, after the BUILD_NOTES mix run).
+# rotate_matrix took its place (2026-12-07, after the mix run of
+# docs/notes/2026-12-07-environments-of-other-libraries.md).
 MIX_PRESETS: dict[str, tuple[str, ...]] = {
     "mix30": (
         "basic_arithmetic", "chain_sum", "gcd", "lcm", "count_bits", "count_primes",

@@ -116,7 +116,7 @@ def test_a_lora_models_frozen_base_is_sharded_by_its_names():
     """The frozen base of a LoRA model (TrainState.rest) follows the logical axes like
     the params: on an fsdp mesh each device holds its share of every base weight, not
     a replicated copy (a Qwen3-8B base replicated on each v5e chip was 30.5 GiB of
-    16: BUILD_NOTES, issue 69)."""
+    16: docs/notes/2026-12-07-pod-ready-aot-on-cpu-host.md)."""
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.lora import LoRAConfig
 

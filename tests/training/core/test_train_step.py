@@ -259,7 +259,7 @@ def test_cpu_step_keeps_one_gradient_sized_set_of_temporaries():
     scheduler, the temporaries stay under 1.5x the params' bytes: the gradients
     plus one leaf's clipped gradient at a time. XLA:CPU's default scheduler clips
     every leaf before any AdamW update reads one (2.0x here; 4.78 GB against 2.71 GB
-    for the Qwen3-0.6B step, BUILD_NOTES). A params-dominated toy: 4,096-token
+    for the Qwen3-0.6B step, docs/notes/2026-12-02-qwen3-06b-policy-on-2-cores.md). A params-dominated toy: 4,096-token
     vocabulary, 4 scanned layers, one row of 8 tokens."""
     cfg = DecoderConfig.tiny(vocab_size=4096, num_layers=4, hidden_size=64,
                              intermediate_size=192, scan_layers=True, remat="full")
