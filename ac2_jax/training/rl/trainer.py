@@ -125,7 +125,8 @@ class RLConfig:
     # nothing is sampled again or lost). With the in-memory hand-off (`RLTrainer(hand_off=)`,
     # no `on_publish`) the publish folder is written on the same steps: the sampler has
     # every update in memory, and each write (Orbax, like the checkpoint) runs beside the
-    # next step's rollout and update (BUILD_NOTES, issue 66: their cost on 2 cores).
+    # next step's rollout and update (their cost on 2 cores:
+    # docs/notes/2026-12-07-in-memory-weight-hand-off.md).
     checkpoint_every: int = 1
     # Leave out zero-advantage groups and refill the step with new tasks, up to
     # max_refills rounds (module docstring); needs a collector with `refill`.
