@@ -53,6 +53,13 @@ MOVED_MODULES = {
     "ac2_jax.models.attention_tpu": "ac2_jax.models.kernels.attention_tpu",
     "ac2_jax.models.attention_mask": "ac2_jax.models.kernels.attention_mask",
     "ac2_jax.models.blocksparse": "ac2_jax.models.kernels.blocksparse",
+    "ac2_jax.sampling.jax_sampler": "ac2_jax.sampling.engine.jax_sampler",
+    "ac2_jax.sampling.decode_loop": "ac2_jax.sampling.engine.decode_loop",
+    "ac2_jax.sampling.batching": "ac2_jax.sampling.engine.batching",
+    "ac2_jax.sampling.worker": "ac2_jax.sampling.engine.worker",
+    "ac2_jax.sampling.sglang": "ac2_jax.sampling.remote.sglang",
+    "ac2_jax.sampling.sglang_lora": "ac2_jax.sampling.remote._sglang_lora",
+    "ac2_jax.sampling.fleet": "ac2_jax.sampling.remote.fleet",
 }
 
 

@@ -530,8 +530,8 @@ def compile_sampler(plan: Plan) -> dict[str, tuple[Any, dict[str, Any]]]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ac2_jax.sampling.batching import SlotTable
-    from ac2_jax.sampling.decode_loop import decode_chunk, prefill_sub
+    from ac2_jax.sampling.engine.batching import SlotTable
+    from ac2_jax.sampling.engine.decode_loop import decode_chunk, prefill_sub
 
     mesh = sampler_mesh(plan)
     sconfig, model, graphdef, state = _sampler_state(plan, mesh)

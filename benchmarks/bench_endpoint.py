@@ -56,7 +56,7 @@ from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
-from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402

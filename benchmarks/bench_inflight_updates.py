@@ -50,7 +50,7 @@ from flax import nnx
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from benchmarks.common import machine, print_table, write_json
 
 MODES = ("drain", "in_flight")

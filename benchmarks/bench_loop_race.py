@@ -720,7 +720,7 @@ def measure_hand_off(ckpt: str, rounds: int, work: str) -> dict:
     import statistics
 
     from ac2_jax.recipes import load_model
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
     from ac2_jax.training.rl.collectors import ReplayCollector
     from ac2_jax.training.rl.data import BatchConfig

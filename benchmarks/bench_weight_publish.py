@@ -38,7 +38,7 @@ from flax import nnx  # noqa: E402
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
-from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.segments import pack_segments  # noqa: E402
 from ac2_jax.training import (
     OptimizerConfig,

@@ -270,7 +270,7 @@ def bench_decode(a, s: dict) -> list[dict]:
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.sampling import SamplingParams
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     ctx = a.prompt_len + a.new_tokens
     if a.preset:  # bf16 weights for serving; per-layer (scanned decode copies slices)
         cfg = preset_config(a)[0].replace(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,

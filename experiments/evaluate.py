@@ -34,7 +34,7 @@ from ac2_jax.models.params_io import (
     restore_params,
 )
 from ac2_jax.orchestration import LifecycleClient
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text import Tokenizer

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from ac2_jax.envs.judges import Judge, NoisyJudge, RuleJudge
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.training import create_train_state, publish
 from ac2_jax.training.distill.sources import (
     HintTask,

@@ -27,7 +27,7 @@ from experiments import pinapple_evals as evals
 
 
 def run(cfg, log=print) -> dict:
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     from ac2_jax.training.distill.sources import PromptCache
 
     t0 = time.perf_counter()

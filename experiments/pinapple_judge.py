@@ -198,7 +198,7 @@ def served_judge(judge: TrainedJudge, workdir: str, max_tokens: int = 24):
     import openai
 
     from ac2_jax.orchestration import LifecycleClient
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
 

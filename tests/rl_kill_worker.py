@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tra
 from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
 
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient  # noqa: E402
-from ac2_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402

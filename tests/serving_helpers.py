@@ -35,7 +35,7 @@ from flax import nnx
 from ac2_jax.envs import Env, Task, Tool
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.orchestration import SubagentOrchestrator
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids

@@ -48,7 +48,7 @@ from pydantic import BaseModel
 
 from ac2_jax.models.hf_io import load_hf_checkpoint
 from ac2_jax.sampling import SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim")

@@ -197,7 +197,7 @@ class JaxKind(SamplerKind):
             )
 
     def build(self, config, setup):
-        from ac2_jax.sampling.jax_sampler import JaxSampler
+        from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
         extra = {"min_cache_len": setup.max_context} if config.warmup else {}
         sampler = JaxSampler(
@@ -212,7 +212,7 @@ class JaxKind(SamplerKind):
 
 
 def _sglang(url: str, config: SamplerConfig, setup: SamplerSetup, export_dir: str | None):
-    from ac2_jax.sampling.sglang import SGLangSampler
+    from ac2_jax.sampling.remote.sglang import SGLangSampler
 
     return SGLangSampler(
         url, max_context=setup.max_context, model=setup.model, publish_dir=setup.publish_dir,
@@ -255,7 +255,7 @@ class FleetKind(SamplerKind):
             raise ValueError(f"sampler.backends lists a URL twice: {list(config.backends)}")
 
     def build(self, config, setup):
-        from ac2_jax.sampling.fleet import FleetSampler
+        from ac2_jax.sampling.remote.fleet import FleetSampler
 
         _no_lora("fleet", setup.model)
         root = _export_dir(config, setup)

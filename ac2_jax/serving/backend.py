@@ -46,7 +46,7 @@ from pydantic import BaseModel
 
 from ac2_jax.models import load_hf_checkpoint
 from ac2_jax.sampling import SamplerError, SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.server import SAMPLER_LAYOUT
 
 

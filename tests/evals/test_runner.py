@@ -15,7 +15,7 @@ from serving_helpers import SYSTEM, TOOLS, USER, fit_tiny_model
 from ac2_jax.envs import Env, Task, Tool
 from ac2_jax.evals import TokenPrices, compare_results, evaluate, token_cost, trace_tokens
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

@@ -236,7 +236,7 @@ def test_sliding_window_ring_cache_stays_at_the_window(tmp_path):
     than the window (prefill of 7 and 9 after 16 steps) and single steps, one row
     left-padded. Every log-prob equals transformers' dense forward (1e-5), per-layer
     and with stacked layers; a resize to more positions keeps the ring."""
-    from ac2_jax.sampling.decode_loop import resize_cache
+    from ac2_jax.sampling.engine.decode_loop import resize_cache
 
     hf = hf_model("mistral-window", seed=7)
     hf.save_pretrained(tmp_path)
@@ -288,7 +288,7 @@ def test_jax_sampler_with_a_window_equals_transformers(tmp_path):
     the log-prob of every sampled token equals transformers' dense forward of the whole
     sequence (1e-5), for prompts shorter and longer than the window, batched."""
     from ac2_jax.sampling import SamplingParams
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
     hf = hf_model("mistral-window", seed=9)
     hf.save_pretrained(tmp_path)

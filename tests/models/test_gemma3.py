@@ -184,7 +184,7 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
     single steps, nor across `resize_cache` to 128 positions mid-way (the full layer
     grows, the ring stays). Every log-prob equals the dense forward of the whole row (ours and
     transformers', 1e-5), per-layer and stacked."""
-    from ac2_jax.sampling.decode_loop import resize_cache
+    from ac2_jax.sampling.engine.decode_loop import resize_cache
 
     hf, path = pair
     rng = np.random.default_rng(6)
@@ -331,7 +331,7 @@ def test_jax_sampler_equals_transformers(pair):
     log-prob of every sampled token equals transformers' forward (1e-5), batched.
     """
     from ac2_jax.sampling import SamplingParams
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
     hf, path = pair
     model, _ = load_hf_checkpoint(str(path))

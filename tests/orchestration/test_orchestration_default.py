@@ -27,7 +27,7 @@ from ac2_jax.orchestration import (
     SubagentOrchestrator,
     run_rollout,
 )
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

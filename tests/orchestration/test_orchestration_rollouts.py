@@ -27,7 +27,7 @@ from ac2_jax.orchestration import (
     MultiResponseOrchestrator,
     run_rollout,
 )
-from ac2_jax.sampling.sglang import SGLangSampler
+from ac2_jax.sampling.remote.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread

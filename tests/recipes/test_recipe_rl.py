@@ -23,7 +23,7 @@ OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.
 def _count_reloads(monkeypatch) -> list:
     """The steps the embedded sampler reloads from the publish folder (JaxSampler.
     load_weights, still run)."""
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
     loads, real = [], JaxSampler.load_weights
 

@@ -19,7 +19,7 @@ from sglang_fake import FakeSGLang
 
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import RLRecipeConfig, load_model, rl
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from tests.recipe_helpers import ParityEnv
@@ -115,7 +115,7 @@ def test_sglang_by_config_serves_and_exports_each_publish(servers, tmp_path):
 
     from ac2_jax.models.params_io import publish_weights
     from ac2_jax.recipes.common import serve_policy
-    from ac2_jax.sampling.sglang import SGLangSampler
+    from ac2_jax.sampling.remote.sglang import SGLangSampler
 
     start, running = servers
     (url,) = start(1)

@@ -10,7 +10,7 @@ from ac2_jax.sampling import (
     check_prompt,
     truncate_at_stop,
 )
-from ac2_jax.sampling.sglang import SGLangSampler
+from ac2_jax.sampling.remote.sglang import SGLangSampler
 
 ALPHABET = "abcdefghij"
 

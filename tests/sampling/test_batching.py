@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.sampling import SamplingParams, occupancy_metrics
-from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
+from ac2_jax.sampling.engine.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
 
 
 def _req(prompt, **kw):

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ac2_jax.losses.logprobs import sampling_logits
-from ac2_jax.sampling.decode_loop import first_argmax, inverse_cdf_draw, row_keys, sample_tokens
+from ac2_jax.sampling.engine.decode_loop import (
+    first_argmax,
+    inverse_cdf_draw,
+    row_keys,
+    sample_tokens,
+)
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 

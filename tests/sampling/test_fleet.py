@@ -1,4 +1,4 @@
-"""sampling/fleet: FleetSampler over backend samplers.
+"""sampling/remote/fleet: FleetSampler over backend samplers.
 
 In this process: routing, weight loads and failures over two real
 JaxSamplers serving *different* weights (seeds 0 and 1), so a result's

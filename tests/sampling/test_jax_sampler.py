@@ -23,7 +23,7 @@ from ac2_jax.sampling import (
     SamplingParams,
     truncate_at_stop,
 )
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
 CTX = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -800,7 +800,7 @@ def test_in_flight_the_rl_batch_carries_per_token_versions_and_logprobs(spanned,
 
 def test_weight_swap_is_a_config_choice_checked_by_name(model):
     from ac2_jax.sampling import SamplerConfig, SamplerSetup, build_sampler
-    from ac2_jax.sampling.sglang import SGLangSampler
+    from ac2_jax.sampling.remote.sglang import SGLangSampler
     from ac2_jax.serving.server import sampler_config
 
     with pytest.raises(ValueError, match="weight_swap must be one of"):

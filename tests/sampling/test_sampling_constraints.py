@@ -29,8 +29,8 @@ from ac2_jax.sampling import (
     replay_masks,
     tool_call_grammar,
 )
-from ac2_jax.sampling import jax_sampler as jax_sampler_mod
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine import jax_sampler as jax_sampler_mod
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.text import Tokenizer
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 

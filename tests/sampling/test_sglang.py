@@ -20,7 +20,7 @@ from sglang_fake import FakeSGLang
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import ContextLengthError, SamplerError, SamplingParams
-from ac2_jax.sampling.sglang import (
+from ac2_jax.sampling.remote.sglang import (
     SGLangError,
     SGLangSampler,
     error_message,

@@ -1,4 +1,4 @@
-"""JaxSampler's worker (ac2_jax.sampling.worker): streaming to on_tokens,
+"""JaxSampler's worker (ac2_jax.sampling.engine.worker): streaming to on_tokens,
 cancellation, and failures that stay with their own request (a row's host
 work, an injected device fault, a request forced past the checks).
 
@@ -144,7 +144,7 @@ def test_error_in_one_rows_host_work_fails_that_request_only(model, sampler):
 def test_worker_crash_fails_only_what_it_held(sampler, monkeypatch):
     """An exception escaping a device call: the requests in rows fail with SamplerError,
     queued ones survive and complete exactly; the worker restarts with a fresh cache."""
-    from ac2_jax.sampling import worker as mod
+    from ac2_jax.sampling.engine import worker as mod
 
     first = [(prompt_of(130 + i, 4 + i % 4), GREEDY.replace(max_tokens=8 + i % 5))
              for i in range(18)]  # more than max_batch=16: some wait for a row

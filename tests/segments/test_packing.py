@@ -69,7 +69,7 @@ def test_pow2_bucket_is_the_one_bucketing_helper():
     assert pow2_bucket(3, 8, 64) == 8 and pow2_bucket(100, 16, 96) == 96
     assert pow2_bucket(33, 32) == 64 and pow2_bucket(40, 6) == 48
     # the sampler and the packers import this very function
-    from ac2_jax.sampling import batching
+    from ac2_jax.sampling.engine import batching
     from ac2_jax.training.distill import data
     from ac2_jax.training.rl import batching as rl_batching
     from ac2_jax.training.rl import data as rl_data

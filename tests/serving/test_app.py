@@ -30,7 +30,7 @@ from serving_helpers import (
 from ac2_jax.models import Decoder
 from ac2_jax.models.params_io import publish_weights
 from ac2_jax.sampling import Sampler
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
@@ -537,7 +537,7 @@ def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     body names no internal error, and the rollout ends as infra_error (stored,
     key spent), so it is never trained."""
 
-    from ac2_jax.sampling.sglang import SGLangSampler
+    from ac2_jax.sampling.remote.sglang import SGLangSampler
 
     dead = refused_url()  # a port nothing listens on
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))

@@ -14,7 +14,7 @@ from serving_helpers import forward_logprobs
 
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
 from ac2_jax.sampling import JaxSampler, SamplingParams
-from ac2_jax.sampling.sglang import SGLangSampler
+from ac2_jax.sampling.remote.sglang import SGLangSampler
 from ac2_jax.serving.backend import build_backend_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

@@ -260,7 +260,7 @@ def test_model_at_adapter_routes_to_that_lora_adapter(tmp_path):
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.lora import LoRAConfig
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))
     cfg = DecoderConfig.tiny(vocab_size=tok.vocab_size, initializer_range=0.3,

@@ -29,7 +29,7 @@ from serving_helpers import (
 )
 
 from ac2_jax.sampling import SamplerError
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.serving.splice import TurnMemory, build_prompt_ids

@@ -16,7 +16,7 @@ import pytest
 from serving_helpers import SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model, scripted_sequence
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

@@ -222,7 +222,7 @@ def test_over_http_a_policy_that_ends_its_rollout_early_is_still_graded(tmp_path
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
@@ -372,7 +372,7 @@ def test_a_reward_outside_the_rollouts_named_range_is_refused(tmp_path):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
     from ac2_jax.serving.app import build_app
     from ac2_jax.serving.server import serve_in_thread
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

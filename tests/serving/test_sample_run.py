@@ -8,7 +8,7 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.sample_run import Generation, sse
 from ac2_jax.serving.streaming import TokenFeed
 

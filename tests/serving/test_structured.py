@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from ac2_jax.losses import sampling_logits
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import any_json_grammar, json_schema_grammar, replay_masks, tool_call_grammar
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving import requests as rq
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.errors import APIError

@@ -51,7 +51,7 @@ from flax import nnx
 
 from ac2_jax.envs.mixer import DomainMixer
 from ac2_jax.models.lora import has_lora
-from ac2_jax.sampling.batching import occupancy_metrics
+from ac2_jax.sampling.engine.batching import occupancy_metrics
 from ac2_jax.trace.types import Trace
 from ac2_jax.training.core.checkpoints import publish
 from ac2_jax.training.core.metrics_log import MetricsLogger

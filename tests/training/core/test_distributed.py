@@ -125,7 +125,7 @@ def _published_weights_serve_alike(multi, single, step):
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.models.params_io import load_published, published_steps
     from ac2_jax.sampling import SamplingParams
-    from ac2_jax.sampling.jax_sampler import JaxSampler
+    from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 
     assert published_steps(str(multi)) == [step] == published_steps(str(single))
     cfg = DecoderConfig.tiny(vocab_size=64, num_layers=2)

@@ -20,7 +20,7 @@ from flax import nnx
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import published_checksum
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, create_train_state, publish
 from ac2_jax.training.distill import sources

@@ -14,7 +14,7 @@ from flax import nnx
 
 from ac2_jax.envs.judges import RuleJudge
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.types import Completion, Episode, Trace
 from ac2_jax.training import OptimizerConfig, SFTConfig, create_train_state, publish, run_sft

@@ -30,7 +30,7 @@ from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.models.params_io import publish_weights, published_checksum, weights_checksum
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.base import SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.segments import SAMPLER_LOGPROBS
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss

@@ -24,7 +24,7 @@ from ac2_jax.models.params_io import (
     published_params,
 )
 from ac2_jax.sampling.base import SamplingParams
-from ac2_jax.sampling.jax_sampler import JaxSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.core import StepCache

@@ -25,8 +25,8 @@ from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.params_io import latest_published
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
-from ac2_jax.sampling.jax_sampler import JaxSampler
-from ac2_jax.sampling.sglang import SGLangSampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
+from ac2_jax.sampling.remote.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ac2_jax.sampling.base import SamplingParams
-from ac2_jax.sampling.decode_loop import Rows
+from ac2_jax.sampling.engine.decode_loop import Rows
 from ac2_jax.segments.batch import pow2_bucket
 
 

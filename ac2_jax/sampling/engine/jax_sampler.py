@@ -97,9 +97,9 @@ from ac2_jax.sampling.base import (
     check_adapter_name,
     check_prompt,
 )
-from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable
 from ac2_jax.sampling.constraints import GrammarMatcher, end_token_id
-from ac2_jax.sampling.worker import STOP, WAKE, DeviceLoop, Warmup
+from ac2_jax.sampling.engine.batching import Request, SamplerStats, SlotTable
+from ac2_jax.sampling.engine.worker import STOP, WAKE, DeviceLoop, Warmup
 
 WEIGHT_SWAPS = ("drain", "in_flight")  # JaxSampler(weight_swap=): see the module docstring
 

@@ -51,7 +51,7 @@ Its top-k / top-p filters act after that, so `generate` refuses them
 (ValueError). Seeds are honoured only with `--enable-deterministic-inference`.
 
 LoRA adapters: `load_adapter(name, peft_dir)` / `remove_adapter(name)` load
-them into SGLang (`sampling/sglang_lora.py`); `SamplingParams.adapter` is sent
+them into SGLang (`sampling/remote/_sglang_lora.py`); `SamplingParams.adapter` is sent
 as `lora_path`.
 
 Grammars: `SamplingParams.constraint` is refused (ValueError naming it).
@@ -93,7 +93,7 @@ from ac2_jax.sampling.base import (
     SamplingParams,
     check_prompt,
 )
-from ac2_jax.sampling.sglang_lora import SGLangAdapters
+from ac2_jax.sampling.remote._sglang_lora import SGLangAdapters
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
     A max and a min over a masked iota: XLA:CPU runs jnp.argmax's variadic
     (value, index) reduce about 3x slower (150 us of a 3 ms decode step at
-    [16, 4096], BUILD_NOTES "Decode: sampling and attention").
+    [16, 4096], docs/notes/2026-12-02-decode-sampling-and-attention.md).
     """
     m = jnp.max(x, axis=-1, keepdims=True)
     V = x.shape[-1]
@@ -262,7 +262,7 @@ def prefill_rows(
     depends only on (b, T, S) and not on how many rows the cache has. A
     sampler whose row count moves between buckets then compiles each prefill
     shape once, not once per row bucket (the demo's RL compiled new prefill
-    shapes at every step: BUILD_NOTES "The RL loop's sampling").
+    shapes at every step: docs/notes/2026-12-02-rl-loop-sampling.md).
     """
     sub, routing = prefill_sub(
         graphdef, state, take_rows(cache, row_idx), tokens, positions, adapters

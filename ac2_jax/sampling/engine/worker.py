@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from ac2_jax.sampling.base import SamplerError, SampleResult, truncate_at_stop
-from ac2_jax.sampling.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
-from ac2_jax.sampling.decode_loop import copy_rows, decode_chunk, prefill_rows, resize_cache
+from ac2_jax.sampling.engine.batching import Request, SamplerStats, SlotTable, pow2_bucket, resolve
+from ac2_jax.sampling.engine.decode_loop import copy_rows, decode_chunk, prefill_rows, resize_cache
 from ac2_jax.trace.routing import encode_routing
 
 WAKE = object()  # queue item: look at pending weights
