@@ -9,7 +9,7 @@ hidden):
 
 * ``jax_full``: one RL step (benchmarks/bench_real_size's ``jax_rl`` problem:
   PolicyGradientLoss, PPO clip + TIS, task_mean, AdamW, fp32) training every weight,
-  with the preset's runtime choices (experiments/configs/qwen3.py: scanned layers,
+  with the preset's runtime choices (experiments/real_size/qwen3.py: scanned layers,
   remat "full", block-sparse attention) and chunked log-probs (``--chunk``).
 * ``jax_lora``: the same step on ``load_hf_checkpoint(..., lora=LoRAConfig(rank, alpha))``
   (adapters on all seven projections; the base frozen in fp32): the optimizer holds
@@ -74,7 +74,7 @@ GB = 1e9
 
 
 def _shape(variant: str) -> dict:
-    from experiments.configs import qwen3
+    from experiments.real_size import qwen3
     return qwen3.get_config(variant).shape.to_dict()
 
 
@@ -153,8 +153,8 @@ def _jax_step(args) -> dict:
     from ac2_jax.models.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
     from ac2_jax.training.core import abstract_train_state
-    from experiments.configs import qwen3
-    from experiments.real_size import preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -348,8 +348,8 @@ def _publish_learner(args) -> dict:
     from ac2_jax.models.lora import adapter_params
     from ac2_jax.models.params_io import publish_weights
     from ac2_jax.models.peft_io import add_lora
-    from experiments.configs import qwen3
-    from experiments.real_size import preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -385,8 +385,8 @@ def _publish_sampler(args) -> dict:
     from ac2_jax.models import load_hf_checkpoint
     from ac2_jax.models.params_io import load_published
     from ac2_jax.models.peft_io import add_lora
-    from experiments.configs import qwen3
-    from experiments.real_size import preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -428,7 +428,7 @@ def publish_row(learner: dict, sampler: dict) -> dict:
 
 
 def _write_ckpt(args) -> dict:
-    from experiments.real_size import write_random_checkpoint
+    from experiments.real_size.checkpoint import write_random_checkpoint
     t0 = time.perf_counter()
     write_random_checkpoint(_shape(args.variant), args.ckpt)
     return {"write_s": time.perf_counter() - t0}
@@ -603,7 +603,7 @@ def _checkpoint(variant: str, args) -> str:
 def main(argv=None):
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--variants", default="default,1.7b",
-                   help="experiments/configs/qwen3.py variants (shapes)")
+                   help="experiments/real_size/qwen3.py variants (shapes)")
     p.add_argument("--tokens", default="1024,4096")
     p.add_argument("--cases", default="jax_full,jax_lora,jax_lora_bf16,torch_peft,"
                                       "torch_peft_gc,tunix_lora,publish")

@@ -4,7 +4,7 @@ Each case runs in its own child process (peak RSS = the child's VmHWM):
 
 * ``jax_rl``: one RL step (PolicyGradientLoss: PPO clip + TIS, task_mean,
   AdamW, fp32) on one packed row of ``tokens`` tokens, from a random HF
-  checkpoint of the preset (experiments/configs/qwen3.py: Qwen3-0.6B shape by
+  checkpoint of the preset (experiments/real_size/qwen3.py: Qwen3-0.6B shape by
   default) loaded with the preset's runtime choices (scanned layers, remat,
   block-sparse attention) and chunked log-probs (``--chunk``).
 * ``jax_default``: the same RL step with every default and no preset named:
@@ -117,8 +117,8 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
     from ac2_jax.models.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
     from ac2_jax.training.core import abstract_train_state
-    from experiments.configs import qwen3
-    from experiments.real_size import load_preset, preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import load_preset, preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -215,8 +215,8 @@ def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
     from ac2_jax.models.decoder import Decoder
     from ac2_jax.models.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
-    from experiments.configs import qwen3
-    from experiments.real_size import preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -273,8 +273,8 @@ def _decode(ckpt: str, variant: str, batch: int, new_tokens: int) -> dict:
 
     from ac2_jax.models import load_hf_checkpoint
     from ac2_jax.sampling import JaxSampler, SamplingParams
-    from experiments.configs import qwen3
-    from experiments.real_size import preset_runtime
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import preset_runtime
 
     timeline: list = []
     _mark(timeline, "start")
@@ -330,7 +330,7 @@ def peak_rss_bytes() -> int:
 
 def main(argv=None):
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--variant", default="default", help="experiments/configs/qwen3.py variant")
+    p.add_argument("--variant", default="default", help="experiments/real_size/qwen3.py variant")
     p.add_argument("--tokens", default="1024,4096")
     p.add_argument("--cases", default="jax_rl,jax_opsd,torch")
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (0: dense logits)")
@@ -354,8 +354,8 @@ def main(argv=None):
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return None
-    from experiments.configs import qwen3
-    from experiments.real_size import write_random_checkpoint
+    from experiments.real_size import qwen3
+    from experiments.real_size.checkpoint import write_random_checkpoint
 
     print(json.dumps({"machine": machine()}), flush=True)
     tmp = tempfile.TemporaryDirectory()

@@ -1,7 +1,7 @@
 """GPU benchmark: bf16 train-step MFU of a ~0.5B Qwen3-shaped decoder, and
 JaxSampler greedy decode tokens/s at batch 1 and 64 (one accelerator).
 
-`--preset 0.6b_gpu` (or 1.7b_gpu; experiments/configs/qwen3.py) runs the
+`--preset 0.6b_gpu` (or 1.7b_gpu; experiments/real_size/qwen3.py) runs the
 real-size presets instead: their shape, bf16 compute with fp32 master
 weights, scanned layers, remat and attention backend ("auto": cuDNN on GPU),
 chunked log-probs (`--chunk`), the train plan's rows x seq_len; the train
@@ -71,7 +71,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma list of sections to skip: "
                    "matmul,train,decode")
     p.add_argument("--preset", default=None,
-                   help="a variant of experiments/configs/qwen3.py (e.g. 0.6b_gpu, 1.7b_gpu, "
+                   help="a variant of experiments/real_size/qwen3.py (e.g. 0.6b_gpu, 1.7b_gpu, "
                         "tiny): its shape, dtypes, scan/remat/attention choices and train plan "
                         "(rows x seq_len) replace the defaults; random weights, no checkpoint")
     p.add_argument("--chunk", type=int, default=None,
@@ -103,11 +103,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def preset_config(a):
-    """(DecoderConfig, train plan) of `--preset` (experiments/configs/qwen3.py)."""
+    """(DecoderConfig, train plan) of `--preset` (experiments/real_size/qwen3.py)."""
     import jax.numpy as jnp
 
     from ac2_jax.models import DecoderConfig
-    from experiments.configs import qwen3
+    from experiments.real_size import qwen3
     cfg = qwen3.get_config(a.preset)
     hf = dict(cfg.shape.to_dict(), model_type="qwen3")
     hf["rope_theta"] = hf.get("rope_parameters", {}).get("rope_theta", 1_000_000.0)

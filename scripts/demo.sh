@@ -21,6 +21,6 @@ if [[ -n "$VARIANT" ]]; then
 else
   WORKDIR=${WORKDIR:-runs/calculator}
 fi
-python experiments/train_agent.py --config=experiments/configs/calculator.py"$VARIANT" \
+python -m experiments.calculator --config=experiments/calculator/config.py"$VARIANT" \
   --config.workdir="$WORKDIR" "$@"
 echo "Report: $WORKDIR/report (report.json, learning_curve.png, trace_*.html, final_hf/)"

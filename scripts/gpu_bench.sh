@@ -6,7 +6,7 @@
 # goes on PYTHONPATH). Results: $RESULTS/gpu_bench.json (RESULTS defaults to
 # $OUT if set, else bench_results). Extra flags go to benchmarks/gpu_bench.py
 # (e.g. --smoke for a CPU check, --vocab 32768, --skip decode).
-# Real-size presets (experiments/configs/qwen3.py): PRESETS="0.6b_gpu 1.7b_gpu" runs
+# Real-size presets (experiments/real_size/qwen3.py): PRESETS="0.6b_gpu 1.7b_gpu" runs
 # benchmarks/gpu_bench.py --preset P for each after the default run (bf16 MFU, chunked-loss
 # memory, the attention backend in use, decode tok/s; needs ml_collections); PRESETS="" skips them.
 #   scripts/gpu_bench.sh

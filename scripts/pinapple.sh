@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-python -m experiments.pinapple --config=experiments/configs/pinapple.py "$@"
+python -m experiments.pinapple --config=experiments/pinapple/config.py "$@"

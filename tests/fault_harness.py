@@ -51,7 +51,7 @@ from ports import reserved_port  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 ADMIN = "sk-admin-faults"
-CONFIG = "experiments/configs/rl_split.py:toy"
+CONFIG = "experiments/rl_split/config.py:toy"
 KINDS = ("kill_learner", "kill_collector", "pause_learner", "pause_collector",
          "restart_endpoint", "hang_backend", "disk_full")
 
@@ -139,8 +139,8 @@ class FaultJob:
                                   headers={"Authorization": f"Bearer {ADMIN}"})
 
     def _prepare(self) -> str:
-        from experiments import rl_split
-        from experiments.configs.rl_split import get_config
+        from experiments.rl_split import run as rl_split
+        from experiments.rl_split.config import get_config
         cfg = get_config("toy")
         cfg.workdir, cfg.env.kind = self.w, "alternating"
         with open(os.path.join(self.w, "fault_config.json"), "w") as f:

@@ -88,8 +88,8 @@ def replay(workdir: str, out: str) -> None:
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.split import StepMarkers, StoreCollector
     from ac2_jax.training.rl.trainer import RLTrainer
-    from experiments import calculator_agent
-    from experiments.configs.rl_split import get_config
+    from experiments.calculator import agent as calculator_agent
+    from experiments.rl_split.config import get_config
 
     cfg = json.load(open(os.path.join(workdir, "fault_config.json")))
     c = get_config("toy")
@@ -129,7 +129,7 @@ def main() -> None:
         _install_quota(os.environ["AC2_FAULT_QUOTA"])
     from absl import app
 
-    from experiments import rl_split
+    from experiments.rl_split import run as rl_split
 
     app.run(rl_split.main)
 

@@ -20,7 +20,7 @@ from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
-from experiments.toy_envs import LengthParityEnv  # noqa: E402
+from experiments.rl_split.toy_envs import LengthParityEnv  # noqa: E402
 
 # Each rollout waits this long before its agent runs, so collecting a step takes
 # seconds and the test can kill the process in the middle of it. Without a pace

@@ -12,8 +12,8 @@ from ac2_jax.config import ConfigError, from_config, select_variant
 from ac2_jax.models import DecoderConfig
 from ac2_jax.training import BatchConfig, OptimizerConfig, PolicyGradientLoss, RLConfig, SFTConfig
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "experiments", "configs")
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "experiments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _parse_config_flag(arg: str):
 
 @pytest.mark.parametrize("name", ["calculator", "pinapple"])
 def test_config_files_take_a_variant_and_reject_unknown_ones(name):
-    path = os.path.join(CONFIGS, f"{name}.py")
+    path = os.path.join(EXPERIMENTS, name, "config.py")
     default, quick = _parse_config_flag(path), _parse_config_flag(path + ":quick")
     assert default.to_dict() != quick.to_dict()
     with pytest.raises(Exception, match="unknown config variant 'nope'; known variants: "
@@ -141,8 +141,8 @@ def test_config_files_take_a_variant_and_reject_unknown_ones(name):
 
 @pytest.mark.parametrize("variant", [None, "quick", "long", "long_quick"])
 def test_calculator_config_converts_to_its_dataclasses(variant):
-    from experiments import calculator_agent
-    from experiments.configs.calculator import get_config
+    from experiments.calculator import agent as calculator_agent
+    from experiments.calculator.config import get_config
     cfg = get_config(variant)
     typed = calculator_agent.typed_configs(cfg)
     assert typed["rl"].batch.rows == cfg.rl.batch.rows and typed["rl"].seed == cfg.seed
@@ -156,8 +156,8 @@ def test_calculator_config_converts_to_its_dataclasses(variant):
 
 @pytest.mark.parametrize("variant", [None, "quick"])
 def test_pinapple_config_converts_to_its_dataclasses(variant):
-    from experiments import pinapple
-    from experiments.configs.pinapple import get_config
+    from experiments.pinapple import run as pinapple
+    from experiments.pinapple.config import get_config
     cfg = get_config(variant)
     for method in cfg.methods:
         typed = pinapple.typed_configs(cfg, method)

@@ -199,7 +199,7 @@ def test_an_adaptive_mix_of_one_domain_is_refused(tmp_path):
 
 
 def test_the_all_generators_audit_script_at_toy_size(tmp_path, capsys):
-    from experiments.rg_verifier_audit import main
+    from experiments.rg_mix.verifier_audit import main
 
     found = main(str(tmp_path / "audit.json"), names=["gcd", "game_of_life_halting", "acre_x"])
     assert json.load(open(tmp_path / "audit.json")) == found

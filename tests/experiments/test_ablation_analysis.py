@@ -1,4 +1,4 @@
-"""experiments/ablation_analysis.py: per-task pooling over runs."""
+"""experiments/whole_trace/analysis.py: per-task pooling over runs."""
 
 import os
 
@@ -7,7 +7,7 @@ import numpy as np
 
 def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
     from ac2_jax.trace import Trace, TraceStore
-    from experiments.ablation_analysis import pooled_arm_difference
+    from experiments.whole_trace.analysis import pooled_arm_difference
 
     def store(run, arm, passes):  # passes: {task: [pass per attempt]}
         os.makedirs(tmp_path / run, exist_ok=True)
@@ -36,7 +36,7 @@ def test_pooled_arm_difference_averages_runs_per_task(tmp_path):
 
 def test_eval_figures_skip_infra_errors_rollouts_and_repeats(tmp_path):
     from ac2_jax.trace import Trace, TraceStore
-    from experiments.ablation_analysis import eval_judged_by_task, eval_pass_by_task
+    from experiments.whole_trace.analysis import eval_judged_by_task, eval_pass_by_task
 
     def ev(task, attempt, reward, status="finished", memos=()):
         return Trace(task_id=task, status=status, reward=reward, metadata={
@@ -58,7 +58,7 @@ def test_a_store_is_read_once_until_it_changes(tmp_path, monkeypatch):
     """The pooling asks each store for many figures: it is read once while unchanged, and
     read again once a trace is appended (a resumed run)."""
     from ac2_jax.trace import Trace, TraceStore
-    from experiments import ablation_analysis as aa
+    from experiments.whole_trace import analysis as aa
 
     path = str(tmp_path / "served.jsonl")
     s = TraceStore(path)
@@ -78,7 +78,7 @@ def test_a_store_is_read_once_until_it_changes(tmp_path, monkeypatch):
 
 
 def test_the_recovered_share_needs_a_reference_gain_that_excludes_zero():
-    from experiments.ablation_analysis import recovered_share
+    from experiments.whole_trace.analysis import recovered_share
 
     assert recovered_share(0.02, 0.04, {"mean": 0.04, "low": 0.01, "high": 0.07}) == (0.5, None)
     share, note = recovered_share(0.021, 0.002, {"mean": 0.002, "low": -0.011, "high": 0.015})

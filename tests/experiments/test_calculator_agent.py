@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ac2_jax.models.hf_io import load_hf_checkpoint
-from experiments import calculator_agent
-from experiments.configs.calculator import get_config
+from experiments.calculator import agent as calculator_agent
+from experiments.calculator.config import get_config
 
 
 def test_pipeline_writes_a_complete_report(tmp_path):

@@ -1,10 +1,10 @@
-"""experiments/compaction_ablation.py: every arm from one SFT per seed, seeds pooled,
+"""experiments/whole_trace/ablation.py: every arm from one SFT per seed, seeds pooled,
 the memo-fidelity reward, the subagent variant."""
 
 import json
 import os
 
-from experiments.configs.calculator import get_config
+from experiments.calculator.config import get_config
 
 
 def test_compaction_ablation_all_arms_then_pooled_over_seeds(tmp_path):
@@ -16,7 +16,7 @@ def test_compaction_ablation_all_arms_then_pooled_over_seeds(tmp_path):
     directories, and each pooled per-task figure must equal seed 0's."""
     import shutil
 
-    from experiments import compaction_ablation
+    from experiments.whole_trace import ablation as compaction_ablation
     cfg = get_config("long_memo_quick")
     cfg.workdir = str(tmp_path / "abl")
     cfg.sft_extend.max_stages = 0  # the extension has its own test
@@ -70,7 +70,7 @@ def test_compaction_ablation_all_arms_then_pooled_over_seeds(tmp_path):
 
 def test_memo_reward_is_the_attempts_memo_fidelity():
     from ac2_jax.trace import Trace
-    from experiments.compaction_ablation import MemoRewardCollector, memo_fidelity
+    from experiments.whole_trace.ablation import MemoRewardCollector, memo_fidelity
     t = Trace(task_id="t", status="finished", reward=1.0, metadata={"artifacts": {"events": [
         {"kind": "compaction", "memo_ok": True}, {"kind": "compaction", "memo_ok": False},
         {"kind": "compaction", "memo_ok": True}]}})
@@ -85,7 +85,7 @@ def test_memo_reward_is_the_attempts_memo_fidelity():
 def test_ablation_needs_the_compacting_harness():
     import pytest
 
-    from experiments import compaction_ablation
+    from experiments.whole_trace import ablation as compaction_ablation
     with pytest.raises(ValueError, match="calculator.py:long"):
         compaction_ablation.run(get_config("quick"))
 
@@ -93,7 +93,7 @@ def test_ablation_needs_the_compacting_harness():
 def test_subagent_variant_ablation(tmp_path):
     """calculator.py:sub_helper_quick: whole trace vs main only with the delegating
     harness; every spawn judged (helper_ok), the report names the helper's fidelity."""
-    from experiments import compaction_ablation
+    from experiments.whole_trace import ablation as compaction_ablation
     cfg = get_config("sub_helper_quick")
     cfg.workdir = str(tmp_path / "sub")
     pooled = compaction_ablation.run_seeds(cfg, 1, log=lambda *a: None)
@@ -107,8 +107,8 @@ def test_subagent_variant_ablation(tmp_path):
 
 
 def test_seed_config_reseeds_the_warm_start_and_rl():
-    from experiments import calculator_agent as ca
-    from experiments.compaction_ablation import seed_config
+    from experiments.calculator import agent as ca
+    from experiments.whole_trace.ablation import seed_config
     cfg = get_config("long_memo")
     one = seed_config(cfg, 2)
     typed = ca.typed_configs(one)
@@ -119,7 +119,7 @@ def test_seed_config_reseeds_the_warm_start_and_rl():
 def test_run_seeds_and_arms_are_checked_before_any_work(tmp_path):
     import pytest
 
-    from experiments import compaction_ablation
+    from experiments.whole_trace import ablation as compaction_ablation
     cfg = get_config("long_quick")  # no eval.task_seed: seeds share no held-out task
     cfg.workdir = str(tmp_path / "x")
     with pytest.raises(ValueError, match="task_seed"):

@@ -1,4 +1,4 @@
-"""experiments/eval_report.py on recorded attempts: escaped HTML, PNGs, the rich table."""
+"""experiments/calculator/eval_report.py on recorded attempts: escaped HTML, PNGs, the rich table."""
 
 import io
 import os
@@ -8,7 +8,7 @@ from rich.console import Console
 
 from ac2_jax.evals import EvalResult, TokenPrices, attempt_record, compare_results
 from ac2_jax.trace import Completion, Episode, Trace
-from experiments import eval_report
+from experiments.calculator import eval_report
 
 NASTY = '<b>t&"1</b>'
 

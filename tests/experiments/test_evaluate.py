@@ -1,4 +1,4 @@
-"""experiments/evaluate.py end to end at toy size: two Orbax checkpoints (a params
+"""experiments/calculator/evaluate.py end to end at toy size: two Orbax checkpoints (a params
 directory and a published step), served in-process, K=2 attempts on two domains;
 report.json, report.html and the PNG plots are written and parse."""
 
@@ -9,8 +9,9 @@ import pytest
 from html_dom import Dom
 
 from ac2_jax.models.params_io import publish_weights, save_params
-from experiments import calculator_agent, evaluate
-from experiments.configs.evaluate import get_config
+from experiments.calculator import agent as calculator_agent
+from experiments.calculator import evaluate
+from experiments.calculator.eval_config import get_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -30,8 +30,9 @@ from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch
 from ac2_jax.training.rl.trainer import EndpointCollector
-from experiments import calculator_agent, long_horizon
-from experiments.configs.calculator import get_config
+from experiments.calculator import agent as calculator_agent
+from experiments.calculator import long_horizon
+from experiments.calculator.config import get_config
 
 ADMIN = "sk-admin-long"
 _TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", re.S)

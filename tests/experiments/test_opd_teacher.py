@@ -1,11 +1,11 @@
-"""The OPD-vs-RL study's pipeline at toy size (experiments/opd_teacher.py): every stage
+"""The OPD-vs-RL study's pipeline at toy size (experiments/opd_teacher/run.py): every stage
 runs through the recipes and the report holds every figure."""
 
 import json
 import os
 
 from ac2_jax.envs import check_env
-from experiments import opd_teacher
+from experiments.opd_teacher import run as opd_teacher
 
 
 def test_the_reverse_task_meets_the_contract_and_its_splits_never_overlap():

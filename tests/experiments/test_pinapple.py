@@ -1,12 +1,12 @@
-"""The pinapple experiment's pieces (experiments/pinapple.py): judges by name, the sweep's
+"""The pinapple experiment's pieces (experiments/pinapple/run.py): judges by name, the sweep's
 settings, and the whole pipeline at toy size."""
 
 import pytest
 
 from ac2_jax.envs.judges import JudgeExample, NoisyJudge, RuleJudge
-from experiments import pinapple_data as data
-from experiments.configs.pinapple import get_config
-from experiments.pinapple import make_judge, sweep_settings, with_setting
+from experiments.pinapple import data
+from experiments.pinapple.config import get_config
+from experiments.pinapple.run import make_judge, sweep_settings, with_setting
 
 
 def _example():
@@ -44,7 +44,7 @@ def test_the_llm_judge_by_name_needs_the_served_judge():
 def toy_faithful_run(tmp_path_factory):
     """One toy faithful run (seed 0, every method), shared: the pipeline test asserts on
     it and the resume test continues a copy of its workdir."""
-    from experiments import pinapple
+    from experiments.pinapple import run as pinapple
 
     tmp = tmp_path_factory.mktemp("faithful")
     cfg = _toy_faithful(tmp)
@@ -73,7 +73,7 @@ def test_a_stopped_run_resumes_from_its_finished_runs_and_refuses_other_settings
     import json
     import shutil
 
-    from experiments import pinapple
+    from experiments.pinapple import run as pinapple
 
     done, first = toy_faithful_run
     shutil.copytree(done.workdir, tmp_path / "run")
@@ -136,7 +136,7 @@ def test_sweep_settings_are_every_combination_and_keep_unswept_values():
 
 def test_the_judges_target_test_is_spread_over_the_target_items():
     """loop.judge_target_examples: n of the target-hint examples, evenly spaced (0: all)."""
-    from experiments.pinapple_judge import spread
+    from experiments.pinapple.judge import spread
 
     xs = list(range(84))
     assert spread(xs, 0) == xs and spread(xs, 84) == spread(xs, 100) == xs
@@ -154,7 +154,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     import json
     import os
 
-    from experiments import pinapple
+    from experiments.pinapple import run as pinapple
 
     cfg = get_config("quick")
     cfg.base_data.update(target_hint_frac=0.0, families=data.FAMILIES, repeat_items=20,

@@ -1,17 +1,17 @@
-"""experiments/pinapple_base.py: the base alone, and its check on hints it never saw."""
+"""experiments/pinapple/base.py: the base alone, and its check on hints it never saw."""
 
 import json
 import os
 
-from experiments import pinapple_data as data
-from experiments.configs.pinapple import get_config
+from experiments.pinapple import data
+from experiments.pinapple.config import get_config
 
 
 def test_the_base_report_at_toy_size(tmp_path):
     """pinapple.py:faithful cut to toy size (20 SFT steps on a 2-layer model, a small
     corpus): the report has every held-out hint's following rate, the fresh-misspelling
     check, the base and the teacher evals, and examples per held-out hint."""
-    from experiments import pinapple_base
+    from experiments.pinapple import base as pinapple_base
 
     cfg = get_config("faithful")
     cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -45,7 +45,7 @@ def test_the_base_is_checkpointed_reused_and_refused_under_another_config(tmp_pa
     import numpy as np
     import pytest
 
-    from experiments import pinapple
+    from experiments.pinapple import run as pinapple
 
     cfg = get_config("faithful")
     cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from experiments import pinapple_data as data
-from experiments.configs.pinapple import get_config
-from experiments.pinapple_setup import _hint_demos, corpus_items, word_pool
+from experiments.pinapple import data
+from experiments.pinapple.common import _hint_demos, corpus_items, word_pool
+from experiments.pinapple.config import get_config
 
 
 def _faithful_cfg():

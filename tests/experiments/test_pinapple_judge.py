@@ -1,4 +1,4 @@
-"""experiments/pinapple_judge.py: the LLM judge's data, and the judge served through the
+"""experiments/pinapple/judge.py: the LLM judge's data, and the judge served through the
 endpoint and asked through the real `openai` client."""
 
 import json
@@ -7,10 +7,10 @@ import os
 import pytest
 
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
-from experiments import pinapple_data as data
-from experiments import pinapple_judge as pj
-from experiments.configs.pinapple import get_config
-from experiments.pinapple_setup import corpus_items, word_pool
+from experiments.pinapple import data
+from experiments.pinapple import judge as pj
+from experiments.pinapple.common import corpus_items, word_pool
+from experiments.pinapple.config import get_config
 
 
 def _setup(tmp_path):

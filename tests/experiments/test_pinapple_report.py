@@ -3,8 +3,8 @@ setting with CIs over seeds, the main table untouched by sweep runs, and the plo
 
 import os
 
-from experiments.configs.pinapple import get_config
-from experiments.pinapple_report import (
+from experiments.pinapple.config import get_config
+from experiments.pinapple.report import (
     METRICS,
     claims,
     claims_markdown,
@@ -90,7 +90,7 @@ def test_combine_sweeps_puts_the_main_setting_beside_the_swept_ones(tmp_path):
     on the sweeps' seeds only): one table, one plot."""
     import json
 
-    from experiments.pinapple_report import combine_sweeps
+    from experiments.pinapple.report import combine_sweeps
 
     cfg = get_config("faithful")
     t1 = {"top_t": 1, "top_s": None, "judge": "keywords", "kind": "forward_kl"}
@@ -112,7 +112,7 @@ def test_combine_sweeps_puts_the_main_setting_beside_the_swept_ones(tmp_path):
 def test_runs_summary_reads_the_runs_finished_so_far(tmp_path):
     import json
 
-    from experiments.pinapple_report import runs_summary
+    from experiments.pinapple.report import runs_summary
 
     cfg = get_config("faithful")
     runs = [_run(m, s, 10 + s, 1.0, 0.9) for s in range(3) for m in ("sft", "opsd", "rmsd")]

@@ -1,5 +1,5 @@
-"""Real-size presets (experiments/configs/qwen3.py) and their random checkpoints
-(experiments/real_size.py): the shapes are Qwen3-0.6B's and 1.7B's (parameter
+"""Real-size presets (experiments/real_size/qwen3.py) and their random checkpoints
+(experiments/real_size/checkpoint.py): the shapes are Qwen3-0.6B's and 1.7B's (parameter
 counts, without building them), and a tiny checkpoint written the same way loads
 with the preset's runtime choices and matches transformers (fp32, 1e-4)."""
 
@@ -13,8 +13,13 @@ transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.models.hf_io import load_hf_config  # noqa: E402
-from experiments.configs.qwen3 import get_config  # noqa: E402
-from experiments.real_size import load_preset, preset_runtime, qwen3_config, write_random_checkpoint  # noqa: E402
+from experiments.real_size.checkpoint import (  # noqa: E402
+    load_preset,
+    preset_runtime,
+    qwen3_config,
+    write_random_checkpoint,
+)
+from experiments.real_size.qwen3 import get_config  # noqa: E402
 
 
 def param_count(cfg):

@@ -1,13 +1,13 @@
-"""The subagent variant's parts (experiments/subagent_helper.py): the demonstrator, the
+"""The subagent variant's parts (experiments/calculator/subagent_helper.py): the demonstrator, the
 judged spawns and where the main agent slips."""
 
 import random
 
 import pytest
 
-from experiments import calculator_agent as ca
-from experiments import long_horizon, subagent_helper
-from experiments.configs.calculator import get_config
+from experiments.calculator import agent as ca
+from experiments.calculator import long_horizon, subagent_helper
+from experiments.calculator.config import get_config
 
 
 def test_subtask_result():

@@ -1,10 +1,10 @@
-"""The toy envs of the plumbing checks (experiments/toy_envs.py)."""
+"""The toy envs of the plumbing checks (experiments/rl_split/toy_envs.py)."""
 
 from __future__ import annotations
 
 import itertools
 
-from experiments.toy_envs import AlternatingEnv, LengthParityEnv
+from experiments.rl_split.toy_envs import AlternatingEnv, LengthParityEnv
 
 
 def test_length_parity_rewards_even_answers_and_draws_tasks_by_seed():

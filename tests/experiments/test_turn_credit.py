@@ -1,4 +1,4 @@
-"""experiments/turn_credit.py at toy size: both arms run through the library's RL pipeline,
+"""experiments/turn_credit/run.py at toy size: both arms run through the library's RL pipeline,
 the per-turn arm's batches carry its turn rewards, the summary has its intervals."""
 
 import json
@@ -13,7 +13,7 @@ def test_the_pipeline_runs_both_arms(tmp_path):
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.training import BatchConfig, OptimizerConfig, create_train_state
     from ac2_jax.training.rl import batch_segments
-    from experiments.turn_credit import Setup, collect, main
+    from experiments.turn_credit.run import Setup, collect, main
 
     setup = Setup(problems=2, attempts=4, steps=2)
     model = Decoder(DecoderConfig.tiny(vocab_size=16, num_layers=1), rngs=nnx.Rngs(0))

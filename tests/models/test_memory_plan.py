@@ -4,7 +4,7 @@ rows, chunked log-probs) and logs them; a small model keeps the fast ones; an ex
 value always wins.
 
 The large model is the Qwen3-0.6B shape (transformers' `Qwen3Config` with the numbers of
-experiments/configs/qwen3.py) cut to 2 layers: 187M params, the real 151,936 vocabulary.
+experiments/real_size/qwen3.py) cut to 2 layers: 187M params, the real 151,936 vocabulary.
 Its step is only traced and lowered from an abstract state (no weights, no compile), so
 the test holds no parameter memory."""
 

@@ -1,6 +1,6 @@
 """The RL loop through the real endpoint: smoke run, sync == async, resume.
 
-Tiny random model; mostly the toy env of experiments/rl_split.py, whose reward
+Tiny random model; mostly the toy env of experiments/rl_split/run.py, whose reward
 varies with what the model writes (answer length parity): most groups have
 non-zero advantages, but a step of 2 groups x 4 ties by chance 1 time in 64
 (no update). Tests that need every step to update use `AlternatingEnv` (same module), whose
@@ -35,7 +35,7 @@ from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
 from ac2_jax.training.core import StepCache, read_metrics
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
-from experiments.toy_envs import AlternatingEnv, LengthParityEnv
+from experiments.rl_split.toy_envs import AlternatingEnv, LengthParityEnv
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step

@@ -32,7 +32,7 @@ from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, 
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 ADMIN = "sk-admin-split"
-CONFIG = "experiments/configs/rl_split.py:toy"
+CONFIG = "experiments/rl_split/config.py:toy"
 # AlternatingEnv, not the toy variant's length parity: with that a step of 2 groups x 4 tied
 # (no update, no new version) about 1 time in 64, and the test failed ~5% of its runs.
 ENV = "alternating"
@@ -71,8 +71,8 @@ def _trace(task, attempt, step, version=0, reward=1.0):
 
 
 def test_three_processes_train_and_killed_learner_and_collector_resume(tmp_path):
-    from experiments import rl_split
-    from experiments.configs.rl_split import get_config
+    from experiments.rl_split import run as rl_split
+    from experiments.rl_split.config import get_config
     cfg = get_config("toy")
     cfg.workdir, cfg.env.kind = str(tmp_path / "run"), ENV
     policy = rl_split.prepare(cfg, log=lambda _: None)  # tokenizer + tiny model, HF format
