@@ -58,8 +58,8 @@ from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
 from ac2_jax.sampling import SamplingParams  # noqa: E402
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler  # noqa: E402
 from ac2_jax.serving.app import build_app  # noqa: E402
+from ac2_jax.serving.core.splice import build_prompt_ids  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
-from ac2_jax.serving.splice import build_prompt_ids  # noqa: E402
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from benchmarks.common import child_xla_flags, parser, print_table, write_json  # noqa: E402

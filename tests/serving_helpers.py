@@ -37,8 +37,8 @@ from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.orchestration import SubagentOrchestrator
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
+from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.text import Tokenizer, parse_tool_calls
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore

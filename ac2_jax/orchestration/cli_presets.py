@@ -75,7 +75,7 @@ def claude_code(
     (`--bare`: no hooks, plugins or CLAUDE.md discovery). It sends a
     mid-conversation system message, `thinking: {"type": "adaptive"}`,
     `output_config.effort`, `context_management` (clear_thinking) and
-    `cache_control`, which /v1/messages takes (serving/messages.py says how).
+    `cache_control`, which /v1/messages takes (serving/apis/messages/routes.py says how).
     """
 
     def argv(launch: Launch) -> list[str]:

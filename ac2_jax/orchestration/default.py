@@ -8,7 +8,7 @@ SubagentOrchestrator: a `spawn_subagent` tool runs a labelled subagent.
 MultiResponseOrchestrator: n responses per request, one branch continues.
 Transient messages: shown for one request, never kept in history.
 
-Malformed tool calls. The endpoint (ac2_jax/serving/chat.py, via
+Malformed tool calls. The endpoint (ac2_jax/serving/core/chat.py, via
 the tokenizer's parser from ac2_jax.text.tool_parsers) turns each well-formed
 `<tool_call>{"name", "arguments"}</tool_call>` block into a message.tool_calls
 entry and leaves malformed blocks (unparsable JSON, no "name", or no closing

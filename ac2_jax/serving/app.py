@@ -75,13 +75,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ac2_jax.sampling import Sampler
-from ac2_jax.serving import requests as req_lib
 from ac2_jax.serving.apis import REQUEST_APIS, APIMount, Principal
-from ac2_jax.serving.errors import APIError, install_error_handlers
-from ac2_jax.serving.lifecycle import sampler_stats
-from ac2_jax.serving.rollout_requests import keys_equal
-from ac2_jax.serving.rollouts import RolloutRegistry
-from ac2_jax.serving.sample_run import ServeContext
+from ac2_jax.serving.core import requests as req_lib
+from ac2_jax.serving.core.errors import APIError, install_error_handlers
+from ac2_jax.serving.core.sample_run import ServeContext
+from ac2_jax.serving.lifecycle.rollout_requests import keys_equal
+from ac2_jax.serving.lifecycle.rollouts import RolloutRegistry
+from ac2_jax.serving.lifecycle.routes import sampler_stats
 from ac2_jax.text.tokenizer import Tokenizer
 from ac2_jax.trace import TraceStore
 

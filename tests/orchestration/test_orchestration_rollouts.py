@@ -29,7 +29,7 @@ from ac2_jax.orchestration import (
 )
 from ac2_jax.sampling.remote.sglang import SGLangSampler
 from ac2_jax.serving.app import build_app
-from ac2_jax.serving.errors import install_error_handlers
+from ac2_jax.serving.core.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.serving import chat
+from ac2_jax.serving.core import chat
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 

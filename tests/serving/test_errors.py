@@ -6,7 +6,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ac2_jax.serving.errors import APIError, install_error_handlers
+from ac2_jax.serving.core.errors import APIError, install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from ac2_jax.sampling import SamplerError, SampleResult
-from ac2_jax.serving import generation
 from ac2_jax.serving.app import build_app
+from ac2_jax.serving.core import generation
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore

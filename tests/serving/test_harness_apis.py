@@ -20,8 +20,8 @@ import pytest
 
 from ac2_jax.sampling import SampleResult
 from ac2_jax.serving.app import build_app
+from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.text.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 
 ADMIN = "sk-admin-harness"
@@ -477,7 +477,7 @@ def test_gemini_schema_to_json_schema():
     """Review: only `type` was lower-cased. nullable -> a type union with null (and
     null in an enum), propertyOrdering dropped (ordering, no constraint),
     TYPE_UNSPECIFIED refused by name; a property named like a keyword is a property."""
-    from ac2_jax.serving.gemini_schemas import json_schema
+    from ac2_jax.serving.apis.gemini.schemas import json_schema
 
     got = json_schema({
         "type": "OBJECT", "propertyOrdering": ["nullable", "b"],
@@ -541,7 +541,7 @@ def test_agent_rules_label_side_conversations_by_their_system_prompt(env):
     """opencode's title generator and Qwen Code's memory extractor send no X-Agent:
     the rollout's agent_rules label them by a regex over, or the fingerprint of, their
     system prompt, so `train_agents` can include or leave them out."""
-    from ac2_jax.serving.rollout_requests import system_fingerprint
+    from ac2_jax.serving.lifecycle.rollout_requests import system_fingerprint
     from ac2_jax.trace import Trace
     from ac2_jax.trace.agents import agent_matches
 

@@ -31,8 +31,8 @@ from serving_helpers import (
 from ac2_jax.sampling import SamplerError
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
+from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
 from ac2_jax.text import parse_tool_calls
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ac2_jax.serving import requests as rq
-from ac2_jax.serving.errors import APIError
+from ac2_jax.serving.core import requests as rq
+from ac2_jax.serving.core.errors import APIError
 
 
 def body(**kw):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollout_requests import (
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.lifecycle.rollout_requests import (
     check_json,
     check_rollout_key_finish,
     keys_equal,

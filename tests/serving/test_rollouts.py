@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollout_requests import (
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.lifecycle.rollout_requests import (
     check_rollout_key_finish,
     parse_create,
     parse_finish,
     rollout_key_view,
 )
-from ac2_jax.serving.rollouts import RolloutRegistry
+from ac2_jax.serving.lifecycle.rollouts import RolloutRegistry
 from ac2_jax.trace import Completion, TraceStore
 
 

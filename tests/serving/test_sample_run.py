@@ -1,4 +1,4 @@
-"""serving/sample_run.py: one request's sampling tasks (Generation) and SSE framing."""
+"""serving/core/sample_run.py: one request's sampling tasks (Generation) and SSE framing."""
 
 import asyncio
 import json
@@ -9,8 +9,8 @@ from flax import nnx
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import SamplingParams
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
-from ac2_jax.serving.sample_run import Generation, sse
-from ac2_jax.serving.streaming import TokenFeed
+from ac2_jax.serving.core.sample_run import Generation, sse
+from ac2_jax.serving.core.streaming import TokenFeed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -77,7 +77,7 @@ def test_the_endpoint_records_a_moe_samplers_routing_in_the_trace(tmp_path):
     from ac2_jax.models.moe import MoEDecoderConfig
     from ac2_jax.sampling import SampleResult
     from ac2_jax.serving.app import build_app
-    from ac2_jax.serving.sample_run import routing_of
+    from ac2_jax.serving.core.sample_run import routing_of
     from ac2_jax.serving.server import serve_in_thread
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.trace import TraceStore, decode_routing, encode_routing

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ac2_jax.serving import schemas
-from ac2_jax.serving.errors import APIError
+from ac2_jax.serving.core import schemas
+from ac2_jax.serving.core.errors import APIError
 
 
 def refused(model, body):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids, turn_key
+from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids, turn_key
 from ac2_jax.text import Tokenizer, parse_tool_calls
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 

@@ -1,7 +1,7 @@
-"""serving/stream_generation.py: the SSE chunks of a streamed request."""
+"""serving/core/stream_generation.py: the SSE chunks of a streamed request."""
 
-from ac2_jax.serving.requests import parse_chat_request, parse_completion_request
-from ac2_jax.serving.stream_generation import incremental_logprobs
+from ac2_jax.serving.core.requests import parse_chat_request, parse_completion_request
+from ac2_jax.serving.core.stream_generation import incremental_logprobs
 
 USER = {"role": "user", "content": "hi"}
 

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from ac2_jax.sampling import SampleResult, truncate_at_stop
-from ac2_jax.serving import chat
-from ac2_jax.serving.streaming import TextStream, _held_suffix
+from ac2_jax.serving.core import chat
+from ac2_jax.serving.core.streaming import TextStream, _held_suffix
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""serving/structured.py: a request's grammar (tool_choice, response_format),
+"""serving/core/structured.py: a request's grammar (tool_choice, response_format),
 and what it makes of a real JaxSampler's answers over real HTTP with the
 official `openai` client: tool calls that always validate, JSON answers that
 validate, recorded log-probs equal to the learner's masked re-score.
@@ -24,12 +24,12 @@ from ac2_jax.losses import sampling_logits
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import any_json_grammar, json_schema_grammar, replay_masks, tool_call_grammar
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
-from ac2_jax.serving import requests as rq
 from ac2_jax.serving.app import build_app
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.generation import forced_prefix
+from ac2_jax.serving.core import requests as rq
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.core.generation import forced_prefix
+from ac2_jax.serving.core.structured import request_constraint, response_schema
 from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.serving.structured import request_constraint, response_schema
 from ac2_jax.text import Tokenizer
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
@@ -290,7 +290,7 @@ def test_a_sampler_without_grammars_keeps_the_forced_opening_and_refuses_json(to
     from sglang_fake import FakeSGLang
 
     from ac2_jax.sampling import SGLangSampler
-    from ac2_jax.serving.structured import sampler_grammars
+    from ac2_jax.serving.core.structured import sampler_grammars
 
     model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size, max_position_embeddings=512),
                     rngs=nnx.Rngs(0))

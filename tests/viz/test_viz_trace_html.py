@@ -82,7 +82,7 @@ def _compacting_trace(tok, tmp_path):
 
     from ac2_jax.envs import CalculatorEnv
     from ac2_jax.orchestration import CompactionOrchestrator
-    from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+    from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
     from ac2_jax.text import parse_tool_calls
     from ac2_jax.trace import TraceRecorder, TraceStore
 

@@ -25,7 +25,7 @@ from serving_helpers import SYSTEM, TOOLS
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments.batch import pow2_bucket
-from ac2_jax.serving.splice import TurnMemory, build_prompt_ids
+from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
 from ac2_jax.text import parse_tool_calls
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace.recorder import TraceRecorder

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from ac2_jax.sampling.base import INT32_MAX, MAX_STOP
-from ac2_jax.serving.messages_blocks import (
+from ac2_jax.serving.apis.messages._blocks import (
     TOOL_NAME,
     AssistantMessage,
     CacheControl,
@@ -48,7 +48,7 @@ from ac2_jax.serving.messages_blocks import (
     _text_parts,
     _union,
 )
-from ac2_jax.serving.schemas import (
+from ac2_jax.serving.core.schemas import (
     MAX_AGENT_LEN,
     MAX_TOOLS,
     MAX_USER_LEN,

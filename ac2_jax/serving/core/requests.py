@@ -31,9 +31,9 @@ import dataclasses
 import json
 from typing import Any
 
-from ac2_jax.serving import schemas
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.schemas import MAX_AGENT_LEN, validate
+from ac2_jax.serving.core import schemas
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.schemas import MAX_AGENT_LEN, validate
 
 __all__ = [
     "MAX_AGENT_LEN",

@@ -30,10 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ac2_jax.sampling import SamplingParams
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving import requests as req_lib
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.sample_run import (
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core import requests as req_lib
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.sample_run import (
     Generation,
     RequestState,
     ServeContext,
@@ -42,10 +42,10 @@ from ac2_jax.serving.sample_run import (
     run_generation,
     sse,
 )
-from ac2_jax.serving.splice import build_prompt_ids
-from ac2_jax.serving.stream_generation import EventWriter, stream_events
-from ac2_jax.serving.streaming import TOOL_CALL_OPEN, TokenFeed, WatchedStreamingResponse
-from ac2_jax.serving.structured import (
+from ac2_jax.serving.core.splice import build_prompt_ids
+from ac2_jax.serving.core.stream_generation import EventWriter, stream_events
+from ac2_jax.serving.core.streaming import TOOL_CALL_OPEN, TokenFeed, WatchedStreamingResponse
+from ac2_jax.serving.core.structured import (
     grammar_forces_calls,
     request_constraint,
     sampler_grammars,

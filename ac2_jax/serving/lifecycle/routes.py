@@ -22,17 +22,17 @@ from fastapi import Request
 
 from ac2_jax.sampling import Sampler, SamplerError
 from ac2_jax.serving.apis import APIMount, Principal
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.gemini import gemini_models
-from ac2_jax.serving.generation import served_adapters
-from ac2_jax.serving.rollout_requests import (
+from ac2_jax.serving.apis.gemini.routes import gemini_models
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.core.generation import served_adapters
+from ac2_jax.serving.lifecycle.rollout_requests import (
     check_rollout_key_finish,
     parse_create,
     parse_finish,
     parse_load_weights,
     rollout_key_view,
 )
-from ac2_jax.serving.rollouts import Rollout, RolloutRegistry
+from ac2_jax.serving.lifecycle.rollouts import Rollout, RolloutRegistry
 
 __all__ = ["install_lifecycle_routes", "sampler_stats"]
 

@@ -17,8 +17,8 @@ import uuid
 from typing import Any
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.serving.requests import ChatRequest, CompletionRequest
-from ac2_jax.serving.streaming import tool_call_open
+from ac2_jax.serving.core.requests import ChatRequest, CompletionRequest
+from ac2_jax.serving.core.streaming import tool_call_open
 from ac2_jax.text import Tokenizer
 
 # ---------------------------------------------------------------------------- responses

@@ -94,11 +94,18 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving import requests as req_lib
-from ac2_jax.serving import schemas
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.generation import (
+from ac2_jax.serving.apis.messages._blocks import SYSTEM_ROLE_REFUSED, UNION_TAGS
+from ac2_jax.serving.apis.messages._output import (
+    MessageEventWriter,
+    message_body,
+    new_message_id,
+)
+from ac2_jax.serving.apis.messages.schemas import CreateBody, PromptBody
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core import requests as req_lib
+from ac2_jax.serving.core import schemas
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.generation import (
     agent_label,
     chat_prompt_ids,
     check_model,
@@ -106,15 +113,8 @@ from ac2_jax.serving.generation import (
     serve_request,
     start_request,
 )
-from ac2_jax.serving.messages_blocks import SYSTEM_ROLE_REFUSED, UNION_TAGS
-from ac2_jax.serving.messages_output import (
-    MessageEventWriter,
-    message_body,
-    new_message_id,
-)
-from ac2_jax.serving.messages_schemas import CreateBody, PromptBody
-from ac2_jax.serving.sample_run import RequestState, ServeContext
-from ac2_jax.serving.splice import build_prompt_ids
+from ac2_jax.serving.core.sample_run import RequestState, ServeContext
+from ac2_jax.serving.core.splice import build_prompt_ids
 
 __all__ = [
     "MessageEventWriter",

@@ -22,7 +22,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from ac2_jax.sampling.base import INT32_MAX, MAX_STOP
-from ac2_jax.serving.schemas import (
+from ac2_jax.serving.core.schemas import (
     MAX_AGENT_LEN,
     MAX_TOOLS,
     UNSUPPORTED,

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ac2_jax.serving.schemas import UNSUPPORTED, refuse
+from ac2_jax.serving.core.schemas import UNSUPPORTED, refuse
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 TOOL_ERROR_PREFIX = "Error: "  # what a tool_result with is_error true starts with

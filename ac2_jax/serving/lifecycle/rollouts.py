@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Any
 
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.rollout_requests import check_json, check_rollout_key_finish
-from ac2_jax.serving.splice import TurnMemory
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.splice import TurnMemory
+from ac2_jax.serving.lifecycle.rollout_requests import check_json, check_rollout_key_finish
 from ac2_jax.trace import Completion, Trace, TraceRecorder, TraceStore
 from ac2_jax.trace.types import END_STATUSES
 

@@ -36,8 +36,8 @@ from ac2_jax.sampling.constraints import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from ac2_jax.serving.errors import bad_request
-from ac2_jax.serving.requests import ChatRequest
+from ac2_jax.serving.core.errors import bad_request
+from ac2_jax.serving.core.requests import ChatRequest
 
 __all__ = [
     "forces_call",

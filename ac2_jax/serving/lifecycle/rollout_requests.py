@@ -22,8 +22,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.schemas import MAX_AGENT_LEN, validate, whole
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.schemas import MAX_AGENT_LEN, validate, whole
 
 # What only the admin may write when finishing (a rollout key may only end its
 # rollout as "finished"), and so what a rollout key is never shown.

@@ -94,17 +94,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from ac2_jax.serving import requests as req_lib
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.generation import (
-    agent_label,
-    chat_prompt_ids,
-    check_model,
-    serve_request,
-    start_request,
-)
-from ac2_jax.serving.responses_output import Answer, ResponsesWriter
-from ac2_jax.serving.responses_schemas import (
+from ac2_jax.serving.apis.responses._output import Answer, ResponsesWriter
+from ac2_jax.serving.apis.responses.schemas import (
     TOOL_TAGS,
     BuiltinTool,
     FunctionTool,
@@ -112,15 +103,24 @@ from ac2_jax.serving.responses_schemas import (
     NamespaceTool,
     ResponsesBody,
 )
-from ac2_jax.serving.rollouts import Rollout
-from ac2_jax.serving.sample_run import ServeContext
-from ac2_jax.serving.schemas import UNSUPPORTED, validate
-from ac2_jax.serving.structured import (
+from ac2_jax.serving.core import requests as req_lib
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.generation import (
+    agent_label,
+    chat_prompt_ids,
+    check_model,
+    serve_request,
+    start_request,
+)
+from ac2_jax.serving.core.sample_run import ServeContext
+from ac2_jax.serving.core.schemas import UNSUPPORTED, validate
+from ac2_jax.serving.core.structured import (
     forces_call,
     grammar_forces_calls,
     response_schema,
     sampler_grammars,
 )
+from ac2_jax.serving.lifecycle.rollouts import Rollout
 
 __all__ = [
     "BUILTIN_TOOL_POLICIES",

@@ -1,13 +1,17 @@
 """Request APIs: the route sets `build_app` mounts, by name.
 
+This package holds the registry and the APIs that translate into the serving core
+(`ac2_jax.serving.core`), one subpackage each; `_builtins` registers the built-in ones.
+
 Built in (`build_app` mounts every registered API unless `apis=` names some):
 
-- "openai": POST /v1/chat/completions, /v1/completions (`generation`).
-- "anthropic": POST /v1/messages, /v1/messages/count_tokens (`messages`).
-- "responses": POST /v1/responses, GET /v1/responses/{id} (`responses`).
-- "gemini": /v1beta/models/{model}:generateContent ... (`gemini`).
+- "openai": POST /v1/chat/completions, /v1/completions (`core.generation`: the
+  serving core's own request shape).
+- "anthropic": POST /v1/messages, /v1/messages/count_tokens (`apis.messages`).
+- "responses": POST /v1/responses, GET /v1/responses/{id} (`apis.responses`).
+- "gemini": /v1beta/models/{model}:generateContent ... (`apis.gemini`).
 - "lifecycle": GET /v1/models, POST /v1/admin/load_weights, /v1/rollouts ...
-  (`lifecycle`: the rollout keys every other API's requests are recorded under).
+  (`lifecycle.routes`: the rollout keys every other API's requests are recorded under).
 
 A new API is one function registered from its own module (or a test), nothing
 shared changed; it serves through the same `ServeContext` (sampler, tokenizer,
@@ -34,9 +38,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ac2_jax.registry import Registry
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.rollouts import Rollout
-from ac2_jax.serving.sample_run import ServeContext
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.core.sample_run import ServeContext
+from ac2_jax.serving.lifecycle.rollouts import Rollout
 
 __all__ = ["REQUEST_APIS", "APIMount", "Principal"]
 
@@ -81,5 +85,5 @@ class APIMount:
 
 # Request APIs by name: fn(APIMount) -> None adds the API's routes.
 REQUEST_APIS: Registry[Callable[[APIMount], None]] = Registry(
-    "request API", builtins="ac2_jax.serving.api_builtins"
+    "request API", builtins="ac2_jax.serving.apis._builtins"
 )

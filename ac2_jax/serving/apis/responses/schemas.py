@@ -33,7 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ac2_jax.sampling.base import INT32_MAX
-from ac2_jax.serving.schemas import (
+from ac2_jax.serving.core.schemas import (
     MAX_AGENT_LEN,
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,

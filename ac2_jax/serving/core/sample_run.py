@@ -25,10 +25,10 @@ from ac2_jax.sampling import (
     route_key,
     truncate_at_stop,
 )
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.rollouts import RolloutRegistry
-from ac2_jax.serving.streaming import TokenFeed
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.streaming import TokenFeed
+from ac2_jax.serving.lifecycle.rollouts import RolloutRegistry
 from ac2_jax.text import Tokenizer
 from ac2_jax.trace import Completion, routing_length
 

@@ -20,9 +20,9 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.sample_run import (
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.core.sample_run import (
     RequestState,
     ServeContext,
     finish_choices,
@@ -31,7 +31,7 @@ from ac2_jax.serving.sample_run import (
     run_generation,
     sse,
 )
-from ac2_jax.serving.streaming import TextStream
+from ac2_jax.serving.core.streaming import TextStream
 
 
 class EventWriter(abc.ABC):

@@ -1,13 +1,13 @@
-"""The built-in request APIs, registered in `apis.REQUEST_APIS` on its first lookup."""
+"""The built-in request APIs, registered in `REQUEST_APIS` on its first lookup."""
 
 from __future__ import annotations
 
 from ac2_jax.serving.apis import REQUEST_APIS, APIMount
-from ac2_jax.serving.gemini import install_gemini_routes
-from ac2_jax.serving.generation import install_generation_routes
-from ac2_jax.serving.lifecycle import install_lifecycle_routes
-from ac2_jax.serving.messages import install_messages_routes
-from ac2_jax.serving.responses import install_responses_routes
+from ac2_jax.serving.apis.gemini.routes import install_gemini_routes
+from ac2_jax.serving.apis.messages.routes import install_messages_routes
+from ac2_jax.serving.apis.responses.routes import install_responses_routes
+from ac2_jax.serving.core.generation import install_generation_routes
+from ac2_jax.serving.lifecycle.routes import install_lifecycle_routes
 
 __all__ = ["mount_anthropic", "mount_gemini", "mount_openai", "mount_responses"]
 

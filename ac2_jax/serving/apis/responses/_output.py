@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving.errors import APIError
-from ac2_jax.serving.responses_schemas import ResponsesBody, function_tools
-from ac2_jax.serving.sample_run import RequestState, ServeContext
-from ac2_jax.serving.stream_generation import EventWriter
-from ac2_jax.serving.streaming import TextStream
+from ac2_jax.serving.apis.responses.schemas import ResponsesBody, function_tools
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core.errors import APIError
+from ac2_jax.serving.core.sample_run import RequestState, ServeContext
+from ac2_jax.serving.core.stream_generation import EventWriter
+from ac2_jax.serving.core.streaming import TextStream
 
 # keep(rollout, body, output as conversation items): stores an answered response.
 Keep = Callable[[Any, dict, list[dict]], None]

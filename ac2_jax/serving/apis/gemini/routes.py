@@ -79,11 +79,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ac2_jax.sampling import SampleResult
-from ac2_jax.serving import chat as chat_lib
-from ac2_jax.serving import requests as req_lib
-from ac2_jax.serving.errors import APIError, bad_request
-from ac2_jax.serving.gemini_schemas import CountTokensBody, GenerateBody
-from ac2_jax.serving.generation import (
+from ac2_jax.serving.apis.gemini.schemas import CountTokensBody, GenerateBody
+from ac2_jax.serving.apis.messages._output import tool_input
+from ac2_jax.serving.core import chat as chat_lib
+from ac2_jax.serving.core import requests as req_lib
+from ac2_jax.serving.core.errors import APIError, bad_request
+from ac2_jax.serving.core.generation import (
     agent_label,
     chat_prompt_ids,
     check_model,
@@ -92,12 +93,11 @@ from ac2_jax.serving.generation import (
     served_adapters,
     start_request,
 )
-from ac2_jax.serving.messages_output import tool_input
-from ac2_jax.serving.sample_run import RequestState, ServeContext
-from ac2_jax.serving.schemas import validate
-from ac2_jax.serving.stream_generation import EventWriter
-from ac2_jax.serving.streaming import TextStream
-from ac2_jax.serving.structured import response_schema, sampler_grammars
+from ac2_jax.serving.core.sample_run import RequestState, ServeContext
+from ac2_jax.serving.core.schemas import validate
+from ac2_jax.serving.core.stream_generation import EventWriter
+from ac2_jax.serving.core.streaming import TextStream
+from ac2_jax.serving.core.structured import response_schema, sampler_grammars
 
 __all__ = ["GeminiWriter", "chat_request", "install_gemini_routes"]
 

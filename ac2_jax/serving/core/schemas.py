@@ -45,7 +45,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ac2_jax.sampling.base import INT32_MAX, MAX_STOP, MAX_STOP_CHARS, TEMPERATURE_RANGE
-from ac2_jax.serving.errors import APIError, bad_request
+from ac2_jax.serving.core.errors import APIError, bad_request
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -461,9 +461,9 @@ class ChatCompletionBody(SamplingBody):
         ]
         | None
     ) = None
-    # false: a constrained tool-call turn (`serving.structured`) holds one call.
+    # false: a constrained tool-call turn (`serving.core.structured`) holds one call.
     parallel_tool_calls: bool | None = None
-    # json_object / json_schema: the answer is constrained to it (`serving.structured`).
+    # json_object / json_schema: the answer is constrained to it (`serving.core.structured`).
     response_format: ResponseFormat = None
 
     @field_validator("tool_choice")
