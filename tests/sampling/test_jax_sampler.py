@@ -526,11 +526,17 @@ def _varied_load(s, rounds=3):
             assert res.output_ids
 
 
+# The warm-up tests' rows: 1-20 concurrent requests then queue for 4 rows, and a warm-up
+# compiles every shape of 3 row buckets (1, 2, 4), not 5 (to 16): the same claims, a third
+# of the programs.
+WARM_ROWS = 4
+
+
 def test_fixed_shapes_after_warmup_compile_nothing(model):
     """fixed_shapes + warmup(): varied traffic (1-20 concurrent requests, prompt
     lengths 2-27, stop ids, top-logprobs, greedy and sampled) adds no shape and
     no XLA compile. Bucketed shapes under the same traffic keep adding both."""
-    s = _sampler(model, fixed_shapes=True, min_batch=1, min_cache_len=1)
+    s = _sampler(model, fixed_shapes=True, min_batch=1, min_cache_len=1, max_batch=WARM_ROWS)
     try:
         known = s.warmup()
         assert known == s.stats.compiled_shapes > 2
@@ -540,7 +546,7 @@ def test_fixed_shapes_after_warmup_compile_nothing(model):
         assert c.n == 0, f"{c.n} XLA compiles after warmup"
     finally:
         s.close()
-    b = _sampler(model, min_batch=1, min_cache_len=8, min_prefill_rows=1)
+    b = _sampler(model, min_batch=1, min_cache_len=8, min_prefill_rows=1, max_batch=WARM_ROWS)
     try:
         gen(b, prompt_of(0, 3))
         first = b.stats.compiled_shapes
@@ -554,15 +560,15 @@ def test_fixed_shapes_after_warmup_compile_nothing(model):
 
 
 def test_fixed_cache_length_with_bucketed_rows_after_warmup_compiles_nothing(model):
-    """min_cache_len = max_context, rows bucketed 1..16: warmup() compiles every row
+    """min_cache_len = max_context, rows bucketed 1..4: warmup() compiles every row
     bucket's shapes; the same varied traffic (rows growing and shrinking between
     buckets) then adds no shape and no XLA compile, and uses more than one row
     bucket."""
-    s = _sampler(model, min_batch=1, min_prefill_rows=1)  # min_cache_len = max_context
+    s = _sampler(model, min_batch=1, min_prefill_rows=1, max_batch=WARM_ROWS)  # cache: CTX
     try:
         known = s.warmup()
         decode_buckets = {k[1] for k in s.stats.shapes if k[0] == "decode_chunk"}
-        assert decode_buckets == {1, 2, 4, 8, 16}
+        assert decode_buckets == {1, 2, 4}
         with _BackendCompiles() as c:
             _varied_load(s)
         assert s.stats.compiled_shapes == known
