@@ -130,8 +130,10 @@ def test_rmsd_keeps_the_top_t_of_every_response_whatever_the_layout(tok, model_s
     g, state = model_state
     d = SelfDistiller(g, state, DistillConfig(method="rmsd", top_t=top_t), OptimizerConfig(),
                       judge=_SelectAll(), tokenizer=tok, donate=False)
-    seq_len = pow2_bucket(max(len(e.teacher_prompt) + len(e.response) for e in examples))
-    paired = pack_pairs(examples, seq_len)
+    # Few shapes (>= 512 columns, rows a multiple of 4): the selection's array ops then
+    # compile for a handful of batch shapes, not for every example's own.
+    seq_len = max(512, pow2_bucket(max(len(e.teacher_prompt) + len(e.response) for e in examples)))
+    paired = pack_pairs(examples, seq_len, rows_multiple=4)
     with mock.patch("ac2_jax.training.distill.trainer.relevance_scores", _fake_relevance_scores):
         kept, rel = d.relevance(paired)
     div, _ = _fake_relevance_scores(None, None, None, None, paired.student, None, None)
