@@ -233,17 +233,29 @@ def _imported(code: str) -> dict:
     """Top-level modules -> distributions, imported by `code` in a fresh interpreter
     (minus what the interpreter imports at startup). The child lists the modules; the
     distributions come from this interpreter's (the same environment's) table."""
-    probe = ("import importlib.metadata, json, sys\n"
-             "base = set(sys.modules)\n"
-             f"{code}\n"
-             "new = {m.split('.')[0] for m in set(sys.modules) - base}\n"
-             "print(json.dumps(sorted(new)))")
+    return _imported_stages(code)[0]
+
+
+@functools.cache
+def _imported_stages(*stages: str) -> tuple[dict, ...]:
+    """`_imported` after each of `stages`, run one after the other in ONE fresh
+    interpreter: stage i's modules are those `stages[0]` .. `stages[i]` imported
+    together. Where each stage's code imports all of the previous ones' (e.g. a
+    package, then that package and two more), stage i is exactly `_imported` of
+    its own code, and the chain costs one interpreter instead of one a stage
+    (each imports jax: ~1-2 CPU s). Cached: the tests sharing a chain run it once."""
+    probe = ["import importlib.metadata, json, sys", "base = set(sys.modules)"]
+    for code in stages:
+        probe += [code, "print('stage', json.dumps(sorted({m.split('.')[0] "
+                        "for m in set(sys.modules) - base})))"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env=env, cwd=ROOT.parent, timeout=300)
+    out = subprocess.run([sys.executable, "-c", "\n".join(probe)], capture_output=True,
+                         text=True, env=env, cwd=ROOT.parent, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     pd = _packages_distributions()
-    return {m: pd.get(m, []) for m in json.loads(out.stdout.strip().splitlines()[-1])}
+    lines = [x.removeprefix("stage ") for x in out.stdout.splitlines() if x.startswith("stage [")]
+    assert len(lines) == len(stages), out.stdout[-2000:]
+    return tuple({m: pd.get(m, []) for m in json.loads(line)} for line in lines)
 
 
 def _norm(name: str) -> str:
@@ -282,8 +294,16 @@ def _closure(requirements) -> set[str]:
     return seen
 
 
+# One interpreter for the top package, the light packages and the core packages, in
+# that order (each stage's code imports everything the stages before it import, so
+# each stage's modules are exactly its own code's: `_imported_stages`).
+CORE_CHAIN = ("import ac2_jax", "ac2_jax.losses.aggregate_loss",
+              "import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace",
+              "; ".join(f"import ac2_jax.{p}" for p in CORE))
+
+
 def test_light_packages_import_no_server_plotting_or_torch():
-    mods = _imported("import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace")
+    mods = _imported_stages(*CORE_CHAIN)[2]
     heavy = sorted(m for m, dists in mods.items() if m in HEAVY or HEAVY & {_norm(d) for d in dists})
     assert not heavy, f"import ac2_jax.losses, .segments, .trace pulled {heavy}"
 
@@ -297,16 +317,16 @@ def test_text_imports_no_jax():
 
 
 def test_the_top_package_loads_subpackages_on_first_use():
-    assert set(_imported("import ac2_jax")) == {"ac2_jax"}
-    mods = _imported("import ac2_jax; ac2_jax.losses.aggregate_loss")
-    assert "jax" in mods and "fastapi" not in mods
+    top, losses = _imported_stages(*CORE_CHAIN)[:2]  # import ac2_jax; then ac2_jax.losses.x
+    assert set(top) == {"ac2_jax"}
+    assert "jax" in losses and "fastapi" not in losses
 
 
 def test_trace_pages_import_no_matplotlib():
-    mods = _imported("import ac2_jax.viz; ac2_jax.viz.write_trace_html")
-    assert "matplotlib" not in mods
-    mods = _imported("import ac2_jax.viz; ac2_jax.viz.plot_curves")
-    assert "matplotlib" in mods  # the lazy name really loads the curves
+    pages, curves = _imported_stages("import ac2_jax.viz; ac2_jax.viz.write_trace_html",
+                                     "ac2_jax.viz.plot_curves")
+    assert "matplotlib" not in pages
+    assert "matplotlib" in curves  # the lazy name really loads the curves
 
 
 def test_core_packages_need_only_the_core_requirements():
@@ -315,7 +335,7 @@ def test_core_packages_need_only_the_core_requirements():
     assert not core & HEAVY, f"core requirements pull {sorted(core & HEAVY)}"
     assert {"fastapi", "uvicorn"} <= {_name(r) for r in extras["serve"]}
     assert "matplotlib" in {_name(r) for r in extras["viz"]}
-    mods = _imported("; ".join(f"import ac2_jax.{p}" for p in CORE))
+    mods = _imported_stages(*CORE_CHAIN)[3]  # import ac2_jax.<each of CORE>
     outside = {m: dists for m, dists in mods.items()
                if dists and m != "ac2_jax" and m not in PROBED
                and not core & {_norm(d) for d in dists}}
