@@ -72,6 +72,11 @@ def prompt_of(i, n=6):
     return [(7 * i + 3 * j + 1) % 256 for j in range(n)]
 
 
+# The references' log-probs as one compiled program per shape and sampling setting:
+# eagerly, each of token_logprobs' ~25 ops compiled for every response length.
+ref_logprobs = jax.jit(token_logprobs, static_argnames=("temperature", "top_k", "top_p"))
+
+
 @jax.jit
 def _learner_forward(graphdef, state, tokens, positions, segs, targets):
     logits = nnx.merge(graphdef, state)(tokens, positions, segs)
@@ -114,8 +119,8 @@ def test_logprobs_equal_learner_forward(sampler, model):
     for (p, sp), r, (logits, _) in zip(reqs, results, learner(model, seqs)):
         assert len(r.output_ids) == sp.max_tokens and r.finish_reason == "length"
         # The behaviour distribution: temperature, top-k, top-p (greedy: raw logits).
-        want = token_logprobs(logits[len(p) - 1:-1], np.asarray(r.output_ids),
-                              temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
+        want = ref_logprobs(logits[len(p) - 1:-1], np.asarray(r.output_ids),
+                            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
         np.testing.assert_allclose(r.output_logprobs, want, atol=1e-4, rtol=0)
 
 
@@ -143,14 +148,14 @@ def test_on_policy_ratio_and_tis_are_one_through_the_training_batch(sampler, mod
             top_p=sp.top_p))
     batch = pack_segments(segments_from_trace(trace), seq_len=64)
     logits = jax.jit(forward, static_argnums=0)(*nnx.split(model, nnx.Param, ...), batch)
-    logp = np.asarray(behaviour_logprobs(logits, batch))
+    logp = np.asarray(jax.jit(behaviour_logprobs)(logits, batch))
     m = batch.loss_mask > 0
     assert m.sum() == 60
     np.testing.assert_allclose(logp[m], batch.features["sampler_logprobs"][m], atol=2e-5, rtol=0)
     ratio_to_sampler = np.exp(logp[m] - batch.features["sampler_logprobs"][m])
     np.testing.assert_allclose(ratio_to_sampler, 1.0, atol=3e-5)
     if top_k > 0:  # the raw distribution would be far off: the old bug
-        raw = np.asarray(token_logprobs(logits, batch.targets))
+        raw = np.asarray(ref_logprobs(logits, batch.targets))
         assert np.abs(raw[m] - batch.features["sampler_logprobs"][m]).max() > 0.1
 
 
@@ -713,8 +718,8 @@ def test_in_flight_every_token_is_its_versions_forward_pass(spanned, versions):
     ids, lps = np.asarray(long.output_ids), np.asarray(long.output_logprobs)
     for v, m in enumerate(versions):  # one full forward pass per version, no cache
         ((lg, _),) = learner(m, [PROMPT + long.output_ids])
-        want = np.asarray(token_logprobs(lg[len(PROMPT) - 1:-1], ids, temperature=LONG.temperature,
-                                         top_k=LONG.top_k, top_p=LONG.top_p))
+        want = np.asarray(ref_logprobs(lg[len(PROMPT) - 1:-1], ids, temperature=LONG.temperature,
+                                       top_k=LONG.top_k, top_p=LONG.top_p))
         at = v_of == v
         np.testing.assert_allclose(lps[at], want[at], atol=1e-4, rtol=0)
         if v:  # the tokens of other versions are not this one's (the check can fail)
@@ -747,9 +752,9 @@ def test_in_flight_recompute_shares_a_groups_prompt(versions):
         assert set(v_of) == {0, 1}
         for v in (0, 1):
             ((lg, _),) = learner(versions[v], [prompt + r.output_ids])
-            want = np.asarray(token_logprobs(lg[len(prompt) - 1:-1], np.asarray(r.output_ids),
-                                             temperature=sp.temperature, top_k=sp.top_k,
-                                             top_p=sp.top_p))
+            want = np.asarray(ref_logprobs(lg[len(prompt) - 1:-1], np.asarray(r.output_ids),
+                                           temperature=sp.temperature, top_k=sp.top_k,
+                                           top_p=sp.top_p))
             at = v_of == v
             np.testing.assert_allclose(np.asarray(r.output_logprobs)[at], want[at], atol=1e-4)
 
@@ -788,7 +793,7 @@ def test_in_flight_the_rl_batch_carries_per_token_versions_and_logprobs(spanned,
     ((lg, _),) = learner(versions[2], [seq])
     logits = np.zeros((*batch.tokens.shape, lg.shape[-1]), np.float32)
     logits[0, :len(seq)] = lg
-    logp = np.asarray(behaviour_logprobs(logits, batch))[m]
+    logp = np.asarray(jax.jit(behaviour_logprobs)(logits, batch))[m]
     sampler = batch.feature(SAMPLER_LOGPROBS)[m]
     np.testing.assert_allclose(logp[v_of == 2], sampler[v_of == 2], atol=1e-4)
     assert np.abs(logp[v_of == 0] - sampler[v_of == 0]).max() > 1e-2
