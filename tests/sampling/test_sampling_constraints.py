@@ -6,6 +6,7 @@ One sampler per module, one row count and cache length: few compiles.
 """
 
 import asyncio
+import functools
 import json
 
 import jax
@@ -89,23 +90,31 @@ def accepts(grammar, tok, text, end=True) -> bool:
     return True
 
 
-@jax.jit
-def _logits(graphdef, state, tokens):
-    L = tokens.shape[1]
-    pos = jnp.arange(L, dtype=jnp.int32)[None]
-    return nnx.merge(graphdef, state)(tokens, pos, jnp.ones_like(tokens))[0]
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _masked_logprobs(graphdef, state, tokens, masks, temperature, top_k, top_p):
+    """tokens [1, CTX] (a causal forward: the padding after the sequence changes no
+    earlier position), masks [CTX, V]: (masked logits, log-probs) [CTX, V]. One shape
+    for every request: one compile per sampling setting, not per length."""
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    logits = nnx.merge(graphdef, state)(tokens, pos, jnp.ones_like(tokens))[0]
+    masked = jnp.where(masks, logits, -jnp.inf)
+    return masked, jax.nn.log_softmax(sampling_logits(masked, temperature, top_k, top_p), -1)
 
 
 def masked_logprobs(model, tok, p, r, grammar, sp):
     """The learner's view: one full forward pass over prompt + output, the replayed
     masks, then sampling_logits and log_softmax. Returns (masked logits [n, V],
-    log-probs [n, V])."""
-    seq = np.asarray(p + r.output_ids, np.int32)[None]
-    logits = np.asarray(_logits(*nnx.split(model), seq))[len(p) - 1:-1]
+    log-probs [n, V], masks [n, V])."""
+    n = len(r.output_ids)
+    seq = np.zeros((1, CTX), np.int32)
+    seq[0, :len(p) + n] = p + r.output_ids
     masks = replay_masks(grammar, tok, r.output_ids, vocab_size=model.config.vocab_size)
-    masked = jnp.where(masks, logits, -jnp.inf)
-    scaled = sampling_logits(masked, sp.temperature, sp.top_k, sp.top_p)
-    return masked, np.asarray(jax.nn.log_softmax(scaled, axis=-1)), masks
+    padded = np.ones((CTX, model.config.vocab_size), bool)
+    at = slice(len(p) - 1, len(p) - 1 + n)  # the positions that predict the outputs
+    padded[at] = masks
+    masked, logp = _masked_logprobs(*nnx.split(model), seq, padded, sp.temperature, sp.top_k,
+                                    sp.top_p)
+    return np.asarray(masked)[at], np.asarray(logp)[at], masks
 
 
 # ------------------------------------------------------------------------------ grammars
