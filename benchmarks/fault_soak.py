@@ -1,4 +1,4 @@
-"""The fault soak: the split RL job under many injected faults (tests/fault_harness.py).
+"""The fault soak: the split RL job under many injected faults (tests/support/fault_harness.py).
 
 Runs seed S, S+1, ... (each a fresh job of `--steps` toy RL steps with
 `--per_run` faults drawn by its seed, every kind alike) until `--faults`
@@ -28,12 +28,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
-from fault_harness import KINDS, Fault, run_seed  # noqa: E402
-
 from benchmarks.common import machine  # noqa: E402
+from tests.support.fault_harness import KINDS, Fault, run_seed  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -114,13 +114,13 @@ def _no_alarm_fired(request):
 
 def pytest_configure(config):
     """`AC2_TEST_PROFILE=<dir>` (scripts/test_profile.sh): time and compile seconds per
-    test, written under <dir> (tests/suite_profile.py)."""
+    test, written under <dir> (tests/support/suite_profile.py)."""
     config.addinivalue_line(
         "markers", "alarms_expected(*names): the test fires (those) correctness alarms on purpose"
     )
     out_dir = os.environ.get("AC2_TEST_PROFILE")
     if out_dir:
-        from suite_profile import ProfilePlugin
+        from tests.support.suite_profile import ProfilePlugin
 
         config.pluginmanager.register(ProfilePlugin(out_dir), "ac2_suite_profile")
 

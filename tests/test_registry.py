@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rl_traces import rl_trace
 
 from ac2_jax.config import ConfigError, from_config
 from ac2_jax.losses import LMHead, attention_mask, token_logprobs
@@ -37,7 +36,8 @@ from ac2_jax.training.core import Objective
 from ac2_jax.training.rl import BatchConfig, RLConfig
 from ac2_jax.training.rl.alarms import AlarmConfig, AlarmsConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLTrainer
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
+from tests.support.rl_traces import rl_trace
 
 VOCAB = 16
 

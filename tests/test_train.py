@@ -91,14 +91,14 @@ def one_line_error(proc) -> str:
     return lines[0]
 
 
-BASE = ["--recipe=rl", "--env=tests.recipe_helpers:ParityEnv", "--model=tiny"]
+BASE = ["--recipe=rl", "--env=tests.support.recipe_helpers:ParityEnv", "--model=tiny"]
 MISTAKES = [
     (["--recipe=rl", "--modle=tiny"], "unknown flag --modle; did you mean --model?"),
     (["--recipe=dpo"], "unknown recipe 'dpo': registered are distill, eval, rl, sft"),
     (["--env=x:Y", "--model=tiny"], "--recipe is required"),
     (["--recipe=rl", "--model=tiny"], "--env is required"),
-    (["--recipe=rl", "--model=tiny", "--env=tests.recipe_helpers:Nope"], "has no attribute"),
-    (["--recipe=rl", "--env=tests.recipe_helpers:ParityEnv", "--model=/no/such/dir"],
+    (["--recipe=rl", "--model=tiny", "--env=tests.support.recipe_helpers:Nope"], "has no attribute"),
+    (["--recipe=rl", "--env=tests.support.recipe_helpers:ParityEnv", "--model=/no/such/dir"],
      "not a directory"),
     (["--recipe=sft", "--env=ac2_jax.envs:CalculatorEnv", "--model=tiny"],
      "recipe 'sft' needs CalculatorEnv.demonstration(task)"),
@@ -176,7 +176,7 @@ def trained(tmp_path_factory):
     env SFT from a model directory written here, then RL and distillation from that SFT
     run's HF export, each in a fresh working directory; an RL step on the parity env; and
     an RL run whose context is below the prompt. Returns (runs by key, the folder)."""
-    from tests.recipe_helpers import write_tiny_model
+    from tests.support.recipe_helpers import write_tiny_model
 
     tmp = tmp_path_factory.mktemp("trained")
     model = write_tiny_model(str(tmp / "model_src"))
@@ -194,7 +194,7 @@ def trained(tmp_path_factory):
     for key in ("parity", "context"):
         (tmp / key).mkdir()
     runs.append({"key": "parity", "cwd": str(tmp / "parity"), "args": [
-        "--recipe=rl", "--env=tests.recipe_helpers:ParityEnv", f"--model={model}",
+        "--recipe=rl", "--env=tests.support.recipe_helpers:ParityEnv", f"--model={model}",
         f"--workdir={tmp / 'parity' / 'run'}", *SMALL["rl"], "--config.rl.attempts_per_task=4",
         *ROLLOUT]})
     runs.append({"key": "context", "cwd": str(tmp / "context"), "args": [

@@ -12,15 +12,15 @@ import time
 
 import httpx
 import pytest
-from child_env import child_xla_flags
 
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
 from benchmarks.endpoint_harness import ServerProcess, audit, find_markers, lost_rollouts, marker
+from tests.support.child_env import child_xla_flags
 
 ADMIN = "sk-harness-admin"
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
-# The server as deployed: one CPU device (the suite's compile flags: tests/child_env.py).
+# The server as deployed: one CPU device (the suite's compile flags: tests/support/child_env.py).
 CHILD_ENV = {"XLA_FLAGS": child_xla_flags()}
 # Small shapes: few compiles, fast decode steps on CPU.
 SERVER_FLAGS = ["--max_tokens=2", "--max_context=256", "--max_batch=8"]

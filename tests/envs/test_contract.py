@@ -4,7 +4,7 @@ import pytest
 
 from ac2_jax.envs import CalculatorEnv, Env, Task
 from ac2_jax.envs.contract import EnvError, check_env, load_env, needs_of
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 
 class Broken(Env):
@@ -18,17 +18,17 @@ class Broken(Env):
 
 
 def test_load_env_takes_an_import_path_a_factory_or_an_instance():
-    assert isinstance(load_env("tests.recipe_helpers:ParityEnv"), ParityEnv)
+    assert isinstance(load_env("tests.support.recipe_helpers:ParityEnv"), ParityEnv)
     assert isinstance(load_env(ParityEnv), ParityEnv)
     env = ParityEnv()
     assert load_env(env) is env
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("tests.recipe_helpers", "expected an import path 'pkg.module:Factory'"),
+    ("tests.support.recipe_helpers", "expected an import path 'pkg.module:Factory'"),
     ("no_such_pkg.mod:Env", "cannot import 'no_such_pkg.mod'"),
-    ("tests.recipe_helpers:Nope", "has no attribute 'Nope'"),
-    ("tests.recipe_helpers:write_tiny_model", "calling it with no arguments raised TypeError"),
+    ("tests.support.recipe_helpers:Nope", "has no attribute 'Nope'"),
+    ("tests.support.recipe_helpers:write_tiny_model", "calling it with no arguments raised TypeError"),
 ])
 def test_load_env_errors_name_the_problem(spec, says):
     with pytest.raises(EnvError) as e:

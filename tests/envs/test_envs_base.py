@@ -78,7 +78,7 @@ def test_a_tool_that_takes_the_task_gets_the_attempts_task():
     # module globals; a tool fn with a `task` parameter now gets the attempt's Task.
     from ac2_jax.envs import Task
     from ac2_jax.orchestration import DefaultOrchestrator
-    from tests.recipe_helpers import ParityEnv
+    from tests.support.recipe_helpers import ParityEnv
 
     tables = {"t1": {"a": "1"}, "t2": {"a": "2"}}
 

@@ -13,10 +13,10 @@ import time
 
 import openai
 import pytest
-import sandbox_tools as st
 
 from ac2_jax.envs import Env, SandboxLimits, Task, Tool, run_tool
 from ac2_jax.orchestration import DefaultOrchestrator, SingleTaskUser, run_task
+from tests.support import sandbox_tools as st
 
 SLACK_S = 10.0
 

@@ -10,12 +10,12 @@ import json
 import random
 
 import pytest
-from serving_helpers import served_random_model
 
 from ac2_jax.envs import CalculatorEnv, DomainMixer, run_tool
 from ac2_jax.evals import AuditConfig, audit, audit_traces, count_tool_calls, no_tool_call
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.trace import Completion, Trace, TraceRecorder
+from tests.support.serving_helpers import served_random_model
 
 PREDICATES = {"no_tool_call": no_tool_call}
 

@@ -1,7 +1,7 @@
 """evaluate() through the real endpoint (FastAPI over HTTP, JaxSampler, tiny fitted model).
 
 The model is fitted to the scripted 3-turn add-tool conversation
-(tests/serving_helpers.py), so greedy attempts call the tool twice and
+(tests/support/serving_helpers.py), so greedy attempts call the tool twice and
 answer 17: tasks expecting 17 pass, tasks expecting another number fail.
 """
 
@@ -10,7 +10,6 @@ import dataclasses
 import json
 
 import pytest
-from serving_helpers import SYSTEM, TOOLS, USER, fit_tiny_model
 
 from ac2_jax.envs import Env, Task, Tool
 from ac2_jax.evals import TokenPrices, compare_results, evaluate, token_cost, trace_tokens
@@ -19,6 +18,7 @@ from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from tests.support.serving_helpers import SYSTEM, TOOLS, USER, fit_tiny_model
 
 ADMIN = "sk-admin-evals"
 PRICES = TokenPrices(0.20, 2.00, 8.00)

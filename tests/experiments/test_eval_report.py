@@ -3,12 +3,12 @@
 import io
 import os
 
-from html_dom import Dom
 from rich.console import Console
 
 from ac2_jax.evals import EvalResult, TokenPrices, attempt_record, compare_results
 from ac2_jax.trace import Completion, Episode, Trace
 from experiments.calculator import eval_report
+from tests.support.html_dom import Dom
 
 NASTY = '<b>t&"1</b>'
 

@@ -6,12 +6,12 @@ import json
 import os
 
 import pytest
-from html_dom import Dom
 
 from ac2_jax.models.params_io import publish_weights, save_params
 from experiments.calculator import agent as calculator_agent
 from experiments.calculator import evaluate
 from experiments.calculator.eval_config import get_config
+from tests.support.html_dom import Dom
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import pytest
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.segments import Segment, pack_segments
-from tests.multidevice import run_mesh_rows, run_pmap_rows
+from tests.support.multidevice import run_mesh_rows, run_pmap_rows
 
 
 def _segments(seed=0):

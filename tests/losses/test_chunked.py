@@ -18,7 +18,7 @@ from ac2_jax.losses import (
     token_entropy,
     token_logprobs,
 )
-from tests.constrained_case import constrained_case, masked_reference
+from tests.support.constrained_case import constrained_case, masked_reference
 
 B, L, D, V = 2, 9, 8, 37
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from ac2_jax.losses import token_entropy, token_logprobs
-from tests.constrained_case import constrained_case, masked_reference
-from tests.multidevice import run_mesh_rows, run_pmap_rows
+from tests.support.constrained_case import constrained_case, masked_reference
+from tests.support.multidevice import run_mesh_rows, run_pmap_rows
 
 
 def _np_log_softmax(x):

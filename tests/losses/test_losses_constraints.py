@@ -14,7 +14,7 @@ from ac2_jax.losses import (
     unpack_masks,
 )
 from ac2_jax.segments import pack_mask_bits, unpack_mask_bits
-from tests.constrained_case import L, R, constrained_case
+from tests.support.constrained_case import L, R, constrained_case
 
 
 @pytest.mark.parametrize("V_", [1, 32, 70, 100])

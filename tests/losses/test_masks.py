@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from ac2_jax.losses import attention_mask, segment_attention_mask, tree_attention_mask
-from tests.multidevice import run_mesh_rows, run_pmap_rows
+from tests.support.multidevice import run_mesh_rows, run_pmap_rows
 
 
 def _brute_segment_mask(seg):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ac2_jax.losses import group_advantages, policy_gradient_loss, policy_gradient_metrics
-from tests.multidevice import run_mesh_rows, run_pmap_replicated, run_pmap_rows
+from tests.support.multidevice import run_mesh_rows, run_pmap_replicated, run_pmap_rows
 
 
 def test_group_advantages():

@@ -17,7 +17,7 @@ from ac2_jax.losses import (
     selection_mask,
 )
 from ac2_jax.segments import Segment, pack_segments
-from tests.multidevice import run_mesh_rows, run_pmap_rows
+from tests.support.multidevice import run_mesh_rows, run_pmap_rows
 
 R, L = 8, 12
 

@@ -18,7 +18,8 @@ import tempfile
 import time
 
 import pytest
-from child_env import child_env
+
+from tests.support.child_env import child_env
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ("quickstart", "train_your_harness", "learn_from_feedback", "bring_your_own_model")

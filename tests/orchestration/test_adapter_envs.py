@@ -12,11 +12,11 @@ import json
 
 import openai
 import pytest
-from serving_helpers import served_random_model
 
 from ac2_jax.envs.contract import EnvError, check_env, load_env
 from ac2_jax.orchestration import LifecycleClient, run_rollout
 from ac2_jax.recipes.common import error_lines, harness_factory
+from tests.support.serving_helpers import served_random_model
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra")
 ta = pytest.importorskip("textarena", reason="the textarena extra")

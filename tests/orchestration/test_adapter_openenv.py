@@ -134,7 +134,7 @@ def test_the_howto_openenv_commands_build_their_env(echo_pkg, tmp_path):
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory, echo):
-    from serving_helpers import served_random_model
+    from tests.support.serving_helpers import served_random_model
 
     tmp = tmp_path_factory.mktemp("openenv_endpoint")
     with served_random_model(tmp, ADMIN, max_context=512, max_batch=1) as (url, tok):

@@ -18,11 +18,11 @@ import textwrap
 import time
 
 import pytest
-from serving_helpers import served_random_model
 
 from ac2_jax.envs import Task
 from ac2_jax.orchestration import LifecycleClient, run_rollout
 from ac2_jax.orchestration.cli_agent import CLIAgent, CLIAgentEnv, CLIResult
+from tests.support.serving_helpers import served_random_model
 
 ADMIN = "sk-admin-cli"
 

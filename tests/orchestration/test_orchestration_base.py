@@ -14,11 +14,11 @@ the same noise), so the eval measured correlated attempts, not the policy.
 import asyncio
 
 import openai
-from serving_helpers import served_random_model
 
 from ac2_jax.envs import Env, Task
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.seeds import request_seed
+from tests.support.serving_helpers import served_random_model
 
 
 class SayEnv(Env):

@@ -1,6 +1,6 @@
 """Orchestrators through the real endpoint (FastAPI over HTTP, JaxSampler, tiny model).
 
-The tiny model is fitted to scripted conversations (tests/serving_helpers.py: the
+The tiny model is fitted to scripted conversations (tests/support/serving_helpers.py: the
 tool loop, a delegation and a transient-message script), so greedy decoding
 takes the paths each orchestrator must handle. Episodes are recorded by the
 endpoint; each orchestrator must yield the episode structure of its shape.
@@ -16,7 +16,6 @@ import textwrap
 import httpx
 import openai
 import pytest
-from serving_helpers import DELEGATE, REMINDER, SYSTEM, TOOLS, USER, AddEnv, fit_tiny_model
 
 from ac2_jax.envs import Task
 from ac2_jax.orchestration import (
@@ -31,6 +30,15 @@ from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from tests.support.serving_helpers import (
+    DELEGATE,
+    REMINDER,
+    SYSTEM,
+    TOOLS,
+    USER,
+    AddEnv,
+    fit_tiny_model,
+)
 
 ADMIN = "sk-admin-orch"
 GREEDY = {"temperature": 0, "max_tokens": 64}

@@ -17,8 +17,6 @@ import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
-from ports import refused_url
-from serving_helpers import served_random_model
 
 from ac2_jax.envs import AgentError, Env, Task
 from ac2_jax.orchestration import (
@@ -33,6 +31,8 @@ from ac2_jax.serving.core.errors import install_error_handlers
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
 from ac2_jax.training.rl import BatchConfig, build_batch
+from tests.support.ports import refused_url
+from tests.support.serving_helpers import served_random_model
 
 ADMIN = "sk-admin-rollouts"
 SAMPLING = {"temperature": 1.0, "max_tokens": 6, "seed": 7}

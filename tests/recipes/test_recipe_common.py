@@ -8,7 +8,7 @@ import pytest
 from ac2_jax.orchestration import DefaultOrchestrator
 from ac2_jax.recipes import MODELS, Progress, load_model
 from ac2_jax.recipes.common import LINE_WIDTH, harness_factory
-from tests.recipe_helpers import ParityEnv, write_tiny_model
+from tests.support.recipe_helpers import ParityEnv, write_tiny_model
 
 
 def test_a_model_loads_from_an_hf_directory_a_preset_or_a_pair(tmp_path):

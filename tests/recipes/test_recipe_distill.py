@@ -7,7 +7,7 @@ import pytest
 
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import DistillRecipeConfig, distill, load_model
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 SMALL = ["loop.steps=1", "loop.tasks_per_step=2", "loop.concurrency=4", "rollout.max_tokens=8",
          "rollout.max_steps=1", "sampler.warmup=false", "log.progress=false",

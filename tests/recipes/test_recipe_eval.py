@@ -7,7 +7,7 @@ import pytest
 from ac2_jax.config import ConfigError
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import RECIPES, EvalRecipeConfig, eval_model, load_model
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 pytestmark = pytest.mark.full  # a recipe end to end (the endpoint over a sampler)
 

@@ -14,7 +14,7 @@ from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import MeshConfig, SFTRecipeConfig, load_model, sft
 from ac2_jax.recipes.common import recipe_mesh
 from ac2_jax.train import main
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 
 def test_the_mesh_section_makes_a_mesh_of_its_shape():
@@ -54,7 +54,7 @@ def test_each_recipe_refuses_a_mesh_above_the_device_count_before_any_work(
 ):
     """Through the launcher: exit 2, one stderr line, and no model loaded (no workdir
     files beyond the claim)."""
-    rc = main([f"--recipe={recipe}", "--model=tiny", "--env=tests.recipe_helpers:ParityEnv",
+    rc = main([f"--recipe={recipe}", "--model=tiny", "--env=tests.support.recipe_helpers:ParityEnv",
                f"--workdir={tmp_path / 'run'}", "--config.mesh.data=16"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
@@ -66,7 +66,7 @@ def test_each_recipe_refuses_a_mesh_above_the_device_count_before_any_work(
 def test_rl_on_a_data_mesh_asks_for_rows_multiple(tmp_path, capsys):
     """RL rows grow in steps of rl.batch.rows_multiple (default 1): refused up front on a
     data mesh of 2, naming the setting that fixes it, not at the first step."""
-    rc = main(["--recipe=rl", "--model=tiny", "--env=tests.recipe_helpers:ParityEnv",
+    rc = main(["--recipe=rl", "--model=tiny", "--env=tests.support.recipe_helpers:ParityEnv",
                f"--workdir={tmp_path / 'run'}", "--config.mesh.data=2"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err

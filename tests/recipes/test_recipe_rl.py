@@ -12,7 +12,7 @@ import pytest
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import RLRecipeConfig, load_model, rl
 from ac2_jax.trace import TraceStore
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.batch.rows=2",
              "rl.batch.seq_len=128", "rl.concurrency=8", "rollout.max_tokens=8",

@@ -15,14 +15,14 @@ import zlib
 
 import numpy as np
 import pytest
-from sglang_fake import FakeSGLang
 
 from ac2_jax.config_cli import load_config
 from ac2_jax.recipes import RLRecipeConfig, load_model, rl
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.trace import TraceStore
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
+from tests.support.sglang_fake import FakeSGLang
 
 OVERRIDES = ["rl.steps=1", "rl.tasks_per_step=2", "rl.attempts_per_task=4", "rl.batch.rows=2",
              "rl.batch.seq_len=128", "rl.concurrency=8", "rollout.max_tokens=8",

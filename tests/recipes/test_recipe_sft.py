@@ -9,7 +9,7 @@ from ac2_jax.config_cli import load_config
 from ac2_jax.models.hf_io import load_hf_checkpoint
 from ac2_jax.recipes import SFTRecipeConfig, load_model, sft
 from ac2_jax.recipes._sft import demo_chats
-from tests.recipe_helpers import ParityEnv
+from tests.support.recipe_helpers import ParityEnv
 
 
 def test_sft_learns_the_demonstrations_and_exports_hf(tmp_path):

@@ -23,10 +23,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from child_env import child_xla_flags
 from flax import nnx
-from ports import refused_url
-from serving_helpers import forward_logprobs
 
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
 from ac2_jax.sampling import (
@@ -43,6 +40,9 @@ from ac2_jax.serving.server import load_policy, serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
 from benchmarks.endpoint_harness import BackendProcess, audit, run_load
+from tests.support.child_env import child_xla_flags
+from tests.support.ports import refused_url
+from tests.support.serving_helpers import forward_logprobs
 
 ADMIN = "sk-fleet-admin"
 CONTEXT = 256

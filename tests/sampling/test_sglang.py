@@ -15,8 +15,6 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
-from serving_helpers import forward_logprobs
-from sglang_fake import FakeSGLang
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.sampling import ContextLengthError, SamplerError, SamplingParams
@@ -30,6 +28,8 @@ from ac2_jax.sampling.remote.sglang import (
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from tests.support.serving_helpers import forward_logprobs
+from tests.support.sglang_fake import FakeSGLang
 
 CONTEXT = 128  # the fake's --context-length
 

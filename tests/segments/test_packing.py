@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from rl_like_segments import rl_like_segment
 
 from ac2_jax.segments import Segment, pack_segments, pad_batch_rows, task_names
 from ac2_jax.segments.batch import pow2_bucket
+from tests.support.rl_like_segments import rl_like_segment
 
 
 def _seg(n, task, start=1, adv=1.0):

@@ -6,7 +6,6 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from rl_like_segments import rl_like_segment
 
 from ac2_jax.segments import (
     CONSTRAINT_ID,
@@ -16,6 +15,7 @@ from ac2_jax.segments import (
     resolve_constraints,
     unpack_mask_bits,
 )
+from tests.support.rl_like_segments import rl_like_segment
 
 V = 40
 

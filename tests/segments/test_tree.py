@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from rl_like_segments import rl_like_segment
 
 from ac2_jax.losses import aggregate_loss, tree_attention_mask
 from ac2_jax.segments import Segment, pack_mask_bits, pack_segments
+from tests.support.rl_like_segments import rl_like_segment
 
 
 def group_segments(n_attempts=4, prompt_len=12, resp_len=5, seed=0):

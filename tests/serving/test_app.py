@@ -1,7 +1,7 @@
 """The endpoint over real HTTP with the official `openai` client.
 
 The sampler is the real JaxSampler over a tiny Decoder fitted to a scripted
-3-turn tool conversation (tests/serving_helpers.py), so greedy decoding
+3-turn tool conversation (tests/support/serving_helpers.py), so greedy decoding
 holds the conversation and the recorded traces can be checked token by token.
 """
 
@@ -14,8 +14,17 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
-from ports import refused_url
-from serving_helpers import (
+
+from ac2_jax.models import Decoder
+from ac2_jax.models.params_io import publish_weights
+from ac2_jax.sampling import Sampler
+from ac2_jax.sampling.engine.jax_sampler import JaxSampler
+from ac2_jax.serving.app import build_app
+from ac2_jax.serving.server import serve_in_thread
+from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from ac2_jax.trace import TraceStore
+from tests.support.ports import refused_url
+from tests.support.serving_helpers import (
     SYSTEM,
     TOOLS,
     TURNS,
@@ -26,15 +35,6 @@ from serving_helpers import (
     scripted_sequence,
     tiny_config,
 )
-
-from ac2_jax.models import Decoder
-from ac2_jax.models.params_io import publish_weights
-from ac2_jax.sampling import Sampler
-from ac2_jax.sampling.engine.jax_sampler import JaxSampler
-from ac2_jax.serving.app import build_app
-from ac2_jax.serving.server import serve_in_thread
-from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
-from ac2_jax.trace import TraceStore
 
 ADMIN = "sk-admin-test"
 MAX_CONTEXT = 512

@@ -10,7 +10,6 @@ import httpx
 import numpy as np
 import pytest
 from flax import nnx
-from serving_helpers import forward_logprobs
 
 from ac2_jax.models import Decoder, DecoderConfig, publish_weights
 from ac2_jax.sampling import JaxSampler, SamplingParams
@@ -18,6 +17,7 @@ from ac2_jax.sampling.remote.sglang import SGLangSampler
 from ac2_jax.serving.backend import build_backend_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from tests.support.serving_helpers import forward_logprobs
 
 CONTEXT = 128
 

@@ -2,7 +2,7 @@
 `anthropic` SDK.
 
 The sampler is the real JaxSampler over the tiny Decoder fitted to the scripted
-3-turn tool conversation (tests/serving_helpers.py), so greedy decoding holds that
+3-turn tool conversation (tests/support/serving_helpers.py), so greedy decoding holds that
 conversation through Anthropic's API too, and the trace is checked token by token
 against the chat template rendered by hand. `GatedSampler` (a test double of the
 Sampler protocol) only shows an error arriving mid-stream.
@@ -17,16 +17,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serving_helpers import (
-    SYSTEM,
-    TOOLS,
-    TURNS,
-    USER,
-    add_tool,
-    fit_tiny_model,
-    forward_logprobs,
-    scripted_sequence,
-)
 
 from ac2_jax.sampling import SamplerError
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
@@ -36,6 +26,16 @@ from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text import parse_tool_calls
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import TraceStore
+from tests.support.serving_helpers import (
+    SYSTEM,
+    TOOLS,
+    TURNS,
+    USER,
+    add_tool,
+    fit_tiny_model,
+    forward_logprobs,
+    scripted_sequence,
+)
 
 ADMIN = "sk-admin-messages"
 MAX_CONTEXT = 512

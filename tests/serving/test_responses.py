@@ -1,7 +1,7 @@
 """POST /v1/responses over real HTTP with the official `openai` SDK (`client.responses`).
 
 The sampler is the real JaxSampler over the tiny Decoder fitted to the scripted
-3-turn tool conversation (tests/serving_helpers.py), so greedy decoding holds the
+3-turn tool conversation (tests/support/serving_helpers.py), so greedy decoding holds the
 conversation through the Responses API too, and the recorded episode is checked
 token by token against a reference built by hand from the rendered template.
 """
@@ -13,13 +13,21 @@ import threading
 import httpx
 import openai
 import pytest
-from serving_helpers import SYSTEM, TOOLS, TURNS, USER, add_tool, fit_tiny_model, scripted_sequence
 
 from ac2_jax.sampling import SampleResult
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app
 from ac2_jax.serving.server import serve_in_thread
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
+from tests.support.serving_helpers import (
+    SYSTEM,
+    TOOLS,
+    TURNS,
+    USER,
+    add_tool,
+    fit_tiny_model,
+    scripted_sequence,
+)
 
 ADMIN = "sk-admin-responses"
 MAX_CONTEXT = 512

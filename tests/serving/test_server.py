@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from ports import reserved_port
 
 from ac2_jax.serving.server import load_policy, serve_in_thread
+from tests.support.ports import reserved_port
 
 
 def hello_app():

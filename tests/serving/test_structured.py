@@ -287,10 +287,9 @@ def test_a_sampler_without_grammars_keeps_the_forced_opening_and_refuses_json(to
     decodes no grammars (`supports_constraints` False), so tool_choice required opens
     the call in the prompt as before grammars (a 200, no grammar on the request),
     and a JSON output format is a 400 naming it, on every API, before any sampling."""
-    from sglang_fake import FakeSGLang
-
     from ac2_jax.sampling import SGLangSampler
     from ac2_jax.serving.core.structured import sampler_grammars
+    from tests.support.sglang_fake import FakeSGLang
 
     model = Decoder(DecoderConfig.tiny(vocab_size=tok.vocab_size, max_position_embeddings=512),
                     rngs=nnx.Rngs(0))

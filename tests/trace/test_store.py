@@ -114,9 +114,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_every_stored_trace_readable(tmp
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fault_procs import quota_open
-
     from ac2_jax.trace import store as store_mod
+    from tests.support.fault_procs import quota_open
 
     path = tmp_path / "rollouts.jsonl"
     store = TraceStore(path)

@@ -6,11 +6,11 @@ external resources, escaping, and clear errors.
 import base64
 
 import pytest
-from html_dom import Dom
 
 from ac2_jax.trace import Episode, Trace
 from ac2_jax.viz import distill_report_html
 from ac2_jax.viz.distill_report import write_distill_report
+from tests.support.html_dom import Dom
 
 TOKENS = ["The", " area", " is", " 3", " +", " 4", " =", " 7", " <ok>", " &", " done"]
 DIV = [0.01, 0.2, 0.05, 0.3, 2.0, 0.4, 0.1, 1.2, 0.02, 0.0, 0.03]

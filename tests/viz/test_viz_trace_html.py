@@ -4,11 +4,11 @@ tokenizer; write_trace_html writes the same page.
 """
 
 import pytest
-from html_dom import Dom
 
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace
 from ac2_jax.viz import trace_html, write_trace_html
+from tests.support.html_dom import Dom
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +78,12 @@ MEMO = "3 + 4 = 7 <next: add 10>"
 def _compacting_trace(tok, tmp_path):
     import copy
 
-    from serving_helpers import SYSTEM, TOOLS, TURNS, USER
-
     from ac2_jax.envs import CalculatorEnv
     from ac2_jax.orchestration import CompactionOrchestrator
     from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
     from ac2_jax.text import parse_tool_calls
     from ac2_jax.trace import TraceRecorder, TraceStore
+    from tests.support.serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
     trace = Trace("calc-1", "0", group_id="g", reward=1.0, status="finished",
                   metadata={"artifacts": {"answer": "The answer is 17.", "events": [

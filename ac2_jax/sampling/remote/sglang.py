@@ -1,7 +1,7 @@
 """SGLangSampler: the `Sampler` protocol over an SGLang server's native API.
 
 SGLang needs CUDA GPUs, so it cannot run on this machine: the tests run this
-client against a local fake (`tests/sglang_fake.py`) that reproduces SGLang's
+client against a local fake (`tests/support/sglang_fake.py`) that reproduces SGLang's
 documented HTTP behaviour, and `scripts/launch_sglang.sh` starts a real
 server on GPU machines.
 

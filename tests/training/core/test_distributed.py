@@ -9,7 +9,7 @@ The same launches then run an RLTrainer (ReplayCollector of fixed traces with
 main and compactor episodes, non-zero advantages) for 2 steps: each process
 packs its share of the segments, and the 2-process learner ends with the
 1-process learner's losses and parameters (1e-5); both processes log the
-same metrics. The worker is tests/multihost_worker.py."""
+same metrics. The worker is tests/support/multihost_worker.py."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ import sys
 
 import numpy as np
 import pytest
-from child_env import child_env
-from ports import reserved_port
 
 from ac2_jax.segments import pack_segments, task_names
 from ac2_jax.training.core import distributed
 from ac2_jax.training.rl import rl_segment
+from tests.support.child_env import child_env
+from tests.support.ports import reserved_port
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(TESTS, "multihost_worker.py")
+WORKER = os.path.join(TESTS, "support", "multihost_worker.py")
 
 
 def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publish_dir=None,

@@ -18,7 +18,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
@@ -40,6 +39,7 @@ from ac2_jax.training.distill.data import (
 )
 from ac2_jax.training.distill.traces import examples_from_traces
 from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
+from tests.support.serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
 HINT = "Add all three numbers before answering."
 AGENTS = ("main", "compactor", "subagent:helper")

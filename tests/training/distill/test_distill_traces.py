@@ -21,7 +21,6 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serving_helpers import SYSTEM, TOOLS
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments.batch import pow2_bucket
@@ -39,6 +38,7 @@ from ac2_jax.training.distill import (
     pack_pairs,
 )
 from ac2_jax.training.distill.data import HINT_PLACEMENTS
+from tests.support.serving_helpers import SYSTEM, TOOLS
 
 HINT = "Add all three numbers before answering."
 WORDS = "red blue green the sum is seven ten add numbers".split()

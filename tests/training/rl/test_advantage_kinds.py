@@ -18,7 +18,7 @@ from ac2_jax.training.rl import (
     batch_segments,
     trace_advantages,
 )
-from tests.rl_traces import rl_trace
+from tests.support.rl_traces import rl_trace
 
 # three groups: spread (4 attempts), tied at 0.7 (3), lone (1)
 R = np.array([1.0, 0.0, 0.25, 0.5, 0.7, 0.7, 0.7, 0.3])

@@ -22,7 +22,6 @@ import time
 import jax
 import pytest
 from flax import nnx
-from ports import refused_url
 
 from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
@@ -48,6 +47,7 @@ from ac2_jax.training.rl.batching import pack_rl_batch
 from ac2_jax.training.rl.collectors import EndpointCollector
 from ac2_jax.training.rl.data import BatchConfig
 from ac2_jax.training.rl.trainer import ReplayCollector, RLConfig, RLTrainer
+from tests.support.ports import refused_url
 
 pytestmark = pytest.mark.alarms_expected  # these tests fire alarms on purpose
 STEPS = StepCache()

@@ -1,4 +1,4 @@
-"""The split RL job under injected faults (tests/fault_harness.py), fixed seeds.
+"""The split RL job under injected faults (tests/support/fault_harness.py), fixed seeds.
 
 Each seed runs the real processes (two sampler backends, the endpoint over them as
 a fleet, the collector, the learner) for 5 toy RL steps; first the scripted
@@ -26,7 +26,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from fault_harness import KINDS, plan, run_seed  # noqa: E402
+from tests.support.fault_harness import KINDS, plan, run_seed  # noqa: E402
 
 SEEDS = [4]
 STEPS = 5

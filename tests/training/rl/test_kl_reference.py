@@ -129,7 +129,7 @@ def test_the_rl_trainer_trains_against_the_launch_weights(tmp_path):
 
     from ac2_jax.training import BatchConfig, RLConfig
     from ac2_jax.training.rl import ReplayCollector, RLTrainer
-    from tests.rl_traces import rl_trace
+    from tests.support.rl_traces import rl_trace
 
     traces = [rl_trace(task, a, float(a % 2), n_out=4) for task in ("a", "b") for a in range(4)]
     for step in (0, 1):  # the same attempts replayed at steps 0 and 1

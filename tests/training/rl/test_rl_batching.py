@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from rl_traces import rl_trace as _trace
 
 from ac2_jax.losses import aggregate_loss
 from ac2_jax.segments import task_names
@@ -14,6 +13,7 @@ from ac2_jax.trace import Completion, Trace, TraceRecorder
 from ac2_jax.training.rl.batching import batch_segments, build_batch, pack_rl_batch
 from ac2_jax.training.rl.data import BatchConfig, informative_groups, select_traces
 from ac2_jax.training.rl.metrics import batch_metrics
+from tests.support.rl_traces import rl_trace as _trace
 
 
 def _long_episode_trace(n_requests=5, n_out=6, prompt=8):

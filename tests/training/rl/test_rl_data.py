@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rl_traces import rl_trace as _trace
 
 from ac2_jax.config import ConfigError, from_config
 from ac2_jax.losses import aggregate_loss
@@ -25,6 +24,7 @@ from ac2_jax.training.rl.data import (
     trace_version,
 )
 from ac2_jax.training.rl.trainer import RLConfig
+from tests.support.rl_traces import rl_trace as _trace
 
 
 def test_advantages_per_group():

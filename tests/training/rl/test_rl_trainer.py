@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from ports import refused_url
 
 from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
@@ -36,6 +35,7 @@ from ac2_jax.training.core import StepCache, read_metrics
 from ac2_jax.training.rl.data import BatchConfig, select_traces
 from ac2_jax.training.rl.trainer import EndpointCollector, ReplayCollector, RLConfig, RLTrainer
 from experiments.rl_split.toy_envs import AlternatingEnv, LengthParityEnv
+from tests.support.ports import refused_url
 
 ADMIN = "sk-admin-rl"
 STEPS = StepCache()  # trainers of equal configuration share one compiled step
@@ -447,7 +447,7 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     import time
 
     tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    worker = os.path.join(tests, "rl_kill_worker.py")
+    worker = os.path.join(tests, "support", "rl_kill_worker.py")
     workdir = str(tmp_path / "run")
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
     proc = subprocess.Popen([sys.executable, worker, workdir, "3"], stdout=subprocess.PIPE,
@@ -749,7 +749,7 @@ def test_tied_rewards_fp32_cannot_hold_move_no_parameter(tmp_path, normalize_std
     0.7 (which fp32 cannot hold; its fp32 group mean left advantages of ~6e-8, or
     +-0.06 of one sign per group with normalize_std, and AdamW stepped on it). Both
     groups are counted as tied, every advantage is exactly 0, and no parameter moves."""
-    from rl_traces import rl_trace
+    from tests.support.rl_traces import rl_trace
     traces = [rl_trace(task, a, 0.7, n_out=4) for task in ("a", "b") for a in range(8)]
     config = dataclasses.replace(_config(1), attempts_per_task=8,
                                  batch=BatchConfig(seq_len=128, rows=8,

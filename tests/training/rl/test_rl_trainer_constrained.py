@@ -30,7 +30,7 @@ from ac2_jax.training.rl import (
     batch_segments,
     pack_rl_batch,
 )
-from tests.serving_helpers import served_random_model
+from tests.support.serving_helpers import served_random_model
 
 ADMIN = "sk-admin-constrained"
 CTX = 512

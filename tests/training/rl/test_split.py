@@ -23,12 +23,12 @@ import time
 
 import httpx
 import pytest
-from child_env import child_env
-from ports import refused_url, reserved_port
 
 from ac2_jax.models.params_io import latest_published
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, step_traces
+from tests.support.child_env import child_env
+from tests.support.ports import refused_url, reserved_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 ADMIN = "sk-admin-split"
@@ -173,12 +173,12 @@ def test_a_step_whose_groups_all_tie_moves_the_learner_step_not_the_version(tmp_
     (steps_done, version) for (step, learner_step): after step 0 it asked for step 1,
     never published, and stopped on the 404.)"""
     from flax import nnx
-    from serving_helpers import served_random_model
 
     from ac2_jax.models import Decoder, DecoderConfig
     from ac2_jax.orchestration import LifecycleClient
     from ac2_jax.training import OptimizerConfig, PolicyGradientLoss
     from ac2_jax.training.rl import BatchConfig, RLConfig, RLTrainer, tell_endpoint
+    from tests.support.serving_helpers import served_random_model
 
     run = tmp_path / "run"
     store = TraceStore(str(tmp_path / "rollouts.jsonl"))
@@ -292,12 +292,12 @@ def test_the_learner_survives_a_down_endpoint_and_tells_one_that_forgot(tmp_path
     endpoint that reports another learner_step than the last told (a restarted one
     reports none) is told again by `keep`, so a collector paced on it goes on."""
     from flax import nnx
-    from serving_helpers import served_random_model
 
     from ac2_jax.models import Decoder, DecoderConfig, publish_weights
     from ac2_jax.orchestration import LifecycleClient
     from ac2_jax.training.rl import tell_endpoint
     from ac2_jax.training.rl.split import _ToldEndpoint
+    from tests.support.serving_helpers import served_random_model
 
     async def down():
         lifecycle = LifecycleClient(refused_url(), ADMIN, retries=0)

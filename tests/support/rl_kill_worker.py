@@ -1,15 +1,15 @@
 """A whole RL run in one process (endpoint + sampler + learner), for the kill test.
 
-    python tests/rl_kill_worker.py WORKDIR STEPS
+    python tests/support/rl_kill_worker.py WORKDIR STEPS
 """
 
 import asyncio
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "training", "rl"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "training", "rl"))
 
 from test_rl_trainer import ADMIN, _config, _model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The invariants checked after each fault run (tests/fault_harness.py's `FaultJob`):
+"""The invariants checked after each fault run (tests/support/fault_harness.py's `FaultJob`):
 `check(job, final)` returns every verdict, `violations` listing the broken ones."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import subprocess
 import sys
 from typing import Any
 
-from child_env import child_env
-from fault_procs import ROOT
+from tests.support.child_env import child_env
+from tests.support.fault_procs import ROOT
 
-WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 
 
 def replay(job) -> dict[str, Any]:

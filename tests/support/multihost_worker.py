@@ -1,6 +1,6 @@
 """One process of a multi-host learner run (tests/training/core/test_distributed.py starts it).
 
-    python tests/multihost_worker.py --out DIR --workdir W --steps 3 \
+    python tests/support/multihost_worker.py --out DIR --workdir W --steps 3 \
         [--process_id I --num_processes N --port P --local_devices 4]
 
 Trains a tiny decoder for --steps steps with the Trainer on a ('data',) mesh
@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main():

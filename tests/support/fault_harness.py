@@ -3,7 +3,7 @@
 `FaultJob` runs the split job of `experiments.rl_split` (toy config, random tiny
 policy, AlternatingEnv) as real processes: two sampler backends (`python -m
 ac2_jax.serving.backend`), the endpoint over them (`python -m ac2_jax.serving
---backends=...`, a FleetSampler), a collector and a learner (`tests/fault_worker.py`,
+--backends=...`, a FleetSampler), a collector and a learner (`tests/support/fault_worker.py`,
 which journals every rollout the collector starts). A seed (`plan`) picks the
 faults and when they strike:
 
@@ -18,8 +18,8 @@ faults and when they strike:
                                    error, the store holding every byte written before;
                                    then started again without the quota
 
-`check` (tests/fault_invariants.py; processes and the quota shim are in
-tests/fault_procs.py) then reads what the run left and returns every invariant's verdict
+`check` (tests/support/fault_invariants.py; processes and the quota shim are in
+tests/support/fault_procs.py) then reads what the run left and returns every invariant's verdict
 (`violations` lists the broken ones): each rollout the collector started was
 trained once or skipped with a reason; no trace stored twice; the learner's
 steps contiguous across restarts; its final weights equal a fault-free learner
@@ -44,12 +44,11 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fault_invariants  # noqa: E402
-from fault_procs import ROOT, Role, _reads_strictly, prefix_bytes, quota_open  # noqa: E402, F401
-from ports import reserved_port  # noqa: E402
+from tests.support import fault_invariants  # noqa: E402
+from tests.support.fault_procs import ROOT, Role, _reads_strictly, prefix_bytes, quota_open  # noqa: E402, F401
+from tests.support.ports import reserved_port  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 ADMIN = "sk-admin-faults"
 CONFIG = "experiments/rl_split/config.py:toy"
 KINDS = ("kill_learner", "kill_collector", "pause_learner", "pause_collector",
@@ -378,7 +377,7 @@ class FaultJob:
         return fault_invariants.replay(self)
 
     def check(self, final: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Every invariant's verdict (tests/fault_invariants.py)."""
+        """Every invariant's verdict (tests/support/fault_invariants.py)."""
         return fault_invariants.check(self, final)
 
     def final_state(self) -> dict[str, Any]:

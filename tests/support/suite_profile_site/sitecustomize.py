@@ -1,4 +1,4 @@
-"""Compile time of a test's Python subprocesses (tests/suite_profile.py).
+"""Compile time of a test's Python subprocesses (tests/support/suite_profile.py).
 
 On PYTHONPATH only under scripts/test_profile.sh. When the child imports JAX, a
 listener appends each compile event's seconds to `<dir>/sub-<pid>.jsonl`, tagged with
@@ -14,14 +14,14 @@ import sys
 
 _DIR = os.environ.get("AC2_TEST_PROFILE")
 _TEST = os.environ.get("AC2_TEST_PROFILE_TEST")
-COMPILE_EVENTS = (  # also read by tests/suite_profile.py
+COMPILE_EVENTS = (  # also read by tests/support/suite_profile.py
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 )
 # Persistent compilation cache (jax/_src/compiler.py, compilation_cache.py): a hit is
 # an executable read back; a miss is one compiled and written (every compile is
-# written in the suite: thresholds 0). Also read by tests/suite_profile.py.
+# written in the suite: thresholds 0). Also read by tests/support/suite_profile.py.
 CACHE_EVENTS = {
     "/jax/compilation_cache/cache_hits": "hit",
     "/jax/compilation_cache/cache_misses": "miss",

@@ -1,6 +1,6 @@
-"""Processes and a full disk for the fault harness (tests/fault_harness.py): `Role` (one
+"""Processes and a full disk for the fault harness (tests/support/fault_harness.py): `Role` (one
 process of the job, started again as often as needed, each run logged), `quota_open`
-(an `open` whose writes fail with ENOSPC past a quota). Ports: tests/ports.py."""
+(an `open` whose writes fail with ENOSPC past a quota). Ports: tests/support/ports.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import signal
 import subprocess
 from typing import Any
 
-from child_env import child_env
+from tests.support.child_env import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ------------------------------------------------------------------ a full disk

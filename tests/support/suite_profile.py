@@ -9,7 +9,7 @@ appends one JSON line per test to `<dir>/tests-<pid>.jsonl`:
 
 `compile_s` is the sum of JAX's three compile events (tracing to a jaxpr, lowering to
 MLIR, the XLA backend compile; `jax.monitoring` duration events) seen while the test
-ran. Subprocesses count too: the script puts `tests/suite_profile_site` on
+ran. Subprocesses count too: the script puts `tests/support/suite_profile_site` on
 PYTHONPATH, whose `sitecustomize` registers the same listener in every Python child
 that imports JAX and appends each compile to `<dir>/sub-<pid>.jsonl`, tagged with the test that
 was running (`AC2_TEST_PROFILE_TEST`, set here for each test). A test that runs
@@ -27,7 +27,7 @@ for a server or a child it did not wait for; on a loaded machine also the wait f
 a CPU, so measure it alone). A suite whose idle time is large gains from more
 workers than cores; one with none does not.
 
-`python tests/suite_profile.py <dir> [--top N]` prints the per-module table and the
+`python -m tests.support.suite_profile <dir> [--top N]` prints the per-module table and the
 N slowest tests (default 50).
 """
 
@@ -42,7 +42,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from suite_profile_site.sitecustomize import CACHE_EVENTS, COMPILE_EVENTS
+
+from tests.support.suite_profile_site.sitecustomize import CACHE_EVENTS, COMPILE_EVENTS
 
 TEST_ENV = "AC2_TEST_PROFILE_TEST"
 

@@ -1,7 +1,7 @@
-"""A split-RL role process for the fault harness (tests/fault_harness.py).
+"""A split-RL role process for the fault harness (tests/support/fault_harness.py).
 
-    python tests/fault_worker.py --role=collect|learn ...  (experiments.rl_split's flags)
-    python tests/fault_worker.py replay WORKDIR OUT.json   (the fault-free learner)
+    python tests/support/fault_worker.py --role=collect|learn ...  (experiments.rl_split's flags)
+    python tests/support/fault_worker.py replay WORKDIR OUT.json   (the fault-free learner)
 
 collect / learn run `experiments.rl_split` unchanged, after two test-only shims
 read from the environment (never set in production):
@@ -28,9 +28,8 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _install_journal(path: str) -> None:
@@ -70,10 +69,9 @@ def _install_journal(path: str) -> None:
 
 
 def _install_quota(spec: str) -> None:
-    from fault_procs import quota_open
-
     from ac2_jax.trace import store
     from ac2_jax.training.rl import split
+    from tests.support.fault_procs import quota_open
 
     quota, directory = spec.split(":", 1)
     store.open = split.open = quota_open(directory, int(quota))  # module globals shadow open
