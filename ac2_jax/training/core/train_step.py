@@ -66,9 +66,10 @@ from ac2_jax.training.core.state import OptimizerConfig, TrainState, as_transfor
 # leaf's clipped gradient before any AdamW update consumes one, so a second params-sized
 # set of temporaries is live at once (Qwen3-0.6B: 4.78 GB of step temporaries, 2.71 GB
 # with this scheduler; docs/notes/2026-12-02-qwen3-06b-policy-on-2-cores.md). The
-# memory-optimized scheduler runs each leaf's clip -> moments -> update before the next. Same HLO, same maths; it runs less
-# work concurrently (measured 1.41x slower on a 4-layer cut of that shape, equal at toy
-# size): `cpu_memory_scheduler=False` trades the memory back for speed.
+# memory-optimized scheduler runs each leaf's clip -> moments -> update before the next.
+# Same HLO, same maths; it runs less work concurrently (measured 1.41x slower on a 4-layer
+# cut of that shape, equal at toy size): `cpu_memory_scheduler=False` trades the memory back
+# for speed.
 CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
