@@ -56,13 +56,15 @@ def attempts(seed=0, n_tasks=4, noise=0.3, seq_len=12):
 def ours(loss, batch, extras=None):
     """(value, d value / d logp per uid) of `loss` (its `_finish`: surrogate, KL, entropy
     bonus off) aggregated with its mode by the batch's loss weights."""
-    c = loss_weights(batch, loss.mode, normalizer=loss.normalizer)
-
-    def total(logp):
+    def total(logp, batch, extras):
+        c = loss_weights(batch, loss.mode, normalizer=loss.normalizer)
         per_token, _ = loss._finish(logp, jnp.zeros_like(logp), batch, extras)
         return (c * per_token).sum()
 
-    value, grad = jax.value_and_grad(total)(jnp.asarray(batch.features["logp"]))
+    # Jitted, as the train step runs it: one program per loss and batch shape (eagerly,
+    # each of its ~40 ops compiled for every batch shape).
+    value, grad = jax.jit(jax.value_and_grad(total))(jnp.asarray(batch.features["logp"]), batch,
+                                                     extras)
     uids = np.asarray(batch.features["uid"])
     on = np.asarray(batch.loss_mask) > 0
     return float(value), dict(zip(uids[on].tolist(), np.asarray(grad)[on].tolist(), strict=True))
@@ -396,9 +398,11 @@ def test_tree_packing_gives_the_flat_loss_and_gradient(loss):
     np.testing.assert_allclose(v_tree, v_flat, rtol=RTOL, atol=ATOL)
 
     def per_uid(batch):
-        c = loss_weights(batch, loss.mode, normalizer=loss.normalizer)
-        g = jax.grad(lambda lp: (c * loss._finish(lp, jnp.zeros_like(lp), batch, None)[0]).sum())(
-            jnp.asarray(batch.features["logp"]))
+        def total(lp, batch):
+            c = loss_weights(batch, loss.mode, normalizer=loss.normalizer)
+            return (c * loss._finish(lp, jnp.zeros_like(lp), batch, None)[0]).sum()
+
+        g = jax.jit(jax.grad(total))(jnp.asarray(batch.features["logp"]), batch)
         out = defaultdict(float)
         for u, x in zip(np.asarray(batch.features["uid"]).ravel(), np.asarray(g).ravel()):
             out[float(u)] += float(x)
