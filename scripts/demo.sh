@@ -2,10 +2,10 @@
 # The main job end to end on CPU: a tiny agent learns to use a calculator tool.
 # Installs into .venv first, then SFT warm start -> eval -> task-level RL
 # through the OpenAI-compatible endpoint -> eval -> report folder.
-#   scripts/demo.sh [--config.rl.steps=20 ...]   (extra flags go to train_agent.py)
+#   scripts/demo.sh [--config.rl.steps=20 ...]   (extra flags go to python -m experiments.calculator)
 #   scripts/demo.sh long [flags ...]   the long-horizon compacting agent (issue 18):
 #     chain tasks, a compactor whose memo must carry the running value, async RL
-#     on every episode of every trace (config variant calculator.py:long)
+#     on every episode of every trace (config variant experiments/calculator/config.py:long)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VARIANT=""

@@ -113,7 +113,7 @@ def arm_config(rl_config, train_agents):
     """The RL config of one arm: the same in all but `batch.train_agents`."""
     fields = {f.name for f in dataclasses.fields(rl_config.batch)}
     if "train_agents" not in fields:
-        raise RuntimeError("compaction_ablation: BatchConfig has no train_agents field (the "
+        raise RuntimeError("experiments.whole_trace: BatchConfig has no train_agents field (the "
                            "main-only arm needs it); update the branch that adds it")
     return dataclasses.replace(rl_config, batch=dataclasses.replace(
         rl_config.batch, train_agents=train_agents))
@@ -251,7 +251,7 @@ async def _run(cfg, log=print) -> dict:
 def run(cfg, log=print) -> dict:
     """The ablation for `cfg.seed`; returns the report dict (also written to workdir/report)."""
     if not ca.is_long(cfg):
-        raise ValueError("compaction_ablation needs a multi-agent harness: use "
+        raise ValueError("experiments.whole_trace needs a multi-agent harness: use "
                          "--config=experiments/calculator/config.py:long (or long_memo, "
                          "sub_helper)")
     return asyncio.run(_run(cfg, log))

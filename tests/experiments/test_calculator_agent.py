@@ -173,7 +173,7 @@ def test_sft_weak_link_stage_trains_the_named_agents_episodes_last(tmp_path):
 
 
 def test_moe_variant_pipeline_records_and_replays_routing(tmp_path):
-    """calculator.py:moe_quick: the job runs with a Qwen3-MoE policy, its rollouts
+    """calculator/config.py:moe_quick: the job runs with a Qwen3-MoE policy, its rollouts
     carry the sampler's routing (flat rows replay it), and the export loads as
     qwen3_moe. The lora variants configure adapters for RL only."""
     cfg = get_config("moe_quick")

@@ -8,7 +8,7 @@ from experiments.calculator.config import get_config
 
 
 def test_compaction_ablation_all_arms_then_pooled_over_seeds(tmp_path):
-    """calculator.py:long_memo_quick: every arm (whole, main only, compactor only, the
+    """calculator/config.py:long_memo_quick: every arm (whole, main only, compactor only, the
     memo-reward reference) from one SFT, in seed 0's directory; then `run_seeds(cfg, 2)`
     pools it with a second seed's directory. The toy pipeline runs one seed (two took
     78 s, over the minute asked): the second is seed 0's run copied under seed 1's name,
@@ -86,12 +86,12 @@ def test_ablation_needs_the_compacting_harness():
     import pytest
 
     from experiments.whole_trace import ablation as compaction_ablation
-    with pytest.raises(ValueError, match="calculator.py:long"):
+    with pytest.raises(ValueError, match="calculator/config.py:long"):
         compaction_ablation.run(get_config("quick"))
 
 
 def test_subagent_variant_ablation(tmp_path):
-    """calculator.py:sub_helper_quick: whole trace vs main only with the delegating
+    """calculator/config.py:sub_helper_quick: whole trace vs main only with the delegating
     harness; every spawn judged (helper_ok), the report names the helper's fidelity."""
     from experiments.whole_trace import ablation as compaction_ablation
     cfg = get_config("sub_helper_quick")

@@ -149,7 +149,7 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     """Base SFT on the faithful corpus -> the held-out hints' teacher check -> one
     distillation step per method -> RMSD sweep settings (T, S; a noisy judge, and the LLM
     judge: a 3-step judge model served through the endpoint), with
-    the report's sweep table and plot (pinapple.py:quick with the families on; answers
+    the report's sweep table and plot (pinapple/config.py:quick with the families on; answers
     cut to 8 tokens, as an untrained model writes to the limit; 9 sums, not 100)."""
     import json
     import os

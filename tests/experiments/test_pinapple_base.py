@@ -8,7 +8,7 @@ from experiments.pinapple.config import get_config
 
 
 def test_the_base_report_at_toy_size(tmp_path):
-    """pinapple.py:faithful cut to toy size (20 SFT steps on a 2-layer model, a small
+    """pinapple/config.py:faithful cut to toy size (20 SFT steps on a 2-layer model, a small
     corpus): the report has every held-out hint's following rate, the fresh-misspelling
     check, the base and the teacher evals, and examples per held-out hint."""
     from experiments.pinapple import base as pinapple_base
