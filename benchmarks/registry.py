@@ -1,7 +1,7 @@
 """The kept benchmarks, by name: what `python -m benchmarks NAME [args]` runs.
 
 A benchmark stays here while a current figure rests on it (docs/results.md quotes
-each figure with its dated build-notes entry and its command). A benchmark is one
+each figure with its dated note in docs/notes/ and its command). A benchmark is one
 module of this folder whose `main()` parses `sys.argv`; the entry point sets
 `sys.argv` to `[NAME, *args]` and calls it, so `python -m benchmarks NAME --help`
 shows its flags.
