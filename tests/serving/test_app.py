@@ -6,7 +6,9 @@ holds the conversation and the recorded traces can be checked token by token.
 """
 
 import asyncio
+import functools
 import json
+import ssl
 import time
 
 import httpx
@@ -37,6 +39,13 @@ from tests.support.serving_helpers import (
 )
 
 ADMIN = "sk-admin-test"
+# One CA bundle for the module's HTTP clients: a default httpx client (an openai
+# client's too) loads its own (~30 ms of CPU, even for http://), ~100 times here.
+SSL = ssl.create_default_context()
+http_get = functools.partial(httpx.get, verify=SSL)
+http_post = functools.partial(httpx.post, verify=SSL)
+http_client = functools.partial(httpx.Client, verify=SSL)
+async_http_client = functools.partial(httpx.AsyncClient, verify=SSL)
 MAX_CONTEXT = 512
 
 
@@ -56,7 +65,7 @@ def env(tmp_path_factory):
     store = TraceStore(str(tmp / "traces.jsonl"))
     app = build_app(sampler, tok, admin_key=ADMIN, trace_store=store, model_name="tiny")
     url, stop = serve_in_thread(app)
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
+    admin = http_client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
     yield dict(tok=tok, model=fitted, sampler=sampler, store=store, url=url, admin=admin,
                tmp=tmp, app=app)
     admin.close()
@@ -72,7 +81,9 @@ def create(env, task_id="task", **kw):
 
 def client_for(info, async_=False):
     cls = openai.AsyncOpenAI if async_ else openai.OpenAI
-    return cls(base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=300)
+    http = (async_http_client if async_ else http_client)(timeout=300)
+    return cls(base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=300,
+               http_client=http)
 
 
 def run_tool_conversation(client, turns=3, **kw):
@@ -230,7 +241,7 @@ def test_bad_requests_are_4xx_and_change_nothing(env):
 
     def post(path, key=None, **kw):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(url + path, headers=headers, timeout=300, **kw)
+        return http_post(url + path, headers=headers, timeout=300, **kw)
 
     status, err = api_error(post("/v1/chat/completions", json=chat))
     assert status == 401 and "Missing API key" in err["message"]
@@ -241,7 +252,7 @@ def test_bad_requests_are_4xx_and_change_nothing(env):
     status, err = api_error(post(f"/v1/rollouts/{a['rollout_id']}/finish", b["api_key"],
                                  json={"reward": 1.0}))
     assert status == 404 and err["code"] == "rollout_not_found"
-    status, err = api_error(httpx.get(url + f"/v1/rollouts/{a['rollout_id']}/trace",
+    status, err = api_error(http_get(url + f"/v1/rollouts/{a['rollout_id']}/trace",
                                       headers={"Authorization": f"Bearer {b['api_key']}"}))
     assert status == 404
     status, err = api_error(post("/v1/chat/completions", a["api_key"], content=b'{"model": "ti'))
@@ -275,7 +286,8 @@ def test_bad_requests_are_4xx_and_change_nothing(env):
 
 
 def test_streaming_text_completions_and_models(env):
-    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0)
+    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0,
+                           http_client=http_client())
     assert [m.id for m in client.models.list()] == ["tiny"]
     messages = [SYSTEM, USER]
     plain = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
@@ -304,7 +316,8 @@ def test_streaming_text_completions_and_models(env):
 
 
 def test_models_shows_sampler_stats_to_the_admin_only(env):
-    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0)
+    client = openai.OpenAI(base_url=env["url"] + "/v1", api_key=ADMIN, max_retries=0,
+                           http_client=http_client())
     client.chat.completions.create(model="tiny", messages=[USER], max_tokens=2)
     admin = env["admin"].get("/v1/models").json()["data"][0]
     stats = admin["sampler_stats"]
@@ -312,7 +325,7 @@ def test_models_shows_sampler_stats_to_the_admin_only(env):
     assert set(stats) == {"compiled_shapes", "output_tokens", "request_errors",
                           "worker_restarts"}
     info = create(env, "models-stats")
-    seen = httpx.get(env["url"] + "/v1/models",
+    seen = http_get(env["url"] + "/v1/models",
                      headers={"Authorization": f"Bearer {info['api_key']}"}).json()["data"][0]
     assert "sampler_stats" not in seen and seen["id"] == "tiny"
     env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
@@ -380,7 +393,7 @@ def test_admin_load_weights_route_serves_a_published_step_or_refuses_it_whole(en
 
         # Refusals: each names what is wrong and changes nothing.
         info = create(env, "load-weights-key")
-        as_rollout = httpx.post(env["url"] + "/v1/admin/load_weights", json={"step": base + 1},
+        as_rollout = http_post(env["url"] + "/v1/admin/load_weights", json={"step": base + 1},
                                 headers={"Authorization": f"Bearer {info['api_key']}"})
         assert as_rollout.status_code == 403 and api_error(as_rollout)[1]["code"] == "admin_only"
         env["admin"].post(f"/v1/rollouts/{info['rollout_id']}/finish", json={"reward": 0.0})
@@ -431,7 +444,7 @@ def test_rollout_timeout_finishes_as_timed_out(env):
 
 def key_client(env, info):
     """Plain HTTP with a rollout's own key (what a harness, so often the policy, holds)."""
-    return httpx.Client(base_url=env["url"], timeout=300,
+    return http_client(base_url=env["url"], timeout=300,
                         headers={"Authorization": f"Bearer {info['api_key']}"})
 
 
@@ -545,7 +558,7 @@ def test_sampler_failure_ends_the_rollout_as_infra_error(tmp_path):
     app = build_app(SGLangSampler(dead, max_context=MAX_CONTEXT), tok, admin_key=ADMIN,
                     trace_store=store, model_name="tiny")
     url, stop = serve_in_thread(app)
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    admin = http_client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
     try:
         info = admin.post("/v1/rollouts", json={"task_id": "sampler-down"}).json()
         with pytest.raises(openai.InternalServerError) as e:
@@ -587,11 +600,11 @@ def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
         (chat + ', "pad": "' + "x" * (9 << 20) + '"}', 413, "request_too_large"),
     ]
     for body, status, code in raw_cases:
-        r = httpx.post(url + "/v1/chat/completions", content=body, headers=key, timeout=300)
+        r = http_post(url + "/v1/chat/completions", content=body, headers=key, timeout=300)
         got_status, err = api_error(r)
         assert (got_status, err["code"]) == (status, code), err
     for path in ("/docs", "/redoc", "/openapi.json"):
-        assert httpx.get(url + path).status_code == 404
+        assert http_get(url + path).status_code == 404
 
     for kw, param in (
             ({"extra_body": {"top_k": 2**40}}, "top_k"),
@@ -616,11 +629,11 @@ def test_hostile_bodies_are_refused_openai_shaped_and_change_nothing(env):
 
     # NaN in rollout metadata, metrics or artifacts: refused before anything is stored.
     admin_json = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
-    status, err = api_error(httpx.post(url + "/v1/rollouts", headers=admin_json,
+    status, err = api_error(http_post(url + "/v1/rollouts", headers=admin_json,
                                        content='{"task_id": "x", "metadata": {"v": NaN}}'))
     assert status == 400
     for field in ("metrics", "artifacts"):
-        status, err = api_error(httpx.post(
+        status, err = api_error(http_post(
             url + f"/v1/rollouts/{a['rollout_id']}/finish", headers=admin_json,
             content=f'{{"reward": 1.0, "{field}": {{"v": Infinity}}}}'))
         assert status == 400
@@ -668,7 +681,7 @@ def test_a_poisoned_batch_fails_only_the_bad_requests(env):
             finally:
                 await client.close()
             return None
-        async with httpx.AsyncClient(timeout=300) as http:
+        async with async_http_client(timeout=300) as http:
             r = await http.post(info["base_url"] + "/chat/completions", content=body, headers={
                 "Authorization": f"Bearer {info['api_key']}",
                 "Content-Type": "application/json"})
@@ -740,7 +753,7 @@ def test_finished_traces_leave_memory_and_their_status_stays_answerable(env, tmp
                     model_name="tiny", max_finished_rollouts=3)
     url, stop = serve_in_thread(app)
     try:
-        with httpx.Client(base_url=url, timeout=300,
+        with http_client(base_url=url, timeout=300,
                           headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             ids = []
             for i in range(12):
