@@ -11,7 +11,9 @@ without fitting a model); the endpoint, template, splice and recording are real.
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import ssl
 
 import anthropic
 import httpx
@@ -26,6 +28,13 @@ from ac2_jax.text.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 
 ADMIN = "sk-admin-harness"
 WAIT_S = 120
+# One CA bundle for the module's HTTP clients: a default httpx client (each SDK client's
+# too) loads its own (~30 ms of CPU, even for http://), ~90 times here.
+SSL = ssl.create_default_context()
+http_get = functools.partial(httpx.get, verify=SSL)
+http_post = functools.partial(httpx.post, verify=SSL)
+http_client = functools.partial(httpx.Client, verify=SSL)
+GENAI_SSL = {"client_args": {"verify": SSL}, "async_client_args": {"verify": SSL}}
 
 
 class ScriptedSampler:
@@ -70,7 +79,7 @@ def env(tmp_path_factory):
         "{%- elif message.role == 'user' %}")
     strict_url, strict_stop = serve(strict_tok, ScriptedSampler(strict_tok))
     refuse_url, refuse_stop = serve(tok, ScriptedSampler(tok), builtin_tools="refuse")
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
+    admin = http_client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
                          timeout=WAIT_S)
     yield dict(tok=tok, sampler=sampler, url=url, admin=admin, strict_url=strict_url,
                refuse_url=refuse_url)
@@ -81,20 +90,21 @@ def env(tmp_path_factory):
 
 
 def create(env, task_id, url=None, **fields):
-    r = httpx.post((url or env["url"]) + "/v1/rollouts", json={"task_id": task_id, **fields},
+    r = http_post((url or env["url"]) + "/v1/rollouts", json={"task_id": task_id, **fields},
                    headers={"Authorization": f"Bearer {ADMIN}"}, timeout=WAIT_S)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def trace_of(env, info, url=None):
-    return httpx.get(f"{url or env['url']}/v1/rollouts/{info['rollout_id']}/trace",
+    return http_get(f"{url or env['url']}/v1/rollouts/{info['rollout_id']}/trace",
                      headers={"Authorization": f"Bearer {ADMIN}"}, timeout=WAIT_S).json()
 
 
 def claude(info):
     return anthropic.Anthropic(base_url=info["anthropic_base_url"], api_key=info["api_key"],
-                               max_retries=0, timeout=WAIT_S)
+                               max_retries=0, timeout=WAIT_S,
+                               http_client=anthropic.DefaultHttpxClient(verify=SSL))
 
 
 # ------------------------------------------------------------------ Anthropic Messages
@@ -172,7 +182,7 @@ def test_a_template_error_unrelated_to_the_system_turn_is_not_relabelled(tmp_pat
 
 def gpt(info):
     return openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
-                         timeout=WAIT_S)
+                         timeout=WAIT_S, http_client=http_client())
 
 
 EXEC = {"type": "function", "name": "exec_command", "description": "Run a command.",
@@ -260,7 +270,7 @@ def gemini(info, **headers):
 
     return genai.Client(api_key=info["api_key"], http_options=types.HttpOptions(
         base_url=info["gemini_base_url"], headers=headers or None,
-        retry_options=types.HttpRetryOptions(attempts=1)))
+        retry_options=types.HttpRetryOptions(attempts=1), **GENAI_SSL))
 
 
 ADD_DECL = {"name": "add", "description": "Add two integers.", "parameters_json_schema": {
@@ -374,13 +384,13 @@ def test_gemini_count_tokens_of_a_history_that_ends_with_the_model(env):
     info = create(env, "gemini-count")
     history = [{"role": "user", "parts": [{"text": "hi"}]},
                {"role": "model", "parts": [{"text": "hello"}]}]
-    r = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+    r = http_post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
                    json={"contents": history}, timeout=WAIT_S)
     assert r.status_code == 200, r.text
-    shorter = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+    shorter = http_post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
                          json={"contents": history[:1]}, timeout=WAIT_S)
     assert r.json()["totalTokens"] > shorter.json()["totalTokens"]
-    whole = httpx.post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
+    whole = http_post(env["url"] + f"/v1beta/models/tiny:countTokens?key={info['api_key']}",
                        json={"generateContentRequest": {"model": "models/tiny",
                                                         "contents": history}}, timeout=WAIT_S)
     assert whole.json() == r.json()
@@ -395,7 +405,7 @@ def test_gemini_function_response_naming_another_function_than_its_call(env):
                                                                "id": "c1"}}]},
                 {"role": "user", "parts": [{"functionResponse": {
                     "name": "sub", "id": "c1", "response": {"r": 1}}}]}]
-    r = httpx.post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
+    r = http_post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
                    json={"contents": contents}, timeout=WAIT_S)
     assert r.status_code == 400 and r.json()["error"]["status"] == "INVALID_ARGUMENT"
     assert "'sub'" in r.json()["error"]["message"] and "'add'" in r.json()["error"]["message"]
@@ -430,7 +440,7 @@ def test_get_v1_models_serves_the_openai_and_the_gemini_client(env):
     assert (model.id, model.object, model.owned_by) == ("tiny", "model", "ac2_jax")
     v1 = genai.Client(api_key=info["api_key"], http_options=types.HttpOptions(
         base_url=info["gemini_base_url"], api_version="v1",
-        retry_options=types.HttpRetryOptions(attempts=1)))
+        retry_options=types.HttpRetryOptions(attempts=1), **GENAI_SSL))
     got = v1.models.get(model="tiny")
     assert got.name == "models/tiny" and got.input_token_limit == env["sampler"].max_context
 
@@ -517,16 +527,16 @@ def test_gemini_refuses_inline_images_and_answers_in_its_error_shape(env):
     with pytest.raises(errors.ClientError) as e:
         client.models.generate_content(model="tiny", contents=["look", image])
     assert "inlineData" in e.value.message and "text-only" in e.value.message
-    r = httpx.post(env["url"] + "/v1beta/models/tiny:generateContent?key=sk-wrong",
+    r = http_post(env["url"] + "/v1beta/models/tiny:generateContent?key=sk-wrong",
                    json={"contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 401 and r.json()["error"]["status"] == "UNAUTHENTICATED"
-    r = httpx.post(env["url"] + f"/v1beta/models/tiny:streamGenerateContent?key={info['api_key']}",
+    r = http_post(env["url"] + f"/v1beta/models/tiny:streamGenerateContent?key={info['api_key']}",
                    json={"contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 400 and "alt=sse" in r.json()["error"]["message"]
-    r = httpx.post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
+    r = http_post(env["url"] + f"/v1beta/models/tiny:generateContent?key={info['api_key']}",
                    json={"model": "models/other", "contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 400 and "'models/other'" in r.json()["error"]["message"]
-    r = httpx.post(env["url"] + f"/v1beta/models/nope:generateContent?key={info['api_key']}",
+    r = http_post(env["url"] + f"/v1beta/models/nope:generateContent?key={info['api_key']}",
                    json={"contents": [{"parts": [{"text": "hi"}]}]})
     assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
 
