@@ -43,25 +43,36 @@ pip_install() {
 }
 
 pip_install --upgrade pip
-pins=()
-if [ "${1:-}" = "dev" ]; then
-  # CPU torch pinned first, by pip (the machine's pip config points it at the CPU
-  # wheel on disk), so the [dev] extra never pulls a CUDA build.
-  pip_install "torch==2.13.0"
-  pinfile=$(mktemp)
-  trap 'rm -f "$pinfile"' EXIT
-  echo "torch==2.13.0" > "$pinfile"
-  pins=(--constraint "$pinfile")
-fi
-# The rest through uv when it installs: the same packages at the same versions as pip
-# (`pip freeze` of the two venvs identical but for uv itself) in a seventh of the
-# time ([dev]: 124 s -> 17 s from an empty cache; docs/notes, issue 60, sixth session).
-# uv does not read pip's config, hence torch above and the constraint. pip otherwise.
+# Everything through uv when it installs: the same packages at the same versions as
+# pip (`pip freeze` of the two venvs identical but for uv itself) in a fifth of the
+# time ([dev] from empty caches, quiet: pip 153 s, uv 29 s; docs/notes/
+# 2026-12-07-install-with-uv.md). pip where uv cannot install or fails.
+uv=()
 if pip_install uv && python -m uv --version >/dev/null 2>&1; then
-  python -m uv pip install --quiet --python "$(command -v python)" "${pins[@]}" -e ".$EXTRAS" \
-    || { echo "setup.sh: uv failed (above); installing with pip" >&2; pip_install -e ".$EXTRAS"; }
+  uv=(python -m uv pip install --quiet --python "$(command -v python)")
+fi
+reqs=()
+if [ "${1:-}" = "dev" ]; then
+  # The CPU build of torch, pinned so the [dev] extra never pulls a CUDA build. uv reads
+  # no pip config: it is given the machine's wheel folder (PIP_FIND_LINKS) when that
+  # holds the CPU wheel; otherwise pip installs torch first (its config knows where).
+  links=()
+  for d in ${PIP_FIND_LINKS:-}; do
+    if compgen -G "$d/torch-2.13.0+cpu-*.whl" >/dev/null; then links+=(--find-links "$d"); fi
+  done
+  if [ ${#uv[@]} -gt 0 ] && [ ${#links[@]} -gt 0 ]; then
+    uv+=("${links[@]}")
+  else
+    pip_install "torch==2.13.0"
+  fi
+  reqs=("torch==2.13.0")
+fi
+if [ ${#uv[@]} -gt 0 ]; then
+  "${uv[@]}" "${reqs[@]}" -e ".$EXTRAS" \
+    || { echo "setup.sh: uv failed (above); installing with pip" >&2
+         pip_install "${reqs[@]}" -e ".$EXTRAS"; }
 else
-  pip_install -e ".$EXTRAS"
+  pip_install "${reqs[@]}" -e ".$EXTRAS"
 fi
 python -c "import ac2_jax, jax, flax, optax, orbax.checkpoint" \
   || { echo "setup.sh: install failed" >&2; exit 1; }
