@@ -9,6 +9,7 @@ parses here was made to parse by the grammar.
 
 import json
 import math
+import ssl
 
 import httpx
 import jax
@@ -34,6 +35,9 @@ from ac2_jax.text import Tokenizer
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
 ADMIN = "sk-admin-structured"
+# One CA bundle for the module's HTTP clients: a default httpx client (an SDK client's
+# too) loads its own (~30 ms of CPU, even for http://), ~40 times here.
+SSL = ssl.create_default_context()
 CTX = 1024
 USER = [{"role": "user", "content": "use the tool"}]
 PING = {"type": "function", "function": {"name": "ping"}}
@@ -126,7 +130,8 @@ def env(tok, tmp_path_factory):
                          tokenizer=tok, seed=0)
     app = build_app(sampler, tok, admin_key=ADMIN, model_name="tiny")
     url, stop = serve_in_thread(app)
-    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300,
+                         verify=SSL)
     yield dict(tok=tok, model=model, admin=admin, url=url)
     admin.close()
     stop()
@@ -136,6 +141,7 @@ def env(tok, tmp_path_factory):
 def rollout(env):
     info = env["admin"].post("/v1/rollouts", json={"task_id": "t"}).json()
     client = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
+                           http_client=httpx.Client(verify=SSL),
                            timeout=300)
     return info, client
 
@@ -299,7 +305,8 @@ def test_a_sampler_without_grammars_keeps_the_forced_opening_and_refuses_json(to
     assert not sampler_grammars(sampler)
     url, stop = serve_in_thread(build_app(sampler, tok, admin_key=ADMIN, model_name="tiny"))
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0,
+                               http_client=httpx.Client(verify=SSL))
         resp = client.chat.completions.create(model="tiny", messages=USER, tools=[ADD],
                                               tool_choice="required", max_tokens=4)
         assert resp.choices[0].finish_reason in ("length", "stop", "tool_calls")
@@ -359,10 +366,11 @@ def _cut_points(tok, ids) -> tuple[int, int] | None:
 def _api_client(api, info):
     if api == "chat" or api == "responses":
         return openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"],
-                             max_retries=0, timeout=300)
+                             max_retries=0, timeout=300, http_client=httpx.Client(verify=SSL))
     import anthropic
     return anthropic.Anthropic(base_url=info["base_url"].removesuffix("/v1"),
-                               api_key=info["api_key"], max_retries=0, timeout=300)
+                               api_key=info["api_key"], max_retries=0, timeout=300,
+                               http_client=anthropic.DefaultHttpxClient(verify=SSL))
 
 
 def _seen(api, resp) -> tuple[str | None, list[str], str]:
