@@ -237,8 +237,11 @@ def test_rmsd_keeps_the_same_positions_merged_and_split(tok, model_state, trace)
     d = SelfDistiller(g, jax.tree.map(jnp.copy, st), DistillConfig(method="rmsd", top_t=4,
                       seq_len=SEQ), OPT, judge=_SelectAll(), tokenizer=tok)
 
+    # Both layouts in the same number of rows: the second pass runs the first's programs.
+    rows = max(pack_pairs(x, SEQ).student.shape[0] for x in (merged, single))
+
     def kept_in_trace_order(examples):
-        paired = pack_pairs(examples, SEQ)
+        paired = pack_pairs(examples, SEQ, min_rows=rows)
         kept, _ = d.relevance(paired)
         return np.concatenate([paired.gather_response(kept, i)[e.trained_mask() > 0]
                                for i, e in enumerate(paired.examples)])
