@@ -1,4 +1,5 @@
-"""DecoderConfig: the shape of a Qwen3 / Llama style decoder, and its HF form.
+"""ModelConfig: the fields and checks every family's config shares; DecoderConfig: the
+shape of a Qwen3 / Llama style decoder, and its HF form.
 
 `to_hf_config` / `from_hf_config` map to the `config.json` of the config's
 family (`models.family`; the built-in ones, in `models/families.py`:
@@ -10,7 +11,7 @@ this decoder shares; a family adds its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import jax.numpy as jnp
 
@@ -41,17 +42,19 @@ def dtype_name(dtype: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Hyper-parameters of the decoder.
+class ModelConfig:
+    """The fields and checks every family's config shares (subclass it: a family adds
+    its own fields, `_normalize` / `_check` hooks, `ROPE_TYPES` and `TINY`).
 
     `dtype` is the compute dtype (activations, KV cache), `param_dtype` the
     storage dtype of the weights; logits are always fp32. `qk_norm` applies a
     per-head RMSNorm to q and k before RoPE (Qwen3). `attention_bias` adds
     biases to the q, k and v projections, not o (Qwen2). `sliding_window`:
-    None, or every layer's query at position p sees only keys at positions
-    > p - sliding_window of its own segment (Mistral); the KV cache then
-    holds at most that many slots per row (`Decoder.init_cache`).
-    `rope_scaling` is None or an HF rope dict of type "llama3".
+    None, or a windowed layer's query at position p sees only keys at
+    positions > p - sliding_window of its own segment (Mistral: every layer;
+    a family with per-layer kinds says which); the KV cache then holds at
+    most that many slots per row for those layers (`init_cache`).
+    `rope_scaling` is None or an HF rope dict of one of `ROPE_TYPES`.
 
     Runtime choices (not in the HF config; `RUNTIME_FIELDS`):
     `scan_layers` and `remat` default to "auto": `models.memory_plan` picks
@@ -78,7 +81,7 @@ class DecoderConfig:
     `proj_backward` likewise for the attention's q/k/v/o projections:
     "custom" (`models.layers.linear`, weight gradients x^T dy contracting
     the token axes as they lie) or "autodiff".
-    `lora`: None, or a `models.lora.LoRAConfig`: the decoder then holds
+    `lora`: None, or a `models.lora.LoRAConfig`: the model then holds
     low-rank adapters on the projections it names (a dict is read as one).
     """
 
@@ -109,44 +112,67 @@ class DecoderConfig:
     proj_backward: str = "custom"
     lora: LoRAConfig | None = None
 
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
+    # `tiny()`'s fields: a few-thousand-parameter model for tests and CPU demos.
+    TINY: ClassVar[dict[str, Any]] = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        max_position_embeddings=2048,
+    )
+
+    def _normalize(self) -> None:
+        """A family's hook: fills or converts its own fields before the checks."""
+
+    def _check(self) -> None:
+        """A family's hook: raises ValueError on what its own fields rule out."""
+
     def __post_init__(self):
+        name = type(self).__name__
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
+        self._normalize()
         if self.remat not in (*REMAT, "auto"):
             raise ValueError(
-                f"DecoderConfig.remat must be one of {REMAT}, 'auto' (or a bool), "
-                f"got {self.remat!r}"
+                f"{name}.remat must be one of {REMAT}, 'auto' (or a bool), got {self.remat!r}"
             )
         if isinstance(self.scan_layers, str) and self.scan_layers != "auto":
             raise ValueError(
-                f"DecoderConfig.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
+                f"{name}.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"DecoderConfig.attention_backend must be one of "
+                f"{name}.attention_backend must be one of "
                 f"{ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("mlp_backward", "proj_backward"):
-            if getattr(self, name) not in BACKWARDS:
+        for field in ("mlp_backward", "proj_backward"):
+            if getattr(self, field) not in BACKWARDS:
                 raise ValueError(
-                    f"DecoderConfig.{name} must be one of {BACKWARDS}, got {getattr(self, name)!r}"
+                    f"{name}.{field} must be one of {BACKWARDS}, got {getattr(self, field)!r}"
                 )
         if int(self.attention_block) < 8 or int(self.attention_block) % 8:
             raise ValueError(
-                f"DecoderConfig.attention_block must be a multiple of 8 (>= 8), "
-                f"got {self.attention_block}"
+                f"{name}.attention_block must be a multiple of 8 (>= 8), got {self.attention_block}"
             )
         if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
-            decoders = [n for n in FAMILIES.names() if get_family(n).config_class is type(self)]
+            names = [n for n in FAMILIES.names() if get_family(n).config_class is type(self)]
             raise ValueError(
-                f"DecoderConfig.family must be a registered family of this "
-                f"decoder ({', '.join(decoders)}), got {self.family!r}"
+                f"{name}.family must be a registered family of this decoder "
+                f"({', '.join(names)}), got {self.family!r}"
             )
         if self.sliding_window is not None and int(self.sliding_window) <= 0:
             raise ValueError(
-                f"DecoderConfig.sliding_window must be None or > 0, got {self.sliding_window}"
+                f"{name}.sliding_window must be None or > 0, got {self.sliding_window}"
             )
-        for name in (
+        for field in (
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -155,37 +181,36 @@ class DecoderConfig:
             "num_kv_heads",
             "head_dim",
         ):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"DecoderConfig.{name} must be > 0, got {getattr(self, name)}")
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"{name}.{field} must be > 0, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple "
+                f"{name}: num_heads ({self.num_heads}) must be a multiple "
                 f"of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+            raise ValueError(f"{name}.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in self.ROPE_TYPES:
+                raise ValueError(
+                    f"{name}.rope_scaling: rope_type {kind!r} is not supported "
+                    f"(only {' and '.join(repr(t) for t in self.ROPE_TYPES)})"
+                )
+        dtype_name(self.dtype), dtype_name(self.param_dtype)
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise TypeError(
+                f"{name}.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
+            )
+        self._check()
+        if self.lora is not None:
+            get_family(self.family).check_lora_targets(self.lora.targets)
         if "auto" in (self.scan_layers, self.remat):  # the memory plan picks (and logs)
             from ac2_jax.models.memory_plan import resolve_runtime
 
-            for name, value in resolve_runtime(self).items():
-                if getattr(self, name) == "auto":
-                    object.__setattr__(self, name, value)
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("default", "llama3"):
-                raise ValueError(
-                    f"DecoderConfig.rope_scaling: rope_type {kind!r} is not "
-                    "supported (only 'default' and 'llama3')"
-                )
-        dtype_name(self.dtype), dtype_name(self.param_dtype)
-        if isinstance(self.lora, dict):
-            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
-        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
-            raise TypeError(
-                f"DecoderConfig.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
-            )
-        if self.lora is not None:
-            get_family(self.family).check_lora_targets(self.lora.targets)
+            for field, value in resolve_runtime(self).items():
+                if getattr(self, field) == "auto":
+                    object.__setattr__(self, field, value)
 
     @property
     def base_dtype(self) -> Any:
@@ -195,30 +220,16 @@ class DecoderConfig:
         return self.param_dtype
 
     @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> DecoderConfig:
-        """A few-thousand-parameter model for tests and CPU demos (GQA, qk_norm)."""
-        kw: dict[str, Any] = dict(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            qk_norm=True,
-            rope_theta=10000.0,
-            tie_embeddings=True,
-            max_position_embeddings=2048,
-        )
-        kw.update(overrides)
-        return cls(**kw)
+    def tiny(cls, vocab_size: int = 256, **overrides) -> Self:
+        """A few-thousand-parameter model of this config class (`TINY`, then `overrides`)."""
+        return cls(**{"vocab_size": vocab_size, **cls.TINY, **overrides})
 
     def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
         return hash(
             repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
         )
 
-    def replace(self, **changes) -> DecoderConfig:
+    def replace(self, **changes) -> Self:
         return dataclasses.replace(self, **changes)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -228,9 +239,9 @@ class DecoderConfig:
     @classmethod
     def from_hf_config(
         cls, hf: dict[str, Any], dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
-    ) -> DecoderConfig:
-        """Reads an HF `config.json` dict of a causal LM whose family is this decoder
-        (by its model_type). `runtime` may set the fields of `RUNTIME_FIELDS` (e.g.
+    ) -> Self:
+        """Reads an HF `config.json` dict of a causal LM whose family's config is this
+        class (by its model_type). `runtime` may set the fields of `RUNTIME_FIELDS` (e.g.
         scan_layers=True)."""
         config = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **runtime)
         if not isinstance(config, cls):
@@ -239,6 +250,14 @@ class DecoderConfig:
                 f"{type(config).__name__}, not a {cls.__name__}"
             )
         return config
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig(ModelConfig):
+    """Hyper-parameters of the dense decoder (Qwen3, Llama, Qwen2 / Qwen2.5, Mistral):
+    `ModelConfig`'s fields, every layer alike (`sliding_window` windows every layer)."""
+
+    __hash__ = ModelConfig.__hash__
 
 
 def decoder_hf_config(config: DecoderConfig, architecture: str) -> dict[str, Any]:

@@ -55,23 +55,11 @@ class CausalLM(Protocol):
 
     config: Any  # the family's config; `config.family` names the family
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-    ) -> jax.Array:
-        """fp32 logits [R, L, V]."""
+    def __call__(self, tokens, positions, segment_ids, subtree_end=None) -> jax.Array:
+        """fp32 logits [R, L, V] of packed rows (the arrays as above)."""
         ...
 
-    def hidden_states(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-    ) -> jax.Array:
+    def hidden_states(self, tokens, positions, segment_ids, subtree_end=None) -> jax.Array:
         """Final (normed) hidden states [R, L, D]: `logits(hidden_states(...))` is
         `__call__(...)`."""
         ...

@@ -13,14 +13,12 @@ other than default / linear) is refused by name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 
-from ac2_jax.models.config import ATTENTION_BACKENDS, REMAT, DecoderConfig, dtype_name
-from ac2_jax.models.family import FAMILIES, get_family
-from ac2_jax.models.lora import LoRAConfig
+from ac2_jax.models.config import RUNTIME_FIELDS, ModelConfig, dtype_name
 
 __all__ = [
     "FULL",
@@ -34,15 +32,6 @@ __all__ = [
 ]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-RUNTIME_FIELDS = (
-    "scan_layers",
-    "remat",
-    "attention_backend",
-    "attention_block",
-    "mlp_backward",
-    "proj_backward",
-    "lora",
-)
 _HF_ZERO = {  # config.json fields Gemma 3 sets this way, and we support only this way
     "final_logit_softcapping": None,
     "attn_logit_softcapping": None,
@@ -57,8 +46,9 @@ def default_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Config:
-    """Hyper-parameters of a Gemma 3 text decoder (HF `Gemma3TextConfig`'s names in brackets).
+class Gemma3Config(ModelConfig):
+    """Hyper-parameters of a Gemma 3 text decoder (HF `Gemma3TextConfig`'s names in brackets):
+    `ModelConfig`'s fields (some with Gemma's defaults) and its own.
 
     layer_types [layer_types]: one of "sliding_attention" / "full_attention"
     per layer (empty: HF's default, every 6th layer full). sliding_window
@@ -68,124 +58,61 @@ class Gemma3Config:
     rope_local_theta: the sliding layers' ([rope_parameters] full_attention /
     sliding_attention). query_pre_attn_scalar: scores are scaled by its
     -1/2 power. pad / bos / eos token ids are carried for the config.json.
-    dtype / param_dtype and the runtime fields (`RUNTIME_FIELDS`) as in
-    `DecoderConfig` (scan_layers / remat "auto": `models.memory_plan` picks);
+    `qk_norm` is always True and `attention_bias` False (Gemma 3's);
     `mlp_backward` must be "autodiff".
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...] = ()
     sliding_window: int | None = 4096
-    query_pre_attn_scalar: float = 256
-    rope_theta: float = 1_000_000.0
-    rope_local_theta: float = 10_000.0
-    rope_scaling: dict | None = None
-    rms_eps: float = 1e-6
     tie_embeddings: bool = True
     max_position_embeddings: int = 131_072
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
     family: str = "gemma3_text"
-    initializer_range: float = 0.02
+    mlp_backward: str = "autodiff"
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float = 256
+    rope_local_theta: float = 10_000.0
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
     eos_token_id: int | tuple[int, ...] | None = 1
-    remat: str | bool = "auto"
-    scan_layers: bool | str = "auto"
-    attention_backend: str = "auto"
-    attention_block: int = 128
-    mlp_backward: str = "autodiff"
-    proj_backward: str = "custom"
-    lora: LoRAConfig | None = None
 
-    def __post_init__(self):
-        setattr_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        if isinstance(self.remat, bool):
-            setattr_("remat", "full" if self.remat else "none")
+    __hash__ = ModelConfig.__hash__
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "linear")
+    # `tiny()`: a few-thousand-parameter Gemma 3 (4 layers: sliding, full, sliding, full).
+    TINY: ClassVar[dict[str, Any]] = dict(
+        ModelConfig.TINY,
+        num_layers=4,
+        layer_types=(SLIDING, FULL, SLIDING, FULL),
+        sliding_window=8,
+        query_pre_attn_scalar=8,
+        rope_theta=1_000_000.0,
+    )
+
+    def _normalize(self) -> None:
         if not self.layer_types:
-            setattr_("layer_types", default_layer_types(int(self.num_layers)))
-        setattr_("layer_types", tuple(self.layer_types))
+            object.__setattr__(self, "layer_types", default_layer_types(int(self.num_layers)))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.eos_token_id, list):
-            setattr_("eos_token_id", tuple(self.eos_token_id))
-        if isinstance(self.lora, dict):
-            setattr_("lora", LoRAConfig(**self.lora))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"Gemma3Config.{name} must be > 0, got {getattr(self, name)}")
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    def _check(self) -> None:
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
             raise ValueError(
                 f"Gemma3Config.layer_types must name {SLIDING!r} or {FULL!r} for each of the "
                 f"{self.num_layers} layers, got {self.layer_types}"
             )
-        if self.sliding_window is not None and int(self.sliding_window) <= 0:
-            raise ValueError(
-                f"Gemma3Config.sliding_window must be None or > 0, got {self.sliding_window}"
-            )
         if not float(self.query_pre_attn_scalar) > 0:
             raise ValueError(
                 f"Gemma3Config.query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}"
-            )
-        kind = _rope_kind(self.rope_scaling)
-        if kind not in ("default", "linear"):
-            raise ValueError(
-                f"Gemma3Config.rope_scaling: rope_type {kind!r} is not supported "
-                "(only 'default' and 'linear')"
-            )
-        if self.remat not in (*REMAT, "auto"):
-            raise ValueError(
-                f"Gemma3Config.remat must be one of {REMAT}, 'auto' (or a bool), got {self.remat!r}"
-            )
-        if isinstance(self.scan_layers, str) and self.scan_layers != "auto":
-            raise ValueError(
-                f"Gemma3Config.scan_layers must be a bool or 'auto', got {self.scan_layers!r}"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"Gemma3Config.attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
             )
         if self.mlp_backward != "autodiff":
             raise ValueError(
                 f"Gemma3Config.mlp_backward must be 'autodiff' (Gemma's GeGLU MLP has no "
                 f"custom backward; 'custom' is SwiGLU's), got {self.mlp_backward!r}"
             )
-        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
-            raise TypeError(
-                f"Gemma3Config.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
-            )
-        if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
+        if not self.qk_norm or self.attention_bias:
             raise ValueError(
-                f"Gemma3Config.family must be a family of this config ('gemma3_text'), "
-                f"got {self.family!r}"
+                "Gemma3Config: Gemma 3 has qk_norm=True and attention_bias=False, got "
+                f"qk_norm={self.qk_norm}, attention_bias={self.attention_bias}"
             )
-        if self.lora is not None:
-            get_family(self.family).check_lora_targets(self.lora.targets)
-        if "auto" in (self.scan_layers, self.remat):  # as DecoderConfig: the memory plan picks
-            from ac2_jax.models.memory_plan import resolve_runtime
-
-            for name, value in resolve_runtime(self).items():
-                if getattr(self, name) == "auto":
-                    setattr_(name, value)
-        self.layer_config()  # validates the shape (heads, head_dim, dtypes, backward)
-
-    def __hash__(self):  # rope_scaling is a dict; the config must stay hashable (static arg)
-        return hash(
-            repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
-        )
-
-    @property
-    def qk_norm(self) -> bool:  # for `models.memory_plan`'s parameter count
-        return True
-
-    @property
-    def attention_bias(self) -> bool:
-        return False
 
     @property
     def sliding(self) -> tuple[bool, ...]:
@@ -196,65 +123,6 @@ class Gemma3Config:
     def windowed(self) -> bool:
         """Whether any layer's mask has a window."""
         return self.sliding_window is not None and any(self.sliding)
-
-    @property
-    def base_dtype(self) -> Any:
-        """The storage dtype of the base weights: `lora.base_dtype` if set, else param_dtype."""
-        if self.lora is not None and self.lora.base_dtype is not None:
-            return jnp.dtype(self.lora.base_dtype)
-        return self.param_dtype
-
-    def layer_config(self) -> DecoderConfig:
-        """The `DecoderConfig` view of one layer that `models.layers`' functions read
-        (shapes, dtypes, qk-norm, kernels, LoRA); its family and RoPE fields are unused."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            qk_norm=True,
-            rms_eps=self.rms_eps,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            family="qwen3",  # a DecoderConfig family; nothing here reads it
-            initializer_range=self.initializer_range,
-            attention_backend=self.attention_backend,
-            attention_block=self.attention_block,
-            mlp_backward="autodiff",
-            proj_backward=self.proj_backward,
-            lora=self.lora,
-            scan_layers=bool(self.scan_layers),  # explicit: nothing to plan for a view
-            remat="none",
-        )
-
-    @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> Gemma3Config:
-        """A few-thousand-parameter Gemma 3 (4 layers: sliding, full, sliding, full)."""
-        kw: dict[str, Any] = dict(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-            layer_types=(SLIDING, FULL, SLIDING, FULL),
-            sliding_window=8,
-            query_pre_attn_scalar=8,
-            max_position_embeddings=2048,
-        )
-        kw.update(overrides)
-        return cls(**kw)
-
-    def replace(self, **changes) -> Gemma3Config:
-        return dataclasses.replace(self, **changes)
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The HF `config.json` dict (Gemma3ForCausalLM)."""
-        return get_family(self.family).config_to_hf(self)
 
 
 def _rope_kind(scaling: dict | None) -> str:

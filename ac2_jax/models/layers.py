@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models.axes import active_rules
-from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.config import ModelConfig
 from ac2_jax.models.kernels.attention import attention
 from ac2_jax.models.lora import lora_delta
 
@@ -52,7 +54,7 @@ def _zeros(_key, shape, dtype):
 # ----------------------------------------------------------------------------- layer params
 
 
-def layer_params(c: DecoderConfig, layers: nnx.Module) -> dict:
+def layer_params(c: ModelConfig, layers: nnx.Module) -> dict:
     """The params (and adapters) of a model's layers as a pure dict for its layer
     loop: stacked [num_layers, ...] or {i: layer i}.
 
@@ -77,7 +79,7 @@ def layer_params(c: DecoderConfig, layers: nnx.Module) -> dict:
     return jax.tree_util.tree_map_with_path(bits, params)
 
 
-def from_bits(c: DecoderConfig, w: dict) -> dict:
+def from_bits(c: ModelConfig, w: dict) -> dict:
     """One layer's params as `layer_params` passed them, with its frozen 16-bit base
     weights back in `c.base_dtype` (no uint16 param exists otherwise)."""
     if c.lora is None:
@@ -130,7 +132,7 @@ def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
 # ----------------------------------------------------------------------------- pure pieces
 
 
-def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies [head_dim // 2] (HF default, or llama3 scaling)."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -186,7 +188,7 @@ def _dot(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w.astype(dtype))
 
 
-def _proj(c: DecoderConfig, x: jax.Array, w: dict, name: str, lora=None) -> jax.Array:
+def _proj(c: ModelConfig, x: jax.Array, w: dict, name: str, lora=None) -> jax.Array:
     """Attention projection `name` ("q", "k", "v", "o"): x [..., in] @ w[name_proj]
     [in, out] in the compute dtype, through `linear`'s VJP when `c.proj_backward`
     is "custom", plus its LoRA adapter's delta where it has one (`_adapted`)."""
@@ -198,7 +200,7 @@ def _proj(c: DecoderConfig, x: jax.Array, w: dict, name: str, lora=None) -> jax.
     return _adapted(c, y, x, w, name, lora)
 
 
-def _adapted(c: DecoderConfig, y: jax.Array, x: jax.Array, w: dict, name: str, lora) -> jax.Array:
+def _adapted(c: ModelConfig, y: jax.Array, x: jax.Array, w: dict, name: str, lora) -> jax.Array:
     """y plus the LoRA delta of projection `name` on input x, if `w` holds its
     adapter (`w[name_lora]`, `models.lora`). lora: None, or (slot ids [B], scale
     [B]) for a bank of adapters."""
@@ -210,7 +212,7 @@ def _adapted(c: DecoderConfig, y: jax.Array, x: jax.Array, w: dict, name: str, l
 
 
 def attention_apply(
-    c: DecoderConfig,
+    c: ModelConfig,
     w: dict,
     x: jax.Array,
     rope: tuple[jax.Array, jax.Array],
@@ -227,7 +229,7 @@ def attention_apply(
     with the slots [B, L] of the new keys / values (index S drops a write);
     attention runs over the layer's whole cache with them written in, or with
     `append` over the cache as it was followed by the new keys ([S + L] keys:
-    a sliding-window ring's chunk, `decoder._ring_mask`).
+    a sliding-window ring's chunk, `skeleton._ring_mask`).
     Per-layer (layer None): k, v are this layer's caches [B, K, S, hd]
     (heads-major, so decode reads them in place) and come back updated.
     Stacked: k, v are all layers' caches [B, S, num_layers, K * hd], read only;
@@ -298,7 +300,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     transpose of the einsum led XLA:CPU to copy dy transposed, [out, tokens],
     for an Eigen dot; this form lets XLA pick the layout (tests/models/test_layers.py:
     same gradients, fp32). Used for the attention's projections
-    (`DecoderConfig.proj_backward`).
+    (`ModelConfig.proj_backward`).
     """
     return _linear_fwd(x, w)[0]
 
@@ -355,7 +357,7 @@ def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Arr
     Values and gradients equal the plain form up to fp32 summation order
     (tests/models/test_layers.py); it saves x, g = x @ wg, u = x @ wu for the backward,
     as autodiff does. Why: the MLP was 0.32-0.41 of the train step and its
-    autodiff backward XLA:CPU's largest layout copies (`DecoderConfig.mlp_backward`).
+    autodiff backward XLA:CPU's largest layout copies (`ModelConfig.mlp_backward`).
     """
     return _swiglu_fwd(x, wg, wu, wd)[0]
 
@@ -363,7 +365,7 @@ def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Arr
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
+def mlp_apply(c: ModelConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
     """SwiGLU: down(silu(gate x) * up x). x [B, L, D]; w: the `mlp` params.
     `c.mlp_backward` "custom" differentiates through `swiglu`'s own VJP; an MLP
     with LoRA adapters runs the plain form with their deltas added (`_adapted`)."""
@@ -379,19 +381,13 @@ def mlp_apply(c: DecoderConfig, w: dict, x: jax.Array, lora=None) -> jax.Array:
 
 
 def block_apply(
-    c: DecoderConfig,
-    w: dict,
-    x: jax.Array,
-    rope: tuple[jax.Array, jax.Array],
-    mask,
-    backend: str,
-    cache=None,
-    lora=None,
+    c: ModelConfig, w: dict, x: jax.Array, rope, mask, backend: str, cache=None, lora=None
 ):
     """One pre-norm layer: x + attn(norm x), then + mlp(norm x). w: a Block's params
     (one layer); x [B, L, D] in the compute dtype; rope: `rope_cos_sin` tables,
-    built once per forward for all layers; lora: None, or an adapter bank's
-    (slot ids [B], scale [B]). Returns (x, cache)."""
+    built once per forward for all layers; mask, backend, cache: as
+    `attention_apply`'s; lora: None, or an adapter bank's (slot ids [B], scale [B]).
+    Returns (x, cache)."""
     w = from_bits(c, w)
     h = rms_norm(w["input_layernorm"]["weight"], x, c.rms_eps, c.dtype)
     a, cache = attention_apply(c, w["self_attn"], h, rope, mask, backend, cache, lora)
@@ -404,11 +400,13 @@ def block_apply(
 
 
 class RMSNorm(nnx.Module):
-    """Holds the norm weight [dim] ([stack, dim] when stacked)."""
+    """Holds the norm weight [dim] ([stack, dim] when stacked), `INIT` at init (ones)."""
+
+    INIT: ClassVar[Callable] = staticmethod(_ones)
 
     def __init__(self, dim: int, eps: float, dtype, param_dtype, stack: int | None = None):
         self.eps, self.dtype = eps, dtype
-        self.weight = _param(None, _ones, (dim,), param_dtype, (None,), stack)
+        self.weight = _param(None, self.INIT, (dim,), param_dtype, (None,), stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(self.weight[...], x, self.eps, self.dtype)
@@ -425,7 +423,7 @@ class LoRAWeights(nnx.Module):
     With `c.lora.slots` = N both get a leading [N] axis and start at zero (a bank
     whose slots are written by `models.lora_bank`)."""
 
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, n_in: int, n_out: int, names, stack):
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, n_in: int, n_out: int, names, stack):
         assert c.lora is not None
         r, pd, n = c.lora.rank, c.param_dtype, c.lora.slots
         bank = () if n is None else (n,)
@@ -438,7 +436,7 @@ class LoRAWeights(nnx.Module):
         self.b = _param(None, _zeros, (*bank, r, n_out), pd, b_names, stack, nnx.LoRAParam)
 
 
-def _add_lora(module: nnx.Module, c: DecoderConfig, rngs, shapes: dict, stack) -> None:
+def _add_lora(module: nnx.Module, c: ModelConfig, rngs, shapes: dict, stack) -> None:
     """Adds `<name>_lora` adapters to `module` for the targets of `c.lora` among `shapes`
     ({name: (in, out, logical names)})."""
     if c.lora is None:
@@ -449,50 +447,68 @@ def _add_lora(module: nnx.Module, c: DecoderConfig, rngs, shapes: dict, stack) -
 
 
 class Attention(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+    """q/k/v/o projections ([in, out]), q/k/v biases (`attention_bias`), q/k norms
+    (`qk_norm`; a family's `norm` module, default `RMSNorm`), LoRA adapters per config."""
+
+    def __init__(
+        self, c: ModelConfig, rngs: nnx.Rngs, stack: int | None = None, norm: type = RMSNorm
+    ):
         init = nnx.initializers.normal(c.initializer_range)
         D, H, K, hd, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.base_dtype
-        self.q_proj = _param(rngs, init, (D, H * hd), pd, ("embed", "heads"), stack)
-        self.k_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
-        self.v_proj = _param(rngs, init, (D, K * hd), pd, ("embed", "kv"), stack)
-        self.o_proj = _param(rngs, init, (H * hd, D), pd, ("heads", "embed"), stack)
-        if c.attention_bias:  # HF's q_proj.bias etc. (`hf_io`); zeros, as HF initialises them
-            self.q_bias = _param(None, _zeros, (H * hd,), pd, ("heads",), stack)
-            self.k_bias = _param(None, _zeros, (K * hd,), pd, ("kv",), stack)
-            self.v_bias = _param(None, _zeros, (K * hd,), pd, ("kv",), stack)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
-            self.k_norm = RMSNorm(hd, c.rms_eps, c.dtype, pd, stack)
         shapes = {
             "q": (D, H * hd, ("embed", "heads")),
             "k": (D, K * hd, ("embed", "kv")),
             "v": (D, K * hd, ("embed", "kv")),
             "o": (H * hd, D, ("heads", "embed")),
         }
+        for name, (n_in, n_out, names) in shapes.items():
+            setattr(self, f"{name}_proj", _param(rngs, init, (n_in, n_out), pd, names, stack))
+        if c.attention_bias:  # HF's q_proj.bias etc. (`hf_io`); zeros, as HF initialises them
+            for name in "qkv":
+                n_out, names = shapes[name][1:]
+                setattr(self, f"{name}_bias", _param(None, _zeros, (n_out,), pd, names[1:], stack))
+        if c.qk_norm:
+            self.q_norm = norm(hd, c.rms_eps, c.dtype, pd, stack)
+            self.k_norm = norm(hd, c.rms_eps, c.dtype, pd, stack)
         _add_lora(self, c, rngs, shapes, stack)
 
 
 class MLP(nnx.Module):
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+    """gate/up [D, F] and down [F, D] projections (F: `width`, default the config's
+    intermediate_size) and their LoRA adapters per config; with `experts` = E each
+    has a leading [E] axis (logical axis "expert"; a MoE's experts, no adapters)."""
+
+    def __init__(
+        self,
+        c: ModelConfig,
+        rngs: nnx.Rngs,
+        stack: int | None = None,
+        width: int | None = None,
+        experts: int | None = None,
+    ):
         init = nnx.initializers.normal(c.initializer_range)
-        D, F, pd = c.hidden_size, c.intermediate_size, c.base_dtype
-        self.gate_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
-        self.up_proj = _param(rngs, init, (D, F), pd, ("embed", "mlp"), stack)
-        self.down_proj = _param(rngs, init, (F, D), pd, ("mlp", "embed"), stack)
+        D, pd = c.hidden_size, c.base_dtype
+        F = c.intermediate_size if width is None else width
+        lead, lead_names = ((), ()) if experts is None else ((experts,), ("expert",))
         shapes = {
             "gate": (D, F, ("embed", "mlp")),
             "up": (D, F, ("embed", "mlp")),
             "down": (F, D, ("mlp", "embed")),
         }
-        _add_lora(self, c, rngs, shapes, stack)
+        for name, (n_in, n_out, names) in shapes.items():
+            shape, axes = (*lead, n_in, n_out), (*lead_names, *names)
+            setattr(self, f"{name}_proj", _param(rngs, init, shape, pd, axes, stack))
+        if experts is None:
+            _add_lora(self, c, rngs, shapes, stack)
 
 
 class Block(nnx.Module):
-    """One layer's params, or `stack` layers' params stacked on a leading axis."""
+    """One layer's params, or `stack` layers' params stacked on a leading axis; `mlp`:
+    the MLP module (a MoE layer's: `moe_decoder.SparseMoE`)."""
 
-    def __init__(self, c: DecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, stack: int | None = None, mlp=MLP):
         pd = c.base_dtype
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
         self.self_attn = Attention(c, rngs, stack)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
-        self.mlp = MLP(c, rngs, stack)
+        self.mlp = mlp(c, rngs, stack)

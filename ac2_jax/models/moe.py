@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +82,11 @@ class MoEDecoderConfig(DecoderConfig):
     capacity_factor: float | None = None
 
     __hash__ = DecoderConfig.__hash__
+    # `tiny()`: a small MoE model for tests and CPU demos (8 experts, top 2, layer 0 dense).
+    TINY: ClassVar[dict[str, Any]] = dict(
+        DecoderConfig.TINY, num_layers=3, intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(0,),
+    )  # fmt: skip
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -122,31 +127,6 @@ class MoEDecoderConfig(DecoderConfig):
     def dense_layers(self) -> tuple[int, ...]:
         """The layers with the dense SwiGLU MLP."""
         return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
-
-    @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> MoEDecoderConfig:
-        """A small MoE model for tests and CPU demos (8 experts, top 2, layer 0 dense)."""
-        kw: dict[str, Any] = dict(
-            num_layers=3, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=16, mlp_only_layers=(0,),
-        )  # fmt: skip
-        kw.update(overrides)
-        shared = {k: v for k, v in kw.items() if k in _DECODER_FIELDS}
-        runtime = {"scan_layers": False, "remat": "none"}  # the stand-in plans nothing
-        config = DecoderConfig.tiny(vocab_size, **{**runtime, **shared, "family": "qwen3"})
-        base = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig)}
-        del base["family"]
-        for f in dataclasses.fields(DecoderConfig):  # unset runtime fields: this config's default
-            if f.name in runtime and f.name not in shared:
-                base[f.name] = f.default
-        moe = {k: v for k, v in kw.items() if k not in _DECODER_FIELDS}
-        return cls(**{**base, **moe})
-
-    def replace(self, **changes) -> MoEDecoderConfig:
-        return dataclasses.replace(self, **changes)
-
-
-_DECODER_FIELDS = frozenset(f.name for f in dataclasses.fields(DecoderConfig)) - {"family"}
 
 
 @struct.dataclass

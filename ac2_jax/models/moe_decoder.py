@@ -1,8 +1,10 @@
 """MoEDecoder: the decoder with mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE).
 
-The attention, norms, RoPE, KV cache and dense MLP layers are the decoder's
-(`models.layers`, `models.decoder`); the layers of `config.moe_layers` have a
-router and E SwiGLU experts instead of the dense MLP (`models.moe`). It meets
+The attention, norms, RoPE and dense MLP layers are the decoder's (`models.layers`,
+`models.decoder`), the shell and the KV cache the skeleton's (`models.skeleton`: MoE's
+routing stats are its layers' outputs, replayed routing their inputs); the layers
+of `config.moe_layers` have a router and E SwiGLU experts instead of the dense MLP
+(`models.moe`). It meets
 `CausalLM` and the decoder's cache API, with what MoE adds:
 
 * `hidden_states(..., routing=None)` / `__call__(..., routing=None)`:
@@ -24,36 +26,20 @@ under `jax.lax.scan`; HF I/O maps both to `model.layers.{i}`.
 
 from __future__ import annotations
 
-import functools
-import itertools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ac2_jax.models.decoder import (
-    _POLICIES,
-    Decoder,
-    KVCache,
-    _check_2d,
-    _ring_mask,
-    add_head,
-    embedding,
-)
-from ac2_jax.models.kernels.attention_mask import AttentionMask
+from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.layers import (
     MLP,
-    Attention,
     Block,
-    RMSNorm,
     _param,
     attention_apply,
     block_apply,
     from_bits,
-    layer_params,
     mlp_apply,
     rms_norm,
-    rope_cos_sin,
 )
 from ac2_jax.models.moe import (
     MoEDecoderConfig,
@@ -62,45 +48,23 @@ from ac2_jax.models.moe import (
     grouped_matmul_for,
     route,
 )
+from ac2_jax.models.skeleton import Run
 
-__all__ = ["MoEBlock", "MoEDecoder", "SparseMoE", "sparse_moe_apply"]
-
-
-class Experts(nnx.Module):
-    """E SwiGLU experts, stored [E, in, out] (logical axis "expert" first)."""
-
-    def __init__(self, c: MoEDecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
-        init = nnx.initializers.normal(c.initializer_range)
-        E, D, F, pd = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.base_dtype
-        self.gate_proj = _param(rngs, init, (E, D, F), pd, ("expert", "embed", "mlp"), stack)
-        self.up_proj = _param(rngs, init, (E, D, F), pd, ("expert", "embed", "mlp"), stack)
-        self.down_proj = _param(rngs, init, (E, F, D), pd, ("expert", "mlp", "embed"), stack)
+__all__ = ["MoEDecoder", "SparseMoE", "sparse_moe_apply"]
 
 
 class SparseMoE(nnx.Module):
-    """The router `gate` [D, E], the experts, and Qwen2-MoE's shared expert if any."""
+    """The router `gate` [D, E], the E SwiGLU experts (`layers.MLP` stored [E, in, out],
+    logical axis "expert" first), and Qwen2-MoE's shared expert if any."""
 
     def __init__(self, c: MoEDecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
         init = nnx.initializers.normal(c.initializer_range)
         D, pd = c.hidden_size, c.base_dtype
         self.gate = _param(rngs, init, (D, c.num_experts), pd, ("embed", None), stack)
-        self.experts = Experts(c, rngs, stack)
+        self.experts = MLP(c, rngs, stack, c.moe_intermediate_size, experts=c.num_experts)
         if c.shared_expert_intermediate_size:
-            shared = c.replace(intermediate_size=c.shared_expert_intermediate_size)
-            self.shared_expert = MLP(shared, rngs, stack)
+            self.shared_expert = MLP(c, rngs, stack, c.shared_expert_intermediate_size)
             self.shared_expert_gate = _param(rngs, init, (D, 1), pd, ("embed", None), stack)
-
-
-class MoEBlock(nnx.Module):
-    """One MoE layer's params (or `stack` of them): the decoder's attention and norms,
-    a `SparseMoE` for the MLP."""
-
-    def __init__(self, c: MoEDecoderConfig, rngs: nnx.Rngs, stack: int | None = None):
-        pd = c.base_dtype
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
-        self.self_attn = Attention(c, rngs, stack)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, pd, stack)
-        self.mlp = SparseMoE(c, rngs, stack)
 
 
 def sparse_moe_apply(
@@ -155,148 +119,34 @@ class MoEDecoder(Decoder):
     """Embeddings, layers (MoE or dense MLP), final norm, lm_head (see the module doc)."""
 
     config: MoEDecoderConfig
+    STACKS = ("layers", "dense_layers")
+    dense_layers: Block | None
 
-    def __init__(self, config: MoEDecoderConfig, rngs: nnx.Rngs | None = None):
-        rngs = nnx.Rngs(0) if rngs is None else rngs
-        c = self.config = config
-        self.embed_tokens = embedding(c, rngs)
-        self.dense_layers: Block | None
-        if c.scan_layers:
-            self.layers = MoEBlock(c, rngs, stack=len(c.moe_layers))  # type: ignore[assignment]
-            dense = len(c.dense_layers)
-            self.dense_layers = Block(c, rngs, stack=dense) if dense else None
-        else:
-            self.dense_layers = None
-            moe = set(c.moe_layers)
-            self.layers = nnx.List(
-                [MoEBlock(c, rngs) if i in moe else Block(c, rngs) for i in range(c.num_layers)]
-            )
-        add_head(self, c, rngs, RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.base_dtype))
+    def build_layer(self, config, rngs, stack, count=None):
+        # a MoE layer: the decoder's attention and norms, a `SparseMoE` for the MLP
+        return Block(config, rngs, count, mlp=SparseMoE if stack == "layers" else MLP)
 
-    def _runs(self) -> list[tuple[bool, int, int, int]]:
-        """(is_moe, first layer, layers, offset in its stack) of each run of layers of
-        one kind, in layer order."""
-        moe, runs, seen = set(self.config.moe_layers), [], {True: 0, False: 0}
-        for kind, group in itertools.groupby(range(self.config.num_layers), lambda i: i in moe):
-            layers = list(group)
-            runs.append((kind, layers[0], len(layers), seen[kind]))
-            seen[kind] += len(layers)
-        return runs
+    def layer_stack(self, i: int) -> str:
+        return "layers" if i in self.config.moe_layers else "dense_layers"
 
-    def _apply_layers(self, x, layer, replay):
-        """Runs every layer: layer(is_moe, w, x, index, replay_i) -> (x, (kv, stats)).
-        replay: None or [n_moe, B, L, k]. Returns (x, kvs in layer order: a list
-        (per-layer) or arrays [num_layers, ...] (stacked), stats stacked [n_moe, ...])."""
+    def block(self, stack: str, w: dict, x, rope, mask, run: Run, cache=None, inputs=None):
         c = self.config
-        kvs, stats = [], []
-        if not c.scan_layers:
-            params = layer_params(c, self.layers)
-            moe_pos = {i: j for j, i in enumerate(c.moe_layers)}
-            for i in range(c.num_layers):
-                j = moe_pos.get(i)
-                rep = None if replay is None or j is None else replay[j]
-                x, (kv, st) = layer(j is not None, params[i], x, i, rep)
-                kvs.append(kv)
-                if st is not None:
-                    stats.append(st)
-            return x, kvs, jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        stacks = {True: layer_params(c, self.layers)}
-        if self.dense_layers is not None:
-            stacks[False] = layer_params(c, self.dense_layers)
-        for is_moe, first, n, off in self._runs():
-            w = stacks[is_moe]
-            if n != len(c.moe_layers if is_moe else c.dense_layers):
-                w = jax.tree.map(lambda a, off=off, n=n: a[off : off + n], w)
-            rep = None if replay is None or not is_moe else replay[off : off + n]
-            xs = (w, jnp.arange(first, first + n), rep)
-            fn = functools.partial(layer, is_moe)
-            x, (kv, st) = jax.lax.scan(lambda x, xs, fn=fn: fn(xs[0], x, xs[1], xs[2]), x, xs)
-            kvs.append(kv)
-            if st is not None:
-                stats.append(st)
-        kv_all = None if kvs[0] is None else jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
-        return x, kv_all, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
+        if stack == "layers":
+            return moe_block_apply(
+                c, w, x, rope, mask, run.backend, run.real, cache, run.lora, replay=inputs
+            )
+        x, cache = block_apply(c, w, x, rope, mask, run.backend, cache, run.lora)
+        return x, cache, None
 
     # -- training / scoring
 
-    def forward_with_router(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        *,
-        routing: jax.Array | None = None,
-    ) -> tuple[jax.Array, RouterStats]:
-        """(final normed hidden states [B, L, D], RouterStats) of packed rows.
-        routing: None (route by the model's own top k) or recorded experts
-        [B, L, n_moe, k] int to replay (negative: that token routes itself)."""
-        _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
-        c = self.config
-        replay = self._replay(routing, tokens.shape)
-        lora = self._lora_rows(adapter_ids, tokens.shape[0])
-        backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
-        packed = AttentionMask.packed(
-            segment_ids, subtree_end, positions=positions, window=c.sliding_window
-        )
-        mask: AttentionMask | jax.Array = packed.dense() if backend == "dense" else packed
-        rope = rope_cos_sin(positions, self._inv_freq())
-        real = segment_ids > 0
-
-        def layer(is_moe, w, x, i, rep):
-            if is_moe:
-                x, _, st = moe_block_apply(
-                    c, w, x, rope, mask, backend, real, lora=lora, replay=rep
-                )
-                return x, (None, st)
-            return block_apply(c, w, x, rope, mask, backend, lora=lora)[0], (None, None)
-
-        if c.remat != "none":
-            remat = functools.partial(
-                jax.checkpoint, policy=_POLICIES[str(c.remat)], prevent_cse=not c.scan_layers,
-                static_argnums=(0,),
-            )  # fmt: skip
-            layer = remat(layer)
-        x, _, st = self._apply_layers(self.embed(tokens), layer, replay)
-        return self.norm(x), self._stats(st, real)
-
-    def hidden_states(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        *,
-        routing: jax.Array | None = None,
-    ) -> jax.Array:
-        """Final normed hidden states [B, L, D] (`forward_with_router`'s first part)."""
-        return self.forward_with_router(
-            tokens, positions, segment_ids, subtree_end, adapter_ids, routing=routing
-        )[0]
-
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        *,
-        routing: jax.Array | None = None,
-    ) -> jax.Array:
-        """fp32 logits [B, L, V] of packed rows (as `Decoder.__call__`; routing as
-        `forward_with_router`)."""
-        hidden = self.hidden_states(
-            tokens, positions, segment_ids, subtree_end, adapter_ids, routing=routing
-        )
-        return self.logits(hidden)
-
-    def _replay(self, routing, shape):
-        """Recorded routing [B, L, n, k] -> [n, B, L, k] (checked), or None."""
+    def layer_inputs(self, shape, routing: jax.Array | None = None, **inputs) -> dict:
+        """routing: None (route by the model's own top k) or recorded experts
+        [B, L, n_moe, k] int to replay (negative: that token routes itself), for
+        `hidden_states(..., routing=)` / `__call__` / `forward_with_router`."""
+        super().layer_inputs(shape, **inputs)  # refuses any other
         if routing is None:
-            return None
+            return {}
         c = self.config
         want = (*shape, len(c.moe_layers), c.num_experts_per_tok)
         if tuple(routing.shape) != want:
@@ -304,85 +154,29 @@ class MoEDecoder(Decoder):
                 f"MoEDecoder: routing must be [batch, length, moe layers, k] = {want}, "
                 f"got {tuple(routing.shape)}"
             )
-        return jnp.moveaxis(jnp.asarray(routing, jnp.int32), 2, 0)
+        return {"layers": jnp.moveaxis(jnp.asarray(routing, jnp.int32), 2, 0)}
 
-    def _stats(self, st, real) -> RouterStats:
-        ids, counts, prob_sum, dropped = st
-        return RouterStats(
+    def forward_with_router(self, tokens, positions, segment_ids, *args, **kwargs):
+        """(final normed hidden states [B, L, D], RouterStats) of packed rows (the
+        arguments of `forward`, and `routing`: `layer_inputs`)."""
+        x, outs = self.forward(tokens, positions, segment_ids, *args, **kwargs)
+        ids, counts, prob_sum, dropped = outs["layers"]
+        stats = RouterStats(
             experts=jnp.moveaxis(ids, 0, 2),
             counts=counts,
             prob_sum=prob_sum,
-            tokens=jnp.sum(real).astype(jnp.float32),
+            tokens=jnp.sum(segment_ids > 0).astype(jnp.float32),
             dropped=dropped,
         )
+        return x, stats
 
     # -- sampling with a KV cache
 
-    def decode(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache,
-        *,
-        logits_at: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        return_routing: bool = False,
-    ):
+    def decode(self, *args, return_routing: bool = False, **kwargs):
         """`Decoder.decode` (same arguments, same contract: (logits, new cache)); with
         `return_routing` also the experts each new token went to, [B, T, n_moe, k]
         int32 (padding tokens' ids are meaningless)."""
-        _check_2d(tokens=tokens, positions=positions)
-        c = self.config
-        if cache.stacked != c.scan_layers or cache.num_layers != c.num_layers:
-            raise ValueError(
-                f"decode: the cache (stacked={cache.stacked}, {cache.num_layers} layers) is "
-                f"not this model's (stacked={c.scan_layers}, {c.num_layers}); build it with "
-                "model.init_cache"
-            )
-        if cache.batch != tokens.shape[0] or cache.window != c.sliding_window:
-            raise ValueError(
-                f"decode: cache batch {cache.batch} / window {cache.window} != tokens batch "
-                f"{tokens.shape[0]} / sliding_window {c.sliding_window}; use model.init_cache"
-            )
-        S = cache.max_len
-        positions = positions.astype(jnp.int32)
-        slots = jnp.where(positions >= 0, positions, S)
-        backend = self._backend("decode", tokens.shape[1])
-        append = False
-        if cache.ring:
-            assert cache.window is not None
-            structure, slots, append = _ring_mask(positions, cache.slots, cache.window)
-        else:
-            structure = AttentionMask.decode(positions, S, c.sliding_window)
-        mask: AttentionMask | jax.Array = structure.dense() if backend == "dense" else structure
-        rope = rope_cos_sin(jnp.maximum(positions, 0), self._inv_freq())
-        lora = self._lora_rows(adapter_ids, tokens.shape[0])
-        real = positions >= 0
-        ck, cv = cache.k, cache.v
-
-        def layer(is_moe, w, x, i, rep):
-            if c.scan_layers:
-                kv = (ck, cv, i, slots, append)
-            else:
-                kv = (ck[i], cv[i], None, slots, append)
-            if is_moe:
-                x, kv, st = moe_block_apply(c, w, x, rope, mask, backend, real, kv, lora)
-            else:
-                (x, kv), st = block_apply(c, w, x, rope, mask, backend, kv, lora), None
-            return x, (kv[:2], st)
-
-        x, kvs, st = self._apply_layers(self.embed(tokens), layer, None)
-        if c.scan_layers:
-            k_new, v_new = kvs
-            rows = jnp.arange(tokens.shape[0])[None, :, None]
-            at = (rows, slots[None], jnp.arange(c.num_layers)[:, None, None])
-            assert not isinstance(ck, tuple) and not isinstance(cv, tuple)
-            ck = ck.at[at].set(k_new, mode="drop")
-            cv = cv.at[at].set(v_new, mode="drop")
-        else:
-            ck, cv = tuple(kv[0] for kv in kvs), tuple(kv[1] for kv in kvs)
-        x = self.norm(x)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
-        out = self.logits(x), KVCache(k=ck, v=cv, window=cache.window, length=cache.length)
-        return (*out, jnp.moveaxis(st[0], 0, 2)) if return_routing else out
+        logits, cache, outs = self.decode_with_outputs(*args, **kwargs)
+        if return_routing:
+            return logits, cache, jnp.moveaxis(outs["layers"][0], 0, 2)
+        return logits, cache
