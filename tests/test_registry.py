@@ -1,8 +1,11 @@
 """Registries (`ac2_jax.registry`): every extension point from this file alone.
 
 A toy family, a toy loss, a toy sampler and a toy request API are defined and
-registered here, with nothing shared changed. The family and the loss each
-train one RL step through `RLTrainer` (the loss picked by a config section's
+registered here, with nothing shared changed. Two toy families: one a whole model
+of its own (`ToyLM`: the `CausalLM` protocol alone), one only a block and its
+config on the library's transformer skeleton (`models.skeleton.Transformer`: the
+embedding, layer loop / scan, head, LoRA rows, KV cache and decode are the
+skeleton's). The families and the loss each train one RL step through `RLTrainer` (the loss picked by a config section's
 `kind`, as a user's config would); the sampler serves one step of the RL recipe
 (`sampler.kind`); the request API answers a request over real HTTP.
 """
@@ -30,6 +33,16 @@ from ac2_jax.models import (
     config_from_hf,
     register_family,
 )
+from ac2_jax.models.config import ModelConfig
+from ac2_jax.models.layers import (
+    Attention,
+    RMSNorm,
+    _param,
+    attention_apply,
+    rms_norm,
+    rope_inv_freq,
+)
+from ac2_jax.models.skeleton import AttentionKind, Transformer
 from ac2_jax.registry import Registry
 from ac2_jax.training import OBJECTIVES, PolicyGradientLoss
 from ac2_jax.training.core import Objective
@@ -94,6 +107,57 @@ class ToyFamily(ModelFamily):
                 "vocab_size": config.vocab_size, "hidden_size": config.hidden_size}
 
 
+# --- a toy block family: one block (pre-norm attention + a tanh MLP) and its config on the
+# skeleton; the skeleton brings the rest (stacked or per-layer, the cache, decode)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyBlockConfig(ModelConfig):
+    family: str = "toy_block"
+    gain: float = 1.0  # the family's own field: the MLP's output scale
+
+    __hash__ = ModelConfig.__hash__
+
+
+class ToyBlock(nnx.Module):
+    def __init__(self, c, rngs, stack=None):
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.dtype, c.param_dtype, stack)
+        self.self_attn = Attention(c, rngs, stack)
+        init = nnx.initializers.normal(c.initializer_range)
+        self.mix = _param(rngs, init, (c.hidden_size, c.hidden_size), c.param_dtype,
+                          ("embed", "mlp"), stack)
+
+
+class ToyBlockLM(Transformer):
+    def build_layer(self, config, rngs, stack, count=None):
+        return ToyBlock(config, rngs, count)
+
+    def block(self, stack, w, x, rope, mask, run, cache=None, inputs=None):
+        c = self.config
+        h = rms_norm(w["norm"]["weight"], x, c.rms_eps, c.dtype)
+        a, cache = attention_apply(c, w["self_attn"], h, rope, mask, run.backend, cache, run.lora)
+        x = x + a
+        return x + c.gain * jnp.tanh(x @ w["mix"].astype(c.dtype)), cache, None
+
+    def attention_kinds(self):
+        return (AttentionKind(self.config.sliding_window, rope_inv_freq(self.config)),)
+
+
+class ToyBlockFamily(ModelFamily):
+    hf_architecture = "ToyBlockForCausalLM"
+    config_class = ToyBlockConfig
+    lora_targets = ("q", "k", "v", "o")
+
+    def build(self, config, rngs):
+        return ToyBlockLM(config, rngs)
+
+    def config_from_hf(self, hf, **kwargs):
+        return ToyBlockConfig.tiny(hf["vocab_size"], gain=hf["gain"], **kwargs)
+
+    def config_to_hf(self, config):
+        return {"model_type": "toy_block", "vocab_size": config.vocab_size, "gain": config.gain}
+
+
 # --- a toy objective: plain REINFORCE, l_t = -A log p(y_t), and one metric
 
 
@@ -112,9 +176,11 @@ class Reinforce(Objective):
 @pytest.fixture
 def toy_extensions():
     register_family("toy")(ToyFamily)
+    register_family("toy_block")(ToyBlockFamily)
     OBJECTIVES.register("reinforce")(Reinforce)
     yield
     FAMILIES.unregister("toy")
+    FAMILIES.unregister("toy_block")
     OBJECTIVES.unregister("reinforce")
 
 
@@ -139,6 +205,28 @@ def test_a_family_registered_here_trains_one_rl_step(toy_extensions, tmp_path):
     assert isinstance(model, ToyLM) and isinstance(model, CausalLM)
     assert config_from_hf(ToyFamily().config_to_hf(model.config)) == model.config
     # The chunked loss reads hidden states and the family's head, never dense logits.
+    m, changed = _one_rl_step(model, PolicyGradientLoss(chunk_size=4), tmp_path)
+    assert m["skipped_update"] == 0.0 and np.isfinite(m["loss"]) and all(changed), m
+
+
+def test_a_block_family_registered_here_decodes_and_trains_one_rl_step(toy_extensions, tmp_path):
+    config = ToyBlockConfig.tiny(VOCAB, num_layers=2, gain=0.5, scan_layers=True, remat="none")
+    model = build_model(config, nnx.Rngs(0))
+    assert isinstance(model, ToyBlockLM) and isinstance(model, CausalLM)
+    assert config_from_hf(config.to_hf_config(), scan_layers=True, remat="none") == config
+    with pytest.raises(ValueError, match="registered family of this decoder \\(toy_block\\)"):
+        ToyBlockConfig.tiny(VOCAB, family="qwen3")
+    # The skeleton's KV cache: a prefill then a step give the packed forward's logits.
+    @nnx.jit
+    def both(model, tokens, positions):
+        cache = model.init_cache(1, 8)
+        prefill, cache = model.decode(tokens[:, :4], positions[:, :4], cache)
+        step, _ = model.decode(tokens[:, 4:], positions[:, 4:], cache)
+        full = model(tokens, positions, jnp.ones_like(tokens))
+        return jnp.concatenate([prefill, step], 1), full
+
+    cached, full = both(model, jnp.asarray([[3, 1, 4, 1, 5]]), jnp.arange(5)[None])
+    np.testing.assert_allclose(cached, full, atol=1e-5)
     m, changed = _one_rl_step(model, PolicyGradientLoss(chunk_size=4), tmp_path)
     assert m["skipped_update"] == 0.0 and np.isfinite(m["loss"]) and all(changed), m
 
