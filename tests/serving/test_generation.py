@@ -10,6 +10,7 @@ Streams against the real JaxSampler are in tests/serving/test_app.py.
 
 import asyncio
 import json
+import ssl
 import threading
 
 import httpx
@@ -25,6 +26,9 @@ from ac2_jax.trace import TraceStore
 
 ADMIN = "sk-admin-gen"
 WAIT_S = 60  # a generous bound on waits for the server thread; never asserted on
+# One CA bundle for the module's HTTP clients: a default httpx client (an openai client's
+# too) loads its own (~30 ms of CPU, even for http://).
+SSL = ssl.create_default_context()
 
 
 class GatedSampler:
@@ -86,7 +90,7 @@ def served(tmp_path):
 def new_rollout(env, task="t"):
     info = env["admin"].post("/v1/rollouts", json={"task_id": task}).json()
     client = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
-                           timeout=WAIT_S)
+                           timeout=WAIT_S, http_client=httpx.Client(verify=SSL))
     return info, client
 
 
@@ -126,7 +130,7 @@ def test_chunks_arrive_while_the_sampler_is_still_decoding(served):
 def test_an_aborted_stream_cancels_and_records_nothing(served):
     sampler = served["sampler"]
     info, _ = new_rollout(served)
-    with httpx.Client(base_url=served["url"], timeout=WAIT_S,
+    with httpx.Client(base_url=served["url"], timeout=WAIT_S, verify=SSL,
                       headers={"Authorization": f"Bearer {info['api_key']}"}) as key:
         with key.stream("POST", "/v1/chat/completions", json={
                 "model": "tiny", "messages": MSG, "max_tokens": 6, "stream": True}) as r:
@@ -149,7 +153,7 @@ def test_a_client_that_leaves_a_plain_request_cancels_it(served):
     sampler = served["sampler"]
     info, _ = new_rollout(served)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up; the sampler is still gated
-        httpx.post(served["url"] + "/v1/chat/completions", timeout=1.0,
+        httpx.post(served["url"] + "/v1/chat/completions", timeout=1.0, verify=SSL,
                    headers={"Authorization": f"Bearer {info['api_key']}"},
                    json={"model": "tiny", "messages": MSG, "max_tokens": 6})
     assert sampler.cancelled.wait(WAIT_S) and sampler.finished == 0
@@ -279,7 +283,8 @@ def test_model_at_adapter_routes_to_that_lora_adapter(tmp_path):
     messages = [{"role": "user", "content": "hello there"}]
 
     def ask(url, model):
-        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0, timeout=120,
+                               http_client=httpx.Client(verify=SSL))
         r = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                            max_tokens=8, logprobs=True)
         return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]

@@ -10,6 +10,7 @@ Sampler protocol) only shows an error arriving mid-stream.
 
 import asyncio
 import json
+import ssl
 import threading
 
 import anthropic
@@ -40,6 +41,9 @@ from tests.support.serving_helpers import (
 ADMIN = "sk-admin-messages"
 MAX_CONTEXT = 512
 WAIT_S = 300  # a generous bound on client waits; never asserted on
+# One CA bundle for the module's HTTP clients: a default httpx client (an SDK client's
+# too) loads its own (~30 ms of CPU, even for http://).
+SSL = ssl.create_default_context()
 # The scripted conversation's tool, as Anthropic clients define it.
 A_TOOLS = [{"name": "add", "description": "Add two integers.",
             "input_schema": TOOLS[0]["function"]["parameters"]}]
@@ -72,13 +76,15 @@ def create(env, task_id):
 
 def claude(url, key):
     """The Anthropic SDK against the endpoint at `url` (the server root)."""
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=WAIT_S)
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=WAIT_S,
+                               http_client=anthropic.DefaultHttpxClient(verify=SSL))
 
 
 def rollout_clients(info):
     root = info["base_url"].removesuffix("/v1")
     return claude(root, info["api_key"]), openai.OpenAI(
-        base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=WAIT_S)
+        base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=WAIT_S,
+        http_client=httpx.Client(verify=SSL))
 
 
 def trace_of(env, info):
@@ -142,11 +148,12 @@ def test_each_api_gets_its_base_url_from_the_create_call(env):
     assert info["base_url"] == env["url"] + "/v1"
     assert info["anthropic_base_url"] == env["url"]
     client = anthropic.Anthropic(base_url=info["anthropic_base_url"], api_key=info["api_key"],
-                                 max_retries=0, timeout=WAIT_S)
+                                 max_retries=0, timeout=WAIT_S,
+                                 http_client=anthropic.DefaultHttpxClient(verify=SSL))
     resp = ask(client, [{"role": "user", "content": USER["content"]}])
     assert resp.id.startswith("msg_") and resp.content
     chat = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
-                         timeout=WAIT_S).chat.completions.create(
+                         timeout=WAIT_S, http_client=httpx.Client(verify=SSL)).chat.completions.create(
         model="tiny", messages=[SYSTEM, USER], max_tokens=4, temperature=0)
     assert chat.choices[0].message is not None
     trace = trace_of(env, info)
@@ -256,7 +263,7 @@ def test_streamed_and_plain_answers_are_the_same_tokens(env):
     outputs = outputs_by_request(trace_of(env, info))
     assert all(outputs[a] == outputs[b] for a, b in ids)  # recorded under the ids seen
     # The raw stream: Anthropic's event sequence, with a ping after message_start.
-    with httpx.stream("POST", env["url"] + "/v1/messages", timeout=WAIT_S,
+    with httpx.stream("POST", env["url"] + "/v1/messages", timeout=WAIT_S, verify=SSL,
                       headers={"x-api-key": info["api_key"]},
                       json={"model": "tiny", "stream": True, "temperature": 0,
                             **{k: v for k, v in asks[0].items() if k != "extra_body"}}) as r:
@@ -470,7 +477,7 @@ def test_auth_and_unknown_model_errors_are_anthropic_shaped(env):
     with pytest.raises(anthropic.AuthenticationError) as e:
         claude(env["url"], "sk-wrong").messages.create(**kw)
     assert e.value.body["error"]["type"] == "authentication_error"
-    r = httpx.post(env["url"] + "/v1/messages", json=kw)  # no key at all
+    r = httpx.post(env["url"] + "/v1/messages", json=kw, verify=SSL)  # no key at all
     assert r.status_code == 401 and r.json() == {"type": "error", "error": {
         "type": "authentication_error", "message": r.json()["error"]["message"]}}
     assert "x-api-key" in r.json()["error"]["message"]
