@@ -188,42 +188,66 @@ def short_answer_model(cfg, tok):
     return model
 
 
-def sampled_forward_logprobs(model, tokens, start, temperature, top_k, top_p, bucket=1024):
+def sampled_forward_logprobs(model, tokens, start, temperature, top_k, top_p, length,
+                             window=256):
     """log p(tokens[i] | tokens[:i]) for i >= start under the sampling distribution
     (temperature, then top-k, then top-p: `losses.sampling_logits`, the sampled token
     kept) of one fp32 forward pass. A CLI that sends top_k / top_p (Gemini CLI: topK 64,
     topP 0.95) is served from the truncated distribution, and the sampler's log-probs are
-    of that distribution."""
-    import jax
-    import jax.numpy as jnp
+    of that distribution.
+
+    One program for every completion of a test: the forward runs over `length` tokens
+    (the context; the rest padding) and the distribution over `window` positions from
+    `start - 1` (>= the completion's tokens), with start,
+    temperature, top_k and top_p as arguments. It is compiled at XLA's default codegen
+    (the suite's -O0 runs this 6k-token forward ~8x slower: tests/conftest.py)."""
     import numpy as np
 
-    from ac2_jax.losses import sampling_logits
-
     n = len(tokens)
-    L = -(-n // bucket) * bucket
-    t = np.zeros((1, L), np.int32)
+    assert n - start <= window and n <= length, (
+        f"{n - start} output tokens (window {window}) and {n} in all (length {length})")
+    t = np.zeros((1, length + window), np.int32)  # the window may run past the context
     t[0, :n] = tokens
-    segs = np.zeros((1, L), np.int32)
+    segs = np.zeros((1, length), np.int32)
     segs[0, :n] = 1
-    pos = np.arange(L, dtype=np.int32)[None]
-    logits = jnp.asarray(np.asarray(_logits(model, t, pos, segs))[0, start - 1:n - 1])
-    targets = jnp.asarray(tokens[start:], jnp.int32)
-    lg = sampling_logits(logits, temperature, max(int(top_k), 0), top_p, keep=targets)
-    lp = jax.nn.log_softmax(lg, axis=-1)
-    return np.asarray(jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0])
-
-
-def _logits(model, tokens, positions, segs):
+    pos = np.arange(length, dtype=np.int32)[None]
+    args = (t, pos, segs, np.int32(start), np.float32(temperature),
+            np.int32(max(int(top_k), 0)), np.float32(top_p))
     from flax import nnx
 
-    global _logits_jit
-    if _logits_jit is None:
-        _logits_jit = nnx.jit(lambda m, t, p, s: m(t, p, s).astype("float32"))
-    return _logits_jit(model, tokens, positions, segs)
+    graph, state = nnx.split(model)
+    return np.asarray(_reference_program(graph, state, args, window)(state, *args))[: n - start]
 
 
-_logits_jit = None
+_reference = {}
+
+
+def _reference_program(graph, state, args, window):
+    """The compiled reference (see `sampled_forward_logprobs`), one per model structure
+    and shape (both narrowed tests' reference models share it)."""
+    key = (graph, args[0].shape, window)
+    if key not in _reference:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from ac2_jax.losses import sampling_logits
+
+        length = args[1].shape[1]
+
+        def logprobs(state, t, pos, segs, start, temperature, top_k, top_p):
+            logits = nnx.merge(graph, state)(t[:, :length], pos, segs).astype("float32")[0]
+            logits = jnp.pad(logits, ((0, window), (0, 0)))
+            rows = jax.lax.dynamic_slice_in_dim(logits, start - 1, window)
+            targets = jax.lax.dynamic_slice_in_dim(t[0], start, window)
+            lg = sampling_logits(rows, temperature, top_k, top_p, keep=targets)
+            lp = jax.nn.log_softmax(lg, axis=-1)
+            return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+
+        compiled = jax.jit(logprobs).lower(state, *args).compile(compiler_options={
+            "xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True})
+        _reference[key] = compiled
+    return _reference[key]
 
 
 def final_text(agent_name: str, result: CLIResult) -> str:
@@ -338,7 +362,7 @@ def rl_step(tmp_path, which, agent, context, attempts, rows=None):
             for c in ep.completions:
                 ref = sampled_forward_logprobs(reference, c.prompt_ids + c.output_ids,
                                                len(c.prompt_ids), c.temperature, c.top_k,
-                                               c.top_p)
+                                               c.top_p, context)
                 np.testing.assert_allclose(c.output_logprobs, ref, atol=1e-4)
                 max_err = max(max_err, float(np.abs(np.asarray(c.output_logprobs) - ref).max()))
                 served += len(c.output_ids)
