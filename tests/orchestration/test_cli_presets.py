@@ -320,7 +320,7 @@ def rl_step(tmp_path, which, agent, context, attempts, rows=None):
     from ac2_jax import recipes
     from ac2_jax.models import DecoderConfig
     from ac2_jax.recipes import RLRecipeConfig
-    from ac2_jax.recipes.config import PathsConfig, RolloutConfig, SamplerConfig
+    from ac2_jax.recipes.config import LogConfig, PathsConfig, RolloutConfig, SamplerConfig
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from ac2_jax.training import RLConfig
     from ac2_jax.training.rl import BatchConfig
@@ -342,6 +342,8 @@ def rl_step(tmp_path, which, agent, context, attempts, rows=None):
                                       seq_len=context)),
         rollout=RolloutConfig(max_tokens=64, max_steps=1),
         sampler=SamplerConfig(max_context=context, warmup=False, model_name="tiny"),
+        # No curve, trace pages or TensorBoard files (tests/test_first_day.py checks them).
+        log=LogConfig(report_files=False, tensorboard=False),
     )
     result = recipes.rl((model, tok), env, config)
     traces = TraceStore(str(tmp_path / "run" / "traces" / "rollouts.jsonl")).read()
