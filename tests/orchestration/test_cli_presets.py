@@ -179,8 +179,9 @@ def short_answer_model(cfg, tok):
 
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, tok.vocab_size, (1, 512)).astype(np.int32)
-    h = np.asarray(model.hidden_states(tokens, np.arange(512, dtype=np.int32)[None],
-                                       np.ones_like(tokens)))[0]
+    hidden = nnx.jit(lambda m, t, p, s: m.hidden_states(t, p, s))  # one program, not op by op
+    h = np.asarray(hidden(model, tokens, np.arange(512, dtype=np.int32)[None],
+                          np.ones_like(tokens)))[0]
     u = h.mean(0)
     head = np.asarray(model.lm_head[...]).copy()
     head[:, tok.eos_token_id] = 2.0 * u / (u @ u)
