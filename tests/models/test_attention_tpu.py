@@ -143,6 +143,19 @@ def test_refuses_a_sliding_window():
         pallas_tpu_attention(q, q, q, mask, interpret=True)
 
 
+def test_refuses_a_mask_or_heads_that_do_not_fit():
+    """The shape checks it shares with blocksparse (`attention_mask.check_shapes`), each
+    error naming the kernel; refused before any kernel is traced."""
+    mask = AttentionMask.packed(jnp.ones((1, 8), jnp.int32))
+    q, kv = jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match="pallas_tpu attention: 3 query heads are not a "
+                                         "multiple of 2 kv heads"):
+        pallas_tpu_attention(q, kv, kv, mask, interpret=True)
+    with pytest.raises(ValueError, match=r"pallas_tpu attention: mask shape \(1, 8, 8\) "
+                                         r"does not match q \(1, 4, 2, 8\)"):
+        pallas_tpu_attention(q[:, :4, :2], kv[:, :4], kv[:, :4], mask, interpret=True)
+
+
 def test_moe_experts_through_gmm_equal_ragged_dot():
     """The dropless experts through the TPU grouped GEMM (megablox gmm, interpret
     mode) against `jax.lax.ragged_dot`: outputs and gradients in x and the three

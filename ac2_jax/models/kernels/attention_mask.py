@@ -175,6 +175,20 @@ class AttentionMask:
         return out
 
 
+def check_shapes(kernel: str, q_shape, kv_len: int, kv_heads: int, mask: AttentionMask) -> None:
+    """Raises ValueError naming `kernel` unless q [B, Lq, H, hd], keys of length `kv_len`
+    with `kv_heads` heads and `mask` (B, Lq, kv_len) fit together: the mask's shape, and
+    H a multiple of the kv heads (grouped-query attention)."""
+    B, Lq, H = q_shape[:3]
+    if mask.shape != (B, Lq, kv_len):
+        raise ValueError(
+            f"{kernel}: mask shape {mask.shape} does not match q {tuple(q_shape)} and "
+            f"{kv_len} keys (expected {(B, Lq, kv_len)})"
+        )
+    if H % kv_heads:
+        raise ValueError(f"{kernel}: {H} query heads are not a multiple of {kv_heads} kv heads")
+
+
 def visible(mask: AttentionMask, qi, ki, qs, ks, ke, qp, kp) -> jax.Array:
     """The may-attend rule of `mask` on broadcastable index / segment / end /
     position arrays (`dense` and the blocked kernels' tiles share it)."""

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, visible
+from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, check_shapes, visible
 
 __all__ = ["flat_rule", "fold_rows", "pallas_tpu_attention"]
 
@@ -95,13 +95,7 @@ def pallas_tpu_attention(
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     B, Lq, H, hd = q.shape
     K, Lk = k.shape[1], k.shape[2]
-    if mask.shape != (B, Lq, Lk):
-        raise ValueError(
-            f"pallas_tpu attention: mask shape {mask.shape} does not match q {q.shape} / "
-            f"k {k.shape} (expected {(B, Lq, Lk)})"
-        )
-    if H % K:
-        raise ValueError(f"pallas_tpu attention: {H} query heads are not a multiple of {K}")
+    check_shapes("pallas_tpu attention", q.shape, Lk, K, mask)
     mesh = jax.sharding.get_abstract_mesh()
     run = functools.partial(
         _attend, block_q=block_q, block_k=block_k, tree=mask.tree, interpret=interpret

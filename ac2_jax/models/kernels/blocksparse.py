@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, visible
+from ac2_jax.models.kernels.attention_mask import NEG, AttentionMask, check_shapes, visible
 
 
 def blocksparse_attention(
@@ -47,15 +47,7 @@ def blocksparse_attention_with_count(
     (int32 scalar, summed over rows; the dense count is B * ceil(Lq/bq) * ceil(Lk/bk))."""
     B, Lq, H, hd = q.shape
     Lk, K = k.shape[1], k.shape[2]
-    if mask.shape != (B, Lq, Lk):
-        raise ValueError(
-            f"blocksparse_attention: mask shape {mask.shape} does not match q "
-            f"{q.shape} / k {k.shape} (expected {(B, Lq, Lk)})"
-        )
-    if H % K:
-        raise ValueError(
-            f"blocksparse_attention: {H} query heads are not a multiple of {K} kv heads"
-        )
+    check_shapes("blocksparse_attention", q.shape, Lk, K, mask)
     bq, bk = min(block_q, Lq), min(block_k, Lk)
     pq, pk = -Lq % bq, -Lk % bk
     mask = mask.pad(Lq + pq, Lk + pk)
