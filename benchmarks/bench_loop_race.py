@@ -100,7 +100,7 @@ def write_checkpoint(path: str, size: str, seed: int = 0, vocab: int = TOKENIZER
     from safetensors.numpy import load_file, save_file
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.models.io.hf_io import save_hf_checkpoint
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tok_dir = os.path.join(path, "_tok")

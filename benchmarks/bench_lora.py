@@ -150,7 +150,7 @@ def _jax_step(args) -> dict:
 
     from ac2_jax.models import load_hf_checkpoint
     from ac2_jax.models.decoder import Decoder
-    from ac2_jax.models.hf_io import load_hf_config
+    from ac2_jax.models.io.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
     from ac2_jax.training.core import abstract_train_state
     from experiments.real_size import qwen3
@@ -345,9 +345,9 @@ def _publish_learner(args) -> dict:
     from flax import nnx
 
     from ac2_jax.models import load_hf_checkpoint
+    from ac2_jax.models.io.params_io import publish_weights
+    from ac2_jax.models.io.peft_io import add_lora
     from ac2_jax.models.lora import adapter_params
-    from ac2_jax.models.params_io import publish_weights
-    from ac2_jax.models.peft_io import add_lora
     from experiments.real_size import qwen3
     from experiments.real_size.checkpoint import preset_runtime
 
@@ -383,8 +383,8 @@ def _publish_sampler(args) -> dict:
     from flax import nnx
 
     from ac2_jax.models import load_hf_checkpoint
-    from ac2_jax.models.params_io import load_published
-    from ac2_jax.models.peft_io import add_lora
+    from ac2_jax.models.io.params_io import load_published
+    from ac2_jax.models.io.peft_io import add_lora
     from experiments.real_size import qwen3
     from experiments.real_size.checkpoint import preset_runtime
 

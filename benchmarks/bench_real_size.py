@@ -114,7 +114,7 @@ def _jax_step(case: str, ckpt: str, variant: str, n: int, chunk: int, steps: int
     from flax import nnx
 
     from ac2_jax.models.decoder import Decoder
-    from ac2_jax.models.hf_io import load_hf_config
+    from ac2_jax.models.io.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
     from ac2_jax.training.core import abstract_train_state
     from experiments.real_size import qwen3
@@ -213,7 +213,7 @@ def _scheduler_speed(ckpt: str, variant: str, n: int, chunk: int, steps: int,
     from flax import nnx
 
     from ac2_jax.models.decoder import Decoder
-    from ac2_jax.models.hf_io import load_hf_config
+    from ac2_jax.models.io.hf_io import load_hf_config
     from ac2_jax.training import OptimizerConfig, create_train_state, make_train_step
     from experiments.real_size import qwen3
     from experiments.real_size.checkpoint import preset_runtime

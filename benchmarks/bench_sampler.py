@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.hf_io import save_hf_checkpoint
+from ac2_jax.models.io.hf_io import save_hf_checkpoint
 from ac2_jax.sampling import JaxSampler, SamplingParams
 from benchmarks.common import parser, print_table, write_json
 

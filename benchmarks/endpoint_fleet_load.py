@@ -45,7 +45,7 @@ def publisher(url: str, publish_dir: str, every_s: float, stop_file: str, out: s
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.io.params_io import publish_weights
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(os.path.join(os.path.dirname(out), "pub_tok"))

@@ -5,7 +5,7 @@
 #
 # Environment (defaults in brackets):
 #   MODEL_PATH      HF model directory or hub id (required); for a trained
-#                   policy, an export written by ac2_jax.models.hf_io.save_hf_checkpoint
+#                   policy, an export written by ac2_jax.models.io.hf_io.save_hf_checkpoint
 #   WEIGHT_VERSION [0]  --weight-version: the policy version of MODEL_PATH; give
 #                   SGLangSampler the same policy_version. SGLang reports it in
 #                   every /generate answer and /get_model_info, and a restart

@@ -434,7 +434,7 @@ class RecomputeSampler:
         return SampleResult(ids, lps, reason, self.version)
 
     def load_weights(self, step=None):
-        from ac2_jax.models.params_io import load_published
+        from ac2_jax.models.io.params_io import load_published
 
         self.version = load_published(self.model, self.publish_dir, step)
         self.loads.append(self.version)

@@ -11,7 +11,10 @@ from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.family import FAMILIES, CausalLM, ModelFamily, build_model, register_family
 from ac2_jax.models.family import config_from_hf as config_from_hf
 from ac2_jax.models.gemma3 import Gemma3, Gemma3Config
-from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from ac2_jax.models.io.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from ac2_jax.models.io.params_io import latest_published as latest_published
+from ac2_jax.models.io.params_io import load_published, restore_params, save_params
+from ac2_jax.models.io.params_io import publish_weights as publish_weights
 from ac2_jax.models.kernels.attention import attention
 from ac2_jax.models.kernels.attention import choose_backend as choose_backend
 from ac2_jax.models.kernels.attention import dense_attention as dense_attention
@@ -20,9 +23,6 @@ from ac2_jax.models.kernels.blocksparse import blocksparse_attention as blockspa
 from ac2_jax.models.kernels.blocksparse import (
     blocksparse_attention_with_count as blocksparse_attention_with_count,
 )
-from ac2_jax.models.params_io import latest_published as latest_published
-from ac2_jax.models.params_io import load_published, restore_params, save_params
-from ac2_jax.models.params_io import publish_weights as publish_weights
 from ac2_jax.models.stacking import stack_layers as stack_layers
 from ac2_jax.models.stacking import to_layout as to_layout
 from ac2_jax.models.stacking import unstack_layers as unstack_layers

@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from ac2_jax.models.config import DecoderConfig, decoder_config_from_hf, decoder_hf_config
 from ac2_jax.models.family import ModelFamily, register_family
-from ac2_jax.models.hf_io import _ADAPTER, _hf_name, _read_tensors, _transposed
+from ac2_jax.models.io.hf_io import _ADAPTER, _hf_name, _read_tensors, _transposed
 from ac2_jax.models.lora import ATTENTION_TARGETS
 from ac2_jax.models.moe import MoEDecoderConfig
 from ac2_jax.models.moe_decoder import MoEDecoder
@@ -127,7 +127,7 @@ class _MoEFamily(ModelFamily):
             "mlp_only_layers": list(config.mlp_only_layers),
         }
 
-    # -- HF safetensors (called by models.hf_io)
+    # -- HF safetensors (called by models.io.hf_io)
 
     def load_hf_weights(self, config: MoEDecoderConfig, path: str) -> MoEDecoder:
         """The model of `config` with the weights of the HF directory `path`."""

@@ -102,7 +102,7 @@ def load_model(
         except ValueError as e:
             raise ConfigError(f"tool_parser={tool_parser!r}: {e}") from None
     if lora is not None and getattr(model.config, "lora", None) is None:
-        from ac2_jax.models.peft_io import add_lora
+        from ac2_jax.models.io.peft_io import add_lora
 
         model = add_lora(model, lora, seed)
     return model, tokenizer
@@ -112,11 +112,11 @@ def export_model(model: Any, tokenizer: Any, path: str) -> dict[str, str]:
     """Writes `model` as an HF checkpoint (+ tokenizer) at `path`; a model with LoRA
     adapters is merged there and its adapters also go to `path`/adapter in PEFT's
     format. Returns {"hf_export": path, "adapter": ...}."""
-    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.models.io.hf_io import save_hf_checkpoint
 
     out = {"hf_export": path}
     if getattr(model.config, "lora", None) is not None:
-        from ac2_jax.models.peft_io import merge_lora, save_peft_adapter
+        from ac2_jax.models.io.peft_io import merge_lora, save_peft_adapter
 
         out["adapter"] = os.path.join(path, "adapter")
         save_peft_adapter(model, out["adapter"])
@@ -131,7 +131,7 @@ def _load_model(spec: Any, workdir: str) -> tuple[Any, Any]:
         return spec
     spec = str(spec)
     if os.path.isdir(spec):
-        from ac2_jax.models.hf_io import load_hf_checkpoint
+        from ac2_jax.models.io.hf_io import load_hf_checkpoint
         from ac2_jax.text.tokenizer import Tokenizer
 
         check_model_dir(spec)

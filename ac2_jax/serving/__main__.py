@@ -121,7 +121,7 @@ def main(argv):
         weight_swap=FLAGS.weight_swap,
     )
     if FLAGS.publish_dir:
-        from ac2_jax.models.params_io import latest_published
+        from ac2_jax.models.io.params_io import latest_published
 
         step = latest_published(FLAGS.publish_dir)
         if step is not None:  # a restart serves the newest publish, not the launch weights

@@ -175,7 +175,7 @@ def load_policy(
     from flax import nnx  # heavy imports only once the arguments are known to be good
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.models.io.hf_io import load_hf_checkpoint
     from ac2_jax.sampling.registry import SamplerSetup, build_sampler
     from ac2_jax.text import Tokenizer
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer

@@ -29,8 +29,8 @@ from ac2_jax.envs import CalculatorEnv, chain_policy, demonstration
 from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder
 from ac2_jax.models.family import get_family
+from ac2_jax.models.io.params_io import restore_params, save_params
 from ac2_jax.models.lora import LoRAConfig
-from ac2_jax.models.params_io import restore_params, save_params
 from ac2_jax.recipes import (
     EvalConfig,
     PathsConfig,

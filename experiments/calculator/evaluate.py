@@ -4,7 +4,7 @@
     python -m experiments.calculator.evaluate --config=experiments/calculator/eval_config.py:toy \
         --config.workdir=/tmp/evals
 
-Each checkpoint is loaded (Orbax, `ac2_jax.models.params_io`), published to
+Each checkpoint is loaded (Orbax, `ac2_jax.models.io.params_io`), published to
 an in-process JaxSampler behind the endpoint (real HTTP, as in the demo),
 and evaluated with `ac2_jax.evals.evaluate` on the same tasks and seeds.
 Writes workdir/report.json, report.html and PNG plots; prints a table.
@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from ac2_jax.envs import CalculatorEnv, DomainMixer, StepwiseCalculatorEnv
 from ac2_jax.evals import EvalResult, TokenPrices, compare_results, evaluate
-from ac2_jax.models.params_io import (
+from ac2_jax.models.io.params_io import (
     load_published,
     publish_weights,
     published_steps,

@@ -235,7 +235,7 @@ def run(workdir: str, preset: str = "study", log=print) -> dict[str, Any]:
 def _count(model_dir: str) -> int:
     import jax
 
-    from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.models.io.hf_io import load_hf_checkpoint
 
     model, _ = load_hf_checkpoint(model_dir)
     from flax import nnx

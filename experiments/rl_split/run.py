@@ -77,7 +77,7 @@ def build_env(cfg):
 
 def prepare(cfg, log=print) -> str:
     """Writes the starting policy + tokenizer to workdir/policy; returns the path."""
-    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.models.io.hf_io import save_hf_checkpoint
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from experiments.calculator import agent as calculator_agent
     paths = _paths(cfg)
@@ -163,7 +163,7 @@ def start_distributed() -> None:
 async def learn(cfg, log=print) -> list[dict]:
     import jax
 
-    from ac2_jax.models.hf_io import load_hf_checkpoint
+    from ac2_jax.models.io.hf_io import load_hf_checkpoint
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, tell_endpoint
     from ac2_jax.training.rl.trainer import RLTrainer

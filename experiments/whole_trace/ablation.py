@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ac2_jax.evals import compare_results, evaluate  # noqa: E402
-from ac2_jax.models.params_io import restore_params  # noqa: E402
+from ac2_jax.models.io.params_io import restore_params  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
 from ac2_jax.training.rl.collectors import EndpointCollector  # noqa: E402
 from experiments.calculator import agent as ca  # noqa: E402

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from ac2_jax.models.hf_io import load_hf_checkpoint
+from ac2_jax.models.io.hf_io import load_hf_checkpoint
 from experiments.calculator import agent as calculator_agent
 from experiments.calculator.config import get_config
 

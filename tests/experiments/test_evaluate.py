@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ac2_jax.models.params_io import publish_weights, save_params
+from ac2_jax.models.io.params_io import publish_weights, save_params
 from experiments.calculator import agent as calculator_agent
 from experiments.calculator import evaluate
 from experiments.calculator.eval_config import get_config

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.models.hf_io import load_hf_config  # noqa: E402
+from ac2_jax.models.io.hf_io import load_hf_config  # noqa: E402
 from experiments.real_size.checkpoint import (  # noqa: E402
     load_preset,
     preset_runtime,

@@ -31,9 +31,9 @@ peft = pytest.importorskip("peft")
 
 from ac2_jax.models.family import config_from_hf  # noqa: E402
 from ac2_jax.models.gemma3 import Gemma3, Gemma3Config  # noqa: E402
-from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from ac2_jax.models.io.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from ac2_jax.models.io.peft_io import save_peft_adapter  # noqa: E402
 from ac2_jax.models.lora import LoRAConfig  # noqa: E402
-from ac2_jax.models.peft_io import save_peft_adapter  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 89

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models import Decoder, DecoderConfig  # noqa: E402
-from ac2_jax.models.hf_io import (  # noqa: E402
+from ac2_jax.models.io.hf_io import (  # noqa: E402
     INDEX_FILE,
     SINGLE_FILE,
     hf_state_dict,

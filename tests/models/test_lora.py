@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.io.peft_io import merge_lora, write_slot
 from ac2_jax.models.lora import (
     LoRAConfig,
     adapter_params,
@@ -20,7 +21,6 @@ from ac2_jax.models.lora import (
     lora_update,
     trainable_filter,
 )
-from ac2_jax.models.peft_io import merge_lora, write_slot
 from ac2_jax.models.stacking import with_layout
 
 CONFIG = DecoderConfig.tiny(vocab_size=64, initializer_range=0.3)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models import memory_plan as mp
-from ac2_jax.models.hf_io import load_hf_config
+from ac2_jax.models.io.hf_io import load_hf_config
 from ac2_jax.segments import pack_segments
 from ac2_jax.training import (
     OptimizerConfig,

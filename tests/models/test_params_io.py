@@ -19,7 +19,7 @@ from ac2_jax.models import (
     save_params,
     with_layout,
 )
-from ac2_jax.models.params_io import PARAMS, published_steps
+from ac2_jax.models.io.params_io import PARAMS, published_steps
 
 CONFIG = DecoderConfig.tiny(32, num_layers=1, tie_embeddings=False)
 
@@ -167,8 +167,8 @@ def test_a_lora_model_publishes_its_adapters_alone(tmp_path):
     """publish_weights of a LoRA model writes the adapters and their config, not the
     base: a sampler model with the same base loads them (load_published), and
     read_published_adapter gives them to a bank; a full-model step is refused."""
+    from ac2_jax.models.io.params_io import read_published_adapter
     from ac2_jax.models.lora import LoRAConfig, adapter_params
-    from ac2_jax.models.params_io import read_published_adapter
 
     lora = LoRAConfig(rank=2, alpha=3.0, targets=("q", "down"), rslora=True)
     learner = Decoder(CONFIG.replace(lora=lora, scan_layers=True), rngs=nnx.Rngs(0))
@@ -198,7 +198,7 @@ def test_loads_read_a_group_of_params_at_a_time(models, tmp_path, monkeypatch):
     call (the rest skipped as placeholders), so a load holds one group of read buffers
     beside the model, not a second copy of everything; the params land exactly, in
     either layout, and nothing reaches the model before every group is read."""
-    from ac2_jax.models import params_io
+    from ac2_jax.models.io import params_io
 
     a, b, _ = models
     publish_weights(a, str(tmp_path / "pub"), 1)

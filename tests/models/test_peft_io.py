@@ -1,4 +1,4 @@
-"""LoRA adapters against `peft` (models/lora.py, models/peft_io.py).
+"""LoRA adapters against `peft` (models/lora.py, models/io/peft_io.py).
 
 Tiny Qwen3 and Llama models from transformers' config classes (random fp32
 weights, std 0.1), saved with `save_pretrained`, loaded with
@@ -27,14 +27,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from ac2_jax.models.lora import LoRAConfig, adapter_params  # noqa: E402
-from ac2_jax.models.peft_io import (  # noqa: E402
+from ac2_jax.models.io.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from ac2_jax.models.io.peft_io import (  # noqa: E402
     load_peft_adapter,
     merge_lora,
     read_peft_config,
     save_peft_adapter,
 )
+from ac2_jax.models.lora import LoRAConfig, adapter_params  # noqa: E402
 from ac2_jax.training.core.state import create_train_state  # noqa: E402
 
 TOL = 1e-5

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ac2_jax.models.family import config_from_hf  # noqa: E402
-from ac2_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from ac2_jax.models.io.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from ac2_jax.models.moe import MoEDecoderConfig, capacity_of, experts_apply  # noqa: E402
 
 TOL = 1e-5

@@ -128,8 +128,8 @@ def test_rl_with_lora_trains_and_publishes_the_adapters_only(tmp_path, monkeypat
     import numpy as np
     from flax import nnx
 
-    from ac2_jax.models.hf_io import load_hf_checkpoint
-    from ac2_jax.models.peft_io import read_peft_config
+    from ac2_jax.models.io.hf_io import load_hf_checkpoint
+    from ac2_jax.models.io.peft_io import read_peft_config
 
     model, tok = load_model("tiny", str(tmp_path / "build"))
     base = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

@@ -113,7 +113,7 @@ def test_sglang_by_config_serves_and_exports_each_publish(servers, tmp_path):
 
     import httpx
 
-    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.io.params_io import publish_weights
     from ac2_jax.recipes.common import serve_policy
     from ac2_jax.sampling.remote.sglang import SGLangSampler
 

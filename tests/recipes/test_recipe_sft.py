@@ -6,7 +6,7 @@ import os
 import pytest
 
 from ac2_jax.config_cli import load_config
-from ac2_jax.models.hf_io import load_hf_checkpoint
+from ac2_jax.models.io.hf_io import load_hf_checkpoint
 from ac2_jax.recipes import SFTRecipeConfig, load_model, sft
 from ac2_jax.recipes._sft import demo_chats
 from tests.support.recipe_helpers import ParityEnv
@@ -50,7 +50,7 @@ def test_sft_without_env_or_file_says_what_to_give(tmp_path):
 def test_sft_with_lora_learns_through_the_adapters_alone(tmp_path):
     """`lora.rank=8`: the loss falls with the base frozen; the export is merged HF +
     the PEFT adapter."""
-    from ac2_jax.models.peft_io import read_peft_config
+    from ac2_jax.models.io.peft_io import read_peft_config
     cfg = load_config(SFTRecipeConfig, None, [
         f"paths.workdir={tmp_path / 'run'}", "demos.num_tasks=8", "sft.steps=12",
         "sft.batch_rows=4", "sft.seq_len=128", "sft.checkpoint_every=0", "lora.rank=8",

@@ -66,7 +66,7 @@ def run(coro):
 
 def publish(tok, tmp_path, seed, step):
     """A sampler that has hot-swapped a fresh model (seed) in as `step`; and that model."""
-    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.io.params_io import publish_weights
     new = tiny_model(tok, seed)
     publish_weights(new, str(tmp_path / "publish"), step)
     return new
@@ -460,7 +460,7 @@ def test_generate_waits_for_a_running_update(server, tok, tmp_path):
 
 
 def test_failed_update_keeps_the_version(server, tok, tmp_path):
-    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.io.params_io import publish_weights
     fake, url = server
     publish_dir = str(tmp_path / "publish")
     # Weights of another architecture: the server refuses them, as SGLang would.
@@ -484,8 +484,8 @@ def test_lora_adapters_load_route_and_refuse_like_sglang(tok, base, tmp_path):
     loaded) come back as ValueError with SGLang's message."""
     import jax
 
+    from ac2_jax.models.io.peft_io import save_peft_adapter
     from ac2_jax.models.lora import LoRAConfig
-    from ac2_jax.models.peft_io import save_peft_adapter
     cfg = base.config
     bank = Decoder(cfg.replace(lora=LoRAConfig(rank=4, slots=3)), rngs=nnx.Rngs(0))
     nnx.update(bank, nnx.state(base, nnx.Param))

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder
-from ac2_jax.models.params_io import publish_weights
+from ac2_jax.models.io.params_io import publish_weights
 from ac2_jax.sampling import Sampler
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.serving.app import build_app

@@ -114,7 +114,7 @@ def test_a_restarted_server_serves_the_newest_publish(tmp_path):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.params_io import publish_weights
+    from ac2_jax.models.io.params_io import publish_weights
     from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(str(tmp_path / "tok"))

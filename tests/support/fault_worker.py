@@ -81,8 +81,8 @@ def replay(workdir: str, out: str) -> None:
     import jax
     import numpy as np
 
-    from ac2_jax.models.hf_io import load_hf_checkpoint
-    from ac2_jax.models.params_io import latest_published, load_published
+    from ac2_jax.models.io.hf_io import load_hf_checkpoint
+    from ac2_jax.models.io.params_io import latest_published, load_published
     from ac2_jax.trace import TraceStore
     from ac2_jax.training.rl.split import StepMarkers, StoreCollector
     from ac2_jax.training.rl.trainer import RLTrainer

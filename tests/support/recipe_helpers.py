@@ -34,7 +34,7 @@ class ParityEnv(Env):
 
 def write_tiny_model(directory: str) -> str:
     """The "tiny" preset saved as an HF directory (weights, config, tokenizer)."""
-    from ac2_jax.models.hf_io import save_hf_checkpoint
+    from ac2_jax.models.io.hf_io import save_hf_checkpoint
     from ac2_jax.recipes import load_model
 
     model, tokenizer = load_model("tiny", os.path.join(directory, "build"))

@@ -46,7 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from ac2_jax.models.hf_io import load_hf_checkpoint
+from ac2_jax.models.io.hf_io import load_hf_checkpoint
 from ac2_jax.sampling import SamplingParams
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 

@@ -85,9 +85,9 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.models import Decoder, load_published
+from ac2_jax.models.io.params_io import assign_params, read_published_adapter, weights_checksum
+from ac2_jax.models.io.peft_io import load_peft_adapter, read_peft_config, write_slot
 from ac2_jax.models.lora import LoRAConfig, adapter_params
-from ac2_jax.models.params_io import assign_params, read_published_adapter, weights_checksum
-from ac2_jax.models.peft_io import load_peft_adapter, read_peft_config, write_slot
 from ac2_jax.sampling.base import (
     OnTokens,
     SamplerError,
@@ -460,7 +460,7 @@ class JaxSampler(DeviceLoop):
     def served_weights(self) -> dict:
         """What this sampler serves, for the weights alarm (`training.rl.alarms`):
         {"version": the version new requests use, "running_version": the one the
-        worker runs now, "checksum": `models.params_io.weights_checksum` of the
+        worker runs now, "checksum": `models.io.params_io.weights_checksum` of the
         weights `load_weights` / `set_weights` handed the worker for that version
         (None before the first load and after an adapter-bank change)}."""
         with self._lock:

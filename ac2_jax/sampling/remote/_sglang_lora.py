@@ -5,7 +5,7 @@ with `--enable-lora --max-lora-rank R --lora-target-modules ...`, see
 `scripts/launch_sglang.sh`). Its documented HTTP calls:
 
 * `POST /load_lora_adapter {"lora_name", "lora_path"}`: loads a PEFT-format
-  adapter directory (`models.peft_io.save_peft_adapter` writes one) under a
+  adapter directory (`models.io.peft_io.save_peft_adapter` writes one) under a
   name; answers `{"success", "error_message", "loaded_adapters"}` with 200, or
   400 when it failed (e.g. the name is taken).
 * `POST /unload_lora_adapter {"lora_name"}`: the same answer shape.

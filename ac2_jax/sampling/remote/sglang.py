@@ -524,8 +524,8 @@ class SGLangSampler(SGLangAdapters):
                 "to SGLang as the policy is not wired (serve them with load_adapter(name, "
                 "peft_dir) and SamplingParams.adapter, or sample with the JaxSampler)"
             )
-        from ac2_jax.models.hf_io import save_hf_checkpoint
-        from ac2_jax.models.params_io import load_published
+        from ac2_jax.models.io.hf_io import save_hf_checkpoint
+        from ac2_jax.models.io.params_io import load_published
 
         with self._load_lock:
             got = int(load_published(self._model, self._publish_dir, step))

@@ -177,7 +177,7 @@ def publish(
     """Writes the state's weights as the sampler's next policy; returns the path.
     The library's one publish verb.
 
-    Uses `ac2_jax.models.params_io.publish_weights` (an Orbax
+    Uses `ac2_jax.models.io.params_io.publish_weights` (an Orbax
     CheckpointManager directory of params: readers only see finalized steps,
     newest `keep` kept). step defaults to state.step.
 
@@ -187,7 +187,7 @@ def publish(
     (`JaxSampler.set_params`, the same weights: `SamplerConfig.hand_off="memory"`);
     the folder is written either way (resume, other readers).
     """
-    from ac2_jax.models import params_io
+    from ac2_jax.models.io import params_io
 
     if in_memory and sampler is None:
         raise ValueError("publish: in_memory=True hands the weights to a sampler; pass sampler=")

@@ -101,7 +101,7 @@ class TeacherModel:
         if getattr(getattr(model, "config", None), "lora", None) is not None:
             raise ValueError(
                 f"TeacherModel({name}): the teacher has LoRA adapters; merge them first "
-                "(models.peft_io.merge_lora): a teacher is one frozen model"
+                "(models.io.peft_io.merge_lora): a teacher is one frozen model"
             )
         size = tokenizer_size(tokenizer)
         width = int(getattr(getattr(model, "config", None), "vocab_size", 0))

@@ -710,7 +710,7 @@ class RLTrainer(TrainerHooks):
         version = self._published = self.version
         publish(self.graphdef, self.trainer.host_state(), self.publish_dir, version)
         if self.alarms.config.on("weights"):
-            from ac2_jax.models.params_io import published_checksum
+            from ac2_jax.models.io.params_io import published_checksum
 
             checksum = published_checksum(self.publish_dir, version)
             self._weights.published(version, checksum, time.monotonic())
@@ -719,7 +719,7 @@ class RLTrainer(TrainerHooks):
         return version
 
     def _hand_off(self, write: bool = True) -> int:
-        from ac2_jax.models.params_io import published_params, weights_checksum
+        from ac2_jax.models.io.params_io import published_params, weights_checksum
 
         assert self.hand_off is not None
         self.wait_published()  # the previous write first: one at a time, in order
@@ -736,7 +736,7 @@ class RLTrainer(TrainerHooks):
     def _write_later(self, model, params, version: int) -> None:
         """Prepares the hand-off's write of `params` (`version`) to the folder; it starts
         in the background with `_write_behind`."""
-        from ac2_jax.models.params_io import publish_params, published_lora
+        from ac2_jax.models.io.params_io import publish_params, published_lora
 
         # The disk publish from a copy (the next update donates the state's arrays).
         copy = jax.tree.map(jnp.copy, params)
@@ -761,7 +761,7 @@ class RLTrainer(TrainerHooks):
     def _write_folder(self) -> None:
         """On a checkpoint step that published nothing: the folder gets the served
         version (the state's weights: no update since) if a step skipped its write."""
-        from ac2_jax.models.params_io import published_params
+        from ac2_jax.models.io.params_io import published_params
 
         if self.hand_off is None or self._published is None or self._written == self._published:
             return

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.params_io import load_published
+from ac2_jax.models.io.params_io import load_published
 from ac2_jax.segments import pack_segments
 from ac2_jax.training import (
     Checkpointer,

@@ -123,7 +123,7 @@ def _published_weights_serve_alike(multi, single, step):
     from flax import nnx
 
     from ac2_jax.models import Decoder, DecoderConfig
-    from ac2_jax.models.params_io import load_published, published_steps
+    from ac2_jax.models.io.params_io import load_published, published_steps
     from ac2_jax.sampling import SamplingParams
     from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from ac2_jax.losses import token_logprobs
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.params_io import published_checksum
+from ac2_jax.models.io.params_io import published_checksum
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.training import OptimizerConfig, create_train_state, publish
@@ -160,7 +160,7 @@ def test_publish_keeps_the_sampler_on_the_learners_weights(setup):
 def test_an_in_memory_publish_without_a_sampler_that_takes_params_writes_nothing(setup):
     """`publish(in_memory=True)` needs a sampler with `set_params`: without one it is a
     clear error before anything is written (the folder keeps its steps)."""
-    from ac2_jax.models.params_io import latest_published
+    from ac2_jax.models.io.params_io import latest_published
 
     _, g, st, _, publish_dir = setup
     before = latest_published(publish_dir)

@@ -25,8 +25,8 @@ from flax import nnx
 
 from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.io.params_io import publish_weights, published_checksum, weights_checksum
 from ac2_jax.models.lora import LoRAConfig
-from ac2_jax.models.params_io import publish_weights, published_checksum, weights_checksum
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.base import SamplingParams
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler

@@ -14,8 +14,7 @@ import pytest
 from flax import nnx
 
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.lora import LoRAConfig
-from ac2_jax.models.params_io import (
+from ac2_jax.models.io.params_io import (
     assign_params,
     latest_published,
     load_published,
@@ -23,6 +22,7 @@ from ac2_jax.models.params_io import (
     published_checksum,
     published_params,
 )
+from ac2_jax.models.lora import LoRAConfig
 from ac2_jax.sampling.base import SamplingParams
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.trace import Completion, Trace, TraceRecorder
@@ -295,7 +295,7 @@ def test_a_step_without_a_publish_saves_its_checkpoint_after_the_background_writ
     import threading
     import time
 
-    from ac2_jax.models import params_io
+    from ac2_jax.models.io import params_io
     from ac2_jax.training.core.checkpoints import Checkpointer
 
     real_publish, real_save = params_io.publish_params, Checkpointer.save
@@ -337,7 +337,7 @@ def test_a_step_without_a_publish_saves_its_checkpoint_after_the_background_writ
 def test_an_error_of_the_background_write_is_raised_by_run(tmp_path, monkeypatch):
     """The folder's write fails in its thread: `run` raises that error (never lost),
     and `close` after it neither hangs nor raises it twice."""
-    from ac2_jax.models import params_io
+    from ac2_jax.models.io import params_io
 
     def full_disk(*args, **kwargs):
         raise OSError("publish: no space left on device")
@@ -375,7 +375,7 @@ def test_a_cancelled_run_leaves_the_write_error_to_close(tmp_path, monkeypatch):
     (it was dropped with the cancelled wait)."""
     import threading
 
-    from ac2_jax.models import params_io
+    from ac2_jax.models.io import params_io
 
     started, release = threading.Event(), threading.Event()
 
@@ -414,7 +414,7 @@ def test_checkpoint_every_k_steps_writes_the_folder_on_them_and_resumes_exactly(
     import os
     import shutil
 
-    from ac2_jax.models.params_io import published_steps
+    from ac2_jax.models.io.params_io import published_steps
     from ac2_jax.trace import Trace as T
 
     with pytest.raises(ValueError, match=r"RLConfig.checkpoint_every must be >= 1, got 0"):

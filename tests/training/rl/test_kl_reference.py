@@ -12,8 +12,8 @@ from flax import nnx
 
 from ac2_jax.losses import loss_weights, token_entropy
 from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models.io.peft_io import merge_lora
 from ac2_jax.models.lora import LoRAConfig
-from ac2_jax.models.peft_io import merge_lora
 from ac2_jax.training import OptimizerConfig
 from ac2_jax.training.core.objectives import (
     StepModel,

@@ -22,7 +22,7 @@ from flax import nnx
 
 from ac2_jax.envs import Task
 from ac2_jax.models import Decoder, DecoderConfig
-from ac2_jax.models.params_io import latest_published
+from ac2_jax.models.io.params_io import latest_published
 from ac2_jax.orchestration import DefaultOrchestrator, LifecycleClient
 from ac2_jax.sampling.engine.jax_sampler import JaxSampler
 from ac2_jax.sampling.remote.sglang import SGLangSampler

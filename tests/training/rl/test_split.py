@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from ac2_jax.models.params_io import latest_published
+from ac2_jax.models.io.params_io import latest_published
 from ac2_jax.trace import Trace, TraceStore
 from ac2_jax.training.rl.split import StepMarkers, StoreCollector, run_learner, step_traces
 from tests.support.child_env import child_env

@@ -171,7 +171,7 @@ def fresh_adapters(config: DecoderConfig, seed: int = 0) -> nnx.State:
 def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     """HF-named numpy weights of `model` (in its param dtype, [out, in] layout).
     A model with LoRA adapters has no such form: merge them first
-    (`models.peft_io.merge_lora`) or save them in PEFT's (`save_peft_adapter`)."""
+    (`models.io.peft_io.merge_lora`) or save them in PEFT's (`save_peft_adapter`)."""
     if model.config.lora is not None:
         raise ValueError(
             "hf_state_dict / save_hf_checkpoint: the model has LoRA adapters; save a full "

@@ -30,7 +30,7 @@ from safetensors.numpy import load_file, save_file
 
 from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.family import build_model
-from ac2_jax.models.hf_io import fresh_adapters
+from ac2_jax.models.io.hf_io import fresh_adapters
 from ac2_jax.models.lora import LoRAConfig, LoRAScale, adapter_params
 from ac2_jax.models.stacking import to_layout
 
