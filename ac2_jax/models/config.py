@@ -92,6 +92,9 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # The rest by keyword only: a family's config adds fields with its own defaults
+    # (Gemma3Config), so positions past head_dim would mean different fields per family.
+    _: dataclasses.KW_ONLY
     qk_norm: bool = True
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6

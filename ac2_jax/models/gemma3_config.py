@@ -62,6 +62,7 @@ class Gemma3Config(ModelConfig):
     `mlp_backward` must be "autodiff".
     """
 
+    _: dataclasses.KW_ONLY  # every field past head_dim by keyword (ModelConfig)
     sliding_window: int | None = 4096
     tie_embeddings: bool = True
     max_position_embeddings: int = 131_072
@@ -108,7 +109,7 @@ class Gemma3Config(ModelConfig):
                 f"Gemma3Config.mlp_backward must be 'autodiff' (Gemma's GeGLU MLP has no "
                 f"custom backward; 'custom' is SwiGLU's), got {self.mlp_backward!r}"
             )
-        if not self.qk_norm or self.attention_bias:
+        if self.qk_norm is not True or self.attention_bias is not False:
             raise ValueError(
                 "Gemma3Config: Gemma 3 has qk_norm=True and attention_bias=False, got "
                 f"qk_norm={self.qk_norm}, attention_bias={self.attention_bias}"

@@ -70,6 +70,7 @@ class MoEDecoderConfig(DecoderConfig):
     dropped and counted (`RouterStats.dropped`).
     """
 
+    _: dataclasses.KW_ONLY  # every field past head_dim by keyword (ModelConfig)
     family: str = "qwen3_moe"
     num_experts: int = 8
     num_experts_per_tok: int = 2

@@ -246,7 +246,9 @@ class Transformer(nnx.Module):
         return None
 
     def attention_kinds(self) -> tuple[AttentionKind, ...]:
-        """The kinds of layer attention (one or two), each its window and RoPE."""
+        """The kinds of layer attention (one or two), each its window and RoPE. With two,
+        only kind 0 may have a window (under the layer scan a blocked kernel runs every
+        layer on kind 0's mask structure, kind 1's being it without the window)."""
         raise NotImplementedError
 
     def layer_kind(self, i: int) -> int:
@@ -292,7 +294,12 @@ class Transformer(nnx.Module):
     def _kinds(self) -> tuple[tuple[AttentionKind, ...], np.ndarray]:
         """(the attention kinds, each layer's kind [num_layers])."""
         kinds = self.attention_kinds()
-        assert 1 <= len(kinds) <= 2, "the skeleton runs one or two attention kinds"
+        if not 1 <= len(kinds) <= 2 or (len(kinds) == 2 and kinds[1].window is not None):
+            raise ValueError(
+                f"{type(self).__name__}.attention_kinds(): the skeleton runs one or two kinds, "
+                f"only the first with a window; got windows {[k.window for k in kinds]} "
+                "(put the windowed kind first)"
+            )
         return kinds, np.asarray([self.layer_kind(i) for i in range(self.config.num_layers)])
 
     def _backend(self, kind: str, q_len: int) -> str:

@@ -1,0 +1,46 @@
+"""The transformer skeleton's contract with a family (`models.skeleton`) and the config
+base's (`models.config.ModelConfig`): what a family or a caller gets wrong is refused
+in one line, never run as a different model."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from ac2_jax.models import DecoderConfig
+from ac2_jax.models.gemma3 import Gemma3, Gemma3Config
+from ac2_jax.models.gemma3_config import FULL, SLIDING
+
+
+def test_fields_past_head_dim_are_keyword_only_in_every_family_config():
+    """Gemma3Config's own fields follow ModelConfig's: a ninth positional argument
+    (once `layer_types`) would land in another field; it is refused instead."""
+    with pytest.raises(TypeError, match="positional"):
+        Gemma3Config(64, 32, 64, 2, 4, 2, 8, (SLIDING, FULL))
+    with pytest.raises(TypeError, match="positional"):
+        DecoderConfig(64, 32, 64, 2, 4, 2, 8, True)
+    c = Gemma3Config(64, 32, 64, 2, 4, 2, 8, layer_types=(SLIDING, FULL), sliding_window=4)
+    assert c.layer_types == (SLIDING, FULL) and c.sliding_window == 4 and c.qk_norm is True
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        Gemma3Config.tiny(qk_norm=(SLIDING, FULL))  # truthy, and still refused
+
+
+class _WindowSecond(Gemma3):
+    """Gemma 3 with its kinds listed full first, sliding second."""
+
+    def attention_kinds(self):
+        return tuple(reversed(super().attention_kinds()))
+
+    def layer_kind(self, i):
+        return 1 - super().layer_kind(i)
+
+
+def test_a_family_whose_second_attention_kind_has_a_window_is_refused():
+    """Under the layer scan, blocked kernels run kind 1 on kind 0's mask without its
+    window: a window on kind 1 would be dropped (max |logit diff| 3.4 in a probe), so
+    the skeleton refuses it, naming the fix."""
+    config = Gemma3Config.tiny(vocab_size=32, num_layers=2, layer_types=(SLIDING, FULL),
+                               sliding_window=3)
+    model = _WindowSecond(config, rngs=nnx.Rngs(0))
+    tokens = np.zeros((1, 8), np.int32)
+    with pytest.raises(ValueError, match="only the first with a window.*windowed kind first"):
+        model(tokens, np.arange(8, dtype=np.int32)[None], np.ones_like(tokens))
