@@ -145,7 +145,7 @@ def test_packed_rows_logprobs_equal_transformers(pair):
 
 
 def test_prefill_and_decode_logprobs_equal_transformers(pair):
-    """Two rows through `decode`: a prefill of 7 (row 1: 4 tokens, left-padded with -1),
+    """Two rows through `decode`: a prefill of 11 (row 1: 4 tokens, left-padded with -1),
     then single steps; row 1 ends earlier and pads its steps. Every log-prob equals
     transformers' forward of the whole sequence, per-layer and stacked."""
     hf, path = pair
@@ -156,15 +156,15 @@ def test_prefill_and_decode_logprobs_equal_transformers(pair):
         model, _ = load_hf_checkpoint(str(path), scan_layers=scan)
         cache = model.init_cache(2, 64)  # the ring test's shapes: compiled once for both
         assert cache.stacked == scan and cache.max_len == 64
-        toks = np.zeros((2, 7), np.int32)
-        pos = np.full((2, 7), -1, np.int32)
-        toks[0], pos[0] = seqs[0][:7], np.arange(7)
-        toks[1, 3:], pos[1, 3:] = seqs[1][:4], np.arange(4)
+        toks = np.zeros((2, 11), np.int32)  # the ring test's chunk width: one compile
+        pos = np.full((2, 11), -1, np.int32)
+        toks[0], pos[0] = seqs[0][:11], np.arange(11)
+        toks[1, 7:], pos[1, 7:] = seqs[1][:4], np.arange(4)
         logits, cache = step(model, jnp.asarray(toks), jnp.asarray(pos), cache)
         lp = logprobs(logits)
-        got = [list(lp[0]), list(lp[1, 3:])]
-        for i in range(16):
-            p = np.array([7 + i, 4 + i if 4 + i < len(seqs[1]) else -1], np.int32)
+        got = [list(lp[0]), list(lp[1, 7:])]
+        for i in range(12):
+            p = np.array([11 + i, 4 + i if 4 + i < len(seqs[1]) else -1], np.int32)
             t = np.array([seqs[0][p[0]], seqs[1][p[1]] if p[1] >= 0 else 0], np.int32)
             logits, cache = step(model, jnp.asarray(t[:, None]), jnp.asarray(p[:, None]), cache)
             lp = logprobs(logits)
@@ -180,7 +180,7 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
     """The sliding layers' cache (3 of 4 layers) is a ring of WINDOW slots when the cache
     is longer, the full layer's is max_len long, and their memory does not move while
     two rows (one 3 positions behind, left-padded) grow to 45 and 42 positions (9
-    windows) through chunks longer than the window (7, 11: over twice the ring) and
+    windows) through chunks longer than the window (11: over twice the ring) and
     single steps, nor across `resize_cache` to 128 positions mid-way (the full layer
     grows, the ring stays). Every log-prob equals the dense forward of the whole row (ours and
     transformers', 1e-5), per-layer and stacked."""
@@ -210,7 +210,8 @@ def test_sliding_layers_cache_is_a_ring_of_the_window(pair):
         ]
         got: list[list] = [[], []]
         a = 0
-        for T in [7] + [1] * 10 + [11] + [1] * 6 + ["resize"] + [7] + [1] * 8:
+        # one chunk width (11, as the prefill test's) and single steps: two shapes per cache
+        for T in [11] + [1] * 10 + [11] + [1] * 6 + ["resize"] + [11] + [1] * 8:
             if T == "resize":
                 cache = resize_cache(cache, jnp.arange(2), max_len=128)
                 assert slots(cache.sliding) == {WINDOW} and slots(cache.full) == {128}
