@@ -459,14 +459,32 @@ class Transformer(nnx.Module):
         x, _, outs = self._apply_layers(self.embed(tokens), step, of, of * 0, inp)
         return self.norm(x), outs
 
-    def hidden_states(self, *args: Any, **kwargs: Any) -> jax.Array:
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+        **inputs: Any,
+    ) -> jax.Array:
         """Final normed hidden states [B, L, D] of packed rows (`forward`'s arguments)."""
-        return self.forward(*args, **kwargs)[0]
+        return self.forward(tokens, positions, segment_ids, subtree_end, adapter_ids, **inputs)[0]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        subtree_end: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+        **inputs: Any,
+    ) -> jax.Array:
         """fp32 logits [B, L, V] of packed rows (`forward`'s arguments); logits[b, p]
         predicts the token after p."""
-        return self.logits(self.hidden_states(*args, **kwargs))
+        return self.logits(
+            self.hidden_states(tokens, positions, segment_ids, subtree_end, adapter_ids, **inputs)
+        )
 
     # -- sampling with a KV cache
 
@@ -615,9 +633,19 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
         return self.logits(x), self.cache_from_parts(tuple(new)), outs
 
-    def decode(self, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+    def decode(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: Any,
+        *,
+        logits_at: jax.Array | None = None,
+        adapter_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
         """(logits, new cache) of `decode_with_outputs` (same arguments)."""
-        return self.decode_with_outputs(*args, **kwargs)[:2]
+        return self.decode_with_outputs(
+            tokens, positions, cache, logits_at=logits_at, adapter_ids=adapter_ids
+        )[:2]
 
 
 def _pick(kind, per_kind: list):
