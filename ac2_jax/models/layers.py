@@ -64,9 +64,9 @@ def layer_params(c: ModelConfig, layers: nnx.Module) -> dict:
     array; its float normalisation rewrites the scan's per-layer dynamic-slice
     into a slice of an fp32 copy of the whole stack, which it then hoists out of
     the loop: an fp32 copy of every layer's base weights live through the step,
-    more memory than the 16-bit base saved (BUILD_NOTES, "LoRA: the frozen bf16
-    base"). Integer slices stay 16-bit. Bits carry no gradient, so only frozen
-    weights (never an adapter's A or B) take this form.
+    more memory than the 16-bit base saved (docs/notes/2026-12-05-lora-frozen-bf16-base.md).
+    Integer slices stay 16-bit. Bits carry no gradient, so only frozen weights (never an
+    adapter's A or B) take this form.
     """
     params = nnx.to_pure_dict(nnx.state(layers, nnx.Param))
     if not _has_bits(c):
@@ -155,7 +155,7 @@ def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, 
 
     Every layer rotates with the same tables, so the decoder builds them once per
     forward and passes them down instead of recomputing sin/cos in every layer
-    (RoPE was 4-6% of the train step, BUILD_NOTES "Where the step's time goes").
+    (RoPE was 4-6% of the train step, docs/notes/2026-12-02-where-the-step-time-goes-profiles.md).
     """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -330,8 +330,8 @@ def _swiglu_bwd(res, dy):
     d(gate), d(up) are formed once, in token-major layout, for both their uses.
     JAX's own transpose of the forward led XLA:CPU to build d(gate) and d(up) a
     second time, transposed [F, tokens], in copy fusions for the weight-gradient
-    dots (the step's largest layout copies, BUILD_NOTES "Where the step's time
-    goes"); this form has none of them."""
+    dots (the step's largest layout copies, docs/notes/
+    2026-12-02-where-the-step-time-goes-profiles.md); this form has none of them."""
     x, wg, wu, wd, g, u = res
     toks = tuple(range(x.ndim - 1))
     tok_dot = functools.partial(jax.lax.dot_general, dimension_numbers=((toks, toks), ((), ())))

@@ -5,7 +5,7 @@ explicit value ("auto" picks; anything else is kept).
 Four choices decide a train step's memory. Measured with XLA's memory analysis of
 the Qwen3-0.6B-shaped RL step (PPO, AdamW, fp32) at 1,024 tokens on CPU: step
 temporaries 6.55 GB with per-layer layers, no remat and dense logits (the old
-defaults), 2.70 GB with all four lean choices (BUILD_NOTES, issue 41):
+defaults), 2.70 GB with all four lean choices (docs/notes/2026-12-05-memory-lean-defaults.md):
 
 - `scan_layers` (DecoderConfig): stacked layers under `lax.scan`. With remat each
   layer then keeps only its input (4.91 GB of temporaries per-layer with remat
@@ -50,8 +50,8 @@ MEMORY_FRACTION = 0.5  # the fast plan must fit in this share of the device's me
 REFERENCE_TOKENS = 4096  # tokens per step assumed when a config is built (no batch yet)
 # Dense fp32 logits above this are chunked. 160 MiB, not 320: a chunk's logits (with
 # their softmax and gradient) are most of a LoRA step's fixed temporaries, 2.01 -> 1.07 GB
-# at the Qwen3-0.6B shape from 512 to 256 positions (BUILD_NOTES, "LoRA: the frozen
-# bf16 base, the load and the log-prob chunk").
+# at the Qwen3-0.6B shape from 512 to 256 positions (docs/notes/
+# 2026-12-05-lora-frozen-bf16-base.md).
 LOGITS_CHUNK_BYTES = 160 * 2**20
 LOGITS_COPIES = 2.5  # logits, their softmax / log-probs and gradient (measured 2.4x)
 GB = 1e9

@@ -134,7 +134,8 @@ def _load_leaf(path: str, where: dict, key: tuple, var, config: DecoderConfig) -
     dtype. Memory: the leaf is filled in place in one host array of its final dtype
     (no list of per-layer copies, no stacked copy, no cast copy), and each tensor's
     file is closed once read, so the pages it mapped leave the process; the load's
-    high-water mark is the model plus about one leaf (BUILD_NOTES, "LoRA: memory")."""
+    high-water mark is the model plus about one leaf
+    (docs/notes/2026-12-05-lora-memory-time-publish-real-size.md)."""
     layer_keys = _per_layer(key, config)
     stacked = len(layer_keys) > 1
     want = tuple(var.shape[1:] if stacked else var.shape)

@@ -193,9 +193,9 @@ def _restore_in_groups(restore, target):
     """`restore(target)` a group of about GROUP_BYTES of params at a time (the other
     leaves `ocp.PLACEHOLDER`), so a load holds the model's current params, the new
     ones and one group of Orbax's read buffers, not a second copy of everything
-    (0.6B-1.7B shapes: a full publish loaded at ~2.5x the params on top, BUILD_NOTES
-    "LoRA: memory, time and publish"). Nothing reaches the model until every group is
-    read: `_restore_into` swaps them in at once."""
+    (0.6B-1.7B shapes: a full publish loaded at ~2.5x the params on top,
+    docs/notes/2026-12-05-lora-memory-time-publish-real-size.md). Nothing reaches the
+    model until every group is read: `_restore_into` swaps them in at once."""
     leaves, treedef = jax.tree_util.tree_flatten(target)
     groups: list[list[int]] = [[]]
     size = 0

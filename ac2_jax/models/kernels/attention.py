@@ -148,7 +148,7 @@ def dense_attention(
     else:
         # A heads-major form of this (q pre-scaled, softmax normalised after the
         # values) was 2x faster alone but no faster inside the train step (same-
-        # process A/B, BUILD_NOTES "Speed work after the profiles"), so not kept.
+        # process A/B, docs/notes/2026-12-02-speed-work-after-the-profiles.md), so not kept.
         kv = "bksd" if kv_heads_major else "bskd"
         scores = jnp.einsum(f"blkgd,{kv}->bkgls", qg, k, preferred_element_type=jnp.float32)
         scores = jnp.where(mask[:, None, None, :, :], scores / math.sqrt(hd), NEG)
@@ -162,8 +162,9 @@ def _decode_step_attention(qg, k, v, mask, hd, kv: str):
     """One query per row (sampling): two einsums over the cache as it lies (`kv`:
     "bksd" for the per-layer cache [B, K, S, hd], "bskd" for [B, S, K, hd]).
     The earlier broadcast-multiply form transposed k and v to [B, K, S, hd] at
-    every step (a third of decode time, BUILD_NOTES "Where the step's time
-    goes"); with the cache stored heads-major nothing is moved at all."""
+    every step (a third of decode time,
+    docs/notes/2026-12-02-where-the-step-time-goes-profiles.md); with the cache stored
+    heads-major nothing is moved at all."""
     q1 = qg[:, 0]  # [B, K, G, hd]
     scores = jnp.einsum(f"bkgd,{kv}->bkgs", q1, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, 0][:, None, None, :], scores / math.sqrt(hd), NEG)
