@@ -460,25 +460,13 @@ class Transformer(nnx.Module):
         return self.norm(x), outs
 
     def hidden_states(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        **inputs: Any,
+        self, tokens, positions, segment_ids, subtree_end=None, adapter_ids=None, **inputs
     ) -> jax.Array:
         """Final normed hidden states [B, L, D] of packed rows (`forward`'s arguments)."""
         return self.forward(tokens, positions, segment_ids, subtree_end, adapter_ids, **inputs)[0]
 
     def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        subtree_end: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
-        **inputs: Any,
+        self, tokens, positions, segment_ids, subtree_end=None, adapter_ids=None, **inputs
     ) -> jax.Array:
         """fp32 logits [B, L, V] of packed rows (`forward`'s arguments); logits[b, p]
         predicts the token after p."""
@@ -634,13 +622,7 @@ class Transformer(nnx.Module):
         return self.logits(x), self.cache_from_parts(tuple(new)), outs
 
     def decode(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: Any,
-        *,
-        logits_at: jax.Array | None = None,
-        adapter_ids: jax.Array | None = None,
+        self, tokens, positions, cache, *, logits_at=None, adapter_ids=None
     ) -> tuple[jax.Array, Any]:
         """(logits, new cache) of `decode_with_outputs` (same arguments)."""
         return self.decode_with_outputs(
