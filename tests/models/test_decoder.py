@@ -175,7 +175,9 @@ def test_kv_cache_reused_row_and_chunked_prefill(model):
     _, cache = decode(model, jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
                       jnp.asarray(pos), cache)
     for s in range(3):  # slots 9..11 too, so stale slots lie past the new prompts
-        _, cache = decode(model, jnp.full((B, 1), 1, jnp.int32), jnp.full((B, 1), T + s), cache)
+        # int32, not weak-typed: the [B, 1] step program of the test above, not a new one
+        pos1 = jnp.full((B, 1), T + s, jnp.int32)
+        _, cache = decode(model, jnp.full((B, 1), 1, jnp.int32), pos1, cache)
     # Reuse the rows for new requests: row 0 a shorter prompt in one call,
     # row 1 a longer prompt in two chunks (positions continue across calls),
     # row 2 keeps decoding its old request.
