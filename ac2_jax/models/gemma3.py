@@ -30,7 +30,7 @@ KV cache: `init_cache` gives a `HybridCache` (`models.skeleton`), the
 sliding layers' `KVCache` (past `sliding_window` positions a ring of W slots
 per row, so its memory stays at the window however long the sequence grows)
 and the full layers' (max_len slots), each in the model's layout. `decode`
-has `Decoder.decode`'s contract.
+has the skeleton's decode contract (`Transformer.decode_with_outputs`).
 
 The config and its `config.json` mapping are `models.gemma3_config`'s.
 Not supported (refused by name there): logit / attention soft-capping

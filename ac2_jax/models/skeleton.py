@@ -423,7 +423,7 @@ class Transformer(nnx.Module):
         (tree packing only): [B, L] int; adapter_ids [B] int: each row's slot of
         an adapter bank (`models.lora`); inputs: the family's (`layer_inputs`).
         """
-        _check_2d(tokens=tokens, positions=positions, segment_ids=segment_ids)
+        _check_2d(type(self).__name__, tokens=tokens, positions=positions, segment_ids=segment_ids)
         c = self.config
         lora = self._lora_rows(adapter_ids, tokens.shape[0])
         backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
@@ -561,7 +561,7 @@ class Transformer(nnx.Module):
         everything else. adapter_ids [B] int: each row's slot of an adapter bank
         (`models.lora`; None: slot 0, the base model).
         """
-        _check_2d(tokens=tokens, positions=positions)
+        _check_2d(type(self).__name__, tokens=tokens, positions=positions)
         c = self.config
         parts = self._check_cache(cache, tokens.shape[0])
         kinds, of = self._kinds()
@@ -700,9 +700,10 @@ def _ring_mask(positions: jax.Array, C: int, window: int) -> tuple[AttentionMask
     return mask, slots, append
 
 
-def _check_2d(**arrays):
+def _check_2d(model: str, **arrays):
+    """Raises ValueError naming `model` and the array unless each is [batch, length]."""
     for name, a in arrays.items():
         if a is not None and getattr(a, "ndim", None) != 2:
             raise ValueError(
-                f"Decoder: {name} must be [batch, length], got shape {getattr(a, 'shape', None)}"
+                f"{model}: {name} must be [batch, length], got shape {getattr(a, 'shape', None)}"
             )

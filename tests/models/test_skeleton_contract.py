@@ -44,3 +44,11 @@ def test_a_family_whose_second_attention_kind_has_a_window_is_refused():
     tokens = np.zeros((1, 8), np.int32)
     with pytest.raises(ValueError, match="only the first with a window.*windowed kind first"):
         model(tokens, np.arange(8, dtype=np.int32)[None], np.ones_like(tokens))
+
+
+def test_a_flat_token_array_is_refused_naming_the_family():
+    config = Gemma3Config.tiny(vocab_size=32, num_layers=2, layer_types=(SLIDING, FULL))
+    model = Gemma3(config, rngs=nnx.Rngs(0))
+    tokens = np.zeros((8,), np.int32)
+    with pytest.raises(ValueError, match=r"Gemma3: tokens must be \[batch, length\]"):
+        model(tokens, np.arange(8, dtype=np.int32), np.ones_like(tokens))
