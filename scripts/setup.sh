@@ -44,9 +44,10 @@ pip_install() {
 
 pip_install --upgrade pip
 # Everything through uv when it installs: the same packages at the same versions as
-# pip (`pip freeze` of the two venvs identical but for uv itself) in a fifth of the
-# time ([dev] from empty caches, quiet: pip 153 s, uv 29 s; docs/notes/
-# 2026-12-07-install-with-uv.md). pip where uv cannot install or fails.
+# pip (`pip freeze` of the two venvs identical but for uv itself), faster (from empty
+# caches: the [dev] step 124.5 s -> 17.2 s quiet, the whole script 36 s; 2.6-2.7x side
+# by side at load 6-12; docs/notes/2026-12-07-install-with-uv.md). pip where uv cannot install
+# or fails.
 uv=()
 if pip_install uv && python -m uv --version >/dev/null 2>&1; then
   uv=(python -m uv pip install --quiet --python "$(command -v python)")
@@ -56,16 +57,19 @@ if [ "${1:-}" = "dev" ]; then
   # The CPU build of torch, pinned so the [dev] extra never pulls a CUDA build. uv reads
   # no pip config: it is given the machine's wheel folder (PIP_FIND_LINKS) when that
   # holds the CPU wheel; otherwise pip installs torch first (its config knows where).
+  torch_version=2.13.0
   links=()
   for d in ${PIP_FIND_LINKS:-}; do
-    if compgen -G "$d/torch-2.13.0+cpu-*.whl" >/dev/null; then links+=(--find-links "$d"); fi
+    if compgen -G "$d/torch-$torch_version+cpu-*.whl" >/dev/null; then
+      links+=(--find-links "$d")
+    fi
   done
+  reqs=("torch==$torch_version")
   if [ ${#uv[@]} -gt 0 ] && [ ${#links[@]} -gt 0 ]; then
     uv+=("${links[@]}")
   else
-    pip_install "torch==2.13.0"
+    pip_install "${reqs[@]}"
   fi
-  reqs=("torch==2.13.0")
 fi
 if [ ${#uv[@]} -gt 0 ]; then
   "${uv[@]}" "${reqs[@]}" -e ".$EXTRAS" \
