@@ -371,7 +371,11 @@ class Transformer(nnx.Module):
                 if out is not None:
                     outs.setdefault(stack, []).append(out)
             return x, kvs, {s: jax.tree.map(lambda *a: jnp.stack(a), *o) for s, o in outs.items()}
-        stacks = {s: layer_params(c, getattr(self, s)) for s in self.STACKS if getattr(self, s)}
+        stacks = {
+            s: layer_params(c, getattr(self, s))
+            for s in self.STACKS
+            if getattr(self, s) is not None
+        }
         for stack, first, n, off in self._runs():
             w = stacks[stack]
             if n != jax.tree.leaves(w)[0].shape[0]:
@@ -403,7 +407,10 @@ class Transformer(nnx.Module):
         """{stack: per-layer inputs [n, ...]} (`block`'s `inputs`) from the keyword
         inputs of a forward of tokens of `shape` (MoE: `routing`); none by default."""
         if inputs:
-            raise TypeError(f"{type(self).__name__} takes no inputs {sorted(inputs)}")
+            raise TypeError(
+                f"{type(self).__name__}: unexpected keyword argument(s) {sorted(inputs)} "
+                "(this family takes no per-layer inputs)"
+            )
         return {}
 
     def forward(

@@ -52,3 +52,13 @@ def test_a_flat_token_array_is_refused_naming_the_family():
     tokens = np.zeros((8,), np.int32)
     with pytest.raises(ValueError, match=r"Gemma3: tokens must be \[batch, length\]"):
         model(tokens, np.arange(8, dtype=np.int32), np.ones_like(tokens))
+
+
+def test_a_misspelt_keyword_is_refused_naming_it():
+    """Family inputs travel as keywords (MoE's `routing`): one this family does not take
+    is an error naming it, never ignored."""
+    model = Gemma3(Gemma3Config.tiny(vocab_size=32, num_layers=2,
+                                     layer_types=(SLIDING, FULL)), rngs=nnx.Rngs(0))
+    tokens = np.zeros((1, 8), np.int32)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['adapter_id'\]"):
+        model(tokens, np.arange(8, dtype=np.int32)[None], np.ones_like(tokens), adapter_id=1)
