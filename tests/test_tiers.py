@@ -14,7 +14,8 @@ def _test_functions(path: pathlib.Path) -> set[str]:
     return {
         node.name
         for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("test")
     }
 
 
