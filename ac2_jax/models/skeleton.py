@@ -552,7 +552,9 @@ class Transformer(nnx.Module):
         tokens [B, T] int; positions [B, T] int: the position of each token in
         its row's sequence (0 for the first prompt token), which is also its
         cache slot. Use -1 for padding (left or right): padding writes nothing.
-        Positions must be < cache.max_len (larger ones are silently dropped).
+        Positions must be < cache.max_len: concrete positions past it are refused
+        (ValueError); under `jit` they cannot be checked, so a jitted caller keeps
+        them below (the sampler refuses a request past its `max_context`).
         Query (b, t) attends to slots 0..positions[b, t] of row b, which hold
         this call's tokens and everything the row wrote before (and on windowed
         layers only those within the window, which their ring holds; a chunk
@@ -571,6 +573,7 @@ class Transformer(nnx.Module):
         _check_2d(type(self).__name__, tokens=tokens, positions=positions)
         c = self.config
         parts = self._check_cache(cache, tokens.shape[0])
+        _check_positions(type(self).__name__, positions, parts[0].max_len)
         kinds, of = self._kinds()
         positions = positions.astype(jnp.int32)
         backend = self._backend("decode", tokens.shape[1])
@@ -705,6 +708,20 @@ def _ring_mask(positions: jax.Array, C: int, window: int) -> tuple[AttentionMask
         positions, kv, real.astype(jnp.int32), ones, jnp.full_like(ones, BIG), window=window
     )
     return mask, slots, append
+
+
+def _check_positions(model: str, positions, max_len: int) -> None:
+    """Raises ValueError naming `model` when concrete `positions` reach past a cache of
+    `max_len` positions (a write there would land nowhere). Traced ones pass: under
+    `jit` the caller keeps them in range."""
+    if isinstance(positions, jax.core.Tracer) or not np.size(positions):
+        return
+    last = int(np.max(np.asarray(positions)))
+    if last >= max_len:
+        raise ValueError(
+            f"{model}.decode: position {last} is past the cache, which holds positions "
+            f"0..{max_len - 1}; build a longer one with model.init_cache(batch, max_len)"
+        )
 
 
 def _check_2d(model: str, **arrays):

@@ -62,3 +62,23 @@ def test_a_misspelt_keyword_is_refused_naming_it():
     tokens = np.zeros((1, 8), np.int32)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['adapter_id'\]"):
         model(tokens, np.arange(8, dtype=np.int32)[None], np.ones_like(tokens), adapter_id=1)
+
+
+def test_a_position_past_the_cache_is_refused_not_dropped():
+    """A token at position >= the cache's max_len had no slot: its write was dropped and
+    the step ran on as if it were there. Concrete positions past the cache are refused,
+    naming the fix; in range (and -1 padding) they run."""
+    config = Gemma3Config.tiny(vocab_size=32, num_layers=2, layer_types=(SLIDING, FULL),
+                               sliding_window=2)
+    model = Gemma3(config, rngs=nnx.Rngs(0))
+    cache = model.init_cache(1, 4)  # the sliding layer's cache is a ring of 2 slots
+    tokens = np.zeros((1, 1), np.int32)
+    logits, _ = model.decode(tokens, np.array([[3]], np.int32), cache)
+    assert logits.shape == (1, 1, 32)
+    model.decode(tokens, np.array([[-1]], np.int32), cache)  # padding writes nothing
+    with pytest.raises(ValueError, match=r"Gemma3.decode: position 4 is past the cache, "
+                                         r"which holds positions 0..3; .*init_cache"):
+        model.decode(tokens, np.array([[4]], np.int32), cache)
+    # traced positions cannot be checked: the jitted caller keeps them in range
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c)[0])
+    assert step(model, tokens, np.array([[3]], np.int32), cache).shape == (1, 1, 32)
