@@ -100,20 +100,36 @@ def target_confidence(model, tokenizer, items, n: int = 12) -> list[float]:
     """How sure the un-hinted model is of the target word where its answers have it: for
     the first `n` target items, log p(target word) minus the runner-up's log-prob at that
     position, teacher-forced on the answer (nats; negative when it is not the argmax).
-    Reverse KL's gradient there falls like exp(-gap) (tests/losses/test_distill.py)."""
+    Reverse KL's gradient there falls like exp(-gap) (tests/losses/test_distill.py).
+    One jitted forward of every item at once (rows padded after their tokens, segment 0:
+    the causal model reads the position before the target from the tokens before it)."""
     import jax.numpy as jnp
+    from flax import nnx
 
     word = tokenizer.encode(" " + data.TARGET_WORD)[0]
-    gaps = []
+    rows = []
     for it in [i for i in items if i.kind == "target"][:n]:
         ans = tokenizer.encode(it.answer)
         ids = tokenizer.apply_chat_template(list(it.messages()), tokenize=True)
-        ids = jnp.array([ids + ans[:ans.index(word)]])
-        out = model(ids, jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, jnp.int32))
-        lp = jax.nn.log_softmax((out[0] if isinstance(out, tuple) else out)[0, -1])
-        others = lp.at[word].set(-jnp.inf)
-        gaps.append(float(lp[word] - others.max()))
-    return gaps
+        rows.append(ids + ans[: ans.index(word)])
+    if not rows:
+        return []
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width), np.int32)
+    segs = np.zeros((len(rows), width), np.int32)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)], segs[r, : len(row)] = row, 1
+    last = np.array([len(r) - 1 for r in rows], np.int32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def gaps_of(state, ids, segs, last):
+        out = nnx.merge(graphdef, state)(ids, jnp.broadcast_to(jnp.arange(width), ids.shape), segs)
+        logits = (out[0] if isinstance(out, tuple) else out)[jnp.arange(ids.shape[0]), last]
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        return lp[:, word] - lp.at[:, word].set(-jnp.inf).max(axis=-1)
+
+    return [float(g) for g in np.asarray(gaps_of(state, ids, segs, last))]
 
 
 def base_checks(sampler, prompts, all_splits: dict, max_new: int):

@@ -7,20 +7,29 @@ from experiments.pinapple import data
 from experiments.pinapple.config import get_config
 
 
+def _toy_base():
+    """The faithful base at toy size, as tests/experiments/test_pinapple.py's
+    `_toy_faithful` makes it (model, corpus, tokenizer, SFT steps and schedule): the
+    same base SFT step and sampler programs, so the run's compilation cache serves
+    each of them once to both files and both tests here."""
+    cfg = get_config("faithful")
+    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=2, head_dim=16)
+    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=100, math_limit=3)
+    cfg.tokenizer.vocab_size = 400
+    cfg.sft.update(steps=10, checkpoint_every=0)
+    cfg.sft_optimizer.warmup_steps = 2
+    return cfg
+
+
 def test_the_base_report_at_toy_size(tmp_path):
-    """pinapple/config.py:faithful cut to toy size (20 SFT steps on a 2-layer model, a small
+    """pinapple/config.py:faithful cut to toy size (10 SFT steps on a 2-layer model, a small
     corpus): the report has every held-out hint's following rate, the fresh-misspelling
     check, the base and the teacher evals, and examples per held-out hint."""
     from experiments.pinapple import base as pinapple_base
 
-    cfg = get_config("faithful")
-    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                     num_kv_heads=2, head_dim=16)
-    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=200, math_limit=3)
-    cfg.tokenizer.vocab_size = 512
-    cfg.sft.steps = 20
-    cfg.sft_optimizer.warmup_steps = 2
-    cfg.loop.answer_tokens = 8
+    cfg = _toy_base()
+    cfg.loop.answer_tokens = 6
     cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
     cfg.workdir = str(tmp_path / "base")
     logs = []
@@ -47,13 +56,8 @@ def test_the_base_is_checkpointed_reused_and_refused_under_another_config(tmp_pa
 
     from experiments.pinapple import run as pinapple
 
-    cfg = get_config("faithful")
-    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                     num_kv_heads=2, head_dim=16)
-    cfg.base_data.update(repeat_items=10, nonce_words=10, hint_demos=50, math_limit=2)
-    cfg.tokenizer.vocab_size = 400
-    cfg.sft.update(steps=4, checkpoint_every=2)
-    cfg.sft_optimizer.warmup_steps = 1
+    cfg = _toy_base()
+    cfg.sft.checkpoint_every = 5
     items = data.all_items(cfg.base_data.math_limit)
     tok = pinapple.build_tokenizer(cfg, str(tmp_path / "tok"), items)
     work, logs = str(tmp_path / "base"), []
