@@ -26,7 +26,6 @@ from flax import nnx
 
 from ac2_jax.config import from_config
 from ac2_jax.envs import CalculatorEnv, chain_policy, demonstration
-from ac2_jax.evals import TokenPrices, compare_results
 from ac2_jax.models import Decoder
 from ac2_jax.models.family import get_family
 from ac2_jax.models.io.params_io import restore_params, save_params
@@ -46,10 +45,30 @@ from ac2_jax.training import OptimizerConfig, SFTConfig, run_sft
 from ac2_jax.training.core.metrics_log import MetricsLogger, read_metrics
 from ac2_jax.training.rl.trainer import EndpointCollector, RLConfig, RLTrainer
 from ac2_jax.training.sft.demos import demo_segment
-from ac2_jax.viz import plot_curves, write_trace_html
-from experiments.calculator import long_horizon, subagent_helper
 
 MODEL_NAME = "ac2-calculator"
+
+
+# Imported on first use: the long variants' modules (openai), the evals (scipy) and the
+# plots (matplotlib) cost about 2 CPU s of start-up that the default variant's processes
+# (the split job's collector and learner, restarted many times in the fault harness)
+# never use.
+def _long_horizon():
+    from experiments.calculator import long_horizon
+
+    return long_horizon
+
+
+def _subagent_helper():
+    from experiments.calculator import subagent_helper
+
+    return subagent_helper
+
+
+def _evals():
+    import ac2_jax.evals
+
+    return ac2_jax.evals
 
 
 def typed_configs(cfg) -> dict:
@@ -74,8 +93,8 @@ def is_long(cfg) -> bool:
 def demo_policy(cfg, rng: random.Random):
     """The scripted demonstrator of a long variant: policy(agent, messages, tools)."""
     if harness_kind(cfg) == "subagent":
-        return subagent_helper.demo_policy(cfg, rng)
-    return long_horizon.compaction_policy(cfg, rng)
+        return _subagent_helper().demo_policy(cfg, rng)
+    return _long_horizon().compaction_policy(cfg, rng)
 
 
 def judged_key(cfg) -> str:
@@ -86,14 +105,14 @@ def judged_key(cfg) -> str:
 def main_request_accuracy(cfg, traces, tokenizer) -> dict:
     """Where the main agent slips (per kind of request), for the variant's harness."""
     if harness_kind(cfg) == "subagent":
-        return subagent_helper.main_request_accuracy(traces, tokenizer)
-    return long_horizon.main_request_accuracy(traces, tokenizer)
+        return _subagent_helper().main_request_accuracy(traces, tokenizer)
+    return _long_horizon().main_request_accuracy(traces, tokenizer)
 
 
 def build_env(cfg) -> CalculatorEnv:
     kind = cfg.env.get("kind", "calculator")
     if kind == "chain":
-        return long_horizon.build_chain_env(cfg)
+        return _long_horizon().build_chain_env(cfg)
     if kind != "calculator":
         raise ValueError(f"env.kind must be 'calculator' or 'chain', got {kind!r}")
     return CalculatorEnv(num_range=tuple(cfg.env.num_range), answer_digits=cfg.env.answer_digits)
@@ -111,7 +130,7 @@ def build_tokenizer(cfg, path: str, env: CalculatorEnv):
         policy = (demo_policy(cfg, rng) if harness_kind(cfg) == "subagent" else
                   lambda agent, m, tools: chain_policy(
                       agent, m, rng, memo_error_prob=0.1, main_slip_prob=0.0))
-        for msgs, tools_ in long_horizon.corpus_conversations(env, tasks, make, policy):
+        for msgs, tools_ in _long_horizon().corpus_conversations(env, tasks, make, policy):
             corpus.append(_render_for_corpus(msgs, tools_ or []))
     for task in tasks if not is_long(cfg) else ():
         msgs = demonstration(env, task, rng, skip_tool_prob=0.3)
@@ -173,7 +192,7 @@ def sft_warm_start(cfg, model, tokenizer, env, log=print, checkpoint_dir: str | 
             wcfg.demos.update(dict(weak.demos))
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
         wrng = random.Random(f"{cfg.seed}:weak_link")  # the same demos after a restore
-        weak_segments, _ = long_horizon.long_demo_segments(
+        weak_segments, _ = _long_horizon().long_demo_segments(
             env, tasks, tokenizer, make, demo_policy(wcfg, wrng), log, judged_key(cfg))
         recorded = len(weak_segments)
         weak_segments = [s for s in weak_segments if s.agent in tuple(weak.agents)]
@@ -197,7 +216,7 @@ def _sft_stages(cfg, model, tokenizer, env, tasks, tools, rng, log):
     Returns (model, history)."""
     if is_long(cfg):  # recorded through the real orchestrator, one segment per request
         make = orchestrator_factory({}, cfg.rollout.max_steps, cfg)
-        segments, _ = long_horizon.long_demo_segments(env, tasks, tokenizer, make,
+        segments, _ = _long_horizon().long_demo_segments(env, tasks, tokenizer, make,
                                                       demo_policy(cfg, rng), log, judged_key(cfg))
     else:
         segments = [demo_segment(tokenizer, demonstration(env, t, rng, cfg.demos.skip_tool_prob),
@@ -247,9 +266,9 @@ def orchestrator_factory(cfg_sampling: dict, max_steps: int, cfg=None):
     """The harness of every rollout (the long variant's demos, evals, RL): the
     tool loop, or with `cfg` of the long variant the compacting harness."""
     if cfg is not None and harness_kind(cfg) == "compaction":
-        return long_horizon.compaction_factory(cfg, cfg_sampling, max_steps)
+        return _long_horizon().compaction_factory(cfg, cfg_sampling, max_steps)
     if cfg is not None and harness_kind(cfg) == "subagent":
-        return subagent_helper.subagent_factory(cfg, cfg_sampling, max_steps)
+        return _subagent_helper().subagent_factory(cfg, cfg_sampling, max_steps)
     return harness_factory(cfg_sampling, max_steps)
 
 
@@ -321,7 +340,7 @@ def eval_plan(cfg, env):
                                  "max_tokens": cfg.rollout.max_tokens},
                                 cfg.rollout.max_steps, cfg)
     kw = dict(k=cfg.eval.attempts, concurrency=cfg.eval.concurrency, seed=cfg.seed,
-              prices=TokenPrices(**cfg.eval.prices))
+              prices=_evals().TokenPrices(**cfg.eval.prices))
     return tasks, make, kw
 
 
@@ -366,7 +385,9 @@ async def _pipeline(cfg, log=print) -> dict:
     log(f"before RL (SFT): pass rate {before.pass_rate}")
     log(f"after RL: pass rate {after.pass_rate}")
 
-    diff = compare_results(after, before, "pass").estimate
+    from ac2_jax.viz import plot_curves, write_trace_html
+
+    diff = _evals().compare_results(after, before, "pass").estimate
     metrics_path = os.path.join(report_dir, "metrics", "metrics.jsonl")
     logged = set().union(*(r.keys() for r in read_metrics(metrics_path)))
     plot_curves(metrics_path, os.path.join(report_dir, "learning_curve.png"),
@@ -386,9 +407,9 @@ async def _pipeline(cfg, log=print) -> dict:
         "sft_final_loss": sft_history[-1]["loss"] if sft_history else None,
     }
     if is_long(cfg):  # per-agent figures of the held-out evals
-        report["agents"] = {"sft": long_horizon.agent_figures(before),
-                            "rl": long_horizon.agent_figures(after)}
-        memo_diff = long_horizon.memo_fidelity_difference(after, before, judged_key(cfg))
+        report["agents"] = {"sft": _long_horizon().agent_figures(before),
+                            "rl": _long_horizon().agent_figures(after)}
+        memo_diff = _long_horizon().memo_fidelity_difference(after, before, judged_key(cfg))
         report["memo_fidelity_improvement"] = memo_diff.to_dict() if memo_diff else None
     with open(os.path.join(report_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
