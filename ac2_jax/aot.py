@@ -285,11 +285,13 @@ def analyze(compiled, chip: Chip) -> dict[str, Any]:
 
 def model_config(spec: str, args: dict[str, str], lora):
     """The model's config: a shape name (`models.presets`), "tiny" (the launcher's
-    preset shape), or an HF directory / config.json; dtypes and runtime fields set."""
+    preset shape), or an HF directory / config.json; dtypes and runtime fields set,
+    resolved (`models.config.resolve_config`: --remat=auto is decided here)."""
     import os
 
     import jax.numpy as jnp
 
+    from ac2_jax.models.config import resolve_config
     from ac2_jax.models.family import config_from_hf
     from ac2_jax.models.presets import SHAPES, shape_config
 
@@ -319,7 +321,7 @@ def model_config(spec: str, args: dict[str, str], lora):
     )  # fmt: skip
     if lora is not None:
         config = config.replace(lora=lora)
-    return config
+    return resolve_config(config)  # the one plan: the models and steps below share it
 
 
 def _abstract(tree, shardings):

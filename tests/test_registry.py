@@ -27,13 +27,14 @@ from ac2_jax.losses import LMHead, attention_mask, token_logprobs
 from ac2_jax.models import (
     FAMILIES,
     CausalLM,
+    Decoder,
     DecoderConfig,
     ModelFamily,
     build_model,
     config_from_hf,
     register_family,
 )
-from ac2_jax.models.config import ModelConfig
+from ac2_jax.models.config import ModelConfig, resolve_config
 from ac2_jax.models.layers import (
     Attention,
     RMSNorm,
@@ -215,7 +216,7 @@ def test_a_block_family_registered_here_decodes_and_trains_one_rl_step(toy_exten
     assert isinstance(model, ToyBlockLM) and isinstance(model, CausalLM)
     assert config_from_hf(config.to_hf_config(), scan_layers=True, remat="none") == config
     with pytest.raises(ValueError, match="registered family of this decoder \\(toy_block\\)"):
-        ToyBlockConfig.tiny(VOCAB, family="qwen3")
+        resolve_config(ToyBlockConfig.tiny(VOCAB, family="qwen3"))  # built: pure data
     # The skeleton's KV cache: a prefill then a step give the packed forward's logits.
     @nnx.jit
     def both(model, tokens, positions):
@@ -272,8 +273,13 @@ def test_builtin_families_load_on_first_lookup():
         config = DecoderConfig.tiny(family=family, qk_norm=family == "qwen3")
         hf = config.to_hf_config()
         assert hf["model_type"] == family and config_from_hf(hf) == config
+    # A config is pure data: an unknown family constructs, and fails where it is built.
+    unknown = DecoderConfig.tiny(family="qwen33")
+    with pytest.raises(ValueError, match=r"registered family of this decoder \(llama, mistral, "
+                                         r"qwen2, qwen3\), got 'qwen33'; did you mean 'qwen3'\?"):
+        Decoder(unknown)
     with pytest.raises(ValueError, match=r"registered family of this decoder \(llama, mistral, qwen2, qwen3"):
-        DecoderConfig.tiny(family="toy")  # unknown here, and not a DecoderConfig family
+        resolve_config(DecoderConfig.tiny(family="toy"))  # unknown here, not a DecoderConfig family
     with pytest.raises(TypeError, match="build_model: family 'qwen3' takes a DecoderConfig"):
         build_model(ToyConfig(vocab_size=4, family="qwen3"))
 

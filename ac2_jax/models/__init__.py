@@ -7,6 +7,7 @@ attention and grouped-matmul kernels are in `models.kernels`."""
 from ac2_jax._deprecation import deprecated_getattr, install_moved_modules
 from ac2_jax.models.config import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.config import resolve_config as resolve_config
 from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.family import FAMILIES, CausalLM, ModelFamily, build_model, register_family
 from ac2_jax.models.family import config_from_hf as config_from_hf

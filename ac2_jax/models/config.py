@@ -11,7 +11,8 @@ this decoder shares; a family adds its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal, Self
+import difflib
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import jax.numpy as jnp
 
@@ -31,6 +32,8 @@ RUNTIME_FIELDS = (
     "lora",
 )
 BACKWARDS = ("custom", "autodiff")
+# The runtime fields whose "auto" the memory plan decides, once, in `resolve_config`.
+PLANNED = ("scan_layers", "remat")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -56,12 +59,18 @@ class ModelConfig:
     most that many slots per row for those layers (`init_cache`).
     `rope_scaling` is None or an HF rope dict of one of `ROPE_TYPES`.
 
+    A config is pure data: building one checks only its own fields (types,
+    ranges, relations between them); it reads no registry, device or JAX backend.
+    The family registry, the LoRA targets and the memory plan are `resolve_config`'s,
+    run where the model is built (`Transformer.__init__`, `load_hf_checkpoint`).
+
     Runtime choices (not in the HF config; `RUNTIME_FIELDS`):
-    `scan_layers` and `remat` default to "auto": `models.memory_plan` picks
-    them when the config is built (and logs why): scan_layers=True with
-    remat="full" for models of >= 100M params or whose fast plan would not fit
-    half the device's memory, else per-layer and "none". An explicit value is
-    kept; `replace` keeps the resolved ones (pass "auto" again to re-plan).
+    `scan_layers` and `remat` default to "auto" and stay "auto" in the config:
+    `resolve_config` has `models.memory_plan` pick them (and log why):
+    scan_layers=True with remat="full" for models of >= 100M params or whose
+    fast plan would not fit half the device's memory, else per-layer and "none".
+    An explicit value is kept. A model's `config` is always resolved; a config
+    with "auto" and its resolved copy are different configs (equality, hash).
     `scan_layers` stores the layers' params stacked [num_layers, ...] and runs
     them under `jax.lax.scan` (compile time independent of depth). Decoding
     then copies each layer's weights and cache slice out of the stacked
@@ -165,12 +174,6 @@ class ModelConfig:
             raise ValueError(
                 f"{name}.attention_block must be a multiple of 8 (>= 8), got {self.attention_block}"
             )
-        if self.family not in FAMILIES or get_family(self.family).config_class is not type(self):
-            names = [n for n in FAMILIES.names() if get_family(n).config_class is type(self)]
-            raise ValueError(
-                f"{name}.family must be a registered family of this decoder "
-                f"({', '.join(names)}), got {self.family!r}"
-            )
         if self.sliding_window is not None and int(self.sliding_window) <= 0:
             raise ValueError(
                 f"{name}.sliding_window must be None or > 0, got {self.sliding_window}"
@@ -205,15 +208,17 @@ class ModelConfig:
             raise TypeError(
                 f"{name}.lora must be None or a LoRAConfig, got {type(self.lora).__name__}"
             )
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(
+                f"{name}.family must be a non-empty string (a registered model_type), "
+                f"got {self.family!r}"
+            )
         self._check()
-        if self.lora is not None:
-            get_family(self.family).check_lora_targets(self.lora.targets)
-        if "auto" in (self.scan_layers, self.remat):  # the memory plan picks (and logs)
-            from ac2_jax.models.memory_plan import resolve_runtime
 
-            for field, value in resolve_runtime(self).items():
-                if getattr(self, field) == "auto":
-                    object.__setattr__(self, field, value)
+    @property
+    def resolved(self) -> bool:
+        """Whether no field is left to the memory plan (`PLANNED` fields not "auto")."""
+        return all(getattr(self, f) != "auto" for f in PLANNED)
 
     @property
     def base_dtype(self) -> Any:
@@ -253,6 +258,49 @@ class ModelConfig:
                 f"{type(config).__name__}, not a {cls.__name__}"
             )
         return config
+
+
+_C = TypeVar("_C", bound=ModelConfig)
+
+
+def resolve_config(config: _C) -> _C:
+    """The config a model and its train step are built with: the one place the family
+    registry is checked and the memory plan decides.
+
+    - `config.family` must be a registered family (`models.family.FAMILIES`) whose
+      config class is `type(config)`: else a ValueError listing this class's families
+      (and the closest name);
+    - `config.lora`'s targets must be adaptable in that family (`check_lora_targets`);
+    - each of `PLANNED` (scan_layers, remat) still "auto" is replaced by
+      `models.memory_plan`'s choice for the model's shape and the device's memory
+      (one INFO line on logger `ac2_jax.models.memory_plan` says which and why).
+      Explicit values are kept.
+
+    Returns `config` itself when nothing was "auto", else a copy (`replace`), so it is
+    idempotent and a resolved config costs only the checks. `Transformer.__init__`
+    calls it, so a model's `config` is always resolved; code that reads `scan_layers` /
+    `remat` from a config without building a model (e.g. `load_hf_checkpoint`'s
+    tensor layout) resolves it first and passes the result on. Never starts a JAX
+    backend (the plan reads the first device's memory only if one is up, else the
+    host's)."""
+    name = type(config).__name__
+    if config.family not in FAMILIES or get_family(config.family).config_class is not type(config):
+        names = [n for n in FAMILIES.names() if get_family(n).config_class is type(config)]
+        close = difflib.get_close_matches(str(config.family), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{name}.family must be a registered family of this decoder "
+            f"({', '.join(names) or 'none'}), got {config.family!r}{hint} "
+            "(register one with @register_family)"
+        )
+    if config.lora is not None:
+        get_family(config.family).check_lora_targets(config.lora.targets)
+    if config.resolved:
+        return config
+    from ac2_jax.models.memory_plan import resolve_runtime
+
+    planned = resolve_runtime(config)
+    return config.replace(**{f: planned[f] for f in PLANNED if getattr(config, f) == "auto"})
 
 
 @dataclasses.dataclass(frozen=True)

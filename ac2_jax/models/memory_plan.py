@@ -26,10 +26,12 @@ Lean (scan + full remat) is chosen for models of at least LEAN_PARAMS parameters
 or when the fast plan's estimate at REFERENCE_TOKENS tokens exceeds
 MEMORY_FRACTION of the device's memory; smaller models keep the fast choices
 (remat "none" and per-layer weights cost no memory worth saving there).
-`DecoderConfig` resolves "auto" when it is built (`resolve_runtime`; `replace`
-keeps the resolved values), the losses resolve `chunk_size` "auto" in the step
-from the batch's shape, and the train step logs the whole plan once per compiled
-shape. `plan` is pure given `device_memory_bytes`.
+The choices are made where they can be, each once: scan_layers / remat "auto"
+(the model's) where the model is built (`models.config.resolve_config`, called by
+`Transformer.__init__` and `load_hf_checkpoint`; a config itself stays "auto"), the
+attention kernel per row length when a forward is traced, the losses' `chunk_size`
+"auto" in the step from the batch's shape; the train step logs the whole plan once
+per compiled shape. `plan` is pure given `device_memory_bytes`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 LEAN_PARAMS = 100_000_000  # parameters from which scan + remat "full" are the default
 MEMORY_FRACTION = 0.5  # the fast plan must fit in this share of the device's memory
-REFERENCE_TOKENS = 4096  # tokens per step assumed when a config is built (no batch yet)
+REFERENCE_TOKENS = 4096  # tokens per step assumed when a config is resolved (no batch yet)
 # Dense fp32 logits above this are chunked. 160 MiB, not 320: a chunk's logits (with
 # their softmax and gradient) are most of a LoRA step's fixed temporaries, 2.01 -> 1.07 GB
 # at the Qwen3-0.6B shape from 512 to 256 positions (docs/notes/
@@ -363,8 +365,9 @@ def _platform() -> str | None:
 
 
 def resolve_runtime(config) -> dict[str, Any]:
-    """scan_layers / remat of a DecoderConfig whose fields may be "auto", resolved by
-    `plan` (at REFERENCE_TOKENS, the device's memory) and logged once."""
+    """scan_layers / remat of a config whose fields may be "auto", chosen by `plan` (at
+    REFERENCE_TOKENS, the device's memory) and logged (one INFO line). Called by
+    `models.config.resolve_config`, the one place a config is resolved."""
     p = plan(config)
     log.info(
         "memory plan for a %s-param %s model: scan_layers=%s (%s); remat=%s (%s)",

@@ -30,7 +30,12 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from ac2_jax.models.config import DecoderConfig, decoder_config_from_hf, decoder_hf_config
+from ac2_jax.models.config import (
+    DecoderConfig,
+    decoder_config_from_hf,
+    decoder_hf_config,
+    resolve_config,
+)
 from ac2_jax.models.family import ModelFamily, register_family
 from ac2_jax.models.io.hf_io import _ADAPTER, _hf_name, _read_tensors, _transposed
 from ac2_jax.models.lora import ATTENTION_TARGETS
@@ -38,13 +43,6 @@ from ac2_jax.models.moe import MoEDecoderConfig
 from ac2_jax.models.moe_decoder import MoEDecoder
 
 __all__ = ["Qwen2MoeFamily", "Qwen3MoeFamily"]
-
-# Runtime fields the decoder may plan ("auto"): (the stand-in's fixed value, the default).
-_PLANNED = {
-    f.name: ({"scan_layers": False, "remat": "none"}[f.name], f.default)
-    for f in dataclasses.fields(DecoderConfig)
-    if f.name in ("scan_layers", "remat")
-}
 
 
 class _MoEFamily(ModelFamily):
@@ -68,21 +66,13 @@ class _MoEFamily(ModelFamily):
         plain = {**hf, "model_type": "qwen3", "use_sliding_window": False}
         if window is None:
             plain["use_sliding_window"] = hf.get("use_sliding_window", False)
-        # the stand-in plans no runtime fields: this config plans its own (its default)
-        planned = {k: v for k, v in _PLANNED.items() if k not in kwargs}
-        fixed: dict[str, Any] = {k: v for k, (v, _) in planned.items()}
         try:
             base = decoder_config_from_hf(
-                plain,
-                qk_norm=self.qk_norm,
-                attention_bias=self._attention_bias(hf),
-                **kwargs,
-                **fixed,
+                plain, qk_norm=self.qk_norm, attention_bias=self._attention_bias(hf), **kwargs
             )
         except ValueError as e:  # name the model_type read, not the stand-in
             raise ValueError(str(e).replace("'qwen3'", repr(self.name))) from None
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DecoderConfig)}
-        fields.update({k: default for k, (_, default) in planned.items()})
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if experts is None:
             raise ValueError(f"from_hf_config: a {self.name!r} config.json needs num_experts")
@@ -131,6 +121,7 @@ class _MoEFamily(ModelFamily):
 
     def load_hf_weights(self, config: MoEDecoderConfig, path: str) -> MoEDecoder:
         """The model of `config` with the weights of the HF directory `path`."""
+        config = resolve_config(config)  # the layout below reads scan_layers
         where = _read_tensors(path)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: MoEDecoder(config, nnx.Rngs(0))))
         adapters = {}

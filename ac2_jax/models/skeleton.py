@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx, struct
 
 from ac2_jax.losses import LMHead
-from ac2_jax.models.config import ModelConfig
+from ac2_jax.models.config import ModelConfig, resolve_config
 from ac2_jax.models.kernels.attention import choose_backend
 from ac2_jax.models.kernels.attention_mask import BIG, AttentionMask
 from ac2_jax.models.layers import RMSNorm, _param, layer_params, rope_cos_sin
@@ -192,7 +192,11 @@ class Run:
 class Transformer(nnx.Module):
     """Embeddings, the family's layers, final norm, head (see the module doc).
 
-    With `tie_embeddings` the head is the embedding matrix.
+    With `tie_embeddings` the head is the embedding matrix. Built from any config of
+    its family: `__init__` resolves it (`models.config.resolve_config`: the family
+    registry's checks, scan_layers / remat "auto" by the memory plan), so `config`
+    here is the resolved one, and models built from a config and from its resolved
+    copy have equal graph definitions (one jit cache entry).
     """
 
     config: Any
@@ -205,7 +209,9 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        c = self.config = config
+        # The one place a model's config is resolved (family registry, LoRA targets,
+        # the memory plan's scan_layers / remat): `self.config` never holds "auto".
+        c = self.config = resolve_config(config)
         init = nnx.initializers.normal(c.initializer_range)
         shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = _param(rngs, init, shape, c.base_dtype, ("vocab", "embed"))

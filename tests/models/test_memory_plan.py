@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ac2_jax.models import Decoder, DecoderConfig
+from ac2_jax.models import Decoder, DecoderConfig, Gemma3Config, resolve_config
 from ac2_jax.models import memory_plan as mp
 from ac2_jax.models.io.hf_io import load_hf_config
 from ac2_jax.segments import pack_segments
@@ -86,7 +86,9 @@ def test_default_train_step_of_a_large_shaped_model_picks_the_lean_choices_and_l
     qwen3_cut, caplog
 ):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    config = load_hf_config(qwen3_cut)  # runtime fields left to their defaults
+    read = load_hf_config(qwen3_cut)  # runtime fields left to their defaults: pure data
+    assert (read.scan_layers, read.remat) == ("auto", "auto") and not caplog.records
+    config = resolve_config(read)  # the plan decides, where the model is built
     built = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert config.scan_layers is True and config.remat == "full"
     assert any(
@@ -110,9 +112,10 @@ def test_default_train_step_of_a_large_shaped_model_picks_the_lean_choices_and_l
 
 def test_a_small_model_keeps_the_fast_choices(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    config = DecoderConfig.tiny(vocab_size=64)
+    model = Decoder(DecoderConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0))
+    config = model.config  # the model's config is resolved
     assert config.scan_layers is False and config.remat == "none"
-    graphdef, state = create_train_state(Decoder(config, rngs=nnx.Rngs(0)), OPT)
+    graphdef, state = create_train_state(model, OPT)
     step = make_train_step(graphdef, PolicyGradientLoss(mode="task_mean"), OPT)
     batch = rl_batch(32, config.vocab_size)
     state, metrics = step(state, batch)
@@ -142,7 +145,7 @@ def test_explicit_values_win(qwen3_cut, caplog):
     assert "log-probs dense (set by the loss; auto would pick chunk 256)" in line
     assert "1024x151936xf32" in hlo
     # One field explicit, the other auto; a small model may be made lean by hand.
-    assert load_hf_config(qwen3_cut, remat="none").scan_layers is True
+    assert resolve_config(load_hf_config(qwen3_cut, remat="none")).scan_layers is True
     tiny = DecoderConfig.tiny(scan_layers=True, remat=True)
     assert (tiny.scan_layers, tiny.remat) == (True, "full")
     with pytest.raises(ValueError, match="scan_layers must be a bool or 'auto'"):
@@ -150,7 +153,7 @@ def test_explicit_values_win(qwen3_cut, caplog):
 
 
 def test_the_device_memory_makes_a_smaller_model_lean(monkeypatch):
-    """Below the size threshold the config is built lean when the fast plan's estimate at
+    """Below the size threshold the config is resolved lean when the fast plan's estimate at
     4,096 tokens exceeds half the device's memory."""
     shape = dict(
         vocab_size=32_000,
@@ -165,7 +168,7 @@ def test_the_device_memory_makes_a_smaller_model_lean(monkeypatch):
     plans = {}
     for gib in (64, 2):
         monkeypatch.setattr(mp, "available_memory_bytes", lambda gib=gib: gib * 2**30)
-        config = DecoderConfig.tiny(**shape)
+        config = resolve_config(DecoderConfig.tiny(**shape))
         plans[gib] = (config.scan_layers, config.remat), mp.plan(config)
     assert mp.param_count(config) < mp.LEAN_PARAMS
     (roomy, roomy_plan), (tight, tight_plan) = plans[64], plans[2]
@@ -192,3 +195,51 @@ def test_param_count_matches_the_model_and_chunks_follow_the_logits_bytes():
         assert mp.logprob_chunk_for(8, 8192, 151_936) == 256
         assert mp.logprob_chunk_for(4, 8192, 151_936) == 256  # ceil(4 / 8) = 1 row
     assert mp.available_memory_bytes() > 0 and mp.host_memory_bytes() > 0
+
+
+def test_a_config_is_pure_data_resolved_once_where_the_model_is_built(monkeypatch):
+    """Building a config reads no family registry, device or JAX backend (each refuses
+    here); "auto" stays in the config. The model resolves it (once: its config is the
+    resolved one, so layouts, LoRA and rebuilds plan nothing more), and models of a
+    config and of its resolved copy share one graph definition (one jit cache entry)."""
+    from jax._src import xla_bridge
+
+    from ac2_jax.models.family import FAMILIES
+    from ac2_jax.models.moe import MoEDecoderConfig
+    from ac2_jax.models.stacking import with_layout
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("building a config touched the registry, a device or a backend")
+
+    with monkeypatch.context() as m:
+        for owner, name in [(mp, "plan"), (mp, "available_memory_bytes"), (jax, "devices"),
+                            (xla_bridge, "backends"), (xla_bridge, "backends_are_initialized"),
+                            *((type(FAMILIES), n) for n in ("_load", "get", "names"))]:  # fmt: skip
+            m.setattr(owner, name, refuse)
+        configs = [
+            DecoderConfig.tiny(64),
+            DecoderConfig.tiny(64, family="qwen33", lora=dict(rank=2)).replace(num_layers=3),
+            MoEDecoderConfig.tiny(64, lora=dict(targets=("q", "gate"))),
+            Gemma3Config.tiny(64),
+        ]
+    assert all((c.scan_layers, c.remat, c.resolved) == ("auto", "auto", False) for c in configs)
+
+    calls, plan_runtime = [], mp.resolve_runtime
+
+    def counted(config):
+        calls.append(config)
+        return plan_runtime(config)
+
+    monkeypatch.setattr(mp, "resolve_runtime", counted)
+    auto = configs[0]
+    model = nnx.eval_shape(lambda: Decoder(auto))
+    resolved = model.config
+    assert (resolved.scan_layers, resolved.remat, resolved.resolved) == (False, "none", True)
+    assert resolved != auto and resolved == resolve_config(auto) and len(calls) == 2
+    assert resolve_config(resolved) is resolved  # nothing left to plan: the same config
+    again = nnx.eval_shape(lambda: Decoder(resolved))
+    stacked = with_layout(Decoder(resolved), True)
+    lora = nnx.eval_shape(lambda: Decoder(resolved.replace(lora=dict(rank=2))))
+    assert len(calls) == 2 and stacked.config.remat == "none" and lora.config.resolved
+    assert nnx.graphdef(model) == nnx.graphdef(again)  # one jit cache entry for both
+    assert hash(nnx.graphdef(model)) == hash(nnx.graphdef(again))

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from ac2_jax.models.config import resolve_config  # noqa: E402
 from ac2_jax.models.family import config_from_hf  # noqa: E402
 from ac2_jax.models.io.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from ac2_jax.models.moe import MoEDecoderConfig, capacity_of, experts_apply  # noqa: E402
@@ -230,8 +231,8 @@ def test_family_refusals():
     hf = transformers.Qwen3MoeConfig(**SHAPE, head_dim=8).to_dict()
     with pytest.raises(ValueError, match="'qwen3_moe'.*o_proj / MLP bias"):
         config_from_hf({**hf, "attention_bias": True})
-    with pytest.raises(ValueError, match="LoRA targets.*qwen3_moe"):
-        MoEDecoderConfig.tiny(lora=dict(targets=("q", "gate")))
+    with pytest.raises(ValueError, match="LoRA targets.*qwen3_moe"):  # where it is built
+        resolve_config(MoEDecoderConfig.tiny(lora=dict(targets=("q", "gate"))))
     with pytest.raises(ValueError, match="no layer is a mixture of experts"):
         MoEDecoderConfig.tiny(num_layers=1, mlp_only_layers=(0,))
     with pytest.raises(ValueError, match="shared expert"):

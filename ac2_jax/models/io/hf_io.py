@@ -24,7 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ac2_jax.models.config import DecoderConfig
+from ac2_jax.models.config import DecoderConfig, resolve_config
 from ac2_jax.models.decoder import Decoder
 from ac2_jax.models.family import build_model, config_from_hf, get_family
 from ac2_jax.models.lora import LoRAScale
@@ -90,7 +90,8 @@ def load_hf_config(
     path: str, dtype: Any = jnp.float32, param_dtype: Any = None, **runtime
 ) -> DecoderConfig:
     """The DecoderConfig of a local HF directory's config.json, reading no weights
-    (e.g. for an abstract model: compile and memory analysis before loading)."""
+    (e.g. for an abstract model: compile and memory analysis before loading). Pure
+    data: runtime fields left out stay "auto" (`resolve_config` decides them)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"load_hf_checkpoint: no config.json in {path}")
@@ -107,12 +108,15 @@ def load_hf_checkpoint(
     (default: `dtype`). `runtime` sets DecoderConfig's runtime fields
     (scan_layers, remat, attention_backend, attention_block, lora); those left
     out keep their defaults: scan_layers / remat "auto", chosen (and logged) by
-    `models.memory_plan` from the model's size and the device's memory. Sharded
+    `models.memory_plan` from the model's size and the device's memory, once
+    (`resolve_config`): the returned config is the model's, resolved. Sharded
     checkpoints (with an index) are read too. With `lora` (a `LoRAConfig`)
     the checkpoint is the frozen base and the adapters start fresh (B = 0:
     the model's outputs are the base's).
     """
-    config = load_hf_config(path, dtype, param_dtype, **runtime)
+    # resolved once here: the tensor layout below reads scan_layers, and the model is
+    # built from this same config (so the plan is not asked again)
+    config = resolve_config(load_hf_config(path, dtype, param_dtype, **runtime))
     own = getattr(get_family(config.family), "load_hf_weights", None)
     if own is not None:  # a family with its own tensor layout (MoE experts: models.qwen3_moe)
         return own(config, path), config
