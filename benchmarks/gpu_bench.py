@@ -208,7 +208,9 @@ def bench_train(a, s: dict) -> dict:
     batch = packed_batch(cfg.vocab_size, a.rows, a.seq_len, a.per_row)
     opt = OptimizerConfig(learning_rate=1e-5, weight_decay=0.1)
     t0 = time.perf_counter()
-    graphdef, state = create_train_state(Decoder(cfg, rngs=nnx.Rngs(0)), opt)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    cfg = model.config  # resolved: the memory plan's scan_layers / remat, reported below
+    graphdef, state = create_train_state(model, opt)
     step = make_train_step(graphdef, PolicyGradientLoss(chunk_size=a.chunk), opt)
     state = step.place(state)
     memory = {}
