@@ -450,7 +450,7 @@ def test_killed_run_resumes_without_repeating_or_losing_rollouts(tmp_path):
     worker = os.path.join(tests, "support", "rl_kill_worker.py")
     workdir = str(tmp_path / "run")
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
-    proc = subprocess.Popen([sys.executable, worker, workdir, "3"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, worker, workdir, "3", "8"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     deadline = time.time() + 300
     try:  # wait until step 0 is trained and step 1 is being collected (one rollout at a time)
