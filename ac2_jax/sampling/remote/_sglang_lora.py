@@ -20,6 +20,7 @@ it did not load (ValueError naming `adapter`) before anything is sent.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -31,8 +32,7 @@ class SGLangAdapters:
     """Mixin of `SGLangSampler`: the adapters it loaded into SGLang, by name."""
 
     base_url: str
-    _timeout: float
-    _headers: dict[str, str]
+    _http: Callable[[], httpx.Client]  # the sampler's synchronous client
     _adapters: dict[str, str]  # name -> the adapter directory SGLang loaded
     _adapter_lock: threading.Lock
 
@@ -72,10 +72,7 @@ class SGLangAdapters:
             self._adapters = {k: self._adapters.get(k, str(v)) for k, v in loaded.items()}
 
     def _lora_call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        with httpx.Client(
-            base_url=self.base_url, timeout=self._timeout, headers=self._headers
-        ) as h:
-            r = h.post(route, json=body)
+        r = self._http().post(route, json=body)  # the sampler's one client
         try:
             data = r.json()
         except ValueError:

@@ -214,6 +214,8 @@ class SGLangSampler(SGLangAdapters):
         self._load_lock = threading.Lock()
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]
         self._clients = weakref.WeakKeyDictionary()
+        self._sync_client: httpx.Client | None = None  # probe, weight and adapter calls
+        self._sync_lock = threading.Lock()
         self._adapters: dict[str, str] = {}
         self._adapter_lock = threading.Lock()
 
@@ -239,6 +241,16 @@ class SGLangSampler(SGLangAdapters):
             )
             self._clients[loop] = client
         return client
+
+    def _http(self) -> httpx.Client:
+        """The synchronous client of the probe, weight and adapter calls: one per
+        sampler (its connections kept alive between calls), closed by `aclose`."""
+        with self._sync_lock:
+            if self._sync_client is None:
+                self._sync_client = httpx.Client(
+                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
+                )
+            return self._sync_client
 
     def request_body(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
         """The native /generate JSON for one prompt (max_new_tokens fits the context)."""
@@ -443,10 +455,7 @@ class SGLangSampler(SGLangAdapters):
                 return self.server_info
             self.stats["probes"] += 1
             try:
-                with httpx.Client(
-                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
-                ) as http:
-                    info = self._probe_with(http)
+                info = self._probe_with(self._http())
             except _NOT_SENT as e:
                 raise SGLangUnavailable(f"SGLang at {self.base_url} is unreachable: {e!r}") from e
             except httpx.HTTPError as e:
@@ -534,13 +543,10 @@ class SGLangSampler(SGLangAdapters):
             self._ready.clear()
             self._loading = got  # results of these weights may come back before the reply
             try:
-                with httpx.Client(
-                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
-                ) as http:
-                    r = http.post(
-                        "/update_weights_from_disk",
-                        json={"model_path": path, "weight_version": str(got)},
-                    )
+                r = self._http().post(
+                    "/update_weights_from_disk",
+                    json={"model_path": path, "weight_version": str(got)},
+                )
                 try:
                     data = r.json()
                 except ValueError:
@@ -562,9 +568,14 @@ class SGLangSampler(SGLangAdapters):
         return got
 
     async def aclose(self) -> None:
-        """Closes this event loop's connection pool. Pools of other event loops
-        (e.g. an endpoint's, in its thread) belong to those loops: they are
-        dropped here, and closed with their loop."""
+        """Closes this event loop's connection pool and the synchronous client
+        (a later probe, weight or adapter call opens a new one). Pools of other
+        event loops (e.g. an endpoint's, in its thread) belong to those loops:
+        they are dropped here, and closed with their loop."""
+        with self._sync_lock:
+            sync, self._sync_client = self._sync_client, None
+        if sync is not None:
+            sync.close()
         loop = asyncio.get_running_loop()
         clients = dict(self._clients)
         self._clients.clear()
