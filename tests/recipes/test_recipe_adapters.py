@@ -3,7 +3,10 @@ of reasoning-gym generators, a verifiers environment, a TextArena game, a Gymnas
 environment and an OpenEnv server made by `openenv init echo_env` as the how-to says (one
 launcher run covers the five, to spare the suite five model start-ups).
 
-Full tier: the launcher in a child process, as a user runs it.
+Full tier. The launcher runs in this process (`ac2_jax.train.main`, what `python -m
+ac2_jax.train` calls, from the folder `openenv init` wrote): a child imported the five
+libraries a second time (verifiers, gradio under OpenEnv's server, ...), ~15 CPU s of the
+test's ~50. tests/test_train.py runs the launcher as a child process, as a user runs it.
 """
 
 import json
@@ -13,7 +16,6 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VF = "verifiers:ReasoningGymEnv,gym=lcm,num_train_examples=16,num_eval_examples=8"
 # 12 tasks drawn with the run's seed cover the 6 domains (chain_sum, gcd,
 # ReasoningGymEnv, GuessTheNumber-v0, FrozenLake-v1, EchoEnvironment); the test
@@ -28,18 +30,23 @@ ARGS = ["--model=tiny", "--config.rl.steps=1", "--config.rl.tasks_per_step=12",
         "--config.mix.min_results=1"]  # fmt: skip
 
 
-def launch(*args, cwd):
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [cwd, ROOT, os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run([sys.executable, "-m", "ac2_jax.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+def launch(*args, cwd, capfd, monkeypatch):
+    """`python -m ac2_jax.train ARGS` run from `cwd`, in this process: (exit status,
+    stderr)."""
+    from ac2_jax.train import main
+
+    monkeypatch.chdir(cwd)
+    path = list(sys.path)
+    capfd.readouterr()
+    try:
+        rc = main(list(args))
+    finally:
+        sys.path[:] = path  # main puts the folder first, for --env=pkg.module:Factory
+    return rc, capfd.readouterr().err
 
 
 @pytest.mark.full
-def test_five_libraries_envs_train_in_one_adaptive_mix(tmp_path):
+def test_five_libraries_envs_train_in_one_adaptive_mix(tmp_path, capfd, monkeypatch):
     """Every reward is the library's own score of what the policy gave: reasoning-gym's
     score_answer, the verifiers rubric's, the TextArena game's, the Gymnasium env's and the
     OpenEnv env's summed step rewards; the mix's weights are on the console and in the
@@ -59,11 +66,12 @@ def test_five_libraries_envs_train_in_one_adaptive_mix(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
     run = tmp_path / "run"
-    proc = launch("--recipe=rl", f"--env={ENV}", f"--workdir={run}", *ARGS, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert "[rl] env audit of 6 domains: " in proc.stderr
-    assert "[rl] step 1 mix (weight/pass rate): " in proc.stderr
+    rc, stderr = launch("--recipe=rl", f"--env={ENV}", f"--workdir={run}", *ARGS,
+                        cwd=str(tmp_path), capfd=capfd, monkeypatch=monkeypatch)
+    assert rc == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "[rl] env audit of 6 domains: " in stderr
+    assert "[rl] step 1 mix (weight/pass rate): " in stderr
     rollouts = TraceStore(str(run / "traces" / "rollouts.jsonl")).read()
     assert len(rollouts) == 12 and all(t.status != "infra_error" for t in rollouts), [
         (t.status, t.metadata.get("artifacts", {}).get("error")) for t in rollouts]
