@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from ac2_jax.envs.judges import Judge, JudgeExample
-from ac2_jax.losses import candidate_mask, ranked_positions, relevance_mask
+from ac2_jax.losses import candidate_mask, ranked_positions
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.training.core.objectives import LossFn, SFTLoss
@@ -82,6 +82,12 @@ STEP_COUNTS = TOO_LONG + SAMPLED_COUNTS
 @jax.jit
 def _ema(ema, params, decay):
     return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+
+
+# RMSD's candidates (`candidate_mask`: top-T per group and/or >= threshold) as one
+# program per batch shape; eagerly it is ~20 small ops, each compiled per shape.
+# Values equal the eager function's exactly (integer ranks and comparisons).
+rmsd_candidates = jax.jit(candidate_mask, static_argnames=("top_t", "threshold"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,10 +444,10 @@ class SelfDistiller(TrainerHooks):
         # top-T per model response (not per packed segment: a merged episode holds
         # several), so merged and split layouts keep the same positions.
         mask, groups = jnp.asarray(b.loss_mask), jnp.asarray(paired.response_ids)
-        cand = candidate_mask(div, mask, cfg.top_t, cfg.threshold, groups)
+        cand = rmsd_candidates(div, mask, cfg.top_t, cfg.threshold, groups)
         jm, rel = self._judge_mask(paired, div, cand, tmax)
-        kept = relevance_mask(div, mask, jnp.asarray(jm), cfg.top_t, cfg.threshold, groups)
-        return np.asarray(kept), rel
+        # `relevance_mask` (candidates ∩ judge selections) from the candidates above.
+        return np.where(jm > 0, np.asarray(cand), np.float32(0.0)), rel
 
     # -- one update
 

@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
+from ac2_jax.losses import candidate_mask, relevance_mask
 from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.segments import SAMPLER_LOGPROBS, Segment, pack_segments
 from ac2_jax.serving.core.splice import TurnMemory, build_prompt_ids
@@ -37,8 +38,15 @@ from ac2_jax.training.distill.data import (
     make_example,
     pack_pairs,
 )
+from ac2_jax.training.distill.loss import relevance_scores, teacher_extras
 from ac2_jax.training.distill.traces import examples_from_traces
-from ac2_jax.training.distill.trainer import DistillConfig, DistillLoss, SelfDistiller, divergence
+from ac2_jax.training.distill.trainer import (
+    DistillConfig,
+    DistillLoss,
+    SelfDistiller,
+    divergence,
+    rmsd_candidates,
+)
 from tests.support.serving_helpers import SYSTEM, TOOLS, TURNS, USER
 
 HINT = "Add all three numbers before answering."
@@ -251,6 +259,21 @@ def test_rmsd_keeps_the_same_positions_merged_and_split(tok, model_state, trace)
     assert (ks > 0).sum() == sum(min(4, len(c.output_ids)) for e in trace.episodes
                                  for c in e.completions)
     np.testing.assert_array_equal(km > 0, ks > 0)
+
+    # The trainer's selection (`rmsd_candidates`, one jitted program) equals the eager
+    # library functions `candidate_mask` / `relevance_mask` exactly (fp32 masks).
+    paired = pack_pairs(single, SEQ, min_rows=rows)
+    kept, _ = d.relevance(paired)
+    div, _ = relevance_scores(g, d.state.params, d.teacher_params, d.state.rest,
+                              paired.student, teacher_extras(paired), d.config.loss())
+    mask, groups = jnp.asarray(paired.student.loss_mask), jnp.asarray(paired.response_ids)
+    cand = np.asarray(candidate_mask(div, mask, 4, None, groups))  # eager
+    assert cand.dtype == np.float32 and (cand > 0).sum() == (ks > 0).sum()
+    np.testing.assert_array_equal(np.asarray(rmsd_candidates(div, mask, 4, None, groups)), cand)
+    eager_kept = np.asarray(relevance_mask(div, mask, jnp.asarray(cand > 0, jnp.float32), 4, None,
+                                           groups))
+    assert kept.dtype == eager_kept.dtype == np.float32
+    np.testing.assert_array_equal(kept, eager_kept)
 
 
 def test_insert_hint_into_stored_prompt_with_tools(tok, trace):
