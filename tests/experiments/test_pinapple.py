@@ -149,19 +149,17 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     """Base SFT on the faithful corpus -> the held-out hints' teacher check -> one
     distillation step per method -> RMSD sweep settings (T, S; a noisy judge, and the LLM
     judge: a 3-step judge model served through the endpoint), with
-    the report's sweep table and plot (pinapple/config.py:quick with the families on; answers
-    cut to 8 tokens, as an untrained model writes to the limit; 9 sums, not 100)."""
+    the report's sweep table and plot (the toy faithful run's settings, `_toy_faithful`:
+    its base SFT and sampler programs are the shared run's, read back from the run's
+    compilation cache; reverse KL as pinapple/config.py:quick; answers cut to 6 tokens,
+    as an untrained model writes to the limit; 9 sums, not 100)."""
     import json
     import os
 
     from experiments.pinapple import run as pinapple
 
-    cfg = get_config("quick")
-    cfg.base_data.update(target_hint_frac=0.0, families=data.FAMILIES, repeat_items=20,
-                         nonce_words=20, math_limit=3)  # 165 items, not 256
-    cfg.loop.update(steps=1, eval_every=1)
-    cfg.sampling.max_new_tokens = 8
-    cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
+    cfg = _toy_faithful(tmp_path)
+    cfg.distill.kind = "reverse_kl"
     cfg.sweep.update(top_t=(1,), top_s=(1,), judge=("noisy:0.5", "llm"))
     cfg.judge_data.update(examples=40, test_examples=4, vocab_size=500)  # a 3-step judge
     cfg.judge_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -171,7 +169,6 @@ def test_faithful_pipeline_at_toy_size_with_a_sweep(tmp_path):
     cfg.loop.judge_max_tokens = 8  # an untrained judge's replies are invalid at any length
     cfg.loop.judge_target_examples = 4  # of 84 (28 target items x 3 hints), 3 requests each
     cfg.data_seeds = (0, 1)  # two distill / held-out splits
-    cfg.workdir = str(tmp_path / "run")
     out = pinapple.run(cfg, log=lambda *a: None)
     following = out["meta"]["hint_following"]
     assert set(following) == {*data.HELDOUT_HINTS, "unchanged_elsewhere", "spell_other_words"}
