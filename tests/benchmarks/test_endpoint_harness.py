@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import threading
 import time
 
 import httpx
@@ -16,10 +15,10 @@ import pytest
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer
 from ac2_jax.trace import Completion, Episode, Trace, TraceStore
 from benchmarks.endpoint_harness import ServerProcess, audit, find_markers, lost_rollouts, marker
+from benchmarks.endpoint_harness import main as harness_main
 from tests.support.child_env import child_xla_flags
 
 ADMIN = "sk-harness-admin"
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2))
 # The server as deployed: one CPU device (the suite's compile flags: tests/support/child_env.py).
 CHILD_ENV = {"XLA_FLAGS": child_xla_flags()}
 # Small shapes: few compiles, fast decode steps on CPU.
@@ -79,11 +78,24 @@ def test_lost_rollouts_lists_created_but_unstored():
 
 
 def _harness(url, run_id, out, **kw):
-    args = [sys.executable, "-m", "benchmarks.endpoint_harness", "--url", url,
-            "--admin_key", ADMIN, "--run_id", run_id, "--out", str(out)]
+    """`python -m benchmarks.endpoint_harness ARGS` (its `main`: flags, --progress, --out)
+    in a thread of this process: only the server needs its own process, to be SIGKILLed;
+    a client process cost a second Python start-up with openai's import. Returns the
+    thread; `thread.error` holds what `main` raised, if anything."""
+    args = ["--url", url, "--admin_key", ADMIN, "--run_id", run_id, "--out", str(out)]
     for k, v in kw.items():
         args += [f"--{k}", str(v)]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def run():
+        try:
+            harness_main(args)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            thread.error = e
+
+    thread = threading.Thread(target=run, name=f"harness-{run_id}", daemon=True)
+    thread.error = None
+    thread.start()
+    return thread
 
 
 def _progress(path) -> list[dict]:
@@ -105,17 +117,14 @@ def test_sigkill_mid_load_then_restart_on_the_same_store(tmp_path, tok):
         # Kill once some rollouts are stored and others still run (8 at a time).
         deadline = time.monotonic() + 120
         while sum(p["status"] == "finished" for p in _progress(progress)) < 2:
-            assert harness.poll() is None, harness.stdout.read().decode()
+            assert harness.is_alive(), harness.error
             assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.05)
         server.kill()
-        out, _ = harness.communicate(timeout=120)
-        assert harness.returncode == 0, out.decode()
+        harness.join(timeout=120)
+        assert not harness.is_alive() and harness.error is None, harness.error
     finally:
         server.kill()
-        if harness.poll() is None:
-            harness.kill()
-            harness.wait()
     with open(tmp_path / "report.json") as f:
         report = json.load(f)
     with open(store_path, "rb") as f:
@@ -146,8 +155,8 @@ def test_sigkill_mid_load_then_restart_on_the_same_store(tmp_path, tok):
                       headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 404
         h2 = _harness(url2, "after", tmp_path / "report2.json", rollouts=2, turns=2, max_tokens=2)
-        out, _ = h2.communicate(timeout=120)
-        assert h2.returncode == 0, out.decode()
+        h2.join(timeout=120)
+        assert not h2.is_alive() and h2.error is None, h2.error
     finally:
         server2.kill()
     with open(store_path, "rb") as f:
