@@ -216,7 +216,7 @@ class ModelConfig:
         self._check()
 
     @property
-    def resolved(self) -> bool:
+    def is_resolved(self) -> bool:
         """Whether no field is left to the memory plan (`PLANNED` fields not "auto")."""
         return all(getattr(self, f) != "auto" for f in PLANNED)
 
@@ -295,7 +295,7 @@ def resolve_config(config: _C) -> _C:
         )
     if config.lora is not None:
         get_family(config.family).check_lora_targets(config.lora.targets)
-    if config.resolved:
+    if config.is_resolved:
         return config
     from ac2_jax.models.memory_plan import resolve_runtime
 

@@ -222,7 +222,7 @@ def test_a_config_is_pure_data_resolved_once_where_the_model_is_built(monkeypatc
             MoEDecoderConfig.tiny(64, lora=dict(targets=("q", "gate"))),
             Gemma3Config.tiny(64),
         ]
-    assert all((c.scan_layers, c.remat, c.resolved) == ("auto", "auto", False) for c in configs)
+    assert all((c.scan_layers, c.remat, c.is_resolved) == ("auto", "auto", False) for c in configs)
 
     calls, plan_runtime = [], mp.resolve_runtime
 
@@ -234,12 +234,12 @@ def test_a_config_is_pure_data_resolved_once_where_the_model_is_built(monkeypatc
     auto = configs[0]
     model = nnx.eval_shape(lambda: Decoder(auto))
     resolved = model.config
-    assert (resolved.scan_layers, resolved.remat, resolved.resolved) == (False, "none", True)
+    assert (resolved.scan_layers, resolved.remat, resolved.is_resolved) == (False, "none", True)
     assert resolved != auto and resolved == resolve_config(auto) and len(calls) == 2
     assert resolve_config(resolved) is resolved  # nothing left to plan: the same config
     again = nnx.eval_shape(lambda: Decoder(resolved))
     stacked = with_layout(Decoder(resolved), True)
     lora = nnx.eval_shape(lambda: Decoder(resolved.replace(lora=dict(rank=2))))
-    assert len(calls) == 2 and stacked.config.remat == "none" and lora.config.resolved
+    assert len(calls) == 2 and stacked.config.remat == "none" and lora.config.is_resolved
     assert nnx.graphdef(model) == nnx.graphdef(again)  # one jit cache entry for both
     assert hash(nnx.graphdef(model)) == hash(nnx.graphdef(again))
