@@ -579,7 +579,8 @@ class Transformer(nnx.Module):
         _check_2d(type(self).__name__, tokens=tokens, positions=positions)
         c = self.config
         parts = self._check_cache(cache, tokens.shape[0])
-        _check_positions(type(self).__name__, positions, parts[0].max_len)
+        max_len = next(p.max_len for p in parts if p is not None)  # every part's
+        _check_positions(type(self).__name__, positions, max_len)
         kinds, of = self._kinds()
         positions = positions.astype(jnp.int32)
         backend = self._backend("decode", tokens.shape[1])
