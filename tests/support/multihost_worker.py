@@ -14,6 +14,9 @@ steps over a ReplayCollector of fixed traces (main and compactor episodes,
 rewards that differ within each group) on the same mesh: every process reads
 all traces and packs its share; result.npz gains rl_losses and the RL params
 (prefix r), and each process writes DIR/rl_metrics<process>.json (its history).
+With --then_restore W2 (one process) a new Trainer over fresh weights then restores
+W2's latest checkpoint and trains --then_steps more steps: result.npz gains
+then_start, then_losses and its params (prefix q).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def main():
     p.add_argument("--local_devices", type=int, default=8)
     p.add_argument("--rl_workdir", default="", help="then an RLTrainer run in this workdir")
     p.add_argument("--rl_steps", type=int, default=2)
+    p.add_argument("--then_restore", default="",
+                   help="then (1 process) a new Trainer restores this workdir's latest "
+                        "checkpoint and trains --then_steps more steps")
+    p.add_argument("--then_steps", type=int, default=2)
     a = p.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -78,7 +85,7 @@ def main():
     trainer = Trainer(graphdef, state, SFTLoss(mode="task_mean"), opt, workdir=a.workdir,
                       mesh=mesh, tensorboard=False)
     start = trainer.restore() if a.restore else 0
-    def gathered(prefix):
+    def gathered(prefix, trainer=trainer):
         params = jax.tree.leaves(trainer.host_state().params)
         return {f"{prefix}{i}": np.asarray(multihost_utils.process_allgather(x, tiled=True))
                 for i, x in enumerate(params)}
@@ -97,9 +104,25 @@ def main():
     final = gathered("p")
     trainer.close()
     rl = run_rl(a, mesh) if a.rl_workdir else {}
+    then = {}
+    if a.then_restore:  # a new Trainer, fresh weights, restored from another run's workdir
+        assert jax.process_count() == 1, "--then_restore is a 1-process continuation"
+        _, fresh = create_train_state(Decoder(DecoderConfig.tiny(vocab_size=64, num_layers=2),
+                                              rngs=nnx.Rngs(5)), opt)
+        again = Trainer(graphdef, fresh, SFTLoss(mode="task_mean"), opt,
+                        workdir=a.then_restore, mesh=mesh, tensorboard=False)
+        then["then_start"] = again.restore()
+        then_losses = []
+        for _ in range(a.then_steps):
+            m = again.update(batch)
+            again.end_step(m)
+            then_losses.append(m["loss"])
+        then["then_losses"] = np.asarray(then_losses)
+        then.update(gathered("q", again))
+        again.close()
     if jax.process_index() == 0:
         np.savez(os.path.join(a.out, "result.npz"), losses=np.asarray(losses), start=start,
-                 **final, **snapshot, **rl)
+                 **final, **snapshot, **rl, **then)
 
 
 def rl_traces(steps: int):

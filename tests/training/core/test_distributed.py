@@ -32,7 +32,7 @@ WORKER = os.path.join(TESTS, "support", "multihost_worker.py")
 
 
 def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publish_dir=None,
-         rl_workdir=None):
+         rl_workdir=None, then_restore=None):
     out.mkdir(exist_ok=True)
     port = reserved_port()
     env = child_env()  # the suite's compile flags, not its 8 forced devices
@@ -50,6 +50,8 @@ def _run(out, workdir, steps, *, processes=1, restore=False, snapshot_at=0, publ
             cmd += ["--publish_dir", str(publish_dir), "--publish_at", str(snapshot_at or steps)]
         if rl_workdir is not None:
             cmd += ["--rl_workdir", str(rl_workdir), "--rl_steps", "2"]
+        if then_restore is not None:
+            cmd += ["--then_restore", str(then_restore), "--then_steps", "2"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=240)[0] for p in procs]
@@ -64,10 +66,14 @@ def _params(r, prefix="p"):
 
 
 def test_two_processes_train_and_checkpoint_like_one(tmp_path):
-    five = _run(tmp_path / "five", tmp_path / "w5", 5, snapshot_at=3,  # 1 process x 8
-                publish_dir=tmp_path / "pub1", rl_workdir=tmp_path / "rl1")
     two = _run(tmp_path / "two", tmp_path / "w2", 3, processes=2, publish_dir=tmp_path / "pub2",
                rl_workdir=tmp_path / "rl2")
+    # 1 process x 8 devices; then, in the same process, a new Trainer over fresh weights
+    # restores the 2-process checkpoint (w2, step 3) and trains 2 more steps (one process
+    # start fewer than a separate resuming run).
+    five = _run(tmp_path / "five", tmp_path / "w5", 5, snapshot_at=3,
+                publish_dir=tmp_path / "pub1", rl_workdir=tmp_path / "rl1",
+                then_restore=tmp_path / "w2")
     _rl_learners_agree(tmp_path, two, five)
     np.testing.assert_allclose(two["losses"], five["losses"][:3], rtol=1e-5)
     assert five["losses"][2] < five["losses"][0]  # it trained
@@ -76,10 +82,11 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
     _published_weights_serve_alike(tmp_path / "pub2", tmp_path / "pub1", step=3)
     # The 2-process checkpoint (step 3) restores in 1 process x 8 devices and goes on
     # exactly as the 1-process run did for steps 4 and 5.
-    resumed = _run(tmp_path / "resumed", tmp_path / "w2", 2, restore=True)
-    assert int(resumed["start"]) == 3
-    np.testing.assert_allclose(resumed["losses"], five["losses"][3:], rtol=1e-5)
-    for a, b in zip(_params(resumed), _params(five)):
+    assert int(five["then_start"]) == 3
+    np.testing.assert_allclose(five["then_losses"], five["losses"][3:], rtol=1e-5)
+    resumed = _params(five, "q")
+    assert len(resumed) == len(_params(five)) > 0
+    for a, b in zip(resumed, _params(five)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
