@@ -15,6 +15,9 @@ def test_pipeline_writes_a_complete_report(tmp_path):
     cfg = get_config("quick")  # 16 demos, 3 SFT steps, 1 RL step of 2 x 2 attempts, 4 eval tasks
     cfg.workdir = str(tmp_path / "run")
     cfg.sampler.warmup = True  # as the demo runs: every sampler shape compiled before the evals
+    # 2 tasks x 2 attempts: at most 4 rollouts at once, so 4 rows serve them (row buckets
+    # 1, 2 and 4 warmed up, not also 8: a quarter of the warm-up's programs).
+    cfg.rl.concurrency = 4
     report = calculator_agent.run(cfg, log=lambda *a: None)
 
     out = os.path.join(cfg.workdir, "report")
