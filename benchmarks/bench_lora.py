@@ -537,8 +537,12 @@ def run_child(cmd: list, need: float, args, python: str | None = None) -> dict:
             proc = subprocess.Popen(full, stdout=out, stderr=err, text=True,
                                     start_new_session=True)
             t0, killed, top = time.time(), None, 0.0
-            while proc.poll() is None:
-                time.sleep(1.0)
+            while True:
+                try:  # the guard samples every second; an ended child is seen at once
+                    proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
                 rss = tree_rss_gb(proc.pid)
                 top = max(top, rss)
                 if rss > args.rss_cap_gb or mem_available_gb() < args.min_free_gb:
