@@ -167,3 +167,21 @@ def test_pinapple_config_converts_to_its_dataclasses(variant):
     cfg.distill.top_tt = 3
     with pytest.raises(ConfigError, match=r"did you mean 'distill\.top_t'"):
         pinapple.typed_configs(cfg, "rmsd")
+
+
+def test_a_model_config_subclass_keeps_the_field_hash_without_repeating_it():
+    # A frozen dataclass subclass would get dataclasses' field-tuple hash, which fails on
+    # rope_scaling's dict (first seen when the config is a jit static arg).
+    from ac2_jax.models.config import ModelConfig
+    from ac2_jax.models.family import FAMILIES, get_family
+
+    @dataclasses.dataclass(frozen=True)
+    class Forgot(DecoderConfig):  # no `__hash__ = ModelConfig.__hash__`
+        extra: int = 0
+
+    rope = {"rope_type": "llama3", "factor": 8.0}
+    assert hash(Forgot.tiny(rope_scaling=rope)) == hash(Forgot.tiny(rope_scaling=dict(rope)))
+    classes = {get_family(n).config_class for n in FAMILIES.names()}
+    for cls in (c for c in classes if issubclass(c, ModelConfig)):
+        assert cls.__hash__ is ModelConfig.__hash__, cls.__name__
+        assert hash(cls.tiny()) == hash(cls.tiny()), cls.__name__

@@ -117,8 +117,6 @@ class ToyBlockConfig(ModelConfig):
     family: str = "toy_block"
     gain: float = 1.0  # the family's own field: the MLP's output scale
 
-    __hash__ = ModelConfig.__hash__
-
 
 class ToyBlock(nnx.Module):
     def __init__(self, c, rngs, stack=None):

@@ -47,7 +47,9 @@ def dtype_name(dtype: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The fields and checks every family's config shares (subclass it: a family adds
-    its own fields, `_normalize` / `_check` hooks, `ROPE_TYPES` and `TINY`).
+    its own fields, `_normalize` / `_check` hooks, `ROPE_TYPES` and `TINY`). Every
+    subclass hashes by its fields' reprs, as this class does (`__init_subclass__`
+    installs the hash: a subclass need not repeat it), so a config is a jit static arg.
 
     `dtype` is the compute dtype (activations, KV cache), `param_dtype` the
     storage dtype of the weights; logits are always fp32. `qk_norm` applies a
@@ -237,6 +239,15 @@ class ModelConfig:
             repr(sorted((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)))
         )
 
+    def __init_subclass__(cls, **kwargs):
+        # A frozen dataclass subclass would get dataclasses' field-tuple hash (it fails on
+        # rope_scaling's dict, first when the config is a jit static arg): this hash goes
+        # in the class dict before @dataclass runs, which then keeps it. A subclass that
+        # writes its own __hash__ keeps that one.
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("__hash__") is None:
+            cls.__hash__ = ModelConfig.__hash__  # type: ignore[method-assign]
+
     def replace(self, **changes) -> Self:
         return dataclasses.replace(self, **changes)
 
@@ -307,8 +318,6 @@ def resolve_config(config: _C) -> _C:
 class DecoderConfig(ModelConfig):
     """Hyper-parameters of the dense decoder (Qwen3, Llama, Qwen2 / Qwen2.5, Mistral):
     `ModelConfig`'s fields, every layer alike (`sliding_window` windows every layer)."""
-
-    __hash__ = ModelConfig.__hash__
 
 
 def decoder_hf_config(config: DecoderConfig, architecture: str) -> dict[str, Any]:

@@ -75,7 +75,6 @@ class Gemma3Config(ModelConfig):
     bos_token_id: int | None = 2
     eos_token_id: int | tuple[int, ...] | None = 1
 
-    __hash__ = ModelConfig.__hash__
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "linear")
     # `tiny()`: a few-thousand-parameter Gemma 3 (4 layers: sliding, full, sliding, full).
     TINY: ClassVar[dict[str, Any]] = dict(

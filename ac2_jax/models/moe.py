@@ -82,7 +82,6 @@ class MoEDecoderConfig(DecoderConfig):
     shared_expert_intermediate_size: int = 0
     capacity_factor: float | None = None
 
-    __hash__ = DecoderConfig.__hash__
     # `tiny()`: a small MoE model for tests and CPU demos (8 experts, top 2, layer 0 dense).
     TINY: ClassVar[dict[str, Any]] = dict(
         DecoderConfig.TINY, num_layers=3, intermediate_size=64, num_experts=8,
