@@ -18,6 +18,7 @@ A bank model (`LoRAConfig(slots=N)`, for serving) takes adapters into slots:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, cast
@@ -241,6 +242,31 @@ def merge_lora(model: Decoder) -> Decoder:
     return cast(Decoder, nnx.merge(graphdef, state))
 
 
+@functools.partial(jax.jit, static_argnames=("slot", "rank"))
+def _with_slot(values: dict, src: dict, slot: int, rank: int) -> dict:
+    """`values` (the bank's LoRA params, a pure dict) with slot `slot` of every array
+    replaced by src's array there, zero-padded from `rank` to the bank's rank, or by
+    zeros where src has none: one program per bank and adapter layout (eagerly, three
+    small ops per array, each compiled per shape)."""
+
+    def walk(src: dict | None, dst: dict) -> dict:
+        out = {}
+        for k in dst:
+            if isinstance(dst[k], dict):
+                out[k] = walk(None if src is None else src.get(k), dst[k])
+                continue
+            x = dst[k]  # [..., N, in, r] or [..., N, r, out]
+            new = jnp.zeros(x.shape[:-3] + x.shape[-2:], x.dtype)
+            if src is not None:
+                part = jnp.asarray(src[k], x.dtype)
+                new = new.at[..., :rank].set(part) if k == "a" else new.at[..., :rank, :].set(part)
+            at = (slice(None),) * (x.ndim - 3) + (slot,)  # the slot axis
+            out[k] = x.at[at].set(new)
+        return out
+
+    return walk(src, values)
+
+
 def write_slot(bank: Decoder, slot: int, adapters: dict, lora: LoRAConfig) -> None:
     """Puts one adapter (`adapter_params` of a model with `lora`, either layer
     layout) into slot `slot` of `bank` (a model with `LoRAConfig(slots=N)`), in
@@ -260,29 +286,24 @@ def write_slot(bank: Decoder, slot: int, adapters: dict, lora: LoRAConfig) -> No
     src = to_layout(adapters, stacked=bool(bank.config.scan_layers)) if adapters else {}
     state = nnx.state(bank, nnx.LoRAParam)
     values = nnx.to_pure_dict(state)
-    r = lora.rank
-    written = [0]
 
-    def walk(src: dict | None, dst: dict):
+    def placed(src: dict | None, dst: dict) -> int:  # src's arrays that have a place
+        n = 0
         for k in dst:
             if isinstance(dst[k], dict):
-                walk(None if src is None else src.get(k), dst[k])
-                continue
-            x = dst[k]  # [..., N, in, r] or [..., N, r, out]
-            new = jnp.zeros(x.shape[:-3] + x.shape[-2:], x.dtype)
-            if src is not None:
-                part = jnp.asarray(src[k], x.dtype)
-                new = new.at[..., :r].set(part) if k == "a" else new.at[..., :r, :].set(part)
-                written[0] += 1
-            at = (slice(None),) * (x.ndim - 3) + (int(slot),)  # the slot axis
-            dst[k] = x.at[at].set(new)
+                n += placed(None if src is None else src.get(k), dst[k])
+            elif src is not None:
+                src[k]  # noqa: B018 - a module of src without this array: KeyError
+                n += 1
+        return n
 
-    walk(src, values)
-    if written[0] != len(jax.tree.leaves(src)):
+    written = placed(src, values)
+    if written != len(jax.tree.leaves(src)):
         raise ValueError(
-            f"write_slot: {len(jax.tree.leaves(src)) - written[0]} adapter arrays fit no "
+            f"write_slot: {len(jax.tree.leaves(src)) - written} adapter arrays fit no "
             "place in the bank (another architecture, or layer keys not 0..n-1)"
         )
+    values = _with_slot(values, src, int(slot), int(lora.rank))
     nnx.replace_by_pure_dict(state, values)
     nnx.update(bank, state)
     bank.lora_scale.value = bank.lora_scale.value.at[slot].set(lora.scale)
