@@ -246,7 +246,7 @@ class ModelConfig:
         # writes its own __hash__ keeps that one.
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("__hash__") is None:
-            cls.__hash__ = ModelConfig.__hash__  # type: ignore[method-assign]
+            cls.__hash__ = ModelConfig.__hash__
 
     def replace(self, **changes) -> Self:
         return dataclasses.replace(self, **changes)

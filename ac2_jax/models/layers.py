@@ -87,9 +87,6 @@ def from_bits(c: ModelConfig, w: dict) -> dict:
     return jax.tree.map(lambda x: _bitcast(x, c.base_dtype) if x.dtype == jnp.uint16 else x, w)
 
 
-_STACKS = ("layers", "dense_layers")  # the module attributes `layer_params` reads
-
-
 def _has_bits(c) -> bool:
     """Whether a model of config `c` holds frozen 16-bit base weights (LoRA)."""
     return getattr(c, "lora", None) is not None and jnp.dtype(c.base_dtype).itemsize == 2
@@ -106,24 +103,29 @@ def _bitcast(x, dtype):
     return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def frozen_bits(c, state: nnx.State, to_bits: bool = True) -> nnx.State:
-    """`state` (a model's variables, or ShapeDtypeStructs of them) with a LoRA model's
-    frozen 16-bit layer weights as uint16 bits (`to_bits`), or back in `c.base_dtype`.
+def frozen_bits(model, state: nnx.State, to_bits: bool = True) -> nnx.State:
+    """`state` (`model`'s variables, or ShapeDtypeStructs of them) with a LoRA model's
+    frozen 16-bit layer weights as uint16 bits (`to_bits`), or back in its config's
+    `base_dtype`. The layer weights are those under the model's `param_stacks`
+    (`models.skeleton.Transformer`: its `STACKS`, or `layers` per-layer); a model
+    without config or stacks is returned as is.
 
     A train state keeps them as bits (`training.core.create_train_state`), so the step
     receives the bits and slices them per layer with no copy at all: turning a bf16
     stack into bits inside the step is a real copy on XLA:CPU (a 16-bit copy of every
     layer, live through the step). `TrainState.model` turns them back. The embedding,
     head, final norm and every adapter keep their dtype."""
-    if not _has_bits(c):
+    c = getattr(model, "config", None)
+    if c is None or not _has_bits(c):
         return state
+    stacks = getattr(model, "param_stacks", ())
     src, dst = (jnp.dtype(c.base_dtype), jnp.dtype(jnp.uint16))
     if not to_bits:
         src, dst = dst, src
     leaves = []
     for path, var in nnx.to_flat_state(state):
         keys = [str(k) for k in path]
-        if keys[0] in _STACKS and not _is_adapter(keys) and var.dtype == src:
+        if keys[0] in stacks and not _is_adapter(keys) and var.dtype == src:
             var = var.replace(_bitcast(var.get_value(), dst))
         leaves.append((path, var))
     return nnx.from_flat_state(leaves)

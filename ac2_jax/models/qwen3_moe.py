@@ -123,10 +123,11 @@ class _MoEFamily(ModelFamily):
         """The model of `config` with the weights of the HF directory `path`."""
         config = resolve_config(config)  # the layout below reads scan_layers
         where = _read_tensors(path)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: MoEDecoder(config, nnx.Rngs(0))))
+        abstract = nnx.eval_shape(lambda: self.build(config, nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
         adapters = {}
         if config.lora is not None:  # fresh adapters (B = 0), the base from the checkpoint
-            fresh = jax.jit(lambda: nnx.state(MoEDecoder(config, nnx.Rngs(0)), _ADAPTER))()
+            fresh = jax.jit(lambda: nnx.state(self.build(config, nnx.Rngs(0)), _ADAPTER))()
             adapters = dict(nnx.to_flat_state(fresh))
         leaves = []
         with contextlib.ExitStack() as files:
@@ -145,8 +146,8 @@ class _MoEFamily(ModelFamily):
                 if key in adapters:
                     leaves.append((key, adapters[key]))
                     continue
-                parts = [_read(k, get, where, config) for k in _layer_keys(key, config)]
-                arr = np.stack(parts) if _stacked(key, config) else parts[0]
+                parts = [_read(k, get, where, config) for k in _layer_keys(key, abstract)]
+                arr = np.stack(parts) if _stacked(key, abstract) else parts[0]
                 if arr.shape != tuple(var.shape):
                     raise ValueError(
                         f"load_hf_checkpoint: {'.'.join(map(str, key))} reads as shape "
@@ -160,8 +161,8 @@ class _MoEFamily(ModelFamily):
         c, out = model.config, {}
         for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             arr = np.asarray(jax.device_get(var[...]))
-            arrays = list(arr) if _stacked(key, c) else [arr]
-            for layer_key, a in zip(_layer_keys(key, c), arrays, strict=True):
+            arrays = list(arr) if _stacked(key, model) else [arr]
+            for layer_key, a in zip(_layer_keys(key, model), arrays, strict=True):
                 if len(layer_key) > 2 and layer_key[-2] == "experts":
                     prefix = f"model.layers.{layer_key[1]}.mlp.experts"
                     for e in range(c.num_experts):
@@ -172,15 +173,17 @@ class _MoEFamily(ModelFamily):
         return out
 
 
-def _stacked(key: tuple, config: MoEDecoderConfig) -> bool:
-    return config.scan_layers and key[0] in ("layers", "dense_layers")
+def _stacked(key: tuple, model: MoEDecoder) -> bool:
+    """Whether param `key` of `model` is a stack of layers (one of its `STACKS`, stacked)."""
+    return model.config.scan_layers and key[0] in model.STACKS
 
 
-def _layer_keys(key: tuple, config: MoEDecoderConfig) -> list[tuple]:
-    """The per-layer paths ("layers", i, ...) a param `key` holds (one per stacked layer)."""
-    if not _stacked(key, config):
+def _layer_keys(key: tuple, model: MoEDecoder) -> list[tuple]:
+    """The per-layer paths ("layers", i, ...) a param `key` of `model` holds (one per
+    stacked layer: the layers `model.layer_stack` puts in its stack)."""
+    if not _stacked(key, model):
         return [key]
-    ids = config.moe_layers if key[0] == "layers" else config.dense_layers
+    ids = [i for i in range(model.config.num_layers) if model.layer_stack(i) == key[0]]
     return [("layers", i, *key[1:]) for i in ids]
 
 

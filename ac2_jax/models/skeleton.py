@@ -231,6 +231,12 @@ class Transformer(nnx.Module):
         if c.lora is not None and c.lora.slots is not None:  # a bank: each slot's scale
             self.lora_scale = LoRAScale(jnp.zeros((c.lora.slots,), jnp.float32))
 
+    @property
+    def param_stacks(self) -> tuple[str, ...]:
+        """The attributes holding the layers' params: `STACKS` (stacked), or `layers`
+        (the per-layer list)."""
+        return tuple(self.STACKS) if self.config.scan_layers else ("layers",)
+
     # -- what a family supplies
 
     def build_layer(

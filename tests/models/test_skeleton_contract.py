@@ -2,13 +2,21 @@
 base's (`models.config.ModelConfig`): what a family or a caller gets wrong is refused
 in one line, never run as a different model."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from ac2_jax.models import DecoderConfig
+from ac2_jax.models import Decoder, DecoderConfig
 from ac2_jax.models.gemma3 import Gemma3, Gemma3Config
 from ac2_jax.models.gemma3_config import FULL, SLIDING
+from ac2_jax.models.io.hf_io import hf_state_dict, save_hf_checkpoint
+from ac2_jax.models.lora import LoRAConfig
+from ac2_jax.models.moe import MoEDecoderConfig
+from ac2_jax.models.moe_decoder import MoEDecoder
+from ac2_jax.models.qwen3_moe import Qwen3MoeFamily
+from ac2_jax.training import OptimizerConfig
+from ac2_jax.training.core import create_train_state
 
 
 def test_fields_past_head_dim_are_keyword_only_in_every_family_config():
@@ -82,3 +90,66 @@ def test_a_position_past_the_cache_is_refused_not_dropped():
     # traced positions cannot be checked: the jitted caller keeps them in range
     step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c)[0])
     assert step(model, tokens, np.array([[3]], np.int32), cache).shape == (1, 1, 32)
+
+
+class _Blocks(Decoder):
+    """The dense decoder with its one param stack named `blocks` (not `layers`)."""
+
+    STACKS = ("blocks",)
+
+    def layer_stack(self, i):
+        return "blocks"
+
+
+def test_a_renamed_stack_holds_its_frozen_weights_as_bits():
+    """A LoRA model's frozen 16-bit layer weights sit in a train state as uint16 bits
+    (`frozen_bits`); the stacks are read from the model (`STACKS`), so a family whose
+    stack has another name gets them too (was a fixed list: silently skipped)."""
+    lora = LoRAConfig(rank=2, base_dtype="bfloat16")
+    config = DecoderConfig.tiny(vocab_size=32, num_layers=1, scan_layers=True, lora=lora)
+    model = _Blocks(config, rngs=nnx.Rngs(0))
+    graphdef, state = create_train_state(model, OptimizerConfig(learning_rate=1e-3))
+    dtypes = {
+        ".".join(map(str, k)): v.dtype
+        for k, v in nnx.to_flat_state(state.rest)
+        if k[0] == "blocks" and not any(str(p).endswith("_lora") for p in k)
+    }
+    assert dtypes and set(dtypes.values()) == {np.dtype(np.uint16)}, dtypes
+    back = state.model(graphdef)
+    assert back.blocks.self_attn.q_proj[...].dtype == jnp.bfloat16
+    tokens = np.arange(6, dtype=np.int32)[None]
+    np.testing.assert_array_equal(
+        back(tokens, tokens, tokens * 0 + 1), model(tokens, tokens, tokens * 0 + 1)
+    )
+
+
+class _DenseBlocks(MoEDecoder):
+    """The MoE decoder with its dense layers' stack named `dense_blocks`."""
+
+    STACKS = ("layers", "dense_blocks")
+
+    def layer_stack(self, i):
+        return "layers" if i in self.config.moe_layers else "dense_blocks"
+
+
+class _DenseBlocksFamily(Qwen3MoeFamily):
+    def build(self, config, rngs):
+        return _DenseBlocks(config, rngs=rngs)
+
+
+def test_hf_io_reads_the_stacks_of_the_family_model(tmp_path):
+    """HF stacking reads the model's `STACKS` and `layer_stack` (was a fixed list: a
+    renamed stack was written under its own name and never read)."""
+    config = MoEDecoderConfig.tiny(vocab_size=32, scan_layers=True, remat="none")
+    plain = MoEDecoder(config, rngs=nnx.Rngs(0))
+    renamed = _DenseBlocks(config, rngs=nnx.Rngs(0))
+    want = hf_state_dict(plain)
+    got = hf_state_dict(renamed)
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    save_hf_checkpoint(plain, str(tmp_path))
+    back = _DenseBlocksFamily().load_hf_weights(config, str(tmp_path))
+    assert isinstance(back, _DenseBlocks)
+    for name, arr in hf_state_dict(back).items():
+        np.testing.assert_array_equal(arr, want[name], err_msg=name)

@@ -116,7 +116,7 @@ class TrainState:
         weights in their own dtype (`rest` may hold them as bits: `frozen_bits`)."""
         model = nnx.merge(graphdef, self.params, self.rest, copy=True)
         state = nnx.state(model)
-        back = frozen_bits(getattr(model, "config", None), state, to_bits=False)
+        back = frozen_bits(model, state, to_bits=False)
         if back is not state:  # only a LoRA model with a 16-bit base holds bits
             nnx.update(model, back)
         return model
@@ -156,7 +156,7 @@ def create_train_state(
         params=params,
         opt_state=opt_state,
         rng=jnp.asarray(rng, jnp.uint32),
-        rest=frozen_bits(getattr(model, "config", None), rest),
+        rest=frozen_bits(model, rest),
     )
     return graphdef, state
 
@@ -178,7 +178,7 @@ def abstract_train_state(make_model, optimizer) -> tuple[nnx.GraphDef, TrainStat
         params=params,
         opt_state=opt_state,
         rng=cast(jax.Array, jax.ShapeDtypeStruct((2,), jnp.uint32)),
-        rest=frozen_bits(getattr(abstract, "config", None), rest),
+        rest=frozen_bits(abstract, rest),
     )
 
 
