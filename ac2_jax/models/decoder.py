@@ -1,34 +1,18 @@
-"""Decoder: a Qwen3 / Llama style transformer in Flax NNX.
+"""Decoder: a Qwen3 / Llama style transformer in Flax NNX (the dense family).
 
-Two ways to run it:
-
-* Training / scoring (packed rows):
-  `model(tokens, positions, segment_ids, subtree_end=None) -> logits [B, L, V]`
-  (fp32). The attention mask is `ac2_jax.losses.attention_mask`, so packed
-  segments never see each other and tree rows see only their ancestors.
-  `hidden_states` gives the final normed hidden states [B, L, D] and
-  `logits` projects any of them (for losses that chunk the vocabulary).
-
-* Sampling with a KV cache (see `Decoder.decode`):
-  `cache = model.init_cache(batch, max_len)`, then
-  `logits, cache = model.decode(tokens, positions, cache)` for prefill
-  (T > 1) and for each step (T = 1). Cache slot p of row b holds the keys and
-  values of that row's token at position p; a query at position q attends to
-  slots 0..q. Every slot a query can see was written by the row's own
-  prefill/steps before it is read, so stale slots of an earlier request never
-  leak and rows need no length bookkeeping. Padding tokens take position -1:
-  they write nothing and their logits are meaningless.
-
-The shell (embedding, layer loop or scan, remat, final norm, head, LoRA rows, the
-cache and the decode step) is `models.skeleton.Transformer`'s; this module is the
-family's block (`models.layers.Block` / `block_apply`) and its one attention kind.
+The shell (embedding, layer loop or scan, remat, final norm, head, LoRA rows,
+the KV cache and the decode step) is `models.skeleton.Transformer`'s, and so
+are the contracts of training / scoring (`Transformer.forward`, `__call__`:
+packed rows -> fp32 logits [B, L, V]) and of sampling with a KV cache
+(`init_cache`, `Transformer.decode_with_outputs`): see its module doc. This
+module is the family's part: its block (`models.layers.Block` /
+`block_apply`: RMSNorm, GQA attention, RMSNorm, SwiGLU) and its one attention
+kind (`sliding_window` windows every layer: Mistral).
 
 Layers: with `config.scan_layers` their params are stacked [num_layers, ...]
-(`layers.self_attn.q_proj`, ...) and run under `jax.lax.scan`, else they are
-a list (`layers.0.self_attn.q_proj`, ...) run in a Python loop; the math is
-the same (`models.layers`). `config.remat` picks what the backward pass
-recomputes per layer. `models.stacking` converts between the two layouts;
-HF and Orbax I/O accept either.
+(`layers.self_attn.q_proj`, ...), else a list (`layers.0.self_attn.q_proj`,
+...); `models.stacking` converts between the two layouts, and HF and Orbax
+I/O accept either.
 
 Compute runs in `config.dtype` (e.g. bfloat16) with weights stored in
 `config.param_dtype` (e.g. float32 master weights) and cast at use; norms,

@@ -23,8 +23,8 @@ The projections, q/k norms, RoPE, the KV cache and LoRA adapters are
 (scaled embedding, layer loop or scan, remat, final norm, head, LoRA rows,
 cache, decode) is `models.skeleton.Transformer`'s; Gemma 3 gives it two
 attention kinds, sliding (kind 0) and full (kind 1): the per-layer window and
-RoPE choice are data (a flag per layer, scanned beside the stacked params
-under `scan_layers`).
+RoPE choice are data (each layer's kind, an int scanned beside the stacked
+params under `scan_layers`).
 
 KV cache: `init_cache` gives a `HybridCache` (`models.skeleton`), the
 sliding layers' `KVCache` (past `sliding_window` positions a ring of W slots

@@ -18,7 +18,7 @@ lora=LoRAConfig(rank=16))` loads the base and adds fresh adapters.
 
 Serving several adapters on one base: `LoRAConfig(slots=N)` builds a bank of
 N adapters (every A, B with a leading [N] axis, and a per-slot scale). Each
-row of a decode names its slot (`Decoder.decode(..., adapter_ids=)`); slot 0
+row of a decode names its slot (`Transformer.decode_with_outputs(..., adapter_ids=)`); slot 0
 is kept empty, so it is the base model. Writing a slot (`write_slot`) changes
 arrays, not shapes, so nothing recompiles; adapters of lower rank than the
 bank are zero-padded (zero columns add nothing). Nothing is merged into a

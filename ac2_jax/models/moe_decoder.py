@@ -173,7 +173,7 @@ class MoEDecoder(Decoder):
     # -- sampling with a KV cache
 
     def decode(self, *args, return_routing: bool = False, **kwargs):
-        """`Decoder.decode` (same arguments, same contract: (logits, new cache)); with
+        """`Transformer.decode_with_outputs`' arguments and contract, (logits, new cache); with
         `return_routing` also the experts each new token went to, [B, T, n_moe, k]
         int32 (padding tokens' ids are meaningless)."""
         logits, cache, outs = self.decode_with_outputs(*args, **kwargs)

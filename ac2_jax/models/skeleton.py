@@ -15,9 +15,15 @@ A family supplies (class attributes and a few methods; see `Decoder`,
   `layers`, and e.g. MoE's `dense_layers`), and `layer_stack(i)`: which stack
   layer i's params are in;
 * `block(stack, w, x, rope, mask, run, cache, inputs) -> (x, cache, out)`: one
-  layer's math on its params `w` (a pure dict), with `models.layers`'
-  `attention_apply` cache contract and an optional per-layer output `out`
-  (MoE's routing stats) and input `inputs` (MoE's replayed routing);
+  layer's math on its params `w` (a pure dict): x [B, L, D] in the compute
+  dtype; rope its kind's `rope_cos_sin` tables (cos, sin), fp32
+  [B, L, 1, head_dim]; mask its kind's `AttentionMask`, or a dense bool
+  [B, Lq, Lk] when the backend is "dense"; cache None (training) or
+  `models.layers.attention_apply`'s tuple (k, v, layer index or None, write
+  slots [B, L], append); `run` the forward's `Run`; an optional per-layer
+  input `inputs` (MoE's replayed routing, this layer's slice of
+  `layer_inputs`) and output `out` (MoE's routing stats, stacked per stack in
+  layer order);
 * `NORM`: its norm module (the final norm); `embed_scale()`: what the
   embeddings are multiplied by (None: nothing);
 * `attention_kinds()`: one `AttentionKind` (window, RoPE inverse frequencies)
@@ -215,6 +221,12 @@ class Transformer(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = _param(rngs, init, shape, c.base_dtype, ("vocab", "embed"))
+        for i in range(c.num_layers):
+            if self.layer_stack(i) not in self.STACKS:
+                raise ValueError(
+                    f"{type(self).__name__}.layer_stack({i}) is {self.layer_stack(i)!r}, not one "
+                    f"of its STACKS {tuple(self.STACKS)}"
+                )
         if c.scan_layers:
             for name in self.STACKS:
                 n = sum(self.layer_stack(i) == name for i in range(c.num_layers))
@@ -250,7 +262,14 @@ class Transformer(nnx.Module):
         return "layers"
 
     def block(self, stack: str, w: dict, x, rope, mask, run: Run, cache=None, inputs=None):
-        """One layer of stack `stack`: returns (x, cache, out)."""
+        """One layer of stack `stack` on its params `w` (a pure dict): returns (x, cache,
+        out). x [B, L, D] in the compute dtype (returned likewise); rope: the layer's
+        kind's `rope_cos_sin` tables (cos, sin), fp32 [B, L, 1, head_dim]; mask: its
+        `AttentionMask`, or a dense bool [B, Lq, Lk] for the "dense" backend; cache:
+        None, or (k, v, layer | None, slots [B, L], append), as `attention_apply`
+        (`models.layers`) takes it, returned updated; inputs: this layer's slice of
+        `layer_inputs` (None if none); out: a per-layer output pytree (e.g. MoE's
+        routing stats) or None."""
         raise NotImplementedError
 
     def embed_scale(self) -> float | None:
@@ -312,7 +331,14 @@ class Transformer(nnx.Module):
                 f"only the first with a window; got windows {[k.window for k in kinds]} "
                 "(put the windowed kind first)"
             )
-        return kinds, np.asarray([self.layer_kind(i) for i in range(self.config.num_layers)])
+        of = [self.layer_kind(i) for i in range(self.config.num_layers)]
+        for i, k in enumerate(of):
+            if k not in range(len(kinds)):
+                raise ValueError(
+                    f"{type(self).__name__}.layer_kind({i}) is {k!r}; attention_kinds() "
+                    f"has {len(kinds)} kind(s), so it must be in 0..{len(kinds) - 1}"
+                )
+        return kinds, np.asarray(of)
 
     def _backend(self, kind: str, q_len: int) -> str:
         """The attention kernel; a sliding window runs on those that take any mask."""
@@ -346,6 +372,7 @@ class Transformer(nnx.Module):
                     f"bank ({type(c).__name__}.lora.slots)"
                 )
             return None
+        _check_rows(type(self).__name__, batch, adapter_ids=adapter_ids)
         ids = jnp.zeros((batch,), jnp.int32) if adapter_ids is None else adapter_ids
         ids = ids.astype(jnp.int32)
         return ids, jnp.take(self.lora_scale[...], ids, axis=0)
@@ -362,7 +389,8 @@ class Transformer(nnx.Module):
 
     def _apply_layers(self, x, layer, kinds: np.ndarray, ranks: np.ndarray, inputs: dict):
         """Runs every layer: layer(stack, w, x, kind, rank, inputs_i) -> (x, (kv, out)),
-        kind / rank Python ints (per-layer) or traced (under scan); inputs: per stack,
+        kind / rank Python ints (per-layer) or traced int32 scalars (under scan: scanned
+        beside the params); inputs: per stack,
         a pytree with that stack's layers on its leading axis. Returns (x, kvs in layer
         order: a list (per-layer) or arrays [num_layers, ...] (stacked), {stack: outs
         stacked in its layer order})."""
@@ -397,7 +425,7 @@ class Transformer(nnx.Module):
                 inp = jax.tree.map(lambda a, off=off, n=n: a[off : off + n], inp)
             xs = (
                 w,
-                jnp.asarray(kinds[first : first + n] == 0),
+                jnp.asarray(kinds[first : first + n], jnp.int32),
                 jnp.asarray(ranks[first : first + n]),
                 inp,
             )
@@ -442,7 +470,13 @@ class Transformer(nnx.Module):
         (tree packing only): [B, L] int; adapter_ids [B] int: each row's slot of
         an adapter bank (`models.lora`); inputs: the family's (`layer_inputs`).
         """
-        _check_2d(type(self).__name__, tokens=tokens, positions=positions, segment_ids=segment_ids)
+        _check_2d(
+            type(self).__name__,
+            tokens=tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            subtree_end=subtree_end,
+        )
         c = self.config
         lora = self._lora_rows(adapter_ids, tokens.shape[0])
         backend = self._backend("flat" if subtree_end is None else "tree", tokens.shape[1])
@@ -583,6 +617,7 @@ class Transformer(nnx.Module):
         (`models.lora`; None: slot 0, the base model).
         """
         _check_2d(type(self).__name__, tokens=tokens, positions=positions)
+        _check_rows(type(self).__name__, tokens.shape[0], logits_at=logits_at)
         c = self.config
         parts = self._check_cache(cache, tokens.shape[0])
         max_len = next(p.max_len for p in parts if p is not None)  # every part's
@@ -615,7 +650,7 @@ class Transformer(nnx.Module):
                 return branch(stack, kind)(w, x, rank)
             if len(live) == 1:
                 return branch(stack, next(iter(live)))(w, x, rank)
-            return jax.lax.cond(kind, branch(stack, 0), branch(stack, 1), w, x, rank)
+            return jax.lax.switch(kind, [branch(stack, j) for j in range(len(kinds))], w, x, rank)
 
         x, kvs, outs = self._apply_layers(self.embed(tokens), step, of, ranks, {})
         new: list[KVCache | None] = []
@@ -654,9 +689,9 @@ class Transformer(nnx.Module):
 
 
 def _pick(kind, per_kind: list):
-    """The entry of `per_kind` (masks or RoPE tables, one per attention kind) of a layer
-    of `kind`: a Python int (layers in a loop), or under scan a traced bool, True for
-    kind 0. Two AttentionMasks that differ only by a window are one structure: the
+    """The entry of `per_kind` (masks or RoPE tables, one per attention kind, at most
+    two) of a layer of `kind`: a Python int (layers in a loop), or under scan a traced
+    int32 scalar. Two AttentionMasks that differ only by a window are one structure: the
     windowed one with its positions zeroed (the window compares position differences)
     is the other, so blocked kernels keep one mask structure for every layer."""
     if isinstance(kind, int):
@@ -664,10 +699,11 @@ def _pick(kind, per_kind: list):
     if len(per_kind) == 1 or per_kind[0] is per_kind[1]:
         return per_kind[-1]
     first, other = per_kind
+    is_first = kind == 0
     if isinstance(first, AttentionMask):
-        f = kind.astype(jnp.int32)
+        f = is_first.astype(jnp.int32)
         return dataclasses.replace(first, q_pos=first.query_pos * f, kv_pos=first.key_pos * f)
-    return jax.tree.map(lambda s, a: jnp.where(kind, s, a), first, other)
+    return jax.tree.map(lambda s, a: jnp.where(is_first, s, a), first, other)
 
 
 def _concat(*arrays: jax.Array) -> jax.Array:
@@ -743,4 +779,14 @@ def _check_2d(model: str, **arrays):
         if a is not None and getattr(a, "ndim", None) != 2:
             raise ValueError(
                 f"{model}: {name} must be [batch, length], got shape {getattr(a, 'shape', None)}"
+            )
+
+
+def _check_rows(model: str, batch: int, **arrays):
+    """Raises ValueError naming `model` and the array unless each (if given) is [batch]."""
+    for name, a in arrays.items():
+        if a is not None and tuple(getattr(a, "shape", ())) != (batch,):
+            raise ValueError(
+                f"{model}: {name} must be [batch] = [{batch}], got shape "
+                f"{getattr(a, 'shape', None)}"
             )

@@ -153,3 +153,41 @@ def test_hf_io_reads_the_stacks_of_the_family_model(tmp_path):
     assert isinstance(back, _DenseBlocks)
     for name, arr in hf_state_dict(back).items():
         np.testing.assert_array_equal(arr, want[name], err_msg=name)
+
+
+def test_row_inputs_of_the_wrong_shape_are_refused_naming_them():
+    """subtree_end is [batch, length] like tokens; adapter_ids and logits_at are [batch]:
+    another shape is a one-line error naming the model and the array (was broadcast
+    or failed deep inside)."""
+    lora = LoRAConfig(rank=2, slots=2)
+    model = Decoder(DecoderConfig.tiny(vocab_size=32, num_layers=1, lora=lora), rngs=nnx.Rngs(0))
+    tokens = np.zeros((2, 4), np.int32)
+    positions = np.tile(np.arange(4, dtype=np.int32), (2, 1))
+    with pytest.raises(ValueError, match=r"Decoder: subtree_end must be \[batch, length\]"):
+        model(tokens, positions, tokens + 1, subtree_end=np.full((4,), 4, np.int32))
+    with pytest.raises(ValueError, match=r"Decoder: adapter_ids must be \[batch\] = \[2\], got"):
+        model(tokens, positions, tokens + 1, adapter_ids=np.zeros((2, 1), np.int32))
+    cache = model.init_cache(2, 8)
+    with pytest.raises(ValueError, match=r"Decoder: logits_at must be \[batch\] = \[2\], got"):
+        model.decode(tokens, positions, cache, logits_at=np.zeros((1,), np.int32))
+    with pytest.raises(ValueError, match=r"Decoder: adapter_ids must be \[batch\] = \[2\], got"):
+        model.decode(tokens, positions, cache, adapter_ids=np.zeros((3,), np.int32))
+
+
+class _NoSuchKind(Decoder):
+    def layer_kind(self, i):
+        return 1  # the decoder has one attention kind: 0
+
+
+class _NoSuchStack(Decoder):
+    def layer_stack(self, i):
+        return "blocks"  # not in STACKS
+
+
+def test_a_layer_kind_or_stack_the_family_does_not_have_is_refused():
+    config = DecoderConfig.tiny(vocab_size=32, num_layers=2)
+    with pytest.raises(ValueError, match=r"_NoSuchKind.layer_kind\(0\) is 1; .* 1 kind"):
+        _NoSuchKind(config, rngs=nnx.Rngs(0)).init_cache(1, 4)
+    with pytest.raises(ValueError, match=r"_NoSuchStack.layer_stack\(0\) is 'blocks', not one "
+                                         r"of its STACKS \('layers',\)"):
+        _NoSuchStack(config, rngs=nnx.Rngs(0))
