@@ -75,6 +75,19 @@ def _pad_len(x: jax.Array, length: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
 
 
+def _padded_flat_rows(name: str, q, k, v, mask: AttentionMask, multiple: int):
+    """The inputs of a segment-id kernel (`name`, flat packed rows only: `_flat_rows`):
+    q [B, L, H, hd] and k, v [B, L, K, hd] with the kv heads repeated to H and in q's
+    dtype, each padded to [B, length, H, hd] (length: L rounded up to `multiple`), and
+    the segment ids [B, length] (`_padded_segments`). Returns (q, k, v, segments)."""
+    _flat_rows(name, mask)
+    L, H = q.shape[1], q.shape[2]
+    length = -(-L // multiple) * multiple
+    rep = H // k.shape[2]
+    kk, vv = (_pad_len(jnp.repeat(x, rep, axis=2).astype(q.dtype), length) for x in (k, v))
+    return _pad_len(q, length), kk, vv, _padded_segments(mask.q_segment, length)
+
+
 def pallas_gpu_attention(
     q: jax.Array,
     k: jax.Array,
@@ -92,17 +105,14 @@ def pallas_gpu_attention(
     """
     from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
-    _flat_rows("pallas_gpu", mask)
     B, L, H, hd = q.shape
     sizes = dataclasses.replace(pallas_mha.BlockSizes.get_default(), block_q=block, block_k=block)
-    length = -(-L // math.lcm(block, 32)) * math.lcm(block, 32)
-    rep = H // k.shape[2]
-    kk, vv = (_pad_len(jnp.repeat(x, rep, axis=2).astype(q.dtype), length) for x in (k, v))
+    qq, kk, vv, seg = _padded_flat_rows("pallas_gpu", q, k, v, mask, math.lcm(block, 32))
     out = pallas_mha.mha(
-        _pad_len(q, length),
+        qq,
         kk,
         vv,
-        _padded_segments(mask.q_segment, length),
+        seg,
         sm_scale=1.0 / math.sqrt(hd),
         causal=True,
         block_sizes=sizes,
@@ -132,14 +142,12 @@ def splash_tpu_attention(
         splash_attention_mask as splash_mask,
     )
 
-    _flat_rows("splash_tpu", mask)
     B, L, H, hd = q.shape
     b = -(-block // 128) * 128
-    length = -(-L // b) * b
-    rep = H // k.shape[2]
-    heads = lambda x: _pad_len(x, length).transpose(0, 2, 1, 3)  # noqa: E731  [B, H, L, hd]
-    qh = heads(q * (1.0 / math.sqrt(hd)))
-    kh, vh = (heads(jnp.repeat(x, rep, axis=2).astype(q.dtype)) for x in (k, v))
+    qq, kk, vv, seg = _padded_flat_rows("splash_tpu", q, k, v, mask, b)
+    length = seg.shape[1]
+    # [B, H, length, hd]; q scaled here (splash does not scale)
+    qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (qq * (1.0 / math.sqrt(hd)), kk, vv))
     multi = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * H)
     sizes = splash.BlockSizes(
         block_q=b,
@@ -152,6 +160,5 @@ def splash_tpu_attention(
         block_kv_dq=b,
     )
     kernel = splash.make_splash_mha_single_device(multi, block_sizes=sizes, interpret=interpret)
-    seg = _padded_segments(mask.q_segment, length)
     out = jax.vmap(kernel)(qh, kh, vh, splash.SegmentIds(q=seg, kv=seg))
     return out.transpose(0, 2, 1, 3)[:, :L].astype(q.dtype)
