@@ -23,7 +23,6 @@ from ac2_jax.serving.app import build_app  # noqa: E402
 from ac2_jax.serving.server import serve_in_thread  # noqa: E402
 from ac2_jax.text.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from ac2_jax.trace import TraceStore  # noqa: E402
-from ac2_jax.training.core import MetricsLogger  # noqa: E402
 from ac2_jax.training.rl.trainer import EndpointCollector, RLTrainer  # noqa: E402
 from experiments.rl_split.toy_envs import LengthParityEnv  # noqa: E402
 
@@ -68,11 +67,8 @@ async def main(workdir: str, steps: int, pace_after: int | None = None) -> None:
     store = TraceStore(os.path.join(workdir, "rollouts.jsonl"))
     collector = EndpointCollector(lc, LengthParityEnv(), _make_paced(pace_after), "tiny", store,
                                   tasks_per_step=2, attempts_per_task=4, seed=0, concurrency=1)
-    # No TensorBoard files (the test reads none): tensorboardX imports torch, ~1.5 CPU s
-    # in each of the test's two processes.
-    logger = MetricsLogger(os.path.join(workdir, "metrics"), tensorboard=False, console=False)
     trainer = RLTrainer(_model(tok.vocab_size), collector, _config(steps, concurrency=1), workdir,
-                        on_publish=sampler.load_weights, logger=logger)
+                        on_publish=sampler.load_weights)
     print(f"start_step={trainer.start_step}", flush=True)
     for h in await trainer.run():
         print(f"trained rl_step={h['rl_step']} version={h['policy_version']}", flush=True)
