@@ -154,18 +154,13 @@ def test_every_field_is_listed_by_help(usage):
     assert "--config.distill.method" in proc.stderr and "--config.paths.publish" in proc.stderr
 
 
-# Report files (curve, pages, heatmap) and TensorBoard events off: the first-day test
-# writes them (and tensorboardX imports torch, which the child needs for nothing else).
-SMALL = {
-    "sft": ["--config.log.report_files=false", "--config.log.tensorboard=false",
-            "--config.demos.num_tasks=4", "--config.sft.steps=2", "--config.sft.batch_rows=2",
+SMALL = {  # report files (curve, pages, heatmap) off: the first-day test checks them
+    "sft": ["--config.log.report_files=false", "--config.demos.num_tasks=4", "--config.sft.steps=2", "--config.sft.batch_rows=2",
             "--config.sft.seq_len=1024", "--config.sft.checkpoint_every=0"],
-    "rl": ["--config.log.report_files=false", "--config.log.tensorboard=false",
-           "--config.rl.steps=1", "--config.rl.tasks_per_step=2",
+    "rl": ["--config.log.report_files=false", "--config.rl.steps=1", "--config.rl.tasks_per_step=2",
            "--config.rl.attempts_per_task=2", "--config.rl.batch.rows=2",
            "--config.rl.batch.seq_len=1024", "--config.rl.concurrency=4"],
-    "distill": ["--config.log.report_files=false", "--config.log.tensorboard=false",
-                "--config.loop.steps=1", "--config.loop.tasks_per_step=2",
+    "distill": ["--config.log.report_files=false", "--config.loop.steps=1", "--config.loop.tasks_per_step=2",
                 "--config.loop.concurrency=4", "--config.distill.seq_len=1024"],
 }
 ROLLOUT = ["--config.rollout.max_tokens=12", "--config.rollout.max_steps=2",
