@@ -23,7 +23,6 @@ REQUIRES = [
     "llguidance>=1.9",         # grammar-constrained decoding (sampling.constraints)
     "httpx>=0.27",             # LifecycleClient, SGLangSampler
     "openai>=1.30",            # orchestrators reach the model through an OpenAI client
-    "tensorboardX>=2.6",       # training metrics (imported when a logger is made)
     "rich>=13",                # training progress (imported when a trainer runs)
 ]
 
@@ -62,6 +61,7 @@ EXTRAS["dev"] = sorted({"pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "torc
                         "transformers>=4.51", "peft>=0.17",
                         "trl>=1.16",  # the RL objectives' parity test (GRPOTrainer._compute_loss)
                         "anthropic", "google-genai>=1.30",
+                        "tensorboardX>=2.6",  # the reference of training.core._tfevents' files
                         "ruff==0.17.5", "mypy==2.4.1", *EXTRAS["serve"], *EXTRAS["viz"],
                         *EXTRAS["reasoning-gym"], *EXTRAS["verifiers"], *EXTRAS["textarena"],
                         *EXTRAS["gymnasium"], *EXTRAS["openenv"], *EXTRAS["tpu-aot"],

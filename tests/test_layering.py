@@ -299,13 +299,24 @@ def _closure(requirements) -> set[str]:
 # each stage's modules are exactly its own code's: `_imported_stages`).
 CORE_CHAIN = ("import ac2_jax", "ac2_jax.losses.aggregate_loss",
               "import ac2_jax.losses, ac2_jax.segments, ac2_jax.trace",
-              "; ".join(f"import ac2_jax.{p}" for p in CORE))
+              "; ".join(f"import ac2_jax.{p}" for p in CORE),
+              "; ".join([*(f"import ac2_jax.{p}" for p in CORE), "import tempfile",
+                         "from ac2_jax.training.core import MetricsLogger",
+                         "log = MetricsLogger(tempfile.mkdtemp(), console=False)",
+                         "log.log(1, {'loss': 1.0}); log.close()"]))
 
 
 def test_light_packages_import_no_server_plotting_or_torch():
     mods = _imported_stages(*CORE_CHAIN)[2]
     heavy = sorted(m for m, dists in mods.items() if m in HEAVY or HEAVY & {_norm(d) for d in dists})
     assert not heavy, f"import ac2_jax.losses, .segments, .trace pulled {heavy}"
+
+
+def test_a_trainers_metrics_logger_imports_no_torch():
+    """Its TensorBoard files come from `training.core._tfevents`: tensorboardX imported
+    torch (1.5-2.3 CPU s at the start of every process that trains)."""
+    mods = _imported_stages(*CORE_CHAIN)[4]
+    assert not {"torch", "tensorboardX"} & set(mods), sorted({"torch", "tensorboardX"} & set(mods))
 
 
 def test_text_imports_no_jax():

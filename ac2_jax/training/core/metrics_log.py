@@ -1,5 +1,5 @@
-"""Metrics sinks: JSONL (always), TensorBoard (tensorboardX), a rich console line and
-Weights & Biases (optional, the wandb extra)."""
+"""Metrics sinks: JSONL (always), TensorBoard scalar event files (`_tfevents`), a rich
+console line and Weights & Biases (optional, the wandb extra)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ac2_jax.extras import require
+from ac2_jax.training.core._tfevents import ScalarEventWriter
 
 
 def _scalar(v: Any) -> float | None:
@@ -98,9 +99,7 @@ class MetricsLogger:
         self.path = os.path.join(directory, "metrics.jsonl")
         self._writer = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(os.path.join(directory, "tensorboard"))
+            self._writer = ScalarEventWriter(os.path.join(directory, "tensorboard"))
         self._console = None
         if console:
             from rich.console import Console

@@ -151,3 +151,47 @@ def test_wandb_without_the_package_is_a_one_line_hint(tmp_path, monkeypatch):
     assert str(info.value) == ("MetricsLogger(wandb=...) needs wandb, which is not installed: "
                                "pip install 'ac2_jax[wandb]'")
     assert not (tmp_path / "m").exists()  # refused before anything is made
+
+
+def test_event_files_match_tensorboardx_record_for_record(tmp_path):
+    """`_tfevents` writes what tensorboardX's SummaryWriter writes for scalars (the
+    reference here): the same events, field for field but the wall time, in records
+    whose checksums tensorboardX's own masked CRC-32C confirms."""
+    from tensorboardX import SummaryWriter
+    from tensorboardX.record_writer import masked_crc32c
+
+    from ac2_jax.training.core._tfevents import ScalarEventWriter
+
+    points = [("train/loss", 2.5, 0), ("eval/pass_rate", 0.125, 3), ("x", -1e-3, 2**40),
+              ("unicode/é", 7.0, 1)]
+    files = {}
+    for name, make in (("ours", ScalarEventWriter), ("ref", SummaryWriter)):
+        writer = make(str(tmp_path / name))
+        for tag, value, step in points:
+            writer.add_scalar(tag, value, step)
+        writer.close()
+        (path,) = (tmp_path / name).iterdir()
+        files[name] = path
+    events = {}
+    for name, path in files.items():
+        data, i, got = path.read_bytes(), 0, []
+        while i < len(data):
+            header = data[i:i + 8]
+            (n,) = struct.unpack("<Q", header)
+            assert struct.unpack("<I", data[i + 8:i + 12])[0] == masked_crc32c(header)
+            body = data[i + 12:i + 12 + n]
+            assert struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] == masked_crc32c(body)
+            got.append(body)
+            i += 16 + n
+        events[name] = got
+    from tensorboardX.proto.event_pb2 import Event
+
+    def fields(body):
+        event = Event.FromString(body)
+        event.wall_time = 0.0
+        return event
+
+    assert len(events["ours"]) == len(events["ref"]) == 1 + len(points)
+    assert fields(events["ours"][0]).file_version == "brain.Event:2"
+    for ours, ref in zip(events["ours"], events["ref"], strict=True):
+        assert fields(ours) == fields(ref)
