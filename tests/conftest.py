@@ -127,8 +127,8 @@ def pytest_configure(config):
 
 # ------------------------------------------------------------------ tiers and order
 # `scripts/test.sh` runs every test; `scripts/test.sh --quick` (`-m "not full"`) leaves
-# out what needs minutes or other processes. A test is `full` when its file (or its test
-# id, `path::name`, any parameters) is listed here, or when it carries `@pytest.mark.full`.
+# out what needs minutes or other processes. A test is `full` when its file is listed
+# here, or when it carries `@pytest.mark.full` itself.
 FULL_ONLY = {
     "tests/benchmarks/": "benchmark pipelines (toy-size runs of benchmarks/)",
     "tests/experiments/": "experiment pipelines (toy-size runs of experiments/)",
@@ -147,25 +147,6 @@ FULL_ONLY = {
     "tests/envs/test_sandbox.py": "sandboxed tools, each call a child process (limits, kills)",
     "tests/orchestration/test_cli_agent.py": "real programs as agents, each a process",
     "tests/recipes/test_recipe_samplers.py": "a recipe end to end on a fleet of servers",
-    "tests/recipes/test_recipe_adapters.py": "the launcher in child processes",
-    "tests/recipes/test_recipe_mesh.py": "a recipe end to end, on a mesh",
-    "tests/recipes/test_recipe_distill_teacher.py": "a recipe end to end, with a teacher",
-    "tests/recipes/test_recipe_eval.py": "a recipe end to end",
-    "tests/training/rl/test_rl_trainer.py::test_killed_run_resumes_without_repeating_or_losing_"
-    "rollouts": "a training process SIGKILLed mid-run (fault)",
-    "tests/training/rl/test_rl_trainer.py::test_step_survives_a_raising_a_hung_and_a_swept_"
-    "rollout": "rollouts that raise, hang and are swept (fault)",
-    "tests/sampling/test_fleet.py::test_16_concurrent_rollouts_split_across_two_backend_"
-    "processes_then_a_publish": "backend processes",
-    "tests/sampling/test_fleet.py::test_killing_one_backend_mid_load_ends_only_its_rollouts": (
-        "a backend process killed mid-load (fault)"
-    ),
-    "tests/serving/test_server.py::test_command_line_server": "the server as a process",
-    "tests/serving/test_server.py::test_a_restarted_server_serves_the_newest_publish": (
-        "the server as a process, restarted"
-    ),
-    "tests/training/core/test_checkpoints.py::test_resume_in_a_fresh_process_equals_the_"
-    "uninterrupted_run": "a resume in a child process",
 }
 
 
@@ -190,10 +171,10 @@ HEAVY = [
 ]
 
 
-def is_full_only(path: str, test: str) -> bool:
-    """Whether FULL_ONLY lists the test `test` (its name without parameters) of the file
-    `path` (relative to the repository): by a folder or file prefix, or by its test id."""
-    return any(path.startswith(key) or f"{path}::{test}" == key for key in FULL_ONLY)
+def is_full_only(path: str) -> bool:
+    """Whether FULL_ONLY lists the file `path` (relative to the repository), by itself or
+    by its folder."""
+    return any(path.startswith(key) for key in FULL_ONLY)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -202,7 +183,7 @@ def pytest_collection_modifyitems(config, items):
     while the other worker idles. The order within a file is kept."""
     root = str(config.rootpath) + os.sep
     for item in items:
-        if is_full_only(str(item.path).removeprefix(root), item.originalname):
+        if is_full_only(str(item.path).removeprefix(root)):
             item.add_marker(pytest.mark.full)
     if len(items) > 1:
         rank = {path: i for i, path in enumerate(HEAVY)}
