@@ -9,8 +9,9 @@
 #   scripts/test.sh            every test (CI runs this; budget: 20 minutes on 2 cores)
 #   scripts/test.sh --quick    the inner loop: unit and contract tests, no pipelines,
 #                              notebooks, docs build, multi-process or fault tests
-#                              (`-m "not full"`, tests/conftest.py FULL_ONLY; 6-6.5 minutes
-#                              on 2 cores, goal 5: docs/notes/2026-12-07-suite-in-20-minutes-sixth-session.md)
+#                              (`-m "not full"`, tests/conftest.py FULL_ONLY; about 6.5
+#                              minutes on 2 cores, 4 once its kept compilation cache is warm;
+#                              goal 5: docs/notes/2026-12-08-suite-in-20-minutes-seventh-session.md)
 #   scripts/test.sh ARGS...    extra pytest arguments (a path, -k, -x), after the tier flag
 # AC2_TEST_WORKERS=N sets the number of workers (0: one process, no xdist).
 # Where the time goes: scripts/test_profile.sh (CONTRIBUTING.md, "Tests").
