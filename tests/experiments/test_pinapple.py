@@ -7,6 +7,7 @@ from ac2_jax.envs.judges import JudgeExample, NoisyJudge, RuleJudge
 from experiments.pinapple import data
 from experiments.pinapple.config import get_config
 from experiments.pinapple.run import make_judge, sweep_settings, with_setting
+from tests.support.pinapple_toy import toy_base_config
 
 
 def _example():
@@ -97,14 +98,8 @@ def test_a_stopped_run_resumes_from_its_finished_runs_and_refuses_other_settings
 
 
 def _toy_faithful(tmp_path):
-    cfg = get_config("faithful")
+    cfg = toy_base_config()
     cfg.seeds = (0,)
-    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                     num_kv_heads=2, head_dim=16)
-    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=100, math_limit=3)
-    cfg.tokenizer.vocab_size = 400
-    cfg.sft.update(steps=10, checkpoint_every=0)
-    cfg.sft_optimizer.warmup_steps = 2
     cfg.loop.update(steps=1, prompts_per_step=4, target_every=1, eval_every=1,
                     retain_every=16, answer_tokens=6)
     cfg.sampling.max_new_tokens = 6

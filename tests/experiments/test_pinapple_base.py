@@ -4,22 +4,7 @@ import json
 import os
 
 from experiments.pinapple import data
-from experiments.pinapple.config import get_config
-
-
-def _toy_base():
-    """The faithful base at toy size, as tests/experiments/test_pinapple.py's
-    `_toy_faithful` makes it (model, corpus, tokenizer, SFT steps and schedule): the
-    same base SFT step and sampler programs, so the run's compilation cache serves
-    each of them once to both files and both tests here."""
-    cfg = get_config("faithful")
-    cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                     num_kv_heads=2, head_dim=16)
-    cfg.base_data.update(repeat_items=20, nonce_words=20, hint_demos=100, math_limit=3)
-    cfg.tokenizer.vocab_size = 400
-    cfg.sft.update(steps=10, checkpoint_every=0)
-    cfg.sft_optimizer.warmup_steps = 2
-    return cfg
+from tests.support.pinapple_toy import toy_base_config
 
 
 def test_the_base_report_at_toy_size(tmp_path):
@@ -28,7 +13,7 @@ def test_the_base_report_at_toy_size(tmp_path):
     check, the base and the teacher evals, and examples per held-out hint."""
     from experiments.pinapple import base as pinapple_base
 
-    cfg = _toy_base()
+    cfg = toy_base_config()
     cfg.loop.answer_tokens = 6
     cfg.sampling.min_batch = 64  # one row bucket (max_batch): fewer sampler compiles
     cfg.workdir = str(tmp_path / "base")
@@ -56,7 +41,7 @@ def test_the_base_is_checkpointed_reused_and_refused_under_another_config(tmp_pa
 
     from experiments.pinapple import run as pinapple
 
-    cfg = _toy_base()
+    cfg = toy_base_config()
     cfg.sft.checkpoint_every = 5
     items = data.all_items(cfg.base_data.math_limit)
     tok = pinapple.build_tokenizer(cfg, str(tmp_path / "tok"), items)
