@@ -98,8 +98,18 @@ def relevance_mask(
         raise ValueError(
             f"relevance_mask: judge_mask {judge_mask.shape} must match mask {mask.shape}"
         )
-    cand = candidate_mask(divergence, mask, top_t, threshold, segment_ids)
-    return jnp.where(judge_mask > 0, cand, 0.0)
+    return judged(candidate_mask(divergence, mask, top_t, threshold, segment_ids), judge_mask)
+
+
+def judged(candidates: jax.Array, judge_mask: jax.Array) -> jax.Array:
+    """`relevance_mask` from candidates already taken (`candidate_mask`'s float32
+    [..., L]): candidates where judge_mask > 0 selects, else 0."""
+    if judge_mask.shape != candidates.shape:
+        raise ValueError(
+            f"relevance_mask: judge_mask {judge_mask.shape} must match the candidates "
+            f"{candidates.shape}"
+        )
+    return jnp.where(judge_mask > 0, candidates, 0.0)
 
 
 def masked_token_mean(

@@ -48,6 +48,7 @@ from flax import nnx
 
 from ac2_jax.envs.judges import Judge, JudgeExample
 from ac2_jax.losses import candidate_mask, ranked_positions
+from ac2_jax.losses.relevance import judged
 from ac2_jax.segments import pack_segments
 from ac2_jax.segments.batch import pow2_bucket
 from ac2_jax.training.core.objectives import LossFn, SFTLoss
@@ -446,8 +447,7 @@ class SelfDistiller(TrainerHooks):
         mask, groups = jnp.asarray(b.loss_mask), jnp.asarray(paired.response_ids)
         cand = rmsd_candidates(div, mask, cfg.top_t, cfg.threshold, groups)
         jm, rel = self._judge_mask(paired, div, cand, tmax)
-        # `relevance_mask` (candidates ∩ judge selections) from the candidates above.
-        return np.where(jm > 0, np.asarray(cand), np.float32(0.0)), rel
+        return np.asarray(judged(cand, jnp.asarray(jm))), rel  # relevance_mask's, from cand
 
     # -- one update
 
